@@ -1,0 +1,58 @@
+"""The one background event loop fastckpt runs its async I/O on, and the sync bridge.
+
+A :class:`LoopThread` owns an asyncio loop on a daemon thread. ``run(coro)`` blocks the
+caller until the coroutine finishes; ``submit(coro)`` returns a ``concurrent.futures.Future``.
+Each manager owns one loop thread; nothing is global.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+__all__ = ["LoopThread"]
+
+T = TypeVar("T")
+
+
+class LoopThread:
+    """An asyncio event loop running on its own daemon thread."""
+
+    def __init__(self, name: str = "fastckpt-io") -> None:
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+        self._ready.wait()
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.call_soon(self._ready.set)
+        self._loop.run_forever()
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The loop (use only through ``submit``/``run`` from other threads)."""
+        return self._loop
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        """Schedule ``coro`` on the loop; return a thread-safe future."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("LoopThread.submit called from its own loop thread")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the loop and block until it returns (or raises)."""
+        return self.submit(coro).result()
+
+    def close(self) -> None:
+        """Stop the loop and join the thread. Idempotent."""
+        if self._loop.is_closed():
+            return
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self._loop.close()

@@ -1,0 +1,29 @@
+"""One-shot ``save`` / ``restore`` over a short-lived manager."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastckpt.options import ManagerOptions
+from fastckpt.storage._protocol import Store
+
+__all__ = ["restore", "save"]
+
+
+def save(root: str | Store, step: int, state: Any, *, metadata: dict[str, object] | None = None,
+         options: ManagerOptions | None = None) -> None:
+    """Save ``state`` as ``step`` under ``root`` and wait until it is committed."""
+    from fastckpt._manager import CheckpointManager
+
+    with CheckpointManager(root, options=options) as mgr:
+        mgr.save(step, state, metadata=metadata, force=True)
+        mgr.wait()
+
+
+def restore(root: str | Store, target: Any = None, *, step: int | None = None, partial: bool = False,
+            options: ManagerOptions | None = None) -> Any:
+    """Restore ``step`` (default: latest committed) from ``root`` laid out as ``target``."""
+    from fastckpt._manager import CheckpointManager
+
+    with CheckpointManager(root, options=options) as mgr:
+        return mgr.restore(step, target, partial=partial)

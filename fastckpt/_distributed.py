@@ -1,0 +1,97 @@
+"""Cross-process coordination: a tiny key-value + barrier interface.
+
+``JaxCoordinator`` uses the key-value store of ``jax.distributed`` (the coordination
+service every multi-host JAX job already runs). ``LocalCoordinator`` is the single-process
+case. Every wait has a timeout and raises :class:`~fastckpt.errors.BarrierTimeoutError`.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+from fastckpt.errors import BarrierTimeoutError, DistributedError
+
+__all__ = ["Coordinator", "JaxCoordinator", "LocalCoordinator", "default_coordinator"]
+
+
+class Coordinator(abc.ABC):
+    """Key-value store and barrier shared by all processes of a job."""
+
+    process_index: int
+    process_count: int
+
+    @abc.abstractmethod
+    def set(self, key: str, value: str) -> None:
+        """Publish ``value`` under ``key`` (keys are written once)."""
+
+    @abc.abstractmethod
+    def get(self, key: str, *, timeout_s: float) -> str:
+        """Wait for ``key`` and return its value; ``BarrierTimeoutError`` after the timeout."""
+
+    def try_get(self, key: str) -> str | None:
+        """Return the value of ``key`` if set, else None (default: zero-timeout ``get``)."""
+        try:
+            return self.get(key, timeout_s=0.001)
+        except BarrierTimeoutError:
+            return None
+
+
+class LocalCoordinator(Coordinator):
+    """The single-process coordinator: an in-memory dict."""
+
+    def __init__(self) -> None:
+        self.process_index = 0
+        self.process_count = 1
+        self._kv: dict[str, str] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self._kv[key] = value
+
+    def get(self, key: str, *, timeout_s: float) -> str:
+        try:
+            return self._kv[key]
+        except KeyError:
+            raise BarrierTimeoutError(f"key {key!r} was never set (single process)") from None
+
+
+class JaxCoordinator(Coordinator):
+    """Coordinator over the ``jax.distributed`` key-value store. Call after initialize()."""
+
+    def __init__(self, client: Any, *, process_index: int, process_count: int) -> None:
+        self._client = client
+        self.process_index = process_index
+        self.process_count = process_count
+
+    def set(self, key: str, value: str) -> None:
+        try:
+            self._client.key_value_set(key, value)
+        except Exception as e:  # the client raises XlaRuntimeError
+            raise DistributedError(f"key-value set {key!r} failed: {e}") from e
+
+    def get(self, key: str, *, timeout_s: float) -> str:
+        try:
+            return str(self._client.blocking_key_value_get(key, max(1, int(timeout_s * 1000))))
+        except Exception as e:
+            msg = str(e)
+            if "DEADLINE_EXCEEDED" in msg or "timed out" in msg.lower():
+                raise BarrierTimeoutError(f"timed out after {timeout_s:.1f}s waiting for {key!r}") from e
+            raise DistributedError(f"key-value get {key!r} failed: {msg}") from e
+
+    def try_get(self, key: str) -> str | None:
+        try:
+            value = self._client.key_value_try_get(key)
+        except Exception:
+            return None
+        return None if value is None else str(value)
+
+
+def default_coordinator() -> Coordinator:
+    """``JaxCoordinator`` if ``jax.distributed`` is initialised with >1 process, else local."""
+    import jax
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None or jax.process_count() == 1:
+        return LocalCoordinator()
+    return JaxCoordinator(client, process_index=jax.process_index(), process_count=jax.process_count())

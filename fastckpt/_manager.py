@@ -1,0 +1,325 @@
+"""CheckpointManager: async sharded save, committed-step listing, resharding restore.
+
+Call order per save: ``save()`` stages device shards to host (the only blocking part) and
+hands the rest to one background thread: encode + upload on the I/O loop, then the commit
+protocol (``writer.commit``), then retention. ``wait()`` joins it and re-raises its error;
+the next ``save()`` does the same first. All processes of a multi-process job must call
+``save``/``restore`` in the same order (SPMD), like any JAX collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import secrets
+import time
+import zlib
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from fastckpt._aio import LoopThread
+from fastckpt._distributed import Coordinator, default_coordinator
+from fastckpt._hostmem import alloc_aligned
+from fastckpt._retention import steps_to_delete
+from fastckpt._tree import flatten
+from fastckpt.errors import CheckpointNotFoundError, ConfigError, FastckptError, SaveError, StepAlreadyCommittedError
+from fastckpt.format.codec import decode_manifest
+from fastckpt.format.layout import MANIFEST_PREFIX, manifest_key, step_data_prefix, step_from_manifest_key
+from fastckpt.format.manifest import Manifest
+from fastckpt.options import ManagerOptions
+from fastckpt.reader.assemble import build_leaves, resolve_target
+from fastckpt.reader.fetch import ChunkSource, RestoreStats, fill_units
+from fastckpt.storage._protocol import Store
+from fastckpt.writer.commit import publish_and_commit
+from fastckpt.writer.pipeline import WriteStats, write_chunks
+from fastckpt.writer.stage import StagedSave, stage_state
+
+__all__ = ["CheckpointManager", "SaveStats"]
+
+log = logging.getLogger("fastckpt")
+_VERSION = "0.1.0"
+
+
+@dataclasses.dataclass
+class SaveStats:
+    """Figures of one save on this process."""
+
+    step: int
+    blocked_s: float = 0.0
+    """Time ``save()`` blocked the caller (device-to-host staging)."""
+    staged_bytes: int = 0
+    raw_bytes: int = 0
+    stored_bytes: int = 0
+    objects: int = 0
+    encode_s: float = 0.0
+    upload_s: float = 0.0
+    commit_s: float = 0.0
+    total_s: float = 0.0
+    """From the start of ``save()`` to the commit."""
+
+
+class _StagingPool:
+    """Keeps the last staging buffer for reuse (saves after the first skip page faults)."""
+
+    def __init__(self) -> None:
+        self._free: np.ndarray | None = None
+
+    def take(self, nbytes: int) -> np.ndarray:
+        buf, self._free = self._free, None
+        if buf is None or buf.nbytes < nbytes or buf.nbytes > 2 * nbytes + (64 << 20):
+            buf = alloc_aligned(nbytes)
+        return buf[:nbytes]
+
+    def give(self, buf: np.ndarray) -> None:
+        base = buf.base if isinstance(buf.base, np.ndarray) else buf
+        self._free = base
+
+
+def _open(root: str | Store) -> Store:
+    if isinstance(root, Store):
+        return root
+    if not isinstance(root, str):
+        raise ConfigError(f"root must be a URL/path string or a Store, got {type(root).__name__}")
+    from fastckpt.storage import open_store
+
+    return open_store(root)
+
+
+class CheckpointManager:
+    """Saves and restores pytrees of ``jax.Array`` s under one root (``gs://``, path, ``mem://``).
+
+    Example::
+
+        with fastckpt.CheckpointManager("/tmp/run1") as mgr:
+            mgr.save(step, state)          # returns after the device->host copy
+            ...
+            state = mgr.restore(target=abstract_state)
+
+    Guarantees: a step is listed and restorable only once its manifest is committed (written
+    last, create-only); committed steps are never overwritten; a failed or killed save leaves
+    earlier steps intact.
+    """
+
+    def __init__(
+        self,
+        root: str | Store,
+        *,
+        options: ManagerOptions | None = None,
+        coordinator: Coordinator | None = None,
+        chunk_source: ChunkSource | None = None,
+        on_stats: Callable[[SaveStats | RestoreStats], None] | None = None,
+    ) -> None:
+        self.options = options or ManagerOptions()
+        self.store = _open(root)
+        self.coordinator = coordinator or default_coordinator()
+        self._chunk_source = chunk_source
+        self._on_stats = on_stats
+        self._io = LoopThread()
+        threads = max(self.options.save.encode_threads, self.options.restore.decode_threads)
+        self._workers = ThreadPoolExecutor(threads, thread_name_prefix="fastckpt-work")
+        self._background = ThreadPoolExecutor(1, thread_name_prefix="fastckpt-save")
+        self._pending: Future[SaveStats] | None = None
+        self._pool = _StagingPool()
+        self._seq = 0
+        self._ns = f"fastckpt/{zlib.crc32(self.store.url.encode()):08x}"
+        self._closed = False
+        self.last_save_stats: SaveStats | None = None
+        self.last_restore_stats: RestoreStats | None = None
+
+    # ------------------------------------------------------------------ save
+    def save(self, step: int, state: Any, *, metadata: dict[str, object] | None = None, force: bool = False) -> bool:
+        """Stage ``state`` for ``step`` and commit it in the background.
+
+        Returns True if a save started, False if skipped (interval not reached, or another
+        save in flight with ``if_busy="skip"``). Raises the previous save's error
+        (:class:`SaveError`) if it failed, :class:`StepAlreadyCommittedError` for a step
+        that is already committed, :class:`ConfigError` for unsupported leaves.
+        """
+        self._check_open()
+        if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
+            raise ConfigError(f"step must be a non-negative int, got {step!r}")
+        step = int(step)
+        if not force and step % self.options.save_interval_steps:
+            return False
+        if self._pending is not None and not self._pending.done() and self.options.save.if_busy == "skip":
+            if not self._agree_skip():
+                return False
+        self.wait()
+        t0 = time.perf_counter()
+        leaves, _ = flatten(state)
+        staged = stage_state(
+            leaves,
+            process_index=self.coordinator.process_index,
+            max_chunk_bytes=self.options.save.max_chunk_bytes,
+            allocate=self._pool.take,
+            executor=self._workers,
+        )
+        stats = SaveStats(step=step, blocked_s=time.perf_counter() - t0, staged_bytes=staged.nbytes)
+        seq, self._seq = self._seq, self._seq + 1
+        self._pending = self._background.submit(self._finish_save, seq, step, staged, dict(metadata or {}), stats, t0)
+        return True
+
+    def _agree_skip(self) -> bool:
+        """Multi-process: process 0 decides whether everyone skips this save (True = save)."""
+        coord = self.coordinator
+        if coord.process_count == 1:
+            return False
+        key = f"{self._ns}/{self._seq}/skip"
+        if coord.process_index == 0:
+            busy = self._pending is not None and not self._pending.done()
+            coord.set(key, "skip" if busy else "save")
+            decision = "skip" if busy else "save"
+        else:
+            decision = coord.get(key, timeout_s=self.options.distributed.barrier_timeout_s)
+        if decision == "skip":
+            self._seq += 1
+            return False
+        return True
+
+    def _finish_save(self, seq: int, step: int, staged: StagedSave, metadata: dict[str, object],
+                     stats: SaveStats, t0: float) -> SaveStats:
+        wstats = WriteStats()
+        save_id = secrets.token_hex(6)
+        chunks = None
+        error: BaseException | None = None
+        try:
+            chunks = self._io.run(write_chunks(
+                self.store, staged, step=step, save_id=save_id, process_index=self.coordinator.process_index,
+                options=self.options.save, executor=self._workers, stats=wstats,
+            ))
+        except BaseException as e:  # reported to the other processes before re-raising
+            error = e
+        t_commit = time.perf_counter()
+        try:
+            publish_and_commit(
+                store_run=self._io.run, store=self.store, coord=self.coordinator, ns=f"{self._ns}/{seq}",
+                step=step, save_id=save_id, staged=staged, chunks=chunks, error=error,
+                timeout_s=self.options.distributed.barrier_timeout_s, metadata=metadata, writer_version=_VERSION,
+            )
+        finally:
+            self._pool.give(staged.buffer)
+        stats.raw_bytes, stats.stored_bytes, stats.objects = wstats.raw_bytes, wstats.stored_bytes, wstats.objects
+        stats.encode_s, stats.upload_s = wstats.encode_s, wstats.upload_s
+        stats.commit_s = time.perf_counter() - t_commit
+        stats.total_s = time.perf_counter() - t0
+        log.info("fastckpt: committed step %d (%d bytes stored, %.2fs)", step, stats.stored_bytes, stats.total_s)
+        if self.coordinator.process_index == 0:
+            self._apply_retention()
+        return stats
+
+    def wait(self) -> None:
+        """Block until the in-flight save (if any) is committed; re-raise its error as SaveError."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            stats = pending.result()
+        except FastckptError as e:
+            if isinstance(e, (SaveError, StepAlreadyCommittedError)):
+                raise
+            raise SaveError(f"background save failed: {e}") from e
+        except Exception as e:
+            raise SaveError(f"background save failed: {type(e).__name__}: {e}") from e
+        self.last_save_stats = stats
+        if self._on_stats is not None:
+            self._on_stats(stats)
+
+    # ------------------------------------------------------------------ listing
+    def all_steps(self) -> list[int]:
+        """Committed steps in this root, ascending."""
+        self._check_open()
+        keys = self._io.run(self.store.list(MANIFEST_PREFIX))
+        return sorted(s for s in (step_from_manifest_key(k) for k in keys) if s is not None)
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def manifest(self, step: int | None = None) -> Manifest:
+        """The manifest of ``step`` (default: latest). ``CheckpointNotFoundError`` if absent."""
+        from fastckpt.errors import NotFoundError
+
+        self._check_open()
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise CheckpointNotFoundError(f"no committed checkpoint in {self.store.url}")
+        try:
+            data = self._io.run(self.store.get(manifest_key(step)))
+        except NotFoundError:
+            raise CheckpointNotFoundError(f"step {step} is not committed in {self.store.url}") from None
+        return decode_manifest(data)
+
+    def metadata(self, step: int | None = None) -> dict[str, object]:
+        """The user metadata saved with ``step``."""
+        return dict(self.manifest(step).metadata)
+
+    # ------------------------------------------------------------------ restore
+    def restore(self, step: int | None = None, target: Any = None, *, partial: bool = False) -> Any:
+        """Restore ``step`` (default: latest) laid out as ``target`` says.
+
+        ``target`` is a pytree of ``jax.ShapeDtypeStruct`` (with ``.sharding``) or concrete
+        arrays; any mesh or device count works. ``partial=True`` restores only the
+        target's leaves (a subtree). Raises CheckpointNotFoundError, TreeStructureError,
+        ShapeMismatchError, DtypeMismatchError, ChecksumMismatchError.
+        """
+        return self.restore_with_stats(step, target, partial=partial)[0]
+
+    def restore_with_stats(self, step: int | None = None, target: Any = None, *, partial: bool = False) -> tuple[Any, RestoreStats]:
+        """Like :meth:`restore`, also returning this process's :class:`RestoreStats`."""
+        import jax
+
+        t0 = time.perf_counter()
+        manifest = self.manifest(step)
+        plan = resolve_target(manifest, target, partial=partial)
+        stats = RestoreStats()
+        self._io.run(fill_units(self.store, manifest.step, plan.units(), options=self.options.restore,
+                                executor=self._workers, stats=stats, source=self._chunk_source))
+        leaves = build_leaves(plan, stats)
+        stats.seconds = time.perf_counter() - t0
+        self.last_restore_stats = stats
+        if self._on_stats is not None:
+            self._on_stats(stats)
+        log.info("fastckpt: restored step %d (%s)", manifest.step, stats.bytes_by_tier)
+        return jax.tree_util.tree_unflatten(plan.treedef, leaves), stats
+
+    # ------------------------------------------------------------------ retention / gc
+    def _apply_retention(self) -> None:
+        for step in steps_to_delete(self.all_steps(), self.options.retention):
+            self.delete_step(step)
+
+    def delete_step(self, step: int) -> None:
+        """Delete a committed step: the manifest first (un-commit), then its data."""
+        self._io.run(self.store.delete(manifest_key(step)))
+        for key in self._io.run(self.store.list(step_data_prefix(step))):
+            self._io.run(self.store.delete(key))
+
+    # ------------------------------------------------------------------ lifecycle
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConfigError("CheckpointManager is closed")
+
+    def close(self) -> None:
+        """Wait for the in-flight save, then release threads and connections. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._background.shutdown(wait=True)
+            try:
+                self._io.run(self.store.close())
+            finally:
+                self._io.close()
+                self._workers.shutdown(wait=True)
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

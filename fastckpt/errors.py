@@ -1,0 +1,166 @@
+"""fastckpt's exception tree.
+
+Every error fastckpt raises on purpose derives from :class:`FastckptError`. Backend and
+library errors are translated at the layer boundary (``storage/`` translates HTTP and OS
+errors), so callers never need to catch ``requests`` or ``OSError`` types. Where a builtin
+exception has the same meaning, the fastckpt class also inherits from it (``NotFoundError``
+is a ``FileNotFoundError``), so generic handlers keep working.
+
+Tree::
+
+    FastckptError
+    ├── ConfigError (ValueError)               bad option, URL or argument
+    ├── StorageError
+    │   ├── NotFoundError (FileNotFoundError)  object does not exist
+    │   ├── AlreadyExistsError (FileExistsError) create-only put refused
+    │   ├── PermissionDeniedError (PermissionError)
+    │   ├── TransientStorageError              429/5xx/connection reset/timeout; retryable
+    │   └── RetriesExhaustedError              a transient error persisted past the retry budget
+    ├── CorruptionError                        data failed verification
+    │   └── ChecksumMismatchError              crc32c mismatch on a chunk
+    ├── ManifestError (ValueError)             malformed manifest
+    │   └── UnsupportedFormatVersionError
+    ├── CheckpointNotFoundError (LookupError)  no such committed step
+    ├── StepAlreadyCommittedError              a step that is already committed
+    ├── TargetMismatchError (ValueError)       restore target disagrees with the checkpoint
+    │   ├── TreeStructureError
+    │   ├── ShapeMismatchError
+    │   └── DtypeMismatchError
+    ├── SaveError                              a background save failed (wraps the cause)
+    ├── DistributedError
+    │   └── BarrierTimeoutError (TimeoutError)
+    └── PeerError
+        ├── PeerUnavailableError               connect/transfer failure or timeout
+        ├── AuthenticationError                HMAC handshake failed
+        └── ProtocolError (ValueError)         malformed or oversized peer message
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AlreadyExistsError",
+    "AuthenticationError",
+    "BarrierTimeoutError",
+    "CheckpointNotFoundError",
+    "ChecksumMismatchError",
+    "ConfigError",
+    "CorruptionError",
+    "DistributedError",
+    "DtypeMismatchError",
+    "FastckptError",
+    "ManifestError",
+    "NotFoundError",
+    "PeerError",
+    "PeerUnavailableError",
+    "PermissionDeniedError",
+    "ProtocolError",
+    "RetriesExhaustedError",
+    "SaveError",
+    "ShapeMismatchError",
+    "StepAlreadyCommittedError",
+    "StorageError",
+    "TargetMismatchError",
+    "TransientStorageError",
+    "TreeStructureError",
+    "UnsupportedFormatVersionError",
+]
+
+
+class FastckptError(Exception):
+    """Root of every error fastckpt raises on purpose."""
+
+
+class ConfigError(FastckptError, ValueError):
+    """An option, URL or argument is invalid."""
+
+
+class StorageError(FastckptError):
+    """A storage backend operation failed."""
+
+
+class NotFoundError(StorageError, FileNotFoundError):
+    """The requested object (or range of it) does not exist."""
+
+
+class AlreadyExistsError(StorageError, FileExistsError):
+    """A create-only put found an existing object (GCS precondition 412)."""
+
+
+class PermissionDeniedError(StorageError, PermissionError):
+    """The backend refused access (401/403, EACCES)."""
+
+
+class TransientStorageError(StorageError):
+    """A retryable failure: 408/429/5xx, connection reset, truncated body, timeout."""
+
+
+class RetriesExhaustedError(StorageError):
+    """A transient failure persisted through every retry; ``__cause__`` is the last error."""
+
+
+class CorruptionError(FastckptError):
+    """Stored data failed verification."""
+
+
+class ChecksumMismatchError(CorruptionError):
+    """A chunk's crc32c does not match the manifest."""
+
+
+class ManifestError(FastckptError, ValueError):
+    """A manifest is malformed: bad JSON, wrong types, inconsistent boxes, unsafe keys."""
+
+
+class UnsupportedFormatVersionError(ManifestError):
+    """The manifest's ``format_version`` is not one this fastckpt can read."""
+
+
+class CheckpointNotFoundError(FastckptError, LookupError):
+    """No committed checkpoint for the requested step (or no checkpoint at all)."""
+
+
+class StepAlreadyCommittedError(FastckptError):
+    """The step is already committed; checkpoints are immutable once committed."""
+
+
+class TargetMismatchError(FastckptError, ValueError):
+    """The restore target does not match what the checkpoint holds."""
+
+
+class TreeStructureError(TargetMismatchError):
+    """The target's pytree paths differ from the checkpoint's."""
+
+
+class ShapeMismatchError(TargetMismatchError):
+    """A target leaf's shape differs from the stored array's global shape."""
+
+
+class DtypeMismatchError(TargetMismatchError):
+    """A target leaf's dtype differs from the stored dtype."""
+
+
+class SaveError(FastckptError):
+    """A background save failed; the step was not committed. ``__cause__`` holds why."""
+
+
+class DistributedError(FastckptError):
+    """Coordination between processes failed (a peer process reported an error)."""
+
+
+class BarrierTimeoutError(DistributedError, TimeoutError):
+    """A cross-process barrier or key wait did not complete in time."""
+
+
+class PeerError(FastckptError):
+    """A peer (RAM-tier replica) operation failed."""
+
+
+class PeerUnavailableError(PeerError):
+    """A peer could not be reached or timed out."""
+
+
+class AuthenticationError(PeerError):
+    """The peer handshake failed: wrong or missing secret, or a replayed challenge."""
+
+
+class ProtocolError(PeerError, ValueError):
+    """A peer message was malformed, truncated or oversized."""

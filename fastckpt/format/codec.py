@@ -1,0 +1,357 @@
+"""Manifest <-> JSON. Strict: every field is type-checked on decode; never pickle.
+
+JSON layout (``format_version`` 1)::
+
+    {"format_version": 1, "step": 100, "num_processes": 4, "created_unix": 1.7e9,
+     "writer_version": "0.1.0", "metadata": {...},
+     "leaves": [
+       {"path": [["d", "params"], ["d", "w"]], "type": "array", "kind": "jax",
+        "shape": [1024, 512], "dtype": "bfloat16", "key_impl": null,
+        "sharding": {"mesh_axis_names": ["data", "model"], "mesh_shape": [2, 4],
+                     "partition_spec": [null, "model"]},
+        "chunks": [{"box": [[0, 1024], [0, 128]], "key": "steps/...", "offset": 0,
+                    "length": 123, "raw_length": 262144, "codec": "zstd",
+                    "crc32c": 1234, "raw_crc32c": 5678}, ...]},
+       {"path": [["d", "step"]], "type": "value", "vtype": "int", "value": 100}]}
+
+Floats that JSON cannot hold (nan, inf) are written as strings ``"nan"``, ``"inf"``,
+``"-inf"``; complex values as ``[re, im]``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from typing import Any, NoReturn
+
+from fastckpt.errors import ManifestError, UnsupportedFormatVersionError
+from fastckpt.format.dtypes import dtype_from_name
+from fastckpt.format.manifest import (
+    FORMAT_VERSION,
+    ArrayLeaf,
+    Box,
+    ChunkEntry,
+    KeyPath,
+    Leaf,
+    Manifest,
+    ShardingSpec,
+    ValueLeaf,
+    box_volume,
+)
+from fastckpt.storage._protocol import validate_key
+
+__all__ = ["MAX_MANIFEST_BYTES", "chunk_from_json", "chunk_to_json", "decode_manifest", "encode_manifest"]
+
+#: Manifests larger than this are refused before parsing (hostile-input guard).
+MAX_MANIFEST_BYTES = 512 * 1024 * 1024
+_MAX_NDIM = 64
+_MAX_INT = 2**63 - 1
+
+
+def _fail(msg: str) -> NoReturn:
+    raise ManifestError(msg)
+
+
+# ---------------------------------------------------------------- encode
+
+
+def _float_to_json(x: float) -> float | str:
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    return x
+
+
+def _leaf_to_json(leaf: Leaf) -> dict[str, Any]:
+    path = [[k, v] for k, v in leaf.path]
+    if isinstance(leaf, ValueLeaf):
+        value: Any = leaf.value
+        if leaf.vtype == "float":
+            value = _float_to_json(float(value))  # type: ignore[arg-type]
+        elif leaf.vtype == "complex":
+            re, im = value  # type: ignore[misc]
+            value = [_float_to_json(re), _float_to_json(im)]
+        return {"path": path, "type": "value", "vtype": leaf.vtype, "value": value}
+    sharding = None
+    if leaf.sharding is not None:
+        sharding = {
+            "mesh_axis_names": list(leaf.sharding.mesh_axis_names),
+            "mesh_shape": list(leaf.sharding.mesh_shape),
+            "partition_spec": [
+                list(p) if isinstance(p, tuple) else p for p in leaf.sharding.partition_spec
+            ],
+        }
+    return {
+        "path": path,
+        "type": "array",
+        "kind": leaf.kind,
+        "shape": list(leaf.shape),
+        "dtype": leaf.dtype,
+        "key_impl": leaf.key_impl,
+        "sharding": sharding,
+        "chunks": [chunk_to_json(c) for c in leaf.chunks],
+    }
+
+
+def chunk_to_json(c: ChunkEntry) -> dict[str, Any]:
+    """JSON object of one chunk entry."""
+    return {
+        "box": [list(iv) for iv in c.box],
+        "key": c.key,
+        "offset": c.offset,
+        "length": c.length,
+        "raw_length": c.raw_length,
+        "codec": c.codec,
+        "crc32c": c.crc32c,
+        "raw_crc32c": c.raw_crc32c,
+    }
+
+
+def chunk_from_json(obj: Any, *, shape: tuple[int, ...], itemsize: int, what: str = "chunk") -> ChunkEntry:
+    """Parse and validate one chunk entry; ``ManifestError`` on any flaw."""
+    return _chunk(obj, shape, itemsize, what)
+
+
+def encode_manifest(manifest: Manifest) -> bytes:
+    """Serialise a manifest to UTF-8 JSON bytes (deterministic key order)."""
+    doc = {
+        "format_version": manifest.format_version,
+        "step": manifest.step,
+        "num_processes": manifest.num_processes,
+        "created_unix": manifest.created_unix,
+        "writer_version": manifest.writer_version,
+        "metadata": manifest.metadata,
+        "leaves": [_leaf_to_json(leaf) for leaf in manifest.leaves],
+    }
+    try:
+        return json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+    except (TypeError, ValueError) as e:
+        raise ManifestError(f"manifest is not JSON-serialisable: {e}") from e
+
+
+# ---------------------------------------------------------------- decode
+
+
+def _int(obj: Any, what: str, *, lo: int = 0) -> int:
+    if type(obj) is not int or not lo <= obj <= _MAX_INT:
+        _fail(f"{what}: expected an int >= {lo}, got {obj!r:.80}")
+    return obj
+
+
+def _str(obj: Any, what: str) -> str:
+    if type(obj) is not str:
+        _fail(f"{what}: expected a string, got {obj!r:.80}")
+    return obj
+
+
+def _list(obj: Any, what: str) -> list[Any]:
+    if type(obj) is not list:
+        _fail(f"{what}: expected a list, got {type(obj).__name__}")
+    return obj
+
+
+def _dict(obj: Any, what: str, keys: tuple[str, ...]) -> Mapping[str, Any]:
+    if type(obj) is not dict:
+        _fail(f"{what}: expected an object, got {type(obj).__name__}")
+    missing = [k for k in keys if k not in obj]
+    if missing:
+        _fail(f"{what}: missing field(s) {missing}")
+    return obj
+
+
+def _float_from_json(obj: Any, what: str) -> float:
+    if obj in ("nan", "inf", "-inf"):
+        return float(obj)
+    if type(obj) not in (int, float):
+        _fail(f"{what}: expected a number, got {obj!r:.80}")
+    return float(obj)
+
+
+def _path(obj: Any, what: str) -> KeyPath:
+    out = []
+    for i, entry in enumerate(_list(obj, what)):
+        e = _list(entry, f"{what}[{i}]")
+        if len(e) != 2 or e[0] not in ("d", "i", "a", "f"):
+            _fail(f"{what}[{i}]: bad key entry {e!r:.80}")
+        kind, key = e
+        if kind == "d":
+            if type(key) not in (str, int):
+                _fail(f"{what}[{i}]: dict key must be str or int")
+        elif kind == "a":
+            _str(key, f"{what}[{i}]")
+        else:
+            _int(key, f"{what}[{i}]")
+        out.append((kind, key))
+    return tuple(out)
+
+
+def _box(obj: Any, shape: tuple[int, ...], what: str) -> Box:
+    items = _list(obj, what)
+    if len(items) != len(shape):
+        _fail(f"{what}: box rank {len(items)} != array rank {len(shape)}")
+    box = []
+    for d, (iv, n) in enumerate(zip(items, shape)):
+        pair = _list(iv, f"{what}[{d}]")
+        if len(pair) != 2:
+            _fail(f"{what}[{d}]: expected [start, stop]")
+        a, b = _int(pair[0], f"{what}[{d}]"), _int(pair[1], f"{what}[{d}]")
+        if not a <= b <= n:
+            _fail(f"{what}[{d}]: [{a}, {b}) outside [0, {n})")
+        box.append((a, b))
+    return tuple(box)
+
+
+def _chunk(obj: Any, shape: tuple[int, ...], itemsize: int, what: str) -> ChunkEntry:
+    d = _dict(obj, what, ("box", "key", "offset", "length", "raw_length", "codec", "crc32c"))
+    box = _box(d["box"], shape, f"{what}.box")
+    key = _str(d["key"], f"{what}.key")
+    try:
+        validate_key(key)
+    except ValueError as e:
+        _fail(f"{what}.key: {e}")
+    codec = d["codec"]
+    if codec not in ("raw", "zstd"):
+        _fail(f"{what}.codec: unknown codec {codec!r:.40}")
+    raw_length = _int(d["raw_length"], f"{what}.raw_length")
+    if raw_length != box_volume(box) * itemsize:
+        _fail(f"{what}.raw_length {raw_length} != box volume x itemsize")
+    length = _int(d["length"], f"{what}.length")
+    if codec == "raw" and length != raw_length:
+        _fail(f"{what}: raw chunk length {length} != raw_length {raw_length}")
+    return ChunkEntry(
+        box=box,
+        key=key,
+        offset=_int(d["offset"], f"{what}.offset"),
+        length=length,
+        raw_length=raw_length,
+        codec=codec,
+        crc32c=_int(d["crc32c"], f"{what}.crc32c"),
+        raw_crc32c=_int(d.get("raw_crc32c", d["crc32c"] if codec == "raw" else 0), f"{what}.raw_crc32c"),
+    )
+
+
+def _sharding(obj: Any, what: str) -> ShardingSpec | None:
+    if obj is None:
+        return None
+    d = _dict(obj, what, ("mesh_axis_names", "mesh_shape", "partition_spec"))
+    names = tuple(_str(n, f"{what}.mesh_axis_names") for n in _list(d["mesh_axis_names"], what))
+    mshape = tuple(_int(n, f"{what}.mesh_shape", lo=1) for n in _list(d["mesh_shape"], what))
+    if len(names) != len(mshape):
+        _fail(f"{what}: {len(names)} axis names but mesh rank {len(mshape)}")
+    spec: list[None | str | tuple[str, ...]] = []
+    for p in _list(d["partition_spec"], f"{what}.partition_spec"):
+        if p is None or type(p) is str:
+            spec.append(p)
+        else:
+            spec.append(tuple(_str(x, f"{what}.partition_spec") for x in _list(p, what)))
+    return ShardingSpec(names, mshape, tuple(spec))
+
+
+def _value_leaf(d: Mapping[str, Any], path: KeyPath, what: str) -> ValueLeaf:
+    vtype, value = d.get("vtype"), d.get("value")
+    if vtype == "none":
+        if value is not None:
+            _fail(f"{what}: none leaf with a value")
+    elif vtype == "bool":
+        if type(value) is not bool:
+            _fail(f"{what}: expected a bool")
+    elif vtype == "int":
+        if type(value) is not int:
+            _fail(f"{what}: expected an int")
+    elif vtype == "float":
+        value = _float_from_json(value, what)
+    elif vtype == "complex":
+        pair = _list(value, what)
+        if len(pair) != 2:
+            _fail(f"{what}: complex needs [re, im]")
+        value = (_float_from_json(pair[0], what), _float_from_json(pair[1], what))
+    elif vtype == "str":
+        value = _str(value, what)
+    else:
+        _fail(f"{what}: unknown vtype {vtype!r:.40}")
+    return ValueLeaf(path=path, vtype=vtype, value=value)
+
+
+def _array_leaf(d: Mapping[str, Any], path: KeyPath, what: str) -> ArrayLeaf:
+    d = _dict(d, what, ("shape", "dtype", "chunks"))
+    shape_l = _list(d["shape"], f"{what}.shape")
+    if len(shape_l) > _MAX_NDIM:
+        _fail(f"{what}.shape: rank {len(shape_l)} too large")
+    shape = tuple(_int(n, f"{what}.shape") for n in shape_l)
+    dtype = dtype_from_name(d["dtype"])
+    kind = d.get("kind", "jax")
+    if kind not in ("jax", "numpy", "prng_key"):
+        _fail(f"{what}.kind: unknown kind {kind!r:.40}")
+    key_impl = d.get("key_impl")
+    if key_impl is not None:
+        _str(key_impl, f"{what}.key_impl")
+    if kind == "prng_key" and key_impl is None:
+        _fail(f"{what}: prng_key leaf without key_impl")
+    chunks = tuple(
+        _chunk(c, shape, dtype.itemsize, f"{what}.chunks[{i}]")
+        for i, c in enumerate(_list(d["chunks"], f"{what}.chunks"))
+    )
+    total = 1
+    for n in shape:
+        total *= n
+    if sum(box_volume(c.box) for c in chunks) != total:
+        _fail(f"{what}: chunks do not tile the array (volumes != {total})")
+    return ArrayLeaf(
+        path=path,
+        shape=shape,
+        dtype=dtype.name,
+        chunks=chunks,
+        kind=kind,
+        sharding=_sharding(d.get("sharding"), f"{what}.sharding"),
+        key_impl=key_impl,
+    )
+
+
+def decode_manifest(data: bytes | bytearray | memoryview) -> Manifest:
+    """Parse and validate manifest JSON; raises ``ManifestError`` (or a subclass) on any flaw."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        _fail(f"manifest of {len(data)} bytes exceeds the {MAX_MANIFEST_BYTES}-byte limit")
+    try:
+        doc = json.loads(bytes(data))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ManifestError(f"manifest is not valid JSON: {e}") from e
+    d = _dict(doc, "manifest", ("format_version", "step", "leaves"))
+    version = d["format_version"]
+    if type(version) is not int:
+        _fail(f"format_version must be an int, got {version!r:.40}")
+    if version != FORMAT_VERSION:
+        raise UnsupportedFormatVersionError(
+            f"manifest format_version {version} is not supported (this fastckpt reads {FORMAT_VERSION})"
+        )
+    leaves: list[Leaf] = []
+    seen: set[KeyPath] = set()
+    for i, raw in enumerate(_list(d["leaves"], "leaves")):
+        what = f"leaves[{i}]"
+        ld = _dict(raw, what, ("path", "type"))
+        path = _path(ld["path"], f"{what}.path")
+        if path in seen:
+            _fail(f"{what}: duplicate path")
+        seen.add(path)
+        if ld["type"] == "array":
+            leaves.append(_array_leaf(ld, path, what))
+        elif ld["type"] == "value":
+            leaves.append(_value_leaf(ld, path, what))
+        else:
+            _fail(f"{what}.type: unknown leaf type {ld['type']!r:.40}")
+    metadata = d.get("metadata", {})
+    if type(metadata) is not dict:
+        _fail("metadata must be an object")
+    created = d.get("created_unix", 0.0)
+    if type(created) not in (int, float):
+        _fail("created_unix must be a number")
+    return Manifest(
+        step=_int(d["step"], "step"),
+        leaves=tuple(leaves),
+        num_processes=_int(d.get("num_processes", 1), "num_processes", lo=1),
+        created_unix=float(created),
+        writer_version=_str(d.get("writer_version", ""), "writer_version"),
+        metadata=metadata,
+        format_version=version,
+    )

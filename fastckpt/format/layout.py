@@ -1,0 +1,64 @@
+"""Object key naming under a checkpoint root. The only module that knows key shapes.
+
+Layout::
+
+    manifests/<step:012d>.json          commit markers (create-only, written last)
+    steps/<step:012d>/<save_id>/p<process:05d>-<n:05d>.fck    data objects
+    steps/<step:012d>/<save_id>/p<process:05d>.fragment.json  per-process chunk lists
+
+Committed steps are found by listing ``manifests/`` only (cheap on GCS even with many data
+objects). Data keys carry a per-save random ``save_id``, so a retried or concurrent save of
+the same step never overwrites objects another attempt's manifest could reference.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = [
+    "MANIFEST_PREFIX",
+    "STEPS_PREFIX",
+    "data_key",
+    "fragment_key",
+    "manifest_key",
+    "step_data_prefix",
+    "step_from_manifest_key",
+    "step_from_data_key",
+]
+
+MANIFEST_PREFIX = "manifests/"
+STEPS_PREFIX = "steps/"
+_MANIFEST_RE = re.compile(r"^manifests/(\d{12})\.json$")
+_DATA_RE = re.compile(r"^steps/(\d{12})/")
+
+
+def manifest_key(step: int) -> str:
+    """Key of the manifest (commit marker) of ``step``."""
+    return f"{MANIFEST_PREFIX}{step:012d}.json"
+
+
+def step_data_prefix(step: int) -> str:
+    """Prefix of every data object of ``step`` (all save attempts)."""
+    return f"{STEPS_PREFIX}{step:012d}/"
+
+
+def data_key(step: int, save_id: str, process: int, n: int) -> str:
+    """Key of the ``n``-th data object written by ``process`` in save ``save_id``."""
+    return f"{step_data_prefix(step)}{save_id}/p{process:05d}-{n:05d}.fck"
+
+
+def fragment_key(step: int, save_id: str, process: int) -> str:
+    """Key of the per-process fragment (its chunk list) of save ``save_id``."""
+    return f"{step_data_prefix(step)}{save_id}/p{process:05d}.fragment.json"
+
+
+def step_from_manifest_key(key: str) -> int | None:
+    """The step a manifest key names, or None if ``key`` is not a manifest key."""
+    m = _MANIFEST_RE.match(key)
+    return int(m.group(1)) if m else None
+
+
+def step_from_data_key(key: str) -> int | None:
+    """The step a data/fragment key belongs to, or None."""
+    m = _DATA_RE.match(key)
+    return int(m.group(1)) if m else None

@@ -1,0 +1,123 @@
+"""Frozen, keyword-only option dataclasses. No globals, no environment reads.
+
+Defaults are tuned for large states on pods; every knob is explicit at the call site.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from fastckpt.errors import ConfigError
+
+__all__ = [
+    "DistributedOptions",
+    "ManagerOptions",
+    "RestoreOptions",
+    "RetentionOptions",
+    "SaveOptions",
+]
+
+MiB = 1 << 20
+
+
+def _positive(name: str, value: int | float | None, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or value <= 0:
+        raise ConfigError(f"{name} must be > 0, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SaveOptions:
+    """How a save stages, encodes and uploads data."""
+
+    compression: Literal["zstd", "none"] = "zstd"
+    """Codec for persistent storage. RAM tiers always hold raw bytes."""
+    zstd_level: int = 1
+    """zstd level (1 is ~0.7 GB/s per core on float weights)."""
+    encode_threads: int = 2
+    """Threads compressing and checksumming (zstd and crc32c release the GIL)."""
+    max_chunk_bytes: int = 16 * MiB
+    """Shards larger than this are split into contiguous sub-chunks."""
+    object_bytes: int = 64 * MiB
+    """Target size of one data object; chunks are packed until it is reached."""
+    max_inflight_bytes: int = 96 * MiB
+    """Host memory for encoded-but-not-yet-uploaded bytes (beyond the staged copy)."""
+    upload_concurrency: int = 4
+    """Concurrent object uploads per process."""
+    if_busy: Literal["wait", "skip"] = "wait"
+    """A save while another is in flight: wait for it, or skip this step."""
+
+    def __post_init__(self) -> None:
+        if self.compression not in ("zstd", "none"):
+            raise ConfigError(f"compression must be 'zstd' or 'none', got {self.compression!r}")
+        if self.if_busy not in ("wait", "skip"):
+            raise ConfigError(f"if_busy must be 'wait' or 'skip', got {self.if_busy!r}")
+        if not -7 <= self.zstd_level <= 22:
+            raise ConfigError(f"zstd_level must be in [-7, 22], got {self.zstd_level}")
+        for name in ("encode_threads", "max_chunk_bytes", "object_bytes", "max_inflight_bytes", "upload_concurrency"):
+            _positive(name, getattr(self, name))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RestoreOptions:
+    """How a restore fetches and decodes data."""
+
+    read_concurrency: int = 8
+    """Concurrent ranged reads per process."""
+    decode_threads: int = 2
+    """Threads decompressing, verifying and copying chunks."""
+    max_gap_bytes: int = 1 * MiB
+    """Chunks of one object closer than this are fetched in one ranged read."""
+    max_request_bytes: int = 64 * MiB
+    """Upper bound of one coalesced ranged read."""
+    verify_checksums: bool = True
+    """Verify crc32c of every chunk (strongly recommended; it is cheap)."""
+
+    def __post_init__(self) -> None:
+        for name in ("read_concurrency", "decode_threads", "max_request_bytes"):
+            _positive(name, getattr(self, name))
+        if self.max_gap_bytes < 0:
+            raise ConfigError("max_gap_bytes must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RetentionOptions:
+    """Which committed persistent steps to keep. A step kept by either rule survives."""
+
+    keep_last: int | None = 3
+    """Keep the newest N committed steps (None: keep all)."""
+    keep_every: int | None = None
+    """Also keep every step divisible by K forever (None: no such rule)."""
+
+    def __post_init__(self) -> None:
+        _positive("keep_last", self.keep_last, allow_none=True)
+        _positive("keep_every", self.keep_every, allow_none=True)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DistributedOptions:
+    """Cross-process coordination."""
+
+    barrier_timeout_s: float = 300.0
+    """Longest wait for other processes at a save's commit or a restore barrier."""
+
+    def __post_init__(self) -> None:
+        _positive("barrier_timeout_s", self.barrier_timeout_s)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ManagerOptions:
+    """Everything a :class:`~fastckpt.CheckpointManager` can be told."""
+
+    save: SaveOptions = dataclasses.field(default_factory=SaveOptions)
+    restore: RestoreOptions = dataclasses.field(default_factory=RestoreOptions)
+    retention: RetentionOptions = dataclasses.field(default_factory=RetentionOptions)
+    distributed: DistributedOptions = dataclasses.field(default_factory=DistributedOptions)
+    save_interval_steps: int = 1
+    """``save(step, ...)`` writes persistently only when ``step % save_interval_steps == 0``
+    (or ``force=True``)."""
+
+    def __post_init__(self) -> None:
+        _positive("save_interval_steps", self.save_interval_steps)

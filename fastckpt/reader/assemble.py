@@ -1,0 +1,197 @@
+"""Match a restore target against a manifest, plan units, and build the final arrays.
+
+Call order (the manager drives it): :func:`resolve_target` (pure checks, typed errors) ->
+``fill_units`` (I/O) -> :func:`build_leaves` (device placement) -> ``tree_unflatten``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from fastckpt._tree import flatten, is_prng_key
+from fastckpt.errors import (
+    ConfigError,
+    DtypeMismatchError,
+    ShapeMismatchError,
+    TargetMismatchError,
+    TreeStructureError,
+)
+from fastckpt.format.dtypes import dtype_from_name
+from fastckpt.format.manifest import ArrayLeaf, Box, KeyPath, Manifest, ShardingSpec, ValueLeaf, keypath_str
+from fastckpt.planning import box_from_index, full_box
+from fastckpt.reader.fetch import RestoreStats, Unit
+
+__all__ = ["LeafPlan", "RestorePlan", "build_leaves", "resolve_target"]
+
+
+@dataclasses.dataclass
+class LeafPlan:
+    """How one target leaf is produced."""
+
+    path: KeyPath
+    stored: ArrayLeaf | ValueLeaf
+    as_numpy: bool = False
+    scalar: bool = False
+    """Return a numpy scalar (the target leaf was one)."""
+    sharding: jax.sharding.Sharding | None = None
+    """Sharding of the (key-data) array to build; None for numpy/value leaves."""
+    device_boxes: list[tuple[jax.Device, Box]] = dataclasses.field(default_factory=list)
+    units: dict[Box, Unit] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class RestorePlan:
+    """All leaves of a restore, in target flatten order, plus the target treedef."""
+
+    leaves: list[LeafPlan]
+    treedef: Any
+
+    def units(self) -> list[Unit]:
+        return [u for lp in self.leaves for u in lp.units.values()]
+
+
+def _value(leaf: ValueLeaf) -> Any:
+    if leaf.vtype == "complex":
+        re, im = leaf.value  # type: ignore[misc]
+        return complex(re, im)
+    return leaf.value
+
+
+def _saved_sharding(spec: ShardingSpec | None) -> jax.sharding.Sharding | None:
+    """Rebuild the saved NamedSharding on this job's devices, if the device count matches."""
+    if spec is None:
+        return None
+    n = int(np.prod(spec.mesh_shape))
+    devices = jax.devices()
+    if len(devices) != n:
+        return None
+    mesh = jax.sharding.Mesh(np.asarray(devices).reshape(spec.mesh_shape), spec.mesh_axis_names)
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec.partition_spec))
+
+
+def _key_data_sharding(sharding: jax.sharding.Sharding, extra_dims: int) -> jax.sharding.Sharding:
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        spec = tuple(sharding.spec) + (None,) * extra_dims
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        return sharding
+    raise ConfigError(f"PRNG key targets need a NamedSharding or SingleDeviceSharding, got {type(sharding).__name__}")
+
+
+def _plan_array(path: KeyPath, stored: ArrayLeaf, tgt: Any) -> LeafPlan:
+    where = keypath_str(path)
+    shape = tuple(stored.shape)
+    key_extra = 0
+    if stored.kind == "prng_key":
+        if tgt is not None and not is_prng_key(tgt):
+            raise DtypeMismatchError(f"{where}: checkpoint holds a PRNG key array, target is {getattr(tgt, 'dtype', type(tgt))}")
+        key_shape = shape
+        if tgt is not None:
+            key_extra = len(shape) - len(tgt.shape)
+            key_shape = tuple(tgt.shape)
+            if shape[: len(key_shape)] != key_shape or key_extra < 0:
+                raise ShapeMismatchError(f"{where}: key array shape {key_shape} != stored {shape[:len(key_shape)]}")
+    elif tgt is not None:
+        if tuple(tgt.shape) != shape:
+            raise ShapeMismatchError(f"{where}: target shape {tuple(tgt.shape)} != stored shape {shape}")
+        if is_prng_key(tgt) or np.dtype(tgt.dtype) != dtype_from_name(stored.dtype):
+            raise DtypeMismatchError(f"{where}: target dtype {tgt.dtype} != stored dtype {stored.dtype}")
+    as_numpy = isinstance(tgt, (np.ndarray, np.generic)) or (tgt is None and stored.kind == "numpy")
+    if as_numpy:
+        box = full_box(shape)
+        return LeafPlan(path, stored, as_numpy=True, scalar=isinstance(tgt, np.generic) or (tgt is None and not shape),
+                        units={box: Unit(stored, box)})
+    sharding = getattr(tgt, "sharding", None) if tgt is not None else None
+    if sharding is None:
+        sharding = _saved_sharding(stored.sharding)
+    if sharding is None:
+        if jax.process_count() > 1:
+            raise TargetMismatchError(f"{where}: cannot rebuild the saved sharding here; pass a target with .sharding")
+        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    if stored.kind == "prng_key":
+        idx_shape = shape[: len(shape) - key_extra] if tgt is not None else shape[:-1]
+        key_extra = len(shape) - len(idx_shape)
+        index_map = sharding.addressable_devices_indices_map(idx_shape)
+        data_sharding = _key_data_sharding(sharding, key_extra)
+        index_map = {d: tuple(idx) + (slice(None),) * key_extra for d, idx in index_map.items()}
+    else:
+        index_map = sharding.addressable_devices_indices_map(shape)
+        data_sharding = sharding
+    plan = LeafPlan(path, stored, sharding=data_sharding)
+    for device, idx in index_map.items():
+        box = box_from_index(idx, shape)
+        plan.device_boxes.append((device, box))
+        if box not in plan.units:
+            plan.units[box] = Unit(stored, box)
+    return plan
+
+
+def resolve_target(manifest: Manifest, target: Any, *, partial: bool) -> RestorePlan:
+    """Check ``target`` against ``manifest`` and plan every leaf.
+
+    ``target=None`` restores everything with the saved shardings (when this job's device
+    count matches the saved mesh; otherwise a single device), rebuilding nested
+    dicts/lists from the key paths. Raises TreeStructureError, ShapeMismatchError or
+    DtypeMismatchError with the offending path.
+    """
+    stored = manifest.by_path()
+    if target is None:
+        from fastckpt._tree import unflatten_from_paths
+
+        skeleton = unflatten_from_paths({leaf.path: None for leaf in manifest.leaves})
+        leaves_t, treedef = flatten(skeleton)
+        targets: list[tuple[KeyPath, Any]] = [(lf.path, None) for lf in leaves_t]
+    else:
+        leaves_t, treedef = flatten(target)
+        targets = [(lf.path, lf.value) for lf in leaves_t]
+        paths = {p for p, _ in targets}
+        missing = [keypath_str(p) for p in paths if p not in stored]
+        if missing:
+            raise TreeStructureError(f"target leaves not in checkpoint step {manifest.step}: {sorted(missing)[:10]}")
+        extra = [keypath_str(p) for p in stored if p not in paths]
+        if extra and not partial:
+            raise TreeStructureError(
+                f"checkpoint step {manifest.step} has leaves the target lacks: {sorted(extra)[:10]} "
+                "(pass partial=True to restore a subtree)"
+            )
+    plans = []
+    for path, tgt in targets:
+        s = stored[path]
+        if isinstance(s, ValueLeaf):
+            if tgt is not None and (isinstance(tgt, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))):
+                raise TreeStructureError(f"{keypath_str(path)}: checkpoint holds a {s.vtype} value, target an array")
+            plans.append(LeafPlan(path, s))
+        else:
+            if tgt is not None and not hasattr(tgt, "shape"):
+                raise TreeStructureError(f"{keypath_str(path)}: checkpoint holds an array, target is {type(tgt).__name__}")
+            plans.append(_plan_array(path, s, tgt))
+    return RestorePlan(plans, treedef)
+
+
+def build_leaves(plan: RestorePlan, stats: RestoreStats) -> list[Any]:
+    """Turn filled units into leaves (device placement happens here), in target order."""
+    t0 = time.perf_counter()
+    out: list[Any] = []
+    for lp in plan.leaves:
+        s = lp.stored
+        if isinstance(s, ValueLeaf):
+            out.append(_value(s))
+            continue
+        if lp.as_numpy:
+            (unit,) = lp.units.values()
+            arr = np.asarray(unit.buffer)
+            out.append(arr[()] if lp.scalar else arr)
+            continue
+        assert lp.sharding is not None
+        singles = [jax.device_put(lp.units[box].buffer, device) for device, box in lp.device_boxes]
+        arr = jax.make_array_from_single_device_arrays(tuple(s.shape), lp.sharding, singles)
+        if s.kind == "prng_key":
+            arr = jax.random.wrap_key_data(arr, impl=s.key_impl)
+        out.append(arr)
+    stats.device_put_s += time.perf_counter() - t0
+    return out

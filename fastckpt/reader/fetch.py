@@ -1,0 +1,245 @@
+"""Fill destination host buffers from stored chunks: ranged reads, verify, decode, copy.
+
+One *unit* is one distinct destination box of one array on this process (replicated
+device shards share a unit). For each unit the reader plans :class:`ReadItem` s, asks the
+optional RAM-tier ``ChunkSource`` for each needed chunk first, and reads the rest from
+persistent storage with coalesced ranged reads. Every chunk is verified (crc32c) before
+its bytes are used; a chunk that fails verification on the persistent path is re-read once
+and then reported as :class:`~fastckpt.errors.ChecksumMismatchError` naming the array,
+box and object. Whole-chunk reads into a contiguous destination span decode straight into
+the destination buffer (no intermediate copy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from typing import Protocol
+
+import numpy as np
+import zstandard
+
+from fastckpt._checksum import crc32c
+from fastckpt._hostmem import alloc_aligned
+from fastckpt.errors import ChecksumMismatchError, CorruptionError
+from fastckpt.format.dtypes import dtype_from_name
+from fastckpt.format.manifest import ArrayLeaf, Box, ChunkEntry, box_shape, chunk_id, keypath_str
+from fastckpt.options import RestoreOptions
+from fastckpt.planning import ReadItem, box_to_slices, coalesce_fetches, contiguous_span, plan_leaf_reads
+from fastckpt.storage._protocol import ByteRange, Store
+
+__all__ = ["ChunkSource", "RestoreStats", "Unit", "fill_units"]
+
+
+class ChunkSource(Protocol):
+    """A fast tier consulted before persistent storage (own RAM, peers).
+
+    ``fetch`` runs on a worker thread. It writes the chunk's verified raw bytes into
+    ``into`` and returns the tier's name, or returns None when no tier it knows holds a
+    good copy (misses, corruption and timeouts are handled inside, per tier).
+    """
+
+    def fetch(self, step: int, chunk_id: str, *, raw_length: int, raw_crc32c: int, into: memoryview) -> str | None: ...
+
+
+@dataclasses.dataclass
+class RestoreStats:
+    """Per-process restore figures."""
+
+    bytes_by_tier: dict[str, int] = dataclasses.field(default_factory=dict)
+    chunks_by_tier: dict[str, int] = dataclasses.field(default_factory=dict)
+    seconds: float = 0.0
+    fetch_s: float = 0.0
+    device_put_s: float = 0.0
+    bytes_read_storage: int = 0
+    """Bytes fetched from persistent storage (stored size, including coalescing gaps)."""
+    restored_bytes: int = 0
+    """Logical bytes placed into this process's destination buffers."""
+    retries: int = 0
+
+    def add(self, tier: str, nbytes: int) -> None:
+        self.bytes_by_tier[tier] = self.bytes_by_tier.get(tier, 0) + nbytes
+        self.chunks_by_tier[tier] = self.chunks_by_tier.get(tier, 0) + 1
+
+
+@dataclasses.dataclass
+class Unit:
+    """One destination box of one array on this process."""
+
+    leaf: ArrayLeaf
+    box: Box
+    buffer: np.ndarray | None = None
+    """Filled host buffer (shape of ``box``, dtype of ``leaf``) once done."""
+
+
+class _Decoder:
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def dctx(self) -> zstandard.ZstdDecompressor:
+        d = getattr(self._local, "d", None)
+        if d is None:
+            d = self._local.d = zstandard.ZstdDecompressor()
+        return d
+
+
+def _where(leaf: ArrayLeaf, chunk: ChunkEntry) -> str:
+    return f"array {keypath_str(leaf.path)} chunk {list(chunk.box)} (object {chunk.key} @ {chunk.offset})"
+
+
+def _place(dst: np.ndarray, chunk_arr: np.ndarray, items: Sequence[ReadItem]) -> None:
+    for it in items:
+        dst[box_to_slices(it.dst_box)] = chunk_arr[box_to_slices(it.src_box)]
+
+
+class _LeafFiller:
+    """Fills every unit of one array leaf; a chunk shared by several units is read once."""
+
+    def __init__(self, units: Sequence[Unit], step: int, decoder: _Decoder, source: ChunkSource | None,
+                 stats: RestoreStats, verify: bool, lock: threading.Lock) -> None:
+        self.leaf = units[0].leaf
+        self.units = units
+        self.step = step
+        self.dtype = dtype_from_name(self.leaf.dtype)
+        self.decoder = decoder
+        self.source = source
+        self.stats = stats
+        self.verify = verify
+        self.lock = lock
+        self.flats: list[np.ndarray] = []
+        self.dsts: list[np.ndarray] = []
+        #: chunk -> [(unit position, read item)]
+        self.items: dict[ChunkEntry, list[tuple[int, ReadItem]]] = {}
+        for pos, unit in enumerate(units):
+            nbytes = int(np.prod(box_shape(unit.box), dtype=np.int64)) * self.dtype.itemsize
+            flat = alloc_aligned(nbytes)
+            self.flats.append(flat)
+            self.dsts.append(flat.view(self.dtype).reshape(box_shape(unit.box)))
+            for it in plan_leaf_reads(self.leaf, unit.box):
+                self.items.setdefault(it.chunk, []).append((pos, it))
+
+    def _direct_span(self, chunk: ChunkEntry) -> memoryview | None:
+        """The destination bytes a whole chunk maps onto, if it feeds one contiguous span."""
+        its = self.items[chunk]
+        if len(its) != 1 or box_shape(its[0][1].src_box) != box_shape(chunk.box):
+            return None
+        pos, item = its[0]
+        span = contiguous_span(item.dst_box, self.dsts[pos].shape)
+        if span is None:
+            return None
+        start, n = span
+        isz = self.dtype.itemsize
+        return memoryview(self.flats[pos][start * isz : (start + n) * isz])
+
+    def _target(self, chunk: ChunkEntry) -> tuple[memoryview, np.ndarray | None]:
+        direct = self._direct_span(chunk)
+        if direct is not None:
+            return direct, None
+        scratch = np.empty(chunk.raw_length, np.uint8)
+        return memoryview(scratch), scratch
+
+    def _finish(self, chunk: ChunkEntry, scratch: np.ndarray | None) -> None:
+        if scratch is None:
+            return  # decoded in place
+        arr = scratch.view(self.dtype).reshape(box_shape(chunk.box))
+        for pos, it in self.items[chunk]:
+            self.dsts[pos][box_to_slices(it.dst_box)] = arr[box_to_slices(it.src_box)]
+
+    def try_source(self, chunk: ChunkEntry) -> bool:
+        """Ask the RAM tiers; True if the chunk was placed."""
+        if self.source is None:
+            return False
+        into, scratch = self._target(chunk)
+        tier = self.source.fetch(self.step, chunk_id(self.leaf.path, chunk.box),
+                                 raw_length=chunk.raw_length, raw_crc32c=chunk.raw_crc32c, into=into)
+        if tier is None:
+            return False
+        self._finish(chunk, scratch)
+        with self.lock:
+            self.stats.add(tier, chunk.raw_length)
+        return True
+
+    def from_stored(self, chunk: ChunkEntry, stored: memoryview) -> None:
+        """Verify and decode stored bytes of ``chunk``; raise CorruptionError if bad."""
+        if stored.nbytes != chunk.length:
+            raise ChecksumMismatchError(f"{_where(self.leaf, chunk)}: got {stored.nbytes} of {chunk.length} bytes")
+        if self.verify and crc32c(stored) != chunk.crc32c:
+            raise ChecksumMismatchError(f"{_where(self.leaf, chunk)}: crc32c mismatch")
+        into, scratch = self._target(chunk)
+        if chunk.codec == "raw":
+            into[:] = stored
+        else:
+            try:
+                n = self.decoder.dctx().stream_reader(stored).readinto(into)
+            except zstandard.ZstdError as e:
+                raise CorruptionError(f"{_where(self.leaf, chunk)}: zstd: {e}") from e
+            if n != chunk.raw_length:
+                raise CorruptionError(f"{_where(self.leaf, chunk)}: decoded {n} of {chunk.raw_length} bytes")
+        self._finish(chunk, scratch)
+        with self.lock:
+            self.stats.add("storage", chunk.raw_length)
+
+    def done(self) -> None:
+        for unit, dst in zip(self.units, self.dsts):
+            unit.buffer = dst
+        with self.lock:
+            self.stats.restored_bytes += sum(f.nbytes for f in self.flats)
+
+
+async def fill_units(
+    store: Store,
+    step: int,
+    units: Sequence[Unit],
+    *,
+    options: RestoreOptions,
+    executor: Executor,
+    stats: RestoreStats,
+    source: ChunkSource | None = None,
+) -> None:
+    """Fill every unit's host buffer (``unit.buffer``) with verified data."""
+    loop = asyncio.get_running_loop()
+    decoder = _Decoder()
+    lock = threading.Lock()
+    reads = asyncio.Semaphore(options.read_concurrency)
+    t0 = time.perf_counter()
+
+    async def fetch_range(rng_key: str, start: int, length: int) -> memoryview:
+        async with reads:
+            data = await store.get(rng_key, byte_range=ByteRange(start, length))
+        stats.bytes_read_storage += len(data)
+        return memoryview(data)
+
+    async def fill(leaf_units: Sequence[Unit]) -> None:
+        filler = await loop.run_in_executor(
+            executor, lambda: _LeafFiller(leaf_units, step, decoder, source, stats, options.verify_checksums, lock)
+        )
+        need: list[ChunkEntry] = []
+        for chunk in filler.items:
+            if source is not None and await loop.run_in_executor(executor, filler.try_source, chunk):
+                continue
+            need.append(chunk)
+        ranges = coalesce_fetches(need, max_gap=options.max_gap_bytes, max_bytes=options.max_request_bytes)
+
+        async def do_range(r_key: str, r_start: int, r_len: int, chunks: Sequence[ChunkEntry]) -> None:
+            data = await fetch_range(r_key, r_start, r_len)
+            for c in chunks:
+                piece = data[c.offset - r_start : c.offset - r_start + c.length]
+                try:
+                    await loop.run_in_executor(executor, filler.from_stored, c, piece)
+                except CorruptionError:
+                    stats.retries += 1  # re-read once: the corruption may have been on the wire
+                    again = await fetch_range(c.key, c.offset, c.length)
+                    await loop.run_in_executor(executor, filler.from_stored, c, again)
+
+        await asyncio.gather(*(do_range(r.key, r.start, r.length, r.chunks) for r in ranges))
+        filler.done()
+
+    by_leaf: dict[int, list[Unit]] = {}
+    for u in units:
+        by_leaf.setdefault(id(u.leaf), []).append(u)
+    await asyncio.gather(*(fill(us) for us in by_leaf.values()))
+    stats.fetch_s += time.perf_counter() - t0

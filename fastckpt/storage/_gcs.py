@@ -1,0 +1,420 @@
+"""Google Cloud Storage backend.
+
+Control calls (list, delete, head) go through ``google-cloud-storage``'s client. The data
+path talks to the JSON API directly over the client's pooled, authorised session, because
+that is 1.5x (puts) to 3x (gets) faster than the library's media helpers on the same
+connection (see ``docs/storage.md``):
+
+* ``put`` is one multipart upload (``uploadType=multipart``) whose body is streamed from the
+  caller's buffers without concatenating them. It carries the payload's crc32c, so GCS
+  rejects a corrupted upload, and ``mode="create"`` adds ``ifGenerationMatch=0`` (the
+  emulator enforces preconditions on this path, unlike simple media uploads).
+* ``get`` streams ``alt=media`` (with an HTTP ``Range``) straight into one preallocated
+  buffer.
+
+The library's own retries are disabled everywhere (``retry=None``; the session has no
+urllib3 retries): retrying is :class:`~fastckpt.storage.RetryingStore`'s job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import functools
+import http.client
+import json
+import secrets
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, final
+from urllib.parse import quote
+
+import numpy as np
+
+from fastckpt.errors import (
+    AlreadyExistsError,
+    ChecksumMismatchError,
+    ConfigError,
+    FastckptError,
+    NotFoundError,
+    PermissionDeniedError,
+    StorageError,
+    TransientStorageError,
+)
+from fastckpt.storage._checksum import crc32c
+from fastckpt.storage._protocol import (
+    Buffer,
+    ByteRange,
+    ObjectMeta,
+    Payload,
+    PutMode,
+    Store,
+    clip_range,
+    payload_parts,
+    validate_key,
+)
+
+if TYPE_CHECKING:
+    import requests
+    from google.cloud import storage
+
+__all__ = ["GcsOptions", "GcsStore"]
+
+T = TypeVar("T")
+
+_SCOPES = ("https://www.googleapis.com/auth/devstorage.read_write",)
+_DEFAULT_BASE = "https://storage.googleapis.com"
+_READ_BLOCK = 8 * 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class GcsOptions:
+    """Options for :class:`GcsStore`. Nothing here is read from the environment."""
+
+    endpoint: str | None = None
+    """Base URL of a GCS-compatible endpoint (an emulator: ``http://127.0.0.1:4443``).
+    When set and ``credentials`` is None, requests are anonymous."""
+    project: str | None = None
+    """Project for the client (only used for billing/quota headers)."""
+    credentials: Any = None
+    """``google.auth`` credentials; None means Application Default Credentials (or
+    anonymous with ``endpoint``)."""
+    max_workers: int = 16
+    """Threads (and pooled HTTP connections) for blocking requests."""
+    connect_timeout_s: float = 10.0
+    """Per-request connect timeout."""
+    read_timeout_s: float = 60.0
+    """Per-request timeout between bytes received (not for the whole transfer)."""
+
+    def __post_init__(self) -> None:
+        if self.max_workers < 1:
+            raise ConfigError(f"max_workers must be >= 1, got {self.max_workers}")
+        if self.connect_timeout_s <= 0 or self.read_timeout_s <= 0:
+            raise ConfigError("timeouts must be > 0")
+        if self.endpoint is not None and not self.endpoint.startswith(("http://", "https://")):
+            raise ConfigError(f"endpoint must be an http(s) URL, got {self.endpoint!r}")
+
+
+class _StreamBody:
+    """A re-iterable request body over buffers, with a length (so no chunked encoding)."""
+
+    def __init__(self, parts: list[Buffer]) -> None:
+        self._parts = [memoryview(p).cast("B") for p in parts]
+        self._len = sum(p.nbytes for p in self._parts)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[memoryview]:
+        return (p for p in self._parts if p.nbytes)
+
+
+def _status_error(status: int, what: str, detail: str = "") -> StorageError:
+    msg = f"{what}: HTTP {status} {detail[:300]}".rstrip()
+    if status == 404:
+        return NotFoundError(msg)
+    if status in (401, 403):
+        return PermissionDeniedError(msg)
+    if status == 412:
+        return AlreadyExistsError(msg)
+    if status in (408, 429) or status >= 500:
+        return TransientStorageError(msg)
+    return StorageError(msg)
+
+
+def _translate(exc: BaseException, what: str) -> NoReturn:
+    """Raise the fastckpt error for a requests/urllib3/google error raised during ``what``."""
+    if isinstance(exc, FastckptError):
+        raise exc
+    import google.api_core.exceptions as gexc
+    import google.auth.exceptions as aexc
+    import requests
+    import urllib3.exceptions
+
+    if isinstance(exc, gexc.GoogleAPICallError) and exc.code is not None:
+        raise _status_error(int(exc.code), what, str(exc.message)) from exc
+    if isinstance(exc, aexc.RefreshError):
+        raise PermissionDeniedError(f"{what}: credentials refresh failed: {exc}") from exc
+    if isinstance(exc, aexc.TransportError | requests.ConnectionError | requests.Timeout):
+        raise TransientStorageError(f"{what}: {type(exc).__name__}: {exc}") from exc
+    if isinstance(exc, requests.exceptions.ChunkedEncodingError | urllib3.exceptions.HTTPError):
+        raise TransientStorageError(f"{what}: {type(exc).__name__}: {exc}") from exc
+    if isinstance(exc, http.client.HTTPException | ConnectionError | TimeoutError):
+        raise TransientStorageError(f"{what}: {type(exc).__name__}: {exc}") from exc
+    if isinstance(exc, requests.RequestException | OSError):
+        raise StorageError(f"{what}: {type(exc).__name__}: {exc}") from exc
+    raise exc
+
+
+def _b64_crc(value: int) -> str:
+    return base64.b64encode(value.to_bytes(4, "big")).decode("ascii")
+
+
+def _crc_from_b64(text: str) -> int:
+    return int.from_bytes(base64.b64decode(text), "big")
+
+
+@final
+class GcsStore(Store):
+    """Objects in a GCS bucket, under an optional prefix.
+
+    Object names are ``prefix/key``. All blocking HTTP runs on a private thread pool of
+    ``options.max_workers`` threads sharing one pooled session; the client and session are
+    created on first use (credentials discovery may do I/O).
+
+    Args:
+        bucket: Bucket name.
+        prefix: Key prefix inside the bucket ("" for the bucket root); no leading or
+            trailing ``/`` needed.
+        options: Endpoint, credentials, concurrency and timeouts.
+    """
+
+    def __init__(self, bucket: str, prefix: str = "", *, options: GcsOptions | None = None) -> None:
+        if not bucket or "/" in bucket:
+            raise ConfigError(f"invalid bucket name {bucket!r}")
+        prefix = prefix.strip("/")
+        if prefix:
+            validate_key(prefix)
+        self.bucket = bucket
+        self.prefix = prefix
+        self.options = options or GcsOptions()
+        self.url = f"gs://{bucket}/{prefix}" if prefix else f"gs://{bucket}"
+        self._base = (self.options.endpoint or _DEFAULT_BASE).rstrip("/")
+        self._timeout = (self.options.connect_timeout_s, self.options.read_timeout_s)
+        self._lock = threading.Lock()  # guards _executor; never held across I/O
+        self._connect_lock = threading.Lock()  # guards _client/_session creation
+        self._executor: ThreadPoolExecutor | None = None
+        self._client: storage.Client | None = None
+        self._session: requests.Session | None = None
+
+    def __repr__(self) -> str:
+        return f"GcsStore({self.url!r}, endpoint={self.options.endpoint!r})"
+
+    # -- plumbing ----------------------------------------------------------------------
+
+    async def _call(self, fn: Callable[..., T], *args: object) -> T:
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(self.options.max_workers, thread_name_prefix="fastckpt-gcs")
+            executor = self._executor
+        return await asyncio.get_running_loop().run_in_executor(executor, functools.partial(fn, *args))
+
+    def _connect(self) -> tuple[storage.Client, requests.Session]:
+        """Create the client and pooled session once (called on a worker thread)."""
+        with self._connect_lock:
+            if self._client is not None and self._session is not None:
+                return self._client, self._session
+            try:
+                import requests.adapters
+                from google.api_core.client_options import ClientOptions
+                from google.auth.credentials import AnonymousCredentials
+                from google.auth.transport.requests import AuthorizedSession
+                from google.cloud import storage
+            except ImportError as exc:  # pragma: no cover - dependency missing
+                raise ConfigError(f"GcsStore needs google-cloud-storage: {exc}") from exc
+            opts = self.options
+            credentials = opts.credentials
+            project = opts.project
+            try:
+                if credentials is None and opts.endpoint is not None:
+                    credentials = AnonymousCredentials()
+                    project = project or "fastckpt"
+                elif credentials is None:
+                    import google.auth
+
+                    credentials, default_project = google.auth.default(scopes=list(_SCOPES))
+                    project = project or default_project
+            except Exception as exc:
+                raise PermissionDeniedError(f"{self.url}: no usable Google credentials: {exc}") from exc
+            session = AuthorizedSession(credentials)
+            adapter = requests.adapters.HTTPAdapter(
+                pool_connections=4, pool_maxsize=opts.max_workers + 2, max_retries=0
+            )
+            session.mount("https://", adapter)
+            session.mount("http://", adapter)
+            client_options = ClientOptions(api_endpoint=opts.endpoint) if opts.endpoint else None
+            client = storage.Client(
+                project=project, credentials=credentials, _http=session, client_options=client_options
+            )
+            self._client, self._session = client, session
+            return client, session
+
+    def _name(self, key: str) -> str:
+        validate_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _media_url(self, name: str) -> str:
+        return f"{self._base}/download/storage/v1/b/{quote(self.bucket, safe='')}/o/{quote(name, safe='')}?alt=media"
+
+    # -- blocking implementations ------------------------------------------------------
+
+    def _head_sync(self, name: str, key: str) -> ObjectMeta:
+        what = f"head {self.url}/{key}"
+        client, _ = self._connect()
+        try:
+            blob = client.bucket(self.bucket).get_blob(name, retry=None, timeout=self._timeout)
+        except Exception as exc:
+            _translate(exc, what)
+        if blob is None:
+            raise NotFoundError(what)
+        if blob.crc32c is None or blob.size is None:
+            raise StorageError(f"{what}: the server reported no size/crc32c")
+        return ObjectMeta(size=int(blob.size), crc32c=_crc_from_b64(blob.crc32c))
+
+    def _get_sync(self, name: str, key: str, byte_range: ByteRange | None) -> Buffer:
+        what = f"get {self.url}/{key}"
+        _, session = self._connect()
+        if byte_range is not None and byte_range.length == 0:
+            size = self._head_sync(name, key).size
+            clip_range(size, byte_range, key)  # raises NotFoundError past the end
+            return b""
+        headers = {"Accept-Encoding": "identity"}
+        if byte_range is not None:
+            headers["Range"] = f"bytes={byte_range.start}-{byte_range.stop - 1}"
+        try:
+            resp = session.get(self._media_url(name), headers=headers, stream=True, timeout=self._timeout)
+        except Exception as exc:
+            _translate(exc, what)
+        try:
+            if resp.status_code == 416 and byte_range is not None:
+                size = self._head_sync(name, key).size
+                clip_range(size, byte_range, key)
+                return b""
+            if resp.status_code not in (200, 206):
+                raise _status_error(resp.status_code, what, resp.text)
+            encoding = resp.headers.get("Content-Encoding", "identity")
+            if encoding != "identity":
+                raise StorageError(f"{what}: unexpected Content-Encoding {encoding!r}")
+            body = self._read_body(resp, what)
+            if byte_range is not None and resp.status_code == 200:
+                # The server ignored the Range header; cut the range out ourselves.
+                start, stop = clip_range(len(body), byte_range, key)
+                return body[start:stop]
+            return body
+        except Exception as exc:
+            _translate(exc, what)
+        finally:
+            resp.close()
+
+    @staticmethod
+    def _read_body(resp: requests.Response, what: str) -> memoryview | bytes:
+        length = resp.headers.get("Content-Length")
+        if length is None:
+            return resp.raw.read(decode_content=False)
+        n = int(length)
+        if n == 0:
+            return b""
+        view = memoryview(np.empty(n, dtype=np.uint8)).cast("B")
+        done = 0
+        while done < n:
+            got = resp.raw.readinto(view[done : min(n, done + _READ_BLOCK)])
+            if not got:
+                raise TransientStorageError(f"{what}: body truncated at {done} of {n} bytes")
+            done += got
+        return view
+
+    def _put_sync(self, name: str, key: str, parts: list[memoryview], mode: PutMode) -> None:
+        what = f"put {self.url}/{key}"
+        _, session = self._connect()
+        crc = crc32c(parts)
+        boundary = "fastckpt-" + secrets.token_hex(16)
+        metadata = json.dumps({"name": name, "crc32c": _b64_crc(crc)})
+        head = (
+            f"--{boundary}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n{metadata}\r\n"
+            f"--{boundary}\r\nContent-Type: application/octet-stream\r\n\r\n"
+        ).encode()
+        tail = f"\r\n--{boundary}--\r\n".encode()
+        url = f"{self._base}/upload/storage/v1/b/{quote(self.bucket, safe='')}/o?uploadType=multipart"
+        if mode == "create":
+            url += "&ifGenerationMatch=0"
+        try:
+            resp = session.post(
+                url,
+                data=_StreamBody([head, *parts, tail]),
+                headers={"Content-Type": f"multipart/related; boundary={boundary}"},
+                timeout=self._timeout,
+            )
+        except Exception as exc:
+            _translate(exc, what)
+        with resp:
+            if resp.status_code == 412 and mode == "create":
+                raise AlreadyExistsError(f"{what}: the object already exists")
+            if resp.status_code != 200:
+                raise _status_error(resp.status_code, what, resp.text)
+            try:
+                stored = resp.json().get("crc32c")
+            except ValueError:
+                stored = None
+        if stored is not None and _crc_from_b64(stored) != crc:
+            raise ChecksumMismatchError(f"{what}: server stored crc32c {stored}, sent {_b64_crc(crc)}")
+
+    def _list_sync(self, prefix: str) -> list[str]:
+        what = f"list {self.url}/{prefix}"
+        client, _ = self._connect()
+        base = f"{self.prefix}/" if self.prefix else ""
+        try:
+            blobs = client.list_blobs(
+                self.bucket, prefix=base + prefix, fields="items(name),nextPageToken",
+                page_size=1000, retry=None, timeout=self._timeout,
+            )  # fmt: skip
+            names = [blob.name for blob in blobs]
+        except Exception as exc:
+            _translate(exc, what)
+        return sorted(n[len(base) :] for n in names)
+
+    def _delete_sync(self, name: str, key: str) -> None:
+        client, _ = self._connect()
+        try:
+            client.bucket(self.bucket).blob(name).delete(retry=None, timeout=self._timeout)
+        except Exception as exc:
+            try:
+                _translate(exc, f"delete {self.url}/{key}")
+            except NotFoundError:
+                return
+
+    # -- Store API ---------------------------------------------------------------------
+
+    async def get(self, key: str, *, byte_range: ByteRange | None = None) -> Buffer:
+        # docstring inherited
+        return await self._call(self._get_sync, self._name(key), key, byte_range)
+
+    async def put(self, key: str, data: Payload, *, mode: PutMode = "overwrite") -> None:
+        # docstring inherited
+        name = self._name(key)
+        if mode not in ("create", "overwrite"):
+            raise ConfigError(f"unknown put mode {mode!r}")
+        await self._call(self._put_sync, name, key, payload_parts(data), mode)
+
+    async def list(self, prefix: str = "") -> list[str]:
+        # docstring inherited
+        return await self._call(self._list_sync, prefix)
+
+    async def delete(self, key: str) -> None:
+        # docstring inherited
+        await self._call(self._delete_sync, self._name(key), key)
+
+    async def head(self, key: str) -> ObjectMeta:
+        # docstring inherited
+        return await self._call(self._head_sync, self._name(key), key)
+
+    async def exists(self, key: str) -> bool:
+        # docstring inherited
+        try:
+            await self.head(key)
+        except NotFoundError:
+            return False
+        return True
+
+    async def close(self) -> None:
+        # docstring inherited
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
+        with self._connect_lock:
+            session, self._session = self._session, None
+            self._client = None
+        if session is not None:
+            session.close()

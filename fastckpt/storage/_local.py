@@ -1,0 +1,281 @@
+"""Object store over a local (or network) filesystem directory."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import functools
+import os
+import secrets
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import NoReturn, TypeVar, final
+
+import numpy as np
+
+from fastckpt.errors import (
+    AlreadyExistsError,
+    ConfigError,
+    NotFoundError,
+    PermissionDeniedError,
+    StorageError,
+    TransientStorageError,
+)
+from fastckpt.storage._protocol import (
+    Buffer,
+    ByteRange,
+    Payload,
+    PutMode,
+    Store,
+    clip_range,
+    payload_parts,
+    validate_key,
+)
+
+__all__ = ["TEMP_SUFFIX", "LocalStore"]
+
+T = TypeVar("T")
+
+#: Suffix of in-flight temporary files. ``list`` never reports them and keys whose last
+#: segment ends with it are rejected.
+TEMP_SUFFIX = ".fastckpt-tmp"
+
+_TRANSIENT_ERRNOS = frozenset(
+    e for e in (errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT, getattr(errno, "ESTALE", None)) if e is not None
+)
+_WRITE_CHUNK = 64 * 1024 * 1024
+
+
+def _translate(exc: OSError, what: str) -> NoReturn:
+    """Raise the fastckpt error for an ``OSError`` raised while doing ``what``."""
+    if isinstance(exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError)):
+        raise NotFoundError(f"{what}: {exc}") from exc
+    if isinstance(exc, FileExistsError):
+        raise AlreadyExistsError(f"{what}: {exc}") from exc
+    if isinstance(exc, PermissionError):
+        raise PermissionDeniedError(f"{what}: {exc}") from exc
+    if exc.errno in _TRANSIENT_ERRNOS or isinstance(exc, TimeoutError):
+        raise TransientStorageError(f"{what}: {exc}") from exc
+    raise StorageError(f"{what}: {exc}") from exc
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, parts: list[memoryview]) -> None:
+    for part in parts:
+        view = part
+        while view.nbytes:
+            written = os.write(fd, view[:_WRITE_CHUNK])
+            view = view[written:]
+
+
+@final
+class LocalStore(Store):
+    """Objects as files under a root directory.
+
+    Keys map to paths below ``root`` (``a/b/c`` -> ``root/a/b/c``). Guarantees:
+
+    * ``put`` writes a hidden temporary file (suffix :data:`TEMP_SUFFIX`) in the target's
+      directory, fsyncs it, then publishes it with ``os.replace`` (overwrite) or
+      ``os.link`` (create-only: atomic, refused if the key exists), and fsyncs the
+      directory. Readers never see a partial object. A crash may leave temporary files;
+      ``list`` and ``get`` ignore them.
+    * ``get`` reads ranges with ``pread`` straight into one freshly allocated buffer.
+    * Blocking calls run on the store's own thread pool.
+
+    Limitations: because keys are paths, a key cannot be both an object and a "directory"
+    of other objects (``a`` and ``a/b``); such a put raises ``StorageError``. Empty
+    directories are left behind by ``delete``.
+
+    Args:
+        root: Directory holding the objects; created on the first put.
+        max_workers: Threads for blocking file I/O.
+        durable: fsync files and directories (turn off only for scratch data on tmpfs).
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, max_workers: int = 8, durable: bool = True) -> None:
+        if max_workers < 1:
+            raise ConfigError(f"max_workers must be >= 1, got {max_workers}")
+        self.root = Path(os.path.abspath(os.fspath(root)))
+        self.url = self.root.as_uri()
+        self._max_workers = max_workers
+        self._durable = durable
+        self._executor: ThreadPoolExecutor | None = None
+        self._executor_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"LocalStore({str(self.root)!r})"
+
+    # -- plumbing ----------------------------------------------------------------------
+
+    async def _call(self, fn: Callable[..., T], *args: object) -> T:
+        with self._executor_lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(self._max_workers, thread_name_prefix="fastckpt-local")
+            executor = self._executor
+        return await asyncio.get_running_loop().run_in_executor(executor, functools.partial(fn, *args))
+
+    def _path(self, key: str) -> Path:
+        validate_key(key)
+        if key.rsplit("/", 1)[-1].endswith(TEMP_SUFFIX):
+            raise ConfigError(f"object key {key!r} ends with the reserved suffix {TEMP_SUFFIX!r}")
+        return self.root / key
+
+    def _makedirs(self, directory: Path) -> None:
+        """Create ``directory`` and missing parents, fsyncing each new entry's parent."""
+        missing: list[Path] = []
+        d = directory
+        while not d.is_dir():
+            missing.append(d)
+            if d.parent == d:
+                break
+            d = d.parent
+        for d in reversed(missing):
+            try:
+                os.mkdir(d)
+            except FileExistsError:
+                if not d.is_dir():
+                    raise StorageError(
+                        f"{self.url}: cannot create directory {d}: an object with that key exists"
+                    ) from None
+                continue
+            except NotADirectoryError as exc:
+                raise StorageError(f"{self.url}: cannot create directory {d}: a parent is an object") from exc
+            if self._durable:
+                _fsync_dir(d.parent)
+
+    # -- blocking implementations ------------------------------------------------------
+
+    def _get_sync(self, path: Path, key: str, byte_range: ByteRange | None) -> Buffer:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            _translate(exc, f"get {self.url}/{key}")
+        try:
+            size = os.fstat(fd).st_size
+            start, stop = clip_range(size, byte_range, key)
+            n = stop - start
+            if n < 256 * 1024:
+                return os.pread(fd, n, start) if n else b""
+            view = memoryview(np.empty(n, dtype=np.uint8)).cast("B")
+            done = 0
+            while done < n:
+                got = os.preadv(fd, [view[done:]], start + done)
+                if got == 0:
+                    raise StorageError(f"get {self.url}/{key}: file shrank while reading")
+                done += got
+            return view
+        except OSError as exc:
+            _translate(exc, f"get {self.url}/{key}")
+        finally:
+            os.close(fd)
+
+    def _put_sync(self, path: Path, key: str, parts: list[memoryview], mode: PutMode) -> None:
+        what = f"put {self.url}/{key}"
+        directory = path.parent
+        try:
+            self._makedirs(directory)
+            tmp = directory / f".{path.name}.{secrets.token_hex(8)}{TEMP_SUFFIX}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            _translate(exc, what)
+        try:
+            try:
+                _write_all(fd, parts)
+                if self._durable:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            if mode == "create":
+                try:
+                    os.link(tmp, path)
+                except FileExistsError:
+                    raise AlreadyExistsError(f"{what}: the object already exists") from None
+            else:
+                os.replace(tmp, path)
+            if self._durable:
+                _fsync_dir(directory)
+        except IsADirectoryError as exc:
+            raise StorageError(f"{what}: other objects live under this key as a prefix") from exc
+        except OSError as exc:
+            _translate(exc, what)
+        finally:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+
+    def _list_sync(self, prefix: str) -> list[str]:
+        head, _, _ = prefix.rpartition("/")
+        if head:
+            try:
+                validate_key(head)
+            except ConfigError:
+                return []  # no valid key can start with this prefix
+        out: list[str] = []
+        stack = [(self.root / head if head else self.root, f"{head}/" if head else "")]
+        while stack:
+            directory, rel = stack.pop()
+            try:
+                entries = list(os.scandir(directory))
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            except OSError as exc:
+                _translate(exc, f"list {self.url}/{prefix}")
+            for entry in entries:
+                name = rel + entry.name
+                if entry.is_dir(follow_symlinks=False):
+                    if name.startswith(prefix) or prefix.startswith(name + "/"):
+                        stack.append((Path(entry.path), name + "/"))
+                elif name.startswith(prefix) and not entry.name.endswith(TEMP_SUFFIX):
+                    out.append(name)
+        out.sort()
+        return out
+
+    def _delete_sync(self, path: Path, key: str) -> None:
+        try:
+            os.unlink(path)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return
+        except OSError as exc:
+            _translate(exc, f"delete {self.url}/{key}")
+
+    # -- Store API ---------------------------------------------------------------------
+
+    async def get(self, key: str, *, byte_range: ByteRange | None = None) -> Buffer:
+        # docstring inherited
+        return await self._call(self._get_sync, self._path(key), key, byte_range)
+
+    async def put(self, key: str, data: Payload, *, mode: PutMode = "overwrite") -> None:
+        # docstring inherited
+        path = self._path(key)
+        if mode not in ("create", "overwrite"):
+            raise ConfigError(f"unknown put mode {mode!r}")
+        await self._call(self._put_sync, path, key, payload_parts(data), mode)
+
+    async def list(self, prefix: str = "") -> list[str]:
+        # docstring inherited
+        return await self._call(self._list_sync, prefix)
+
+    async def delete(self, key: str) -> None:
+        # docstring inherited
+        await self._call(self._delete_sync, self._path(key), key)
+
+    async def exists(self, key: str) -> bool:
+        # docstring inherited
+        return await self._call(os.path.isfile, self._path(key))
+
+    async def close(self) -> None:
+        # docstring inherited
+        with self._executor_lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)

@@ -1,0 +1,109 @@
+"""In-process object store backed by a dict; the default fake for tests."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import ClassVar, final
+
+from fastckpt.errors import AlreadyExistsError, ConfigError, NotFoundError
+from fastckpt.storage._protocol import (
+    Buffer,
+    ByteRange,
+    Payload,
+    PutMode,
+    Store,
+    clip_range,
+    payload_parts,
+    validate_key,
+)
+
+__all__ = ["MemoryStore"]
+
+
+class _Objects:
+    """The shared state of one named (or anonymous) memory store."""
+
+    __slots__ = ("__weakref__", "data", "lock")
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+        self.lock = threading.Lock()
+
+
+@final
+class MemoryStore(Store):
+    """A thread-safe in-process store.
+
+    Stored objects are immutable ``bytes``; :meth:`get` returns a read-only, zero-copy
+    ``memoryview`` slice of them. ``put`` copies the payload once (the caller may reuse
+    its buffers afterwards).
+
+    Stores opened with the same ``name`` in one process share their objects for as long as
+    at least one of them is alive (``mem://name`` URLs rely on this). Unnamed stores are
+    private. Nothing is registered at import time.
+
+    Args:
+        name: Optional name under which the objects are shared in this process.
+    """
+
+    _named: ClassVar[weakref.WeakValueDictionary[str, _Objects]] = weakref.WeakValueDictionary()
+    _named_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, name: str | None = None) -> None:
+        if name is None:
+            self._objects = _Objects()
+            self.url = f"mem://anonymous-{id(self._objects):x}"
+        else:
+            if not isinstance(name, str) or not name or "/" in name:
+                raise ConfigError(f"memory store name must be a non-empty str without '/', got {name!r}")
+            with MemoryStore._named_lock:
+                objects = MemoryStore._named.get(name)
+                if objects is None:
+                    objects = _Objects()
+                    MemoryStore._named[name] = objects
+            self._objects = objects
+            self.url = f"mem://{name}"
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"MemoryStore({self.url!r})"
+
+    async def get(self, key: str, *, byte_range: ByteRange | None = None) -> Buffer:
+        # docstring inherited
+        validate_key(key)
+        with self._objects.lock:
+            blob = self._objects.data.get(key)
+        if blob is None:
+            raise NotFoundError(f"{self.url}/{key}")
+        start, stop = clip_range(len(blob), byte_range, key)
+        return memoryview(blob)[start:stop]
+
+    async def put(self, key: str, data: Payload, *, mode: PutMode = "overwrite") -> None:
+        # docstring inherited
+        validate_key(key)
+        if mode not in ("create", "overwrite"):
+            raise ConfigError(f"unknown put mode {mode!r}")
+        blob = b"".join(payload_parts(data))
+        with self._objects.lock:
+            if mode == "create" and key in self._objects.data:
+                raise AlreadyExistsError(f"{self.url}/{key}")
+            self._objects.data[key] = blob
+
+    async def list(self, prefix: str = "") -> list[str]:
+        # docstring inherited
+        with self._objects.lock:
+            keys = [k for k in self._objects.data if k.startswith(prefix)]
+        return sorted(keys)
+
+    async def delete(self, key: str) -> None:
+        # docstring inherited
+        validate_key(key)
+        with self._objects.lock:
+            self._objects.data.pop(key, None)
+
+    async def exists(self, key: str) -> bool:
+        # docstring inherited
+        validate_key(key)
+        with self._objects.lock:
+            return key in self._objects.data

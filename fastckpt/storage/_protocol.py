@@ -1,0 +1,167 @@
+"""The storage protocol: the only thing the writer and reader know about storage.
+
+Object semantics only (no directories, no rename): ranged ``get``, ``put`` with
+``mode="create"`` (create-only; fails with :class:`~fastckpt.errors.AlreadyExistsError`
+if the key exists) or ``mode="overwrite"``, ``list`` by prefix and ``delete``.
+
+Contracts every backend keeps (checked by :class:`fastckpt.testing.store_tests.StoreTests`):
+
+* ``put`` is atomic: readers see either the old object, the whole new object, or nothing.
+  A ``put(mode="create")`` that raced another create for the same key succeeds for exactly
+  one caller.
+* ``get`` of a missing key raises ``NotFoundError``; a range past the end is clipped to the
+  object (like HTTP ranges); a range starting past the end raises ``NotFoundError``.
+* ``list(prefix)`` returns every key starting with ``prefix`` (sorted, recursive).
+* ``delete`` of a missing key is not an error.
+* Keys are ``/``-separated relative paths without ``..``, leading ``/``, empty segments or
+  NUL; backends reject others with ``ConfigError``.
+* Backend failures are translated into the :mod:`fastckpt.errors` tree; transient failures
+  are :class:`~fastckpt.errors.TransientStorageError`. Retries are the job of
+  :class:`~fastckpt.storage.RetryingStore`, not of callers.
+
+Stores are used from one asyncio event loop (see ``fastckpt._aio``); blocking work inside a
+backend runs on the backend's own thread pool.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Sequence
+from typing import Literal, Union
+
+from fastckpt.errors import ConfigError, NotFoundError
+
+__all__ = [
+    "Buffer",
+    "ByteRange",
+    "ObjectMeta",
+    "Payload",
+    "PutMode",
+    "Store",
+    "clip_range",
+    "payload_parts",
+    "payload_size",
+    "validate_key",
+]
+
+PutMode = Literal["create", "overwrite"]
+Buffer = Union[bytes, bytearray, memoryview]
+#: What ``put`` accepts: one buffer or a sequence of parts written back to back (no concat).
+Payload = Union[Buffer, Sequence[Buffer]]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ByteRange:
+    """A half-open byte range ``[start, start + length)`` of an object."""
+
+    start: int
+    """First byte, inclusive."""
+    length: int
+    """Number of bytes; must be >= 0."""
+
+    def __post_init__(self) -> None:
+        if self.start < 0 or self.length < 0:
+            raise ConfigError(f"invalid byte range start={self.start} length={self.length}")
+
+    @property
+    def stop(self) -> int:
+        """One past the last byte."""
+        return self.start + self.length
+
+
+def validate_key(key: str) -> str:
+    """Return ``key`` if it is a safe relative object key, else raise ``ConfigError``."""
+    if not isinstance(key, str) or not key:
+        raise ConfigError(f"object key must be a non-empty str, got {key!r}")
+    if key.startswith("/") or "\x00" in key or "\\" in key:
+        raise ConfigError(f"unsafe object key {key!r}")
+    parts = key.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise ConfigError(f"unsafe object key {key!r}")
+    return key
+
+
+def payload_parts(data: Payload) -> list[memoryview]:
+    """Normalise a payload into a list of byte memoryviews."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return [memoryview(data).cast("B")]
+    return [memoryview(p).cast("B") for p in data]
+
+
+def payload_size(data: Payload) -> int:
+    """Total number of bytes in a payload."""
+    return sum(p.nbytes for p in payload_parts(data))
+
+
+def clip_range(size: int, byte_range: ByteRange | None, key: str) -> tuple[int, int]:
+    """Return ``(start, stop)`` for ``byte_range`` on an object of ``size`` bytes.
+
+    Raises:
+        NotFoundError: ``byte_range.start`` is past the end of the object. A range starting
+            exactly at the end (e.g. ``ByteRange(0, 0)`` on an empty object) is empty, not
+            an error.
+    """
+    if byte_range is None:
+        return 0, size
+    if byte_range.start > size:
+        raise NotFoundError(f"range start {byte_range.start} is past the end ({size} bytes) of {key!r}")
+    return byte_range.start, min(byte_range.stop, size)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ObjectMeta:
+    """What :meth:`Store.head` reports about a stored object."""
+
+    size: int
+    """Object size in bytes."""
+    crc32c: int
+    """crc32c (Castagnoli) of the object's bytes, as an unsigned 32-bit int."""
+
+
+class Store(abc.ABC):
+    """Abstract async object store. Subclasses must be final (extend by wrapping)."""
+
+    #: A short URL-like description, e.g. ``gs://bucket/prefix`` or ``file:///tmp/x``.
+    url: str
+
+    @abc.abstractmethod
+    async def get(self, key: str, *, byte_range: ByteRange | None = None) -> Buffer:
+        """Return the object's bytes, or the bytes of ``byte_range`` (clipped at the end)."""
+
+    @abc.abstractmethod
+    async def put(self, key: str, data: Payload, *, mode: PutMode = "overwrite") -> None:
+        """Write an object atomically. ``mode="create"`` fails if the key exists."""
+
+    @abc.abstractmethod
+    async def list(self, prefix: str = "") -> list[str]:
+        """Return all keys starting with ``prefix``, sorted."""
+
+    @abc.abstractmethod
+    async def delete(self, key: str) -> None:
+        """Delete a key; deleting a missing key is not an error."""
+
+    async def exists(self, key: str) -> bool:
+        """Whether ``key`` exists (default: a one-byte ranged get)."""
+        from fastckpt.errors import NotFoundError
+
+        try:
+            await self.get(key, byte_range=ByteRange(0, 0))
+        except NotFoundError:
+            return False
+        return True
+
+    async def head(self, key: str) -> ObjectMeta:
+        """Return the object's size and crc32c; raise ``NotFoundError`` if it is missing.
+
+        The default reads the whole object; backends that keep checksums override it.
+        :class:`~fastckpt.storage.RetryingStore` uses it to tell whether a create-only put
+        that hit an ambiguous transient error did land.
+        """
+        from fastckpt.storage._checksum import crc32c
+
+        data = await self.get(key)
+        return ObjectMeta(size=memoryview(data).nbytes, crc32c=crc32c([data]))
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections and threads. Idempotent."""

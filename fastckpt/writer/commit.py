@@ -1,0 +1,193 @@
+"""The commit protocol: gather every process's chunks and write the manifest, last.
+
+Protocol for save number ``seq`` of a manager (all processes call save in the same order):
+
+1. Every process uploads its objects (``writer.pipeline``). With more than one process it
+   then writes its *fragment* (its chunk list, JSON) and publishes
+   ``<ns>/<seq>/done/<i> = "ok <fragment key>"``, or ``"err <message>"`` if anything failed.
+2. Process 0 waits for all ``done`` keys (bounded by ``barrier_timeout_s``; it stops early
+   at the first ``err``), reads the fragments, builds the manifest and writes it with a
+   create-only put. Only then does the step exist. It publishes ``<ns>/<seq>/commit`` as
+   ``"ok"`` or ``"err <message>"``.
+3. Every other process waits for ``commit`` (bounded) and raises if it is not ``ok``.
+
+A process that dies makes the others time out with :class:`BarrierTimeoutError`; no commit
+happens. A step whose manifest already exists is never overwritten
+(:class:`StepAlreadyCommittedError`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+from fastckpt._distributed import Coordinator
+from fastckpt.errors import (
+    AlreadyExistsError,
+    BarrierTimeoutError,
+    DistributedError,
+    ManifestError,
+    StepAlreadyCommittedError,
+)
+from fastckpt.format.codec import chunk_from_json, chunk_to_json, decode_manifest, encode_manifest
+from fastckpt.format.dtypes import dtype_from_name
+from fastckpt.format.layout import fragment_key, manifest_key
+from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, KeyPath, Leaf, Manifest
+from fastckpt.storage._protocol import Store
+from fastckpt.writer.stage import StagedSave
+
+__all__ = ["build_manifest", "decode_fragment", "encode_fragment", "publish_and_commit"]
+
+_POLL_S = 0.05
+
+
+def encode_fragment(staged: StagedSave, chunks: dict[int, list[ChunkEntry]], process_index: int) -> bytes:
+    """JSON of this process's chunk list, keyed by array path."""
+    doc = {
+        "process": process_index,
+        "arrays": [
+            {"path": [list(e) for e in arr.path], "chunks": [chunk_to_json(c) for c in chunks[i]]}
+            for i, arr in enumerate(staged.arrays)
+        ],
+    }
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def decode_fragment(data: bytes | memoryview, staged: StagedSave) -> dict[KeyPath, list[ChunkEntry]]:
+    """Parse a fragment against the local view of the arrays (same pytree everywhere)."""
+    try:
+        doc = json.loads(bytes(data))
+        arrays = doc["arrays"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ManifestError(f"malformed fragment: {e}") from e
+    meta = {arr.path: arr for arr in staged.arrays}
+    out: dict[KeyPath, list[ChunkEntry]] = {}
+    for a in arrays:
+        path = tuple((k, v) for k, v in a["path"])
+        if path not in meta:
+            raise ManifestError(f"fragment names an unknown array path {path}")
+        m = meta[path]
+        itemsize = dtype_from_name(m.dtype).itemsize
+        out[path] = [chunk_from_json(c, shape=m.shape, itemsize=itemsize) for c in a["chunks"]]
+    return out
+
+
+def build_manifest(
+    *,
+    step: int,
+    staged: StagedSave,
+    chunks_by_path: dict[KeyPath, list[ChunkEntry]],
+    num_processes: int,
+    metadata: dict[str, object],
+    writer_version: str,
+) -> Manifest:
+    """Assemble and validate (round-trip through the codec) the manifest of a step."""
+    by_path: dict[KeyPath, Leaf] = {v.path: v for v in staged.values}
+    for arr in staged.arrays:
+        chunks = sorted(chunks_by_path.get(arr.path, []), key=lambda c: c.box)
+        by_path[arr.path] = ArrayLeaf(
+            path=arr.path, shape=arr.shape, dtype=arr.dtype, chunks=tuple(chunks),
+            kind=arr.kind, sharding=arr.sharding, key_impl=arr.key_impl,  # type: ignore[arg-type]
+        )
+    manifest = Manifest(
+        step=step,
+        leaves=tuple(by_path[p] for p in staged.order),
+        num_processes=num_processes,
+        created_unix=time.time(),
+        writer_version=writer_version,
+        metadata=dict(metadata),
+    )
+    decode_manifest(encode_manifest(manifest))  # proves tiling and well-formedness
+    return manifest
+
+
+def _wait_all_done(coord: Coordinator, ns: str, deadline: float) -> list[str]:
+    n = coord.process_count
+    values: list[str | None] = [None] * n
+    while True:
+        for i in range(n):
+            if values[i] is None:
+                values[i] = coord.try_get(f"{ns}/done/{i}")
+                if values[i] is not None and values[i].startswith("err"):  # type: ignore[union-attr]
+                    raise DistributedError(f"process {i} failed its part of the save: {values[i][4:]}")  # type: ignore[index]
+        if all(v is not None for v in values):
+            return [v[3:] for v in values]  # type: ignore[index]
+        if time.monotonic() > deadline:
+            missing = [i for i, v in enumerate(values) if v is None]
+            raise BarrierTimeoutError(f"processes {missing} did not finish their part of the save in time")
+        time.sleep(_POLL_S)
+
+
+def publish_and_commit(
+    *,
+    store_run: Callable[[Coroutine[Any, Any, Any]], Any],
+    store: Store,
+    coord: Coordinator,
+    ns: str,
+    step: int,
+    save_id: str,
+    staged: StagedSave,
+    chunks: dict[int, list[ChunkEntry]] | None,
+    error: BaseException | None,
+    timeout_s: float,
+    metadata: dict[str, object],
+    writer_version: str,
+) -> Manifest | None:
+    """Run steps 1–3 of the protocol for this process (blocking; call off the train thread).
+
+    ``store_run(coro)`` runs a storage coroutine to completion (the manager's loop).
+    Returns the manifest on process 0, None elsewhere; raises on any failure.
+    """
+    deadline = time.monotonic() + timeout_s
+    idx, n = coord.process_index, coord.process_count
+    if n > 1:
+        if error is None:
+            try:
+                assert chunks is not None
+                fkey = fragment_key(step, save_id, idx)
+                store_run(store.put(fkey, encode_fragment(staged, chunks, idx), mode="overwrite"))
+                coord.set(f"{ns}/done/{idx}", f"ok {fkey}")
+            except BaseException as e:
+                coord.set(f"{ns}/done/{idx}", f"err {type(e).__name__}: {e}")
+                raise
+        else:
+            coord.set(f"{ns}/done/{idx}", f"err {type(error).__name__}: {error}")
+    if error is not None and idx != 0:
+        raise error
+    if idx != 0:
+        verdict = coord.get(f"{ns}/commit", timeout_s=max(0.001, deadline - time.monotonic()))
+        if verdict != "ok":
+            raise DistributedError(f"step {step} was not committed: {verdict[4:]}")
+        return None
+    try:
+        if error is not None:
+            raise error
+        assert chunks is not None
+        if n > 1:
+            fkeys = _wait_all_done(coord, ns, deadline)
+            merged: dict[KeyPath, list[ChunkEntry]] = {}
+            for fk in fkeys:
+                for path, cs in decode_fragment(store_run(store.get(fk)), staged).items():
+                    merged.setdefault(path, []).extend(cs)
+        else:
+            merged = {arr.path: chunks[i] for i, arr in enumerate(staged.arrays)}
+        manifest = build_manifest(step=step, staged=staged, chunks_by_path=merged, num_processes=n,
+                                  metadata=metadata, writer_version=writer_version)
+        try:
+            store_run(store.put(manifest_key(step), encode_manifest(manifest), mode="create"))
+        except AlreadyExistsError as e:
+            raise StepAlreadyCommittedError(f"step {step} is already committed in {store.url}") from e
+    except BaseException as e:
+        if n > 1:
+            coord.set(f"{ns}/commit", f"err {type(e).__name__}: {e}")
+        raise
+    if n > 1:
+        coord.set(f"{ns}/commit", "ok")
+    return manifest
+
+
+def fragments_for(keys: Sequence[str]) -> list[str]:
+    """Fragment keys among ``keys`` (for gc)."""
+    return [k for k in keys if k.endswith(".fragment.json")]

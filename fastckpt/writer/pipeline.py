@@ -1,0 +1,215 @@
+"""The background half of a save: encode (zstd + crc32c) and upload, under a memory bound.
+
+Call order: :func:`write_chunks` runs on the fastckpt event loop after staging. Encoding runs
+on a thread pool (zstd and crc32c release the GIL); encoded chunks are packed into objects of
+about ``object_bytes`` and uploaded with bounded concurrency. Host memory beyond the staged
+copy is bounded by ``max_inflight_bytes``: a chunk's budget is taken before it is encoded
+and returned when the object holding it has been uploaded. Chunks that do not compress
+(ratio above ``_KEEP_RAW_RATIO``) are stored raw, straight from the staging buffer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+from concurrent.futures import Executor
+
+import zstandard
+
+from fastckpt._checksum import crc32c
+from fastckpt.format.layout import data_key
+from fastckpt.format.manifest import ChunkEntry, Codec
+from fastckpt.options import SaveOptions
+from fastckpt.storage._protocol import Store
+from fastckpt.writer.stage import StagedSave
+
+__all__ = ["EncodedChunk", "WriteStats", "write_chunks"]
+
+_KEEP_RAW_RATIO = 0.97
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EncodedChunk:
+    """One chunk ready to be packed: stored bytes plus checksums."""
+
+    array_index: int
+    item_index: int
+    stored: memoryview
+    codec: Codec
+    crc32c: int
+    raw_crc32c: int
+    raw_length: int
+
+
+@dataclasses.dataclass
+class WriteStats:
+    """What the background write did (per process)."""
+
+    raw_bytes: int = 0
+    stored_bytes: int = 0
+    objects: int = 0
+    encode_s: float = 0.0
+    upload_s: float = 0.0
+
+
+class _ByteBudget:
+    """An async semaphore counted in bytes. A request larger than the capacity waits for
+    the budget to be completely free, then proceeds alone."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.used = 0
+        self.waiting = 0
+        self._cond = asyncio.Condition()
+
+    async def acquire(self, n: int) -> int:
+        n = min(n, self.capacity)
+        async with self._cond:
+            self.waiting += 1
+            try:
+                await self._cond.wait_for(lambda: self.used + n <= self.capacity)
+            finally:
+                self.waiting -= 1
+            self.used += n
+        return n
+
+    async def release(self, n: int) -> None:
+        async with self._cond:
+            self.used -= n
+            self._cond.notify_all()
+
+
+class _Encoder:
+    """Thread-safe encoder: one zstd compressor per thread."""
+
+    def __init__(self, options: SaveOptions) -> None:
+        self._options = options
+        self._local = threading.local()
+
+    def __call__(self, array_index: int, item_index: int, raw: memoryview) -> EncodedChunk:
+        raw_crc = crc32c(raw)
+        if self._options.compression == "zstd" and raw.nbytes > 0:
+            cctx = getattr(self._local, "cctx", None)
+            if cctx is None:
+                cctx = self._local.cctx = zstandard.ZstdCompressor(level=self._options.zstd_level)
+            packed = cctx.compress(raw)
+            if len(packed) < _KEEP_RAW_RATIO * raw.nbytes:
+                return EncodedChunk(array_index, item_index, memoryview(packed), "zstd",
+                                    crc32c(packed), raw_crc, raw.nbytes)
+        return EncodedChunk(array_index, item_index, raw, "raw", raw_crc, raw_crc, raw.nbytes)
+
+
+async def write_chunks(
+    store: Store,
+    staged: StagedSave,
+    *,
+    step: int,
+    save_id: str,
+    process_index: int,
+    options: SaveOptions,
+    executor: Executor,
+    stats: WriteStats,
+) -> dict[int, list[ChunkEntry]]:
+    """Encode and upload every staged chunk; return chunk entries per staged array index.
+
+    Guarantees: on return every listed chunk is durably stored (each object's ``put``
+    completed). On error, nothing is committed; already-uploaded objects are unreferenced
+    garbage for ``gc``.
+    """
+    loop = asyncio.get_running_loop()
+    encoder = _Encoder(options)
+    budget = _ByteBudget(options.max_inflight_bytes)
+    upload_slots = asyncio.Semaphore(options.upload_concurrency)
+    target = max(1, min(options.object_bytes, options.max_inflight_bytes // 2))
+    result: dict[int, list[ChunkEntry]] = {i: [] for i in range(len(staged.arrays))}
+    queue: asyncio.Queue[tuple[asyncio.Future[EncodedChunk], int] | None] = asyncio.Queue(
+        maxsize=max(2, options.encode_threads * 2)
+    )
+    uploads: set[asyncio.Task[None]] = set()
+    n_objects = 0
+
+    async def produce() -> None:
+        for ai, arr in enumerate(staged.arrays):
+            for ii in range(len(arr.items)):
+                charged = await budget.acquire(arr.items[ii].nbytes)
+                fut = loop.run_in_executor(executor, encoder, ai, ii, staged.chunk_view(arr, ii))
+                await queue.put((fut, charged))
+        await queue.put(None)
+
+    async def upload(key: str, parts: list[memoryview], charged: int, entries: list[tuple[int, ChunkEntry]]) -> None:
+        try:
+            async with upload_slots:
+                t0 = loop.time()
+                await store.put(key, parts, mode="overwrite")
+                stats.upload_s += loop.time() - t0
+            for ai, entry in entries:
+                result[ai].append(entry)
+            stats.objects += 1
+        finally:
+            await budget.release(charged)
+
+    async def consume() -> None:
+        nonlocal n_objects
+        parts: list[memoryview] = []
+        entries: list[tuple[int, ChunkEntry]] = []
+        size = charged_total = 0
+
+        def flush() -> None:
+            nonlocal parts, entries, size, charged_total, n_objects
+            if not parts:
+                return
+            key = data_key(step, save_id, process_index, n_objects)
+            n_objects += 1
+            keyed = [(ai, dataclasses.replace(e, key=key)) for ai, e in entries]
+            task = asyncio.ensure_future(upload(key, parts, charged_total, keyed))
+            uploads.add(task)
+            task.add_done_callback(uploads.discard)
+            parts, entries, size, charged_total = [], [], 0, 0
+
+        while True:
+            if parts and (size >= target or budget.waiting):
+                flush()
+            try:
+                got = await asyncio.wait_for(queue.get(), timeout=0.02)
+            except asyncio.TimeoutError:
+                continue  # re-check: the producer may be waiting for budget we hold
+            if got is None:
+                break
+            fut, charged = got
+            t0 = loop.time()
+            enc = await fut
+            stats.encode_s += loop.time() - t0
+            # Raw chunks are views of the staging buffer: they cost no extra memory.
+            keep = enc.stored.nbytes if enc.codec != "raw" else 0
+            keep = min(keep, charged)
+            if charged > keep:
+                await budget.release(charged - keep)
+            arr = staged.arrays[enc.array_index]
+            item = arr.items[enc.item_index]
+            entries.append((enc.array_index, ChunkEntry(
+                box=item.box, key="", offset=size, length=enc.stored.nbytes,
+                raw_length=enc.raw_length, codec=enc.codec, crc32c=enc.crc32c, raw_crc32c=enc.raw_crc32c,
+            )))
+            parts.append(enc.stored)
+            size += enc.stored.nbytes
+            charged_total += keep
+            stats.raw_bytes += enc.raw_length
+            stats.stored_bytes += enc.stored.nbytes
+        flush()
+
+    producer = asyncio.ensure_future(produce())
+    try:
+        await consume()
+        await producer
+        while uploads:
+            await asyncio.gather(*list(uploads))
+    except BaseException:
+        producer.cancel()
+        for t in list(uploads):
+            t.cancel()
+        await asyncio.gather(producer, *uploads, return_exceptions=True)
+        raise
+    for entries in result.values():
+        entries.sort(key=lambda e: e.box)
+    return result

@@ -1,0 +1,208 @@
+"""Stage a pytree for saving: classify leaves and copy this process's shards to host.
+
+This is the only part of a save that blocks the training step. Call order inside
+:func:`stage_state`: (1) classify leaves and plan chunks (pure), (2) start every
+device-to-host copy (``copy_to_host_async``) before waiting on any, (3) copy every shard into
+one page-aligned staging buffer (parallel, huge pages). After it returns, the caller may
+mutate or donate the device arrays: the staged copy is independent of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from concurrent.futures import Executor
+from typing import Any
+
+import jax
+import numpy as np
+
+from fastckpt._hostmem import as_bytes, parallel_copy
+from fastckpt._tree import FlatLeaf, is_prng_key
+from fastckpt.errors import ConfigError
+from fastckpt.format.dtypes import dtype_name
+from fastckpt.format.manifest import KeyPath, ShardingSpec, ValueLeaf, keypath_str
+from fastckpt.planning import ShardInfo, WriteItem, box_from_index, full_box, plan_leaf_writes
+
+__all__ = ["StagedArray", "StagedSave", "stage_state", "sharding_spec_of", "value_leaf_of"]
+
+_ALIGN = 64
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StagedArray:
+    """An array leaf as staged: metadata plus the chunks this process writes."""
+
+    path: KeyPath
+    shape: tuple[int, ...]
+    dtype: str
+    kind: str
+    sharding: ShardingSpec | None
+    key_impl: str | None
+    items: tuple[WriteItem, ...]
+    item_offsets: tuple[int, ...]
+    """Absolute offset of each item's bytes in the staging buffer."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StagedSave:
+    """Everything the background pipeline needs; independent of device memory."""
+
+    arrays: tuple[StagedArray, ...]
+    values: tuple[ValueLeaf, ...]
+    buffer: np.ndarray
+    """The staging buffer (uint8); chunk bytes live at ``item_offsets``."""
+    nbytes: int
+    """Bytes of shard data staged (excluding alignment padding)."""
+    order: tuple[KeyPath, ...]
+    """Every leaf path in flatten order (the manifest keeps this order)."""
+
+    def chunk_view(self, array: StagedArray, i: int) -> memoryview:
+        """Raw bytes of ``array.items[i]`` (a view into the staging buffer)."""
+        off = array.item_offsets[i]
+        return memoryview(self.buffer[off : off + array.items[i].nbytes])
+
+
+def value_leaf_of(path: KeyPath, x: Any) -> ValueLeaf | None:
+    """The inline leaf for a Python scalar/str/None, or None if ``x`` is not one."""
+    if x is None:
+        return ValueLeaf(path, "none", None)
+    if isinstance(x, bool):
+        return ValueLeaf(path, "bool", x)
+    if isinstance(x, int):
+        return ValueLeaf(path, "int", int(x))
+    if isinstance(x, float):
+        return ValueLeaf(path, "float", float(x))
+    if isinstance(x, complex):
+        return ValueLeaf(path, "complex", (x.real, x.imag))
+    if isinstance(x, str):
+        return ValueLeaf(path, "str", x)
+    return None
+
+
+def sharding_spec_of(sharding: Any) -> ShardingSpec | None:
+    """Describe a ``NamedSharding`` (others are not described: restore needs a target)."""
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return None
+    mesh = sharding.mesh
+    spec: list[None | str | tuple[str, ...]] = []
+    for p in sharding.spec:
+        if p is None or isinstance(p, str):
+            spec.append(p)
+        else:
+            spec.append(tuple(str(a) for a in p))
+    return ShardingSpec(tuple(str(n) for n in mesh.axis_names), tuple(mesh.devices.shape), tuple(spec))
+
+
+@dataclasses.dataclass
+class _Pending:
+    path: KeyPath
+    shape: tuple[int, ...]
+    dtype: str
+    kind: str
+    sharding: ShardingSpec | None
+    key_impl: str | None
+    items: tuple[WriteItem, ...]
+    sources: dict[int, Any]  # shard_index -> device array or numpy array
+
+
+def _plan_array(leaf: FlatLeaf, *, process_index: int, max_chunk_bytes: int) -> _Pending:
+    x = leaf.value
+    where = keypath_str(leaf.path)
+    if isinstance(x, (np.ndarray, np.generic)):
+        arr = np.asarray(x)
+        try:
+            name = dtype_name(arr.dtype)
+        except Exception as e:
+            raise ConfigError(f"{where}: {e}") from e
+        shards = [ShardInfo(full_box(arr.shape), 0 if process_index == 0 else 1, 0)]
+        items = plan_leaf_writes(shards, itemsize=arr.dtype.itemsize, max_chunk_bytes=max_chunk_bytes)
+        return _Pending(leaf.path, arr.shape, name, "numpy", None, None, items, {0: arr})
+    if not isinstance(x, jax.Array):
+        raise ConfigError(f"{where}: unsupported leaf type {type(x).__name__}")
+    kind, key_impl = "jax", None
+    if is_prng_key(x):
+        kind, key_impl = "prng_key", str(jax.random.key_impl(x))
+        sharding = sharding_spec_of(x.sharding)
+        x = jax.random.key_data(x)
+    else:
+        sharding = sharding_spec_of(x.sharding)
+    if x.is_deleted():
+        raise ConfigError(f"{where}: the array was deleted (donated?) before save")
+    try:
+        name = dtype_name(x.dtype)
+    except Exception as e:
+        raise ConfigError(f"{where}: {e}") from e
+    shards, sources = [], {}
+    for i, s in enumerate(x.addressable_shards):
+        shards.append(ShardInfo(box_from_index(s.index, x.shape), s.replica_id, i))
+        sources[i] = s.data
+    items = plan_leaf_writes(shards, itemsize=np.dtype(x.dtype).itemsize, max_chunk_bytes=max_chunk_bytes)
+    used = {it.shard_index for it in items}
+    return _Pending(leaf.path, tuple(x.shape), name, kind, sharding, key_impl, items,
+                    {i: sources[i] for i in used})
+
+
+def stage_state(
+    leaves: list[FlatLeaf],
+    *,
+    process_index: int,
+    max_chunk_bytes: int,
+    allocate: Callable[[int], np.ndarray],
+    executor: Executor | None,
+) -> StagedSave:
+    """Classify leaves, start all device-to-host copies, then copy shards into one buffer.
+
+    Args:
+        leaves: flattened state (``fastckpt._tree.flatten``).
+        process_index: this process; numpy leaves are written by process 0 only.
+        max_chunk_bytes: sub-chunk size bound.
+        allocate: returns a writable uint8 buffer of at least the given size (a pooled
+            staging buffer or a RAM-tier segment).
+        executor: threads for the parallel copy (None: copy inline).
+    """
+    pending: list[_Pending] = []
+    values: list[ValueLeaf] = []
+    for leaf in leaves:
+        v = value_leaf_of(leaf.path, leaf.value)
+        if v is not None:
+            values.append(v)
+        else:
+            pending.append(_plan_array(leaf, process_index=process_index, max_chunk_bytes=max_chunk_bytes))
+    # (2) start every transfer before waiting on any.
+    for p in pending:
+        for src in p.sources.values():
+            if isinstance(src, jax.Array):
+                src.copy_to_host_async()
+    # (3) lay shards out in one buffer, 64-byte aligned, and copy.
+    shard_offsets: list[dict[int, int]] = []
+    total = 0
+    for p in pending:
+        offs: dict[int, int] = {}
+        for idx, src in p.sources.items():
+            offs[idx] = total
+            total += -(-int(np.asarray(src).nbytes if not isinstance(src, jax.Array) else src.nbytes) // _ALIGN) * _ALIGN
+        shard_offsets.append(offs)
+    buffer = allocate(total)
+    copies = []
+    staged_bytes = 0
+    arrays = []
+    for p, offs in zip(pending, shard_offsets):
+        for idx, src in p.sources.items():
+            host = as_bytes(np.asarray(src))
+            copies.append((buffer[offs[idx] : offs[idx] + host.nbytes], host))
+            staged_bytes += host.nbytes
+        arrays.append(
+            StagedArray(
+                path=p.path,
+                shape=p.shape,
+                dtype=p.dtype,
+                kind=p.kind,
+                sharding=p.sharding,
+                key_impl=p.key_impl,
+                items=p.items,
+                item_offsets=tuple(offs[it.shard_index] + it.byte_offset for it in p.items),
+            )
+        )
+    parallel_copy(copies, executor)
+    return StagedSave(tuple(arrays), tuple(values), buffer, staged_bytes, tuple(l.path for l in leaves))
