@@ -33,8 +33,8 @@ from fastckpt.options import ManagerOptions
 from fastckpt.reader.assemble import build_leaves, resolve_target
 from fastckpt.reader.fetch import ChunkSource, RestoreStats, fill_units
 from fastckpt.storage._protocol import Store
-from fastckpt.writer.commit import publish_and_commit
-from fastckpt.writer.pipeline import WriteStats, write_chunks
+from fastckpt.writer.commit import exchange_ram_manifest, publish_and_commit, ram_chunk_entries
+from fastckpt.writer.pipeline import WriteStats, checksum_chunks, write_chunks
 from fastckpt.writer.stage import StagedSave, stage_state
 
 __all__ = ["CheckpointManager", "SaveStats"]
@@ -59,6 +59,10 @@ class SaveStats:
     commit_s: float = 0.0
     total_s: float = 0.0
     """From the start of ``save()`` to the commit."""
+    tiers: tuple[str, ...] = ()
+    """Where this step was committed: ``"ram"`` and/or ``"storage"``."""
+    ram_commit_s: float = 0.0
+    """From the start of ``save()`` until the RAM step was sealed (RAM steps only)."""
 
 
 class _StagingPool:
@@ -125,7 +129,14 @@ class CheckpointManager:
         self._pool = _StagingPool()
         self._seq = 0
         self._ns = f"fastckpt/{zlib.crc32(self.store.url.encode()):08x}"
+        self._rseq = 0
         self._closed = False
+        self._ram = None
+        if self.options.ram is not None:
+            from fastckpt.replicas.tiered import RamReplication
+
+            self._ram = RamReplication(self.options.ram, coordinator=self.coordinator, store=self.store,
+                                       namespace=self._ns, run=self._io.run)
         self.last_save_stats: SaveStats | None = None
         self.last_restore_stats: RestoreStats | None = None
 
@@ -142,7 +153,9 @@ class CheckpointManager:
         if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
             raise ConfigError(f"step must be a non-negative int, got {step!r}")
         step = int(step)
-        if not force and step % self.options.save_interval_steps:
+        persist = force or step % self.options.save_interval_steps == 0
+        ram = self._ram is not None and (persist or self._ram.due(step))
+        if not persist and not ram:
             return False
         if self._pending is not None and not self._pending.done() and self.options.save.if_busy == "skip":
             if not self._agree_skip():
@@ -150,16 +163,24 @@ class CheckpointManager:
         self.wait()
         t0 = time.perf_counter()
         leaves, _ = flatten(state)
-        staged = stage_state(
-            leaves,
-            process_index=self.coordinator.process_index,
-            max_chunk_bytes=self.options.save.max_chunk_bytes,
-            allocate=self._pool.take,
-            executor=self._workers,
-        )
+        ram_tier = self._ram if ram else None
+        try:
+            staged = stage_state(
+                leaves,
+                process_index=self.coordinator.process_index,
+                max_chunk_bytes=self.options.save.max_chunk_bytes,
+                allocate=(lambda n: ram_tier.allocate(step, n)) if ram_tier is not None else self._pool.take,
+                executor=self._workers,
+            )
+        except BaseException:
+            if ram_tier is not None:
+                ram_tier.abort()
+            raise
         stats = SaveStats(step=step, blocked_s=time.perf_counter() - t0, staged_bytes=staged.nbytes)
         seq, self._seq = self._seq, self._seq + 1
-        self._pending = self._background.submit(self._finish_save, seq, step, staged, dict(metadata or {}), stats, t0)
+        self._pending = self._background.submit(
+            self._finish_save, seq, step, staged, dict(metadata or {}), stats, t0, persist, ram_tier is not None
+        )
         return True
 
     def _agree_skip(self) -> bool:
@@ -179,8 +200,33 @@ class CheckpointManager:
             return False
         return True
 
+    def _commit_ram(self, seq: int, step: int, staged: StagedSave, metadata: dict[str, object]) -> dict[int, list[int]]:
+        """Checksum, agree on the RAM manifest, seal the segment and start the peer push."""
+        assert self._ram is not None
+        try:
+            raw_crcs = self._io.run(checksum_chunks(staged, executor=self._workers))
+            chunks = ram_chunk_entries(staged, raw_crcs, step)
+            manifest = exchange_ram_manifest(
+                coord=self.coordinator, ns=f"{self._ns}/{seq}", step=step, staged=staged, chunks=chunks,
+                timeout_s=self.options.distributed.barrier_timeout_s,
+                metadata={**metadata, "fastckpt_tier": "ram"}, writer_version=_VERSION,
+            )
+            self._ram.commit(step, staged, chunks, manifest)
+        except BaseException:
+            self._ram.abort()
+            raise
+        return raw_crcs
+
     def _finish_save(self, seq: int, step: int, staged: StagedSave, metadata: dict[str, object],
-                     stats: SaveStats, t0: float) -> SaveStats:
+                     stats: SaveStats, t0: float, persist: bool, ram: bool) -> SaveStats:
+        raw_crcs = None
+        if ram:
+            raw_crcs = self._commit_ram(seq, step, staged, metadata)
+            stats.ram_commit_s = time.perf_counter() - t0
+            stats.tiers += ("ram",)
+            if not persist:
+                stats.total_s = stats.ram_commit_s
+                return stats
         wstats = WriteStats()
         save_id = secrets.token_hex(6)
         chunks = None
@@ -188,7 +234,7 @@ class CheckpointManager:
         try:
             chunks = self._io.run(write_chunks(
                 self.store, staged, step=step, save_id=save_id, process_index=self.coordinator.process_index,
-                options=self.options.save, executor=self._workers, stats=wstats,
+                options=self.options.save, executor=self._workers, stats=wstats, raw_crcs=raw_crcs,
             ))
         except BaseException as e:  # reported to the other processes before re-raising
             error = e
@@ -200,7 +246,9 @@ class CheckpointManager:
                 timeout_s=self.options.distributed.barrier_timeout_s, metadata=metadata, writer_version=_VERSION,
             )
         finally:
-            self._pool.give(staged.buffer)
+            if not ram:
+                self._pool.give(staged.buffer)
+        stats.tiers += ("storage",)
         stats.raw_bytes, stats.stored_bytes, stats.objects = wstats.raw_bytes, wstats.stored_bytes, wstats.objects
         stats.encode_s, stats.upload_s = wstats.encode_s, wstats.upload_s
         stats.commit_s = time.perf_counter() - t_commit
@@ -228,14 +276,30 @@ class CheckpointManager:
             self._on_stats(stats)
 
     # ------------------------------------------------------------------ listing
-    def all_steps(self) -> list[int]:
-        """Committed steps in this root, ascending."""
+    def persistent_steps(self) -> list[int]:
+        """Steps committed to persistent storage, ascending."""
         self._check_open()
         keys = self._io.run(self.store.list(MANIFEST_PREFIX))
         return sorted(s for s in (step_from_manifest_key(k) for k in keys) if s is not None)
 
+    def steps_by_tier(self) -> dict[int, set[str]]:
+        """Every committed step and the tiers holding its manifest: ``"storage"``, ``"ram"``
+        (this host's RAM tier), ``"peer"`` (some peer's RAM tier)."""
+        out: dict[int, set[str]] = {s: {"storage"} for s in self.persistent_steps()}
+        if self._ram is not None:
+            for s, tiers in self._ram.steps_by_tier().items():
+                out.setdefault(s, set()).update(tiers)
+        return dict(sorted(out.items()))
+
+    def all_steps(self) -> list[int]:
+        """Committed steps in any tier, ascending (RAM steps only with a RAM tier configured)."""
+        if self._ram is None:
+            return self.persistent_steps()
+        return sorted(self.steps_by_tier())
+
     def latest_step(self) -> int | None:
-        """The newest committed step, or None."""
+        """The newest committed step in any tier, or None. (``restore()`` with no step also
+        checks that a RAM step's chunks are all reachable and may fall back to an older one.)"""
         steps = self.all_steps()
         return steps[-1] if steps else None
 
@@ -251,7 +315,10 @@ class CheckpointManager:
         try:
             data = self._io.run(self.store.get(manifest_key(step)))
         except NotFoundError:
-            raise CheckpointNotFoundError(f"step {step} is not committed in {self.store.url}") from None
+            ram_data = self._ram._manifest_anywhere(step) if self._ram is not None else None
+            if ram_data is None:
+                raise CheckpointNotFoundError(f"step {step} is not committed in {self.store.url}") from None
+            data = ram_data
         return decode_manifest(data)
 
     def metadata(self, step: int | None = None) -> dict[str, object]:
@@ -274,11 +341,29 @@ class CheckpointManager:
         import jax
 
         t0 = time.perf_counter()
-        manifest = self.manifest(step)
+        self._check_open()
+        source = self._chunk_source
+        manifest = None
+        if self._ram is not None:
+            if step is None:
+                rseq, self._rseq = self._rseq, self._rseq + 1
+                steps = self.persistent_steps()
+                choice = self._ram.select_step(steps[-1] if steps else None, key=f"{self._ns}/restore/{rseq}",
+                                               timeout_s=self.options.distributed.barrier_timeout_s)
+                if choice is not None:
+                    manifest = choice.manifest
+            source = self._ram.source()
+        if manifest is None:
+            if step is None and self._ram is not None:
+                steps = self.persistent_steps()
+                if not steps:
+                    raise CheckpointNotFoundError(f"no committed checkpoint in {self.store.url} or any RAM tier")
+                step = steps[-1]
+            manifest = self.manifest(step)
         plan = resolve_target(manifest, target, partial=partial)
         stats = RestoreStats()
         self._io.run(fill_units(self.store, manifest.step, plan.units(), options=self.options.restore,
-                                executor=self._workers, stats=stats, source=self._chunk_source))
+                                executor=self._workers, stats=stats, source=source))
         leaves = build_leaves(plan, stats)
         stats.seconds = time.perf_counter() - t0
         self.last_restore_stats = stats
@@ -289,7 +374,7 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ retention / gc
     def _apply_retention(self) -> None:
-        for step in steps_to_delete(self.all_steps(), self.options.retention):
+        for step in steps_to_delete(self.persistent_steps(), self.options.retention):
             self.delete_step(step)
 
     def delete_step(self, step: int) -> None:
@@ -312,6 +397,8 @@ class CheckpointManager:
         finally:
             self._closed = True
             self._background.shutdown(wait=True)
+            if self._ram is not None:
+                self._ram.close()
             try:
                 self._io.run(self.store.close())
             finally:

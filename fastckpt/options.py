@@ -13,6 +13,7 @@ from fastckpt.errors import ConfigError
 __all__ = [
     "DistributedOptions",
     "ManagerOptions",
+    "RamOptions",
     "RestoreOptions",
     "RetentionOptions",
     "SaveOptions",
@@ -118,6 +119,52 @@ class ManagerOptions:
     save_interval_steps: int = 1
     """``save(step, ...)`` writes persistently only when ``step % save_interval_steps == 0``
     (or ``force=True``)."""
+    ram: RamOptions | None = None
+    """RAM tier + peer replicas (None: persistent storage only)."""
 
     def __post_init__(self) -> None:
         _positive("save_interval_steps", self.save_interval_steps)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RamOptions:
+    """The RAM tier and peer replication (see ``docs/replicas.md``).
+
+    Each host keeps the latest RAM step's chunks in shared memory under ``root`` and pushes
+    them to ``replicas`` ring successors; every process serves its tier to authenticated
+    peers. ``root`` must identify the *host slot* (it survives a process restart on the same
+    host), e.g. ``/dev/shm/fastckpt/<run>/<host>``.
+    """
+
+    root: str
+    """Tier directory of this host (on tmpfs)."""
+    member_id: str | None = None
+    """Stable identity of this host in the replica ring (default: ``root``'s last component)."""
+    interval_steps: int = 10
+    """``save(step)`` takes a RAM checkpoint when ``step % interval_steps == 0``."""
+    budget_bytes: int = 16 << 30
+    """Upper bound of shared memory held by the tier (own chunks + replicas + spares)."""
+    keep_steps: int = 1
+    """RAM steps retained per host."""
+    replicas: int = 1
+    """Peers each host pushes its chunks to (k)."""
+    secret: bytes | None = None
+    """Shared secret (>= 16 bytes) for the peer handshake; None disables peers."""
+    host: str = "127.0.0.1"
+    """Interface the peer server binds to and advertises."""
+    port: int = 0
+    """Peer server port (0: any free port)."""
+    peer_connect_timeout_s: float = 5.0
+    peer_io_timeout_s: float = 30.0
+    discovery_timeout_s: float = 60.0
+    """How long to wait for every process to publish its peer address."""
+
+    def __post_init__(self) -> None:
+        if not self.root:
+            raise ConfigError("RamOptions.root is required")
+        for name in ("interval_steps", "budget_bytes", "keep_steps"):
+            _positive(name, getattr(self, name))
+        if self.replicas < 0:
+            raise ConfigError("replicas must be >= 0")
+        if self.secret is not None and len(self.secret) < 16:
+            raise ConfigError("secret must be at least 16 bytes")

@@ -232,7 +232,7 @@ def _chunk(obj: Any, shape: tuple[int, ...], itemsize: int, what: str) -> ChunkE
     )
 
 
-def _sharding(obj: Any, what: str) -> ShardingSpec | None:
+def _sharding(obj: Any, rank: int, what: str) -> ShardingSpec | None:
     if obj is None:
         return None
     d = _dict(obj, what, ("mesh_axis_names", "mesh_shape", "partition_spec"))
@@ -240,13 +240,48 @@ def _sharding(obj: Any, what: str) -> ShardingSpec | None:
     mshape = tuple(_int(n, f"{what}.mesh_shape", lo=1) for n in _list(d["mesh_shape"], what))
     if len(names) != len(mshape):
         _fail(f"{what}: {len(names)} axis names but mesh rank {len(mshape)}")
+    if len(set(names)) != len(names):
+        _fail(f"{what}: duplicate mesh axis names")
     spec: list[None | str | tuple[str, ...]] = []
+    used: list[str] = []
     for p in _list(d["partition_spec"], f"{what}.partition_spec"):
-        if p is None or type(p) is str:
+        if p is None:
+            spec.append(None)
+        elif type(p) is str:
             spec.append(p)
+            used.append(p)
         else:
-            spec.append(tuple(_str(x, f"{what}.partition_spec") for x in _list(p, what)))
+            axes = tuple(_str(x, f"{what}.partition_spec") for x in _list(p, what))
+            spec.append(axes)
+            used.extend(axes)
+    if len(spec) > rank:
+        _fail(f"{what}: partition_spec has {len(spec)} entries for an array of rank {rank}")
+    if any(a not in names for a in used) or len(set(used)) != len(used):
+        _fail(f"{what}: partition_spec must name distinct mesh axes of {list(names)}")
     return ShardingSpec(names, mshape, tuple(spec))
+
+
+def _check_disjoint(boxes: list[Box], what: str) -> None:
+    """Fail if two non-empty boxes overlap (with matching volumes: if they do not tile).
+
+    Sweep along the dimension with the most distinct starts; only boxes still open along it
+    are compared, which keeps grid-like tilings (every tiling fastckpt writes) near-linear.
+    """
+    boxes = [b for b in boxes if box_volume(b) > 0]
+    if len(boxes) < 2:
+        return
+    ndim = len(boxes[0])
+    if ndim == 0:
+        _fail(f"{what}: several chunks of a 0-d array")
+    d = max(range(ndim), key=lambda k: len({b[k][0] for b in boxes}))
+    boxes.sort(key=lambda b: b[d][0])
+    active: list[Box] = []
+    for b in boxes:
+        active = [a for a in active if a[d][1] > b[d][0]]
+        for a in active:
+            if all(a0 < b1 and b0 < a1 for (a0, a1), (b0, b1) in zip(a, b)):
+                _fail(f"{what}: chunks {list(a)} and {list(b)} overlap")
+        active.append(b)
 
 
 def _value_leaf(d: Mapping[str, Any], path: KeyPath, what: str) -> ValueLeaf:
@@ -298,15 +333,21 @@ def _array_leaf(d: Mapping[str, Any], path: KeyPath, what: str) -> ArrayLeaf:
         total *= n
     if sum(box_volume(c.box) for c in chunks) != total:
         _fail(f"{what}: chunks do not tile the array (volumes != {total})")
+    _check_disjoint([c.box for c in chunks], what)
     return ArrayLeaf(
         path=path,
         shape=shape,
         dtype=dtype.name,
         chunks=chunks,
         kind=kind,
-        sharding=_sharding(d.get("sharding"), f"{what}.sharding"),
+        sharding=_sharding(d.get("sharding"), len(shape), f"{what}.sharding"),
         key_impl=key_impl,
     )
+
+
+def _reject_constant(name: str) -> NoReturn:
+    # Strict JSON: NaN/Infinity are not JSON, and encode_manifest could not write them back.
+    raise ValueError(f"non-standard JSON constant {name}")
 
 
 def decode_manifest(data: bytes | bytearray | memoryview) -> Manifest:
@@ -314,7 +355,7 @@ def decode_manifest(data: bytes | bytearray | memoryview) -> Manifest:
     if len(data) > MAX_MANIFEST_BYTES:
         _fail(f"manifest of {len(data)} bytes exceeds the {MAX_MANIFEST_BYTES}-byte limit")
     try:
-        doc = json.loads(bytes(data))
+        doc = json.loads(bytes(data), parse_constant=_reject_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise ManifestError(f"manifest is not valid JSON: {e}") from e
     d = _dict(doc, "manifest", ("format_version", "step", "leaves"))

@@ -131,6 +131,13 @@ def _plan_array(path: KeyPath, stored: ArrayLeaf, tgt: Any) -> LeafPlan:
     return plan
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _StoredPath:
+    """A skeleton leaf (not a pytree node) naming the manifest leaf it stands for."""
+
+    path: KeyPath
+
+
 def resolve_target(manifest: Manifest, target: Any, *, partial: bool) -> RestorePlan:
     """Check ``target`` against ``manifest`` and plan every leaf.
 
@@ -143,9 +150,11 @@ def resolve_target(manifest: Manifest, target: Any, *, partial: bool) -> Restore
     if target is None:
         from fastckpt._tree import unflatten_from_paths
 
-        skeleton = unflatten_from_paths({leaf.path: None for leaf in manifest.leaves})
+        # The skeleton's own paths differ from the stored ones where attributes or
+        # flattened indices became dict keys and list positions: carry the stored path.
+        skeleton = unflatten_from_paths({leaf.path: _StoredPath(leaf.path) for leaf in manifest.leaves})
         leaves_t, treedef = flatten(skeleton)
-        targets: list[tuple[KeyPath, Any]] = [(lf.path, None) for lf in leaves_t]
+        targets: list[tuple[KeyPath, Any]] = [(lf.value.path, None) for lf in leaves_t]
     else:
         leaves_t, treedef = flatten(target)
         targets = [(lf.path, lf.value) for lf in leaves_t]

@@ -83,10 +83,26 @@ def validate_key(key: str) -> str:
 
 
 def payload_parts(data: Payload) -> list[memoryview]:
-    """Normalise a payload into a list of byte memoryviews."""
-    if isinstance(data, (bytes, bytearray, memoryview)):
-        return [memoryview(data).cast("B")]
-    return [memoryview(p).cast("B") for p in data]
+    """Normalise a payload into a list of flat byte memoryviews (no copies).
+
+    Any object with the buffer protocol (including a numpy array) is one buffer; only a
+    list or tuple (or another non-buffer sequence) is a sequence of parts.
+    """
+    if not isinstance(data, (list, tuple)):
+        try:
+            return [_flat(data)]
+        except TypeError:
+            pass
+    return [_flat(p) for p in data]
+
+
+def _flat(buf: Buffer) -> memoryview:
+    view = memoryview(buf)
+    if view.ndim == 1 and view.format == "B":
+        return view
+    if not view.c_contiguous:
+        raise ConfigError("payload buffers must be C-contiguous")
+    return view.cast("B")
 
 
 def payload_size(data: Payload) -> int:

@@ -143,6 +143,14 @@ class StoreTests:
         run(store.put("np", [a, memoryview(b)]))
         assert run(_get(store, "np")) == a.tobytes() + b.tobytes()
 
+    def test_single_numpy_array_payload(self, store: Store) -> None:
+        np = pytest.importorskip("numpy")
+        a = np.arange(50_000, dtype=np.float32).reshape(100, 500)
+        run(store.put("np1", a))
+        assert run(_get(store, "np1")) == a.tobytes()
+        with pytest.raises(ConfigError):
+            run(store.put("np2", a[:, ::2]))  # not contiguous
+
     def test_empty_parts_list(self, store: Store) -> None:
         run(store.put("none", []))
         assert run(_get(store, "none")) == b""

@@ -38,7 +38,14 @@ from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, KeyPath, Leaf, Manif
 from fastckpt.storage._protocol import Store
 from fastckpt.writer.stage import StagedSave
 
-__all__ = ["build_manifest", "decode_fragment", "encode_fragment", "publish_and_commit"]
+__all__ = [
+    "build_manifest",
+    "decode_fragment",
+    "encode_fragment",
+    "exchange_ram_manifest",
+    "publish_and_commit",
+    "ram_chunk_entries",
+]
 
 _POLL_S = 0.05
 
@@ -191,3 +198,58 @@ def publish_and_commit(
 def fragments_for(keys: Sequence[str]) -> list[str]:
     """Fragment keys among ``keys`` (for gc)."""
     return [k for k in keys if k.endswith(".fragment.json")]
+
+
+def ram_chunk_entries(staged: StagedSave, raw_crcs: dict[int, list[int]], step: int) -> dict[int, list[ChunkEntry]]:
+    """Chunk entries of a RAM-only step: raw codec, located in the staging segment.
+
+    The key ``ram/<step>`` is a placeholder (no persistent object exists); RAM tiers and
+    peers find chunks by ``chunk_id`` and verify against ``raw_crc32c``.
+    """
+    out: dict[int, list[ChunkEntry]] = {}
+    for ai, arr in enumerate(staged.arrays):
+        out[ai] = [
+            ChunkEntry(box=it.box, key=f"ram/{step:012d}", offset=arr.item_offsets[ii], length=it.nbytes,
+                       raw_length=it.nbytes, codec="raw", crc32c=raw_crcs[ai][ii], raw_crc32c=raw_crcs[ai][ii])
+            for ii, it in enumerate(arr.items)
+        ]
+    return out
+
+
+def exchange_ram_manifest(
+    *,
+    coord: Coordinator,
+    ns: str,
+    step: int,
+    staged: StagedSave,
+    chunks: dict[int, list[ChunkEntry]],
+    timeout_s: float,
+    metadata: dict[str, object],
+    writer_version: str,
+) -> bytes:
+    """Build the manifest of a RAM-only step on every process, through the coordinator.
+
+    Each process publishes its fragment under ``<ns>/ramfrag/<i>``; process 0 merges them
+    and publishes the encoded manifest under ``<ns>/rammanifest``; every process returns
+    those bytes. Bounded by ``timeout_s`` (``BarrierTimeoutError``).
+    """
+    idx, n = coord.process_index, coord.process_count
+    if n == 1:
+        merged = {arr.path: chunks[i] for i, arr in enumerate(staged.arrays)}
+        m = build_manifest(step=step, staged=staged, chunks_by_path=merged, num_processes=1,
+                           metadata=metadata, writer_version=writer_version)
+        return encode_manifest(m)
+    deadline = time.monotonic() + timeout_s
+    coord.set(f"{ns}/ramfrag/{idx}", encode_fragment(staged, chunks, idx).decode())
+    if idx == 0:
+        merged = {}
+        for i in range(n):
+            frag = coord.get(f"{ns}/ramfrag/{i}", timeout_s=max(0.001, deadline - time.monotonic()))
+            for path, cs in decode_fragment(frag.encode(), staged).items():
+                merged.setdefault(path, []).extend(cs)
+        m = build_manifest(step=step, staged=staged, chunks_by_path=merged, num_processes=n,
+                           metadata=metadata, writer_version=writer_version)
+        data = encode_manifest(m)
+        coord.set(f"{ns}/rammanifest", data.decode())
+        return data
+    return coord.get(f"{ns}/rammanifest", timeout_s=max(0.001, deadline - time.monotonic())).encode()

@@ -24,7 +24,7 @@ from fastckpt.options import SaveOptions
 from fastckpt.storage._protocol import Store
 from fastckpt.writer.stage import StagedSave
 
-__all__ = ["EncodedChunk", "WriteStats", "write_chunks"]
+__all__ = ["EncodedChunk", "WriteStats", "checksum_chunks", "write_chunks"]
 
 _KEEP_RAW_RATIO = 0.97
 
@@ -87,8 +87,9 @@ class _Encoder:
         self._options = options
         self._local = threading.local()
 
-    def __call__(self, array_index: int, item_index: int, raw: memoryview) -> EncodedChunk:
-        raw_crc = crc32c(raw)
+    def __call__(self, array_index: int, item_index: int, raw: memoryview, raw_crc: int | None = None) -> EncodedChunk:
+        if raw_crc is None:
+            raw_crc = crc32c(raw)
         if self._options.compression == "zstd" and raw.nbytes > 0:
             cctx = getattr(self._local, "cctx", None)
             if cctx is None:
@@ -110,12 +111,13 @@ async def write_chunks(
     options: SaveOptions,
     executor: Executor,
     stats: WriteStats,
+    raw_crcs: dict[int, list[int]] | None = None,
 ) -> dict[int, list[ChunkEntry]]:
     """Encode and upload every staged chunk; return chunk entries per staged array index.
 
     Guarantees: on return every listed chunk is durably stored (each object's ``put``
     completed). On error, nothing is committed; already-uploaded objects are unreferenced
-    garbage for ``gc``.
+    garbage for ``gc``. ``raw_crcs`` (from :func:`checksum_chunks`) skips recomputing them.
     """
     loop = asyncio.get_running_loop()
     encoder = _Encoder(options)
@@ -127,13 +129,21 @@ async def write_chunks(
         maxsize=max(2, options.encode_threads * 2)
     )
     uploads: set[asyncio.Task[None]] = set()
+    failed: list[BaseException] = []
     n_objects = 0
+
+    def upload_done(task: asyncio.Task[None]) -> None:
+        # Finished tasks leave ``uploads``: keep a failure, or it would never be raised.
+        uploads.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            failed.append(task.exception())  # type: ignore[arg-type]
 
     async def produce() -> None:
         for ai, arr in enumerate(staged.arrays):
             for ii in range(len(arr.items)):
                 charged = await budget.acquire(arr.items[ii].nbytes)
-                fut = loop.run_in_executor(executor, encoder, ai, ii, staged.chunk_view(arr, ii))
+                known = raw_crcs[ai][ii] if raw_crcs is not None else None
+                fut = loop.run_in_executor(executor, encoder, ai, ii, staged.chunk_view(arr, ii), known)
                 await queue.put((fut, charged))
         await queue.put(None)
 
@@ -164,10 +174,12 @@ async def write_chunks(
             keyed = [(ai, dataclasses.replace(e, key=key)) for ai, e in entries]
             task = asyncio.ensure_future(upload(key, parts, charged_total, keyed))
             uploads.add(task)
-            task.add_done_callback(uploads.discard)
+            task.add_done_callback(upload_done)
             parts, entries, size, charged_total = [], [], 0, 0
 
         while True:
+            if failed:
+                raise failed[0]
             if parts and (size >= target or budget.waiting):
                 flush()
             try:
@@ -204,6 +216,8 @@ async def write_chunks(
         await producer
         while uploads:
             await asyncio.gather(*list(uploads))
+        if failed:
+            raise failed[0]
     except BaseException:
         producer.cancel()
         for t in list(uploads):
@@ -213,3 +227,17 @@ async def write_chunks(
     for entries in result.values():
         entries.sort(key=lambda e: e.box)
     return result
+
+
+async def checksum_chunks(staged: StagedSave, *, executor: Executor) -> dict[int, list[int]]:
+    """crc32c of every staged chunk's raw bytes, per array index (parallel on ``executor``)."""
+    loop = asyncio.get_running_loop()
+    futs = {
+        (ai, ii): loop.run_in_executor(executor, crc32c, staged.chunk_view(arr, ii))
+        for ai, arr in enumerate(staged.arrays)
+        for ii in range(len(arr.items))
+    }
+    out: dict[int, list[int]] = {ai: [0] * len(arr.items) for ai, arr in enumerate(staged.arrays)}
+    for (ai, ii), fut in futs.items():
+        out[ai][ii] = await fut
+    return out

@@ -64,7 +64,14 @@ class StagedSave:
 
 
 def value_leaf_of(path: KeyPath, x: Any) -> ValueLeaf | None:
-    """The inline leaf for a Python scalar/str/None, or None if ``x`` is not one."""
+    """The inline leaf for a Python scalar/str/None, or None if ``x`` is not one.
+
+    numpy scalars are stored as arrays, even those that subclass a Python type
+    (``np.float64`` is a ``float``), so they restore with their numpy type; ``np.str_``
+    (no array dtype) is stored as a ``str``.
+    """
+    if isinstance(x, np.generic) and not isinstance(x, np.str_):
+        return None
     if x is None:
         return ValueLeaf(path, "none", None)
     if isinstance(x, bool):
@@ -76,7 +83,7 @@ def value_leaf_of(path: KeyPath, x: Any) -> ValueLeaf | None:
     if isinstance(x, complex):
         return ValueLeaf(path, "complex", (x.real, x.imag))
     if isinstance(x, str):
-        return ValueLeaf(path, "str", x)
+        return ValueLeaf(path, "str", str(x))
     return None
 
 

@@ -220,12 +220,13 @@ def test_create_conflict_check_retries_transient_head(fake_time: FakeTime) -> No
     assert flaky.calls["head"] == 3
 
 
-def test_create_exhausted_while_ambiguous(fake_time: FakeTime) -> None:
-    flaky = FlakyStore(MemoryStore(), land_before_failing=True)
+def test_create_exhausted(fake_time: FakeTime) -> None:
+    flaky = FlakyStore(MemoryStore())
     store = _retrying(flaky, fake_time, max_attempts=2)
     flaky.fail("put", 5)
     with pytest.raises(RetriesExhaustedError):
         run(store.put("m", b"payload", mode="create"))
+    assert run(flaky.inner.list()) == []
 
 
 def test_policy_validation() -> None:

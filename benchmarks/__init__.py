@@ -1,0 +1,1 @@
+"""Benchmarks for fastckpt (run as modules: ``python -m benchmarks.<name>``)."""

@@ -1,0 +1,284 @@
+"""Garbage collection: remove data no committed manifest references, and apply retention.
+
+A save writes its data objects under ``steps/<step>/<save_id>/`` first and commits by
+writing ``manifests/<step>.json`` last. A save that died, a retried attempt that lost, and
+the per-process fragment files of a committed multi-process save all leave objects that no
+manifest references. :func:`collect_garbage` finds them:
+
+* **unreferenced**: under a committed step, not referenced by its manifest. Always safe to
+  remove (a committed step is immutable; a competing attempt can no longer commit).
+* **uncommitted**: under a step without a manifest. It may belong to a save in flight, so
+  it is removed only when it is older than ``grace_s``. When the store cannot tell an
+  object's age (memory and GCS stores: the Store protocol has no mtime), it is removed only
+  if a *newer* step is committed (saves of a step finish before later steps commit).
+
+Order of deletion: for retention, a step's manifest is deleted before its data (un-commit
+first, like :meth:`fastckpt.CheckpointManager.delete_step`). A manifest that cannot be read
+protects its whole step (reported in ``GcReport.errors``), never the reverse.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import time
+from collections.abc import Sequence
+from typing import Literal
+
+from fastckpt._retention import steps_to_delete
+from fastckpt.errors import FastckptError, NotFoundError
+from fastckpt.format.codec import decode_manifest
+from fastckpt.format.manifest import Manifest
+from fastckpt.format.layout import (
+    MANIFEST_PREFIX,
+    STEPS_PREFIX,
+    manifest_key,
+    step_data_prefix,
+    step_from_data_key,
+    step_from_manifest_key,
+)
+from fastckpt.options import RetentionOptions
+from fastckpt.storage._protocol import Store
+
+__all__ = [
+    "GcReport",
+    "Leftover",
+    "collect_garbage",
+    "collect_garbage_async",
+    "find_leftovers",
+    "object_stats",
+    "read_manifests",
+]
+
+#: Default grace period: one hour (no sane save stays in flight that long).
+DEFAULT_GRACE_S = 3600.0
+_CONCURRENCY = 16
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Leftover:
+    """One data object no committed manifest references."""
+
+    key: str
+    step: int | None
+    reason: Literal["unreferenced", "uncommitted"]
+    """``unreferenced``: its step is committed; ``uncommitted``: its step has no manifest."""
+    age_s: float | None
+    """Seconds since it was written, when the store can tell."""
+    size: int | None
+    """Bytes, when the store can tell cheaply."""
+
+
+@dataclasses.dataclass
+class GcReport:
+    """What :func:`collect_garbage` removed (or would remove, with ``dry_run``)."""
+
+    dry_run: bool
+    committed_steps: list[int]
+    removed: list[Leftover] = dataclasses.field(default_factory=list)
+    """Leftovers deleted (dry run: that would be deleted)."""
+    kept: list[Leftover] = dataclasses.field(default_factory=list)
+    """Uncommitted leftovers kept because they may belong to a save in flight."""
+    retention_steps: list[int] = dataclasses.field(default_factory=list)
+    """Committed steps the retention policy deleted (dry run: would delete)."""
+    retention_objects: int = 0
+    """Objects (manifests + data) of ``retention_steps``."""
+    errors: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def removed_bytes(self) -> int:
+        """Bytes of ``removed`` whose size is known."""
+        return sum(lo.size or 0 for lo in self.removed)
+
+    def to_json(self) -> dict[str, object]:
+        """A JSON-serialisable summary (the CLI's ``--json`` output)."""
+        return {
+            "dry_run": self.dry_run,
+            "committed_steps": self.committed_steps,
+            "removed": [dataclasses.asdict(lo) for lo in self.removed],
+            "removed_bytes": self.removed_bytes,
+            "kept": [dataclasses.asdict(lo) for lo in self.kept],
+            "retention_steps": self.retention_steps,
+            "retention_objects": self.retention_objects,
+            "errors": self.errors,
+        }
+
+
+def _base_store(store: Store) -> Store:
+    inner = getattr(store, "inner", None)
+    return _base_store(inner) if isinstance(inner, Store) else store
+
+
+async def object_stats(store: Store, keys: Sequence[str]) -> dict[str, tuple[float | None, int | None]]:
+    """``key -> (mtime, size)`` where the store can tell; ``(None, None)`` where it cannot.
+
+    Local stores answer from ``os.stat``; stores that implement ``head`` answer the size;
+    a store may offer ``async list_with_mtime(prefix) -> list[tuple[key, mtime, size]]``.
+    """
+    base = _base_store(store)
+    out: dict[str, tuple[float | None, int | None]] = {k: (None, None) for k in keys}
+    root = getattr(base, "root", None)
+    if isinstance(root, os.PathLike):
+        for k in keys:
+            try:
+                st = os.stat(os.path.join(os.fspath(root), k))
+            except OSError:
+                continue
+            out[k] = (st.st_mtime, st.st_size)
+        return out
+    lister = getattr(base, "list_with_mtime", None)
+    if lister is not None:
+        wanted = set(keys)
+        for key, mtime, size in await lister(STEPS_PREFIX):
+            if key in wanted:
+                out[key] = (float(mtime), int(size))
+        return out
+    if type(base).head is not Store.head:  # cheap head (metadata request)
+        sem = asyncio.Semaphore(_CONCURRENCY)
+
+        async def one(k: str) -> None:
+            async with sem:
+                try:
+                    out[k] = (None, (await base.head(k)).size)
+                except NotFoundError:
+                    pass
+
+        await asyncio.gather(*(one(k) for k in keys))
+    return out
+
+
+async def read_manifests(store: Store) -> tuple[dict[int, Manifest | None], list[str]]:
+    """Every committed step's manifest (``None`` where it cannot be read), plus error notes."""
+    out: dict[int, Manifest | None] = {}
+    errors: list[str] = []
+    for key in await store.list(MANIFEST_PREFIX):
+        step = step_from_manifest_key(key)
+        if step is None:
+            continue
+        try:
+            out[step] = decode_manifest(await store.get(key))
+        except (FastckptError, ValueError) as e:
+            errors.append(f"step {step}: unreadable manifest ({e}); its data is left alone")
+            out[step] = None
+    return out, errors
+
+
+async def find_leftovers(
+    store: Store, *, manifests: dict[int, Manifest | None] | None = None, now: float | None = None
+) -> list[Leftover]:
+    """Data objects no committed manifest references (no deletion).
+
+    ``manifests`` (from :func:`read_manifests`) saves re-reading them. Objects of a step
+    whose manifest is unreadable are never reported.
+    """
+    if manifests is None:
+        manifests, _ = await read_manifests(store)
+    referenced: set[str] = set()
+    for m in manifests.values():
+        if m is not None:
+            referenced.update(m.object_keys())
+    protected = {s for s, m in manifests.items() if m is None}
+    candidates = [k for k in await store.list(STEPS_PREFIX)
+                  if k not in referenced and step_from_data_key(k) not in protected]
+    stats = await object_stats(store, candidates)
+    now = time.time() if now is None else now
+    leftovers = []
+    for k in candidates:
+        step = step_from_data_key(k)
+        mtime, size = stats[k]
+        leftovers.append(Leftover(k, step, "unreferenced" if step in manifests else "uncommitted",
+                                  None if mtime is None else max(0.0, now - mtime), size))
+    return leftovers
+
+
+def _collectable(lo: Leftover, *, grace_s: float, newest: int | None) -> bool:
+    if lo.reason == "unreferenced":
+        return True
+    if lo.age_s is not None:
+        return lo.age_s >= grace_s
+    return newest is not None and lo.step is not None and lo.step < newest
+
+
+async def _delete_all(store: Store, keys: Sequence[str]) -> None:
+    sem = asyncio.Semaphore(_CONCURRENCY)
+
+    async def one(k: str) -> None:
+        async with sem:
+            await store.delete(k)
+
+    await asyncio.gather(*(one(k) for k in keys))
+
+
+def _prune_empty_dirs(store: Store) -> None:
+    """Remove empty directories under ``steps/`` of a local store (delete leaves them)."""
+    root = getattr(_base_store(store), "root", None)
+    if not isinstance(root, os.PathLike):
+        return
+    top = os.path.join(os.fspath(root), STEPS_PREFIX.rstrip("/"))
+    for dirpath, _, _ in os.walk(top, topdown=False):  # children before parents
+        if dirpath != top:
+            try:
+                os.rmdir(dirpath)
+            except OSError:
+                pass  # not empty (or already gone)
+
+
+async def collect_garbage_async(
+    store: Store,
+    *,
+    grace_s: float = DEFAULT_GRACE_S,
+    dry_run: bool = False,
+    retention: RetentionOptions | None = None,
+    now: float | None = None,
+) -> GcReport:
+    """Async form of :func:`collect_garbage` (run it on the loop that owns ``store``)."""
+    if grace_s < 0:
+        from fastckpt.errors import ConfigError
+
+        raise ConfigError(f"grace_s must be >= 0, got {grace_s}")
+    committed, errors = await read_manifests(store)
+    leftovers = await find_leftovers(store, manifests=committed, now=now)
+    report = GcReport(dry_run=dry_run, committed_steps=sorted(committed), errors=errors)
+    newest = max(committed) if committed else None
+    for lo in leftovers:
+        (report.removed if _collectable(lo, grace_s=grace_s, newest=newest) else report.kept).append(lo)
+    if retention is not None:
+        report.retention_steps = steps_to_delete(committed, retention)
+    if not dry_run:
+        await _delete_all(store, [lo.key for lo in report.removed])
+    for step in report.retention_steps:
+        keys = await store.list(step_data_prefix(step))
+        report.retention_objects += 1 + len(keys)
+        if not dry_run:
+            await store.delete(manifest_key(step))  # un-commit first
+            await _delete_all(store, keys)
+    if not dry_run and (report.removed or report.retention_steps):
+        _prune_empty_dirs(store)
+    return report
+
+
+def collect_garbage(
+    store: Store,
+    *,
+    grace_s: float = DEFAULT_GRACE_S,
+    dry_run: bool = False,
+    retention: RetentionOptions | None = None,
+    now: float | None = None,
+) -> GcReport:
+    """Remove leftovers no committed manifest references; optionally apply ``retention``.
+
+    Blocking; runs its own event loop (call :func:`collect_garbage_async` from async code
+    or a manager's loop). See the module docstring for what counts as a leftover.
+
+    Args:
+        store: The checkpoint root.
+        grace_s: Uncommitted data younger than this is kept (it may be a save in flight).
+        dry_run: Report only; delete nothing.
+        retention: Also delete committed steps this policy does not keep.
+        now: Current UNIX time (tests inject it).
+
+    Returns:
+        A :class:`GcReport`.
+    """
+    return asyncio.run(collect_garbage_async(store, grace_s=grace_s, dry_run=dry_run, retention=retention, now=now))

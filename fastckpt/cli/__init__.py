@@ -1,0 +1,182 @@
+"""The ``fastckpt`` command line: ``ls``, ``inspect``, ``verify``, ``gc``, ``convert``, ``bench``, ``demo``.
+
+Run as ``fastckpt ...`` (console script) or ``python -m fastckpt ...``. Exit status: 0 ok,
+1 damage or failure (corrupt chunk, missing step, storage error), 2 usage error. This
+package is the only place (with ``fastckpt.testing``) that reads environment variables:
+``STORAGE_EMULATOR_HOST`` for ``gs://`` roots unless ``--gcs-endpoint`` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+__all__ = ["build_parser", "main"]
+
+_DESCRIPTION = "Inspect, verify, clean up and convert fastckpt checkpoints."
+
+
+def _common(p: argparse.ArgumentParser, *, json_flag: bool = True, progress: bool = False) -> None:
+    p.add_argument("--gcs-endpoint", metavar="URL", default=None,
+                   help="GCS endpoint for gs:// roots (default: $STORAGE_EMULATOR_HOST, else Google)")
+    if json_flag:
+        p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    if progress:
+        p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+
+
+def _step(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"step must be a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"step must be a non-negative integer, got {text!r}")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = _step(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be > 0")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser (exposed for docs and tests)."""
+    parser = argparse.ArgumentParser(prog="fastckpt", description=_DESCRIPTION)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("ls", help="list steps: committed (sizes) and uncommitted leftovers")
+    p.add_argument("root", help="checkpoint root: gs://bucket/prefix, path, file:// URL")
+    _common(p)
+
+    p = sub.add_parser("inspect", help="one step's tree: shapes, dtypes, shardings, sizes")
+    p.add_argument("root")
+    p.add_argument("step", nargs="?", type=_step, help="step (default: latest committed)")
+    _common(p)
+
+    p = sub.add_parser("verify", help="re-read every chunk; check crc32c and decode (exit 1 on damage)")
+    p.add_argument("root")
+    p.add_argument("step", nargs="?", type=_step, help="step (default: latest committed)")
+    p.add_argument("--all", action="store_true", help="verify every committed step")
+    p.add_argument("--threads", type=_positive, default=4, help="checksum/decode threads (default 4)")
+    _common(p, progress=True)
+
+    p = sub.add_parser("gc", help="remove uncommitted leftovers; optionally apply retention")
+    p.add_argument("root")
+    p.add_argument("--dry-run", action="store_true", help="only report what would be removed")
+    p.add_argument("--grace", default="1h", metavar="DURATION",
+                   help="keep uncommitted data younger than this (e.g. 30m, 2h; default 1h)")
+    p.add_argument("--keep-last", type=_positive, default=None, metavar="N",
+                   help="also delete committed steps except the newest N (and --keep-every ones)")
+    p.add_argument("--keep-every", type=_positive, default=None, metavar="K",
+                   help="with retention: keep every step divisible by K")
+    _common(p)
+
+    p = sub.add_parser("convert", help="convert Orbax <-> fastckpt (direction detected from SRC)")
+    p.add_argument("src", help="an Orbax checkpoint (item dir, step dir or manager root) or a fastckpt root")
+    p.add_argument("dst", help="the fastckpt root or Orbax directory to write")
+    p.add_argument("--step", type=_step, default=None, help="source step (default: latest)")
+    p.add_argument("--to-step", type=_step, default=None, help="Orbax->fastckpt: step to write (default: source step)")
+    p.add_argument("--item", default=None, help="Orbax item name in a step dir (default: 'default' or the only one)")
+    p.add_argument("--layout", choices=("manager", "item"), default="manager",
+                   help="fastckpt->Orbax: write a CheckpointManager dir (DST/<step>/default) or a bare item dir")
+    _common(p, json_flag=False)
+
+    p = sub.add_parser("bench", help="run benchmarks.restore_latency (extra arguments pass through)")
+    p.add_argument("--root", default=None, help="checkpoint root for the benchmark")
+
+    sub.add_parser("demo", help="run the elastic training demo (arguments pass through)", add_help=False)
+    return parser
+
+
+def _run(coro_fn: Any, root: str, gcs_endpoint: str | None, **kwargs: Any) -> int:
+    from fastckpt.cli._util import open_root
+
+    store = open_root(root, gcs_endpoint=gcs_endpoint)
+
+    async def go() -> int:
+        try:
+            coro: Coroutine[Any, Any, int] = coro_fn(store, **kwargs)
+            return await coro
+        finally:
+            await store.close()
+
+    return asyncio.run(go())
+
+
+def _missing_local_root(root: str) -> bool:
+    import os
+
+    if "://" in root and not root.startswith("file://"):
+        return False
+    path = root[len("file://"):] if root.startswith("file://") else root
+    return not os.path.isdir(path)
+
+
+def _dispatch(args: argparse.Namespace, extra: list[str]) -> int:
+    from fastckpt.cli import _inspect, _ops, _verify
+    from fastckpt.cli._util import parse_duration
+
+    cmd = args.command
+    if cmd == "bench":
+        return _ops.cmd_bench(args.root, extra)
+    if cmd == "convert":
+        return _ops.cmd_convert(args.src, args.dst, step=args.step, to_step=args.to_step, item=args.item,
+                                layout=args.layout, gcs_endpoint=args.gcs_endpoint)
+    if _missing_local_root(args.root):
+        sys.stderr.write(f"fastckpt {cmd}: no such directory: {args.root}\n")
+        return 1
+    ep = args.gcs_endpoint
+    if cmd == "ls":
+        return _run(_inspect.cmd_ls, args.root, ep, as_json=args.json)
+    if cmd == "inspect":
+        return _run(_inspect.cmd_inspect, args.root, ep, step=args.step, as_json=args.json)
+    if cmd == "verify":
+        return _run(_verify.cmd_verify, args.root, ep, step=args.step, all_steps=args.all, as_json=args.json,
+                    progress=not args.no_progress and not args.json, threads=args.threads)
+    if cmd == "gc":
+        if args.keep_every is not None and args.keep_last is None:
+            raise _UsageError("--keep-every needs --keep-last (retention keeps the newest N plus every K-th)")
+        return _run(_ops.cmd_gc, args.root, ep, grace_s=parse_duration(args.grace), dry_run=args.dry_run,
+                    keep_last=args.keep_last, keep_every=args.keep_every, as_json=args.json)
+    raise _UsageError(f"unknown command {cmd!r}")
+
+
+class _UsageError(Exception):
+    pass
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI on ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "demo":  # every argument belongs to the demo, including -h
+        from fastckpt.cli._ops import cmd_demo
+
+        return cmd_demo(argv[1:])
+    parser = build_parser()
+    try:
+        args, extra = parser.parse_known_args(argv)
+    except SystemExit as e:  # argparse: --help (0) or a usage error (2)
+        return int(e.code) if isinstance(e.code, int) else 2
+    if extra and args.command != "bench":
+        parser.print_usage(sys.stderr)
+        sys.stderr.write(f"fastckpt: error: unrecognized arguments: {' '.join(extra)}\n")
+        return 2
+    from fastckpt.errors import ConfigError, FastckptError
+
+    try:
+        return _dispatch(args, extra)
+    except (_UsageError, ConfigError) as e:
+        sys.stderr.write(f"fastckpt {args.command}: error: {e}\n")
+        return 2
+    except FastckptError as e:
+        sys.stderr.write(f"fastckpt {args.command}: {type(e).__name__}: {e}\n")
+        return 1
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted\n")
+        return 130

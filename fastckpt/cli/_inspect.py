@@ -1,0 +1,171 @@
+"""``fastckpt ls`` and ``fastckpt inspect``: what a root holds, read from manifests only."""
+
+from __future__ import annotations
+
+import datetime
+import sys
+from typing import Any
+
+from fastckpt._gc import find_leftovers, read_manifests
+from fastckpt.cli._util import dump_json, fmt_age, fmt_bytes
+from fastckpt.errors import CheckpointNotFoundError
+from fastckpt.format.layout import manifest_key
+from fastckpt.format.manifest import ArrayLeaf, Manifest, ShardingSpec, ValueLeaf, keypath_str
+from fastckpt.storage import Store
+
+__all__ = ["cmd_inspect", "cmd_ls", "load_manifest"]
+
+
+def _when(unix: float) -> str:
+    if not unix:
+        return "-"
+    return datetime.datetime.fromtimestamp(unix).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _ratio(stored: int, logical: int) -> float | None:
+    return round(stored / logical, 4) if logical else None
+
+
+def _table(rows: list[list[str]], out: Any) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        out.write("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() + "\n")
+
+
+async def cmd_ls(store: Store, *, as_json: bool) -> int:
+    """List committed steps (sizes from manifests) and uncommitted leftovers."""
+    manifests, errors = await read_manifests(store)
+    leftovers = await find_leftovers(store, manifests=manifests)
+    rows: list[dict[str, Any]] = []
+    for step, m in sorted(manifests.items()):
+        extra = [lo for lo in leftovers if lo.step == step]
+        if m is None:
+            rows.append({"step": step, "state": "unreadable", "leftover_objects": len(extra)})
+            continue
+        rows.append({
+            "step": step, "state": "committed", "stored_bytes": m.stored_bytes, "logical_bytes": m.nbytes,
+            "ratio": _ratio(m.stored_bytes, m.nbytes), "leaves": len(m.leaves), "arrays": len(m.arrays()),
+            "objects": len(m.object_keys()), "num_processes": m.num_processes, "created_unix": m.created_unix,
+            "leftover_objects": len(extra),
+        })
+    by_step: dict[int | None, list[Any]] = {}
+    for lo in leftovers:
+        if lo.reason == "uncommitted":
+            by_step.setdefault(lo.step, []).append(lo)
+    for step, los in sorted(by_step.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
+        sizes = [lo.size for lo in los]
+        ages = [lo.age_s for lo in los if lo.age_s is not None]
+        rows.append({
+            "step": step, "state": "uncommitted", "objects": len(los),
+            "stored_bytes": sum(s for s in sizes if s is not None) if all(s is not None for s in sizes) else None,
+            "youngest_age_s": min(ages) if ages else None,
+        })
+    rows.sort(key=lambda r: (r["step"] if r["step"] is not None else -1, r["state"]))
+    if as_json:
+        dump_json({"root": store.url, "steps": rows, "errors": errors})
+        return 0
+    if not rows:
+        sys.stdout.write(f"{store.url}: no checkpoints\n")
+        return 0
+    table = [["STEP", "STATE", "STORED", "LOGICAL", "RATIO", "LEAVES", "PROCS", "CREATED / AGE", "NOTE"]]
+    for r in rows:
+        if r["state"] == "committed":
+            note = f"+{r['leftover_objects']} unreferenced objects" if r["leftover_objects"] else ""
+            table.append([str(r["step"]), "committed", fmt_bytes(r["stored_bytes"]), fmt_bytes(r["logical_bytes"]),
+                          f"{r['ratio']:.2f}" if r["ratio"] is not None else "-", str(r["leaves"]),
+                          str(r["num_processes"]), _when(r["created_unix"]), note])
+        elif r["state"] == "uncommitted":
+            table.append([str(r["step"]), "uncommitted", fmt_bytes(r["stored_bytes"]), "-", "-", "-", "-",
+                          fmt_age(r["youngest_age_s"]), f"{r['objects']} objects (gc removes them)"])
+        else:
+            table.append([str(r["step"]), "unreadable", "-", "-", "-", "-", "-", "-", "manifest cannot be decoded"])
+    sys.stdout.write(f"{store.url}\n")
+    _table(table, sys.stdout)
+    for e in errors:
+        sys.stderr.write(f"warning: {e}\n")
+    return 0
+
+
+async def load_manifest(store: Store, step: int | None) -> Manifest:
+    """The manifest of ``step`` (default: latest committed)."""
+    from fastckpt.errors import NotFoundError
+    from fastckpt.format.codec import decode_manifest
+    from fastckpt.format.layout import MANIFEST_PREFIX, step_from_manifest_key
+
+    if step is None:
+        steps = [s for s in (step_from_manifest_key(k) for k in await store.list(MANIFEST_PREFIX)) if s is not None]
+        if not steps:
+            raise CheckpointNotFoundError(f"no committed checkpoint in {store.url}")
+        step = max(steps)
+    try:
+        return decode_manifest(await store.get(manifest_key(step)))
+    except NotFoundError:
+        raise CheckpointNotFoundError(f"step {step} is not committed in {store.url}") from None
+
+
+def _sharding_str(s: ShardingSpec | None) -> str:
+    if s is None:
+        return "-"
+    mesh = ",".join(f"{n}={k}" for n, k in zip(s.mesh_axis_names, s.mesh_shape))
+    spec = ", ".join("None" if p is None else repr(p) if isinstance(p, str) else "(" + ",".join(map(repr, p)) + ")"
+                     for p in s.partition_spec)
+    return f"mesh({mesh}) P({spec})"
+
+
+def _leaf_json(leaf: ArrayLeaf | ValueLeaf) -> dict[str, Any]:
+    path = {"path": keypath_str(leaf.path), "path_entries": [list(e) for e in leaf.path]}
+    if isinstance(leaf, ValueLeaf):
+        return {**path, "type": "value", "vtype": leaf.vtype, "value": leaf.value}
+    sharding = None
+    if leaf.sharding is not None:
+        sharding = {"mesh_axis_names": list(leaf.sharding.mesh_axis_names), "mesh_shape": list(leaf.sharding.mesh_shape),
+                    "partition_spec": [list(p) if isinstance(p, tuple) else p for p in leaf.sharding.partition_spec]}
+    return {**path, "type": "array", "kind": leaf.kind, "shape": list(leaf.shape), "dtype": leaf.dtype,
+            "key_impl": leaf.key_impl, "sharding": sharding, "logical_bytes": leaf.nbytes,
+            "stored_bytes": leaf.stored_bytes, "ratio": _ratio(leaf.stored_bytes, leaf.nbytes),
+            "chunks": len(leaf.chunks), "objects": len({c.key for c in leaf.chunks})}
+
+
+def _dtype_str(leaf: ArrayLeaf) -> str:
+    if leaf.kind == "prng_key":
+        return f"key<{leaf.key_impl}> ({leaf.dtype} data)"
+    return leaf.dtype + (" (numpy)" if leaf.kind == "numpy" else "")
+
+
+async def cmd_inspect(store: Store, step: int | None, *, as_json: bool) -> int:
+    """Print one step's tree: shapes, dtypes, shardings, stored vs logical size."""
+    m = await load_manifest(store, step)
+    if as_json:
+        dump_json({
+            "root": store.url, "step": m.step, "format_version": m.format_version, "created_unix": m.created_unix,
+            "writer_version": m.writer_version, "num_processes": m.num_processes, "metadata": m.metadata,
+            "logical_bytes": m.nbytes, "stored_bytes": m.stored_bytes, "ratio": _ratio(m.stored_bytes, m.nbytes),
+            "objects": len(m.object_keys()), "leaves": [_leaf_json(leaf) for leaf in m.leaves],
+        })
+        return 0
+    out = sys.stdout
+    out.write(f"{store.url}  step {m.step}  (format {m.format_version}, written by fastckpt {m.writer_version or '?'}, "
+              f"{m.num_processes} process{'es' if m.num_processes != 1 else ''}, {_when(m.created_unix)})\n")
+    if m.metadata:
+        import json
+
+        from fastckpt.cli._util import jsonable
+
+        out.write(f"metadata: {json.dumps(jsonable(m.metadata), sort_keys=True)[:400]}\n")
+    table = [["PATH", "SHAPE", "DTYPE", "SHARDING", "STORED", "LOGICAL", "RATIO", "CHUNKS"]]
+    for leaf in m.leaves:
+        name = keypath_str(leaf.path)
+        if isinstance(leaf, ValueLeaf):
+            table.append([name, "-", leaf.vtype, "-", "-", "-", "-", f"= {leaf.value!r:.40}"])
+            continue
+        r = _ratio(leaf.stored_bytes, leaf.nbytes)
+        table.append([name, str(tuple(leaf.shape)), _dtype_str(leaf), _sharding_str(leaf.sharding),
+                      fmt_bytes(leaf.stored_bytes), fmt_bytes(leaf.nbytes), f"{r:.2f}" if r is not None else "-",
+                      str(len(leaf.chunks))])
+    _table(table, out)
+    r = _ratio(m.stored_bytes, m.nbytes)
+    ratio = f" (ratio {r:.2f})" if r is not None else ""
+    out.write(f"total: {len(m.arrays())} arrays, {len(m.leaves) - len(m.arrays())} values, "
+              f"{len(m.object_keys())} objects; stored {fmt_bytes(m.stored_bytes)} of {fmt_bytes(m.nbytes)} "
+              f"logical{ratio}\n")
+    return 0

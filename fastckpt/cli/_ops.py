@@ -1,0 +1,108 @@
+"""``fastckpt gc``, ``convert``, ``bench`` and ``demo``."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from fastckpt._gc import collect_garbage_async
+from fastckpt.cli._util import dump_json, fmt_age, fmt_bytes, open_root
+from fastckpt.errors import CheckpointNotFoundError
+from fastckpt.format.layout import MANIFEST_PREFIX
+from fastckpt.options import RetentionOptions
+from fastckpt.storage import Store
+
+__all__ = ["cmd_bench", "cmd_convert", "cmd_demo", "cmd_gc"]
+
+
+async def cmd_gc(store: Store, *, grace_s: float, dry_run: bool, keep_last: int | None, keep_every: int | None,
+                 as_json: bool) -> int:
+    """Remove uncommitted leftovers (and steps retention drops, if asked)."""
+    retention = None
+    if keep_last is not None or keep_every is not None:
+        retention = RetentionOptions(keep_last=keep_last, keep_every=keep_every)
+    report = await collect_garbage_async(store, grace_s=grace_s, dry_run=dry_run, retention=retention)
+    if as_json:
+        dump_json({"root": store.url, **report.to_json()})
+        return 1 if report.errors else 0
+    verb = "would remove" if dry_run else "removed"
+    out = sys.stdout
+    for lo in report.removed:
+        out.write(f"{verb} {lo.key}  ({lo.reason}, {fmt_bytes(lo.size)}, age {fmt_age(lo.age_s)})\n")
+    for lo in report.kept:
+        out.write(f"kept {lo.key}  (uncommitted, age {fmt_age(lo.age_s)}: may be a save in flight)\n")
+    for step in report.retention_steps:
+        out.write(f"{verb} step {step} (retention)\n")
+    sizes = f", {fmt_bytes(report.removed_bytes)}" if report.removed_bytes else ""
+    out.write(f"{store.url}: {verb} {len(report.removed)} leftover objects{sizes}; kept {len(report.kept)} recent; "
+              f"{verb} {len(report.retention_steps)} steps by retention ({report.retention_objects} objects)\n")
+    for e in report.errors:
+        sys.stderr.write(f"warning: {e}\n")
+    return 1 if report.errors else 0
+
+
+def cmd_convert(src: str, dst: str, *, step: int | None, to_step: int | None, item: str | None,
+                layout: str, gcs_endpoint: str | None) -> int:
+    """Convert between Orbax and fastckpt; the direction is detected from ``src``."""
+    from fastckpt._aio import LoopThread
+    from fastckpt.integrations._orbax_read import is_orbax_dir
+    from fastckpt.integrations.orbax import convert_fastckpt_to_orbax, convert_orbax_to_fastckpt
+
+    src_store = open_root(src, gcs_endpoint=gcs_endpoint)
+    loop = LoopThread("fastckpt-cli")
+    try:
+        is_fastckpt = bool(loop.run(src_store.list(MANIFEST_PREFIX)))
+        if is_fastckpt:
+            written = convert_fastckpt_to_orbax(src_store, step, dst, layout=layout)  # type: ignore[arg-type]
+            sys.stdout.write(f"converted fastckpt step {written} of {src_store.url} -> Orbax at {dst} ({layout})\n")
+            return 0
+    finally:
+        loop.run(src_store.close())
+        loop.close()
+    if not is_orbax_dir(src):
+        raise CheckpointNotFoundError(f"{src} holds neither a committed fastckpt step nor an Orbax checkpoint")
+    dst_store = open_root(dst, gcs_endpoint=gcs_endpoint)
+    written = convert_orbax_to_fastckpt(src, dst_store, to_step, orbax_step=step, item=item)
+    sys.stdout.write(f"converted Orbax checkpoint {src} -> fastckpt step {written} at {dst_store.url}\n")
+    return 0
+
+
+def _benchmark_env() -> dict[str, str] | None:
+    """Environment under which ``python -m benchmarks.restore_latency`` resolves, or None."""
+    env = dict(os.environ)
+    try:
+        if importlib.util.find_spec("benchmarks.restore_latency") is not None:
+            return env
+    except (ImportError, ValueError):
+        pass
+    checkout = Path(__file__).resolve().parents[2]  # <repo>/fastckpt/cli/_ops.py
+    if (checkout / "benchmarks" / "restore_latency.py").is_file():
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(checkout), env.get("PYTHONPATH", "")) if p)
+        return env
+    return None
+
+
+def cmd_bench(root: str | None, extra: Sequence[str]) -> int:
+    """Run ``python -m benchmarks.restore_latency [--root ROOT] EXTRA...``; its exit status."""
+    env = _benchmark_env()
+    if env is None:
+        sys.stderr.write("fastckpt bench: benchmarks.restore_latency is not available "
+                         "(run from a fastckpt source checkout)\n")
+        return 1
+    argv = [sys.executable, "-m", "benchmarks.restore_latency", *(["--root", root] if root else []), *extra]
+    return subprocess.call(argv, env=env)
+
+
+def cmd_demo(argv: Sequence[str]) -> int:
+    """Run the elastic demo: ``fastckpt.elastic.demo.main(argv)``."""
+    try:
+        from fastckpt.elastic.demo import main as demo_main
+    except ImportError as e:
+        sys.stderr.write(f"fastckpt demo: the elastic demo is not available: {e}\n")
+        return 1
+    rc = demo_main(list(argv))
+    return int(rc) if rc is not None else 0

@@ -1,0 +1,361 @@
+"""The elastic supervisor: launch one worker per host, watch, kill, relaunch, resize.
+
+One *generation* is one set of worker processes sharing a fresh ``jax.distributed``
+coordinator (process 0 of the generation, on a fresh loopback port). The supervisor runs
+generations until a worker finishes, following these rules:
+
+* **Watch.** Every ``poll_interval_s``: reap exits (``waitpid``), read heartbeat files.
+  A generation fails when a worker exits non-zero (other than 75), its heartbeat is older
+  than ``heartbeat_timeout_s`` (a frozen process), it sits in one train step longer than
+  ``progress_timeout_s`` (a hung collective), or it has not reached training within
+  ``startup_timeout_s``.
+* **Kill promptly.** On failure every other worker gets SIGTERM, then SIGKILL after
+  ``kill_grace_s``; nobody waits on a collective whose peer is dead.
+* **Relaunch** on the hosts still available (a smaller mesh, same global batch); workers
+  restore the latest committed checkpoint. More than ``max_restarts`` failures, or fewer
+  than ``min_hosts`` hosts, end the run with an error.
+* **Rejoin at a safe boundary.** When a host becomes available again, the supervisor
+  writes a stop request; the workers agree on a step, checkpoint it, exit 75, and the
+  supervisor relaunches on the larger host set. No step is lost.
+
+Committed state is never at risk: the supervisor never touches the checkpoint root, and a
+killed save leaves earlier committed steps intact (the core's commit protocol).
+
+Host availability is simulated by :class:`ChaosEvent` s (the demo's SIGKILL of a host and
+its return); in a real deployment it would come from the cluster manager.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Literal
+
+from fastckpt.elastic._protocol import EXIT_DONE, EXIT_STOPPED, RunPaths, WorkerEnv, append_jsonl, now, read_json
+from fastckpt.errors import ConfigError, FastckptError
+
+__all__ = [
+    "ChaosEvent",
+    "ElasticRunError",
+    "GenerationResult",
+    "Supervisor",
+    "SupervisorOptions",
+    "SupervisorResult",
+    "default_worker_cmd",
+]
+
+
+class ElasticRunError(FastckptError):
+    """The elastic run gave up: too many restarts or too few hosts."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ChaosEvent:
+    """A scheduled change of host availability, triggered when training reaches a step."""
+
+    kind: Literal["kill", "rejoin"]
+    """``kill``: SIGKILL the host's worker and wipe its local dir; ``rejoin``: the host is
+    back, resize up at the next safe boundary."""
+    host: int
+    """Host id (0 .. num_hosts - 1)."""
+    at_step: int
+    """Trigger once some worker's heartbeat reports at least this step."""
+
+    @classmethod
+    def parse(cls, kind: Literal["kill", "rejoin"], spec: str) -> ChaosEvent:
+        """From ``"HOST@STEP"`` (the CLI form)."""
+        host, _, step = spec.partition("@")
+        try:
+            return cls(kind=kind, host=int(host), at_step=int(step))
+        except ValueError:
+            raise ConfigError(f"expected HOST@STEP, got {spec!r}") from None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SupervisorOptions:
+    """Shape of the job and the failure-handling policy."""
+
+    num_hosts: int = 4
+    """Hosts (worker processes) at full size."""
+    devices_per_host: int = 2
+    """Virtual CPU devices per worker (``--xla_force_host_platform_device_count``)."""
+    min_hosts: int = 1
+    """Fewest hosts to train on; below it the run fails."""
+    max_restarts: int = 3
+    """Failed generations tolerated (resizes on rejoin do not count)."""
+    heartbeat_timeout_s: float = 10.0
+    """A heartbeat older than this fails the generation (the worker is frozen)."""
+    progress_timeout_s: float = 60.0
+    """Seconds one train step may take before the worker is considered hung."""
+    startup_timeout_s: float = 180.0
+    """Seconds from launch to the train phase (init + restore + compile)."""
+    exit_timeout_s: float = 60.0
+    """After one worker exits cleanly, how long the others get to follow."""
+    kill_grace_s: float = 1.0
+    """SIGTERM-to-SIGKILL grace when killing a generation."""
+    poll_interval_s: float = 0.05
+    """Watch-loop period (bounds the detection latency of a process death)."""
+    events: tuple[ChaosEvent, ...] = ()
+    """Scheduled host losses and returns."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_hosts <= self.num_hosts:
+            raise ConfigError(f"need 1 <= min_hosts <= num_hosts, got {self.min_hosts}, {self.num_hosts}")
+        if self.devices_per_host <= 0 or self.max_restarts < 0:
+            raise ConfigError("devices_per_host must be > 0 and max_restarts >= 0")
+        for ev in self.events:
+            if not 0 <= ev.host < self.num_hosts:
+                raise ConfigError(f"event host {ev.host} outside 0..{self.num_hosts - 1}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GenerationResult:
+    """What happened to one generation."""
+
+    generation: int
+    hosts: tuple[int, ...]
+    outcome: Literal["done", "stopped", "failed"]
+    reason: str
+    t_launch: float
+    t_end: float
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SupervisorResult:
+    """The whole run: every generation in order and the failures survived."""
+
+    generations: tuple[GenerationResult, ...]
+    restarts: int
+    run_dir: Path
+
+
+@dataclasses.dataclass
+class _Worker:
+    host: int
+    proc: subprocess.Popen[bytes]
+    log: object
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _xla_flags(existing: str, devices: int) -> str:
+    kept = [f for f in existing.split() if not f.startswith("--xla_force_host_platform_device_count")]
+    return " ".join([*kept, f"--xla_force_host_platform_device_count={devices}"])
+
+
+class Supervisor:
+    """Runs ``worker_cmd`` elastically. Single use: build, then :meth:`run` once.
+
+    ``worker_cmd`` is the argv of one worker (e.g. ``[sys.executable, "-m",
+    "fastckpt.elastic.worker", "--root", ...]``); the supervisor adds the identity through
+    the environment (:class:`~fastckpt.elastic._protocol.WorkerEnv`). ``local_root`` holds
+    one directory per host (``host<i>``), the host-local RAM tier's home, wiped when a
+    host is killed.
+    """
+
+    def __init__(self, worker_cmd: Sequence[str], *, run_dir: str | Path, local_root: str | Path,
+                 options: SupervisorOptions | None = None, env: Mapping[str, str] | None = None) -> None:
+        self.worker_cmd = list(worker_cmd)
+        self.paths = RunPaths(Path(run_dir))
+        self.local_root = Path(local_root)
+        self.options = options or SupervisorOptions()
+        self.base_env = dict(os.environ if env is None else env)
+        self._available = set(range(self.options.num_hosts))
+        self._pending_events = sorted(self.options.events, key=lambda e: e.at_step)
+
+    # ------------------------------------------------------------------ public
+    def run(self) -> SupervisorResult:
+        """Run generations until a worker finishes. Raises :class:`ElasticRunError` on giving up."""
+        self.paths.make_dirs()
+        for h in range(self.options.num_hosts):
+            self._local_dir(h).mkdir(parents=True, exist_ok=True)
+        results: list[GenerationResult] = []
+        restarts = 0
+        generation = 0
+        while True:
+            hosts = tuple(sorted(self._available))
+            if len(hosts) < self.options.min_hosts:
+                self._event("give_up", reason=f"{len(hosts)} hosts < min_hosts {self.options.min_hosts}")
+                raise ElasticRunError(f"only {len(hosts)} hosts available, min_hosts={self.options.min_hosts}")
+            result = self._run_generation(generation, hosts)
+            results.append(result)
+            if result.outcome == "done":
+                self._event("done", generation=generation)
+                return SupervisorResult(generations=tuple(results), restarts=restarts, run_dir=self.paths.root)
+            if result.outcome == "failed":
+                restarts += 1
+                if restarts > self.options.max_restarts:
+                    self._event("give_up", reason=f"{restarts} failures > max_restarts {self.options.max_restarts}")
+                    raise ElasticRunError(f"generation {generation} failed ({result.reason}); restarts exhausted")
+            generation += 1
+
+    # ------------------------------------------------------------------ one generation
+    def _run_generation(self, generation: int, hosts: tuple[int, ...]) -> GenerationResult:
+        coordinator = f"127.0.0.1:{_free_port()}"
+        t_launch = now()
+        workers = [self._spawn(generation, rank, host, hosts, coordinator, t_launch) for rank, host in enumerate(hosts)]
+        self._event("launch", generation=generation, hosts=list(hosts), coordinator=coordinator, t=t_launch)
+        try:
+            outcome, reason = self._watch(generation, workers)
+        finally:
+            self._kill(workers)
+            for w in workers:
+                w.log.close()  # type: ignore[attr-defined]
+        result = GenerationResult(generation=generation, hosts=hosts, outcome=outcome, reason=reason,
+                                  t_launch=t_launch, t_end=now())
+        self._event("generation_end", generation=generation, outcome=outcome, reason=reason)
+        return result
+
+    def _spawn(self, generation: int, rank: int, host: int, hosts: tuple[int, ...], coordinator: str,
+               t_launch: float) -> _Worker:
+        ident = WorkerEnv(coordinator=coordinator, num_processes=len(hosts), process_id=rank, host_id=host,
+                          generation=generation, run_dir=str(self.paths.root), local_dir=str(self._local_dir(host)),
+                          launch_time=t_launch)
+        env = dict(self.base_env)
+        env.update(ident.to_environ())
+        env["XLA_FLAGS"] = _xla_flags(env.get("XLA_FLAGS", ""), self.options.devices_per_host)
+        env["JAX_PLATFORMS"] = "cpu"
+        pkg_parent = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH", "")) if p)
+        log = open(self.paths.log(generation, host), "wb")  # noqa: SIM115 (closed by _run_generation)
+        proc = subprocess.Popen(self.worker_cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
+        return _Worker(host=host, proc=proc, log=log)
+
+    def _watch(self, generation: int, workers: list[_Worker]) -> tuple[Literal["done", "stopped", "failed"], str]:
+        opts = self.options
+        t_start = now()
+        progress: dict[int, tuple[int, float]] = {}
+        first_exit: float | None = None
+        clean: Literal["done", "stopped"] | None = None
+        stop_requested = False
+        while True:
+            time.sleep(opts.poll_interval_s)
+            t = now()
+            running = []
+            for w in workers:
+                rc = w.proc.poll()
+                if rc is None:
+                    running.append(w)
+                elif rc in (EXIT_DONE, EXIT_STOPPED):
+                    first_exit = first_exit or t
+                    clean = clean or ("done" if rc == EXIT_DONE else "stopped")
+                else:
+                    self._event("failure_detected", generation=generation, host=w.host, rc=rc,
+                                reason="signal" if rc < 0 else "exit")
+                    return "failed", f"host {w.host} exited with {rc}"
+            if not running:
+                assert clean is not None
+                return clean, "all workers exited cleanly"
+            if first_exit is not None and t - first_exit > opts.exit_timeout_s:
+                self._event("failure_detected", generation=generation, host=running[0].host, reason="exit_timeout")
+                return "failed", "workers did not exit after the first clean exit"
+            max_step = 0
+            for w in running:
+                hb = read_json(self.paths.heartbeat(generation, w.host))
+                problem = self._check_heartbeat(hb, t, t_start, progress, w.host)
+                if problem:
+                    self._event("failure_detected", generation=generation, host=w.host, reason=problem)
+                    return "failed", f"host {w.host}: {problem}"
+                if hb is not None:
+                    max_step = max(max_step, int(hb["step"]))
+            if first_exit is None:
+                stop_requested = self._fire_events(generation, workers, max_step, stop_requested)
+
+    def _check_heartbeat(self, hb: dict[str, object] | None, t: float, t_start: float,
+                         progress: dict[int, tuple[int, float]], host: int) -> str | None:
+        opts = self.options
+        if hb is None:
+            return "no heartbeat after startup_timeout_s" if t - t_start > opts.startup_timeout_s else None
+        if t - float(hb["t"]) > opts.heartbeat_timeout_s:  # type: ignore[arg-type]
+            return f"heartbeat stale for {t - float(hb['t']):.1f}s"  # type: ignore[arg-type]
+        phase, step = str(hb["phase"]), int(hb["step"])  # type: ignore[call-overload]
+        if phase in ("launch", "init", "restore") and t - t_start > opts.startup_timeout_s:
+            return f"still in phase {phase!r} after {t - t_start:.0f}s"
+        if phase == "train":
+            last = progress.get(host)
+            if last is None or last[0] != step:
+                progress[host] = (step, t)
+            elif t - last[1] > opts.progress_timeout_s:
+                return f"no progress past step {step} for {t - last[1]:.0f}s"
+        return None
+
+    def _fire_events(self, generation: int, workers: list[_Worker], max_step: int, stop_requested: bool) -> bool:
+        while self._pending_events and self._pending_events[0].at_step <= max_step:
+            ev = self._pending_events.pop(0)
+            if ev.kind == "kill":
+                victim = next((w for w in workers if w.host == ev.host and w.proc.poll() is None), None)
+                if victim is None:
+                    continue
+                os.kill(victim.proc.pid, signal.SIGKILL)
+                self._event("kill", generation=generation, host=ev.host, step=max_step, pid=victim.proc.pid)
+                shutil.rmtree(self._local_dir(ev.host), ignore_errors=True)
+                self._local_dir(ev.host).mkdir(parents=True)
+                self._available.discard(ev.host)
+            else:
+                if ev.host in self._available:
+                    continue
+                self._available.add(ev.host)
+                self._event("host_back", generation=generation, host=ev.host, step=max_step)
+                if not stop_requested:
+                    self.paths.stop_request(generation).touch()
+                    self._event("stop_requested", generation=generation, step=max_step)
+                    stop_requested = True
+        return stop_requested
+
+    def _kill(self, workers: list[_Worker]) -> None:
+        alive = [w for w in workers if w.proc.poll() is None]
+        if not alive:
+            return
+        for w in alive:
+            _signal_group(w.proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.options.kill_grace_s
+        while time.monotonic() < deadline and any(w.proc.poll() is None for w in alive):
+            time.sleep(0.01)
+        for w in alive:
+            if w.proc.poll() is None:
+                _signal_group(w.proc.pid, signal.SIGKILL)
+        for w in alive:
+            w.proc.wait()
+        self._event("killed_rest", hosts=[w.host for w in alive])
+
+    # ------------------------------------------------------------------ helpers
+    def _local_dir(self, host: int) -> Path:
+        return self.local_root / f"host{host}"
+
+    def _event(self, name: str, **fields: object) -> None:
+        record = {"t": now(), "event": name, **fields}
+        append_jsonl(self.paths.events, record)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def default_worker_cmd(worker_args: Sequence[str]) -> list[str]:
+    """argv of the example worker (``python -m fastckpt.elastic.worker ...``)."""
+    return [sys.executable, "-m", "fastckpt.elastic.worker", *worker_args]

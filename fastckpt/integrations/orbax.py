@@ -1,0 +1,213 @@
+"""Orbax interop: read Orbax checkpoints onto any sharding, convert both ways, Orbax-style manager.
+
+``orbax-checkpoint`` is an optional extra (``pip install fastckpt[orbax]``). Reading an
+Orbax checkpoint (:func:`restore_orbax`, :func:`convert_orbax_to_fastckpt`) needs only
+tensorstore, which fastckpt already depends on; writing one
+(:func:`convert_fastckpt_to_orbax`) imports orbax lazily. The manager surface
+(:class:`OrbaxStyleCheckpointManager`) imports orbax only when it is handed Orbax objects.
+
+Example::
+
+    from fastckpt.integrations.orbax import restore_orbax
+
+    state = restore_orbax("/ckpts/orbax_run", abstract_state)   # newest step, any mesh
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Literal
+
+from fastckpt.errors import CheckpointNotFoundError, ConfigError
+from fastckpt.integrations._orbax_manager import (
+    OrbaxStyleCheckpointManager as OrbaxStyleCheckpointManager,
+    OrbaxStyleOptions as OrbaxStyleOptions,
+    OrbaxStyleStepMetadata as OrbaxStyleStepMetadata,
+)
+from fastckpt.integrations._orbax_read import is_orbax_dir as is_orbax_dir
+from fastckpt.options import ManagerOptions
+from fastckpt.storage._protocol import Store
+
+__all__ = [
+    "OrbaxStyleCheckpointManager",
+    "OrbaxStyleOptions",
+    "OrbaxStyleStepMetadata",
+    "convert_fastckpt_to_orbax",
+    "convert_orbax_to_fastckpt",
+    "is_orbax_dir",
+    "restore_orbax",
+]
+
+
+def _path(p: str | os.PathLike[str]) -> str:
+    if isinstance(p, os.PathLike):
+        return os.fspath(p)
+    if not isinstance(p, str) or not p:
+        raise ConfigError(f"path must be a non-empty str or os.PathLike, got {p!r}")
+    return p
+
+
+def restore_orbax(
+    path: str | os.PathLike[str],
+    target: Any = None,
+    *,
+    step: int | None = None,
+    item: str | None = None,
+    partial: bool = False,
+    allow_dtype_cast: bool = False,
+    max_inflight_bytes: int = 1 << 30,
+) -> Any:
+    """Read a checkpoint written by orbax-checkpoint, laid out as ``target`` says.
+
+    Reads with tensorstore directly (OCDBT or per-array kvstores, zarr v2 or zarr3, local
+    paths or ``gs://``): every array is opened from the checkpoint's own spec and each
+    process reads only the boxes its addressable devices need, so any target mesh or
+    device count works. Orbax's handler stack is used only for legacy (pre-``_METADATA``)
+    checkpoints.
+
+    Args:
+        path: An Orbax item directory (``StandardCheckpointer`` output), a step directory
+            (``<root>/<step>``) or a ``CheckpointManager`` root.
+        target: A pytree of ``jax.ShapeDtypeStruct`` (with ``.sharding``), concrete arrays,
+            numpy arrays or Python scalars. Leaves are matched by Orbax parameter name, so a
+            ``TrainState``, an NNX ``State`` or nested dicts all match what Orbax saved from
+            them. ``None`` restores everything as nested dicts/lists with the saved
+            sharding (when this job's device count matches; else one device).
+        step: On a manager root, the step to read (default: the newest finalized one).
+        item: The item name inside a step directory (default: ``default`` or the only one).
+        partial: Restore only the target's leaves (a subtree of the checkpoint).
+        allow_dtype_cast: Convert stored dtypes to the target's instead of raising.
+        max_inflight_bytes: Host memory bound for read-but-not-yet-placed data.
+
+    Returns:
+        The restored pytree (``target``'s structure).
+
+    Raises:
+        CheckpointNotFoundError: no Orbax checkpoint, step or item at ``path``.
+        TreeStructureError, ShapeMismatchError, DtypeMismatchError: the target disagrees.
+        CorruptionError: tensorstore could not decode an array.
+    """
+    from fastckpt.integrations._orbax_read import load_item, read_item, resolve_item_dir
+
+    item_url, _ = resolve_item_dir(_path(path), step=step, item=item)
+    try:
+        parsed = load_item(item_url)
+    except CheckpointNotFoundError:
+        return _restore_legacy_with_orbax(item_url, target)
+    return read_item(parsed, target, partial=partial, allow_dtype_cast=allow_dtype_cast,
+                     max_inflight_bytes=max_inflight_bytes)
+
+
+def _restore_legacy_with_orbax(item_url: str, target: Any) -> Any:
+    """Fallback for item directories without ``_METADATA`` (old msgpack-based Orbax)."""
+    try:
+        import orbax.checkpoint as ocp
+    except ImportError as e:
+        raise CheckpointNotFoundError(
+            f"{item_url} has no _METADATA; reading legacy Orbax checkpoints needs orbax-checkpoint"
+        ) from e
+    with ocp.PyTreeCheckpointer() as ckptr:
+        if target is None:
+            return ckptr.restore(item_url)
+        restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+        return ckptr.restore(item_url, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args))
+
+
+def convert_orbax_to_fastckpt(
+    orbax_path: str | os.PathLike[str],
+    fastckpt_root: str | Store,
+    step: int | None = None,
+    *,
+    orbax_step: int | None = None,
+    item: str | None = None,
+    target: Any = None,
+    metadata: dict[str, object] | None = None,
+    options: ManagerOptions | None = None,
+) -> int:
+    """Copy one Orbax checkpoint into a fastckpt root as a committed step.
+
+    The state passes through this process's host memory and devices (one restore, one
+    save). Without ``target`` the fastckpt tree is nested dicts/lists keyed by Orbax's key
+    names; pass the real abstract state (e.g. an abstract ``TrainState``) to get the same
+    key paths as a fastckpt save of that state.
+
+    Args:
+        orbax_path: Orbax item dir, step dir or manager root.
+        fastckpt_root: Destination root URL/path or Store.
+        step: fastckpt step to write (default: the Orbax step number).
+        orbax_step: On a manager root, the Orbax step to read (default: newest).
+        item: Orbax item name in a step dir.
+        target: Optional abstract state to restore into before saving.
+        metadata: Extra user metadata for the fastckpt manifest.
+        options: fastckpt manager options for the save.
+
+    Returns:
+        The fastckpt step written.
+    """
+    import fastckpt
+    from fastckpt.integrations._orbax_read import resolve_item_dir
+
+    src = _path(orbax_path)
+    item_url, found_step = resolve_item_dir(src, step=orbax_step, item=item)
+    if step is None:
+        step = found_step
+    if step is None:
+        raise ConfigError(f"cannot tell the step of {src}; pass step=")
+    tree = restore_orbax(item_url, target)
+    meta = {"converted_from": {"format": "orbax", "path": item_url}}
+    meta.update(metadata or {})
+    fastckpt.save(fastckpt_root, step, tree, metadata=meta, options=options)
+    return step
+
+
+def convert_fastckpt_to_orbax(
+    fastckpt_root: str | Store,
+    step: int | None,
+    orbax_path: str | os.PathLike[str],
+    *,
+    target: Any = None,
+    layout: Literal["manager", "item"] = "manager",
+    options: ManagerOptions | None = None,
+) -> int:
+    """Write fastckpt step ``step`` (default: latest) as an Orbax checkpoint. Needs orbax.
+
+    Args:
+        fastckpt_root: Source root URL/path or Store.
+        step: Step to convert (None: latest committed).
+        orbax_path: With ``layout="manager"`` an Orbax ``CheckpointManager`` directory (the
+            step lands in ``<orbax_path>/<step>/default``); with ``layout="item"`` the item
+            directory itself (what ``StandardCheckpointer.save`` writes). Must not exist yet.
+        target: Optional restore target (default: nested dicts/lists, saved shardings).
+        layout: See ``orbax_path``.
+        options: fastckpt manager options for the restore.
+
+    Returns:
+        The step converted.
+    """
+    import fastckpt
+
+    try:
+        import orbax.checkpoint as ocp
+    except ImportError as e:  # pragma: no cover - exercised only without the extra
+        raise ConfigError("writing Orbax checkpoints needs orbax-checkpoint (pip install fastckpt[orbax])") from e
+    if layout not in ("manager", "item"):
+        raise ConfigError(f"layout must be 'manager' or 'item', got {layout!r}")
+    dst = os.path.abspath(_path(orbax_path)) if not _path(orbax_path).startswith("gs://") else _path(orbax_path)
+    with fastckpt.CheckpointManager(fastckpt_root, options=options) as mgr:
+        if step is None:
+            step = mgr.latest_step()
+            if step is None:
+                raise CheckpointNotFoundError(f"no committed checkpoint in {mgr.store.url}")
+        tree = mgr.restore(step, target)
+    import jax
+
+    # StandardSave refuses str leaves; PyTreeSave writes them (to _strings.json).
+    has_str = any(isinstance(x, str) for x in jax.tree_util.tree_leaves(tree))
+    if layout == "item":
+        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler() if has_str else ocp.StandardCheckpointHandler()) as ckptr:
+            ckptr.save(dst, args=ocp.args.PyTreeSave(tree) if has_str else ocp.args.StandardSave(tree))
+    else:
+        with ocp.CheckpointManager(dst) as omgr:
+            omgr.save(step, args=ocp.args.PyTreeSave(tree) if has_str else ocp.args.StandardSave(tree), force=True)
+            omgr.wait_until_finished()
+    return step

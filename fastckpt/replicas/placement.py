@@ -1,0 +1,110 @@
+"""Where RAM replicas go: pure functions over member ids. No I/O, no state.
+
+Members are content-stable strings (e.g. ``"<host>/<slot>"``), never process indices, which
+change when a job restarts. Optionally each member belongs to a *failure domain* (its host),
+given by ``domain_of``; a replica in the writer's own domain does not survive the loss of
+that host, so such targets are chosen only when nothing else is left.
+
+The ring interleaves domains: members are grouped by domain (domains sorted, members sorted
+within each) and dealt round-robin, ``h0/0, h1/0, h2/0, h0/1, h1/1, ...``. With equally
+sized domains every member's next ``k`` ring neighbours lie in ``k`` distinct other domains
+(when ``k`` < the number of domains), and every member receives exactly ``k`` replicas: the
+load is balanced. Without ``domain_of`` each member is its own domain and the ring is the
+sorted member list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+from fastckpt.errors import ConfigError
+
+__all__ = ["host_domain", "push_targets", "replica_holders", "ring_order", "ring_successors"]
+
+DomainOf = Callable[[str], str]
+
+
+def host_domain(member: str) -> str:
+    """The default ``domain_of`` for ``"<host>/<slot>"`` ids: the part before the last ``/``."""
+    return member.rsplit("/", 1)[0]
+
+
+def _members(members: Iterable[str]) -> list[str]:
+    out = sorted(set(members))
+    if any(not isinstance(m, str) or not m for m in out):
+        raise ConfigError("member ids must be non-empty strings")
+    return out
+
+
+def ring_order(members: Iterable[str], *, domain_of: DomainOf | None = None) -> list[str]:
+    """The ring: members dealt round-robin across their sorted domains. Input order is irrelevant."""
+    ms = _members(members)
+    if domain_of is None:
+        return ms
+    groups: dict[str, list[str]] = {}
+    for m in ms:
+        groups.setdefault(domain_of(m), []).append(m)
+    ordered = [groups[d] for d in sorted(groups)]
+    depth = max((len(g) for g in ordered), default=0)
+    return [g[r] for r in range(depth) for g in ordered if r < len(g)]
+
+
+def _successors_on(ring: Sequence[str], member: str, k: int, domain_of: DomainOf | None) -> list[str]:
+    if k < 0:
+        raise ConfigError(f"k must be >= 0, got {k}")
+    if member not in ring:
+        raise ConfigError(f"member {member!r} is not live")
+    i = ring.index(member)
+    walk = [ring[(i + j) % len(ring)] for j in range(1, len(ring))]
+    dom = domain_of or (lambda m: m)
+    own = dom(member)
+    picked: list[str] = []
+    used: set[str] = set()
+    # Pass 1: distinct foreign domains; pass 2: any foreign member; pass 3: own domain.
+    for allow in ("distinct", "foreign", "any"):
+        for m in walk:
+            if len(picked) == k:
+                return picked
+            if m in picked:
+                continue
+            d = dom(m)
+            if allow == "distinct" and (d == own or d in used):
+                continue
+            if allow == "foreign" and d == own:
+                continue
+            picked.append(m)
+            used.add(d)
+    return picked
+
+
+def ring_successors(
+    members: Iterable[str], member: str, k: int, *, domain_of: DomainOf | None = None
+) -> list[str]:
+    """The (up to) ``k`` members ``member`` pushes its chunks to, nearest ring successor first.
+
+    Never includes ``member``; returns ``min(k, len(members) - 1)`` distinct members. Prefers
+    members of distinct domains other than ``member``'s, then any other domain, and uses
+    ``member``'s own domain (same host: survives a process crash, not a host loss) last.
+
+    Raises:
+        ConfigError: ``member`` is not in ``members``, ``k < 0``, or an id is empty.
+    """
+    return _successors_on(ring_order(members, domain_of=domain_of), member, k, domain_of)
+
+
+def push_targets(members: Iterable[str], k: int, *, domain_of: DomainOf | None = None) -> dict[str, list[str]]:
+    """:func:`ring_successors` for every member at once."""
+    ring = ring_order(members, domain_of=domain_of)
+    return {m: _successors_on(ring, m, k, domain_of) for m in ring}
+
+
+def replica_holders(
+    writer: str, members: Iterable[str], k: int, *, domain_of: DomainOf | None = None
+) -> list[str]:
+    """Members that may hold a chunk ``writer`` wrote: the writer, then its push targets.
+
+    ``members`` must be the membership the chunk was *pushed* under (a later membership
+    change moves the ring); when the writer is unknown or the membership changed, ask peers
+    with ``PeerClient.list_chunks`` instead (``TieredChunkSource`` does).
+    """
+    return [writer, *ring_successors(members, writer, k, domain_of=domain_of)]

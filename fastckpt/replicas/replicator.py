@@ -1,0 +1,308 @@
+"""Background pushing of a sealed RAM step to this process's ring peers.
+
+Call sequence: ``r = Replicator(tier, targets=...)`` → after each ``tier.seal(step, ...)``:
+``r.submit(step)`` (returns at once) → optionally ``r.submit(step, manifest=...)`` or
+``handle.wait()`` → ``r.wait()`` before exiting → ``r.close()``.
+
+Chunks leave straight from the tier's mmap (zero-copy). Per target, chunks go one after
+another over one pooled connection; up to ``concurrency`` targets are served at once, and
+``max_inflight_bytes`` bounds the bytes being sent at any moment. A failing target stops
+receiving this step (its error is recorded in the report) without affecting the others;
+submitting a newer step cancels the pushes of older ones (they are superseded). Nothing
+here ever raises into the training loop unless ``wait(raise_on_error=True)`` asks for it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import queue
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+from fastckpt.errors import ConfigError, PeerError
+from fastckpt.replicas.ram import RamTier
+
+__all__ = [
+    "ChunkPusher",
+    "ReplicationError",
+    "ReplicationHandle",
+    "ReplicationReport",
+    "ReplicationTimeoutError",
+    "Replicator",
+    "ReplicatorOptions",
+]
+
+
+class ChunkPusher(Protocol):
+    """What the replicator needs of a peer (``PeerClient`` is one)."""
+
+    def push_chunk(self, step: int, chunk_id: str, data: memoryview, *, raw_crc32c: int | None = None) -> bool: ...
+
+    def put_manifest(self, step: int, data: bytes | memoryview) -> None: ...
+
+
+class ReplicationError(PeerError):
+    """Some pushes failed (raised only by ``wait(raise_on_error=True)``); see ``reports``."""
+
+    def __init__(self, message: str, reports: Sequence[ReplicationReport]) -> None:
+        super().__init__(message)
+        self.reports = list(reports)
+
+
+class ReplicationTimeoutError(PeerError, TimeoutError):
+    """``wait`` timed out with pushes still running."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReplicatorOptions:
+    """How hard the replicator pushes."""
+
+    max_inflight_bytes: int = 256 << 20
+    """Bytes being sent at once, over all targets (a chunk larger than this goes alone)."""
+    concurrency: int = 2
+    """Targets pushed to in parallel (threads)."""
+
+    def __post_init__(self) -> None:
+        if self.max_inflight_bytes < 1 or self.concurrency < 1:
+            raise ConfigError("max_inflight_bytes and concurrency must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReplicationReport:
+    """Outcome of replicating one step."""
+
+    step: int
+    targets: tuple[str, ...]
+    chunks_pushed: int
+    """Chunk transfers completed (per target)."""
+    chunks_present: int
+    """Chunks a target already held (nothing sent)."""
+    bytes_pushed: int
+    seconds: float
+    """Wall time from submit to the last push finishing."""
+    errors: dict[str, str]
+    """Target → the error that stopped pushes to it."""
+    superseded: bool
+    """A newer step was submitted before this one finished; the rest was skipped."""
+
+    @property
+    def ok(self) -> bool:
+        """Every chunk (and the manifest, if any) reached every target."""
+        return not self.errors and not self.superseded
+
+
+class ReplicationHandle:
+    """Tracks one :meth:`Replicator.submit`."""
+
+    def __init__(self, step: int, chunk_ids: list[str], manifest: bytes | None, targets: tuple[str, ...]) -> None:
+        self.step = step
+        self._chunk_ids = chunk_ids
+        self._manifest = manifest
+        self._targets = targets
+        self._lock = threading.Lock()
+        self._pending = len(targets)
+        self._done = threading.Event()
+        self._cancelled = False
+        self._started = time.perf_counter()
+        self._finished = self._started
+        self._pushed = self._present = self._bytes = 0
+        self._errors: dict[str, str] = {}
+        if not targets:
+            self._done.set()
+
+    def done(self) -> bool:
+        """Whether every target has been dealt with."""
+        return self._done.is_set()
+
+    def wait(self, timeout_s: float | None = None) -> ReplicationReport | None:
+        """Block until done; the report, or None if ``timeout_s`` passed first."""
+        return self.report() if self._done.wait(timeout_s) else None
+
+    def report(self) -> ReplicationReport:
+        """The report so far (final once :meth:`done`)."""
+        with self._lock:
+            end = self._finished if self._done.is_set() else time.perf_counter()
+            return ReplicationReport(
+                step=self.step,
+                targets=self._targets,
+                chunks_pushed=self._pushed,
+                chunks_present=self._present,
+                bytes_pushed=self._bytes,
+                seconds=end - self._started,
+                errors=dict(self._errors),
+                superseded=self._cancelled,
+            )
+
+    def _record(self, *, pushed: int = 0, present: int = 0, nbytes: int = 0) -> None:
+        with self._lock:
+            self._pushed += pushed
+            self._present += present
+            self._bytes += nbytes
+
+    def _target_done(self, target: str, error: str | None) -> None:
+        with self._lock:
+            if error is not None:
+                self._errors[target] = error
+            self._pending -= 1
+            if self._pending == 0:
+                self._finished = time.perf_counter()
+                self._done.set()
+
+
+class Replicator:
+    """Pushes sealed steps of a :class:`RamTier` to peers on background threads.
+
+    Args:
+        tier: This process's tier (chunks are read zero-copy from it).
+        targets: Member id → pusher (e.g. ``PeerClient``); usually the ring successors from
+            :func:`~fastckpt.replicas.placement.ring_successors`. Replace with :meth:`set_targets`.
+        options: Concurrency and in-flight bound.
+    """
+
+    def __init__(
+        self,
+        tier: RamTier,
+        *,
+        targets: Mapping[str, ChunkPusher] | None = None,
+        options: ReplicatorOptions | None = None,
+    ) -> None:
+        self._tier = tier
+        self.options = options or ReplicatorOptions()
+        self._targets: dict[str, ChunkPusher] = dict(targets or {})
+        self._queue: queue.Queue[tuple[ReplicationHandle, str, ChunkPusher] | None] = queue.Queue()
+        self._handles: collections.deque[ReplicationHandle] = collections.deque()
+        self._lock = threading.Lock()
+        self._budget = threading.Condition()
+        self._inflight = 0
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+        self._totals = {"steps": 0, "chunks_pushed": 0, "bytes_pushed": 0, "failures": 0}
+
+    def set_targets(self, targets: Mapping[str, ChunkPusher]) -> None:
+        """Targets for later submits (e.g. after a membership change)."""
+        with self._lock:
+            self._targets = dict(targets)
+
+    def submit(
+        self, step: int, *, chunk_ids: Sequence[str] | None = None, manifest: bytes | None = None
+    ) -> ReplicationHandle:
+        """Queue pushing ``step``'s chunks (all of them by default), then ``manifest``, to every target.
+
+        Never blocks on I/O. Older steps still being pushed are cancelled.
+        """
+        with self._lock:
+            if self._closed:
+                raise ConfigError("Replicator is closed")
+            ids = list(chunk_ids) if chunk_ids is not None else self._tier.chunk_ids(step)
+            targets = dict(self._targets)
+            handle = ReplicationHandle(step, ids, manifest, tuple(sorted(targets)))
+            for old in self._handles:
+                if old.step < step and not old.done():
+                    old._cancelled = True
+            self._handles.append(handle)
+            self._totals["steps"] += 1
+            while len(self._threads) < min(self.options.concurrency, max(1, len(targets))):
+                t = threading.Thread(target=self._worker, name="fastckpt-replicator", daemon=True)
+                t.start()
+                self._threads.append(t)
+        for name in handle._targets:
+            self._queue.put((handle, name, targets[name]))
+        return handle
+
+    def wait(self, timeout_s: float | None = None, *, raise_on_error: bool = False) -> list[ReplicationReport]:
+        """Wait for every submitted step; return (and forget) their reports, oldest first.
+
+        Raises:
+            ReplicationTimeoutError: pushes still running after ``timeout_s``.
+            ReplicationError: ``raise_on_error`` and a report has errors.
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._lock:
+            handles = list(self._handles)
+        for h in handles:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if h.wait(left) is None:
+                raise ReplicationTimeoutError(f"replication of step {h.step} still running after {timeout_s}s")
+        with self._lock:
+            for h in handles:
+                self._handles.remove(h)
+        reports = [h.report() for h in handles]
+        failed = [r for r in reports if r.errors]
+        if raise_on_error and failed:
+            detail = "; ".join(f"step {r.step}: {r.errors}" for r in failed)
+            raise ReplicationError(f"replication failed: {detail}", reports)
+        return reports
+
+    def stats(self) -> dict[str, int]:
+        """Totals since creation: steps submitted, chunks and bytes pushed, failed (step, target) pairs."""
+        with self._lock:
+            return dict(self._totals)
+
+    def close(self, *, wait: bool = True) -> None:
+        """Stop the workers (after finishing queued work if ``wait``, else cancelling it). Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if not wait:
+                for h in self._handles:
+                    h._cancelled = True
+            threads = list(self._threads)
+        for _ in threads:
+            self._queue.put(None)
+        for t in threads:
+            t.join()
+
+    # ---------------------------------------------------------------- workers
+
+    def _worker(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            handle, name, target = item
+            error: str | None = None
+            try:
+                self._push_all(handle, target)
+            except Exception as e:  # reported, never raised into the caller
+                error = f"{type(e).__name__}: {e}"
+            handle._target_done(name, error)
+            with self._lock:
+                self._totals["failures"] += error is not None
+
+    def _push_all(self, handle: ReplicationHandle, target: ChunkPusher) -> None:
+        step = handle.step
+        for cid in handle._chunk_ids:
+            if handle._cancelled:
+                return
+            loc = self._tier.chunk_location(step, cid)
+            view = self._tier.get_chunk(step, cid) if loc is not None else None
+            if loc is None or view is None:
+                raise ConfigError(f"chunk {cid!r} of step {step} is not (or no longer) in the RAM tier")
+            n = view.nbytes
+            self._acquire(n)
+            try:
+                stored = target.push_chunk(step, cid, view, raw_crc32c=loc.raw_crc32c)
+            finally:
+                self._release(n)
+            handle._record(pushed=int(stored), present=int(not stored), nbytes=n if stored else 0)
+            if stored:
+                with self._lock:
+                    self._totals["chunks_pushed"] += 1
+                    self._totals["bytes_pushed"] += n
+        if handle._manifest is not None and not handle._cancelled:
+            target.put_manifest(step, handle._manifest)
+
+    def _acquire(self, n: int) -> None:
+        with self._budget:
+            while self._inflight and self._inflight + n > self.options.max_inflight_bytes:
+                self._budget.wait()
+            self._inflight += n
+
+    def _release(self, n: int) -> None:
+        with self._budget:
+            self._inflight -= n
+            self._budget.notify_all()

@@ -1,0 +1,251 @@
+"""Per-chunk source choice for a restore: own RAM tier, then peers, else persistent storage.
+
+:meth:`TieredChunkSource.fetch` fills the caller's buffer with one chunk, verified against
+the manifest's ``raw_crc32c``, from the first source that has a good copy:
+
+1. this process's :class:`~fastckpt.replicas.RamTier` (no network);
+2. each peer in the given order (put same-host or nearest peers first). With
+   ``use_listing`` each peer's chunk list for the step is fetched once, lazily, so peers
+   that lack a chunk cost no round-trip;
+3. nothing: ``fetch`` returns None and the reader falls back to persistent storage.
+
+Every failure falls through to the next source: a miss, a corrupt copy (wrong length or
+crc32c), a timeout, a peer that dies mid-transfer. A peer that was unreachable or spoke
+garbage is not asked again by this source (``reset_peers`` forgets that). Stats record, per
+tier, chunks, bytes and seconds of successful fetches, and every fallback with its reason.
+Thread-safe: the reader calls ``fetch`` from many threads (each peer call uses its own
+pooled connection).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from collections.abc import Sequence
+from typing import Literal, Protocol
+
+import numpy as np
+
+from fastckpt._checksum import crc32c
+from fastckpt.errors import (
+    AuthenticationError,
+    ChecksumMismatchError,
+    ConfigError,
+    PeerError,
+    PeerUnavailableError,
+    ProtocolError,
+)
+from fastckpt.replicas.ram import RamTier
+
+__all__ = ["ChunkPeer", "Fallback", "FallbackReason", "SourceStats", "TierStats", "TieredChunkSource"]
+
+FallbackReason = Literal["miss", "corrupt", "unavailable", "protocol", "error"]
+_MAX_LOG = 256
+
+
+class ChunkPeer(Protocol):
+    """What a source needs of a peer (``PeerClient`` is one)."""
+
+    name: str
+
+    def get_chunk(
+        self, step: int, chunk_id: str, *, into: memoryview | np.ndarray | None = None, expected_crc32c: int | None = None
+    ) -> memoryview | None: ...
+
+    def list_chunks(self, step: int) -> list[str]: ...
+
+
+@dataclasses.dataclass
+class TierStats:
+    """Successful fetches from one tier."""
+
+    chunks: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def gbps(self) -> float:
+        """Throughput in GB/s while fetching (0 if nothing was fetched)."""
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Fallback:
+    """One source that could not provide a chunk."""
+
+    tier: str
+    chunk_id: str
+    reason: FallbackReason
+    detail: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SourceStats:
+    """A snapshot of a :class:`TieredChunkSource`'s counters."""
+
+    tiers: dict[str, TierStats]
+    """``"ram"`` and ``"peer:<name>"`` → successful fetches."""
+    fallbacks: dict[FallbackReason, int]
+    """How often a source failed, by reason."""
+    recent_fallbacks: list[Fallback]
+    """The latest fallbacks (bounded log)."""
+    not_found: int
+    """Chunks no RAM source could provide (left to persistent storage)."""
+    dead_peers: list[str]
+    """Peers no longer asked."""
+
+
+class TieredChunkSource:
+    """Fetches chunks from own RAM, then peers; None means "read persistent storage".
+
+    Args:
+        own: This process's tier, or None.
+        peers: Peers in the order to try them.
+        use_listing: Ask each peer once per step which chunks it holds, and skip peers that
+            do not list a chunk.
+        verify: Verify the crc32c of own-RAM copies (peer copies are always verified while
+            they arrive).
+    """
+
+    def __init__(
+        self,
+        own: RamTier | None,
+        peers: Sequence[ChunkPeer] = (),
+        *,
+        use_listing: bool = True,
+        verify: bool = True,
+    ) -> None:
+        self._own = own
+        self._peers = list(peers)
+        self._use_listing = use_listing
+        self._verify = verify
+        self._lock = threading.Lock()
+        self._listing_locks = [threading.Lock() for _ in self._peers]
+        self._listings: dict[tuple[int, int], frozenset[str]] = {}
+        self._dead: set[int] = set()
+        self._tiers: dict[str, TierStats] = {}
+        self._fallbacks: collections.Counter[str] = collections.Counter()
+        self._log: collections.deque[Fallback] = collections.deque(maxlen=_MAX_LOG)
+        self._not_found = 0
+
+    def fetch(
+        self, step: int, chunk_id: str, raw_length: int, raw_crc32c: int, *, into: memoryview | np.ndarray
+    ) -> str | None:
+        """Fill ``into`` with the chunk's verified raw bytes from the first source that has them.
+
+        Args:
+            step: Step number.
+            chunk_id: ``format.manifest.chunk_id`` of the chunk.
+            raw_length: ``ChunkEntry.raw_length``; ``into`` must be exactly this many bytes.
+            raw_crc32c: ``ChunkEntry.raw_crc32c``; every copy is checked against it.
+            into: Writable destination.
+
+        Returns:
+            ``"ram"`` or ``"peer:<name>"``: where the bytes came from. None: no RAM source
+            had a good copy (``into`` may hold garbage from a failed attempt).
+        """
+        dst = np.frombuffer(into, np.uint8) if not isinstance(into, np.ndarray) else into.reshape(-1).view(np.uint8)
+        if dst.nbytes != raw_length:
+            raise ConfigError(f"into has {dst.nbytes} bytes, chunk {chunk_id!r} has {raw_length}")
+        if self._own is not None and self._fetch_own(step, chunk_id, raw_length, raw_crc32c, dst):
+            return "ram"
+        for i, peer in enumerate(self._peers):
+            if i in self._dead or not self._listed(i, step, chunk_id):
+                continue
+            tier = f"peer:{peer.name}"
+            t0 = time.perf_counter()
+            try:
+                got = peer.get_chunk(step, chunk_id, into=dst, expected_crc32c=raw_crc32c)
+            except ChecksumMismatchError as e:
+                self._fallback(tier, chunk_id, "corrupt", e)
+                continue
+            except PeerUnavailableError as e:
+                self._fallback(tier, chunk_id, "unavailable", e, dead=i)
+                continue
+            except (ProtocolError, AuthenticationError) as e:
+                self._fallback(tier, chunk_id, "protocol", e, dead=i)
+                continue
+            except PeerError as e:
+                self._fallback(tier, chunk_id, "error", e)
+                continue
+            if got is None:
+                self._fallback(tier, chunk_id, "miss", None)
+                continue
+            self._success(tier, raw_length, time.perf_counter() - t0)
+            return tier
+        with self._lock:
+            self._not_found += 1
+        return None
+
+    def stats(self) -> SourceStats:
+        """A snapshot of the counters."""
+        with self._lock:
+            return SourceStats(
+                tiers={k: dataclasses.replace(v) for k, v in self._tiers.items()},
+                fallbacks=dict(self._fallbacks),  # type: ignore[arg-type]
+                recent_fallbacks=list(self._log),
+                not_found=self._not_found,
+                dead_peers=[self._peers[i].name for i in sorted(self._dead)],
+            )
+
+    def reset_peers(self) -> None:
+        """Ask every peer again (forget dead peers and cached listings)."""
+        with self._lock:
+            self._dead.clear()
+            self._listings.clear()
+
+    # ---------------------------------------------------------------- internals
+
+    def _fetch_own(self, step: int, chunk_id: str, raw_length: int, raw_crc32c: int, dst: np.ndarray) -> bool:
+        assert self._own is not None
+        t0 = time.perf_counter()
+        view = self._own.get_chunk(step, chunk_id)
+        if view is None:
+            self._fallback("ram", chunk_id, "miss", None)
+            return False
+        if view.nbytes != raw_length or (self._verify and crc32c(view) != raw_crc32c):
+            self._fallback("ram", chunk_id, "corrupt", f"{view.nbytes} bytes, crc32c mismatch or wrong length")
+            return False
+        np.copyto(dst, np.frombuffer(view, np.uint8))
+        self._success("ram", raw_length, time.perf_counter() - t0)
+        return True
+
+    def _listed(self, i: int, step: int, chunk_id: str) -> bool:
+        if not self._use_listing:
+            return True
+        key = (step, i)
+        listing = self._listings.get(key)
+        if listing is None:
+            with self._listing_locks[i]:
+                listing = self._listings.get(key)
+                if listing is None:
+                    peer = self._peers[i]
+                    try:
+                        listing = frozenset(peer.list_chunks(step))
+                    except PeerUnavailableError as e:
+                        self._fallback(f"peer:{peer.name}", chunk_id, "unavailable", e, dead=i)
+                        return False
+                    except PeerError as e:
+                        self._fallback(f"peer:{peer.name}", chunk_id, "protocol", e, dead=i)
+                        return False
+                    with self._lock:
+                        self._listings[key] = listing
+        return chunk_id in listing
+
+    def _success(self, tier: str, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            st = self._tiers.setdefault(tier, TierStats())
+            st.chunks += 1
+            st.bytes += nbytes
+            st.seconds += seconds
+
+    def _fallback(
+        self, tier: str, chunk_id: str, reason: FallbackReason, err: object, *, dead: int | None = None
+    ) -> None:
+        with self._lock:
+            self._fallbacks[reason] += 1
+            self._log.append(Fallback(tier, chunk_id, reason, "" if err is None else str(err)[:300]))
+            if dead is not None:
+                self._dead.add(dead)

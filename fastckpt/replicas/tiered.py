@@ -1,0 +1,228 @@
+"""RAM replication as the manager uses it: one object composing tier, server, pusher, peers.
+
+Call order on a RAM save (all processes, SPMD): :meth:`RamReplication.allocate` (the staging
+buffer *is* the shared-memory segment) -> stage -> :meth:`commit` (seal the segment, store
+the step's manifest, push own chunks + manifest to the ring successors in the background).
+On failure: :meth:`abort`. On restore: :meth:`select_step` (process 0 decides, everyone
+follows) -> :meth:`source` (own RAM, then every peer, per chunk).
+
+A RAM-only step is restorable while its chunks are complete across the reachable tiers:
+``select_step`` checks the union of the chunk lists of own tier and peers against the
+manifest before choosing it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from fastckpt._distributed import Coordinator
+from fastckpt.errors import FastckptError, PeerError
+from fastckpt.format.codec import decode_manifest
+from fastckpt.format.manifest import ChunkEntry, Manifest, chunk_id
+from fastckpt.options import RamOptions
+from fastckpt.replicas.discovery import CoordinatorDirectory, PeerDirectory, StoreDirectory, make_record
+from fastckpt.replicas.peer import PeerClient, PeerOptions, PeerServer
+from fastckpt.replicas.placement import push_targets
+from fastckpt.replicas.ram import ChunkLocation, RamTier, Segment
+from fastckpt.replicas.replicator import Replicator
+from fastckpt.replicas.sources import TieredChunkSource
+from fastckpt.storage._protocol import Store
+from fastckpt.writer.stage import StagedSave
+
+__all__ = ["RamReplication", "StepChoice"]
+
+
+class StepChoice:
+    """The step a restore uses and where its manifest comes from."""
+
+    def __init__(self, step: int, manifest: Manifest | None) -> None:
+        self.step = step
+        self.manifest = manifest
+        """The RAM manifest for a RAM-only step; None when storage holds the step."""
+
+
+class RamReplication:
+    """The RAM tier of this host plus its peer server, pusher and peer clients."""
+
+    def __init__(self, options: RamOptions, *, coordinator: Coordinator, store: Store, namespace: str,
+                 run: Callable[[Any], Any]) -> None:
+        self.options = options
+        self.member_id = options.member_id or os.path.basename(os.path.normpath(options.root))
+        self._coord = coordinator
+        self.tier = RamTier(options.root, budget_bytes=options.budget_bytes, keep_steps=options.keep_steps)
+        self._peer_options = PeerOptions(connect_timeout_s=options.peer_connect_timeout_s,
+                                         io_timeout_s=options.peer_io_timeout_s)
+        self._segment: Segment | None = None
+        self._clients: dict[str, PeerClient] = {}
+        self._server: PeerServer | None = None
+        self._replicator: Replicator | None = None
+        self._directory: PeerDirectory | None = None
+        if options.secret is not None:
+            self._server = PeerServer(self.tier, secret=options.secret, host=options.host, port=options.port,
+                                      options=self._peer_options).start()
+            if coordinator.process_count > 1:
+                self._directory = CoordinatorDirectory(coordinator, namespace=namespace.replace("/", "-"),
+                                                       timeout_s=options.discovery_timeout_s)
+            else:
+                self._directory = StoreDirectory(store, prefix="_peers/", run=run)
+            self._directory.publish(make_record(self.member_id, self._server.address))
+            self._replicator = Replicator(self.tier)
+
+    # ------------------------------------------------------------------ peers
+    def _peers(self) -> dict[str, PeerClient]:
+        """Clients of every other published member (looked up once, then cached)."""
+        if self._directory is None or self.options.secret is None:
+            return {}
+        if not self._clients:
+            for member, rec in self._directory.lookup().items():
+                if member != self.member_id:
+                    self._clients[member] = PeerClient(rec.address, secret=self.options.secret,
+                                                       options=self._peer_options, name=member)
+        return self._clients
+
+    # ------------------------------------------------------------------ save
+    def due(self, step: int) -> bool:
+        """Whether ``step`` is a RAM checkpoint step."""
+        return step % self.options.interval_steps == 0
+
+    def allocate(self, step: int, nbytes: int) -> np.ndarray:
+        """A shared-memory staging buffer for ``step`` (becomes the replica once sealed)."""
+        self.abort()
+        self._segment = self.tier.allocate(step, nbytes)
+        return self._segment.buffer
+
+    def abort(self) -> None:
+        """Discard an unsealed segment (a failed save)."""
+        seg, self._segment = self._segment, None
+        if seg is not None:
+            self.tier.discard(seg)
+
+    def commit(self, step: int, staged: StagedSave, chunks: dict[int, list[ChunkEntry]], manifest: bytes) -> None:
+        """Seal the staged segment under ``step``, store ``manifest``, start the peer push."""
+        seg, self._segment = self._segment, None
+        if seg is None:
+            raise FastckptError(f"no RAM segment allocated for step {step}")
+        index: dict[str, ChunkLocation] = {}
+        for ai, arr in enumerate(staged.arrays):
+            crc_by_box = {c.box: c.raw_crc32c for c in chunks[ai]}
+            for ii, item in enumerate(arr.items):
+                index[chunk_id(arr.path, item.box)] = ChunkLocation(arr.item_offsets[ii], item.nbytes, crc_by_box[item.box])
+        self.tier.seal(step, seg, index)
+        self.tier.put_manifest(step, manifest)
+        if self._replicator is not None and self.options.replicas > 0:
+            peers = self._peers()
+            members = [self.member_id, *peers]
+            targets = push_targets(members, self.options.replicas).get(self.member_id, [])
+            self._replicator.set_targets({m: peers[m] for m in targets if m in peers})
+            self._replicator.submit(step, chunk_ids=list(index), manifest=manifest)
+
+    def wait_replication(self, timeout_s: float | None = None) -> None:
+        """Block until pushes of submitted steps finished (errors are logged, not raised)."""
+        if self._replicator is not None:
+            self._replicator.wait(timeout_s)
+
+    # ------------------------------------------------------------------ restore
+    def _manifest_anywhere(self, step: int) -> bytes | None:
+        data = self.tier.get_manifest(step)
+        if data is not None:
+            return data
+        for client in self._peers().values():
+            try:
+                data = client.get_manifest(step)
+            except PeerError:
+                continue
+            if data is not None:
+                return data
+        return None
+
+    def steps_by_tier(self) -> dict[int, set[str]]:
+        """RAM steps with a manifest: ``{"ram"}`` own tier, ``{"peer"}`` some peer."""
+        out: dict[int, set[str]] = {s: {"ram"} for s in self.tier.committed_steps()}
+        for client in self._peers().values():
+            try:
+                for s in client.steps():
+                    out.setdefault(s, set()).add("peer")
+            except PeerError:
+                continue
+        return out
+
+    def _complete(self, manifest: Manifest) -> bool:
+        need = {chunk_id(a.path, c.box) for a in manifest.arrays() for c in a.chunks}
+        have = set(self.tier.chunk_ids(manifest.step))
+        for client in self._peers().values():
+            if need <= have:
+                break
+            try:
+                have.update(client.list_chunks(manifest.step))
+            except PeerError:
+                continue
+        return need <= have
+
+    def newest_complete_step(self, newer_than: int | None) -> tuple[int, bytes] | None:
+        """The newest RAM step newer than ``newer_than`` whose chunks are all reachable."""
+        for step in sorted(self.steps_by_tier(), reverse=True):
+            if newer_than is not None and step <= newer_than:
+                return None
+            data = self._manifest_anywhere(step)
+            if data is None:
+                continue
+            try:
+                manifest = decode_manifest(data)
+            except FastckptError:
+                continue
+            if self._complete(manifest):
+                return step, data
+        return None
+
+    def select_step(self, persistent_latest: int | None, *, key: str, timeout_s: float) -> StepChoice | None:
+        """Agree on the step to restore: a complete RAM step newer than storage's latest, if any.
+
+        Process 0 decides and publishes under ``key``; the others fetch the RAM manifest
+        from their tier or a peer. Returns None when storage's latest should be used.
+        """
+        coord = self._coord
+        if coord.process_index == 0:
+            found = self.newest_complete_step(persistent_latest)
+            decision = str(found[0]) if found else "storage"
+            if coord.process_count > 1:
+                coord.set(key, decision)
+            if found is None:
+                return None
+            return StepChoice(found[0], decode_manifest(found[1]))
+        decision = coord.get(key, timeout_s=timeout_s)
+        if decision == "storage":
+            return None
+        step = int(decision)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            data = self._manifest_anywhere(step)
+            if data is not None:
+                return StepChoice(step, decode_manifest(data))
+            if time.monotonic() > deadline:
+                raise PeerError(f"RAM step {step} chosen by process 0 but its manifest is unreachable here")
+            time.sleep(0.05)
+
+    def source(self) -> TieredChunkSource:
+        """Per-chunk source: own RAM first, then every peer (listing-guided)."""
+        return TieredChunkSource(self.tier, list(self._peers().values()))
+
+    def forget_peers(self) -> None:
+        """Drop cached peer clients (after membership changes)."""
+        for c in self._clients.values():
+            c.close()
+        self._clients.clear()
+
+    def close(self) -> None:
+        """Stop pushing and serving; close the tier (its files stay for a restarted process)."""
+        self.abort()
+        if self._replicator is not None:
+            self._replicator.close(wait=True)
+        self.forget_peers()
+        if self._server is not None:
+            self._server.close()
+        self.tier.close()

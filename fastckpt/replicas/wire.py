@@ -1,0 +1,394 @@
+"""The peer wire protocol: length-prefixed binary frames with a strict JSON header. No pickle.
+
+A frame is::
+
+    prefix   20 bytes, big-endian: magic b"FCKP" | version u8 | type u8 | flags u16 (= 0)
+                                   | header_len u32 | payload_len u64
+    header   header_len bytes of UTF-8 JSON: one object whose keys are exactly the fields
+             of the message type (see ``SCHEMAS``), no duplicates, no extras
+    payload  payload_len raw bytes (only message types in ``PAYLOAD_TYPES`` may carry one)
+
+Decoding is strict and bounded: a wrong magic, an unknown version, type or flag, a header or
+payload over the receiver's :class:`WireLimits`, invalid UTF-8/JSON, a missing, extra or
+ill-typed field, or a frame cut short all raise :class:`~fastckpt.errors.ProtocolError`, and
+nothing else (the fuzz tests hold the decoder to this). The socket helpers translate OS and
+timeout errors into :class:`~fastckpt.errors.PeerUnavailableError`.
+
+Authentication (mutual, per connection) is a challenge/response over fresh 32-byte nonces
+from both sides with HMAC-SHA256 under a shared secret; see :func:`auth_mac` and
+``docs/replicas.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import hmac
+import json
+import secrets
+import socket
+import struct
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
+
+from fastckpt.errors import PeerUnavailableError, ProtocolError
+
+__all__ = [
+    "AUTH_LIMITS",
+    "ERROR_CODES",
+    "MAGIC",
+    "PAYLOAD_TYPES",
+    "PREFIX",
+    "SCHEMAS",
+    "VERSION",
+    "Frame",
+    "FramePrefix",
+    "FrameTooLargeError",
+    "MsgType",
+    "WireLimits",
+    "auth_mac",
+    "decode_frame",
+    "decode_header",
+    "decode_json_list",
+    "decode_prefix",
+    "encode_frame",
+    "new_nonce",
+    "recv_exact",
+    "recv_frame_head",
+    "send_frame",
+]
+
+MAGIC = b"FCKP"
+VERSION = 1
+#: magic, version, type, flags, header_len, payload_len.
+PREFIX = struct.Struct(">4sBBHIQ")
+NONCE_BYTES = 32
+MAX_CHUNK_ID_CHARS = 4096
+MAX_MESSAGE_CHARS = 4096
+_U63 = (1 << 63) - 1
+_SEND_PIECE = 64 << 20  # a payload is sent in pieces so the socket timeout bounds a stall
+_AUTH_DOMAIN = b"fastckpt-peer-auth-v1\x00"
+
+
+class MsgType(enum.IntEnum):
+    """Message types. Requests are sent by clients, the rest by servers."""
+
+    HELLO = 1
+    """Client → server: ``nonce`` (client nonce)."""
+    CHALLENGE = 2
+    """Server → client: ``nonce`` (server nonce), ``mac`` (server proof)."""
+    AUTH = 3
+    """Client → server: ``mac`` (client proof)."""
+    AUTH_OK = 4
+    """Server → client: the connection is authenticated."""
+    GET_CHUNK = 16
+    CHUNK = 17
+    PUT_CHUNK = 18
+    LIST = 19
+    CHUNK_LIST = 20
+    GET_MANIFEST = 21
+    MANIFEST = 22
+    PUT_MANIFEST = 23
+    STEPS = 24
+    STEP_LIST = 25
+    OK = 26
+    ERROR = 31
+
+
+#: Field kinds: "u63" int in [0, 2**63), "u32", "str" (chunk id), "msg" (short text),
+#: "nonce"/"mac" (64 hex chars), "u63?" (u63 or null), "u63[]" (list of u63), "bool".
+SCHEMAS: Mapping[MsgType, Mapping[str, str]] = {
+    MsgType.HELLO: {"nonce": "nonce"},
+    MsgType.CHALLENGE: {"nonce": "nonce", "mac": "mac"},
+    MsgType.AUTH: {"mac": "mac"},
+    MsgType.AUTH_OK: {},
+    MsgType.GET_CHUNK: {"step": "u63", "chunk_id": "str", "offset": "u63", "length": "u63?"},
+    MsgType.CHUNK: {"raw_crc32c": "u32", "chunk_length": "u63", "offset": "u63"},
+    MsgType.PUT_CHUNK: {"step": "u63", "chunk_id": "str", "raw_crc32c": "u32"},
+    MsgType.LIST: {"step": "u63"},
+    MsgType.CHUNK_LIST: {"count": "u63"},
+    MsgType.GET_MANIFEST: {"step": "u63"},
+    MsgType.MANIFEST: {},
+    MsgType.PUT_MANIFEST: {"step": "u63"},
+    MsgType.STEPS: {},
+    MsgType.STEP_LIST: {"steps": "u63[]", "committed": "u63[]"},
+    MsgType.OK: {"stored": "bool"},
+    MsgType.ERROR: {"code": "msg", "message": "msg"},
+}
+
+#: Message types that may carry a payload; every other type must have ``payload_len == 0``.
+PAYLOAD_TYPES = frozenset({MsgType.CHUNK, MsgType.PUT_CHUNK, MsgType.CHUNK_LIST, MsgType.MANIFEST, MsgType.PUT_MANIFEST})
+
+#: ERROR codes a server sends. Clients map them onto the :mod:`fastckpt.errors` tree.
+ERROR_CODES = frozenset(
+    {"not_found", "bad_request", "too_large", "auth_failed", "stale_step", "budget", "checksum_mismatch", "busy", "internal"}
+)
+
+
+class FrameTooLargeError(ProtocolError):
+    """A frame's header or payload exceeds the receiver's :class:`WireLimits`."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WireLimits:
+    """Upper bounds a receiver enforces before it reads a frame's header or payload."""
+
+    max_header_bytes: int = 64 << 10
+    """Largest JSON header accepted."""
+    max_payload_bytes: int = 1 << 30
+    """Largest payload accepted (a chunk, a manifest or a chunk list)."""
+
+
+#: The limits of the unauthenticated phase: tiny headers, no payloads.
+AUTH_LIMITS = WireLimits(max_header_bytes=1024, max_payload_bytes=0)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FramePrefix:
+    """The decoded fixed-size prefix of a frame."""
+
+    type: MsgType
+    header_len: int
+    payload_len: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Frame:
+    """A whole decoded frame (used by :func:`decode_frame`; sockets stream payloads instead)."""
+
+    type: MsgType
+    header: dict[str, Any]
+    payload: bytes
+
+
+def new_nonce() -> bytes:
+    """A fresh random nonce for the handshake."""
+    return secrets.token_bytes(NONCE_BYTES)
+
+
+def auth_mac(secret: bytes, role: Literal["server", "client"], client_nonce: bytes, server_nonce: bytes) -> bytes:
+    """HMAC-SHA256 proof that ``role`` knows ``secret`` for this pair of nonces.
+
+    The role is part of the MAC input, so a server proof can never be reflected back as a
+    client proof; both nonces are, so a proof is only valid on the connection it was made for.
+    """
+    msg = _AUTH_DOMAIN + role.encode() + b"\x00" + client_nonce + server_nonce
+    return hmac.new(secret, msg, hashlib.sha256).digest()
+
+
+def encode_frame(msg_type: MsgType, header: Mapping[str, Any], payload_len: int = 0) -> bytes:
+    """Prefix + JSON header for a frame whose ``payload_len`` payload bytes follow.
+
+    Raises:
+        ProtocolError: the header does not match the message type's schema (a bug in the
+            sender; checked so that a peer never receives a frame it would refuse).
+    """
+    _check_fields(msg_type, dict(header))
+    if payload_len and msg_type not in PAYLOAD_TYPES:
+        raise ProtocolError(f"{msg_type.name} carries no payload")
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+    return PREFIX.pack(MAGIC, VERSION, int(msg_type), 0, len(raw), payload_len) + raw
+
+
+def decode_prefix(data: bytes | bytearray | memoryview, limits: WireLimits) -> FramePrefix:
+    """Validate and decode a 20-byte frame prefix against ``limits``."""
+    if len(data) != PREFIX.size:
+        raise ProtocolError(f"frame prefix must be {PREFIX.size} bytes, got {len(data)}")
+    magic, version, mtype, flags, header_len, payload_len = PREFIX.unpack(data)
+    if magic != MAGIC:
+        raise ProtocolError("bad frame magic (not a fastckpt peer)")
+    if version != VERSION:
+        raise ProtocolError(f"unsupported peer protocol version {version} (this side speaks {VERSION})")
+    try:
+        msg_type = MsgType(mtype)
+    except ValueError:
+        raise ProtocolError(f"unknown message type {mtype}") from None
+    if flags:
+        raise ProtocolError(f"unknown frame flags {flags:#x}")
+    if header_len > limits.max_header_bytes:
+        raise FrameTooLargeError(f"header of {header_len} bytes exceeds the limit of {limits.max_header_bytes}")
+    if payload_len and msg_type not in PAYLOAD_TYPES:
+        raise ProtocolError(f"{msg_type.name} must not carry a payload")
+    if payload_len > limits.max_payload_bytes:
+        raise FrameTooLargeError(f"payload of {payload_len} bytes exceeds the limit of {limits.max_payload_bytes}")
+    return FramePrefix(msg_type, header_len, payload_len)
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ProtocolError("duplicate key in frame header")
+    return out
+
+
+def _no_constants(name: str) -> Any:
+    raise ProtocolError(f"non-finite number {name} in frame header")
+
+
+def _loads(raw: bytes | bytearray | memoryview, what: str) -> Any:
+    try:
+        text = bytes(raw).decode("utf-8")
+        return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
+    except ProtocolError:
+        raise
+    except (ValueError, RecursionError, TypeError) as e:  # UnicodeDecodeError is a ValueError
+        raise ProtocolError(f"{what} is not valid UTF-8 JSON: {e}") from None
+
+
+def _check_value(kind: str, value: Any) -> bool:
+    if kind in ("u63", "u32"):
+        limit = _U63 if kind == "u63" else 0xFFFFFFFF
+        return type(value) is int and 0 <= value <= limit
+    if kind == "u63?":
+        return value is None or (type(value) is int and 0 <= value <= _U63)
+    if kind == "str":
+        return type(value) is str and 0 < len(value) <= MAX_CHUNK_ID_CHARS and "\x00" not in value
+    if kind == "msg":
+        return type(value) is str and len(value) <= MAX_MESSAGE_CHARS
+    if kind in ("nonce", "mac"):
+        return (
+            type(value) is str
+            and len(value) == 2 * NONCE_BYTES
+            and all(c in "0123456789abcdef" for c in value)
+        )
+    if kind == "u63[]":
+        return type(value) is list and all(type(v) is int and 0 <= v <= _U63 for v in value)
+    if kind == "bool":
+        return type(value) is bool
+    raise AssertionError(kind)  # pragma: no cover - SCHEMAS is closed
+
+
+def _check_fields(msg_type: MsgType, header: dict[str, Any]) -> None:
+    schema = SCHEMAS[msg_type]
+    if set(header) != set(schema):
+        missing = sorted(set(schema) - set(header))
+        extra = sorted(set(header) - set(schema))
+        raise ProtocolError(f"{msg_type.name} header fields: missing {missing}, unexpected {extra}")
+    for name, kind in schema.items():
+        if not _check_value(kind, header[name]):
+            raise ProtocolError(f"{msg_type.name}.{name} is not a valid {kind}: {header[name]!r:.80}")
+
+
+def decode_header(msg_type: MsgType, raw: bytes | bytearray | memoryview) -> dict[str, Any]:
+    """Decode and validate the JSON header of a ``msg_type`` frame against ``SCHEMAS``."""
+    header = _loads(raw, f"{msg_type.name} header")
+    if type(header) is not dict:
+        raise ProtocolError(f"{msg_type.name} header must be a JSON object")
+    _check_fields(msg_type, header)
+    return header
+
+
+def decode_json_list(raw: bytes | bytearray | memoryview, *, count: int) -> list[str]:
+    """Decode a CHUNK_LIST payload: a JSON array of exactly ``count`` non-empty strings."""
+    value = _loads(raw, "chunk list")
+    if type(value) is not list or len(value) != count or not all(_check_value("str", v) for v in value):
+        raise ProtocolError(f"chunk list must be a JSON array of {count} chunk ids")
+    return value
+
+
+def decode_frame(data: bytes | bytearray | memoryview, limits: WireLimits) -> Frame:
+    """Decode exactly one whole frame from ``data`` (no bytes missing, none left over)."""
+    data = bytes(data)
+    if len(data) < PREFIX.size:
+        raise ProtocolError(f"truncated frame: {len(data)} bytes, the prefix alone is {PREFIX.size}")
+    prefix = decode_prefix(data[: PREFIX.size], limits)
+    end = PREFIX.size + prefix.header_len + prefix.payload_len
+    if len(data) != end:
+        raise ProtocolError(f"frame length mismatch: declared {end} bytes, got {len(data)}")
+    header = decode_header(prefix.type, data[PREFIX.size : PREFIX.size + prefix.header_len])
+    payload = data[PREFIX.size + prefix.header_len :]
+    if prefix.type is MsgType.CHUNK_LIST:
+        decode_json_list(payload, count=header["count"])
+    return Frame(prefix.type, header, payload)
+
+
+# --------------------------------------------------------------------------- socket helpers
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock``.
+
+    Raises:
+        PeerUnavailableError: the peer closed the connection early, or a receive failed or
+            stalled past the socket timeout.
+    """
+    pos, n = 0, view.nbytes
+    try:
+        while pos < n:
+            got = sock.recv_into(view[pos:], n - pos)
+            if not got:
+                raise PeerUnavailableError(f"connection closed by peer after {pos} of {n} bytes")
+            pos += got
+    except OSError as e:  # socket.timeout is an OSError
+        raise PeerUnavailableError(f"receive failed after {pos} of {n} bytes: {e!r}") from e
+
+
+def recv_frame_head(
+    sock: socket.socket,
+    limits: WireLimits,
+    *,
+    allowed: Iterable[MsgType] | None = None,
+    first_byte_timeout_s: float | None = None,
+    timeout_s: float | None = None,
+) -> tuple[MsgType, dict[str, Any], int]:
+    """Receive a frame's prefix and header; leave its payload on the socket.
+
+    Args:
+        sock: A connected blocking socket.
+        limits: Bounds checked before the header and payload are read.
+        allowed: If given, message types outside it raise ``ProtocolError``.
+        first_byte_timeout_s: Timeout for the wait until the frame starts (e.g. the idle
+            timeout between requests); ``timeout_s`` applies to everything after.
+        timeout_s: Timeout for every later receive (None: leave the socket's timeout).
+
+    Returns:
+        ``(type, header, payload_len)``; the caller must consume ``payload_len`` bytes next.
+    """
+    prefix = bytearray(PREFIX.size)
+    view = memoryview(prefix)
+    if first_byte_timeout_s is not None:
+        sock.settimeout(first_byte_timeout_s)
+        recv_exact(sock, view[:1])
+        view = view[1:]
+    if timeout_s is not None:
+        sock.settimeout(timeout_s)
+    recv_exact(sock, view)
+    head = decode_prefix(prefix, limits)
+    if allowed is not None and head.type not in set(allowed):
+        raise ProtocolError(f"unexpected message {head.type.name}")
+    raw = bytearray(head.header_len)
+    recv_exact(sock, memoryview(raw))
+    return head.type, decode_header(head.type, raw), head.payload_len
+
+
+def send_frame(
+    sock: socket.socket,
+    msg_type: MsgType,
+    header: Mapping[str, Any],
+    payload: Iterable[memoryview | bytes] = (),
+    *,
+    payload_len: int | None = None,
+) -> None:
+    """Send one frame; ``payload`` parts are sent straight from their buffers (no joins).
+
+    ``payload_len`` defaults to the total size of the parts. Large parts are sent in pieces
+    so the socket timeout bounds a stall, not the whole transfer.
+
+    Raises:
+        PeerUnavailableError: a send failed or stalled past the socket timeout.
+    """
+    parts = [memoryview(p).cast("B") for p in payload]
+    total = sum(p.nbytes for p in parts) if payload_len is None else payload_len
+    head = encode_frame(msg_type, header, total)
+    try:
+        if parts and parts[0].nbytes <= 64 << 10:
+            sock.sendall(head + bytes(parts[0]))  # small frames leave in one segment
+            parts = parts[1:]
+        else:
+            sock.sendall(head)
+        for part in parts:
+            for off in range(0, part.nbytes, _SEND_PIECE):
+                sock.sendall(part[off : off + _SEND_PIECE])
+    except OSError as e:
+        raise PeerUnavailableError(f"send of {msg_type.name} failed: {e!r}") from e

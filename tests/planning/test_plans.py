@@ -1,0 +1,201 @@
+"""Save plans (replica dedupe, sub-chunk byte layout), read plans and fetch coalescing."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fastckpt.errors import CorruptionError
+from fastckpt.format.manifest import ArrayLeaf, Box, ChunkEntry, box_shape, box_volume
+from fastckpt.planning import (
+    ShardInfo,
+    box_to_slices,
+    coalesce_fetches,
+    intersect,
+    plan_leaf_reads,
+    plan_leaf_writes,
+    relative_to,
+)
+from fastckpt.testing.strategies import boxes_in, shapes, tilings
+
+SETTINGS = settings(max_examples=150, deadline=None)
+
+
+# ------------------------------------------------------------------ plan_leaf_writes
+
+
+@st.composite
+def shard_lists(draw: st.DrawFn) -> tuple[tuple[int, ...], list[ShardInfo], int, int]:
+    """A tiling of an array into shard boxes, each held by 1-3 devices (replicas), shuffled.
+
+    Some boxes get replica_id 0 on two devices (what a process sees for a replicated axis it
+    owns twice); only one copy may be written.
+    """
+    shape = draw(shapes(max_rank=3, max_side=6, min_side=1))
+    boxes = draw(tilings(shape, max_pieces=6))
+    shards = []
+    for box in boxes:
+        replicas = draw(st.integers(1, 3))
+        ids = list(range(replicas))
+        if draw(st.booleans()):
+            ids.append(0)  # a duplicate replica-0 copy of the same box
+        for r in ids:
+            shards.append((box, r))
+    # Drop some non-zero replicas entirely and shuffle the device order.
+    shards = draw(st.permutations(shards))
+    infos = [ShardInfo(box, r, i) for i, (box, r) in enumerate(shards)]
+    itemsize = draw(st.sampled_from([1, 2, 4, 8]))
+    max_chunk = draw(st.integers(itemsize, 4 * itemsize * max(1, math.prod(shape))))
+    return shape, infos, itemsize, max_chunk
+
+
+@SETTINGS
+@given(shard_lists())
+def test_plan_leaf_writes_dedupes_replicas_and_tiles(case: tuple[tuple[int, ...], list[ShardInfo], int, int]) -> None:
+    shape, shards, itemsize, max_chunk = case
+    items = plan_leaf_writes(shards, itemsize=itemsize, max_chunk_bytes=max_chunk)
+    # Every element of the array is written exactly once (each box once, replicas deduped).
+    count = np.zeros(shape, np.int64)
+    for it in items:
+        count[box_to_slices(it.box)] += 1
+    np.testing.assert_array_equal(count, np.ones(shape, np.int64))
+    first_zero = {}
+    for s in shards:
+        if s.replica_id == 0:
+            first_zero.setdefault(s.box, s.shard_index)
+    by_shard: dict[int, list] = {}
+    for it in items:
+        # Written from the first replica-0 device of its box.
+        assert first_zero[it.shard_box] == it.shard_index
+        assert it.nbytes == box_volume(it.box) * itemsize <= max_chunk
+        by_shard.setdefault(it.shard_index, []).append(it)
+    # Within a shard: sub-chunks are contiguous byte ranges of its C-order buffer, in order.
+    for idx, its in by_shard.items():
+        shard_box = its[0].shard_box
+        local = np.arange(box_volume(shard_box)).reshape(box_shape(shard_box))
+        offset = 0
+        for it in its:
+            assert it.byte_offset == offset
+            elems = local[box_to_slices(relative_to(it.box, shard_box))].reshape(-1)
+            np.testing.assert_array_equal(elems, np.arange(offset // itemsize, offset // itemsize + elems.size))
+            offset += it.nbytes
+        assert offset == box_volume(shard_box) * itemsize
+
+
+def test_plan_leaf_writes_no_replica_zero_writes_nothing() -> None:
+    shards = [ShardInfo(((0, 4),), 1, 0), ShardInfo(((0, 4),), 2, 1)]
+    assert plan_leaf_writes(shards, itemsize=4, max_chunk_bytes=64) == ()
+
+
+# ------------------------------------------------------------------ plan_leaf_reads
+
+
+def make_leaf(shape: tuple[int, ...], boxes: list[Box], itemsize: int = 8) -> ArrayLeaf:
+    chunks = tuple(
+        ChunkEntry(box=b, key=f"obj/{i % 3}", offset=1000 * i, length=box_volume(b) * itemsize,
+                   raw_length=box_volume(b) * itemsize, codec="raw", crc32c=0, raw_crc32c=0)
+        for i, b in enumerate(boxes)
+    )
+    return ArrayLeaf(path=(("d", "w"),), shape=shape, dtype="int64", chunks=chunks)
+
+
+@st.composite
+def read_cases(draw: st.DrawFn) -> tuple[tuple[int, ...], list[Box], Box]:
+    shape = draw(shapes(max_rank=3, max_side=7))
+    return shape, draw(tilings(shape, max_pieces=10)), draw(boxes_in(shape, allow_empty=True))
+
+
+@settings(max_examples=250, deadline=None)
+@given(read_cases())
+def test_plan_leaf_reads_copies_exactly_the_right_elements(case: tuple[tuple[int, ...], list[Box], Box]) -> None:
+    shape, boxes, dst_box = case
+    leaf = make_leaf(shape, boxes)
+    global_arr = np.arange(math.prod(shape), dtype=np.int64).reshape(shape)
+    # Each stored chunk holds exactly its box of the global array.
+    stored = {c: global_arr[box_to_slices(c.box)].copy() for c in leaf.chunks}
+    items = plan_leaf_reads(leaf, dst_box)
+    dst = np.full(box_shape(dst_box), -1, np.int64)
+    written = np.zeros(box_shape(dst_box), np.int64)
+    for it in items:
+        assert box_shape(it.src_box) == box_shape(it.dst_box)
+        assert box_volume(it.src_box) > 0 or not shape
+        src = stored[it.chunk]
+        dst[box_to_slices(it.dst_box)] = src[box_to_slices(it.src_box)]
+        written[box_to_slices(it.dst_box)] += 1
+    np.testing.assert_array_equal(dst, global_arr[box_to_slices(dst_box)])
+    np.testing.assert_array_equal(written, np.ones_like(written))
+    # Only overlapping chunks are read, each once.
+    expected_chunks = {c for c in leaf.chunks if intersect(c.box, dst_box) is not None}
+    assert [it.chunk for it in items] == [c for c in leaf.chunks if c in expected_chunks]
+
+
+@SETTINGS
+@given(st.data())
+def test_plan_leaf_reads_detects_missing_chunk(data: st.DataObject) -> None:
+    shape = data.draw(shapes(max_rank=3, max_side=6, min_side=1))
+    boxes = data.draw(tilings(shape))
+    dst_box = data.draw(boxes_in(shape))
+    hit = [b for b in boxes if intersect(b, dst_box) is not None]
+    drop = data.draw(st.sampled_from(hit))
+    leaf = make_leaf(shape, [b for b in boxes if b != drop])
+    with pytest.raises(CorruptionError, match="cover"):
+        plan_leaf_reads(leaf, dst_box)
+
+
+def test_plan_leaf_reads_zero_d() -> None:
+    leaf = make_leaf((), [()])
+    (item,) = plan_leaf_reads(leaf, ())
+    assert item.src_box == () and item.dst_box == ()
+
+
+# ------------------------------------------------------------------ coalesce_fetches
+
+
+@st.composite
+def fetch_cases(draw: st.DrawFn) -> tuple[list[ChunkEntry], int, int]:
+    chunks = []
+    for key in draw(st.lists(st.sampled_from(["a", "b/c", "d/e/f"]), min_size=1, max_size=3, unique=True)):
+        pos = 0
+        for _ in range(draw(st.integers(1, 12))):
+            pos += draw(st.integers(0, 50))  # gap before the chunk
+            length = draw(st.integers(0, 80))
+            chunks.append(ChunkEntry(box=((0, length),), key=key, offset=pos, length=length,
+                                     raw_length=length, codec="raw", crc32c=0, raw_crc32c=0))
+            pos += length
+    # Ask for a random subset, some chunks twice, in random order.
+    wanted = draw(st.lists(st.sampled_from(chunks), min_size=1, max_size=2 * len(chunks)))
+    return wanted, draw(st.integers(0, 60)), draw(st.integers(1, 300))
+
+
+@settings(max_examples=300, deadline=None)
+@given(fetch_cases())
+def test_coalesce_fetches_each_chunk_once_within_bounds(case: tuple[list[ChunkEntry], int, int]) -> None:
+    wanted, max_gap, max_bytes = case
+    ranges = coalesce_fetches(wanted, max_gap=max_gap, max_bytes=max_bytes)
+    seen = [(c.key, c.offset) for r in ranges for c in r.chunks]
+    assert sorted(seen) == sorted({(c.key, c.offset) for c in wanted})  # each exactly once
+    by_key: dict[str, list] = {}
+    for r in ranges:
+        assert r.chunks
+        assert all(c.key == r.key for c in r.chunks)
+        assert r.start == min(c.offset for c in r.chunks)
+        assert r.start + r.length == max(c.offset + c.length for c in r.chunks)
+        assert r.length <= max_bytes or len(r.chunks) == 1
+        ordered = sorted(r.chunks, key=lambda c: c.offset)
+        end = ordered[0].offset + ordered[0].length
+        for c in ordered[1:]:
+            assert c.offset - end <= max_gap  # merged only across small gaps
+            end = max(end, c.offset + c.length)
+        by_key.setdefault(r.key, []).append(r)
+    for rs in by_key.values():
+        rs.sort(key=lambda r: r.start)
+        for prev, nxt in zip(rs, rs[1:]):
+            assert prev.start + prev.length <= nxt.start  # ranges of one object never overlap
+            # Greedy maximality: the next range was not merged for a reason.
+            first = min(nxt.chunks, key=lambda c: c.offset)
+            assert (first.offset - (prev.start + prev.length) > max_gap
+                    or first.offset + first.length - prev.start > max_bytes)

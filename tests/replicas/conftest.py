@@ -1,0 +1,75 @@
+"""Fixtures for the replicas tests: tiers under a unique /dev/shm directory, running servers."""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fastckpt._checksum import crc32c
+from fastckpt.replicas import ChunkLocation, PeerOptions, PeerServer, RamTier
+
+SECRET = b"test-secret-0123456789abcdef"
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    """A fresh directory on tmpfs (``/dev/shm``), removed after the test."""
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
+    d = base / f"fastckpt-test-{uuid.uuid4().hex[:12]}"
+    d.mkdir()
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def fill(step: int, sizes: dict[str, int], seed: int = 0) -> dict[str, np.ndarray]:
+    """Deterministic random chunk contents."""
+    rng = np.random.default_rng([seed, step])
+    return {cid: np.frombuffer(rng.bytes(n), np.uint8).copy() for cid, n in sizes.items()}
+
+
+def seal_chunks(tier: RamTier, step: int, chunks: dict[str, np.ndarray]) -> dict[str, ChunkLocation]:
+    """Stage ``chunks`` into one segment of ``tier`` and seal it; returns the index."""
+    total = sum(a.nbytes for a in chunks.values())
+    seg = tier.allocate(step, total)
+    index, off = {}, 0
+    for cid, a in chunks.items():
+        seg.buffer[off : off + a.nbytes] = a
+        index[cid] = ChunkLocation(off, a.nbytes, crc32c(a))
+        off += a.nbytes
+    tier.seal(step, seg, index)
+    return index
+
+
+@pytest.fixture
+def make_tier(shm_dir: Path) -> Iterator[Callable[..., RamTier]]:
+    """``make_tier(name, budget_bytes=..., keep_steps=...)``: tiers closed after the test."""
+    tiers: list[RamTier] = []
+
+    def make(name: str = "t0", *, budget_bytes: int = 256 << 20, **kw: object) -> RamTier:
+        tier = RamTier(shm_dir / name, budget_bytes=budget_bytes, **kw)  # type: ignore[arg-type]
+        tiers.append(tier)
+        return tier
+
+    yield make
+    for t in tiers:
+        t.close()
+
+
+@pytest.fixture
+def make_server() -> Iterator[Callable[..., PeerServer]]:
+    """``make_server(tier, secret=SECRET, options=...)``: started servers, closed after the test."""
+    servers: list[PeerServer] = []
+
+    def make(tier: RamTier, *, secret: bytes = SECRET, options: PeerOptions | None = None) -> PeerServer:
+        server = PeerServer(tier, secret=secret, options=options).start()
+        servers.append(server)
+        return server
+
+    yield make
+    for s in servers:
+        s.close()

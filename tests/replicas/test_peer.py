@@ -1,0 +1,278 @@
+"""PeerServer/PeerClient over real loopback sockets: data, auth, limits, misbehaving clients."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fastckpt._checksum import crc32c
+from fastckpt.errors import AuthenticationError, ChecksumMismatchError, PeerUnavailableError
+from fastckpt.replicas import PeerClient, PeerOptions, PeerRequestError, PeerServer, RamTier, wire
+from fastckpt.replicas.wire import MsgType
+
+from .conftest import SECRET, fill, seal_chunks
+
+MakeTier = Callable[..., RamTier]
+MakeServer = Callable[..., PeerServer]
+FAST = PeerOptions(connect_timeout_s=2, handshake_timeout_s=1, io_timeout_s=2)
+
+
+def raw_handshake(addr: tuple[str, int], secret: bytes = SECRET, nonce: bytes | None = None) -> tuple[socket.socket, MsgType, dict, bytes]:  # type: ignore[type-arg]
+    """Handshake by hand; returns (socket, reply type, reply header, server nonce)."""
+    s = socket.create_connection(addr, timeout=5)
+    cn = nonce or wire.new_nonce()
+    wire.send_frame(s, MsgType.HELLO, {"nonce": cn.hex()})
+    _, h, _ = wire.recv_frame_head(s, wire.AUTH_LIMITS)
+    sn = bytes.fromhex(h["nonce"])
+    wire.send_frame(s, MsgType.AUTH, {"mac": wire.auth_mac(secret, "client", cn, sn).hex()})
+    t, h, _ = wire.recv_frame_head(s, wire.AUTH_LIMITS)
+    return s, t, h, sn
+
+
+def read_to_eof(s: socket.socket) -> bytes:
+    out = b""
+    while chunk := s.recv(65536):
+        out += chunk
+    return out
+
+
+@pytest.fixture
+def served(make_tier: MakeTier, make_server: MakeServer) -> tuple[RamTier, PeerServer, dict[str, np.ndarray]]:
+    tier = make_tier("server")
+    data = fill(1, {"a": 1, "b": 3 << 20, "params['w']@0:2,0:8": 64, "empty": 0})
+    seal_chunks(tier, 1, data)
+    tier.put_manifest(1, b'{"manifest": 1}')
+    return tier, make_server(tier, options=FAST), data
+
+
+def test_get_list_manifest_steps_bit_exact(served) -> None:  # type: ignore[no-untyped-def]
+    tier, server, data = served
+    with PeerClient(server.address, secret=SECRET, options=FAST) as c:
+        for cid, a in data.items():
+            assert bytes(c.get_chunk(1, cid, expected_crc32c=crc32c(a))) == a.tobytes()  # type: ignore[arg-type]
+            into = np.full(a.nbytes, 0xEE, np.uint8)
+            view = c.get_chunk(1, cid, into=memoryview(into))
+            assert view is not None and into.tobytes() == a.tobytes()
+        assert c.get_chunk(1, "missing") is None and c.get_chunk(2, "a") is None
+        assert c.list_chunks(1) == sorted(data) and c.list_chunks(9) == []
+        assert c.get_manifest(1) == b'{"manifest": 1}' and c.get_manifest(2) is None
+        assert c.steps() == [1]
+        assert c.handshakes == 1  # one pooled connection served every call
+
+
+def test_push_chunk_and_manifest(served) -> None:  # type: ignore[no-untyped-def]
+    tier, server, _ = served
+    a = fill(2, {"x": (1 << 20) + 3})["x"]
+    with PeerClient(server.address, secret=SECRET, options=FAST) as c:
+        assert c.push_chunk(2, "x", a) is True
+        assert c.push_chunk(2, "x", memoryview(a), raw_crc32c=crc32c(a)) is False  # already there
+        with pytest.raises(ChecksumMismatchError):
+            c.push_chunk(2, "y", a, raw_crc32c=crc32c(a) ^ 1)
+        c.put_manifest(2, b"m2")
+        with pytest.raises(PeerRequestError) as e:
+            c.push_chunk(1, "late", b"z")  # step 1 is superseded by committed step 2
+        assert e.value.code == "stale_step"
+        assert c.steps() == [2]  # still usable after refusals
+    assert bytes(tier.get_chunk(2, "x", verify=True)) == a.tobytes()  # type: ignore[arg-type]
+    assert tier.chunk_ids(2) == ["x"] and tier.get_manifest(2) == b"m2"
+
+
+def test_push_over_budget_is_refused(make_tier: MakeTier, make_server: MakeServer) -> None:
+    server = make_server(make_tier(budget_bytes=1 << 20), options=FAST)
+    with PeerClient(server.address, secret=SECRET, options=FAST) as c:
+        with pytest.raises(PeerRequestError) as e:
+            c.push_chunk(1, "big", np.zeros(2 << 20, np.uint8))
+        assert e.value.code == "budget"
+        assert c.push_chunk(1, "small", b"ok") is True
+
+
+def test_concurrent_clients(served) -> None:  # type: ignore[no-untyped-def]
+    _, server, data = served
+    shared = PeerClient(server.address, secret=SECRET, options=FAST)
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            own = PeerClient(server.address, secret=SECRET, options=FAST)
+            for j in range(6):
+                c = shared if (i + j) % 2 else own
+                for cid, a in data.items():
+                    assert bytes(c.get_chunk(1, cid)) == a.tobytes()  # type: ignore[arg-type]
+            own.close()
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert shared.handshakes <= 8
+    shared.close()
+
+
+def test_wrong_secret_gets_nothing(served) -> None:  # type: ignore[no-untyped-def]
+    _, server, _ = served
+    with pytest.raises(AuthenticationError):
+        PeerClient(server.address, secret=b"wrong-secret-0123456789", options=FAST).get_chunk(1, "a")
+    s, t, h, _ = raw_handshake(server.address, secret=b"wrong-secret-0123456789")
+    assert (t, h["code"]) == (MsgType.ERROR, "auth_failed")
+    s.sendall(wire.encode_frame(MsgType.GET_CHUNK, {"step": 1, "chunk_id": "a", "offset": 0, "length": None}))
+    assert read_to_eof(s) == b""  # disconnected; the request was never served
+    s.close()
+    # The PeerClient gave up on the server's proof before answering; the raw one was refused.
+    assert server.stats["auth_failures"] == 1 and server.stats["bytes_sent"] == 0
+
+
+def test_client_refuses_server_without_the_secret(make_tier: MakeTier, make_server: MakeServer) -> None:
+    server = make_server(make_tier(), secret=b"other-secret-0123456789")
+    with pytest.raises(AuthenticationError, match="secret"):
+        PeerClient(server.address, secret=SECRET, options=FAST).steps()
+
+
+def test_request_before_auth_is_refused(served) -> None:  # type: ignore[no-untyped-def]
+    _, server, _ = served
+    s = socket.create_connection(server.address, timeout=5)
+    s.sendall(wire.encode_frame(MsgType.GET_CHUNK, {"step": 1, "chunk_id": "a", "offset": 0, "length": None}))
+    t, h, _ = wire.recv_frame_head(s, wire.AUTH_LIMITS)
+    assert (t, h["code"]) == (MsgType.ERROR, "bad_request")
+    assert read_to_eof(s) == b""
+    s.close()
+
+
+def test_replayed_and_reflected_proofs_are_refused(served) -> None:  # type: ignore[no-untyped-def]
+    _, server, _ = served
+    # An eavesdropper records a legitimate handshake...
+    nonce = wire.new_nonce()
+    s1, t1, _, sn1 = raw_handshake(server.address, nonce=nonce)
+    assert t1 is MsgType.AUTH_OK
+    s1.close()
+    recorded = wire.auth_mac(SECRET, "client", nonce, sn1)
+    # ...and replays the same HELLO and AUTH: the server's fresh nonce makes the proof stale.
+    for proof in (recorded, wire.auth_mac(SECRET, "server", nonce, sn1)):
+        s = socket.create_connection(server.address, timeout=5)
+        wire.send_frame(s, MsgType.HELLO, {"nonce": nonce.hex()})
+        _, h, _ = wire.recv_frame_head(s, wire.AUTH_LIMITS)
+        assert bytes.fromhex(h["nonce"]) != sn1
+        wire.send_frame(s, MsgType.AUTH, {"mac": proof.hex()})
+        t, h, _ = wire.recv_frame_head(s, wire.AUTH_LIMITS)
+        assert (t, h["code"]) == (MsgType.ERROR, "auth_failed")
+        assert read_to_eof(s) == b""
+        s.close()
+    # Reflection: the server's own proof for our nonces is not accepted as ours.
+    s = socket.create_connection(server.address, timeout=5)
+    wire.send_frame(s, MsgType.HELLO, {"nonce": nonce.hex()})
+    _, h, _ = wire.recv_frame_head(s, wire.AUTH_LIMITS)
+    wire.send_frame(s, MsgType.AUTH, {"mac": h["mac"]})
+    t, h, _ = wire.recv_frame_head(s, wire.AUTH_LIMITS)
+    assert h["code"] == "auth_failed"
+    s.close()
+
+
+def test_oversized_requests_are_refused_and_others_served(served) -> None:  # type: ignore[no-untyped-def]
+    _, server, data = served
+    good = PeerClient(server.address, secret=SECRET, options=FAST)
+    assert good.get_chunk(1, "a") is not None
+    s, t, _, _ = raw_handshake(server.address)
+    assert t is MsgType.AUTH_OK
+    huge = wire.PREFIX.pack(wire.MAGIC, wire.VERSION, MsgType.PUT_CHUNK, 0, 40, FAST.max_payload_bytes + 1)
+    s.sendall(huge)
+    t, h, _ = wire.recv_frame_head(s, wire.AUTH_LIMITS)
+    assert (t, h["code"]) == (MsgType.ERROR, "too_large")
+    assert read_to_eof(s) == b""
+    s.close()
+    s, _, _, _ = raw_handshake(server.address)
+    s.sendall(wire.PREFIX.pack(wire.MAGIC, wire.VERSION, MsgType.LIST, 0, 1 << 30, 0))
+    assert wire.recv_frame_head(s, wire.AUTH_LIMITS)[1]["code"] == "too_large"
+    s.close()
+    assert bytes(good.get_chunk(1, "b")) == data["b"].tobytes()  # type: ignore[arg-type]
+    assert server.stats["protocol_errors"] == 2
+
+
+def test_timeouts_and_refused_connections_are_unavailable() -> None:
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts (via backlog), never answers
+    address = silent.getsockname()
+    try:
+        opts = PeerOptions(connect_timeout_s=1, handshake_timeout_s=0.3)
+        t0 = time.monotonic()
+        with pytest.raises(PeerUnavailableError):
+            PeerClient(address, secret=SECRET, options=opts).steps()
+        assert time.monotonic() - t0 < 2
+    finally:
+        silent.close()
+    with pytest.raises(PeerUnavailableError):
+        PeerClient(address, secret=SECRET, options=FAST).steps()  # port now closed
+
+
+def test_stale_pooled_connection_is_replaced(make_tier: MakeTier, make_server: MakeServer) -> None:
+    tier = make_tier()
+    seal_chunks(tier, 1, fill(1, {"a": 10}))
+    server = make_server(tier, options=PeerOptions(idle_timeout_s=0.2))
+    with PeerClient(server.address, secret=SECRET) as c:
+        assert c.steps() == [1]
+        time.sleep(0.5)  # the server drops the idle connection
+        assert c.steps() == [1]
+        assert c.handshakes == 2
+
+
+def test_busy_server_refuses_extra_connections(served, make_server: MakeServer) -> None:  # type: ignore[no-untyped-def]
+    tier, _, _ = served
+    server = make_server(tier, options=PeerOptions(max_connections=1))
+    holder = PeerClient(server.address, secret=SECRET)
+    assert holder.steps() == [1]  # keeps its pooled connection open
+    with pytest.raises(PeerRequestError) as e:
+        PeerClient(server.address, secret=SECRET).steps()
+    assert e.value.code == "busy"
+    holder.close()
+
+
+def test_corrupt_server_copy_and_wrong_size_buffer(make_tier: MakeTier, make_server: MakeServer, shm_dir: Path) -> None:
+    tier = make_tier("srv")
+    data = fill(1, {"a": 1 << 20, "b": 100})
+    seal_chunks(tier, 1, data)
+    tier.close()
+    (f,) = (shm_dir / "srv" / "step-1").glob("*.data")
+    with f.open("r+b") as fh:
+        fh.seek(12345)
+        fh.write(b"\x00\x01\x02")
+    server = make_server(make_tier("srv"), options=FAST)
+    with PeerClient(server.address, secret=SECRET, options=FAST) as c:
+        with pytest.raises(ChecksumMismatchError):
+            c.get_chunk(1, "a")
+        with pytest.raises(ChecksumMismatchError):
+            c.get_chunk(1, "b", into=np.empty(99, np.uint8))
+        with pytest.raises(ChecksumMismatchError):
+            c.get_chunk(1, "b", expected_crc32c=crc32c(data["b"]) ^ 1)
+        assert bytes(c.get_chunk(1, "b")) == data["b"].tobytes()  # type: ignore[arg-type]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(garbage=st.binary(min_size=1, max_size=300), authenticate=st.booleans())
+def test_fuzz_live_server_survives_garbage(served, garbage: bytes, authenticate: bool) -> None:  # type: ignore[no-untyped-def]
+    _, server, data = served
+    if authenticate:
+        s, _, _, _ = raw_handshake(server.address)
+    else:
+        s = socket.create_connection(server.address, timeout=5)
+    s.settimeout(3)
+    try:
+        s.sendall(garbage)
+        s.shutdown(socket.SHUT_WR)
+        reply = read_to_eof(s)  # the server answers (an ERROR at most) and hangs up
+    except OSError:
+        reply = b""
+    finally:
+        s.close()
+    if reply:
+        assert reply.startswith(wire.MAGIC)
+    with PeerClient(server.address, secret=SECRET, options=FAST) as c:
+        assert bytes(c.get_chunk(1, "a")) == data["a"].tobytes()  # type: ignore[arg-type]

@@ -1,0 +1,87 @@
+"""Placement: ring successors, domain spreading, balance, holders (property tests)."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fastckpt.errors import ConfigError
+from fastckpt.replicas import host_domain, push_targets, replica_holders, ring_order, ring_successors
+
+member_ids = st.lists(st.text(st.characters(codec="utf-8", exclude_characters="/"), min_size=1, max_size=6), min_size=1, max_size=12, unique=True)
+
+
+@st.composite
+def hosts_and_slots(draw: st.DrawFn) -> list[str]:
+    n_hosts = draw(st.integers(1, 6))
+    slots = draw(st.lists(st.integers(1, 4), min_size=n_hosts, max_size=n_hosts))
+    return [f"h{h}/{s}" for h in range(n_hosts) for s in range(slots[h])]
+
+
+@settings(max_examples=150, deadline=None)
+@given(member_ids, st.integers(0, 5), st.randoms(use_true_random=False))
+def test_successors_are_distinct_others_and_order_independent(members: list[str], k: int, rnd) -> None:  # type: ignore[no-untyped-def]
+    targets = push_targets(members, k)
+    shuffled = list(members)
+    rnd.shuffle(shuffled)
+    assert push_targets(shuffled, k) == targets  # content-stable: input order is irrelevant
+    for m in members:
+        t = targets[m]
+        assert m not in t
+        assert len(t) == len(set(t)) == min(k, len(members) - 1)
+        assert ring_successors(members, m, k) == t
+
+
+@settings(max_examples=150, deadline=None)
+@given(member_ids, st.integers(1, 4))
+def test_plain_ring_is_sorted_successors_and_balanced(members: list[str], k: int) -> None:
+    ring = sorted(members)
+    assert ring_order(members) == ring
+    received = collections.Counter(t for ts in push_targets(members, k).values() for t in ts)
+    for i, m in enumerate(ring):
+        expect = [ring[(i + j) % len(ring)] for j in range(1, min(k, len(ring) - 1) + 1)]
+        assert ring_successors(members, m, k) == expect
+        assert received[m] == min(k, len(ring) - 1)  # everyone holds the same number of replicas
+
+
+@settings(max_examples=150, deadline=None)
+@given(hosts_and_slots(), st.integers(1, 4))
+def test_domains_prefer_other_hosts(members: list[str], k: int) -> None:
+    domains = {host_domain(m) for m in members}
+    for m, targets in push_targets(members, k, domain_of=host_domain).items():
+        own = host_domain(m)
+        foreign = [t for t in targets if host_domain(t) != own]
+        others = [x for x in members if host_domain(x) != own]
+        # as many replicas off-host as possible, spread over distinct hosts first
+        assert len(foreign) == min(len(targets), len(others))
+        distinct = len({host_domain(t) for t in foreign})
+        assert distinct == min(len(foreign), len(domains) - 1)
+        assert targets[: len(foreign)] == foreign  # off-host targets come first
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(2, 6), st.integers(1, 4), st.data())
+def test_equal_hosts_are_balanced(n_hosts: int, slots: int, data: st.DataObject) -> None:
+    k = data.draw(st.integers(1, n_hosts - 1))
+    members = [f"host-{h}/{s}" for h in range(n_hosts) for s in range(slots)]
+    targets = push_targets(members, k, domain_of=host_domain)
+    received = collections.Counter(t for ts in targets.values() for t in ts)
+    assert set(received.values()) == {k}
+    for m, ts in targets.items():
+        assert len({host_domain(t) for t in ts} | {host_domain(m)}) == k + 1
+
+
+def test_replica_holders_and_errors() -> None:
+    members = ["a/0", "a/1", "b/0", "b/1"]
+    assert replica_holders("a/0", members, 1, domain_of=host_domain) == ["a/0", "b/0"]
+    assert replica_holders("b/1", members, 2) == ["b/1", "a/0", "a/1"]
+    assert ring_successors(["x"], "x", 3) == []
+    with pytest.raises(ConfigError):
+        ring_successors(members, "c/0", 1)
+    with pytest.raises(ConfigError):
+        ring_successors(members, "a/0", -1)
+    with pytest.raises(ConfigError):
+        ring_order(["", "a"])

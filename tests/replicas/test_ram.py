@@ -1,0 +1,228 @@
+"""RamTier: sealing and visibility, reopen after a crash, retention, budget, recycling."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from fastckpt._checksum import crc32c
+from fastckpt.errors import ChecksumMismatchError, ConfigError
+from fastckpt.replicas import ChunkLocation, RamBudgetError, RamTier, StaleStepError
+
+from .conftest import fill, seal_chunks
+
+MakeTier = Callable[..., RamTier]
+ODD_IDS = ["params['dense']['kernel']@0:4,0:8", "opt.mu[0]@4:8,0:8", "ünïcødé/../x@0:1"]
+
+
+def test_seal_makes_chunks_visible_bit_exact(make_tier: MakeTier) -> None:
+    tier = make_tier()
+    data = fill(3, {cid: 1000 + i for i, cid in enumerate(ODD_IDS)})
+    seg = tier.allocate(3, sum(a.nbytes for a in data.values()))
+    assert tier.steps() == [] and tier.chunk_ids(3) == []  # allocated, not sealed: invisible
+    off, index = 0, {}
+    for cid, a in data.items():
+        seg.buffer[off : off + a.nbytes] = a
+        index[cid] = ChunkLocation(off, a.nbytes, crc32c(a))
+        off += a.nbytes
+    assert tier.get_chunk(3, ODD_IDS[0]) is None
+    tier.seal(3, seg, index)
+    assert tier.steps() == [3]
+    assert tier.chunk_ids(3) == sorted(ODD_IDS)
+    for cid, a in data.items():
+        view = tier.get_chunk(3, cid, verify=True)
+        assert view is not None and view.readonly
+        assert bytes(view) == a.tobytes()
+        assert tier.has_chunk(3, cid, length=a.nbytes, raw_crc32c=crc32c(a))
+    assert not tier.has_chunk(3, ODD_IDS[0], raw_crc32c=1)
+    with pytest.raises(ConfigError):
+        _ = seg.buffer  # a sealed segment is no longer writable through the tier's handle
+
+
+def test_seal_rejects_bad_index_and_verify_catches_bad_crc(make_tier: MakeTier) -> None:
+    tier = make_tier()
+    seg = tier.allocate(1, 100)
+    with pytest.raises(ConfigError):
+        tier.seal(1, seg, {"a": ChunkLocation(50, 51, 0)})
+    with pytest.raises(ChecksumMismatchError):
+        tier.seal(1, seg, {"a": ChunkLocation(0, 100, 12345)}, verify=True)
+    with pytest.raises(ConfigError):
+        tier.seal(2, seg, {})
+    tier.discard(seg)
+    assert tier.steps() == [] and tier.nbytes() == 0
+
+
+def test_segment_context_discards_on_error(make_tier: MakeTier, shm_dir: Path) -> None:
+    tier = make_tier()
+    with pytest.raises(RuntimeError), tier.allocate(1, 1 << 20):
+        raise RuntimeError("save failed")
+    assert tier.nbytes() == 0
+    assert list((shm_dir / "t0" / "tmp").iterdir()) == []
+
+
+def test_reopen_sees_sealed_steps_and_manifest(make_tier: MakeTier, shm_dir: Path) -> None:
+    tier = make_tier()
+    data = fill(5, {"a": 3000, "b": 0, "c": 17})
+    seal_chunks(tier, 5, data)
+    tier.put_manifest(5, b'{"step": 5}')
+    tier.close()
+    again = RamTier(shm_dir / "t0", budget_bytes=1 << 20)
+    try:
+        assert again.steps() == [5] and again.committed_steps() == [5]
+        assert again.get_manifest(5) == b'{"step": 5}'
+        for cid, a in data.items():
+            assert bytes(again.get_chunk(5, cid, verify=True)) == a.tobytes()  # type: ignore[arg-type]
+    finally:
+        again.close()
+
+
+def test_second_live_owner_is_refused(make_tier: MakeTier, shm_dir: Path) -> None:
+    make_tier()
+    with pytest.raises(ConfigError, match="in use"):
+        RamTier(shm_dir / "t0", budget_bytes=1 << 20)
+
+
+def test_sigkilled_writer_leaves_only_sealed_data(shm_dir: Path) -> None:
+    """A process killed after sealing step 1 and while staging step 2: only step 1 survives."""
+    root = shm_dir / "crash"
+    proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("_proc.py")), "write", str(root)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        assert len(list((root / "tmp").iterdir())) == 1  # the unsealed step-2 segment
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    with RamTier(root, budget_bytes=64 << 20) as tier:  # the flock died with the process
+        assert tier.steps() == [1]
+        assert bytes(tier.get_chunk(1, "a", verify=True)) == b"\x07" * 1000  # type: ignore[arg-type]
+        assert list((root / "tmp").iterdir()) == []  # the crashed temp file is cleaned
+        assert tier.nbytes() == 1000
+
+
+def test_open_cleans_debris_of_a_crash_between_rename_and_index(make_tier: MakeTier, shm_dir: Path) -> None:
+    tier = make_tier()
+    seal_chunks(tier, 1, fill(1, {"a": 10}))
+    tier.close()
+    step_dir = shm_dir / "t0" / "step-1"
+    (step_dir / "deadbeef.data").write_bytes(b"x" * 50)  # renamed, index never written
+    (step_dir / ".x.index.json.1234.tmp").write_bytes(b"{")  # half-written index temp
+    (step_dir / "bad.index.json").write_text('{"version": 1, "data": "missing.data", "nbytes": 5, "chunks": []}')
+    (shm_dir / "t0" / "step-9").mkdir()  # empty step dir
+    with RamTier(shm_dir / "t0", budget_bytes=1 << 20) as again:
+        assert again.steps() == [1] and again.chunk_ids(1) == ["a"]
+        assert sorted(p.suffix for p in step_dir.iterdir()) == [".data", ".json"]
+        assert not (shm_dir / "t0" / "step-9").exists()
+
+
+def test_retention_keeps_newest_committed_steps_and_newer(make_tier: MakeTier) -> None:
+    tier = make_tier(keep_steps=2)
+    for step in (1, 2, 3):
+        seal_chunks(tier, step, fill(step, {"a": 100}))
+        tier.put_manifest(step, b"m")
+    assert tier.steps() == [2, 3]
+    seal_chunks(tier, 4, fill(4, {"a": 100}))  # in progress: nothing dropped yet
+    assert tier.steps() == [2, 3, 4]
+    tier.put_manifest(4, b"m")
+    assert tier.steps() == [3, 4]
+    with pytest.raises(StaleStepError):
+        tier.allocate(2, 10)
+    with pytest.raises(StaleStepError):
+        tier.put_chunk(1, "late", b"x", crc32c(b"x"))
+    tier.drop_step(3)
+    assert tier.steps() == [4] and tier.get_chunk(3, "a") is None
+
+
+def test_budget_is_enforced_and_older_steps_make_room(make_tier: MakeTier) -> None:
+    mib = 1 << 20
+    tier = make_tier(budget_bytes=10 * mib, keep_steps=3, recycle=False)
+    with pytest.raises(RamBudgetError):
+        tier.allocate(1, 11 * mib)
+    seal_chunks(tier, 1, fill(1, {"a": 4 * mib}))
+    seal_chunks(tier, 2, fill(2, {"a": 4 * mib}))
+    assert tier.nbytes() == 8 * mib
+    seal_chunks(tier, 3, fill(3, {"a": 4 * mib}))  # evicts step 1 (oldest) to fit
+    assert tier.steps() == [2, 3] and tier.nbytes() <= 10 * mib
+    seg = tier.allocate(4, 6 * mib)  # step 2 goes, step 3 still fits
+    assert tier.steps() == [3] and tier.nbytes() == 10 * mib
+    tier.discard(seg)
+    seg = tier.allocate(4, 7 * mib)  # needs step 3 gone too
+    assert tier.steps() == [] and tier.nbytes() == 7 * mib
+    with pytest.raises(RamBudgetError):  # steps >= 4 and unsealed data are never evicted
+        tier.allocate(4, 4 * mib)
+    tier.discard(seg)
+    assert tier.nbytes() == 0
+
+
+def test_superseded_segments_are_recycled(make_tier: MakeTier, shm_dir: Path) -> None:
+    mib = 1 << 20
+    tier = make_tier(budget_bytes=20 * mib)
+    seal_chunks(tier, 1, fill(1, {"a": 4 * mib}))
+    tier.put_manifest(1, b"m")
+    seal_chunks(tier, 2, fill(2, {"a": 4 * mib}))
+    tier.put_manifest(2, b"m")  # step 1 superseded: its file becomes a spare
+    spare_dir = shm_dir / "t0" / "spare"
+    assert len(list(spare_dir.iterdir())) == 1
+    assert tier.nbytes() == 8 * mib + 1  # step 2 (data + manifest) and the spare
+    data = fill(3, {"a": 4 * mib - 5})
+    seal_chunks(tier, 3, data)  # reuses (and shrinks) the spare
+    assert list(spare_dir.iterdir()) == []
+    assert bytes(tier.get_chunk(3, "a", verify=True)) == data["a"].tobytes()  # type: ignore[arg-type]
+
+
+def test_views_survive_drop(make_tier: MakeTier) -> None:
+    tier = make_tier()
+    data = fill(1, {"a": 2 << 20})
+    seal_chunks(tier, 1, data)
+    view = tier.get_chunk(1, "a")
+    tier.drop_step(1)
+    assert tier.get_chunk(1, "a") is None
+    assert view is not None and bytes(view) == data["a"].tobytes()
+    seal_chunks(tier, 2, fill(2, {"a": 2 << 20}))  # must not reuse memory still viewed
+    assert bytes(view) == data["a"].tobytes()
+
+
+def test_put_chunk_verifies_and_dedupes(make_tier: MakeTier) -> None:
+    tier = make_tier()
+    a = fill(1, {"a": 5000})["a"]
+    with pytest.raises(ChecksumMismatchError):
+        tier.put_chunk(1, "a", a, crc32c(a) ^ 1)
+    assert tier.steps() == []
+    assert tier.put_chunk(1, "a", memoryview(a), crc32c(a)) is True
+    assert tier.put_chunk(1, "a", a.tobytes(), crc32c(a)) is False
+    assert bytes(tier.get_chunk(1, "a")) == a.tobytes()  # type: ignore[arg-type]
+
+
+def test_corrupted_ram_chunk_is_detected(make_tier: MakeTier, shm_dir: Path) -> None:
+    tier = make_tier()
+    seal_chunks(tier, 1, fill(1, {"a": 4096}))
+    tier.close()
+    (data_file,) = (shm_dir / "t0" / "step-1").glob("*.data")
+    with data_file.open("r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0x10]))
+    with RamTier(shm_dir / "t0", budget_bytes=1 << 20) as again:
+        assert again.get_chunk(1, "a") is not None  # unverified reads are the caller's call
+        with pytest.raises(ChecksumMismatchError):
+            again.get_chunk(1, "a", verify=True)
+
+
+def test_bad_arguments(make_tier: MakeTier, shm_dir: Path) -> None:
+    with pytest.raises(ConfigError):
+        RamTier(shm_dir / "x", budget_bytes=0)
+    tier = make_tier()
+    with pytest.raises(ConfigError):
+        tier.allocate(-1, 10)
+    tier.close()
+    with pytest.raises(ConfigError):
+        tier.allocate(1, 10)

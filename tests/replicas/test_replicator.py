@@ -1,0 +1,116 @@
+"""Replicator: background pushes to ring peers, failures isolated per target, superseding."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+
+from fastckpt.errors import PeerUnavailableError
+from fastckpt.replicas import (
+    PeerClient,
+    PeerOptions,
+    PeerServer,
+    RamTier,
+    ReplicationError,
+    ReplicationTimeoutError,
+    Replicator,
+    ReplicatorOptions,
+)
+
+from .conftest import SECRET, fill, seal_chunks
+
+MakeTier = Callable[..., RamTier]
+MakeServer = Callable[..., PeerServer]
+FAST = PeerOptions(connect_timeout_s=1, handshake_timeout_s=1, io_timeout_s=2)
+
+
+class SlowPusher:
+    """A pusher that blocks until released (to observe the caller never blocking)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.pushed: list[tuple[int, str]] = []
+
+    def push_chunk(self, step: int, chunk_id: str, data: memoryview, *, raw_crc32c: int | None = None) -> bool:
+        self.release.wait(10)
+        self.pushed.append((step, chunk_id))
+        return True
+
+    def put_manifest(self, step: int, data: bytes | memoryview) -> None:
+        self.pushed.append((step, "<manifest>"))
+
+
+def test_pushes_every_chunk_and_manifest_to_every_target(make_tier: MakeTier, make_server: MakeServer) -> None:
+    own = make_tier("own")
+    data = fill(1, {"a": 3 << 20, "b": 10, "c": 1 << 20})
+    seal_chunks(own, 1, data)
+    peers = {n: make_tier(n) for n in ("m1", "m2")}
+    targets = {n: PeerClient(make_server(t).address, secret=SECRET, options=FAST) for n, t in peers.items()}
+    rep = Replicator(own, targets=targets, options=ReplicatorOptions(max_inflight_bytes=2 << 20))
+    handle = rep.submit(1, manifest=b'{"step":1}')
+    report = handle.wait(30)
+    assert report is not None and report.ok
+    assert report.chunks_pushed == 6 and report.bytes_pushed == 2 * sum(a.nbytes for a in data.values())
+    for t in peers.values():
+        assert t.chunk_ids(1) == sorted(data) and t.get_manifest(1) == b'{"step":1}'
+        for cid, a in data.items():
+            assert bytes(t.get_chunk(1, cid, verify=True)) == a.tobytes()  # type: ignore[arg-type]
+    again = rep.submit(1).wait(30)  # idempotent: peers already hold everything
+    assert again is not None and again.chunks_present == 6 and again.bytes_pushed == 0
+    assert [r.step for r in rep.wait(5)] == [1, 1]
+    assert rep.stats()["chunks_pushed"] == 6
+    rep.close()
+
+
+def test_dead_target_is_reported_and_others_still_served(make_tier: MakeTier, make_server: MakeServer) -> None:
+    own = make_tier("own")
+    seal_chunks(own, 1, fill(1, {"a": 100, "b": 200}))
+    alive = make_tier("alive")
+    targets = {
+        "dead": PeerClient(("127.0.0.1", 1), secret=SECRET, options=FAST),
+        "alive": PeerClient(make_server(alive).address, secret=SECRET, options=FAST),
+    }
+    rep = Replicator(own, targets=targets)
+    rep.submit(1)
+    with pytest.raises(ReplicationError) as e:
+        rep.wait(30, raise_on_error=True)
+    (report,) = e.value.reports
+    assert list(report.errors) == ["dead"] and PeerUnavailableError.__name__ in report.errors["dead"]
+    assert alive.chunk_ids(1) == ["a", "b"]
+    assert rep.stats()["failures"] == 1
+    rep.close()
+
+
+def test_submit_never_blocks_and_newer_steps_supersede(make_tier: MakeTier) -> None:
+    own = make_tier("own", keep_steps=5)
+    for step in (1, 2):
+        seal_chunks(own, step, fill(step, {f"c{i}": 10 for i in range(5)}))
+    slow = SlowPusher()
+    rep = Replicator(own, targets={"slow": slow})
+    t0 = time.monotonic()
+    h1 = rep.submit(1)
+    h2 = rep.submit(2)
+    assert time.monotonic() - t0 < 0.5 and not h1.done()
+    with pytest.raises(ReplicationTimeoutError):
+        rep.wait(0.05)
+    slow.release.set()
+    reports = rep.wait(30)
+    assert [r.step for r in reports] == [1, 2]
+    assert reports[0].superseded and not reports[0].ok
+    assert reports[1].ok and reports[1].chunks_pushed == 5
+    assert sum(1 for s, _ in slow.pushed if s == 1) <= 1  # step 1 stopped after its first chunk
+    assert h2.done()
+    rep.close()
+    rep.close()
+
+
+def test_no_targets_is_a_noop(make_tier: MakeTier) -> None:
+    own = make_tier()
+    seal_chunks(own, 1, fill(1, {"a": 1}))
+    rep = Replicator(own)
+    report = rep.submit(1).wait(1)
+    assert report is not None and report.ok and report.targets == ()
+    rep.close()

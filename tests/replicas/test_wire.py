@@ -1,0 +1,161 @@
+"""Wire protocol: round trips, strict rejection, and fuzzing (ProtocolError and nothing else)."""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fastckpt.errors import ProtocolError
+from fastckpt.replicas import wire
+from fastckpt.replicas.wire import MsgType, WireLimits
+
+LIMITS = WireLimits(max_header_bytes=4096, max_payload_bytes=1 << 16)
+NONCE = "ab" * 32
+
+VALID: list[tuple[MsgType, dict[str, Any], bytes]] = [
+    (MsgType.HELLO, {"nonce": NONCE}, b""),
+    (MsgType.CHALLENGE, {"nonce": NONCE, "mac": "0f" * 32}, b""),
+    (MsgType.AUTH, {"mac": "00" * 32}, b""),
+    (MsgType.AUTH_OK, {}, b""),
+    (MsgType.GET_CHUNK, {"step": 7, "chunk_id": "p['w']@0:4", "offset": 0, "length": None}, b""),
+    (MsgType.GET_CHUNK, {"step": 2**63 - 1, "chunk_id": "x", "offset": 3, "length": 5}, b""),
+    (MsgType.CHUNK, {"raw_crc32c": 2**32 - 1, "chunk_length": 3, "offset": 0}, b"abc"),
+    (MsgType.PUT_CHUNK, {"step": 1, "chunk_id": "ü@0:1", "raw_crc32c": 0}, b"\x00\xff"),
+    (MsgType.LIST, {"step": 0}, b""),
+    (MsgType.CHUNK_LIST, {"count": 2}, b'["a","b"]'),
+    (MsgType.GET_MANIFEST, {"step": 1}, b""),
+    (MsgType.MANIFEST, {}, b"{}"),
+    (MsgType.PUT_MANIFEST, {"step": 1}, b"{}"),
+    (MsgType.STEPS, {}, b""),
+    (MsgType.STEP_LIST, {"steps": [1, 2], "committed": []}, b""),
+    (MsgType.OK, {"stored": False}, b""),
+    (MsgType.ERROR, {"code": "not_found", "message": "nope"}, b""),
+]
+
+
+def frame(t: MsgType, h: dict[str, Any], payload: bytes = b"") -> bytes:
+    return wire.encode_frame(t, h, len(payload)) + payload
+
+
+def raw_frame(t: int, header: bytes, payload: bytes = b"", *, magic: bytes = b"FCKP", version: int = 1, flags: int = 0) -> bytes:
+    return struct.pack(">4sBBHIQ", magic, version, t, flags, len(header), len(payload)) + header + payload
+
+
+@pytest.mark.parametrize(("t", "h", "payload"), VALID, ids=[f"{t.name}-{i}" for i, (t, _, _) in enumerate(VALID)])
+def test_round_trip(t: MsgType, h: dict[str, Any], payload: bytes) -> None:
+    f = wire.decode_frame(frame(t, h, payload), LIMITS)
+    assert (f.type, f.header, f.payload) == (t, h, payload)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        raw_frame(16, b'{"step":1,"chunk_id":"x","offset":0,"length":null}', magic=b"HTTP"),
+        raw_frame(16, b'{"step":1,"chunk_id":"x","offset":0,"length":null}', version=2),
+        raw_frame(99, b"{}"),
+        raw_frame(4, b"{}", flags=1),
+        raw_frame(4, b"{}", b"payload-not-allowed"),
+        raw_frame(4, b"[]"),
+        raw_frame(4, b'{"extra":1}'),
+        raw_frame(16, b'{"step":-1,"chunk_id":"x","offset":0,"length":null}'),
+        raw_frame(16, b'{"step":true,"chunk_id":"x","offset":0,"length":null}'),
+        raw_frame(16, b'{"step":1.0,"chunk_id":"x","offset":0,"length":null}'),
+        raw_frame(16, b'{"step":1,"chunk_id":"","offset":0,"length":null}'),
+        raw_frame(16, b'{"step":1,"chunk_id":"a\\u0000b","offset":0,"length":null}'),
+        raw_frame(16, b'{"step":1,"step":1,"chunk_id":"x","offset":0,"length":null}'),
+        raw_frame(16, b'{"step":1,"chunk_id":"x","offset":0}'),
+        raw_frame(16, b'{"step":' + b"9" * 5000 + b',"chunk_id":"x","offset":0,"length":null}'),
+        raw_frame(17, b'{"raw_crc32c":4294967296,"chunk_length":0,"offset":0}'),
+        raw_frame(24, b"{\xff}"),
+        raw_frame(24, b"[" * 3000 + b"]" * 3000),
+        raw_frame(25, b'{"steps":[NaN],"committed":[]}'),
+        raw_frame(25, b'{"steps":[Infinity],"committed":[]}'),
+        raw_frame(1, b'{"nonce":"' + b"AB" * 32 + b'"}'),
+        raw_frame(1, b'{"nonce":"abc"}'),
+        raw_frame(20, b'{"count":2}', b'["a"]'),
+        raw_frame(20, b'{"count":1}', b'[1]'),
+        raw_frame(4, b"{}")[:-1],
+        raw_frame(4, b"{}") + b"x",
+        b"FCKP",
+        b"",
+    ],
+)
+def test_malformed_frames_raise_protocol_error(data: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        wire.decode_frame(data, LIMITS)
+
+
+def test_limits_are_checked_from_the_prefix_alone() -> None:
+    big_header = struct.pack(">4sBBHIQ", b"FCKP", 1, 24, 0, LIMITS.max_header_bytes + 1, 0)
+    big_payload = struct.pack(">4sBBHIQ", b"FCKP", 1, 18, 0, 10, 2**63)
+    for prefix in (big_header, big_payload):
+        with pytest.raises(wire.FrameTooLargeError):
+            wire.decode_prefix(prefix, LIMITS)
+    with pytest.raises(ProtocolError):  # the unauthenticated phase accepts no payload at all
+        wire.decode_prefix(struct.pack(">4sBBHIQ", b"FCKP", 1, 17, 0, 10, 1), wire.AUTH_LIMITS)
+
+
+def test_encode_refuses_what_a_peer_would_refuse() -> None:
+    with pytest.raises(ProtocolError):
+        wire.encode_frame(MsgType.LIST, {"step": -1})
+    with pytest.raises(ProtocolError):
+        wire.encode_frame(MsgType.LIST, {"step": 1}, payload_len=3)
+
+
+def test_auth_mac_binds_role_and_both_nonces() -> None:
+    k, a, b = b"k" * 16, b"a" * 32, b"b" * 32
+    m = wire.auth_mac(k, "client", a, b)
+    assert len(m) == 32
+    assert m != wire.auth_mac(k, "server", a, b)
+    assert m != wire.auth_mac(k, "client", b, a)
+    assert m != wire.auth_mac(b"j" * 16, "client", a, b)
+    assert wire.new_nonce() != wire.new_nonce()
+
+
+def _decode_only_protocol_errors(data: bytes) -> None:
+    try:
+        wire.decode_frame(data, LIMITS)
+    except ProtocolError:
+        pass
+
+
+valid_frames = st.sampled_from([frame(t, h, p) for t, h, p in VALID])
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=200))
+def test_fuzz_random_bytes(data: bytes) -> None:
+    _decode_only_protocol_errors(data)
+    _decode_only_protocol_errors(b"FCKP\x01" + data)
+
+
+@settings(max_examples=300, deadline=None)
+@given(valid_frames, st.data())
+def test_fuzz_truncated_and_mutated(data: bytes, draw: st.DataObject) -> None:
+    cut = draw.draw(st.integers(0, len(data) - 1))
+    with pytest.raises(ProtocolError):
+        wire.decode_frame(data[:cut], LIMITS)
+    mutated = bytearray(data)
+    for _ in range(draw.draw(st.integers(1, 4))):
+        i = draw.draw(st.integers(0, len(data) - 1))
+        mutated[i] = draw.draw(st.integers(0, 255))
+    _decode_only_protocol_errors(bytes(mutated))
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=2),
+    max_leaves=4,
+)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(list(MsgType)), st.dictionaries(st.sampled_from(["step", "chunk_id", "offset", "length", "nonce", "mac", "count", "steps", "code", "x"]), json_values, max_size=5), st.binary(max_size=20))
+def test_fuzz_json_headers(t: MsgType, header: dict[str, Any], payload: bytes) -> None:
+    raw = json.dumps(header).encode()
+    _decode_only_protocol_errors(raw_frame(int(t), raw, payload))
