@@ -9,8 +9,8 @@ Contents:
 * devices and state: :func:`configure_host_devices`, :func:`make_mesh`, :class:`StateSpec`,
   :func:`spec_for_bytes`, :func:`build_state`, :func:`abstract_like`, :func:`make_step_fn`,
   :func:`host_value`, :func:`assert_trees_equal`;
-* memory: :func:`rss_bytes`, :func:`reset_peak_rss`, :func:`peak_rss_bytes`,
-  :class:`RssSampler` (a 5 ms sampling thread), :func:`proc_io`;
+* memory and CPU: :func:`rss_bytes`, :func:`reset_peak_rss`, :func:`peak_rss_bytes`,
+  :class:`RssSampler` (a 5 ms sampling thread), :func:`proc_io`, :func:`cpu_seconds`;
 * storage: :func:`evict_page_cache`, :func:`dir_bytes`, :func:`is_tmpfs`;
 * machine limits: :func:`measure_memcpy`, :func:`measure_file_io`,
   :func:`measure_device_get`, :func:`measure_gcs_raw`;
@@ -233,10 +233,14 @@ def abstract_like(tree: Any, mesh: Any | None = None) -> Any:
     return jax.tree_util.tree_map(one, tree)
 
 
-def make_step_fn() -> Callable[[Any], Any]:
+def make_step_fn(*, donate: bool = True) -> Callable[[Any], Any]:
     """A jitted "training step" returning fresh arrays with the same statistics (floats
     negated, integers incremented). Fresh arrays matter: jax caches the host copy of an
-    array, so saving the same arrays twice would time a cache hit."""
+    array, so saving the same arrays twice would time a cache hit.
+
+    With ``donate`` (default) the step updates the buffers in place (the input is deleted),
+    like a real train step with donated state: it allocates nothing, so RSS measured
+    across steps reflects the checkpoint library, not the step's allocations."""
     import jax
     import jax.numpy as jnp
 
@@ -245,7 +249,7 @@ def make_step_fn() -> Callable[[Any], Any]:
             lambda x: -x if jnp.issubdtype(x.dtype, jnp.floating) else x + jnp.ones((), x.dtype), tree
         )
 
-    return jax.jit(step)
+    return jax.jit(step, donate_argnums=0 if donate else ())
 
 
 def host_value(x: Any) -> np.ndarray:
@@ -375,6 +379,16 @@ def proc_io(pid: int | str = "self") -> dict[str, int]:
             k, _, v = line.partition(":")
             out[k.strip()] = int(v)
     return out
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int | str = "self") -> float:
+    """User + system CPU seconds consumed so far by process ``pid`` (all its threads)."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK  # utime, stime (fields 14, 15)
 
 
 # --------------------------------------------------------------------------- storage

@@ -8,7 +8,9 @@ Run::
 
 Each rep writes ``--objects`` fresh objects of ``--mib`` MiB of random bytes with at most
 ``--concurrency`` requests in flight, then reads the middle half of each (ranged get) and
-then each whole object. Figures are MB/s (1e6 bytes/s) of payload, median over reps. The
+then each whole object. Figures are MB/s (1e6 bytes/s) of payload and client-process CPU
+seconds per GiB (load-independent; the emulator runs in its own process), median over reps;
+backends are interleaved within each rep. The
 emulator runs with its filesystem backend (``--root``, default a temporary directory).
 
 This script is an "edge": it sets ``TENSORSTORE_GCS_HTTP_URL`` and
@@ -38,6 +40,7 @@ from fastckpt.testing.gcs_emulator import GcsEmulator
 
 BUCKET = "bench"
 Phase = Callable[[int, int], None]  # (rep, object index) -> None
+PHASES = ("put", "get_range", "get_full")
 
 
 def _mbps(nbytes: int, seconds: float) -> float:
@@ -208,32 +211,48 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     data = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(args.objects)]
     total = size * args.objects
-    results: dict[str, dict[str, float]] = {}
+    names = args.backends.split(",")
+    # phase -> backend -> [(MB/s, client CPU seconds per GiB)] over reps
+    samples: dict[str, dict[str, list[tuple[float, float]]]] = {p: {n: [] for n in names} for p in PHASES}
+    labels: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="fastckpt-bench-") as tmp:
         with GcsEmulator(backend="filesystem", root=args.root or os.path.join(tmp, "gcs")) as emu:
             emu.create_bucket(BUCKET)
             os.environ["TENSORSTORE_GCS_HTTP_URL"] = emu.endpoint
             os.environ.setdefault("GOOGLE_AUTH_TOKEN_FOR_TESTING", "x")
-            for key in args.backends.split(","):
-                backend = BACKENDS[key](emu.endpoint, data, args.concurrency)
-                phases: dict[str, list[float]] = {"put": [], "get_range": [], "get_full": []}
-                try:
-                    for rep in range(args.reps):
-                        phases["put"].append(_mbps(total, backend.put(rep, args.objects)))
-                        phases["get_range"].append(_mbps(total // 2, backend.get_range(rep, args.objects)))
-                        phases["get_full"].append(_mbps(total, backend.get_full(rep, args.objects)))
-                finally:
+            backends = {n: BACKENDS[n](emu.endpoint, data, args.concurrency) for n in names}
+            labels = {n: b.name for n, b in backends.items()}
+            try:
+                # Interleave backends within each rep so load drift on a shared machine
+                # hits all of them alike.
+                for rep in range(args.reps):
+                    for phase, nbytes in (("put", total), ("get_range", total // 2), ("get_full", total)):
+                        for n, backend in backends.items():
+                            cpu0 = time.process_time()
+                            seconds = getattr(backend, phase)(rep, args.objects)
+                            cpu = time.process_time() - cpu0
+                            samples[phase][n].append((_mbps(nbytes, seconds), cpu / (nbytes / 2**30)))
+            finally:
+                for backend in backends.values():
                     backend.close()
-                results[backend.name] = {k: statistics.median(v) for k, v in phases.items()}
-                print(f"# {backend.name}: { {k: [round(x) for x in v] for k, v in phases.items()} }", file=sys.stderr)
+    results = {
+        labels[n]: {
+            **{p: statistics.median(x[0] for x in samples[p][n]) for p in PHASES},
+            **{f"{p}_cpu_s_per_gib": statistics.median(x[1] for x in samples[p][n]) for p in PHASES},
+        }
+        for n in names
+    }
+    for n in names:
+        print(f"# {labels[n]}: " + ", ".join(f"{p} {[round(x[0]) for x in samples[p][n]]}" for p in PHASES), file=sys.stderr)
     if args.json:
         print(json.dumps({"args": vars(args), "results_mb_per_s": results}, indent=2))
     else:
         print(f"{args.objects} x {args.mib} MiB, concurrency {args.concurrency}, median of {args.reps} (MB/s)\n")
-        print("| backend | put | ranged get (middle half) | full get |")
-        print("|---|---|---|---|")
+        print("| backend | put MB/s | ranged get MB/s | full get MB/s | client CPU s/GiB (put / range / full) |")
+        print("|---|---|---|---|---|")
         for name, r in results.items():
-            print(f"| {name} | {r['put']:.0f} | {r['get_range']:.0f} | {r['get_full']:.0f} |")
+            cpu = " / ".join(f"{r[p + '_cpu_s_per_gib']:.2f}" for p in PHASES)
+            print(f"| {name} | {r['put']:.0f} | {r['get_range']:.0f} | {r['get_full']:.0f} | {cpu} |")
     return 0
 
 

@@ -10,12 +10,16 @@ Measures, per state size (split into ``--chunk-mib`` chunks):
   received into a warm destination) vs raw loopback TCP (``sendall``/``recv_into``, one
   request per stream, no framing, no checks), both with the same number of streams.
 
-Each figure is the median of ``--repeats`` timed runs after one warm-up run.
+Baseline and candidate runs are interleaved (ABBA order, after one warm-up of each) and
+the ratio is the median of the per-pair ratios: on a shared, noisy machine the load drifts
+between runs, and a pair of neighbouring runs sees nearly the same load. Throughputs are
+the medians of ``--repeats`` runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import socket
 import statistics
 import struct
@@ -36,14 +40,26 @@ MiB = 1 << 20
 SECRET = b"benchmark-secret-0123456789"
 
 
-def _median_gbps(nbytes: int, fn: Callable[[], None], repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return nbytes / statistics.median(times) / 1e9
+def _timed(fn: Callable[[], None]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _paired(nbytes: int, base: Callable[[], None], cand: Callable[[], None], repeats: int) -> tuple[float, float, float]:
+    """(baseline GB/s, candidate GB/s, median of per-pair candidate/baseline ratios)."""
+    base()
+    cand()
+    tb, tc = [], []
+    for r in range(repeats):
+        if r % 2:
+            tc.append(_timed(cand))
+            tb.append(_timed(base))
+        else:
+            tb.append(_timed(base))
+            tc.append(_timed(cand))
+    ratio = statistics.median(b / c for b, c in zip(tb, tc))
+    return nbytes / statistics.median(tb) / 1e9, nbytes / statistics.median(tc) / 1e9, ratio
 
 
 def _build_tier(root: Path, nbytes: int, chunk: int) -> dict[str, tuple[int, int, int]]:
@@ -72,15 +88,15 @@ def _run_threads(fns: list[Callable[[], None]]) -> None:
         t.join()
 
 
-def bench_own(root: Path, nbytes: int, chunks: dict[str, tuple[int, int, int]], dst: np.ndarray, repeats: int) -> dict[str, float]:
+def bench_own(
+    root: Path, nbytes: int, chunks: dict[str, tuple[int, int, int]], dst: np.ndarray, repeats: int
+) -> dict[str, tuple[float, float, float]]:
     with RamTier(root, budget_bytes=2 * nbytes + MiB) as tier:
         views = {cid: tier.get_chunk(1, cid) for cid in chunks}
-        source = TieredChunkSource(tier)
-        source_nv = TieredChunkSource(tier, verify=False)
 
         def memcpy() -> None:
             for cid, (off, n, _) in chunks.items():
-                np.copyto(dst[off : off + n], np.frombuffer(views[cid], np.uint8))
+                np.copyto(dst[off : off + n], np.frombuffer(views[cid], np.uint8))  # type: ignore[arg-type]
 
         def fetch(s: TieredChunkSource) -> Callable[[], None]:
             def run() -> None:
@@ -90,9 +106,8 @@ def bench_own(root: Path, nbytes: int, chunks: dict[str, tuple[int, int, int]], 
             return run
 
         out = {
-            "memcpy": _median_gbps(nbytes, memcpy, repeats),
-            "own_fetch": _median_gbps(nbytes, fetch(source), repeats),
-            "own_fetch_noverify": _median_gbps(nbytes, fetch(source_nv), repeats),
+            "fetch (crc32c + copy)": _paired(nbytes, memcpy, fetch(TieredChunkSource(tier)), repeats),
+            "fetch, verify=False": _paired(nbytes, memcpy, fetch(TieredChunkSource(tier, verify=False)), repeats),
         }
         del views
     return out
@@ -112,51 +127,63 @@ def _stop(proc: subprocess.Popen[str]) -> None:
     proc.wait(timeout=30)
 
 
-def bench_peer(root: Path, nbytes: int, chunks: dict[str, tuple[int, int, int]], dst: np.ndarray, streams: int, repeats: int) -> float:
-    proc, port = _spawn(["--serve-peer", str(root)])
-    try:
-        client = PeerClient(("127.0.0.1", port), secret=SECRET)
-        parts = _split(list(chunks), streams)
+def _raw_reader(port: int, nbytes: int, dst: np.ndarray, streams: int) -> tuple[Callable[[], None], Callable[[], None]]:
+    share = nbytes // streams
+    socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(streams)]
+    for s in socks:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-        def run() -> None:
-            def worker(ids: list[str]) -> None:
-                for cid in ids:
-                    off, n, crc = chunks[cid]
-                    client.get_chunk(1, cid, into=dst[off : off + n], expected_crc32c=crc)
+    def worker(i: int) -> None:
+        s, view = socks[i], dst.data[i * share : (i + 1) * share]
+        s.sendall(struct.pack(">Q", view.nbytes))
+        pos = 0
+        while pos < view.nbytes:
+            pos += s.recv_into(view[pos:], view.nbytes - pos)
 
-            _run_threads([lambda ids=ids: worker(ids) for ids in parts])
-
-        gbps = _median_gbps(nbytes, run, repeats)
-        client.close()
-    finally:
-        _stop(proc)
-    return gbps
-
-
-def bench_raw(nbytes: int, dst: np.ndarray, streams: int, repeats: int) -> float:
-    proc, port = _spawn(["--serve-raw", str(nbytes)])
-    try:
-        share = nbytes // streams
-        socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(streams)]
-        for s in socks:
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-        def run() -> None:
-            def worker(i: int) -> None:
-                s, view = socks[i], memoryview(dst)[i * share : (i + 1) * share]
-                s.sendall(struct.pack(">Q", view.nbytes))
-                pos = 0
-                while pos < view.nbytes:
-                    pos += s.recv_into(view[pos:], view.nbytes - pos)
-
-            _run_threads([lambda i=i: worker(i) for i in range(streams)])
-
-        gbps = _median_gbps(share * streams, run, repeats)
+    def close() -> None:
         for s in socks:
             s.close()
+
+    def run() -> None:
+        _run_threads([functools.partial(worker, i) for i in range(streams)])
+
+    return run, close
+
+
+def _peer_reader(
+    client: PeerClient, chunks: dict[str, tuple[int, int, int]], dst: np.ndarray, streams: int
+) -> Callable[[], None]:
+    parts = _split(list(chunks), streams)
+
+    def worker(ids: list[str]) -> None:
+        for cid in ids:
+            off, n, crc = chunks[cid]
+            client.get_chunk(1, cid, into=dst[off : off + n], expected_crc32c=crc)
+
+    def run() -> None:
+        _run_threads([functools.partial(worker, ids) for ids in parts])
+
+    return run
+
+
+def bench_peers(
+    root: Path, nbytes: int, chunks: dict[str, tuple[int, int, int]], dst: np.ndarray, streams_list: list[int], repeats: int
+) -> dict[int, tuple[float, float, float]]:
+    """Peer GET vs raw TCP, servers in separate processes, per stream count."""
+    peer_proc, peer_port = _spawn(["--serve-peer", str(root)])
+    raw_proc, raw_port = _spawn(["--serve-raw", str(nbytes)])
+    out = {}
+    try:
+        client = PeerClient(("127.0.0.1", peer_port), secret=SECRET)
+        for streams in streams_list:
+            raw, close = _raw_reader(raw_port, nbytes, dst, streams)
+            out[streams] = _paired(nbytes, raw, _peer_reader(client, chunks, dst, streams), repeats)
+            close()
+        client.close()
     finally:
-        _stop(proc)
-    return gbps
+        _stop(peer_proc)
+        _stop(raw_proc)
+    return out
 
 
 def _serve_peer(root: str) -> None:
@@ -180,7 +207,7 @@ def _serve_raw(nbytes: int) -> None:
                     return
                 pos += got
             (n,) = struct.unpack(">Q", hdr)
-            conn.sendall(memoryview(src)[:n])
+            conn.sendall(src.data[:n])
 
     def accept() -> None:
         while True:
@@ -197,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sizes-mib", default="256,1024")
     p.add_argument("--streams", default="1,2")
     p.add_argument("--chunk-mib", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=6)
     p.add_argument("--shm", default="/dev/shm")
     p.add_argument("--serve-peer", help=argparse.SUPPRESS)
     p.add_argument("--serve-raw", type=int, help=argparse.SUPPRESS)
@@ -206,22 +233,19 @@ def main(argv: list[str] | None = None) -> None:
         return _serve_peer(a.serve_peer)
     if a.serve_raw:
         return _serve_raw(a.serve_raw)
-    print(f"{'size':>8} {'what':<34} {'GB/s':>7} {'baseline':>9} {'ratio':>6}")
-    for size_mib in [int(s) for s in a.sizes_mib.split(",")]:
+    print(f"{'size':>8} {'what':<32} {'GB/s':>7} {'baseline':>9} {'ratio':>6}")
+    for size_mib in [int(x) for x in a.sizes_mib.split(",")]:
         nbytes = size_mib * MiB
         with tempfile.TemporaryDirectory(dir=a.shm, prefix="fastckpt-bench-") as d:
             root = Path(d) / "tier"
             chunks = _build_tier(root, nbytes, a.chunk_mib * MiB)
             dst = np.empty(nbytes, np.uint8)
             dst[:] = 0  # pre-fault: measure bandwidth, not first-touch page faults
-            own = bench_own(root, nbytes, chunks, dst, a.repeats)
-            for what in ("own_fetch", "own_fetch_noverify"):
-                print(f"{size_mib:>6}Mi {'own RAM ' + what:<34} {own[what]:7.2f} {own['memcpy']:9.2f} {own[what] / own['memcpy']:6.2f}")
-            for streams in [int(s) for s in a.streams.split(",")]:
-                raw = bench_raw(nbytes, dst, streams, a.repeats)
-                peer = bench_peer(root, nbytes, chunks, dst, streams, a.repeats)
-                print(f"{size_mib:>6}Mi {f'peer get, {streams} stream(s)':<34} {peer:7.2f} {raw:9.2f} {peer / raw:6.2f}")
-
+            for what, (base, cand, ratio) in bench_own(root, nbytes, chunks, dst, a.repeats).items():
+                print(f"{size_mib:>6}Mi {'own RAM ' + what:<32} {cand:7.2f} {base:9.2f} {ratio:6.2f}  (vs numpy copy)")
+            streams_list = [int(x) for x in a.streams.split(",")]
+            for streams, (base, cand, ratio) in bench_peers(root, nbytes, chunks, dst, streams_list, a.repeats).items():
+                print(f"{size_mib:>6}Mi {f'peer get, {streams} stream(s)':<32} {cand:7.2f} {base:9.2f} {ratio:6.2f}  (vs raw TCP)")
 
 if __name__ == "__main__":
     main()

@@ -62,6 +62,7 @@ from benchmarks._common import (  # noqa: E402
     assert_trees_equal,
     bar_chart,
     build_state,
+    cpu_seconds,
     dir_bytes,
     emulator_pid,
     evict_page_cache,
@@ -185,13 +186,16 @@ def run_cell(args: argparse.Namespace) -> dict[str, Any]:
             step_fn = step_fn or make_step_fn()  # compiled only after the first save
             state = jax.block_until_ready(step_fn(state))
             gc.collect()
+        c0, e0 = cpu_seconds(), cpu_seconds(args.emu_pid) if dest == "gcs" else 0.0
         with sampler.window() as w:
             t0 = time.perf_counter()
             lib.save(i, state)
             t1 = time.perf_counter()
             extra = lib.wait()
             t2 = time.perf_counter()
-        saves.append({"step": i, "blocked_s": t1 - t0, "committed_s": t2 - t0, "rss_before": w.before,
+        c1, e1 = cpu_seconds(), cpu_seconds(args.emu_pid) if dest == "gcs" else 0.0
+        saves.append({"step": i, "blocked_s": t1 - t0, "committed_s": t2 - t0, "cpu_s": c1 - c0,
+                      "emulator_cpu_s": e1 - e0, "rss_before": w.before,
                       "rss_after": w.after, "peak_delta": w.delta, "sampled_peak_delta": w.sampled_peak - w.before,
                       "samples": w.samples, "lib_stats": extra})
         print(f"[{args.cell}] save {i}: blocked {t1 - t0:.3f}s committed {t2 - t0:.3f}s "
@@ -206,11 +210,13 @@ def run_cell(args: argparse.Namespace) -> dict[str, Any]:
                 evict_page_cache(args.storage_dir)
             gc.collect()
             io0 = proc_io(io_pid)
+            c0, e0 = cpu_seconds(), cpu_seconds(args.emu_pid) if dest == "gcs" else 0.0
             with sampler.window() as w:
                 t0 = time.perf_counter()
                 restored, extra = lib.restore(last, target)
                 jax.block_until_ready(restored)
                 t1 = time.perf_counter()
+            c1, e1 = cpu_seconds(), cpu_seconds(args.emu_pid) if dest == "gcs" else 0.0
             io1 = proc_io(io_pid)
             verified = None
             if i == 0:
@@ -222,7 +228,8 @@ def run_cell(args: argparse.Namespace) -> dict[str, Any]:
                 verified = True
             del restored
             gc.collect()
-            out_list.append({"seconds": t1 - t0, "rss_before": w.before, "rss_after": rss_bytes(),
+            out_list.append({"seconds": t1 - t0, "cpu_s": c1 - c0, "emulator_cpu_s": e1 - e0,
+                             "rss_before": w.before, "rss_after": rss_bytes(),
                              "peak_delta": w.delta, "sampled_peak_delta": w.sampled_peak - w.before,
                              "rchar": io1["rchar"] - io0["rchar"], "read_bytes": io1["read_bytes"] - io0["read_bytes"],
                              "verified": verified, "lib_stats": extra})
@@ -295,6 +302,10 @@ def summarize(cell: dict[str, Any]) -> dict[str, Any]:
         "save_blocked_s": median([s["blocked_s"] for s in steady]),
         "save_first_committed_s": saves[0]["committed_s"],
         "save_committed_s": median([s["committed_s"] for s in steady]),
+        "save_cpu_s": median([s["cpu_s"] for s in steady]),
+        "save_emulator_cpu_s": median([s["emulator_cpu_s"] for s in steady]),
+        "restore_cpu_s": median([r["cpu_s"] for r in rest]),
+        "restore_emulator_cpu_s": median([r["emulator_cpu_s"] for r in rest]),
         "restore_first_s": same[0]["seconds"],
         "restore_s": median([r["seconds"] for r in rest]),
         "restore_4dev_s": median([r["seconds"] for r in four_rest]),
@@ -304,9 +315,11 @@ def summarize(cell: dict[str, Any]) -> dict[str, Any]:
         "save_peak_delta": max(s["peak_delta"] for s in saves),
         "save_first_peak_delta": saves[0]["peak_delta"],
         "restore_peak_delta": max(r["peak_delta"] for r in same + four),
-        "save_rss_growth": saves[-1]["rss_after"] - saves[0]["rss_after"],
+        # From the first steady save: the first one precedes the jitted step's compilation.
+        "save_rss_growth": saves[-1]["rss_after"] - steady[0]["rss_after"],
         "save_retained": saves[-1]["rss_after"] - saves[0]["rss_before"],
         "restore_rss_growth": same[-1]["rss_after"] - same[0]["rss_after"],
+        "restore_first_peak_delta": same[0]["peak_delta"],
         "n_saves": len(saves),
         "n_restores": len(same),
         "verified": all(r["verified"] for r in (same[0], four[0])),
@@ -358,14 +371,14 @@ def tables(results: dict[str, Any]) -> tuple[list[str], list[list[str]], list[st
     limits table."""
     lim = results["limits"]
     headers = ["destination", "library", "save() blocks s (first)", "committed s (first)", "restore s (first)",
-               "restore 4-dev s", "read MiB", "stored MiB", "save peak ΔRSS (x state)",
+               "restore 4-dev s", "CPU s save / restore", "read MiB", "stored MiB", "save peak ΔRSS (x state)",
                "restore peak ΔRSS (x state)", f"RSS growth saves / restores MiB"]
     rows: list[list[str]] = []
     for dest in results["dests"]:
         summ = {lib: results["summary"].get(f"{lib}:{dest}", {"error": "not run"}) for lib in results["libs"]}
         for lib, s in summ.items():
             if "error" in s:
-                rows.append([DEST_LABEL[dest], lib, "ERROR: " + s["error"].splitlines()[0][:60]] + [""] * 8)
+                rows.append([DEST_LABEL[dest], lib, "ERROR: " + s["error"].splitlines()[0][:60]] + [""] * (len(headers) - 3))
                 continue
             n = s["state_bytes"]
             rows.append([
@@ -374,6 +387,9 @@ def tables(results: dict[str, Any]) -> tuple[list[str], list[list[str]], list[st
                 f"{fmt_s(s['save_committed_s'])} ({fmt_s(s['save_first_committed_s'])})",
                 f"{fmt_s(s['restore_s'])} ({fmt_s(s['restore_first_s'])})",
                 fmt_s(s["restore_4dev_s"]),
+                f"{fmt_s(s['save_cpu_s'])} / {fmt_s(s['restore_cpu_s'])}" + (
+                    f" (+emu {fmt_s(s['save_emulator_cpu_s'])} / {fmt_s(s['restore_emulator_cpu_s'])})"
+                    if dest == "gcs" else ""),
                 _mib(s["restore_read_bytes"]), _mib(s["stored_bytes"]),
                 f"{s['save_peak_delta'] / n:.2f}", f"{s['restore_peak_delta'] / n:.2f}",
                 f"{s['save_rss_growth'] / MiB:+.0f} / {s['restore_rss_growth'] / MiB:+.0f}",
@@ -385,6 +401,7 @@ def tables(results: dict[str, Any]) -> tuple[list[str], list[list[str]], list[st
                          f"{q('save_blocked_s')} ({q('save_first_blocked_s')})",
                          f"{q('save_committed_s')} ({q('save_first_committed_s')})",
                          f"{q('restore_s')} ({q('restore_first_s')})", q("restore_4dev_s"),
+                         f"{q('save_cpu_s')} / {q('restore_cpu_s')}",
                          q("restore_read_bytes"), q("stored_bytes") if f["stored_bytes"] and o["stored_bytes"] else "n/a",
                          q("save_peak_delta"), q("restore_peak_delta"), ""])
     n = lim["state_bytes"]
@@ -431,9 +448,29 @@ def vs_limits(results: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return headers, rows
 
 
+def memory_table(results: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Memory details per cell (MiB, and multiples of the state size)."""
+    headers = ["destination", "library", "save peak ΔRSS: first / max", "RSS kept after saves",
+               f"RSS growth, saves 2..{results['meta']['saves']}", "restore peak ΔRSS: first / max",
+               f"RSS growth over {results['meta']['restores']} restores"]
+    rows = []
+    for dest in results["dests"]:
+        for lib in results["libs"]:
+            s = results["summary"].get(f"{lib}:{dest}", {})
+            if not s or "error" in s:
+                continue
+            n = s["state_bytes"]
+            x = lambda v: f"{v / MiB:+.0f} MiB ({v / n:.2f}x)"  # noqa: E731
+            rows.append([DEST_LABEL[dest], lib, f"{x(s['save_first_peak_delta'])} / {x(s['save_peak_delta'])}",
+                         x(s["save_retained"]), x(s["save_rss_growth"]),
+                         f"{x(s['restore_first_peak_delta'])} / {x(s['restore_peak_delta'])}", x(s["restore_rss_growth"])])
+    return headers, rows
+
+
 def write_outputs(results: dict[str, Any], results_dir: Path, *, plot: bool) -> str:
     headers, rows, lheaders, lrows = tables(results)
     vheaders, vrows = vs_limits(results)
+    mheaders, mrows = memory_table(results)
     checks = results["checks"]
     cheaders = ["target (fastckpt)", "destination", "measured", "bound", "result", "note"]
     crows = [[c["target"], DEST_LABEL.get(c["dest"], c["dest"]),
@@ -446,6 +483,9 @@ def write_outputs(results: dict[str, Any], results_dir: Path, *, plot: bool) -> 
             f"Load average during run: {meta['loadavg_start'][0]:.2f} -> {meta['loadavg_end'][0]:.2f} "
             f"({meta['cpus']} CPUs).")
     legend = ("Times in seconds: steady-state median (first in a fresh process in parentheses). "
+              "CPU s: user+system CPU seconds of the benchmark process per save (to committed) and per "
+              "restore (median), plus the emulator's for GCS; unlike wall time it is barely affected by "
+              "other processes competing for the cores. "
               "`read MiB`: bytes returned by read syscalls during one restore, in the benchmark process "
               "(disk, /dev/shm) or in the emulator (GCS). Peak ΔRSS: highest RSS during the phase minus RSS "
               "just before it (the restored state itself counts: 1.0x is the floor for restore). "
@@ -453,6 +493,7 @@ def write_outputs(results: dict[str, Any], results_dir: Path, *, plot: bool) -> 
     md = "\n\n".join([
         "# Save/restore benchmark: fastckpt vs Orbax", head, legend,
         markdown_table(headers, rows), "## Machine limits (same run)", markdown_table(lheaders, lrows),
+        "## Memory", markdown_table(mheaders, mrows),
         "## Versus machine limits", markdown_table(vheaders, vrows),
         "## Targets", markdown_table(cheaders, crows),
         f"Versions: {', '.join(f'{k} {v}' for k, v in meta['versions'].items())}.",
@@ -461,8 +502,8 @@ def write_outputs(results: dict[str, Any], results_dir: Path, *, plot: bool) -> 
     write_json(results_dir / "save_restore.json", results)
     if plot:
         plot_results(results, results_dir / "save_restore.png")
-    text = "\n\n".join([head, text_table(headers, rows), text_table(lheaders, lrows), text_table(vheaders, vrows),
-                        text_table(cheaders, crows)])
+    text = "\n\n".join([head, text_table(headers, rows), text_table(mheaders, mrows), text_table(lheaders, lrows),
+                        text_table(vheaders, vrows), text_table(cheaders, crows)])
     return text
 
 
@@ -482,16 +523,21 @@ def plot_results(results: dict[str, Any], path: Path) -> None:
             out[lib] = vals
         return out
 
+    raw_write = [n / lim[k] / 1e9 for k in ("disk_write_fsync_gbps", "shm_write_fsync_gbps", "gcs_put_4x_gbps")]
+    raw_read = [n / lim[k] / 1e9 for k in ("disk_read_gbps", "shm_read_gbps", "gcs_get_4x_gbps")]
+    order = {d: i for i, d in enumerate(DESTS)}
+
+    def with_limit(ser: dict[str, list[float | None]], values: list[float], label: str) -> dict[str, list[float | None]]:
+        return {**ser, label: [values[order[d]] for d in dests]}
+
     panels = [
         {"title": "save() blocks, steady (s)", "ylabel": "s", "groups": groups, "series": series("save_blocked_s"),
          "lines": {"device_get": lim["device_get_s"], "1.2x device_get": SAVE_BLOCK_VS_DEVICE_GET * lim["device_get_s"]}},
         {"title": "first save() blocks (s)", "ylabel": "s", "groups": groups, "series": series("save_first_blocked_s"),
          "lines": {"first device_get": lim["device_get_first_s"]}},
-        {"title": "save committed, steady (s)", "ylabel": "s", "groups": groups, "series": series("save_committed_s"),
-         "lines": {"raw disk write+fsync": n / lim["disk_write_fsync_gbps"] / 1e9}},
-        {"title": "restore, same 2x4 mesh (s)", "ylabel": "s", "groups": groups, "series": series("restore_s"),
-         "lines": {"raw cold disk read": n / lim["disk_read_gbps"] / 1e9}},
-        {"title": "restore onto 4 devices (s)", "ylabel": "s", "groups": groups, "series": series("restore_4dev_s")},
+        {"title": "save committed, steady (s)", "ylabel": "s", "groups": groups, "series": with_limit(series("save_committed_s"), raw_write, "raw write (limit)")},
+        {"title": "restore, same 2x4 mesh (s)", "ylabel": "s", "groups": groups, "series": with_limit(series("restore_s"), raw_read, "raw read (limit)")},
+        {"title": "restore onto 4 devices (s)", "ylabel": "s", "groups": groups, "series": with_limit(series("restore_4dev_s"), raw_read, "raw read (limit)")},
         {"title": "peak ΔRSS, save (x state)", "ylabel": "x state", "groups": groups,
          "series": series("save_peak_delta", n), "lines": {"target 1.1x": SAVE_PEAK_VS_STATE}},
         {"title": "peak ΔRSS, restore (x state)", "ylabel": "x state", "groups": groups,
@@ -585,11 +631,11 @@ def driver(args: argparse.Namespace) -> int:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="~256 MiB state, 5 saves, 4+2 restores")
+    p.add_argument("--quick", action="store_true", help="~256 MiB state, 3 saves, 3+1 restores, 1 rep of each limit")
     p.add_argument("--size-mib", type=int, default=None, help="state size (default 1024, quick 256)")
-    p.add_argument("--saves", type=int, default=None, help="saves per cell (default 10, quick 5)")
-    p.add_argument("--restores", type=int, default=None, help="same-mesh restores per cell (default 10, quick 4)")
-    p.add_argument("--restores-4dev", type=int, default=None, help="4-device restores per cell (default 3, quick 2)")
+    p.add_argument("--saves", type=int, default=None, help="saves per cell (default 10, quick 3)")
+    p.add_argument("--restores", type=int, default=None, help="same-mesh restores per cell (default 10, quick 3)")
+    p.add_argument("--restores-4dev", type=int, default=None, help="4-device restores per cell (default 3, quick 1)")
     p.add_argument("--libs", default=",".join(LIBS))
     p.add_argument("--dests", default=",".join(DESTS))
     p.add_argument("--disk-dir", default=os.environ.get("FASTCKPT_BENCH_DISK", "/tmp"),
@@ -599,6 +645,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--limit-reps", type=int, default=None)
     p.add_argument("--cell-timeout", type=float, default=1200.0)
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--from-json", metavar="PATH",
+                   help="only re-render the table, markdown and plot from an earlier save_restore.json")
     # internal (child processes)
     p.add_argument("--cell", help=argparse.SUPPRESS)
     p.add_argument("--limits", action="store_true", help=argparse.SUPPRESS)
@@ -610,10 +658,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     q = args.quick
     args.size_mib = args.size_mib or (256 if q else 1024)
-    args.saves = args.saves or (5 if q else 10)
-    args.restores = args.restores or (4 if q else 10)
-    args.restores_4dev = args.restores_4dev or (2 if q else 3)
-    args.limit_reps = args.limit_reps or (2 if q else 3)
+    args.saves = args.saves or (3 if q else 10)
+    args.restores = args.restores or (3 if q else 10)
+    args.restores_4dev = args.restores_4dev or (1 if q else 3)
+    args.limit_reps = args.limit_reps or (1 if q else 3)
     if args.saves < 2 or args.restores < 1 or args.restores_4dev < 1:
         p.error("need --saves >= 2, --restores >= 1, --restores-4dev >= 1")
     return args
@@ -625,6 +673,14 @@ def main(argv: list[str] | None = None) -> int:
         doc = run_cell(args) if args.cell else run_limits(args)
         write_json(Path(args.out), doc)
         return 0
+    if args.from_json:
+        results = json.loads(Path(args.from_json).read_text())
+        results["summary"] = {k: summarize(v) for k, v in results["cells"].items()}
+        results["checks"] = evaluate(results)
+        results_dir = Path(args.results_dir)
+        results_dir.mkdir(parents=True, exist_ok=True)
+        print(write_outputs(results, results_dir, plot=not args.no_plot))
+        return 0 if all(c["pass"] for c in results["checks"]) else 1
     return driver(args)
 
 

@@ -36,6 +36,17 @@ class Coordinator(abc.ABC):
         except BarrierTimeoutError:
             return None
 
+    def barrier(self, name: str, *, timeout_s: float) -> None:
+        """Wait until every process reached ``name`` (each name used once per job)."""
+        import time
+
+        if self.process_count == 1:
+            return
+        self.set(f"{name}/arrived/{self.process_index}", "1")
+        deadline = time.monotonic() + timeout_s
+        for i in range(self.process_count):
+            self.get(f"{name}/arrived/{i}", timeout_s=max(0.001, deadline - time.monotonic()))
+
 
 class LocalCoordinator(Coordinator):
     """The single-process coordinator: an in-memory dict."""

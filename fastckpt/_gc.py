@@ -10,7 +10,8 @@ manifest references. :func:`collect_garbage` finds them:
 * **uncommitted**: under a step without a manifest. It may belong to a save in flight, so
   it is removed only when it is older than ``grace_s``. When the store cannot tell an
   object's age (memory and GCS stores: the Store protocol has no mtime), it is removed only
-  if a *newer* step is committed (saves of a step finish before later steps commit).
+  if a *newer* step is committed (saves of a step finish before later steps commit), or
+  when ``grace_s == 0`` (the caller asserts that nothing is writing).
 
 Order of deletion: for retention, a step's manifest is deleted before its data (un-commit
 first, like :meth:`fastckpt.CheckpointManager.delete_step`). A manifest that cannot be read
@@ -195,8 +196,8 @@ async def find_leftovers(
 def _collectable(lo: Leftover, *, grace_s: float, newest: int | None) -> bool:
     if lo.reason == "unreferenced":
         return True
-    if lo.age_s is not None:
-        return lo.age_s >= grace_s
+    if lo.age_s is not None or grace_s == 0:
+        return grace_s == 0 or lo.age_s >= grace_s  # type: ignore[operator]
     return newest is not None and lo.step is not None and lo.step < newest
 
 

@@ -344,9 +344,9 @@ class CheckpointManager:
         self._check_open()
         source = self._chunk_source
         manifest = None
+        rseq, self._rseq = self._rseq, self._rseq + 1
         if self._ram is not None:
             if step is None:
-                rseq, self._rseq = self._rseq, self._rseq + 1
                 steps = self.persistent_steps()
                 choice = self._ram.select_step(steps[-1] if steps else None, key=f"{self._ns}/restore/{rseq}",
                                                timeout_s=self.options.distributed.barrier_timeout_s)
@@ -362,8 +362,16 @@ class CheckpointManager:
             manifest = self.manifest(step)
         plan = resolve_target(manifest, target, partial=partial)
         stats = RestoreStats()
-        self._io.run(fill_units(self.store, manifest.step, plan.units(), options=self.options.restore,
-                                executor=self._workers, stats=stats, source=source))
+        ram_only = manifest.metadata.get("fastckpt_tier") == "ram"
+        try:
+            self._io.run(fill_units(self.store, manifest.step, plan.units(), options=self.options.restore,
+                                    executor=self._workers, stats=stats, source=source,
+                                    storage_holds_step=not ram_only))
+        finally:
+            if self._ram is not None:
+                # Peers serve each other's chunks: nobody leaves before everyone has read.
+                self.coordinator.barrier(f"{self._ns}/restore/{rseq}/end",
+                                         timeout_s=self.options.distributed.barrier_timeout_s)
         leaves = build_leaves(plan, stats)
         stats.seconds = time.perf_counter() - t0
         self.last_restore_stats = stats

@@ -2,7 +2,9 @@
 
 The model exists to give the elastic loop a real training state: embeddings, a stack of
 pre-norm attention + MLP blocks (scanned, so compile time does not grow with depth), an
-untied unembedding, AdamW moments and a typed PRNG key driving dropout.
+untied unembedding, AdamW moments and a typed PRNG key driving dropout. Parameters are
+initialised with numpy (no XLA compile on a fresh start: on a few shared CPU cores, compile
+time is most of a restart).
 
 Parameters are laid out for a ``("data", "model")`` mesh, Megatron style: attention heads,
 the MLP hidden dimension and the vocabulary are split over ``"model"``; everything is
@@ -21,6 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from fastckpt.errors import ConfigError
@@ -33,11 +36,12 @@ __all__ = [
     "init_params",
     "loss_fn",
     "param_count",
+    "param_shapes",
     "param_specs",
 ]
 
 Params = dict[str, Any]
-"""A nested dict of ``jax.Array`` parameters (see :func:`init_params` for the layout)."""
+"""A nested dict of parameter arrays (see :func:`param_shapes` for the layout)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -56,7 +60,7 @@ class ModelConfig:
     """Attention heads; must be divisible by the model-axis size."""
     d_ff: int = 256
     """MLP hidden width; must be divisible by the model-axis size."""
-    dropout: float = 0.1
+    dropout: float = 0.0
     """Residual dropout rate (0 disables it; the PRNG key is still split every step)."""
     dtype: str = "float32"
     """Parameter and activation dtype."""
@@ -85,7 +89,7 @@ class ModelConfig:
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(),
     "small": ModelConfig(vocab_size=512, seq_len=64, d_model=128, n_layers=2, n_heads=4, d_ff=512),
-    "bench": ModelConfig(vocab_size=16384, seq_len=128, d_model=512, n_layers=8, n_heads=8, d_ff=2048),
+    "bench": ModelConfig(vocab_size=16384, seq_len=128, d_model=512, n_layers=8, n_heads=8, d_ff=2048, dropout=0.1),
 }
 """Named model sizes: ``tiny`` (CI), ``small`` (demo), ``bench`` (~0.5 GiB train state)."""
 
@@ -108,41 +112,63 @@ def param_specs(cfg: ModelConfig) -> Params:
     }
 
 
-def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
-    """Fresh parameters: scaled normal weights, unit norms. Pure function of ``key``.
+def _init_rules(cfg: ModelConfig) -> Params:
+    """``(shape, std)`` of every parameter; ``std == 0`` means "ones" (norm scales)."""
+    v, t, d, n, h, dh, f = cfg.vocab_size, cfg.seq_len, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.head_dim, cfg.d_ff
+    out_std = 0.02 / math.sqrt(2 * n)
+    return {
+        "embed": ((v, d), 0.02),
+        "pos": ((t, d), 0.01),
+        "layers": {
+            "ln1": ((n, d), 0.0),
+            "wqkv": ((n, d, 3, h, dh), 1.0 / math.sqrt(d)),
+            "wo": ((n, h, dh, d), out_std),
+            "ln2": ((n, d), 0.0),
+            "w1": ((n, d, f), 1.0 / math.sqrt(d)),
+            "w2": ((n, f, d), out_std),
+        },
+        "ln_f": ((d,), 0.0),
+        "unembed": ((d, v), 1.0 / math.sqrt(d)),
+    }
+
+
+def _is_rule(x: object) -> bool:
+    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], tuple)
+
+
+def param_shapes(cfg: ModelConfig) -> Params:
+    """``jax.ShapeDtypeStruct`` of every parameter (no sharding), same tree as :func:`init_params`.
 
     Layout: ``embed [V, D]``, ``pos [T, D]``, ``layers/{ln1, ln2} [L, D]``,
     ``layers/wqkv [L, D, 3, H, Dh]``, ``layers/wo [L, H, Dh, D]``, ``layers/w1 [L, D, F]``,
     ``layers/w2 [L, F, D]``, ``ln_f [D]``, ``unembed [D, V]``.
     """
     dt = jnp.dtype(cfg.dtype)
-    v, t, d, n, h, dh, f = cfg.vocab_size, cfg.seq_len, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.head_dim, cfg.d_ff
-    keys = jax.random.split(key, 7)
+    return jax.tree.map(lambda r: jax.ShapeDtypeStruct(r[0], dt), _init_rules(cfg), is_leaf=_is_rule)
 
-    def normal(k: jax.Array, shape: tuple[int, ...], std: float) -> jax.Array:
-        return (std * jax.random.normal(k, shape, jnp.float32)).astype(dt)
 
-    out_std = 0.02 / math.sqrt(2 * n)
-    return {
-        "embed": normal(keys[0], (v, d), 0.02),
-        "pos": normal(keys[1], (t, d), 0.01),
-        "layers": {
-            "ln1": jnp.ones((n, d), dt),
-            "wqkv": normal(keys[2], (n, d, 3, h, dh), 1.0 / math.sqrt(d)),
-            "wo": normal(keys[3], (n, h, dh, d), out_std),
-            "ln2": jnp.ones((n, d), dt),
-            "w1": normal(keys[4], (n, d, f), 1.0 / math.sqrt(d)),
-            "w2": normal(keys[5], (n, f, d), out_std),
-        },
-        "ln_f": jnp.ones((d,), dt),
-        "unembed": normal(keys[6], (d, v), 1.0 / math.sqrt(d)),
-    }
+def init_params(cfg: ModelConfig, seed: int) -> dict[str, Any]:
+    """Fresh parameters as host numpy arrays: scaled normal weights, unit norm scales.
+
+    A pure function of ``(cfg, seed)``, computed with numpy so that a fresh start costs no
+    XLA compilation; :meth:`~fastckpt.elastic.trainer.TrainProgram.init_state` places the
+    arrays onto the mesh.
+    """
+    dt = np.dtype(cfg.dtype)
+    rules, treedef = jax.tree.flatten(_init_rules(cfg), is_leaf=_is_rule)
+    leaves = []
+    for i, (shape, std) in enumerate(rules):
+        if std == 0.0:
+            leaves.append(np.ones(shape, dt))
+        else:
+            rng = np.random.default_rng([seed, i])
+            leaves.append((rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(dt))
+    return jax.tree.unflatten(treedef, leaves)
 
 
 def param_count(cfg: ModelConfig) -> int:
     """Number of scalar parameters."""
-    shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
-    return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(param_shapes(cfg)))
 
 
 def _rms_norm(x: jax.Array, scale: jax.Array) -> jax.Array:

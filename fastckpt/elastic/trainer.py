@@ -28,7 +28,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fastckpt.elastic.data import DataConfig, SyntheticData
-from fastckpt.elastic.model import ModelConfig, init_params, loss_fn, param_specs
+from fastckpt.elastic.model import ModelConfig, init_params, loss_fn, param_shapes, param_specs
 from fastckpt.errors import ConfigError
 
 __all__ = ["TrainConfig", "TrainProgram", "TrainState", "make_mesh"]
@@ -105,11 +105,17 @@ class TrainProgram:
         self.replicated = NamedSharding(mesh, P())
         self.batch_sharding = NamedSharding(mesh, P("data", None))
         self.state_shardings = self._state_shardings()
-        shapes = jax.eval_shape(self._init)
+        shapes = {
+            "params": param_shapes(cfg.model),
+            "opt_state": jax.eval_shape(self.optimizer.init, param_shapes(cfg.model)),
+            "key": jax.eval_shape(lambda: jax.random.key(0)),
+            "step": jax.ShapeDtypeStruct((), jnp.int32),
+            "data_pos": jax.ShapeDtypeStruct((), jnp.int32),
+        }
         self.abstract_state: TrainState = jax.tree.map(
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, self.state_shardings
         )
-        self._init_jit = jax.jit(self._init, out_shardings=self.state_shardings)
+        self._opt_init = jax.jit(self.optimizer.init, out_shardings=self.state_shardings["opt_state"])
         self._step_jit = jax.jit(
             self._step,
             in_shardings=(self.state_shardings, self.batch_sharding),
@@ -123,29 +129,16 @@ class TrainProgram:
             param_specs(self.cfg.model),
             is_leaf=lambda x: isinstance(x, P),
         )
-        abstract_params = jax.eval_shape(lambda: init_params(self.cfg.model, jax.random.key(0)))
         opt_sh = optax.tree_map_params(
             self.optimizer,
             lambda _, sharding: sharding,
-            jax.eval_shape(self.optimizer.init, abstract_params),
+            jax.eval_shape(self.optimizer.init, param_shapes(self.cfg.model)),
             params_sh,
             transform_non_params=lambda _: self.replicated,
             is_leaf=lambda x: isinstance(x, NamedSharding),
         )
         rep = self.replicated
         return {"params": params_sh, "opt_state": opt_sh, "key": rep, "step": rep, "data_pos": rep}
-
-    def _init(self) -> TrainState:
-        key = jax.random.key(self.cfg.init_seed)
-        init_key, run_key = jax.random.split(key)
-        params = init_params(self.cfg.model, init_key)
-        return {
-            "params": params,
-            "opt_state": self.optimizer.init(params),
-            "key": run_key,
-            "step": jnp.zeros((), jnp.int32),
-            "data_pos": jnp.zeros((), jnp.int32),
-        }
 
     def _step(self, state: TrainState, batch: jax.Array) -> tuple[TrainState, jax.Array]:
         key, dropout_key = jax.random.split(state["key"])
@@ -161,9 +154,18 @@ class TrainProgram:
         return new_state, loss
 
     def init_state(self) -> TrainState:
-        """A fresh state at step 0, laid out by :attr:`state_shardings`. Collective: every
-        process calls it."""
-        return self._init_jit()
+        """A fresh state at step 0, laid out by :attr:`state_shardings`. Pure function of
+        ``cfg``; every process calls it and materialises only its own shards."""
+        host = init_params(self.cfg.model, self.cfg.init_seed)
+        params = jax.tree.map(_place, host, self.state_shardings["params"])
+        run_key = jax.random.fold_in(jax.random.key(self.cfg.init_seed), 1)
+        return {
+            "params": params,
+            "opt_state": self._opt_init(params),
+            "key": jax.random.wrap_key_data(_place(np.asarray(jax.random.key_data(run_key)), self.replicated)),
+            "step": _place(np.zeros((), np.int32), self.replicated),
+            "data_pos": _place(np.zeros((), np.int32), self.replicated),
+        }
 
     def compile_step(self) -> Any:
         """AOT-compile the train step for this mesh; returns the callable
@@ -184,3 +186,8 @@ class TrainProgram:
             else:
                 total += leaf.dtype.itemsize * int(np.prod(leaf.shape, dtype=np.int64))
         return total
+
+
+def _place(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A global array from a host array every process holds in full (takes local slices)."""
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])

@@ -16,15 +16,26 @@ JSON layout (``format_version`` 1)::
 
 Floats that JSON cannot hold (nan, inf) are written as strings ``"nan"``, ``"inf"``,
 ``"-inf"``; complex values as ``[re, im]``.
+
+Integrity: the encoder writes ``"manifest_crc32c"`` first, the crc32c of the canonical JSON
+of every other field (sorted keys, compact separators), so a manifest corrupted at rest or in
+transit (a renamed leaf, a changed value leaf, dtype or metadata: changes the chunk
+checksums cannot see) fails to decode instead of restoring wrong state. The decoder checks
+it after the structural checks (so a malformed manifest still reports its first flaw), on the
+raw bytes when they are laid out as the encoder writes them, else on the canonical
+re-encoding of the parsed document. Manifests without the field (hand-written ones) are
+accepted as before. Numbers that overflow a float (``1e400``) are refused.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from typing import Any, NoReturn
 
+from fastckpt._checksum import crc32c
 from fastckpt.errors import ManifestError, UnsupportedFormatVersionError
 from fastckpt.format.dtypes import dtype_from_name
 from fastckpt.format.manifest import (
@@ -47,6 +58,9 @@ __all__ = ["MAX_MANIFEST_BYTES", "chunk_from_json", "chunk_to_json", "decode_man
 MAX_MANIFEST_BYTES = 512 * 1024 * 1024
 _MAX_NDIM = 64
 _MAX_INT = 2**63 - 1
+#: Name of the integrity field; the encoder writes it first.
+CHECKSUM_FIELD = "manifest_crc32c"
+_CHECKSUM_PREFIX = re.compile(rb'\A\{"manifest_crc32c":(0|[1-9][0-9]{0,9}),')
 
 
 def _fail(msg: str) -> NoReturn:
@@ -125,10 +139,29 @@ def encode_manifest(manifest: Manifest) -> bytes:
         "metadata": manifest.metadata,
         "leaves": [_leaf_to_json(leaf) for leaf in manifest.leaves],
     }
+    body = _canonical(doc)
+    return b'{"%s":%d,' % (CHECKSUM_FIELD.encode(), crc32c(body)) + body[1:]
+
+
+def _canonical(doc: Mapping[str, Any]) -> bytes:
     try:
         return json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, RecursionError) as e:
         raise ManifestError(f"manifest is not JSON-serialisable: {e}") from e
+
+
+def _check_integrity(data: bytes, doc: dict[str, Any]) -> None:
+    """Verify ``manifest_crc32c`` (popped from ``doc``) if present; ``ManifestError`` if wrong."""
+    if CHECKSUM_FIELD not in doc:
+        return
+    stored = doc.pop(CHECKSUM_FIELD)
+    if type(stored) is not int or not 0 <= stored <= 0xFFFFFFFF:
+        _fail(f"{CHECKSUM_FIELD}: expected a u32, got {stored!r:.40}")
+    m = _CHECKSUM_PREFIX.match(data)
+    if m is not None and int(m.group(1)) == stored and crc32c(b"{" + data[m.end() :]) == stored:
+        return  # the encoder's own layout, intact
+    if crc32c(_canonical(doc)) != stored:
+        _fail("manifest checksum mismatch: the manifest is corrupted (or was edited)")
 
 
 # ---------------------------------------------------------------- decode
@@ -350,12 +383,20 @@ def _reject_constant(name: str) -> NoReturn:
     raise ValueError(f"non-standard JSON constant {name}")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400: encode_manifest could not write it back
+        raise ValueError(f"number {text[:40]} overflows a float")
+    return value
+
+
 def decode_manifest(data: bytes | bytearray | memoryview) -> Manifest:
     """Parse and validate manifest JSON; raises ``ManifestError`` (or a subclass) on any flaw."""
     if len(data) > MAX_MANIFEST_BYTES:
         _fail(f"manifest of {len(data)} bytes exceeds the {MAX_MANIFEST_BYTES}-byte limit")
+    data = bytes(data)
     try:
-        doc = json.loads(bytes(data), parse_constant=_reject_constant)
+        doc = json.loads(data, parse_constant=_reject_constant, parse_float=_finite_float)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise ManifestError(f"manifest is not valid JSON: {e}") from e
     d = _dict(doc, "manifest", ("format_version", "step", "leaves"))
@@ -387,7 +428,7 @@ def decode_manifest(data: bytes | bytearray | memoryview) -> Manifest:
     created = d.get("created_unix", 0.0)
     if type(created) not in (int, float):
         _fail("created_unix must be a number")
-    return Manifest(
+    manifest = Manifest(
         step=_int(d["step"], "step"),
         leaves=tuple(leaves),
         num_processes=_int(d.get("num_processes", 1), "num_processes", lo=1),
@@ -396,3 +437,5 @@ def decode_manifest(data: bytes | bytearray | memoryview) -> Manifest:
         metadata=metadata,
         format_version=version,
     )
+    _check_integrity(data, doc)
+    return manifest

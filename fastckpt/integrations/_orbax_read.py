@@ -408,6 +408,9 @@ def _plan(leaf: _Leaf, item: OrbaxItem, *, allow_cast: bool) -> None:
         if jax.process_count() > 1:
             raise ConfigError(f"{where}: cannot rebuild the saved sharding here; pass a target with .sharding")
         sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    if isinstance(getattr(sharding, "mesh", None), jax.sharding.AbstractMesh):
+        raise ConfigError(f"{where}: the target's sharding is over an AbstractMesh; pass concrete shardings "
+                          "(fastckpt.integrations.pytree.abstract_state(target, mesh=mesh))")
     if leaf.mode == "key":
         idx_shape = stored_shape[: len(stored_shape) - extra]
         index_map = {d: tuple(idx) + (slice(None),) * extra

@@ -53,7 +53,12 @@ def combine(savable: Any, static: Any) -> Any:
     return jax.tree_util.tree_map(lambda a, b: b if a is None else a, savable, static, is_leaf=_is_none)
 
 
-def abstract_state(tree: Any, sharding: jax.sharding.Sharding | Callable[[Any], Any] | None = None) -> Any:
+def abstract_state(
+    tree: Any,
+    sharding: jax.sharding.Sharding | Callable[[Any], Any] | None = None,
+    *,
+    mesh: jax.sharding.Mesh | None = None,
+) -> Any:
     """A restore target for ``tree``: each ``jax.Array`` becomes a ``jax.ShapeDtypeStruct``.
 
     Typed PRNG key arrays keep their key dtype. numpy arrays and simple values are kept
@@ -64,6 +69,11 @@ def abstract_state(tree: Any, sharding: jax.sharding.Sharding | Callable[[Any], 
             (e.g. from ``jax.eval_shape``).
         sharding: None keeps each array's own sharding; a ``Sharding`` applies to every
             array leaf; a callable maps a leaf to its sharding.
+        mesh: Rebind ``NamedSharding`` s over an ``AbstractMesh`` (what ``jax.eval_shape``
+            under ``jax.set_mesh`` produces) to this concrete mesh of the same axes.
+
+    Raises:
+        ConfigError: ``mesh`` does not match an abstract mesh's axis names and sizes.
     """
 
     def leaf(x: Any) -> Any:
@@ -75,6 +85,17 @@ def abstract_state(tree: Any, sharding: jax.sharding.Sharding | Callable[[Any], 
             s = sharding
         else:
             s = sharding(x)
+        if mesh is not None and isinstance(getattr(s, "mesh", None), jax.sharding.AbstractMesh):
+            s = _concrete(s, mesh)
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
 
     return jax.tree_util.tree_map(leaf, tree)
+
+
+def _concrete(s: Any, mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
+    abstract = s.mesh
+    if tuple(abstract.axis_names) != tuple(mesh.axis_names) or tuple(abstract.axis_sizes) != tuple(mesh.axis_sizes):
+        from fastckpt.errors import ConfigError
+
+        raise ConfigError(f"mesh {dict(mesh.shape)} does not match the abstract mesh {dict(abstract.shape)}")
+    return jax.sharding.NamedSharding(mesh, s.spec)

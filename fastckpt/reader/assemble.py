@@ -113,6 +113,10 @@ def _plan_array(path: KeyPath, stored: ArrayLeaf, tgt: Any) -> LeafPlan:
         if jax.process_count() > 1:
             raise TargetMismatchError(f"{where}: cannot rebuild the saved sharding here; pass a target with .sharding")
         sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    if isinstance(getattr(sharding, "mesh", None), jax.sharding.AbstractMesh):
+        raise ConfigError(f"{where}: the target's sharding is over an AbstractMesh (jax.eval_shape under "
+                          "jax.set_mesh?); pass concrete shardings, e.g. "
+                          "fastckpt.integrations.pytree.abstract_state(target, mesh=mesh)")
     if stored.kind == "prng_key":
         idx_shape = shape[: len(shape) - key_extra] if tgt is not None else shape[:-1]
         key_extra = len(shape) - len(idx_shape)
@@ -172,7 +176,11 @@ def resolve_target(manifest: Manifest, target: Any, *, partial: bool) -> Restore
     for path, tgt in targets:
         s = stored[path]
         if isinstance(s, ValueLeaf):
-            if tgt is not None and (isinstance(tgt, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))):
+            # A 0-d ShapeDtypeStruct is what jax.eval_shape makes of a Python scalar (e.g.
+            # TrainState.step): restore the stored value, as saved.
+            abstract_scalar = isinstance(tgt, jax.ShapeDtypeStruct) and tgt.shape == () and s.vtype in (
+                "bool", "int", "float", "complex")
+            if tgt is not None and not abstract_scalar and isinstance(tgt, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
                 raise TreeStructureError(f"{keypath_str(path)}: checkpoint holds a {s.vtype} value, target an array")
             plans.append(LeafPlan(path, s))
         else:

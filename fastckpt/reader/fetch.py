@@ -25,7 +25,7 @@ import zstandard
 
 from fastckpt._checksum import crc32c
 from fastckpt._hostmem import alloc_aligned
-from fastckpt.errors import ChecksumMismatchError, CorruptionError
+from fastckpt.errors import CheckpointNotFoundError, ChecksumMismatchError, CorruptionError
 from fastckpt.format.dtypes import dtype_from_name
 from fastckpt.format.manifest import ArrayLeaf, Box, ChunkEntry, box_shape, chunk_id, keypath_str
 from fastckpt.options import RestoreOptions
@@ -199,8 +199,13 @@ async def fill_units(
     executor: Executor,
     stats: RestoreStats,
     source: ChunkSource | None = None,
+    storage_holds_step: bool = True,
 ) -> None:
-    """Fill every unit's host buffer (``unit.buffer``) with verified data."""
+    """Fill every unit's host buffer (``unit.buffer``) with verified data.
+
+    With ``storage_holds_step=False`` (a RAM-only step) a chunk no RAM source has raises
+    :class:`CheckpointNotFoundError` naming it, instead of reading storage.
+    """
     loop = asyncio.get_running_loop()
     decoder = _Decoder()
     lock = threading.Lock()
@@ -221,6 +226,10 @@ async def fill_units(
         for chunk in filler.items:
             if source is not None and await loop.run_in_executor(executor, filler.try_source, chunk):
                 continue
+            if not storage_holds_step:
+                raise CheckpointNotFoundError(
+                    f"RAM-only step {step}: {_where(filler.leaf, chunk)} is held by no reachable RAM tier"
+                )
             need.append(chunk)
         ranges = coalesce_fetches(need, max_gap=options.max_gap_bytes, max_bytes=options.max_request_bytes)
 

@@ -25,7 +25,7 @@ import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 from urllib.parse import quote
 
 from fastckpt.errors import BarrierTimeoutError, ConfigError, ProtocolError
@@ -213,7 +213,7 @@ def _default_run(coro: Awaitable[_T]) -> _T:
     t.join()
     if "e" in box:
         raise box["e"]
-    return box["v"]
+    return cast(_T, box["v"])
 
 
 class StoreDirectory(PeerDirectory):

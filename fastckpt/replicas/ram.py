@@ -33,15 +33,11 @@ held for peers) makes a new save evict the last committed step before it is seal
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import errno
 import fcntl
-import json
 import mmap
 import os
 import shutil
 import threading
-import uuid
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
@@ -50,35 +46,31 @@ import numpy as np
 
 from fastckpt._checksum import crc32c
 from fastckpt.errors import ChecksumMismatchError, ConfigError, FastckptError
+from fastckpt.replicas._shm import (
+    DATA_SUFFIX,
+    INDEX_SUFFIX,
+    MANIFEST,
+    ChunkLocation,
+    RamBudgetError,
+    Sealed,
+    StepState,
+    atomic_write,
+    create_segment_file,
+    index_document,
+    load_index,
+    new_name,
+    parse_step_dir,
+    unlink,
+)
 
 __all__ = ["ChunkLocation", "RamBudgetError", "RamTier", "Segment", "StaleStepError"]
 
-_INDEX_SUFFIX = ".index.json"
-_DATA_SUFFIX = ".data"
-_MANIFEST = "manifest.json"
-_INDEX_VERSION = 1
 _MIN_RECYCLE_BYTES = 1 << 20
 _MAX_SPARES = 1024
 
 
-class RamBudgetError(ConfigError):
-    """A RAM-tier allocation cannot fit in ``budget_bytes`` (or tmpfs is full)."""
-
-
 class StaleStepError(FastckptError):
     """Data for a step older than every retained committed step; it would be dropped at once."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ChunkLocation:
-    """Where one chunk lies in a segment."""
-
-    offset: int
-    """Byte offset of the chunk in the segment."""
-    length: int
-    """Raw length of the chunk in bytes."""
-    raw_crc32c: int
-    """crc32c of the chunk's raw bytes (``ChunkEntry.raw_crc32c``)."""
 
 
 class Segment:
@@ -112,66 +104,6 @@ class Segment:
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
         if self.state == "open":
             self._tier.discard(self)
-
-
-class _Sealed:
-    """A sealed segment file and its lazily created read mapping."""
-
-    __slots__ = ("dropped", "index_path", "lock", "mm", "nbytes", "path", "view")
-
-    def __init__(self, path: Path, index_path: Path, nbytes: int, mm: mmap.mmap | None = None) -> None:
-        self.path = path
-        self.index_path = index_path
-        self.nbytes = nbytes
-        self.mm = mm
-        self.view: memoryview | None = memoryview(mm).toreadonly() if mm is not None else None
-        self.dropped = False
-        self.lock = threading.Lock()
-
-    def slice(self, offset: int, length: int, prefault: bool) -> memoryview | None:
-        """A read-only view of ``[offset, offset + length)``; None once the segment is dropped."""
-        with self.lock:
-            if self.dropped:
-                return None
-            if self.view is None:
-                if self.nbytes == 0:
-                    self.view = memoryview(b"")
-                else:
-                    flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if prefault else 0)
-                    fd = os.open(self.path, os.O_RDONLY)
-                    try:
-                        self.mm = mmap.mmap(fd, self.nbytes, flags=flags, prot=mmap.PROT_READ)
-                    finally:
-                        os.close(fd)
-                    self.view = memoryview(self.mm)
-            return self.view[offset : offset + length]
-
-    def unmap(self, *, dropped: bool) -> bool:
-        """Release the mapping; False if views handed out are still alive (they keep it)."""
-        with self.lock:
-            self.dropped = self.dropped or dropped
-            if self.view is not None:
-                self.view.release()
-                self.view = None
-            mm, self.mm = self.mm, None
-            if mm is None:
-                return True
-            try:
-                mm.close()
-            except BufferError:
-                return False  # exported views keep the mapping alive until collected
-            return True
-
-
-@dataclasses.dataclass
-class _Step:
-    segments: dict[str, _Sealed] = dataclasses.field(default_factory=dict)
-    chunks: dict[str, tuple[_Sealed, ChunkLocation]] = dataclasses.field(default_factory=dict)
-    manifest_bytes: int | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return sum(s.nbytes for s in self.segments.values()) + (self.manifest_bytes or 0)
 
 
 class RamTier:
@@ -211,7 +143,7 @@ class RamTier:
         self._prefault = prefault
         self._recycle = recycle
         self._lock = threading.RLock()
-        self._steps: dict[int, _Step] = {}
+        self._steps: dict[int, StepState] = {}
         self._spares: dict[Path, int] = {}
         self._reserved = 0
         self._closed = False
@@ -236,23 +168,23 @@ class RamTier:
         tmp.mkdir(mode=0o700)
         spare.mkdir(mode=0o700, exist_ok=True)
         for p in spare.iterdir():
-            if self._recycle and p.suffix == _DATA_SUFFIX and p.is_file():
+            if self._recycle and p.suffix == DATA_SUFFIX and p.is_file():
                 self._spares[p] = p.stat().st_size
             else:
-                _unlink(p)
+                unlink(p)
         for d in self.root.iterdir():
-            step = _parse_step_dir(d.name)
+            step = parse_step_dir(d.name)
             if step is None or not d.is_dir():
                 continue
-            st = _Step()
+            st = StepState()
             for p in list(d.iterdir()):
-                if p.name.endswith(_INDEX_SUFFIX):
-                    self._load_index(st, p)
-                elif p.name == _MANIFEST:
+                if p.name.endswith(INDEX_SUFFIX):
+                    load_index(st, p)
+                elif p.name == MANIFEST:
                     st.manifest_bytes = p.stat().st_size
             for p in d.iterdir():  # data without index, partial temp files: crash debris
-                if p.name != _MANIFEST and not p.name.endswith(_INDEX_SUFFIX) and p.name not in st.segments:
-                    _unlink(p)
+                if p.name != MANIFEST and not p.name.endswith(INDEX_SUFFIX) and p.name not in st.segments:
+                    unlink(p)
             if st.segments or st.manifest_bytes is not None:
                 self._steps[step] = st
             else:
@@ -260,28 +192,6 @@ class RamTier:
         with self._lock:
             self._apply_retention()
             self._make_room(0, for_step=None)
-
-    def _load_index(self, st: _Step, index_path: Path) -> None:
-        try:
-            doc = json.loads(index_path.read_text())
-            data_name = doc["data"]
-            nbytes = doc["nbytes"]
-            if doc.get("version") != _INDEX_VERSION or "/" in data_name or not data_name.endswith(_DATA_SUFFIX):
-                raise ValueError("bad index")
-            data_path = index_path.parent / data_name
-            if data_path.stat().st_size != nbytes:
-                raise ValueError("size mismatch")
-            sealed = _Sealed(data_path, index_path, nbytes)
-            locs = {}
-            for cid, off, length, crc in doc["chunks"]:
-                if not (isinstance(cid, str) and 0 <= off and 0 <= length and off + length <= nbytes):
-                    raise ValueError("bad chunk location")
-                locs[cid] = (sealed, ChunkLocation(off, length, crc))
-        except (OSError, ValueError, KeyError, TypeError):
-            _unlink(index_path)  # unreadable index: the segment was never (validly) sealed
-            return
-        st.segments[data_name] = sealed
-        st.chunks.update(locs)
 
     def close(self) -> None:
         """Unmap everything and release the directory lock. Data stays on tmpfs. Idempotent."""
@@ -325,39 +235,14 @@ class RamTier:
             if spare is not None:
                 del self._spares[spare]
             self._reserved += nbytes
-        path = self.root / "tmp" / f"{uuid.uuid4().hex}{_DATA_SUFFIX}"
+        path = self.root / "tmp" / new_name()
         try:
-            mm = self._create_file(path, nbytes, spare)
+            mm = create_segment_file(path, nbytes, spare=spare, prefault=self._prefault)
         except BaseException:
             with self._lock:
                 self._reserved -= nbytes
             raise
         return Segment(self, step, path, mm, nbytes)
-
-    def _create_file(self, path: Path, nbytes: int, spare: Path | None) -> mmap.mmap | None:
-        if spare is not None:
-            os.rename(spare, path)
-            fd = os.open(path, os.O_RDWR)
-        else:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, nbytes)  # shrinks a larger spare (frees its tail)
-            if nbytes == 0:
-                return None
-            try:  # reserve the pages now: a full tmpfs fails here, not with SIGBUS on write
-                os.posix_fallocate(fd, 0, nbytes)
-            except OSError as e:
-                if e.errno == errno.ENOSPC:
-                    raise RamBudgetError(f"no room on {self.root} for {nbytes} bytes (tmpfs full)") from None
-                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                    raise
-            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if self._prefault else 0)
-            return mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            _unlink(path)
-            raise
-        finally:
-            os.close(fd)
 
     def seal(self, step: int, seg: Segment, index: Mapping[str, ChunkLocation], *, verify: bool = False) -> None:
         """Make ``seg``'s chunks visible under ``step``. The segment's buffer stays the replica.
@@ -389,19 +274,12 @@ class RamTier:
             self._check_open()
             d = self.root / f"step-{step}"
             d.mkdir(exist_ok=True, mode=0o700)
-            name = f"{uuid.uuid4().hex}{_DATA_SUFFIX}"
-            data_path, index_path = d / name, d / (name[: -len(_DATA_SUFFIX)] + _INDEX_SUFFIX)
+            name = new_name()
+            data_path, index_path = d / name, d / (name[: -len(DATA_SUFFIX)] + INDEX_SUFFIX)
             os.rename(seg._path, data_path)
-            doc = {
-                "version": _INDEX_VERSION,
-                "step": step,
-                "data": name,
-                "nbytes": seg.nbytes,
-                "chunks": [[cid, loc.offset, loc.length, loc.raw_crc32c] for cid, loc in index.items()],
-            }
-            _atomic_write(index_path, json.dumps(doc, separators=(",", ":")).encode())
-            sealed = _Sealed(data_path, index_path, seg.nbytes, seg._mm)
-            st = self._steps.setdefault(step, _Step())
+            atomic_write(index_path, index_document(step, name, seg.nbytes, dict(index)))
+            sealed = Sealed(data_path, index_path, seg.nbytes, seg._mm)
+            st = self._steps.setdefault(step, StepState())
             st.segments[name] = sealed
             st.chunks.update({cid: (sealed, loc) for cid, loc in index.items()})
             self._reserved -= seg.nbytes
@@ -419,7 +297,7 @@ class RamTier:
         with contextlib.suppress(BufferError):
             if mm is not None:
                 mm.close()
-        _unlink(seg._path)
+        unlink(seg._path)
 
     def put_chunk(self, step: int, chunk_id: str, data: memoryview | bytes | np.ndarray, raw_crc32c: int) -> bool:
         """Store one chunk (e.g. pushed by a peer) after verifying its crc32c; atomic.
@@ -459,8 +337,8 @@ class RamTier:
             self._make_room(len(data) - old, for_step=step)
             d = self.root / f"step-{step}"
             d.mkdir(exist_ok=True, mode=0o700)
-            _atomic_write(d / _MANIFEST, data)
-            self._steps.setdefault(step, _Step()).manifest_bytes = len(data)
+            atomic_write(d / MANIFEST, data)
+            self._steps.setdefault(step, StepState()).manifest_bytes = len(data)
             self._apply_retention()
 
     def drop_step(self, step: int) -> None:
@@ -477,19 +355,33 @@ class RamTier:
             if st is None:
                 return
             for seg in st.segments.values():
-                _unlink(seg.index_path)
-            _unlink(self.root / f"step-{step}" / _MANIFEST)
+                unlink(seg.index_path)
+            unlink(self.root / f"step-{step}" / MANIFEST)
             for seg in st.segments.values():
                 unmapped = seg.unmap(dropped=True)
                 if unmapped and recycle and seg.nbytes >= _MIN_RECYCLE_BYTES and len(self._spares) < _MAX_SPARES:
-                    spare = self.root / "spare" / f"{uuid.uuid4().hex}{_DATA_SUFFIX}"
+                    spare = self.root / "spare" / new_name()
                     os.rename(seg.path, spare)
                     self._spares[spare] = seg.nbytes
                 else:
-                    _unlink(seg.path)
+                    unlink(seg.path)
             shutil.rmtree(self.root / f"step-{step}", ignore_errors=True)
 
     # ------------------------------------------------------------------ reading
+
+    def read_chunk(self, step: int, chunk_id: str) -> tuple[memoryview, ChunkLocation] | None:
+        """A read-only, zero-copy view of a sealed chunk and its location, or None (atomic pair).
+
+        The view stays valid (and its bytes unchanged) even if the step is dropped meanwhile.
+        """
+        with self._lock:
+            st = self._steps.get(step)
+            hit = st.chunks.get(chunk_id) if st else None
+        if hit is None:
+            return None
+        seg, loc = hit
+        view = seg.slice(loc.offset, loc.length, self._prefault)
+        return None if view is None else (view, loc)  # None: dropped meanwhile
 
     def get_chunk(self, step: int, chunk_id: str, *, verify: bool = False) -> memoryview | None:
         """A read-only, zero-copy view of a sealed chunk, or None if this tier lacks it.
@@ -499,15 +391,10 @@ class RamTier:
         Raises:
             ChecksumMismatchError: ``verify`` and the bytes do not match the stored crc32c.
         """
-        with self._lock:
-            st = self._steps.get(step)
-            hit = st.chunks.get(chunk_id) if st else None
+        hit = self.read_chunk(step, chunk_id)
         if hit is None:
             return None
-        seg, loc = hit
-        view = seg.slice(loc.offset, loc.length, self._prefault)
-        if view is None:  # dropped meanwhile
-            return None
+        view, loc = hit
         if verify and crc32c(view) != loc.raw_crc32c:
             raise ChecksumMismatchError(f"RAM copy of chunk {chunk_id!r} of step {step} is corrupt")
         return view
@@ -558,7 +445,7 @@ class RamTier:
             if st is None or st.manifest_bytes is None:
                 return None
             try:
-                return (self.root / f"step-{step}" / _MANIFEST).read_bytes()
+                return (self.root / f"step-{step}" / MANIFEST).read_bytes()
             except FileNotFoundError:
                 return None
 
@@ -606,36 +493,9 @@ class RamTier:
         for p in spares:
             if self._used() + extra <= self.budget_bytes:
                 return
-            _unlink(p)
+            unlink(p)
             del self._spares[p]
         for s in older:
             if self._used() + extra <= self.budget_bytes:
                 return
             self._drop(s, recycle=False)  # freed for room: not kept as a spare
-
-
-def _parse_step_dir(name: str) -> int | None:
-    if not name.startswith("step-"):
-        return None
-    digits = name[5:]
-    return int(digits) if digits.isdigit() and digits == str(int(digits)) else None
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-    finally:
-        os.close(fd)
-    os.rename(tmp, path)
-
-
-def _unlink(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        if path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink()

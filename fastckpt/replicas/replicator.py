@@ -4,8 +4,9 @@ Call sequence: ``r = Replicator(tier, targets=...)`` → after each ``tier.seal(
 ``r.submit(step)`` (returns at once) → optionally ``r.submit(step, manifest=...)`` or
 ``handle.wait()`` → ``r.wait()`` before exiting → ``r.close()``.
 
-Chunks leave straight from the tier's mmap (zero-copy). Per target, chunks go one after
-another over one pooled connection; up to ``concurrency`` targets are served at once, and
+Chunks leave straight from the tier's mmap (zero-copy). A target that can list chunks
+(``PeerClient``) is asked once per step, and only chunks it lacks are sent. Per target,
+chunks go one after another over one pooled connection; up to ``concurrency`` targets are served at once, and
 ``max_inflight_bytes`` bounds the bytes being sent at any moment. A failing target stops
 receiving this step (its error is recorded in the report) without affecting the others;
 submitting a newer step cancels the pushes of older ones (they are superseded). Nothing
@@ -20,7 +21,7 @@ import queue
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from fastckpt.errors import ConfigError, PeerError
 from fastckpt.replicas.ram import RamTier
@@ -42,6 +43,11 @@ class ChunkPusher(Protocol):
     def push_chunk(self, step: int, chunk_id: str, data: memoryview, *, raw_crc32c: int | None = None) -> bool: ...
 
     def put_manifest(self, step: int, data: bytes | memoryview) -> None: ...
+
+
+@runtime_checkable
+class _Lister(Protocol):
+    def list_chunks(self, step: int) -> list[str]: ...
 
 
 class ReplicationError(PeerError):
@@ -275,13 +281,19 @@ class Replicator:
 
     def _push_all(self, handle: ReplicationHandle, target: ChunkPusher) -> None:
         step = handle.step
+        present: set[str] = set()
+        if isinstance(target, _Lister) and handle._chunk_ids:
+            present = set(target.list_chunks(step))  # e.g. a re-submit: skip what arrived already
         for cid in handle._chunk_ids:
             if handle._cancelled:
                 return
-            loc = self._tier.chunk_location(step, cid)
-            view = self._tier.get_chunk(step, cid) if loc is not None else None
-            if loc is None or view is None:
+            if cid in present:
+                handle._record(present=1)
+                continue
+            hit = self._tier.read_chunk(step, cid)
+            if hit is None:
                 raise ConfigError(f"chunk {cid!r} of step {step} is not (or no longer) in the RAM tier")
+            view, loc = hit
             n = view.nbytes
             self._acquire(n)
             try:

@@ -32,7 +32,7 @@ import struct
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
-from fastckpt.errors import PeerUnavailableError, ProtocolError
+from fastckpt.errors import ConfigError, PeerUnavailableError, ProtocolError
 
 __all__ = [
     "AUTH_LIMITS",
@@ -48,6 +48,7 @@ __all__ = [
     "MsgType",
     "WireLimits",
     "auth_mac",
+    "check_chunk_id",
     "decode_frame",
     "decode_header",
     "decode_json_list",
@@ -64,7 +65,7 @@ VERSION = 1
 #: magic, version, type, flags, header_len, payload_len.
 PREFIX = struct.Struct(">4sBBHIQ")
 NONCE_BYTES = 32
-MAX_CHUNK_ID_CHARS = 4096
+MAX_CHUNK_ID_CHARS = 16384
 MAX_MESSAGE_CHARS = 4096
 _U63 = (1 << 63) - 1
 _SEND_PIECE = 64 << 20  # a payload is sent in pieces so the socket timeout bounds a stall
@@ -175,6 +176,13 @@ def auth_mac(secret: bytes, role: Literal["server", "client"], client_nonce: byt
     """
     msg = _AUTH_DOMAIN + role.encode() + b"\x00" + client_nonce + server_nonce
     return hmac.new(secret, msg, hashlib.sha256).digest()
+
+
+def check_chunk_id(chunk_id: str) -> str:
+    """Return ``chunk_id`` if the protocol can carry it, else raise ``ConfigError`` (a caller bug)."""
+    if not _check_value("str", chunk_id):
+        raise ConfigError(f"chunk id must be a non-empty str of <= {MAX_CHUNK_ID_CHARS} chars without NUL")
+    return chunk_id
 
 
 def encode_frame(msg_type: MsgType, header: Mapping[str, Any], payload_len: int = 0) -> bytes:

@@ -135,14 +135,14 @@ def _translate(exc: BaseException, what: str) -> NoReturn:
 
     if isinstance(exc, gexc.GoogleAPICallError) and exc.code is not None:
         raise _status_error(int(exc.code), what, str(exc.message)) from exc
-    if isinstance(exc, aexc.RefreshError):
-        raise PermissionDeniedError(f"{what}: credentials refresh failed: {exc}") from exc
     if isinstance(exc, aexc.TransportError | requests.ConnectionError | requests.Timeout):
         raise TransientStorageError(f"{what}: {type(exc).__name__}: {exc}") from exc
     if isinstance(exc, requests.exceptions.ChunkedEncodingError | urllib3.exceptions.HTTPError):
         raise TransientStorageError(f"{what}: {type(exc).__name__}: {exc}") from exc
     if isinstance(exc, http.client.HTTPException | ConnectionError | TimeoutError):
         raise TransientStorageError(f"{what}: {type(exc).__name__}: {exc}") from exc
+    if isinstance(exc, aexc.GoogleAuthError):  # refresh failed, anonymous asked to refresh, ...
+        raise PermissionDeniedError(f"{what}: authentication failed: {type(exc).__name__}: {exc}") from exc
     if isinstance(exc, requests.RequestException | OSError):
         raise StorageError(f"{what}: {type(exc).__name__}: {exc}") from exc
     raise exc
@@ -277,6 +277,7 @@ class GcsStore(Store):
             resp = session.get(self._media_url(name), headers=headers, stream=True, timeout=self._timeout)
         except Exception as exc:
             _translate(exc, what)
+        complete = False
         try:
             if resp.status_code == 416 and byte_range is not None:
                 size = self._head_sync(name, key).size
@@ -288,6 +289,7 @@ class GcsStore(Store):
             if encoding != "identity":
                 raise StorageError(f"{what}: unexpected Content-Encoding {encoding!r}")
             body = self._read_body(resp, what)
+            complete = True
             if byte_range is not None and resp.status_code == 200:
                 # The server ignored the Range header; cut the range out ourselves.
                 start, stop = clip_range(len(body), byte_range, key)
@@ -296,7 +298,10 @@ class GcsStore(Store):
         except Exception as exc:
             _translate(exc, what)
         finally:
-            resp.close()
+            if complete:
+                resp.raw.release_conn()  # body fully read: keep the connection alive
+            else:
+                resp.close()  # unread body: drop the connection
 
     @staticmethod
     def _read_body(resp: requests.Response, what: str) -> memoryview | bytes:

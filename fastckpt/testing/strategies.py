@@ -6,7 +6,6 @@ Everything here is plain data: no jax, no devices, no I/O.
 
 from __future__ import annotations
 
-import math
 import string
 from typing import Any
 
@@ -98,6 +97,9 @@ def object_keys() -> st.SearchStrategy[str]:
     return st.lists(_SEGMENT, min_size=1, max_size=4).map("/".join)
 
 
+_OBJECT_KEYS = object_keys()
+
+
 def key_paths(*, max_depth: int = 4) -> st.SearchStrategy[KeyPath]:
     """Manifest key paths."""
     entry = st.one_of(
@@ -147,6 +149,12 @@ def sharding_specs(draw: st.DrawFn, rank: int) -> ShardingSpec | None:
 
 
 _U32 = st.integers(0, 2**32 - 1)
+_CODECS = st.sampled_from(["raw", "zstd"])
+_OFFSETS = st.integers(0, 2**40)
+_KINDS = st.sampled_from(["jax", "numpy", "prng_key"])
+_KEY_IMPLS = st.sampled_from(["threefry2x32", "rbg"])
+_DTYPES = st.sampled_from(DTYPE_NAMES)
+_SHAPES = shapes(max_rank=3, max_side=6)
 
 
 @st.composite
@@ -154,14 +162,14 @@ def _chunk_entries(draw: st.DrawFn, shape: tuple[int, ...], itemsize: int) -> tu
     out = []
     for box in draw(tilings(shape, max_pieces=6)):
         raw_length = box_volume(box) * itemsize
-        codec = draw(st.sampled_from(["raw", "zstd"]))
+        codec = draw(_CODECS)
         length = raw_length if codec == "raw" else draw(st.integers(0, raw_length + 64))
         crc = draw(_U32)
         out.append(
             ChunkEntry(
                 box=box,
-                key=draw(object_keys()),
-                offset=draw(st.integers(0, 2**40)),
+                key=draw(_OBJECT_KEYS),
+                offset=draw(_OFFSETS),
                 length=length,
                 raw_length=raw_length,
                 codec=codec,
@@ -174,10 +182,10 @@ def _chunk_entries(draw: st.DrawFn, shape: tuple[int, ...], itemsize: int) -> tu
 
 @st.composite
 def _array_leaf(draw: st.DrawFn, path: KeyPath) -> ArrayLeaf:
-    shape = draw(shapes(max_rank=3, max_side=6))
-    dtype = draw(st.sampled_from(DTYPE_NAMES))
-    kind = draw(st.sampled_from(["jax", "numpy", "prng_key"]))
-    key_impl = draw(st.sampled_from(["threefry2x32", "rbg"])) if kind == "prng_key" else None
+    shape = draw(_SHAPES)
+    dtype = draw(_DTYPES)
+    kind = draw(_KINDS)
+    key_impl = draw(_KEY_IMPLS) if kind == "prng_key" else None
     chunks = draw(_chunk_entries(shape, _BY_NAME[dtype].itemsize))
     sharding = None if kind == "numpy" else draw(sharding_specs(len(shape)))
     return ArrayLeaf(path=path, shape=shape, dtype=dtype, chunks=chunks, kind=kind, sharding=sharding, key_impl=key_impl)
@@ -186,38 +194,43 @@ def _array_leaf(draw: st.DrawFn, path: KeyPath) -> ArrayLeaf:
 _FLOATS = st.floats(allow_nan=True, allow_infinity=True)
 
 
+_VTYPES = st.sampled_from(["none", "bool", "int", "float", "complex", "str"])
+_VALUES: dict[str, st.SearchStrategy[Any]] = {
+    "none": st.none(),
+    "bool": st.booleans(),
+    "int": st.integers(-(2**80), 2**80),
+    "float": _FLOATS,
+    "complex": st.tuples(_FLOATS, _FLOATS),
+    "str": st.text(max_size=12),
+}
+
+
 @st.composite
 def _value_leaf(draw: st.DrawFn, path: KeyPath) -> ValueLeaf:
-    vtype = draw(st.sampled_from(["none", "bool", "int", "float", "complex", "str"]))
-    value: Any = {
-        "none": st.none(),
-        "bool": st.booleans(),
-        "int": st.integers(-(2**80), 2**80),
-        "float": _FLOATS,
-        "complex": st.tuples(_FLOATS, _FLOATS),
-        "str": st.text(max_size=12),
-    }[vtype]
-    return ValueLeaf(path=path, vtype=vtype, value=draw(value))
+    vtype = draw(_VTYPES)
+    return ValueLeaf(path=path, vtype=vtype, value=draw(_VALUES[vtype]))  # type: ignore[arg-type]
+
+
+_PATH_LISTS = st.lists(key_paths(), max_size=8, unique=True)
+_METADATA = st.dictionaries(st.text(max_size=6), json_values(), max_size=4)
+_STEPS = st.integers(0, 2**62)
+_NPROC = st.integers(1, 4096)
+_CREATED = st.floats(0, 2e9)
+_WRITER = st.text(max_size=8)
 
 
 @st.composite
 def manifests(draw: st.DrawFn, *, max_leaves: int = 5) -> Manifest:
     """Valid manifests: unique paths, exact chunk tilings, any dtype, sharding and metadata."""
-    paths = draw(st.lists(key_paths(), max_size=max_leaves, unique=True))
+    paths = draw(_PATH_LISTS)[:max_leaves]
     leaves: list[Leaf] = []
     for p in paths:
-        leaves.append(draw(st.one_of(_array_leaf(p), _value_leaf(p))))
-    metadata = draw(st.dictionaries(st.text(max_size=6), json_values(), max_size=4))
+        leaves.append(draw(_array_leaf(p)) if draw(st.booleans()) else draw(_value_leaf(p)))
     return Manifest(
-        step=draw(st.integers(0, 2**62)),
+        step=draw(_STEPS),
         leaves=tuple(leaves),
-        num_processes=draw(st.integers(1, 4096)),
-        created_unix=draw(st.floats(0, 2e9)),
-        writer_version=draw(st.text(max_size=8)),
-        metadata=metadata,
+        num_processes=draw(_NPROC),
+        created_unix=draw(_CREATED),
+        writer_version=draw(_WRITER),
+        metadata=draw(_METADATA),
     )
-
-
-def volume(shape: tuple[int, ...]) -> int:
-    """Number of elements of ``shape``."""
-    return math.prod(shape)

@@ -124,7 +124,7 @@ def _plan_array(leaf: FlatLeaf, *, process_index: int, max_chunk_bytes: int) -> 
             raise ConfigError(f"{where}: {e}") from e
         shards = [ShardInfo(full_box(arr.shape), 0 if process_index == 0 else 1, 0)]
         items = plan_leaf_writes(shards, itemsize=arr.dtype.itemsize, max_chunk_bytes=max_chunk_bytes)
-        return _Pending(leaf.path, arr.shape, name, "numpy", None, None, items, {0: arr})
+        return _Pending(leaf.path, arr.shape, name, "numpy", None, None, items, {0: arr} if items else {})
     if not isinstance(x, jax.Array):
         raise ConfigError(f"{where}: unsupported leaf type {type(x).__name__}")
     kind, key_impl = "jax", None

@@ -41,7 +41,7 @@ def norm(x: Any) -> Any:
     return (type(x).__name__, x)
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(manifests())
 def test_round_trip_is_exact(m: Manifest) -> None:
     data = encode_manifest(m)
@@ -292,7 +292,7 @@ def test_fuzz_bytes(data: st.DataObject) -> None:
     _check_decode(bytes(raw))
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(manifests(max_leaves=3), st.data())
 def test_fuzz_random_manifest_mutations(m: Manifest, data: st.DataObject) -> None:
     doc = json.loads(encode_manifest(m))

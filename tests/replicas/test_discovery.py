@@ -50,7 +50,11 @@ def test_store_directory_newest_record_wins() -> None:
 
 def test_callback_directory_skips_garbage_and_keeps_newest() -> None:
     rows: dict[str, str] = {}
-    d = CallbackDirectory(rows.__setitem__, lambda: [*rows.values(), "garbage"], rows.pop)
+
+    def delete(member_id: str) -> None:
+        rows.pop(member_id, None)
+
+    d = CallbackDirectory(rows.__setitem__, lambda: [*rows.values(), "garbage"], delete)
     old = PeerRecord(member_id="m", host="h", port=1, incarnation="a", published_unix=1.0)
     new = PeerRecord(member_id="m", host="h", port=2, incarnation="b", published_unix=2.0)
     d.publish(new)

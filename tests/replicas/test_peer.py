@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastckpt._checksum import crc32c
-from fastckpt.errors import AuthenticationError, ChecksumMismatchError, PeerUnavailableError
+from fastckpt.errors import AuthenticationError, ChecksumMismatchError, ConfigError, PeerUnavailableError
 from fastckpt.replicas import PeerClient, PeerOptions, PeerRequestError, PeerServer, RamTier, wire
 from fastckpt.replicas.wire import MsgType
 
@@ -59,13 +59,17 @@ def test_get_list_manifest_steps_bit_exact(served) -> None:  # type: ignore[no-u
         for cid, a in data.items():
             assert bytes(c.get_chunk(1, cid, expected_crc32c=crc32c(a))) == a.tobytes()  # type: ignore[arg-type]
             into = np.full(a.nbytes, 0xEE, np.uint8)
-            view = c.get_chunk(1, cid, into=memoryview(into))
+            view = c.get_chunk(1, cid, into=into.data)
             assert view is not None and into.tobytes() == a.tobytes()
         assert c.get_chunk(1, "missing") is None and c.get_chunk(2, "a") is None
         assert c.list_chunks(1) == sorted(data) and c.list_chunks(9) == []
         assert c.get_manifest(1) == b'{"manifest": 1}' and c.get_manifest(2) is None
         assert c.steps() == [1]
         assert c.handshakes == 1  # one pooled connection served every call
+        with pytest.raises(ConfigError):  # a caller bug, not a peer failure
+            c.get_chunk(1, "")
+        with pytest.raises(ConfigError):
+            c.push_chunk(1, "a\x00b", b"x")
 
 
 def test_push_chunk_and_manifest(served) -> None:  # type: ignore[no-untyped-def]
@@ -73,7 +77,7 @@ def test_push_chunk_and_manifest(served) -> None:  # type: ignore[no-untyped-def
     a = fill(2, {"x": (1 << 20) + 3})["x"]
     with PeerClient(server.address, secret=SECRET, options=FAST) as c:
         assert c.push_chunk(2, "x", a) is True
-        assert c.push_chunk(2, "x", memoryview(a), raw_crc32c=crc32c(a)) is False  # already there
+        assert c.push_chunk(2, "x", a.data, raw_crc32c=crc32c(a)) is False  # already there
         with pytest.raises(ChecksumMismatchError):
             c.push_chunk(2, "y", a, raw_crc32c=crc32c(a) ^ 1)
         c.put_manifest(2, b"m2")

@@ -21,7 +21,7 @@ def hosts_and_slots(draw: st.DrawFn) -> list[str]:
     return [f"h{h}/{s}" for h in range(n_hosts) for s in range(slots[h])]
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(member_ids, st.integers(0, 5), st.randoms(use_true_random=False))
 def test_successors_are_distinct_others_and_order_independent(members: list[str], k: int, rnd) -> None:  # type: ignore[no-untyped-def]
     targets = push_targets(members, k)
@@ -35,7 +35,7 @@ def test_successors_are_distinct_others_and_order_independent(members: list[str]
         assert ring_successors(members, m, k) == t
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(member_ids, st.integers(1, 4))
 def test_plain_ring_is_sorted_successors_and_balanced(members: list[str], k: int) -> None:
     ring = sorted(members)
@@ -47,7 +47,7 @@ def test_plain_ring_is_sorted_successors_and_balanced(members: list[str], k: int
         assert received[m] == min(k, len(ring) - 1)  # everyone holds the same number of replicas
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(hosts_and_slots(), st.integers(1, 4))
 def test_domains_prefer_other_hosts(members: list[str], k: int) -> None:
     domains = {host_domain(m) for m in members}
@@ -62,7 +62,7 @@ def test_domains_prefer_other_hosts(members: list[str], k: int) -> None:
         assert targets[: len(foreign)] == foreign  # off-host targets come first
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(st.integers(2, 6), st.integers(1, 4), st.data())
 def test_equal_hosts_are_balanced(n_hosts: int, slots: int, data: st.DataObject) -> None:
     k = data.draw(st.integers(1, n_hosts - 1))

@@ -196,7 +196,7 @@ def test_put_chunk_verifies_and_dedupes(make_tier: MakeTier) -> None:
     with pytest.raises(ChecksumMismatchError):
         tier.put_chunk(1, "a", a, crc32c(a) ^ 1)
     assert tier.steps() == []
-    assert tier.put_chunk(1, "a", memoryview(a), crc32c(a)) is True
+    assert tier.put_chunk(1, "a", a.data, crc32c(a)) is True
     assert tier.put_chunk(1, "a", a.tobytes(), crc32c(a)) is False
     assert bytes(tier.get_chunk(1, "a")) == a.tobytes()  # type: ignore[arg-type]
 
@@ -226,3 +226,51 @@ def test_bad_arguments(make_tier: MakeTier, shm_dir: Path) -> None:
     tier.close()
     with pytest.raises(ConfigError):
         tier.allocate(1, 10)
+
+
+def test_concurrent_reads_while_steps_are_replaced(make_tier: MakeTier) -> None:
+    import threading
+
+    tier = make_tier(budget_bytes=64 << 20)
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def reader() -> None:
+        try:
+            while not stop.is_set():
+                for step in tier.steps():
+                    view = tier.get_chunk(step, "a")
+                    if view is not None:
+                        assert bytes(view[:1]) == bytes([step % 256])  # never another step's bytes
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=reader) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for step in range(1, 40):
+        with tier.allocate(step, 2 << 20) as seg:
+            seg.buffer[:] = step % 256
+            tier.seal(step, seg, {"a": ChunkLocation(0, 2 << 20, crc32c(seg.buffer))})
+        tier.put_manifest(step, b"m")
+    stop.set()
+    for t in threads:
+        t.join()
+    assert not errors and tier.steps() == [39]
+
+
+def test_full_tmpfs_fails_cleanly(make_tier: MakeTier, shm_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+    import os
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    tier = make_tier()
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(RamBudgetError, match="tmpfs full"):
+        tier.allocate(1, 1 << 20)  # fails here, not with SIGBUS during the copy
+    monkeypatch.undo()
+    assert tier.nbytes() == 0 and list((shm_dir / "t0" / "tmp").iterdir()) == []
+    seal_chunks(tier, 1, fill(1, {"a": 10}))
+    assert tier.steps() == [1]

@@ -127,14 +127,14 @@ def _decode_only_protocol_errors(data: bytes) -> None:
 valid_frames = st.sampled_from([frame(t, h, p) for t, h, p in VALID])
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.binary(max_size=200))
 def test_fuzz_random_bytes(data: bytes) -> None:
     _decode_only_protocol_errors(data)
     _decode_only_protocol_errors(b"FCKP\x01" + data)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(valid_frames, st.data())
 def test_fuzz_truncated_and_mutated(data: bytes, draw: st.DataObject) -> None:
     cut = draw.draw(st.integers(0, len(data) - 1))

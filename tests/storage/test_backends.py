@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import gc
 import os
 import socket
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from fastckpt.errors import (
+    AlreadyExistsError,
     ConfigError,
     NotFoundError,
     PermissionDeniedError,
@@ -28,7 +30,7 @@ from fastckpt.storage import (
     open_store,
 )
 from fastckpt.storage._checksum import crc32c
-from fastckpt.storage._local import TEMP_SUFFIX
+from fastckpt.storage._local import TEMP_SUFFIX, _translate
 from fastckpt.testing.gcs_emulator import EmulatorError, GcsEmulator
 from fastckpt.testing.store_tests import run
 
@@ -93,17 +95,21 @@ def test_local_key_and_prefix_conflict(tmp_path: Path) -> None:
     assert run(store.list()) == ["a/b"]
 
 
-def test_local_permission_denied(tmp_path: Path) -> None:
-    if os.geteuid() == 0:
-        pytest.skip("root ignores file permissions")
-    store = LocalStore(tmp_path)
-    run(store.put("locked/k", b"1"))
-    (tmp_path / "locked").chmod(0o500)
-    try:
-        with pytest.raises(PermissionDeniedError):
-            run(store.put("locked/k2", b"2"))
-    finally:
-        (tmp_path / "locked").chmod(0o700)
+@pytest.mark.parametrize(
+    ("error", "expected"),
+    [
+        (FileNotFoundError(errno.ENOENT, "x"), NotFoundError),
+        (IsADirectoryError(errno.EISDIR, "x"), NotFoundError),
+        (FileExistsError(errno.EEXIST, "x"), AlreadyExistsError),
+        (PermissionError(errno.EACCES, "x"), PermissionDeniedError),
+        (OSError(errno.ESTALE, "x"), TransientStorageError),
+        (OSError(errno.ENOSPC, "x"), StorageError),
+    ],
+)
+def test_local_os_error_translation(error: OSError, expected: type[Exception]) -> None:
+    with pytest.raises(expected) as info:
+        _translate(error, "op")
+    assert info.value.__cause__ is error
 
 
 def test_local_large_ranged_read_is_exact(tmp_path: Path) -> None:
@@ -240,3 +246,21 @@ def test_emulator_filesystem_backend_round_trip(tmp_path: Path) -> None:
         run(store.close())
     with pytest.raises(EmulatorError):
         _ = emu.endpoint  # stopped
+
+
+def test_gcs_reuses_connections(gcs_store: GcsStore, caplog: pytest.LogCaptureFixture) -> None:
+    """Gets read the whole body and hand the connection back (no reconnect per request)."""
+    data = os.urandom(300_000)
+    run(gcs_store.put("k", data))
+
+    async def sequential() -> None:
+        for i in range(6):
+            assert bytes(await gcs_store.get("k", byte_range=ByteRange(i, 1000))) == data[i : i + 1000]
+            assert bytes(await gcs_store.get("k")) == data
+            await gcs_store.put(f"k{i}", data)
+
+    run(gcs_store.get("k"))  # warm one connection
+    with caplog.at_level("DEBUG", logger="urllib3.connectionpool"):
+        run(sequential())
+    new = [r for r in caplog.records if "Starting new" in r.getMessage()]
+    assert len(new) <= 1, [r.getMessage() for r in new]

@@ -1,0 +1,209 @@
+"""Files and mappings behind :class:`~fastckpt.replicas.ram.RamTier` (internal).
+
+Naming, index parsing, atomic writes and the mmap life cycle of sealed segments. Nothing
+here takes the tier's lock (callers do); a sealed segment guards its mapping with its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import json
+import mmap
+import os
+import shutil
+import threading
+import uuid
+from pathlib import Path
+
+from fastckpt.errors import ConfigError
+
+__all__ = ["ChunkLocation", "RamBudgetError", "create_segment_file", "load_index"]
+
+INDEX_SUFFIX = ".index.json"
+DATA_SUFFIX = ".data"
+MANIFEST = "manifest.json"
+INDEX_VERSION = 1
+
+
+class RamBudgetError(ConfigError):
+    """A RAM-tier allocation cannot fit in ``budget_bytes`` (or tmpfs is full)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChunkLocation:
+    """Where one chunk lies in a segment."""
+
+    offset: int
+    """Byte offset of the chunk in the segment."""
+    length: int
+    """Raw length of the chunk in bytes."""
+    raw_crc32c: int
+    """crc32c of the chunk's raw bytes (``ChunkEntry.raw_crc32c``)."""
+
+
+class Sealed:
+    """A sealed segment file and its lazily created read mapping."""
+
+    __slots__ = ("dropped", "index_path", "lock", "mm", "nbytes", "path", "view")
+
+    def __init__(self, path: Path, index_path: Path, nbytes: int, mm: mmap.mmap | None = None) -> None:
+        self.path = path
+        self.index_path = index_path
+        self.nbytes = nbytes
+        self.mm = mm
+        self.view: memoryview | None = memoryview(mm).toreadonly() if mm is not None else None
+        self.dropped = False
+        self.lock = threading.Lock()
+
+    def slice(self, offset: int, length: int, prefault: bool) -> memoryview | None:
+        """A read-only view of ``[offset, offset + length)``; None once the segment is dropped."""
+        with self.lock:
+            if self.dropped:
+                return None
+            if self.view is None:
+                if self.nbytes == 0:
+                    self.view = memoryview(b"")
+                else:
+                    flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if prefault else 0)
+                    fd = os.open(self.path, os.O_RDONLY)
+                    try:
+                        self.mm = mmap.mmap(fd, self.nbytes, flags=flags, prot=mmap.PROT_READ)
+                    finally:
+                        os.close(fd)
+                    self.view = memoryview(self.mm)
+            return self.view[offset : offset + length]
+
+    def unmap(self, *, dropped: bool) -> bool:
+        """Release the mapping; False if views handed out are still alive (they keep it)."""
+        with self.lock:
+            self.dropped = self.dropped or dropped
+            if self.view is not None:
+                try:
+                    self.view.release()
+                except BufferError:  # someone exported our base view itself: keep everything
+                    return False
+                self.view = None
+            mm, self.mm = self.mm, None
+            if mm is None:
+                return True
+            try:
+                mm.close()
+            except BufferError:
+                return False  # exported views keep the mapping alive until collected
+            return True
+
+
+@dataclasses.dataclass
+class StepState:
+    """What a tier holds for one step: sealed segments, chunk index, manifest size."""
+
+    segments: dict[str, Sealed] = dataclasses.field(default_factory=dict)
+    chunks: dict[str, tuple[Sealed, ChunkLocation]] = dataclasses.field(default_factory=dict)
+    manifest_bytes: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held for the step (segments + manifest)."""
+        return sum(s.nbytes for s in self.segments.values()) + (self.manifest_bytes or 0)
+
+
+def create_segment_file(path: Path, nbytes: int, *, spare: Path | None, prefault: bool) -> mmap.mmap | None:
+    """Create (or take over ``spare``) ``path`` of ``nbytes``, reserve its pages, map it writable.
+
+    Raises:
+        RamBudgetError: tmpfs has no room for ``nbytes``.
+    """
+    if spare is not None:
+        os.rename(spare, path)
+        fd = os.open(path, os.O_RDWR)
+    else:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)  # shrinks a larger spare (frees its tail)
+        if nbytes == 0:
+            return None
+        try:  # reserve the pages now: a full tmpfs fails here, not with SIGBUS on write
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise RamBudgetError(f"no room on {path.parent.parent} for {nbytes} bytes (tmpfs full)") from None
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if prefault else 0)
+        return mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        unlink(path)
+        raise
+    finally:
+        os.close(fd)
+
+
+def load_index(st: StepState, index_path: Path) -> None:
+    """Add a sealed segment's index to ``st``; delete an index that is unreadable or whose
+    data file is missing or of the wrong size (the segment was never validly sealed)."""
+    try:
+        doc = json.loads(index_path.read_text())
+        data_name = doc["data"]
+        nbytes = doc["nbytes"]
+        if doc.get("version") != INDEX_VERSION or "/" in data_name or not data_name.endswith(DATA_SUFFIX):
+            raise ValueError("bad index")
+        data_path = index_path.parent / data_name
+        if data_path.stat().st_size != nbytes:
+            raise ValueError("size mismatch")
+        sealed = Sealed(data_path, index_path, nbytes)
+        locs = {}
+        for cid, off, length, crc in doc["chunks"]:
+            if not (isinstance(cid, str) and 0 <= off and 0 <= length and off + length <= nbytes):
+                raise ValueError("bad chunk location")
+            locs[cid] = (sealed, ChunkLocation(off, length, crc))
+    except (OSError, ValueError, KeyError, TypeError):
+        unlink(index_path)
+        return
+    st.segments[data_name] = sealed
+    st.chunks.update(locs)
+
+
+def index_document(step: int, data_name: str, nbytes: int, index: dict[str, ChunkLocation]) -> bytes:
+    """The JSON index of a segment."""
+    doc = {
+        "version": INDEX_VERSION,
+        "step": step,
+        "data": data_name,
+        "nbytes": nbytes,
+        "chunks": [[cid, loc.offset, loc.length, loc.raw_crc32c] for cid, loc in index.items()],
+    }
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def new_name() -> str:
+    """A fresh, collision-free data file name."""
+    return f"{uuid.uuid4().hex}{DATA_SUFFIX}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    if not name.startswith("step-"):
+        return None
+    digits = name[5:]
+    return int(digits) if digits.isdigit() and digits == str(int(digits)) else None
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
+    os.rename(tmp, path)
+
+
+def unlink(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink()

@@ -1,0 +1,303 @@
+"""The peer client: reads chunks from and pushes chunks to one :class:`~fastckpt.replicas.PeerServer`.
+
+Synchronous and thread-safe, with a pool of authenticated connections; payloads arrive with
+``recv_into`` straight into the caller's buffer and are checksummed window by window.
+"""
+
+from __future__ import annotations
+
+import hmac
+import socket
+import threading
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any, TypeVar
+
+import crc32c as _crc32c
+import numpy as np
+
+from fastckpt.errors import (
+    AuthenticationError,
+    ChecksumMismatchError,
+    PeerUnavailableError,
+    ProtocolError,
+)
+from fastckpt.replicas import wire
+from fastckpt.replicas._transport import PeerOptions, PeerRequestError, check_secret, drain, recv_into_crc, tune
+from fastckpt.replicas.wire import MsgType
+
+__all__ = ["PeerClient"]
+
+_T = TypeVar("_T")
+
+
+class _Conn:
+    __slots__ = ("replied", "sock")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.replied = False
+        """Whether the current request got any reply (then it must not be retried)."""
+
+
+class PeerClient:
+    """Synchronous, thread-safe client of one :class:`PeerServer`, with a connection pool.
+
+    Every call borrows an authenticated connection (or opens one: connect + handshake), so a
+    restore does not handshake per chunk; concurrent calls use separate connections. A call
+    whose reused connection turns out to be closed is retried once on a fresh one (every
+    request is idempotent).
+
+    Errors: unreachable/timeouts/disconnects → :class:`PeerUnavailableError`; handshake
+    refused → :class:`AuthenticationError`; malformed replies → :class:`ProtocolError`;
+    ERROR replies → :class:`PeerRequestError`. A connection that saw any error is discarded.
+
+    Args:
+        address: ``(host, port)`` of the server.
+        secret: Shared secret (>= 16 bytes).
+        options: Timeouts and limits.
+        name: Label used in messages and stats (default ``host:port``).
+    """
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        *,
+        secret: bytes,
+        options: PeerOptions | None = None,
+        name: str | None = None,
+    ) -> None:
+        self.address = (str(address[0]), int(address[1]))
+        self._secret = check_secret(secret)
+        self.options = options or PeerOptions()
+        self._limits = self.options.limits
+        self.name = name or f"{self.address[0]}:{self.address[1]}"
+        self._idle: list[_Conn] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self.handshakes = 0
+        """Connections opened (and authenticated) so far."""
+
+    def __repr__(self) -> str:
+        return f"PeerClient({self.name!r})"
+
+    # ---------------------------------------------------------------- public API
+
+    def get_chunk(
+        self,
+        step: int,
+        chunk_id: str,
+        *,
+        into: memoryview | np.ndarray | None = None,
+        expected_crc32c: int | None = None,
+    ) -> memoryview | None:
+        """Fetch a whole chunk, verified against the crc32c the peer reports (and ``expected_crc32c``).
+
+        Args:
+            step: Step number.
+            chunk_id: Chunk id (``format.manifest.chunk_id``).
+            into: Writable buffer the chunk is received into (no other copy); its size must be
+                the chunk's length. None: a new buffer is allocated.
+            expected_crc32c: The crc32c the caller knows (e.g. from the manifest).
+
+        Returns:
+            A view of the filled bytes, or None if the peer does not hold the chunk.
+
+        Raises:
+            ChecksumMismatchError: the bytes (or their length) do not match. ``into`` may
+                have been partly overwritten.
+        """
+        wire.check_chunk_id(chunk_id)
+
+        def op(c: _Conn) -> memoryview | None:
+            req = {"step": step, "chunk_id": chunk_id, "offset": 0, "length": None}
+            wire.send_frame(c.sock, MsgType.GET_CHUNK, req)
+            mtype, h, plen = self._reply(c, MsgType.CHUNK)
+            if mtype is MsgType.ERROR:
+                return None
+            if h["offset"] != 0 or plen != h["chunk_length"]:
+                raise ProtocolError(f"CHUNK reply covers {h['offset']}+{plen} of {h['chunk_length']}, asked for all")
+            buf = np.empty(plen, np.uint8) if into is None else into
+            dst = (buf.data if isinstance(buf, np.ndarray) else memoryview(buf)).cast("B")
+            if dst.nbytes != plen:
+                drain(c.sock, plen)
+                raise ChecksumMismatchError(
+                    f"peer {self.name} holds chunk {chunk_id!r} with {plen} bytes, expected {dst.nbytes}"
+                )
+            got = recv_into_crc(c.sock, dst)
+            if got != h["raw_crc32c"] or (expected_crc32c is not None and got != expected_crc32c):
+                raise ChecksumMismatchError(f"chunk {chunk_id!r} of step {step} from peer {self.name} is corrupt")
+            return dst
+
+        return self._call(op)
+
+    def push_chunk(
+        self, step: int, chunk_id: str, data: memoryview | bytes | np.ndarray, *, raw_crc32c: int | None = None
+    ) -> bool:
+        """Store a chunk in the peer's tier (sent straight from ``data``).
+
+        Returns:
+            True if stored; False if the peer already held an identical chunk.
+
+        Raises:
+            PeerRequestError: refused (``code``: ``stale_step``, ``budget``,
+                ``checksum_mismatch``, ``bad_request``).
+        """
+        view = data.reshape(-1).view(np.uint8).data if isinstance(data, np.ndarray) else memoryview(data).cast("B")
+        crc = _crc32c.crc32c(view) if raw_crc32c is None else raw_crc32c
+        wire.check_chunk_id(chunk_id)
+
+        def op(c: _Conn) -> bool:
+            wire.send_frame(c.sock, MsgType.PUT_CHUNK, {"step": step, "chunk_id": chunk_id, "raw_crc32c": crc}, [view])
+            _, h, _ = self._reply(c, MsgType.OK, missing_ok=False)
+            return bool(h["stored"])
+
+        return self._call(op)
+
+    def list_chunks(self, step: int) -> list[str]:
+        """Sorted ids of the chunks the peer holds for ``step``."""
+
+        def op(c: _Conn) -> list[str]:
+            wire.send_frame(c.sock, MsgType.LIST, {"step": step})
+            _, h, plen = self._reply(c, MsgType.CHUNK_LIST, missing_ok=False)
+            raw = bytearray(plen)
+            wire.recv_exact(c.sock, memoryview(raw))
+            return wire.decode_json_list(raw, count=h["count"])
+
+        return self._call(op)
+
+    def get_manifest(self, step: int) -> bytes | None:
+        """The manifest the peer holds for ``step``, or None."""
+
+        def op(c: _Conn) -> bytes | None:
+            wire.send_frame(c.sock, MsgType.GET_MANIFEST, {"step": step})
+            mtype, _, plen = self._reply(c, MsgType.MANIFEST)
+            if mtype is MsgType.ERROR:
+                return None
+            raw = bytearray(plen)
+            wire.recv_exact(c.sock, memoryview(raw))
+            return bytes(raw)
+
+        return self._call(op)
+
+    def put_manifest(self, step: int, data: bytes | memoryview) -> None:
+        """Store ``data`` as the manifest of ``step`` in the peer's tier."""
+
+        def op(c: _Conn) -> None:
+            wire.send_frame(c.sock, MsgType.PUT_MANIFEST, {"step": step}, [memoryview(data)])
+            self._reply(c, MsgType.OK, missing_ok=False)
+
+        self._call(op)
+
+    def steps(self) -> list[int]:
+        """Sorted steps the peer holds any data for."""
+
+        def op(c: _Conn) -> list[int]:
+            wire.send_frame(c.sock, MsgType.STEPS, {})
+            _, h, _ = self._reply(c, MsgType.STEP_LIST, missing_ok=False)
+            return sorted(h["steps"])
+
+        return self._call(op)
+
+    def close(self) -> None:
+        """Close pooled connections; later calls raise ``PeerUnavailableError``. Idempotent."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for c in idle:
+            c.sock.close()
+
+    def __enter__(self) -> PeerClient:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- internals
+
+    def _reply(self, c: _Conn, want: MsgType, *, missing_ok: bool = True) -> tuple[MsgType, dict[str, Any], int]:
+        try:  # wait for the reply to start: a stale pooled connection fails here, retryably
+            started = c.sock.recv(1, socket.MSG_PEEK)
+        except OSError as e:
+            raise PeerUnavailableError(f"peer {self.name} did not answer: {e!r}") from e
+        if not started:
+            raise PeerUnavailableError(f"peer {self.name} closed the connection")
+        c.replied = True
+        mtype, h, plen = wire.recv_frame_head(c.sock, self._limits, allowed=[want, MsgType.ERROR])
+        if mtype is MsgType.ERROR:
+            if h["code"] == "not_found" and missing_ok:
+                return mtype, h, plen
+            if h["code"] == "checksum_mismatch":
+                raise ChecksumMismatchError(f"peer {self.name}: {h['message']}")
+            raise PeerRequestError(h["code"], h["message"])
+        return mtype, h, plen
+
+    def _call(self, op: Callable[[_Conn], _T]) -> _T:
+        for attempt in (0, 1):
+            conn, reused = self._acquire()
+            try:
+                result = op(conn)
+            except PeerUnavailableError:
+                conn.sock.close()
+                if reused and attempt == 0 and not conn.replied:
+                    continue  # the pooled connection had gone stale (e.g. server idle timeout)
+                raise
+            except PeerRequestError:
+                self._release(conn)  # a well-formed refusal: the connection is still in sync
+                raise
+            except BaseException:
+                conn.sock.close()
+                raise
+            self._release(conn)
+            return result
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _acquire(self) -> tuple[_Conn, bool]:
+        with self._lock:
+            if self._closed:
+                raise PeerUnavailableError(f"client for {self.name} is closed")
+            if self._idle:
+                conn = self._idle.pop()
+                conn.replied = False
+                return conn, True
+        return self._connect(), False
+
+    def _release(self, conn: _Conn) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle) < self.options.pool_size:
+                self._idle.append(conn)
+                return
+        conn.sock.close()
+
+    def _connect(self) -> _Conn:
+        o = self.options
+        try:
+            sock = socket.create_connection(self.address, timeout=o.connect_timeout_s)
+        except OSError as e:
+            raise PeerUnavailableError(f"cannot connect to peer {self.name}: {e}") from e
+        try:
+            tune(sock, o)
+            sock.settimeout(o.handshake_timeout_s)
+            client_nonce = wire.new_nonce()
+            wire.send_frame(sock, MsgType.HELLO, {"nonce": client_nonce.hex()})
+            mtype, h, _ = wire.recv_frame_head(sock, wire.AUTH_LIMITS, allowed=[MsgType.CHALLENGE, MsgType.ERROR])
+            if mtype is MsgType.ERROR:
+                raise PeerRequestError(h["code"], h["message"])
+            server_nonce = bytes.fromhex(h["nonce"])
+            expected = wire.auth_mac(self._secret, "server", client_nonce, server_nonce)
+            if not hmac.compare_digest(expected, bytes.fromhex(h["mac"])):
+                raise AuthenticationError(f"peer {self.name} failed to prove it knows our secret (secrets differ?)")
+            proof = wire.auth_mac(self._secret, "client", client_nonce, server_nonce)
+            wire.send_frame(sock, MsgType.AUTH, {"mac": proof.hex()})
+            mtype, h, _ = wire.recv_frame_head(sock, wire.AUTH_LIMITS, allowed=[MsgType.AUTH_OK, MsgType.ERROR])
+            if mtype is MsgType.ERROR:
+                if h["code"] == "auth_failed":
+                    raise AuthenticationError(f"peer {self.name} refused our secret")
+                raise PeerRequestError(h["code"], h["message"])
+            sock.settimeout(o.io_timeout_s)
+        except BaseException:
+            sock.close()
+            raise
+        with self._lock:
+            self.handshakes += 1
+        return _Conn(sock)

@@ -1,0 +1,123 @@
+"""GcsStore's translation of HTTP failures, against a scripted local HTTP server."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from fastckpt.errors import (
+    AlreadyExistsError,
+    ChecksumMismatchError,
+    NotFoundError,
+    PermissionDeniedError,
+    StorageError,
+    TransientStorageError,
+)
+from fastckpt.storage import ByteRange, GcsOptions, GcsStore
+from fastckpt.testing.store_tests import run
+
+
+@dataclass
+class Reply:
+    status: int = 200
+    body: bytes = b""
+    content_length: int | None = None  # None: len(body); larger: a truncated body
+    content_type: str = "application/octet-stream"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+
+    def log_message(self, format: str, *args: object) -> None:  # quiet
+        pass
+
+    def _answer(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        if length:
+            self.rfile.read(length)
+        reply = self.server.reply
+        self.send_response(reply.status)
+        self.send_header("Content-Type", reply.content_type)
+        self.send_header("Content-Length", str(reply.content_length or len(reply.body)))
+        if reply.content_length is not None:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(reply.body)
+        self.wfile.flush()
+        if reply.content_length is not None:
+            self.close_connection = True
+
+    do_GET = do_POST = do_DELETE = _answer
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    reply = Reply()
+
+
+@pytest.fixture
+def stub() -> Iterator[tuple[_Server, GcsStore]]:
+    server = _Server(("127.0.0.1", 0), _Handler)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
+    thread.start()
+    options = GcsOptions(endpoint=f"http://127.0.0.1:{server.server_address[1]}", read_timeout_s=5.0)
+    store = GcsStore("bkt", "p", options=options)
+    yield server, store
+    run(store.close())
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize(
+    ("status", "error"),
+    [
+        (404, NotFoundError),
+        (401, PermissionDeniedError),
+        (403, PermissionDeniedError),
+        (408, TransientStorageError),
+        (429, TransientStorageError),
+        (500, TransientStorageError),
+        (503, TransientStorageError),
+        (400, StorageError),
+    ],
+)
+def test_status_mapping(stub: tuple[_Server, GcsStore], status: int, error: type[Exception]) -> None:
+    server, store = stub
+    server.reply = Reply(status=status, body=b'{"error": {"message": "scripted"}}', content_type="application/json")
+    with pytest.raises(error):
+        run(store.get("k", byte_range=ByteRange(0, 10)))
+    with pytest.raises(error):
+        run(store.put("k", b"data"))
+    with pytest.raises(error):
+        run(store.list())
+
+
+def test_precondition_failed_on_create(stub: tuple[_Server, GcsStore]) -> None:
+    server, store = stub
+    server.reply = Reply(status=412, body=b"{}", content_type="application/json")
+    with pytest.raises(AlreadyExistsError):
+        run(store.put("k", b"data", mode="create"))
+
+
+def test_truncated_body_is_transient(stub: tuple[_Server, GcsStore]) -> None:
+    server, store = stub
+    server.reply = Reply(status=200, body=b"x" * 1000, content_length=100_000)
+    with pytest.raises(TransientStorageError):
+        run(store.get("k"))
+
+
+def test_server_stored_wrong_bytes(stub: tuple[_Server, GcsStore]) -> None:
+    server, store = stub
+    server.reply = Reply(status=200, body=b'{"crc32c": "AAAAAA=="}', content_type="application/json")
+    with pytest.raises(ChecksumMismatchError):
+        run(store.put("k", b"data"))
+
+
+def test_server_ignoring_range_is_sliced(stub: tuple[_Server, GcsStore]) -> None:
+    server, store = stub
+    server.reply = Reply(status=200, body=b"0123456789")
+    assert bytes(run(store.get("k", byte_range=ByteRange(3, 4)))) == b"3456"
