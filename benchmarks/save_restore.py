@@ -89,6 +89,8 @@ from benchmarks._common import (  # noqa: E402
 MODULE = "benchmarks.save_restore"
 BUCKET = "bench"
 LIBS = ("fastckpt", "orbax")
+KNOWN_LIBS = ("fastckpt", "orbax", "fastckpt-raw")
+"""``fastckpt-raw``: fastckpt with ``SaveOptions(compression="none")`` (optional variant)."""
 DESTS = ("disk", "shm", "gcs")
 DEST_LABEL = {"disk": "local disk", "shm": "/dev/shm", "gcs": "GCS emulator"}
 
@@ -104,12 +106,13 @@ RSS_GROWTH_TOLERANCE = 0.05  # of the state size, over all saves of a cell
 
 
 class _FastckptLib:
-    def __init__(self, dest: str, root: str, endpoint: str | None) -> None:
+    def __init__(self, dest: str, root: str, endpoint: str | None, *, compression: str = "zstd") -> None:
         import fastckpt
         from fastckpt.storage import open_store
 
         store_root: Any = open_store(root, gcs_endpoint=endpoint) if dest == "gcs" else root
-        options = fastckpt.ManagerOptions(retention=fastckpt.RetentionOptions(keep_last=2))
+        options = fastckpt.ManagerOptions(save=fastckpt.SaveOptions(compression=compression),  # type: ignore[arg-type]
+                                          retention=fastckpt.RetentionOptions(keep_last=2))
         self.mgr = fastckpt.CheckpointManager(store_root, options=options)
 
     def save(self, step: int, state: Any) -> None:
@@ -177,7 +180,11 @@ def run_cell(args: argparse.Namespace) -> dict[str, Any]:
     sampler = RssSampler(0.005)
     io_pid: int | str = args.emu_pid if dest == "gcs" else "self"
     rss_start = rss_bytes()
-    lib = _FastckptLib(dest, args.root, args.endpoint) if lib_name == "fastckpt" else _OrbaxLib(dest, args.root, args.endpoint)
+    lib: _FastckptLib | _OrbaxLib
+    if lib_name == "orbax":
+        lib = _OrbaxLib(dest, args.root, args.endpoint)
+    else:
+        lib = _FastckptLib(dest, args.root, args.endpoint, compression="none" if lib_name == "fastckpt-raw" else "zstd")
 
     saves: list[dict[str, Any]] = []
     step_fn = None
@@ -636,7 +643,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--saves", type=int, default=None, help="saves per cell (default 10, quick 3)")
     p.add_argument("--restores", type=int, default=None, help="same-mesh restores per cell (default 10, quick 3)")
     p.add_argument("--restores-4dev", type=int, default=None, help="4-device restores per cell (default 3, quick 1)")
-    p.add_argument("--libs", default=",".join(LIBS))
+    p.add_argument("--libs", default=",".join(LIBS),
+                   help=f"comma-separated, of {', '.join(KNOWN_LIBS)} (fastckpt-raw: compression='none')")
     p.add_argument("--dests", default=",".join(DESTS))
     p.add_argument("--disk-dir", default=os.environ.get("FASTCKPT_BENCH_DISK", "/tmp"),
                    help="directory on a real disk (not tmpfs) for the 'local disk' cells and the emulator")
@@ -662,6 +670,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.restores = args.restores or (3 if q else 10)
     args.restores_4dev = args.restores_4dev or (1 if q else 3)
     args.limit_reps = args.limit_reps or (1 if q else 3)
+    bad = [x for x in args.libs.split(",") if x not in KNOWN_LIBS] + [x for x in args.dests.split(",") if x not in DESTS]
+    if bad:
+        p.error(f"unknown --libs/--dests entries: {bad}")
     if args.saves < 2 or args.restores < 1 or args.restores_4dev < 1:
         p.error("need --saves >= 2, --restores >= 1, --restores-4dev >= 1")
     return args

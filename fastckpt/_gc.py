@@ -196,8 +196,10 @@ async def find_leftovers(
 def _collectable(lo: Leftover, *, grace_s: float, newest: int | None) -> bool:
     if lo.reason == "unreferenced":
         return True
-    if lo.age_s is not None or grace_s == 0:
-        return grace_s == 0 or lo.age_s >= grace_s  # type: ignore[operator]
+    if grace_s == 0:
+        return True
+    if lo.age_s is not None:
+        return lo.age_s >= grace_s
     return newest is not None and lo.step is not None and lo.step < newest
 
 

@@ -7,7 +7,7 @@ import sys
 from typing import Any
 
 from fastckpt._gc import find_leftovers, read_manifests
-from fastckpt.cli._util import dump_json, fmt_age, fmt_bytes
+from fastckpt.cli._util import dump_json, fmt_age, fmt_bytes, plural
 from fastckpt.errors import CheckpointNotFoundError
 from fastckpt.format.layout import manifest_key
 from fastckpt.format.manifest import ArrayLeaf, Manifest, ShardingSpec, ValueLeaf, keypath_str
@@ -70,13 +70,13 @@ async def cmd_ls(store: Store, *, as_json: bool) -> int:
     table = [["STEP", "STATE", "STORED", "LOGICAL", "RATIO", "LEAVES", "PROCS", "CREATED / AGE", "NOTE"]]
     for r in rows:
         if r["state"] == "committed":
-            note = f"+{r['leftover_objects']} unreferenced objects" if r["leftover_objects"] else ""
+            note = f"+{plural(r['leftover_objects'], 'unreferenced object')}" if r["leftover_objects"] else ""
             table.append([str(r["step"]), "committed", fmt_bytes(r["stored_bytes"]), fmt_bytes(r["logical_bytes"]),
                           f"{r['ratio']:.2f}" if r["ratio"] is not None else "-", str(r["leaves"]),
                           str(r["num_processes"]), _when(r["created_unix"]), note])
         elif r["state"] == "uncommitted":
             table.append([str(r["step"]), "uncommitted", fmt_bytes(r["stored_bytes"]), "-", "-", "-", "-",
-                          fmt_age(r["youngest_age_s"]), f"{r['objects']} objects (gc removes them)"])
+                          fmt_age(r["youngest_age_s"]), f"{plural(r['objects'], 'object')} (gc removes them)"])
         else:
             table.append([str(r["step"]), "unreadable", "-", "-", "-", "-", "-", "-", "manifest cannot be decoded"])
     sys.stdout.write(f"{store.url}\n")
@@ -165,7 +165,7 @@ async def cmd_inspect(store: Store, step: int | None, *, as_json: bool) -> int:
     _table(table, out)
     r = _ratio(m.stored_bytes, m.nbytes)
     ratio = f" (ratio {r:.2f})" if r is not None else ""
-    out.write(f"total: {len(m.arrays())} arrays, {len(m.leaves) - len(m.arrays())} values, "
-              f"{len(m.object_keys())} objects; stored {fmt_bytes(m.stored_bytes)} of {fmt_bytes(m.nbytes)} "
+    out.write(f"total: {plural(len(m.arrays()), 'array')}, {plural(len(m.leaves) - len(m.arrays()), 'value')}, "
+              f"{plural(len(m.object_keys()), 'object')}; stored {fmt_bytes(m.stored_bytes)} of {fmt_bytes(m.nbytes)} "
               f"logical{ratio}\n")
     return 0

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fastckpt._gc import collect_garbage_async
-from fastckpt.cli._util import dump_json, fmt_age, fmt_bytes, open_root
+from fastckpt.cli._util import dump_json, fmt_age, fmt_bytes, open_root, plural
 from fastckpt.errors import CheckpointNotFoundError
 from fastckpt.format.layout import MANIFEST_PREFIX
 from fastckpt.options import RetentionOptions
@@ -38,8 +38,9 @@ async def cmd_gc(store: Store, *, grace_s: float, dry_run: bool, keep_last: int 
     for step in report.retention_steps:
         out.write(f"{verb} step {step} (retention)\n")
     sizes = f", {fmt_bytes(report.removed_bytes)}" if report.removed_bytes else ""
-    out.write(f"{store.url}: {verb} {len(report.removed)} leftover objects{sizes}; kept {len(report.kept)} recent; "
-              f"{verb} {len(report.retention_steps)} steps by retention ({report.retention_objects} objects)\n")
+    out.write(f"{store.url}: {verb} {plural(len(report.removed), 'leftover object')}{sizes}; kept {len(report.kept)} "
+              f"recent; {verb} {plural(len(report.retention_steps), 'step')} by retention "
+              f"({plural(report.retention_objects, 'object')})\n")
     for e in report.errors:
         sys.stderr.write(f"warning: {e}\n")
     return 1 if report.errors else 0
@@ -49,7 +50,7 @@ def cmd_convert(src: str, dst: str, *, step: int | None, to_step: int | None, it
                 layout: str, gcs_endpoint: str | None) -> int:
     """Convert between Orbax and fastckpt; the direction is detected from ``src``."""
     from fastckpt._aio import LoopThread
-    from fastckpt.integrations._orbax_read import is_orbax_dir
+    from fastckpt.integrations._orbax_layout import is_orbax_dir
     from fastckpt.integrations.orbax import convert_fastckpt_to_orbax, convert_orbax_to_fastckpt
 
     src_store = open_root(src, gcs_endpoint=gcs_endpoint)

@@ -15,7 +15,7 @@ from typing import Any, TextIO
 from fastckpt.errors import ConfigError
 from fastckpt.storage import Store, open_store
 
-__all__ = ["Progress", "dump_json", "fmt_bytes", "fmt_rate", "jsonable", "open_root", "parse_duration"]
+__all__ = ["Progress", "dump_json", "fmt_bytes", "fmt_rate", "jsonable", "open_root", "parse_duration", "plural"]
 
 _EMULATOR_ENV = "STORAGE_EMULATOR_HOST"
 
@@ -47,6 +47,11 @@ def fmt_bytes(n: float | None) -> str:
             return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def plural(n: int, word: str) -> str:
+    """``plural(1, "object")`` -> ``"1 object"``, ``plural(2, "object")`` -> ``"2 objects"``."""
+    return f"{n} {word}" + ("" if n == 1 else "s")
 
 
 def fmt_rate(nbytes: float, seconds: float) -> str:

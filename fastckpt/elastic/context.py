@@ -166,9 +166,11 @@ class ElasticContext:
     def steps(self, total_steps: int) -> Iterator[int]:
         """Yield the index of each step to run, from :attr:`start_step` to ``total_steps - 1``.
 
-        Beats the heartbeat on every step, marks ``first_step`` when the body of the first
-        iteration returns, and checks for a stop request every ``control_every`` steps.
+        Starts with :meth:`barrier`, records the step for the heartbeat on every step, marks
+        ``first_step`` when the body of the first iteration returns, and checks for a stop
+        request every ``control_every`` steps.
         """
+        self.barrier("train")
         self._set_phase("train")
         step = self.start_step
         first = True
@@ -218,6 +220,21 @@ class ElasticContext:
         """Timestamp a phase (``t_<name>`` in this worker's report); e.g. ``mark("compiled")``."""
         self._report[f"t_{name}"] = now()
         self._write_report()
+
+    def barrier(self, name: str) -> None:
+        """Wait until every process of this generation reaches ``barrier(name)``.
+
+        ``steps`` calls it once before the first step: processes that finished restoring
+        and compiling at different times then start their first collective together (gloo
+        gives up connecting after ~30 s). Names must be unique within a generation.
+        """
+        coord = self._coord
+        if coord is None or coord.process_count == 1:
+            return
+        prefix = f"fastckpt-elastic/g{self.env.generation}/barrier/{name}"
+        coord.set(f"{prefix}/{coord.process_index}", "1")
+        for i in range(coord.process_count):
+            coord.get(f"{prefix}/{i}", timeout_s=self.options.kv_timeout_s)
 
     # ------------------------------------------------------------------ internals
     def _agree_stop(self, step: int) -> int | None:

@@ -35,7 +35,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -99,8 +99,11 @@ class SupervisorOptions:
     """Seconds from launch to the train phase (init + restore + compile)."""
     exit_timeout_s: float = 60.0
     """After one worker exits cleanly, how long the others get to follow."""
-    kill_grace_s: float = 1.0
-    """SIGTERM-to-SIGKILL grace when killing a generation."""
+    kill_grace_s: float = 0.2
+    """SIGTERM-to-SIGKILL grace when killing a generation. Kept short on purpose: the
+    survivors are usually blocked in a collective with a dead peer, and ``jax.distributed``
+    catches SIGTERM (its preemption notifier), so in practice SIGKILL ends them. Nothing is
+    lost: an interrupted save never becomes a committed step."""
     poll_interval_s: float = 0.05
     """Watch-loop period (bounds the detection latency of a process death)."""
     events: tuple[ChaosEvent, ...] = ()
@@ -171,11 +174,14 @@ class Supervisor:
     "fastckpt.elastic.worker", "--root", ...]``); the supervisor adds the identity through
     the environment (:class:`~fastckpt.elastic._protocol.WorkerEnv`). ``local_root`` holds
     one directory per host (``host<i>``), the host-local RAM tier's home, wiped when a
-    host is killed.
+    host is killed. ``env`` (default ``os.environ``) is the base environment of the
+    workers; ``on_event`` sees every timeline record as it is written.
     """
 
     def __init__(self, worker_cmd: Sequence[str], *, run_dir: str | Path, local_root: str | Path,
-                 options: SupervisorOptions | None = None, env: Mapping[str, str] | None = None) -> None:
+                 options: SupervisorOptions | None = None, env: Mapping[str, str] | None = None,
+                 on_event: Callable[[dict[str, object]], None] | None = None) -> None:
+        self.on_event = on_event
         self.worker_cmd = list(worker_cmd)
         self.paths = RunPaths(Path(run_dir))
         self.local_root = Path(local_root)
@@ -347,6 +353,8 @@ class Supervisor:
     def _event(self, name: str, **fields: object) -> None:
         record = {"t": now(), "event": name, **fields}
         append_jsonl(self.paths.events, record)
+        if self.on_event is not None:
+            self.on_event(record)
 
 
 def _signal_group(pid: int, sig: int) -> None:

@@ -1,11 +1,9 @@
 """Read checkpoints written by orbax-checkpoint with tensorstore directly (no handler stack).
 
-What is read: the item directory of an Orbax PyTree/Standard checkpoint (``_METADATA``,
-OCDBT or per-array kvstores, zarr v2 or zarr3 arrays, ``_sharding``, ``_strings.json``,
-``array_metadatas/process_*`` for PRNG key implementations). Orbax itself is not imported;
-only ``tensorstore`` (a core dependency) is.
+Only ``tensorstore`` (a core dependency) is used; orbax is not imported. The layout and
+metadata parsing live in :mod:`fastckpt.integrations._orbax_layout`.
 
-Call order inside :func:`read_item`: parse metadata (pure) -> match the target's leaves by
+Call order inside :func:`read_item`: match the target's leaves to ``_METADATA`` entries by
 their Orbax parameter names -> open every array's tensorstore (concurrently) -> check shapes
 and dtypes (typed errors) -> per leaf, read only the boxes this process's devices need ->
 ``jax.make_array_from_single_device_arrays``. Host memory held at once is bounded by
@@ -14,12 +12,7 @@ and dtypes (typed errors) -> per leaf, read only the boxes this process's device
 
 from __future__ import annotations
 
-import base64
 import dataclasses
-import json
-import os
-import re
-from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -31,238 +24,16 @@ from fastckpt.errors import (
     ConfigError,
     CorruptionError,
     DtypeMismatchError,
-    ManifestError,
     ShapeMismatchError,
     TreeStructureError,
 )
-from fastckpt.format.manifest import Box, KeyPath
+from fastckpt.format.manifest import Box
+from fastckpt.integrations._orbax_layout import EMPTY_TYPES, OrbaxEntry, OrbaxItem, kv_spec, read_json
 from fastckpt.planning import box_from_index, box_to_slices, full_box
 
-__all__ = ["OrbaxEntry", "OrbaxItem", "is_orbax_dir", "load_item", "read_item", "resolve_item_dir"]
+__all__ = ["read_item"]
 
-#: Orbax value types that carry no data (empty containers, None).
-EMPTY_TYPES = {"None": None, "Dict": {}, "List": [], "Tuple": (), "NamedTuple": (), "Unknown": None}
 _ARRAY_TYPES = ("jax.Array", "np.ndarray", "scalar")
-_STEP_DIR = re.compile(r"^(?:.*_)?(\d+)$")
-
-
-# ---------------------------------------------------------------- paths (local or gs://)
-
-
-def _kv_spec(url: str) -> dict[str, Any]:
-    """tensorstore kvstore spec of a directory URL (trailing ``/`` in ``path``)."""
-    if url.startswith("gs://"):
-        bucket, _, prefix = url[5:].partition("/")
-        if not bucket:
-            raise ConfigError(f"malformed GCS URL {url!r}")
-        prefix = prefix.strip("/")
-        return {"driver": "gcs", "bucket": bucket, "path": prefix + "/" if prefix else ""}
-    if url.startswith("file://"):
-        url = url[len("file://") :]
-    elif re.match(r"^[A-Za-z][A-Za-z0-9+.\-]*://", url):
-        raise ConfigError(f"unsupported Orbax checkpoint URL {url!r} (use a path, file:// or gs://)")
-    return {"driver": "file", "path": os.path.abspath(url).rstrip("/") + "/"}
-
-
-def _join(url: str, name: str) -> str:
-    return url.rstrip("/") + "/" + name
-
-
-class _Dir:
-    """A directory of an Orbax checkpoint: local (``os``) or remote (tensorstore kvstore)."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.spec = _kv_spec(url)
-        self._kv: Any = None
-
-    @property
-    def local(self) -> str | None:
-        return self.spec["path"] if self.spec["driver"] == "file" else None
-
-    def _store(self) -> Any:
-        if self._kv is None:
-            import tensorstore as ts
-
-            self._kv = ts.KvStore.open(self.spec).result()
-        return self._kv
-
-    def read(self, name: str) -> bytes | None:
-        if self.local is not None:
-            try:
-                with open(os.path.join(self.local, name), "rb") as f:
-                    return f.read()
-            except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-                return None
-        r = self._store().read(name).result()
-        return None if r.state == "missing" else bytes(r.value)
-
-    def children(self) -> set[str]:
-        """Names of the entries directly below this directory."""
-        if self.local is not None:
-            try:
-                return set(os.listdir(self.local))
-            except (FileNotFoundError, NotADirectoryError):
-                return set()
-        return {k.decode().split("/", 1)[0] for k in self._store().list().result()}
-
-    def child(self, name: str) -> _Dir:
-        return _Dir(_join(self.url, name))
-
-
-def _load_json(d: _Dir, name: str) -> Any:
-    data = d.read(name)
-    if data is None:
-        return None
-    try:
-        return json.loads(data)
-    except ValueError as e:
-        raise ManifestError(f"{_join(d.url, name)} is not valid JSON: {e}") from e
-
-
-def is_orbax_dir(url: str) -> bool:
-    """Whether ``url`` looks like an Orbax item dir, step dir or manager root."""
-    try:
-        resolve_item_dir(url)
-    except (CheckpointNotFoundError, ConfigError):
-        return False
-    return True
-
-
-def _orbax_steps(d: _Dir) -> dict[int, str]:
-    """Finalized step directories of an Orbax manager root: step -> name."""
-    out: dict[int, str] = {}
-    for name in d.children():
-        m = _STEP_DIR.match(name)
-        if m is None or "tmp" in name:
-            continue
-        child = d.child(name)
-        if d.local is None and child.read("commit_success.txt") is None:
-            continue  # not finalized (object stores have no atomic rename)
-        out[int(m.group(1))] = name
-    return out
-
-
-def _pick_item(d: _Dir, item: str | None) -> _Dir | None:
-    names = sorted(n for n in d.children() if d.child(n).read("_METADATA") is not None)
-    if not names:
-        return None
-    if item is not None:
-        if item not in names:
-            raise CheckpointNotFoundError(f"no item {item!r} in {d.url} (items: {names})")
-        return d.child(item)
-    if "default" in names:
-        return d.child("default")
-    if len(names) == 1:
-        return d.child(names[0])
-    raise ConfigError(f"{d.url} holds several items {names}; pass item=")
-
-
-def resolve_item_dir(url: str, *, step: int | None = None, item: str | None = None) -> tuple[str, int | None]:
-    """Find the item directory in an Orbax item dir, step dir or manager root.
-
-    Returns ``(item_url, step)``; ``step`` is parsed from the step directory name when
-    there is one. ``step=None`` on a manager root picks the newest finalized step.
-
-    Raises:
-        CheckpointNotFoundError: nothing Orbax-like there, or no such step/item.
-    """
-    d = _Dir(url)
-    if d.read("_METADATA") is not None or d.read("checkpoint") is not None:
-        m = _STEP_DIR.match(os.path.basename(url.rstrip("/")))
-        return url, (int(m.group(1)) if m else step)
-    picked = _pick_item(d, item)
-    if picked is not None:
-        m = _STEP_DIR.match(os.path.basename(url.rstrip("/")))
-        return picked.url, (int(m.group(1)) if m else step)
-    steps = _orbax_steps(d)
-    if not steps:
-        raise CheckpointNotFoundError(f"no Orbax checkpoint at {url}")
-    if step is None:
-        step = max(steps)
-    if step not in steps:
-        raise CheckpointNotFoundError(f"no finalized Orbax step {step} in {url} (steps: {sorted(steps)})")
-    picked = _pick_item(d.child(steps[step]), item)
-    if picked is None:
-        raise CheckpointNotFoundError(f"Orbax step dir {_join(url, steps[step])} holds no PyTree item")
-    return picked.url, step
-
-
-# ---------------------------------------------------------------- metadata
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class OrbaxEntry:
-    """One leaf of an Orbax item, as ``_METADATA`` describes it."""
-
-    names: tuple[str, ...]
-    """Key names along the path (Orbax stores every key as a string)."""
-    sequence: tuple[bool, ...]
-    """Per key: a sequence index (True) or a dict key / attribute (False)."""
-    value_type: str
-    """``jax.Array``, ``np.ndarray``, ``scalar``, ``string`` or an empty type (``None``, ``Dict``...)."""
-
-    @property
-    def param_name(self) -> str:
-        """Orbax's parameter name: the key names joined by ``.``."""
-        return ".".join(self.names)
-
-    @property
-    def keypath(self) -> KeyPath:
-        """The fastckpt key path (dict keys and list indices)."""
-        return tuple(("i", int(n)) if s else ("d", n) for n, s in zip(self.names, self.sequence))
-
-
-@dataclasses.dataclass
-class OrbaxItem:
-    """Parsed metadata of one Orbax item directory."""
-
-    url: str
-    entries: dict[tuple[str, ...], OrbaxEntry]
-    use_ocdbt: bool
-    use_zarr3: bool
-    key_impls: dict[str, str]
-    """Parameter name -> PRNG implementation, for typed-key leaves."""
-    shardings: dict[str, Any]
-    """Parameter name -> the saved sharding description (JSON)."""
-
-
-def load_item(url: str) -> OrbaxItem:
-    """Parse ``_METADATA``, ``_sharding`` and ``array_metadatas`` of an item directory."""
-    d = _Dir(url)
-    meta = _load_json(d, "_METADATA")
-    if meta is None:
-        raise CheckpointNotFoundError(f"{url} has no _METADATA (not an Orbax PyTree item)")
-    tree = meta.get("tree_metadata") if isinstance(meta, dict) else None
-    if not isinstance(tree, dict):
-        raise ManifestError(f"{url}/_METADATA has no tree_metadata")
-    entries: dict[tuple[str, ...], OrbaxEntry] = {}
-    for raw_key, entry in tree.items():
-        try:
-            keys = entry["key_metadata"]
-            names = tuple(str(k["key"]) for k in keys)
-            seq = tuple(int(k["key_type"]) == 1 for k in keys)
-            vtype = str(entry["value_metadata"]["value_type"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise ManifestError(f"{url}/_METADATA: malformed entry {raw_key!r}: {e}") from e
-        entries[names] = OrbaxEntry(names, seq, vtype)
-    key_impls: dict[str, str] = {}
-    amd = d.child("array_metadatas")
-    for name in sorted(amd.children()):
-        doc = _load_json(amd, name) or {}
-        for a in doc.get("array_metadatas", []):
-            a = a.get("array_metadata", {})
-            ext = a.get("ext_metadata") or {}
-            if ext.get("random_key_impl"):
-                key_impls[str(a["param_name"])] = str(ext["random_key_impl"])
-    shardings: dict[str, Any] = {}
-    for k, v in (_load_json(d, "_sharding") or {}).items():
-        try:
-            shardings[base64.b64decode(k).decode()] = json.loads(v)
-        except (ValueError, TypeError):
-            continue  # informational only
-    return OrbaxItem(url, entries, bool(meta.get("use_ocdbt", True)), bool(meta.get("use_zarr3", False)),
-                     key_impls, shardings)
 
 
 # ---------------------------------------------------------------- restore planning
@@ -363,7 +134,7 @@ def _mode_of(entry: OrbaxEntry, tgt: Any, item: OrbaxItem) -> str:
 
 
 def _spec(item: OrbaxItem, name: str) -> dict[str, Any]:
-    base = _kv_spec(item.url)
+    base = kv_spec(item.url)
     if item.use_ocdbt:
         kv: dict[str, Any] = {"driver": "ocdbt", "base": base, "path": name, "cache_pool": "cache_pool#ocdbt"}
     else:
@@ -408,7 +179,7 @@ def _plan(leaf: _Leaf, item: OrbaxItem, *, allow_cast: bool) -> None:
         if jax.process_count() > 1:
             raise ConfigError(f"{where}: cannot rebuild the saved sharding here; pass a target with .sharding")
         sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    if isinstance(getattr(sharding, "mesh", None), jax.sharding.AbstractMesh):
+    if isinstance(getattr(sharding, "mesh", None), getattr(jax.sharding, "AbstractMesh", ())):
         raise ConfigError(f"{where}: the target's sharding is over an AbstractMesh; pass concrete shardings "
                           "(fastckpt.integrations.pytree.abstract_state(target, mesh=mesh))")
     if leaf.mode == "key":
@@ -511,7 +282,7 @@ def read_item(
             _plan(lf, item, allow_cast=allow_dtype_cast)
     strings: dict[str, Any] = {}
     if any(lf.mode == "string" for lf in leaves):
-        strings = _load_json(_Dir(item.url), "_strings.json") or {}
+        strings = read_json(item.url, "_strings.json") or {}
     results: list[Any] = [None] * len(leaves)
     pending: list[tuple[int, dict[Box, Any]]] = []
     inflight = 0

@@ -24,7 +24,7 @@ from fastckpt.integrations._orbax_manager import (
     OrbaxStyleOptions as OrbaxStyleOptions,
     OrbaxStyleStepMetadata as OrbaxStyleStepMetadata,
 )
-from fastckpt.integrations._orbax_read import is_orbax_dir as is_orbax_dir
+from fastckpt.integrations._orbax_layout import is_orbax_dir as is_orbax_dir
 from fastckpt.options import ManagerOptions
 from fastckpt.storage._protocol import Store
 
@@ -87,7 +87,8 @@ def restore_orbax(
         TreeStructureError, ShapeMismatchError, DtypeMismatchError: the target disagrees.
         CorruptionError: tensorstore could not decode an array.
     """
-    from fastckpt.integrations._orbax_read import load_item, read_item, resolve_item_dir
+    from fastckpt.integrations._orbax_layout import load_item, resolve_item_dir
+    from fastckpt.integrations._orbax_read import read_item
 
     item_url, _ = resolve_item_dir(_path(path), step=step, item=item)
     try:
@@ -145,7 +146,7 @@ def convert_orbax_to_fastckpt(
         The fastckpt step written.
     """
     import fastckpt
-    from fastckpt.integrations._orbax_read import resolve_item_dir
+    from fastckpt.integrations._orbax_layout import resolve_item_dir
 
     src = _path(orbax_path)
     item_url, found_step = resolve_item_dir(src, step=orbax_step, item=item)

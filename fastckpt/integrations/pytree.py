@@ -85,7 +85,7 @@ def abstract_state(
             s = sharding
         else:
             s = sharding(x)
-        if mesh is not None and isinstance(getattr(s, "mesh", None), jax.sharding.AbstractMesh):
+        if mesh is not None and isinstance(getattr(s, "mesh", None), getattr(jax.sharding, "AbstractMesh", ())):
             s = _concrete(s, mesh)
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
 

@@ -113,7 +113,7 @@ def _plan_array(path: KeyPath, stored: ArrayLeaf, tgt: Any) -> LeafPlan:
         if jax.process_count() > 1:
             raise TargetMismatchError(f"{where}: cannot rebuild the saved sharding here; pass a target with .sharding")
         sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    if isinstance(getattr(sharding, "mesh", None), jax.sharding.AbstractMesh):
+    if isinstance(getattr(sharding, "mesh", None), getattr(jax.sharding, "AbstractMesh", ())):
         raise ConfigError(f"{where}: the target's sharding is over an AbstractMesh (jax.eval_shape under "
                           "jax.set_mesh?); pass concrete shardings, e.g. "
                           "fastckpt.integrations.pytree.abstract_state(target, mesh=mesh)")

@@ -16,7 +16,7 @@ import asyncio
 import dataclasses
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import Protocol
 
@@ -25,7 +25,7 @@ import zstandard
 
 from fastckpt._checksum import crc32c
 from fastckpt._hostmem import alloc_aligned
-from fastckpt.errors import CheckpointNotFoundError, ChecksumMismatchError, CorruptionError
+from fastckpt.errors import CheckpointNotFoundError, ChecksumMismatchError, CorruptionError, NotFoundError
 from fastckpt.format.dtypes import dtype_from_name
 from fastckpt.format.manifest import ArrayLeaf, Box, ChunkEntry, box_shape, chunk_id, keypath_str
 from fastckpt.options import RestoreOptions
@@ -91,6 +91,15 @@ def _where(leaf: ArrayLeaf, chunk: ChunkEntry) -> str:
     return f"array {keypath_str(leaf.path)} chunk {list(chunk.box)} (object {chunk.key} @ {chunk.offset})"
 
 
+def _allocate(nbytes: int, what: Callable[[], str], *, aligned: bool = True) -> np.ndarray:
+    """A host buffer of ``nbytes``; an allocation the host refuses (a manifest may declare
+    any size) raises ``MemoryError`` naming what it was for, not a bare ``OSError``."""
+    try:
+        return alloc_aligned(nbytes) if aligned else np.empty(nbytes, np.uint8)
+    except (OSError, MemoryError, ValueError, OverflowError) as e:
+        raise MemoryError(f"restore cannot allocate {nbytes} bytes of host memory for {what()}: {e}") from e
+
+
 def _place(dst: np.ndarray, chunk_arr: np.ndarray, items: Sequence[ReadItem]) -> None:
     for it in items:
         dst[box_to_slices(it.dst_box)] = chunk_arr[box_to_slices(it.src_box)]
@@ -116,7 +125,7 @@ class _LeafFiller:
         self.items: dict[ChunkEntry, list[tuple[int, ReadItem]]] = {}
         for pos, unit in enumerate(units):
             nbytes = int(np.prod(box_shape(unit.box), dtype=np.int64)) * self.dtype.itemsize
-            flat = alloc_aligned(nbytes)
+            flat = _allocate(nbytes, lambda: f"array {keypath_str(self.leaf.path)} box {list(unit.box)}")
             self.flats.append(flat)
             self.dsts.append(flat.view(self.dtype).reshape(box_shape(unit.box)))
             for it in plan_leaf_reads(self.leaf, unit.box):
@@ -139,7 +148,7 @@ class _LeafFiller:
         direct = self._direct_span(chunk)
         if direct is not None:
             return direct, None
-        scratch = np.empty(chunk.raw_length, np.uint8)
+        scratch = _allocate(chunk.raw_length, lambda: _where(self.leaf, chunk), aligned=False)
         return memoryview(scratch), scratch
 
     def _finish(self, chunk: ChunkEntry, scratch: np.ndarray | None) -> None:
@@ -234,7 +243,10 @@ async def fill_units(
         ranges = coalesce_fetches(need, max_gap=options.max_gap_bytes, max_bytes=options.max_request_bytes)
 
         async def do_range(r_key: str, r_start: int, r_len: int, chunks: Sequence[ChunkEntry]) -> None:
-            data = await fetch_range(r_key, r_start, r_len)
+            try:
+                data = await fetch_range(r_key, r_start, r_len)
+            except NotFoundError as e:  # a committed step lost an object: say whose data it was
+                raise NotFoundError(f"{_where(filler.leaf, chunks[0])}: {e}") from e
             for c in chunks:
                 piece = data[c.offset - r_start : c.offset - r_start + c.length]
                 try:

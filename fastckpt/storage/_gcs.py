@@ -10,7 +10,9 @@ connection (see ``docs/storage.md``):
   rejects a corrupted upload, and ``mode="create"`` adds ``ifGenerationMatch=0`` (the
   emulator enforces preconditions on this path, unlike simple media uploads).
 * ``get`` streams ``alt=media`` (with an HTTP ``Range``) straight into one preallocated
-  buffer.
+  buffer. A whole-object download is checked against the object's crc32c from the
+  ``x-goog-hash`` header (a mismatch is a transient error, so it is read again); ranged
+  reads are verified by the reader against the manifest's chunk checksums.
 
 The library's own retries are disabled everywhere (``retry=None``; the session has no
 urllib3 retries): retrying is :class:`~fastckpt.storage.RetryingStore`'s job.
@@ -146,6 +148,26 @@ def _translate(exc: BaseException, what: str) -> NoReturn:
     if isinstance(exc, requests.RequestException | OSError):
         raise StorageError(f"{what}: {type(exc).__name__}: {exc}") from exc
     raise exc
+
+
+def _check_whole_object(goog_hash: str | None, body: Buffer, what: str) -> None:
+    """Verify a whole-object download against the crc32c the server reports for the object.
+
+    A mismatch means the bytes changed on the way (the object itself is checksummed at
+    rest): it is transient, so a retry reads the object again.
+    """
+    if not goog_hash:
+        return
+    for part in goog_hash.split(","):
+        name, _, value = part.strip().partition("=")
+        if name == "crc32c" and value:
+            try:
+                want = _crc_from_b64(value)
+            except ValueError:
+                return
+            if crc32c([body]) != want:
+                raise TransientStorageError(f"{what}: body does not match the object's crc32c (corrupted in transit)")
+            return
 
 
 def _b64_crc(value: int) -> str:
@@ -290,6 +312,8 @@ class GcsStore(Store):
                 raise StorageError(f"{what}: unexpected Content-Encoding {encoding!r}")
             body = self._read_body(resp, what)
             complete = True
+            if resp.status_code == 200:
+                _check_whole_object(resp.headers.get("x-goog-hash"), body, what)
             if byte_range is not None and resp.status_code == 200:
                 # The server ignored the Range header; cut the range out ourselves.
                 start, stop = clip_range(len(body), byte_range, key)

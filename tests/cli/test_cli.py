@@ -87,7 +87,7 @@ def test_ls(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     lines = out.splitlines()
     assert any(line.split()[:2] == ["3", "committed"] for line in lines)
     assert any(line.split()[:2] == ["4", "uncommitted"] for line in lines)
-    assert "1 unreferenced objects" in out and "KiB" in out
+    assert "+1 unreferenced object" in out and "KiB" in out
     doc = _json(["ls", str(root)], capsys)
     by_step = {(r["step"], r["state"]): r for r in doc["steps"]}
     assert set(by_step) == {(1, "committed"), (2, "committed"), (3, "committed"), (4, "uncommitted")}

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import jax
 import jax.numpy as jnp
 import ml_dtypes

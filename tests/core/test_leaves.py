@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
@@ -14,6 +15,7 @@ import pytest
 
 import fastckpt
 from fastckpt import CheckpointManager
+from fastckpt.storage import MemoryStore
 
 from .util import P, assert_bit_exact, assert_sharded_like, device_data, host_data, named, sds
 
@@ -53,8 +55,10 @@ def test_every_jax_dtype_round_trips_bit_exact(root: Any) -> None:
                 assert_sharded_like(got[k], state[k].sharding, h)
 
 
-@pytest.mark.parametrize("impl", ["threefry2x32", "rbg", "unsafe_rbg"])
-def test_typed_prng_keys(root: Any, impl: str) -> None:
+@pytest.mark.parametrize(("impl", "where"), [("threefry2x32", "memory"), ("threefry2x32", "local"),
+                                             ("rbg", "memory"), ("unsafe_rbg", "local")])
+def test_typed_prng_keys(impl: str, where: str, tmp_path: Path) -> None:
+    root: Any = MemoryStore() if where == "memory" else str(tmp_path / "ckpt")
     src = named((8,), ("x",), P("x"))
     keys = jax.device_put(jax.random.split(jax.random.key(7, impl=impl), 16), src)
     scalar = jax.random.key(3, impl=impl)

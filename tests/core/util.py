@@ -10,7 +10,6 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from fastckpt.storage import Store
 
 P = PartitionSpec
 
@@ -74,15 +73,3 @@ def assert_sharded_like(got: jax.Array, sharding: jax.sharding.Sharding, expecte
 
 def sds(x: np.ndarray, sharding: jax.sharding.Sharding) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-
-def data_keys(store: Store) -> list[str]:
-    import asyncio
-
-    return asyncio.run(store.list("steps/"))
-
-
-def run(coro: Any) -> Any:
-    import asyncio
-
-    return asyncio.run(coro)

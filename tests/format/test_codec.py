@@ -252,7 +252,7 @@ def _check_decode(data: bytes) -> None:
     assert norm(decode_manifest(encode_manifest(m))) == norm(m)
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=250, deadline=None)
 @given(st.data())
 def test_fuzz_field_mutations(data: st.DataObject) -> None:
     doc = base_doc()

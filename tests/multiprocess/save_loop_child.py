@@ -10,10 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-os.environ["JAX_PLATFORMS"] = "cpu"
-
-import numpy as np  # noqa: E402
+import numpy as np
 
 N_ROWS, N_COLS = 1024, 2048  # 8 MiB of float32 + 2 MiB of int8 + a small bf16 vector
 
@@ -55,4 +52,6 @@ def main(root: str) -> None:
 
 
 if __name__ == "__main__":
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"  # before jax starts
+    os.environ["JAX_PLATFORMS"] = "cpu"
     main(sys.argv[1])

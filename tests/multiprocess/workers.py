@@ -23,7 +23,11 @@ from fastckpt import CheckpointManager, DistributedOptions, ManagerOptions, Rete
 from fastckpt.storage import ByteRange, LocalStore, Store
 from fastckpt.storage._protocol import Buffer, Payload, PutMode
 
-jax.config.update("jax_enable_x64", True)  # 64-bit dtypes are part of what is checked
+
+def _in_child() -> None:
+    """Per-job setup; only ever called inside launched children (the parent imports this
+    module for :func:`expected` and must not have its jax config changed)."""
+    jax.config.update("jax_enable_x64", True)  # 64-bit dtypes are part of what is checked
 
 ARRAYS: dict[str, tuple[tuple[int, ...], Any]] = {
     "w": ((64, 48), np.float32),
@@ -78,6 +82,7 @@ def _options(barrier_timeout_s: float = 30.0, **save: Any) -> ManagerOptions:
 
 def save(root: str, steps: list[int], mesh_shape: list[int], layout: str) -> dict[str, Any]:
     """Save ``steps`` (seed = step) from this job's topology."""
+    _in_child()
     mesh = global_mesh(tuple(mesh_shape))
     with CheckpointManager(root, options=_options()) as mgr:
         for step in steps:
@@ -88,6 +93,7 @@ def save(root: str, steps: list[int], mesh_shape: list[int], layout: str) -> dic
 
 def check_restore(root: str, steps: list[int], mesh_shape: list[int], layout: str) -> dict[str, Any]:
     """Restore each of ``steps`` onto this job's topology; check every local shard bit for bit."""
+    _in_child()
     mesh = global_mesh(tuple(mesh_shape))
     specs = _specs(layout)
     target: dict[str, Any] = {
@@ -156,6 +162,7 @@ class FaultyStore(Store):
 def faulty_saves(root: str, plan: dict[str, dict[str, str]], steps: list[int], barrier_timeout_s: float) -> dict[str, Any]:
     """Save ``steps`` in order; ``plan[str(process)][str(step)]`` injects a fault. Report, per
     step, what ``save``+``wait`` raised here and how long it took."""
+    _in_child()
     mine = {int(s): a for s, a in plan.get(str(jax.process_index()), {}).items()}
     store = FaultyStore(root, fail_steps=mine)
     mesh = global_mesh((jax.device_count(),))
@@ -180,6 +187,7 @@ def faulty_saves(root: str, plan: dict[str, dict[str, str]], steps: list[int], b
 
 def two_one_shot_saves(root: str) -> dict[str, Any]:
     """``fastckpt.save`` twice in one job (a new manager each time)."""
+    _in_child()
     import fastckpt
 
     mesh = global_mesh((jax.device_count(),))
@@ -214,8 +222,9 @@ class _SlowListStore(Store):
 
 def skip_when_busy(root: str) -> dict[str, Any]:
     """``if_busy="skip"`` where process 0's save is still busy (retention) but process 1's is done."""
+    _in_child()
     mesh = global_mesh((jax.device_count(),))
-    opts = ManagerOptions(save=SaveOptions(if_busy="skip"), distributed=DistributedOptions(barrier_timeout_s=8))
+    opts = ManagerOptions(save=SaveOptions(if_busy="skip"), distributed=DistributedOptions(barrier_timeout_s=3))
     saved = []
     with CheckpointManager(_SlowListStore(root), options=opts) as mgr:
         saved.append(mgr.save(1, _state(mesh, "flat", seed=1)))
@@ -240,6 +249,7 @@ def skip_when_busy(root: str) -> dict[str, Any]:
 
 def fail_in_process(which: int) -> int:
     """Raise in process ``which``; the others hang (launcher self-test)."""
+    _in_child()
     if jax.process_index() == which:
         return 1 // 0
     time.sleep(600)

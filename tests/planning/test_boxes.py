@@ -104,7 +104,7 @@ def split_cases(draw: st.DrawFn) -> tuple[tuple[int, ...], Box, int, int]:
     return shape, box, itemsize, max_bytes
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(split_cases())
 def test_split_box_tiles_contiguously_in_byte_order(case: tuple[tuple[int, ...], Box, int, int]) -> None:
     shape, box, itemsize, max_bytes = case
@@ -176,7 +176,7 @@ def span_cases(draw: st.DrawFn) -> tuple[Box, tuple[int, ...]]:
     return draw(boxes_in(shape, allow_empty=True)), shape
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=250, deadline=None)
 @given(span_cases())
 def test_contiguous_span_matches_brute_force(case: tuple[Box, tuple[int, ...]]) -> None:
     region, shape = case

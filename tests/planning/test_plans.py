@@ -171,7 +171,7 @@ def fetch_cases(draw: st.DrawFn) -> tuple[list[ChunkEntry], int, int]:
     return wanted, draw(st.integers(0, 60)), draw(st.integers(1, 300))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(fetch_cases())
 def test_coalesce_fetches_each_chunk_once_within_bounds(case: tuple[list[ChunkEntry], int, int]) -> None:
     wanted, max_gap, max_bytes = case

@@ -280,3 +280,23 @@ def test_fuzz_live_server_survives_garbage(served, garbage: bytes, authenticate:
         assert reply.startswith(wire.MAGIC)
     with PeerClient(server.address, secret=SECRET, options=FAST) as c:
         assert bytes(c.get_chunk(1, "a")) == data["a"].tobytes()  # type: ignore[arg-type]
+
+
+def test_large_chunks_use_pipelined_verification(make_tier: MakeTier, make_server: MakeServer, shm_dir: Path) -> None:
+    """Chunks over two crc windows (> 8 MiB) are checksummed on a helper thread: still exact."""
+    big = fill(1, {"big": (12 << 20) + 5})["big"]
+    tier = make_tier("big")
+    seal_chunks(tier, 1, {"big": big})
+    tier.close()
+    (f,) = (shm_dir / "big" / "step-1").glob("*.data")
+    server = make_server(make_tier("big", budget_bytes=64 << 20), options=FAST)
+    with PeerClient(server.address, secret=SECRET, options=FAST) as c:
+        assert bytes(c.get_chunk(1, "big", expected_crc32c=crc32c(big))) == big.tobytes()  # type: ignore[arg-type]
+        assert c.push_chunk(2, "pushed", big) is True  # the server receives via the same path
+        with pytest.raises(ChecksumMismatchError):
+            c.push_chunk(2, "bad", big, raw_crc32c=crc32c(big) ^ 1)
+        with f.open("r+b") as fh:  # flip a byte in the last window of the served copy
+            fh.seek(big.nbytes - 3)
+            fh.write(b"\xff" if big[-3] != 0xFF else b"\x00")
+        with pytest.raises(ChecksumMismatchError):
+            c.get_chunk(1, "big")

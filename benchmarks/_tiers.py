@@ -1,0 +1,281 @@
+"""Helpers for the RAM-tier / peer benchmarks: helper processes, raw TCP, digests, a train step.
+
+Nothing here imports jax at module import time (like :mod:`benchmarks._common`).
+
+* :class:`HelperProcess`: a child ``python -m benchmarks._tiers <role> ...`` that prints
+  one line (its port) when ready and exits when its stdin closes. Roles:
+
+  - ``serve-peer``: a plain process serving a :class:`~fastckpt.replicas.RamTier` with a
+    :class:`~fastckpt.replicas.PeerServer` (accepts pushes) and publishing its address as a
+    peer record in a checkpoint store's ``_peers/`` directory, where a
+    :class:`~fastckpt.CheckpointManager` with RAM options finds it;
+  - ``serve-raw``: a raw loopback TCP sender (8-byte length request, then ``sendall`` of
+    that many bytes from a warm buffer; no framing, no checks).
+
+* :func:`measure_loopback_tcp`: raw TCP throughput from a ``serve-raw`` process with N
+  parallel streams into a warm destination (the limit a peer restore is compared with).
+* :func:`tree_digest`: per-leaf crc32c of a pytree's global values (bit-exact check
+  between processes without keeping two copies of a state).
+* :func:`matmul_state` / :func:`make_matmul_step`: a training-like state and jitted step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+MiB = 1 << 20
+PEER_SECRET = b"fastckpt-benchmark-secret-0123456789"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+# =========================================================================== helper processes
+
+
+class HelperProcess:
+    """A helper child process (``python -m benchmarks._tiers ROLE ARGS...``).
+
+    ``port`` is what the child printed when ready; closing its stdin stops it. Use as a
+    context manager.
+    """
+
+    def __init__(self, role: str, args: Sequence[str], *, start_timeout_s: float = 120.0) -> None:
+        self.role = role
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks._tiers", role, *args], cwd=REPO_ROOT,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        self.pid = self._proc.pid
+        assert self._proc.stdout is not None
+        line = _readline_timeout(self._proc, start_timeout_s)
+        if not line.strip().isdigit():
+            self.close()
+            raise RuntimeError(f"helper {role} did not start (said {line!r})")
+        self.port = int(line)
+
+    def close(self) -> None:
+        if self._proc.stdin is not None and not self._proc.stdin.closed:
+            with contextlib.suppress(OSError):
+                self._proc.stdin.close()
+        try:
+            self._proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+    def __enter__(self) -> HelperProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _readline_timeout(proc: subprocess.Popen[str], timeout_s: float) -> str:
+    out: list[str] = []
+    t = threading.Thread(target=lambda: out.append(proc.stdout.readline()), daemon=True)  # type: ignore[union-attr]
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        proc.kill()
+        raise RuntimeError(f"helper process did not answer within {timeout_s:.0f}s")
+    return out[0] if out else ""
+
+
+def peer_process(tier_root: str | os.PathLike[str], store_root: str, *, member_id: str, budget_bytes: int) -> HelperProcess:
+    """Start a ``serve-peer`` helper (see the module docstring)."""
+    return HelperProcess("serve-peer", [str(tier_root), store_root, member_id, str(budget_bytes)])
+
+
+def raw_tcp_process(nbytes: int) -> HelperProcess:
+    """Start a ``serve-raw`` helper able to send up to ``nbytes`` per request."""
+    return HelperProcess("serve-raw", [str(nbytes)])
+
+
+def _serve_peer(tier_root: str, store_root: str, member_id: str, budget_bytes: str) -> None:
+    from fastckpt.replicas import PeerServer, RamTier, StoreDirectory, make_record
+    from fastckpt.storage import open_store
+
+    store = open_store(store_root)
+    with RamTier(tier_root, budget_bytes=int(budget_bytes)) as tier, PeerServer(tier, secret=PEER_SECRET) as server:
+        StoreDirectory(store).publish(make_record(member_id, server.address))
+        print(server.address[1], flush=True)
+        sys.stdin.read()
+
+
+def _serve_raw(nbytes: str) -> None:
+    src = np.ones(int(nbytes), np.uint8)
+    listener = socket.create_server(("127.0.0.1", 0), backlog=64)
+
+    def handle(conn: socket.socket) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        hdr = bytearray(8)
+        with conn:
+            while True:
+                view, pos = memoryview(hdr), 0
+                while pos < 8:
+                    got = conn.recv_into(view[pos:])
+                    if not got:
+                        return
+                    pos += got
+                (n,) = struct.unpack(">Q", hdr)
+                conn.sendall(src.data[:n])
+
+    def accept() -> None:
+        while True:
+            conn, _ = listener.accept()
+            threading.Thread(target=handle, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    print(listener.getsockname()[1], flush=True)
+    sys.stdin.read()
+
+
+# =========================================================================== raw TCP
+
+
+def measure_loopback_tcp(port: int, nbytes: int, *, streams: int, reps: int) -> dict[str, Any]:
+    """Raw loopback TCP from a ``serve-raw`` helper: ``nbytes`` split over ``streams``
+    connections (one thread each, one request per stream), received into a warm buffer.
+
+    Returns GB/s (best and median of ``reps`` after one warm-up) and the stream count.
+    """
+    dst = np.ones(nbytes, np.uint8)  # warm: bandwidth, not first-touch page faults
+    share = nbytes // streams
+    socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(streams)]
+    for s in socks:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def worker(i: int) -> None:
+        s, view = socks[i], dst.data[i * share : (i + 1) * share]
+        s.sendall(struct.pack(">Q", view.nbytes))
+        pos = 0
+        while pos < view.nbytes:
+            got = s.recv_into(view[pos:], view.nbytes - pos)
+            if not got:
+                raise OSError("raw TCP server closed the connection")
+            pos += got
+
+    def once() -> float:
+        threads = [threading.Thread(target=functools.partial(worker, i)) for i in range(streams)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return time.perf_counter() - t0
+
+    try:
+        once()
+        times = [once() for _ in range(reps)]
+    finally:
+        for s in socks:
+            s.close()
+    moved = share * streams
+    return {"streams": streams, "gbps": moved / min(times) / 1e9,
+            "median_gbps": moved / float(np.median(times)) / 1e9, "all_s": times}
+
+
+# =========================================================================== state checks
+
+
+def tree_digest(tree: Any) -> list[int]:
+    """crc32c of every leaf's global value (assembled shard by shard on host), in flatten order."""
+    import jax
+
+    from benchmarks._common import host_value
+    from fastckpt._checksum import crc32c
+
+    out = []
+    for leaf in jax.tree_util.tree_leaves(tree):
+        out.append(crc32c(np.ascontiguousarray(host_value(leaf)).reshape(-1).view(np.uint8)))
+    return out
+
+
+# =========================================================================== training-like loop
+
+
+def matmul_state(nbytes: int, mesh: Any, *, d: int = 1024, seed: int = 0) -> dict[str, Any]:
+    """Params + Adam-like moments: ``L`` f32 ``d x d`` matrices each (``3 * L * d * d * 4``
+    bytes ~ ``nbytes``), sharded ``("data", "model")`` over ``mesh``."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    layers = max(1, round(nbytes / (3 * d * d * 4)))
+    sh = NamedSharding(mesh, PartitionSpec("data", "model"))
+    rng = np.random.default_rng(seed)
+    base = (rng.standard_normal((d, d), dtype=np.float32) * (1.0 / np.sqrt(d))).astype(np.float32)
+
+    def leaf(i: int, scale: float) -> Any:
+        return jax.device_put(np.roll(base, i, axis=0) * np.float32(scale), sh)
+
+    state = {
+        "params": [leaf(i, 1.0) for i in range(layers)],
+        "mu": [leaf(i + 1, 0.0) for i in range(layers)],
+        "nu": [leaf(i + 2, 0.0) for i in range(layers)],
+    }
+    return jax.block_until_ready(state)
+
+
+def make_matmul_step(batch: int = 256, d: int = 1024) -> Callable[[Any, Any], Any]:
+    """A jitted, donated "train step": forward through every matrix (``tanh(x @ W)``), a
+    matmul-based gradient per matrix, and an Adam-like update of params and moments. Every
+    step returns fresh values of the whole state."""
+    import jax
+    import jax.numpy as jnp
+
+    def step(state: Any, x: Any) -> Any:
+        params, mu, nu = state["params"], state["mu"], state["nu"]
+        new_p, new_mu, new_nu = [], [], []
+        h = x
+        for w, m, v in zip(params, mu, nu):
+            out = jnp.tanh(h @ w)
+            g = (h.T @ out) / batch  # (d, d): a matmul-shaped "gradient"
+            m = 0.9 * m + 0.1 * g
+            v = 0.999 * v + 0.001 * g * g
+            new_p.append(w - 1e-3 * m / (jnp.sqrt(v) + 1e-8))
+            new_mu.append(m)
+            new_nu.append(v)
+            h = out
+        return {"params": new_p, "mu": new_mu, "nu": new_nu}
+
+    return jax.jit(step, donate_argnums=0)
+
+
+# =========================================================================== misc
+
+
+@contextlib.contextmanager
+def timed() -> Iterator[list[float]]:
+    """``with timed() as t: ...`` then ``t[0]`` is the elapsed seconds."""
+    out: list[float] = []
+    t0 = time.perf_counter()
+    try:
+        yield out
+    finally:
+        out.append(time.perf_counter() - t0)
+
+
+def _main(argv: list[str]) -> None:
+    role, args = argv[0], argv[1:]
+    if role == "serve-peer":
+        _serve_peer(*args)
+    elif role == "serve-raw":
+        _serve_raw(*args)
+    else:
+        raise SystemExit(f"unknown role {role!r}")
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])

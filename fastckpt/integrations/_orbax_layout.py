@@ -1,0 +1,255 @@
+"""Where things are in an orbax-checkpoint directory, and what its metadata says.
+
+Orbax's layout (as of orbax-checkpoint 0.12): a ``CheckpointManager`` root holds one
+directory per step (``<step>``, finalized by an atomic rename locally or a
+``commit_success.txt`` on object stores); a step directory holds one directory per item
+(``default`` for a single ``StandardSave``); an item directory holds ``_METADATA`` (the tree:
+key names, key kinds, value types, and whether arrays are OCDBT/zarr3), ``_sharding``
+(base64 parameter name -> sharding JSON), ``array_metadatas/process_<i>`` (PRNG key
+implementations), ``_strings.json`` (str leaves) and the array data (an OCDBT database, or
+one kvstore directory per parameter). Local paths are read with ``os``; ``gs://`` with a
+tensorstore kvstore. Nothing here imports orbax.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import os
+import re
+from typing import Any
+
+from fastckpt.errors import CheckpointNotFoundError, ConfigError, ManifestError
+from fastckpt.format.manifest import KeyPath
+
+__all__ = ["EMPTY_TYPES", "OrbaxEntry", "OrbaxItem", "is_orbax_dir", "kv_spec", "load_item", "read_json",
+           "resolve_item_dir"]
+
+#: Orbax value types that carry no data (empty containers, None) and what they restore as.
+EMPTY_TYPES: dict[str, Any] = {"None": None, "Dict": {}, "List": [], "Tuple": (), "NamedTuple": (), "Unknown": None}
+_STEP_DIR = re.compile(r"^(?:.*_)?(\d+)$")
+
+
+# ---------------------------------------------------------------- paths (local or gs://)
+
+
+def kv_spec(url: str) -> dict[str, Any]:
+    """tensorstore kvstore spec of a directory URL (trailing ``/`` in ``path``)."""
+    if url.startswith("gs://"):
+        bucket, _, prefix = url[5:].partition("/")
+        if not bucket:
+            raise ConfigError(f"malformed GCS URL {url!r}")
+        prefix = prefix.strip("/")
+        return {"driver": "gcs", "bucket": bucket, "path": prefix + "/" if prefix else ""}
+    if url.startswith("file://"):
+        url = url[len("file://") :]
+    elif re.match(r"^[A-Za-z][A-Za-z0-9+.\-]*://", url):
+        raise ConfigError(f"unsupported Orbax checkpoint URL {url!r} (use a path, file:// or gs://)")
+    return {"driver": "file", "path": os.path.abspath(url).rstrip("/") + "/"}
+
+
+def _join(url: str, name: str) -> str:
+    return url.rstrip("/") + "/" + name
+
+
+class _Dir:
+    """A directory of an Orbax checkpoint: local (``os``) or remote (tensorstore kvstore)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.spec = kv_spec(url)
+        self._kv: Any = None
+
+    @property
+    def local(self) -> str | None:
+        return self.spec["path"] if self.spec["driver"] == "file" else None
+
+    def _store(self) -> Any:
+        if self._kv is None:
+            import tensorstore as ts
+
+            self._kv = ts.KvStore.open(self.spec).result()
+        return self._kv
+
+    def read(self, name: str) -> bytes | None:
+        if self.local is not None:
+            try:
+                with open(os.path.join(self.local, name), "rb") as f:
+                    return f.read()
+            except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+                return None
+        r = self._store().read(name).result()
+        return None if r.state == "missing" else bytes(r.value)
+
+    def children(self) -> set[str]:
+        """Names of the entries directly below this directory."""
+        if self.local is not None:
+            try:
+                return set(os.listdir(self.local))
+            except (FileNotFoundError, NotADirectoryError):
+                return set()
+        return {k.decode().split("/", 1)[0] for k in self._store().list().result()}
+
+    def child(self, name: str) -> _Dir:
+        return _Dir(_join(self.url, name))
+
+
+def read_json(url: str, name: str) -> Any:
+    """Parse the JSON file ``name`` in directory ``url``; None if it does not exist."""
+    return _load_json(_Dir(url), name)
+
+
+def _load_json(d: _Dir, name: str) -> Any:
+    data = d.read(name)
+    if data is None:
+        return None
+    try:
+        return json.loads(data)
+    except ValueError as e:
+        raise ManifestError(f"{_join(d.url, name)} is not valid JSON: {e}") from e
+
+
+def is_orbax_dir(url: str) -> bool:
+    """Whether ``url`` looks like an Orbax item dir, step dir or manager root."""
+    try:
+        resolve_item_dir(url)
+    except (CheckpointNotFoundError, ConfigError):
+        return False
+    return True
+
+
+def _orbax_steps(d: _Dir) -> dict[int, str]:
+    """Finalized step directories of an Orbax manager root: step -> name."""
+    out: dict[int, str] = {}
+    for name in d.children():
+        m = _STEP_DIR.match(name)
+        if m is None or "tmp" in name:
+            continue
+        child = d.child(name)
+        if d.local is None and child.read("commit_success.txt") is None:
+            continue  # not finalized (object stores have no atomic rename)
+        out[int(m.group(1))] = name
+    return out
+
+
+def _pick_item(d: _Dir, item: str | None) -> _Dir | None:
+    names = sorted(n for n in d.children() if d.child(n).read("_METADATA") is not None)
+    if not names:
+        return None
+    if item is not None:
+        if item not in names:
+            raise CheckpointNotFoundError(f"no item {item!r} in {d.url} (items: {names})")
+        return d.child(item)
+    if "default" in names:
+        return d.child("default")
+    if len(names) == 1:
+        return d.child(names[0])
+    raise ConfigError(f"{d.url} holds several items {names}; pass item=")
+
+
+def resolve_item_dir(url: str, *, step: int | None = None, item: str | None = None) -> tuple[str, int | None]:
+    """Find the item directory in an Orbax item dir, step dir or manager root.
+
+    Returns ``(item_url, step)``; ``step`` is parsed from the step directory name when
+    there is one. ``step=None`` on a manager root picks the newest finalized step.
+
+    Raises:
+        CheckpointNotFoundError: nothing Orbax-like there, or no such step/item.
+    """
+    d = _Dir(url)
+    if d.read("_METADATA") is not None or d.read("checkpoint") is not None:
+        m = _STEP_DIR.match(os.path.basename(url.rstrip("/")))
+        return url, (int(m.group(1)) if m else step)
+    picked = _pick_item(d, item)
+    if picked is not None:
+        m = _STEP_DIR.match(os.path.basename(url.rstrip("/")))
+        return picked.url, (int(m.group(1)) if m else step)
+    steps = _orbax_steps(d)
+    if not steps:
+        raise CheckpointNotFoundError(f"no Orbax checkpoint at {url}")
+    if step is None:
+        step = max(steps)
+    if step not in steps:
+        raise CheckpointNotFoundError(f"no finalized Orbax step {step} in {url} (steps: {sorted(steps)})")
+    picked = _pick_item(d.child(steps[step]), item)
+    if picked is None:
+        raise CheckpointNotFoundError(f"Orbax step dir {_join(url, steps[step])} holds no PyTree item")
+    return picked.url, step
+
+
+# ---------------------------------------------------------------- metadata
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OrbaxEntry:
+    """One leaf of an Orbax item, as ``_METADATA`` describes it."""
+
+    names: tuple[str, ...]
+    """Key names along the path (Orbax stores every key as a string)."""
+    sequence: tuple[bool, ...]
+    """Per key: a sequence index (True) or a dict key / attribute (False)."""
+    value_type: str
+    """``jax.Array``, ``np.ndarray``, ``scalar``, ``string`` or an empty type (``None``, ``Dict``...)."""
+
+    @property
+    def param_name(self) -> str:
+        """Orbax's parameter name: the key names joined by ``.``."""
+        return ".".join(self.names)
+
+    @property
+    def keypath(self) -> KeyPath:
+        """The fastckpt key path (dict keys and list indices)."""
+        return tuple(("i", int(n)) if s else ("d", n) for n, s in zip(self.names, self.sequence))
+
+
+@dataclasses.dataclass
+class OrbaxItem:
+    """Parsed metadata of one Orbax item directory."""
+
+    url: str
+    entries: dict[tuple[str, ...], OrbaxEntry]
+    use_ocdbt: bool
+    use_zarr3: bool
+    key_impls: dict[str, str]
+    """Parameter name -> PRNG implementation, for typed-key leaves."""
+    shardings: dict[str, Any]
+    """Parameter name -> the saved sharding description (JSON)."""
+
+
+def load_item(url: str) -> OrbaxItem:
+    """Parse ``_METADATA``, ``_sharding`` and ``array_metadatas`` of an item directory."""
+    d = _Dir(url)
+    meta = _load_json(d, "_METADATA")
+    if meta is None:
+        raise CheckpointNotFoundError(f"{url} has no _METADATA (not an Orbax PyTree item)")
+    tree = meta.get("tree_metadata") if isinstance(meta, dict) else None
+    if not isinstance(tree, dict):
+        raise ManifestError(f"{url}/_METADATA has no tree_metadata")
+    entries: dict[tuple[str, ...], OrbaxEntry] = {}
+    for raw_key, entry in tree.items():
+        try:
+            keys = entry["key_metadata"]
+            names = tuple(str(k["key"]) for k in keys)
+            seq = tuple(int(k["key_type"]) == 1 for k in keys)
+            vtype = str(entry["value_metadata"]["value_type"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ManifestError(f"{url}/_METADATA: malformed entry {raw_key!r}: {e}") from e
+        entries[names] = OrbaxEntry(names, seq, vtype)
+    key_impls: dict[str, str] = {}
+    amd = d.child("array_metadatas")
+    for name in sorted(amd.children()):
+        doc = _load_json(amd, name) or {}
+        for a in doc.get("array_metadatas", []):
+            a = a.get("array_metadata", {})
+            ext = a.get("ext_metadata") or {}
+            if ext.get("random_key_impl"):
+                key_impls[str(a["param_name"])] = str(ext["random_key_impl"])
+    shardings: dict[str, Any] = {}
+    for k, v in (_load_json(d, "_sharding") or {}).items():
+        try:
+            shardings[base64.b64decode(k).decode()] = json.loads(v)
+        except (ValueError, TypeError):
+            continue  # informational only
+    return OrbaxItem(url, entries, bool(meta.get("use_ocdbt", True)), bool(meta.get("use_zarr3", False)),
+                     key_impls, shardings)

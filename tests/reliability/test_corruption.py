@@ -1,0 +1,425 @@
+"""Corruption: random bytes flipped at rest (local files, GCS emulator objects, RAM-tier
+segment files) and in transit (GCS responses, the peer wire through a man-in-the-middle).
+
+The rule every trial checks: a restore returns bit-exact data or raises a typed fastckpt
+error, never wrong data. Where another tier holds the chunk, the restore falls back to it and
+succeeds (RAM corrupt -> storage; peer corrupt -> storage; a GCS response corrupted on the
+wire -> one re-read). Where none does, the error names the array and the chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import json
+import random
+import shutil
+import socket
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from fastckpt import CheckpointManager, ManagerOptions, RestoreOptions, RetentionOptions, SaveOptions
+from fastckpt.errors import (
+    CheckpointNotFoundError,
+    ChecksumMismatchError,
+    CorruptionError,
+    FastckptError,
+    ManifestError,
+)
+from fastckpt.options import RamOptions
+from fastckpt.replicas import PeerClient, PeerOptions, PeerServer, RamTier, TieredChunkSource, wire
+from fastckpt.replicas.wire import MsgType
+from fastckpt.storage import GcsOptions, GcsStore, LocalStore, RetryingStore, RetryPolicy, Store
+from fastckpt.testing.fault_proxy import FaultProxy
+from fastckpt.testing.gcs_emulator import GcsEmulator
+
+from ._util import BUCKET, Recorder, trial_count
+
+SECRET = b"reliability-secret-0123456789"
+FAST = PeerOptions(connect_timeout_s=2, handshake_timeout_s=2, io_timeout_s=2)
+_names = itertools.count()
+OPTIONS = ManagerOptions(
+    save=SaveOptions(max_chunk_bytes=32 << 10, object_bytes=96 << 10),
+    restore=RestoreOptions(max_gap_bytes=0, max_request_bytes=64 << 10),
+    retention=RetentionOptions(keep_last=None),
+)
+
+
+def make_state(step: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(state to save, expected host values): random float32 (stored raw: incompressible),
+    a compressible int32 array (stored zstd), a bool array and a python value."""
+    import jax
+
+    rng = np.random.default_rng(step)
+    w = rng.standard_normal((256, 256), dtype=np.float32)
+    z = (np.arange(96 << 10, dtype=np.int32) * (step + 3)) % 11
+    m = rng.random(5000) < 0.5
+    host = {"params": {"w": w, "z": z}, "mask": m, "step": step}
+    return {"params": {"w": jax.device_put(w), "z": z}, "mask": jax.device_put(m), "step": step}, host
+
+
+def wrong_leaves(got: Any, host: dict[str, Any]) -> list[str]:
+    bad = []
+    for name, want in (("w", host["params"]["w"]), ("z", host["params"]["z"]), ("mask", host["mask"])):
+        g = np.asarray(got["params"][name] if name != "mask" else got["mask"])
+        if g.dtype != want.dtype or g.shape != want.shape or g.tobytes() != want.tobytes():
+            bad.append(name)
+    if got["step"] != host["step"]:
+        bad.append("step")
+    return bad
+
+
+def restore_outcome(mgr: CheckpointManager, step: int, host: dict[str, Any]) -> tuple[str, BaseException | None]:
+    """``"exact"``, ``"wrong"`` (must never happen) or the fastckpt error class name."""
+    try:
+        got = mgr.restore(step)
+    except FastckptError as e:
+        return type(e).__name__, e
+    return ("wrong" if wrong_leaves(got, host) else "exact"), None
+
+
+# ----------------------------------------------------------------------------- at rest
+
+
+class _Objects:
+    """Raw read/write of stored objects, bypassing the manager (local files or the emulator)."""
+
+    def __init__(self, store: Store, raw: GcsStore | None, root: Path | None) -> None:
+        self.store, self.raw, self.root = store, raw, root
+
+    def keys(self) -> list[str]:
+        return asyncio.run(self.store.list("")) if self.raw is None else self._gcs(self.raw.list(""))
+
+    def read(self, key: str) -> bytes:
+        if self.root is not None:
+            return (self.root / key).read_bytes()
+        assert self.raw is not None
+        return bytes(self._gcs(self.raw.get(key)))
+
+    def write(self, key: str, data: bytes) -> None:
+        if self.root is not None:
+            (self.root / key).write_bytes(data)
+        else:
+            assert self.raw is not None
+            self._gcs(self.raw.put(key, data))
+
+    def _gcs(self, coro: Any) -> Any:
+        return asyncio.run(coro)
+
+
+@pytest.fixture(params=["local", "gcs"])
+def objects(request: pytest.FixtureRequest, tmp_path: Path, gcs_emulator: GcsEmulator) -> Iterator[_Objects]:
+    if request.param == "local":
+        root = tmp_path / "ckpt"
+        yield _Objects(LocalStore(root), None, root)
+    else:
+        prefix = f"corrupt{next(_names):04d}"
+        opts = GcsOptions(endpoint=gcs_emulator.endpoint, max_workers=4)
+        yield _Objects(GcsStore(BUCKET, prefix, options=opts), GcsStore(BUCKET, prefix, options=opts), None)
+
+
+def test_random_byte_flips_at_rest_are_always_detected(objects: _Objects, recorder: Recorder) -> None:
+    kind = "local" if objects.root is not None else "gcs"
+    state, host = make_state(1)
+    with CheckpointManager(objects.store, options=OPTIONS) as mgr:
+        mgr.save(1, state)
+        mgr.wait()
+        keys = [k for k in objects.keys() if k.startswith(("steps/", "manifests/"))]
+        rng = random.Random(7 if kind == "local" else 8)
+        outcomes: dict[str, int] = {}
+        for _ in range(trial_count(20 if kind == "local" else 8, scale=0.6 if kind == "local" else 0.2)):
+            key = rng.choice(keys)
+            orig = objects.read(key)
+            pos = rng.randrange(len(orig))
+            flipped = bytearray(orig)
+            flipped[pos] ^= rng.randrange(1, 256)
+            objects.write(key, bytes(flipped))
+            try:
+                outcome, err = restore_outcome(mgr, 1, host)
+            finally:
+                objects.write(key, orig)
+            where = "manifest" if key.startswith("manifests/") else "data"
+            outcomes[f"{where}:{outcome}"] = outcomes.get(f"{where}:{outcome}", 0) + 1
+            assert outcome != "wrong", (key, pos)
+            if where == "data":
+                # Every byte of a data object belongs to a chunk: always caught, and named.
+                assert isinstance(err, ChecksumMismatchError), (key, pos, outcome, err)
+                assert key in str(err) and "array ['" in str(err) and "chunk [" in str(err), err
+            else:
+                assert outcome == "exact" or isinstance(err, ManifestError), (key, pos, outcome, err)
+        assert restore_outcome(mgr, 1, host)[0] == "exact"  # every flip was undone
+    recorder.add(f"corruption_at_rest_{kind}", trials=sum(outcomes.values()), outcomes=outcomes,
+                 wrong_data=outcomes.get("data:wrong", 0) + outcomes.get("manifest:wrong", 0))
+
+
+def test_gcs_responses_corrupted_in_transit_are_reread(gcs_emulator: GcsEmulator, recorder: Recorder) -> None:
+    """The proxy flips a bit in 15% of object downloads. A corrupted chunk read fails its
+    crc32c and is re-read once; a corrupted manifest download fails the object's crc32c
+    (``x-goog-hash``) in GcsStore and is retried. Only two corrupted reads of the same chunk
+    in a row fail the restore (ChecksumMismatchError)."""
+    prefix = f"transit{next(_names):04d}"
+    state, host = make_state(2)
+    outcomes: dict[str, int] = {}
+    policy = RetryPolicy(max_attempts=5, initial_backoff_s=0.01, deadline_s=10)
+    with FaultProxy(gcs_emulator.endpoint, seed=3, kinds=("corrupt",),
+                    eligible=lambda method, path, body: method == "GET" and "alt=media" in path) as proxy:
+        store = RetryingStore(GcsStore(BUCKET, prefix, options=GcsOptions(endpoint=proxy.endpoint)), policy=policy)
+        with CheckpointManager(store, options=OPTIONS) as mgr:
+            mgr.save(2, state)
+            mgr.wait()
+            proxy.configure(rate=0.15)
+            retries = 0
+            for _ in range(trial_count(8, scale=0.2)):
+                outcome, err = restore_outcome(mgr, 2, host)
+                outcomes[outcome] = outcomes.get(outcome, 0) + 1
+                assert outcome in ("exact", "ChecksumMismatchError"), (outcome, err)
+                retries += mgr.last_restore_stats.retries if outcome == "exact" else 0  # type: ignore[union-attr]
+        corrupted = proxy.faults().get("corrupt", 0)
+    assert corrupted > 0 and outcomes.get("exact", 0) > 0
+    recorder.add("corruption_gcs_in_transit", trials=sum(outcomes.values()), responses_corrupted=corrupted,
+                 outcomes=outcomes, chunk_rereads=retries, wrong_data=outcomes.get("wrong", 0))
+
+
+# ----------------------------------------------------------------------------- RAM tier
+
+
+@pytest.fixture
+def shm() -> Iterator[Path]:
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
+    d = base / f"fastckpt-rel-{uuid.uuid4().hex[:10]}"
+    d.mkdir()
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _chunk_ranges(tier_root: Path, step: int) -> list[tuple[Path, str, int, int]]:
+    """``(data file, chunk id, offset, length)`` of every sealed chunk of ``step``."""
+    out = []
+    for index in (tier_root / f"step-{step}").glob("*.index.json"):
+        doc = json.loads(index.read_text())
+        for cid, off, length, _ in doc["chunks"]:
+            if length:
+                out.append((index.parent / doc["data"], cid, off, length))
+    return out
+
+
+def _flip_file(path: Path, pos: int, rng: random.Random) -> None:
+    with path.open("r+b") as f:
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ rng.randrange(1, 256)]))
+
+
+def test_corrupt_ram_tier_falls_back_to_storage(tmp_path: Path, shm: Path, recorder: Recorder) -> None:
+    ram_opts = dataclasses.replace(OPTIONS, ram=RamOptions(root=str(shm / "host0"), interval_steps=1))
+    rng = random.Random(11)
+    outcomes: dict[str, int] = {}
+    for t in range(trial_count(4, scale=0.4)):
+        root = tmp_path / f"ckpt{t}"
+        state, host = make_state(t + 1)
+        with CheckpointManager(str(root), options=ram_opts) as mgr:
+            mgr.save(t + 1, state)  # RAM and storage
+            mgr.wait()
+        chunks = _chunk_ranges(shm / "host0", t + 1)
+        hit = rng.sample(chunks, k=rng.randint(1, 3))
+        for data, _, off, length in hit:
+            _flip_file(data, off + rng.randrange(length), rng)
+        with CheckpointManager(str(root), options=ram_opts) as mgr:
+            got, stats = mgr.restore_with_stats()
+        assert wrong_leaves(got, host) == []
+        assert stats.chunks_by_tier.get("storage", 0) >= len({cid for _, cid, _, _ in hit}), stats.chunks_by_tier
+        assert stats.chunks_by_tier.get("ram", 0) == len(chunks) - stats.chunks_by_tier["storage"], stats
+        outcomes["exact"] = outcomes.get("exact", 0) + 1
+    recorder.add("corruption_ram_tier_with_storage_copy", trials=sum(outcomes.values()), outcomes=outcomes,
+                 fallback="storage", wrong_data=0)
+
+
+def test_corrupt_ram_only_step_fails_naming_the_chunk(tmp_path: Path, shm: Path, recorder: Recorder) -> None:
+    """No other tier holds a RAM-only step's chunks: the restore fails, typed, naming the array
+    and the chunk (never wrong data); the older persistent step is still restorable."""
+    opts = dataclasses.replace(OPTIONS, ram=RamOptions(root=str(shm / "host0"), interval_steps=1), save_interval_steps=2)
+    root = str(tmp_path / "ckpt")
+    rng = random.Random(12)
+    with CheckpointManager(root, options=opts) as mgr:
+        for step in (2, 3):
+            mgr.save(step, make_state(step)[0])
+            mgr.wait()
+        assert mgr.steps_by_tier() == {2: {"storage"}, 3: {"ram"}}
+    data, cid, off, length = rng.choice(_chunk_ranges(shm / "host0", 3))
+    _flip_file(data, off + rng.randrange(length), rng)
+    with CheckpointManager(root, options=opts) as mgr:
+        with pytest.raises((CheckpointNotFoundError, CorruptionError)) as info:
+            mgr.restore()
+        leaf = cid.split("@")[0]
+        assert "array " in str(info.value) and leaf in str(info.value) and "chunk [" in str(info.value), info.value
+        assert wrong_leaves(mgr.restore(2), make_state(2)[1]) == []
+    recorder.add("corruption_ram_only_step", trials=1, outcomes={type(info.value).__name__: 1}, wrong_data=0)
+
+
+# ----------------------------------------------------------------------------- peer wire
+
+
+class FlippingRelay:
+    """A TCP man-in-the-middle between a PeerClient and a PeerServer.
+
+    Client -> server bytes and server -> client bytes are relayed frame by frame; a frame of a
+    type in ``types`` (in the chosen direction) gets one byte XOR-ed with ``probability``, at a
+    random position of the payload (``where="payload"``) or of the whole frame
+    (``where="anywhere"``: prefix, JSON header or payload).
+    """
+
+    def __init__(self, upstream: tuple[str, int], *, seed: int, direction: str = "down",
+                 types: frozenset[MsgType] = frozenset({MsgType.CHUNK}), probability: float = 1.0,
+                 where: str = "payload") -> None:
+        self.upstream = upstream
+        self.rng = random.Random(seed)
+        self.direction, self.types, self.probability, self.where = direction, types, probability, where
+        self.flips: dict[str, int] = {"prefix": 0, "header": 0, "payload": 0}
+        self._lock = threading.Lock()
+        self._socks: list[socket.socket] = []
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self._listener.getsockname()[:2]
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()
+        for s in self._socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.upstream, timeout=10)
+            self._socks += [client, server]
+            threading.Thread(target=self._pump, args=(server, client, self.direction == "down"), daemon=True).start()
+            threading.Thread(target=self._pump, args=(client, server, self.direction == "up"), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, tamper: bool) -> None:
+        try:
+            while True:
+                prefix = _recv(src, wire.PREFIX.size)
+                if prefix is None:
+                    break
+                _, _, mtype, _, hlen, plen = wire.PREFIX.unpack(prefix)
+                frame = bytearray(prefix + (_recv(src, hlen + plen) or b""))
+                if tamper and mtype in self.types:
+                    with self._lock:
+                        if self.rng.random() < self.probability:
+                            lo = wire.PREFIX.size + hlen if self.where == "payload" and plen else 0
+                            pos = self.rng.randrange(lo, len(frame))
+                            frame[pos] ^= self.rng.randrange(1, 256)
+                            part = "prefix" if pos < wire.PREFIX.size else "header" if pos < wire.PREFIX.size + hlen else "payload"
+                            self.flips[part] += 1
+                dst.sendall(frame)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+
+def _recv(sock: socket.socket, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        got = sock.recv(n - len(buf))
+        if not got:
+            return None
+        buf += got
+    return bytes(buf)
+
+
+@pytest.fixture
+def served_step(tmp_path: Path, shm: Path) -> Iterator[tuple[str, dict[str, Any], PeerServer, RamTier]]:
+    """Step 1 saved to local storage and to a RAM tier that a PeerServer serves."""
+    root = str(tmp_path / "ckpt")
+    tier_root = shm / "peer"
+    state, host = make_state(1)
+    with CheckpointManager(root, options=dataclasses.replace(OPTIONS, ram=RamOptions(root=str(tier_root)))) as mgr:
+        mgr.save(1, state)
+        mgr.wait()
+    tier = RamTier(tier_root, budget_bytes=64 << 20)
+    server = PeerServer(tier, secret=SECRET, options=FAST).start()
+    yield root, host, server, tier
+    server.close()
+    tier.close()
+
+
+def test_peer_wire_corruption_falls_back_to_storage(served_step: Any, recorder: Recorder) -> None:
+    root, host, server, _ = served_step
+    outcomes: dict[str, int] = {}
+    flips = {"prefix": 0, "header": 0, "payload": 0}
+    fallbacks: dict[str, int] = {}
+    for t in range(trial_count(12, scale=0.5)):
+        where = "payload" if t % 3 else "anywhere"
+        relay = FlippingRelay(server.address, seed=t, probability=0.3, where=where)
+        try:
+            source = TieredChunkSource(None, [PeerClient(relay.address, secret=SECRET, options=FAST, name="mitm")])
+            with CheckpointManager(root, options=OPTIONS, chunk_source=source) as mgr:
+                got, stats = mgr.restore_with_stats(1)
+        finally:
+            relay.close()
+        assert wrong_leaves(got, host) == [], (t, relay.flips)
+        outcomes["exact"] = outcomes.get("exact", 0) + 1
+        for k, v in relay.flips.items():
+            flips[k] += v
+        for reason, n in source.stats().fallbacks.items():
+            fallbacks[reason] = fallbacks.get(reason, 0) + n
+        if relay.flips["payload"]:
+            assert source.stats().fallbacks.get("corrupt", 0) >= 1 and stats.chunks_by_tier.get("storage", 0) >= 1
+    assert flips["payload"] > 0 and fallbacks.get("corrupt", 0) > 0
+    recorder.add("corruption_peer_wire", trials=sum(outcomes.values()), bytes_flipped_by_part=flips,
+                 source_fallbacks=fallbacks, outcomes=outcomes, wrong_data=0)
+
+
+def test_peer_wire_corruption_without_fallback_is_a_typed_error(served_step: Any) -> None:
+    _, _, server, tier = served_step
+    relay = FlippingRelay(server.address, seed=5, probability=1.0)
+    try:
+        with PeerClient(relay.address, secret=SECRET, options=FAST) as client:
+            cid, loc = next((c, loc) for c, loc in tier.iter_chunks(1) if loc.length)
+            with pytest.raises(ChecksumMismatchError, match="corrupt") as info:
+                client.get_chunk(1, cid, expected_crc32c=loc.raw_crc32c)
+            assert repr(cid) in str(info.value) and "step 1" in str(info.value)
+    finally:
+        relay.close()
+
+
+def test_pushed_chunk_corrupted_on_the_wire_is_refused(served_step: Any) -> None:
+    _, _, server, tier = served_step
+    relay = FlippingRelay(server.address, seed=6, direction="up", types=frozenset({MsgType.PUT_CHUNK}))
+    data = np.random.default_rng(0).bytes(50_000)
+    try:
+        with PeerClient(relay.address, secret=SECRET, options=FAST) as client:
+            with pytest.raises(ChecksumMismatchError):
+                client.push_chunk(1, "pushed@0:1", data)
+    finally:
+        relay.close()
+    assert not tier.has_chunk(1, "pushed@0:1")
+    assert relay.flips["payload"] == 1
+    with PeerClient(server.address, secret=SECRET, options=FAST) as client:  # the direct path works
+        assert client.push_chunk(1, "pushed@0:1", data) is True
+        assert bytes(client.get_chunk(1, "pushed@0:1")) == data  # type: ignore[arg-type]
+

@@ -1,0 +1,508 @@
+"""Hostile input: manifests built to break the parser or the reader, and peers that lie.
+
+Beyond ``tests/format`` and ``tests/replicas``: values injected as raw JSON text anywhere in a
+real manifest (nesting 10^5 deep, 10^4-digit integers, ``1e400``, ``NaN``, unicode, path
+traversal in object keys), decodable manifests that describe impossible data, frames
+generated against a live PeerServer after authentication (and before it), and a hostile
+*server* answering a PeerClient. Every case must end in a typed error; the parser and the
+server must never crash or hang; the server must keep serving a well-behaved client, on its
+old pooled connection and on new ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fastckpt import CheckpointManager
+from fastckpt._checksum import crc32c
+from fastckpt.errors import (
+    AuthenticationError,
+    ChecksumMismatchError,
+    ConfigError,
+    FastckptError,
+    ManifestError,
+    PeerError,
+    PeerUnavailableError,
+    ProtocolError,
+)
+from fastckpt.format.codec import decode_manifest, encode_manifest
+from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, Manifest
+from fastckpt.replicas import ChunkLocation, PeerClient, PeerOptions, PeerRequestError, PeerServer, RamTier, wire
+from fastckpt.replicas.wire import ERROR_CODES, MsgType
+from fastckpt.storage import LocalStore, MemoryStore
+
+from ._util import Recorder
+
+SECRET = b"hostile-test-secret-0123456789"
+FAST = PeerOptions(connect_timeout_s=2, handshake_timeout_s=1.0, io_timeout_s=1.0, max_payload_bytes=1 << 20)
+
+# ============================================================================ manifests
+
+
+def _real_manifest() -> bytes:
+    chunk = ChunkEntry(box=((0, 4), (0, 8)), key="steps/000000000007/ab12/p00000-00000.fck", offset=0, length=128,
+                       raw_length=128, codec="raw", crc32c=1, raw_crc32c=1)
+    leaf = ArrayLeaf(path=(("d", "params"), ("d", "w")), shape=(8, 8), dtype="float32",
+                     chunks=(chunk, ChunkEntry(box=((4, 8), (0, 8)), key=chunk.key, offset=128, length=128,
+                                               raw_length=128, codec="raw", crc32c=2, raw_crc32c=2)))
+    return encode_manifest(Manifest(step=7, leaves=(leaf,), metadata={"note": "x", "n": 1.5}))
+
+
+_BASE = json.loads(_real_manifest())
+
+
+def _slots(doc: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    out = [prefix] if prefix else []
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            out += _slots(v, (*prefix, k))
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            out += _slots(v, (*prefix, i))
+    return out
+
+
+_SLOTS = _slots(_BASE)
+_KEYS = [s for s in _SLOTS if s[-1] == "key"]
+_SEGMENT = st.sampled_from(["..", ".", "", "steps", "a", "\\", "C:", "~", "%2e%2e", "\u2024\u2024", "．．", "\u202e",
+                            "\x00", "/", "\U0001f4a5", "con", "a b", "\n"])
+_TRAVERSAL = st.one_of(
+    st.sampled_from(["../x", "a/../../etc/passwd", "/etc/passwd", "//host/share", "C:\\x", "a//b", "./a", "a/.",
+                     "\\\\srv\\s", "a/\x00b", "..", ".", "", "a/", "/", "steps/../../../x"]),
+    st.lists(_SEGMENT, min_size=1, max_size=6).map("/".join),
+)
+
+
+def _raw_json(s: str) -> str:
+    return json.dumps(s, ensure_ascii=False)
+
+
+_INJECT = st.one_of(
+    st.integers(1, 100_000).map(lambda d: "[" * d + "]" * d),
+    st.integers(1, 100_000).map(lambda d: '{"a":' * d + "1" + "}" * d),
+    st.integers(19, 10_000).map(lambda n: "9" * n),
+    st.sampled_from(["1e400", "-1e400", "1e-400", "NaN", "Infinity", "-Infinity", "-0", "1.0", "-1",
+                     "18446744073709551616", "9223372036854775808", "true", "null", '""', "{}", "[]"]),
+    _TRAVERSAL.map(_raw_json),
+    st.text(max_size=30).map(_raw_json),
+)
+
+
+def _inject(slot: tuple[Any, ...], raw: str) -> bytes:
+    doc = json.loads(json.dumps(_BASE))
+    parent = doc
+    for p in slot[:-1]:
+        parent = parent[p]
+    parent[slot[-1]] = "\x00INJECT\x00"
+    return json.dumps(doc, ensure_ascii=False).replace('"\\u0000INJECT\\u0000"', raw).encode("utf-8", "surrogatepass")
+
+
+def _decode_is_safe(data: bytes, root: Path) -> Manifest | None:
+    try:
+        m = decode_manifest(data)
+    except ManifestError:
+        return None
+    # Accepted: it is a valid manifest (round-trips), and every key stays inside a store root.
+    again = decode_manifest(encode_manifest(m))
+    assert encode_manifest(again) == encode_manifest(m)
+    store = LocalStore(root)
+    for key in m.object_keys():
+        path = store._path(key).resolve()
+        assert path.is_relative_to(root.resolve()), key
+    return m
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(slot=st.sampled_from(_SLOTS), raw=_INJECT)
+def test_manifest_parser_survives_injected_values(slot: tuple[Any, ...], raw: str, tmp_path_factory: Any) -> None:
+    """Only ManifestError ever escapes (no RecursionError, ValueError, OverflowError...)."""
+    _decode_is_safe(_inject(slot, raw), tmp_path_factory.getbasetemp())
+
+
+@settings(max_examples=150, deadline=None)
+@given(slot=st.sampled_from(_KEYS), key=_TRAVERSAL)
+def test_manifest_object_keys_cannot_escape_the_root(slot: tuple[Any, ...], key: str, tmp_path_factory: Any) -> None:
+    m = _decode_is_safe(_inject(slot, _raw_json(key)), tmp_path_factory.getbasetemp())
+    if m is not None:  # only keys that are plain relative paths got through
+        assert ".." not in key.split("/") and not key.startswith("/") and "\\" not in key and "\x00" not in key
+
+
+def test_edited_manifest_is_refused_by_its_checksum() -> None:
+    """A manifest whose body changed (a renamed leaf, a changed value or dtype) no longer
+    matches its ``manifest_crc32c``; without one (hand-written manifests) it is accepted."""
+    data = _real_manifest()
+    assert decode_manifest(data).step == 7
+    for a, b in ((b'"w"', b'"v"'), (b'"float32"', b'"uint32"'), (b'"n":1.5', b'"n":2.5'), (b'"step":7', b'"step":8')):
+        assert a in data
+        with pytest.raises(ManifestError, match="checksum"):
+            decode_manifest(data.replace(a, b, 1))
+    doc = json.loads(data)
+    del doc["manifest_crc32c"]
+    doc["metadata"]["note"] = "edited by hand"
+    assert decode_manifest(json.dumps(doc).encode()).metadata["note"] == "edited by hand"
+
+
+def _hostile(leaf: ArrayLeaf, step: int = 9) -> MemoryStore:
+    store = MemoryStore()
+    asyncio.run(store.put("steps/000000000009/aa/p00000-00000.fck", np.arange(64, dtype=np.uint8).tobytes()))
+    asyncio.run(store.put(f"manifests/{step:012d}.json", encode_manifest(Manifest(step=step, leaves=(leaf,)))))
+    return store
+
+
+def _leaf(shape: tuple[int, ...], *chunks: ChunkEntry, dtype: str = "uint8", kind: str = "numpy") -> ArrayLeaf:
+    return ArrayLeaf(path=(("d", "x"),), shape=shape, dtype=dtype, chunks=chunks, kind=kind)  # type: ignore[arg-type]
+
+
+_OBJ = "steps/000000000009/aa/p00000-00000.fck"
+_GOOD_CRC = crc32c(np.arange(64, dtype=np.uint8).tobytes())
+HOSTILE_RESTORES: dict[str, tuple[ArrayLeaf, type[BaseException]]] = {
+    # 4 TiB declared for a tiny object: refused at allocation, typed and named.
+    "huge_array": (_leaf((1 << 42,), ChunkEntry(((0, 1 << 42),), _OBJ, 0, 64, 1 << 42, "zstd", 0, 0)), MemoryError),
+    # 8 GiB declared (the host may map it lazily): the short read is caught before any use.
+    "lazy_huge_array": (_leaf((1 << 33,), ChunkEntry(((0, 1 << 33),), _OBJ, 0, 1 << 33, 1 << 33, "raw", 0, 0)),
+                        ChecksumMismatchError),
+    "range_past_end": (_leaf((100,), ChunkEntry(((0, 100),), _OBJ, 10, 100, 100, "raw", 0, 0)), ChecksumMismatchError),
+    "offset_past_end": (_leaf((8,), ChunkEntry(((0, 8),), _OBJ, 10_000, 8, 8, "raw", 0, 0)), FastckptError),
+    "missing_object": (_leaf((8,), ChunkEntry(((0, 8),), "steps/000000000009/zz/none.fck", 0, 8, 8, "raw", 0, 0)),
+                       FastckptError),
+    "manifest_as_data": (_leaf((8,), ChunkEntry(((0, 8),), "manifests/000000000009.json", 0, 8, 8, "raw", 0, 0)),
+                         ChecksumMismatchError),
+    # Valid crc32c of the stored bytes, but they are not zstd: the decoder error is typed.
+    "not_zstd": (_leaf((1000,), ChunkEntry(((0, 1000),), _OBJ, 0, 64, 1000, "zstd", _GOOD_CRC, 0)), FastckptError),
+    "wrong_crc": (_leaf((64,), ChunkEntry(((0, 64),), _OBJ, 0, 64, 64, "raw", _GOOD_CRC ^ 1, _GOOD_CRC ^ 1)),
+                  ChecksumMismatchError),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_RESTORES))
+def test_decodable_but_hostile_manifests_fail_typed(case: str) -> None:
+    leaf, error = HOSTILE_RESTORES[case]
+    store = _hostile(leaf)
+    t0 = time.monotonic()
+    with CheckpointManager(store) as mgr:
+        with pytest.raises(error) as info:
+            mgr.restore(9)
+    assert time.monotonic() - t0 < 10
+    assert "['x']" in str(info.value), info.value
+
+
+# ============================================================================ peer server
+
+
+@pytest.fixture
+def tier(tmp_path: Path) -> Iterator[RamTier]:
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
+    root = base / f"fastckpt-hostile-{os.getpid()}-{time.monotonic_ns()}"
+    t = RamTier(root, budget_bytes=16 << 20)
+    data = np.frombuffer(np.random.default_rng(0).bytes(100_000), np.uint8)
+    seg = t.allocate(1, data.nbytes)
+    seg.buffer[:] = data
+    t.seal(1, seg, {"a": ChunkLocation(0, 60_000, crc32c(data[:60_000])),
+                    "b": ChunkLocation(60_000, 40_000, crc32c(data[60_000:]))})
+    t.put_manifest(1, b'{"m": 1}')
+    yield t
+    t.close()
+    import shutil
+
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def server(tier: RamTier) -> Iterator[PeerServer]:
+    s = PeerServer(tier, secret=SECRET, options=FAST).start()
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def good(server: PeerServer) -> Iterator[PeerClient]:
+    """A well-behaved client, opened before the attacks; it keeps one pooled connection
+    (hypothesis runs every example of a test with the same one)."""
+    with PeerClient(server.address, secret=SECRET, options=FAST) as c:
+        assert c.steps() == [1]
+        yield c
+
+
+def _expected(tier: RamTier, cid: str) -> bytes:
+    hit = tier.read_chunk(1, cid)
+    assert hit is not None
+    return bytes(hit[0])
+
+
+def _raw_auth(address: tuple[str, int], secret: bytes = SECRET) -> socket.socket:
+    s = socket.create_connection(address, timeout=5)
+    cn = wire.new_nonce()
+    wire.send_frame(s, MsgType.HELLO, {"nonce": cn.hex()})
+    _, h, _ = wire.recv_frame_head(s, wire.AUTH_LIMITS)
+    wire.send_frame(s, MsgType.AUTH, {"mac": wire.auth_mac(secret, "client", cn, bytes.fromhex(h["nonce"])).hex()})
+    t, _, _ = wire.recv_frame_head(s, wire.AUTH_LIMITS)
+    assert t is MsgType.AUTH_OK
+    return s
+
+
+def _answer(s: socket.socket, timeout_s: float = 5.0) -> tuple[str, Any]:
+    """What the server did: ("error", code), ("reply", type), ("closed", None). Bounded."""
+    s.settimeout(timeout_s)
+    try:
+        t, h, plen = wire.recv_frame_head(s, wire.WireLimits(max_payload_bytes=1 << 30))
+    except PeerUnavailableError as e:
+        if "timed out" in str(e):
+            raise AssertionError("the server neither answered nor closed") from e
+        return "closed", None
+    if t is MsgType.ERROR:
+        return "error", h["code"]
+    return "reply", t
+
+
+def _frame_strategy() -> st.SearchStrategy[bytes]:
+    """Frames a hostile authenticated client might send: valid-schema requests with hostile
+    values, lying prefixes, junk JSON headers, and truncations of all of these."""
+    request_types = [MsgType.GET_CHUNK, MsgType.PUT_CHUNK, MsgType.LIST, MsgType.GET_MANIFEST, MsgType.PUT_MANIFEST,
+                     MsgType.STEPS]
+    ints = st.one_of(st.integers(0, 3), st.integers(-5, 2**64 + 5), st.sampled_from([2**63 - 1, 2**63, 2**32]))
+    values = st.one_of(ints, st.text(max_size=20), st.none(), st.booleans(), st.floats(allow_nan=False),
+                       st.sampled_from(["a", "b", "x" * 20000]))
+    header = st.one_of(
+        st.dictionaries(st.sampled_from(["step", "chunk_id", "offset", "length", "raw_crc32c", "x"]), values, max_size=5)
+        .map(lambda d: json.dumps(d).encode()),
+        st.integers(1, 50_000).map(lambda d: b"[" * d + b"]" * d),
+        st.sampled_from([b'{"step": NaN}', b'{"step": 1, "step": 2}', b"\xff\xfe", b"", b"{", b'{"step": 1e400}']),
+        st.binary(max_size=64),
+    )
+
+    @st.composite
+    def frames(draw: st.DrawFn) -> bytes:
+        t = draw(st.one_of(st.sampled_from(request_types), st.integers(0, 255)))
+        raw_header = draw(header)
+        payload = draw(st.binary(max_size=200))
+        version = draw(st.sampled_from([wire.VERSION] * 4 + [0, 2, 255]))
+        magic = draw(st.sampled_from([wire.MAGIC] * 6 + [b"FCKQ", b"\x00\x00\x00\x00"]))
+        flags = draw(st.sampled_from([0] * 6 + [1, 0x8000]))
+        hlen = draw(st.sampled_from([len(raw_header)] * 4 + [0, len(raw_header) + 7, 2**32 - 1]))
+        plen = draw(st.sampled_from([len(payload)] * 4 + [0, len(payload) + 9, 2**40, 2**64 - 1]))
+        frame = wire.PREFIX.pack(magic, version, int(t), flags, hlen, plen) + raw_header + payload
+        cut = draw(st.one_of(st.none(), st.integers(0, max(0, len(frame) - 1))))
+        return frame if cut is None else frame[:cut]
+
+    return frames()
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(frame=_frame_strategy(), authenticated=st.booleans())
+def test_generated_frames_get_typed_answers_and_the_server_keeps_serving(
+    server: PeerServer, tier: RamTier, good: PeerClient, frame: bytes, authenticated: bool
+) -> None:
+    s = _raw_auth(server.address) if authenticated else socket.create_connection(server.address, timeout=5)
+    try:
+        s.sendall(frame)
+        s.shutdown(socket.SHUT_WR)  # a truncated frame ends here
+        what, detail = _answer(s)
+    finally:
+        s.close()
+    assert what in ("error", "reply", "closed")
+    if what == "error":
+        assert detail in ERROR_CODES
+    # The well-behaved client keeps its pooled connection and still gets exact bytes.
+    assert bytes(good.get_chunk(1, "b")) == _expected(tier, "b")  # type: ignore[arg-type]
+    with PeerClient(server.address, secret=SECRET, options=FAST) as fresh:
+        assert fresh.steps() == [1]
+
+
+def _frame(t: MsgType, h: dict[str, Any], payload: bytes = b"") -> bytes:
+    raw = json.dumps(h).encode()
+    return wire.PREFIX.pack(wire.MAGIC, wire.VERSION, int(t), 0, len(raw), len(payload)) + raw + payload
+
+
+def _nonce_hex() -> str:
+    return wire.new_nonce().hex()
+
+
+#: name -> (authenticate first?, bytes to send, expected answer)
+SCRIPTED: dict[str, tuple[bool, Callable[[], bytes], tuple[str, Any]]] = {
+    "unknown_version": (True, lambda: wire.PREFIX.pack(wire.MAGIC, 9, MsgType.STEPS, 0, 2, 0) + b"{}",
+                        ("error", "bad_request")),
+    "unknown_type": (True, lambda: wire.PREFIX.pack(wire.MAGIC, wire.VERSION, 99, 0, 2, 0) + b"{}",
+                     ("error", "bad_request")),
+    "server_only_type": (True, lambda: _frame(MsgType.CHUNK, {"raw_crc32c": 0, "chunk_length": 0, "offset": 0}),
+                         ("error", "bad_request")),
+    "second_auth_replayed": (True, lambda: _frame(MsgType.AUTH, {"mac": "0" * 64}), ("error", "bad_request")),
+    "hello_again": (True, lambda: _frame(MsgType.HELLO, {"nonce": _nonce_hex()}), ("error", "bad_request")),
+    "range_outside_chunk": (True, lambda: _frame(MsgType.GET_CHUNK, {"step": 1, "chunk_id": "a", "offset": 59_999,
+                                                                     "length": 2}), ("error", "bad_request")),
+    "chunk_id_too_long": (True, lambda: _frame(MsgType.GET_CHUNK, {"step": 1, "chunk_id": "x" * (wire.MAX_CHUNK_ID_CHARS + 1),
+                                                                   "offset": 0, "length": None}), ("error", "bad_request")),
+    "header_over_limit": (True, lambda: wire.PREFIX.pack(wire.MAGIC, wire.VERSION, MsgType.LIST, 0, FAST.max_header_bytes + 1, 0),
+                          ("error", "too_large")),
+    "payload_over_limit": (True, lambda: wire.PREFIX.pack(wire.MAGIC, wire.VERSION, MsgType.PUT_CHUNK, 0, 2,
+                                                          FAST.max_payload_bytes + 1) + b"{}", ("error", "too_large")),
+    "missing_secret": (False, lambda: _frame(MsgType.HELLO, {"nonce": _nonce_hex()}) + _frame(MsgType.AUTH, {"mac": ""}),
+                       ("reply", MsgType.CHALLENGE)),
+    "request_before_auth": (False, lambda: _frame(MsgType.STEPS, {}), ("error", "bad_request")),
+    "deep_json_header": (True, lambda: wire.PREFIX.pack(wire.MAGIC, wire.VERSION, MsgType.LIST, 0, 60_000, 0)
+                         + b"[" * 30_000 + b"]" * 30_000, ("error", "bad_request")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTED))
+def test_scripted_hostile_requests(server: PeerServer, tier: RamTier, good: PeerClient, name: str,
+                                   recorder: Recorder) -> None:
+    authenticate, make, want = SCRIPTED[name]
+    handshakes = good.handshakes
+    s = _raw_auth(server.address) if authenticate else socket.create_connection(server.address, timeout=5)
+    try:
+        s.sendall(make())
+        got = _answer(s)
+        if name == "missing_secret":  # the CHALLENGE first, then the refusal of an empty MAC
+            got = _answer(s)
+            want = ("error", "bad_request")
+    finally:
+        s.close()
+    assert got == want
+    assert bytes(good.get_chunk(1, "a")) == _expected(tier, "a")  # type: ignore[arg-type]
+    assert good.handshakes == handshakes  # on its old connection
+    recorder.add("hostile_peer_requests", cases=1, typed_answers=1)
+
+
+def test_wrong_secret_and_over_budget_push_are_refused_typed(server: PeerServer, tmp_path: Path) -> None:
+    with pytest.raises(AuthenticationError):
+        PeerClient(server.address, secret=b"not-the-secret-0123456789", options=FAST).steps()
+    small = RamTier(tmp_path / "small", budget_bytes=256 << 10)
+    try:
+        with PeerServer(small, secret=SECRET, options=FAST).start() as srv, \
+                PeerClient(srv.address, secret=SECRET, options=FAST) as c:
+            with pytest.raises(PeerRequestError) as info:
+                c.push_chunk(2, "big", np.zeros(512 << 10, np.uint8))
+            assert info.value.code == "budget"
+            assert c.push_chunk(2, "fits", np.ones(1000, np.uint8)) is True  # same connection, still in sync
+    finally:
+        small.close()
+
+
+def test_slowloris_connections_are_dropped_and_service_resumes(tier: RamTier) -> None:
+    opts = PeerOptions(connect_timeout_s=2, handshake_timeout_s=0.5, io_timeout_s=1.0, max_connections=4)
+    with PeerServer(tier, secret=SECRET, options=opts).start() as srv:
+        idle = [socket.create_connection(srv.address, timeout=5) for _ in range(4)]  # never say HELLO
+        try:
+            time.sleep(0.1)
+            with pytest.raises(PeerRequestError) as info:
+                PeerClient(srv.address, secret=SECRET, options=opts).steps()
+            assert info.value.code == "busy"
+            time.sleep(1.0)  # past the handshake timeout: the idle connections are gone
+            with PeerClient(srv.address, secret=SECRET, options=opts) as c:
+                assert c.steps() == [1]
+        finally:
+            for s in idle:
+                s.close()
+
+
+# ============================================================================ hostile server
+
+
+class LyingServer:
+    """Completes a genuine handshake (it knows the secret), then answers the first request
+    with ``reply(request_type, header) -> bytes`` and hangs up (or, for None, says nothing)."""
+
+    def __init__(self, reply: Callable[[MsgType, dict[str, Any]], bytes | None], *, secret: bytes = SECRET) -> None:
+        self.reply, self.secret = reply, secret
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = self.listener.getsockname()[:2]
+        self._socks: list[socket.socket] = []
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self._socks.append(conn)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(10)
+            _, hello, _ = wire.recv_frame_head(conn, wire.AUTH_LIMITS)
+            cn, sn = bytes.fromhex(hello["nonce"]), wire.new_nonce()
+            wire.send_frame(conn, MsgType.CHALLENGE, {"nonce": sn.hex(),
+                                                      "mac": wire.auth_mac(self.secret, "server", cn, sn).hex()})
+            wire.recv_frame_head(conn, wire.AUTH_LIMITS)
+            wire.send_frame(conn, MsgType.AUTH_OK, {})
+            t, h, plen = wire.recv_frame_head(conn, wire.WireLimits())
+            if plen:
+                wire.recv_exact(conn, memoryview(bytearray(plen)))
+            out = self.reply(t, h)
+            if out is None:
+                self._stop.wait(30)  # say nothing (until closed)
+                return
+            conn.sendall(out)  # one answer per connection, then hang up
+        except (PeerError, OSError):
+            pass
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self.listener.close()
+        for s in self._socks:
+            s.close()
+
+
+_DATA = np.frombuffer(np.random.default_rng(1).bytes(4096), np.uint8)
+
+
+def _chunk(header: dict[str, Any], payload: bytes, declared: int | None = None) -> bytes:
+    raw = json.dumps(header).encode()
+    n = len(payload) if declared is None else declared
+    return wire.PREFIX.pack(wire.MAGIC, wire.VERSION, MsgType.CHUNK, 0, len(raw), n) + raw + payload
+
+
+_GOOD_HEADER = {"raw_crc32c": crc32c(_DATA), "chunk_length": _DATA.nbytes, "offset": 0}
+LIES: dict[str, tuple[Callable[[MsgType, dict[str, Any]], bytes | None], type[BaseException]]] = {
+    "garbage": (lambda t, h: os.urandom(64), ProtocolError),
+    "wrong_crc": (lambda t, h: _chunk({**_GOOD_HEADER, "raw_crc32c": 1}, _DATA.tobytes()), ChecksumMismatchError),
+    "length_mismatch": (lambda t, h: _chunk({**_GOOD_HEADER, "chunk_length": 10}, _DATA.tobytes()), ProtocolError),
+    "partial_range": (lambda t, h: _chunk({**_GOOD_HEADER, "offset": 5}, _DATA.tobytes()), ProtocolError),
+    "payload_over_limit": (lambda t, h: _chunk(_GOOD_HEADER, b"", declared=FAST.max_payload_bytes + 1), ProtocolError),
+    "closes_mid_payload": (lambda t, h: _chunk(_GOOD_HEADER, _DATA.tobytes()[:100], declared=_DATA.nbytes),
+                           PeerUnavailableError),
+    "never_answers": (lambda t, h: None, PeerUnavailableError),
+    "unexpected_type": (lambda t, h: _frame(MsgType.STEP_LIST, {"steps": [1], "committed": [1]}), ProtocolError),
+    "error_with_unknown_code": (lambda t, h: _frame(MsgType.ERROR, {"code": "\u2603" * 10, "message": "x"}), PeerError),
+    "wrong_size_for_buffer": (lambda t, h: _chunk({**_GOOD_HEADER, "chunk_length": 4095, "raw_crc32c": crc32c(_DATA[:4095])},
+                                                  _DATA.tobytes()[:4095]), ChecksumMismatchError),
+}
+
+
+@pytest.mark.parametrize("lie", sorted(LIES))
+def test_client_against_a_lying_server_fails_typed_and_bounded(lie: str, recorder: Recorder) -> None:
+    reply, error = LIES[lie]
+    srv = LyingServer(reply)
+    try:
+        into = np.zeros(_DATA.nbytes, np.uint8)
+        t0 = time.monotonic()
+        with PeerClient(srv.address, secret=SECRET, options=FAST) as c:
+            with pytest.raises(error):
+                c.get_chunk(1, "a", into=into, expected_crc32c=crc32c(_DATA))
+        assert time.monotonic() - t0 < 5 * FAST.io_timeout_s
+    finally:
+        srv.close()
+    recorder.add("hostile_peer_server", cases=1, typed_errors=1)
+
+
+def test_config_error_for_unusable_secret() -> None:
+    with pytest.raises(ConfigError):
+        PeerClient(("127.0.0.1", 1), secret=b"short")
