@@ -100,6 +100,7 @@ class ElasticContext:
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> ElasticContext:
         self._report["t_enter"] = now()
+        self.paths.make_dirs()
         self._beat_thread = threading.Thread(target=self._beat_loop, name="fastckpt-heartbeat", daemon=True)
         self._beat_thread.start()
         self._set_phase("init")

@@ -258,3 +258,34 @@ def test_bench_unavailable_and_demo(monkeypatch: pytest.MonkeyPatch, capsys: pyt
     monkeypatch.setitem(sys.modules, "fastckpt.elastic.demo", fake)
     assert main(["demo", "--hosts", "2", "-h"]) == 4
     assert calls == [["--hosts", "2", "-h"]]
+
+
+def test_convert_orbax_checkpoint_on_gcs(gcs_emulator: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An Orbax checkpoint in a bucket (read by tensorstore's gcs driver) -> fastckpt, via the CLI."""
+    import asyncio
+
+    ocp = pytest.importorskip("orbax.checkpoint")
+    from fastckpt.storage import GcsOptions, GcsStore
+
+    state = {"w": jnp.arange(24.0).reshape(4, 6), "n": 9}
+    with ocp.CheckpointManager(tmp_path / "orbax") as mngr:
+        mngr.save(12, args=ocp.args.StandardSave(state))
+        mngr.wait_until_finished()
+    prefix = f"cli-orbax-{os.getpid()}-{time.monotonic_ns()}"
+    store = GcsStore("fastckpt-test", prefix, options=GcsOptions(endpoint=gcs_emulator.endpoint))
+
+    async def upload() -> None:
+        for p in (tmp_path / "orbax").rglob("*"):
+            if p.is_file():
+                await store.put(str(p.relative_to(tmp_path / "orbax")), p.read_bytes())
+        await store.close()
+
+    asyncio.run(upload())
+    env = dict(os.environ, STORAGE_EMULATOR_HOST=gcs_emulator.endpoint)
+    env.pop("TENSORSTORE_GCS_HTTP_URL", None)  # the CLI derives it from the emulator host
+    r = subprocess.run([sys.executable, "-m", "fastckpt", "convert", f"gs://fastckpt-test/{prefix}",
+                        f"gs://fastckpt-test/{prefix}-fck"], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "fastckpt step 12" in r.stdout
+    doc = _json(["inspect", f"gs://fastckpt-test/{prefix}-fck", "--gcs-endpoint", gcs_emulator.endpoint], capsys)
+    assert doc["step"] == 12 and {leaf["path"] for leaf in doc["leaves"]} == {"['w']", "['n']"}

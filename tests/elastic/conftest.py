@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+from typing import Any
 
 import pytest
 
@@ -12,6 +13,14 @@ N_DEVICES = 8
 _FLAG = "--xla_force_host_platform_device_count"
 _flags = re.sub(rf"{_FLAG}=\S+", "", os.environ.get("XLA_FLAGS", "")).strip()
 os.environ["XLA_FLAGS"] = f"{_flags} {_FLAG}={N_DEVICES}".strip()
+
+
+@pytest.fixture(scope="session")
+def runner(eight_devices: None) -> Any:
+    """Reference programs per device count, compiled once per session."""
+    from ._common import Runner
+
+    return Runner()
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,6 @@ bit-exact on the same mesh, within float tolerance (same loss curve) on a resize
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -12,55 +11,13 @@ import numpy as np
 import pytest
 
 import fastckpt
-from fastckpt.elastic.data import DataConfig
-from fastckpt.elastic.model import PRESETS
-from fastckpt.elastic.trainer import TrainConfig, TrainProgram, TrainState, make_mesh
+from fastckpt.elastic.trainer import TrainState
+
+from ._common import CFG, EVERY, Runner, host
 
 pytestmark = pytest.mark.usefixtures("eight_devices")
 
-CFG = TrainConfig(model=dataclasses.replace(PRESETS["tiny"], dropout=0.1), data=DataConfig(global_batch=24))
-TOTAL, EVERY, FAIL_AFTER = 12, 4, 10
-FAST_COMPILE = {"xla_backend_optimization_level": 0}  # 2 shared cores: compile time dominates
-
-
-def host(tree: Any) -> Any:
-    """Host copies of every leaf (typed keys as their raw key data)."""
-
-    def one(x: jax.Array) -> np.ndarray:
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-            x = jax.random.key_data(x)
-        return np.asarray(x)
-
-    return jax.tree.map(one, tree)
-
-
-class Runner:
-    """One program per mesh shape, compiled once per test module."""
-
-    def __init__(self) -> None:
-        self._cache: dict[int, tuple[TrainProgram, Any]] = {}
-
-    def program(self, n_devices: int) -> tuple[TrainProgram, Any]:
-        if n_devices not in self._cache:
-            prog = TrainProgram(CFG, make_mesh(jax.devices()[:n_devices], model_axis=CFG.model_axis))
-            self._cache[n_devices] = (prog, prog.compile_step(FAST_COMPILE))
-        return self._cache[n_devices]
-
-    def train(self, n_devices: int, state: TrainState, start: int, stop: int,
-              mgr: fastckpt.CheckpointManager | None = None) -> tuple[TrainState, list[float]]:
-        prog, step_fn = self.program(n_devices)
-        losses = []
-        for step in range(start, stop):
-            state, loss = step_fn(state, prog.batch(step * CFG.data.global_batch))
-            losses.append(float(loss))
-            if mgr is not None and (step + 1) % EVERY == 0:
-                mgr.save(step + 1, state)
-        return state, losses
-
-
-@pytest.fixture(scope="module")
-def runner() -> Runner:
-    return Runner()
+TOTAL, FAIL_AFTER = 12, 10
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,88 @@
+"""ElasticContext (the bring-your-own-trainer API) in one process: restore-or-init, the
+step iterator, cadence saves, stop requests, reports and heartbeats."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from fastckpt import CheckpointManager
+from fastckpt.elastic import EXIT_DONE, EXIT_STOPPED, ElasticContext, ElasticOptions, WorkerEnv
+from fastckpt.elastic._protocol import RunPaths, read_jsonl
+
+pytestmark = pytest.mark.usefixtures("eight_devices")
+
+
+def env(tmp_path: Path, generation: int = 0) -> WorkerEnv:
+    return WorkerEnv(coordinator="", num_processes=1, process_id=0, host_id=0, generation=generation,
+                     run_dir=str(tmp_path / "run"), local_dir=str(tmp_path / "local"), launch_time=0.0)
+
+
+def init() -> dict[str, Any]:
+    return {"w": jnp.arange(8.0), "key": jax.random.key(0), "step": jnp.zeros((), jnp.int32)}
+
+
+@jax.jit
+def train_step(state: dict[str, Any]) -> dict[str, Any]:
+    key, sub = jax.random.split(state["key"])
+    return {"w": state["w"] * 0.5 + jax.random.normal(sub, (8,)), "key": key, "step": state["step"] + 1}
+
+
+def run(tmp_path: Path, total: int, *, generation: int = 0, every: int = 2) -> tuple[ElasticContext, Any, list[int]]:
+    target = jax.eval_shape(init)
+    seen = []
+    with ElasticContext(env(tmp_path, generation), root=str(tmp_path / "ckpt"),
+                        options=ElasticOptions(checkpoint_every=every)) as ctx:
+        state = ctx.restore_or_init(init, target=target)
+        ctx.mark("compiled")
+        for step in ctx.steps(total):
+            seen.append(step)
+            state = train_step(state)
+            ctx.log(step + 1, loss=float(state["w"][0]))
+            ctx.maybe_save(step + 1, state)
+    return ctx, state, seen
+
+
+def test_fresh_run_then_resume(tmp_path: Path) -> None:
+    ctx, state, seen = run(tmp_path, 5)
+    assert (ctx.exit_code, ctx.start_step, seen) == (EXIT_DONE, 0, [0, 1, 2, 3, 4])
+    assert ctx.manager is not None
+    ctx2, state2, seen2 = run(tmp_path, 8, generation=1)
+    assert (ctx2.start_step, seen2) == (4, [4, 5, 6, 7])  # newest committed step was 4
+    # resuming replays steps 5.. exactly: same key stream, same values
+    _, ref, _ = run(tmp_path / "ref", 8)
+    assert jnp.array_equal(state2["w"], ref["w"]) and int(state2["step"]) == 8
+    paths = RunPaths(tmp_path / "run")
+    report = json.loads(paths.report(1, 0).read_text())
+    assert report["restored_step"] == 4 and report["restore_kind"] == "restore"
+    assert report["restore_bytes_by_tier"] and report["t_first_step"] >= report["t_restored"]
+    assert json.loads(paths.heartbeat(1, 0).read_text())["phase"] == "exit"
+    metrics = read_jsonl(paths.metrics)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 5, 6, 7, 8]
+
+
+def test_stop_request_stops_at_a_checkpoint(tmp_path: Path) -> None:
+    run(tmp_path, 4)
+    RunPaths(tmp_path / "run").stop_request(1).parent.mkdir(parents=True, exist_ok=True)
+    RunPaths(tmp_path / "run").stop_request(1).touch()
+    ctx, _, seen = run(tmp_path, 100, generation=1, every=10)
+    # decided before step 4 ran, so the stop step is 5: saved although 5 is off-cadence
+    assert seen == [4]
+    assert ctx.exit_code == EXIT_STOPPED
+    with CheckpointManager(str(tmp_path / "ckpt")) as mgr:
+        assert mgr.latest_step() == 5
+        assert mgr.metadata(5)["generation"] == 1
+
+
+def test_options_are_validated() -> None:
+    from fastckpt.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        ElasticOptions(checkpoint_every=0)
+    with pytest.raises(ConfigError):
+        ElasticOptions(heartbeat_interval_s=0)

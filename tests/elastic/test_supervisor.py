@@ -1,0 +1,104 @@
+"""Supervisor policy with jax-free fake workers: crash -> relaunch, frozen or stalled
+workers -> timeouts, host loss -> smaller generation, host back -> stop and resize, limits."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fastckpt.elastic import ChaosEvent, ElasticRunError, Supervisor, SupervisorOptions, SupervisorResult
+from fastckpt.elastic._protocol import read_jsonl
+from fastckpt.errors import ConfigError
+
+FAKE = str(Path(__file__).with_name("_fake_worker.py"))
+FAST = {"poll_interval_s": 0.02, "heartbeat_timeout_s": 1.0, "progress_timeout_s": 1.0, "startup_timeout_s": 20.0}
+
+
+def supervise(tmp_path: Path, spec: dict[str, Any], **options: Any) -> tuple[Supervisor, SupervisorResult | None]:
+    opts = SupervisorOptions(**{"num_hosts": 3, **FAST, **options})
+    sup = Supervisor([sys.executable, FAKE, json.dumps(spec)], run_dir=tmp_path / "run",
+                     local_root=tmp_path / "local", options=opts)
+    return sup, sup.run()
+
+
+def events(tmp_path: Path, name: str) -> list[dict[str, Any]]:
+    return [e for e in read_jsonl(tmp_path / "run" / "events.jsonl") if e["event"] == name]
+
+
+def shape(result: SupervisorResult) -> list[tuple[tuple[int, ...], str]]:
+    return [(g.hosts, g.outcome) for g in result.generations]
+
+
+def test_clean_run_is_one_generation(tmp_path: Path) -> None:
+    _, result = supervise(tmp_path, {"total": 5})
+    assert result is not None and shape(result) == [((0, 1, 2), "done")] and result.restarts == 0
+
+
+def test_crash_kills_the_rest_and_relaunches(tmp_path: Path) -> None:
+    spec = {"total": 12, "faults": [{"kind": "crash", "host": 1, "step": 5, "generation": 0}]}
+    _, result = supervise(tmp_path, spec)
+    assert result is not None
+    assert shape(result) == [((0, 1, 2), "failed"), ((0, 1, 2), "done")] and result.restarts == 1
+    [fail] = events(tmp_path, "failure_detected")
+    assert (fail["host"], fail["rc"]) == (1, 3)
+    assert sorted(events(tmp_path, "killed_rest")[0]["hosts"]) == [0, 2]
+    assert int((tmp_path / "run" / "fake_ckpt").read_text()) == 12
+
+
+def test_restarts_are_bounded(tmp_path: Path) -> None:
+    spec = {"total": 12, "faults": [{"kind": "crash", "host": 0, "step": 1, "generation": None}]}
+    with pytest.raises(ElasticRunError, match="restarts exhausted"):
+        supervise(tmp_path, spec, max_restarts=2)
+    assert len(events(tmp_path, "launch")) == 3 and events(tmp_path, "give_up")
+
+
+@pytest.mark.parametrize(("kind", "reason"), [("freeze", "heartbeat stale"), ("stall", "no progress")])
+def test_hung_worker_is_detected_and_killed(tmp_path: Path, kind: str, reason: str) -> None:
+    spec = {"total": 10, "faults": [{"kind": kind, "host": 2, "step": 3, "generation": 0}]}
+    t0 = time.monotonic()
+    _, result = supervise(tmp_path, spec)
+    assert result is not None and shape(result)[0] == ((0, 1, 2), "failed")
+    [fail] = events(tmp_path, "failure_detected")
+    assert fail["host"] == 2 and reason in result.generations[0].reason
+    assert time.monotonic() - t0 < 15
+    hb = json.loads((tmp_path / "run" / "hb" / "g0-h2.json").read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(hb["pid"], 0)  # the hung worker is gone, not left behind
+
+
+def test_host_loss_shrinks_then_rejoin_grows_back(tmp_path: Path) -> None:
+    events_ = (ChaosEvent(kind="kill", host=2, at_step=4), ChaosEvent(kind="rejoin", host=2, at_step=10))
+    _, result = supervise(tmp_path, {"total": 16, "step_s": 0.05}, events=events_)
+    assert result is not None
+    assert shape(result) == [((0, 1, 2), "failed"), ((0, 1), "stopped"), ((0, 1, 2), "done")]
+    assert result.restarts == 1  # the resize is not a failure
+    [kill] = events(tmp_path, "kill")
+    [fail] = events(tmp_path, "failure_detected")
+    assert fail["host"] == 2 and fail["rc"] == -9 and fail["t"] - kill["t"] < 1.0
+    assert events(tmp_path, "stop_requested")[0]["generation"] == 1
+    seen = {(r["generation"], r["host"]): r["marker"] for r in read_jsonl(tmp_path / "run" / "local_seen")}
+    assert seen[(1, 0)] and seen[(2, 1)]  # surviving hosts keep their local dirs
+    assert not seen[(2, 2)]  # the killed host's local dir was wiped
+    assert int((tmp_path / "run" / "fake_ckpt").read_text()) == 16
+
+
+def test_below_min_hosts_gives_up(tmp_path: Path) -> None:
+    with pytest.raises(ElasticRunError, match="min_hosts"):
+        supervise(tmp_path, {"total": 50, "step_s": 0.05}, min_hosts=3,
+                  events=(ChaosEvent(kind="kill", host=0, at_step=2),))
+
+
+def test_options_and_event_parsing() -> None:
+    assert ChaosEvent.parse("kill", "3@40") == ChaosEvent(kind="kill", host=3, at_step=40)
+    with pytest.raises(ConfigError):
+        ChaosEvent.parse("kill", "3:40")
+    with pytest.raises(ConfigError):
+        SupervisorOptions(num_hosts=2, min_hosts=3)
+    with pytest.raises(ConfigError):
+        SupervisorOptions(num_hosts=2, events=(ChaosEvent(kind="kill", host=2, at_step=1),))

@@ -1,0 +1,65 @@
+"""Host memory under a tight ``max_inflight_bytes``, measured in a fresh process.
+
+A 160 MiB state (half incompressible float32, half compressible int32) is saved with
+``max_inflight_bytes`` = 8 MiB, then saved 9 more times, then restored with 2 concurrent
+reads of at most 4 MiB. RSS is sampled every ~2 ms (psutil). Bounds checked:
+
+* save: peak - base <= state (the one staging copy) + max_inflight_bytes + slack;
+* repeated saves: RSS after save 10 - RSS after save 2 <= growth slack (the staging buffer
+  is reused, encoded bytes are freed);
+* restore: peak - base <= restored state + read_concurrency * max_request_bytes + slack.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from ._util import HERE, Recorder
+
+MiB = 1 << 20
+STATE_MIB = 160
+INFLIGHT_MIB = 8
+READ_BYTES = 2 * 4 * MiB  # read_concurrency x max_request_bytes
+#: Allocator and thread overhead not proportional to the state: zstd contexts, thread
+#: stacks, numpy scratch of one chunk per thread, jax's own bookkeeping.
+SLACK = 40 * MiB
+GROWTH_SLACK = 16 * MiB
+
+
+def _run(root: Path, repeats: int) -> dict[str, Any]:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")).strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    spec = {"root": str(root), "state_mib": STATE_MIB, "inflight_mib": INFLIGHT_MIB, "repeats": repeats}
+    proc = subprocess.run([sys.executable, str(HERE / "_memory_worker.py"), json.dumps(spec)],
+                          capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_save_and_restore_stay_under_the_memory_bound(tmp_path: Path, recorder: Recorder) -> None:
+    r = _run(tmp_path / "ckpt", repeats=10)
+    state = r["state"]
+    assert state == STATE_MIB * MiB and r["restored"] == state
+    save_extra = r["save_peak"] - r["save_base"]
+    save_bound = state + INFLIGHT_MIB * MiB + SLACK
+    restore_extra = r["restore_peak"] - r["restore_base"]
+    restore_bound = state + READ_BYTES + SLACK
+    growth = r["after_save"][-1] - r["after_save"][1]
+    figures = {
+        "state_mib": STATE_MIB, "max_inflight_mib": INFLIGHT_MIB,
+        "save_peak_over_base_mib": round(save_extra / MiB, 1), "save_bound_mib": round(save_bound / MiB, 1),
+        "restore_peak_over_base_mib": round(restore_extra / MiB, 1), "restore_bound_mib": round(restore_bound / MiB, 1),
+        "rss_after_saves_mib": [round(x / MiB, 1) for x in r["after_save"]],
+        "growth_save2_to_save10_mib": round(growth / MiB, 1),
+    }
+    recorder.add("memory", **figures)
+    assert save_extra <= save_bound, figures
+    assert restore_extra <= restore_bound, figures
+    assert growth <= GROWTH_SLACK, figures
