@@ -206,12 +206,13 @@ class CheckpointManager:
         try:
             raw_crcs = self._io.run(checksum_chunks(staged, executor=self._workers))
             chunks = ram_chunk_entries(staged, raw_crcs, step)
+            self._ram.seal(step, staged, chunks)
             manifest = exchange_ram_manifest(
                 coord=self.coordinator, ns=f"{self._ns}/{seq}", step=step, staged=staged, chunks=chunks,
                 timeout_s=self.options.distributed.barrier_timeout_s,
                 metadata={**metadata, "fastckpt_tier": "ram"}, writer_version=_VERSION,
             )
-            self._ram.commit(step, staged, chunks, manifest)
+            self._ram.publish(step, manifest)
         except BaseException:
             self._ram.abort()
             raise
@@ -384,6 +385,17 @@ class CheckpointManager:
     def _apply_retention(self) -> None:
         for step in steps_to_delete(self.persistent_steps(), self.options.retention):
             self.delete_step(step)
+
+    def gc(self, *, grace_s: float = 3600.0, dry_run: bool = False) -> Any:
+        """Remove uncommitted leftovers older than ``grace_s`` (see ``fastckpt gc``).
+
+        Returns the :class:`fastckpt._gc.GcReport`. Safe while saves run elsewhere: data
+        younger than the grace period, or of a step newer than every committed one, is kept.
+        """
+        from fastckpt._gc import collect_garbage_async
+
+        self._check_open()
+        return self._io.run(collect_garbage_async(self.store, grace_s=grace_s, dry_run=dry_run))
 
     def delete_step(self, step: int) -> None:
         """Delete a committed step: the manifest first (un-commit), then its data."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -118,16 +119,16 @@ class RunPaths:
 
 def write_json_atomic(path: Path, obj: object) -> None:
     """Write ``obj`` as JSON to ``path`` so that readers never see a partial file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.write_text(json.dumps(obj))
     os.replace(tmp, path)
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
-    """The JSON object in ``path``, or None if it does not exist (yet)."""
+    """The JSON object in ``path``, or None if it does not exist (yet) or is not valid JSON."""
     try:
         return dict(json.loads(path.read_text()))
-    except FileNotFoundError:
+    except (FileNotFoundError, ValueError):
         return None
 
 

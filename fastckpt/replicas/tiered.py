@@ -1,9 +1,12 @@
 """RAM replication as the manager uses it: one object composing tier, server, pusher, peers.
 
 Call order on a RAM save (all processes, SPMD): :meth:`RamReplication.allocate` (the staging
-buffer *is* the shared-memory segment) -> stage -> :meth:`commit` (seal the segment, store
-the step's manifest, push own chunks + manifest to the ring successors in the background).
-On failure: :meth:`abort`. On restore: :meth:`select_step` (process 0 decides, everyone
+buffer *is* the shared-memory segment) -> stage -> :meth:`seal` (own chunks visible, step not
+yet committed) -> the manifest exchange (a barrier: process 0 publishes the manifest only
+after every process sealed) -> :meth:`publish` (store the manifest, which commits the step
+and lets retention drop older RAM steps; push own chunks + manifest to the ring successors
+in the background). On failure: :meth:`abort`. Because the manifest is stored only after
+every process sealed, a crash mid-save never leaves the job without a restorable RAM step. On restore: :meth:`select_step` (process 0 decides, everyone
 follows) -> :meth:`source` (own RAM, then every peer, per chunk).
 
 A RAM-only step is restorable while its chunks are complete across the reachable tiers:
@@ -27,7 +30,7 @@ from fastckpt.format.manifest import ChunkEntry, Manifest, chunk_id
 from fastckpt.options import RamOptions
 from fastckpt.replicas.discovery import CoordinatorDirectory, PeerDirectory, StoreDirectory, make_record
 from fastckpt.replicas.peer import PeerClient, PeerOptions, PeerServer
-from fastckpt.replicas.placement import push_targets
+from fastckpt.replicas.placement import host_domain, push_targets
 from fastckpt.replicas.ram import ChunkLocation, RamTier, Segment
 from fastckpt.replicas.replicator import Replicator
 from fastckpt.replicas.sources import TieredChunkSource
@@ -58,6 +61,7 @@ class RamReplication:
         self._peer_options = PeerOptions(connect_timeout_s=options.peer_connect_timeout_s,
                                          io_timeout_s=options.peer_io_timeout_s)
         self._segment: Segment | None = None
+        self._sealed_ids: list[str] = []
         self._clients: dict[str, PeerClient] = {}
         self._server: PeerServer | None = None
         self._replicator: Replicator | None = None
@@ -102,8 +106,8 @@ class RamReplication:
         if seg is not None:
             self.tier.discard(seg)
 
-    def commit(self, step: int, staged: StagedSave, chunks: dict[int, list[ChunkEntry]], manifest: bytes) -> None:
-        """Seal the staged segment under ``step``, store ``manifest``, start the peer push."""
+    def seal(self, step: int, staged: StagedSave, chunks: dict[int, list[ChunkEntry]]) -> None:
+        """Make this process's staged chunks of ``step`` visible (not yet committed)."""
         seg, self._segment = self._segment, None
         if seg is None:
             raise FastckptError(f"no RAM segment allocated for step {step}")
@@ -113,13 +117,17 @@ class RamReplication:
             for ii, item in enumerate(arr.items):
                 index[chunk_id(arr.path, item.box)] = ChunkLocation(arr.item_offsets[ii], item.nbytes, crc_by_box[item.box])
         self.tier.seal(step, seg, index)
+        self._sealed_ids = list(index)
+
+    def publish(self, step: int, manifest: bytes) -> None:
+        """Store the manifest (commits the RAM step here) and start the background peer push."""
         self.tier.put_manifest(step, manifest)
         if self._replicator is not None and self.options.replicas > 0:
             peers = self._peers()
             members = [self.member_id, *peers]
-            targets = push_targets(members, self.options.replicas).get(self.member_id, [])
+            targets = push_targets(members, self.options.replicas, domain_of=host_domain).get(self.member_id, [])
             self._replicator.set_targets({m: peers[m] for m in targets if m in peers})
-            self._replicator.submit(step, chunk_ids=list(index), manifest=manifest)
+            self._replicator.submit(step, chunk_ids=self._sealed_ids, manifest=manifest)
 
     def wait_replication(self, timeout_s: float | None = None) -> None:
         """Block until pushes of submitted steps finished (errors are logged, not raised)."""
