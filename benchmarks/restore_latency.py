@@ -299,9 +299,9 @@ def _orbax_gcs_env(endpoint: str) -> dict[str, str]:
 
 
 def run_orbax_cell(args: argparse.Namespace) -> dict[str, Any]:
-    dest = args.dest
-    if dest == "gcs":
-        os.environ.update(_orbax_gcs_env(args.endpoint))  # this process only, before orbax/tensorstore load
+    dests = args.dests.split(",")
+    if "gcs" in dests:
+        os.environ.update(_orbax_gcs_env(args.endpoint))  # this process only, before tensorstore loads
     import jax
     import orbax.checkpoint as ocp
 
@@ -313,32 +313,36 @@ def run_orbax_cell(args: argparse.Namespace) -> dict[str, Any]:
     n = tree_nbytes(state)
     digest = tree_digest(state)
     target = abstract_like(state)
-    root = f"gs://{BUCKET}/orbax-{args.size_mib}" if dest == "gcs" else str(Path(args.shm) / f"orbax-{args.size_mib}")
-    mgr = ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(max_to_keep=1,
-                                                                           enable_async_checkpointing=True))
-    t0 = time.perf_counter()
-    mgr.save(1, args=ocp.args.StandardSave(state))
-    mgr.wait_until_finished()
-    save_s = time.perf_counter() - t0
-    restores = []
-    for i in range(args.reps + 1):
-        gc.collect()
-        c0 = cpu_seconds()
+    out: dict[str, Any] = {"lib": "orbax", "state_bytes": n, "build_s": build_s, "tiers": {}, "saves": {}}
+    for dest in dests:
+        root = f"gs://{BUCKET}/orbax-{args.size_mib}" if dest == "gcs" else str(Path(args.shm) / f"orbax-{args.size_mib}")
+        mgr = ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(max_to_keep=1,
+                                                                               enable_async_checkpointing=True))
         t0 = time.perf_counter()
-        restored = mgr.restore(1, args=ocp.args.StandardRestore(target))
-        jax.block_until_ready(restored)
-        t1 = time.perf_counter()
-        cpu = cpu_seconds() - c0
-        if i == 0 and tree_digest(restored) != digest:
-            raise AssertionError(f"Orbax {dest}: restored state differs from the saved one")
-        del restored
-        restores.append({"seconds": t1 - t0, "cpu_s": cpu, "loadavg": os.getloadavg()[0], "verified": i == 0})
-        print(f"[orbax {dest}] restore {i}: {t1 - t0:.3f}s (cpu {cpu:.2f}s)", file=sys.stderr, flush=True)
-    mgr.close()
-    if dest != "gcs":
-        shutil.rmtree(root, ignore_errors=True)
-    return {"lib": "orbax", "dest": dest, "state_bytes": n, "build_s": build_s, "save_s": save_s,
-            "restores": restores, "rss_end": rss_bytes(), "loadavg_start": load_start, "loadavg_end": os.getloadavg()}
+        mgr.save(1, args=ocp.args.StandardSave(state))
+        mgr.wait_until_finished()
+        out["saves"][dest] = {"committed_s": time.perf_counter() - t0}
+        restores = []
+        for i in range(args.reps + 1):
+            gc.collect()
+            c0 = cpu_seconds()
+            t0 = time.perf_counter()
+            restored = mgr.restore(1, args=ocp.args.StandardRestore(target))
+            jax.block_until_ready(restored)
+            t1 = time.perf_counter()
+            cpu = cpu_seconds() - c0
+            if i == 0 and tree_digest(restored) != digest:
+                raise AssertionError(f"Orbax {dest}: restored state differs from the saved one")
+            del restored
+            restores.append({"seconds": t1 - t0, "cpu_s": cpu, "loadavg": os.getloadavg()[0], "verified": i == 0})
+            print(f"[orbax {TIER_LABEL[dest]}] restore {i}: {t1 - t0:.3f}s (cpu {cpu:.2f}s)", file=sys.stderr, flush=True)
+        mgr.close()
+        if dest != "gcs":
+            shutil.rmtree(root, ignore_errors=True)
+        out["tiers"][dest] = restores
+    out["rss_end"] = rss_bytes()
+    out["loadavg_start"], out["loadavg_end"] = load_start, os.getloadavg()
+    return out
 
 
 # =========================================================================== limits (child)
@@ -360,10 +364,11 @@ def run_limits(args: argparse.Namespace) -> dict[str, Any]:
     out["tcp_gbps"] = out[f"tcp_{streams}s_gbps"]
     if args.disk_dir:
         out.update({f"disk_{k}": v for k, v in measure_file_io(args.disk_dir, n, reps=args.limit_reps).items()})
-    if args.shm:
+    if args.shm and not args.quick:  # context only (no tier is judged against it)
         out.update({f"shm_{k}": v for k, v in measure_file_io(args.shm, n, reps=args.limit_reps).items()})
     if args.endpoint:
-        out.update({f"gcs_{k}": v for k, v in measure_gcs_raw(args.endpoint, BUCKET, n, reps=args.limit_reps).items()})
+        out.update({f"gcs_{k}": v for k, v in measure_gcs_raw(args.endpoint, BUCKET, min(n, 256 * MiB),
+                                                              reps=args.limit_reps).items()})
     out["loadavg_start"], out["loadavg_end"] = load_start, os.getloadavg()
     return out
 
@@ -372,12 +377,20 @@ def run_limits(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_overhead(args: argparse.Namespace) -> dict[str, Any]:
+    """Step time with and without RAM checkpoints + peer push (see the module docstring).
+
+    Segments of ``segment_steps`` steps start on a checkpoint step, so a checkpointed
+    segment holds ``segment_steps / 10`` checkpoints whose background work (checksums,
+    manifest, seal, push) overlaps the following steps, as in training; what is still
+    running when the segment's last step ends is drained and counted.
+    """
     import jax
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec
 
     import fastckpt
     from fastckpt.options import RamOptions
+    from fastckpt.replicas import PeerClient
 
     load_start = os.getloadavg()
     mesh = make_mesh((2, 4))
@@ -390,6 +403,7 @@ def run_overhead(args: argparse.Namespace) -> dict[str, Any]:
     store_root = work / "overhead-store"
     store_root.mkdir(parents=True, exist_ok=True)
     saves: list[Any] = []
+    reports: list[Any] = []
     result: dict[str, Any] = {"state_bytes": n, "batch": args.batch, "interval_steps": RAM_STEP,
                               "segment_steps": args.segment_steps, "pairs": args.pairs}
     with peer_process(shm / "overhead-peer", str(store_root), member_id="host-b",
@@ -399,43 +413,40 @@ def run_overhead(args: argparse.Namespace) -> dict[str, Any]:
         mgr = fastckpt.CheckpointManager(str(store_root), options=fastckpt.ManagerOptions(
             save_interval_steps=1 << 40, ram=ram), on_stats=saves.append)
         step = 1
-        for _ in range(3):  # compile + warm up (no checkpoint on these steps)
+        for _ in range(3):  # compile + warm up
             state = jax.block_until_ready(step_fn(state, x))
             step += 1
-        # one checkpoint outside the measurement: first-save costs (segment files, peer
-        # connections, first push) are not steady state
-        step = RAM_STEP * (step // RAM_STEP + 1)
-        state = jax.block_until_ready(step_fn(state, x))
-        mgr.save(step, state)
-        mgr.wait()
-        _drain_replication(mgr)
-        step += 1
-        reports: list[Any] = []
+        # Two checkpoints outside the measurement: the first save's one-off costs (new
+        # segment files, peer connections) and the first reuse of a spare segment.
+        for _ in range(2):
+            step = RAM_STEP * (step // RAM_STEP + 1)
+            state = jax.block_until_ready(step_fn(state, x))
+            mgr.save(step, state)
+            mgr.wait()
+            _drain_replication(mgr)
+            step += 1
+        saves.clear()
 
         def segment(ckpt: bool) -> dict[str, Any]:
             nonlocal state, step
-            # start right after a checkpoint step, so each segment holds the same number of
-            # checkpoints (segment_steps / 10) wherever it starts
-            step = RAM_STEP * ((step - 1) // RAM_STEP + 1) + 1
+            step = RAM_STEP * -(-step // RAM_STEP)  # start on a checkpoint step
             times = []
-            c0 = cpu_seconds()
-            cp0 = cpu_seconds(peer.pid)
+            c0, cp0 = cpu_seconds(), cpu_seconds(peer.pid)
             t_start = time.perf_counter()
             for _ in range(args.segment_steps):
                 t0 = time.perf_counter()
-                state = step_fn(state, x)
-                if ckpt:
-                    mgr.save(step, state)  # a RAM checkpoint when step % 10 == 0, else a no-op
-                jax.block_until_ready(state)
+                state = jax.block_until_ready(step_fn(state, x))
+                if ckpt:  # a RAM checkpoint when step % 10 == 0, else a no-op
+                    mgr.save(step, state)  # blocks for the device-to-host copy only
                 times.append(time.perf_counter() - t0)
                 step += 1
             t_loop = time.perf_counter() - t_start
-            if ckpt:  # the last checkpoint's background work counts too
+            if ckpt:  # background work still running counts too
                 mgr.wait()
                 reports.extend(_drain_replication(mgr))
             total = time.perf_counter() - t_start
-            return {"ckpt": ckpt, "total_s": total, "loop_s": t_loop, "drain_s": total - t_loop,
-                    "step_s": times, "cpu_s": cpu_seconds() - c0, "peer_cpu_s": cpu_seconds(peer.pid) - cp0,
+            return {"ckpt": ckpt, "total_s": total, "loop_s": t_loop, "drain_s": total - t_loop, "step_s": times,
+                    "cpu_s": cpu_seconds() - c0, "peer_cpu_s": cpu_seconds(peer.pid) - cp0,
                     "loadavg": os.getloadavg()[0]}
 
         pairs = []
@@ -443,32 +454,36 @@ def run_overhead(args: argparse.Namespace) -> dict[str, Any]:
             order = (False, True) if p % 2 == 0 else (True, False)
             segs = {ck: segment(ck) for ck in order}
             base, ck = segs[False], segs[True]
-            pairs.append({"base": base, "ckpt": ck, "ratio": ck["total_s"] / base["total_s"]})
+            cpu_ratio = (ck["cpu_s"] + ck["peer_cpu_s"]) / (base["cpu_s"] + base["peer_cpu_s"])
+            pairs.append({"base": base, "ckpt": ck, "ratio": ck["total_s"] / base["total_s"], "cpu_ratio": cpu_ratio})
             print(f"[overhead] pair {p}: base {base['total_s']:.2f}s ckpt {ck['total_s']:.2f}s "
-                  f"(drain {ck['drain_s']:.2f}s) -> {100 * (pairs[-1]['ratio'] - 1):+.1f}%", file=sys.stderr, flush=True)
+                  f"(drain {ck['drain_s']:.2f}s) -> {100 * (pairs[-1]['ratio'] - 1):+.1f}% wall, "
+                  f"{100 * (cpu_ratio - 1):+.1f}% CPU", file=sys.stderr, flush=True)
         mgr.wait()
-        from fastckpt.replicas import PeerClient
-
         with PeerClient(("127.0.0.1", peer.port), secret=PEER_SECRET) as client:
-            last = max(s for s in client.steps())
+            last = max(client.steps())
             result["peer_latest_step"] = last
             result["peer_latest_chunks"] = len(client.list_chunks(last))
         mgr.close()
     shutil.rmtree(shm / "overhead-slot", ignore_errors=True)
     shutil.rmtree(shm / "overhead-peer", ignore_errors=True)
-    ckpt_saves = [s for s in saves if getattr(s, "tiers", ()) == ("ram",)]
+    ram_saves = [s for s in saves if tuple(getattr(s, "tiers", ())) == ("ram",)]
     result.update({
         "pairs_detail": pairs,
         "overhead": median([p["ratio"] for p in pairs]) - 1,
         "overhead_all": [p["ratio"] - 1 for p in pairs],
+        "cpu_overhead": median([p["cpu_ratio"] for p in pairs]) - 1,
         "base_step_s": median([median(p["base"]["step_s"]) for p in pairs]),
         "ckpt_step_s": median([median(p["ckpt"]["step_s"]) for p in pairs]),
-        "save_blocked_s": median([s.blocked_s for s in ckpt_saves]),
-        "save_ram_commit_s": median([s.ram_commit_s for s in ckpt_saves]),
-        "saves": len(ckpt_saves),
+        "ckpt_step_on_save_s": median([p["ckpt"]["step_s"][i] for p in pairs
+                                       for i in range(0, args.segment_steps, RAM_STEP)]),
+        "drain_s": median([p["ckpt"]["drain_s"] for p in pairs]),
+        "save_blocked_s": median([s.blocked_s for s in ram_saves]),
+        "save_ram_commit_s": median([s.ram_commit_s for s in ram_saves]),
+        "saves": len(ram_saves),
         "pushes": len(reports), "pushes_ok": sum(r.ok for r in reports),
-        "push_s": median([r.seconds for r in reports if r.ok]),
         "pushes_superseded": sum(r.superseded for r in reports),
+        "push_s": median([r.seconds for r in reports if r.ok]),
         "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
     })
     return result
@@ -510,10 +525,9 @@ def summarize(results: dict[str, Any]) -> list[dict[str, Any]]:
         for key, cell in cells.items():
             lib = key.split(":")[0]
             if "error" in cell:
-                rows.append({"size_mib": int(size), "lib": lib, "tier": key.split(":")[1], "error": cell["error"]})
+                rows.append({"size_mib": int(size), "lib": lib, "tier": "all", "error": cell["error"]})
                 continue
-            per_tier = cell["tiers"] if lib == "fastckpt" else {cell["dest"]: cell["restores"]}
-            for tier, restores in per_tier.items():
+            for tier, restores in cell["tiers"].items():
                 steady = _steady(restores)
                 s = median([r["seconds"] for r in steady])
                 n = cell["state_bytes"]
@@ -607,11 +621,14 @@ def tables(results: dict[str, Any]) -> dict[str, tuple[list[str], list[list[str]
     out = {"restore": (headers, rows), "limits": (lheaders, lrows), "checks": (cheaders, crows)}
     ov = results.get("overhead")
     if ov and "error" not in ov:
-        oheaders = ["state", "step (no ckpt)", "step (ckpt run)", "save() blocks", "RAM commit",
-                    "ckpt every", "overhead (median)", "pairs"]
+        oheaders = ["state", "step, no ckpt", "step, ckpt run (median)", "step with save()", "save() blocks",
+                    "RAM commit", "push to peer", "drain at segment end", "overhead, wall (median)",
+                    "pairs", "added CPU (both processes)"]
         orows = [[f"{ov['state_bytes'] / GiB:.2f} GiB", f"{ov['base_step_s']:.3f}s", f"{ov['ckpt_step_s']:.3f}s",
-                  f"{ov['save_blocked_s']:.3f}s", f"{ov['save_ram_commit_s']:.3f}s", f"{ov['interval_steps']} steps",
-                  f"{100 * ov['overhead']:+.1f}%", ", ".join(f"{100 * o:+.1f}%" for o in ov["overhead_all"])]]
+                  f"{ov['ckpt_step_on_save_s']:.3f}s", f"{ov['save_blocked_s']:.3f}s", f"{ov['save_ram_commit_s']:.3f}s",
+                  f"{ov['push_s']:.3f}s ({ov['pushes_ok']}/{ov['pushes']} ok)", f"{ov['drain_s']:.3f}s",
+                  f"{100 * ov['overhead']:+.1f}%", ", ".join(f"{100 * o:+.1f}%" for o in ov["overhead_all"]),
+                  f"{100 * ov['cpu_overhead']:+.1f}%"]]
         out["overhead"] = (oheaders, orows)
     return out
 
@@ -708,10 +725,10 @@ def driver(args: argparse.Namespace) -> int:
                 emu.create_bucket(BUCKET)
                 endpoint = emu.endpoint
                 print(f"emulator at {endpoint} (pid {emulator_pid(emu)}); scratch {work}, {shm}", file=sys.stderr)
-            limit_mib = min(max(args.sizes), 1024)
+            limit_mib = args.limit_mib
             t0 = time.perf_counter()
             largs = ["--limits", "--size-mib", str(limit_mib), "--limit-reps", str(args.limit_reps),
-                     "--shm", str(shm)]
+                     "--shm", str(shm)] + (["--quick"] if args.quick else [])
             if not args.root_only:
                 largs += ["--disk-dir", str(work)] + (["--endpoint", endpoint] if endpoint else [])
             results["limits"] = run_module_json(MODULE, largs, out_path=work / "limits.json")
@@ -729,9 +746,9 @@ def driver(args: argparse.Namespace) -> int:
                     cargs += ["--root", args.root] if args.root else []
                     cargs += ["--root-gcs-endpoint", args.root_gcs_endpoint] if args.root_gcs_endpoint else []
                     jobs.append(("fastckpt:all", cargs))
-                for dest in orbax_dests:
-                    oargs = ["--cell", "orbax", "--dest", dest, *common] + (["--endpoint", endpoint] if endpoint else [])
-                    jobs.append((f"orbax:{dest}", oargs))
+                if orbax_dests:
+                    oargs = ["--cell", "orbax", "--dests", ",".join(orbax_dests), *common]
+                    jobs.append(("orbax:all", oargs + (["--endpoint", endpoint] if endpoint else [])))
                 for key, cargs in jobs:
                     t0 = time.perf_counter()
                     try:
@@ -784,7 +801,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="0.25 GiB only, 2 timed restores per tier, short overhead run")
     p.add_argument("--sizes-mib", default=None, help="comma-separated state sizes (default 256,1024,2048; quick 256)")
-    p.add_argument("--reps", type=int, default=None, help="timed restores per tier after the first (default 4, quick 2)")
+    p.add_argument("--reps", type=int, default=None, help="timed restores per tier after the first (default 4, quick 1)")
     p.add_argument("--root", default=None, help="also measure restores from this root (gs://bucket/prefix or a path)")
     p.add_argument("--root-only", action="store_true", help="with --root: measure only the root")
     p.add_argument("--root-gcs-endpoint", default=None, help="GCS endpoint for a gs:// --root (default: real GCS)")
@@ -794,20 +811,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-overhead", action="store_true", help="skip the step-time overhead run")
     p.add_argument("--overhead-mib", type=int, default=None, help="train-loop state size (default 384, quick 256)")
     p.add_argument("--batch", type=int, default=None, help="train-loop batch (default 128)")
-    p.add_argument("--segment-steps", type=int, default=None, help="steps per overhead segment (default 30, quick 20)")
-    p.add_argument("--pairs", type=int, default=None, help="with/without segment pairs (default 4, quick 2)")
+    p.add_argument("--segment-steps", type=int, default=None, help="steps per overhead segment (default 20, quick 10)")
+    p.add_argument("--pairs", type=int, default=None, help="with/without segment pairs (default 6, quick 2)")
     p.add_argument("--disk-dir", default=os.environ.get("FASTCKPT_BENCH_DISK", "/tmp"))
     p.add_argument("--shm-dir", default="/dev/shm")
     p.add_argument("--results-dir", default=str(RESULTS_DIR))
     p.add_argument("--name", default=None, help="output file stem (default restore_latency; "
                                                  "restore_latency_root with --root-only)")
     p.add_argument("--limit-reps", type=int, default=None)
+    p.add_argument("--limit-mib", type=int, default=None, help="bytes per limit measurement (default min(largest "
+                                                                 "size, 1024), quick 128)")
     p.add_argument("--cell-timeout", type=float, default=1800.0)
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--from-json", metavar="PATH", help="only re-render tables, markdown and plot from a JSON")
     # internal (child processes)
     p.add_argument("--cell", help=argparse.SUPPRESS)
-    p.add_argument("--dest", help=argparse.SUPPRESS)
+    p.add_argument("--dests", help=argparse.SUPPRESS)
     p.add_argument("--limits", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--overhead", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--size-mib", type=int, help=argparse.SUPPRESS)
@@ -818,12 +837,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     q = args.quick
     args.sizes = [int(s) for s in (args.sizes_mib or ("256" if q else "256,1024,2048")).split(",")]
-    args.reps = args.reps or (2 if q else 4)
+    args.reps = args.reps or (1 if q else 4)
     args.limit_reps = args.limit_reps or (2 if q else 3)
+    args.limit_mib = args.limit_mib or (128 if q else min(max(args.sizes), 1024))
     args.overhead_mib = args.overhead_mib or (256 if q else 384)
     args.batch = args.batch or 128
-    args.segment_steps = args.segment_steps or (20 if q else 30)
-    args.pairs = args.pairs or (2 if q else 4)
+    args.segment_steps = args.segment_steps or (10 if q else 20)
+    args.pairs = args.pairs or (2 if q else 6)
     if args.root_only and not args.root:
         p.error("--root-only needs --root")
     if args.segment_steps % RAM_STEP:

@@ -8,6 +8,7 @@ case. Every wait has a timeout and raises :class:`~fastckpt.errors.BarrierTimeou
 from __future__ import annotations
 
 import abc
+import threading
 from typing import Any
 
 from fastckpt.errors import BarrierTimeoutError, DistributedError
@@ -36,6 +37,15 @@ class Coordinator(abc.ABC):
         except BarrierTimeoutError:
             return None
 
+    def namespace(self, base: str) -> str:
+        """A key prefix unique to this call within the job: ``<base>/m<n>`` where ``n`` counts
+        earlier calls with the same ``base`` in this process. SPMD code makes the same calls
+        on every process, so all processes get the same prefix."""
+        return f"{base}/m{_next_count(self._count_scope(), base)}"
+
+    def _count_scope(self) -> object:
+        return self
+
     def barrier(self, name: str, *, timeout_s: float) -> None:
         """Wait until every process reached ``name`` (each name used once per job)."""
         import time
@@ -46,6 +56,21 @@ class Coordinator(abc.ABC):
         deadline = time.monotonic() + timeout_s
         for i in range(self.process_count):
             self.get(f"{name}/arrived/{i}", timeout_s=max(0.001, deadline - time.monotonic()))
+
+
+# Per coordination-service counters for ``Coordinator.namespace``. The scope is the
+# jax.distributed client (one per job incarnation), so that separate JaxCoordinator objects
+# of one job count together. The scope object is kept referenced, so its id is never reused.
+_COUNTS: dict[int, tuple[object, dict[str, int]]] = {}
+_COUNTS_LOCK = threading.Lock()
+
+
+def _next_count(scope: object, base: str) -> int:
+    with _COUNTS_LOCK:
+        _, counts = _COUNTS.setdefault(id(scope), (scope, {}))
+        n = counts.get(base, 0)
+        counts[base] = n + 1
+        return n
 
 
 class LocalCoordinator(Coordinator):
@@ -73,6 +98,9 @@ class JaxCoordinator(Coordinator):
         self._client = client
         self.process_index = process_index
         self.process_count = process_count
+
+    def _count_scope(self) -> object:
+        return self._client
 
     def set(self, key: str, value: str) -> None:
         try:

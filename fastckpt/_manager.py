@@ -128,8 +128,10 @@ class CheckpointManager:
         self._pending: Future[SaveStats] | None = None
         self._pool = _StagingPool()
         self._seq = 0
-        self._ns = f"fastckpt/{zlib.crc32(self.store.url.encode()):08x}"
+        # Unique per manager within a job: every process creates managers in the same order.
+        self._ns = self.coordinator.namespace(f"fastckpt/{zlib.crc32(self.store.url.encode()):08x}")
         self._rseq = 0
+        self._decisions = 0
         self._closed = False
         self._ram = None
         if self.options.ram is not None:
@@ -157,9 +159,8 @@ class CheckpointManager:
         ram = self._ram is not None and (persist or self._ram.due(step))
         if not persist and not ram:
             return False
-        if self._pending is not None and not self._pending.done() and self.options.save.if_busy == "skip":
-            if not self._agree_skip():
-                return False
+        if self.options.save.if_busy == "skip" and self._busy_agreed():
+            return False
         self.wait()
         t0 = time.perf_counter()
         leaves, _ = flatten(state)
@@ -183,22 +184,19 @@ class CheckpointManager:
         )
         return True
 
-    def _agree_skip(self) -> bool:
-        """Multi-process: process 0 decides whether everyone skips this save (True = save)."""
+    def _busy_agreed(self) -> bool:
+        """Whether a save is in flight; with several processes, process 0's view decides for
+        all (every process asks on every ``if_busy="skip"`` save, so their counters agree)."""
+        busy = self._pending is not None and not self._pending.done()
         coord = self.coordinator
         if coord.process_count == 1:
-            return False
-        key = f"{self._ns}/{self._seq}/skip"
+            return busy
+        key = f"{self._ns}/busy/{self._decisions}"
+        self._decisions += 1
         if coord.process_index == 0:
-            busy = self._pending is not None and not self._pending.done()
-            coord.set(key, "skip" if busy else "save")
-            decision = "skip" if busy else "save"
-        else:
-            decision = coord.get(key, timeout_s=self.options.distributed.barrier_timeout_s)
-        if decision == "skip":
-            self._seq += 1
-            return False
-        return True
+            coord.set(key, "busy" if busy else "free")
+            return busy
+        return coord.get(key, timeout_s=self.options.distributed.barrier_timeout_s) == "busy"
 
     def _commit_ram(self, seq: int, step: int, staged: StagedSave, metadata: dict[str, object]) -> dict[int, list[int]]:
         """Checksum, agree on the RAM manifest, seal the segment and start the peer push."""

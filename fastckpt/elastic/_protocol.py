@@ -13,7 +13,8 @@ files in the run directory, all written atomically (temp file + ``os.replace``):
       logs/g<gen>-h<host>.log   the worker's stdout + stderr
 
 Exit codes: 0 done, :data:`EXIT_STOPPED` stopped at a checkpoint on request (the supervisor
-relaunches with a new host set), anything else is a failure.
+relaunches with a new host set), anything else is a failure (:data:`EXIT_ORPHANED`: the
+worker noticed its supervisor died and ended itself).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 __all__ = [
     "ENV_PREFIX",
     "EXIT_DONE",
+    "EXIT_ORPHANED",
     "EXIT_STOPPED",
     "RunPaths",
     "WorkerEnv",
@@ -44,6 +46,8 @@ EXIT_DONE = 0
 """The worker reached the final step."""
 EXIT_STOPPED = 75
 """The worker stopped at a checkpoint because the supervisor asked (``EX_TEMPFAIL``)."""
+EXIT_ORPHANED = 70
+"""The worker's parent (the supervisor) died; the heartbeat thread ends the process."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

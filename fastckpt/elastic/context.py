@@ -39,7 +39,7 @@ import jax
 
 import fastckpt
 from fastckpt._distributed import Coordinator, default_coordinator
-from fastckpt.elastic._protocol import EXIT_DONE, EXIT_STOPPED, WorkerEnv, append_jsonl, now, write_json_atomic
+from fastckpt.elastic._protocol import EXIT_DONE, EXIT_ORPHANED, EXIT_STOPPED, WorkerEnv, append_jsonl, now, write_json_atomic
 from fastckpt.errors import ConfigError
 
 __all__ = ["ElasticContext", "ElasticOptions"]
@@ -275,7 +275,10 @@ class ElasticContext:
         write_json_atomic(self.paths.heartbeat(self.env.generation, self.env.host_id), hb)
 
     def _beat_loop(self) -> None:
+        parent = os.getppid()
         while not self._beat_stop.wait(self.options.heartbeat_interval_s):
+            if os.getppid() != parent:  # the supervisor is gone: nobody would ever reap us
+                os._exit(EXIT_ORPHANED)
             self._beat()
 
     def _write_report(self) -> None:

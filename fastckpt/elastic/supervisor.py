@@ -153,15 +153,6 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def _xla_flags(existing: str, devices: int) -> str:
     kept = [f for f in existing.split() if not f.startswith("--xla_force_host_platform_device_count")]
     return " ".join([*kept, f"--xla_force_host_platform_device_count={devices}"])
@@ -246,7 +237,7 @@ class Supervisor:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH", "")) if p)
         log = open(self.paths.log(generation, host), "wb")  # noqa: SIM115 (closed by _run_generation)
         proc = subprocess.Popen(self.worker_cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
+                                stdin=subprocess.DEVNULL, start_new_session=True)
         return _Worker(host=host, proc=proc, log=log)
 
     def _watch(self, generation: int, workers: list[_Worker]) -> tuple[Literal["done", "stopped", "failed"], str]:

@@ -17,7 +17,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Protocol
 
 import numpy as np
@@ -222,39 +222,45 @@ async def fill_units(
     t0 = time.perf_counter()
 
     async def fetch_range(rng_key: str, start: int, length: int) -> memoryview:
-        async with reads:
-            data = await store.get(rng_key, byte_range=ByteRange(start, length))
+        data = await store.get(rng_key, byte_range=ByteRange(start, length))
         stats.bytes_read_storage += len(data)
         return memoryview(data)
 
-    async def fill(leaf_units: Sequence[Unit]) -> None:
-        filler = await loop.run_in_executor(
-            executor, lambda: _LeafFiller(leaf_units, step, decoder, source, stats, options.verify_checksums, lock)
-        )
+    def prepare(leaf_units: Sequence[Unit]) -> tuple[_LeafFiller, list[ChunkEntry]]:
+        # One worker job per leaf (plan, allocate, every RAM-tier fetch), not one per chunk:
+        # a loop-to-thread hop per chunk cost more than copying a small chunk.
+        filler = _LeafFiller(leaf_units, step, decoder, source, stats, options.verify_checksums, lock)
         need: list[ChunkEntry] = []
         for chunk in filler.items:
-            if source is not None and await loop.run_in_executor(executor, filler.try_source, chunk):
+            if source is not None and filler.try_source(chunk):
                 continue
             if not storage_holds_step:
                 raise CheckpointNotFoundError(
                     f"RAM-only step {step}: {_where(filler.leaf, chunk)} is held by no reachable RAM tier"
                 )
             need.append(chunk)
+        return filler, need
+
+    async def fill(leaf_units: Sequence[Unit]) -> None:
+        filler, need = await loop.run_in_executor(ram_pool or executor, prepare, leaf_units)
         ranges = coalesce_fetches(need, max_gap=options.max_gap_bytes, max_bytes=options.max_request_bytes)
 
         async def do_range(r_key: str, r_start: int, r_len: int, chunks: Sequence[ChunkEntry]) -> None:
-            try:
-                data = await fetch_range(r_key, r_start, r_len)
-            except NotFoundError as e:  # a committed step lost an object: say whose data it was
-                raise NotFoundError(f"{_where(filler.leaf, chunks[0])}: {e}") from e
-            for c in chunks:
-                piece = data[c.offset - r_start : c.offset - r_start + c.length]
+            # The read slot is held until the fetched bytes are decoded and dropped, so fetched
+            # data in memory stays below read_concurrency x max_request_bytes (plus one re-read).
+            async with reads:
                 try:
-                    await loop.run_in_executor(executor, filler.from_stored, c, piece)
-                except CorruptionError:
-                    stats.retries += 1  # re-read once: the corruption may have been on the wire
-                    again = await fetch_range(c.key, c.offset, c.length)
-                    await loop.run_in_executor(executor, filler.from_stored, c, again)
+                    data = await fetch_range(r_key, r_start, r_len)
+                except NotFoundError as e:  # a committed step lost an object: say whose data it was
+                    raise NotFoundError(f"{_where(filler.leaf, chunks[0])}: {e}") from e
+                for c in chunks:
+                    piece = data[c.offset - r_start : c.offset - r_start + c.length]
+                    try:
+                        await loop.run_in_executor(executor, filler.from_stored, c, piece)
+                    except CorruptionError:
+                        stats.retries += 1  # re-read once: the corruption may have been on the wire
+                        again = await fetch_range(c.key, c.offset, c.length)
+                        await loop.run_in_executor(executor, filler.from_stored, c, again)
 
         await asyncio.gather(*(do_range(r.key, r.start, r.length, r.chunks) for r in ranges))
         filler.done()
@@ -262,5 +268,14 @@ async def fill_units(
     by_leaf: dict[int, list[Unit]] = {}
     for u in units:
         by_leaf.setdefault(id(u.leaf), []).append(u)
-    await asyncio.gather(*(fill(us) for us in by_leaf.values()))
+    # RAM-tier fetches (a peer GET is a request/response round trip; an own-RAM fetch is a
+    # copy that releases the GIL) are bound by latency, not by decoding: they run on
+    # read_concurrency threads of their own, like ranged reads, not on the decode workers.
+    ram_pool = (ThreadPoolExecutor(min(options.read_concurrency, len(by_leaf)) or 1, thread_name_prefix="fastckpt-ramread")
+                if source is not None else None)
+    try:
+        await asyncio.gather(*(fill(us) for us in by_leaf.values()))
+    finally:
+        if ram_pool is not None:
+            ram_pool.shutdown(wait=False)
     stats.fetch_s += time.perf_counter() - t0

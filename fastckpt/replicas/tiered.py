@@ -173,6 +173,12 @@ class RamReplication:
 
     def newest_complete_step(self, newer_than: int | None) -> tuple[int, bytes] | None:
         """The newest RAM step newer than ``newer_than`` whose chunks are all reachable."""
+        found = self._newest_complete(newer_than)
+        return None if found is None else (found[0].step, found[1])
+
+    def _newest_complete(self, newer_than: int | None) -> tuple[Manifest, bytes] | None:
+        # Returns the decoded manifest too: decoding (validation included) costs as much
+        # as the rest of step selection on large trees, so it is done once per restore.
         for step in sorted(self.steps_by_tier(), reverse=True):
             if newer_than is not None and step <= newer_than:
                 return None
@@ -184,7 +190,7 @@ class RamReplication:
             except FastckptError:
                 continue
             if self._complete(manifest):
-                return step, data
+                return manifest, data
         return None
 
     def select_step(self, persistent_latest: int | None, *, key: str, timeout_s: float) -> StepChoice | None:
@@ -195,13 +201,13 @@ class RamReplication:
         """
         coord = self._coord
         if coord.process_index == 0:
-            found = self.newest_complete_step(persistent_latest)
-            decision = str(found[0]) if found else "storage"
+            found = self._newest_complete(persistent_latest)
+            decision = str(found[0].step) if found else "storage"
             if coord.process_count > 1:
                 coord.set(key, decision)
             if found is None:
                 return None
-            return StepChoice(found[0], decode_manifest(found[1]))
+            return StepChoice(found[0].step, found[0])
         decision = coord.get(key, timeout_s=timeout_s)
         if decision == "storage":
             return None

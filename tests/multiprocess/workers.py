@@ -213,7 +213,7 @@ class _SlowListStore(Store):
 
     async def list(self, prefix: str = "") -> list[str]:
         if jax.process_index() == 0 and prefix == "manifests/":
-            await asyncio.sleep(3.0)
+            await asyncio.sleep(2.0)
         return await self.inner.list(prefix)
 
     async def delete(self, key: str) -> None:
@@ -224,7 +224,7 @@ def skip_when_busy(root: str) -> dict[str, Any]:
     """``if_busy="skip"`` where process 0's save is still busy (retention) but process 1's is done."""
     _in_child()
     mesh = global_mesh((jax.device_count(),))
-    opts = ManagerOptions(save=SaveOptions(if_busy="skip"), distributed=DistributedOptions(barrier_timeout_s=3))
+    opts = ManagerOptions(save=SaveOptions(if_busy="skip"), distributed=DistributedOptions(barrier_timeout_s=10))
     saved = []
     with CheckpointManager(_SlowListStore(root), options=opts) as mgr:
         saved.append(mgr.save(1, _state(mesh, "flat", seed=1)))

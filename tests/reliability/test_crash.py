@@ -184,6 +184,8 @@ def _record(recorder: Recorder, scenario: str, results: list[dict[str, Any]]) ->
         trials_by_backend={b: sum(r["backend"] == b for r in results) for b in {r["backend"] for r in results}},
         acknowledged_steps=sum(r["acknowledged"] for r in results),
         trials_killed_before_first_commit=sum(r["acknowledged"] == 0 for r in results),
+        trials_killed_in_first_save_window=sum(bool(r.get("early")) for r in results),
+        trials_listing_an_unacknowledged_step=sum(any(s > r["acknowledged"] for s in r["listed"]) for r in results),
         restored_steps_checked=sum(r["restored_steps"] for r in results),
         gc_objects_removed=sum(r["gc_removed"] for r in results),
         gc_objects_kept_in_flight=sum(r["gc_kept"] for r in results),
