@@ -27,9 +27,10 @@ from fastckpt.elastic.timeline import summarize
 
 __all__ = ["build_parser", "main", "plot_loss", "run_demo"]
 
-CPU_FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0"
-"""XLA flag the demo gives its workers: on a couple of CPU cores compiling the train step
-dominates a restart; level 0 halves compile time for a slower (tiny-model) step."""
+CPU_FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+"""XLA flags the demo gives its workers. On a couple of shared CPU cores compiling the train
+step dominates a restart; these cut its compile CPU time ~4x (10.8 s -> 2.3 s for the tiny
+model) for a ~2.5x slower step. ``--full-opt`` turns them off."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=int, default=10)
     p.add_argument("--step-delay-s", type=float, default=0.0)
     p.add_argument("--png", default=None, help="loss plot path (default: <workdir>/loss.png)")
-    p.add_argument("--full-opt", action="store_true", help=f"do not pass {CPU_FAST_COMPILE_FLAGS}")
+    p.add_argument("--full-opt", action="store_true", help="do not pass the fast-compile XLA flags")
     p.add_argument("--quiet", action="store_true", help="no live timeline")
     return p
 

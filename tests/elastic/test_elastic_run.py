@@ -14,6 +14,7 @@ import pytest
 import fastckpt
 from fastckpt.elastic import ChaosEvent, Supervisor, SupervisorOptions, summarize
 from fastckpt.elastic._protocol import read_jsonl
+from fastckpt.elastic.demo import CPU_FAST_COMPILE_FLAGS
 from fastckpt.elastic.supervisor import default_worker_cmd
 
 from ._common import CFG, Runner, host
@@ -29,7 +30,7 @@ def test_sigkill_shrink_rejoin_matches_uninterrupted_run(tmp_path: Path, runner:
         "--root", root, "--steps", str(TOTAL), "--preset", "tiny", "--dropout", str(CFG.model.dropout),
         "--global-batch", str(CFG.data.global_batch), "--checkpoint-every", str(EVERY), "--keep-last", "100",
     ])
-    env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0")  # compile dominates on 2 cores
+    env = dict(os.environ, XLA_FLAGS=CPU_FAST_COMPILE_FLAGS)  # compile dominates on 2 cores
     options = SupervisorOptions(
         num_hosts=3, devices_per_host=2, max_restarts=1,
         events=(ChaosEvent(kind="kill", host=2, at_step=KILL_AT), ChaosEvent(kind="rejoin", host=2, at_step=REJOIN_AT)),

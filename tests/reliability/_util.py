@@ -72,8 +72,9 @@ class Recorder:
         self.scenarios: dict[str, dict[str, Any]] = {}
 
     def add(self, scenario: str, **figures: Any) -> None:
-        """Accumulate ``figures`` under ``scenario``: numbers add up, dicts merge, lists extend,
-        anything else is replaced."""
+        """Accumulate ``figures`` under ``scenario``: ints (counts) and ``seconds`` add up,
+        ``max_*`` keep the maximum, other floats and non-numbers are replaced (settings),
+        dicts merge recursively, lists extend (without duplicates)."""
         with self._lock:
             cur = self.scenarios.setdefault(scenario, {})
             _accumulate(cur, figures)
@@ -91,13 +92,16 @@ class Recorder:
 
 def _accumulate(cur: dict[str, Any], new: dict[str, Any]) -> None:
     for k, v in new.items():
-        if isinstance(v, bool) or not isinstance(v, (int, float, dict, list)):
-            cur[k] = v
-        elif isinstance(v, dict):
+        if isinstance(v, dict):
             _accumulate(cur.setdefault(k, {}), v)
         elif isinstance(v, list):
-            cur.setdefault(k, []).extend(v)
+            old = cur.setdefault(k, [])
+            old.extend(x for x in v if x not in old)
+        elif isinstance(v, bool) or not isinstance(v, (int, float)):
+            cur[k] = v
         elif k.startswith("max_"):
             cur[k] = max(cur.get(k, v), v)
+        elif isinstance(v, int) or k == "seconds":
+            cur[k] = round(cur.get(k, 0) + v, 3)
         else:
-            cur[k] = cur.get(k, 0) + v
+            cur[k] = v

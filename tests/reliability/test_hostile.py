@@ -127,15 +127,21 @@ def _decode_is_safe(data: bytes, root: Path) -> Manifest | None:
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(slot=st.sampled_from(_SLOTS), raw=_INJECT)
-def test_manifest_parser_survives_injected_values(slot: tuple[Any, ...], raw: str, tmp_path_factory: Any) -> None:
+def test_manifest_parser_survives_injected_values(slot: tuple[Any, ...], raw: str, tmp_path_factory: Any,
+                                                  recorder: Recorder) -> None:
     """Only ManifestError ever escapes (no RecursionError, ValueError, OverflowError...)."""
-    _decode_is_safe(_inject(slot, raw), tmp_path_factory.getbasetemp())
+    m = _decode_is_safe(_inject(slot, raw), tmp_path_factory.getbasetemp())
+    recorder.add("hostile_manifests_injected", examples=1,
+                 outcomes={"ManifestError": int(m is None), "accepted_valid": int(m is not None)})
 
 
 @settings(max_examples=150, deadline=None)
 @given(slot=st.sampled_from(_KEYS), key=_TRAVERSAL)
-def test_manifest_object_keys_cannot_escape_the_root(slot: tuple[Any, ...], key: str, tmp_path_factory: Any) -> None:
+def test_manifest_object_keys_cannot_escape_the_root(slot: tuple[Any, ...], key: str, tmp_path_factory: Any,
+                                                     recorder: Recorder) -> None:
     m = _decode_is_safe(_inject(slot, _raw_json(key)), tmp_path_factory.getbasetemp())
+    recorder.add("hostile_manifest_keys", examples=1,
+                 outcomes={"ManifestError": int(m is None), "accepted_inside_root": int(m is not None)})
     if m is not None:  # only keys that are plain relative paths got through
         assert ".." not in key.split("/") and not key.startswith("/") and "\\" not in key and "\x00" not in key
 
@@ -188,7 +194,7 @@ HOSTILE_RESTORES: dict[str, tuple[ArrayLeaf, type[BaseException]]] = {
 
 
 @pytest.mark.parametrize("case", sorted(HOSTILE_RESTORES))
-def test_decodable_but_hostile_manifests_fail_typed(case: str) -> None:
+def test_decodable_but_hostile_manifests_fail_typed(case: str, recorder: Recorder) -> None:
     leaf, error = HOSTILE_RESTORES[case]
     store = _hostile(leaf)
     t0 = time.monotonic()
@@ -197,6 +203,7 @@ def test_decodable_but_hostile_manifests_fail_typed(case: str) -> None:
             mgr.restore(9)
     assert time.monotonic() - t0 < 10
     assert "['x']" in str(info.value), info.value
+    recorder.add("hostile_decodable_manifests", cases=1, errors={case: type(info.value).__name__})
 
 
 # ============================================================================ peer server
@@ -303,7 +310,7 @@ def _frame_strategy() -> st.SearchStrategy[bytes]:
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(frame=_frame_strategy(), authenticated=st.booleans())
 def test_generated_frames_get_typed_answers_and_the_server_keeps_serving(
-    server: PeerServer, tier: RamTier, good: PeerClient, frame: bytes, authenticated: bool
+    server: PeerServer, tier: RamTier, good: PeerClient, frame: bytes, authenticated: bool, recorder: Recorder
 ) -> None:
     s = _raw_auth(server.address) if authenticated else socket.create_connection(server.address, timeout=5)
     try:
@@ -315,6 +322,7 @@ def test_generated_frames_get_typed_answers_and_the_server_keeps_serving(
     assert what in ("error", "reply", "closed")
     if what == "error":
         assert detail in ERROR_CODES
+    recorder.add("hostile_peer_frames", examples=1, answers={f"{what}:{detail}" if detail else what: 1})
     # The well-behaved client keeps its pooled connection and still gets exact bytes.
     assert bytes(good.get_chunk(1, "b")) == _expected(tier, "b")  # type: ignore[arg-type]
     with PeerClient(server.address, secret=SECRET, options=FAST) as fresh:

@@ -239,11 +239,13 @@ def _probe_wrong_secret(mgr: Any) -> dict[str, Any]:
     return out
 
 
-def restore(ram_root: str, member: str, persist_root: str, layout: str, probe_wrong_secret: bool = False) -> dict[str, Any]:
+def restore(ram_root: str, member: str, persist_root: str, layout: str,
+            probe_wrong_secret: bool = False) -> dict[str, Any]:
     """Restore the newest step (no step given) onto this job's mesh; check every local shard.
 
-    Returns the restored step, ``RestoreStats.bytes_by_tier``, storage bytes read and the
-    per-chunk fallbacks recorded by the manager's tiered chunk source.
+    Returns the restored step, ``RestoreStats.bytes_by_tier``, storage bytes read, the tier
+    each chunk came from (``provenance``) and the fallbacks (other than misses) recorded by
+    the manager's tiered chunk source; with ``probe_wrong_secret``, the wrong-secret probes.
     """
     import jax
 
