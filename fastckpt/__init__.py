@@ -11,6 +11,7 @@ from fastckpt.errors import FastckptError as FastckptError
 from fastckpt.options import (
     DistributedOptions as DistributedOptions,
     ManagerOptions as ManagerOptions,
+    RamOptions as RamOptions,
     RestoreOptions as RestoreOptions,
     RetentionOptions as RetentionOptions,
     SaveOptions as SaveOptions,
@@ -24,6 +25,7 @@ __all__ = [
     "DistributedOptions",
     "FastckptError",
     "ManagerOptions",
+    "RamOptions",
     "RestoreOptions",
     "RestoreStats",
     "RetentionOptions",

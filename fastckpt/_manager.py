@@ -274,6 +274,13 @@ class CheckpointManager:
         if self._on_stats is not None:
             self._on_stats(stats)
 
+    def wait_replication(self, timeout_s: float | None = None) -> None:
+        """Block until this process's RAM-tier pushes to its peers finished (no-op without
+        a RAM tier). Push failures are logged and counted, not raised: storage and the
+        other replicas still hold the data."""
+        if self._ram is not None:
+            self._ram.wait_replication(timeout_s)
+
     # ------------------------------------------------------------------ listing
     def persistent_steps(self) -> list[int]:
         """Steps committed to persistent storage, ascending."""
@@ -371,6 +378,9 @@ class CheckpointManager:
                 # Peers serve each other's chunks: nobody leaves before everyone has read.
                 self.coordinator.barrier(f"{self._ns}/restore/{rseq}/end",
                                          timeout_s=self.options.distributed.barrier_timeout_s)
+        source_stats = getattr(source, "stats", None)
+        if callable(source_stats):
+            stats.fallbacks = {str(k): int(v) for k, v in source_stats().fallbacks.items()}
         leaves = build_leaves(plan, stats)
         stats.seconds = time.perf_counter() - t0
         self.last_restore_stats = stats

@@ -60,6 +60,8 @@ class RestoreStats:
     restored_bytes: int = 0
     """Logical bytes placed into this process's destination buffers."""
     retries: int = 0
+    fallbacks: dict[str, int] = dataclasses.field(default_factory=dict)
+    """RAM-tier fallbacks by reason (``corrupt``, ``miss``, ``unavailable``, ...)."""
 
     def add(self, tier: str, nbytes: int) -> None:
         self.bytes_by_tier[tier] = self.bytes_by_tier.get(tier, 0) + nbytes
