@@ -47,23 +47,31 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 class HelperProcess:
     """A helper child process (``python -m benchmarks._tiers ROLE ARGS...``).
 
-    ``port`` is what the child printed when ready; closing its stdin stops it. Use as a
+    Starting returns at once (the child's start-up overlaps the caller's work); ``port``
+    waits for the line the child prints when ready. Closing its stdin stops it. Use as a
     context manager.
     """
 
     def __init__(self, role: str, args: Sequence[str], *, start_timeout_s: float = 120.0) -> None:
         self.role = role
+        self._timeout_s = start_timeout_s
+        self._port: int | None = None
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "benchmarks._tiers", role, *args], cwd=REPO_ROOT,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )
         self.pid = self._proc.pid
-        assert self._proc.stdout is not None
-        line = _readline_timeout(self._proc, start_timeout_s)
-        if not line.strip().isdigit():
-            self.close()
-            raise RuntimeError(f"helper {role} did not start (said {line!r})")
-        self.port = int(line)
+
+    @property
+    def port(self) -> int:
+        """The port the child listens on (waits until it is ready)."""
+        if self._port is None:
+            line = _readline_timeout(self._proc, self._timeout_s)
+            if not line.strip().isdigit():
+                self.close()
+                raise RuntimeError(f"helper {self.role} did not start (said {line!r})")
+            self._port = int(line)
+        return self._port
 
     def close(self) -> None:
         if self._proc.stdin is not None and not self._proc.stdin.closed:

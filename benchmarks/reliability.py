@@ -3,6 +3,7 @@
     python -m benchmarks.reliability                 # 50 trials per randomised scenario
     python -m benchmarks.reliability --trials 200    # more
     python -m benchmarks.reliability --out /tmp/r.json -- -k crash   # a subset (pytest args)
+    python -m benchmarks.reliability --merge -- -k memory            # re-run some, keep the rest
 
 It runs ``tests/reliability`` (the same tests CI runs, with the same assertions) with
 ``FASTCKPT_NIGHTLY_TRIALS=<trials>``: randomised tests scale their trial counts from it (crash
@@ -30,13 +31,19 @@ DEFAULT_OUT = REPO / "benchmarks" / "results" / "reliability.json"
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trials", type=int, default=50, help="FASTCKPT_NIGHTLY_TRIALS (default 50)")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results JSON (replaced)")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results JSON (replaced unless --merge)")
+    ap.add_argument("--merge", action="store_true", help="keep the other scenarios of an existing --out")
     ap.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = ap.parse_args(argv)
     out: Path = args.out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
+    previous_runs = []
     if out.exists():
-        out.unlink()
+        if args.merge:
+            old = json.loads(out.read_text())
+            previous_runs = old.get("runs") or ([old["run"]] if "run" in old else [])
+        else:
+            out.unlink()
     env = dict(os.environ, FASTCKPT_NIGHTLY_TRIALS=str(args.trials), FASTCKPT_RELIABILITY_RESULTS=str(out))
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "timeout=3600",
            "tests/reliability", *args.pytest_args]
@@ -48,13 +55,15 @@ def main(argv: list[str] | None = None) -> int:
                                 text=True, check=False).stdout.strip() or None
     except OSError:
         commit = None
-    doc["run"] = {
-        "command": " ".join(["python -m benchmarks.reliability", f"--trials {args.trials}", *args.pytest_args]),
+    doc.pop("run", None)
+    doc["runs"] = [*previous_runs, {
+        "command": " ".join(["python -m benchmarks.reliability", f"--trials {args.trials}",
+                             *(["--merge"] if args.merge else []), *(["--", *args.pytest_args] if args.pytest_args else [])]),
         "nightly_trials": args.trials,
         "pytest_exit_status": rc,
         "seconds": round(time.time() - t0, 1),
         "git_commit": commit,
-    }
+    }]
     out.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
     print(f"wrote {out} (pytest exit status {rc})")
     return 0 if rc == 0 else 1

@@ -177,7 +177,14 @@ def _drain_replication(mgr: Any) -> list[Any]:
     return replicator.wait() if replicator is not None else []
 
 
-def _wait_pushed(port: int, step: int, nchunks: int, timeout_s: float = 600.0) -> float:
+def _check_pushed(reports: list[Any]) -> None:
+    """Every submitted step reached a peer (a push with no target counts as a failure)."""
+    bad = [r for r in reports if not r.ok or not r.targets or not r.bytes_pushed]
+    if not reports or bad:
+        raise AssertionError(f"RAM checkpoint did not reach the peer: {bad or reports}")
+
+
+def _wait_pushed(port: int, step: int, nchunks: int, timeout_s: float = 60.0) -> float:
     """Block until the peer on ``port`` holds ``nchunks`` chunks and the manifest of ``step``."""
     from fastckpt.replicas import PeerClient
 
@@ -198,35 +205,41 @@ def run_fastckpt_cell(args: argparse.Namespace) -> dict[str, Any]:
 
     tiers = args.tiers.split(",")
     load_start = os.getloadavg()
-    mesh = make_mesh((2, 4))
+    t_cell = time.perf_counter()
+    phases: dict[str, float] = {}
+    work, shm = Path(args.work), Path(args.shm)
     spec = spec_for_bytes(args.size_mib * MiB)
+    store_root = work / "ram-store"  # holds only peer records: the RAM step is RAM-only
+    store_root.mkdir(parents=True, exist_ok=True)
+    peer = None
+    if "ram" in tiers or "peer" in tiers:  # started first: its start-up overlaps the state build
+        peer = peer_process(shm / "peer-tier", str(store_root), member_id="host-b",
+                            budget_bytes=2 * spec.nbytes() + 256 * MiB)
+    mesh = make_mesh((2, 4))
     t0 = time.perf_counter()
     state = build_state(spec, mesh, seed=0)
     build_s = time.perf_counter() - t0
     n = tree_nbytes(state)
     digest = tree_digest(state)
     target = abstract_like(state)
-    work, shm = Path(args.work), Path(args.shm)
+    phases["setup"] = time.perf_counter() - t_cell
     out: dict[str, Any] = {"lib": "fastckpt", "state_bytes": n, "spec": dataclasses.asdict(spec),
                            "num_leaves": len(jax.tree_util.tree_leaves(state)), "build_s": build_s,
-                           "restore_streams": _restore_streams(), "tiers": {}, "saves": {}}
+                           "restore_streams": _restore_streams(), "tiers": {}, "saves": {}, "phases_s": phases}
 
-    if "ram" in tiers or "peer" in tiers:
-        store_root = work / "ram-store"  # holds only peer records: the RAM step is RAM-only
-        store_root.mkdir(parents=True, exist_ok=True)
-        with peer_process(shm / "peer-tier", str(store_root), member_id="host-b",
-                          budget_bytes=2 * n + 256 * MiB) as peer:
+    if peer is not None:
+        t_phase = time.perf_counter()
+        with peer:
             out["peer_pid"] = peer.pid
+            peer_port = peer.port  # ready: its address is published before the manager looks
             mgr = fastckpt.CheckpointManager(str(store_root), options=_ram_options(shm / "slot-a", n))
             t0 = time.perf_counter()
             mgr.save(RAM_STEP, state)
             mgr.wait()
             saved = mgr.last_save_stats
-            reports = _drain_replication(mgr)
-            if not reports or not all(r.ok for r in reports):
-                raise AssertionError(f"the RAM step did not reach the peer: {reports}")
+            _check_pushed(_drain_replication(mgr))
             nchunks = sum(len(a.chunks) for a in mgr.manifest(RAM_STEP).arrays())
-            push_s = _wait_pushed(peer.port, RAM_STEP, nchunks)  # the peer holds it all (and says so)
+            push_s = _wait_pushed(peer_port, RAM_STEP, nchunks)  # the peer holds it all (and says so)
             out["saves"]["ram"] = {"blocked_s": saved.blocked_s if saved else None,
                                    "ram_commit_s": saved.ram_commit_s if saved else None,
                                    "pushed_s": time.perf_counter() - t0, "push_wait_s": push_s, "chunks": nchunks}
@@ -244,9 +257,11 @@ def run_fastckpt_cell(args: argparse.Namespace) -> dict[str, Any]:
                 shutil.rmtree(shm / "slot-a-new", ignore_errors=True)
         shutil.rmtree(shm / "peer-tier", ignore_errors=True)
         gc.collect()
+        phases["ram+peer"] = time.perf_counter() - t_phase
 
     def persistent(tier: str, root: Any, *, evict_dir: Path | None = None, cleanup: Any = None) -> None:
         options = fastckpt.ManagerOptions(retention=fastckpt.RetentionOptions(keep_last=1))
+        t_phase = time.perf_counter()
         mgr = fastckpt.CheckpointManager(root, options=options)
         try:
             t0 = time.perf_counter()
@@ -261,6 +276,7 @@ def run_fastckpt_cell(args: argparse.Namespace) -> dict[str, Any]:
             if cleanup is not None:
                 cleanup(mgr)
             mgr.close()
+            phases[tier] = time.perf_counter() - t_phase
 
     if "disk" in tiers:
         disk_root = work / f"fastckpt-disk-{args.size_mib}"
@@ -283,6 +299,7 @@ def run_fastckpt_cell(args: argparse.Namespace) -> dict[str, Any]:
             shutil.rmtree(evict, ignore_errors=True)
     out["rss_end"] = rss_bytes()
     out["loadavg_start"], out["loadavg_end"] = load_start, os.getloadavg()
+    phases["total"] = time.perf_counter() - t_cell
     return out
 
 
@@ -349,6 +366,7 @@ def run_orbax_cell(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_limits(args: argparse.Namespace) -> dict[str, Any]:
+    t_start = time.perf_counter()
     load_start = os.getloadavg()
     n = args.size_mib * MiB
     out: dict[str, Any] = {"bytes": n}
@@ -370,6 +388,7 @@ def run_limits(args: argparse.Namespace) -> dict[str, Any]:
         out.update({f"gcs_{k}": v for k, v in measure_gcs_raw(args.endpoint, BUCKET, min(n, 256 * MiB),
                                                               reps=args.limit_reps).items()})
     out["loadavg_start"], out["loadavg_end"] = load_start, os.getloadavg()
+    out["wall_s"] = time.perf_counter() - t_start
     return out
 
 
@@ -393,21 +412,23 @@ def run_overhead(args: argparse.Namespace) -> dict[str, Any]:
     from fastckpt.replicas import PeerClient
 
     load_start = os.getloadavg()
+    work, shm = Path(args.work), Path(args.shm)
+    store_root = work / "overhead-store"
+    store_root.mkdir(parents=True, exist_ok=True)
+    n_est = args.size_mib * MiB
+    peer = peer_process(shm / "overhead-peer", str(store_root), member_id="host-b", budget_bytes=3 * n_est + 512 * MiB)
     mesh = make_mesh((2, 4))
-    state = matmul_state(args.size_mib * MiB, mesh, d=1024)
+    state = matmul_state(n_est, mesh, d=1024)
     n = tree_nbytes(state)
     step_fn = make_matmul_step(batch=args.batch, d=1024)
     x = jax.device_put(np.random.default_rng(1).standard_normal((args.batch, 1024), dtype=np.float32),
                        NamedSharding(mesh, PartitionSpec()))
-    work, shm = Path(args.work), Path(args.shm)
-    store_root = work / "overhead-store"
-    store_root.mkdir(parents=True, exist_ok=True)
     saves: list[Any] = []
     reports: list[Any] = []
     result: dict[str, Any] = {"state_bytes": n, "batch": args.batch, "interval_steps": RAM_STEP,
                               "segment_steps": args.segment_steps, "pairs": args.pairs}
-    with peer_process(shm / "overhead-peer", str(store_root), member_id="host-b",
-                      budget_bytes=3 * n + 256 * MiB) as peer:
+    with peer:
+        peer_port = peer.port  # ready: its address is published before the manager looks
         ram = RamOptions(root=str(shm / "overhead-slot"), member_id="host-a", interval_steps=RAM_STEP,
                          budget_bytes=3 * n + 256 * MiB, replicas=1, secret=PEER_SECRET)
         mgr = fastckpt.CheckpointManager(str(store_root), options=fastckpt.ManagerOptions(
@@ -423,7 +444,7 @@ def run_overhead(args: argparse.Namespace) -> dict[str, Any]:
             state = jax.block_until_ready(step_fn(state, x))
             mgr.save(step, state)
             mgr.wait()
-            _drain_replication(mgr)
+            _check_pushed(_drain_replication(mgr))
             step += 1
         saves.clear()
 
@@ -460,7 +481,7 @@ def run_overhead(args: argparse.Namespace) -> dict[str, Any]:
                   f"(drain {ck['drain_s']:.2f}s) -> {100 * (pairs[-1]['ratio'] - 1):+.1f}% wall, "
                   f"{100 * (cpu_ratio - 1):+.1f}% CPU", file=sys.stderr, flush=True)
         mgr.wait()
-        with PeerClient(("127.0.0.1", peer.port), secret=PEER_SECRET) as client:
+        with PeerClient(("127.0.0.1", peer_port), secret=PEER_SECRET) as client:
             last = max(client.steps())
             result["peer_latest_step"] = last
             result["peer_latest_chunks"] = len(client.list_chunks(last))
@@ -478,10 +499,15 @@ def run_overhead(args: argparse.Namespace) -> dict[str, Any]:
         "ckpt_step_on_save_s": median([p["ckpt"]["step_s"][i] for p in pairs
                                        for i in range(0, args.segment_steps, RAM_STEP)]),
         "drain_s": median([p["ckpt"]["drain_s"] for p in pairs]),
+        # What only the blocking part of save() adds (the background work would not compete
+        # with the step where the step runs on an accelerator, unlike here on CPU devices).
+        "blocking_overhead": median([s.blocked_s for s in ram_saves])
+        / (RAM_STEP * median([median(p["base"]["step_s"]) for p in pairs])),
         "save_blocked_s": median([s.blocked_s for s in ram_saves]),
         "save_ram_commit_s": median([s.ram_commit_s for s in ram_saves]),
         "saves": len(ram_saves),
-        "pushes": len(reports), "pushes_ok": sum(r.ok for r in reports),
+        "pushes": len(reports), "pushes_ok": sum(r.ok and bool(r.targets) and r.bytes_pushed > 0 for r in reports),
+        "pushed_bytes": median([r.bytes_pushed for r in reports]),
         "pushes_superseded": sum(r.superseded for r in reports),
         "push_s": median([r.seconds for r in reports if r.ok]),
         "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
@@ -610,7 +636,7 @@ def tables(results: dict[str, Any]) -> dict[str, tuple[list[str], list[list[str]
         (f"loopback TCP, {lim.get('tcp_streams')} streams (= restore's parallel fetches)", lim.get("tcp_gbps")),
         ("disk read, cold", lim.get("disk_read_gbps")),
         ("/dev/shm read", lim.get("shm_read_gbps")),
-        ("emulator GET, 4 objects in parallel", lim.get("gcs_get_4x_gbps")),
+        ("emulator GET (google-cloud-storage), 4 objects in parallel", lim.get("gcs_get_4x_gbps")),
     ] if v is not None]
     cheaders = ["target", "state", "measured", "bound", "result", "note"]
     crows = [[c["target"], "" if c["size_mib"] is None else f"{c['size_mib']} MiB",
@@ -623,12 +649,12 @@ def tables(results: dict[str, Any]) -> dict[str, tuple[list[str], list[list[str]
     if ov and "error" not in ov:
         oheaders = ["state", "step, no ckpt", "step, ckpt run (median)", "step with save()", "save() blocks",
                     "RAM commit", "push to peer", "drain at segment end", "overhead, wall (median)",
-                    "pairs", "added CPU (both processes)"]
+                    "pairs", "added CPU (both processes)", "save() blocking alone"]
         orows = [[f"{ov['state_bytes'] / GiB:.2f} GiB", f"{ov['base_step_s']:.3f}s", f"{ov['ckpt_step_s']:.3f}s",
                   f"{ov['ckpt_step_on_save_s']:.3f}s", f"{ov['save_blocked_s']:.3f}s", f"{ov['save_ram_commit_s']:.3f}s",
                   f"{ov['push_s']:.3f}s ({ov['pushes_ok']}/{ov['pushes']} ok)", f"{ov['drain_s']:.3f}s",
                   f"{100 * ov['overhead']:+.1f}%", ", ".join(f"{100 * o:+.1f}%" for o in ov["overhead_all"]),
-                  f"{100 * ov['cpu_overhead']:+.1f}%"]]
+                  f"{100 * ov['cpu_overhead']:+.1f}%", f"{100 * ov['blocking_overhead']:+.1f}%"]]
         out["overhead"] = (oheaders, orows)
     return out
 
@@ -695,9 +721,14 @@ def plot_results(results: dict[str, Any], path: Path) -> None:
             "series": {"fastckpt": [get(size, g[1], "restore_s") for g in groups],
                        "Orbax": [get(size, g[2], "restore_s") for g in groups]},
         })
-    bar_chart(path, panels=panels, ncols=len(sizes),
-              title=f"Restore per tier, fastckpt vs Orbax, 8 CPU devices ({results['meta']['mode']}, "
-                    f"load {results['meta']['loadavg_start'][0]:.0f} on {results['meta']['cpus']} CPUs)")
+    if len(sizes) == 1:
+        ncols = 2
+    else:
+        ncols = len(sizes)
+    meta = results["meta"]
+    bar_chart(path, panels=panels, ncols=ncols,
+              title=f"Restore per tier, fastckpt vs Orbax, 8 CPU devices ({meta['mode']} run; "
+                    f"load avg {meta['loadavg_start'][0]:.0f}-{meta['loadavg_end'][0]:.0f} on {meta['cpus']} CPUs)")
 
 
 def driver(args: argparse.Namespace) -> int:
@@ -757,7 +788,9 @@ def driver(args: argparse.Namespace) -> int:
                     except Exception as e:  # keep going: the table shows the failure
                         cells[key] = {"error": f"{type(e).__name__}: {e}"}
                         print(f"[{key} {size} MiB] FAILED: {e}", file=sys.stderr, flush=True)
-                    print(f"[{key} {size} MiB] done in {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
+                    ph = cells[key].get("phases_s")
+                    detail = f" ({', '.join(f'{k} {v:.0f}s' for k, v in ph.items())})" if ph else ""
+                    print(f"[{key} {size} MiB] done in {time.perf_counter() - t0:.0f}s{detail}", file=sys.stderr, flush=True)
             if not args.root_only and not args.no_overhead:
                 t0 = time.perf_counter()
                 oargs = ["--overhead", "--size-mib", str(args.overhead_mib), "--batch", str(args.batch),
@@ -799,7 +832,7 @@ def finish(results: dict[str, Any], args: argparse.Namespace) -> int:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="0.25 GiB only, 2 timed restores per tier, short overhead run")
+    p.add_argument("--quick", action="store_true", help="0.25 GiB only, 1 timed restore per tier after a first one, short overhead run")
     p.add_argument("--sizes-mib", default=None, help="comma-separated state sizes (default 256,1024,2048; quick 256)")
     p.add_argument("--reps", type=int, default=None, help="timed restores per tier after the first (default 4, quick 1)")
     p.add_argument("--root", default=None, help="also measure restores from this root (gs://bucket/prefix or a path)")

@@ -86,6 +86,8 @@ class GcReport:
     retention_objects: int = 0
     """Objects (manifests + data) of ``retention_steps``."""
     errors: list[str] = dataclasses.field(default_factory=list)
+    temp_files: list[str] = dataclasses.field(default_factory=list)
+    """Temp files of killed local puts removed (dry run: would be removed)."""
 
     @property
     def removed_bytes(self) -> int:
@@ -97,6 +99,7 @@ class GcReport:
         return {
             "dry_run": self.dry_run,
             "committed_steps": self.committed_steps,
+            "temp_files": self.temp_files,
             "removed": [dataclasses.asdict(lo) for lo in self.removed],
             "removed_bytes": self.removed_bytes,
             "kept": [dataclasses.asdict(lo) for lo in self.kept],
@@ -213,6 +216,35 @@ async def _delete_all(store: Store, keys: Sequence[str]) -> None:
     await asyncio.gather(*(one(k) for k in keys))
 
 
+def _remove_local_temp_files(store: Store, *, grace_s: float, now: float, dry_run: bool) -> list[str]:
+    """Temp files of puts killed mid-write (``LocalStore`` hides them from ``list``).
+
+    Only files older than ``grace_s`` are touched (a younger one may be a put in flight).
+    Returns their paths relative to the root.
+    """
+    from fastckpt.storage._local import TEMP_SUFFIX
+
+    root = getattr(_base_store(store), "root", None)
+    if not isinstance(root, os.PathLike):
+        return []
+    base = os.fspath(root)
+    found = []
+    for dirpath, _, files in os.walk(base):
+        for name in files:
+            if not name.endswith(TEMP_SUFFIX):
+                continue
+            path = os.path.join(dirpath, name)
+            try:
+                if now - os.stat(path).st_mtime < grace_s:
+                    continue
+                if not dry_run:
+                    os.unlink(path)
+            except FileNotFoundError:
+                continue
+            found.append(os.path.relpath(path, base))
+    return found
+
+
 def _prune_empty_dirs(store: Store) -> None:
     """Remove empty directories under ``steps/`` of a local store (delete leaves them)."""
     root = getattr(_base_store(store), "root", None)
@@ -256,7 +288,10 @@ async def collect_garbage_async(
         if not dry_run:
             await store.delete(manifest_key(step))  # un-commit first
             await _delete_all(store, keys)
-    if not dry_run and (report.removed or report.retention_steps):
+    report.temp_files = _remove_local_temp_files(
+        store, grace_s=grace_s, now=time.time() if now is None else now, dry_run=dry_run
+    )
+    if not dry_run and (report.removed or report.retention_steps or report.temp_files):
         _prune_empty_dirs(store)
     return report
 

@@ -20,7 +20,13 @@ __all__ = ["main"]
 
 
 def _run(argv: Sequence[str]) -> int:
-    from fastckpt.elastic.supervisor import ChaosEvent, ElasticRunError, Supervisor, SupervisorOptions
+    from fastckpt.elastic.supervisor import (
+        EXAMPLE_WORKER_PRELOAD,
+        ChaosEvent,
+        ElasticRunError,
+        Supervisor,
+        SupervisorOptions,
+    )
     from fastckpt.elastic.timeline import summarize
 
     argv = list(argv)
@@ -40,6 +46,9 @@ def _run(argv: Sequence[str]) -> int:
     p.add_argument("--local-root", default=None)
     p.add_argument("--kill", action="append", default=[], metavar="HOST@STEP", help="SIGKILL a host at a step")
     p.add_argument("--rejoin", action="append", default=[], metavar="HOST@STEP", help="bring a host back")
+    p.add_argument("--no-standby", action="store_true", help="no warm standby workers")
+    p.add_argument("--preload", default=None,
+                   help="comma-separated modules standbys import early (default: jax + the example worker's)")
     args = p.parse_args(argv[:split])
     worker = argv[split + 1:]
     if not worker:
@@ -50,6 +59,8 @@ def _run(argv: Sequence[str]) -> int:
         num_hosts=args.hosts, devices_per_host=args.devices_per_host, min_hosts=args.min_hosts,
         max_restarts=args.max_restarts, heartbeat_timeout_s=args.heartbeat_timeout_s,
         progress_timeout_s=args.progress_timeout_s, startup_timeout_s=args.startup_timeout_s, events=events,
+        warm_standby=not args.no_standby,
+        preload=tuple(filter(None, args.preload.split(","))) if args.preload is not None else EXAMPLE_WORKER_PRELOAD,
     )
     run_dir = args.run_dir or tempfile.mkdtemp(prefix="fastckpt-run-")
     local_root = args.local_root or tempfile.mkdtemp(prefix="fastckpt-local-")

@@ -10,6 +10,7 @@ files in the run directory, all written atomically (temp file + ``os.replace``):
       hb/g<gen>-h<host>.json    heartbeat: {"t", "step", "phase", "pid"}
       report/g<gen>-h<host>.json  phase timestamps + restore stats of one worker
       control/stop-g<gen>       exists => stop at the next agreed step, checkpoint, exit 75
+      secret                    32 random bytes (mode 0600): the peer-replica handshake key
       logs/g<gen>-h<host>.log   the worker's stdout + stderr
 
 Exit codes: 0 done, :data:`EXIT_STOPPED` stopped at a checkpoint on request (the supervisor
@@ -84,6 +85,12 @@ class WorkerEnv:
             kwargs[f.name] = int(raw) if f.type == "int" else float(raw) if f.type == "float" else raw
         return cls(**kwargs)
 
+    @classmethod
+    def standalone(cls, run_dir: str, *, local_dir: str | None = None) -> WorkerEnv:
+        """A one-process identity for running a worker without a supervisor (debugging)."""
+        return cls(coordinator="", num_processes=1, process_id=0, host_id=0, generation=0, run_dir=run_dir,
+                   local_dir=local_dir or os.path.join(run_dir, "local"), launch_time=now())
+
     @property
     def paths(self) -> RunPaths:
         """Paths in this worker's run directory."""
@@ -112,6 +119,10 @@ class RunPaths:
 
     def stop_request(self, generation: int) -> Path:
         return self.root / "control" / f"stop-g{generation}"
+
+    @property
+    def secret(self) -> Path:
+        return self.root / "secret"
 
     def log(self, generation: int, host: int) -> Path:
         return self.root / "logs" / f"g{generation}-h{host}.log"

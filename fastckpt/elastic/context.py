@@ -39,7 +39,15 @@ import jax
 
 import fastckpt
 from fastckpt._distributed import Coordinator, default_coordinator
-from fastckpt.elastic._protocol import EXIT_DONE, EXIT_ORPHANED, EXIT_STOPPED, WorkerEnv, append_jsonl, now, write_json_atomic
+from fastckpt.elastic._protocol import (
+    EXIT_DONE,
+    EXIT_ORPHANED,
+    EXIT_STOPPED,
+    WorkerEnv,
+    append_jsonl,
+    now,
+    write_json_atomic,
+)
 from fastckpt.errors import ConfigError
 
 __all__ = ["ElasticContext", "ElasticOptions"]
@@ -142,22 +150,25 @@ class ElasticContext:
         mgr = self._require_manager()
         self._set_phase("restore")
         t0 = now()
-        latest = mgr.latest_step()
-        if latest is None:
+        latest = self._agree("latest", lambda: str(mgr.latest_step()))
+        if latest == "None":
             state = init_fn()
             jax.block_until_ready(state)
             self._report.update(restored_step=None, restore_kind="init")
         else:
-            state, stats = mgr.restore_with_stats(latest, target=target)
+            # step=None: the manager picks the newest step whose chunks are all reachable
+            # (a RAM step, or storage's latest) and every process follows process 0.
+            state, stats = mgr.restore_with_stats(None, target=target)
+            self.start_step = _restored_step(stats, fallback=int(latest))
             self._report.update(
-                restored_step=latest,
+                restored_step=self.start_step,
                 restore_kind="restore",
                 restore_bytes_by_tier=dict(stats.bytes_by_tier),
                 restore_bytes_read_storage=stats.bytes_read_storage,
                 restore_fetch_s=stats.fetch_s,
                 restore_device_put_s=stats.device_put_s,
+                restore_fallbacks=dict(getattr(stats, "fallbacks", {}) or {}),
             )
-            self.start_step = latest
         self._step = self.start_step
         self._report["restore_s"] = now() - t0
         self.mark("restored")
@@ -238,21 +249,27 @@ class ElasticContext:
             coord.get(f"{prefix}/{i}", timeout_s=self.options.kv_timeout_s)
 
     # ------------------------------------------------------------------ internals
+    def _agree(self, name: str, decide: Callable[[], str]) -> str:
+        """Process 0 runs ``decide``; every process returns its answer."""
+        coord = self._coord
+        assert coord is not None
+        if coord.process_count == 1:
+            return decide()
+        key = f"fastckpt-elastic/g{self.env.generation}/agree/{name}"
+        if coord.process_index == 0:
+            value = decide()
+            coord.set(key, value)
+            return value
+        return coord.get(key, timeout_s=self.options.kv_timeout_s)
+
     def _agree_stop(self, step: int) -> int | None:
         """Process 0 reads the stop request; everyone learns its decision at ``step``.
 
         A stop decided before running step ``step`` takes effect after it: the agreed stop
         step is ``step + 1``, so the ``maybe_save(step + 1, ...)`` of this iteration is forced.
         """
-        coord = self._coord
-        assert coord is not None
-        key = f"fastckpt-elastic/g{self.env.generation}/stop/{step}"
-        if coord.process_index == 0:
-            decision = "stop" if self.paths.stop_request(self.env.generation).exists() else "go"
-            if coord.process_count > 1:
-                coord.set(key, decision)
-        else:
-            decision = coord.get(key, timeout_s=self.options.kv_timeout_s)
+        request = self.paths.stop_request(self.env.generation)
+        decision = self._agree(f"stop/{step}", lambda: "stop" if request.exists() else "go")
         return step + 1 if decision == "stop" else None
 
     def _finish_stop(self, step: int) -> None:
@@ -283,3 +300,14 @@ class ElasticContext:
 
     def _write_report(self) -> None:
         write_json_atomic(self.paths.report(self.env.generation, self.env.host_id), self._report)
+
+
+def _restored_step(stats: object, *, fallback: int) -> int:
+    """The step a ``restore_with_stats(None, ...)`` restored.
+
+    ``RestoreStats`` does not carry it yet (requested from the core); until it does, the
+    newest committed step process 0 saw just before is used. The example worker checks the
+    restored ``step``/``data_pos`` leaves against it, so a mismatch fails loudly.
+    """
+    step = getattr(stats, "step", None)
+    return fallback if step is None else int(step)

@@ -17,7 +17,6 @@ Contract:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import numpy as np
@@ -94,8 +93,8 @@ class SyntheticData:
         """
         cache: dict[tuple[int, int], np.ndarray] = {}
 
-        def rows(index: tuple[Any, ...]) -> np.ndarray:
-            row_slice, col_slice = (tuple(index) + (slice(None),) * 2)[:2]
+        def rows(index: tuple[slice, ...] | None) -> np.ndarray:
+            row_slice, col_slice = (tuple(index or ()) + (slice(None),) * 2)[:2]
             lo, hi, _ = row_slice.indices(self.cfg.global_batch)
             if (lo, hi) not in cache:
                 cache[(lo, hi)] = self.samples(pos + lo, pos + hi)

@@ -22,7 +22,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fastckpt.elastic.supervisor import ChaosEvent, Supervisor, SupervisorOptions, default_worker_cmd
+from fastckpt.elastic.supervisor import (
+    EXAMPLE_WORKER_PRELOAD,
+    ChaosEvent,
+    Supervisor,
+    SupervisorOptions,
+    default_worker_cmd,
+)
 from fastckpt.elastic.timeline import summarize
 
 __all__ = ["build_parser", "main", "plot_loss", "run_demo"]
@@ -41,11 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hosts", type=int, default=4)
     p.add_argument("--devices-per-host", type=int, default=2)
     p.add_argument("--preset", default="small", help="model preset (tiny, small, bench)")
-    p.add_argument("--steps", type=int, default=150)
-    p.add_argument("--kill-step", type=int, default=40)
+    p.add_argument("--steps", type=int, default=80)
+    p.add_argument("--kill-step", type=int, default=25)
     p.add_argument("--kill-host", type=int, default=None, help="default: the last host")
-    p.add_argument("--rejoin-step", type=int, default=90)
-    p.add_argument("--checkpoint-every", type=int, default=10)
+    p.add_argument("--rejoin-step", type=int, default=50)
+    p.add_argument("--checkpoint-every", type=int, default=20, help="persistent checkpoint cadence (steps)")
+    p.add_argument("--ram-every", type=int, default=2, help="RAM-tier + peer replica cadence (0: off)")
     p.add_argument("--step-delay-s", type=float, default=0.0)
     p.add_argument("--png", default=None, help="loss plot path (default: <workdir>/loss.png)")
     p.add_argument("--full-opt", action="store_true", help="do not pass the fast-compile XLA flags")
@@ -129,6 +136,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         devices_per_host=args.devices_per_host,
         min_hosts=1,
         max_restarts=2,
+        preload=EXAMPLE_WORKER_PRELOAD,
         events=(
             ChaosEvent(kind="kill", host=kill_host, at_step=args.kill_step),
             ChaosEvent(kind="rejoin", host=kill_host, at_step=args.rejoin_step),
@@ -136,7 +144,8 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     )
     worker = default_worker_cmd([
         "--root", root, "--steps", str(args.steps), "--preset", args.preset,
-        "--checkpoint-every", str(args.checkpoint_every), "--model-axis", str(args.devices_per_host),
+        "--checkpoint-every", str(args.checkpoint_every), "--ram-every", str(args.ram_every),
+        "--model-axis", str(args.devices_per_host),
         "--step-delay-s", str(args.step_delay_s),
     ])
     env = dict(os.environ)

@@ -144,10 +144,11 @@ def param_shapes(cfg: ModelConfig) -> Params:
     ``layers/w2 [L, F, D]``, ``ln_f [D]``, ``unembed [D, V]``.
     """
     dt = jnp.dtype(cfg.dtype)
-    return jax.tree.map(lambda r: jax.ShapeDtypeStruct(r[0], dt), _init_rules(cfg), is_leaf=_is_rule)
+    shapes: Params = jax.tree.map(lambda r: jax.ShapeDtypeStruct(r[0], dt), _init_rules(cfg), is_leaf=_is_rule)
+    return shapes
 
 
-def init_params(cfg: ModelConfig, seed: int) -> dict[str, Any]:
+def init_params(cfg: ModelConfig, seed: int) -> Params:
     """Fresh parameters as host numpy arrays: scaled normal weights, unit norm scales.
 
     A pure function of ``(cfg, seed)``, computed with numpy so that a fresh start costs no
@@ -163,7 +164,8 @@ def init_params(cfg: ModelConfig, seed: int) -> dict[str, Any]:
         else:
             rng = np.random.default_rng([seed, i])
             leaves.append((rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(dt))
-    return jax.tree.unflatten(treedef, leaves)
+    params: Params = jax.tree.unflatten(treedef, leaves)
+    return params
 
 
 def param_count(cfg: ModelConfig) -> int:
@@ -185,7 +187,7 @@ def _dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
 
 def forward(cfg: ModelConfig, params: Params, tokens: jax.Array, key: jax.Array | None) -> jax.Array:
     """Logits ``[B, T, V]`` for int tokens ``[B, T]``. ``key=None`` disables dropout."""
-    b, t = tokens.shape
+    t = tokens.shape[1]
     x = params["embed"][tokens] + params["pos"][:t]
     causal = jnp.tril(jnp.ones((t, t), bool))
     layer_keys = None if key is None else jax.random.split(key, cfg.n_layers)

@@ -27,8 +27,11 @@ its return); in a real deployment it would come from the cluster manager.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -37,12 +40,13 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import IO, Literal
 
 from fastckpt.elastic._protocol import EXIT_DONE, EXIT_STOPPED, RunPaths, WorkerEnv, append_jsonl, now, read_json
 from fastckpt.errors import ConfigError, FastckptError
 
 __all__ = [
+    "EXAMPLE_WORKER_PRELOAD",
     "ChaosEvent",
     "ElasticRunError",
     "GenerationResult",
@@ -108,6 +112,11 @@ class SupervisorOptions:
     """Watch-loop period (bounds the detection latency of a process death)."""
     events: tuple[ChaosEvent, ...] = ()
     """Scheduled host losses and returns."""
+    warm_standby: bool = True
+    """Keep one pre-started worker per host (interpreter up, ``preload`` imported) while a
+    generation trains, and relaunch into those: a restart skips ``import jax``."""
+    preload: tuple[str, ...] = ("jax", "fastckpt.elastic.context")
+    """Modules a standby imports before it knows its identity (must have no side effects)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_hosts <= self.num_hosts:
@@ -144,7 +153,14 @@ class SupervisorResult:
 class _Worker:
     host: int
     proc: subprocess.Popen[bytes]
-    log: object
+    log: IO[bytes]
+
+
+@dataclasses.dataclass
+class _Standby:
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    log: IO[bytes]
 
 
 def _free_port() -> int:
@@ -180,13 +196,25 @@ class Supervisor:
         self.base_env = dict(os.environ if env is None else env)
         self._available = set(range(self.options.num_hosts))
         self._pending_events = sorted(self.options.events, key=lambda e: e.at_step)
+        self._pool: list[_Standby] = []
+        self._standbys_started = 0
 
     # ------------------------------------------------------------------ public
     def run(self) -> SupervisorResult:
         """Run generations until a worker finishes. Raises :class:`ElasticRunError` on giving up."""
         self.paths.make_dirs()
+        if not self.paths.secret.exists():
+            fd = os.open(self.paths.secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(secrets.token_bytes(32))
         for h in range(self.options.num_hosts):
             self._local_dir(h).mkdir(parents=True, exist_ok=True)
+        try:
+            return self._run_generations()
+        finally:
+            self._drain_pool()
+
+    def _run_generations(self) -> SupervisorResult:
         results: list[GenerationResult] = []
         restarts = 0
         generation = 0
@@ -218,7 +246,7 @@ class Supervisor:
         finally:
             self._kill(workers)
             for w in workers:
-                w.log.close()  # type: ignore[attr-defined]
+                w.log.close()
         result = GenerationResult(generation=generation, hosts=hosts, outcome=outcome, reason=reason,
                                   t_launch=t_launch, t_end=now())
         self._event("generation_end", generation=generation, outcome=outcome, reason=reason)
@@ -229,16 +257,52 @@ class Supervisor:
         ident = WorkerEnv(coordinator=coordinator, num_processes=len(hosts), process_id=rank, host_id=host,
                           generation=generation, run_dir=str(self.paths.root), local_dir=str(self._local_dir(host)),
                           launch_time=t_launch)
-        env = dict(self.base_env)
+        while self._pool:
+            standby = self._pool.pop(0)
+            try:
+                assert standby.proc.stdin is not None
+                standby.proc.stdin.write((json.dumps(ident.to_environ()) + "\n").encode())
+                standby.proc.stdin.close()
+            except (BrokenPipeError, OSError):  # it died while waiting: use the next one
+                standby.proc.kill()
+                standby.proc.wait()
+                standby.log.close()
+                continue
+            self.paths.log(generation, host).symlink_to(standby.log_path.name)
+            return _Worker(host=host, proc=standby.proc, log=standby.log)
+        env = self._child_env()
         env.update(ident.to_environ())
-        env["XLA_FLAGS"] = _xla_flags(env.get("XLA_FLAGS", ""), self.options.devices_per_host)
-        env["JAX_PLATFORMS"] = "cpu"
-        pkg_parent = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH", "")) if p)
         log = open(self.paths.log(generation, host), "wb")  # noqa: SIM115 (closed by _run_generation)
         proc = subprocess.Popen(self.worker_cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
         return _Worker(host=host, proc=proc, log=log)
+
+    def _child_env(self) -> dict[str, str]:
+        env = dict(self.base_env)
+        env["XLA_FLAGS"] = _xla_flags(env.get("XLA_FLAGS", ""), self.options.devices_per_host)
+        env["JAX_PLATFORMS"] = "cpu"
+        pkg_parent = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH", "")) if p)
+        return env
+
+    def _fill_pool(self) -> None:
+        """Start standbys until there is one per host (for the next generation)."""
+        cmd = [sys.executable, "-m", "fastckpt.elastic._standby", ",".join(self.options.preload), "--",
+               *self.worker_cmd]
+        while len(self._pool) < self.options.num_hosts:
+            path = self.paths.root / "logs" / f"standby-{self._standbys_started}.log"
+            self._standbys_started += 1
+            log = open(path, "wb")  # noqa: SIM115 (closed when the standby's generation ends)
+            proc = subprocess.Popen(cmd, env=self._child_env(), stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.PIPE, start_new_session=True)
+            self._pool.append(_Standby(proc=proc, log_path=path, log=log))
+
+    def _drain_pool(self) -> None:
+        for standby in self._pool:
+            _signal_group(standby.proc.pid, signal.SIGKILL)
+            standby.proc.wait()
+            standby.log.close()
+        self._pool.clear()
 
     def _watch(self, generation: int, workers: list[_Worker]) -> tuple[Literal["done", "stopped", "failed"], str]:
         opts = self.options
@@ -269,14 +333,18 @@ class Supervisor:
                 self._event("failure_detected", generation=generation, host=running[0].host, reason="exit_timeout")
                 return "failed", "workers did not exit after the first clean exit"
             max_step = 0
+            training = 0
             for w in running:
                 hb = read_json(self.paths.heartbeat(generation, w.host))
+                training += hb is not None and hb.get("phase") == "train"
                 problem = self._check_heartbeat(hb, t, t_start, progress, w.host)
                 if problem:
                     self._event("failure_detected", generation=generation, host=w.host, reason=problem)
                     return "failed", f"host {w.host}: {problem}"
                 if hb is not None:
                     max_step = max(max_step, int(hb["step"]))
+            if opts.warm_standby and first_exit is None and training == len(workers) and not self._pool:
+                self._fill_pool()  # only now: starting them earlier would slow this restart down
             if first_exit is None:
                 stop_requested = self._fire_events(generation, workers, max_step, stop_requested)
 
@@ -349,10 +417,12 @@ class Supervisor:
 
 
 def _signal_group(pid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, sig)
-    except ProcessLookupError:
-        pass
+
+
+EXAMPLE_WORKER_PRELOAD = ("jax", "optax", "fastckpt.elastic.worker")
+"""What a standby of the example worker imports before activation."""
 
 
 def default_worker_cmd(worker_args: Sequence[str]) -> list[str]:

@@ -108,6 +108,8 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
         rec = recovery_breakdown(paths, t_event=float(stop["t"]), t_detect=None, generation=gen + 1, events=events)
         if rec is not None:
             rec["parts"].pop("detect_s")
+            detail = rec["relaunch_detail"]
+            detail["drain_s"] = detail.pop("kill_rest_s")  # workers reach the stop step, save, exit
             resizes.append({"generation": gen, "stop_to_first_step_s": rec.pop("total_s"), **rec})
     final = max(metrics, key=lambda m: (m["step"], m["t"])) if metrics else None
     return {

@@ -95,10 +95,8 @@ class TrainProgram:
         self.cfg = cfg
         self.mesh = mesh
         self.data = SyntheticData(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len)
-        schedule = optax.join_schedules(
-            [optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps), optax.constant_schedule(cfg.learning_rate)],
-            [cfg.warmup_steps],
-        )
+        warmup = optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps)
+        schedule = optax.join_schedules([warmup, optax.constant_schedule(cfg.learning_rate)], [cfg.warmup_steps])
         self.optimizer = optax.chain(
             optax.clip_by_global_norm(cfg.clip_norm), optax.adamw(schedule, weight_decay=cfg.weight_decay)
         )

@@ -3,13 +3,14 @@
 This is the entry point the supervisor launches once per host and generation, and the
 reference user of :class:`~fastckpt.elastic.ElasticContext`. It is the edge of the
 program: it reads the worker identity from the environment the supervisor set
-(:class:`~fastckpt.elastic._protocol.WorkerEnv`) and configures jax from flags; the
+(:class:`~fastckpt.elastic._protocol.WorkerEnv`) and everything else from flags; the
 library code below it reads neither.
 
 Per generation: initialise ``jax.distributed`` -> build the ``("data", "model")`` mesh
 over the devices that exist -> restore the latest checkpoint onto it (or init) while the
 train step compiles in a thread -> train, logging the loss of every step to
-``metrics.jsonl``, handing state to the manager every ``--checkpoint-every`` steps ->
+``metrics.jsonl``, checkpointing to RAM + peers every ``--ram-every`` steps and to storage
+every ``--checkpoint-every`` steps ->
 at ``--steps`` save a final checkpoint and exit 0, or stop at an agreed step and exit 75
 when the supervisor asks (a host rejoins).
 """
@@ -17,13 +18,12 @@ when the supervisor asks (a host rejoins).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-
-import jax
 
 import fastckpt
 from fastckpt.elastic._protocol import EXIT_DONE, WorkerEnv
@@ -47,12 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--learning-rate", type=float, default=3e-3)
     p.add_argument("--dropout", type=float, default=None, help="override the preset's dropout")
     p.add_argument("--model-axis", type=int, default=2, help="size of the 'model' mesh axis")
-    p.add_argument("--checkpoint-every", type=int, default=10, help="hand state to the manager every N steps")
-    p.add_argument("--persist-every", type=int, default=None,
-                   help="ManagerOptions.save_interval_steps (default: --checkpoint-every)")
+    p.add_argument("--checkpoint-every", type=int, default=10,
+                   help="persistent checkpoint every N steps (ManagerOptions.save_interval_steps)")
+    p.add_argument("--ram-every", type=int, default=0,
+                   help="RAM-tier checkpoint (own RAM + peer replica) every N steps; 0: no RAM tier")
+    p.add_argument("--ram-replicas", type=int, default=1, help="peers each host replicates its RAM chunks to")
     p.add_argument("--keep-last", type=int, default=3, help="committed steps kept by retention")
     p.add_argument("--step-delay-s", type=float, default=0.0, help="sleep after each step (demo pacing)")
-    p.add_argument("--compile-cache", default=None, help="jax persistent compilation cache directory")
     p.add_argument("--no-overlap-compile", action="store_true", help="compile after the restore, not during it")
     return p
 
@@ -73,22 +74,21 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
     )
 
 
-def _configure_jax(args: argparse.Namespace) -> None:
-    if args.compile_cache:
-        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
 def run(args: argparse.Namespace, env: WorkerEnv) -> int:
     """Train under the supervisor as ``env`` says. Returns the process exit code."""
-    _configure_jax(args)
     cfg = train_config_from_args(args)
+    ram = None
+    if args.ram_every:
+        ram = fastckpt.RamOptions(
+            root=env.local_dir, member_id=f"host{env.host_id}", interval_steps=args.ram_every,
+            replicas=args.ram_replicas, secret=env.paths.secret.read_bytes(),
+        )
     options = ElasticOptions(
-        checkpoint_every=args.checkpoint_every,
+        checkpoint_every=math.gcd(args.checkpoint_every, args.ram_every or args.checkpoint_every),
         manager=fastckpt.ManagerOptions(
-            save_interval_steps=args.persist_every or args.checkpoint_every,
+            save_interval_steps=args.checkpoint_every,
             retention=fastckpt.RetentionOptions(keep_last=args.keep_last),
+            ram=ram,
         ),
     )
     batch = cfg.data.global_batch

@@ -17,7 +17,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor
 from typing import Protocol
 
 import numpy as np
@@ -244,12 +244,12 @@ async def fill_units(
         return filler, need
 
     async def fill(leaf_units: Sequence[Unit]) -> None:
-        filler, need = await loop.run_in_executor(ram_pool or executor, prepare, leaf_units)
+        filler, need = await loop.run_in_executor(executor, prepare, leaf_units)
         ranges = coalesce_fetches(need, max_gap=options.max_gap_bytes, max_bytes=options.max_request_bytes)
 
         async def do_range(r_key: str, r_start: int, r_len: int, chunks: Sequence[ChunkEntry]) -> None:
             # The read slot is held until the fetched bytes are decoded and dropped, so fetched
-            # data in memory stays below read_concurrency x max_request_bytes (plus one re-read).
+            # data in memory stays near read_concurrency x max_request_bytes (plus one re-read).
             async with reads:
                 try:
                     data = await fetch_range(r_key, r_start, r_len)
@@ -270,14 +270,5 @@ async def fill_units(
     by_leaf: dict[int, list[Unit]] = {}
     for u in units:
         by_leaf.setdefault(id(u.leaf), []).append(u)
-    # RAM-tier fetches (a peer GET is a request/response round trip; an own-RAM fetch is a
-    # copy that releases the GIL) are bound by latency, not by decoding: they run on
-    # read_concurrency threads of their own, like ranged reads, not on the decode workers.
-    ram_pool = (ThreadPoolExecutor(min(options.read_concurrency, len(by_leaf)) or 1, thread_name_prefix="fastckpt-ramread")
-                if source is not None else None)
-    try:
-        await asyncio.gather(*(fill(us) for us in by_leaf.values()))
-    finally:
-        if ram_pool is not None:
-            ram_pool.shutdown(wait=False)
+    await asyncio.gather(*(fill(us) for us in by_leaf.values()))
     stats.fetch_s += time.perf_counter() - t0

@@ -234,7 +234,8 @@ class FaultProxy:
         return f"http://127.0.0.1:{self._listener.getsockname()[1]}"
 
     def counts(self) -> dict[str, int]:
-        """Counters: ``requests``, ``forwarded``, ``upstream_errors`` and ``fault:<kind>``."""
+        """Counters: ``requests``, ``forwarded``, ``upstream_errors``, ``proxy_errors`` and
+        ``fault:<kind>``."""
         with self._lock:
             return dict(self._counts)
 
@@ -340,7 +341,7 @@ class FaultProxy:
                 self._count("requests")
                 kind = self._draw(req)
                 if kind in ("429", "500", "503"):
-                    self._send_status(conn, int(kind))  # type: ignore[arg-type]
+                    self._send_status(conn, int(kind), head_only=req.method == "HEAD")  # type: ignore[arg-type]
                     continue
                 if kind == "reset":
                     raise InjectedFault
@@ -352,7 +353,7 @@ class FaultProxy:
                 except (OSError, http.client.HTTPException):
                     self._count("upstream_errors")
                     upstream = None
-                    self._send_status(conn, 502)
+                    self._send_status(conn, 502, head_only=req.method == "HEAD")
                     continue
                 self._count("forwarded")
                 if kind == "lost_response":
@@ -369,10 +370,10 @@ class FaultProxy:
         except InjectedFault:
             with contextlib.suppress(OSError):  # RST instead of FIN
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        except _Closed:
+        except (_Closed, OSError):
             pass
-        except OSError:
-            pass
+        except Exception:  # a malformed request or a proxy bug costs this connection only
+            self._count("proxy_errors")
         finally:
             with self._lock:
                 self._conns.discard(conn)
@@ -445,13 +446,13 @@ class FaultProxy:
                     raise
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _send_status(self, conn: socket.socket, status: int) -> None:
+    def _send_status(self, conn: socket.socket, status: int, *, head_only: bool = False) -> None:
         body = f'{{"error": {{"code": {status}, "message": "injected by FaultProxy"}}}}'.encode()
         head = (
             f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\nConnection: keep-alive\r\n\r\n"
         ).encode()
-        conn.sendall(head + body)
+        conn.sendall(head if head_only else head + body)
 
     def _send_response(
         self,

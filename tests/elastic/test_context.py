@@ -3,6 +3,7 @@ step iterator, cadence saves, stop requests, reports and heartbeats."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -19,8 +20,7 @@ pytestmark = pytest.mark.usefixtures("eight_devices")
 
 
 def env(tmp_path: Path, generation: int = 0) -> WorkerEnv:
-    return WorkerEnv(coordinator="", num_processes=1, process_id=0, host_id=0, generation=generation,
-                     run_dir=str(tmp_path / "run"), local_dir=str(tmp_path / "local"), launch_time=0.0)
+    return dataclasses.replace(WorkerEnv.standalone(str(tmp_path / "run")), generation=generation)
 
 
 def init() -> dict[str, Any]:
@@ -49,18 +49,21 @@ def run(tmp_path: Path, total: int, *, generation: int = 0, every: int = 2) -> t
 
 
 def test_fresh_run_then_resume(tmp_path: Path) -> None:
-    ctx, state, seen = run(tmp_path, 5)
+    ctx, _, seen = run(tmp_path, 5)
     assert (ctx.exit_code, ctx.start_step, seen) == (EXIT_DONE, 0, [0, 1, 2, 3, 4])
     assert ctx.manager is not None
     ctx2, state2, seen2 = run(tmp_path, 8, generation=1)
     assert (ctx2.start_step, seen2) == (4, [4, 5, 6, 7])  # newest committed step was 4
     # resuming replays steps 5.. exactly: same key stream, same values
     _, ref, _ = run(tmp_path / "ref", 8)
-    assert jnp.array_equal(state2["w"], ref["w"]) and int(state2["step"]) == 8
+    assert jnp.array_equal(state2["w"], ref["w"])
+    assert int(state2["step"]) == 8
     paths = RunPaths(tmp_path / "run")
     report = json.loads(paths.report(1, 0).read_text())
-    assert report["restored_step"] == 4 and report["restore_kind"] == "restore"
-    assert report["restore_bytes_by_tier"] and report["t_first_step"] >= report["t_restored"]
+    assert report["restored_step"] == 4
+    assert report["restore_kind"] == "restore"
+    assert report["restore_bytes_by_tier"]
+    assert report["t_first_step"] >= report["t_restored"]
     assert json.loads(paths.heartbeat(1, 0).read_text())["phase"] == "exit"
     metrics = read_jsonl(paths.metrics)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 5, 6, 7, 8]
@@ -77,6 +80,13 @@ def test_stop_request_stops_at_a_checkpoint(tmp_path: Path) -> None:
     with CheckpointManager(str(tmp_path / "ckpt")) as mgr:
         assert mgr.latest_step() == 5
         assert mgr.metadata(5)["generation"] == 1
+
+
+def test_worker_env_round_trips_through_the_environment(tmp_path: Path) -> None:
+    ident = dataclasses.replace(env(tmp_path, 3), coordinator="127.0.0.1:1234", num_processes=4, process_id=2)
+    assert WorkerEnv.from_environ(ident.to_environ()) == ident
+    with pytest.raises(KeyError, match="FASTCKPT_ELASTIC_"):
+        WorkerEnv.from_environ({})
 
 
 def test_options_are_validated() -> None:

@@ -40,8 +40,10 @@ def test_batches_are_pure_functions_of_seed_and_position() -> None:
     assert not np.array_equal(a.host_batch(0), a.host_batch(24))
     assert not np.array_equal(a.host_batch(0), _data(seed=4).host_batch(0))
     batch = a.host_batch(0)
-    assert batch.dtype == np.int32 and batch.shape == (24, 17)
-    assert batch.min() >= 0 and batch.max() < 64
+    assert batch.dtype == np.int32
+    assert batch.shape == (24, 17)
+    assert batch.min() >= 0
+    assert batch.max() < 64
 
 
 def test_tokens_follow_the_markov_chain() -> None:

@@ -17,7 +17,8 @@ from fastckpt.elastic._protocol import read_jsonl
 from fastckpt.errors import ConfigError
 
 FAKE = str(Path(__file__).with_name("_fake_worker.py"))
-FAST = {"poll_interval_s": 0.02, "heartbeat_timeout_s": 1.0, "progress_timeout_s": 1.0, "startup_timeout_s": 20.0}
+FAST = {"poll_interval_s": 0.02, "heartbeat_timeout_s": 1.0, "progress_timeout_s": 1.0, "startup_timeout_s": 20.0,
+        "warm_standby": False}
 
 
 def supervise(tmp_path: Path, spec: dict[str, Any], **options: Any) -> tuple[Supervisor, SupervisorResult | None]:
@@ -37,25 +38,45 @@ def shape(result: SupervisorResult) -> list[tuple[tuple[int, ...], str]]:
 
 def test_clean_run_is_one_generation(tmp_path: Path) -> None:
     _, result = supervise(tmp_path, {"total": 5})
-    assert result is not None and shape(result) == [((0, 1, 2), "done")] and result.restarts == 0
+    assert result is not None
+    assert shape(result) == [((0, 1, 2), "done")]
+    assert result.restarts == 0
 
 
 def test_crash_kills_the_rest_and_relaunches(tmp_path: Path) -> None:
     spec = {"total": 12, "faults": [{"kind": "crash", "host": 1, "step": 5, "generation": 0}]}
     _, result = supervise(tmp_path, spec)
     assert result is not None
-    assert shape(result) == [((0, 1, 2), "failed"), ((0, 1, 2), "done")] and result.restarts == 1
+    assert shape(result) == [((0, 1, 2), "failed"), ((0, 1, 2), "done")]
+    assert result.restarts == 1
     [fail] = events(tmp_path, "failure_detected")
     assert (fail["host"], fail["rc"]) == (1, 3)
     assert sorted(events(tmp_path, "killed_rest")[0]["hosts"]) == [0, 2]
     assert int((tmp_path / "run" / "fake_ckpt").read_text()) == 12
 
 
+def test_relaunch_uses_warm_standbys(tmp_path: Path) -> None:
+    spec = {"total": 60, "step_s": 0.02, "faults": [{"kind": "crash", "host": 1, "step": 20, "generation": 0}]}
+    # standbys import jax while the fake workers run: generous timeouts on a loaded machine
+    _, result = supervise(tmp_path, spec, num_hosts=2, warm_standby=True, preload=("json",),
+                          heartbeat_timeout_s=15.0, progress_timeout_s=15.0)
+    assert result is not None
+    assert shape(result) == [((0, 1), "failed"), ((0, 1), "done")]
+    logs = tmp_path / "run" / "logs"
+    # generation 1 ran in processes started (and warmed up) during generation 0
+    assert (logs / "g1-h0.log").is_symlink()
+    assert (logs / "g1-h1.log").is_symlink()
+    assert not (logs / "g0-h0.log").is_symlink()
+    seen = [r for r in read_jsonl(tmp_path / "run" / "local_seen") if r["generation"] == 1]
+    assert len(seen) == 2
+
+
 def test_restarts_are_bounded(tmp_path: Path) -> None:
     spec = {"total": 12, "faults": [{"kind": "crash", "host": 0, "step": 1, "generation": None}]}
     with pytest.raises(ElasticRunError, match="restarts exhausted"):
         supervise(tmp_path, spec, max_restarts=2)
-    assert len(events(tmp_path, "launch")) == 3 and events(tmp_path, "give_up")
+    assert len(events(tmp_path, "launch")) == 3
+    assert events(tmp_path, "give_up")
 
 
 @pytest.mark.parametrize(("kind", "reason"), [("freeze", "heartbeat stale"), ("stall", "no progress")])
@@ -63,9 +84,11 @@ def test_hung_worker_is_detected_and_killed(tmp_path: Path, kind: str, reason: s
     spec = {"total": 10, "faults": [{"kind": kind, "host": 2, "step": 3, "generation": 0}]}
     t0 = time.monotonic()
     _, result = supervise(tmp_path, spec)
-    assert result is not None and shape(result)[0] == ((0, 1, 2), "failed")
+    assert result is not None
+    assert shape(result)[0] == ((0, 1, 2), "failed")
     [fail] = events(tmp_path, "failure_detected")
-    assert fail["host"] == 2 and reason in result.generations[0].reason
+    assert fail["host"] == 2
+    assert reason in result.generations[0].reason
     assert time.monotonic() - t0 < 15
     hb = json.loads((tmp_path / "run" / "hb" / "g0-h2.json").read_text())
     with pytest.raises(ProcessLookupError):
@@ -80,10 +103,13 @@ def test_host_loss_shrinks_then_rejoin_grows_back(tmp_path: Path) -> None:
     assert result.restarts == 1  # the resize is not a failure
     [kill] = events(tmp_path, "kill")
     [fail] = events(tmp_path, "failure_detected")
-    assert fail["host"] == 2 and fail["rc"] == -9 and fail["t"] - kill["t"] < 1.0
+    assert fail["host"] == 2
+    assert fail["rc"] == -9
+    assert fail["t"] - kill["t"] < 1.0
     assert events(tmp_path, "stop_requested")[0]["generation"] == 1
     seen = {(r["generation"], r["host"]): r["marker"] for r in read_jsonl(tmp_path / "run" / "local_seen")}
-    assert seen[(1, 0)] and seen[(2, 1)]  # surviving hosts keep their local dirs
+    assert seen[(1, 0)]
+    assert seen[(2, 1)]
     assert not seen[(2, 2)]  # the killed host's local dir was wiped
     assert int((tmp_path / "run" / "fake_ckpt").read_text()) == 16
 

@@ -36,7 +36,7 @@ from fastckpt.errors import (
 from fastckpt.options import RamOptions
 from fastckpt.replicas import PeerClient, PeerOptions, PeerServer, RamTier, TieredChunkSource, wire
 from fastckpt.replicas.wire import MsgType
-from fastckpt.storage import GcsOptions, GcsStore, LocalStore, RetryingStore, RetryPolicy, Store
+from fastckpt.storage import GcsOptions, GcsStore, LocalStore, MemoryStore, RetryingStore, RetryPolicy, Store
 from fastckpt.testing.fault_proxy import FaultProxy
 from fastckpt.testing.gcs_emulator import GcsEmulator
 
@@ -157,6 +157,43 @@ def test_random_byte_flips_at_rest_are_always_detected(objects: _Objects, record
         assert restore_outcome(mgr, 1, host)[0] == "exact"  # every flip was undone
     recorder.add(f"corruption_at_rest_{kind}", trials=sum(outcomes.values()), outcomes=outcomes,
                  wrong_data=outcomes.get("data:wrong", 0) + outcomes.get("manifest:wrong", 0))
+
+
+def test_manifest_checksum_catches_what_chunk_checksums_cannot(recorder: Recorder) -> None:
+    """Random single-byte changes to a manifest, with its ``manifest_crc32c`` and without it
+    (a legacy manifest): chunk checksums cannot see a renamed leaf or a changed kind, dtype or
+    value, so without the manifest checksum some changes restore wrong state silently."""
+    from ._util import expected, state_mismatches
+
+    store = MemoryStore()
+    with CheckpointManager(store, options=OPTIONS) as mgr:
+        mgr.save(5, expected(5))
+        mgr.wait()
+    key = "manifests/000000000005.json"
+    with_crc = bytes(asyncio.run(store.get(key)))
+    doc = json.loads(with_crc)
+    del doc["manifest_crc32c"]
+    legacy = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    figures: dict[str, dict[str, int]] = {}
+    n = trial_count(150, scale=8)
+    for name, original in (("with_manifest_crc32c", with_crc), ("without (legacy)", legacy)):
+        rng = random.Random(21)
+        counts: dict[str, int] = {}
+        for _ in range(n):
+            data = bytearray(original)
+            pos = rng.randrange(len(data))
+            data[pos] ^= rng.randrange(1, 256)
+            asyncio.run(store.put(key, bytes(data)))
+            try:
+                with CheckpointManager(store, options=OPTIONS) as mgr:
+                    outcome = "wrong" if state_mismatches(mgr.restore(5), 5) else "exact"
+            except FastckptError as e:
+                outcome = type(e).__name__
+            counts[outcome] = counts.get(outcome, 0) + 1
+        figures[name] = counts
+    assert figures["with_manifest_crc32c"].get("wrong", 0) == 0, figures
+    recorder.add("corruption_manifest_bytes", trials_each=n, outcomes=figures,
+                 wrong_data=figures["with_manifest_crc32c"].get("wrong", 0))
 
 
 def test_gcs_responses_corrupted_in_transit_are_reread(gcs_emulator: GcsEmulator, recorder: Recorder) -> None:

@@ -245,8 +245,6 @@ def test_sigkill_one_of_two_jax_processes(tmp_path: Path, recorder: Recorder) ->
     assert not bad, bad
 
 
-@pytest.mark.xfail(strict=True, reason="fastckpt._gc.collect_garbage never removes LocalStore temp files "
-                                       "(*.fastckpt-tmp) that a put killed mid-write leaves behind")
 def test_gc_removes_temp_files_of_a_killed_put(tmp_path: Path) -> None:
     """A put killed between writing its temp file and publishing it leaves
     ``.<name>.<hex>.fastckpt-tmp`` next to the key (``LocalStore`` documents this). ``list``

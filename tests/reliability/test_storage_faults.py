@@ -203,3 +203,50 @@ def test_lost_response_to_the_manifest_upload_commits_once(gcs_emulator: GcsEmul
         assert mgr.persistent_steps() == [3]
         assert state_mismatches(mgr.restore(3), 3) == []
     assert _committed(gcs_emulator, prefix) == ["manifests/000000000003.json"]
+
+
+def _http(endpoint: str, method: str, path: str, body: bytes | None = None, timeout: float = 1.0) -> tuple[int, bytes]:
+    import http.client
+    from urllib.parse import urlsplit
+
+    u = urlsplit(endpoint)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+    try:
+        conn.request(method, path, body=body, headers={"Content-Type": "application/octet-stream"} if body else {})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def test_the_proxy_injects_what_it_says(gcs_emulator: GcsEmulator, proxy: FaultProxy) -> None:
+    """Each kind, seen from a plain HTTP client (the proxy is a test instrument: check it)."""
+    import http.client
+
+    prefix = f"proxy{next(_prefixes):04d}"
+    upload = f"/upload/storage/v1/b/{BUCKET}/o?uploadType=media&name={prefix}%2Fk"
+    listing = f"/storage/v1/b/{BUCKET}/o?prefix={prefix}%2F"
+    assert _http(proxy.endpoint, "GET", listing)[0] == 200  # rate 0: faithful
+    for status in ("429", "500", "503"):
+        proxy.configure(rate=1.0, kinds=(status,))
+        assert _http(proxy.endpoint, "GET", listing)[0] == int(status)
+    proxy.configure(rate=1.0, kinds=("lost_response",))  # executed upstream, answer lost
+    with pytest.raises((ConnectionError, http.client.HTTPException)):
+        _http(proxy.endpoint, "POST", upload, b"payload")
+    proxy.configure(rate=0.0)
+    assert b'"name": "' + prefix.encode() + b'/k"' in _http(proxy.endpoint, "GET", listing)[1].replace(b'":"', b'": "')
+    proxy.configure(rate=1.0, kinds=("reset",))
+    with pytest.raises((ConnectionError, http.client.HTTPException)):
+        _http(proxy.endpoint, "GET", listing)
+    proxy.configure(rate=1.0, kinds=("truncate",))
+    with pytest.raises(http.client.IncompleteRead):
+        _http(proxy.endpoint, "GET", listing)
+    proxy.configure(rate=1.0, kinds=("stall",))
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        _http(proxy.endpoint, "GET", listing, timeout=0.3)
+    assert time.monotonic() - t0 < 1.0
+    proxy.configure(rate=1.0, kinds=("slow",))
+    assert _http(proxy.endpoint, "GET", listing)[0] == 200
+    assert proxy.faults() == {"429": 1, "500": 1, "503": 1, "lost_response": 1, "reset": 1, "truncate": 1,
+                              "stall": 1, "slow": 1}
