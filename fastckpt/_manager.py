@@ -367,7 +367,7 @@ class CheckpointManager:
                 step = steps[-1]
             manifest = self.manifest(step)
         plan = resolve_target(manifest, target, partial=partial)
-        stats = RestoreStats()
+        stats = RestoreStats(step=manifest.step)
         ram_only = manifest.metadata.get("fastckpt_tier") == "ram"
         try:
             self._io.run(fill_units(self.store, manifest.step, plan.units(), options=self.options.restore,

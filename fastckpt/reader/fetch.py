@@ -50,6 +50,8 @@ class ChunkSource(Protocol):
 class RestoreStats:
     """Per-process restore figures."""
 
+    step: int | None = None
+    """The step that was restored (useful with ``step=None``: the newest complete step)."""
     bytes_by_tier: dict[str, int] = dataclasses.field(default_factory=dict)
     chunks_by_tier: dict[str, int] = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
