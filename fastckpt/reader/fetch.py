@@ -16,9 +16,9 @@ import asyncio
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from concurrent.futures import Executor
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import zstandard
@@ -203,6 +203,19 @@ class _LeafFiller:
             self.stats.restored_bytes += sum(f.nbytes for f in self.flats)
 
 
+async def _all_or_nothing(coros: Iterable[Coroutine[Any, Any, None]]) -> None:
+    """Run ``coros`` concurrently; on the first failure cancel the rest and wait for them, so
+    nothing of a failed restore keeps reading (or touches the loop) after this returns."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
 async def fill_units(
     store: Store,
     step: int,
@@ -266,11 +279,11 @@ async def fill_units(
                         again = await fetch_range(c.key, c.offset, c.length)
                         await loop.run_in_executor(executor, filler.from_stored, c, again)
 
-        await asyncio.gather(*(do_range(r.key, r.start, r.length, r.chunks) for r in ranges))
+        await _all_or_nothing(do_range(r.key, r.start, r.length, r.chunks) for r in ranges)
         filler.done()
 
     by_leaf: dict[int, list[Unit]] = {}
     for u in units:
         by_leaf.setdefault(id(u.leaf), []).append(u)
-    await asyncio.gather(*(fill(us) for us in by_leaf.values()))
+    await _all_or_nothing(fill(us) for us in by_leaf.values())
     stats.fetch_s += time.perf_counter() - t0

@@ -42,7 +42,7 @@ from fastckpt.format.codec import decode_manifest, encode_manifest
 from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, Manifest
 from fastckpt.replicas import ChunkLocation, PeerClient, PeerOptions, PeerRequestError, PeerServer, RamTier, wire
 from fastckpt.replicas.wire import ERROR_CODES, MsgType
-from fastckpt.storage import LocalStore, MemoryStore
+from fastckpt.storage import LocalStore, MemoryStore, Store
 
 from ._util import Recorder
 
@@ -514,3 +514,58 @@ def test_client_against_a_lying_server_fails_typed_and_bounded(lie: str, recorde
 def test_config_error_for_unusable_secret() -> None:
     with pytest.raises(ConfigError):
         PeerClient(("127.0.0.1", 1), secret=b"short")
+
+
+class _SlowExceptOne(Store):
+    """Reads of ``broken`` fail at once; every other read takes ``delay_s`` (cancellable)."""
+
+    def __init__(self, inner: MemoryStore, broken: str, delay_s: float) -> None:
+        self.inner, self.broken, self.delay_s = inner, broken, delay_s
+        self.url = inner.url
+        self.in_flight = 0
+
+    async def get(self, key: str, *, byte_range: Any = None) -> Any:
+        from fastckpt.errors import NotFoundError
+
+        if key == self.broken:
+            raise NotFoundError(f"{self.url}/{key}")
+        if key.startswith("steps/"):
+            self.in_flight += 1
+            try:
+                await asyncio.sleep(self.delay_s)
+            finally:
+                self.in_flight -= 1
+        return await self.inner.get(key, byte_range=byte_range)
+
+    async def put(self, key: str, data: Any, *, mode: Any = "overwrite") -> None:
+        await self.inner.put(key, data, mode=mode)
+
+    async def list(self, prefix: str = "") -> list[str]:
+        return await self.inner.list(prefix)
+
+    async def delete(self, key: str) -> None:
+        await self.inner.delete(key)
+
+
+def test_a_failed_restore_leaves_no_read_running() -> None:
+    """When one range fails, the reader cancels the others and waits for them: nothing keeps
+    reading after ``restore`` raised, and closing the manager right away is clean (before,
+    orphaned reads outlived the restore and later hit a closed event loop)."""
+    from fastckpt.errors import NotFoundError
+
+    good, bad = "steps/000000000009/aa/p00000-00000.fck", "steps/000000000009/aa/p00000-00001.fck"
+    leaves = tuple(
+        ArrayLeaf(path=(("d", f"x{i}"),), shape=(64,), dtype="uint8", kind="numpy",
+                  chunks=(ChunkEntry(((0, 64),), good if i else bad, 0, 64, 64, "raw", _GOOD_CRC, _GOOD_CRC),))
+        for i in range(6)
+    )
+    inner = MemoryStore()
+    asyncio.run(inner.put(good, np.arange(64, dtype=np.uint8).tobytes()))
+    asyncio.run(inner.put("manifests/000000000009.json", encode_manifest(Manifest(step=9, leaves=leaves))))
+    store = _SlowExceptOne(inner, bad, delay_s=5.0)
+    t0 = time.monotonic()
+    with CheckpointManager(store) as mgr:
+        with pytest.raises(NotFoundError, match=r"\['x0'\]"):
+            mgr.restore(9)
+        assert store.in_flight == 0
+    assert time.monotonic() - t0 < 3.0
