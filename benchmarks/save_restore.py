@@ -228,8 +228,9 @@ def run_cell(args: argparse.Namespace) -> dict[str, Any]:
             verified = None
             if i == 0:
                 assert_trees_equal(restored, state)
-                pairs = zip(jax.tree_util.tree_leaves(restored), jax.tree_util.tree_leaves(target))
-                if any(a.sharding != t.sharding for a, t in pairs):
+                mismatched = [a.sharding != t.sharding
+                              for a, t in zip(jax.tree_util.tree_leaves(restored), jax.tree_util.tree_leaves(target))]
+                if any(mismatched):
                     raise AssertionError(f"{tag}: restored shardings differ from the target")
                 verified = True
             del restored  # nothing else may keep the restored arrays alive
@@ -504,7 +505,9 @@ def write_outputs(results: dict[str, Any], results_dir: Path, *, plot: bool) -> 
               "`read MiB`: bytes returned by read syscalls during one restore, in the benchmark process "
               "(disk, /dev/shm) or in the emulator (GCS). Peak ΔRSS: highest RSS during the phase minus RSS "
               "just before it (the restored state itself counts: 1.0x is the floor for restore). "
-              "RSS growth: RSS after the last save (restore) minus after the first.")
+              "RSS growth: RSS after the last save minus after the second (the first precedes the jitted "
+              "step's compilation); after the last restore minus after the first. `stored MiB/step`: bytes "
+              "under the checkpoint root divided by the 2 steps kept.")
     md = "\n\n".join([
         "# Save/restore benchmark: fastckpt vs Orbax", head, legend,
         markdown_table(headers, rows), "## Machine limits (same run)", markdown_table(lheaders, lrows),

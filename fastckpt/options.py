@@ -37,6 +37,11 @@ class SaveOptions:
     """Codec for persistent storage. RAM tiers always hold raw bytes."""
     zstd_level: int = 1
     """zstd level (1 is ~0.7 GB/s per core on float weights)."""
+    min_compression_gain: float = 0.10
+    """A chunk is stored zstd-compressed only if that saves at least this fraction of its
+    bytes (bf16/int/sparse data usually does; dense float32 weights, ~7%, usually do not and
+    are stored raw: faster restores, no encode buffers). Big chunks are judged by a 1 MiB
+    trial compression first."""
     encode_threads: int = 2
     """Threads compressing and checksumming (zstd and crc32c release the GIL)."""
     max_chunk_bytes: int = 16 * MiB
@@ -55,6 +60,8 @@ class SaveOptions:
             raise ConfigError(f"compression must be 'zstd' or 'none', got {self.compression!r}")
         if self.if_busy not in ("wait", "skip"):
             raise ConfigError(f"if_busy must be 'wait' or 'skip', got {self.if_busy!r}")
+        if not 0.0 <= self.min_compression_gain < 1.0:
+            raise ConfigError(f"min_compression_gain must be in [0, 1), got {self.min_compression_gain}")
         if not -7 <= self.zstd_level <= 22:
             raise ConfigError(f"zstd_level must be in [-7, 22], got {self.zstd_level}")
         for name in ("encode_threads", "max_chunk_bytes", "object_bytes", "max_inflight_bytes", "upload_concurrency"):

@@ -5,7 +5,9 @@ on a thread pool (zstd and crc32c release the GIL); encoded chunks are packed in
 about ``object_bytes`` and uploaded with bounded concurrency. Host memory beyond the staged
 copy is bounded by ``max_inflight_bytes``: a chunk's budget is taken before it is encoded
 and returned when the object holding it has been uploaded. Chunks that do not compress
-(ratio above ``_KEEP_RAW_RATIO``) are stored raw, straight from the staging buffer.
+(saving less than ``SaveOptions.min_compression_gain``; decided from a 1 MiB trial for big
+chunks, so dense float weights cost no compression CPU) are stored raw, straight from the
+staging buffer.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from fastckpt.writer.stage import StagedSave
 
 __all__ = ["EncodedChunk", "WriteStats", "checksum_chunks", "write_chunks"]
 
-_KEEP_RAW_RATIO = 0.97
+_TRIAL_BYTES = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -94,8 +96,11 @@ class _Encoder:
             cctx = getattr(self._local, "cctx", None)
             if cctx is None:
                 cctx = self._local.cctx = zstandard.ZstdCompressor(level=self._options.zstd_level)
+            keep = 1.0 - self._options.min_compression_gain
+            if raw.nbytes > 4 * _TRIAL_BYTES and len(cctx.compress(raw[:_TRIAL_BYTES])) > keep * _TRIAL_BYTES:
+                return EncodedChunk(array_index, item_index, raw, "raw", raw_crc, raw_crc, raw.nbytes)
             packed = cctx.compress(raw)
-            if len(packed) < _KEEP_RAW_RATIO * raw.nbytes:
+            if len(packed) <= keep * raw.nbytes:
                 return EncodedChunk(array_index, item_index, memoryview(packed), "zstd",
                                     crc32c(packed), raw_crc, raw.nbytes)
         return EncodedChunk(array_index, item_index, raw, "raw", raw_crc, raw_crc, raw.nbytes)
