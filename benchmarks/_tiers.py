@@ -30,7 +30,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -261,18 +261,7 @@ def make_matmul_step(batch: int = 256, d: int = 1024) -> Callable[[Any, Any], An
     return jax.jit(step, donate_argnums=0)
 
 
-# =========================================================================== misc
-
-
-@contextlib.contextmanager
-def timed() -> Iterator[list[float]]:
-    """``with timed() as t: ...`` then ``t[0]`` is the elapsed seconds."""
-    out: list[float] = []
-    t0 = time.perf_counter()
-    try:
-        yield out
-    finally:
-        out.append(time.perf_counter() - t0)
+# =========================================================================== entry point
 
 
 def _main(argv: list[str]) -> None:

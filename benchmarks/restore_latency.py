@@ -4,7 +4,7 @@ machine limits, plus the step-time overhead of RAM checkpoints with peer push.
 Run::
 
     python -m benchmarks.restore_latency                  # 0.25, 1 and 2 GiB states
-    python -m benchmarks.restore_latency --quick          # 0.25 GiB, fewer reps (< 2 min)
+    python -m benchmarks.restore_latency --quick          # 0.25 GiB, fewer reps (~2 min on idle cores)
     python -m benchmarks.restore_latency --root gs://b/p  # also measure a given root
     python -m benchmarks.restore_latency --root gs://b/p --root-only
 
@@ -14,7 +14,7 @@ What it does:
 2. Measures machine limits in a fresh process: numpy memcpy (1 and 2 threads, and into
    fresh memory), raw loopback TCP from another process with 1 stream and with as many
    streams as a restore uses (the manager's worker threads), raw file reads on the disk
-   directory and /dev/shm, and raw GETs from the emulator.
+   directory (and /dev/shm, full runs), and raw GETs from the emulator.
 3. Per state size, one fresh *fastckpt* process (8 virtual CPU devices, 2x4 mesh, the
    params + Adam state of :mod:`benchmarks._common`):
 
@@ -35,12 +35,13 @@ What it does:
    The first restore of each tier is reported apart; the headline is the median of the
    rest. The first restore of every tier is checked bit for bit (per-leaf crc32c).
 4. Per state size, Orbax (async ``CheckpointManager``, ``StandardSave``/``StandardRestore``)
-   restores the same state from /dev/shm and from the emulator, each in a fresh process.
+   restores the same state from /dev/shm and from the emulator, in one fresh process.
 5. Step-time overhead, in a fresh process: a jitted, donated matmul "train step" on a
    ~0.375 GiB params + moments state, run in segments with and without a RAM checkpoint
    every 10 steps (pushed to a peer process). Segments alternate (ABBA...) and the overhead
-   is the median of the per-pair ratios; a checkpointed segment includes waiting for its
-   last save and push to finish.
+   is the median of the per-pair ratios; a checkpointed segment includes draining the
+   save and push still running after its last step. Added CPU (both processes) and the
+   blocking part of ``save()`` alone are reported too.
 6. Writes ``benchmarks/results/restore_latency.{json,md,png}``.
 
 The machine is shared (2 cores): every result records the load average, and CPU seconds

@@ -205,8 +205,9 @@ def build_leaves(plan: RestorePlan, stats: RestoreStats) -> list[Any]:
             out.append(arr[()] if lp.scalar else arr)
             continue
         assert lp.sharding is not None
-        singles = [jax.device_put(lp.units[box].buffer, device) for device, box in lp.device_boxes]
-        arr = jax.make_array_from_single_device_arrays(tuple(s.shape), lp.sharding, singles)
+        # One batched placement per leaf (a device_put per shard costs ~0.5 ms of dispatch).
+        units, shape = lp.units, tuple(s.shape)
+        arr = jax.make_array_from_callback(shape, lp.sharding, lambda idx: units[box_from_index(idx, shape)].buffer)
         if s.kind == "prng_key":
             arr = jax.random.wrap_key_data(arr, impl=s.key_impl)
         out.append(arr)
