@@ -260,6 +260,12 @@ class GcsStore(Store):
             client = storage.Client(
                 project=project, credentials=credentials, _http=session, client_options=client_options
             )
+            # google-cloud-storage >= 3.x starts a background thread per bucket (tracing
+            # metadata) that calls get_bucket with the library's default retries (random
+            # backoff, a 120 s deadline), ignoring retry=None and our timeouts, and outliving
+            # close(). It only runs while this attribute is truthy.
+            if getattr(client, "_bucket_metadata_cache", None) is not None:
+                client._bucket_metadata_cache = None
             self._client, self._session = client, session
             return client, session
 

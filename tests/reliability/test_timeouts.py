@@ -108,6 +108,10 @@ def test_stalled_gcs_calls_fail_in_bounded_time(stalled: tuple[FaultProxy, str],
         for store in (bare, retrying):
             asyncio.run(store.close())
     assert proxy.faults()[kind] >= len(ops)
+    # Nothing of the client keeps retrying behind our back (google-cloud-storage's bucket
+    # metadata thread did, with its own retries, for up to 120 s after close()).
+    lingering = [t.name for t in threading.enumerate() if "_background" in t.name]
+    assert lingering == [], lingering
     recorder.add(f"timeout_gcs_{kind}", calls=sum(1 for _ in worst), read_timeout_s=READ_TIMEOUT_S,
                  max_seconds_by_op=worst)
 
