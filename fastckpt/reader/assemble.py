@@ -105,7 +105,7 @@ def _plan_array(path: KeyPath, stored: ArrayLeaf, tgt: Any) -> LeafPlan:
     if as_numpy:
         box = full_box(shape)
         return LeafPlan(path, stored, as_numpy=True, scalar=isinstance(tgt, np.generic) or (tgt is None and not shape),
-                        units={box: Unit(stored, box)})
+                        units={box: Unit(stored, box, lendable=False)})
     sharding = getattr(tgt, "sharding", None) if tgt is not None else None
     if sharding is None:
         sharding = _saved_sharding(stored.sharding)

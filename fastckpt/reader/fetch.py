@@ -46,6 +46,17 @@ class ChunkSource(Protocol):
     def fetch(self, step: int, chunk_id: str, *, raw_length: int, raw_crc32c: int, into: memoryview) -> str | None: ...
 
 
+class LendingChunkSource(ChunkSource, Protocol):
+    """A source that can also hand out verified read-only views of its own memory (zero copy).
+
+    ``lend`` gets ``(chunk_id, raw_length, raw_crc32c)`` of chunks that together tile one
+    destination buffer, in order; it returns one view of all their bytes, verified, which
+    the caller may keep indefinitely, or None (then ``fetch`` is used per chunk).
+    """
+
+    def lend(self, step: int, chunks: Sequence[tuple[str, int, int]]) -> memoryview | None: ...
+
+
 @dataclasses.dataclass
 class RestoreStats:
     """Per-process restore figures."""
@@ -78,6 +89,9 @@ class Unit:
     box: Box
     buffer: np.ndarray | None = None
     """Filled host buffer (shape of ``box``, dtype of ``leaf``) once done."""
+    lendable: bool = True
+    """May ``buffer`` be a read-only view lent by a RAM tier (zero copy)? False for leaves
+    returned to the caller as numpy arrays, which must be writable."""
 
 
 class _Decoder:
@@ -128,12 +142,58 @@ class _LeafFiller:
         #: chunk -> [(unit position, read item)]
         self.items: dict[ChunkEntry, list[tuple[int, ReadItem]]] = {}
         for pos, unit in enumerate(units):
-            nbytes = int(np.prod(box_shape(unit.box), dtype=np.int64)) * self.dtype.itemsize
-            flat = _allocate(nbytes, lambda: f"array {keypath_str(self.leaf.path)} box {list(unit.box)}")
-            self.flats.append(flat)
-            self.dsts.append(flat.view(self.dtype).reshape(box_shape(unit.box)))
             for it in plan_leaf_reads(self.leaf, unit.box):
                 self.items.setdefault(it.chunk, []).append((pos, it))
+        lent = self._lend_units() if source is not None and hasattr(source, "lend") else {}
+        for pos, unit in enumerate(units):
+            flat = lent.get(pos)
+            if flat is None:
+                nbytes = int(np.prod(box_shape(unit.box), dtype=np.int64)) * self.dtype.itemsize
+                flat = _allocate(nbytes, lambda: f"array {keypath_str(self.leaf.path)} box {list(unit.box)}")
+            self.flats.append(flat)
+            self.dsts.append(flat.view(self.dtype).reshape(box_shape(unit.box)))
+
+    def _lend_units(self) -> dict[int, np.ndarray]:
+        """Units whose bytes a RAM tier lends as one verified view (their chunks are then done).
+
+        A unit qualifies when its chunks feed no other unit, each whole and onto one
+        contiguous span, and the spans tile it in order (a same-mesh restore's usual case).
+        """
+        by_unit: dict[int, list[tuple[int, ChunkEntry]]] = {}
+        shared: set[int] = set()
+        for chunk, its in self.items.items():
+            pos, item = its[0]
+            span = contiguous_span(item.dst_box, box_shape(self.units[pos].box))
+            if len(its) != 1 or span is None or box_shape(item.src_box) != box_shape(chunk.box):
+                shared.update(p for p, _ in its)
+                continue
+            by_unit.setdefault(pos, []).append((span[0], chunk))
+        lent: dict[int, np.ndarray] = {}
+        for pos, spans in by_unit.items():
+            unit = self.units[pos]
+            if pos in shared or not unit.lendable:
+                continue
+            spans.sort(key=lambda sc: sc[0])
+            expect = 0
+            for start, chunk in spans:
+                if start != expect:
+                    break
+                expect += int(np.prod(box_shape(chunk.box), dtype=np.int64))
+            else:
+                if expect != int(np.prod(box_shape(unit.box), dtype=np.int64)):
+                    continue
+                chunks = [c for _, c in spans]
+                view = self.source.lend(  # type: ignore[union-attr]
+                    self.step, [(chunk_id(self.leaf.path, c.box), c.raw_length, c.raw_crc32c) for c in chunks])
+                if view is None:
+                    continue
+                lent[pos] = np.frombuffer(view, np.uint8)
+                for c in chunks:
+                    del self.items[c]
+                with self.lock:
+                    for c in chunks:
+                        self.stats.add("ram", c.raw_length)
+        return lent
 
     def _direct_span(self, chunk: ChunkEntry) -> memoryview | None:
         """The destination bytes a whole chunk maps onto, if it feeds one contiguous span."""

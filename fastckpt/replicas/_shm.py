@@ -46,7 +46,7 @@ class ChunkLocation:
 class Sealed:
     """A sealed segment file and its lazily created read mapping."""
 
-    __slots__ = ("dropped", "index_path", "lock", "mm", "nbytes", "path", "view")
+    __slots__ = ("dropped", "index_path", "lent", "lock", "mm", "nbytes", "path", "view")
 
     def __init__(self, path: Path, index_path: Path, nbytes: int, mm: mmap.mmap | None = None) -> None:
         self.path = path
@@ -55,6 +55,7 @@ class Sealed:
         self.mm = mm
         self.view: memoryview | None = memoryview(mm).toreadonly() if mm is not None else None
         self.dropped = False
+        self.lent = False
         self.lock = threading.Lock()
 
     def slice(self, offset: int, length: int, prefault: bool) -> memoryview | None:
@@ -74,6 +75,27 @@ class Sealed:
                         os.close(fd)
                     self.view = memoryview(self.mm)
             return self.view[offset : offset + length]
+
+    def mark_lent(self) -> None:
+        """Record that views of this file may live indefinitely: it must never be rewritten.
+
+        The mark is the file's mode (read-only), so a tier reopened over the same directory
+        in this process sees it too.
+        """
+        with self.lock:
+            if not self.lent:
+                self.lent = True
+                with contextlib.suppress(OSError):
+                    os.chmod(self.path, 0o400)
+
+    def is_lent(self) -> bool:
+        """Whether the file was lent (by this object, or by an earlier tier over the same file)."""
+        if self.lent:
+            return True
+        try:
+            return not os.stat(self.path).st_mode & 0o200
+        except OSError:
+            return True  # cannot tell: do not reuse it
 
     def unmap(self, *, dropped: bool) -> bool:
         """Release the mapping; False if views handed out are still alive (they keep it)."""

@@ -38,7 +38,7 @@ import mmap
 import os
 import shutil
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -359,7 +359,8 @@ class RamTier:
             unlink(self.root / f"step-{step}" / MANIFEST)
             for seg in st.segments.values():
                 unmapped = seg.unmap(dropped=True)
-                if unmapped and recycle and seg.nbytes >= _MIN_RECYCLE_BYTES and len(self._spares) < _MAX_SPARES:
+                reusable = unmapped and recycle and not seg.is_lent()
+                if reusable and seg.nbytes >= _MIN_RECYCLE_BYTES and len(self._spares) < _MAX_SPARES:
                     spare = self.root / "spare" / new_name()
                     os.rename(seg.path, spare)
                     self._spares[spare] = seg.nbytes
@@ -382,6 +383,38 @@ class RamTier:
         seg, loc = hit
         view = seg.slice(loc.offset, loc.length, self._prefault)
         return None if view is None else (view, loc)  # None: dropped meanwhile
+
+    def lend_span(self, step: int, chunk_ids: Sequence[str]) -> tuple[memoryview, list[ChunkLocation]] | None:
+        """A read-only view spanning ``chunk_ids``, which must lie back to back in one segment.
+
+        For zero-copy restores: the caller may keep the view (e.g. a host platform's
+        ``device_put`` aliases it) for as long as it likes. The segment is marked lent (its
+        file turns read-only), so neither this tier nor one reopened over the same directory
+        ever recycles the file for new data: once the step is dropped the file is unlinked
+        and its pages are freed when the last view is collected. Those pages no longer
+        count against ``budget_bytes``.
+
+        Returns None if a chunk is missing, the chunks are not contiguous in one segment,
+        or the step was dropped meanwhile. Does not verify checksums (the caller does,
+        against the locations returned, in order).
+        """
+        if not chunk_ids:
+            return None
+        with self._lock:
+            st = self._steps.get(step)
+            hits = [st.chunks.get(cid) for cid in chunk_ids] if st else [None]
+        if any(h is None for h in hits):
+            return None
+        seg = hits[0][0]  # type: ignore[index]
+        locs = [h[1] for h in hits]  # type: ignore[index]
+        for (s, _), a, b in zip(hits[1:], locs, locs[1:]):  # type: ignore[misc]
+            if s is not seg or a.offset + a.length != b.offset:
+                return None
+        view = seg.slice(locs[0].offset, locs[-1].offset + locs[-1].length - locs[0].offset, self._prefault)
+        if view is None:
+            return None
+        seg.mark_lent()
+        return view, locs
 
     def get_chunk(self, step: int, chunk_id: str, *, verify: bool = False) -> memoryview | None:
         """A read-only, zero-copy view of a sealed chunk, or None if this tier lacks it.

@@ -179,6 +179,35 @@ class TieredChunkSource:
             self._not_found += 1
         return None
 
+    def lend(self, step: int, chunks: Sequence[tuple[str, int, int]]) -> memoryview | None:
+        """A verified, read-only view of consecutive chunks straight from this process's tier.
+
+        ``chunks`` are ``(chunk_id, raw_length, raw_crc32c)`` in the order they must appear.
+        The view aliases shared memory (no copy) and may be kept indefinitely (see
+        :meth:`RamTier.lend_span`). None if there is no own tier, the chunks are not back to
+        back in one segment, or any copy fails verification (then fall back to
+        :meth:`fetch` per chunk, which tries peers).
+        """
+        if self._own is None or not chunks:
+            return None
+        t0 = time.perf_counter()
+        hit = self._own.lend_span(step, [c[0] for c in chunks])
+        if hit is None:
+            return None
+        view, locs = hit
+        for (cid, length, crc), loc in zip(chunks, locs):
+            piece = view[loc.offset - locs[0].offset : loc.offset - locs[0].offset + loc.length]
+            if loc.length != length or (self._verify and crc32c(piece) != crc):
+                self._fallback("ram", cid, "corrupt", f"{loc.length} bytes, crc32c mismatch or wrong length")
+                return None
+        total = sum(c[1] for c in chunks)
+        with self._lock:
+            st = self._tiers.setdefault("ram", TierStats())
+            st.chunks += len(chunks)
+            st.bytes += total
+            st.seconds += time.perf_counter() - t0
+        return view
+
     def stats(self) -> SourceStats:
         """A snapshot of the counters."""
         with self._lock:

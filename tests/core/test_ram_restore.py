@@ -1,0 +1,76 @@
+"""Own-RAM restores are zero copy: the restored arrays alias the RAM tier's shared memory.
+
+These tests pin down the hazard that design creates: later saves drop the restored step and
+recycle segment files, and the restored arrays must not change.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from fastckpt import CheckpointManager, ManagerOptions, RetentionOptions
+from fastckpt.options import RamOptions
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    d = Path("/dev/shm") / f"fastckpt-test-{uuid.uuid4().hex[:12]}"
+    d.mkdir()
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _state(step: int) -> dict[str, Any]:
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    mesh = Mesh(np.asarray(jax.devices()).reshape(2, 4), ("d", "m"))
+    rng = np.random.default_rng(step)
+    return {
+        "w": jax.device_put(rng.standard_normal((64, 512), dtype=np.float32), NamedSharding(mesh, P("d", "m"))),
+        "r": jax.device_put(rng.standard_normal((1000,), dtype=np.float32), NamedSharding(mesh, P())),
+        "host": rng.integers(0, 100, (7, 3)).astype(np.int64),
+        "step": step,
+    }
+
+
+def test_restored_arrays_survive_later_saves(tmp_path: Path, shm_dir: Path) -> None:
+    """The zero-copy restore's hazard: arrays aliasing a RAM step that later saves drop."""
+    import jax
+
+    options = ManagerOptions(
+        save_interval_steps=1000,  # RAM-only steps
+        retention=RetentionOptions(keep_last=None),
+        ram=RamOptions(root=str(shm_dir / "h0"), interval_steps=1, replicas=0, budget_bytes=256 * MIB),
+    )
+    expected = jax.tree.map(np.asarray, _state(1))
+    with CheckpointManager(str(tmp_path / "ckpt"), options=options) as mgr:
+        mgr.save(1, _state(1))
+        mgr.wait()
+        target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+                              if isinstance(a, jax.Array) else a, _state(1))
+        restored, stats = mgr.restore_with_stats(1, target=target)
+        assert stats.bytes_by_tier == {"ram": stats.restored_bytes}
+        restored["host"][0, 0] = -1  # numpy leaves come back writable (copied, not lent)
+        restored["host"][0, 0] = expected["host"][0, 0]
+        for step in range(2, 6):  # every RAM commit drops the previous step; files get reused
+            mgr.save(step, _state(step))
+            mgr.wait()
+        assert mgr.steps_by_tier().keys() <= {5}
+        for k in ("w", "r", "host"):
+            np.testing.assert_array_equal(np.asarray(restored[k]), expected[k])
+        doubled = jax.jit(lambda x: x * 2, donate_argnums=0)(restored["w"])  # donation must not write shm
+        np.testing.assert_array_equal(np.asarray(doubled), expected["w"] * 2)
+        again = mgr.restore(5, target=target)
+        np.testing.assert_array_equal(np.asarray(again["w"]), np.asarray(_state(5)["w"]))
+    assert not [p for p in (shm_dir / "h0" / "spare").iterdir() if not os.stat(p).st_mode & 0o200]

@@ -1,0 +1,68 @@
+"""Zero-copy own-RAM restore: lent views, their safety after the step is dropped, fallbacks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fastckpt.replicas import RamTier, TieredChunkSource
+
+from .conftest import fill, seal_chunks
+
+MakeTier = Callable[..., RamTier]
+MIB = 1 << 20
+
+
+def test_lend_span_requires_back_to_back_chunks(make_tier: MakeTier) -> None:
+    tier = make_tier()
+    data = fill(1, {"a": MIB, "b": 3 * MIB, "c": 5000})
+    seal_chunks(tier, 1, data)
+    seal_chunks(tier, 1, fill(1, {"d": 100}, seed=1))  # a second segment
+    hit = tier.lend_span(1, ["a", "b", "c"])
+    assert hit is not None
+    view, locs = hit
+    assert bytes(view) == b"".join(data[k].tobytes() for k in "abc")
+    assert [loc.length for loc in locs] == [MIB, 3 * MIB, 5000]
+    assert tier.lend_span(1, ["b", "a"]) is None  # wrong order
+    assert tier.lend_span(1, ["a", "c"]) is None  # gap
+    assert tier.lend_span(1, ["c", "d"]) is None  # two segments
+    assert tier.lend_span(1, ["zz"]) is None
+    assert tier.lend_span(2, ["a"]) is None
+    assert tier.lend_span(1, []) is None
+
+
+def test_lent_segment_is_never_recycled_even_by_a_reopened_tier(make_tier: MakeTier, shm_dir: Path) -> None:
+    tier = make_tier(budget_bytes=64 * MIB)
+    data = fill(1, {"a": 4 * MIB})
+    seal_chunks(tier, 1, data)
+    tier.put_manifest(1, b"m")
+    hit = tier.lend_span(1, ["a"])
+    assert hit is not None
+    lent = np.frombuffer(hit[0], np.uint8)
+    del hit
+    tier.close()
+    # A new tier over the same directory (same process) does not know about the loan.
+    again = RamTier(shm_dir / "t0", budget_bytes=64 * MIB)
+    try:
+        for step in range(2, 6):  # each commit drops the previous step; spares get reused
+            seal_chunks(again, step, fill(step, {"a": 4 * MIB}))
+            again.put_manifest(step, b"m")
+        np.testing.assert_array_equal(lent, data["a"])
+    finally:
+        again.close()
+
+
+def test_lend_falls_back_on_a_corrupt_copy(make_tier: MakeTier, shm_dir: Path) -> None:
+    tier = make_tier()
+    data = fill(1, {"a": 8192, "b": 8192})
+    index = seal_chunks(tier, 1, data)
+    src = TieredChunkSource(tier)
+    chunks = [(k, index[k].length, index[k].raw_crc32c) for k in "ab"]
+    view = src.lend(1, chunks)
+    assert view is not None and bytes(view) == data["a"].tobytes() + data["b"].tobytes()
+    assert src.lend(1, [("a", 8192, index["a"].raw_crc32c ^ 1), chunks[1]]) is None
+    assert src.stats().fallbacks == {"corrupt": 1}
+    assert TieredChunkSource(None).lend(1, chunks) is None
