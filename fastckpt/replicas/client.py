@@ -7,9 +7,10 @@ Synchronous and thread-safe, with a pool of authenticated connections; payloads 
 from __future__ import annotations
 
 import hmac
+import json
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -153,6 +154,32 @@ class PeerClient:
             return bool(h["stored"])
 
         return self._call(op)
+
+    def push_chunks(self, step: int, chunks: Sequence[tuple[str, memoryview | bytes | np.ndarray, int]]) -> None:
+        """Store several chunks of ``step`` in the peer's tier as one segment, all or none.
+
+        ``chunks`` are ``(chunk_id, data, raw_crc32c)``; the bytes are sent straight from
+        ``data``. One request and one segment on the peer instead of one per chunk (each
+        segment is a file, a mapping and an index on the receiving side).
+
+        Raises:
+            PeerRequestError: refused (``stale_step``, ``budget``, ``bad_request``).
+            ChecksumMismatchError: a chunk arrived corrupt (nothing was stored).
+        """
+        if not chunks:
+            return
+        ids = [wire.check_chunk_id(cid) for cid, _, _ in chunks]
+        views = [d.reshape(-1).view(np.uint8).data if isinstance(d, np.ndarray) else memoryview(d).cast("B")
+                 for _, d, _ in chunks]
+        id_bytes = json.dumps(ids, separators=(",", ":")).encode()
+        header = {"step": step, "count": len(ids), "ids_len": len(id_bytes),
+                  "lengths": [v.nbytes for v in views], "crcs": [crc for _, _, crc in chunks]}
+
+        def op(c: _Conn) -> None:
+            wire.send_frame(c.sock, MsgType.PUT_CHUNKS, header, [id_bytes, *views])
+            self._reply(c, MsgType.OK, missing_ok=False)
+
+        self._call(op)
 
     def list_chunks(self, step: int) -> list[str]:
         """Sorted ids of the chunks the peer holds for ``step``."""

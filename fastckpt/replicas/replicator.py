@@ -6,7 +6,8 @@ Call sequence: ``r = Replicator(tier, targets=...)`` → after each ``tier.seal(
 
 Chunks leave straight from the tier's mmap (zero-copy). A target that can list chunks
 (``PeerClient``) is asked once per step, and only chunks it lacks are sent. Per target,
-chunks go one after another over one pooled connection; up to ``concurrency`` targets are served at once, and
+chunks go in batches (``PUT_CHUNKS``: one request, one segment on the target) one after
+another over one pooled connection; up to ``concurrency`` targets are served at once, and
 ``max_inflight_bytes`` bounds the bytes being sent at any moment. A failing target stops
 receiving this step (its error is recorded in the report) without affecting the others;
 submitting a newer step cancels the pushes of older ones (they are superseded). Nothing
@@ -20,7 +21,7 @@ import dataclasses
 import queue
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 from fastckpt.errors import ConfigError, PeerError
@@ -50,6 +51,11 @@ class _Lister(Protocol):
     def list_chunks(self, step: int) -> list[str]: ...
 
 
+@runtime_checkable
+class _BatchPusher(Protocol):
+    def push_chunks(self, step: int, chunks: Sequence[tuple[str, memoryview, int]]) -> None: ...
+
+
 class ReplicationError(PeerError):
     """Some pushes failed (raised only by ``wait(raise_on_error=True)``); see ``reports``."""
 
@@ -70,10 +76,17 @@ class ReplicatorOptions:
     """Bytes being sent at once, over all targets (a chunk larger than this goes alone)."""
     concurrency: int = 2
     """Targets pushed to in parallel (threads)."""
+    batch_bytes: int = 256 << 20
+    """Chunks go to a target in batches of up to this many bytes (one request, stored as one
+    segment by the target, so its files and mappings are few and get recycled); a larger
+    chunk goes alone. Targets without ``push_chunks`` get one request per chunk."""
+    batch_chunks: int = 1024
+    """At most this many chunks per batch (bounds the request header)."""
 
     def __post_init__(self) -> None:
-        if self.max_inflight_bytes < 1 or self.concurrency < 1:
-            raise ConfigError("max_inflight_bytes and concurrency must be >= 1")
+        for name in ("max_inflight_bytes", "concurrency", "batch_bytes", "batch_chunks"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -284,6 +297,8 @@ class Replicator:
         present: set[str] = set()
         if isinstance(target, _Lister) and handle._chunk_ids:
             present = set(target.list_chunks(step))  # e.g. a re-submit: skip what arrived already
+        batched = isinstance(target, _BatchPusher)
+        batch: list[tuple[str, memoryview, int]] = []
         for cid in handle._chunk_ids:
             if handle._cancelled:
                 return
@@ -294,19 +309,35 @@ class Replicator:
             if hit is None:
                 raise ConfigError(f"chunk {cid!r} of step {step} is not (or no longer) in the RAM tier")
             view, loc = hit
-            n = view.nbytes
-            self._acquire(n)
-            try:
-                stored = target.push_chunk(step, cid, view, raw_crc32c=loc.raw_crc32c)
-            finally:
-                self._release(n)
-            handle._record(pushed=int(stored), present=int(not stored), nbytes=n if stored else 0)
-            if stored:
-                with self._lock:
-                    self._totals["chunks_pushed"] += 1
-                    self._totals["bytes_pushed"] += n
+            if not batched:
+                self._send(handle, [(cid, view, loc.raw_crc32c)], lambda b: target.push_chunk(
+                    step, b[0][0], b[0][1], raw_crc32c=b[0][2]))
+                continue
+            o = self.options
+            if batch and (sum(v.nbytes for _, v, _ in batch) + view.nbytes > o.batch_bytes or len(batch) >= o.batch_chunks):
+                self._send(handle, batch, lambda b: target.push_chunks(step, b) or True)  # type: ignore[attr-defined]
+                batch = []
+            batch.append((cid, view, loc.raw_crc32c))
+        if batch and not handle._cancelled:
+            self._send(handle, batch, lambda b: target.push_chunks(step, b) or True)  # type: ignore[attr-defined]
         if handle._manifest is not None and not handle._cancelled:
             target.put_manifest(step, handle._manifest)
+
+    def _send(self, handle: ReplicationHandle, batch: list[tuple[str, memoryview, int]],
+              push: Callable[[list[tuple[str, memoryview, int]]], bool]) -> None:
+        """Push one batch under the in-flight budget and record it (``push`` → stored?)."""
+        n = sum(v.nbytes for _, v, _ in batch)
+        self._acquire(n)
+        try:
+            stored = push(batch)
+        finally:
+            self._release(n)
+        k = len(batch)
+        handle._record(pushed=k if stored else 0, present=0 if stored else k, nbytes=n if stored else 0)
+        if stored:
+            with self._lock:
+                self._totals["chunks_pushed"] += k
+                self._totals["bytes_pushed"] += n
 
     def _acquire(self, n: int) -> None:
         with self._budget:

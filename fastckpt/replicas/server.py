@@ -211,6 +211,8 @@ class PeerServer:
             self._count("bytes_sent", stop - start)
         elif mtype is MsgType.PUT_CHUNK:
             return self._put_chunk(conn, h, plen)
+        elif mtype is MsgType.PUT_CHUNKS:
+            return self._put_chunks(conn, h, plen)
         elif mtype is MsgType.LIST:
             ids = tier.chunk_ids(h["step"])
             payload = json.dumps(ids, separators=(",", ":")).encode()
@@ -259,5 +261,43 @@ class PeerServer:
             if got != crc:
                 return self._error(conn, "checksum_mismatch", f"chunk {cid!r} arrived corrupt")
             tier.seal(step, seg, {cid: ChunkLocation(0, plen, crc)})
+        wire.send_frame(conn, MsgType.OK, {"stored": True})
+        return True
+
+    def _put_chunks(self, conn: socket.socket, h: dict[str, Any], plen: int) -> bool:
+        """Receive several chunks into one new segment; all are sealed together, or none."""
+        step, count, ids_len, lengths, crcs = h["step"], h["count"], h["ids_len"], h["lengths"], h["crcs"]
+        if not 0 < count == len(lengths) == len(crcs) or ids_len + sum(lengths) != plen:
+            raise ProtocolError(f"PUT_CHUNKS: {count} chunks, {len(lengths)} lengths, {len(crcs)} crcs, "
+                                f"{ids_len} + {sum(lengths)} bytes != payload {plen}")
+        if ids_len > count * (4 * wire.MAX_CHUNK_ID_CHARS + 3) + 2:
+            raise ProtocolError(f"PUT_CHUNKS: {ids_len}-byte id list for {count} chunks")
+        raw = bytearray(ids_len)
+        wire.recv_exact(conn, memoryview(raw))
+        ids = wire.decode_json_list(raw, count=count)
+        if len(set(ids)) != count:
+            raise ProtocolError("PUT_CHUNKS: duplicate chunk ids")
+        total = plen - ids_len
+        if not self.options.accept_pushes:
+            drain(conn, total)
+            return self._error(conn, "bad_request", "this peer does not accept pushes")
+        try:
+            seg = self._tier.allocate(step, total)
+        except (StaleStepError, RamBudgetError) as e:
+            drain(conn, total)
+            return self._error(conn, "stale_step" if isinstance(e, StaleStepError) else "budget", str(e))
+        with seg:  # discarded unless sealed
+            index: dict[str, ChunkLocation] = {}
+            bad: list[str] = []
+            off = 0
+            for cid, n, crc in zip(ids, lengths, crcs):
+                if recv_into_crc(conn, seg.buffer[off : off + n].data) != crc:
+                    bad.append(cid)
+                index[cid] = ChunkLocation(off, n, crc)
+                off += n
+            self._count("bytes_received", total)
+            if bad:
+                return self._error(conn, "checksum_mismatch", f"{len(bad)} chunks arrived corrupt, e.g. {bad[0]!r}")
+            self._tier.seal(step, seg, index)
         wire.send_frame(conn, MsgType.OK, {"stored": True})
         return True

@@ -94,11 +94,13 @@ class MsgType(enum.IntEnum):
     STEPS = 24
     STEP_LIST = 25
     OK = 26
+    PUT_CHUNKS = 27
+    """Client → server: several chunks of one step, stored as one segment (see ``SCHEMAS``)."""
     ERROR = 31
 
 
 #: Field kinds: "u63" int in [0, 2**63), "u32", "str" (chunk id), "msg" (short text),
-#: "nonce"/"mac" (64 hex chars), "u63?" (u63 or null), "u63[]" (list of u63), "bool".
+#: "nonce"/"mac" (64 hex chars), "u63?" (u63 or null), "u63[]"/"u32[]" (lists), "bool".
 SCHEMAS: Mapping[MsgType, Mapping[str, str]] = {
     MsgType.HELLO: {"nonce": "nonce"},
     MsgType.CHALLENGE: {"nonce": "nonce", "mac": "mac"},
@@ -115,11 +117,15 @@ SCHEMAS: Mapping[MsgType, Mapping[str, str]] = {
     MsgType.STEPS: {},
     MsgType.STEP_LIST: {"steps": "u63[]", "committed": "u63[]"},
     MsgType.OK: {"stored": "bool"},
+    # Payload: a JSON array of ``count`` chunk ids (``ids_len`` bytes), then the chunks'
+    # bytes back to back in that order; ``lengths[i]``/``crcs[i]`` describe chunk ``i``.
+    MsgType.PUT_CHUNKS: {"step": "u63", "count": "u63", "ids_len": "u63", "lengths": "u63[]", "crcs": "u32[]"},
     MsgType.ERROR: {"code": "msg", "message": "msg"},
 }
 
 #: Message types that may carry a payload; every other type must have ``payload_len == 0``.
-PAYLOAD_TYPES = frozenset({MsgType.CHUNK, MsgType.PUT_CHUNK, MsgType.CHUNK_LIST, MsgType.MANIFEST, MsgType.PUT_MANIFEST})
+PAYLOAD_TYPES = frozenset({MsgType.CHUNK, MsgType.PUT_CHUNK, MsgType.PUT_CHUNKS, MsgType.CHUNK_LIST, MsgType.MANIFEST,
+                           MsgType.PUT_MANIFEST})
 
 #: ERROR codes a server sends. Clients map them onto the :mod:`fastckpt.errors` tree.
 ERROR_CODES = frozenset(
@@ -260,8 +266,9 @@ def _check_value(kind: str, value: Any) -> bool:
             and len(value) == 2 * NONCE_BYTES
             and all(c in "0123456789abcdef" for c in value)
         )
-    if kind == "u63[]":
-        return type(value) is list and all(type(v) is int and 0 <= v <= _U63 for v in value)
+    if kind in ("u63[]", "u32[]"):
+        limit = _U63 if kind == "u63[]" else 0xFFFFFFFF
+        return type(value) is list and all(type(v) is int and 0 <= v <= limit for v in value)
     if kind == "bool":
         return type(value) is bool
     raise AssertionError(kind)  # pragma: no cover - SCHEMAS is closed

@@ -300,3 +300,54 @@ def test_large_chunks_use_pipelined_verification(make_tier: MakeTier, make_serve
             fh.write(b"\xff" if big[-3] != 0xFF else b"\x00")
         with pytest.raises(ChecksumMismatchError):
             c.get_chunk(1, "big")
+
+
+def _segments(tier_dir: Path, step: int) -> list[Path]:
+    return sorted((tier_dir / f"step-{step}").glob("*.data"))
+
+
+def test_push_chunks_stores_one_segment_all_or_nothing(make_tier: MakeTier, make_server: MakeServer,
+                                                       shm_dir: Path) -> None:
+    tier = make_tier("dst")
+    server = make_server(tier, options=FAST)
+    data = fill(3, {"p@0:4": 1 << 20, "p@4:8": (1 << 20) + 5, "q": 1, "z": 0})
+    batch = [(cid, a, crc32c(a)) for cid, a in data.items()]
+    with PeerClient(server.address, secret=SECRET, options=FAST) as c:
+        c.push_chunks(3, batch)
+        assert tier.chunk_ids(3) == sorted(data)
+        assert len(_segments(shm_dir / "dst", 3)) == 1
+        for cid, a in data.items():
+            assert bytes(tier.get_chunk(3, cid, verify=True)) == a.tobytes()  # type: ignore[arg-type]
+        hit = tier.lend_span(3, ["p@0:4", "p@4:8"])  # back to back, in the order sent
+        assert hit is not None and bytes(hit[0]) == data["p@0:4"].tobytes() + data["p@4:8"].tobytes()
+        bad = [(cid, a, crc ^ (cid == "q")) for cid, a, crc in batch]
+        with pytest.raises(ChecksumMismatchError):
+            c.push_chunks(4, bad)
+        assert tier.chunk_ids(4) == [] and c.steps() == [3]  # nothing of the corrupt batch; still in sync
+        tier.put_manifest(5, b"m")
+        with pytest.raises(PeerRequestError) as e:
+            c.push_chunks(4, batch)
+        assert e.value.code == "stale_step"
+        c.push_chunks(6, batch[:1])
+        assert tier.chunk_ids(6) == ["p@0:4"]
+
+
+def test_malformed_push_chunks_is_refused(served) -> None:  # type: ignore[no-untyped-def]
+    tier, server, _ = served
+    cases = [
+        ({"step": 7, "count": 2, "ids_len": 9, "lengths": [1], "crcs": [0, 0]}, b'["a","b"]' + b"xy"),
+        ({"step": 7, "count": 1, "ids_len": 5, "lengths": [1], "crcs": [0]}, b'["a"]' + b"x" + b"extra"),
+        ({"step": 7, "count": 2, "ids_len": 9, "lengths": [1, 1], "crcs": [0, 0]}, b'["a","a"]' + b"xy"),
+        ({"step": 7, "count": 1, "ids_len": 5, "lengths": [1], "crcs": [0]}, b'["a",' + b"x"),
+        ({"step": 7, "count": 0, "ids_len": 2, "lengths": [], "crcs": []}, b"[]"),
+    ]
+    for header, payload in cases:
+        s, t, _, _ = raw_handshake(server.address)
+        assert t is MsgType.AUTH_OK
+        s.sendall(wire.encode_frame(MsgType.PUT_CHUNKS, header, len(payload)) + payload)
+        reply = read_to_eof(s)
+        s.close()
+        assert b'"bad_request"' in reply, (header, reply[:200])
+    assert tier.chunk_ids(7) == []
+    with PeerClient(server.address, secret=SECRET, options=FAST) as c:  # the server carries on
+        assert c.steps() == [1]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -114,3 +115,21 @@ def test_no_targets_is_a_noop(make_tier: MakeTier) -> None:
     report = rep.submit(1).wait(1)
     assert report is not None and report.ok and report.targets == ()
     rep.close()
+
+
+def test_chunks_go_in_batches_one_segment_each(make_tier: MakeTier, make_server: MakeServer, shm_dir: Path) -> None:
+    own = make_tier("own")
+    data = fill(1, {"a": 3 << 20, "b": 10, "c": 1 << 20, "d": 5, "e": 7})
+    seal_chunks(own, 1, data)
+    peer = make_tier("peer")
+    target = PeerClient(make_server(peer).address, secret=SECRET, options=FAST)
+    options = ReplicatorOptions(batch_bytes=3 << 20, batch_chunks=2)
+    rep = Replicator(own, targets={"peer": target}, options=options)
+    report = rep.submit(1).wait(30)
+    rep.close()
+    assert report is not None and report.ok and report.chunks_pushed == 5
+    # batches: [a] (3 MiB fills one), [b, c], [d, e] (two chunks at most)
+    assert len(list((shm_dir / "peer" / "step-1").glob("*.data"))) == 3
+    for cid, a in data.items():
+        assert bytes(peer.get_chunk(1, cid, verify=True)) == a.tobytes()  # type: ignore[arg-type]
+    target.close()
