@@ -46,7 +46,7 @@ class ChunkLocation:
 class Sealed:
     """A sealed segment file and its lazily created read mapping."""
 
-    __slots__ = ("dropped", "index_path", "lent", "lock", "mm", "nbytes", "path", "view")
+    __slots__ = ("dropped", "index_path", "lent", "lock", "mm", "nbytes", "path", "view", "writable")
 
     def __init__(self, path: Path, index_path: Path, nbytes: int, mm: mmap.mmap | None = None) -> None:
         self.path = path
@@ -56,6 +56,8 @@ class Sealed:
         self.view: memoryview | None = memoryview(mm).toreadonly() if mm is not None else None
         self.dropped = False
         self.lent = False
+        self.writable = mm is not None
+        """``mm`` is the writable mapping the segment was filled through (reusable)."""
         self.lock = threading.Lock()
 
     def slice(self, offset: int, length: int, prefault: bool) -> memoryview | None:
@@ -96,6 +98,29 @@ class Sealed:
             return not os.stat(self.path).st_mode & 0o200
         except OSError:
             return True  # cannot tell: do not reuse it
+
+    def detach_writable(self) -> mmap.mmap | None:
+        """Take the writable mapping away for reuse, if no view of it is alive; else None.
+
+        On success the segment counts as dropped and the caller owns the mapping (its page
+        tables stay populated, which is what makes reuse cheap).
+        """
+        with self.lock:
+            if not self.writable or self.mm is None or self.lent:
+                return None
+            if self.view is not None:
+                try:
+                    self.view.release()
+                except BufferError:
+                    return None
+                self.view = None
+            try:  # a no-op resize fails while any buffer exported from the mapping is alive
+                self.mm.resize(len(self.mm))
+            except (BufferError, OSError, ValueError, SystemError):
+                return None
+            mm, self.mm = self.mm, None
+            self.dropped = True
+            return mm
 
     def unmap(self, *, dropped: bool) -> bool:
         """Release the mapping; False if views handed out are still alive (they keep it)."""

@@ -69,6 +69,12 @@ _MIN_RECYCLE_BYTES = 1 << 20
 _MAX_SPARES = 1024
 
 
+def _close(mm: mmap.mmap | None) -> None:
+    if mm is not None:
+        with contextlib.suppress(BufferError):
+            mm.close()
+
+
 class StaleStepError(FastckptError):
     """Data for a step older than every retained committed step; it would be dropped at once."""
 
@@ -145,6 +151,7 @@ class RamTier:
         self._lock = threading.RLock()
         self._steps: dict[int, StepState] = {}
         self._spares: dict[Path, int] = {}
+        self._spare_maps: dict[Path, mmap.mmap] = {}  # spares whose writable mapping was kept
         self._reserved = 0
         self._closed = False
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -203,6 +210,9 @@ class RamTier:
                 for seg in st.segments.values():
                     seg.unmap(dropped=True)
             self._steps.clear()
+            for mm in self._spare_maps.values():
+                _close(mm)
+            self._spare_maps.clear()
             os.close(self._lock_fd)
 
     def __enter__(self) -> RamTier:
@@ -232,12 +242,18 @@ class RamTier:
                 raise StaleStepError(f"step {step} is older than the retained committed step {floor}")
             spare = self._pick_spare(nbytes)
             self._make_room(nbytes - (self._spares[spare] if spare else 0), for_step=step, keep_spare=spare)
+            spare_mm = self._spare_maps.pop(spare, None) if spare is not None else None
             if spare is not None:
                 del self._spares[spare]
             self._reserved += nbytes
         path = self.root / "tmp" / new_name()
         try:
-            mm = create_segment_file(path, nbytes, spare=spare, prefault=self._prefault)
+            if spare is not None and spare_mm is not None and len(spare_mm) == nbytes:
+                os.rename(spare, path)  # same size: reuse the mapping and its page tables as is
+                mm: mmap.mmap | None = spare_mm
+            else:
+                _close(spare_mm)
+                mm = create_segment_file(path, nbytes, spare=spare, prefault=self._prefault)
         except BaseException:
             with self._lock:
                 self._reserved -= nbytes
@@ -358,13 +374,17 @@ class RamTier:
                 unlink(seg.index_path)
             unlink(self.root / f"step-{step}" / MANIFEST)
             for seg in st.segments.values():
+                keep = recycle and seg.nbytes >= _MIN_RECYCLE_BYTES and len(self._spares) < _MAX_SPARES
+                mm = seg.detach_writable() if keep else None
                 unmapped = seg.unmap(dropped=True)
-                reusable = unmapped and recycle and not seg.is_lent()
-                if reusable and seg.nbytes >= _MIN_RECYCLE_BYTES and len(self._spares) < _MAX_SPARES:
+                if keep and unmapped and not seg.is_lent():
                     spare = self.root / "spare" / new_name()
                     os.rename(seg.path, spare)
                     self._spares[spare] = seg.nbytes
+                    if mm is not None:
+                        self._spare_maps[spare] = mm
                 else:
+                    _close(mm)
                     unlink(seg.path)
             shutil.rmtree(self.root / f"step-{step}", ignore_errors=True)
 
@@ -528,6 +548,7 @@ class RamTier:
                 return
             unlink(p)
             del self._spares[p]
+            _close(self._spare_maps.pop(p, None))
         for s in older:
             if self._used() + extra <= self.budget_bytes:
                 return

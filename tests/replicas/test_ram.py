@@ -274,3 +274,28 @@ def test_full_tmpfs_fails_cleanly(make_tier: MakeTier, shm_dir: Path, monkeypatc
     assert tier.nbytes() == 0 and list((shm_dir / "t0" / "tmp").iterdir()) == []
     seal_chunks(tier, 1, fill(1, {"a": 10}))
     assert tier.steps() == [1]
+
+
+def test_same_size_spare_reuses_its_mapping_unless_viewed(make_tier: MakeTier) -> None:
+    mib = 1 << 20
+    tier = make_tier(budget_bytes=64 * mib)
+    seg = tier.allocate(1, 4 * mib)
+    addr = seg.buffer.ctypes.data
+    seg.buffer[:] = 1
+    tier.seal(1, seg, {"a": ChunkLocation(0, 4 * mib, crc32c(seg.buffer))})
+    tier.put_manifest(1, b"m")
+    seal_chunks(tier, 2, fill(2, {"a": 4 * mib}))
+    tier.put_manifest(2, b"m")  # step 1 dropped: its file and mapping become a spare
+    again = tier.allocate(3, 4 * mib)
+    assert again.buffer.ctypes.data == addr  # the same mapping, page tables and all
+    data = fill(3, {"a": 4 * mib})["a"]
+    again.buffer[:] = data
+    tier.seal(3, again, {"a": ChunkLocation(0, 4 * mib, crc32c(data))})
+    tier.put_manifest(3, b"m")
+    view = tier.get_chunk(3, "a")
+    seal_chunks(tier, 4, fill(4, {"a": 4 * mib}))
+    tier.put_manifest(4, b"m")  # step 3 dropped while viewed: its memory must not be reused
+    for step in (5, 6):
+        seal_chunks(tier, step, fill(step, {"a": 4 * mib}))
+        tier.put_manifest(step, b"m")
+    assert view is not None and bytes(view) == data.tobytes()
