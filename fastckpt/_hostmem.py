@@ -9,15 +9,17 @@ into a buffer after handing it to ``device_put``.
 from __future__ import annotations
 
 import mmap
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Executor
 
 import numpy as np
 
-__all__ = ["alloc_aligned", "parallel_copy"]
+from fastckpt._checksum import crc32c
+
+__all__ = ["alloc_aligned", "as_bytes", "copy_and_checksum"]
 
 _HUGE = 2 << 20
-_COPY_PIECE = 32 << 20
+_CRC_WINDOW = 1 << 20  # fits in L2: checksummed straight after the copy
 
 
 def alloc_aligned(nbytes: int, *, hugepages: bool = True) -> np.ndarray:
@@ -36,26 +38,28 @@ def alloc_aligned(nbytes: int, *, hugepages: bool = True) -> np.ndarray:
     return np.frombuffer(m, np.uint8)
 
 
-def parallel_copy(pairs: Sequence[tuple[np.ndarray, np.ndarray]], executor: Executor | None) -> None:
-    """Copy each ``src`` into ``dst`` (flat uint8 views of equal size), in parallel pieces.
+def copy_and_checksum(pairs: Sequence[tuple[np.ndarray, np.ndarray]], executor: Executor | None) -> list[int]:
+    """Copy each ``src`` into ``dst`` (flat uint8 views of equal size); return each pair's crc32c.
 
-    numpy releases the GIL during large copies, so two threads fill memory (and take page
-    faults) concurrently. Without an executor the copies run inline.
+    Each pair is one job (run in parallel on ``executor``; numpy and crc32c release the GIL);
+    within it, a window is checksummed right after it is copied, while still in cache, so the
+    checksum costs no second pass over memory. Without an executor the jobs run inline.
     """
-    jobs: list[Callable[[], None]] = []
     for dst, src in pairs:
-        n = dst.nbytes
-        if n != src.nbytes:
+        if dst.nbytes != src.nbytes:
             raise ValueError(f"copy size mismatch {dst.nbytes} != {src.nbytes}")
-        for off in range(0, n, _COPY_PIECE):
-            end = min(n, off + _COPY_PIECE)
-            jobs.append(lambda d=dst, s=src, a=off, b=end: np.copyto(d[a:b], s[a:b]))
-    if executor is None or len(jobs) < 2:
-        for job in jobs:
-            job()
-        return
-    for fut in [executor.submit(job) for job in jobs]:
-        fut.result()
+
+    def job(dst: np.ndarray, src: np.ndarray) -> int:
+        crc = 0
+        for off in range(0, dst.nbytes, _CRC_WINDOW):
+            d = dst[off : off + _CRC_WINDOW]
+            np.copyto(d, src[off : off + _CRC_WINDOW])
+            crc = crc32c(d, crc)
+        return crc
+
+    if executor is None or len(pairs) < 2:
+        return [job(d, s) for d, s in pairs]
+    return [f.result() for f in [executor.submit(job, d, s) for d, s in pairs]]
 
 
 def as_bytes(a: np.ndarray) -> np.ndarray:

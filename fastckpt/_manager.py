@@ -34,7 +34,7 @@ from fastckpt.reader.assemble import build_leaves, resolve_target
 from fastckpt.reader.fetch import ChunkSource, RestoreStats, fill_units
 from fastckpt.storage._protocol import Store
 from fastckpt.writer.commit import exchange_ram_manifest, publish_and_commit, ram_chunk_entries
-from fastckpt.writer.pipeline import WriteStats, checksum_chunks, write_chunks
+from fastckpt.writer.pipeline import WriteStats, write_chunks
 from fastckpt.writer.stage import StagedSave, stage_state
 
 __all__ = ["CheckpointManager", "SaveStats"]
@@ -198,12 +198,11 @@ class CheckpointManager:
             return busy
         return coord.get(key, timeout_s=self.options.distributed.barrier_timeout_s) == "busy"
 
-    def _commit_ram(self, seq: int, step: int, staged: StagedSave, metadata: dict[str, object]) -> dict[int, list[int]]:
+    def _commit_ram(self, seq: int, step: int, staged: StagedSave, metadata: dict[str, object]) -> None:
         """Checksum, agree on the RAM manifest, seal the segment and start the peer push."""
         assert self._ram is not None
         try:
-            raw_crcs = self._io.run(checksum_chunks(staged, executor=self._workers))
-            chunks = ram_chunk_entries(staged, raw_crcs, step)
+            chunks = ram_chunk_entries(staged, staged.raw_crcs, step)
             self._ram.seal(step, staged, chunks)
             manifest = exchange_ram_manifest(
                 coord=self.coordinator, ns=f"{self._ns}/{seq}", step=step, staged=staged, chunks=chunks,
@@ -214,13 +213,11 @@ class CheckpointManager:
         except BaseException:
             self._ram.abort()
             raise
-        return raw_crcs
 
     def _finish_save(self, seq: int, step: int, staged: StagedSave, metadata: dict[str, object],
                      stats: SaveStats, t0: float, persist: bool, ram: bool) -> SaveStats:
-        raw_crcs = None
         if ram:
-            raw_crcs = self._commit_ram(seq, step, staged, metadata)
+            self._commit_ram(seq, step, staged, metadata)
             stats.ram_commit_s = time.perf_counter() - t0
             stats.tiers += ("ram",)
             if not persist:
@@ -233,7 +230,7 @@ class CheckpointManager:
         try:
             chunks = self._io.run(write_chunks(
                 self.store, staged, step=step, save_id=save_id, process_index=self.coordinator.process_index,
-                options=self.options.save, executor=self._workers, stats=wstats, raw_crcs=raw_crcs,
+                options=self.options.save, executor=self._workers, stats=wstats, raw_crcs=staged.raw_crcs,
             ))
         except BaseException as e:  # reported to the other processes before re-raising
             error = e

@@ -26,7 +26,7 @@ from fastckpt.options import SaveOptions
 from fastckpt.storage._protocol import Store
 from fastckpt.writer.stage import StagedSave
 
-__all__ = ["EncodedChunk", "WriteStats", "checksum_chunks", "write_chunks"]
+__all__ = ["EncodedChunk", "WriteStats", "write_chunks"]
 
 _TRIAL_BYTES = 1 << 20
 
@@ -122,7 +122,7 @@ async def write_chunks(
 
     Guarantees: on return every listed chunk is durably stored (each object's ``put``
     completed). On error, nothing is committed; already-uploaded objects are unreferenced
-    garbage for ``gc``. ``raw_crcs`` (from :func:`checksum_chunks`) skips recomputing them.
+    garbage for ``gc``. ``raw_crcs`` (``StagedSave.raw_crcs``) skips recomputing them.
     """
     loop = asyncio.get_running_loop()
     encoder = _Encoder(options)
@@ -232,17 +232,3 @@ async def write_chunks(
     for entries in result.values():
         entries.sort(key=lambda e: e.box)
     return result
-
-
-async def checksum_chunks(staged: StagedSave, *, executor: Executor) -> dict[int, list[int]]:
-    """crc32c of every staged chunk's raw bytes, per array index (parallel on ``executor``)."""
-    loop = asyncio.get_running_loop()
-    futs = {
-        (ai, ii): loop.run_in_executor(executor, crc32c, staged.chunk_view(arr, ii))
-        for ai, arr in enumerate(staged.arrays)
-        for ii in range(len(arr.items))
-    }
-    out: dict[int, list[int]] = {ai: [0] * len(arr.items) for ai, arr in enumerate(staged.arrays)}
-    for (ai, ii), fut in futs.items():
-        out[ai][ii] = await fut
-    return out

@@ -3,7 +3,8 @@
 This is the only part of a save that blocks the training step. Call order inside
 :func:`stage_state`: (1) classify leaves and plan chunks (pure), (2) start every
 device-to-host copy (``copy_to_host_async``) before waiting on any, (3) copy every shard into
-one page-aligned staging buffer (parallel, huge pages). After it returns, the caller may
+one page-aligned staging buffer (parallel, huge pages), checksumming each chunk as it is
+copied. After it returns, the caller may
 mutate or donate the device arrays: the staged copy is independent of them.
 """
 
@@ -17,7 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from fastckpt._hostmem import as_bytes, parallel_copy
+from fastckpt._hostmem import as_bytes, copy_and_checksum
 from fastckpt._tree import FlatLeaf, is_prng_key
 from fastckpt.errors import ConfigError
 from fastckpt.format.dtypes import dtype_name
@@ -52,6 +53,8 @@ class StagedSave:
     values: tuple[ValueLeaf, ...]
     buffer: np.ndarray
     """The staging buffer (uint8); chunk bytes live at ``item_offsets``."""
+    raw_crcs: dict[int, list[int]]
+    """crc32c of every chunk's raw bytes: array index -> one per item (computed while staging)."""
     nbytes: int
     """Bytes of shard data staged (excluding alignment padding)."""
     order: tuple[KeyPath, ...]
@@ -195,10 +198,11 @@ def stage_state(
     staged_bytes = 0
     arrays = []
     for p, offs in zip(pending, shard_offsets):
-        for idx, src in p.sources.items():
-            host = as_bytes(np.asarray(src))
-            copies.append((buffer[offs[idx] : offs[idx] + host.nbytes], host))
-            staged_bytes += host.nbytes
+        hosts = {idx: as_bytes(np.asarray(src)) for idx, src in p.sources.items()}
+        staged_bytes += sum(h.nbytes for h in hosts.values())
+        for it in p.items:  # items tile their shards: copying them copies every shard
+            dst = offs[it.shard_index] + it.byte_offset
+            copies.append((buffer[dst : dst + it.nbytes], hosts[it.shard_index][it.byte_offset : it.byte_offset + it.nbytes]))
         arrays.append(
             StagedArray(
                 path=p.path,
@@ -211,5 +215,6 @@ def stage_state(
                 item_offsets=tuple(offs[it.shard_index] + it.byte_offset for it in p.items),
             )
         )
-    parallel_copy(copies, executor)
-    return StagedSave(tuple(arrays), tuple(values), buffer, staged_bytes, tuple(l.path for l in leaves))
+    crcs = iter(copy_and_checksum(copies, executor))
+    raw_crcs = {ai: [next(crcs) for _ in arr.items] for ai, arr in enumerate(arrays)}
+    return StagedSave(tuple(arrays), tuple(values), buffer, raw_crcs, staged_bytes, tuple(l.path for l in leaves))
