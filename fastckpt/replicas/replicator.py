@@ -299,6 +299,7 @@ class Replicator:
             present = set(target.list_chunks(step))  # e.g. a re-submit: skip what arrived already
         batched = isinstance(target, _BatchPusher)
         batch: list[tuple[str, memoryview, int]] = []
+        batch_bytes = 0
         for cid in handle._chunk_ids:
             if handle._cancelled:
                 return
@@ -314,10 +315,11 @@ class Replicator:
                     step, b[0][0], b[0][1], raw_crc32c=b[0][2]))
                 continue
             o = self.options
-            if batch and (sum(v.nbytes for _, v, _ in batch) + view.nbytes > o.batch_bytes or len(batch) >= o.batch_chunks):
+            if batch and (batch_bytes + view.nbytes > o.batch_bytes or len(batch) >= o.batch_chunks):
                 self._send(handle, batch, lambda b: target.push_chunks(step, b) or True)  # type: ignore[attr-defined]
-                batch = []
+                batch, batch_bytes = [], 0
             batch.append((cid, view, loc.raw_crc32c))
+            batch_bytes += view.nbytes
         if batch and not handle._cancelled:
             self._send(handle, batch, lambda b: target.push_chunks(step, b) or True)  # type: ignore[attr-defined]
         if handle._manifest is not None and not handle._cancelled:
