@@ -34,13 +34,19 @@ from fastckpt.storage._protocol import ByteRange, Store
 
 __all__ = ["ChunkSource", "RestoreStats", "Unit", "fill_units"]
 
+_GROUP_BYTES = 64 << 20  # RAM-tier fetches of one leaf: scratch held at once (resharding)
+_GROUP_CHUNKS = 64
+
 
 class ChunkSource(Protocol):
     """A fast tier consulted before persistent storage (own RAM, peers).
 
     ``fetch`` runs on a worker thread. It writes the chunk's verified raw bytes into
     ``into`` and returns the tier's name, or returns None when no tier it knows holds a
-    good copy (misses, corruption and timeouts are handled inside, per tier).
+    good copy (misses, corruption and timeouts are handled inside, per tier). A source may
+    also offer ``fetch_many(step, [(chunk_id, raw_length, raw_crc32c, into), ...])`` (a
+    tier name or None per item), which the reader then prefers: one call per group of a
+    leaf's chunks, so a peer can stream them.
     """
 
     def fetch(self, step: int, chunk_id: str, *, raw_length: int, raw_crc32c: int, into: memoryview) -> str | None: ...
@@ -222,6 +228,37 @@ class _LeafFiller:
         for pos, it in self.items[chunk]:
             self.dsts[pos][box_to_slices(it.dst_box)] = arr[box_to_slices(it.src_box)]
 
+    def try_source_many(self, chunks: Sequence[ChunkEntry]) -> list[ChunkEntry]:
+        """Ask the RAM tiers for ``chunks`` in groups (one pipelined stream per peer and group);
+        returns those no tier placed. Scratch buffers of a group stay under ``_GROUP_BYTES``."""
+        assert self.source is not None
+        left: list[ChunkEntry] = []
+        group: list[tuple[ChunkEntry, memoryview, np.ndarray | None]] = []
+        scratch_bytes = 0
+
+        def flush() -> None:
+            tiers = self.source.fetch_many(  # type: ignore[union-attr]
+                self.step, [(chunk_id(self.leaf.path, c.box), c.raw_length, c.raw_crc32c, into) for c, into, _ in group])
+            for (c, _, scratch), tier in zip(group, tiers):
+                if tier is None:
+                    left.append(c)
+                    continue
+                self._finish(c, scratch)
+                with self.lock:
+                    self.stats.add(tier, c.raw_length)
+            group.clear()
+
+        for chunk in chunks:
+            into, scratch = self._target(chunk)
+            group.append((chunk, into, scratch))
+            scratch_bytes += 0 if scratch is None else scratch.nbytes
+            if scratch_bytes >= _GROUP_BYTES or len(group) >= _GROUP_CHUNKS:
+                flush()
+                scratch_bytes = 0
+        if group:
+            flush()
+        return left
+
     def try_source(self, chunk: ChunkEntry) -> bool:
         """Ask the RAM tiers; True if the chunk was placed."""
         if self.source is None:
@@ -307,15 +344,17 @@ async def fill_units(
         # One worker job per leaf (plan, allocate, every RAM-tier fetch), not one per chunk:
         # a loop-to-thread hop per chunk cost more than copying a small chunk.
         filler = _LeafFiller(leaf_units, step, decoder, source, stats, options.verify_checksums, lock)
-        need: list[ChunkEntry] = []
-        for chunk in filler.items:
-            if source is not None and filler.try_source(chunk):
-                continue
+        if source is None:
+            need = list(filler.items)
+        elif hasattr(source, "fetch_many"):
+            need = filler.try_source_many(list(filler.items))
+        else:
+            need = [chunk for chunk in filler.items if not filler.try_source(chunk)]
+        for chunk in need:
             if not storage_holds_step:
                 raise CheckpointNotFoundError(
                     f"RAM-only step {step}: {_where(filler.leaf, chunk)} is held by no reachable RAM tier"
                 )
-            need.append(chunk)
         return filler, need
 
     async def fill(leaf_units: Sequence[Unit]) -> None:

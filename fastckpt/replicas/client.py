@@ -12,7 +12,7 @@ import socket
 import threading
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import crc32c as _crc32c
 import numpy as np
@@ -20,6 +20,7 @@ import numpy as np
 from fastckpt.errors import (
     AuthenticationError,
     ChecksumMismatchError,
+    ConfigError,
     PeerUnavailableError,
     ProtocolError,
 )
@@ -129,6 +130,78 @@ class PeerClient:
             if got != h["raw_crc32c"] or (expected_crc32c is not None and got != expected_crc32c):
                 raise ChecksumMismatchError(f"chunk {chunk_id!r} of step {step} from peer {self.name} is corrupt")
             return dst
+
+        return self._call(op)
+
+    def get_chunks(
+        self,
+        step: int,
+        items: Sequence[tuple[str, memoryview | np.ndarray, int | None]],
+        *,
+        window: int = 16,
+    ) -> list[Literal["ok", "missing", "corrupt"]]:
+        """Fetch several whole chunks over one connection, requests pipelined.
+
+        Up to ``window`` requests are in flight, so the peer sends chunk after chunk without
+        waiting for the next request (no round trip, no wake-up per chunk).
+
+        Args:
+            step: Step number.
+            items: ``(chunk_id, into, expected_crc32c)``; each ``into`` is received into
+                directly and must have the chunk's exact length.
+            window: Requests in flight at most.
+
+        Returns:
+            Per item: ``"ok"`` (``into`` holds the verified bytes), ``"missing"`` (the peer
+            lacks it) or ``"corrupt"`` (wrong length or checksum; ``into`` may be garbage).
+
+        Raises:
+            PeerUnavailableError: the connection failed or the peer refused mid-stream (the
+                connection is discarded; no item after the failure is done).
+        """
+        if window < 1:
+            raise ConfigError(f"window must be >= 1, got {window}")
+        for cid, _, _ in items:
+            wire.check_chunk_id(cid)
+        dsts = [(i.data if isinstance(i, np.ndarray) else memoryview(i)).cast("B") for _, i, _ in items]
+
+        def op(c: _Conn) -> list[Literal["ok", "missing", "corrupt"]]:
+            out: list[Literal["ok", "missing", "corrupt"]] = []
+            sent = 0
+
+            def send_upto(k: int) -> None:
+                nonlocal sent
+                frames = b"".join(
+                    wire.encode_frame(MsgType.GET_CHUNK, {"step": step, "chunk_id": cid, "offset": 0, "length": None})
+                    for cid, _, _ in items[sent:k]
+                )
+                try:
+                    c.sock.sendall(frames)
+                except OSError as e:
+                    raise PeerUnavailableError(f"send to peer {self.name} failed: {e!r}") from e
+                sent = k
+
+            try:
+                for i, ((cid, _, expected), dst) in enumerate(zip(items, dsts)):
+                    if sent <= i + window // 2:
+                        send_upto(min(len(items), i + window))
+                    mtype, h, plen = self._reply(c, MsgType.CHUNK)
+                    if mtype is MsgType.ERROR:
+                        out.append("missing")
+                        continue
+                    if h["offset"] != 0 or plen != h["chunk_length"]:
+                        raise ProtocolError(f"CHUNK reply covers {h['offset']}+{plen} of {h['chunk_length']}")
+                    if plen != dst.nbytes:
+                        drain(c.sock, plen)
+                        out.append("corrupt")
+                        continue
+                    got = recv_into_crc(c.sock, dst)
+                    ok = got == h["raw_crc32c"] and (expected is None or got == expected)
+                    out.append("ok" if ok else "corrupt")
+            except (PeerRequestError, ChecksumMismatchError) as e:  # replies still in flight: out of sync
+                c.sock.close()
+                raise PeerUnavailableError(f"peer {self.name} refused mid-stream: {e}") from e
+            return out
 
         return self._call(op)
 

@@ -151,33 +151,104 @@ class TieredChunkSource:
             raise ConfigError(f"into has {dst.nbytes} bytes, chunk {chunk_id!r} has {raw_length}")
         if self._own is not None and self._fetch_own(step, chunk_id, raw_length, raw_crc32c, dst):
             return "ram"
-        for i, peer in enumerate(self._peers):
+        for i in range(len(self._peers)):
             if i in self._dead or not self._listed(i, step, chunk_id):
+                continue
+            tier = self._fetch_peer(i, step, chunk_id, raw_length, raw_crc32c, dst)
+            if tier is not None:
+                return tier
+        with self._lock:
+            self._not_found += 1
+        return None
+
+    def _fetch_peer(self, i: int, step: int, chunk_id: str, raw_length: int, raw_crc32c: int, dst: np.ndarray) -> str | None:
+        """One chunk from peer ``i`` into ``dst``: its tier name, or None (fallback recorded)."""
+        peer = self._peers[i]
+        tier = f"peer:{peer.name}"
+        t0 = time.perf_counter()
+        try:
+            got = peer.get_chunk(step, chunk_id, into=dst, expected_crc32c=raw_crc32c)
+        except ChecksumMismatchError as e:
+            self._fallback(tier, chunk_id, "corrupt", e)
+            return None
+        except PeerUnavailableError as e:
+            self._fallback(tier, chunk_id, "unavailable", e, dead=i)
+            return None
+        except (ProtocolError, AuthenticationError) as e:
+            self._fallback(tier, chunk_id, "protocol", e, dead=i)
+            return None
+        except PeerError as e:
+            self._fallback(tier, chunk_id, "error", e)
+            return None
+        if got is None:
+            self._fallback(tier, chunk_id, "miss", None)
+            return None
+        self._success(tier, raw_length, time.perf_counter() - t0)
+        return tier
+
+    def fetch_many(
+        self, step: int, items: Sequence[tuple[str, int, int, memoryview | np.ndarray]]
+    ) -> list[str | None]:
+        """:meth:`fetch` for several chunks: ``(chunk_id, raw_length, raw_crc32c, into)`` each.
+
+        Own RAM first, then each peer gets the chunks still missing that it lists, in one
+        pipelined stream (:meth:`PeerClient.get_chunks`) instead of a request per chunk.
+        Returns the tier per item, None where no RAM source had a good copy.
+        """
+        dsts = []
+        for cid, n, _, into in items:
+            dst = np.frombuffer(into, np.uint8) if not isinstance(into, np.ndarray) else into.reshape(-1).view(np.uint8)
+            if dst.nbytes != n:
+                raise ConfigError(f"into has {dst.nbytes} bytes, chunk {cid!r} has {n}")
+            dsts.append(dst)
+        out: list[str | None] = [None] * len(items)
+        if self._own is not None:
+            for k, ((cid, n, crc, _), dst) in enumerate(zip(items, dsts)):
+                if self._fetch_own(step, cid, n, crc, dst):
+                    out[k] = "ram"
+        for i, peer in enumerate(self._peers):
+            todo = [k for k in range(len(items)) if out[k] is None]
+            if not todo:
+                break
+            if i in self._dead:
+                continue
+            todo = [k for k in todo if self._listed(i, step, items[k][0])]
+            if not todo:
+                continue
+            if not hasattr(peer, "get_chunks"):
+                for k in todo:
+                    cid, n, crc, _ = items[k]
+                    out[k] = self._fetch_peer(i, step, cid, n, crc, dsts[k])
                 continue
             tier = f"peer:{peer.name}"
             t0 = time.perf_counter()
             try:
-                got = peer.get_chunk(step, chunk_id, into=dst, expected_crc32c=raw_crc32c)
-            except ChecksumMismatchError as e:
-                self._fallback(tier, chunk_id, "corrupt", e)
-                continue
+                results = peer.get_chunks(step, [(items[k][0], dsts[k], items[k][2]) for k in todo])
             except PeerUnavailableError as e:
-                self._fallback(tier, chunk_id, "unavailable", e, dead=i)
+                self._fallback(tier, items[todo[0]][0], "unavailable", e, dead=i)
                 continue
             except (ProtocolError, AuthenticationError) as e:
-                self._fallback(tier, chunk_id, "protocol", e, dead=i)
+                self._fallback(tier, items[todo[0]][0], "protocol", e, dead=i)
                 continue
             except PeerError as e:
-                self._fallback(tier, chunk_id, "error", e)
+                self._fallback(tier, items[todo[0]][0], "error", e)
                 continue
-            if got is None:
-                self._fallback(tier, chunk_id, "miss", None)
-                continue
-            self._success(tier, raw_length, time.perf_counter() - t0)
-            return tier
+            got = 0
+            for k, r in zip(todo, results):
+                if r == "ok":
+                    out[k] = tier
+                    got += items[k][1]
+                else:
+                    self._fallback(tier, items[k][0], "miss" if r == "missing" else "corrupt", None)
+            if got:
+                with self._lock:
+                    st = self._tiers.setdefault(tier, TierStats())
+                    st.chunks += sum(1 for r in results if r == "ok")
+                    st.bytes += got
+                    st.seconds += time.perf_counter() - t0
         with self._lock:
-            self._not_found += 1
-        return None
+            self._not_found += sum(1 for t in out if t is None)
+        return out
 
     def lend(self, step: int, chunks: Sequence[tuple[str, int, int]]) -> memoryview | None:
         """A verified, read-only view of consecutive chunks straight from this process's tier.
@@ -198,8 +269,7 @@ class TieredChunkSource:
         for (cid, length, crc), loc in zip(chunks, locs):
             piece = view[loc.offset - locs[0].offset : loc.offset - locs[0].offset + loc.length]
             if loc.length != length or (self._verify and crc32c(piece) != crc):
-                self._fallback("ram", cid, "corrupt", f"{loc.length} bytes, crc32c mismatch or wrong length")
-                return None
+                return None  # the per-chunk fetch that follows finds (and records) the bad copy
         total = sum(c[1] for c in chunks)
         with self._lock:
             st = self._tiers.setdefault("ram", TierStats())

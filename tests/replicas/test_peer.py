@@ -351,3 +351,22 @@ def test_malformed_push_chunks_is_refused(served) -> None:  # type: ignore[no-un
     assert tier.chunk_ids(7) == []
     with PeerClient(server.address, secret=SECRET, options=FAST) as c:  # the server carries on
         assert c.steps() == [1]
+
+
+def test_get_chunks_pipelined_with_misses_and_bad_sizes(served) -> None:  # type: ignore[no-untyped-def]
+    tier, server, data = served
+    ids = ["b", "missing", "a", "params['w']@0:2,0:8", "empty", "b"]
+    intos = [np.zeros(data[c].nbytes if c in data else 7, np.uint8) for c in ids]
+    intos[2] = np.zeros(2, np.uint8)  # "a" has 1 byte: a wrong-size buffer is "corrupt", stream stays in sync
+    expected = [crc32c(data[c]) if c in data else None for c in ids]
+    expected[5] = expected[5] ^ 1  # the caller's checksum disagrees: "corrupt"
+    with PeerClient(server.address, secret=SECRET, options=FAST) as c:
+        got = c.get_chunks(1, list(zip(ids, intos, expected)), window=2)
+        assert got == ["ok", "missing", "corrupt", "ok", "ok", "corrupt"]
+        for k in (0, 3, 4):
+            assert intos[k].tobytes() == data[ids[k]].tobytes()
+        assert c.get_chunks(2, [("a", np.zeros(1, np.uint8), None)]) == ["missing"]
+        assert c.get_chunks(1, []) == []
+        assert c.handshakes == 1  # one pooled connection, still in sync after every case
+        with pytest.raises(ConfigError):
+            c.get_chunks(1, [("", np.zeros(1, np.uint8), None)])

@@ -134,3 +134,25 @@ def test_peer_sigkilled_mid_transfer_falls_back_to_next_peer(make_tier: MakeTier
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_fetch_many_streams_from_peers_and_falls_back(make_tier: MakeTier, make_server: MakeServer) -> None:
+    own, p1, p2 = make_tier("own"), make_tier("p1"), make_tier("p2")
+    data = fill(1, {f"c{i}": 1000 + i for i in range(6)})
+    seal_chunks(own, 1, {k: data[k] for k in ("c0",)})
+    seal_chunks(p1, 1, {k: data[k] for k in ("c1", "c2", "c3")})
+    seal_chunks(p2, 1, {k: data[k] for k in ("c3", "c4")})
+    peers = [PeerClient(make_server(t).address, secret=SECRET, options=PeerOptions(io_timeout_s=2), name=n)
+             for n, t in (("p1", p1), ("p2", p2))]
+    src = TieredChunkSource(own, peers)
+    items = [(k, a.nbytes, crc32c(a), np.zeros(a.nbytes, np.uint8)) for k, a in data.items()]
+    items[2] = ("c2", 1002, crc32c(data["c2"]) ^ 1, items[2][3])  # p1's copy "disagrees": nobody has a good one
+    assert src.fetch_many(1, items) == ["ram", "peer:p1", None, "peer:p1", "peer:p2", None]
+    for (k, _, _, into), tier in zip(items, ["ram", 1, None, 1, 2, None]):
+        if tier is not None:
+            assert into.tobytes() == data[k].tobytes()
+    st = src.stats()
+    assert st.tiers["peer:p1"].chunks == 2 and st.tiers["peer:p2"].chunks == 1 and st.not_found == 2
+    assert st.fallbacks.get("corrupt") == 1
+    for p in peers:
+        p.close()
