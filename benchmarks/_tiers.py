@@ -153,12 +153,16 @@ def _serve_raw(nbytes: str) -> None:
 # =========================================================================== raw TCP
 
 
-def measure_loopback_tcp(port: int, nbytes: int, *, streams: int, reps: int) -> dict[str, Any]:
+def measure_loopback_tcp(port: int, nbytes: int, *, streams: int, reps: int, fresh: bool = False) -> dict[str, Any]:
     """Raw loopback TCP from a ``serve-raw`` helper: ``nbytes`` split over ``streams``
-    connections (one thread each, one request per stream), received into a warm buffer.
+    connections (one thread each, one request per stream), received into a warm buffer, or
+    with ``fresh`` into newly allocated page-aligned memory (allocation timed), as a restore
+    must (its arrays are new memory).
 
     Returns GB/s (best and median of ``reps`` after one warm-up) and the stream count.
     """
+    from fastckpt._hostmem import alloc_aligned
+
     dst = np.ones(nbytes, np.uint8)  # warm: bandwidth, not first-touch page faults
     share = nbytes // streams
     socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(streams)]
@@ -176,8 +180,11 @@ def measure_loopback_tcp(port: int, nbytes: int, *, streams: int, reps: int) -> 
             pos += got
 
     def once() -> float:
+        nonlocal dst
         threads = [threading.Thread(target=functools.partial(worker, i)) for i in range(streams)]
         t0 = time.perf_counter()
+        if fresh:
+            dst = alloc_aligned(nbytes)
         for t in threads:
             t.start()
         for t in threads:
