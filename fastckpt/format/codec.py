@@ -426,8 +426,8 @@ def decode_manifest(data: bytes | bytearray | memoryview) -> Manifest:
     if type(metadata) is not dict:
         _fail("metadata must be an object")
     created = d.get("created_unix", 0.0)
-    if type(created) not in (int, float):
-        _fail("created_unix must be a number")
+    if type(created) not in (int, float) or not -1e18 < created < 1e18:
+        _fail(f"created_unix must be a number of seconds, got {created!r:.40}")
     manifest = Manifest(
         step=_int(d["step"], "step"),
         leaves=tuple(leaves),
