@@ -215,10 +215,15 @@ class ElasticContext:
         return mgr.save(step, state, metadata=meta, force=forced)
 
     def save_final(self, step: int, state: Any) -> None:
-        """Force a save of ``state`` at ``step`` (unless committed) and wait for the commit."""
+        """Force a save of ``state`` at ``step`` (unless committed) and wait for the commit.
+
+        Collective. Whether ``step`` is already committed is decided by process 0 for all:
+        a per-process look would race with the save itself (a process that asks late can
+        see the step a peer already sealed, skip the save, and leave the others waiting).
+        """
         mgr = self._require_manager()
         mgr.wait()
-        if mgr.latest_step() != step:
+        if self._agree(f"final/{step}", lambda: "skip" if mgr.latest_step() == step else "save") == "save":
             mgr.save(step, state, metadata={"generation": self.env.generation, "final": True}, force=True)
         mgr.wait()
 

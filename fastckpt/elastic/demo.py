@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -124,7 +125,11 @@ def _printer(t0: list[float]) -> Any:
 
 
 def run_demo(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the scenario; returns the final JSON summary (also written to ``summary.json``)."""
+    """Run the scenario; returns the final JSON summary (also written to ``summary.json``).
+
+    The hosts' local (RAM-tier) directories are made under ``/dev/shm`` and removed when
+    the run ends, whatever its outcome; the checkpoint root and the run dir stay.
+    """
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="fastckpt-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
     root = args.root or str(workdir / "ckpt")
@@ -155,7 +160,10 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     t0: list[float] = []
     sup = Supervisor(worker, run_dir=run_dir, local_root=local_root, options=options, env=env,
                      on_event=None if args.quiet else _printer(t0))
-    result = sup.run()
+    try:
+        result = sup.run()
+    finally:  # the hosts' RAM tiers live in /dev/shm: memory until removed
+        shutil.rmtree(local_root, ignore_errors=True)
     summary = summarize(run_dir)
     png = Path(args.png) if args.png else workdir / "loss.png"
     plot_loss(run_dir, summary, png)

@@ -114,7 +114,8 @@ class SupervisorOptions:
     """Scheduled host losses and returns."""
     warm_standby: bool = True
     """Keep one pre-started worker per host (interpreter up, ``preload`` imported) while a
-    generation trains, and relaunch into those: a restart skips ``import jax``."""
+    generation trains, and relaunch into those: a restart skips ``import jax``. The pool is
+    topped up once every worker of a generation finished its first step."""
     preload: tuple[str, ...] = ("jax", "fastckpt.elastic.context")
     """Modules a standby imports before it knows its identity (must have no side effects)."""
 
@@ -308,6 +309,7 @@ class Supervisor:
         opts = self.options
         t_start = now()
         progress: dict[int, tuple[int, float]] = {}
+        first_train_step: dict[int, int] = {}
         first_exit: float | None = None
         clean: Literal["done", "stopped"] | None = None
         stop_requested = False
@@ -333,18 +335,22 @@ class Supervisor:
                 self._event("failure_detected", generation=generation, host=running[0].host, reason="exit_timeout")
                 return "failed", "workers did not exit after the first clean exit"
             max_step = 0
-            training = 0
+            stepped = 0  # workers past their first step of this generation
             for w in running:
                 hb = read_json(self.paths.heartbeat(generation, w.host))
-                training += hb is not None and hb.get("phase") == "train"
+                if hb is not None and hb.get("phase") == "train":
+                    first = first_train_step.setdefault(w.host, int(hb["step"]))
+                    stepped += int(hb["step"]) > first
                 problem = self._check_heartbeat(hb, t, t_start, progress, w.host)
                 if problem:
                     self._event("failure_detected", generation=generation, host=w.host, reason=problem)
                     return "failed", f"host {w.host}: {problem}"
                 if hb is not None:
                     max_step = max(max_step, int(hb["step"]))
-            if opts.warm_standby and first_exit is None and training == len(workers) and not self._pool:
-                self._fill_pool()  # only now: starting them earlier would slow this restart down
+            if opts.warm_standby and first_exit is None and stepped == len(workers):
+                # Only now: standbys importing jax during the restore, the compile or the
+                # first step would slow this restart down. Tops up what the relaunch used.
+                self._fill_pool()
             if first_exit is None:
                 stop_requested = self._fire_events(generation, workers, max_step, stop_requested)
 
