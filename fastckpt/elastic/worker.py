@@ -29,7 +29,7 @@ import fastckpt
 from fastckpt.elastic._protocol import EXIT_DONE, WorkerEnv
 from fastckpt.elastic.context import ElasticContext, ElasticOptions
 from fastckpt.elastic.data import DataConfig
-from fastckpt.elastic.model import PRESETS
+from fastckpt.elastic.model import PRESET_GLOBAL_BATCH, PRESETS
 from fastckpt.elastic.trainer import TrainConfig, TrainProgram, make_mesh
 
 __all__ = ["build_parser", "main", "train_config_from_args"]
@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--root", required=True, help="checkpoint root: path, file://, gs://")
     p.add_argument("--steps", type=int, default=100, help="train until this many steps are done")
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model size")
-    p.add_argument("--global-batch", type=int, default=24, help="sequences per step, whatever the mesh")
+    p.add_argument("--global-batch", type=int, default=None,
+                   help="sequences per step, whatever the mesh (default: the preset's, else 24)")
     p.add_argument("--data-seed", type=int, default=0)
     p.add_argument("--init-seed", type=int, default=0)
     p.add_argument("--learning-rate", type=float, default=3e-3)
@@ -67,7 +68,8 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
         model = dataclasses.replace(model, dropout=args.dropout)
     return TrainConfig(
         model=model,
-        data=DataConfig(seed=args.data_seed, global_batch=args.global_batch),
+        data=DataConfig(seed=args.data_seed,
+                        global_batch=args.global_batch or PRESET_GLOBAL_BATCH.get(args.preset, 24)),
         learning_rate=args.learning_rate,
         init_seed=args.init_seed,
         model_axis=args.model_axis,
