@@ -299,6 +299,16 @@ class PeerClient:
 
         return self._call(op)
 
+    def committed_steps(self) -> list[int]:
+        """Sorted steps the peer holds a manifest for (committed RAM steps)."""
+
+        def op(c: _Conn) -> list[int]:
+            wire.send_frame(c.sock, MsgType.STEPS, {})
+            _, h, _ = self._reply(c, MsgType.STEP_LIST, missing_ok=False)
+            return sorted(h["committed"])
+
+        return self._call(op)
+
     def close(self) -> None:
         """Close pooled connections; later calls raise ``PeerUnavailableError``. Idempotent."""
         with self._lock:

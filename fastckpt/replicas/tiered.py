@@ -153,7 +153,7 @@ class RamReplication:
         out: dict[int, set[str]] = {s: {"ram"} for s in self.tier.committed_steps()}
         for client in self._peers().values():
             try:
-                for s in client.steps():
+                for s in client.committed_steps():  # a step sealed but not committed is no step
                     out.setdefault(s, set()).add("peer")
             except PeerError:
                 continue
