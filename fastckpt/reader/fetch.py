@@ -61,6 +61,10 @@ class RestoreStats:
     device_put_s: float = 0.0
     bytes_read_storage: int = 0
     """Bytes fetched from persistent storage (stored size, including coalescing gaps)."""
+    reads_storage: int = 0
+    """Ranged reads issued to persistent storage (re-reads included)."""
+    bytes_in_place: int = 0
+    """Stored bytes received straight into destination buffers (no scratch, no copy)."""
     restored_bytes: int = 0
     """Logical bytes placed into this process's destination buffers."""
     retries: int = 0
@@ -215,28 +219,34 @@ class _LeafFiller:
 _Received = tuple[_LeafFiller, ChunkEntry, memoryview, bool]
 
 
-def _scatter(pairs: Sequence[tuple[_LeafFiller, ChunkEntry]], start: int, length: int) -> tuple[list[memoryview], list[_Received]]:
-    """Where each byte of the stored range ``[start, start + length)`` lands when read.
+def _placement(pairs: Sequence[tuple[_LeafFiller, ChunkEntry]], start: int, length: int
+               ) -> tuple[list[tuple[_LeafFiller, ChunkEntry]], list[memoryview | None] | None, int]:
+    """Chunks of a stored range ``[start, start + length)`` in offset order, the destination
+    span each is received into (None: via scratch) and the scratch bytes the read needs.
 
     A raw chunk that feeds one contiguous destination span is received straight into the
-    destination buffer (in place); other chunks (compressed, or scattered over several
-    destination rows or units) and the gaps between chunks go to one scratch buffer for
-    the range. Returns the buffers to read into, back to back, and what each chunk got.
+    destination buffer; other chunks (compressed, or scattered over several destination
+    rows or units) and the gaps between chunks go to scratch. Overlapping chunks (only a
+    malformed manifest has them) put the whole range in scratch (spans None).
     """
     ordered = sorted(pairs, key=lambda fc: fc[1].offset)
     direct: list[memoryview | None] = []
     pos = start
     for filler, c in ordered:
         if c.offset < pos or c.offset + c.length > start + length:
-            direct = []  # overlapping chunks (only a malformed manifest has them): all via scratch
-            break
+            return ordered, None, length
         span = filler._direct_span(c) if c.codec == "raw" else None
         direct.append(span if span is not None and span.nbytes == c.length else None)
         pos = c.offset + c.length
-    scratch_bytes = length - sum(v.nbytes for v in direct if v is not None)
+    return ordered, direct, length - sum(v.nbytes for v in direct if v is not None)
+
+
+def _scatter(ordered: Sequence[tuple[_LeafFiller, ChunkEntry]], direct: Sequence[memoryview | None] | None,
+             start: int, length: int, scratch_bytes: int) -> tuple[list[memoryview], list[_Received]]:
+    """The buffers to read the range into, back to back, and what each chunk receives."""
     where = lambda: f"a read of {length} bytes of object {ordered[0][1].key}"  # noqa: E731
     scratch = memoryview(_allocate(scratch_bytes, where, aligned=False))
-    if len(direct) != len(ordered):
+    if direct is None:
         return [scratch], [(f, c, scratch[c.offset - start : c.offset - start + c.length], False) for f, c in ordered]
     parts: list[memoryview] = []
     got: list[_Received] = []
@@ -256,6 +266,28 @@ def _scatter(pairs: Sequence[tuple[_LeafFiller, ChunkEntry]], start: int, length
     if pos < start + length:
         parts.append(scratch[used:])
     return parts, got
+
+
+class _ByteBudget:
+    """An async semaphore counted in bytes. A request larger than the capacity waits for
+    the budget to be completely free, then proceeds alone."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.used = 0
+        self._cond = asyncio.Condition()
+
+    async def acquire(self, n: int) -> int:
+        n = min(n, self.capacity)
+        async with self._cond:
+            await self._cond.wait_for(lambda: self.used + n <= self.capacity)
+            self.used += n
+        return n
+
+    async def release(self, n: int) -> None:
+        async with self._cond:
+            self.used -= n
+            self._cond.notify_all()
 
 
 def _verify_all(got: Sequence[_Received]) -> list[_Received]:
@@ -303,6 +335,7 @@ async def fill_units(
     decoder = _Decoder()
     lock = threading.Lock()
     reads = asyncio.Semaphore(options.read_concurrency)
+    scratch_budget = _ByteBudget(options.max_scratch_bytes)
     t0 = time.perf_counter()
 
     def prepare(leaf_units: Sequence[Unit]) -> tuple[_LeafFiller, list[ChunkEntry]]:
@@ -321,24 +354,36 @@ async def fill_units(
         return filler, need
 
     async def do_range(r: FetchRange, pairs: Sequence[tuple[_LeafFiller, ChunkEntry]]) -> None:
-        # The read slot is held until the scratch bytes are decoded and dropped, so scratch in
-        # memory stays under read_concurrency x max_request_bytes; raw chunks that map onto
-        # contiguous destination spans are received in place and need no scratch at all.
-        async with reads:
-            parts, got = _scatter(pairs, r.start, r.length)
-            try:
-                await store.get_into(r.key, r.start, parts)
-            except NotFoundError as e:  # a committed step lost an object: say whose data it was
-                raise NotFoundError(f"{_where(pairs[0][0].leaf, pairs[0][1])}: {e}") from e
-            except CorruptionError as e:  # the object is shorter than the manifest says
-                raise CorruptionError(f"{_where(pairs[0][0].leaf, pairs[0][1])}: {e}") from e
-            stats.bytes_read_storage += r.length
-            bad = await loop.run_in_executor(executor, _verify_all, got)
-            for filler, c, view, in_place in bad:
-                stats.retries += 1  # re-read once: the corruption may have been on the wire
-                await store.get_into(c.key, c.offset, [view])
-                stats.bytes_read_storage += c.length
-                await loop.run_in_executor(executor, filler.from_fetched, c, view, in_place)
+        # Raw chunks that map onto contiguous destination spans are received in place; the
+        # rest needs scratch, held until its chunks are decoded and placed and bounded by
+        # options.max_scratch_bytes over all concurrent reads.
+        ordered, direct, need = _placement(pairs, r.start, r.length)
+        charged = await scratch_budget.acquire(need)
+        try:
+            async with reads:
+                await read_range(r, ordered, direct, need)
+        finally:
+            await scratch_budget.release(charged)
+
+    async def read_range(r: FetchRange, ordered: Sequence[tuple[_LeafFiller, ChunkEntry]],
+                         direct: Sequence[memoryview | None] | None, need: int) -> None:
+        parts, got = _scatter(ordered, direct, r.start, r.length, need)
+        try:
+            await store.get_into(r.key, r.start, parts)
+        except NotFoundError as e:  # a committed step lost an object: say whose data it was
+            raise NotFoundError(f"{_where(ordered[0][0].leaf, ordered[0][1])}: {e}") from e
+        except CorruptionError as e:  # the object is shorter than the manifest says
+            raise CorruptionError(f"{_where(ordered[0][0].leaf, ordered[0][1])}: {e}") from e
+        stats.reads_storage += 1
+        stats.bytes_read_storage += r.length
+        stats.bytes_in_place += sum(view.nbytes for _, _, view, in_place in got if in_place)
+        bad = await loop.run_in_executor(executor, _verify_all, got)
+        for filler, c, view, in_place in bad:
+            stats.retries += 1  # re-read once: the corruption may have been on the wire
+            await store.get_into(c.key, c.offset, [view])
+            stats.reads_storage += 1
+            stats.bytes_read_storage += c.length
+            await loop.run_in_executor(executor, filler.from_fetched, c, view, in_place)
 
     by_leaf: dict[int, list[Unit]] = {}
     for u in units:
