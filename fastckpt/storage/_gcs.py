@@ -412,7 +412,8 @@ class GcsStore(Store):
             if skip:
                 _discard(resp, skip, what)
             _readinto_parts(resp, into, what)
-            complete = resp.status_code == 206
+            # Reuse the connection only if nothing of the body is left unread.
+            complete = resp.status_code == 206 and length is not None and int(length) == total
         except Exception as exc:
             _translate(exc, what)
         finally:
