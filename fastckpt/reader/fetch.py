@@ -32,7 +32,7 @@ from fastckpt.format.dtypes import dtype_from_name
 from fastckpt.format.manifest import ArrayLeaf, Box, ChunkEntry, box_shape, chunk_id, keypath_str
 from fastckpt.options import RestoreOptions
 from fastckpt.planning import FetchRange, ReadItem, box_to_slices, coalesce_fetches, contiguous_span, plan_leaf_reads
-from fastckpt.storage._protocol import ByteRange, Store
+from fastckpt.storage._protocol import Store
 
 __all__ = ["ChunkSource", "RestoreStats", "Unit", "fill_units"]
 
@@ -183,7 +183,7 @@ class _LeafFiller:
         return True
 
     def from_fetched(self, chunk: ChunkEntry, stored: memoryview, in_place: bool) -> None:
-        """Verify the stored bytes of ``chunk`` received by :meth:`scatter`'s buffers, and
+        """Verify the stored bytes of ``chunk`` a scatter read received (see ``_scatter``), and
         decode/place them unless they were received in place; raise CorruptionError if bad."""
         if self.verify and crc32c(stored) != chunk.crc32c:
             raise ChecksumMismatchError(f"{_where(self.leaf, chunk)}: crc32c mismatch")
