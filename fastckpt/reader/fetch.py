@@ -219,6 +219,11 @@ class _LeafFiller:
 _Received = tuple[_LeafFiller, ChunkEntry, memoryview, bool]
 
 
+def _lands_in_place(filler: _LeafFiller, c: ChunkEntry) -> bool:
+    span = filler._direct_span(c)
+    return span is not None and span.nbytes == c.length
+
+
 def _placement(pairs: Sequence[tuple[_LeafFiller, ChunkEntry]], start: int, length: int
                ) -> tuple[list[tuple[_LeafFiller, ChunkEntry]], list[memoryview | None] | None, int]:
     """Chunks of a stored range ``[start, start + length)`` in offset order, the destination
@@ -403,10 +408,16 @@ async def fill_units(
         for c in need:
             owners.setdefault((c.key, c.offset), []).append((filler, c))
     pending = list(owners.values())
+    # Chunks that need scratch are read in smaller ranges, so that read_concurrency of them
+    # fit in the scratch budget at once (one 64 MiB range would hold all of it, one at a time).
+    scratch_read = max(1 << 20, options.max_scratch_bytes // options.read_concurrency)
     while pending:
         first = {(c.key, c.offset): (f, c) for f, c in (p[0] for p in pending)}
-        ranges = coalesce_fetches((c for _, c in first.values()), max_gap=options.max_gap_bytes,
+        lands = {k for k, (f, c) in first.items() if c.codec == "raw" and _lands_in_place(f, c)}
+        ranges = coalesce_fetches((first[k][1] for k in lands), max_gap=options.max_gap_bytes,
                                   max_bytes=options.max_request_bytes)
+        ranges += coalesce_fetches((c for k, (_, c) in first.items() if k not in lands), max_gap=options.max_gap_bytes,
+                                   max_bytes=min(options.max_request_bytes, scratch_read))
         await _all_or_nothing(do_range(r, [first[(c.key, c.offset)] for c in r.chunks]) for r in ranges)
         pending = [p[1:] for p in pending if len(p) > 1]
     for filler, _ in prepared:
