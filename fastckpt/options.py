@@ -80,11 +80,16 @@ class RestoreOptions:
     """Chunks of one object closer than this are fetched in one ranged read."""
     max_request_bytes: int = 64 * MiB
     """Upper bound of one coalesced ranged read."""
+    max_scratch_bytes: int = 64 * MiB
+    """Host memory, over all concurrent reads, for fetched bytes that cannot be received
+    straight into their destination (compressed chunks, chunks scattered over several
+    destination rows, gaps between chunks); raw chunks that map onto a contiguous
+    destination span need none. A read needing more than this runs alone."""
     verify_checksums: bool = True
     """Verify crc32c of every chunk (strongly recommended; it is cheap)."""
 
     def __post_init__(self) -> None:
-        for name in ("read_concurrency", "decode_threads", "max_request_bytes"):
+        for name in ("read_concurrency", "decode_threads", "max_request_bytes", "max_scratch_bytes"):
             _positive(name, getattr(self, name))
         if self.max_gap_bytes < 0:
             raise ConfigError("max_gap_bytes must be >= 0")

@@ -6,8 +6,10 @@ optional RAM-tier ``ChunkSource`` for each needed chunk first, and reads the res
 persistent storage with coalesced ranged reads. Every chunk is verified (crc32c) before
 its bytes are used; a chunk that fails verification on the persistent path is re-read once
 and then reported as :class:`~fastckpt.errors.ChecksumMismatchError` naming the array,
-box and object. Whole-chunk reads into a contiguous destination span decode straight into
-the destination buffer (no intermediate copy).
+box and object. Storage reads are scatter reads (``Store.get_into``): a raw chunk that maps
+onto one contiguous destination span is received straight into the destination buffer (no
+intermediate buffer, no copy); compressed or scattered chunks go through a per-read scratch
+buffer, and a compressed chunk whose span is contiguous decodes straight into it.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ from fastckpt.errors import CheckpointNotFoundError, ChecksumMismatchError, Corr
 from fastckpt.format.dtypes import dtype_from_name
 from fastckpt.format.manifest import ArrayLeaf, Box, ChunkEntry, box_shape, chunk_id, keypath_str
 from fastckpt.options import RestoreOptions
-from fastckpt.planning import ReadItem, box_to_slices, coalesce_fetches, contiguous_span, plan_leaf_reads
-from fastckpt.storage._protocol import ByteRange, Store
+from fastckpt.planning import FetchRange, ReadItem, box_to_slices, coalesce_fetches, contiguous_span, plan_leaf_reads
+from fastckpt.storage._protocol import Store
 
 __all__ = ["ChunkSource", "RestoreStats", "Unit", "fill_units"]
 
@@ -76,6 +78,10 @@ class RestoreStats:
     device_put_s: float = 0.0
     bytes_read_storage: int = 0
     """Bytes fetched from persistent storage (stored size, including coalescing gaps)."""
+    reads_storage: int = 0
+    """Ranged reads issued to persistent storage (re-reads included)."""
+    bytes_in_place: int = 0
+    """Stored bytes received straight into destination buffers (no scratch, no copy)."""
     restored_bytes: int = 0
     """Logical bytes placed into this process's destination buffers."""
     retries: int = 0
@@ -273,23 +279,28 @@ class _LeafFiller:
             self.stats.add(tier, chunk.raw_length)
         return True
 
-    def from_stored(self, chunk: ChunkEntry, stored: memoryview) -> None:
-        """Verify and decode stored bytes of ``chunk``; raise CorruptionError if bad."""
-        if stored.nbytes != chunk.length:
-            raise ChecksumMismatchError(f"{_where(self.leaf, chunk)}: got {stored.nbytes} of {chunk.length} bytes")
+    def from_fetched(self, chunk: ChunkEntry, stored: memoryview, in_place: bool) -> None:
+        """Verify the stored bytes of ``chunk`` a scatter read received (see ``_scatter``), and
+        decode/place them unless they were received in place; raise CorruptionError if bad."""
         if self.verify and crc32c(stored) != chunk.crc32c:
             raise ChecksumMismatchError(f"{_where(self.leaf, chunk)}: crc32c mismatch")
-        into, scratch = self._target(chunk)
-        if chunk.codec == "raw":
-            into[:] = stored
-        else:
-            try:
-                n = self.decoder.dctx().stream_reader(stored).readinto(into)
-            except zstandard.ZstdError as e:
-                raise CorruptionError(f"{_where(self.leaf, chunk)}: zstd: {e}") from e
-            if n != chunk.raw_length:
-                raise CorruptionError(f"{_where(self.leaf, chunk)}: decoded {n} of {chunk.raw_length} bytes")
-        self._finish(chunk, scratch)
+        if not in_place:
+            if chunk.codec == "raw":
+                if stored.nbytes != chunk.raw_length:
+                    raise CorruptionError(f"{_where(self.leaf, chunk)}: raw chunk of {stored.nbytes} bytes, "
+                                          f"expected {chunk.raw_length}")
+                arr = np.frombuffer(stored, np.uint8).view(self.dtype).reshape(box_shape(chunk.box))
+                for pos, it in self.items[chunk]:
+                    self.dsts[pos][box_to_slices(it.dst_box)] = arr[box_to_slices(it.src_box)]
+            else:
+                into, scratch = self._target(chunk)
+                try:
+                    n = self.decoder.dctx().stream_reader(stored).readinto(into)
+                except zstandard.ZstdError as e:
+                    raise CorruptionError(f"{_where(self.leaf, chunk)}: zstd: {e}") from e
+                if n != chunk.raw_length:
+                    raise CorruptionError(f"{_where(self.leaf, chunk)}: decoded {n} of {chunk.raw_length} bytes")
+                self._finish(chunk, scratch)
         with self.lock:
             self.stats.add("storage", chunk.raw_length)
 
@@ -298,6 +309,99 @@ class _LeafFiller:
             unit.buffer = dst
         with self.lock:
             self.stats.restored_bytes += sum(f.nbytes for f in self.flats)
+
+
+#: One chunk of one leaf, with the stored bytes a scatter read received for it and whether
+#: they landed in place (in the leaf's destination buffer).
+_Received = tuple[_LeafFiller, ChunkEntry, memoryview, bool]
+
+
+def _lands_in_place(filler: _LeafFiller, c: ChunkEntry) -> bool:
+    span = filler._direct_span(c)
+    return span is not None and span.nbytes == c.length
+
+
+def _placement(pairs: Sequence[tuple[_LeafFiller, ChunkEntry]], start: int, length: int
+               ) -> tuple[list[tuple[_LeafFiller, ChunkEntry]], list[memoryview | None] | None, int]:
+    """Chunks of a stored range ``[start, start + length)`` in offset order, the destination
+    span each is received into (None: via scratch) and the scratch bytes the read needs.
+
+    A raw chunk that feeds one contiguous destination span is received straight into the
+    destination buffer; other chunks (compressed, or scattered over several destination
+    rows or units) and the gaps between chunks go to scratch. Overlapping chunks (only a
+    malformed manifest has them) put the whole range in scratch (spans None).
+    """
+    ordered = sorted(pairs, key=lambda fc: fc[1].offset)
+    direct: list[memoryview | None] = []
+    pos = start
+    for filler, c in ordered:
+        if c.offset < pos or c.offset + c.length > start + length:
+            return ordered, None, length
+        span = filler._direct_span(c) if c.codec == "raw" else None
+        direct.append(span if span is not None and span.nbytes == c.length else None)
+        pos = c.offset + c.length
+    return ordered, direct, length - sum(v.nbytes for v in direct if v is not None)
+
+
+def _scatter(ordered: Sequence[tuple[_LeafFiller, ChunkEntry]], direct: Sequence[memoryview | None] | None,
+             start: int, length: int, scratch_bytes: int) -> tuple[list[memoryview], list[_Received]]:
+    """The buffers to read the range into, back to back, and what each chunk receives."""
+    where = lambda: f"a read of {length} bytes of object {ordered[0][1].key}"  # noqa: E731
+    scratch = memoryview(_allocate(scratch_bytes, where, aligned=False))
+    if direct is None:
+        return [scratch], [(f, c, scratch[c.offset - start : c.offset - start + c.length], False) for f, c in ordered]
+    parts: list[memoryview] = []
+    got: list[_Received] = []
+    used = 0
+    pos = start
+    for (filler, c), span in zip(ordered, direct):
+        if c.offset > pos:  # gap bytes between chunks: read and dropped
+            parts.append(scratch[used : used + c.offset - pos])
+            used += c.offset - pos
+        in_place = span is not None
+        if span is None:
+            span = scratch[used : used + c.length]
+            used += c.length
+        parts.append(span)
+        got.append((filler, c, span, in_place))
+        pos = c.offset + c.length
+    if pos < start + length:
+        parts.append(scratch[used:])
+    return parts, got
+
+
+class _ByteBudget:
+    """An async semaphore counted in bytes. A request larger than the capacity waits for
+    the budget to be completely free, then proceeds alone."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.used = 0
+        self._cond = asyncio.Condition()
+
+    async def acquire(self, n: int) -> int:
+        n = min(n, self.capacity)
+        async with self._cond:
+            await self._cond.wait_for(lambda: self.used + n <= self.capacity)
+            self.used += n
+        return n
+
+    async def release(self, n: int) -> None:
+        async with self._cond:
+            self.used -= n
+            self._cond.notify_all()
+
+
+def _verify_all(got: Sequence[_Received]) -> list[_Received]:
+    """Verify and place every received chunk; return those that failed verification."""
+    bad = []
+    for rec in got:
+        filler, c, view, in_place = rec
+        try:
+            filler.from_fetched(c, view, in_place)
+        except CorruptionError:
+            bad.append(rec)
+    return bad
 
 
 async def _all_or_nothing(coros: Iterable[Coroutine[Any, Any, None]]) -> None:
@@ -333,12 +437,8 @@ async def fill_units(
     decoder = _Decoder()
     lock = threading.Lock()
     reads = asyncio.Semaphore(options.read_concurrency)
+    scratch_budget = _ByteBudget(options.max_scratch_bytes)
     t0 = time.perf_counter()
-
-    async def fetch_range(rng_key: str, start: int, length: int) -> memoryview:
-        data = await store.get(rng_key, byte_range=ByteRange(start, length))
-        stats.bytes_read_storage += len(data)
-        return memoryview(data)
 
     def prepare(leaf_units: Sequence[Unit]) -> tuple[_LeafFiller, list[ChunkEntry]]:
         # One worker job per leaf (plan, allocate, every RAM-tier fetch), not one per chunk:
@@ -357,32 +457,68 @@ async def fill_units(
                 )
         return filler, need
 
-    async def fill(leaf_units: Sequence[Unit]) -> None:
-        filler, need = await loop.run_in_executor(executor, prepare, leaf_units)
-        ranges = coalesce_fetches(need, max_gap=options.max_gap_bytes, max_bytes=options.max_request_bytes)
-
-        async def do_range(r_key: str, r_start: int, r_len: int, chunks: Sequence[ChunkEntry]) -> None:
-            # The read slot is held until the fetched bytes are decoded and dropped, so fetched
-            # data in memory stays near read_concurrency x max_request_bytes (plus one re-read).
+    async def do_range(r: FetchRange, pairs: Sequence[tuple[_LeafFiller, ChunkEntry]]) -> None:
+        # Raw chunks that map onto contiguous destination spans are received in place; the
+        # rest needs scratch, held until its chunks are decoded and placed and bounded by
+        # options.max_scratch_bytes over all concurrent reads.
+        ordered, direct, need = _placement(pairs, r.start, r.length)
+        charged = await scratch_budget.acquire(need)
+        try:
             async with reads:
-                try:
-                    data = await fetch_range(r_key, r_start, r_len)
-                except NotFoundError as e:  # a committed step lost an object: say whose data it was
-                    raise NotFoundError(f"{_where(filler.leaf, chunks[0])}: {e}") from e
-                for c in chunks:
-                    piece = data[c.offset - r_start : c.offset - r_start + c.length]
-                    try:
-                        await loop.run_in_executor(executor, filler.from_stored, c, piece)
-                    except CorruptionError:
-                        stats.retries += 1  # re-read once: the corruption may have been on the wire
-                        again = await fetch_range(c.key, c.offset, c.length)
-                        await loop.run_in_executor(executor, filler.from_stored, c, again)
+                await read_range(r, ordered, direct, need)
+        finally:
+            await scratch_budget.release(charged)
 
-        await _all_or_nothing(do_range(r.key, r.start, r.length, r.chunks) for r in ranges)
-        filler.done()
+    async def read_range(r: FetchRange, ordered: Sequence[tuple[_LeafFiller, ChunkEntry]],
+                         direct: Sequence[memoryview | None] | None, need: int) -> None:
+        parts, got = _scatter(ordered, direct, r.start, r.length, need)
+        try:
+            await store.get_into(r.key, r.start, parts)
+        except NotFoundError as e:  # a committed step lost an object: say whose data it was
+            raise NotFoundError(f"{_where(ordered[0][0].leaf, ordered[0][1])}: {e}") from e
+        except CorruptionError as e:  # the object is shorter than the manifest says
+            raise CorruptionError(f"{_where(ordered[0][0].leaf, ordered[0][1])}: {e}") from e
+        stats.reads_storage += 1
+        stats.bytes_read_storage += r.length
+        stats.bytes_in_place += sum(view.nbytes for _, _, view, in_place in got if in_place)
+        bad = await loop.run_in_executor(executor, _verify_all, got)
+        for filler, c, view, in_place in bad:
+            stats.retries += 1  # re-read once: the corruption may have been on the wire
+            await store.get_into(c.key, c.offset, [view])
+            stats.reads_storage += 1
+            stats.bytes_read_storage += c.length
+            await loop.run_in_executor(executor, filler.from_fetched, c, view, in_place)
 
     by_leaf: dict[int, list[Unit]] = {}
     for u in units:
         by_leaf.setdefault(id(u.leaf), []).append(u)
-    await _all_or_nothing(fill(us) for us in by_leaf.values())
+    prepared: list[tuple[_LeafFiller, list[ChunkEntry]]] = []
+
+    async def prep(leaf_units: Sequence[Unit]) -> None:
+        prepared.append(await loop.run_in_executor(executor, prepare, leaf_units))
+
+    await _all_or_nothing(prep(us) for us in by_leaf.values())
+    # Coalesce across leaves: small leaves packed next to each other in one object are read
+    # with one request instead of one each (per-request cost dominates small reads). A stored
+    # location named by several chunks (only a malformed manifest does that) is read once
+    # per chunk, in later rounds.
+    owners: dict[tuple[str, int], list[tuple[_LeafFiller, ChunkEntry]]] = {}
+    for filler, need in prepared:
+        for c in need:
+            owners.setdefault((c.key, c.offset), []).append((filler, c))
+    pending = list(owners.values())
+    # Chunks that need scratch are read in smaller ranges, so that read_concurrency of them
+    # fit in the scratch budget at once (one 64 MiB range would hold all of it, one at a time).
+    scratch_read = max(1 << 20, options.max_scratch_bytes // options.read_concurrency)
+    while pending:
+        first = {(c.key, c.offset): (f, c) for f, c in (p[0] for p in pending)}
+        lands = {k for k, (f, c) in first.items() if c.codec == "raw" and _lands_in_place(f, c)}
+        ranges = coalesce_fetches((first[k][1] for k in lands), max_gap=options.max_gap_bytes,
+                                  max_bytes=options.max_request_bytes)
+        ranges += coalesce_fetches((c for k, (_, c) in first.items() if k not in lands), max_gap=options.max_gap_bytes,
+                                   max_bytes=min(options.max_request_bytes, scratch_read))
+        await _all_or_nothing(do_range(r, [first[(c.key, c.offset)] for c in r.chunks]) for r in ranges)
+        pending = [p[1:] for p in pending if len(p) > 1]
+    for filler, _ in prepared:
+        filler.done()
     stats.fetch_s += time.perf_counter() - t0

@@ -28,7 +28,7 @@ import http.client
 import json
 import secrets
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, final
 from urllib.parse import quote
@@ -39,6 +39,7 @@ from fastckpt.errors import (
     AlreadyExistsError,
     ChecksumMismatchError,
     ConfigError,
+    CorruptionError,
     FastckptError,
     NotFoundError,
     PermissionDeniedError,
@@ -111,6 +112,42 @@ class _StreamBody:
 
     def __iter__(self) -> Iterator[memoryview]:
         return (p for p in self._parts if p.nbytes)
+
+
+def _body_reader(resp: requests.Response) -> Callable[[memoryview], int]:
+    """``readinto`` for a streamed response body that receives straight into the buffer.
+
+    urllib3's own ``HTTPResponse.readinto`` reads into a temporary ``bytes`` and copies it;
+    for an identity-encoded body with a length, the ``http.client`` response it wraps
+    receives (``recv_into``) directly into the destination. Falls back to urllib3's.
+    """
+    raw = resp.raw
+    fp = getattr(raw, "_fp", None)
+    if isinstance(fp, http.client.HTTPResponse) and fp.length is not None and not fp.chunked:
+        return fp.readinto
+    return raw.readinto  # type: ignore[no-any-return]
+
+
+def _readinto_parts(resp: requests.Response, into: list[memoryview], what: str) -> None:
+    """Fill ``into`` back to back from the body; a body that ends early is transient."""
+    readinto = _body_reader(resp)
+    done = 0
+    for part in into:
+        pos, n = 0, part.nbytes
+        while pos < n:
+            got = readinto(part[pos:])
+            if not got:
+                raise TransientStorageError(f"{what}: body truncated after {done + pos} bytes")
+            pos += got
+        done += n
+
+
+def _discard(resp: requests.Response, n: int, what: str) -> None:
+    """Read and drop the next ``n`` bytes of the body."""
+    sink = memoryview(np.empty(min(n, _READ_BLOCK), np.uint8))
+    while n:
+        _readinto_parts(resp, [sink[: min(n, sink.nbytes)]], what)
+        n -= min(n, sink.nbytes)
 
 
 def _status_error(status: int, what: str, detail: str = "") -> StorageError:
@@ -342,13 +379,48 @@ class GcsStore(Store):
         if n == 0:
             return b""
         view = memoryview(np.empty(n, dtype=np.uint8)).cast("B")
-        done = 0
-        while done < n:
-            got = resp.raw.readinto(view[done : min(n, done + _READ_BLOCK)])
-            if not got:
-                raise TransientStorageError(f"{what}: body truncated at {done} of {n} bytes")
-            done += got
+        _readinto_parts(resp, [view], what)
         return view
+
+    def _get_into_sync(self, name: str, key: str, start: int, into: list[memoryview]) -> None:
+        what = f"get {self.url}/{key}"
+        _, session = self._connect()
+        total = sum(b.nbytes for b in into)
+        if total == 0:
+            clip_range(self._head_sync(name, key).size, ByteRange(start, 0), key)
+            return
+        headers = {"Accept-Encoding": "identity", "Range": f"bytes={start}-{start + total - 1}"}
+        try:
+            resp = session.get(self._media_url(name), headers=headers, stream=True, timeout=self._timeout)
+        except Exception as exc:
+            _translate(exc, what)
+        complete = False
+        try:
+            if resp.status_code == 416:
+                size = self._head_sync(name, key).size
+                clip_range(size, ByteRange(start, total), key)  # NotFoundError past the end
+                raise CorruptionError(f"{what}: object ends at {size}, before {start + total}")
+            if resp.status_code not in (200, 206):
+                raise _status_error(resp.status_code, what, resp.text)
+            encoding = resp.headers.get("Content-Encoding", "identity")
+            if encoding != "identity":
+                raise StorageError(f"{what}: unexpected Content-Encoding {encoding!r}")
+            length = resp.headers.get("Content-Length")
+            skip = start if resp.status_code == 200 else 0  # 200: the server ignored the Range
+            if length is not None and int(length) < skip + total:
+                raise CorruptionError(f"{what}: object ends {skip + total - int(length)} bytes before {start + total}")
+            if skip:
+                _discard(resp, skip, what)
+            _readinto_parts(resp, into, what)
+            # Reuse the connection only if nothing of the body is left unread.
+            complete = resp.status_code == 206 and length is not None and int(length) == total
+        except Exception as exc:
+            _translate(exc, what)
+        finally:
+            if complete:
+                resp.raw.release_conn()  # body fully read: keep the connection alive
+            else:
+                resp.close()  # unread body (or a whole object we only needed part of): drop it
 
     def _put_sync(self, name: str, key: str, parts: list[memoryview], mode: PutMode) -> None:
         what = f"put {self.url}/{key}"
@@ -414,6 +486,11 @@ class GcsStore(Store):
     async def get(self, key: str, *, byte_range: ByteRange | None = None) -> Buffer:
         # docstring inherited
         return await self._call(self._get_sync, self._name(key), key, byte_range)
+
+    async def get_into(self, key: str, start: int, into: Sequence[memoryview]) -> None:
+        # docstring inherited
+        parts = [memoryview(b).cast("B") for b in into]
+        await self._call(self._get_into_sync, self._name(key), key, start, parts)
 
     async def put(self, key: str, data: Payload, *, mode: PutMode = "overwrite") -> None:
         # docstring inherited

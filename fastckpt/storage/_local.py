@@ -8,7 +8,7 @@ import functools
 import os
 import secrets
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NoReturn, TypeVar, final
@@ -18,6 +18,7 @@ import numpy as np
 from fastckpt.errors import (
     AlreadyExistsError,
     ConfigError,
+    CorruptionError,
     NotFoundError,
     PermissionDeniedError,
     StorageError,
@@ -30,6 +31,7 @@ from fastckpt.storage._protocol import (
     PutMode,
     Store,
     clip_range,
+    consume,
     payload_parts,
     validate_key,
 )
@@ -37,6 +39,7 @@ from fastckpt.storage._protocol import (
 __all__ = ["TEMP_SUFFIX", "LocalStore"]
 
 T = TypeVar("T")
+_IOV_MAX = 1024  # buffers per preadv call (Linux UIO_MAXIOV)
 
 #: Suffix of in-flight temporary files. ``list`` never reports them and keys whose last
 #: segment ends with it are rejected.
@@ -178,6 +181,30 @@ class LocalStore(Store):
         finally:
             os.close(fd)
 
+    def _get_into_sync(self, path: Path, key: str, start: int, into: list[memoryview]) -> None:
+        what = f"get {self.url}/{key}"
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            _translate(exc, what)
+        try:
+            total = sum(b.nbytes for b in into)
+            size = os.fstat(fd).st_size
+            clip_range(size, ByteRange(start, total), key)  # NotFoundError past the end
+            if start + total > size:
+                raise CorruptionError(f"{what}: object ends at {size}, before {start + total}")
+            done, todo = 0, consume(into, 0)
+            while todo:
+                got = os.preadv(fd, todo[:_IOV_MAX], start + done)
+                if got == 0:
+                    raise StorageError(f"{what}: file shrank while reading")
+                done += got
+                todo = consume(todo, got)
+        except OSError as exc:
+            _translate(exc, what)
+        finally:
+            os.close(fd)
+
     def _put_sync(self, path: Path, key: str, parts: list[memoryview], mode: PutMode) -> None:
         what = f"put {self.url}/{key}"
         directory = path.parent
@@ -253,6 +280,10 @@ class LocalStore(Store):
     async def get(self, key: str, *, byte_range: ByteRange | None = None) -> Buffer:
         # docstring inherited
         return await self._call(self._get_sync, self._path(key), key, byte_range)
+
+    async def get_into(self, key: str, start: int, into: Sequence[memoryview]) -> None:
+        # docstring inherited
+        await self._call(self._get_into_sync, self._path(key), key, start, [memoryview(b).cast("B") for b in into])
 
     async def put(self, key: str, data: Payload, *, mode: PutMode = "overwrite") -> None:
         # docstring inherited

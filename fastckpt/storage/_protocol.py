@@ -40,6 +40,7 @@ __all__ = [
     "PutMode",
     "Store",
     "clip_range",
+    "consume",
     "payload_parts",
     "payload_size",
     "validate_key",
@@ -105,6 +106,19 @@ def _flat(buf: Buffer) -> memoryview:
     return view.cast("B")
 
 
+def consume(parts: Sequence[memoryview], n: int) -> list[memoryview]:
+    """``parts`` without their first ``n`` bytes (views, no copies): what a scatter read
+    that has filled ``n`` bytes still has to fill. Empty parts are dropped."""
+    out: list[memoryview] = []
+    for p in parts:
+        if n >= p.nbytes:
+            n -= p.nbytes
+            continue
+        out.append(p[n:] if n else p)
+        n = 0
+    return out
+
+
 def payload_size(data: Payload) -> int:
     """Total number of bytes in a payload."""
     return sum(p.nbytes for p in payload_parts(data))
@@ -156,6 +170,27 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def delete(self, key: str) -> None:
         """Delete a key; deleting a missing key is not an error."""
+
+    async def get_into(self, key: str, start: int, into: Sequence[memoryview]) -> None:
+        """Read the ``sum(len(b) for b in into)`` bytes of ``key`` starting at ``start`` into
+        the writable byte buffers ``into``, filled back to back (a scatter read).
+
+        Unlike :meth:`get`, the range is exact: an object that ends before the last byte
+        raises :class:`~fastckpt.errors.CorruptionError` (a short object) and a range
+        starting past the end raises ``NotFoundError``. After a failure the buffers' contents
+        are unspecified. The default reads with :meth:`get` and copies; backends override it
+        to receive the bytes straight into ``into`` (no intermediate buffer).
+        """
+        from fastckpt.errors import CorruptionError
+
+        total = sum(b.nbytes for b in into)
+        data = memoryview(await self.get(key, byte_range=ByteRange(start, total))).cast("B")
+        if data.nbytes != total:
+            raise CorruptionError(f"{self.url}/{key}: object ends {total - data.nbytes} bytes before {start + total}")
+        pos = 0
+        for b in into:
+            b[:] = data[pos : pos + b.nbytes]
+            pos += b.nbytes
 
     async def exists(self, key: str) -> bool:
         """Whether ``key`` exists (default: a one-byte ranged get)."""

@@ -6,7 +6,7 @@ import asyncio
 import dataclasses
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar, final
 
 from fastckpt.errors import (
@@ -127,6 +127,10 @@ class RetryingStore(Store):
     async def get(self, key: str, *, byte_range: ByteRange | None = None) -> Buffer:
         # docstring inherited
         return await self._retry(f"get {self.url}/{key}", lambda: self.inner.get(key, byte_range=byte_range))
+
+    async def get_into(self, key: str, start: int, into: Sequence[memoryview]) -> None:
+        # docstring inherited
+        await self._retry(f"get {self.url}/{key}", lambda: self.inner.get_into(key, start, into))
 
     async def put(self, key: str, data: Payload, *, mode: PutMode = "overwrite") -> None:
         # docstring inherited

@@ -25,9 +25,10 @@ import os
 from collections.abc import Awaitable, Iterator
 from typing import Any, TypeVar
 
+import numpy as np
 import pytest
 
-from fastckpt.errors import AlreadyExistsError, ConfigError, NotFoundError
+from fastckpt.errors import AlreadyExistsError, ConfigError, CorruptionError, NotFoundError
 from fastckpt.storage._protocol import ByteRange, Store
 
 __all__ = ["UNSAFE_KEYS", "StoreTests", "run"]
@@ -183,6 +184,48 @@ class StoreTests:
         assert run(_get(store, "r", ByteRange(0, 0))) == b""
         assert run(_get(store, "r", ByteRange(10, 0))) == b""
         assert run(_get(store, "r", ByteRange(10, 5))) == b""
+
+    # -- scatter reads (get_into) ----------------------------------------------------------
+
+    def test_get_into_scatter(self, store: Store) -> None:
+        data = _blob(10_000)
+        run(store.put("s", data))
+        a, b, c = bytearray(100), np.zeros(1000, np.uint8), bytearray(3)
+        run(store.get_into("s", 1234, [memoryview(a), memoryview(b), memoryview(c)]))
+        assert bytes(a) + b.tobytes() + bytes(c) == data[1234:2337]
+        whole = np.empty(10_000, np.uint8)
+        run(store.get_into("s", 0, [memoryview(whole)]))
+        assert whole.tobytes() == data
+
+    def test_get_into_many_parts(self, store: Store) -> None:
+        data = _blob(3000)
+        run(store.put("s", data))
+        parts = [bytearray(1 + i % 3) for i in range(1200)]  # more buffers than one readv takes
+        run(store.get_into("s", 5, [memoryview(p) for p in parts]))
+        assert b"".join(parts) == data[5 : 5 + sum(len(p) for p in parts)]
+
+    def test_get_into_large_unaligned(self, store: Store) -> None:
+        data = os.urandom(self.large_size)
+        run(store.put("big", data))
+        n = self.large_size // 2 + 17
+        out = np.empty(n + 8, np.uint8)
+        run(store.get_into("big", 11, [memoryview(out)[3 : 3 + n // 3], memoryview(out)[3 + n // 3 : 3 + n]]))
+        assert out[3 : 3 + n].tobytes() == data[11 : 11 + n]
+
+    def test_get_into_short_object_is_corruption(self, store: Store) -> None:
+        run(store.put("s", b"0123456789"))
+        with pytest.raises(CorruptionError):
+            run(store.get_into("s", 8, [memoryview(bytearray(5))]))
+        with pytest.raises(CorruptionError):
+            run(store.get_into("s", 10, [memoryview(bytearray(1))]))
+
+    def test_get_into_past_end_or_missing(self, store: Store) -> None:
+        run(store.put("s", b"0123456789"))
+        with pytest.raises(NotFoundError):
+            run(store.get_into("s", 11, [memoryview(bytearray(1))]))
+        with pytest.raises(NotFoundError):
+            run(store.get_into("missing", 0, [memoryview(bytearray(1))]))
+        run(store.get_into("s", 10, []))  # empty read at the end is fine
 
     def test_negative_range_rejected(self) -> None:
         with pytest.raises(ConfigError):

@@ -12,6 +12,7 @@ import pytest
 from fastckpt.errors import (
     AlreadyExistsError,
     ChecksumMismatchError,
+    CorruptionError,
     NotFoundError,
     PermissionDeniedError,
     StorageError,
@@ -121,3 +122,40 @@ def test_server_ignoring_range_is_sliced(stub: tuple[_Server, GcsStore]) -> None
     server, store = stub
     server.reply = Reply(status=200, body=b"0123456789")
     assert bytes(run(store.get("k", byte_range=ByteRange(3, 4)))) == b"3456"
+
+
+def test_get_into_status_mapping_and_truncation(stub: tuple[_Server, GcsStore]) -> None:
+    server, store = stub
+    server.reply = Reply(status=503, body=b'{"error": {"message": "scripted"}}', content_type="application/json")
+    with pytest.raises(TransientStorageError):
+        run(store.get_into("k", 0, [memoryview(bytearray(10))]))
+    server.reply = Reply(status=404, body=b"{}", content_type="application/json")
+    with pytest.raises(NotFoundError):
+        run(store.get_into("k", 0, [memoryview(bytearray(10))]))
+    server.reply = Reply(status=206, body=b"x" * 1000, content_length=4000)  # connection drops mid-body
+    with pytest.raises(TransientStorageError):
+        run(store.get_into("k", 0, [memoryview(bytearray(1000)), memoryview(bytearray(3000))]))
+
+
+def test_get_into_server_ignoring_range(stub: tuple[_Server, GcsStore]) -> None:
+    server, store = stub
+    server.reply = Reply(status=200, body=b"0123456789")
+    a, b = bytearray(2), bytearray(3)
+    run(store.get_into("k", 3, [memoryview(a), memoryview(b)]))
+    assert bytes(a + b) == b"34567"
+    with pytest.raises(CorruptionError):  # the whole object is shorter than the range
+        run(store.get_into("k", 8, [memoryview(bytearray(5))]))
+
+
+def test_get_into_oversized_partial_answer_does_not_poison_the_connection(
+    stub: tuple[_Server, GcsStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server, store = stub
+    monkeypatch.setattr(_Handler, "protocol_version", "HTTP/1.1")  # keep-alive connections
+    server.reply = Reply(status=206, body=b"abcdefgh")  # more than asked for
+    out = bytearray(3)
+    run(store.get_into("k", 0, [memoryview(out)]))
+    assert bytes(out) == b"abc"
+    server.reply = Reply(status=206, body=b"XYZ")
+    run(store.get_into("k", 0, [memoryview(out)]))  # a reused connection would read "def"
+    assert bytes(out) == b"XYZ"
