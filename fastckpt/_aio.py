@@ -13,7 +13,7 @@ from collections.abc import Coroutine
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-__all__ = ["LoopThread"]
+__all__ = ["ByteBudget", "LoopThread"]
 
 T = TypeVar("T")
 
@@ -56,3 +56,31 @@ class LoopThread:
         self._thread.join(timeout=10)
         if not self._thread.is_alive():
             self._loop.close()
+
+
+class ByteBudget:
+    """An async semaphore counted in bytes. A request larger than the capacity waits for
+    the budget to be completely free, then proceeds alone. ``acquire`` returns the amount
+    charged (pass it to ``release``); ``waiting`` counts acquirers blocked right now."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.used = 0
+        self.waiting = 0
+        self._cond = asyncio.Condition()
+
+    async def acquire(self, n: int) -> int:
+        n = min(n, self.capacity)
+        async with self._cond:
+            self.waiting += 1
+            try:
+                await self._cond.wait_for(lambda: self.used + n <= self.capacity)
+            finally:
+                self.waiting -= 1
+            self.used += n
+        return n
+
+    async def release(self, n: int) -> None:
+        async with self._cond:
+            self.used -= n
+            self._cond.notify_all()

@@ -9,6 +9,8 @@ into a buffer after handing it to ``device_put``.
 from __future__ import annotations
 
 import mmap
+import threading
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import Executor
 
@@ -16,7 +18,7 @@ import numpy as np
 
 from fastckpt._checksum import crc32c
 
-__all__ = ["alloc_aligned", "as_bytes", "copy_and_checksum"]
+__all__ = ["BufferCache", "alloc_aligned", "as_bytes", "copy_and_checksum"]
 
 _HUGE = 2 << 20
 _CRC_WINDOW = 1 << 20  # fits in L2: checksummed straight after the copy
@@ -29,13 +31,71 @@ def alloc_aligned(nbytes: int, *, hugepages: bool = True) -> np.ndarray:
     """
     if nbytes == 0:
         return np.empty(0, np.uint8)
+    return np.frombuffer(_mapping(nbytes, hugepages), np.uint8)
+
+
+def _mapping(nbytes: int, hugepages: bool = True) -> mmap.mmap:
     m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hugepages and nbytes >= _HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             m.madvise(mmap.MADV_HUGEPAGE)
         except OSError:
             pass
-    return np.frombuffer(m, np.uint8)
+    return m
+
+
+class BufferCache:
+    """Page-aligned host buffers whose memory is kept for reuse once the caller drops them.
+
+    :meth:`alloc` works like :func:`alloc_aligned`; when the returned array and every view
+    of it (e.g. a ``jax`` array aliasing it) are gone, its mapping goes back here instead of
+    to the OS, and the next ``alloc`` of the same size reuses it with its pages already
+    faulted in (fresh memory costs page faults; on VMs that return freed memory to the host,
+    a lot of them). At most ``max_bytes`` are kept; :meth:`clear` releases them. A reused
+    buffer is *not* zeroed. Thread-safe.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._free: dict[int, list[mmap.mmap]] = {}
+        self._held = 0
+        self.reused = 0
+        """Allocations served from kept memory (for tests and stats)."""
+
+    def alloc(self, nbytes: int) -> np.ndarray:
+        if nbytes == 0:
+            return np.empty(0, np.uint8)
+        with self._lock:
+            kept = self._free.get(nbytes)
+            m = kept.pop() if kept else None
+            if m is not None:
+                self._held -= nbytes
+                self.reused += 1
+        if m is None:
+            m = _mapping(nbytes)
+        arr = np.frombuffer(m, np.uint8)
+        weakref.finalize(arr, self._give_back, m)
+        return arr
+
+    def _give_back(self, m: mmap.mmap) -> None:
+        # Runs when the array is collected; its export of ``m`` may still be live, so ``m``
+        # is never closed here: dropping the last reference unmaps it.
+        with self._lock:
+            if self._held + len(m) <= self.max_bytes:
+                self._free.setdefault(len(m), []).append(m)
+                self._held += len(m)
+
+    def held_bytes(self) -> int:
+        """Bytes kept for reuse right now."""
+        with self._lock:
+            return self._held
+
+    def clear(self) -> None:
+        """Release every kept mapping (buffers in use are unaffected)."""
+        with self._lock:
+            self._free.clear()
+            self._held = 0
 
 
 def copy_and_checksum(pairs: Sequence[tuple[np.ndarray, np.ndarray]], executor: Executor | None) -> list[int]:

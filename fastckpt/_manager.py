@@ -22,13 +22,14 @@ import numpy as np
 
 from fastckpt._aio import LoopThread
 from fastckpt._distributed import Coordinator, default_coordinator
-from fastckpt._hostmem import alloc_aligned
+from fastckpt._hostmem import BufferCache, alloc_aligned
 from fastckpt._retention import steps_to_delete
 from fastckpt._tree import flatten
 from fastckpt.errors import CheckpointNotFoundError, ConfigError, FastckptError, SaveError, StepAlreadyCommittedError
 from fastckpt.format.codec import decode_manifest
 from fastckpt.format.layout import MANIFEST_PREFIX, manifest_key, step_data_prefix, step_from_manifest_key
-from fastckpt.format.manifest import Manifest
+from fastckpt.format.dtypes import dtype_from_name
+from fastckpt.format.manifest import Manifest, box_volume
 from fastckpt.options import ManagerOptions
 from fastckpt.reader.assemble import build_leaves, resolve_target
 from fastckpt.reader.fetch import ChunkSource, RestoreStats, fill_units
@@ -127,6 +128,7 @@ class CheckpointManager:
         self._background = ThreadPoolExecutor(1, thread_name_prefix="fastckpt-save")
         self._pending: Future[SaveStats] | None = None
         self._pool = _StagingPool()
+        self._restore_buffers = BufferCache(max_bytes=0)  # grows to the largest restore
         self._seq = 0
         # Unique per manager within a job: every process creates managers in the same order.
         self._ns = self.coordinator.namespace(f"fastckpt/{zlib.crc32(self.store.url.encode()):08x}")
@@ -366,10 +368,16 @@ class CheckpointManager:
         plan = resolve_target(manifest, target, partial=partial)
         stats = RestoreStats(step=manifest.step)
         ram_only = manifest.metadata.get("fastckpt_tier") == "ram"
+        units = plan.units()
+        buffers = None
+        if self.options.restore.reuse_host_buffers:
+            buffers = self._restore_buffers
+            need = sum(box_volume(u.box) * dtype_from_name(u.leaf.dtype).itemsize for u in units)
+            buffers.max_bytes = max(buffers.max_bytes, need)
         try:
-            self._io.run(fill_units(self.store, manifest.step, plan.units(), options=self.options.restore,
+            self._io.run(fill_units(self.store, manifest.step, units, options=self.options.restore,
                                     executor=self._workers, stats=stats, source=source,
-                                    storage_holds_step=not ram_only))
+                                    storage_holds_step=not ram_only, buffers=buffers))
         finally:
             if self._ram is not None:
                 # Peers serve each other's chunks: nobody leaves before everyone has read.
@@ -421,6 +429,7 @@ class CheckpointManager:
             self.wait()
         finally:
             self._closed = True
+            self._restore_buffers.clear()
             self._background.shutdown(wait=True)
             if self._ram is not None:
                 self._ram.close()

@@ -85,6 +85,10 @@ class RestoreOptions:
     straight into their destination (compressed chunks, chunks scattered over several
     destination rows, gaps between chunks); raw chunks that map onto a contiguous
     destination span need none. A read needing more than this runs alone."""
+    reuse_host_buffers: bool = True
+    """Keep the host memory of restored arrays once they are freed and reuse it for the next
+    restore of the same shapes (its pages are already faulted in). Up to one restore's worth
+    of memory stays mapped after the arrays are gone, until the manager is closed."""
     verify_checksums: bool = True
     """Verify crc32c of every chunk (strongly recommended; it is cheap)."""
 

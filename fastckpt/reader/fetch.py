@@ -25,8 +25,9 @@ from typing import Any, Protocol
 import numpy as np
 import zstandard
 
+from fastckpt._aio import ByteBudget
 from fastckpt._checksum import crc32c
-from fastckpt._hostmem import alloc_aligned
+from fastckpt._hostmem import BufferCache, alloc_aligned
 from fastckpt.errors import CheckpointNotFoundError, ChecksumMismatchError, CorruptionError, NotFoundError
 from fastckpt.format.dtypes import dtype_from_name
 from fastckpt.format.manifest import ArrayLeaf, Box, ChunkEntry, box_shape, chunk_id, keypath_str
@@ -121,10 +122,14 @@ def _where(leaf: ArrayLeaf, chunk: ChunkEntry) -> str:
     return f"array {keypath_str(leaf.path)} chunk {list(chunk.box)} (object {chunk.key} @ {chunk.offset})"
 
 
-def _allocate(nbytes: int, what: Callable[[], str], *, aligned: bool = True) -> np.ndarray:
-    """A host buffer of ``nbytes``; an allocation the host refuses (a manifest may declare
-    any size) raises ``MemoryError`` naming what it was for, not a bare ``OSError``."""
+def _allocate(nbytes: int, what: Callable[[], str], *, aligned: bool = True,
+              cache: BufferCache | None = None) -> np.ndarray:
+    """A host buffer of ``nbytes`` (page-aligned ones from ``cache`` when given); an
+    allocation the host refuses (a manifest may declare any size) raises ``MemoryError``
+    naming what it was for, not a bare ``OSError``."""
     try:
+        if aligned and cache is not None:
+            return cache.alloc(nbytes)
         return alloc_aligned(nbytes) if aligned else np.empty(nbytes, np.uint8)
     except (OSError, MemoryError, ValueError, OverflowError) as e:
         raise MemoryError(f"restore cannot allocate {nbytes} bytes of host memory for {what()}: {e}") from e
@@ -139,7 +144,7 @@ class _LeafFiller:
     """Fills every unit of one array leaf; a chunk shared by several units is read once."""
 
     def __init__(self, units: Sequence[Unit], step: int, decoder: _Decoder, source: ChunkSource | None,
-                 stats: RestoreStats, verify: bool, lock: threading.Lock) -> None:
+                 stats: RestoreStats, verify: bool, lock: threading.Lock, buffers: BufferCache | None = None) -> None:
         self.leaf = units[0].leaf
         self.units = units
         self.step = step
@@ -161,7 +166,8 @@ class _LeafFiller:
             flat = lent.get(pos)
             if flat is None:
                 nbytes = int(np.prod(box_shape(unit.box), dtype=np.int64)) * self.dtype.itemsize
-                flat = _allocate(nbytes, lambda: f"array {keypath_str(self.leaf.path)} box {list(unit.box)}")
+                flat = _allocate(nbytes, lambda: f"array {keypath_str(self.leaf.path)} box {list(unit.box)}",
+                                 cache=buffers if unit.lendable else None)
             self.flats.append(flat)
             self.dsts.append(flat.view(self.dtype).reshape(box_shape(unit.box)))
 
@@ -370,28 +376,6 @@ def _scatter(ordered: Sequence[tuple[_LeafFiller, ChunkEntry]], direct: Sequence
     return parts, got
 
 
-class _ByteBudget:
-    """An async semaphore counted in bytes. A request larger than the capacity waits for
-    the budget to be completely free, then proceeds alone."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.used = 0
-        self._cond = asyncio.Condition()
-
-    async def acquire(self, n: int) -> int:
-        n = min(n, self.capacity)
-        async with self._cond:
-            await self._cond.wait_for(lambda: self.used + n <= self.capacity)
-            self.used += n
-        return n
-
-    async def release(self, n: int) -> None:
-        async with self._cond:
-            self.used -= n
-            self._cond.notify_all()
-
-
 def _verify_all(got: Sequence[_Received]) -> list[_Received]:
     """Verify and place every received chunk; return those that failed verification."""
     bad = []
@@ -427,8 +411,12 @@ async def fill_units(
     stats: RestoreStats,
     source: ChunkSource | None = None,
     storage_holds_step: bool = True,
+    buffers: BufferCache | None = None,
 ) -> None:
     """Fill every unit's host buffer (``unit.buffer``) with verified data.
+
+    ``buffers`` (optional) supplies the destination buffers of device-bound units, reusing
+    the memory of earlier restores' arrays once those are gone.
 
     With ``storage_holds_step=False`` (a RAM-only step) a chunk no RAM source has raises
     :class:`CheckpointNotFoundError` naming it, instead of reading storage.
@@ -437,13 +425,13 @@ async def fill_units(
     decoder = _Decoder()
     lock = threading.Lock()
     reads = asyncio.Semaphore(options.read_concurrency)
-    scratch_budget = _ByteBudget(options.max_scratch_bytes)
+    scratch_budget = ByteBudget(options.max_scratch_bytes)
     t0 = time.perf_counter()
 
     def prepare(leaf_units: Sequence[Unit]) -> tuple[_LeafFiller, list[ChunkEntry]]:
         # One worker job per leaf (plan, allocate, every RAM-tier fetch), not one per chunk:
         # a loop-to-thread hop per chunk cost more than copying a small chunk.
-        filler = _LeafFiller(leaf_units, step, decoder, source, stats, options.verify_checksums, lock)
+        filler = _LeafFiller(leaf_units, step, decoder, source, stats, options.verify_checksums, lock, buffers)
         if source is None:
             need = list(filler.items)
         elif hasattr(source, "fetch_many"):

@@ -291,21 +291,17 @@ class PeerClient:
 
     def steps(self) -> list[int]:
         """Sorted steps the peer holds any data for."""
-
-        def op(c: _Conn) -> list[int]:
-            wire.send_frame(c.sock, MsgType.STEPS, {})
-            _, h, _ = self._reply(c, MsgType.STEP_LIST, missing_ok=False)
-            return sorted(h["steps"])
-
-        return self._call(op)
+        return self._step_list("steps")
 
     def committed_steps(self) -> list[int]:
         """Sorted steps the peer holds a manifest for (committed RAM steps)."""
+        return self._step_list("committed")
 
+    def _step_list(self, field: Literal["steps", "committed"]) -> list[int]:
         def op(c: _Conn) -> list[int]:
             wire.send_frame(c.sock, MsgType.STEPS, {})
             _, h, _ = self._reply(c, MsgType.STEP_LIST, missing_ok=False)
-            return sorted(h["committed"])
+            return sorted(h[field])
 
         return self._call(op)
 

@@ -19,6 +19,7 @@ from concurrent.futures import Executor
 
 import zstandard
 
+from fastckpt._aio import ByteBudget
 from fastckpt._checksum import crc32c
 from fastckpt.format.layout import data_key
 from fastckpt.format.manifest import ChunkEntry, Codec
@@ -53,33 +54,6 @@ class WriteStats:
     objects: int = 0
     encode_s: float = 0.0
     upload_s: float = 0.0
-
-
-class _ByteBudget:
-    """An async semaphore counted in bytes. A request larger than the capacity waits for
-    the budget to be completely free, then proceeds alone."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.used = 0
-        self.waiting = 0
-        self._cond = asyncio.Condition()
-
-    async def acquire(self, n: int) -> int:
-        n = min(n, self.capacity)
-        async with self._cond:
-            self.waiting += 1
-            try:
-                await self._cond.wait_for(lambda: self.used + n <= self.capacity)
-            finally:
-                self.waiting -= 1
-            self.used += n
-        return n
-
-    async def release(self, n: int) -> None:
-        async with self._cond:
-            self.used -= n
-            self._cond.notify_all()
 
 
 class _Encoder:
@@ -126,7 +100,7 @@ async def write_chunks(
     """
     loop = asyncio.get_running_loop()
     encoder = _Encoder(options)
-    budget = _ByteBudget(options.max_inflight_bytes)
+    budget = ByteBudget(options.max_inflight_bytes)
     upload_slots = asyncio.Semaphore(options.upload_concurrency)
     target = max(1, min(options.object_bytes, options.max_inflight_bytes // 2))
     result: dict[int, list[ChunkEntry]] = {i: [] for i in range(len(staged.arrays))}

@@ -32,6 +32,7 @@ from fastckpt.errors import (
     AuthenticationError,
     ChecksumMismatchError,
     ConfigError,
+    CorruptionError,
     FastckptError,
     ManifestError,
     PeerError,
@@ -180,9 +181,10 @@ HOSTILE_RESTORES: dict[str, tuple[ArrayLeaf, type[BaseException]]] = {
     # 4 TiB declared for a tiny object: refused at allocation, typed and named.
     "huge_array": (_leaf((1 << 42,), ChunkEntry(((0, 1 << 42),), _OBJ, 0, 64, 1 << 42, "zstd", 0, 0)), MemoryError),
     # 8 GiB declared (the host may map it lazily): the short read is caught before any use.
+    # The stored object is shorter than the chunk: a typed CorruptionError naming the array.
     "lazy_huge_array": (_leaf((1 << 33,), ChunkEntry(((0, 1 << 33),), _OBJ, 0, 1 << 33, 1 << 33, "raw", 0, 0)),
-                        ChecksumMismatchError),
-    "range_past_end": (_leaf((100,), ChunkEntry(((0, 100),), _OBJ, 10, 100, 100, "raw", 0, 0)), ChecksumMismatchError),
+                        CorruptionError),
+    "range_past_end": (_leaf((100,), ChunkEntry(((0, 100),), _OBJ, 10, 100, 100, "raw", 0, 0)), CorruptionError),
     "offset_past_end": (_leaf((8,), ChunkEntry(((0, 8),), _OBJ, 10_000, 8, 8, "raw", 0, 0)), FastckptError),
     "missing_object": (_leaf((8,), ChunkEntry(((0, 8),), "steps/000000000009/zz/none.fck", 0, 8, 8, "raw", 0, 0)),
                        FastckptError),

@@ -1,0 +1,62 @@
+"""Restores reuse the host memory of earlier restores' arrays once those are freed."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import numpy as np
+
+from fastckpt import CheckpointManager, ManagerOptions, RestoreOptions
+from fastckpt._hostmem import BufferCache
+
+
+def _state() -> dict[str, object]:
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    mesh = Mesh(np.asarray(jax.devices()).reshape(2, 4), ("d", "m"))
+    rng = np.random.default_rng(0)
+    return {"w": jax.device_put(rng.standard_normal((256, 1024), dtype=np.float32), NamedSharding(mesh, P("d", "m"))),
+            "b": jax.device_put(rng.standard_normal((4096,), dtype=np.float32), NamedSharding(mesh, P()))}
+
+
+def test_second_restore_reuses_freed_buffers_and_is_exact(tmp_path: Path) -> None:
+    import jax
+
+    state = _state()
+    expected = {k: np.asarray(v) for k, v in state.items()}
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
+    with CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(1, state)
+        mgr.wait()
+        first = mgr.restore(1, target=target)
+        kept = first["w"]  # still alive: its buffers must not be handed out again
+        del first
+        gc.collect()
+        cache: BufferCache = mgr._restore_buffers
+        before = cache.reused
+        second = mgr.restore(1, target=target)
+        assert cache.reused > before  # "b"'s buffers came back and were reused
+        for k in expected:
+            np.testing.assert_array_equal(np.asarray(second[k]), expected[k])
+        np.testing.assert_array_equal(np.asarray(kept), expected["w"])
+        assert not set(s.data.unsafe_buffer_pointer() for s in kept.addressable_shards) & set(
+            s.data.unsafe_buffer_pointer() for s in second["w"].addressable_shards)
+    assert cache.held_bytes() == 0  # close released them
+
+
+def test_reuse_can_be_turned_off(tmp_path: Path) -> None:
+    import jax
+
+    state = _state()
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
+    options = ManagerOptions(restore=RestoreOptions(reuse_host_buffers=False))
+    with CheckpointManager(str(tmp_path), options=options) as mgr:
+        mgr.save(1, state)
+        mgr.wait()
+        for _ in range(2):
+            del_me = mgr.restore(1, target=target)
+            del del_me
+            gc.collect()
+        assert mgr._restore_buffers.reused == 0 and mgr._restore_buffers.held_bytes() == 0
