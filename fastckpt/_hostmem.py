@@ -51,14 +51,14 @@ class BufferCache:
     of it (e.g. a ``jax`` array aliasing it) are gone, its mapping goes back here instead of
     to the OS, and the next ``alloc`` of the same size reuses it with its pages already
     faulted in (fresh memory costs page faults; on VMs that return freed memory to the host,
-    a lot of them). At most ``max_bytes`` are kept; :meth:`clear` releases them. A reused
-    buffer is *not* zeroed. Thread-safe.
+    a lot of them). At most ``max_bytes`` are kept, the most recently freed first; :meth:`clear`
+    releases them. A reused buffer is *not* zeroed. Thread-safe.
     """
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
-        self._free: dict[int, list[mmap.mmap]] = {}
+        self._free: list[mmap.mmap] = []  # oldest first
         self._held = 0
         self.reused = 0
         """Allocations served from kept memory (for tests and stats)."""
@@ -66,12 +66,14 @@ class BufferCache:
     def alloc(self, nbytes: int) -> np.ndarray:
         if nbytes == 0:
             return np.empty(0, np.uint8)
+        m = None
         with self._lock:
-            kept = self._free.get(nbytes)
-            m = kept.pop() if kept else None
-            if m is not None:
-                self._held -= nbytes
-                self.reused += 1
+            for i in range(len(self._free) - 1, -1, -1):  # newest first
+                if len(self._free[i]) == nbytes:
+                    m = self._free.pop(i)
+                    self._held -= nbytes
+                    self.reused += 1
+                    break
         if m is None:
             m = _mapping(nbytes)
         arr = np.frombuffer(m, np.uint8)
@@ -82,9 +84,12 @@ class BufferCache:
         # Runs when the array is collected; its export of ``m`` may still be live, so ``m``
         # is never closed here: dropping the last reference unmaps it.
         with self._lock:
-            if self._held + len(m) <= self.max_bytes:
-                self._free.setdefault(len(m), []).append(m)
-                self._held += len(m)
+            if len(m) > self.max_bytes:
+                return
+            self._free.append(m)
+            self._held += len(m)
+            while self._held > self.max_bytes:  # keep the most recently freed buffers
+                self._held -= len(self._free.pop(0))
 
     def held_bytes(self) -> int:
         """Bytes kept for reuse right now."""
