@@ -373,7 +373,7 @@ class CheckpointManager:
         if self.options.restore.reuse_host_buffers:
             buffers = self._restore_buffers
             need = sum(box_volume(u.box) * dtype_from_name(u.leaf.dtype).itemsize for u in units)
-            buffers.max_bytes = max(buffers.max_bytes, need)
+            buffers.max_bytes = max(buffers.max_bytes, need + self.options.restore.max_scratch_bytes)
         try:
             self._io.run(fill_units(self.store, manifest.step, units, options=self.options.restore,
                                     executor=self._workers, stats=stats, source=source,

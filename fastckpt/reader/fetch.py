@@ -39,6 +39,7 @@ __all__ = ["ChunkSource", "RestoreStats", "Unit", "fill_units"]
 
 _GROUP_BYTES = 64 << 20  # RAM-tier fetches of one leaf: scratch held at once (resharding)
 _GROUP_CHUNKS = 64
+_SCRATCH_GRAIN = 4 << 20
 
 
 class ChunkSource(Protocol):
@@ -350,10 +351,18 @@ def _placement(pairs: Sequence[tuple[_LeafFiller, ChunkEntry]], start: int, leng
 
 
 def _scatter(ordered: Sequence[tuple[_LeafFiller, ChunkEntry]], direct: Sequence[memoryview | None] | None,
-             start: int, length: int, scratch_bytes: int) -> tuple[list[memoryview], list[_Received]]:
-    """The buffers to read the range into, back to back, and what each chunk receives."""
+             start: int, length: int, scratch_bytes: int,
+             cache: BufferCache | None = None) -> tuple[list[memoryview], list[_Received]]:
+    """The buffers to read the range into, back to back, and what each chunk receives.
+
+    Scratch comes from ``cache`` when given, in sizes rounded up to ``_SCRATCH_GRAIN`` so
+    that later reads reuse it (fresh memory costs page faults on every read otherwise)."""
     where = lambda: f"a read of {length} bytes of object {ordered[0][1].key}"  # noqa: E731
-    scratch = memoryview(_allocate(scratch_bytes, where, aligned=False))
+    if cache is not None and scratch_bytes:
+        grain = -(-scratch_bytes // _SCRATCH_GRAIN) * _SCRATCH_GRAIN
+        scratch = memoryview(_allocate(grain, where, cache=cache))[:scratch_bytes]
+    else:
+        scratch = memoryview(_allocate(scratch_bytes, where, aligned=False))
     if direct is None:
         return [scratch], [(f, c, scratch[c.offset - start : c.offset - start + c.length], False) for f, c in ordered]
     parts: list[memoryview] = []
@@ -459,7 +468,7 @@ async def fill_units(
 
     async def read_range(r: FetchRange, ordered: Sequence[tuple[_LeafFiller, ChunkEntry]],
                          direct: Sequence[memoryview | None] | None, need: int) -> None:
-        parts, got = _scatter(ordered, direct, r.start, r.length, need)
+        parts, got = _scatter(ordered, direct, r.start, r.length, need, buffers)
         try:
             await store.get_into(r.key, r.start, parts)
         except NotFoundError as e:  # a committed step lost an object: say whose data it was
