@@ -163,6 +163,15 @@ def _status_error(status: int, what: str, detail: str = "") -> StorageError:
     return StorageError(msg)
 
 
+def _check_media_response(resp: requests.Response, what: str) -> None:
+    """Raise unless ``resp`` is a 200/206 with the object's bytes as stored (no transcoding)."""
+    if resp.status_code not in (200, 206):
+        raise _status_error(resp.status_code, what, resp.text)
+    encoding = resp.headers.get("Content-Encoding", "identity")
+    if encoding != "identity":
+        raise StorageError(f"{what}: unexpected Content-Encoding {encoding!r}")
+
+
 def _translate(exc: BaseException, what: str) -> NoReturn:
     """Raise the fastckpt error for a requests/urllib3/google error raised during ``what``."""
     if isinstance(exc, FastckptError):
@@ -338,21 +347,14 @@ class GcsStore(Store):
         headers = {"Accept-Encoding": "identity"}
         if byte_range is not None:
             headers["Range"] = f"bytes={byte_range.start}-{byte_range.stop - 1}"
-        try:
-            resp = session.get(self._media_url(name), headers=headers, stream=True, timeout=self._timeout)
-        except Exception as exc:
-            _translate(exc, what)
+        resp = self._media_get(session, name, headers, what)
         complete = False
         try:
             if resp.status_code == 416 and byte_range is not None:
                 size = self._head_sync(name, key).size
                 clip_range(size, byte_range, key)
                 return b""
-            if resp.status_code not in (200, 206):
-                raise _status_error(resp.status_code, what, resp.text)
-            encoding = resp.headers.get("Content-Encoding", "identity")
-            if encoding != "identity":
-                raise StorageError(f"{what}: unexpected Content-Encoding {encoding!r}")
+            _check_media_response(resp, what)
             body = self._read_body(resp, what)
             complete = True
             if resp.status_code == 200:
@@ -369,6 +371,13 @@ class GcsStore(Store):
                 resp.raw.release_conn()  # body fully read: keep the connection alive
             else:
                 resp.close()  # unread body: drop the connection
+
+    def _media_get(self, session: requests.Session, name: str, headers: dict[str, str], what: str) -> requests.Response:
+        """Start a streamed GET of the object's bytes; errors translated."""
+        try:
+            return session.get(self._media_url(name), headers=headers, stream=True, timeout=self._timeout)
+        except Exception as exc:
+            _translate(exc, what)
 
     @staticmethod
     def _read_body(resp: requests.Response, what: str) -> memoryview | bytes:
@@ -390,21 +399,14 @@ class GcsStore(Store):
             clip_range(self._head_sync(name, key).size, ByteRange(start, 0), key)
             return
         headers = {"Accept-Encoding": "identity", "Range": f"bytes={start}-{start + total - 1}"}
-        try:
-            resp = session.get(self._media_url(name), headers=headers, stream=True, timeout=self._timeout)
-        except Exception as exc:
-            _translate(exc, what)
+        resp = self._media_get(session, name, headers, what)
         complete = False
         try:
             if resp.status_code == 416:
                 size = self._head_sync(name, key).size
                 clip_range(size, ByteRange(start, total), key)  # NotFoundError past the end
                 raise CorruptionError(f"{what}: object ends at {size}, before {start + total}")
-            if resp.status_code not in (200, 206):
-                raise _status_error(resp.status_code, what, resp.text)
-            encoding = resp.headers.get("Content-Encoding", "identity")
-            if encoding != "identity":
-                raise StorageError(f"{what}: unexpected Content-Encoding {encoding!r}")
+            _check_media_response(resp, what)
             length = resp.headers.get("Content-Length")
             skip = start if resp.status_code == 200 else 0  # 200: the server ignored the Range
             if length is not None and int(length) < skip + total:
