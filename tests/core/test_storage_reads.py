@@ -15,8 +15,8 @@ import pytest
 
 from fastckpt import CheckpointManager, ManagerOptions, RestoreOptions, SaveOptions
 from fastckpt.errors import ConfigError
-from fastckpt.storage import ByteRange, LocalStore, MemoryStore, Store
-from fastckpt.storage._protocol import Buffer, Payload, PutMode
+from fastckpt.storage import LocalStore, MemoryStore, Store
+from fastckpt.testing.wrapping import ForwardingStore
 
 from .util import P, assert_bit_exact, assert_sharded_like, device_data, named, sds
 
@@ -84,15 +84,13 @@ def test_resharded_restore_is_bit_exact(store: Store, shape: tuple[int, ...], na
         check(got, hosts, shardings)
 
 
-class _FlipOnce(Store):
+class _FlipOnce(ForwardingStore):
     """Delegates to ``inner``; flips one byte in the largest buffer of the first scatter
     read (a chunk received in place, for the big raw leaf), as a wire fault would."""
 
     def __init__(self, inner: Store) -> None:
-        self.inner, self.url, self.flipped = inner, inner.url, 0
-
-    async def get(self, key: str, *, byte_range: ByteRange | None = None) -> Buffer:
-        return await self.inner.get(key, byte_range=byte_range)
+        super().__init__(inner)
+        self.flipped = 0
 
     async def get_into(self, key: str, start: int, into: Sequence[memoryview]) -> None:
         await self.inner.get_into(key, start, into)
@@ -101,14 +99,6 @@ class _FlipOnce(Store):
             part[part.nbytes // 2] ^= 0x10
             self.flipped += 1
 
-    async def put(self, key: str, data: Payload, *, mode: PutMode = "overwrite") -> None:
-        await self.inner.put(key, data, mode=mode)
-
-    async def list(self, prefix: str = "") -> list[str]:
-        return await self.inner.list(prefix)
-
-    async def delete(self, key: str) -> None:
-        await self.inner.delete(key)
 
 
 def test_chunk_corrupted_on_the_wire_is_reread() -> None:

@@ -43,7 +43,8 @@ from fastckpt.format.codec import decode_manifest, encode_manifest
 from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, Manifest
 from fastckpt.replicas import ChunkLocation, PeerClient, PeerOptions, PeerRequestError, PeerServer, RamTier, wire
 from fastckpt.replicas.wire import ERROR_CODES, MsgType
-from fastckpt.storage import LocalStore, MemoryStore, Store
+from fastckpt.storage import LocalStore, MemoryStore
+from fastckpt.testing.wrapping import ForwardingStore
 
 from ._util import Recorder
 
@@ -520,12 +521,12 @@ def test_config_error_for_unusable_secret() -> None:
         PeerClient(("127.0.0.1", 1), secret=b"short")
 
 
-class _SlowExceptOne(Store):
+class _SlowExceptOne(ForwardingStore):
     """Reads of ``broken`` fail at once; every other read takes ``delay_s`` (cancellable)."""
 
     def __init__(self, inner: MemoryStore, broken: str, delay_s: float) -> None:
-        self.inner, self.broken, self.delay_s = inner, broken, delay_s
-        self.url = inner.url
+        super().__init__(inner)
+        self.broken, self.delay_s = broken, delay_s
         self.in_flight = 0
 
     async def get(self, key: str, *, byte_range: Any = None) -> Any:
@@ -541,14 +542,6 @@ class _SlowExceptOne(Store):
                 self.in_flight -= 1
         return await self.inner.get(key, byte_range=byte_range)
 
-    async def put(self, key: str, data: Any, *, mode: Any = "overwrite") -> None:
-        await self.inner.put(key, data, mode=mode)
-
-    async def list(self, prefix: str = "") -> list[str]:
-        return await self.inner.list(prefix)
-
-    async def delete(self, key: str) -> None:
-        await self.inner.delete(key)
 
 
 def test_a_failed_restore_leaves_no_read_running() -> None:

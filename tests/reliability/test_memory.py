@@ -26,8 +26,9 @@ from typing import Any
 import numpy as np
 
 from fastckpt import CheckpointManager, ManagerOptions, RestoreOptions, SaveOptions
-from fastckpt.storage import ByteRange, MemoryStore, Store
-from fastckpt.storage._protocol import Buffer, Payload, PutMode
+from fastckpt.storage import ByteRange, MemoryStore
+from fastckpt.storage._protocol import Buffer
+from fastckpt.testing.wrapping import ForwardingStore
 
 from ._util import HERE, Recorder
 
@@ -74,13 +75,12 @@ def test_save_and_restore_stay_under_the_memory_bound(tmp_path: Path, recorder: 
     assert growth <= GROWTH_SLACK, figures
 
 
-class LiveBytesStore(Store):
+class LiveBytesStore(ForwardingStore):
     """A MemoryStore whose ``get`` returns fresh buffers and tracks how many bytes of them are
     still alive (referenced by the reader), and the peak of that."""
 
     def __init__(self) -> None:
-        self.inner = MemoryStore()
-        self.url = self.inner.url
+        super().__init__(MemoryStore())
         self.live = self.peak = 0
         self._lock = threading.Lock()
 
@@ -96,14 +96,6 @@ class LiveBytesStore(Store):
         weakref.finalize(data, self._free, data.nbytes)
         return memoryview(data)
 
-    async def put(self, key: str, data: Payload, *, mode: PutMode = "overwrite") -> None:
-        await self.inner.put(key, data, mode=mode)
-
-    async def list(self, prefix: str = "") -> list[str]:
-        return await self.inner.list(prefix)
-
-    async def delete(self, key: str) -> None:
-        await self.inner.delete(key)
 
 
 def test_restore_keeps_at_most_read_concurrency_ranges_in_memory(recorder: Recorder) -> None:
