@@ -172,6 +172,15 @@ def _check_media_response(resp: requests.Response, what: str) -> None:
         raise StorageError(f"{what}: unexpected Content-Encoding {encoding!r}")
 
 
+def _end_response(resp: requests.Response, *, reuse: bool) -> None:
+    """Keep the connection if its body was read to the end, else drop it (bytes left unread
+    would be taken for the next response's)."""
+    if reuse:
+        resp.raw.release_conn()
+    else:
+        resp.close()
+
+
 def _translate(exc: BaseException, what: str) -> NoReturn:
     """Raise the fastckpt error for a requests/urllib3/google error raised during ``what``."""
     if isinstance(exc, FastckptError):
@@ -367,10 +376,7 @@ class GcsStore(Store):
         except Exception as exc:
             _translate(exc, what)
         finally:
-            if complete:
-                resp.raw.release_conn()  # body fully read: keep the connection alive
-            else:
-                resp.close()  # unread body: drop the connection
+            _end_response(resp, reuse=complete)
 
     def _media_get(self, session: requests.Session, name: str, headers: dict[str, str], what: str) -> requests.Response:
         """Start a streamed GET of the object's bytes; errors translated."""
@@ -419,10 +425,7 @@ class GcsStore(Store):
         except Exception as exc:
             _translate(exc, what)
         finally:
-            if complete:
-                resp.raw.release_conn()  # body fully read: keep the connection alive
-            else:
-                resp.close()  # unread body (or a whole object we only needed part of): drop it
+            _end_response(resp, reuse=complete)
 
     def _put_sync(self, name: str, key: str, parts: list[memoryview], mode: PutMode) -> None:
         what = f"put {self.url}/{key}"
