@@ -89,10 +89,11 @@ class ModelConfig:
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(),
     "small": ModelConfig(vocab_size=512, seq_len=64, d_model=128, n_layers=2, n_heads=4, d_ff=512),
-    # ~0.5 GiB of params + AdamW moments, but short sequences (and a small global batch, see
-    # PRESET_GLOBAL_BATCH): recovery is about moving state, and one step of 3072 tokens of
-    # this model takes ~25 s on a 2-core machine.
-    "bench": ModelConfig(vocab_size=16384, seq_len=16, d_model=512, n_layers=8, n_heads=8, d_ff=2048, dropout=0.1),
+    # ~0.5 GiB of params + AdamW moments (540 MiB), but short sequences (and a small global
+    # batch, see PRESET_GLOBAL_BATCH): recovery is about moving state, and one step of 3072
+    # tokens of a model this size takes ~25 s on a 2-core machine. Every sharded dimension
+    # divides by 12, so the state is also split over a data axis of 2, 3, 4 or 6 (FSDP).
+    "bench": ModelConfig(vocab_size=12288, seq_len=16, d_model=768, n_layers=4, n_heads=12, d_ff=3072, dropout=0.1),
 }
 """Named model sizes: ``tiny`` (CI), ``small`` (demo), ``bench`` (~0.5 GiB train state)."""
 
@@ -100,9 +101,17 @@ PRESET_GLOBAL_BATCH: dict[str, int] = {"bench": 12}
 """Global batch of a preset when none is given (default 24); divisible by 3 and 4 hosts."""
 
 
-def param_specs(cfg: ModelConfig) -> Params:
-    """``PartitionSpec`` of every parameter, same tree as :func:`init_params` returns."""
-    return {
+def param_specs(cfg: ModelConfig, *, data_axis: int = 1) -> Params:
+    """``PartitionSpec`` of every parameter, same tree as :func:`init_params` returns.
+
+    Megatron style over ``"model"`` (heads, MLP hidden, vocabulary). With ``data_axis > 1``
+    parameters are also sharded over ``"data"`` (ZeRO-3 / FSDP style): each parameter's
+    largest remaining dimension that ``data_axis`` divides (the stacked-layer dimension
+    excepted) is split over ``"data"``; a parameter with no such dimension stays replicated
+    over ``"data"``. The optimizer moments follow, so each host holds and updates only its
+    share of the train state; XLA gathers parameters and reduce-scatters gradients.
+    """
+    megatron: Params = {
         "embed": P("model", None),
         "pos": P(None, None),
         "layers": {
@@ -116,6 +125,21 @@ def param_specs(cfg: ModelConfig) -> Params:
         "ln_f": P(None),
         "unembed": P(None, "model"),
     }
+    if data_axis <= 1:
+        return megatron
+    shapes = param_shapes(cfg)
+    layer_leaf = {id(x) for x in jax.tree.leaves(shapes["layers"])}
+
+    def add_data(spec: P, shape: jax.ShapeDtypeStruct) -> P:
+        first = 1 if id(shape) in layer_leaf else 0
+        free = [i for i in range(first, len(spec)) if spec[i] is None and shape.shape[i] % data_axis == 0]
+        if not free:
+            return spec
+        best = max(free, key=lambda i: (shape.shape[i], -i))
+        return P(*("data" if i == best else a for i, a in enumerate(spec)))
+
+    specs: Params = jax.tree.map(add_data, megatron, shapes, is_leaf=lambda x: isinstance(x, P))
+    return specs
 
 
 def _init_rules(cfg: ModelConfig) -> Params:

@@ -57,6 +57,10 @@ class TrainConfig:
     """Seed of the parameter init and of the dropout key stream."""
     model_axis: int = 2
     """Size of the ``"model"`` mesh axis (use the devices per host)."""
+    fsdp: bool = True
+    """Also shard parameters and optimizer moments over ``"data"`` where a dimension divides
+    (see :func:`~fastckpt.elastic.model.param_specs`): each host then stores, updates and
+    checkpoints only its share of the state. ``False``: replicated over ``"data"``."""
 
     def __post_init__(self) -> None:
         if self.model_axis <= 0:
@@ -124,7 +128,7 @@ class TrainProgram:
     def _state_shardings(self) -> TrainState:
         params_sh = jax.tree.map(
             lambda spec: NamedSharding(self.mesh, spec),
-            param_specs(self.cfg.model),
+            param_specs(self.cfg.model, data_axis=self.mesh.shape["data"] if self.cfg.fsdp else 1),
             is_leaf=lambda x: isinstance(x, P),
         )
         opt_sh = optax.tree_map_params(

@@ -18,16 +18,22 @@ Guarantees:
   deletes temp files and data files without an index.
 * Bytes held (sealed segments, manifests, unsealed allocations, spares) never exceed
   ``budget_bytes``.
-* Retention: once ``keep_steps`` steps are committed (have a manifest), every step older than
-  the oldest of the newest ``keep_steps`` committed steps is dropped. Steps newer than that
+* Retention: a committed step (one with a manifest) is *settled* once the manifest has been
+  put ``1 + expected_replicas`` times: the own commit, then each peer that pushes its chunks
+  here (a pusher puts the manifest after its last chunk; see :meth:`expect_replicas`).
+  Every step older than the oldest of the newest ``keep_steps`` settled steps is dropped,
+  and at most ``keep_steps + 1`` committed steps are held: the newest step is committed
+  here before its replicas arrived, and dropping the previous step then would leave no
+  RAM step that survives the loss of a peer until they do. Steps newer than the floor
   (saves and replicas in progress) are kept. Under budget pressure an allocation for step S
   drops spares, then whole steps older than S, oldest first.
 
 Call sequence for a save: ``seg = allocate(step, n)`` → fill ``seg.buffer`` →
 ``seal(step, seg, index)`` (or ``discard(seg)``) → later ``put_manifest(step, manifest)``.
 
-Hazard: a budget below ``(keep_steps + 1) *`` one step's footprint (own chunks plus replicas
-held for peers) makes a new save evict the last committed step before it is sealed itself.
+Hazard: a budget below ``(keep_steps + 2) *`` one step's footprint (own chunks plus replicas
+held for peers) makes a new save evict a committed step before it is sealed itself (with
+peers, ``keep_steps + 1`` steps can be committed while the newest one's replicas arrive).
 """
 
 from __future__ import annotations
@@ -153,6 +159,7 @@ class RamTier:
         self._spares: dict[Path, int] = {}
         self._spare_maps: dict[Path, mmap.mmap] = {}  # spares whose writable mapping was kept
         self._reserved = 0
+        self._expected_replicas = 0
         self._closed = False
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._lock_fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
@@ -339,8 +346,8 @@ class RamTier:
     def put_manifest(self, step: int, data: bytes | memoryview) -> None:
         """Store the global manifest of ``step`` (atomic); this marks the step committed.
 
-        Retention runs afterwards: steps older than the newest ``keep_steps`` committed ones
-        are dropped.
+        Retention runs afterwards (module docstring): steps older than the newest
+        ``keep_steps`` settled ones are dropped, and beyond ``keep_steps + 1`` committed ones.
         """
         data = bytes(data)
         with self._lock:
@@ -354,8 +361,22 @@ class RamTier:
             d = self.root / f"step-{step}"
             d.mkdir(exist_ok=True, mode=0o700)
             atomic_write(d / MANIFEST, data)
-            self._steps.setdefault(step, StepState()).manifest_bytes = len(data)
+            st = self._steps.setdefault(step, StepState())
+            st.manifest_bytes = len(data)
+            st.manifest_puts += 1
+            st.settled = st.settled or st.manifest_puts >= 1 + self._expected_replicas
             self._apply_retention()
+
+    def expect_replicas(self, n: int) -> None:
+        """How many peers push their chunks of each later step here (0 without peers).
+
+        A committed step counts towards ``keep_steps`` once its manifest was put ``1 + n``
+        times (see the module docstring). Set it before the step's own ``put_manifest``.
+        """
+        if n < 0:
+            raise ConfigError(f"expected replicas must be >= 0, got {n}")
+        with self._lock:
+            self._expected_replicas = n
 
     def drop_step(self, step: int) -> None:
         """Remove a step (indexes first, so it turns invisible before data goes). No-op if absent.
@@ -518,7 +539,13 @@ class RamTier:
 
     def _retention_floor(self) -> int | None:
         committed = sorted(s for s, st in self._steps.items() if st.manifest_bytes is not None)
-        return committed[-self.keep_steps] if len(committed) >= self.keep_steps else None
+        settled = [s for s in committed if self._steps[s].settled]
+        floors = []
+        if len(settled) >= self.keep_steps:
+            floors.append(settled[-self.keep_steps])
+        if len(committed) > self.keep_steps:  # bound: one unsettled step beyond keep_steps
+            floors.append(committed[-self.keep_steps - 1])
+        return max(floors) if floors else None
 
     def _apply_retention(self) -> None:
         floor = self._retention_floor()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import queue
 import threading
 import time
@@ -26,6 +27,8 @@ from typing import Protocol, runtime_checkable
 
 from fastckpt.errors import ConfigError, PeerError
 from fastckpt.replicas.ram import RamTier
+
+_log = logging.getLogger(__name__)
 
 __all__ = [
     "ChunkPusher",
@@ -288,6 +291,7 @@ class Replicator:
                 self._push_all(handle, target)
             except Exception as e:  # reported, never raised into the caller
                 error = f"{type(e).__name__}: {e}"
+                _log.warning("fastckpt: push of RAM step %d to %s failed: %s", handle.step, name, error)
             handle._target_done(name, error)
             with self._lock:
                 self._totals["failures"] += error is not None
