@@ -110,7 +110,7 @@ def run_once(args: argparse.Namespace, index: int) -> dict[str, Any]:
 
 
 def _state_bytes(run_dir: Path) -> int | None:
-    """Bytes one host of the resized job restored (every host holds a full model replica)."""
+    """Bytes one host of the resized job restored (the most over its hosts)."""
     reps = [json.loads(p.read_text()) for p in sorted((run_dir / "report").glob("g1-h*.json"))]
     sizes = [sum((r.get("restore_bytes_by_tier") or {}).values()) for r in reps]
     return max(sizes) if sizes else None
@@ -162,8 +162,9 @@ def render_markdown(doc: dict[str, Any]) -> str:
         "# Elastic recovery: SIGKILL -> first step on the resized mesh",
         "",
         f"`{meta['command']}` on {meta['cpus']} CPUs, {meta['time']} (git {meta['git_commit']}).",
-        f"Preset `{meta['preset']}`: {state / MiB:.0f} MiB of train state per host (every host holds a full",
-        f"model replica); 4 hosts x 2 devices, RAM checkpoint + 1 peer replica every {meta['ram_every']} steps,",
+        f"Preset `{meta['preset']}` (params + AdamW moments sharded over all devices, FSDP x Megatron); each",
+        f"host of the resized job restored {state / MiB:.0f} MiB (the chunks of the 4-host layout that overlap its",
+        f"share); 4 hosts x 2 devices, RAM checkpoint + 1 peer replica every {meta['ram_every']} steps,",
         f"host 3 SIGKILLed at step {meta['kill_step']}, resumed on 3 hosts. Load average is the machine's",
         "1-minute figure at the start and end of each run (2-3 engineers share it).",
         "",
