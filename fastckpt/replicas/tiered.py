@@ -62,6 +62,7 @@ class RamReplication:
                                          io_timeout_s=options.peer_io_timeout_s)
         self._segment: Segment | None = None
         self._sealed_ids: list[str] = []
+        self._decoded: dict[int, tuple[bytes, Manifest]] = {}
         self._clients: dict[str, PeerClient] = {}
         self._server: PeerServer | None = None
         self._replicator: Replicator | None = None
@@ -191,12 +192,23 @@ class RamReplication:
             if data is None:
                 continue
             try:
-                manifest = decode_manifest(data)
+                manifest = self._decode(step, data)
             except FastckptError:
                 continue
             if self._complete(manifest):
                 return manifest, data
         return None
+
+    def _decode(self, step: int, data: bytes) -> Manifest:
+        """``decode_manifest(data)``, reusing the last result for the same bytes: a
+        manifest is immutable, and decoding a large tree's costs about as much as
+        verifying a few hundred MiB of own-RAM chunks."""
+        hit = self._decoded.get(step)
+        if hit is not None and hit[0] == data:
+            return hit[1]
+        manifest = decode_manifest(data)
+        self._decoded = {step: (data, manifest)}  # the latest only: bounded
+        return manifest
 
     def select_step(self, persistent_latest: int | None, *, key: str, timeout_s: float) -> StepChoice | None:
         """Agree on the step to restore: a complete RAM step newer than storage's latest, if any.
@@ -221,7 +233,7 @@ class RamReplication:
         while True:
             data = self._manifest_anywhere(step)
             if data is not None:
-                return StepChoice(step, decode_manifest(data))
+                return StepChoice(step, self._decode(step, data))
             if time.monotonic() > deadline:
                 raise PeerError(f"RAM step {step} chosen by process 0 but its manifest is unreachable here")
             time.sleep(0.05)
