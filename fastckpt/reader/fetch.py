@@ -30,7 +30,7 @@ from fastckpt._checksum import crc32c
 from fastckpt._hostmem import BufferCache, alloc_aligned
 from fastckpt.errors import CheckpointNotFoundError, ChecksumMismatchError, CorruptionError, NotFoundError
 from fastckpt.format.dtypes import dtype_from_name
-from fastckpt.format.manifest import ArrayLeaf, Box, ChunkEntry, box_shape, chunk_id, keypath_str
+from fastckpt.format.manifest import ArrayLeaf, Box, ChunkEntry, box_shape, box_volume, chunk_id, keypath_str
 from fastckpt.options import RestoreOptions
 from fastckpt.planning import FetchRange, ReadItem, box_to_slices, coalesce_fetches, contiguous_span, plan_leaf_reads
 from fastckpt.storage._protocol import Store
@@ -166,7 +166,7 @@ class _LeafFiller:
         for pos, unit in enumerate(units):
             flat = lent.get(pos)
             if flat is None:
-                nbytes = int(np.prod(box_shape(unit.box), dtype=np.int64)) * self.dtype.itemsize
+                nbytes = box_volume(unit.box) * self.dtype.itemsize
                 flat = _allocate(nbytes, lambda: f"array {keypath_str(self.leaf.path)} box {list(unit.box)}",
                                  cache=buffers if unit.lendable else None)
             self.flats.append(flat)
@@ -197,9 +197,9 @@ class _LeafFiller:
             for start, chunk in spans:
                 if start != expect:
                     break
-                expect += int(np.prod(box_shape(chunk.box), dtype=np.int64))
+                expect += box_volume(chunk.box)
             else:
-                if expect != int(np.prod(box_shape(unit.box), dtype=np.int64)):
+                if expect != box_volume(unit.box):
                     continue
                 chunks = [c for _, c in spans]
                 view = self.source.lend(  # type: ignore[union-attr]
