@@ -18,6 +18,7 @@ the demo, ``"bench"`` for the restore benchmark (~0.5 GiB of params + AdamW mome
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -127,19 +128,20 @@ def param_specs(cfg: ModelConfig, *, data_axis: int = 1) -> Params:
     }
     if data_axis <= 1:
         return megatron
-    shapes = param_shapes(cfg)
-    layer_leaf = {id(x) for x in jax.tree.leaves(shapes["layers"])}
 
-    def add_data(spec: P, shape: jax.ShapeDtypeStruct) -> P:
-        first = 1 if id(shape) in layer_leaf else 0
+    def add_data(spec: P, shape: jax.ShapeDtypeStruct, first: int) -> P:
         free = [i for i in range(first, len(spec)) if spec[i] is None and shape.shape[i] % data_axis == 0]
         if not free:
             return spec
         best = max(free, key=lambda i: (shape.shape[i], -i))
         return P(*("data" if i == best else a for i, a in enumerate(spec)))
 
-    specs: Params = jax.tree.map(add_data, megatron, shapes, is_leaf=lambda x: isinstance(x, P))
-    return specs
+    shapes = param_shapes(cfg)
+    return {  # dimension 0 of the stacked "layers" is what the scan walks: never split
+        name: jax.tree.map(functools.partial(add_data, first=int(name == "layers")),
+                           spec_tree, shapes[name], is_leaf=lambda x: isinstance(x, P))
+        for name, spec_tree in megatron.items()
+    }
 
 
 def _init_rules(cfg: ModelConfig) -> Params:

@@ -122,18 +122,17 @@ class RamReplication:
 
     def publish(self, step: int, manifest: bytes) -> None:
         """Store the manifest (commits the RAM step here) and start the background peer push."""
-        pushing = self._replicator is not None and self.options.replicas > 0
-        if pushing:
-            peers = self._peers()
-            placement = push_targets([self.member_id, *peers], self.options.replicas, domain_of=host_domain)
-            # Peers push here too: the previous step stays until their replicas of this one arrived.
-            self.tier.expect_replicas(sum(self.member_id in ts for m, ts in placement.items() if m != self.member_id))
+        if self._replicator is None or self.options.replicas == 0:
+            self.tier.put_manifest(step, manifest)
+            return
+        peers = self._peers()
+        placement = push_targets([self.member_id, *peers], self.options.replicas, domain_of=host_domain)
+        # Peers push here too: the previous step stays until their replicas of this one arrived.
+        self.tier.expect_replicas(sum(self.member_id in ts for m, ts in placement.items() if m != self.member_id))
         self.tier.put_manifest(step, manifest)
-        if pushing:
-            assert self._replicator is not None
-            targets = placement.get(self.member_id, [])
-            self._replicator.set_targets({m: peers[m] for m in targets if m in peers})
-            self._replicator.submit(step, chunk_ids=self._sealed_ids, manifest=manifest)
+        targets = placement.get(self.member_id, [])
+        self._replicator.set_targets({m: peers[m] for m in targets if m in peers})
+        self._replicator.submit(step, chunk_ids=self._sealed_ids, manifest=manifest)
 
     def wait_replication(self, timeout_s: float | None = None) -> None:
         """Block until pushes of submitted steps finished (errors are logged, not raised)."""

@@ -14,10 +14,19 @@ from fastckpt.elastic.trainer import TrainConfig, TrainProgram, make_mesh
 
 
 def _pairs(preset: str, data_axis: int) -> list[tuple[P, tuple[int, ...]]]:
+    return [(spec, shape) for spec, shape, _ in _triples(preset, data_axis)]
+
+
+def _triples(preset: str, data_axis: int) -> list[tuple[P, tuple[int, ...], bool]]:
+    """``(spec, shape, stacked)`` per parameter; ``stacked``: under ``"layers"`` (dim 0 = layer)."""
     cfg = PRESETS[preset]
-    specs = jax.tree.leaves(param_specs(cfg, data_axis=data_axis), is_leaf=lambda x: isinstance(x, P))
-    shapes = jax.tree.leaves(param_shapes(cfg))
-    return [(spec, s.shape) for spec, s in zip(specs, shapes, strict=True)]
+    specs, shapes = param_specs(cfg, data_axis=data_axis), param_shapes(cfg)
+    out = []
+    for name in specs:
+        leaves = jax.tree.leaves(specs[name], is_leaf=lambda x: isinstance(x, P))
+        out += [(spec, s.shape, name == "layers")
+                for spec, s in zip(leaves, jax.tree.leaves(shapes[name]), strict=True)]
+    return out
 
 
 @pytest.mark.parametrize("data_axis", [2, 3, 4, 6])
@@ -33,10 +42,8 @@ def test_bench_preset_is_sharded_over_every_data_axis_size(data_axis: int) -> No
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 @pytest.mark.parametrize("data_axis", [2, 3, 4, 5, 8])
 def test_data_goes_on_the_largest_dividing_dimension_or_nowhere(preset: str, data_axis: int) -> None:
-    layered = {len(s.shape) for s in jax.tree.leaves(param_shapes(PRESETS[preset])["layers"])}
-    for (spec, shape), (base, _) in zip(_pairs(preset, data_axis), _pairs(preset, 1), strict=True):
-        first = 1 if len(shape) in layered and shape[0] == PRESETS[preset].n_layers and len(shape) > 1 else 0
-        free = [i for i in range(first, len(shape)) if base[i] is None and shape[i] % data_axis == 0]
+    for (spec, shape, stacked), (base, _) in zip(_triples(preset, data_axis), _pairs(preset, 1), strict=True):
+        free = [i for i in range(int(stacked), len(shape)) if base[i] is None and shape[i] % data_axis == 0]
         if not free:
             assert spec == base
         else:
