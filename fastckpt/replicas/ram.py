@@ -24,7 +24,9 @@ Guarantees:
   Every step older than the oldest of the newest ``keep_steps`` settled steps is dropped,
   and at most ``keep_steps + 1`` committed steps are held: the newest step is committed
   here before its replicas arrived, and dropping the previous step then would leave no
-  RAM step that survives the loss of a peer until they do. Steps newer than the floor
+  RAM step that survives the loss of a peer until they do. Settling is per tier: another
+  host may already have settled the newest step and freed its previous one (a job-wide
+  "fully replicated" signal would close that window; not implemented). Steps newer than the floor
   (saves and replicas in progress) are kept. Under budget pressure an allocation for step S
   drops spares, then whole steps older than S, oldest first.
 
