@@ -11,17 +11,19 @@ from __future__ import annotations
 import mmap
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
+from typing import TypeVar
 
 import numpy as np
 
 from fastckpt._checksum import crc32c
 
-__all__ = ["BufferCache", "alloc_aligned", "as_bytes", "copy_and_checksum"]
+_T = TypeVar("_T")
+
+__all__ = ["BufferCache", "alloc_aligned", "as_bytes", "balanced_groups", "parallel_copy", "parallel_crc32c"]
 
 _HUGE = 2 << 20
-_CRC_WINDOW = 1 << 20  # fits in L2: checksummed straight after the copy
 
 
 def alloc_aligned(nbytes: int, *, hugepages: bool = True) -> np.ndarray:
@@ -103,28 +105,47 @@ class BufferCache:
             self._held = 0
 
 
-def copy_and_checksum(pairs: Sequence[tuple[np.ndarray, np.ndarray]], executor: Executor | None) -> list[int]:
-    """Copy each ``src`` into ``dst`` (flat uint8 views of equal size); return each pair's crc32c.
+def balanced_groups(sizes: Sequence[int], groups: int) -> list[list[int]]:
+    """Indices of ``sizes`` split into at most ``groups`` lists of similar total size
+    (greedy: largest first onto the lightest group); each list in ascending index order."""
+    loads = [0] * max(1, groups)
+    out: list[list[int]] = [[] for _ in loads]
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        g = loads.index(min(loads))
+        loads[g] += sizes[i]
+        out[g].append(i)
+    return [sorted(g) for g in out if g]
 
-    Each pair is one job (run in parallel on ``executor``; numpy and crc32c release the GIL);
-    within it, a window is checksummed right after it is copied, while still in cache, so the
-    checksum costs no second pass over memory. Without an executor the jobs run inline.
-    """
+
+def _run_grouped(sizes: Sequence[int], job: Callable[[int], _T], executor: Executor | None, jobs: int) -> list[_T]:
+    """``[job(i) for i in range(len(sizes))]``, run as at most ``jobs`` tasks of similar size
+    on ``executor`` (one task per thread, not one per item: per-task overhead matters for
+    the thousands of sub-MiB shards of a large sharded state)."""
+    if executor is None or jobs < 2 or len(sizes) < 2:
+        return [job(i) for i in range(len(sizes))]
+    out: list[_T | None] = [None] * len(sizes)
+
+    def run(group: list[int]) -> None:
+        for i in group:
+            out[i] = job(i)
+
+    for f in [executor.submit(run, g) for g in balanced_groups(sizes, jobs)]:
+        f.result()
+    return out  # type: ignore[return-value]
+
+
+def parallel_copy(pairs: Sequence[tuple[np.ndarray, np.ndarray]], executor: Executor | None, *, jobs: int) -> None:
+    """Copy each ``src`` into ``dst`` (flat uint8 views of equal size), in ``jobs`` parallel
+    tasks of similar byte counts on ``executor`` (numpy releases the GIL while copying)."""
     for dst, src in pairs:
         if dst.nbytes != src.nbytes:
             raise ValueError(f"copy size mismatch {dst.nbytes} != {src.nbytes}")
+    _run_grouped([d.nbytes for d, _ in pairs], lambda i: np.copyto(pairs[i][0], pairs[i][1]), executor, jobs)
 
-    def job(dst: np.ndarray, src: np.ndarray) -> int:
-        crc = 0
-        for off in range(0, dst.nbytes, _CRC_WINDOW):
-            d = dst[off : off + _CRC_WINDOW]
-            np.copyto(d, src[off : off + _CRC_WINDOW])
-            crc = crc32c(d, crc)
-        return crc
 
-    if executor is None or len(pairs) < 2:
-        return [job(d, s) for d, s in pairs]
-    return [f.result() for f in [executor.submit(job, d, s) for d, s in pairs]]
+def parallel_crc32c(views: Sequence[np.ndarray], executor: Executor | None, *, jobs: int) -> list[int]:
+    """crc32c of each buffer, in ``jobs`` parallel tasks of similar byte counts (GIL released)."""
+    return _run_grouped([v.nbytes for v in views], lambda i: crc32c(views[i]), executor, jobs)
 
 
 def as_bytes(a: np.ndarray) -> np.ndarray:

@@ -36,7 +36,7 @@ from fastckpt.reader.fetch import ChunkSource, RestoreStats, fill_units
 from fastckpt.storage._protocol import Store
 from fastckpt.writer.commit import exchange_ram_manifest, publish_and_commit, ram_chunk_entries
 from fastckpt.writer.pipeline import WriteStats, write_chunks
-from fastckpt.writer.stage import StagedSave, stage_state
+from fastckpt.writer.stage import StagedSave, stage_state, staged_crc32c
 
 __all__ = ["CheckpointManager", "SaveStats"]
 
@@ -125,6 +125,7 @@ class CheckpointManager:
         self._io = LoopThread()
         threads = max(self.options.save.encode_threads, self.options.restore.decode_threads)
         self._workers = ThreadPoolExecutor(threads, thread_name_prefix="fastckpt-work")
+        self._threads = threads
         self._background = ThreadPoolExecutor(1, thread_name_prefix="fastckpt-save")
         self._pending: Future[SaveStats] | None = None
         self._pool = _StagingPool()
@@ -174,6 +175,7 @@ class CheckpointManager:
                 max_chunk_bytes=self.options.save.max_chunk_bytes,
                 allocate=(lambda n: ram_tier.allocate(step, n)) if ram_tier is not None else self._pool.take,
                 executor=self._workers,
+                copy_threads=self._threads,
             )
         except BaseException:
             if ram_tier is not None:
@@ -200,11 +202,13 @@ class CheckpointManager:
             return busy
         return coord.get(key, timeout_s=self.options.distributed.barrier_timeout_s) == "busy"
 
-    def _commit_ram(self, seq: int, step: int, staged: StagedSave, metadata: dict[str, object]) -> None:
-        """Checksum, agree on the RAM manifest, seal the segment and start the peer push."""
+    def _commit_ram(self, seq: int, step: int, staged: StagedSave, metadata: dict[str, object]) -> dict[int, list[int]]:
+        """Checksum, agree on the RAM manifest, seal the segment and start the peer push.
+        Returns the chunks' crc32c (``staged_crc32c``), which a persistent write reuses."""
         assert self._ram is not None
         try:
-            chunks = ram_chunk_entries(staged, staged.raw_crcs, step)
+            raw_crcs = staged_crc32c(staged, self._workers, jobs=self._threads)
+            chunks = ram_chunk_entries(staged, raw_crcs, step)
             self._ram.seal(step, staged, chunks)
             manifest = exchange_ram_manifest(
                 coord=self.coordinator, ns=f"{self._ns}/{seq}", step=step, staged=staged, chunks=chunks,
@@ -215,11 +219,13 @@ class CheckpointManager:
         except BaseException:
             self._ram.abort()
             raise
+        return raw_crcs
 
     def _finish_save(self, seq: int, step: int, staged: StagedSave, metadata: dict[str, object],
                      stats: SaveStats, t0: float, persist: bool, ram: bool) -> SaveStats:
+        raw_crcs = None  # a persistent-only save checksums while encoding
         if ram:
-            self._commit_ram(seq, step, staged, metadata)
+            raw_crcs = self._commit_ram(seq, step, staged, metadata)
             stats.ram_commit_s = time.perf_counter() - t0
             stats.tiers += ("ram",)
             if not persist:
@@ -232,7 +238,7 @@ class CheckpointManager:
         try:
             chunks = self._io.run(write_chunks(
                 self.store, staged, step=step, save_id=save_id, process_index=self.coordinator.process_index,
-                options=self.options.save, executor=self._workers, stats=wstats, raw_crcs=staged.raw_crcs,
+                options=self.options.save, executor=self._workers, stats=wstats, raw_crcs=raw_crcs,
             ))
         except BaseException as e:  # reported to the other processes before re-raising
             error = e

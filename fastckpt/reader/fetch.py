@@ -27,7 +27,7 @@ import zstandard
 
 from fastckpt._aio import ByteBudget
 from fastckpt._checksum import crc32c
-from fastckpt._hostmem import BufferCache, alloc_aligned
+from fastckpt._hostmem import BufferCache, alloc_aligned, balanced_groups
 from fastckpt.errors import CheckpointNotFoundError, ChecksumMismatchError, CorruptionError, NotFoundError
 from fastckpt.format.dtypes import dtype_from_name
 from fastckpt.format.manifest import ArrayLeaf, Box, ChunkEntry, box_shape, box_volume, chunk_id, keypath_str
@@ -40,6 +40,7 @@ __all__ = ["ChunkSource", "RestoreStats", "Unit", "fill_units"]
 _GROUP_BYTES = 64 << 20  # RAM-tier fetches of one leaf: scratch held at once (resharding)
 _GROUP_CHUNKS = 64
 _SCRATCH_GRAIN = 4 << 20
+_PREPARE_JOBS_PER_THREAD = 4  # a few jobs per thread: a slow leaf does not leave a thread idle
 
 
 class ChunkSource(Protocol):
@@ -489,12 +490,16 @@ async def fill_units(
     by_leaf: dict[int, list[Unit]] = {}
     for u in units:
         by_leaf.setdefault(id(u.leaf), []).append(u)
+    leaf_units = list(by_leaf.values())
     prepared: list[tuple[_LeafFiller, list[ChunkEntry]]] = []
 
-    async def prep(leaf_units: Sequence[Unit]) -> None:
-        prepared.append(await loop.run_in_executor(executor, prepare, leaf_units))
+    async def prep(group: Sequence[int]) -> None:
+        # A few worker jobs of similar byte counts, each preparing many leaves: one
+        # loop-to-thread hop per leaf cost as much as preparing a small leaf.
+        prepared.extend(await loop.run_in_executor(executor, lambda: [prepare(leaf_units[i]) for i in group]))
 
-    await _all_or_nothing(prep(us) for us in by_leaf.values())
+    sizes = [sum(box_volume(u.box) for u in us) * dtype_from_name(us[0].leaf.dtype).itemsize for us in leaf_units]
+    await _all_or_nothing(prep(g) for g in balanced_groups(sizes, _PREPARE_JOBS_PER_THREAD * options.decode_threads))
     # Coalesce across leaves: small leaves packed next to each other in one object are read
     # with one request instead of one each (per-request cost dominates small reads). A stored
     # location named by several chunks (only a malformed manifest does that) is read once

@@ -89,8 +89,9 @@ def build_manifest(
     num_processes: int,
     metadata: dict[str, object],
     writer_version: str,
-) -> Manifest:
-    """Assemble and validate (round-trip through the codec) the manifest of a step."""
+) -> bytes:
+    """Assemble, encode and validate (decode the encoding) the manifest of a step; returns
+    the encoded manifest, the bytes to store."""
     by_path: dict[KeyPath, Leaf] = {v.path: v for v in staged.values}
     for arr in staged.arrays:
         chunks = sorted(chunks_by_path.get(arr.path, []), key=lambda c: c.box)
@@ -106,8 +107,9 @@ def build_manifest(
         writer_version=writer_version,
         metadata=dict(metadata),
     )
-    decode_manifest(encode_manifest(manifest))  # proves tiling and well-formedness
-    return manifest
+    data = encode_manifest(manifest)
+    decode_manifest(data)  # proves tiling and well-formedness
+    return data
 
 
 def _wait_all_done(coord: Coordinator, ns: str, deadline: float) -> list[str]:
@@ -141,11 +143,11 @@ def publish_and_commit(
     timeout_s: float,
     metadata: dict[str, object],
     writer_version: str,
-) -> Manifest | None:
+) -> bytes | None:
     """Run steps 1–3 of the protocol for this process (blocking; call off the train thread).
 
     ``store_run(coro)`` runs a storage coroutine to completion (the manager's loop).
-    Returns the manifest on process 0, None elsewhere; raises on any failure.
+    Returns the encoded manifest on process 0, None elsewhere; raises on any failure.
     """
     deadline = time.monotonic() + timeout_s
     idx, n = coord.process_index, coord.process_count
@@ -180,10 +182,10 @@ def publish_and_commit(
                     merged.setdefault(path, []).extend(cs)
         else:
             merged = {arr.path: chunks[i] for i, arr in enumerate(staged.arrays)}
-        manifest = build_manifest(step=step, staged=staged, chunks_by_path=merged, num_processes=n,
-                                  metadata=metadata, writer_version=writer_version)
+        manifest_bytes = build_manifest(step=step, staged=staged, chunks_by_path=merged, num_processes=n,
+                                        metadata=metadata, writer_version=writer_version)
         try:
-            store_run(store.put(manifest_key(step), encode_manifest(manifest), mode="create"))
+            store_run(store.put(manifest_key(step), manifest_bytes, mode="create"))
         except AlreadyExistsError as e:
             raise StepAlreadyCommittedError(f"step {step} is already committed in {store.url}") from e
     except BaseException as e:
@@ -192,7 +194,7 @@ def publish_and_commit(
         raise
     if n > 1:
         coord.set(f"{ns}/commit", "ok")
-    return manifest
+    return manifest_bytes
 
 
 def fragments_for(keys: Sequence[str]) -> list[str]:
@@ -236,9 +238,8 @@ def exchange_ram_manifest(
     idx, n = coord.process_index, coord.process_count
     if n == 1:
         merged = {arr.path: chunks[i] for i, arr in enumerate(staged.arrays)}
-        m = build_manifest(step=step, staged=staged, chunks_by_path=merged, num_processes=1,
-                           metadata=metadata, writer_version=writer_version)
-        return encode_manifest(m)
+        return build_manifest(step=step, staged=staged, chunks_by_path=merged, num_processes=1,
+                              metadata=metadata, writer_version=writer_version)
     deadline = time.monotonic() + timeout_s
     coord.set(f"{ns}/ramfrag/{idx}", encode_fragment(staged, chunks, idx).decode())
     if idx == 0:
@@ -247,9 +248,8 @@ def exchange_ram_manifest(
             frag = coord.get(f"{ns}/ramfrag/{i}", timeout_s=max(0.001, deadline - time.monotonic()))
             for path, cs in decode_fragment(frag.encode(), staged).items():
                 merged.setdefault(path, []).extend(cs)
-        m = build_manifest(step=step, staged=staged, chunks_by_path=merged, num_processes=n,
-                           metadata=metadata, writer_version=writer_version)
-        data = encode_manifest(m)
+        data = build_manifest(step=step, staged=staged, chunks_by_path=merged, num_processes=n,
+                              metadata=metadata, writer_version=writer_version)
         coord.set(f"{ns}/rammanifest", data.decode())
         return data
     return coord.get(f"{ns}/rammanifest", timeout_s=max(0.001, deadline - time.monotonic())).encode()

@@ -96,7 +96,7 @@ async def write_chunks(
 
     Guarantees: on return every listed chunk is durably stored (each object's ``put``
     completed). On error, nothing is committed; already-uploaded objects are unreferenced
-    garbage for ``gc``. ``raw_crcs`` (``StagedSave.raw_crcs``) skips recomputing them.
+    garbage for ``gc``. ``raw_crcs`` (from ``staged_crc32c``) skips recomputing them.
     """
     loop = asyncio.get_running_loop()
     encoder = _Encoder(options)

@@ -3,9 +3,10 @@
 This is the only part of a save that blocks the training step. Call order inside
 :func:`stage_state`: (1) classify leaves and plan chunks (pure), (2) start every
 device-to-host copy (``copy_to_host_async``) before waiting on any, (3) copy every shard into
-one page-aligned staging buffer (parallel, huge pages), checksumming each chunk as it is
-copied. After it returns, the caller may
-mutate or donate the device arrays: the staged copy is independent of them.
+one staging buffer (parallel). After it returns, the caller may mutate or donate the device
+arrays: the staged copy is independent of them. Checksums are not computed here: the
+background part of the save computes them from the staged copy (:func:`staged_crc32c`, or
+while encoding), so the step waits for the copy alone.
 """
 
 from __future__ import annotations
@@ -18,14 +19,14 @@ from typing import Any
 import jax
 import numpy as np
 
-from fastckpt._hostmem import as_bytes, copy_and_checksum
+from fastckpt._hostmem import as_bytes, parallel_copy, parallel_crc32c
 from fastckpt._tree import FlatLeaf, is_prng_key
 from fastckpt.errors import ConfigError
 from fastckpt.format.dtypes import dtype_name
 from fastckpt.format.manifest import KeyPath, ShardingSpec, ValueLeaf, keypath_str
 from fastckpt.planning import ShardInfo, WriteItem, box_from_index, full_box, plan_leaf_writes
 
-__all__ = ["StagedArray", "StagedSave", "stage_state", "sharding_spec_of", "value_leaf_of"]
+__all__ = ["StagedArray", "StagedSave", "stage_state", "staged_crc32c", "sharding_spec_of", "value_leaf_of"]
 
 _ALIGN = 64
 
@@ -53,8 +54,6 @@ class StagedSave:
     values: tuple[ValueLeaf, ...]
     buffer: np.ndarray
     """The staging buffer (uint8); chunk bytes live at ``item_offsets``."""
-    raw_crcs: dict[int, list[int]]
-    """crc32c of every chunk's raw bytes: array index -> one per item (computed while staging)."""
     nbytes: int
     """Bytes of shard data staged (excluding alignment padding)."""
     order: tuple[KeyPath, ...]
@@ -160,6 +159,7 @@ def stage_state(
     max_chunk_bytes: int,
     allocate: Callable[[int], np.ndarray],
     executor: Executor | None,
+    copy_threads: int = 2,
 ) -> StagedSave:
     """Classify leaves, start all device-to-host copies, then copy shards into one buffer.
 
@@ -170,6 +170,7 @@ def stage_state(
         allocate: returns a writable uint8 buffer of at least the given size (a pooled
             staging buffer or a RAM-tier segment).
         executor: threads for the parallel copy (None: copy inline).
+        copy_threads: parallel copy tasks on ``executor`` (at most its thread count).
     """
     pending: list[_Pending] = []
     values: list[ValueLeaf] = []
@@ -215,6 +216,16 @@ def stage_state(
                 item_offsets=tuple(offs[it.shard_index] + it.byte_offset for it in p.items),
             )
         )
-    crcs = iter(copy_and_checksum(copies, executor))
-    raw_crcs = {ai: [next(crcs) for _ in arr.items] for ai, arr in enumerate(arrays)}
-    return StagedSave(tuple(arrays), tuple(values), buffer, raw_crcs, staged_bytes, tuple(l.path for l in leaves))
+    parallel_copy(copies, executor, jobs=copy_threads)
+    return StagedSave(tuple(arrays), tuple(values), buffer, staged_bytes, tuple(l.path for l in leaves))
+
+
+def staged_crc32c(staged: StagedSave, executor: Executor | None, *, jobs: int = 2) -> dict[int, list[int]]:
+    """crc32c of every staged chunk's raw bytes: array index -> one per item, in order.
+
+    A pass over the staging buffer in ``jobs`` parallel tasks; run it off the training
+    thread (the background part of a save), after :func:`stage_state` returned.
+    """
+    views = [staged.buffer[off : off + it.nbytes] for arr in staged.arrays for it, off in zip(arr.items, arr.item_offsets)]
+    crcs = iter(parallel_crc32c(views, executor, jobs=jobs))
+    return {ai: [next(crcs) for _ in arr.items] for ai, arr in enumerate(staged.arrays)}

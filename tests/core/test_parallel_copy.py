@@ -1,0 +1,47 @@
+"""Grouped parallel copies and checksums of staging (``fastckpt._hostmem``)."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fastckpt._checksum import crc32c
+from fastckpt._hostmem import balanced_groups, parallel_copy, parallel_crc32c
+
+
+@given(st.lists(st.integers(0, 1 << 30), max_size=60), st.integers(1, 9))
+def testbalanced_groups_cover_every_index_once(sizes: list[int], groups: int) -> None:
+    out = balanced_groups(sizes, groups)
+    assert len(out) <= groups
+    assert sorted(i for g in out for i in g) == list(range(len(sizes)))
+    assert all(g == sorted(g) and g for g in out)
+    if sizes:  # greedy bound: no group exceeds the ideal share by more than the largest item
+        loads = [sum(sizes[i] for i in g) for g in out]
+        assert max(loads) <= sum(sizes) / min(groups, len(sizes)) + max(sizes)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(0, 300_000), min_size=1, max_size=20), st.integers(1, 4))
+def test_parallel_copy_and_crc_match_serial(lengths: list[int], jobs: int) -> None:
+    rng = np.random.default_rng(len(lengths) * 31 + jobs)
+    srcs = [rng.integers(0, 256, n, dtype=np.uint8) for n in lengths]
+    dst = np.zeros(sum(lengths), np.uint8)
+    offs = np.cumsum([0, *lengths])
+    views = [dst[a:b] for a, b in zip(offs[:-1], offs[1:])]
+    with ThreadPoolExecutor(jobs) as ex:
+        parallel_copy(list(zip(views, srcs)), ex, jobs=jobs)
+        np.testing.assert_array_equal(dst, np.concatenate(srcs))
+        assert parallel_crc32c(views, ex, jobs=jobs) == [crc32c(s) for s in srcs]
+    assert parallel_crc32c(views, None, jobs=jobs) == [crc32c(s) for s in srcs]
+
+
+def test_parallel_copy_rejects_size_mismatch() -> None:
+    try:
+        parallel_copy([(np.zeros(3, np.uint8), np.zeros(4, np.uint8))], None, jobs=1)
+    except ValueError as e:
+        assert "mismatch" in str(e)
+    else:
+        raise AssertionError("a size mismatch was copied")
