@@ -242,37 +242,6 @@ class _LeafFiller:
         for pos, it in self.items[chunk]:
             self.dsts[pos][box_to_slices(it.dst_box)] = arr[box_to_slices(it.src_box)]
 
-    def try_source_many(self, chunks: Sequence[ChunkEntry]) -> list[ChunkEntry]:
-        """Ask the RAM tiers for ``chunks`` in groups (one pipelined stream per peer and group);
-        returns those no tier placed. Scratch buffers of a group stay under ``_GROUP_BYTES``."""
-        assert self.source is not None
-        left: list[ChunkEntry] = []
-        group: list[tuple[ChunkEntry, memoryview, np.ndarray | None]] = []
-        scratch_bytes = 0
-
-        def flush() -> None:
-            tiers = self.source.fetch_many(  # type: ignore[union-attr]
-                self.step, [(chunk_id(self.leaf.path, c.box), c.raw_length, c.raw_crc32c, into) for c, into, _ in group])
-            for (c, _, scratch), tier in zip(group, tiers):
-                if tier is None:
-                    left.append(c)
-                    continue
-                self._finish(c, scratch)
-                with self.lock:
-                    self.stats.add(tier, c.raw_length)
-            group.clear()
-
-        for chunk in chunks:
-            into, scratch = self._target(chunk)
-            group.append((chunk, into, scratch))
-            scratch_bytes += 0 if scratch is None else scratch.nbytes
-            if scratch_bytes >= _GROUP_BYTES or len(group) >= _GROUP_CHUNKS:
-                flush()
-                scratch_bytes = 0
-        if group:
-            flush()
-        return left
-
     def try_source(self, chunk: ChunkEntry) -> bool:
         """Ask the RAM tiers; True if the chunk was placed."""
         if self.source is None:
@@ -317,6 +286,40 @@ class _LeafFiller:
             unit.buffer = dst
         with self.lock:
             self.stats.restored_bytes += sum(f.nbytes for f in self.flats)
+
+
+def _fetch_many_from_source(pairs: Sequence[tuple[_LeafFiller, ChunkEntry]], source: Any,
+                            step: int) -> list[tuple[_LeafFiller, ChunkEntry]]:
+    """Ask the RAM tiers (``source.fetch_many``) for chunks of any number of leaves, in
+    groups: one pipelined stream per peer and group, so that small leaves do not drain the
+    stream at every leaf boundary. Returns the pairs no tier placed. Scratch buffers of a
+    group stay under ``_GROUP_BYTES``."""
+    left: list[tuple[_LeafFiller, ChunkEntry]] = []
+    group: list[tuple[_LeafFiller, ChunkEntry, memoryview, np.ndarray | None]] = []
+    scratch_bytes = 0
+
+    def flush() -> None:
+        tiers = source.fetch_many(
+            step, [(chunk_id(f.leaf.path, c.box), c.raw_length, c.raw_crc32c, into) for f, c, into, _ in group])
+        for (f, c, _, scratch), tier in zip(group, tiers):
+            if tier is None:
+                left.append((f, c))
+                continue
+            f._finish(c, scratch)
+            with f.lock:
+                f.stats.add(tier, c.raw_length)
+        group.clear()
+
+    for filler, chunk in pairs:
+        into, scratch = filler._target(chunk)
+        group.append((filler, chunk, into, scratch))
+        scratch_bytes += 0 if scratch is None else scratch.nbytes
+        if scratch_bytes >= _GROUP_BYTES or len(group) >= _GROUP_CHUNKS:
+            flush()
+            scratch_bytes = 0
+    if group:
+        flush()
+    return left
 
 
 #: One chunk of one leaf, with the stored bytes a scatter read received for it and whether
@@ -438,22 +441,26 @@ async def fill_units(
     scratch_budget = ByteBudget(options.max_scratch_bytes)
     t0 = time.perf_counter()
 
-    def prepare(leaf_units: Sequence[Unit]) -> tuple[_LeafFiller, list[ChunkEntry]]:
-        # One worker job per leaf (plan, allocate, every RAM-tier fetch), not one per chunk:
-        # a loop-to-thread hop per chunk cost more than copying a small chunk.
-        filler = _LeafFiller(leaf_units, step, decoder, source, stats, options.verify_checksums, lock, buffers)
+    def prepare(group: Sequence[Sequence[Unit]]) -> list[tuple[_LeafFiller, list[ChunkEntry]]]:
+        # One worker job per group of leaves (plan, allocate, every RAM-tier fetch), not one
+        # per leaf or chunk: a loop-to-thread hop cost as much as preparing a small leaf.
+        fillers = [_LeafFiller(us, step, decoder, source, stats, options.verify_checksums, lock, buffers)
+                   for us in group]
+        pairs = [(f, c) for f in fillers for c in f.items]
         if source is None:
-            need = list(filler.items)
+            left = pairs
         elif hasattr(source, "fetch_many"):
-            need = filler.try_source_many(list(filler.items))
+            left = _fetch_many_from_source(pairs, source, step)
         else:
-            need = [chunk for chunk in filler.items if not filler.try_source(chunk)]
-        for chunk in need:
+            left = [(f, c) for f, c in pairs if not f.try_source(c)]
+        need: dict[int, list[ChunkEntry]] = {id(f): [] for f in fillers}
+        for f, c in left:
             if not storage_holds_step:
                 raise CheckpointNotFoundError(
-                    f"RAM-only step {step}: {_where(filler.leaf, chunk)} is held by no reachable RAM tier"
+                    f"RAM-only step {step}: {_where(f.leaf, c)} is held by no reachable RAM tier"
                 )
-        return filler, need
+            need[id(f)].append(c)
+        return [(f, need[id(f)]) for f in fillers]
 
     async def do_range(r: FetchRange, pairs: Sequence[tuple[_LeafFiller, ChunkEntry]]) -> None:
         # Raw chunks that map onto contiguous destination spans are received in place; the
@@ -494,9 +501,7 @@ async def fill_units(
     prepared: list[tuple[_LeafFiller, list[ChunkEntry]]] = []
 
     async def prep(group: Sequence[int]) -> None:
-        # A few worker jobs of similar byte counts, each preparing many leaves: one
-        # loop-to-thread hop per leaf cost as much as preparing a small leaf.
-        prepared.extend(await loop.run_in_executor(executor, lambda: [prepare(leaf_units[i]) for i in group]))
+        prepared.extend(await loop.run_in_executor(executor, prepare, [leaf_units[i] for i in group]))
 
     sizes = [sum(box_volume(u.box) for u in us) * dtype_from_name(us[0].leaf.dtype).itemsize for us in leaf_units]
     await _all_or_nothing(prep(g) for g in balanced_groups(sizes, _PREPARE_JOBS_PER_THREAD * options.decode_threads))
