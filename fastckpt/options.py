@@ -161,8 +161,8 @@ class RamOptions:
     budget_bytes: int = 16 << 30
     """Upper bound of shared memory held by the tier (own chunks + replicas + spares)."""
     keep_steps: int = 1
-    """RAM steps retained per host (plus, with peers, the previous step until the newest
-    one's replicas arrived; see docs/replicas.md)."""
+    """RAM steps retained per host, plus one with peers (the newest step is complete across
+    hosts only once every host's push finished; see docs/replicas.md)."""
     replicas: int = 1
     """Peers each host pushes its chunks to (k)."""
     secret: bytes | None = None

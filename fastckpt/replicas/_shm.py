@@ -149,12 +149,6 @@ class StepState:
     segments: dict[str, Sealed] = dataclasses.field(default_factory=dict)
     chunks: dict[str, tuple[Sealed, ChunkLocation]] = dataclasses.field(default_factory=dict)
     manifest_bytes: int | None = None
-    manifest_puts: int = 0
-    """``put_manifest`` calls for the step: the own commit plus one per peer that finished
-    pushing its chunks of the step here."""
-    settled: bool = False
-    """Every expected replica arrived. Steps found on disk when a tier opens are not settled
-    (a peer may have died mid-push): retention then keeps ``keep_steps + 1`` of them."""
 
     @property
     def nbytes(self) -> int:

@@ -18,24 +18,23 @@ Guarantees:
   deletes temp files and data files without an index.
 * Bytes held (sealed segments, manifests, unsealed allocations, spares) never exceed
   ``budget_bytes``.
-* Retention: a committed step (one with a manifest) is *settled* once the manifest has been
-  put ``1 + expected_replicas`` times: the own commit, then each peer that pushes its chunks
-  here (a pusher puts the manifest after its last chunk; see :meth:`expect_replicas`).
-  Every step older than the oldest of the newest ``keep_steps`` settled steps is dropped,
-  and at most ``keep_steps + 1`` committed steps are held: the newest step is committed
-  here before its replicas arrived, and dropping the previous step then would leave no
-  RAM step that survives the loss of a peer until they do. Settling is per tier: another
-  host may already have settled the newest step and freed its previous one (a job-wide
-  "fully replicated" signal would close that window; not implemented). Steps newer than the floor
-  (saves and replicas in progress) are kept. Under budget pressure an allocation for step S
+* Retention: the newest ``keep_steps`` committed steps (those with a manifest) are kept, and
+  with ``replicated=True`` one more. Why one more: every host commits step N together, but
+  its push of N to its peers finishes later; a host lost in between leaves N incomplete
+  across the survivors, and only the previous step (whose pushes finished long ago) is
+  complete. Holding it closes that window as long as a push finishes within one RAM
+  interval (a replicator that falls a whole interval behind reopens it; its reports say
+  so). Knowing locally that N is complete everywhere is impossible (the lost host's push is
+  what is missing), so the tier does not try to free the previous step early. Steps newer
+  than the floor (saves and replicas in progress) are kept. Under budget pressure an allocation for step S
   drops spares, then whole steps older than S, oldest first.
 
 Call sequence for a save: ``seg = allocate(step, n)`` → fill ``seg.buffer`` →
 ``seal(step, seg, index)`` (or ``discard(seg)``) → later ``put_manifest(step, manifest)``.
 
 Hazard: a budget below ``(keep_steps + 2) *`` one step's footprint (own chunks plus replicas
-held for peers) makes a new save evict a committed step before it is sealed itself (with
-peers, ``keep_steps + 1`` steps can be committed while the newest one's replicas arrive).
+held for peers; ``keep_steps + 1`` without ``replicated``) makes a new save evict a committed
+step before it is sealed itself.
 """
 
 from __future__ import annotations
@@ -131,6 +130,8 @@ class RamTier:
         root: Tier directory (created if missing); should be on tmpfs (``/dev/shm``).
         budget_bytes: Upper bound of bytes held (see module docstring).
         keep_steps: Committed steps to retain.
+        replicated: Peers push replicas of the job's steps (see the module docstring): one
+            committed step beyond ``keep_steps`` is held, also right after reopening.
         prefault: Pre-fault mappings (``MAP_POPULATE``): a new segment's first fill then runs
             at memcpy speed instead of being bound by page faults.
         recycle: Keep freed segment files as spares and reuse them for new allocations of
@@ -146,6 +147,7 @@ class RamTier:
         *,
         budget_bytes: int,
         keep_steps: int = 1,
+        replicated: bool = False,
         prefault: bool = True,
         recycle: bool = True,
     ) -> None:
@@ -154,6 +156,7 @@ class RamTier:
         self.root = Path(root)
         self.budget_bytes = budget_bytes
         self.keep_steps = keep_steps
+        self._held_steps = keep_steps + (1 if replicated else 0)
         self._prefault = prefault
         self._recycle = recycle
         self._lock = threading.RLock()
@@ -161,7 +164,6 @@ class RamTier:
         self._spares: dict[Path, int] = {}
         self._spare_maps: dict[Path, mmap.mmap] = {}  # spares whose writable mapping was kept
         self._reserved = 0
-        self._expected_replicas = 0
         self._closed = False
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._lock_fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
@@ -349,7 +351,7 @@ class RamTier:
         """Store the global manifest of ``step`` (atomic); this marks the step committed.
 
         Retention runs afterwards (module docstring): steps older than the newest
-        ``keep_steps`` settled ones are dropped, and beyond ``keep_steps + 1`` committed ones.
+        ``keep_steps`` committed ones (one more when ``replicated``) are dropped.
         """
         data = bytes(data)
         with self._lock:
@@ -365,20 +367,7 @@ class RamTier:
             atomic_write(d / MANIFEST, data)
             st = self._steps.setdefault(step, StepState())
             st.manifest_bytes = len(data)
-            st.manifest_puts += 1
-            st.settled = st.settled or st.manifest_puts >= 1 + self._expected_replicas
             self._apply_retention()
-
-    def expect_replicas(self, n: int) -> None:
-        """How many peers push their chunks of each later step here (0 without peers).
-
-        A committed step counts towards ``keep_steps`` once its manifest was put ``1 + n``
-        times (see the module docstring). Set it before the step's own ``put_manifest``.
-        """
-        if n < 0:
-            raise ConfigError(f"expected replicas must be >= 0, got {n}")
-        with self._lock:
-            self._expected_replicas = n
 
     def drop_step(self, step: int) -> None:
         """Remove a step (indexes first, so it turns invisible before data goes). No-op if absent.
@@ -541,13 +530,7 @@ class RamTier:
 
     def _retention_floor(self) -> int | None:
         committed = sorted(s for s, st in self._steps.items() if st.manifest_bytes is not None)
-        settled = [s for s in committed if self._steps[s].settled]
-        floors = []
-        if len(settled) >= self.keep_steps:
-            floors.append(settled[-self.keep_steps])
-        if len(committed) > self.keep_steps:  # bound: one unsettled step beyond keep_steps
-            floors.append(committed[-self.keep_steps - 1])
-        return max(floors) if floors else None
+        return committed[-self._held_steps] if len(committed) >= self._held_steps else None
 
     def _apply_retention(self) -> None:
         floor = self._retention_floor()

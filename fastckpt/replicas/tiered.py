@@ -57,7 +57,8 @@ class RamReplication:
         self.options = options
         self.member_id = options.member_id or os.path.basename(os.path.normpath(options.root))
         self._coord = coordinator
-        self.tier = RamTier(options.root, budget_bytes=options.budget_bytes, keep_steps=options.keep_steps)
+        self.tier = RamTier(options.root, budget_bytes=options.budget_bytes, keep_steps=options.keep_steps,
+                            replicated=options.secret is not None and options.replicas > 0)
         self._peer_options = PeerOptions(connect_timeout_s=options.peer_connect_timeout_s,
                                          io_timeout_s=options.peer_io_timeout_s)
         self._segment: Segment | None = None
@@ -127,9 +128,7 @@ class RamReplication:
             return
         peers = self._peers()
         placement = push_targets([self.member_id, *peers], self.options.replicas, domain_of=host_domain)
-        # Peers push here too: the previous step stays until their replicas of this one arrived.
-        self.tier.expect_replicas(sum(self.member_id in ts for m, ts in placement.items() if m != self.member_id))
-        self.tier.put_manifest(step, manifest)
+        self.tier.put_manifest(step, manifest)  # the tier holds the previous step too (replicated)
         targets = placement.get(self.member_id, [])
         self._replicator.set_targets({m: peers[m] for m in targets if m in peers})
         self._replicator.submit(step, chunk_ids=self._sealed_ids, manifest=manifest)

@@ -141,32 +141,32 @@ def test_retention_keeps_newest_committed_steps_and_newer(make_tier: MakeTier) -
     assert tier.steps() == [4] and tier.get_chunk(3, "a") is None
 
 
-def test_previous_step_stays_until_the_newest_steps_replicas_arrived(make_tier: MakeTier, shm_dir: Path) -> None:
-    """Host loss between this host's commit of step N and a peer's replica of N arriving
-    must leave step N-1 complete here (own chunks + that peer's replica of N-1)."""
-    tier = make_tier(keep_steps=1)
-    tier.expect_replicas(1)  # one peer pushes its chunks here, then puts the manifest
+def test_replicated_tier_holds_the_previous_step_across_commits_and_reopen(make_tier: MakeTier, shm_dir: Path) -> None:
+    """Host loss between the commit of step N and the end of the lost host's push of N must
+    leave step N-1 complete on the survivors (own chunks + the replica of N-1 pushed earlier):
+    a replicated tier keeps keep_steps + 1 committed steps, also after reopening."""
+    tier = make_tier(keep_steps=1, replicated=True)
     seal_chunks(tier, 2, fill(2, {"own": 100}))
-    tier.put_manifest(2, b"m2")  # own commit
     tier.put_chunk(2, "peer", b"p2", crc32c(b"p2"))
-    tier.put_manifest(2, b"m2")  # the peer's push of step 2 is complete
+    tier.put_manifest(2, b"m2")
     seal_chunks(tier, 4, fill(4, {"own": 100}))
-    tier.put_manifest(4, b"m4")  # own commit of 4: the peer's replica of 4 is not here yet
-    assert tier.steps() == [2, 4] and tier.get_chunk(2, "peer") is not None
+    tier.put_manifest(4, b"m4")  # committed; the peer's replica of 4 may never come
+    assert tier.steps() == [2, 4] and tier.get_chunk(2, "peer") == b"p2"
     tier.put_chunk(4, "peer", b"p4", crc32c(b"p4"))
-    tier.put_manifest(4, b"m4")  # replica complete: step 2 goes
-    assert tier.steps() == [4]
-    # Replicas that never come (the peer died): at most keep_steps + 1 committed steps.
-    for step in (6, 8):
-        seal_chunks(tier, step, fill(step, {"own": 100}))
-        tier.put_manifest(step, b"m")
-    assert tier.steps() == [6, 8]
+    tier.put_manifest(4, b"m4")  # the peer's push of 4 is complete: still both held
+    assert tier.steps() == [2, 4]
+    seal_chunks(tier, 6, fill(6, {"own": 100}))
+    assert tier.steps() == [2, 4, 6]  # sealed, not committed: nothing goes yet
+    tier.put_manifest(6, b"m6")
+    assert tier.steps() == [4, 6] and tier.get_chunk(4, "peer") == b"p4"
+    with pytest.raises(StaleStepError):
+        tier.put_chunk(2, "late", b"x", crc32c(b"x"))
     tier.close()
-    # Reopened (the process restarted after a peer died mid-push): both stay, neither settled.
-    with RamTier(shm_dir / "t0", budget_bytes=1 << 20, keep_steps=1) as again:
-        assert again.steps() == [6, 8]
-    with pytest.raises(ConfigError):
-        again.expect_replicas(-1)
+    with RamTier(shm_dir / "t0", budget_bytes=1 << 20, keep_steps=1, replicated=True) as again:
+        assert again.steps() == [4, 6]
+    # Without replication a committed step is complete here alone: only keep_steps are held.
+    with RamTier(shm_dir / "t0", budget_bytes=1 << 20, keep_steps=1) as alone:
+        assert alone.steps() == [6]
 
 
 def test_budget_is_enforced_and_older_steps_make_room(make_tier: MakeTier) -> None:
