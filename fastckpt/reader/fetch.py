@@ -37,8 +37,8 @@ from fastckpt.storage._protocol import Store
 
 __all__ = ["ChunkSource", "RestoreStats", "Unit", "fill_units"]
 
-_GROUP_BYTES = 64 << 20  # RAM-tier fetches of one leaf: scratch held at once (resharding)
-_GROUP_CHUNKS = 64
+_GROUP_BYTES = 64 << 20  # RAM-tier fetches of one group: scratch held at once (resharding)
+_GROUP_CHUNKS = 64  # chunks per RAM-tier fetch group (one pipelined stream per peer)
 _SCRATCH_GRAIN = 4 << 20
 _PREPARE_JOBS_PER_THREAD = 4  # a few jobs per thread: a slow leaf does not leave a thread idle
 
