@@ -632,19 +632,19 @@ def tables(results: dict[str, Any]) -> dict[str, tuple[list[str], list[list[str]
                      _f(r["first_s"], "{:.3f}"), _f(r["cpu_s"]), _f(r["gbps"]), r["limit"], _f(r["limit_gbps"]),
                      _f(None if r["fraction"] is None else 100 * r["fraction"], "{:.0f}%"), _f(r["loadavg"], "{:.1f}")])
     lim = results.get("limits", {})
-    lheaders = ["limit (same run)", "GB/s"]
-    lrows = [[k, _f(v)] for k, v in [
-        ("memcpy, 1 thread (warm destination)", lim.get("memcpy_1t_gbps")),
-        ("memcpy, 2 threads", lim.get("memcpy_2t_gbps")),
-        ("memcpy into fresh memory (page faults)", lim.get("memcpy_fresh_gbps")),
-        ("loopback TCP, 1 stream", lim.get("tcp_1s_gbps")),
-        (f"loopback TCP, {lim.get('tcp_streams')} streams (= restore's parallel fetches)", lim.get("tcp_gbps")),
-        (f"loopback TCP, {lim.get('tcp_streams')} streams, into fresh memory (as a restore must)",
-         lim.get("tcp_fresh_gbps")),
-        ("disk read, cold", lim.get("disk_read_gbps")),
-        ("/dev/shm read", lim.get("shm_read_gbps")),
-        ("emulator GET (google-cloud-storage), 4 objects in parallel", lim.get("gcs_get_4x_gbps")),
-    ] if v is not None]
+    runs = lim.get("runs") or [lim]  # results written before limits were measured twice
+    lheaders = ["limit (same run)", *(["before restores", "after restores"] if len(runs) > 1 else []), "GB/s used"]
+    lrows = [[label, *([_f(r.get(k)) for r in runs] if len(runs) > 1 else []), _f(lim.get(k))] for label, k in [
+        ("memcpy, 1 thread (warm destination)", "memcpy_1t_gbps"),
+        ("memcpy, 2 threads", "memcpy_2t_gbps"),
+        ("memcpy into fresh memory (page faults)", "memcpy_fresh_gbps"),
+        ("loopback TCP, 1 stream", "tcp_1s_gbps"),
+        (f"loopback TCP, {lim.get('tcp_streams')} streams (= restore's parallel fetches)", "tcp_gbps"),
+        (f"loopback TCP, {lim.get('tcp_streams')} streams, into fresh memory (as a restore must)", "tcp_fresh_gbps"),
+        ("disk read, cold", "disk_read_gbps"),
+        ("/dev/shm read", "shm_read_gbps"),
+        ("emulator GET (google-cloud-storage), 4 objects in parallel", "gcs_get_4x_gbps"),
+    ] if lim.get(k) is not None]
     cheaders = ["target", "state", "measured", "bound", "result", "note"]
     crows = [[c["target"], "" if c["size_mib"] is None else f"{c['size_mib']} MiB",
               "n/a" if c["value"] is None else (f"{100 * c['value']:+.1f}%" if "step time" in c["target"]
@@ -678,8 +678,9 @@ def write_outputs(results: dict[str, Any], results_dir: Path, name: str, *, plot
               "step choice, fetch, checksum, device placement) until `block_until_ready`. own RAM: every byte "
               "from this process's tier; peer RAM: a replacement process with an empty tier pulls every byte "
               "from a peer *process* over loopback TCP; local disk: page cache evicted before each restore; "
-              "Orbax: async CheckpointManager, StandardRestore. Limits were measured in the same run, in a fresh "
-              "process.")
+              "Orbax: async CheckpointManager, StandardRestore. Limits were measured in the same run, in fresh "
+              "processes, before and after the restores (they drift by tens of percent on a shared VM); each "
+              "fraction uses the higher of the two.")
     parts = ["# Restore latency per tier: fastckpt vs Orbax", head, legend, markdown_table(*t["restore"]),
              "## Machine limits (same run)", markdown_table(*t["limits"])]
     if "overhead" in t:
@@ -764,15 +765,20 @@ def driver(args: argparse.Namespace) -> int:
                 endpoint = emu.endpoint
                 print(f"emulator at {endpoint} (pid {emulator_pid(emu)}); scratch {work}, {shm}", file=sys.stderr)
             limit_mib = args.limit_mib
-            t0 = time.perf_counter()
             largs = ["--limits", "--size-mib", str(limit_mib), "--limit-reps", str(args.limit_reps),
                      "--shm", str(shm)] + (["--quick"] if args.quick else [])
             if not args.root_only:
                 largs += ["--disk-dir", str(work)] + (["--endpoint", endpoint] if endpoint else [])
-            results["limits"] = run_module_json(MODULE, largs, out_path=work / "limits.json")
-            lim = results["limits"]
-            print(f"limits ({time.perf_counter() - t0:.0f}s): memcpy {lim['memcpy_gbps']:.2f} GB/s, "
-                  f"TCP {lim['tcp_streams']} streams {lim['tcp_gbps']:.2f} GB/s", file=sys.stderr, flush=True)
+
+            def measure_limits(tag: str) -> dict[str, Any]:
+                t0 = time.perf_counter()
+                lim = run_module_json(MODULE, largs, out_path=work / f"limits-{tag}.json")
+                print(f"limits, {tag} ({time.perf_counter() - t0:.0f}s): memcpy {lim['memcpy_gbps']:.2f} GB/s, "
+                      f"TCP {lim['tcp_streams']} streams {lim['tcp_gbps']:.2f} GB/s", file=sys.stderr, flush=True)
+                return lim
+
+            limit_runs = [measure_limits("start")]
+            results["limits"] = limit_runs[0]
             for size in args.sizes:
                 cells: dict[str, Any] = {}
                 results["sizes"][str(size)] = cells
@@ -798,6 +804,10 @@ def driver(args: argparse.Namespace) -> int:
                     ph = cells[key].get("phases_s")
                     detail = f" ({', '.join(f'{k} {v:.0f}s' for k, v in ph.items())})" if ph else ""
                     print(f"[{key} {size} MiB] done in {time.perf_counter() - t0:.0f}s{detail}", file=sys.stderr, flush=True)
+            # The limits vary by tens of percent over minutes on a shared VM: measured again
+            # after the restores, each fraction uses the higher of the two (the harder bound).
+            limit_runs.append(measure_limits("end"))
+            results["limits"] = merge_limits(limit_runs)
             if not args.root_only and not args.no_overhead:
                 t0 = time.perf_counter()
                 oargs = ["--overhead", "--size-mib", str(args.overhead_mib), "--batch", str(args.batch),
@@ -822,6 +832,17 @@ def driver(args: argparse.Namespace) -> int:
         "shm_dir": args.shm_dir, "unix_time": time.time(), "command": " ".join(["python -m", MODULE, *sys.argv[1:]]),
     }
     return finish(results, args)
+
+
+def merge_limits(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first run's fields, with every ``*_gbps`` the highest over ``runs``; the runs
+    themselves under ``"runs"``."""
+    out = dict(runs[0])
+    for key in out:
+        if key.endswith("_gbps"):
+            out[key] = max(r[key] for r in runs if isinstance(r.get(key), (int, float)))
+    out["runs"] = runs
+    return out
 
 
 def finish(results: dict[str, Any], args: argparse.Namespace) -> int:
