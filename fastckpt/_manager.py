@@ -10,11 +10,12 @@ the next ``save()`` does the same first. All processes of a multi-process job mu
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import secrets
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -25,14 +26,21 @@ from fastckpt._distributed import Coordinator, default_coordinator
 from fastckpt._hostmem import BufferCache, alloc_aligned
 from fastckpt._retention import steps_to_delete
 from fastckpt._tree import flatten
-from fastckpt.errors import CheckpointNotFoundError, ConfigError, FastckptError, SaveError, StepAlreadyCommittedError
+from fastckpt.errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    DistributedError,
+    FastckptError,
+    SaveError,
+    StepAlreadyCommittedError,
+)
 from fastckpt.format.codec import decode_manifest
 from fastckpt.format.layout import MANIFEST_PREFIX, manifest_key, step_data_prefix, step_from_manifest_key
 from fastckpt.format.dtypes import dtype_from_name
 from fastckpt.format.manifest import Manifest, box_volume
 from fastckpt.options import ManagerOptions
 from fastckpt.reader.assemble import build_leaves, resolve_target
-from fastckpt.reader.fetch import ChunkSource, RestoreStats, fill_units
+from fastckpt.reader.fetch import ChunkSource, RestoreStats, Unit, fill_units
 from fastckpt.storage._protocol import Store
 from fastckpt.writer.commit import exchange_ram_manifest, publish_and_commit, ram_chunk_entries
 from fastckpt.writer.pipeline import WriteStats, write_chunks
@@ -342,53 +350,53 @@ class CheckpointManager:
 
         ``target`` is a pytree of ``jax.ShapeDtypeStruct`` (with ``.sharding``) or concrete
         arrays; any mesh or device count works. ``partial=True`` restores only the
-        target's leaves (a subtree). Raises CheckpointNotFoundError, TreeStructureError,
-        ShapeMismatchError, DtypeMismatchError, ChecksumMismatchError.
+        target's leaves (a subtree). With ``step=None``, a RAM-only step found incomplete
+        while reading is replaced by the next older complete step on every process (see
+        :meth:`restore_with_stats`). Raises CheckpointNotFoundError, TreeStructureError,
+        ShapeMismatchError, DtypeMismatchError, ChecksumMismatchError, DistributedError.
         """
         return self.restore_with_stats(step, target, partial=partial)[0]
 
     def restore_with_stats(self, step: int | None = None, target: Any = None, *, partial: bool = False) -> tuple[Any, RestoreStats]:
-        """Like :meth:`restore`, also returning this process's :class:`RestoreStats`."""
+        """Like :meth:`restore`, also returning this process's :class:`RestoreStats`.
+
+        With ``step=None`` and a RAM tier, a RAM-only step that turns out incomplete while
+        it is read (a chunk corrupt in every copy, or a peer lost mid-restore with no other
+        copy) is abandoned by every process together, and the next older complete step is
+        restored instead (an older RAM step, else storage's latest). An explicit ``step``
+        never falls back.
+        """
         import jax
 
         t0 = time.perf_counter()
         self._check_open()
-        source = self._chunk_source
-        manifest = None
         rseq, self._rseq = self._rseq, self._rseq + 1
-        if self._ram is not None:
-            if step is None:
-                steps = self.persistent_steps()
-                choice = self._ram.select_step(steps[-1] if steps else None, key=f"{self._ns}/restore/{rseq}",
-                                               timeout_s=self.options.distributed.barrier_timeout_s)
-                if choice is not None:
-                    manifest = choice.manifest
-            source = self._ram.source()
-        if manifest is None:
-            if step is None and self._ram is not None:
-                steps = self.persistent_steps()
-                if not steps:
-                    raise CheckpointNotFoundError(f"no committed checkpoint in {self.store.url} or any RAM tier")
-                step = steps[-1]
-            manifest = self.manifest(step)
-        plan = resolve_target(manifest, target, partial=partial)
-        stats = RestoreStats(step=manifest.step)
-        ram_only = manifest.metadata.get("fastckpt_tier") == "ram"
-        units = plan.units()
-        buffers = None
-        if self.options.restore.reuse_host_buffers:
-            buffers = self._restore_buffers
-            need = sum(box_volume(u.box) * dtype_from_name(u.leaf.dtype).itemsize for u in units)
-            buffers.max_bytes = max(buffers.max_bytes, need + self.options.restore.max_scratch_bytes)
-        try:
-            self._io.run(fill_units(self.store, manifest.step, units, options=self.options.restore,
-                                    executor=self._workers, stats=stats, source=source,
-                                    storage_holds_step=not ram_only, buffers=buffers))
-        finally:
-            if self._ram is not None:
-                # Peers serve each other's chunks: nobody leaves before everyone has read.
-                self.coordinator.barrier(f"{self._ns}/restore/{rseq}/end",
-                                         timeout_s=self.options.distributed.barrier_timeout_s)
+        source = self._ram.source() if self._ram is not None else self._chunk_source
+        older_than: int | None = None
+        failure: BaseException | None = None
+        for attempt in itertools.count():
+            tag = f"{self._ns}/restore/{rseq}/{attempt}"
+            try:
+                manifest = self._choose_manifest(step, key=tag, older_than=older_than)
+            except CheckpointNotFoundError:
+                if failure is not None:  # nothing older to fall back to: the last failure says why
+                    raise failure from None
+                raise
+            ram_only = manifest.metadata.get("fastckpt_tier") == "ram"
+            plan = resolve_target(manifest, target, partial=partial)
+            stats = RestoreStats(step=manifest.step)
+            failure = None
+            try:  # CheckpointNotFoundError here: a RAM-only step's chunk is in no reachable tier
+                self._fill(manifest, plan.units(), stats, source, storage_holds_step=not ram_only)
+            except BaseException as e:  # reported to the other processes before re-raising
+                failure = e
+            retry = self._agree_on_outcome(tag, failure, may_retry=step is None and ram_only)
+            if not retry:
+                break
+            log.warning("fastckpt: RAM step %d is incomplete (%s); restoring an older step", manifest.step,
+                        failure or "on another process")
+            older_than = manifest.step
+            failure = failure or DistributedError(f"RAM step {manifest.step} is incomplete on another process")
         source_stats = getattr(source, "stats", None)
         if callable(source_stats):
             stats.fallbacks = {str(k): int(v) for k, v in source_stats().fallbacks.items()}
@@ -399,6 +407,56 @@ class CheckpointManager:
             self._on_stats(stats)
         log.info("fastckpt: restored step %d (%s)", manifest.step, stats.bytes_by_tier)
         return jax.tree_util.tree_unflatten(plan.treedef, leaves), stats
+
+    def _choose_manifest(self, step: int | None, *, key: str, older_than: int | None) -> Manifest:
+        """The manifest to restore: ``step``'s, or (None) the newest complete RAM step newer
+        than storage's latest (and older than ``older_than``), else storage's latest."""
+        if step is not None:
+            return self.manifest(step)
+        if self._ram is None:
+            return self.manifest(None)
+        persistent = self.persistent_steps()
+        choice = self._ram.select_step(persistent[-1] if persistent else None, key=key,
+                                       timeout_s=self.options.distributed.barrier_timeout_s, older_than=older_than)
+        if choice is not None:
+            return choice.manifest  # type: ignore[return-value]
+        if not persistent:
+            raise CheckpointNotFoundError(f"no committed checkpoint in {self.store.url} or any RAM tier"
+                                          + ("" if older_than is None else f" older than RAM step {older_than}"))
+        return self.manifest(persistent[-1])
+
+    def _fill(self, manifest: Manifest, units: Sequence[Unit], stats: RestoreStats, source: ChunkSource | None, *,
+              storage_holds_step: bool) -> None:
+        buffers = None
+        if self.options.restore.reuse_host_buffers:
+            buffers = self._restore_buffers
+            need = sum(box_volume(u.box) * dtype_from_name(u.leaf.dtype).itemsize for u in units)
+            buffers.max_bytes = max(buffers.max_bytes, need + self.options.restore.max_scratch_bytes)
+        self._io.run(fill_units(self.store, manifest.step, units, options=self.options.restore,
+                                executor=self._workers, stats=stats, source=source,
+                                storage_holds_step=storage_holds_step, buffers=buffers))
+
+    def _agree_on_outcome(self, tag: str, failure: BaseException | None, *, may_retry: bool) -> bool:
+        """Exchange every process's fill outcome (also the barrier that keeps peers serving
+        until everyone has read). Returns True if all should retry an older step; raises
+        this process's error, or :class:`DistributedError` naming another process's."""
+        coord = self.coordinator
+        missing = isinstance(failure, CheckpointNotFoundError)
+        mine = "ok" if failure is None else ("missing " if missing else "error ") + str(failure)[:500]
+        outcomes = [mine]
+        if coord.process_count > 1 and self._ram is not None:
+            coord.set(f"{tag}/outcome/{coord.process_index}", mine)
+            deadline = time.monotonic() + self.options.distributed.barrier_timeout_s
+            outcomes = [coord.get(f"{tag}/outcome/{i}", timeout_s=max(0.001, deadline - time.monotonic()))
+                        for i in range(coord.process_count)]
+        if all(o == "ok" for o in outcomes):
+            return False
+        if may_retry and all(o == "ok" or o.startswith("missing ") for o in outcomes):
+            return True
+        if failure is not None:
+            raise failure
+        bad = next(i for i, o in enumerate(outcomes) if o != "ok")
+        raise DistributedError(f"process {bad} failed its part of the restore: {outcomes[bad].split(' ', 1)[1]}")
 
     # ------------------------------------------------------------------ retention / gc
     def _apply_retention(self) -> None:

@@ -180,10 +180,12 @@ class RamReplication:
         found = self._newest_complete(newer_than)
         return None if found is None else (found[0].step, found[1])
 
-    def _newest_complete(self, newer_than: int | None) -> tuple[Manifest, bytes] | None:
+    def _newest_complete(self, newer_than: int | None, older_than: int | None = None) -> tuple[Manifest, bytes] | None:
         # Returns the decoded manifest too: decoding (validation included) costs as much
         # as the rest of step selection on large trees, so it is done once per restore.
         for step in sorted(self.steps_by_tier(), reverse=True):
+            if older_than is not None and step >= older_than:
+                continue
             if newer_than is not None and step <= newer_than:
                 return None
             data = self._manifest_anywhere(step)
@@ -208,15 +210,17 @@ class RamReplication:
         self._decoded = {step: (data, manifest)}  # the latest only: bounded
         return manifest
 
-    def select_step(self, persistent_latest: int | None, *, key: str, timeout_s: float) -> StepChoice | None:
-        """Agree on the step to restore: a complete RAM step newer than storage's latest, if any.
+    def select_step(self, persistent_latest: int | None, *, key: str, timeout_s: float,
+                    older_than: int | None = None) -> StepChoice | None:
+        """Agree on the step to restore: a complete RAM step newer than storage's latest (and
+        older than ``older_than``, after a newer one failed), if any.
 
         Process 0 decides and publishes under ``key``; the others fetch the RAM manifest
         from their tier or a peer. Returns None when storage's latest should be used.
         """
         coord = self._coord
         if coord.process_index == 0:
-            found = self._newest_complete(persistent_latest)
+            found = self._newest_complete(persistent_latest, older_than)
             decision = str(found[0].step) if found else "storage"
             if coord.process_count > 1:
                 coord.set(key, decision)

@@ -280,8 +280,9 @@ def test_corrupt_ram_tier_falls_back_to_storage(tmp_path: Path, shm: Path, recor
 
 
 def test_corrupt_ram_only_step_fails_naming_the_chunk(tmp_path: Path, shm: Path, recorder: Recorder) -> None:
-    """No other tier holds a RAM-only step's chunks: the restore fails, typed, naming the array
-    and the chunk (never wrong data); the older persistent step is still restorable."""
+    """No other tier holds a RAM-only step's chunks: restoring that step fails, typed, naming
+    the array and the chunk (never wrong data); ``restore()`` of the latest falls back to the
+    older persistent step."""
     opts = dataclasses.replace(OPTIONS, ram=RamOptions(root=str(shm / "host0"), interval_steps=1), save_interval_steps=2)
     root = str(tmp_path / "ckpt")
     rng = random.Random(12)
@@ -294,11 +295,41 @@ def test_corrupt_ram_only_step_fails_naming_the_chunk(tmp_path: Path, shm: Path,
     _flip_file(data, off + rng.randrange(length), rng)
     with CheckpointManager(root, options=opts) as mgr:
         with pytest.raises((CheckpointNotFoundError, CorruptionError)) as info:
-            mgr.restore()
+            mgr.restore(3)
         leaf = cid.split("@")[0]
         assert "array " in str(info.value) and leaf in str(info.value) and "chunk [" in str(info.value), info.value
+        restored, stats = mgr.restore_with_stats()  # the latest: step 3 is incomplete, step 2 is used
+        assert stats.step == 2 and wrong_leaves(restored, make_state(2)[1]) == []
         assert wrong_leaves(mgr.restore(2), make_state(2)[1]) == []
     recorder.add("corruption_ram_only_step", trials=1, outcomes={type(info.value).__name__: 1}, wrong_data=0)
+
+
+def test_latest_ram_step_corrupt_falls_back_to_the_previous_ram_step(tmp_path: Path, shm: Path) -> None:
+    """RAM-only steps 2 and 3 (no storage step): a corrupt chunk of step 3 makes ``restore()``
+    use step 2, exact; with step 2 corrupt too there is nothing left, and the error names the
+    chunk. An explicit step never falls back."""
+    opts = dataclasses.replace(OPTIONS, ram=RamOptions(root=str(shm / "host0"), interval_steps=1, keep_steps=2),
+                               save_interval_steps=1000)
+    root = str(tmp_path / "ckpt")
+    rng = random.Random(5)
+    with CheckpointManager(root, options=opts) as mgr:
+        for step in (2, 3):
+            mgr.save(step, make_state(step)[0])
+            mgr.wait()
+        assert mgr.steps_by_tier() == {2: {"ram"}, 3: {"ram"}}
+    data, cid3, off, length = rng.choice(_chunk_ranges(shm / "host0", 3))
+    _flip_file(data, off + rng.randrange(length), rng)
+    with CheckpointManager(root, options=opts) as mgr:
+        restored, stats = mgr.restore_with_stats()
+        assert stats.step == 2 and wrong_leaves(restored, make_state(2)[1]) == []
+        with pytest.raises(CheckpointNotFoundError, match="RAM-only step 3"):
+            mgr.restore(3)
+    data, cid2, off, length = rng.choice(_chunk_ranges(shm / "host0", 2))
+    _flip_file(data, off + rng.randrange(length), rng)
+    with CheckpointManager(root, options=opts) as mgr:
+        with pytest.raises(CheckpointNotFoundError, match="RAM-only step 2") as info:
+            mgr.restore()
+        assert cid2.split("@")[0] in str(info.value), info.value
 
 
 # ----------------------------------------------------------------------------- peer wire

@@ -143,6 +143,21 @@ def _flip_byte_of_own_chunk(tier: Path, step: int) -> str:
     return str(cid)
 
 
+def _flip_byte_of_chunk(tier: Path, step: int, cid: str) -> None:
+    """Flip one byte inside chunk ``cid`` of ``step`` wherever ``tier`` holds it."""
+    for p in (tier / f"step-{step}").glob("*.index.json"):
+        doc = json.loads(p.read_text())
+        for c, offset, length, _ in doc["chunks"]:
+            if c == cid:
+                with open(tier / f"step-{step}" / doc["data"], "r+b") as f:
+                    f.seek(offset + length // 2)
+                    b = f.read(1)
+                    f.seek(offset + length // 2)
+                    f.write(bytes([b[0] ^ 0x20]))
+                return
+    raise AssertionError(f"{tier} holds no chunk {cid} of step {step}")
+
+
 def test_training_job_lost_a_host_after_replicating(saved_job: SavedJob) -> None:
     """The setup itself: one SIGKILL mid-training, survivors stopped cleanly, host2's tier gone."""
     outs = saved_job.outcomes
@@ -199,3 +214,18 @@ def test_restore_after_host_loss_onto_three_hosts(saved_job: SavedJob, shm_dir: 
     for r in results:
         assert r["fallbacks"] == [] and r["dead_peers"] == [], r
     assert any(t.startswith("peer:") for r in results for t in r["bytes_by_tier"])
+
+
+def test_step_corrupt_in_every_ram_copy_falls_back_to_the_previous_ram_step(saved_job: SavedJob,
+                                                                           shm_dir: Path) -> None:
+    """One chunk of step 20 corrupt in both copies (host3's own, host0's replica): host3
+    cannot complete step 20, so all three processes abandon it together and restore step 10
+    (held by every tier: the previous step stays with peers), still with zero storage reads."""
+    tiers = _copy_tiers(saved_job, shm_dir / "tiers")
+    bad = _flip_byte_of_own_chunk(tiers / "host3", w.LAST_RAM_STEP)
+    _flip_byte_of_chunk(tiers / "host0", w.LAST_RAM_STEP, bad)  # host3 pushes to host0
+    results = _restore(tiers, saved_job.persist_root, [0, 1, 3], "resize3x2")
+    for r in results:
+        assert r["step"] == w.RAM_STEPS[-2] and r["checked_shards"] > 0, r
+        assert r["bytes_by_tier"].get("storage", 0) == 0 and r["bytes_read_storage"] == 0, r
+    assert any(f[1] == bad and f[2] == "corrupt" for r in results for f in r["fallbacks"]), results
