@@ -1,0 +1,240 @@
+"""Filling the destination buffers of one array leaf: plan its reads, lend or fetch its
+chunks from the fast tiers, and place, verify and decode what storage delivers.
+
+:class:`LeafFiller` is the per-leaf state of a restore (``reader/fetch.py`` drives it);
+a chunk shared by several destination units is read once. Every byte is verified (crc32c)
+before it is used.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import zstandard
+
+from fastckpt._checksum import crc32c
+from fastckpt._hostmem import BufferCache, alloc_aligned
+from fastckpt.errors import ChecksumMismatchError, CorruptionError
+from fastckpt.format.dtypes import dtype_from_name
+from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, box_shape, box_volume, chunk_id, keypath_str
+from fastckpt.planning import ReadItem, box_to_slices, contiguous_span, plan_leaf_reads
+from fastckpt.reader.units import ChunkSource, RestoreStats, Unit
+
+__all__ = ["Decoder", "LeafFiller", "allocate", "fetch_many_from_source", "where"]
+
+_GROUP_BYTES = 64 << 20  # RAM-tier fetches of one group: scratch held at once (resharding)
+_GROUP_CHUNKS = 64  # chunks per RAM-tier fetch group (one pipelined stream per peer)
+
+
+class Decoder:
+    """A zstd decompressor per thread."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def dctx(self) -> zstandard.ZstdDecompressor:
+        d = getattr(self._local, "d", None)
+        if d is None:
+            d = self._local.d = zstandard.ZstdDecompressor()
+        return d
+
+
+def where(leaf: ArrayLeaf, chunk: ChunkEntry) -> str:
+    """Names a chunk in errors: array, box and stored location."""
+    return f"array {keypath_str(leaf.path)} chunk {list(chunk.box)} (object {chunk.key} @ {chunk.offset})"
+
+
+def allocate(nbytes: int, what: Callable[[], str], *, aligned: bool = True,
+              cache: BufferCache | None = None) -> np.ndarray:
+    """A host buffer of ``nbytes`` (page-aligned ones from ``cache`` when given); an
+    allocation the host refuses (a manifest may declare any size) raises ``MemoryError``
+    naming what it was for, not a bare ``OSError``."""
+    try:
+        if aligned and cache is not None:
+            return cache.alloc(nbytes)
+        return alloc_aligned(nbytes) if aligned else np.empty(nbytes, np.uint8)
+    except (OSError, MemoryError, ValueError, OverflowError) as e:
+        raise MemoryError(f"restore cannot allocate {nbytes} bytes of host memory for {what()}: {e}") from e
+
+
+class LeafFiller:
+    """Fills every unit of one array leaf; a chunk shared by several units is read once."""
+
+    def __init__(self, units: Sequence[Unit], step: int, decoder: Decoder, source: ChunkSource | None,
+                 stats: RestoreStats, verify: bool, lock: threading.Lock, buffers: BufferCache | None = None) -> None:
+        self.leaf = units[0].leaf
+        self.units = units
+        self.step = step
+        self.dtype = dtype_from_name(self.leaf.dtype)
+        self.decoder = decoder
+        self.source = source
+        self.stats = stats
+        self.verify = verify
+        self.lock = lock
+        self.flats: list[np.ndarray] = []
+        self.dsts: list[np.ndarray] = []
+        #: chunk -> [(unit position, read item)]
+        self.items: dict[ChunkEntry, list[tuple[int, ReadItem]]] = {}
+        for pos, unit in enumerate(units):
+            for it in plan_leaf_reads(self.leaf, unit.box):
+                self.items.setdefault(it.chunk, []).append((pos, it))
+        lent = self._lend_units() if source is not None and hasattr(source, "lend") else {}
+        for pos, unit in enumerate(units):
+            flat = lent.get(pos)
+            if flat is None:
+                nbytes = box_volume(unit.box) * self.dtype.itemsize
+                flat = allocate(nbytes, lambda: f"array {keypath_str(self.leaf.path)} box {list(unit.box)}",
+                                 cache=buffers if unit.lendable else None)
+            self.flats.append(flat)
+            self.dsts.append(flat.view(self.dtype).reshape(box_shape(unit.box)))
+
+    def _lend_units(self) -> dict[int, np.ndarray]:
+        """Units whose bytes a RAM tier lends as one verified view (their chunks are then done).
+
+        A unit qualifies when its chunks feed no other unit, each whole and onto one
+        contiguous span, and the spans tile it in order (a same-mesh restore's usual case).
+        """
+        by_unit: dict[int, list[tuple[int, ChunkEntry]]] = {}
+        shared: set[int] = set()
+        for chunk, its in self.items.items():
+            pos, item = its[0]
+            span = contiguous_span(item.dst_box, box_shape(self.units[pos].box))
+            if len(its) != 1 or span is None or box_shape(item.src_box) != box_shape(chunk.box):
+                shared.update(p for p, _ in its)
+                continue
+            by_unit.setdefault(pos, []).append((span[0], chunk))
+        lent: dict[int, np.ndarray] = {}
+        for pos, spans in by_unit.items():
+            unit = self.units[pos]
+            if pos in shared or not unit.lendable:
+                continue
+            spans.sort(key=lambda sc: sc[0])
+            expect = 0
+            for start, chunk in spans:
+                if start != expect:
+                    break
+                expect += box_volume(chunk.box)
+            else:
+                if expect != box_volume(unit.box):
+                    continue
+                chunks = [c for _, c in spans]
+                view = self.source.lend(  # type: ignore[union-attr]
+                    self.step, [(chunk_id(self.leaf.path, c.box), c.raw_length, c.raw_crc32c) for c in chunks])
+                if view is None:
+                    continue
+                lent[pos] = np.frombuffer(view, np.uint8)
+                for c in chunks:
+                    del self.items[c]
+                with self.lock:
+                    for c in chunks:
+                        self.stats.add("ram", c.raw_length)
+        return lent
+
+    def direct_span(self, chunk: ChunkEntry) -> memoryview | None:
+        """The destination bytes a whole chunk maps onto, if it feeds one contiguous span."""
+        its = self.items[chunk]
+        if len(its) != 1 or box_shape(its[0][1].src_box) != box_shape(chunk.box):
+            return None
+        pos, item = its[0]
+        span = contiguous_span(item.dst_box, self.dsts[pos].shape)
+        if span is None:
+            return None
+        start, n = span
+        isz = self.dtype.itemsize
+        return memoryview(self.flats[pos][start * isz : (start + n) * isz])
+
+    def target(self, chunk: ChunkEntry) -> tuple[memoryview, np.ndarray | None]:
+        direct = self.direct_span(chunk)
+        if direct is not None:
+            return direct, None
+        scratch = allocate(chunk.raw_length, lambda: where(self.leaf, chunk), aligned=False)
+        return memoryview(scratch), scratch
+
+    def finish(self, chunk: ChunkEntry, scratch: np.ndarray | None) -> None:
+        if scratch is None:
+            return  # decoded in place
+        arr = scratch.view(self.dtype).reshape(box_shape(chunk.box))
+        for pos, it in self.items[chunk]:
+            self.dsts[pos][box_to_slices(it.dst_box)] = arr[box_to_slices(it.src_box)]
+
+    def try_source(self, chunk: ChunkEntry) -> bool:
+        """Ask the RAM tiers; True if the chunk was placed."""
+        if self.source is None:
+            return False
+        into, scratch = self.target(chunk)
+        tier = self.source.fetch(self.step, chunk_id(self.leaf.path, chunk.box),
+                                 raw_length=chunk.raw_length, raw_crc32c=chunk.raw_crc32c, into=into)
+        if tier is None:
+            return False
+        self.finish(chunk, scratch)
+        with self.lock:
+            self.stats.add(tier, chunk.raw_length)
+        return True
+
+    def from_fetched(self, chunk: ChunkEntry, stored: memoryview, in_place: bool) -> None:
+        """Verify the stored bytes of ``chunk`` a scatter read received (see ``_scatter``), and
+        decode/place them unless they were received in place; raise CorruptionError if bad."""
+        if self.verify and crc32c(stored) != chunk.crc32c:
+            raise ChecksumMismatchError(f"{where(self.leaf, chunk)}: crc32c mismatch")
+        if not in_place:
+            if chunk.codec == "raw":
+                if stored.nbytes != chunk.raw_length:
+                    raise CorruptionError(f"{where(self.leaf, chunk)}: raw chunk of {stored.nbytes} bytes, "
+                                          f"expected {chunk.raw_length}")
+                arr = np.frombuffer(stored, np.uint8).view(self.dtype).reshape(box_shape(chunk.box))
+                for pos, it in self.items[chunk]:
+                    self.dsts[pos][box_to_slices(it.dst_box)] = arr[box_to_slices(it.src_box)]
+            else:
+                into, scratch = self.target(chunk)
+                try:
+                    n = self.decoder.dctx().stream_reader(stored).readinto(into)
+                except zstandard.ZstdError as e:
+                    raise CorruptionError(f"{where(self.leaf, chunk)}: zstd: {e}") from e
+                if n != chunk.raw_length:
+                    raise CorruptionError(f"{where(self.leaf, chunk)}: decoded {n} of {chunk.raw_length} bytes")
+                self.finish(chunk, scratch)
+        with self.lock:
+            self.stats.add("storage", chunk.raw_length)
+
+    def done(self) -> None:
+        for unit, dst in zip(self.units, self.dsts):
+            unit.buffer = dst
+        with self.lock:
+            self.stats.restored_bytes += sum(f.nbytes for f in self.flats)
+
+
+def fetch_many_from_source(pairs: Sequence[tuple[LeafFiller, ChunkEntry]], source: Any,
+                           step: int) -> list[tuple[LeafFiller, ChunkEntry]]:
+    """Ask the RAM tiers (``source.fetch_many``) for chunks of any number of leaves, in
+    groups: one pipelined stream per peer and group, so that small leaves do not drain the
+    stream at every leaf boundary. Returns the pairs no tier placed. Scratch buffers of a
+    group stay under ``_GROUP_BYTES``."""
+    left: list[tuple[LeafFiller, ChunkEntry]] = []
+    group: list[tuple[LeafFiller, ChunkEntry, memoryview, np.ndarray | None]] = []
+    scratch_bytes = 0
+
+    def flush() -> None:
+        tiers = source.fetch_many(
+            step, [(chunk_id(f.leaf.path, c.box), c.raw_length, c.raw_crc32c, into) for f, c, into, _ in group])
+        for (f, c, _, scratch), tier in zip(group, tiers):
+            if tier is None:
+                left.append((f, c))
+                continue
+            f.finish(c, scratch)
+            with f.lock:
+                f.stats.add(tier, c.raw_length)
+        group.clear()
+
+    for filler, chunk in pairs:
+        into, scratch = filler.target(chunk)
+        group.append((filler, chunk, into, scratch))
+        scratch_bytes += 0 if scratch is None else scratch.nbytes
+        if scratch_bytes >= _GROUP_BYTES or len(group) >= _GROUP_CHUNKS:
+            flush()
+            scratch_bytes = 0
+    if group:
+        flush()
+    return left

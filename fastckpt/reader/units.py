@@ -1,0 +1,80 @@
+"""What the reader fills and reports: destination units, restore statistics, and the
+protocol of the fast tiers (own RAM, peers) consulted before persistent storage."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+from fastckpt.format.manifest import ArrayLeaf, Box
+
+__all__ = ["ChunkSource", "LendingChunkSource", "RestoreStats", "Unit"]
+
+
+class ChunkSource(Protocol):
+    """A fast tier consulted before persistent storage (own RAM, peers).
+
+    ``fetch`` runs on a worker thread. It writes the chunk's verified raw bytes into
+    ``into`` and returns the tier's name, or returns None when no tier it knows holds a
+    good copy (misses, corruption and timeouts are handled inside, per tier). A source may
+    also offer ``fetch_many(step, [(chunk_id, raw_length, raw_crc32c, into), ...])`` (a
+    tier name or None per item), which the reader then prefers: one call per group of
+    chunks (of several leaves), so a peer can stream them.
+    """
+
+    def fetch(self, step: int, chunk_id: str, *, raw_length: int, raw_crc32c: int, into: memoryview) -> str | None: ...
+
+
+class LendingChunkSource(ChunkSource, Protocol):
+    """A source that can also hand out verified read-only views of its own memory (zero copy).
+
+    ``lend`` gets ``(chunk_id, raw_length, raw_crc32c)`` of chunks that together tile one
+    destination buffer, in order; it returns one view of all their bytes, verified, which
+    the caller may keep indefinitely, or None (then ``fetch`` is used per chunk).
+    """
+
+    def lend(self, step: int, chunks: Sequence[tuple[str, int, int]]) -> memoryview | None: ...
+
+
+@dataclasses.dataclass
+class RestoreStats:
+    """Per-process restore figures."""
+
+    step: int | None = None
+    """The step that was restored (useful with ``step=None``: the newest complete step)."""
+    bytes_by_tier: dict[str, int] = dataclasses.field(default_factory=dict)
+    chunks_by_tier: dict[str, int] = dataclasses.field(default_factory=dict)
+    seconds: float = 0.0
+    fetch_s: float = 0.0
+    device_put_s: float = 0.0
+    bytes_read_storage: int = 0
+    """Bytes fetched from persistent storage (stored size, including coalescing gaps)."""
+    reads_storage: int = 0
+    """Ranged reads issued to persistent storage (re-reads included)."""
+    bytes_in_place: int = 0
+    """Stored bytes received straight into destination buffers (no scratch, no copy)."""
+    restored_bytes: int = 0
+    """Logical bytes placed into this process's destination buffers."""
+    retries: int = 0
+    fallbacks: dict[str, int] = dataclasses.field(default_factory=dict)
+    """RAM-tier fallbacks by reason (``corrupt``, ``miss``, ``unavailable``, ...)."""
+
+    def add(self, tier: str, nbytes: int) -> None:
+        self.bytes_by_tier[tier] = self.bytes_by_tier.get(tier, 0) + nbytes
+        self.chunks_by_tier[tier] = self.chunks_by_tier.get(tier, 0) + 1
+
+
+@dataclasses.dataclass
+class Unit:
+    """One destination box of one array on this process."""
+
+    leaf: ArrayLeaf
+    box: Box
+    buffer: np.ndarray | None = None
+    """Filled host buffer (shape of ``box``, dtype of ``leaf``) once done."""
+    lendable: bool = True
+    """May ``buffer`` be a read-only view lent by a RAM tier (zero copy)? False for leaves
+    returned to the caller as numpy arrays, which must be writable."""
