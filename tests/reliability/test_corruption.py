@@ -279,20 +279,28 @@ def test_corrupt_ram_tier_falls_back_to_storage(tmp_path: Path, shm: Path, recor
                  fallback="storage", wrong_data=0)
 
 
+def _save_then_flip_a_ram_chunk(root: str, opts: ManagerOptions, tier: Path, *, flip_step: int,
+                                rng: random.Random) -> tuple[dict[int, set[str]], str]:
+    """Save steps 2 and 3, then flip a byte of a random RAM chunk of ``flip_step``; returns
+    ``steps_by_tier()`` before the flip and the chunk id."""
+    with CheckpointManager(root, options=opts) as mgr:
+        for step in (2, 3):
+            mgr.save(step, make_state(step)[0])
+            mgr.wait()
+        tiers = mgr.steps_by_tier()
+    data, cid, off, length = rng.choice(_chunk_ranges(tier, flip_step))
+    _flip_file(data, off + rng.randrange(length), rng)
+    return tiers, cid
+
+
 def test_corrupt_ram_only_step_fails_naming_the_chunk(tmp_path: Path, shm: Path, recorder: Recorder) -> None:
     """No other tier holds a RAM-only step's chunks: restoring that step fails, typed, naming
     the array and the chunk (never wrong data); ``restore()`` of the latest falls back to the
     older persistent step."""
     opts = dataclasses.replace(OPTIONS, ram=RamOptions(root=str(shm / "host0"), interval_steps=1), save_interval_steps=2)
     root = str(tmp_path / "ckpt")
-    rng = random.Random(12)
-    with CheckpointManager(root, options=opts) as mgr:
-        for step in (2, 3):
-            mgr.save(step, make_state(step)[0])
-            mgr.wait()
-        assert mgr.steps_by_tier() == {2: {"storage"}, 3: {"ram"}}
-    data, cid, off, length = rng.choice(_chunk_ranges(shm / "host0", 3))
-    _flip_file(data, off + rng.randrange(length), rng)
+    tiers, cid = _save_then_flip_a_ram_chunk(root, opts, shm / "host0", flip_step=3, rng=random.Random(12))
+    assert tiers == {2: {"storage"}, 3: {"ram"}}
     with CheckpointManager(root, options=opts) as mgr:
         with pytest.raises((CheckpointNotFoundError, CorruptionError)) as info:
             mgr.restore(3)
@@ -312,13 +320,8 @@ def test_latest_ram_step_corrupt_falls_back_to_the_previous_ram_step(tmp_path: P
                                save_interval_steps=1000)
     root = str(tmp_path / "ckpt")
     rng = random.Random(5)
-    with CheckpointManager(root, options=opts) as mgr:
-        for step in (2, 3):
-            mgr.save(step, make_state(step)[0])
-            mgr.wait()
-        assert mgr.steps_by_tier() == {2: {"ram"}, 3: {"ram"}}
-    data, cid3, off, length = rng.choice(_chunk_ranges(shm / "host0", 3))
-    _flip_file(data, off + rng.randrange(length), rng)
+    tiers, _ = _save_then_flip_a_ram_chunk(root, opts, shm / "host0", flip_step=3, rng=rng)
+    assert tiers == {2: {"ram"}, 3: {"ram"}}
     with CheckpointManager(root, options=opts) as mgr:
         restored, stats = mgr.restore_with_stats()
         assert stats.step == 2 and wrong_leaves(restored, make_state(2)[1]) == []
