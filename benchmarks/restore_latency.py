@@ -440,9 +440,11 @@ def run_overhead(args: argparse.Namespace) -> dict[str, Any]:
         for _ in range(3):  # compile + warm up
             state = jax.block_until_ready(step_fn(state, x))
             step += 1
-        # Two checkpoints outside the measurement: the first save's one-off costs (new
-        # segment files, peer connections) and the first reuse of a spare segment.
-        for _ in range(2):
+        # Checkpoints outside the measurement until segment files are recycled: the first
+        # saves' one-off costs (new segment files, page faults, peer connections). With a
+        # peer, each tier holds keep_steps + 1 = 2 committed steps while a third is being
+        # written, so the 4th checkpoint is the first to reuse a spare segment (both sides).
+        for _ in range(4):
             step = RAM_STEP * (step // RAM_STEP + 1)
             state = jax.block_until_ready(step_fn(state, x))
             mgr.save(step, state)
