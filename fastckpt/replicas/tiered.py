@@ -19,7 +19,8 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -38,6 +39,9 @@ from fastckpt.storage._protocol import Store
 from fastckpt.writer.stage import StagedSave
 
 __all__ = ["RamReplication", "StepChoice"]
+
+_T = TypeVar("_T")
+_MAX_PEER_QUERIES = 32  # concurrent step/chunk-list queries during step selection
 
 
 class StepChoice:
@@ -152,27 +156,40 @@ class RamReplication:
                 return data
         return None
 
+    def _ask_peers(self, ask: Callable[[PeerClient], _T]) -> list[_T]:
+        """``ask(client)`` for every peer, concurrently (a job of hundreds of hosts, or a dead
+        peer's connect timeout, costs one round trip, not one per peer); peers that fail
+        (``PeerError``) are left out."""
+        clients = list(self._peers().values())
+
+        def one(client: PeerClient) -> tuple[bool, _T | None]:
+            try:
+                return True, ask(client)
+            except PeerError:
+                return False, None
+
+        if len(clients) <= 1:
+            answers = [one(c) for c in clients]
+        else:
+            with ThreadPoolExecutor(min(_MAX_PEER_QUERIES, len(clients)), thread_name_prefix="fastckpt-ask") as pool:
+                answers = list(pool.map(one, clients))
+        return [a for ok, a in answers if ok]  # type: ignore[misc]
+
     def steps_by_tier(self) -> dict[int, set[str]]:
         """RAM steps with a manifest: ``{"ram"}`` own tier, ``{"peer"}`` some peer."""
         out: dict[int, set[str]] = {s: {"ram"} for s in self.tier.committed_steps()}
-        for client in self._peers().values():
-            try:
-                for s in client.committed_steps():  # a step sealed but not committed is no step
-                    out.setdefault(s, set()).add("peer")
-            except PeerError:
-                continue
+        for steps in self._ask_peers(lambda c: c.committed_steps()):  # sealed but not committed: no step
+            for s in steps:
+                out.setdefault(s, set()).add("peer")
         return out
 
     def _complete(self, manifest: Manifest) -> bool:
         need = {chunk_id(a.path, c.box) for a in manifest.arrays() for c in a.chunks}
         have = set(self.tier.chunk_ids(manifest.step))
-        for client in self._peers().values():
-            if need <= have:
-                break
-            try:
-                have.update(client.list_chunks(manifest.step))
-            except PeerError:
-                continue
+        if need <= have:
+            return True
+        for ids in self._ask_peers(lambda c: c.list_chunks(manifest.step)):
+            have.update(ids)
         return need <= have
 
     def newest_complete_step(self, newer_than: int | None) -> tuple[int, bytes] | None:

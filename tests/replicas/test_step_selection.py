@@ -1,0 +1,46 @@
+"""Step selection asks every peer at once: one slow or dead peer costs one round trip, and a
+job of many hosts does not query them one after another."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+from fastckpt._distributed import default_coordinator
+from fastckpt.errors import PeerUnavailableError
+from fastckpt.options import RamOptions
+from fastckpt.replicas.tiered import RamReplication
+from fastckpt.storage import MemoryStore
+
+
+class _Peer:
+    """Answers only once every peer has been asked (a barrier): sequential queries would
+    break the barrier (after its timeout) instead of answering."""
+
+    def __init__(self, barrier: threading.Barrier, steps: list[int], *, dead: bool = False) -> None:
+        self.barrier, self.steps, self.dead = barrier, steps, dead
+
+    def committed_steps(self) -> list[int]:
+        self.barrier.wait(timeout=10)
+        if self.dead:
+            raise PeerUnavailableError("connect timed out")
+        return self.steps
+
+    def list_chunks(self, step: int) -> list[str]:
+        return []
+
+
+def test_peers_are_asked_concurrently_and_failures_left_out(tmp_path: Path) -> None:
+    rr = RamReplication(RamOptions(root=str(tmp_path / "tier"), replicas=0), coordinator=default_coordinator(),
+                        store=MemoryStore(), namespace="t", run=lambda c: None)
+    try:
+        n = 12
+        barrier = threading.Barrier(n)
+        peers: dict[str, Any] = {f"h{i}": _Peer(barrier, [i, 100], dead=i % 5 == 0) for i in range(n)}
+        rr._peers = lambda: peers  # type: ignore[method-assign]
+        got = rr.steps_by_tier()
+        assert not barrier.broken
+        assert got == {100: {"peer"}, **{i: {"peer"} for i in range(n) if i % 5}}
+    finally:
+        rr.close()
