@@ -26,8 +26,8 @@ Guarantees:
   interval (a replicator that falls a whole interval behind reopens it; its reports say
   so). Knowing locally that N is complete everywhere is impossible (the lost host's push is
   what is missing), so the tier does not try to free the previous step early. Steps newer
-  than the floor (saves and replicas in progress) are kept. Under budget pressure an allocation for step S
-  drops spares, then whole steps older than S, oldest first.
+  than the floor (saves and replicas in progress) are kept. Under budget pressure an
+  allocation for step S drops spares, then whole steps older than S, oldest first.
 
 Call sequence for a save: ``seg = allocate(step, n)`` → fill ``seg.buffer`` →
 ``seal(step, seg, index)`` (or ``discard(seg)``) → later ``put_manifest(step, manifest)``.
