@@ -1,12 +1,13 @@
 """fastckpt: fast, elastic, sharded checkpoints for JAX.
 
 Public API: :class:`CheckpointManager`, :func:`save`, :func:`restore`, option dataclasses
-and the :mod:`fastckpt.errors` exception tree. Importing fastckpt has no side effects.
+and the :mod:`fastckpt.errors` exception tree. Importing fastckpt has no side effects and
+does not import jax until the manager, ``save``/``restore`` or ``RestoreStats`` is used.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from fastckpt import errors as errors
-from fastckpt._api import restore as restore, save as save
-from fastckpt._manager import CheckpointManager as CheckpointManager, SaveStats as SaveStats
 from fastckpt.errors import FastckptError as FastckptError
 from fastckpt.options import (
     DistributedOptions as DistributedOptions,
@@ -16,7 +17,36 @@ from fastckpt.options import (
     RetentionOptions as RetentionOptions,
     SaveOptions as SaveOptions,
 )
-from fastckpt.reader.fetch import RestoreStats as RestoreStats
+
+if TYPE_CHECKING:
+    from fastckpt._api import restore as restore, save as save
+    from fastckpt._manager import CheckpointManager as CheckpointManager, SaveStats as SaveStats
+    from fastckpt.reader.units import RestoreStats as RestoreStats
+
+# Imported on first use: they pull in jax (over a second), which the CLI's inspect/gc/verify
+# and code that only builds options do not need.
+_LAZY = {
+    "CheckpointManager": "fastckpt._manager",
+    "SaveStats": "fastckpt._manager",
+    "RestoreStats": "fastckpt.reader.units",
+    "save": "fastckpt._api",
+    "restore": "fastckpt._api",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fastckpt' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
 
 __version__ = "0.1.0"
 
