@@ -224,6 +224,9 @@ class Replicator:
             for old in self._handles:
                 if old.step < step and not old.done():
                     old._cancelled = True
+                    _log.warning("fastckpt: push of RAM step %d superseded by step %d before it finished; until "
+                                 "%d is pushed, losing a host may leave no complete RAM step (pushes take longer "
+                                 "than the RAM checkpoint interval)", old.step, step, step)
             self._handles.append(handle)
             self._totals["steps"] += 1
             while len(self._threads) < min(self.options.concurrency, max(1, len(targets))):

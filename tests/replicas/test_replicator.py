@@ -85,7 +85,7 @@ def test_dead_target_is_reported_and_others_still_served(make_tier: MakeTier, ma
     rep.close()
 
 
-def test_submit_never_blocks_and_newer_steps_supersede(make_tier: MakeTier) -> None:
+def test_submit_never_blocks_and_newer_steps_supersede(make_tier: MakeTier, caplog: pytest.LogCaptureFixture) -> None:
     own = make_tier("own", keep_steps=5)
     for step in (1, 2):
         seal_chunks(own, step, fill(step, {f"c{i}": 10 for i in range(5)}))
@@ -101,6 +101,7 @@ def test_submit_never_blocks_and_newer_steps_supersede(make_tier: MakeTier) -> N
     reports = rep.wait(30)
     assert [r.step for r in reports] == [1, 2]
     assert reports[0].superseded and not reports[0].ok
+    assert any("push of RAM step 1 superseded by step 2" in r.getMessage() for r in caplog.records), caplog.text
     assert reports[1].ok and reports[1].chunks_pushed == 5
     assert sum(1 for s, _ in slow.pushed if s == 1) <= 1  # step 1 stopped after its first chunk
     assert h2.done()
