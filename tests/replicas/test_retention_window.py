@@ -41,16 +41,19 @@ def _complete_steps(tiers: dict[int, RamTier], hosts: int) -> list[int]:
 def test_survivors_hold_a_complete_step_wherever_a_host_dies(hosts: int, ram_steps: int, victim: int,
                                                             data: st.DataObject) -> None:
     victim %= hosts
-    root = Path("/dev/shm") / f"fastckpt-window-{uuid.uuid4().hex[:12]}"
-    tiers = {h: RamTier(root / f"h{h}", budget_bytes=1 << 20, keep_steps=1, replicated=True) for h in range(hosts)}
-    # Events of the whole run; the host dies right before event number `death`.
+    # Events of the whole run; the host dies right before event number `death`. Everything
+    # is drawn before any tier exists (a draw may abort the example).
     events: list[tuple[str, int, int]] = []
     for k in range(ram_steps):
         step = 10 * (k + 1)
         events += [("commit", step, h) for h in range(hosts)]
         events += data.draw(st.permutations([("push", step, h) for h in range(hosts)]), label=f"pushes of {step}")
     death = data.draw(st.integers(2 * hosts, len(events)), label="death")  # once the first step is replicated
+    root = Path("/dev/shm") / f"fastckpt-window-{uuid.uuid4().hex[:12]}"
+    tiers: dict[int, RamTier] = {}
     try:
+        for h in range(hosts):
+            tiers[h] = RamTier(root / f"h{h}", budget_bytes=1 << 20, keep_steps=1, replicated=True)
         for kind, step, h in events[:death]:
             if kind == "commit":
                 seal_chunks(tiers[h], step, {f"h{h}": fill(step, {"x": 64}, seed=h)["x"]})
