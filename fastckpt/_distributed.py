@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import threading
+import time
 from typing import Any
 
 from fastckpt.errors import BarrierTimeoutError, DistributedError
@@ -46,16 +47,20 @@ class Coordinator(abc.ABC):
     def _count_scope(self) -> object:
         return self
 
+    def exchange(self, name: str, value: str, *, timeout_s: float) -> list[str]:
+        """Publish ``value`` as this process's under ``name`` and return every process's, in
+        process order, once all have published: a barrier that carries a value (each name
+        used once per job; ``timeout_s`` bounds the whole wait)."""
+        if self.process_count == 1:
+            return [value]
+        self.set(f"{name}/{self.process_index}", value)
+        deadline = time.monotonic() + timeout_s
+        return [self.get(f"{name}/{i}", timeout_s=max(0.001, deadline - time.monotonic()))
+                for i in range(self.process_count)]
+
     def barrier(self, name: str, *, timeout_s: float) -> None:
         """Wait until every process reached ``name`` (each name used once per job)."""
-        import time
-
-        if self.process_count == 1:
-            return
-        self.set(f"{name}/arrived/{self.process_index}", "1")
-        deadline = time.monotonic() + timeout_s
-        for i in range(self.process_count):
-            self.get(f"{name}/arrived/{i}", timeout_s=max(0.001, deadline - time.monotonic()))
+        self.exchange(f"{name}/arrived", "1", timeout_s=timeout_s)
 
 
 # Per coordination-service counters for ``Coordinator.namespace``. The scope is the

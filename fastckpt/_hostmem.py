@@ -143,7 +143,7 @@ def parallel_copy(pairs: Sequence[tuple[np.ndarray, np.ndarray]], executor: Exec
     _run_grouped([d.nbytes for d, _ in pairs], lambda i: np.copyto(pairs[i][0], pairs[i][1]), executor, jobs)
 
 
-def parallel_crc32c(views: Sequence[np.ndarray], executor: Executor | None, *, jobs: int) -> list[int]:
+def parallel_crc32c(views: Sequence[np.ndarray | memoryview], executor: Executor | None, *, jobs: int) -> list[int]:
     """crc32c of each buffer, in ``jobs`` parallel tasks of similar byte counts (GIL released)."""
     return _run_grouped([v.nbytes for v in views], lambda i: crc32c(views[i]), executor, jobs)
 

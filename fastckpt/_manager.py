@@ -444,11 +444,8 @@ class CheckpointManager:
         missing = isinstance(failure, CheckpointNotFoundError)
         mine = "ok" if failure is None else ("missing " if missing else "error ") + str(failure)[:500]
         outcomes = [mine]
-        if coord.process_count > 1 and self._ram is not None:
-            coord.set(f"{tag}/outcome/{coord.process_index}", mine)
-            deadline = time.monotonic() + self.options.distributed.barrier_timeout_s
-            outcomes = [coord.get(f"{tag}/outcome/{i}", timeout_s=max(0.001, deadline - time.monotonic()))
-                        for i in range(coord.process_count)]
+        if self._ram is not None:
+            outcomes = coord.exchange(f"{tag}/outcome", mine, timeout_s=self.options.distributed.barrier_timeout_s)
         if all(o == "ok" for o in outcomes):
             return False
         if may_retry and all(o == "ok" or o.startswith("missing ") for o in outcomes):

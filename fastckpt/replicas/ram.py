@@ -365,8 +365,7 @@ class RamTier:
             d = self.root / f"step-{step}"
             d.mkdir(exist_ok=True, mode=0o700)
             atomic_write(d / MANIFEST, data)
-            st = self._steps.setdefault(step, StepState())
-            st.manifest_bytes = len(data)
+            self._steps.setdefault(step, StepState()).manifest_bytes = len(data)
             self._apply_retention()
 
     def drop_step(self, step: int) -> None:

@@ -127,13 +127,12 @@ class RamReplication:
 
     def publish(self, step: int, manifest: bytes) -> None:
         """Store the manifest (commits the RAM step here) and start the background peer push."""
+        self.tier.put_manifest(step, manifest)  # with peers the tier also holds the previous step
         if self._replicator is None or self.options.replicas == 0:
-            self.tier.put_manifest(step, manifest)
             return
         peers = self._peers()
-        placement = push_targets([self.member_id, *peers], self.options.replicas, domain_of=host_domain)
-        self.tier.put_manifest(step, manifest)  # the tier holds the previous step too (replicated)
-        targets = placement.get(self.member_id, [])
+        targets = push_targets([self.member_id, *peers], self.options.replicas, domain_of=host_domain).get(
+            self.member_id, [])
         self._replicator.set_targets({m: peers[m] for m in targets if m in peers})
         self._replicator.submit(step, chunk_ids=self._sealed_ids, manifest=manifest)
 

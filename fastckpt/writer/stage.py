@@ -226,6 +226,6 @@ def staged_crc32c(staged: StagedSave, executor: Executor | None, *, jobs: int = 
     A pass over the staging buffer in ``jobs`` parallel tasks; run it off the training
     thread (the background part of a save), after :func:`stage_state` returned.
     """
-    views = [staged.buffer[off : off + it.nbytes] for arr in staged.arrays for it, off in zip(arr.items, arr.item_offsets)]
+    views = [staged.chunk_view(arr, i) for arr in staged.arrays for i in range(len(arr.items))]
     crcs = iter(parallel_crc32c(views, executor, jobs=jobs))
     return {ai: [next(crcs) for _ in arr.items] for ai, arr in enumerate(staged.arrays)}
