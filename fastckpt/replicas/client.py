@@ -138,18 +138,22 @@ class PeerClient:
         step: int,
         items: Sequence[tuple[str, memoryview | np.ndarray, int | None]],
         *,
-        window: int = 16,
+        batch_chunks: int = 16,
+        window: int = 4,
     ) -> list[Literal["ok", "missing", "corrupt"]]:
-        """Fetch several whole chunks over one connection, requests pipelined.
+        """Fetch several whole chunks over one connection, in batches, requests pipelined.
 
-        Up to ``window`` requests are in flight, so the peer sends chunk after chunk without
-        waiting for the next request (no round trip, no wake-up per chunk).
+        Each batch of up to ``batch_chunks`` chunks (and at most ``max_payload_bytes``) is one
+        GET_CHUNKS request answered by one CHUNKS frame that carries the chunks back to back,
+        so per chunk there is no request, reply header or wake-up of its own; up to ``window``
+        batch requests are in flight, so the peer streams batch after batch.
 
         Args:
             step: Step number.
             items: ``(chunk_id, into, expected_crc32c)``; each ``into`` is received into
                 directly and must have the chunk's exact length.
-            window: Requests in flight at most.
+            batch_chunks: Chunks per request (1..``wire.MAX_BATCH_CHUNKS``).
+            window: Batch requests in flight at most.
 
         Returns:
             Per item: ``"ok"`` (``into`` holds the verified bytes), ``"missing"`` (the peer
@@ -158,52 +162,77 @@ class PeerClient:
         Raises:
             PeerUnavailableError: the connection failed or the peer refused mid-stream (the
                 connection is discarded; no item after the failure is done).
+            ProtocolError: the peer's reply is malformed (the connection is discarded).
         """
         if window < 1:
             raise ConfigError(f"window must be >= 1, got {window}")
-        for cid, _, _ in items:
-            wire.check_chunk_id(cid)
+        if not 0 < batch_chunks <= wire.MAX_BATCH_CHUNKS:
+            raise ConfigError(f"batch_chunks must be in 1..{wire.MAX_BATCH_CHUNKS}, got {batch_chunks}")
+        ids = [wire.check_chunk_id(cid) for cid, _, _ in items]
         dsts = [(i.data if isinstance(i, np.ndarray) else memoryview(i)).cast("B") for _, i, _ in items]
+        batches = self._batches(ids, [d.nbytes for d in dsts], batch_chunks)
+
+        def request(lo: int, hi: int) -> bytes:
+            payload = json.dumps(ids[lo:hi], separators=(",", ":")).encode()
+            return wire.encode_frame(MsgType.GET_CHUNKS, {"step": step, "count": hi - lo}, len(payload)) + payload
 
         def op(c: _Conn) -> list[Literal["ok", "missing", "corrupt"]]:
             out: list[Literal["ok", "missing", "corrupt"]] = []
             sent = 0
-
-            def send_upto(k: int) -> None:
-                nonlocal sent
-                frames = b"".join(
-                    wire.encode_frame(MsgType.GET_CHUNK, {"step": step, "chunk_id": cid, "offset": 0, "length": None})
-                    for cid, _, _ in items[sent:k]
-                )
-                try:
-                    c.sock.sendall(frames)
-                except OSError as e:
-                    raise PeerUnavailableError(f"send to peer {self.name} failed: {e!r}") from e
-                sent = k
-
             try:
-                for i, ((cid, _, expected), dst) in enumerate(zip(items, dsts)):
-                    if sent <= i + window // 2:
-                        send_upto(min(len(items), i + window))
-                    mtype, h, plen = self._reply(c, MsgType.CHUNK)
-                    if mtype is MsgType.ERROR:
-                        out.append("missing")
-                        continue
-                    if h["offset"] != 0 or plen != h["chunk_length"]:
-                        raise ProtocolError(f"CHUNK reply covers {h['offset']}+{plen} of {h['chunk_length']}")
-                    if plen != dst.nbytes:
-                        drain(c.sock, plen)
-                        out.append("corrupt")
-                        continue
-                    got = recv_into_crc(c.sock, dst)
-                    ok = got == h["raw_crc32c"] and (expected is None or got == expected)
-                    out.append("ok" if ok else "corrupt")
+                for b, (lo, hi) in enumerate(batches):
+                    if sent <= b:
+                        upto = min(len(batches), b + window)
+                        try:
+                            c.sock.sendall(b"".join(request(*batches[k]) for k in range(sent, upto)))
+                        except OSError as e:
+                            raise PeerUnavailableError(f"send to peer {self.name} failed: {e!r}") from e
+                        sent = upto
+                    _, h, plen = self._reply(c, MsgType.CHUNKS, missing_ok=False)
+                    out.extend(self._recv_batch(c, h, plen, dsts[lo:hi], [e for _, _, e in items[lo:hi]]))
             except (PeerRequestError, ChecksumMismatchError) as e:  # replies still in flight: out of sync
                 c.sock.close()
                 raise PeerUnavailableError(f"peer {self.name} refused mid-stream: {e}") from e
             return out
 
         return self._call(op)
+
+    def _batches(self, ids: Sequence[str], sizes: Sequence[int], batch_chunks: int) -> list[tuple[int, int]]:
+        """Consecutive ``[lo, hi)`` index ranges of at most ``batch_chunks`` distinct ids and at
+        most ``max_payload_bytes`` (an item larger than that gets a batch of its own)."""
+        out: list[tuple[int, int]] = []
+        lo, nbytes, seen = 0, 0, set()
+        for i, (cid, n) in enumerate(zip(ids, sizes)):
+            if i > lo and (i - lo >= batch_chunks or nbytes + n > self._limits.max_payload_bytes or cid in seen):
+                out.append((lo, i))
+                lo, nbytes, seen = i, 0, set()
+            nbytes += n
+            seen.add(cid)
+        if lo < len(sizes):
+            out.append((lo, len(sizes)))
+        return out
+
+    def _recv_batch(self, c: _Conn, h: dict[str, Any], plen: int, dsts: Sequence[memoryview],
+                    expected: Sequence[int | None]) -> list[Literal["ok", "missing", "corrupt"]]:
+        """Receive one CHUNKS payload into ``dsts``, verifying each chunk as it arrives."""
+        lengths, crcs, missing = h["lengths"], h["crcs"], h["missing"]
+        n = len(dsts)
+        absent = set(missing)
+        if (len(lengths) != n or len(crcs) != n or sum(lengths) != plen or len(absent) != len(missing)
+                or any(i >= n or lengths[i] for i in absent)):
+            raise ProtocolError(f"CHUNKS reply for {n} chunks is inconsistent: {len(lengths)} lengths, "
+                                f"{len(crcs)} crcs, {len(missing)} missing, {sum(lengths)} of {plen} payload bytes")
+        out: list[Literal["ok", "missing", "corrupt"]] = []
+        for i, dst in enumerate(dsts):
+            if i in absent:
+                out.append("missing")
+            elif lengths[i] != dst.nbytes:
+                drain(c.sock, lengths[i])
+                out.append("corrupt")
+            else:
+                got = recv_into_crc(c.sock, dst)
+                out.append("ok" if got == crcs[i] and expected[i] in (None, got) else "corrupt")
+        return out
 
     def push_chunk(
         self, step: int, chunk_id: str, data: memoryview | bytes | np.ndarray, *, raw_crc32c: int | None = None

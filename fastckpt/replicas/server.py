@@ -209,6 +209,8 @@ class PeerServer:
             header = {"raw_crc32c": loc.raw_crc32c, "chunk_length": loc.length, "offset": start}
             wire.send_frame(conn, MsgType.CHUNK, header, [view[start:stop]])
             self._count("bytes_sent", stop - start)
+        elif mtype is MsgType.GET_CHUNKS:
+            return self._get_chunks(conn, h, plen)
         elif mtype is MsgType.PUT_CHUNK:
             return self._put_chunk(conn, h, plen)
         elif mtype is MsgType.PUT_CHUNKS:
@@ -238,6 +240,32 @@ class PeerServer:
             wire.send_frame(conn, MsgType.STEP_LIST, {"steps": tier.steps(), "committed": tier.committed_steps()})
         else:
             raise ProtocolError(f"{mtype.name} is not a request")
+        return True
+
+    def _get_chunks(self, conn: socket.socket, h: dict[str, Any], plen: int) -> bool:
+        """Answer a batch of whole-chunk reads with one CHUNKS frame (held chunks back to back)."""
+        count = h["count"]
+        if not 0 < count <= wire.MAX_BATCH_CHUNKS or plen > wire.max_id_list_bytes(count):
+            raise ProtocolError(f"GET_CHUNKS: {count} chunks in a {plen}-byte id list")
+        raw = bytearray(plen)
+        wire.recv_exact(conn, memoryview(raw))
+        ids = wire.decode_id_batch(raw, count=count)
+        views: list[memoryview] = []
+        lengths, crcs, missing = [0] * count, [0] * count, []
+        for i, cid in enumerate(ids):
+            hit = self._tier.read_chunk(h["step"], cid)
+            if hit is None:
+                missing.append(i)
+                continue
+            view, loc = hit
+            views.append(view)
+            lengths[i], crcs[i] = loc.length, loc.raw_crc32c
+        total = sum(lengths)
+        if total > self._limits.max_payload_bytes:
+            return self._error(conn, "too_large", f"{count} chunks of {total} bytes exceed the payload limit "
+                                                  f"of {self._limits.max_payload_bytes}")
+        wire.send_frame(conn, MsgType.CHUNKS, {"lengths": lengths, "crcs": crcs, "missing": missing}, views)
+        self._count("bytes_sent", total)
         return True
 
     def _put_chunk(self, conn: socket.socket, h: dict[str, Any], plen: int) -> bool:
@@ -270,7 +298,7 @@ class PeerServer:
         if not 0 < count == len(lengths) == len(crcs) or ids_len + sum(lengths) != plen:
             raise ProtocolError(f"PUT_CHUNKS: {count} chunks, {len(lengths)} lengths, {len(crcs)} crcs, "
                                 f"{ids_len} + {sum(lengths)} bytes != payload {plen}")
-        if ids_len > count * (4 * wire.MAX_CHUNK_ID_CHARS + 3) + 2:
+        if ids_len > wire.max_id_list_bytes(count):
             raise ProtocolError(f"PUT_CHUNKS: {ids_len}-byte id list for {count} chunks")
         raw = bytearray(ids_len)
         wire.recv_exact(conn, memoryview(raw))

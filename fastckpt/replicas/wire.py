@@ -38,6 +38,7 @@ __all__ = [
     "AUTH_LIMITS",
     "ERROR_CODES",
     "MAGIC",
+    "MAX_BATCH_CHUNKS",
     "PAYLOAD_TYPES",
     "PREFIX",
     "SCHEMAS",
@@ -51,9 +52,11 @@ __all__ = [
     "check_chunk_id",
     "decode_frame",
     "decode_header",
+    "decode_id_batch",
     "decode_json_list",
     "decode_prefix",
     "encode_frame",
+    "max_id_list_bytes",
     "new_nonce",
     "recv_exact",
     "recv_frame_head",
@@ -67,6 +70,8 @@ PREFIX = struct.Struct(">4sBBHIQ")
 NONCE_BYTES = 32
 MAX_CHUNK_ID_CHARS = 16384
 MAX_MESSAGE_CHARS = 4096
+#: Most chunks one GET_CHUNKS may ask for (keeps the CHUNKS header far below 64 KiB).
+MAX_BATCH_CHUNKS = 1024
 _U63 = (1 << 63) - 1
 _SEND_PIECE = 64 << 20  # a payload is sent in pieces so the socket timeout bounds a stall
 _AUTH_DOMAIN = b"fastckpt-peer-auth-v1\x00"
@@ -96,6 +101,10 @@ class MsgType(enum.IntEnum):
     OK = 26
     PUT_CHUNKS = 27
     """Client → server: several chunks of one step, stored as one segment (see ``SCHEMAS``)."""
+    GET_CHUNKS = 28
+    """Client → server: several whole chunks of one step, answered by one CHUNKS frame."""
+    CHUNKS = 29
+    """Server → client: the chunks a GET_CHUNKS asked for, back to back (see ``SCHEMAS``)."""
     ERROR = 31
 
 
@@ -120,12 +129,17 @@ SCHEMAS: Mapping[MsgType, Mapping[str, str]] = {
     # Payload: a JSON array of ``count`` chunk ids (``ids_len`` bytes), then the chunks'
     # bytes back to back in that order; ``lengths[i]``/``crcs[i]`` describe chunk ``i``.
     MsgType.PUT_CHUNKS: {"step": "u63", "count": "u63", "ids_len": "u63", "lengths": "u63[]", "crcs": "u32[]"},
+    # Payload: a JSON array of ``count`` (<= MAX_BATCH_CHUNKS) distinct chunk ids.
+    MsgType.GET_CHUNKS: {"step": "u63", "count": "u63"},
+    # One entry per requested id, in request order; ``missing`` lists the indexes the server
+    # does not hold (their lengths/crcs are 0). Payload: the held chunks back to back.
+    MsgType.CHUNKS: {"lengths": "u63[]", "crcs": "u32[]", "missing": "u63[]"},
     MsgType.ERROR: {"code": "msg", "message": "msg"},
 }
 
 #: Message types that may carry a payload; every other type must have ``payload_len == 0``.
 PAYLOAD_TYPES = frozenset({MsgType.CHUNK, MsgType.PUT_CHUNK, MsgType.PUT_CHUNKS, MsgType.CHUNK_LIST, MsgType.MANIFEST,
-                           MsgType.PUT_MANIFEST})
+                           MsgType.PUT_MANIFEST, MsgType.GET_CHUNKS, MsgType.CHUNKS})
 
 #: ERROR codes a server sends. Clients map them onto the :mod:`fastckpt.errors` tree.
 ERROR_CODES = frozenset(
@@ -302,6 +316,22 @@ def decode_json_list(raw: bytes | bytearray | memoryview, *, count: int) -> list
     return value
 
 
+def decode_id_batch(raw: bytes | bytearray | memoryview, *, count: int) -> list[str]:
+    """Decode a GET_CHUNKS payload: ``count`` (1..MAX_BATCH_CHUNKS) distinct chunk ids."""
+    if not 0 < count <= MAX_BATCH_CHUNKS:
+        raise ProtocolError(f"GET_CHUNKS asks for {count} chunks (1..{MAX_BATCH_CHUNKS} allowed)")
+    ids = decode_json_list(raw, count=count)
+    if len(set(ids)) != count:
+        raise ProtocolError("GET_CHUNKS: duplicate chunk ids")
+    return ids
+
+
+def max_id_list_bytes(count: int) -> int:
+    """The longest JSON array of ``count`` chunk ids as ``json.dumps`` writes it (ASCII-escaped:
+    at most 12 bytes a character, for one outside the BMP)."""
+    return count * (12 * MAX_CHUNK_ID_CHARS + 3) + 2
+
+
 def decode_frame(data: bytes | bytearray | memoryview, limits: WireLimits) -> Frame:
     """Decode exactly one whole frame from ``data`` (no bytes missing, none left over)."""
     data = bytes(data)
@@ -315,6 +345,8 @@ def decode_frame(data: bytes | bytearray | memoryview, limits: WireLimits) -> Fr
     payload = data[PREFIX.size + prefix.header_len :]
     if prefix.type is MsgType.CHUNK_LIST:
         decode_json_list(payload, count=header["count"])
+    elif prefix.type is MsgType.GET_CHUNKS:
+        decode_id_batch(payload, count=header["count"])
     return Frame(prefix.type, header, payload)
 
 

@@ -348,7 +348,7 @@ class FlippingRelay:
     """
 
     def __init__(self, upstream: tuple[str, int], *, seed: int, direction: str = "down",
-                 types: frozenset[MsgType] = frozenset({MsgType.CHUNK}), probability: float = 1.0,
+                 types: frozenset[MsgType] = frozenset({MsgType.CHUNK, MsgType.CHUNKS}), probability: float = 1.0,
                  where: str = "payload") -> None:
         self.upstream = upstream
         self.rng = random.Random(seed)

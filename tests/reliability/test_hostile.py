@@ -283,12 +283,13 @@ def _frame_strategy() -> st.SearchStrategy[bytes]:
     """Frames a hostile authenticated client might send: valid-schema requests with hostile
     values, lying prefixes, junk JSON headers, and truncations of all of these."""
     request_types = [MsgType.GET_CHUNK, MsgType.PUT_CHUNK, MsgType.LIST, MsgType.GET_MANIFEST, MsgType.PUT_MANIFEST,
-                     MsgType.STEPS]
+                     MsgType.STEPS, MsgType.GET_CHUNKS, MsgType.PUT_CHUNKS]
     ints = st.one_of(st.integers(0, 3), st.integers(-5, 2**64 + 5), st.sampled_from([2**63 - 1, 2**63, 2**32]))
     values = st.one_of(ints, st.text(max_size=20), st.none(), st.booleans(), st.floats(allow_nan=False),
                        st.sampled_from(["a", "b", "x" * 20000]))
     header = st.one_of(
-        st.dictionaries(st.sampled_from(["step", "chunk_id", "offset", "length", "raw_crc32c", "x"]), values, max_size=5)
+        st.dictionaries(st.sampled_from(["step", "chunk_id", "offset", "length", "raw_crc32c", "count", "x"]), values,
+                        max_size=5)
         .map(lambda d: json.dumps(d).encode()),
         st.integers(1, 50_000).map(lambda d: b"[" * d + b"]" * d),
         st.sampled_from([b'{"step": NaN}', b'{"step": 1, "step": 2}', b"\xff\xfe", b"", b"{", b'{"step": 1e400}']),
@@ -357,6 +358,15 @@ SCRIPTED: dict[str, tuple[bool, Callable[[], bytes], tuple[str, Any]]] = {
                                                                      "length": 2}), ("error", "bad_request")),
     "chunk_id_too_long": (True, lambda: _frame(MsgType.GET_CHUNK, {"step": 1, "chunk_id": "x" * (wire.MAX_CHUNK_ID_CHARS + 1),
                                                                    "offset": 0, "length": None}), ("error", "bad_request")),
+    "batch_duplicate_ids": (True, lambda: _frame(MsgType.GET_CHUNKS, {"step": 1, "count": 2}, b'["a","a"]'),
+                            ("error", "bad_request")),
+    "batch_too_many_ids": (True, lambda: _frame(MsgType.GET_CHUNKS, {"step": 1, "count": wire.MAX_BATCH_CHUNKS + 1},
+                                                json.dumps([str(i) for i in range(wire.MAX_BATCH_CHUNKS + 1)]).encode()),
+                           ("error", "bad_request")),
+    "batch_ids_not_a_list": (True, lambda: _frame(MsgType.GET_CHUNKS, {"step": 1, "count": 1}, b'{"a":1}'),
+                             ("error", "bad_request")),
+    "batch_of_absent_chunks": (True, lambda: _frame(MsgType.GET_CHUNKS, {"step": 9, "count": 1}, b'["a"]'),
+                               ("reply", MsgType.CHUNKS)),
     "header_over_limit": (True, lambda: wire.PREFIX.pack(wire.MAGIC, wire.VERSION, MsgType.LIST, 0, FAST.max_header_bytes + 1, 0),
                           ("error", "too_large")),
     "payload_over_limit": (True, lambda: wire.PREFIX.pack(wire.MAGIC, wire.VERSION, MsgType.PUT_CHUNK, 0, 2,

@@ -185,6 +185,9 @@ class StallingPeer:
                 if self.mode == "payload" and t is MsgType.GET_CHUNK:
                     head = wire.encode_frame(MsgType.CHUNK, {"raw_crc32c": 0, "chunk_length": 1 << 20, "offset": 0}, 1 << 20)
                     conn.sendall(head + b"\0" * (1 << 19))
+                elif self.mode == "payload" and t is MsgType.GET_CHUNKS:
+                    head = wire.encode_frame(MsgType.CHUNKS, {"lengths": [1 << 20], "crcs": [0], "missing": []}, 1 << 20)
+                    conn.sendall(head + b"\0" * (1 << 19))
             self.stop.wait(60)
         except Exception:
             pass
@@ -212,13 +215,15 @@ PEER_OPTS = PeerOptions(connect_timeout_s=1.0, handshake_timeout_s=1.0, io_timeo
 @pytest.mark.parametrize("stalling_peer", ["reply", "payload"], indirect=True)
 def test_stalled_peer_transfer_fails_in_bounded_time(stalling_peer: StallingPeer, recorder: Recorder) -> None:
     with PeerClient(stalling_peer.address, secret=SECRET, options=PEER_OPTS) as client:
-        for call in (lambda: client.get_chunk(1, "a"), lambda: client.list_chunks(1), client.steps):
+        into = np.zeros(1 << 20, np.uint8)
+        for call in (lambda: client.get_chunk(1, "a"), lambda: client.get_chunks(1, [("a", into, None)]),
+                     lambda: client.list_chunks(1), client.steps):
             t0 = time.monotonic()
             with pytest.raises(PeerUnavailableError):
                 call()
             took = time.monotonic() - t0
             assert took < 2 * IO_TIMEOUT_S + 1.5, took
-    recorder.add(f"timeout_peer_{stalling_peer.mode}", calls=3, io_timeout_s=IO_TIMEOUT_S, max_seconds=round(took, 2))
+    recorder.add(f"timeout_peer_{stalling_peer.mode}", calls=4, io_timeout_s=IO_TIMEOUT_S, max_seconds=round(took, 2))
 
 
 @pytest.mark.parametrize("stalling_peer", ["read"], indirect=True)

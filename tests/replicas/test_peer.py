@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import threading
 import time
@@ -332,6 +333,48 @@ def test_push_chunks_stores_one_segment_all_or_nothing(make_tier: MakeTier, make
         assert e.value.code == "stale_step"
         c.push_chunks(6, batch[:1])
         assert tier.chunk_ids(6) == ["p@0:4"]
+
+
+def test_get_chunks_sends_one_request_per_batch(make_tier: MakeTier, make_server: MakeServer) -> None:
+    tier = make_tier("batches")
+    sizes = {f"c{i}": (i * 7919) % 5000 for i in range(11)}
+    data = fill(1, sizes)
+    seal_chunks(tier, 1, data)
+    server = make_server(tier, options=FAST)
+    # 11 chunks + one absent id, in batches of 3: [c0 c1 c2] [c3 c4 nope] [c5 c6 c7] [c8 c9 c10];
+    # then c2 asked twice in a row: the repeat starts a new batch (a request names each id once).
+    ids = [f"c{i}" for i in range(5)] + ["nope"] + [f"c{i}" for i in range(5, 11)]
+    cases = [(ids, 3, 2, 4), (["c2", "c2", "c3"], 16, 4, 2), (ids[:4], 1, 1, 4)]
+    with PeerClient(server.address, secret=SECRET, options=FAST) as c:
+        for want_ids, batch, window, requests in cases:
+            intos = [np.zeros(sizes.get(cid, 1), np.uint8) for cid in want_ids]
+            before = server.stats["requests"]
+            got = c.get_chunks(1, [(cid, into, None) for cid, into in zip(want_ids, intos)],
+                               batch_chunks=batch, window=window)
+            assert server.stats["requests"] - before == requests
+            assert got == ["missing" if cid == "nope" else "ok" for cid in want_ids]
+            for cid, into in zip(want_ids, intos):
+                if cid != "nope":
+                    assert into.tobytes() == data[cid].tobytes()
+        assert c.handshakes == 1
+        with pytest.raises(ConfigError):
+            c.get_chunks(1, [("c1", np.zeros(1, np.uint8), None)], batch_chunks=wire.MAX_BATCH_CHUNKS + 1)
+
+
+def test_get_chunks_reply_over_the_servers_payload_limit_is_refused(make_tier: MakeTier,
+                                                                    make_server: MakeServer) -> None:
+    tier = make_tier("limit")
+    data = fill(1, {"x": 3000, "y": 3000})
+    seal_chunks(tier, 1, data)
+    server = make_server(tier, options=dataclasses.replace(FAST, max_payload_bytes=4096))
+    with PeerClient(server.address, secret=SECRET, options=FAST) as c:
+        with pytest.raises(PeerUnavailableError, match="too_large"):  # the client's own limit is larger
+            c.get_chunks(1, [(cid, np.zeros(3000, np.uint8), None) for cid in ("x", "y")])
+    small = dataclasses.replace(FAST, max_payload_bytes=4096)
+    with PeerClient(server.address, secret=SECRET, options=small) as c:  # splits its requests by its limit
+        intos = [np.zeros(3000, np.uint8) for _ in range(2)]
+        assert c.get_chunks(1, [(cid, into, None) for cid, into in zip("xy", intos)]) == ["ok", "ok"]
+        assert [i.tobytes() for i in intos] == [data["x"].tobytes(), data["y"].tobytes()]
 
 
 def test_malformed_push_chunks_is_refused(served) -> None:  # type: ignore[no-untyped-def]

@@ -34,6 +34,8 @@ VALID: list[tuple[MsgType, dict[str, Any], bytes]] = [
     (MsgType.STEPS, {}, b""),
     (MsgType.STEP_LIST, {"steps": [1, 2], "committed": []}, b""),
     (MsgType.OK, {"stored": False}, b""),
+    (MsgType.GET_CHUNKS, {"step": 3, "count": 2}, b'["a","p[\'w\']@0:4"]'),
+    (MsgType.CHUNKS, {"lengths": [3, 0, 1], "crcs": [7, 0, 2**32 - 1], "missing": [1]}, b"abcd"),
     (MsgType.ERROR, {"code": "not_found", "message": "nope"}, b""),
 ]
 
@@ -79,6 +81,12 @@ def test_round_trip(t: MsgType, h: dict[str, Any], payload: bytes) -> None:
         raw_frame(1, b'{"nonce":"abc"}'),
         raw_frame(20, b'{"count":2}', b'["a"]'),
         raw_frame(20, b'{"count":1}', b'[1]'),
+        raw_frame(28, b'{"step":1,"count":2}', b'["a","a"]'),  # GET_CHUNKS: duplicate ids
+        raw_frame(28, b'{"step":1,"count":2}', b'["a"]'),  # count disagrees with the ids
+        raw_frame(28, b'{"step":1,"count":0}', b"[]"),
+        raw_frame(28, b'{"step":1,"count":1}', b'[""]'),
+        raw_frame(28, b'{"step":1,"count":1025}', b"[" + b",".join(b'"%d"' % i for i in range(1025)) + b"]"),
+        raw_frame(29, b'{"lengths":[1],"crcs":[-1],"missing":[]}', b"a"),
         raw_frame(4, b"{}")[:-1],
         raw_frame(4, b"{}") + b"x",
         b"FCKP",
