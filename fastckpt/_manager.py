@@ -44,7 +44,7 @@ from fastckpt.reader.fetch import ChunkSource, RestoreStats, Unit, fill_units
 from fastckpt.storage._protocol import Store
 from fastckpt.writer.commit import exchange_ram_manifest, publish_and_commit, ram_chunk_entries
 from fastckpt.writer.pipeline import WriteStats, write_chunks
-from fastckpt.writer.stage import StagedSave, stage_state, staged_crc32c
+from fastckpt.writer.stage import StagedSave, StagePlans, stage_state, staged_crc32c
 
 __all__ = ["CheckpointManager", "SaveStats"]
 
@@ -152,6 +152,7 @@ class CheckpointManager:
                                        namespace=self._ns, run=self._io.run)
         self.last_save_stats: SaveStats | None = None
         self.last_restore_stats: RestoreStats | None = None
+        self._plans = StagePlans()
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, state: Any, *, metadata: dict[str, object] | None = None, force: bool = False) -> bool:
@@ -184,6 +185,7 @@ class CheckpointManager:
                 allocate=(lambda n: ram_tier.allocate(step, n)) if ram_tier is not None else self._pool.take,
                 executor=self._workers,
                 copy_threads=self._threads,
+                plans=self._plans,
             )
         except BaseException:
             if ram_tier is not None:
