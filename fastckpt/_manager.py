@@ -72,6 +72,10 @@ class SaveStats:
     """Where this step was committed: ``"ram"`` and/or ``"storage"``."""
     ram_commit_s: float = 0.0
     """From the start of ``save()`` until the RAM step was sealed (RAM steps only)."""
+    push_wait_s: float = 0.0
+    """How long ``save()`` waited, before staging, for this host's push of the previous RAM
+    step to its peers (RAM steps only; non-zero only when pushes are slower than the RAM
+    interval). Not part of ``blocked_s``."""
 
 
 class _StagingPool:
@@ -158,6 +162,10 @@ class CheckpointManager:
     def save(self, step: int, state: Any, *, metadata: dict[str, object] | None = None, force: bool = False) -> bool:
         """Stage ``state`` for ``step`` and commit it in the background.
 
+        Waits first for the previous save's background work and, for a RAM step, for this
+        host's push of the previous RAM step to its peers (backpressure that keeps a
+        complete RAM step across any single host loss; ``SaveStats.push_wait_s``).
+
         Returns True if a save started, False if skipped (interval not reached, or another
         save in flight with ``if_busy="skip"``). Raises the previous save's error
         (:class:`SaveError`) if it failed, :class:`StepAlreadyCommittedError` for a step
@@ -174,9 +182,10 @@ class CheckpointManager:
         if self.options.save.if_busy == "skip" and self._busy_agreed():
             return False
         self.wait()
+        ram_tier = self._ram if ram else None
+        push_wait_s = ram_tier.wait_pushed() if ram_tier is not None else 0.0
         t0 = time.perf_counter()
         leaves, _ = flatten(state)
-        ram_tier = self._ram if ram else None
         try:
             staged = stage_state(
                 leaves,
@@ -191,7 +200,8 @@ class CheckpointManager:
             if ram_tier is not None:
                 ram_tier.abort()
             raise
-        stats = SaveStats(step=step, blocked_s=time.perf_counter() - t0, staged_bytes=staged.nbytes)
+        stats = SaveStats(step=step, blocked_s=time.perf_counter() - t0, staged_bytes=staged.nbytes,
+                          push_wait_s=push_wait_s)
         seq, self._seq = self._seq, self._seq + 1
         self._pending = self._background.submit(
             self._finish_save, seq, step, staged, dict(metadata or {}), stats, t0, persist, ram_tier is not None

@@ -22,9 +22,9 @@ Guarantees:
   with ``replicated=True`` one more. Why one more: every host commits step N together, but
   its push of N to its peers finishes later; a host lost in between leaves N incomplete
   across the survivors, and only the previous step (whose pushes finished long ago) is
-  complete. Holding it closes that window as long as a push finishes within one RAM
-  interval (a replicator that falls a whole interval behind reopens it; its reports say
-  so). Knowing locally that N is complete everywhere is impossible (the lost host's push is
+  complete. Holding it closes that window as long as every push of N finishes before any
+  host commits N+1 (the manager waits for its previous push before staging a RAM step:
+  ``RamReplication.wait_pushed``). Knowing locally that N is complete everywhere is impossible (the lost host's push is
   what is missing), so the tier does not try to free the previous step early. Steps newer
   than the floor (saves and replicas in progress) are kept. Under budget pressure an
   allocation for step S drops spares, then whole steps older than S, oldest first.

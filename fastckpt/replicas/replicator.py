@@ -10,7 +10,8 @@ chunks go in batches (``PUT_CHUNKS``: one request, one segment on the target) on
 another over one pooled connection; up to ``concurrency`` targets are served at once, and
 ``max_inflight_bytes`` bounds the bytes being sent at any moment. A failing target stops
 receiving this step (its error is recorded in the report) without affecting the others;
-submitting a newer step cancels the pushes of older ones (they are superseded). Nothing
+submitting a newer step cancels the pushes of older ones (they are superseded; the manager
+never lets that happen: it waits with :meth:`Replicator.wait_idle` before the next RAM step). Nothing
 here ever raises into the training loop unless ``wait(raise_on_error=True)`` asks for it.
 """
 
@@ -260,6 +261,18 @@ class Replicator:
             detail = "; ".join(f"step {r.step}: {r.errors}" for r in failed)
             raise ReplicationError(f"replication failed: {detail}", reports)
         return reports
+
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Wait until every submitted push has finished (done, failed or cancelled), without
+        consuming the reports (:meth:`wait` still returns them). False on timeout."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._lock:
+            handles = list(self._handles)
+        for h in handles:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if h.wait(left) is None:
+                return False
+        return True
 
     def stats(self) -> dict[str, int]:
         """Totals since creation: steps submitted, chunks and bytes pushed, failed (step, target) pairs."""

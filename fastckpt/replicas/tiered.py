@@ -136,6 +136,21 @@ class RamReplication:
         self._replicator.set_targets({m: peers[m] for m in targets if m in peers})
         self._replicator.submit(step, chunk_ids=self._sealed_ids, manifest=manifest)
 
+    def wait_pushed(self) -> float:
+        """Block until this host's pushes of earlier RAM steps finished; returns the seconds waited.
+
+        A RAM save calls this before staging the next step (backpressure): the next commit is
+        collective, so once any host commits step N+1 (and frees N-1), every host's push of
+        N has finished, and a host lost at any moment leaves a complete RAM step behind even
+        when pushes are slower than the RAM interval. Each push is bounded by the peer I/O
+        timeouts; a failed push counts as finished (its report says why).
+        """
+        if self._replicator is None:
+            return 0.0
+        t0 = time.perf_counter()
+        self._replicator.wait_idle()
+        return time.perf_counter() - t0
+
     def wait_replication(self, timeout_s: float | None = None) -> None:
         """Block until pushes of submitted steps finished (errors are logged, not raised)."""
         if self._replicator is not None:

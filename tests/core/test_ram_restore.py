@@ -74,3 +74,57 @@ def test_restored_arrays_survive_later_saves(tmp_path: Path, shm_dir: Path) -> N
         again = mgr.restore(5, target=target)
         np.testing.assert_array_equal(np.asarray(again["w"]), np.asarray(_state(5)["w"]))
     assert not [p for p in (shm_dir / "h0" / "spare").iterdir() if not os.stat(p).st_mode & 0o200]
+
+
+class _SlowPeer:
+    """A real PeerClient whose pushes each take ``delay_s`` longer (a slow link)."""
+
+    def __init__(self, client: Any, delay_s: float) -> None:
+        self.client, self.delay_s, self.name = client, delay_s, client.name
+
+    def push_chunks(self, step: int, chunks: Any) -> None:
+        import time
+
+        time.sleep(self.delay_s)
+        self.client.push_chunks(step, chunks)
+
+    def push_chunk(self, *args: Any, **kwargs: Any) -> bool:
+        return bool(self.client.push_chunk(*args, **kwargs))
+
+    def put_manifest(self, step: int, data: bytes) -> None:
+        self.client.put_manifest(step, data)
+
+
+def test_a_ram_save_waits_for_the_previous_steps_push(tmp_path: Path, shm_dir: Path) -> None:
+    """Backpressure: pushes slower than the RAM interval delay the next RAM save instead of
+    being superseded (which would leave a window where losing this host loses both steps)."""
+    from fastckpt.replicas import PeerClient, PeerServer, RamTier
+
+    secret = b"s" * 32
+    peer_tier = RamTier(shm_dir / "peer", budget_bytes=256 * MIB, replicated=True)
+    server = PeerServer(peer_tier, secret=secret).start()
+    options = ManagerOptions(
+        save_interval_steps=1000,
+        ram=RamOptions(root=str(shm_dir / "h0"), interval_steps=1, replicas=1, secret=secret, budget_bytes=256 * MIB),
+    )
+    try:
+        with CheckpointManager(str(tmp_path / "ckpt"), options=options) as mgr, \
+                PeerClient(server.address, secret=secret, name="peer") as client:
+            slow = _SlowPeer(client, delay_s=0.8)
+            mgr._ram._peers = lambda: {"peer": slow}  # type: ignore[method-assign,union-attr]  # noqa: SLF001
+            mgr.save(1, _state(1))
+            mgr.wait()  # committed here; the push of step 1 is still running (>= 0.8 s)
+            assert peer_tier.get_manifest(1) is None
+            mgr.save(2, _state(2))
+            # save(2) staged step 2 only after step 1 had fully reached the peer
+            assert peer_tier.get_manifest(1) is not None
+            assert peer_tier.chunk_ids(1) == sorted(mgr._ram.tier.chunk_ids(1))  # type: ignore[union-attr]  # noqa: SLF001
+            mgr.wait()
+            assert mgr.last_save_stats is not None and mgr.last_save_stats.push_wait_s > 0.3
+            mgr.wait_replication()
+            assert peer_tier.get_manifest(2) is not None
+            got = mgr.restore(2)
+            np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(_state(2)["w"]))
+    finally:
+        server.close()
+        peer_tier.close()
