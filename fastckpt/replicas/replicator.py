@@ -245,13 +245,9 @@ class Replicator:
             ReplicationTimeoutError: pushes still running after ``timeout_s``.
             ReplicationError: ``raise_on_error`` and a report has errors.
         """
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        with self._lock:
-            handles = list(self._handles)
-        for h in handles:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if h.wait(left) is None:
-                raise ReplicationTimeoutError(f"replication of step {h.step} still running after {timeout_s}s")
+        handles, running = self._wait_handles(timeout_s)
+        if running is not None:
+            raise ReplicationTimeoutError(f"replication of step {running.step} still running after {timeout_s}s")
         with self._lock:
             for h in handles:
                 self._handles.remove(h)
@@ -265,14 +261,18 @@ class Replicator:
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Wait until every submitted push has finished (done, failed or cancelled), without
         consuming the reports (:meth:`wait` still returns them). False on timeout."""
+        return self._wait_handles(timeout_s)[1] is None
+
+    def _wait_handles(self, timeout_s: float | None) -> tuple[list[ReplicationHandle], ReplicationHandle | None]:
+        """Wait for the handles submitted so far: (them, the first still running at the deadline)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._lock:
             handles = list(self._handles)
         for h in handles:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if h.wait(left) is None:
-                return False
-        return True
+                return handles, h
+        return handles, None
 
     def stats(self) -> dict[str, int]:
         """Totals since creation: steps submitted, chunks and bytes pushed, failed (step, target) pairs."""
