@@ -20,14 +20,15 @@ from fastckpt.options import (
 
 if TYPE_CHECKING:
     from fastckpt._api import restore as restore, save as save
-    from fastckpt._manager import CheckpointManager as CheckpointManager, SaveStats as SaveStats
+    from fastckpt._manager import CheckpointManager as CheckpointManager
+    from fastckpt.writer.stats import SaveStats as SaveStats
     from fastckpt.reader.units import RestoreStats as RestoreStats
 
 # Imported on first use: they pull in jax (over a second), which the CLI's inspect/gc/verify
 # and code that only builds options do not need.
 _LAZY = {
     "CheckpointManager": "fastckpt._manager",
-    "SaveStats": "fastckpt._manager",
+    "SaveStats": "fastckpt.writer.stats",
     "RestoreStats": "fastckpt.reader.units",
     "save": "fastckpt._api",
     "restore": "fastckpt._api",

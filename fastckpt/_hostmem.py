@@ -21,7 +21,7 @@ from fastckpt._checksum import crc32c
 
 _T = TypeVar("_T")
 
-__all__ = ["BufferCache", "alloc_aligned", "as_bytes", "balanced_groups", "parallel_copy", "parallel_crc32c"]
+__all__ = ["BufferCache", "StagingPool", "alloc_aligned", "as_bytes", "balanced_groups", "parallel_copy", "parallel_crc32c"]
 
 _HUGE = 2 << 20
 
@@ -152,3 +152,23 @@ def as_bytes(a: np.ndarray) -> np.ndarray:
     """A flat uint8 view of a C-contiguous array (no copy)."""
     a = np.ascontiguousarray(a)
     return a.reshape(-1).view(np.uint8) if a.ndim else a.reshape(1).view(np.uint8)
+
+
+class StagingPool:
+    """Keeps the last staging buffer for reuse (saves after the first skip page faults).
+
+    ``take`` hands out a page-aligned buffer of at least ``nbytes`` (the kept one if it fits
+    and is not more than about twice too big); ``give`` returns it once no longer used."""
+
+    def __init__(self) -> None:
+        self._free: np.ndarray | None = None
+
+    def take(self, nbytes: int) -> np.ndarray:
+        buf, self._free = self._free, None
+        if buf is None or buf.nbytes < nbytes or buf.nbytes > 2 * nbytes + (64 << 20):
+            buf = alloc_aligned(nbytes)
+        return buf[:nbytes]
+
+    def give(self, buf: np.ndarray) -> None:
+        base = buf.base if isinstance(buf.base, np.ndarray) else buf
+        self._free = base

@@ -9,7 +9,6 @@ the next ``save()`` does the same first. All processes of a multi-process job mu
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import secrets
@@ -23,7 +22,7 @@ import numpy as np
 
 from fastckpt._aio import LoopThread
 from fastckpt._distributed import Coordinator, default_coordinator
-from fastckpt._hostmem import BufferCache, alloc_aligned
+from fastckpt._hostmem import BufferCache, StagingPool
 from fastckpt._retention import steps_to_delete
 from fastckpt._tree import flatten
 from fastckpt.errors import (
@@ -45,54 +44,12 @@ from fastckpt.storage._protocol import Store
 from fastckpt.writer.commit import exchange_ram_manifest, publish_and_commit, ram_chunk_entries
 from fastckpt.writer.pipeline import WriteStats, write_chunks
 from fastckpt.writer.stage import StagedSave, StagePlans, stage_state, staged_crc32c
+from fastckpt.writer.stats import SaveStats
 
 __all__ = ["CheckpointManager", "SaveStats"]
 
 log = logging.getLogger("fastckpt")
 _VERSION = "0.1.0"
-
-
-@dataclasses.dataclass
-class SaveStats:
-    """Figures of one save on this process."""
-
-    step: int
-    blocked_s: float = 0.0
-    """Time ``save()`` blocked the caller (device-to-host staging)."""
-    staged_bytes: int = 0
-    raw_bytes: int = 0
-    stored_bytes: int = 0
-    objects: int = 0
-    encode_s: float = 0.0
-    upload_s: float = 0.0
-    commit_s: float = 0.0
-    total_s: float = 0.0
-    """From the start of ``save()`` to the commit."""
-    tiers: tuple[str, ...] = ()
-    """Where this step was committed: ``"ram"`` and/or ``"storage"``."""
-    ram_commit_s: float = 0.0
-    """From the start of ``save()`` until the RAM step was sealed (RAM steps only)."""
-    push_wait_s: float = 0.0
-    """How long ``save()`` waited, before staging, for this host's push of the previous RAM
-    step to its peers (RAM steps only; non-zero only when pushes are slower than the RAM
-    interval). Not part of ``blocked_s``."""
-
-
-class _StagingPool:
-    """Keeps the last staging buffer for reuse (saves after the first skip page faults)."""
-
-    def __init__(self) -> None:
-        self._free: np.ndarray | None = None
-
-    def take(self, nbytes: int) -> np.ndarray:
-        buf, self._free = self._free, None
-        if buf is None or buf.nbytes < nbytes or buf.nbytes > 2 * nbytes + (64 << 20):
-            buf = alloc_aligned(nbytes)
-        return buf[:nbytes]
-
-    def give(self, buf: np.ndarray) -> None:
-        base = buf.base if isinstance(buf.base, np.ndarray) else buf
-        self._free = base
 
 
 def _open(root: str | Store) -> Store:
@@ -140,7 +97,7 @@ class CheckpointManager:
         self._threads = threads
         self._background = ThreadPoolExecutor(1, thread_name_prefix="fastckpt-save")
         self._pending: Future[SaveStats] | None = None
-        self._pool = _StagingPool()
+        self._pool = StagingPool()
         self._restore_buffers = BufferCache(max_bytes=0)  # grows to the largest restore
         self._seq = 0
         # Unique per manager within a job: every process creates managers in the same order.
