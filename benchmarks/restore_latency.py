@@ -38,10 +38,12 @@ What it does:
    restores the same state from /dev/shm and from the emulator, in one fresh process.
 5. Step-time overhead, in a fresh process: a jitted, donated matmul "train step" on a
    ~0.375 GiB params + moments state, run in segments with and without a RAM checkpoint
-   every 10 steps (pushed to a peer process). Segments alternate (ABBA...) and the overhead
-   is the median of the per-pair ratios; a checkpointed segment includes draining the
-   save and push still running after its last step. Added CPU (both processes) and the
-   blocking part of ``save()`` alone are reported too.
+   every 10 steps (pushed to a peer process), and with the same RAM checkpoints without a
+   push (a second manager, no peers). Segments rotate through the three modes and the
+   overhead is the median of the per-triple ratios to the segment without checkpoints; a
+   checkpointed segment includes draining the save and push still running after its last
+   step. Added CPU (both processes), the blocking part of ``save()`` alone and the RAM
+   checkpoint without its push are reported too.
 6. Writes ``benchmarks/results/restore_latency.{json,md,png}``.
 
 The machine is shared (2 cores): every result records the load average, and CPU seconds
@@ -436,6 +438,11 @@ def run_overhead(args: argparse.Namespace) -> dict[str, Any]:
                          budget_bytes=3 * n + 256 * MiB, replicas=1, secret=PEER_SECRET)
         mgr = fastckpt.CheckpointManager(str(store_root), options=fastckpt.ManagerOptions(
             save_interval_steps=1 << 40, ram=ram), on_stats=saves.append)
+        # The same RAM checkpoints without a peer push (no secret: no server, no pushes),
+        # to split the overhead into the checkpoint itself and the push.
+        local = fastckpt.CheckpointManager(str(work / "overhead-local-store"), options=fastckpt.ManagerOptions(
+            save_interval_steps=1 << 40, ram=RamOptions(root=str(shm / "overhead-local"), member_id="host-a",
+                                                        interval_steps=RAM_STEP, budget_bytes=3 * n + 256 * MiB)))
         step = 1
         for _ in range(3):  # compile + warm up
             state = jax.block_until_ready(step_fn(state, x))
@@ -445,16 +452,19 @@ def run_overhead(args: argparse.Namespace) -> dict[str, Any]:
         # peer, each tier holds keep_steps + 1 = 2 committed steps while a third is being
         # written, so the 4th checkpoint is the first to reuse a spare segment (both sides).
         for _ in range(4):
-            step = RAM_STEP * (step // RAM_STEP + 1)
-            state = jax.block_until_ready(step_fn(state, x))
-            mgr.save(step, state)
-            mgr.wait()
+            for m in (mgr, local):
+                step = RAM_STEP * (step // RAM_STEP + 1)
+                state = jax.block_until_ready(step_fn(state, x))
+                m.save(step, state)
+                m.wait()
+                step += 1
             _check_pushed(_drain_replication(mgr))
-            step += 1
         saves.clear()
+        managers = {"base": None, "ram": local, "push": mgr}
 
-        def segment(ckpt: bool) -> dict[str, Any]:
+        def segment(mode: str) -> dict[str, Any]:
             nonlocal state, step
+            m = managers[mode]
             step = RAM_STEP * -(-step // RAM_STEP)  # start on a checkpoint step
             times = []
             c0, cp0 = cpu_seconds(), cpu_seconds(peer.pid)
@@ -462,29 +472,35 @@ def run_overhead(args: argparse.Namespace) -> dict[str, Any]:
             for _ in range(args.segment_steps):
                 t0 = time.perf_counter()
                 state = jax.block_until_ready(step_fn(state, x))
-                if ckpt:  # a RAM checkpoint when step % 10 == 0, else a no-op
-                    mgr.save(step, state)  # blocks for the device-to-host copy only
+                if m is not None:  # a RAM checkpoint when step % 10 == 0, else a no-op
+                    m.save(step, state)  # blocks for the device-to-host copy only
                 times.append(time.perf_counter() - t0)
                 step += 1
             t_loop = time.perf_counter() - t_start
-            if ckpt:  # background work still running counts too
-                mgr.wait()
-                reports.extend(_drain_replication(mgr))
+            if m is not None:  # background work still running counts too
+                m.wait()
+                if m is mgr:
+                    reports.extend(_drain_replication(mgr))
             total = time.perf_counter() - t_start
-            return {"ckpt": ckpt, "total_s": total, "loop_s": t_loop, "drain_s": total - t_loop, "step_s": times,
-                    "cpu_s": cpu_seconds() - c0, "peer_cpu_s": cpu_seconds(peer.pid) - cp0,
+            return {"ckpt": m is not None, "mode": mode, "total_s": total, "loop_s": t_loop, "drain_s": total - t_loop,
+                    "step_s": times, "cpu_s": cpu_seconds() - c0, "peer_cpu_s": cpu_seconds(peer.pid) - cp0,
                     "loadavg": os.getloadavg()[0]}
 
         pairs = []
-        for p in range(args.pairs):
-            order = (False, True) if p % 2 == 0 else (True, False)
-            segs = {ck: segment(ck) for ck in order}
-            base, ck = segs[False], segs[True]
+        modes = ("base", "ram", "push")
+        for p in range(args.pairs):  # each mode takes each position of the triple equally often
+            order = modes[p % 3:] + modes[:p % 3]
+            segs = {mode: segment(mode) for mode in (order if p % 2 == 0 else order[::-1])}
+            base, ck, ram_only = segs["base"], segs["push"], segs["ram"]
             cpu_ratio = (ck["cpu_s"] + ck["peer_cpu_s"]) / (base["cpu_s"] + base["peer_cpu_s"])
-            pairs.append({"base": base, "ckpt": ck, "ratio": ck["total_s"] / base["total_s"], "cpu_ratio": cpu_ratio})
-            print(f"[overhead] pair {p}: base {base['total_s']:.2f}s ckpt {ck['total_s']:.2f}s "
+            pairs.append({"base": base, "ckpt": ck, "ram_only": ram_only, "ratio": ck["total_s"] / base["total_s"],
+                          "ram_only_ratio": ram_only["total_s"] / base["total_s"], "cpu_ratio": cpu_ratio})
+            print(f"[overhead] triple {p}: base {base['total_s']:.2f}s, RAM only {ram_only['total_s']:.2f}s "
+                  f"({100 * (pairs[-1]['ram_only_ratio'] - 1):+.1f}%), RAM + push {ck['total_s']:.2f}s "
                   f"(drain {ck['drain_s']:.2f}s) -> {100 * (pairs[-1]['ratio'] - 1):+.1f}% wall, "
                   f"{100 * (cpu_ratio - 1):+.1f}% CPU", file=sys.stderr, flush=True)
+        local.close()
+        shutil.rmtree(shm / "overhead-local", ignore_errors=True)
         mgr.wait()
         with PeerClient(("127.0.0.1", peer_port), secret=PEER_SECRET) as client:
             last = max(client.steps())
@@ -498,6 +514,9 @@ def run_overhead(args: argparse.Namespace) -> dict[str, Any]:
         "pairs_detail": pairs,
         "overhead": median([p["ratio"] for p in pairs]) - 1,
         "overhead_all": [p["ratio"] - 1 for p in pairs],
+        "overhead_ram_only": median([p["ram_only_ratio"] for p in pairs]) - 1,
+        "overhead_ram_only_all": [p["ram_only_ratio"] - 1 for p in pairs],
+        "push_wait_s": max([s.push_wait_s for s in saves if hasattr(s, "push_wait_s")], default=0.0),
         "cpu_overhead": median([p["cpu_ratio"] for p in pairs]) - 1,
         "base_step_s": median([median(p["base"]["step_s"]) for p in pairs]),
         "ckpt_step_s": median([median(p["ckpt"]["step_s"]) for p in pairs]),
@@ -658,12 +677,14 @@ def tables(results: dict[str, Any]) -> dict[str, tuple[list[str], list[list[str]
     if ov and "error" not in ov:
         oheaders = ["state", "step, no ckpt", "step, ckpt run (median)", "step with save()", "save() blocks",
                     "RAM commit", "push to peer", "drain at segment end", "overhead, wall (median)",
-                    "pairs", "added CPU (both processes)", "save() blocking alone"]
+                    "per triple", "added CPU (both processes)", "save() blocking alone",
+                    "RAM checkpoint without push (median)"]
         orows = [[f"{ov['state_bytes'] / GiB:.2f} GiB", f"{ov['base_step_s']:.3f}s", f"{ov['ckpt_step_s']:.3f}s",
                   f"{ov['ckpt_step_on_save_s']:.3f}s", f"{ov['save_blocked_s']:.3f}s", f"{ov['save_ram_commit_s']:.3f}s",
                   f"{ov['push_s']:.3f}s ({ov['pushes_ok']}/{ov['pushes']} ok)", f"{ov['drain_s']:.3f}s",
                   f"{100 * ov['overhead']:+.1f}%", ", ".join(f"{100 * o:+.1f}%" for o in ov["overhead_all"]),
-                  f"{100 * ov['cpu_overhead']:+.1f}%", f"{100 * ov['blocking_overhead']:+.1f}%"]]
+                  f"{100 * ov['cpu_overhead']:+.1f}%", f"{100 * ov['blocking_overhead']:+.1f}%",
+                  "n/a" if "overhead_ram_only" not in ov else f"{100 * ov['overhead_ram_only']:+.1f}%"]]
         out["overhead"] = (oheaders, orows)
     return out
 
@@ -690,8 +711,10 @@ def write_outputs(results: dict[str, Any], results_dir: Path, name: str, *, plot
         parts += ["## Step-time overhead of RAM checkpoints with peer push",
                   f"Jitted, donated matmul train step (batch {ov['batch']}, {ov['state_bytes'] / GiB:.2f} GiB params + "
                   f"moments); a RAM checkpoint every {ov['interval_steps']} steps pushed to a peer process; "
-                  f"{ov['pairs']} pairs of {ov['segment_steps']}-step segments with/without checkpoints, alternating; "
-                  "a checkpointed segment includes draining its last save + push.",
+                  f"{ov['pairs']} triples of {ov['segment_steps']}-step segments (no checkpoints; RAM checkpoints "
+                  "without a push; RAM checkpoints pushed to the peer), order rotating; a checkpointed segment "
+                  "includes draining its last save + push. The overhead is the median per-triple ratio to the "
+                  "segment without checkpoints.",
                   markdown_table(*t["overhead"])]
     parts += ["## Targets", markdown_table(*t["checks"]),
               f"Versions: {', '.join(f'{k} {v}' for k, v in meta['versions'].items())}."]
@@ -874,8 +897,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-overhead", action="store_true", help="skip the step-time overhead run")
     p.add_argument("--overhead-mib", type=int, default=None, help="train-loop state size (default 384, quick 256)")
     p.add_argument("--batch", type=int, default=None, help="train-loop batch (default 128)")
-    p.add_argument("--segment-steps", type=int, default=None, help="steps per overhead segment (default 20, quick 10)")
-    p.add_argument("--pairs", type=int, default=None, help="with/without segment pairs (default 6, quick 2)")
+    p.add_argument("--segment-steps", type=int, default=None, help="steps per overhead segment (default 30, quick 10)")
+    p.add_argument("--pairs", type=int, default=None, help="segment triples: none / RAM only / RAM + push (default 6, quick 2)")
     p.add_argument("--disk-dir", default=os.environ.get("FASTCKPT_BENCH_DISK", "/tmp"))
     p.add_argument("--shm-dir", default="/dev/shm")
     p.add_argument("--results-dir", default=str(RESULTS_DIR))
@@ -905,7 +928,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.limit_mib = args.limit_mib or (128 if q else min(max(args.sizes), 1024))
     args.overhead_mib = args.overhead_mib or (256 if q else 384)
     args.batch = args.batch or 128
-    args.segment_steps = args.segment_steps or (10 if q else 20)
+    args.segment_steps = args.segment_steps or (10 if q else 30)
     args.pairs = args.pairs or (2 if q else 6)
     if args.root_only and not args.root:
         p.error("--root-only needs --root")
