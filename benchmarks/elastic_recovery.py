@@ -81,15 +81,21 @@ def run_once(args: argparse.Namespace, index: int) -> dict[str, Any]:
            "--ram-every", str(args.ram_every), "--checkpoint-every", str(args.checkpoint_every)]
     load_start = os.getloadavg()
     t0 = time.time()
+    keep = args.keep
     try:
         proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=args.timeout_s, check=False)
         if proc.returncode != 0:
-            raise RuntimeError(f"demo failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+            keep = True
+            raise RuntimeError(f"demo failed (exit {proc.returncode}), run kept in {workdir}:\n"
+                               f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
         demo = json.loads(proc.stdout.strip().splitlines()[-1])
         steady = _steady_step_s(Path(demo["run_dir"]), generation=1)
         state_bytes = _state_bytes(Path(demo["run_dir"]))
+        if demo["kill_to_first_step_s"] is None:  # the resized job never recorded a first step
+            keep = True
+            print(f"run {index}: no first step after the kill recorded; run kept in {workdir}", file=sys.stderr)
     finally:
-        if not args.keep:
+        if not keep:
             shutil.rmtree(workdir, ignore_errors=True)
     total = demo["kill_to_first_step_s"]
     return {
@@ -145,9 +151,10 @@ def render_markdown(doc: dict[str, Any]) -> str:
     meta, runs, s = doc["meta"], doc["runs"], doc["summary"]
     rows = []
     for i, r in enumerate(runs):
-        rows.append([str(i), fmt_s(r["kill_to_first_step_s"]), *(fmt_s(r["parts"][p]) for p in PARTS),
+        parts, tiers = r["parts"] or {}, r["restore_bytes_by_tier"] or {}  # None: no first step after the kill
+        rows.append([str(i), fmt_s(r["kill_to_first_step_s"]), *(fmt_s(parts.get(p)) for p in PARTS),
                      fmt_s(r["steady_step_s"]), fmt_s(r["overhead_s"]), str(r["steps_lost"]),
-                     ", ".join(f"{k}={v / MiB:.0f}" for k, v in r["restore_bytes_by_tier"].items()),
+                     ", ".join(f"{k}={v / MiB:.0f}" for k, v in tiers.items()),
                      f"{r['loadavg_start'][0]:.1f} / {r['loadavg_end'][0]:.1f}"])
     rows.append(["**median**", f"**{fmt_s(s['kill_to_first_step_s'])}**", *(fmt_s(s["parts"][p]) for p in PARTS),
                  fmt_s(s["steady_step_s"]), f"**{fmt_s(s['overhead_s'])}**", f"max {s['steps_lost_max']}",

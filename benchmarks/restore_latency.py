@@ -630,7 +630,9 @@ def evaluate(results: dict[str, Any]) -> list[dict[str, Any]]:
     if ov and "error" not in ov:
         add("RAM checkpoint + peer push adds < 5% step time", None, ov["overhead"], STEP_OVERHEAD,
             ov["overhead"] < STEP_OVERHEAD,
-            f"median of {len(ov['overhead_all'])} pairs: " + ", ".join(f"{100 * o:+.1f}%" for o in ov["overhead_all"]))
+            f"median of {len(ov['overhead_all'])} triples: " + ", ".join(f"{100 * o:+.1f}%" for o in ov["overhead_all"])
+            + ("" if "overhead_ram_only" not in ov else f"; RAM checkpoint without push {100 * ov['overhead_ram_only']:+.1f}%")
+            + f"; save() blocking alone {100 * ov['blocking_overhead']:+.1f}%")
     elif ov:
         add("RAM checkpoint + peer push adds < 5% step time", None, None, STEP_OVERHEAD, False, "overhead run failed")
     return checks

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from fastckpt.errors import ConfigError
 
-__all__ = ["ChunkLocation", "RamBudgetError", "create_segment_file", "load_index"]
+__all__ = ["ChunkLocation", "RamBudgetError", "create_segment_file", "load_index", "scan_root"]
 
 INDEX_SUFFIX = ".index.json"
 DATA_SUFFIX = ".data"
@@ -210,6 +210,42 @@ def load_index(st: StepState, index_path: Path) -> None:
         return
     st.segments[data_name] = sealed
     st.chunks.update(locs)
+
+
+def scan_root(root: Path, *, recycle: bool) -> tuple[dict[Path, int], dict[int, StepState]]:
+    """Recover a tier directory after its previous owner died: delete ``tmp/`` and crash
+    debris (data files without an index, empty step directories), and return the spares
+    (path -> size; all deleted unless ``recycle``) and every step's sealed segments and
+    manifest size."""
+    tmp, spare = root / "tmp", root / "spare"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(mode=0o700)
+    spare.mkdir(mode=0o700, exist_ok=True)
+    spares: dict[Path, int] = {}
+    for p in spare.iterdir():
+        if recycle and p.suffix == DATA_SUFFIX and p.is_file():
+            spares[p] = p.stat().st_size
+        else:
+            unlink(p)
+    steps: dict[int, StepState] = {}
+    for d in root.iterdir():
+        step = parse_step_dir(d.name)
+        if step is None or not d.is_dir():
+            continue
+        st = StepState()
+        for p in list(d.iterdir()):
+            if p.name.endswith(INDEX_SUFFIX):
+                load_index(st, p)
+            elif p.name == MANIFEST:
+                st.manifest_bytes = p.stat().st_size
+        for p in d.iterdir():  # data without index, partial temp files: crash debris
+            if p.name != MANIFEST and not p.name.endswith(INDEX_SUFFIX) and p.name not in st.segments:
+                unlink(p)
+        if st.segments or st.manifest_bytes is not None:
+            steps[step] = st
+        else:
+            shutil.rmtree(d, ignore_errors=True)
+    return spares, steps
 
 
 def index_document(step: int, data_name: str, nbytes: int, index: dict[str, ChunkLocation]) -> bytes:

@@ -64,9 +64,8 @@ from fastckpt.replicas._shm import (
     atomic_write,
     create_segment_file,
     index_document,
-    load_index,
     new_name,
-    parse_step_dir,
+    scan_root,
     unlink,
 )
 
@@ -181,32 +180,7 @@ class RamTier:
     # ------------------------------------------------------------------ open / close
 
     def _recover(self) -> None:
-        tmp, spare = self.root / "tmp", self.root / "spare"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(mode=0o700)
-        spare.mkdir(mode=0o700, exist_ok=True)
-        for p in spare.iterdir():
-            if self._recycle and p.suffix == DATA_SUFFIX and p.is_file():
-                self._spares[p] = p.stat().st_size
-            else:
-                unlink(p)
-        for d in self.root.iterdir():
-            step = parse_step_dir(d.name)
-            if step is None or not d.is_dir():
-                continue
-            st = StepState()
-            for p in list(d.iterdir()):
-                if p.name.endswith(INDEX_SUFFIX):
-                    load_index(st, p)
-                elif p.name == MANIFEST:
-                    st.manifest_bytes = p.stat().st_size
-            for p in d.iterdir():  # data without index, partial temp files: crash debris
-                if p.name != MANIFEST and not p.name.endswith(INDEX_SUFFIX) and p.name not in st.segments:
-                    unlink(p)
-            if st.segments or st.manifest_bytes is not None:
-                self._steps[step] = st
-            else:
-                shutil.rmtree(d, ignore_errors=True)
+        self._spares, self._steps = scan_root(self.root, recycle=self._recycle)
         with self._lock:
             self._apply_retention()
             self._make_room(0, for_step=None)
