@@ -96,3 +96,39 @@ def test_options_are_validated() -> None:
         ElasticOptions(checkpoint_every=0)
     with pytest.raises(ConfigError):
         ElasticOptions(heartbeat_interval_s=0)
+
+
+def test_wait_for_listener_waits_for_the_coordinator_port_then_returns() -> None:
+    """Non-zero processes probe process 0's port before jax.distributed.initialize (a refused
+    first connect costs a ~1 s gRPC backoff); the probe waits for a late listener and gives
+    up at its timeout."""
+    import socket
+    import threading
+    import time
+
+    from fastckpt.elastic.context import _wait_for_listener
+
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()  # a free port, nobody listening yet
+    t0 = time.monotonic()
+    _wait_for_listener(f"127.0.0.1:{port}", 0.3)
+    assert 0.3 <= time.monotonic() - t0 < 2.0  # nothing listens: gives up at the timeout
+
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+
+    def listen_later() -> None:
+        time.sleep(0.4)
+        server.bind(("127.0.0.1", port))
+        server.listen()
+
+    threading.Thread(target=listen_later, daemon=True).start()
+    t0 = time.monotonic()
+    try:
+        _wait_for_listener(f"127.0.0.1:{port}", 10.0)
+        took = time.monotonic() - t0
+        assert 0.35 <= took < 2.0, took  # returned soon after the listener appeared
+    finally:
+        server.close()
