@@ -136,7 +136,7 @@ class CheckpointManager:
         ram = self._ram is not None and (persist or self._ram.due(step))
         if not persist and not ram:
             return False
-        if self.options.save.if_busy == "skip" and self._busy_agreed():
+        if self.options.save.if_busy == "skip" and self._busy_agreed(ram):
             return False
         self.wait()
         ram_tier = self._ram if ram else None
@@ -165,10 +165,11 @@ class CheckpointManager:
         )
         return True
 
-    def _busy_agreed(self) -> bool:
+    def _busy_agreed(self, ram: bool) -> bool:
         """Whether a save is in flight; with several processes, process 0's view decides for
         all (every process asks on every ``if_busy="skip"`` save, so their counters agree)."""
-        busy = self._pending is not None and not self._pending.done()
+        busy = (self._pending is not None and not self._pending.done()) or (
+            ram and self._ram is not None and self._ram.pushing())
         coord = self.coordinator
         if coord.process_count == 1:
             return busy

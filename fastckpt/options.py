@@ -53,7 +53,9 @@ class SaveOptions:
     upload_concurrency: int = 4
     """Concurrent object uploads per process."""
     if_busy: Literal["wait", "skip"] = "wait"
-    """A save while another is in flight: wait for it, or skip this step."""
+    """A save while another is in flight (or, for a RAM step, while this process's push of the
+    previous RAM step to its peers still runs; process 0's view decides for all): wait for
+    it, or skip this step."""
 
     def __post_init__(self) -> None:
         if self.compression not in ("zstd", "none"):

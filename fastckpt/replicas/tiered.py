@@ -151,6 +151,10 @@ class RamReplication:
         self._replicator.wait_idle()
         return time.perf_counter() - t0
 
+    def pushing(self) -> bool:
+        """Whether a push of an earlier RAM step is still running (``wait_pushed`` would wait)."""
+        return self._replicator is not None and not self._replicator.wait_idle(0)
+
     def wait_replication(self, timeout_s: float | None = None) -> None:
         """Block until pushes of submitted steps finished (errors are logged, not raised)."""
         if self._replicator is not None:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fastckpt import CheckpointManager, ManagerOptions, RetentionOptions
+from fastckpt import CheckpointManager, ManagerOptions, RetentionOptions, SaveOptions
 from fastckpt.options import RamOptions
 
 MIB = 1 << 20
@@ -95,7 +95,8 @@ class _SlowPeer:
         self.client.put_manifest(step, data)
 
 
-def test_a_ram_save_waits_for_the_previous_steps_push(tmp_path: Path, shm_dir: Path) -> None:
+@pytest.mark.parametrize("if_busy", ["wait", "skip"])
+def test_a_ram_save_waits_for_the_previous_steps_push(tmp_path: Path, shm_dir: Path, if_busy: str) -> None:
     """Backpressure: pushes slower than the RAM interval delay the next RAM save instead of
     being superseded (which would leave a window where losing this host loses both steps)."""
     from fastckpt.replicas import PeerClient, PeerServer, RamTier
@@ -105,6 +106,7 @@ def test_a_ram_save_waits_for_the_previous_steps_push(tmp_path: Path, shm_dir: P
     server = PeerServer(peer_tier, secret=secret).start()
     options = ManagerOptions(
         save_interval_steps=1000,
+        save=SaveOptions(if_busy=if_busy),  # type: ignore[arg-type]
         ram=RamOptions(root=str(shm_dir / "h0"), interval_steps=1, replicas=1, secret=secret, budget_bytes=256 * MIB),
     )
     try:
@@ -115,12 +117,17 @@ def test_a_ram_save_waits_for_the_previous_steps_push(tmp_path: Path, shm_dir: P
             mgr.save(1, _state(1))
             mgr.wait()  # committed here; the push of step 1 is still running (>= 0.8 s)
             assert peer_tier.get_manifest(1) is None
+            if if_busy == "skip":  # the push of step 1 still runs: this RAM step is skipped, nothing waits
+                assert mgr.save(2, _state(2)) is False
+                assert peer_tier.get_manifest(1) is None
+                mgr.wait_replication()
             mgr.save(2, _state(2))
             # save(2) staged step 2 only after step 1 had fully reached the peer
             assert peer_tier.get_manifest(1) is not None
             assert peer_tier.chunk_ids(1) == sorted(mgr._ram.tier.chunk_ids(1))  # type: ignore[union-attr]  # noqa: SLF001
             mgr.wait()
-            assert mgr.last_save_stats is not None and mgr.last_save_stats.push_wait_s > 0.3
+            assert mgr.last_save_stats is not None
+            assert (mgr.last_save_stats.push_wait_s > 0.3) == (if_busy == "wait")
             mgr.wait_replication()
             assert peer_tier.get_manifest(2) is not None
             got = mgr.restore(2)
