@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -76,19 +77,18 @@ def test_restored_arrays_survive_later_saves(tmp_path: Path, shm_dir: Path) -> N
     assert not [p for p in (shm_dir / "h0" / "spare").iterdir() if not os.stat(p).st_mode & 0o200]
 
 
-class _SlowPeer:
-    """A real PeerClient whose pushes each take ``delay_s`` longer (a slow link)."""
+class _GatedPeer:
+    """A real PeerClient whose chunk pushes wait until ``gate`` is set (a link that stalls)."""
 
-    def __init__(self, client: Any, delay_s: float) -> None:
-        self.client, self.delay_s, self.name = client, delay_s, client.name
+    def __init__(self, client: Any, gate: threading.Event) -> None:
+        self.client, self.gate, self.name = client, gate, client.name
 
     def push_chunks(self, step: int, chunks: Any) -> None:
-        import time
-
-        time.sleep(self.delay_s)
+        assert self.gate.wait(timeout=60)
         self.client.push_chunks(step, chunks)
 
     def push_chunk(self, *args: Any, **kwargs: Any) -> bool:
+        assert self.gate.wait(timeout=60)
         return bool(self.client.push_chunk(*args, **kwargs))
 
     def put_manifest(self, step: int, data: bytes) -> None:
@@ -97,8 +97,9 @@ class _SlowPeer:
 
 @pytest.mark.parametrize("if_busy", ["wait", "skip"])
 def test_a_ram_save_waits_for_the_previous_steps_push(tmp_path: Path, shm_dir: Path, if_busy: str) -> None:
-    """Backpressure: pushes slower than the RAM interval delay the next RAM save instead of
-    being superseded (which would leave a window where losing this host loses both steps)."""
+    """Backpressure: pushes slower than the RAM interval delay the next RAM save (or skip it,
+    with ``if_busy="skip"``) instead of being superseded, which would leave a window where
+    losing this host loses both RAM steps."""
     from fastckpt.replicas import PeerClient, PeerServer, RamTier
 
     secret = b"s" * 32
@@ -109,18 +110,21 @@ def test_a_ram_save_waits_for_the_previous_steps_push(tmp_path: Path, shm_dir: P
         save=SaveOptions(if_busy=if_busy),  # type: ignore[arg-type]
         ram=RamOptions(root=str(shm_dir / "h0"), interval_steps=1, replicas=1, secret=secret, budget_bytes=256 * MIB),
     )
+    gate = threading.Event()
     try:
         with CheckpointManager(str(tmp_path / "ckpt"), options=options) as mgr, \
                 PeerClient(server.address, secret=secret, name="peer") as client:
-            slow = _SlowPeer(client, delay_s=0.8)
-            mgr._ram._peers = lambda: {"peer": slow}  # type: ignore[method-assign,union-attr]  # noqa: SLF001
+            mgr._ram._peers = lambda: {"peer": _GatedPeer(client, gate)}  # type: ignore[method-assign,union-attr]  # noqa: SLF001
             mgr.save(1, _state(1))
-            mgr.wait()  # committed here; the push of step 1 is still running (>= 0.8 s)
+            mgr.wait()  # committed here; the push of step 1 is held at the gate
             assert peer_tier.get_manifest(1) is None
             if if_busy == "skip":  # the push of step 1 still runs: this RAM step is skipped, nothing waits
                 assert mgr.save(2, _state(2)) is False
                 assert peer_tier.get_manifest(1) is None
+                gate.set()
                 mgr.wait_replication()
+            else:
+                threading.Timer(0.5, gate.set).start()  # the link recovers while save(2) waits
             mgr.save(2, _state(2))
             # save(2) staged step 2 only after step 1 had fully reached the peer
             assert peer_tier.get_manifest(1) is not None
@@ -133,5 +137,6 @@ def test_a_ram_save_waits_for_the_previous_steps_push(tmp_path: Path, shm_dir: P
             got = mgr.restore(2)
             np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(_state(2)["w"]))
     finally:
+        gate.set()
         server.close()
         peer_tier.close()
