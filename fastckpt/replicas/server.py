@@ -302,9 +302,7 @@ class PeerServer:
             raise ProtocolError(f"PUT_CHUNKS: {ids_len}-byte id list for {count} chunks")
         raw = bytearray(ids_len)
         wire.recv_exact(conn, memoryview(raw))
-        ids = wire.decode_json_list(raw, count=count)
-        if len(set(ids)) != count:
-            raise ProtocolError("PUT_CHUNKS: duplicate chunk ids")
+        ids = wire.decode_distinct_ids(raw, count=count, what="PUT_CHUNKS")
         total = plen - ids_len
         if not self.options.accept_pushes:
             drain(conn, total)

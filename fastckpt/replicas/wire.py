@@ -51,6 +51,7 @@ __all__ = [
     "auth_mac",
     "check_chunk_id",
     "decode_frame",
+    "decode_distinct_ids",
     "decode_header",
     "decode_id_batch",
     "decode_json_list",
@@ -320,9 +321,14 @@ def decode_id_batch(raw: bytes | bytearray | memoryview, *, count: int) -> list[
     """Decode a GET_CHUNKS payload: ``count`` (1..MAX_BATCH_CHUNKS) distinct chunk ids."""
     if not 0 < count <= MAX_BATCH_CHUNKS:
         raise ProtocolError(f"GET_CHUNKS asks for {count} chunks (1..{MAX_BATCH_CHUNKS} allowed)")
+    return decode_distinct_ids(raw, count=count, what="GET_CHUNKS")
+
+
+def decode_distinct_ids(raw: bytes | bytearray | memoryview, *, count: int, what: str) -> list[str]:
+    """Decode a JSON array of exactly ``count`` distinct chunk ids (the id list of a ``what``)."""
     ids = decode_json_list(raw, count=count)
     if len(set(ids)) != count:
-        raise ProtocolError("GET_CHUNKS: duplicate chunk ids")
+        raise ProtocolError(f"{what}: duplicate chunk ids")
     return ids
 
 

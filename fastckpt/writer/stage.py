@@ -166,6 +166,11 @@ def _plan_key(x: jax.Array, process_index: int, max_chunk_bytes: int) -> Any:
     return key
 
 
+def _check_live(x: jax.Array, where: str) -> None:
+    if x.is_deleted():
+        raise ConfigError(f"{where}: the array was deleted (donated?) before save")
+
+
 def _plan_array(leaf: FlatLeaf, *, process_index: int, max_chunk_bytes: int,
                 plans: StagePlans | None = None) -> _Pending:
     x = leaf.value
@@ -175,8 +180,7 @@ def _plan_array(leaf: FlatLeaf, *, process_index: int, max_chunk_bytes: int,
         key = _plan_key(x, process_index, max_chunk_bytes)
         plan = plans.get(key) if key is not None else None
         if plan is not None:
-            if x.is_deleted():
-                raise ConfigError(f"{where}: the array was deleted (donated?) before save")
+            _check_live(x, where)
             return _Pending(leaf.path, tuple(x.shape), plan.dtype, "jax", plan.sharding, None, plan.items,
                             {i: x.addressable_data(i) for i in plan.used})
     if isinstance(x, (np.ndarray, np.generic)):
@@ -197,8 +201,7 @@ def _plan_array(leaf: FlatLeaf, *, process_index: int, max_chunk_bytes: int,
         x = jax.random.key_data(x)
     else:
         sharding = sharding_spec_of(x.sharding)
-    if x.is_deleted():
-        raise ConfigError(f"{where}: the array was deleted (donated?) before save")
+    _check_live(x, where)
     try:
         name = dtype_name(x.dtype)
     except Exception as e:
