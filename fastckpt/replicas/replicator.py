@@ -172,6 +172,7 @@ class ReplicationHandle:
             self._pending -= 1
             if self._pending == 0:
                 self._finished = time.perf_counter()
+                self._chunk_ids, self._manifest = [], None  # no worker reads them any more
                 self._done.set()
 
 
@@ -270,7 +271,7 @@ class Replicator:
             handles = list(self._handles)
         for h in handles:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if h.wait(left) is None:
+            if not h._done.wait(left):  # no report built per handle: a save calls this every time
                 return handles, h
         return handles, None
 
