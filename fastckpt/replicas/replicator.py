@@ -86,9 +86,14 @@ class ReplicatorOptions:
     chunk goes alone. Targets without ``push_chunks`` get one request per chunk."""
     batch_chunks: int = 1024
     """At most this many chunks per batch (bounds the request header)."""
+    max_reports: int = 64
+    """Steps whose reports are kept for :meth:`Replicator.wait`; beyond that the oldest
+    finished ones are forgotten at the next submit (their failures were logged when
+    they happened and stay counted in :meth:`Replicator.stats`). Running pushes are never
+    forgotten. Bounds the memory and the per-save wait of a run that never calls ``wait``."""
 
     def __post_init__(self) -> None:
-        for name in ("max_inflight_bytes", "concurrency", "batch_bytes", "batch_chunks"):
+        for name in ("max_inflight_bytes", "concurrency", "batch_bytes", "batch_chunks", "max_reports"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
 
@@ -203,7 +208,7 @@ class Replicator:
         self._inflight = 0
         self._threads: list[threading.Thread] = []
         self._closed = False
-        self._totals = {"steps": 0, "chunks_pushed": 0, "bytes_pushed": 0, "failures": 0}
+        self._totals = {"steps": 0, "chunks_pushed": 0, "bytes_pushed": 0, "failures": 0, "reports_forgotten": 0}
 
     def set_targets(self, targets: Mapping[str, ChunkPusher]) -> None:
         """Targets for later submits (e.g. after a membership change)."""
@@ -230,6 +235,7 @@ class Replicator:
                                  "%d is pushed, losing a host may leave no complete RAM step (pushes take longer "
                                  "than the RAM checkpoint interval)", old.step, step, step)
             self._handles.append(handle)
+            self._forget_old_reports()
             self._totals["steps"] += 1
             while len(self._threads) < min(self.options.concurrency, max(1, len(targets))):
                 t = threading.Thread(target=self._worker, name="fastckpt-replicator", daemon=True)
@@ -240,7 +246,8 @@ class Replicator:
         return handle
 
     def wait(self, timeout_s: float | None = None, *, raise_on_error: bool = False) -> list[ReplicationReport]:
-        """Wait for every submitted step; return (and forget) their reports, oldest first.
+        """Wait for every submitted step; return (and forget) their reports, oldest first
+        (of finished steps only the newest ``options.max_reports`` are kept).
 
         Raises:
             ReplicationTimeoutError: pushes still running after ``timeout_s``.
@@ -249,9 +256,9 @@ class Replicator:
         handles, running = self._wait_handles(timeout_s)
         if running is not None:
             raise ReplicationTimeoutError(f"replication of step {running.step} still running after {timeout_s}s")
-        with self._lock:
-            for h in handles:
-                self._handles.remove(h)
+        with self._lock:  # a submit meanwhile may have forgotten some of them already
+            taken = {id(h) for h in handles}
+            self._handles = collections.deque(h for h in self._handles if id(h) not in taken)
         reports = [h.report() for h in handles]
         failed = [r for r in reports if r.errors]
         if raise_on_error and failed:
@@ -275,8 +282,23 @@ class Replicator:
                 return handles, h
         return handles, None
 
+    def _forget_old_reports(self) -> None:
+        """Drop the oldest finished handles beyond ``options.max_reports`` (under ``_lock``)."""
+        excess = len(self._handles) - self.options.max_reports
+        if excess <= 0:
+            return
+        kept: collections.deque[ReplicationHandle] = collections.deque()
+        for h in self._handles:
+            if excess > 0 and h.done():
+                excess -= 1
+                self._totals["reports_forgotten"] += 1
+            else:
+                kept.append(h)
+        self._handles = kept
+
     def stats(self) -> dict[str, int]:
-        """Totals since creation: steps submitted, chunks and bytes pushed, failed (step, target) pairs."""
+        """Totals since creation: steps submitted, chunks and bytes pushed, failed (step,
+        target) pairs, reports forgotten unread (``ReplicatorOptions.max_reports``)."""
         with self._lock:
             return dict(self._totals)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fastckpt.errors import PeerUnavailableError
+from fastckpt.errors import ConfigError, PeerUnavailableError
 from fastckpt.replicas import (
     PeerClient,
     PeerOptions,
@@ -134,3 +134,54 @@ def test_chunks_go_in_batches_one_segment_each(make_tier: MakeTier, make_server:
     for cid, a in data.items():
         assert bytes(peer.get_chunk(1, cid, verify=True)) == a.tobytes()  # type: ignore[arg-type]
     target.close()
+
+
+class CountingPusher:
+    """Records pushes; blocks on steps listed in ``hold`` until ``release`` is set."""
+
+    def __init__(self, hold: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+        self.hold, self.release = hold, threading.Event()
+        self.pushed: list[tuple[int, str]] = []
+
+    def push_chunk(self, step: int, chunk_id: str, data: memoryview, *, raw_crc32c: int | None = None) -> bool:
+        if step in self.hold:
+            self.release.wait(10)
+        self.pushed.append((step, chunk_id))
+        return True
+
+    def put_manifest(self, step: int, data: bytes | memoryview) -> None:
+        self.pushed.append((step, "<manifest>"))
+
+
+def test_reports_are_bounded_and_running_pushes_are_kept(make_tier: MakeTier) -> None:
+    own = make_tier("own", keep_steps=40)
+    for step in range(1, 31):
+        seal_chunks(own, step, fill(step, {"a": 10}))
+    pusher = CountingPusher()
+    rep = Replicator(own, targets={"p": pusher}, options=ReplicatorOptions(max_reports=4))
+    for step in range(1, 21):
+        assert rep.submit(step).wait(10) is not None
+    assert len(rep._handles) == 4  # noqa: SLF001 - the bound is the point of the test
+    assert rep.stats() == {"steps": 20, "chunks_pushed": 20, "bytes_pushed": 200, "failures": 0,
+                           "reports_forgotten": 16}
+    assert [r.step for r in rep.wait(5)] == [17, 18, 19, 20]
+    assert rep.wait(5) == []
+    # A push still running is never forgotten, however many newer steps finish meanwhile
+    # (those go to no target: done at once; each still supersedes the held push).
+    pusher.hold = {21}
+    held = rep.submit(21)
+    rep.set_targets({})
+    for step in range(22, 31):
+        rep.submit(step)
+    assert not held.done() and held in rep._handles and len(rep._handles) == 4  # noqa: SLF001
+    pusher.release.set()
+    reports = rep.wait(10)
+    assert [r.step for r in reports] == [21, 28, 29, 30]
+    assert reports[0].superseded and all(r.ok for r in reports[1:])
+    assert rep.stats()["reports_forgotten"] == 16 + 6
+    rep.close()
+
+
+def test_max_reports_must_be_positive() -> None:
+    with pytest.raises(ConfigError, match="max_reports"):
+        ReplicatorOptions(max_reports=0)
