@@ -16,10 +16,14 @@ import shutil
 import threading
 import uuid
 from pathlib import Path
+from types import TracebackType
+from typing import Protocol
+
+import numpy as np
 
 from fastckpt.errors import ConfigError
 
-__all__ = ["ChunkLocation", "RamBudgetError", "create_segment_file", "load_index", "scan_root"]
+__all__ = ["ChunkLocation", "RamBudgetError", "Segment", "close_map", "create_segment_file", "load_index", "scan_root"]
 
 INDEX_SUFFIX = ".index.json"
 DATA_SUFFIX = ".data"
@@ -41,6 +45,50 @@ class ChunkLocation:
     """Raw length of the chunk in bytes."""
     raw_crc32c: int
     """crc32c of the chunk's raw bytes (``ChunkEntry.raw_crc32c``)."""
+
+
+def close_map(mm: mmap.mmap | None) -> None:
+    """Close ``mm`` unless views of it are still exported (then the GC closes it later)."""
+    if mm is not None:
+        with contextlib.suppress(BufferError):
+            mm.close()
+
+
+class _Discarding(Protocol):
+    def discard(self, seg: Segment) -> None: ...
+
+
+class Segment:
+    """A writable region of the tier, invisible until sealed. Returned by :meth:`~fastckpt.replicas.ram.RamTier.allocate`.
+
+    Use as a context manager to discard it if the block raises before :meth:`~fastckpt.replicas.ram.RamTier.seal`.
+    """
+
+    def __init__(self, tier: _Discarding, step: int, path: Path, mm: mmap.mmap | None, nbytes: int) -> None:
+        self._tier = tier
+        self.step = step
+        """The step this segment was allocated for."""
+        self.nbytes = nbytes
+        """Size in bytes."""
+        self._path = path
+        self._mm = mm
+        self._buffer: np.ndarray | None = np.frombuffer(mm, np.uint8) if mm is not None else np.empty(0, np.uint8)
+        self.state = "open"
+        """``"open"``, ``"sealed"`` or ``"discarded"``."""
+
+    @property
+    def buffer(self) -> np.ndarray:
+        """The writable uint8 array over the whole segment (shared memory; pre-faulted)."""
+        if self._buffer is None:
+            raise ConfigError(f"segment is {self.state}; its buffer is no longer writable")
+        return self._buffer
+
+    def __enter__(self) -> Segment:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        if self.state == "open":
+            self._tier.discard(self)
 
 
 class Sealed:

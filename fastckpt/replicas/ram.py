@@ -19,15 +19,13 @@ Guarantees:
 * Bytes held (sealed segments, manifests, unsealed allocations, spares) never exceed
   ``budget_bytes``.
 * Retention: the newest ``keep_steps`` committed steps (those with a manifest) are kept, and
-  with ``replicated=True`` one more. Why one more: every host commits step N together, but
-  its push of N to its peers finishes later; a host lost in between leaves N incomplete
-  across the survivors, and only the previous step (whose pushes finished long ago) is
-  complete. Holding it closes that window as long as every push of N finishes before any
-  host commits N+1 (the manager waits for its previous push before staging a RAM step:
-  ``RamReplication.wait_pushed``). Knowing locally that N is complete everywhere is impossible (the lost host's push is
-  what is missing), so the tier does not try to free the previous step early. Steps newer
-  than the floor (saves and replicas in progress) are kept. Under budget pressure an
-  allocation for step S drops spares, then whole steps older than S, oldest first.
+  with ``replicated=True`` one more: every host commits step N together but pushes it to
+  its peers later, so a host lost in between leaves only N-1 complete across the survivors
+  (the manager waits for its previous push before staging a RAM step,
+  ``RamReplication.wait_pushed``, so N-1's pushes are always done; whether N's are is not
+  knowable locally). Steps newer than the floor (saves and replicas in progress) are kept.
+  Under budget pressure an allocation for step S drops spares, then whole steps older than
+  S, oldest first.
 
 Call sequence for a save: ``seg = allocate(step, n)`` → fill ``seg.buffer`` →
 ``seal(step, seg, index)`` (or ``discard(seg)``) → later ``put_manifest(step, manifest)``.
@@ -60,8 +58,10 @@ from fastckpt.replicas._shm import (
     ChunkLocation,
     RamBudgetError,
     Sealed,
+    Segment,
     StepState,
     atomic_write,
+    close_map,
     create_segment_file,
     index_document,
     new_name,
@@ -75,47 +75,8 @@ _MIN_RECYCLE_BYTES = 1 << 20
 _MAX_SPARES = 1024
 
 
-def _close(mm: mmap.mmap | None) -> None:
-    if mm is not None:
-        with contextlib.suppress(BufferError):
-            mm.close()
-
-
 class StaleStepError(FastckptError):
     """Data for a step older than every retained committed step; it would be dropped at once."""
-
-
-class Segment:
-    """A writable region of the tier, invisible until sealed. Returned by :meth:`RamTier.allocate`.
-
-    Use as a context manager to discard it if the block raises before :meth:`RamTier.seal`.
-    """
-
-    def __init__(self, tier: RamTier, step: int, path: Path, mm: mmap.mmap | None, nbytes: int) -> None:
-        self._tier = tier
-        self.step = step
-        """The step this segment was allocated for."""
-        self.nbytes = nbytes
-        """Size in bytes."""
-        self._path = path
-        self._mm = mm
-        self._buffer: np.ndarray | None = np.frombuffer(mm, np.uint8) if mm is not None else np.empty(0, np.uint8)
-        self.state = "open"
-        """``"open"``, ``"sealed"`` or ``"discarded"``."""
-
-    @property
-    def buffer(self) -> np.ndarray:
-        """The writable uint8 array over the whole segment (shared memory; pre-faulted)."""
-        if self._buffer is None:
-            raise ConfigError(f"segment is {self.state}; its buffer is no longer writable")
-        return self._buffer
-
-    def __enter__(self) -> Segment:
-        return self
-
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
-        if self.state == "open":
-            self._tier.discard(self)
 
 
 class RamTier:
@@ -196,7 +157,7 @@ class RamTier:
                     seg.unmap(dropped=True)
             self._steps.clear()
             for mm in self._spare_maps.values():
-                _close(mm)
+                close_map(mm)
             self._spare_maps.clear()
             os.close(self._lock_fd)
 
@@ -237,7 +198,7 @@ class RamTier:
                 os.rename(spare, path)  # same size: reuse the mapping and its page tables as is
                 mm: mmap.mmap | None = spare_mm
             else:
-                _close(spare_mm)
+                close_map(spare_mm)
                 mm = create_segment_file(path, nbytes, spare=spare, prefault=self._prefault)
         except BaseException:
             with self._lock:
@@ -369,7 +330,7 @@ class RamTier:
                     if mm is not None:
                         self._spare_maps[spare] = mm
                 else:
-                    _close(mm)
+                    close_map(mm)
                     unlink(seg.path)
             shutil.rmtree(self.root / f"step-{step}", ignore_errors=True)
 
@@ -533,7 +494,7 @@ class RamTier:
                 return
             unlink(p)
             del self._spares[p]
-            _close(self._spare_maps.pop(p, None))
+            close_map(self._spare_maps.pop(p, None))
         for s in older:
             if self._used() + extra <= self.budget_bytes:
                 return

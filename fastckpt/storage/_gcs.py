@@ -21,16 +21,14 @@ urllib3 retries): retrying is :class:`~fastckpt.storage.RetryingStore`'s job.
 from __future__ import annotations
 
 import asyncio
-import base64
 import dataclasses
 import functools
-import http.client
 import json
 import secrets
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, final
+from typing import TYPE_CHECKING, Any, TypeVar, final
 from urllib.parse import quote
 
 import numpy as np
@@ -40,13 +38,23 @@ from fastckpt.errors import (
     ChecksumMismatchError,
     ConfigError,
     CorruptionError,
-    FastckptError,
     NotFoundError,
     PermissionDeniedError,
     StorageError,
-    TransientStorageError,
 )
 from fastckpt.storage._checksum import crc32c
+from fastckpt.storage._gcs_http import (
+    StreamBody,
+    b64_crc,
+    check_media_response,
+    check_whole_object,
+    crc_from_b64,
+    discard,
+    end_response,
+    readinto_parts,
+    status_error,
+    translate,
+)
 from fastckpt.storage._protocol import (
     Buffer,
     ByteRange,
@@ -69,7 +77,6 @@ T = TypeVar("T")
 
 _SCOPES = ("https://www.googleapis.com/auth/devstorage.read_write",)
 _DEFAULT_BASE = "https://storage.googleapis.com"
-_READ_BLOCK = 8 * 1024 * 1024
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -98,139 +105,6 @@ class GcsOptions:
             raise ConfigError("timeouts must be > 0")
         if self.endpoint is not None and not self.endpoint.startswith(("http://", "https://")):
             raise ConfigError(f"endpoint must be an http(s) URL, got {self.endpoint!r}")
-
-
-class _StreamBody:
-    """A re-iterable request body over buffers, with a length (so no chunked encoding)."""
-
-    def __init__(self, parts: list[Buffer]) -> None:
-        self._parts = [memoryview(p).cast("B") for p in parts]
-        self._len = sum(p.nbytes for p in self._parts)
-
-    def __len__(self) -> int:
-        return self._len
-
-    def __iter__(self) -> Iterator[memoryview]:
-        return (p for p in self._parts if p.nbytes)
-
-
-def _body_reader(resp: requests.Response) -> Callable[[memoryview], int]:
-    """``readinto`` for a streamed response body that receives straight into the buffer.
-
-    urllib3's own ``HTTPResponse.readinto`` reads into a temporary ``bytes`` and copies it;
-    for an identity-encoded body with a length, the ``http.client`` response it wraps
-    receives (``recv_into``) directly into the destination. Falls back to urllib3's.
-    """
-    raw = resp.raw
-    fp = getattr(raw, "_fp", None)
-    if isinstance(fp, http.client.HTTPResponse) and fp.length is not None and not fp.chunked:
-        return fp.readinto
-    return raw.readinto  # type: ignore[no-any-return]
-
-
-def _readinto_parts(resp: requests.Response, into: list[memoryview], what: str) -> None:
-    """Fill ``into`` back to back from the body; a body that ends early is transient."""
-    readinto = _body_reader(resp)
-    done = 0
-    for part in into:
-        pos, n = 0, part.nbytes
-        while pos < n:
-            got = readinto(part[pos:])
-            if not got:
-                raise TransientStorageError(f"{what}: body truncated after {done + pos} bytes")
-            pos += got
-        done += n
-
-
-def _discard(resp: requests.Response, n: int, what: str) -> None:
-    """Read and drop the next ``n`` bytes of the body."""
-    sink = memoryview(np.empty(min(n, _READ_BLOCK), np.uint8))
-    while n:
-        _readinto_parts(resp, [sink[: min(n, sink.nbytes)]], what)
-        n -= min(n, sink.nbytes)
-
-
-def _status_error(status: int, what: str, detail: str = "") -> StorageError:
-    msg = f"{what}: HTTP {status} {detail[:300]}".rstrip()
-    if status == 404:
-        return NotFoundError(msg)
-    if status in (401, 403):
-        return PermissionDeniedError(msg)
-    if status == 412:
-        return AlreadyExistsError(msg)
-    if status in (408, 429) or status >= 500:
-        return TransientStorageError(msg)
-    return StorageError(msg)
-
-
-def _check_media_response(resp: requests.Response, what: str) -> None:
-    """Raise unless ``resp`` is a 200/206 with the object's bytes as stored (no transcoding)."""
-    if resp.status_code not in (200, 206):
-        raise _status_error(resp.status_code, what, resp.text)
-    encoding = resp.headers.get("Content-Encoding", "identity")
-    if encoding != "identity":
-        raise StorageError(f"{what}: unexpected Content-Encoding {encoding!r}")
-
-
-def _end_response(resp: requests.Response, *, reuse: bool) -> None:
-    """Keep the connection if its body was read to the end, else drop it (bytes left unread
-    would be taken for the next response's)."""
-    if reuse:
-        resp.raw.release_conn()
-    else:
-        resp.close()
-
-
-def _translate(exc: BaseException, what: str) -> NoReturn:
-    """Raise the fastckpt error for a requests/urllib3/google error raised during ``what``."""
-    if isinstance(exc, FastckptError):
-        raise exc
-    import google.api_core.exceptions as gexc
-    import google.auth.exceptions as aexc
-    import requests
-    import urllib3.exceptions
-
-    if isinstance(exc, gexc.GoogleAPICallError) and exc.code is not None:
-        raise _status_error(int(exc.code), what, str(exc.message)) from exc
-    if isinstance(exc, aexc.TransportError | requests.ConnectionError | requests.Timeout):
-        raise TransientStorageError(f"{what}: {type(exc).__name__}: {exc}") from exc
-    if isinstance(exc, requests.exceptions.ChunkedEncodingError | urllib3.exceptions.HTTPError):
-        raise TransientStorageError(f"{what}: {type(exc).__name__}: {exc}") from exc
-    if isinstance(exc, http.client.HTTPException | ConnectionError | TimeoutError):
-        raise TransientStorageError(f"{what}: {type(exc).__name__}: {exc}") from exc
-    if isinstance(exc, aexc.GoogleAuthError):  # refresh failed, anonymous asked to refresh, ...
-        raise PermissionDeniedError(f"{what}: authentication failed: {type(exc).__name__}: {exc}") from exc
-    if isinstance(exc, requests.RequestException | OSError):
-        raise StorageError(f"{what}: {type(exc).__name__}: {exc}") from exc
-    raise exc
-
-
-def _check_whole_object(goog_hash: str | None, body: Buffer, what: str) -> None:
-    """Verify a whole-object download against the crc32c the server reports for the object.
-
-    A mismatch means the bytes changed on the way (the object itself is checksummed at
-    rest): it is transient, so a retry reads the object again.
-    """
-    if not goog_hash:
-        return
-    for part in goog_hash.split(","):
-        name, _, value = part.strip().partition("=")
-        if name == "crc32c" and value:
-            try:
-                want = _crc_from_b64(value)
-            except ValueError:
-                return
-            if crc32c([body]) != want:
-                raise TransientStorageError(f"{what}: body does not match the object's crc32c (corrupted in transit)")
-            return
-
-
-def _b64_crc(value: int) -> str:
-    return base64.b64encode(value.to_bytes(4, "big")).decode("ascii")
-
-
-def _crc_from_b64(text: str) -> int:
-    return int.from_bytes(base64.b64decode(text), "big")
 
 
 @final
@@ -339,12 +213,12 @@ class GcsStore(Store):
         try:
             blob = client.bucket(self.bucket).get_blob(name, retry=None, timeout=self._timeout)
         except Exception as exc:
-            _translate(exc, what)
+            translate(exc, what)
         if blob is None:
             raise NotFoundError(what)
         if blob.crc32c is None or blob.size is None:
             raise StorageError(f"{what}: the server reported no size/crc32c")
-        return ObjectMeta(size=int(blob.size), crc32c=_crc_from_b64(blob.crc32c))
+        return ObjectMeta(size=int(blob.size), crc32c=crc_from_b64(blob.crc32c))
 
     def _get_sync(self, name: str, key: str, byte_range: ByteRange | None) -> Buffer:
         what = f"get {self.url}/{key}"
@@ -363,27 +237,27 @@ class GcsStore(Store):
                 size = self._head_sync(name, key).size
                 clip_range(size, byte_range, key)
                 return b""
-            _check_media_response(resp, what)
+            check_media_response(resp, what)
             body = self._read_body(resp, what)
             complete = True
             if resp.status_code == 200:
-                _check_whole_object(resp.headers.get("x-goog-hash"), body, what)
+                check_whole_object(resp.headers.get("x-goog-hash"), body, what)
             if byte_range is not None and resp.status_code == 200:
                 # The server ignored the Range header; cut the range out ourselves.
                 start, stop = clip_range(len(body), byte_range, key)
                 return body[start:stop]
             return body
         except Exception as exc:
-            _translate(exc, what)
+            translate(exc, what)
         finally:
-            _end_response(resp, reuse=complete)
+            end_response(resp, reuse=complete)
 
     def _media_get(self, session: requests.Session, name: str, headers: dict[str, str], what: str) -> requests.Response:
         """Start a streamed GET of the object's bytes; errors translated."""
         try:
             return session.get(self._media_url(name), headers=headers, stream=True, timeout=self._timeout)
         except Exception as exc:
-            _translate(exc, what)
+            translate(exc, what)
 
     @staticmethod
     def _read_body(resp: requests.Response, what: str) -> memoryview | bytes:
@@ -394,7 +268,7 @@ class GcsStore(Store):
         if n == 0:
             return b""
         view = memoryview(np.empty(n, dtype=np.uint8)).cast("B")
-        _readinto_parts(resp, [view], what)
+        readinto_parts(resp, [view], what)
         return view
 
     def _get_into_sync(self, name: str, key: str, start: int, into: list[memoryview]) -> None:
@@ -412,27 +286,27 @@ class GcsStore(Store):
                 size = self._head_sync(name, key).size
                 clip_range(size, ByteRange(start, total), key)  # NotFoundError past the end
                 raise CorruptionError(f"{what}: object ends at {size}, before {start + total}")
-            _check_media_response(resp, what)
+            check_media_response(resp, what)
             length = resp.headers.get("Content-Length")
             skip = start if resp.status_code == 200 else 0  # 200: the server ignored the Range
             if length is not None and int(length) < skip + total:
                 raise CorruptionError(f"{what}: object ends {skip + total - int(length)} bytes before {start + total}")
             if skip:
-                _discard(resp, skip, what)
-            _readinto_parts(resp, into, what)
+                discard(resp, skip, what)
+            readinto_parts(resp, into, what)
             # Reuse the connection only if nothing of the body is left unread.
             complete = resp.status_code == 206 and length is not None and int(length) == total
         except Exception as exc:
-            _translate(exc, what)
+            translate(exc, what)
         finally:
-            _end_response(resp, reuse=complete)
+            end_response(resp, reuse=complete)
 
     def _put_sync(self, name: str, key: str, parts: list[memoryview], mode: PutMode) -> None:
         what = f"put {self.url}/{key}"
         _, session = self._connect()
         crc = crc32c(parts)
         boundary = "fastckpt-" + secrets.token_hex(16)
-        metadata = json.dumps({"name": name, "crc32c": _b64_crc(crc)})
+        metadata = json.dumps({"name": name, "crc32c": b64_crc(crc)})
         head = (
             f"--{boundary}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n{metadata}\r\n"
             f"--{boundary}\r\nContent-Type: application/octet-stream\r\n\r\n"
@@ -444,23 +318,23 @@ class GcsStore(Store):
         try:
             resp = session.post(
                 url,
-                data=_StreamBody([head, *parts, tail]),
+                data=StreamBody([head, *parts, tail]),
                 headers={"Content-Type": f"multipart/related; boundary={boundary}"},
                 timeout=self._timeout,
             )
         except Exception as exc:
-            _translate(exc, what)
+            translate(exc, what)
         with resp:
             if resp.status_code == 412 and mode == "create":
                 raise AlreadyExistsError(f"{what}: the object already exists")
             if resp.status_code != 200:
-                raise _status_error(resp.status_code, what, resp.text)
+                raise status_error(resp.status_code, what, resp.text)
             try:
                 stored = resp.json().get("crc32c")
             except ValueError:
                 stored = None
-        if stored is not None and _crc_from_b64(stored) != crc:
-            raise ChecksumMismatchError(f"{what}: server stored crc32c {stored}, sent {_b64_crc(crc)}")
+        if stored is not None and crc_from_b64(stored) != crc:
+            raise ChecksumMismatchError(f"{what}: server stored crc32c {stored}, sent {b64_crc(crc)}")
 
     def _list_sync(self, prefix: str) -> list[str]:
         what = f"list {self.url}/{prefix}"
@@ -473,7 +347,7 @@ class GcsStore(Store):
             )  # fmt: skip
             names = [blob.name for blob in blobs]
         except Exception as exc:
-            _translate(exc, what)
+            translate(exc, what)
         return sorted(n[len(base) :] for n in names)
 
     def _delete_sync(self, name: str, key: str) -> None:
@@ -482,7 +356,7 @@ class GcsStore(Store):
             client.bucket(self.bucket).blob(name).delete(retry=None, timeout=self._timeout)
         except Exception as exc:
             try:
-                _translate(exc, f"delete {self.url}/{key}")
+                translate(exc, f"delete {self.url}/{key}")
             except NotFoundError:
                 return
 
