@@ -89,11 +89,16 @@ def run_once(args: argparse.Namespace, index: int) -> dict[str, Any]:
             raise RuntimeError(f"demo failed (exit {proc.returncode}), run kept in {workdir}:\n"
                                f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
         demo = json.loads(proc.stdout.strip().splitlines()[-1])
-        steady = _steady_step_s(Path(demo["run_dir"]), generation=1)
-        state_bytes = _state_bytes(Path(demo["run_dir"]))
+        generation = demo.get("recovered_generation") or 1  # > 1: a relaunch failed first
+        steady = _steady_step_s(Path(demo["run_dir"]), generation=generation)
+        state_bytes = _state_bytes(Path(demo["run_dir"]), generation)
         if demo["kill_to_first_step_s"] is None:  # the resized job never recorded a first step
             keep = True
             print(f"run {index}: no first step after the kill recorded; run kept in {workdir}", file=sys.stderr)
+        if demo.get("failed_relaunches"):
+            keep = True
+            print(f"run {index}: relaunches failed before the first step: {demo['failed_relaunches']}; "
+                  f"run kept in {workdir}", file=sys.stderr)
     finally:
         if not keep:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -106,6 +111,8 @@ def run_once(args: argparse.Namespace, index: int) -> dict[str, Any]:
         "restored_step": demo["restored_step"],
         "last_step_before_kill": demo["last_step_before_kill"],
         "steps_lost": demo["steps_lost"],
+        "failed_relaunches": demo.get("failed_relaunches") or [],
+        "workdir_kept": str(workdir) if keep else None,
         "steady_step_s": steady,
         "overhead_s": None if total is None or steady is None else total - steady,
         "state_bytes": state_bytes,
@@ -115,9 +122,9 @@ def run_once(args: argparse.Namespace, index: int) -> dict[str, Any]:
     }
 
 
-def _state_bytes(run_dir: Path) -> int | None:
+def _state_bytes(run_dir: Path, generation: int) -> int | None:
     """Bytes one host of the resized job restored (the most over its hosts)."""
-    reps = [json.loads(p.read_text()) for p in sorted((run_dir / "report").glob("g1-h*.json"))]
+    reps = [json.loads(p.read_text()) for p in sorted((run_dir / "report").glob(f"g{generation}-h*.json"))]
     sizes = [sum((r.get("restore_bytes_by_tier") or {}).values()) for r in reps]
     return max(sizes) if sizes else None
 
@@ -184,6 +191,9 @@ def render_markdown(doc: dict[str, Any]) -> str:
         f"{', '.join(fmt_s(r['overhead_s']) for r in runs)}).",
         f"* steps lost <= RAM checkpoint interval ({meta['ram_every']}): {verdict(t['steps_lost_le_ram_interval'])} "
         f"(max {s['steps_lost_max']}).",
+        *(f"* run {i}: {len(r['failed_relaunches'])} relaunch(es) failed before the first step "
+          f"({'; '.join(str(f['reason']) for f in r['failed_relaunches'])}); its total counts from the kill."
+          for i, r in enumerate(runs) if r.get("failed_relaunches")),
         "",
         "Parts (each ends when the *last* worker passes it): detect = SIGKILL -> supervisor notices; relaunch =",
         "kill the survivors + activate warm standbys + `jax.distributed` and manager up; restore = the",

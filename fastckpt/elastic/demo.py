@@ -178,6 +178,8 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         "restored_step": rec.get("restored_step"),
         "last_step_before_kill": rec.get("last_step_before_kill"),
         "steps_lost": rec.get("steps_lost"),
+        "recovered_generation": rec.get("recovered_generation"),
+        "failed_relaunches": rec.get("failed_relaunches", []),
         "rejoin_stop_to_first_step_s": summary["resizes"][0]["stop_to_first_step_s"] if summary["resizes"] else None,
         "hosts_per_generation": [len(g["hosts"]) for g in summary["generations"]],
         "restarts": result.restarts,
@@ -199,7 +201,9 @@ def _print_recoveries(summary: dict[str, Any], t0: float) -> None:
         parts = ", ".join(f"{k[:-2]} {v:.2f}s" for k, v in rec["parts"].items())
         print(f"[{rec['t_first_step'] - t0:7.2f}s] first step done on {rec['num_processes']} hosts: "
               f"restored step {rec['restored_step']} ({tiers}); kill -> first step {rec['total_s']:.2f}s "
-              f"({parts}); steps lost {rec.get('steps_lost')}", flush=True)
+              f"({parts}); steps lost {rec.get('steps_lost')}"
+              + "".join(f"; relaunch (generation {f['generation']}) failed first: {f['reason']}"
+                        for f in rec.get("failed_relaunches", [])), flush=True)
     for rs in summary["resizes"]:
         print(f"[{rs['t_first_step'] - t0:7.2f}s] resized to {rs['num_processes']} hosts at step "
               f"{rs['restored_step']}: stop request -> first step {rs['stop_to_first_step_s']:.2f}s", flush=True)

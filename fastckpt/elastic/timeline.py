@@ -76,8 +76,10 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
     """Everything the demo reports about one run directory.
 
     Returns ``{"generations", "recoveries", "resizes", "final_step", "final_loss"}``;
-    each recovery also has ``killed_host``, ``last_step_before_kill`` and ``steps_lost``
-    (steps completed before the kill that had to be redone).
+    each recovery also has ``killed_host``, ``last_step_before_kill``, ``steps_lost``
+    (steps completed before the kill that had to be redone) and ``failed_relaunches``
+    (generations after the kill that failed before their first step: the recovery's parts
+    then describe the generation that got there, its total counts from the kill).
     """
     paths = RunPaths(Path(run_dir))
     events = read_jsonl(paths.events)
@@ -88,17 +90,28 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
     for g in generations:
         end = next((e for e in events if e["event"] == "generation_end" and e["generation"] == g["generation"]), None)
         g["outcome"] = end["outcome"] if end else "running"
+    outcomes = {int(g["generation"]): g["outcome"] for g in generations}
     recoveries = []
     for kill in (e for e in events if e["event"] == "kill"):
         gen = int(kill["generation"])
         detect = next((e for e in events if e["event"] == "failure_detected" and e["generation"] == gen), None)
-        rec = recovery_breakdown(paths, t_event=float(kill["t"]), t_detect=float(detect["t"]) if detect else None,
-                                 generation=gen + 1, events=events)
+        # The recovery ends at the first step of the first generation after the kill that got
+        # there; relaunches that failed before their first step count towards it.
+        failed: list[dict[str, Any]] = []
+        rec = None
+        for g in range(gen + 1, max(outcomes, default=gen) + 1):
+            rec = recovery_breakdown(paths, t_event=float(kill["t"]),
+                                     t_detect=float(detect["t"]) if detect else None, generation=g, events=events)
+            if rec is not None or outcomes.get(g) != "failed":
+                break
+            end = next((e for e in events if e["event"] == "generation_end" and e["generation"] == g), {})
+            failed.append({"generation": g, "reason": end.get("reason")})
         done = [int(m["step"]) for m in metrics if m["generation"] == gen and float(m["t"]) <= float(kill["t"])]
         last = max(done) if done else None
-        entry: dict[str, Any] = {"killed_host": kill["host"], "generation": gen, "last_step_before_kill": last}
+        entry: dict[str, Any] = {"killed_host": kill["host"], "generation": gen, "last_step_before_kill": last,
+                                 "failed_relaunches": failed}
         if rec is not None:
-            entry.update(rec)
+            entry.update(rec, recovered_generation=g)
             restored = rec["restored_step"] or 0
             entry["steps_lost"] = None if last is None else max(0, last - restored)
         recoveries.append(entry)
