@@ -99,19 +99,19 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
         # there; relaunches that failed before their first step count towards it.
         failed: list[dict[str, Any]] = []
         rec = None
-        for g in range(gen + 1, max(outcomes, default=gen) + 1):
+        for later in range(gen + 1, max(outcomes, default=gen) + 1):
             rec = recovery_breakdown(paths, t_event=float(kill["t"]),
-                                     t_detect=float(detect["t"]) if detect else None, generation=g, events=events)
-            if rec is not None or outcomes.get(g) != "failed":
+                                     t_detect=float(detect["t"]) if detect else None, generation=later, events=events)
+            if rec is not None or outcomes.get(later) != "failed":
                 break
-            end = next((e for e in events if e["event"] == "generation_end" and e["generation"] == g), {})
-            failed.append({"generation": g, "reason": end.get("reason")})
+            end = next((e for e in events if e["event"] == "generation_end" and e["generation"] == later), {})
+            failed.append({"generation": later, "reason": end.get("reason")})
         done = [int(m["step"]) for m in metrics if m["generation"] == gen and float(m["t"]) <= float(kill["t"])]
         last = max(done) if done else None
         entry: dict[str, Any] = {"killed_host": kill["host"], "generation": gen, "last_step_before_kill": last,
                                  "failed_relaunches": failed}
         if rec is not None:
-            entry.update(rec, recovered_generation=g)
+            entry.update(rec, recovered_generation=later)
             restored = rec["restored_step"] or 0
             entry["steps_lost"] = None if last is None else max(0, last - restored)
         recoveries.append(entry)
