@@ -64,9 +64,11 @@ def _steady_step_s(run_dir: Path, generation: int) -> float | None:
 def final_step(args: argparse.Namespace) -> int:
     """The run's last step: ``--after`` steps past the kill, rounded up to a RAM step.
 
-    Ending on a step that is already checkpointed keeps the worker's ``save_final`` out of
-    the measurement; an extra forced save of an off-cadence final step has been seen to
-    hang intermittently (open, see docs/elastic.md).
+    Ending on a step that is already checkpointed keeps the worker's ``save_final`` (a
+    forced save of an off-cadence final step) out of the run's wall time. That save used to
+    hang when processes disagreed on whether the step was committed; process 0 decides
+    since (docs/elastic.md, Limits), and 11 of 11 demo runs ending off-cadence (steps
+    7-9, RAM every 2) finished.
     """
     n = args.kill_step + args.after
     return -(-n // args.ram_every) * args.ram_every
