@@ -13,6 +13,7 @@ from fastckpt.planning.boxes import (
     split_box as split_box,
 )
 from fastckpt.planning.load_plan import (
+    ChunkIndex as ChunkIndex,
     FetchRange as FetchRange,
     ReadItem as ReadItem,
     coalesce_fetches as coalesce_fetches,

@@ -8,6 +8,7 @@ the needed chunks by object and coalesces nearby byte ranges into few large rang
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections.abc import Iterable, Sequence
 
@@ -15,7 +16,7 @@ from fastckpt.errors import CorruptionError
 from fastckpt.format.manifest import ArrayLeaf, Box, ChunkEntry, box_volume, keypath_str
 from fastckpt.planning.boxes import intersect, relative_to
 
-__all__ = ["FetchRange", "ReadItem", "coalesce_fetches", "plan_leaf_reads"]
+__all__ = ["ChunkIndex", "FetchRange", "ReadItem", "coalesce_fetches", "plan_leaf_reads"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -38,16 +39,58 @@ class FetchRange:
     """Chunks inside the range; chunk ``c`` is at ``c.offset - start`` in the fetched bytes."""
 
 
-def plan_leaf_reads(leaf: ArrayLeaf, dst_box: Box) -> tuple[ReadItem, ...]:
+class ChunkIndex:
+    """The chunks of one leaf, indexed to find those overlapping a box without a full scan.
+
+    Chunks are sorted along the dimension with the most distinct chunk starts (the one the
+    saving sharding split most), with a running maximum of their ends; a query bisects both
+    and tests only the chunks in the band it overlaps along that dimension. Exact for any
+    set of boxes (overlapping ones of a malformed manifest too). Planning a host's units of
+    a leaf saved by N devices costs about O(N) in total instead of O(N) per unit.
+    """
+
+    __slots__ = ("_chunks", "_dim", "_ends", "_order", "_starts")
+
+    def __init__(self, chunks: Sequence[ChunkEntry]) -> None:
+        self._chunks = tuple(chunks)
+        rank = len(self._chunks[0].box) if self._chunks else 0
+        self._dim: int | None = None
+        if rank and all(len(c.box) == rank for c in self._chunks):
+            self._dim = max(range(rank), key=lambda d: len({c.box[d][0] for c in self._chunks}))
+        d = self._dim or 0
+        self._order = sorted(range(len(self._chunks)), key=lambda i: self._chunks[i].box[d][0]) if rank else []
+        self._starts = [self._chunks[i].box[d][0] for i in self._order]
+        self._ends: list[int] = []
+        reach = -1
+        for i in self._order:
+            reach = max(reach, self._chunks[i].box[d][1])
+            self._ends.append(reach)  # non-decreasing: bisectable
+
+    def overlapping(self, box: Box) -> list[tuple[ChunkEntry, Box]]:
+        """``(chunk, overlap)`` for every chunk that overlaps ``box``, in the chunks' order."""
+        if self._dim is None or len(box) != len(self._chunks[0].box):  # (intersect raises on a rank mismatch)
+            hits = [(i, intersect(c.box, box)) for i, c in enumerate(self._chunks)]
+        else:
+            lo, hi = box[self._dim]
+            first = bisect.bisect_right(self._ends, lo)  # earlier chunks end at or before lo
+            stop = bisect.bisect_left(self._starts, hi)  # later chunks start at or after hi
+            hits = sorted((i, intersect(self._chunks[i].box, box)) for i in self._order[first:stop])
+        return [(self._chunks[i], o) for i, o in hits if o is not None]  # type: ignore[misc]
+
+
+def plan_leaf_reads(leaf: ArrayLeaf, dst_box: Box, *, index: ChunkIndex | None = None) -> tuple[ReadItem, ...]:
     """Read items that fill ``dst_box`` (global coordinates) of ``leaf``.
+
+    ``index`` (a :class:`ChunkIndex` of ``leaf.chunks``) makes planning many boxes of one
+    leaf cheap; the items are the same with or without it.
 
     Raises:
         CorruptionError: the stored chunks do not cover ``dst_box`` exactly once.
     """
     items = []
     covered = 0
-    for chunk in leaf.chunks:
-        overlap = intersect(chunk.box, dst_box)
+    pairs = index.overlapping(dst_box) if index is not None else [(c, intersect(c.box, dst_box)) for c in leaf.chunks]
+    for chunk, overlap in pairs:
         if overlap is None:
             continue
         covered += box_volume(overlap)

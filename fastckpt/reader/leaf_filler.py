@@ -20,13 +20,14 @@ from fastckpt._hostmem import BufferCache, alloc_aligned
 from fastckpt.errors import ChecksumMismatchError, CorruptionError
 from fastckpt.format.dtypes import dtype_from_name
 from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, box_shape, box_volume, chunk_id, keypath_str
-from fastckpt.planning import ReadItem, box_to_slices, contiguous_span, plan_leaf_reads
+from fastckpt.planning import ChunkIndex, ReadItem, box_to_slices, contiguous_span, plan_leaf_reads
 from fastckpt.reader.units import ChunkSource, RestoreStats, Unit
 
 __all__ = ["Decoder", "LeafFiller", "allocate", "fetch_many_from_source", "where"]
 
 _GROUP_BYTES = 64 << 20  # RAM-tier fetches of one group: scratch held at once (resharding)
 _GROUP_CHUNKS = 64  # chunks per RAM-tier fetch group (one pipelined stream per peer)
+_SCAN_CHUNKS = 4  # a leaf with more chunks (and several units) is planned through a ChunkIndex
 
 
 class Decoder:
@@ -78,8 +79,9 @@ class LeafFiller:
         self.dsts: list[np.ndarray] = []
         #: chunk -> [(unit position, read item)]
         self.items: dict[ChunkEntry, list[tuple[int, ReadItem]]] = {}
+        index = ChunkIndex(self.leaf.chunks) if len(units) > 1 and len(self.leaf.chunks) > _SCAN_CHUNKS else None
         for pos, unit in enumerate(units):
-            for it in plan_leaf_reads(self.leaf, unit.box):
+            for it in plan_leaf_reads(self.leaf, unit.box, index=index):
                 self.items.setdefault(it.chunk, []).append((pos, it))
         lent = self._lend_units() if source is not None and hasattr(source, "lend") else {}
         for pos, unit in enumerate(units):

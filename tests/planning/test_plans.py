@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from fastckpt.errors import CorruptionError
 from fastckpt.format.manifest import ArrayLeaf, Box, ChunkEntry, box_shape, box_volume
 from fastckpt.planning import (
+    ChunkIndex,
     ShardInfo,
     box_to_slices,
     coalesce_fetches,
@@ -144,6 +145,44 @@ def test_plan_leaf_reads_detects_missing_chunk(data: st.DataObject) -> None:
     leaf = make_leaf(shape, [b for b in boxes if b != drop])
     with pytest.raises(CorruptionError, match="cover"):
         plan_leaf_reads(leaf, dst_box)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_chunk_index_finds_exactly_the_overlapping_chunks(data: st.DataObject) -> None:
+    """Against the scan, for tilings (guillotine cuts: not a grid), tilings with extra
+    overlapping or repeated boxes (malformed manifests), and empty query boxes."""
+    shape = data.draw(shapes(max_rank=3, max_side=7))
+    boxes = data.draw(tilings(shape, max_pieces=12))
+    boxes += data.draw(st.lists(boxes_in(shape, allow_empty=True), max_size=3))  # overlaps, repeats
+    leaf = make_leaf(shape, data.draw(st.permutations(boxes)))
+    index = ChunkIndex(leaf.chunks)
+    for _ in range(4):
+        box = data.draw(boxes_in(shape, allow_empty=True))
+        scan = [(c, o) for c in leaf.chunks if (o := intersect(c.box, box)) is not None]
+        assert index.overlapping(box) == scan
+        try:
+            expected = plan_leaf_reads(leaf, box)
+        except CorruptionError:
+            with pytest.raises(CorruptionError, match="cover"):
+                plan_leaf_reads(leaf, box, index=index)
+        else:
+            assert plan_leaf_reads(leaf, box, index=index) == expected
+
+
+def test_chunk_index_of_a_grid_tests_only_the_band_it_overlaps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 64 x 8 grid queried with one chunk's box: the band along the most-split dimension
+    holds that row's 8 chunks, and only those are intersected (not all 512)."""
+    import fastckpt.planning.load_plan as load_plan
+
+    boxes = [((8 * i, 8 * i + 8), (4 * j, 4 * j + 4)) for i in range(64) for j in range(8)]
+    index = ChunkIndex(make_leaf((512, 32), boxes).chunks)
+    tested: list[Box] = []
+    real = load_plan.intersect
+    monkeypatch.setattr(load_plan, "intersect", lambda a, b: tested.append(a) or real(a, b))
+    [(chunk, overlap)] = index.overlapping(boxes[77])
+    assert chunk.box == overlap == boxes[77]
+    assert sorted(tested) == boxes[72:80]
 
 
 def test_plan_leaf_reads_zero_d() -> None:
