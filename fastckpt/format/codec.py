@@ -265,6 +265,49 @@ def _chunk(obj: Any, shape: tuple[int, ...], itemsize: int, what: str) -> ChunkE
     )
 
 
+_CHUNK_FIELDS = ("box", "key", "offset", "length", "raw_length", "codec", "crc32c")
+
+
+def _chunk_fast(obj: Any, shape: tuple[int, ...], itemsize: int, keys_ok: set[str]) -> ChunkEntry | None:
+    """:func:`_chunk` without building error messages: the chunk, or None if anything is
+    off (then :func:`_chunk` finds and reports it). Accepts exactly what ``_chunk`` accepts;
+    ``keys_ok`` caches object keys already validated (chunks share few objects)."""
+    if type(obj) is not dict:
+        return None
+    try:
+        raw_box, key, offset, length, raw_length, codec, crc = (obj[k] for k in _CHUNK_FIELDS)
+    except KeyError:
+        return None
+    if type(raw_box) is not list or len(raw_box) != len(shape):
+        return None
+    box = []
+    volume = 1
+    for iv, n in zip(raw_box, shape):
+        if type(iv) is not list or len(iv) != 2:
+            return None
+        a, b = iv
+        if type(a) is not int or type(b) is not int or not 0 <= a <= b <= n:
+            return None
+        box.append((a, b))
+        volume *= b - a
+    raw_crc = obj.get("raw_crc32c", crc if codec == "raw" else 0)
+    for v in (offset, length, raw_length, crc, raw_crc):
+        if type(v) is not int or not 0 <= v <= _MAX_INT:
+            return None
+    if codec not in ("raw", "zstd") or raw_length != volume * itemsize or (codec == "raw" and length != raw_length):
+        return None
+    if type(key) is not str:
+        return None
+    if key not in keys_ok:
+        try:
+            validate_key(key)
+        except ValueError:
+            return None
+        keys_ok.add(key)
+    return ChunkEntry(box=tuple(box), key=key, offset=offset, length=length, raw_length=raw_length, codec=codec,
+                      crc32c=crc, raw_crc32c=raw_crc)
+
+
 def _sharding(obj: Any, rank: int, what: str) -> ShardingSpec | None:
     if obj is None:
         return None
@@ -342,7 +385,7 @@ def _value_leaf(d: Mapping[str, Any], path: KeyPath, what: str) -> ValueLeaf:
     return ValueLeaf(path=path, vtype=vtype, value=value)
 
 
-def _array_leaf(d: Mapping[str, Any], path: KeyPath, what: str) -> ArrayLeaf:
+def _array_leaf(d: Mapping[str, Any], path: KeyPath, what: str, keys_ok: set[str]) -> ArrayLeaf:
     d = _dict(d, what, ("shape", "dtype", "chunks"))
     shape_l = _list(d["shape"], f"{what}.shape")
     if len(shape_l) > _MAX_NDIM:
@@ -358,7 +401,7 @@ def _array_leaf(d: Mapping[str, Any], path: KeyPath, what: str) -> ArrayLeaf:
     if kind == "prng_key" and key_impl is None:
         _fail(f"{what}: prng_key leaf without key_impl")
     chunks = tuple(
-        _chunk(c, shape, dtype.itemsize, f"{what}.chunks[{i}]")
+        _chunk_fast(c, shape, dtype.itemsize, keys_ok) or _chunk(c, shape, dtype.itemsize, f"{what}.chunks[{i}]")
         for i, c in enumerate(_list(d["chunks"], f"{what}.chunks"))
     )
     total = 1
@@ -409,6 +452,7 @@ def decode_manifest(data: bytes | bytearray | memoryview) -> Manifest:
         )
     leaves: list[Leaf] = []
     seen: set[KeyPath] = set()
+    keys_ok: set[str] = set()
     for i, raw in enumerate(_list(d["leaves"], "leaves")):
         what = f"leaves[{i}]"
         ld = _dict(raw, what, ("path", "type"))
@@ -417,7 +461,7 @@ def decode_manifest(data: bytes | bytearray | memoryview) -> Manifest:
             _fail(f"{what}: duplicate path")
         seen.add(path)
         if ld["type"] == "array":
-            leaves.append(_array_leaf(ld, path, what))
+            leaves.append(_array_leaf(ld, path, what, keys_ok))
         elif ld["type"] == "value":
             leaves.append(_value_leaf(ld, path, what))
         else:

@@ -275,6 +275,32 @@ def test_fuzz_field_mutations(data: st.DataObject) -> None:
     _check_decode(json.dumps(doc).encode())
 
 
+@settings(max_examples=400, deadline=None)
+@given(st.data())
+def test_chunk_fast_path_accepts_exactly_what_the_checked_path_accepts(data: st.DataObject) -> None:
+    """The message-free fast path (used for every chunk) and the path that builds the
+    error messages agree on every mutation of a valid chunk: same entry, or both refuse."""
+    base = base_doc()["leaves"][0]
+    shape, itemsize = (4, 2), 4
+    chunk = copy.deepcopy(base["chunks"][data.draw(st.integers(0, 1))])
+    for _ in range(data.draw(st.integers(0, 3))):
+        loc = data.draw(st.sampled_from(_locations(chunk)[1:]))
+        parent = chunk
+        for p in loc[:-1]:
+            parent = parent[p]
+        if data.draw(st.booleans()):
+            parent[loc[-1]] = data.draw(st.one_of(_NASTY, st.integers(-3, 10), st.booleans()))
+        elif isinstance(parent, dict):
+            del parent[loc[-1]]
+        else:
+            parent.pop(loc[-1])
+    try:
+        expected = codec._chunk(chunk, shape, itemsize, "chunk")
+    except ManifestError:
+        expected = None
+    assert codec._chunk_fast(chunk, shape, itemsize, set()) == expected
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.data())
 def test_fuzz_bytes(data: st.DataObject) -> None:
