@@ -1,0 +1,244 @@
+"""Per-leaf and per-chunk costs of a restore as a state grows towards pod scale.
+
+Run ``python -m benchmarks.planning_scale [--quick]``. On a pod, a leaf saved by N devices
+has N chunks and a state has thousands of leaves; the costs that grow with them, not with
+bytes, decide how long a restore takes before any data moves. Three parts, each reported
+side by side in one run:
+
+1. **Read planning** (pure, no devices): planning one host's 8 destination boxes of one
+   leaf against N stored chunks, by scanning every chunk per box (``plan_leaf_reads``
+   without an index) and through one :class:`~fastckpt.planning.ChunkIndex` per leaf (what
+   the reader does), same mesh and a 4 -> 3 reshard; ms per leaf and the ratio.
+2. **Manifest codec**: encode and decode a manifest of L leaves x N chunks; microseconds
+   and bytes per chunk.
+3. **Own-RAM restore vs leaf count**: RAM-only saves and own-RAM restores of states made of
+   many small leaves (128 KiB, 8 shards each) on 8 CPU devices; ms per leaf for the
+   blocking part of ``save()`` and for ``restore()``.
+
+Writes ``benchmarks/results/planning_scale.{json,md,png}``.
+"""
+
+from __future__ import annotations
+
+from benchmarks._common import configure_host_devices
+
+configure_host_devices(8)  # before anything imports jax
+
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import shutil  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+from benchmarks._common import RESULTS_DIR, bar_chart, make_mesh, markdown_table, median, write_json  # noqa: E402
+
+MiB = 1 << 20
+ROWS, COLS = 8192, 1024
+
+
+def _leaf(k: int, grid: tuple[int, int]) -> Any:
+    from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, box_volume
+
+    chunks = []
+    for i in range(grid[0]):
+        for j in range(grid[1]):
+            box = ((i * ROWS // grid[0], (i + 1) * ROWS // grid[0]), (j * COLS // grid[1], (j + 1) * COLS // grid[1]))
+            n = box_volume(box) * 4
+            chunks.append(ChunkEntry(box=box, key=f"steps/s/p{i}.fck", offset=n * j, length=n, raw_length=n,
+                                     codec="raw", crc32c=0x1234567, raw_crc32c=0x1234567))
+    return ArrayLeaf(path=(("d", f"layer{k:04d}"), ("d", "w")), shape=(ROWS, COLS), dtype="float32",
+                     chunks=tuple(chunks))
+
+
+def _grid(n: int) -> tuple[int, int]:
+    """FSDP x Megatron-like split of ``n`` chunks (8 along columns once n >= 64)."""
+    return (n // 8, 8) if n >= 64 else (n, 1)
+
+
+def _host_boxes(grid: tuple[int, int]) -> list[tuple[tuple[int, int], ...]]:
+    """Host 0's 8 destination boxes under ``grid`` (the first 8 cells in row-major order)."""
+    return [((i * ROWS // grid[0], (i + 1) * ROWS // grid[0]), (j * COLS // grid[1], (j + 1) * COLS // grid[1]))
+            for i in range(grid[0]) for j in range(grid[1])][:8]
+
+
+def _best(fn: Any, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def run_planning(chunk_counts: list[int], reps: int) -> list[dict[str, Any]]:
+    from fastckpt.planning import ChunkIndex, plan_leaf_reads
+
+    out = []
+    for n in chunk_counts:
+        grid = _grid(n)
+        leaf = _leaf(0, grid)
+        for layout, dst_grid in (("same mesh", grid), ("4 -> 3 reshard", (max(1, grid[0] * 3 // 4), grid[1]))):
+            boxes = _host_boxes(dst_grid)
+
+            def scan() -> None:
+                for b in boxes:
+                    plan_leaf_reads(leaf, b)
+
+            def indexed() -> None:
+                index = ChunkIndex(leaf.chunks)
+                for b in boxes:
+                    plan_leaf_reads(leaf, b, index=index)
+
+            assert [plan_leaf_reads(leaf, b) for b in boxes] == [plan_leaf_reads(leaf, b, index=ChunkIndex(
+                leaf.chunks)) for b in boxes]
+            s, i = _best(scan, reps), _best(indexed, reps)
+            out.append({"chunks": n, "layout": layout, "units": len(boxes), "scan_ms": 1e3 * s, "index_ms": 1e3 * i,
+                        "speedup": s / i})
+            print(f"[planning] {n} chunks, {layout}: scan {1e3 * s:.3f} ms, index {1e3 * i:.3f} ms per leaf",
+                  file=sys.stderr, flush=True)
+    return out
+
+
+def run_codec(cases: list[tuple[int, int]], reps: int) -> list[dict[str, Any]]:
+    from fastckpt.format.codec import decode_manifest, encode_manifest
+    from fastckpt.format.manifest import Manifest
+
+    out = []
+    for leaves, n in cases:
+        m = Manifest(step=1, leaves=tuple(_leaf(k, _grid(n)) for k in range(leaves)), num_processes=64)
+        data = encode_manifest(m)
+        gc.collect()
+        enc = _best(lambda: encode_manifest(m), reps)  # noqa: B023
+        dec = _best(lambda: decode_manifest(data), reps)  # noqa: B023
+        total = leaves * n
+        out.append({"leaves": leaves, "chunks_per_leaf": n, "chunks": total, "bytes": len(data),
+                    "encode_s": enc, "decode_s": dec, "encode_us_per_chunk": 1e6 * enc / total,
+                    "decode_us_per_chunk": 1e6 * dec / total, "bytes_per_chunk": len(data) / total})
+        print(f"[codec] {leaves} x {n} chunks: {len(data) / MiB:.1f} MiB, encode {enc:.2f} s, decode {dec:.2f} s",
+              file=sys.stderr, flush=True)
+        del m, data
+    return out
+
+
+def run_leaves(leaf_counts: list[int], reps: int, shm: Path) -> list[dict[str, Any]]:
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    import fastckpt
+    from fastckpt.options import RamOptions
+
+    mesh = make_mesh((2, 4))
+    sharding = NamedSharding(mesh, PartitionSpec("data", "model"))
+    out = []
+    for count in leaf_counts:
+        state = {f"l{i:05d}": jax.device_put(np.full((64, 512), i, np.float32), sharding) for i in range(count)}
+        nbytes = sum(x.nbytes for x in state.values())
+        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+        root = shm / f"planning-scale-{count}"
+        shutil.rmtree(root, ignore_errors=True)
+        ram = RamOptions(root=str(root), member_id="host-a", interval_steps=10, budget_bytes=3 * nbytes + 256 * MiB)
+        with fastckpt.CheckpointManager(f"mem://planning-scale-{count}", options=fastckpt.ManagerOptions(
+                save_interval_steps=1 << 40, ram=ram)) as mgr:
+            blocked = []
+            for k in range(3):  # the first save builds the leaf plans, later ones reuse them
+                t0 = time.perf_counter()
+                mgr.save(10 * (k + 1), state)
+                blocked.append(time.perf_counter() - t0)
+                mgr.wait()
+            restores = []
+            for i in range(reps + 1):
+                gc.collect()
+                t0 = time.perf_counter()
+                restored, stats = mgr.restore_with_stats(target=target)
+                jax.block_until_ready(restored)
+                restores.append(time.perf_counter() - t0)
+                if i == 0:
+                    assert all(np.array_equal(np.asarray(restored[k]), np.asarray(state[k])) for k in state)
+                    assert set(stats.bytes_by_tier) == {"ram"}, stats.bytes_by_tier
+                del restored
+        shutil.rmtree(root, ignore_errors=True)
+        steady = median(restores[1:])
+        out.append({"leaves": count, "bytes": nbytes, "save_blocked_first_s": blocked[0],
+                    "save_blocked_s": median(blocked[1:]), "restore_first_s": restores[0], "restore_s": steady,
+                    "restore_ms_per_leaf": 1e3 * steady / count, "save_ms_per_leaf": 1e3 * median(blocked[1:]) / count})
+        print(f"[leaves] {count} leaves ({nbytes / MiB:.0f} MiB): save blocks {median(blocked[1:]):.3f} s, "
+              f"restore {steady:.3f} s ({1e3 * steady / count:.3f} ms per leaf)", file=sys.stderr, flush=True)
+        del state
+    return out
+
+
+def render(doc: dict[str, Any]) -> str:
+    plan_rows = [[r["chunks"], r["layout"], r["units"], f"{r['scan_ms']:.3f}", f"{r['index_ms']:.3f}",
+                  f"{r['speedup']:.1f}x"] for r in doc["planning"]]
+    codec_rows = [[f"{r['leaves']} x {r['chunks_per_leaf']}", r["chunks"], f"{r['bytes'] / MiB:.1f}",
+                   f"{r['bytes_per_chunk']:.0f}", f"{r['encode_s']:.2f}", f"{r['decode_s']:.2f}",
+                   f"{r['encode_us_per_chunk']:.1f}", f"{r['decode_us_per_chunk']:.1f}"] for r in doc["codec"]]
+    leaf_rows = [[r["leaves"], f"{r['bytes'] / MiB:.0f}", f"{r['save_blocked_s']:.3f}", f"{r['save_ms_per_leaf']:.3f}",
+                  f"{r['restore_s']:.3f}", f"{r['restore_first_s']:.3f}", f"{r['restore_ms_per_leaf']:.3f}"]
+                 for r in doc["leaves"]]
+    meta = doc["meta"]
+    return "\n\n".join([
+        "# Planning and per-leaf costs at scale",
+        f"`python -m benchmarks.planning_scale{' --quick' if meta['quick'] else ''}`, {meta['date']} "
+        f"(git {meta['git']}), 2 CPUs. Best of {meta['reps']} for the pure parts.",
+        "## Read planning: one host's 8 boxes of one leaf (8192 x 1024 f32) against N stored chunks",
+        markdown_table(["chunks", "layout", "boxes", "scan (ms/leaf)", "ChunkIndex (ms/leaf)", "speedup"], plan_rows),
+        "## Manifest codec (raw chunks, 2-d boxes)",
+        markdown_table(["leaves x chunks", "chunks", "MiB", "bytes/chunk", "encode s", "decode s", "encode us/chunk",
+                        "decode us/chunk"], codec_rows),
+        "## Own-RAM save and restore vs leaf count (128 KiB leaves, 8 shards each, 8 CPU devices)",
+        markdown_table(["leaves", "MiB", "save() blocks s", "ms/leaf", "restore s (median)", "first restore s",
+                        "ms/leaf"], leaf_rows),
+    ]) + "\n"
+
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    same = [r for r in doc["planning"] if r["layout"] == "same mesh"]
+    bar_chart(path, title="Per-leaf and per-chunk costs at scale", panels=[
+        {"title": "read planning, same mesh (ms per leaf)", "ylabel": "ms", "groups": [str(r["chunks"]) for r in same],
+         "series": {"scan": [r["scan_ms"] for r in same], "ChunkIndex": [r["index_ms"] for r in same]}},
+        {"title": "manifest codec (us per chunk)", "ylabel": "us", "groups": [str(r["chunks"]) for r in doc["codec"]],
+         "series": {"encode": [r["encode_us_per_chunk"] for r in doc["codec"]],
+                    "decode": [r["decode_us_per_chunk"] for r in doc["codec"]]}},
+        {"title": "own-RAM restore (ms per leaf)", "ylabel": "ms", "groups": [str(r["leaves"]) for r in doc["leaves"]],
+         "series": {"save() blocks": [r["save_ms_per_leaf"] for r in doc["leaves"]],
+                    "restore": [r["restore_ms_per_leaf"] for r in doc["leaves"]]}},
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    import datetime
+    import subprocess
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="smaller cases (about 20 s)")
+    p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    p.add_argument("--shm-dir", type=Path, default=Path("/dev/shm"))
+    args = p.parse_args(argv)
+    reps = 3 if args.quick else 5
+    chunk_counts = [8, 64, 512] if args.quick else [8, 64, 512, 2048]
+    codec_cases = [(100, 64), (100, 512)] if args.quick else [(300, 64), (300, 512), (60, 2048)]
+    leaf_counts = [200, 1000] if args.quick else [200, 1000, 3000]
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parent, check=False).stdout.strip() or "unknown"
+    doc = {
+        "meta": {"quick": args.quick, "reps": reps, "git": git,
+                 "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")},
+        "planning": run_planning(chunk_counts, reps),
+        "codec": run_codec(codec_cases, max(2, reps // 2)),
+        "leaves": run_leaves(leaf_counts, reps, args.shm_dir),
+    }
+    name = "planning_scale_quick" if args.quick else "planning_scale"
+    write_json(args.results_dir / f"{name}.json", doc)
+    (args.results_dir / f"{name}.md").write_text(render(doc))
+    plot(doc, args.results_dir / f"{name}.png")
+    print(render(doc))
+    print(f"wrote {args.results_dir / name}.{{json,md,png}}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
