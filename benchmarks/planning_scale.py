@@ -101,25 +101,25 @@ def run_planning(chunk_counts: list[int], reps: int) -> list[dict[str, Any]]:
     return out
 
 
-def run_codec(cases: list[tuple[int, int]], reps: int) -> list[dict[str, Any]]:
+def _codec_case(leaves: int, n: int, reps: int) -> dict[str, Any]:
     from fastckpt.format.codec import decode_manifest, encode_manifest
     from fastckpt.format.manifest import Manifest
 
-    out = []
-    for leaves, n in cases:
-        m = Manifest(step=1, leaves=tuple(_leaf(k, _grid(n)) for k in range(leaves)), num_processes=64)
-        data = encode_manifest(m)
-        gc.collect()
-        enc = _best(lambda: encode_manifest(m), reps)  # noqa: B023
-        dec = _best(lambda: decode_manifest(data), reps)  # noqa: B023
-        total = leaves * n
-        out.append({"leaves": leaves, "chunks_per_leaf": n, "chunks": total, "bytes": len(data),
-                    "encode_s": enc, "decode_s": dec, "encode_us_per_chunk": 1e6 * enc / total,
-                    "decode_us_per_chunk": 1e6 * dec / total, "bytes_per_chunk": len(data) / total})
-        print(f"[codec] {leaves} x {n} chunks: {len(data) / MiB:.1f} MiB, encode {enc:.2f} s, decode {dec:.2f} s",
-              file=sys.stderr, flush=True)
-        del m, data
-    return out
+    m = Manifest(step=1, leaves=tuple(_leaf(k, _grid(n)) for k in range(leaves)), num_processes=64)
+    data = encode_manifest(m)
+    gc.collect()
+    enc = _best(lambda: encode_manifest(m), reps)
+    dec = _best(lambda: decode_manifest(data), reps)
+    total = leaves * n
+    print(f"[codec] {leaves} x {n} chunks: {len(data) / MiB:.1f} MiB, encode {enc:.2f} s, decode {dec:.2f} s",
+          file=sys.stderr, flush=True)
+    return {"leaves": leaves, "chunks_per_leaf": n, "chunks": total, "bytes": len(data), "encode_s": enc,
+            "decode_s": dec, "encode_us_per_chunk": 1e6 * enc / total, "decode_us_per_chunk": 1e6 * dec / total,
+            "bytes_per_chunk": len(data) / total}
+
+
+def run_codec(cases: list[tuple[int, int]], reps: int) -> list[dict[str, Any]]:
+    return [_codec_case(leaves, n, reps) for leaves, n in cases]
 
 
 def run_leaves(leaf_counts: list[int], reps: int, shm: Path) -> list[dict[str, Any]]:
