@@ -57,10 +57,14 @@ class ChunkIndex:
         self._dim: int | None = None
         if rank and all(len(c.box) == rank for c in self._chunks):
             self._dim = max(range(rank), key=lambda d: len({c.box[d][0] for c in self._chunks}))
-        d = self._dim or 0
-        self._order = sorted(range(len(self._chunks)), key=lambda i: self._chunks[i].box[d][0]) if rank else []
-        self._starts = [self._chunks[i].box[d][0] for i in self._order]
+        self._order: list[int] = []
+        self._starts: list[int] = []
         self._ends: list[int] = []
+        if self._dim is None:
+            return  # 0-d or mixed ranks (a malformed manifest): overlapping() scans
+        d = self._dim
+        self._order = sorted(range(len(self._chunks)), key=lambda i: self._chunks[i].box[d][0])
+        self._starts = [self._chunks[i].box[d][0] for i in self._order]
         reach = -1
         for i in self._order:
             reach = max(reach, self._chunks[i].box[d][1])

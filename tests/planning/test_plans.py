@@ -185,6 +185,17 @@ def test_chunk_index_of_a_grid_tests_only_the_band_it_overlaps(monkeypatch: pyte
     assert sorted(tested) == boxes[72:80]
 
 
+def test_chunk_index_of_mixed_ranks_scans_and_refuses_like_the_scan() -> None:
+    from fastckpt.errors import ConfigError
+
+    leaf = make_leaf((4, 4), [((0, 4), (0, 4))])
+    odd = ChunkEntry(box=(), key="obj/x", offset=0, length=8, raw_length=8, codec="raw", crc32c=0, raw_crc32c=0)
+    index = ChunkIndex((*leaf.chunks, odd))
+    with pytest.raises(ConfigError, match="rank"):
+        index.overlapping(((0, 2), (0, 2)))
+    assert ChunkIndex(()).overlapping(((0, 2),)) == []
+
+
 def test_plan_leaf_reads_zero_d() -> None:
     leaf = make_leaf((), [()])
     (item,) = plan_leaf_reads(leaf, ())
