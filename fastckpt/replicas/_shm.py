@@ -59,9 +59,11 @@ class _Discarding(Protocol):
 
 
 class Segment:
-    """A writable region of the tier, invisible until sealed. Returned by :meth:`~fastckpt.replicas.ram.RamTier.allocate`.
+    """A writable region of the tier, invisible until sealed. Returned by
+    :meth:`~fastckpt.replicas.ram.RamTier.allocate`.
 
-    Use as a context manager to discard it if the block raises before :meth:`~fastckpt.replicas.ram.RamTier.seal`.
+    Use as a context manager to discard it if the block raises before
+    :meth:`~fastckpt.replicas.ram.RamTier.seal`.
     """
 
     def __init__(self, tier: _Discarding, step: int, path: Path, mm: mmap.mmap | None, nbytes: int) -> None:
