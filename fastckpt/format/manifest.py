@@ -76,9 +76,16 @@ def keypath_str(path: KeyPath) -> str:
     return "".join(out) or "<root>"
 
 
-def chunk_id(path: KeyPath, box: Box) -> str:
-    """Content key of a chunk: array path + box. Independent of which process wrote it."""
-    return keypath_str(path) + "@" + ",".join(f"{a}:{b}" for a, b in box)
+def chunk_id(path: KeyPath, box: Box, *, prefix: str | None = None) -> str:
+    """Content key of a chunk: array path + box. Independent of which process wrote it.
+
+    ``prefix`` (``chunk_id_prefix(path)``) saves formatting the path again for each chunk."""
+    return (prefix if prefix is not None else chunk_id_prefix(path)) + ",".join(f"{a}:{b}" for a, b in box)
+
+
+def chunk_id_prefix(path: KeyPath) -> str:
+    """The part of :func:`chunk_id` that depends on the path only."""
+    return keypath_str(path) + "@"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ from fastckpt._checksum import crc32c
 from fastckpt._hostmem import BufferCache, alloc_aligned
 from fastckpt.errors import ChecksumMismatchError, CorruptionError
 from fastckpt.format.dtypes import dtype_from_name
-from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, box_shape, box_volume, chunk_id, keypath_str
+from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, box_shape, box_volume, chunk_id, chunk_id_prefix, keypath_str
 from fastckpt.planning import ChunkIndex, ReadItem, box_to_slices, contiguous_span, plan_leaf_reads
 from fastckpt.reader.units import ChunkSource, RestoreStats, Unit
 
@@ -109,6 +109,8 @@ class LeafFiller:
                 continue
             by_unit.setdefault(pos, []).append((span[0], chunk))
         lent: dict[int, np.ndarray] = {}
+        lent_chunks: list[int] = []  # raw lengths, counted once per leaf
+        prefix = chunk_id_prefix(self.leaf.path)
         for pos, spans in by_unit.items():
             unit = self.units[pos]
             if pos in shared or not unit.lendable:
@@ -124,15 +126,17 @@ class LeafFiller:
                     continue
                 chunks = [c for _, c in spans]
                 view = self.source.lend(  # type: ignore[union-attr]
-                    self.step, [(chunk_id(self.leaf.path, c.box), c.raw_length, c.raw_crc32c) for c in chunks])
+                    self.step, [(chunk_id(self.leaf.path, c.box, prefix=prefix), c.raw_length, c.raw_crc32c)
+                                for c in chunks])
                 if view is None:
                     continue
                 lent[pos] = np.frombuffer(view, np.uint8)
                 for c in chunks:
                     del self.items[c]
-                with self.lock:
-                    for c in chunks:
-                        self.stats.add("ram", c.raw_length)
+                    lent_chunks.append(c.raw_length)
+        if lent_chunks:
+            with self.lock:
+                self.stats.add("ram", sum(lent_chunks), chunks=len(lent_chunks))
         return lent
 
     def direct_span(self, chunk: ChunkEntry) -> memoryview | None:

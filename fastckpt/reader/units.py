@@ -62,9 +62,9 @@ class RestoreStats:
     fallbacks: dict[str, int] = dataclasses.field(default_factory=dict)
     """RAM-tier fallbacks by reason (``corrupt``, ``miss``, ``unavailable``, ...)."""
 
-    def add(self, tier: str, nbytes: int) -> None:
+    def add(self, tier: str, nbytes: int, chunks: int = 1) -> None:
         self.bytes_by_tier[tier] = self.bytes_by_tier.get(tier, 0) + nbytes
-        self.chunks_by_tier[tier] = self.chunks_by_tier.get(tier, 0) + 1
+        self.chunks_by_tier[tier] = self.chunks_by_tier.get(tier, 0) + chunks
 
 
 @dataclasses.dataclass

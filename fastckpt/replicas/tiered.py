@@ -27,7 +27,7 @@ import numpy as np
 from fastckpt._distributed import Coordinator
 from fastckpt.errors import FastckptError, PeerError
 from fastckpt.format.codec import decode_manifest
-from fastckpt.format.manifest import ChunkEntry, Manifest, chunk_id
+from fastckpt.format.manifest import ChunkEntry, Manifest, chunk_id, chunk_id_prefix
 from fastckpt.options import RamOptions
 from fastckpt.replicas.discovery import CoordinatorDirectory, PeerDirectory, StoreDirectory, make_record
 from fastckpt.replicas.peer import PeerClient, PeerOptions, PeerServer
@@ -202,7 +202,10 @@ class RamReplication:
         return out
 
     def _complete(self, manifest: Manifest) -> bool:
-        need = {chunk_id(a.path, c.box) for a in manifest.arrays() for c in a.chunks}
+        need: set[str] = set()
+        for a in manifest.arrays():
+            prefix = chunk_id_prefix(a.path)
+            need.update(chunk_id(a.path, c.box, prefix=prefix) for c in a.chunks)
         have = set(self.tier.chunk_ids(manifest.step))
         if need <= have:
             return True

@@ -365,3 +365,15 @@ def test_layout_keys(step: int, save_id: str, process: int, n: int) -> None:
         assert step_from_manifest_key(key) is None
     assert step_from_manifest_key("manifests/12.json") is None
     assert step_from_manifest_key(manifest_key(step) + ".tmp") is None
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_chunk_id_with_a_precomputed_prefix_is_the_same_id(data: st.DataObject) -> None:
+    from fastckpt.format.manifest import chunk_id, chunk_id_prefix
+    from fastckpt.testing.strategies import boxes_in, key_paths, shapes
+
+    path = data.draw(key_paths())
+    box = data.draw(boxes_in(data.draw(shapes(max_rank=3, max_side=9)), allow_empty=True))
+    assert chunk_id(path, box, prefix=chunk_id_prefix(path)) == chunk_id(path, box)
+    assert chunk_id(path, box).startswith(chunk_id_prefix(path))
