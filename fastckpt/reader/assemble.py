@@ -83,7 +83,24 @@ def _key_data_sharding(sharding: jax.sharding.Sharding, extra_dims: int) -> jax.
     raise ConfigError(f"PRNG key targets need a NamedSharding or SingleDeviceSharding, got {type(sharding).__name__}")
 
 
-def _plan_array(path: KeyPath, stored: ArrayLeaf, tgt: Any) -> LeafPlan:
+_DeviceBoxes = list[tuple[Any, Box]]
+
+
+def _device_boxes(sharding: Any, shape: tuple[int, ...], cache: dict[Any, _DeviceBoxes]) -> _DeviceBoxes:
+    """``(device, box)`` of every addressable shard of ``shape`` under ``sharding``, computed
+    once per distinct (sharding, shape) of a restore (a model's leaves share a few)."""
+    try:
+        return cache[(sharding, shape)]
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable sharding: no caching
+        return [(d, box_from_index(idx, shape)) for d, idx in sharding.addressable_devices_indices_map(shape).items()]
+    out = cache[(sharding, shape)] = [
+        (d, box_from_index(idx, shape)) for d, idx in sharding.addressable_devices_indices_map(shape).items()]
+    return out
+
+
+def _plan_array(path: KeyPath, stored: ArrayLeaf, tgt: Any, boxes_cache: dict[Any, _DeviceBoxes]) -> LeafPlan:
     where = keypath_str(path)
     shape = tuple(stored.shape)
     key_extra = 0
@@ -122,14 +139,13 @@ def _plan_array(path: KeyPath, stored: ArrayLeaf, tgt: Any) -> LeafPlan:
         key_extra = len(shape) - len(idx_shape)
         index_map = sharding.addressable_devices_indices_map(idx_shape)
         data_sharding = _key_data_sharding(sharding, key_extra)
-        index_map = {d: tuple(idx) + (slice(None),) * key_extra for d, idx in index_map.items()}
+        device_boxes = [(d, box_from_index(tuple(idx) + (slice(None),) * key_extra, shape))
+                        for d, idx in index_map.items()]
     else:
-        index_map = sharding.addressable_devices_indices_map(shape)
+        device_boxes = _device_boxes(sharding, shape, boxes_cache)
         data_sharding = sharding
-    plan = LeafPlan(path, stored, sharding=data_sharding)
-    for device, idx in index_map.items():
-        box = box_from_index(idx, shape)
-        plan.device_boxes.append((device, box))
+    plan = LeafPlan(path, stored, sharding=data_sharding, device_boxes=list(device_boxes))
+    for _, box in device_boxes:
         if box not in plan.units:
             plan.units[box] = Unit(stored, box)
     return plan
@@ -173,6 +189,7 @@ def resolve_target(manifest: Manifest, target: Any, *, partial: bool) -> Restore
                 "(pass partial=True to restore a subtree)"
             )
     plans = []
+    boxes_cache: dict[Any, _DeviceBoxes] = {}
     for path, tgt in targets:
         s = stored[path]
         if isinstance(s, ValueLeaf):
@@ -186,7 +203,7 @@ def resolve_target(manifest: Manifest, target: Any, *, partial: bool) -> Restore
         else:
             if tgt is not None and not hasattr(tgt, "shape"):
                 raise TreeStructureError(f"{keypath_str(path)}: checkpoint holds an array, target is {type(tgt).__name__}")
-            plans.append(_plan_array(path, s, tgt))
+            plans.append(_plan_array(path, s, tgt, boxes_cache))
     return RestorePlan(plans, treedef)
 
 
