@@ -80,7 +80,7 @@ def chunk_id(path: KeyPath, box: Box, *, prefix: str | None = None) -> str:
     """Content key of a chunk: array path + box. Independent of which process wrote it.
 
     ``prefix`` (``chunk_id_prefix(path)``) saves formatting the path again for each chunk."""
-    return (prefix if prefix is not None else chunk_id_prefix(path)) + ",".join(f"{a}:{b}" for a, b in box)
+    return (prefix if prefix is not None else chunk_id_prefix(path)) + ",".join([f"{a}:{b}" for a, b in box])
 
 
 def chunk_id_prefix(path: KeyPath) -> str:

@@ -49,10 +49,14 @@ class ChunkIndex:
     a leaf saved by N devices costs about O(N) in total instead of O(N) per unit.
     """
 
-    __slots__ = ("_chunks", "_dim", "_ends", "_order", "_starts")
+    __slots__ = ("_by_box", "_chunks", "_dim", "_ends", "_order", "_starts")
 
-    def __init__(self, chunks: Sequence[ChunkEntry]) -> None:
+    def __init__(self, chunks: Sequence[ChunkEntry], *, disjoint: bool = False) -> None:
+        """``disjoint``: the caller guarantees that no two chunks overlap (true of every leaf
+        of a decoded manifest: the codec refuses overlaps); a box equal to a chunk's box is
+        then answered by a lookup (the same-mesh restore's case)."""
         self._chunks = tuple(chunks)
+        self._by_box = {c.box: c for c in self._chunks if box_volume(c.box)} if disjoint else None
         rank = len(self._chunks[0].box) if self._chunks else 0
         self._dim: int | None = None
         if rank and all(len(c.box) == rank for c in self._chunks):
@@ -72,6 +76,9 @@ class ChunkIndex:
 
     def overlapping(self, box: Box) -> list[tuple[ChunkEntry, Box]]:
         """``(chunk, overlap)`` for every chunk that overlaps ``box``, in the chunks' order."""
+        exact = self._by_box.get(box) if self._by_box is not None else None
+        if exact is not None:
+            return [(exact, box)]
         if self._dim is None or len(box) != len(self._chunks[0].box):  # (intersect raises on a rank mismatch)
             hits = [(i, intersect(c.box, box)) for i, c in enumerate(self._chunks)]
         else:
@@ -98,6 +105,10 @@ def plan_leaf_reads(leaf: ArrayLeaf, dst_box: Box, *, index: ChunkIndex | None =
         if overlap is None:
             continue
         covered += box_volume(overlap)
+        if overlap == chunk.box == dst_box:  # the chunk is the box (same mesh): both local boxes are whole
+            whole = tuple((0, b - a) for a, b in dst_box)
+            items.append(ReadItem(chunk, whole, whole))
+            continue
         items.append(ReadItem(chunk, relative_to(overlap, chunk.box), relative_to(overlap, dst_box)))
     if covered != box_volume(dst_box):
         raise CorruptionError(

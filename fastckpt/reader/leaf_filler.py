@@ -79,7 +79,9 @@ class LeafFiller:
         self.dsts: list[np.ndarray] = []
         #: chunk -> [(unit position, read item)]
         self.items: dict[ChunkEntry, list[tuple[int, ReadItem]]] = {}
-        index = ChunkIndex(self.leaf.chunks) if len(units) > 1 and len(self.leaf.chunks) > _SCAN_CHUNKS else None
+        # A decoded manifest's chunks never overlap (the codec checks): exact boxes are looked up.
+        index = ChunkIndex(self.leaf.chunks, disjoint=True) if len(units) > 1 and len(self.leaf.chunks) > _SCAN_CHUNKS \
+            else None
         for pos, unit in enumerate(units):
             for it in plan_leaf_reads(self.leaf, unit.box, index=index):
                 self.items.setdefault(it.chunk, []).append((pos, it))

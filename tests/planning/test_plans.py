@@ -154,13 +154,17 @@ def test_chunk_index_finds_exactly_the_overlapping_chunks(data: st.DataObject) -
     overlapping or repeated boxes (malformed manifests), and empty query boxes."""
     shape = data.draw(shapes(max_rank=3, max_side=7))
     boxes = data.draw(tilings(shape, max_pieces=12))
-    boxes += data.draw(st.lists(boxes_in(shape, allow_empty=True), max_size=3))  # overlaps, repeats
+    extra = data.draw(st.lists(boxes_in(shape, allow_empty=True), max_size=3))  # overlaps, repeats
+    boxes += extra
     leaf = make_leaf(shape, data.draw(st.permutations(boxes)))
     index = ChunkIndex(leaf.chunks)
+    tiling = make_leaf(shape, boxes[: len(boxes) - len(extra)])  # disjoint: the exact-box lookup may answer
+    disjoint = ChunkIndex(tiling.chunks, disjoint=True)
     for _ in range(4):
-        box = data.draw(boxes_in(shape, allow_empty=True))
+        box = data.draw(st.one_of(boxes_in(shape, allow_empty=True), st.sampled_from(boxes)))
         scan = [(c, o) for c in leaf.chunks if (o := intersect(c.box, box)) is not None]
         assert index.overlapping(box) == scan
+        assert disjoint.overlapping(box) == [(c, o) for c in tiling.chunks if (o := intersect(c.box, box)) is not None]
         try:
             expected = plan_leaf_reads(leaf, box)
         except CorruptionError:
