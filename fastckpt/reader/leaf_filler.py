@@ -85,7 +85,7 @@ class LeafFiller:
         for pos, unit in enumerate(units):
             for it in plan_leaf_reads(self.leaf, unit.box, index=index):
                 self.items.setdefault(it.chunk, []).append((pos, it))
-        lent = self._lend_units() if source is not None and hasattr(source, "lend") else {}
+        lent = self._lend_units() if source is not None and hasattr(source, "lend_many") else {}
         for pos, unit in enumerate(units):
             flat = lent.get(pos)
             if flat is None:
@@ -110,12 +110,9 @@ class LeafFiller:
                 shared.update(p for p, _ in its)
                 continue
             by_unit.setdefault(pos, []).append((span[0], chunk))
-        lent: dict[int, np.ndarray] = {}
-        lent_chunks: list[int] = []  # raw lengths, counted once per leaf
-        prefix = chunk_id_prefix(self.leaf.path)
+        candidates: list[tuple[int, list[ChunkEntry]]] = []  # units whose chunks tile them in order
         for pos, spans in by_unit.items():
-            unit = self.units[pos]
-            if pos in shared or not unit.lendable:
+            if pos in shared or not self.units[pos].lendable:
                 continue
             spans.sort(key=lambda sc: sc[0])
             expect = 0
@@ -124,21 +121,27 @@ class LeafFiller:
                     break
                 expect += box_volume(chunk.box)
             else:
-                if expect != box_volume(unit.box):
-                    continue
-                chunks = [c for _, c in spans]
-                view = self.source.lend(  # type: ignore[union-attr]
-                    self.step, [(chunk_id(self.leaf.path, c.box, prefix=prefix), c.raw_length, c.raw_crc32c)
-                                for c in chunks])
-                if view is None:
-                    continue
-                lent[pos] = np.frombuffer(view, np.uint8)
-                for c in chunks:
-                    del self.items[c]
-                    lent_chunks.append(c.raw_length)
-        if lent_chunks:
+                if expect == box_volume(self.units[pos].box):
+                    candidates.append((pos, [c for _, c in spans]))
+        lent: dict[int, np.ndarray] = {}
+        if not candidates:
+            return lent
+        prefix = chunk_id_prefix(self.leaf.path)
+        views = self.source.lend_many(self.step, [  # type: ignore[union-attr]
+            [(chunk_id(self.leaf.path, c.box, prefix=prefix), c.raw_length, c.raw_crc32c) for c in chunks]
+            for _, chunks in candidates])
+        nbytes = nchunks = 0
+        for (pos, chunks), view in zip(candidates, views):
+            if view is None:
+                continue
+            lent[pos] = np.frombuffer(view, np.uint8)
+            for c in chunks:
+                del self.items[c]
+                nbytes += c.raw_length
+            nchunks += len(chunks)
+        if nchunks:
             with self.lock:
-                self.stats.add("ram", sum(lent_chunks), chunks=len(lent_chunks))
+                self.stats.add("ram", nbytes, chunks=nchunks)
         return lent
 
     def direct_span(self, chunk: ChunkEntry) -> memoryview | None:

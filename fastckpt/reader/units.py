@@ -31,12 +31,13 @@ class ChunkSource(Protocol):
 class LendingChunkSource(ChunkSource, Protocol):
     """A source that can also hand out verified read-only views of its own memory (zero copy).
 
-    ``lend`` gets ``(chunk_id, raw_length, raw_crc32c)`` of chunks that together tile one
-    destination buffer, in order; it returns one view of all their bytes, verified, which
-    the caller may keep indefinitely, or None (then ``fetch`` is used per chunk).
+    ``lend_many`` gets, per destination buffer, the ``(chunk_id, raw_length, raw_crc32c)``
+    of chunks that together tile it, in order; it returns per buffer one view of all their
+    bytes, verified, which the caller may keep indefinitely, or None (then ``fetch`` is
+    used per chunk).
     """
 
-    def lend(self, step: int, chunks: Sequence[tuple[str, int, int]]) -> memoryview | None: ...
+    def lend_many(self, step: int, groups: Sequence[Sequence[tuple[str, int, int]]]) -> list[memoryview | None]: ...
 
 
 @dataclasses.dataclass

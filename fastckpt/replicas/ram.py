@@ -364,11 +364,17 @@ class RamTier:
         or the step was dropped meanwhile. Does not verify checksums (the caller does,
         against the locations returned, in order).
         """
-        if not chunk_ids:
-            return None
+        return self.lend_spans(step, [chunk_ids])[0]
+
+    def lend_spans(self, step: int, groups: Sequence[Sequence[str]]
+                   ) -> list[tuple[memoryview, list[ChunkLocation]] | None]:
+        """:meth:`lend_span` for several groups of chunks at once (one lock acquisition)."""
         with self._lock:
             st = self._steps.get(step)
-            hits = [st.chunks.get(cid) for cid in chunk_ids] if st else [None]
+            hits = [[st.chunks.get(cid) for cid in ids] if st and ids else [None] for ids in groups]
+        return [self._span(h) for h in hits]
+
+    def _span(self, hits: list[tuple[Sealed, ChunkLocation] | None]) -> tuple[memoryview, list[ChunkLocation]] | None:
         if any(h is None for h in hits):
             return None
         seg = hits[0][0]  # type: ignore[index]

@@ -259,24 +259,35 @@ class TieredChunkSource:
         back in one segment, or any copy fails verification (then fall back to
         :meth:`fetch` per chunk, which tries peers).
         """
-        if self._own is None or not chunks:
-            return None
+        return self.lend_many(step, [chunks])[0]
+
+    def lend_many(self, step: int, groups: Sequence[Sequence[tuple[str, int, int]]]) -> list[memoryview | None]:
+        """:meth:`lend` for several destination buffers at once (one tier lookup, one stats update)."""
+        if self._own is None:
+            return [None] * len(groups)
         t0 = time.perf_counter()
-        hit = self._own.lend_span(step, [c[0] for c in chunks])
-        if hit is None:
-            return None
-        view, locs = hit
-        for (cid, length, crc), loc in zip(chunks, locs):
-            piece = view[loc.offset - locs[0].offset : loc.offset - locs[0].offset + loc.length]
-            if loc.length != length or (self._verify and crc32c(piece) != crc):
-                return None  # the per-chunk fetch that follows finds (and records) the bad copy
-        total = sum(c[1] for c in chunks)
-        with self._lock:
-            st = self._tiers.setdefault("ram", TierStats())
-            st.chunks += len(chunks)
-            st.bytes += total
-            st.seconds += time.perf_counter() - t0
-        return view
+        out: list[memoryview | None] = []
+        nchunks = nbytes = 0
+        for chunks, hit in zip(groups, self._own.lend_spans(step, [[c[0] for c in g] for g in groups])):
+            if hit is None or not chunks:
+                out.append(None)
+                continue
+            view, locs = hit
+            base = locs[0].offset
+            ok = all(loc.length == length and (not self._verify or crc32c(view[loc.offset - base:
+                                                                            loc.offset - base + loc.length]) == crc)
+                     for (_, length, crc), loc in zip(chunks, locs))
+            out.append(view if ok else None)  # a bad copy: the per-chunk fetch that follows finds and records it
+            if ok:
+                nchunks += len(chunks)
+                nbytes += sum(c[1] for c in chunks)
+        if nchunks:
+            with self._lock:
+                st = self._tiers.setdefault("ram", TierStats())
+                st.chunks += nchunks
+                st.bytes += nbytes
+                st.seconds += time.perf_counter() - t0
+        return out
 
     def stats(self) -> SourceStats:
         """A snapshot of the counters."""

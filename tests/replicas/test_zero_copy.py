@@ -68,3 +68,20 @@ def test_lend_falls_back_on_a_corrupt_copy(make_tier: MakeTier, shm_dir: Path) -
     assert src.fetch(1, "a", 8192, index["a"].raw_crc32c ^ 1, into=into) is None  # records the bad copy, once
     assert src.stats().fallbacks == {"corrupt": 1}
     assert TieredChunkSource(None).lend(1, chunks) is None
+
+
+def test_lend_many_answers_each_group_on_its_own(make_tier: MakeTier) -> None:
+    tier = make_tier()
+    data = fill(1, {"a": 4096, "b": 4096, "c": 4096})
+    index = seal_chunks(tier, 1, data)
+    src = TieredChunkSource(tier)
+    entry = {k: (k, index[k].length, index[k].raw_crc32c) for k in "abc"}
+    bad_b = ("b", 4096, index["b"].raw_crc32c ^ 1)
+    views = src.lend_many(1, [[entry["a"], entry["b"]], [entry["c"]], [bad_b], [entry["a"], entry["c"]], [], [entry["c"]]])
+    assert [v is not None for v in views] == [True, True, False, False, False, True]
+    assert bytes(views[0]) == data["a"].tobytes() + data["b"].tobytes()  # type: ignore[arg-type]
+    assert bytes(views[1]) == bytes(views[5]) == data["c"].tobytes()  # type: ignore[arg-type]
+    ram = src.stats().tiers["ram"]
+    assert (ram.chunks, ram.bytes) == (4, 4 * 4096)  # only the groups lent
+    assert src.lend_many(2, [[entry["a"]]]) == [None]  # no such step
+    assert TieredChunkSource(None).lend_many(1, [[entry["a"]], [entry["b"]]]) == [None, None]

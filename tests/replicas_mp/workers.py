@@ -276,22 +276,23 @@ def restore(ram_root: str, member: str, persist_root: str, layout: str,
                 provenance[chunk_id] = tier
                 return tier
 
-            fetch_many, lend = src.fetch_many, src.lend
+            fetch_many, lend_many = src.fetch_many, src.lend_many
 
             def recording_fetch_many(step: int, items: Any) -> list[str | None]:
                 tiers = fetch_many(step, items)
                 provenance.update({item[0]: tier for item, tier in zip(items, tiers)})
                 return tiers
 
-            def recording_lend(step: int, chunks: Any) -> Any:
-                view = lend(step, chunks)
-                if view is not None:
-                    provenance.update({c[0]: "ram" for c in chunks})
-                return view
+            def recording_lend_many(step: int, groups: Any) -> Any:
+                views = lend_many(step, groups)
+                for chunks, view in zip(groups, views):
+                    if view is not None:
+                        provenance.update({c[0]: "ram" for c in chunks})
+                return views
 
             src.fetch = recording_fetch
             src.fetch_many = recording_fetch_many
-            src.lend = recording_lend
+            src.lend_many = recording_lend_many
             sources.append(src)
             return src
 
