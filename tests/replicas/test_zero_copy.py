@@ -6,7 +6,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from fastckpt.replicas import RamTier, TieredChunkSource
 
