@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
 from fastckpt._checksum import crc32c
@@ -220,92 +220,75 @@ def _path(obj: Any, what: str) -> KeyPath:
     return tuple(out)
 
 
-def _box(obj: Any, shape: tuple[int, ...], what: str) -> Box:
-    items = _list(obj, what)
-    if len(items) != len(shape):
-        _fail(f"{what}: box rank {len(items)} != array rank {len(shape)}")
-    box = []
-    for d, (iv, n) in enumerate(zip(items, shape)):
-        pair = _list(iv, f"{what}[{d}]")
-        if len(pair) != 2:
-            _fail(f"{what}[{d}]: expected [start, stop]")
-        a, b = _int(pair[0], f"{what}[{d}]"), _int(pair[1], f"{what}[{d}]")
-        if not a <= b <= n:
-            _fail(f"{what}[{d}]: [{a}, {b}) outside [0, {n})")
-        box.append((a, b))
-    return tuple(box)
-
-
-def _chunk(obj: Any, shape: tuple[int, ...], itemsize: int, what: str) -> ChunkEntry:
-    d = _dict(obj, what, ("box", "key", "offset", "length", "raw_length", "codec", "crc32c"))
-    box = _box(d["box"], shape, f"{what}.box")
-    key = _str(d["key"], f"{what}.key")
-    try:
-        validate_key(key)
-    except ValueError as e:
-        _fail(f"{what}.key: {e}")
-    codec = d["codec"]
-    if codec not in ("raw", "zstd"):
-        _fail(f"{what}.codec: unknown codec {codec!r:.40}")
-    raw_length = _int(d["raw_length"], f"{what}.raw_length")
-    if raw_length != box_volume(box) * itemsize:
-        _fail(f"{what}.raw_length {raw_length} != box volume x itemsize")
-    length = _int(d["length"], f"{what}.length")
-    if codec == "raw" and length != raw_length:
-        _fail(f"{what}: raw chunk length {length} != raw_length {raw_length}")
-    return ChunkEntry(
-        box=box,
-        key=key,
-        offset=_int(d["offset"], f"{what}.offset"),
-        length=length,
-        raw_length=raw_length,
-        codec=codec,
-        crc32c=_int(d["crc32c"], f"{what}.crc32c"),
-        raw_crc32c=_int(d.get("raw_crc32c", d["crc32c"] if codec == "raw" else 0), f"{what}.raw_crc32c"),
-    )
-
-
 _CHUNK_FIELDS = ("box", "key", "offset", "length", "raw_length", "codec", "crc32c")
 
 
-def _chunk_fast(obj: Any, shape: tuple[int, ...], itemsize: int, keys_ok: set[str]) -> ChunkEntry | None:
-    """:func:`_chunk` without building error messages: the chunk, or None if anything is
-    off (then :func:`_chunk` finds and reports it). Accepts exactly what ``_chunk`` accepts;
-    ``keys_ok`` caches object keys already validated (chunks share few objects)."""
+def _chunk(obj: Any, shape: tuple[int, ...], itemsize: int, what: str | Callable[[], str],
+           keys_ok: set[str] | None = None) -> ChunkEntry:
+    """Validate one chunk entry. ``what`` names it in errors; a callable is only called to
+    build a message (decoding formats no string per chunk). ``keys_ok`` caches object keys
+    already validated (a manifest's chunks share few objects)."""
+
+    def fail(msg: str) -> NoReturn:
+        _fail((what() if callable(what) else what) + msg)
+
+    def uint(v: Any, field: str) -> int:
+        if type(v) is not int or not 0 <= v <= _MAX_INT:
+            fail(f"{field}: expected an int >= 0, got {v!r:.80}")
+        return v
+
     if type(obj) is not dict:
-        return None
-    try:
-        raw_box, key, offset, length, raw_length, codec, crc = (obj[k] for k in _CHUNK_FIELDS)
-    except KeyError:
-        return None
-    if type(raw_box) is not list or len(raw_box) != len(shape):
-        return None
+        fail(f": expected an object, got {type(obj).__name__}")
+    missing = [k for k in _CHUNK_FIELDS if k not in obj]
+    if missing:
+        fail(f": missing field(s) {missing}")
+    raw_box = obj["box"]
+    if type(raw_box) is not list:
+        fail(f".box: expected a list, got {type(raw_box).__name__}")
+    if len(raw_box) != len(shape):
+        fail(f".box: box rank {len(raw_box)} != array rank {len(shape)}")
     box = []
     volume = 1
-    for iv, n in zip(raw_box, shape):
-        if type(iv) is not list or len(iv) != 2:
-            return None
-        a, b = iv
-        if type(a) is not int or type(b) is not int or not 0 <= a <= b <= n:
-            return None
+    for d, (iv, n) in enumerate(zip(raw_box, shape)):
+        if type(iv) is not list:
+            fail(f".box[{d}]: expected a list, got {type(iv).__name__}")
+        if len(iv) != 2:
+            fail(f".box[{d}]: expected [start, stop]")
+        a, b = uint(iv[0], f".box[{d}]"), uint(iv[1], f".box[{d}]")
+        if not a <= b <= n:
+            fail(f".box[{d}]: [{a}, {b}) outside [0, {n})")
         box.append((a, b))
         volume *= b - a
-    raw_crc = obj.get("raw_crc32c", crc if codec == "raw" else 0)
-    for v in (offset, length, raw_length, crc, raw_crc):
-        if type(v) is not int or not 0 <= v <= _MAX_INT:
-            return None
-    if codec not in ("raw", "zstd") or raw_length != volume * itemsize or (codec == "raw" and length != raw_length):
-        return None
+    key = obj["key"]
     if type(key) is not str:
-        return None
-    if key not in keys_ok:
+        fail(f".key: expected a string, got {key!r:.80}")
+    if keys_ok is None or key not in keys_ok:
         try:
             validate_key(key)
-        except ValueError:
-            return None
-        keys_ok.add(key)
-    return ChunkEntry(box=tuple(box), key=key, offset=offset, length=length, raw_length=raw_length, codec=codec,
-                      crc32c=crc, raw_crc32c=raw_crc)
+        except ValueError as e:
+            fail(f".key: {e}")
+        if keys_ok is not None:
+            keys_ok.add(key)
+    codec = obj["codec"]
+    if codec not in ("raw", "zstd"):
+        fail(f".codec: unknown codec {codec!r:.40}")
+    raw_length = uint(obj["raw_length"], ".raw_length")
+    if raw_length != volume * itemsize:
+        fail(f".raw_length {raw_length} != box volume x itemsize")
+    length = uint(obj["length"], ".length")
+    if codec == "raw" and length != raw_length:
+        fail(f": raw chunk length {length} != raw_length {raw_length}")
+    crc = obj["crc32c"]
+    return ChunkEntry(
+        box=tuple(box),
+        key=key,
+        offset=uint(obj["offset"], ".offset"),
+        length=length,
+        raw_length=raw_length,
+        codec=codec,
+        crc32c=uint(crc, ".crc32c"),
+        raw_crc32c=uint(obj.get("raw_crc32c", crc if codec == "raw" else 0), ".raw_crc32c"),
+    )
 
 
 def _sharding(obj: Any, rank: int, what: str) -> ShardingSpec | None:
@@ -401,7 +384,7 @@ def _array_leaf(d: Mapping[str, Any], path: KeyPath, what: str, keys_ok: set[str
     if kind == "prng_key" and key_impl is None:
         _fail(f"{what}: prng_key leaf without key_impl")
     chunks = tuple(
-        _chunk_fast(c, shape, dtype.itemsize, keys_ok) or _chunk(c, shape, dtype.itemsize, f"{what}.chunks[{i}]")
+        _chunk(c, shape, dtype.itemsize, lambda i=i: f"{what}.chunks[{i}]", keys_ok)  # type: ignore[misc]
         for i, c in enumerate(_list(d["chunks"], f"{what}.chunks"))
     )
     total = 1

@@ -277,9 +277,10 @@ def test_fuzz_field_mutations(data: st.DataObject) -> None:
 
 @settings(max_examples=400, deadline=None)
 @given(st.data())
-def test_chunk_fast_path_accepts_exactly_what_the_checked_path_accepts(data: st.DataObject) -> None:
-    """The message-free fast path (used for every chunk) and the path that builds the
-    error messages agree on every mutation of a valid chunk: same entry, or both refuse."""
+def test_chunk_decode_with_key_cache_and_lazy_name_agrees_with_the_plain_call(data: st.DataObject) -> None:
+    """How the decoder validates every chunk (a key cache filled by earlier chunks, a name
+    built only for an error) and the plain call agree on every mutation of a valid chunk:
+    same entry, or the same error message."""
     base = base_doc()["leaves"][0]
     shape, itemsize = (4, 2), 4
     chunk = copy.deepcopy(base["chunks"][data.draw(st.integers(0, 1))])
@@ -294,11 +295,19 @@ def test_chunk_fast_path_accepts_exactly_what_the_checked_path_accepts(data: st.
             del parent[loc[-1]]
         else:
             parent.pop(loc[-1])
-    try:
-        expected = codec._chunk(chunk, shape, itemsize, "chunk")
-    except ManifestError:
-        expected = None
-    assert codec._chunk_fast(chunk, shape, itemsize, set()) == expected
+    def outcome(call: Any) -> Any:
+        try:
+            return call()
+        except ManifestError as e:
+            return str(e)
+
+    keys_ok: set[str] = set()
+    for valid in base["chunks"]:  # the cache as decoding the earlier chunks left it
+        codec._chunk(valid, shape, itemsize, "earlier", keys_ok)
+    assert keys_ok == {c["key"] for c in base["chunks"]}
+    expected = outcome(lambda: codec._chunk(chunk, shape, itemsize, "chunk"))
+    assert outcome(lambda: codec._chunk(chunk, shape, itemsize, lambda: "chunk", keys_ok)) == expected
+    assert outcome(lambda: codec._chunk(chunk, shape, itemsize, lambda: "chunk", set())) == expected
 
 
 @settings(max_examples=300, deadline=None)
