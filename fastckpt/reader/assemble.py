@@ -89,15 +89,16 @@ _DeviceBoxes = list[tuple[Any, Box]]
 def _device_boxes(sharding: Any, shape: tuple[int, ...], cache: dict[Any, _DeviceBoxes]) -> _DeviceBoxes:
     """``(device, box)`` of every addressable shard of ``shape`` under ``sharding``, computed
     once per distinct (sharding, shape) of a restore (a model's leaves share a few)."""
+    key: Any = (sharding, shape)
     try:
-        return cache[(sharding, shape)]
-    except KeyError:
-        pass
+        hit = cache.get(key)
     except TypeError:  # an unhashable sharding: no caching
-        return [(d, box_from_index(idx, shape)) for d, idx in sharding.addressable_devices_indices_map(shape).items()]
-    out = cache[(sharding, shape)] = [
-        (d, box_from_index(idx, shape)) for d, idx in sharding.addressable_devices_indices_map(shape).items()]
-    return out
+        hit = key = None
+    if hit is None:
+        hit = [(d, box_from_index(idx, shape)) for d, idx in sharding.addressable_devices_indices_map(shape).items()]
+        if key is not None:
+            cache[key] = hit
+    return hit
 
 
 def _plan_array(path: KeyPath, stored: ArrayLeaf, tgt: Any, boxes_cache: dict[Any, _DeviceBoxes]) -> LeafPlan:

@@ -269,7 +269,7 @@ class TieredChunkSource:
         out: list[memoryview | None] = []
         nchunks = nbytes = 0
         for chunks, hit in zip(groups, self._own.lend_spans(step, [[c[0] for c in g] for g in groups])):
-            if hit is None or not chunks:
+            if hit is None:  # (an empty group gets None from lend_spans)
                 out.append(None)
                 continue
             view, locs = hit
