@@ -38,16 +38,20 @@ MiB = 1 << 20
 ROWS, COLS = 8192, 1024
 
 
+def _cells(grid: tuple[int, int]) -> list[tuple[int, int, tuple[tuple[int, int], ...]]]:
+    """``(row, column, box)`` of every cell of ``grid`` over the ROWS x COLS array, row-major."""
+    return [(i, j, ((i * ROWS // grid[0], (i + 1) * ROWS // grid[0]), (j * COLS // grid[1], (j + 1) * COLS // grid[1])))
+            for i in range(grid[0]) for j in range(grid[1])]
+
+
 def _leaf(k: int, grid: tuple[int, int]) -> Any:
     from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, box_volume
 
     chunks = []
-    for i in range(grid[0]):
-        for j in range(grid[1]):
-            box = ((i * ROWS // grid[0], (i + 1) * ROWS // grid[0]), (j * COLS // grid[1], (j + 1) * COLS // grid[1]))
-            n = box_volume(box) * 4
-            chunks.append(ChunkEntry(box=box, key=f"steps/s/p{i}.fck", offset=n * j, length=n, raw_length=n,
-                                     codec="raw", crc32c=0x1234567, raw_crc32c=0x1234567))
+    for i, j, box in _cells(grid):
+        n = box_volume(box) * 4
+        chunks.append(ChunkEntry(box=box, key=f"steps/s/p{i}.fck", offset=n * j, length=n, raw_length=n,
+                                 codec="raw", crc32c=0x1234567, raw_crc32c=0x1234567))
     return ArrayLeaf(path=(("d", f"layer{k:04d}"), ("d", "w")), shape=(ROWS, COLS), dtype="float32",
                      chunks=tuple(chunks))
 
@@ -59,8 +63,7 @@ def _grid(n: int) -> tuple[int, int]:
 
 def _host_boxes(grid: tuple[int, int]) -> list[tuple[tuple[int, int], ...]]:
     """Host 0's 8 destination boxes under ``grid`` (the first 8 cells in row-major order)."""
-    return [((i * ROWS // grid[0], (i + 1) * ROWS // grid[0]), (j * COLS // grid[1], (j + 1) * COLS // grid[1]))
-            for i in range(grid[0]) for j in range(grid[1])][:8]
+    return [box for _, _, box in _cells(grid)[:8]]
 
 
 def _best(fn: Any, reps: int) -> float:
