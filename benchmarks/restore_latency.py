@@ -508,11 +508,11 @@ def run_overhead(args: argparse.Namespace) -> dict[str, Any]:
         # The same loop with a step that leaves the host CPUs idle (it sleeps for the CPU
         # step's median time), as a train step on an accelerator would: what the checkpoint
         # costs the loop when its background work does not compete with the step for CPU.
-        idle_step_s = median([median(p["base"]["step_s"]) for p in pairs])
+        base_step_s = median([median(p["base"]["step_s"]) for p in pairs])
         idle_pairs = []
         for p in range(args.pairs):
             order = ("base", "push") if p % 2 == 0 else ("push", "base")
-            segs = {mode: segment(mode, idle_step_s) for mode in order}
+            segs = {mode: segment(mode, base_step_s) for mode in order}
             idle_pairs.append({"base": segs["base"], "ckpt": segs["push"],
                                "ratio": segs["push"]["total_s"] / segs["base"]["total_s"]})
             print(f"[overhead] host-idle pair {p}: base {segs['base']['total_s']:.2f}s, RAM + push "
@@ -534,14 +534,14 @@ def run_overhead(args: argparse.Namespace) -> dict[str, Any]:
         "overhead": median([p["ratio"] for p in pairs]) - 1,
         "overhead_all": [p["ratio"] - 1 for p in pairs],
         "idle_pairs_detail": idle_pairs,
-        "idle_step_s": idle_step_s,
+        "idle_step_s": base_step_s,
         "overhead_idle_host": median([p["ratio"] for p in idle_pairs]) - 1,
         "overhead_idle_host_all": [p["ratio"] - 1 for p in idle_pairs],
         "overhead_ram_only": median([p["ram_only_ratio"] for p in pairs]) - 1,
         "overhead_ram_only_all": [p["ram_only_ratio"] - 1 for p in pairs],
         "push_wait_s": max([s.push_wait_s for s in saves if hasattr(s, "push_wait_s")], default=0.0),
         "cpu_overhead": median([p["cpu_ratio"] for p in pairs]) - 1,
-        "base_step_s": median([median(p["base"]["step_s"]) for p in pairs]),
+        "base_step_s": base_step_s,
         "ckpt_step_s": median([median(p["ckpt"]["step_s"]) for p in pairs]),
         "ckpt_step_on_save_s": median([p["ckpt"]["step_s"][i] for p in pairs
                                        for i in range(0, args.segment_steps, RAM_STEP)]),
@@ -549,7 +549,7 @@ def run_overhead(args: argparse.Namespace) -> dict[str, Any]:
         # What only the blocking part of save() adds (the background work would not compete
         # with the step where the step runs on an accelerator, unlike here on CPU devices).
         "blocking_overhead": median([s.blocked_s for s in ram_saves])
-        / (RAM_STEP * median([median(p["base"]["step_s"]) for p in pairs])),
+        / (RAM_STEP * base_step_s),
         "save_blocked_s": median([s.blocked_s for s in ram_saves]),
         "save_ram_commit_s": median([s.ram_commit_s for s in ram_saves]),
         "saves": len(ram_saves),
