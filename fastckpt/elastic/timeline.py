@@ -87,8 +87,9 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
     generations = [
         {"generation": e["generation"], "hosts": e["hosts"], "t": e["t"]} for e in events if e["event"] == "launch"
     ]
+    ends = {int(e["generation"]): e for e in reversed(events) if e["event"] == "generation_end"}  # first wins
     for g in generations:
-        end = next((e for e in events if e["event"] == "generation_end" and e["generation"] == g["generation"]), None)
+        end = ends.get(int(g["generation"]))
         g["outcome"] = end["outcome"] if end else "running"
     outcomes = {int(g["generation"]): g["outcome"] for g in generations}
     recoveries = []
@@ -104,8 +105,7 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
                                      t_detect=float(detect["t"]) if detect else None, generation=later, events=events)
             if rec is not None or outcomes.get(later) != "failed":
                 break
-            end = next((e for e in events if e["event"] == "generation_end" and e["generation"] == later), {})
-            failed.append({"generation": later, "reason": end.get("reason")})
+            failed.append({"generation": later, "reason": ends.get(later, {}).get("reason")})
         done = [int(m["step"]) for m in metrics if m["generation"] == gen and float(m["t"]) <= float(kill["t"])]
         last = max(done) if done else None
         entry: dict[str, Any] = {"killed_host": kill["host"], "generation": gen, "last_step_before_kill": last,
