@@ -1,18 +1,25 @@
 """Manifest <-> JSON. Strict: every field is type-checked on decode; never pickle.
 
-JSON layout (``format_version`` 1)::
+JSON layout (``format_version`` 2, what this fastckpt writes)::
 
-    {"format_version": 1, "step": 100, "num_processes": 4, "created_unix": 1.7e9,
+    {"format_version": 2, "step": 100, "num_processes": 4, "created_unix": 1.7e9,
      "writer_version": "0.1.0", "metadata": {...},
+     "objects": ["steps/00000100/...", ...],
      "leaves": [
        {"path": [["d", "params"], ["d", "w"]], "type": "array", "kind": "jax",
         "shape": [1024, 512], "dtype": "bfloat16", "key_impl": null,
         "sharding": {"mesh_axis_names": ["data", "model"], "mesh_shape": [2, 4],
                      "partition_spec": [null, "model"]},
-        "chunks": [{"box": [[0, 1024], [0, 128]], "key": "steps/...", "offset": 0,
-                    "length": 123, "raw_length": 262144, "codec": "zstd",
-                    "crc32c": 1234, "raw_crc32c": 5678}, ...]},
+        "chunks": {"grid": [[0, 1024], [0, 128, 256, 384, 512]], "object": [0, 0, 1, 1],
+                   "offset": [...], "length": [...], "codec": "zstd",
+                   "crc32c": [...], "raw_crc32c": [...]}},
        {"path": [["d", "step"]], "type": "value", "vtype": "int", "value": 100}]}
+
+An array leaf's ``"chunks"`` is a chunk table (:mod:`fastckpt.format.chunk_table`: columns,
+object keys by index into ``"objects"``, boxes as a grid's cuts). Format 1 (still read, and
+written for a ``Manifest`` whose ``format_version`` is 1) has no ``"objects"`` and lists
+one object per chunk: ``{"box": [[0, 1024], [0, 128]], "key": "steps/...", "offset": 0,
+"length": 123, "raw_length": 262144, "codec": "zstd", "crc32c": 1234, "raw_crc32c": 5678}``.
 
 Floats that JSON cannot hold (nan, inf) are written as strings ``"nan"``, ``"inf"``,
 ``"-inf"``; complex values as ``[re, im]``.
@@ -29,6 +36,7 @@ accepted as before. Numbers that overflow a float (``1e400``) are refused.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import re
@@ -37,11 +45,19 @@ from typing import Any, NoReturn
 
 from fastckpt._checksum import crc32c
 from fastckpt.errors import ManifestError, UnsupportedFormatVersionError
+from fastckpt.format._checks import MAX_INT as _MAX_INT
+from fastckpt.format._checks import check_disjoint as _check_disjoint
+from fastckpt.format._checks import fail as _fail
+from fastckpt.format._checks import json_dict as _dict
+from fastckpt.format._checks import json_float as _float_from_json
+from fastckpt.format._checks import json_int as _int
+from fastckpt.format._checks import json_list as _list
+from fastckpt.format._checks import json_str as _str
+from fastckpt.format.chunk_table import decode_chunk_table, encode_chunk_table
 from fastckpt.format.dtypes import dtype_from_name
 from fastckpt.format.manifest import (
-    FORMAT_VERSION,
+    READABLE_FORMAT_VERSIONS,
     ArrayLeaf,
-    Box,
     ChunkEntry,
     KeyPath,
     Leaf,
@@ -57,14 +73,9 @@ __all__ = ["MAX_MANIFEST_BYTES", "chunk_from_json", "chunk_to_json", "decode_man
 #: Manifests larger than this are refused before parsing (hostile-input guard).
 MAX_MANIFEST_BYTES = 512 * 1024 * 1024
 _MAX_NDIM = 64
-_MAX_INT = 2**63 - 1
 #: Name of the integrity field; the encoder writes it first.
 CHECKSUM_FIELD = "manifest_crc32c"
 _CHECKSUM_PREFIX = re.compile(rb'\A\{"manifest_crc32c":(0|[1-9][0-9]{0,9}),')
-
-
-def _fail(msg: str) -> NoReturn:
-    raise ManifestError(msg)
 
 
 # ---------------------------------------------------------------- encode
@@ -78,7 +89,7 @@ def _float_to_json(x: float) -> float | str:
     return x
 
 
-def _leaf_to_json(leaf: Leaf) -> dict[str, Any]:
+def _leaf_to_json(leaf: Leaf, objects: dict[str, int] | None) -> dict[str, Any]:
     path = [[k, v] for k, v in leaf.path]
     if isinstance(leaf, ValueLeaf):
         value: Any = leaf.value
@@ -105,7 +116,8 @@ def _leaf_to_json(leaf: Leaf) -> dict[str, Any]:
         "dtype": leaf.dtype,
         "key_impl": leaf.key_impl,
         "sharding": sharding,
-        "chunks": [chunk_to_json(c) for c in leaf.chunks],
+        "chunks": [chunk_to_json(c) for c in leaf.chunks] if objects is None else encode_chunk_table(
+            leaf.chunks, shape=leaf.shape, itemsize=dtype_from_name(leaf.dtype).itemsize, objects=objects),
     }
 
 
@@ -129,16 +141,24 @@ def chunk_from_json(obj: Any, *, shape: tuple[int, ...], itemsize: int, what: st
 
 
 def encode_manifest(manifest: Manifest) -> bytes:
-    """Serialise a manifest to UTF-8 JSON bytes (deterministic key order)."""
-    doc = {
+    """Serialise a manifest to UTF-8 JSON bytes (deterministic key order), in the layout of
+    its ``format_version``."""
+    if manifest.format_version not in READABLE_FORMAT_VERSIONS:
+        _fail(f"cannot write format_version {manifest.format_version!r:.40} (this fastckpt writes "
+              f"{list(READABLE_FORMAT_VERSIONS)})")
+    objects: dict[str, int] | None = None if manifest.format_version == 1 else {}
+    leaves = [_leaf_to_json(leaf, objects) for leaf in manifest.leaves]
+    doc: dict[str, Any] = {
         "format_version": manifest.format_version,
         "step": manifest.step,
         "num_processes": manifest.num_processes,
         "created_unix": manifest.created_unix,
         "writer_version": manifest.writer_version,
         "metadata": manifest.metadata,
-        "leaves": [_leaf_to_json(leaf) for leaf in manifest.leaves],
+        "leaves": leaves,
     }
+    if objects is not None:
+        doc["objects"] = list(objects)
     body = _canonical(doc)
     return b'{"%s":%d,' % (CHECKSUM_FIELD.encode(), crc32c(body)) + body[1:]
 
@@ -165,41 +185,6 @@ def _check_integrity(data: bytes, doc: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------- decode
-
-
-def _int(obj: Any, what: str, *, lo: int = 0) -> int:
-    if type(obj) is not int or not lo <= obj <= _MAX_INT:
-        _fail(f"{what}: expected an int >= {lo}, got {obj!r:.80}")
-    return obj
-
-
-def _str(obj: Any, what: str) -> str:
-    if type(obj) is not str:
-        _fail(f"{what}: expected a string, got {obj!r:.80}")
-    return obj
-
-
-def _list(obj: Any, what: str) -> list[Any]:
-    if type(obj) is not list:
-        _fail(f"{what}: expected a list, got {type(obj).__name__}")
-    return obj
-
-
-def _dict(obj: Any, what: str, keys: tuple[str, ...]) -> Mapping[str, Any]:
-    if type(obj) is not dict:
-        _fail(f"{what}: expected an object, got {type(obj).__name__}")
-    missing = [k for k in keys if k not in obj]
-    if missing:
-        _fail(f"{what}: missing field(s) {missing}")
-    return obj
-
-
-def _float_from_json(obj: Any, what: str) -> float:
-    if obj in ("nan", "inf", "-inf"):
-        return float(obj)
-    if type(obj) not in (int, float):
-        _fail(f"{what}: expected a number, got {obj!r:.80}")
-    return float(obj)
 
 
 def _path(obj: Any, what: str) -> KeyPath:
@@ -320,29 +305,6 @@ def _sharding(obj: Any, rank: int, what: str) -> ShardingSpec | None:
     return ShardingSpec(names, mshape, tuple(spec))
 
 
-def _check_disjoint(boxes: list[Box], what: str) -> None:
-    """Fail if two non-empty boxes overlap (with matching volumes: if they do not tile).
-
-    Sweep along the dimension with the most distinct starts; only boxes still open along it
-    are compared, which keeps grid-like tilings (every tiling fastckpt writes) near-linear.
-    """
-    boxes = [b for b in boxes if box_volume(b) > 0]
-    if len(boxes) < 2:
-        return
-    ndim = len(boxes[0])
-    if ndim == 0:
-        _fail(f"{what}: several chunks of a 0-d array")
-    d = max(range(ndim), key=lambda k: len({b[k][0] for b in boxes}))
-    boxes.sort(key=lambda b: b[d][0])
-    active: list[Box] = []
-    for b in boxes:
-        active = [a for a in active if a[d][1] > b[d][0]]
-        for a in active:
-            if all(a0 < b1 and b0 < a1 for (a0, a1), (b0, b1) in zip(a, b)):
-                _fail(f"{what}: chunks {list(a)} and {list(b)} overlap")
-        active.append(b)
-
-
 def _value_leaf(d: Mapping[str, Any], path: KeyPath, what: str) -> ValueLeaf:
     vtype, value = d.get("vtype"), d.get("value")
     if vtype == "none":
@@ -368,7 +330,19 @@ def _value_leaf(d: Mapping[str, Any], path: KeyPath, what: str) -> ValueLeaf:
     return ValueLeaf(path=path, vtype=vtype, value=value)
 
 
-def _array_leaf(d: Mapping[str, Any], path: KeyPath, what: str, keys_ok: set[str]) -> ArrayLeaf:
+def _objects(obj: Any) -> list[str]:
+    """Format 2's object key list, each key validated once."""
+    keys = _list(obj, "objects")
+    for i, key in enumerate(keys):
+        try:
+            validate_key(_str(key, f"objects[{i}]"))
+        except ValueError as e:
+            _fail(f"objects[{i}]: {e}")
+    return keys
+
+
+def _array_leaf(d: Mapping[str, Any], path: KeyPath, what: str, keys_ok: set[str],
+                objects: list[str] | None) -> ArrayLeaf:
     d = _dict(d, what, ("shape", "dtype", "chunks"))
     shape_l = _list(d["shape"], f"{what}.shape")
     if len(shape_l) > _MAX_NDIM:
@@ -383,16 +357,20 @@ def _array_leaf(d: Mapping[str, Any], path: KeyPath, what: str, keys_ok: set[str
         _str(key_impl, f"{what}.key_impl")
     if kind == "prng_key" and key_impl is None:
         _fail(f"{what}: prng_key leaf without key_impl")
-    chunks = tuple(
-        _chunk(c, shape, dtype.itemsize, lambda i=i: f"{what}.chunks[{i}]", keys_ok)  # type: ignore[misc]
-        for i, c in enumerate(_list(d["chunks"], f"{what}.chunks"))
-    )
-    total = 1
-    for n in shape:
-        total *= n
-    if sum(box_volume(c.box) for c in chunks) != total:
-        _fail(f"{what}: chunks do not tile the array (volumes != {total})")
-    _check_disjoint([c.box for c in chunks], what)
+    if objects is not None:  # format 2: validated (tiling included) column by column
+        chunks = decode_chunk_table(d["chunks"], shape=shape, itemsize=dtype.itemsize, objects=objects,
+                                    what=f"{what}.chunks")
+    else:
+        chunks = tuple(
+            _chunk(c, shape, dtype.itemsize, lambda i=i: f"{what}.chunks[{i}]", keys_ok)  # type: ignore[misc]
+            for i, c in enumerate(_list(d["chunks"], f"{what}.chunks"))
+        )
+        total = 1
+        for n in shape:
+            total *= n
+        if sum(box_volume(c.box) for c in chunks) != total:
+            _fail(f"{what}: chunks do not tile the array (volumes != {total})")
+        _check_disjoint([c.box for c in chunks], what)
     return ArrayLeaf(
         path=path,
         shape=shape,
@@ -417,7 +395,22 @@ def _finite_float(text: str) -> float:
 
 
 def decode_manifest(data: bytes | bytearray | memoryview) -> Manifest:
-    """Parse and validate manifest JSON; raises ``ManifestError`` (or a subclass) on any flaw."""
+    """Parse and validate manifest JSON; raises ``ManifestError`` (or a subclass) on any flaw.
+
+    The cyclic garbage collector is paused while it runs (and resumed if it was enabled): a
+    manifest becomes millions of acyclic objects, and the collector's passes over them were
+    half of the decode time. Hazard: a thread that switches the collector on or off at the
+    same moment may see its setting undone."""
+    if not gc.isenabled():
+        return _decode(data)
+    gc.disable()
+    try:
+        return _decode(data)
+    finally:
+        gc.enable()
+
+
+def _decode(data: bytes | bytearray | memoryview) -> Manifest:
     if len(data) > MAX_MANIFEST_BYTES:
         _fail(f"manifest of {len(data)} bytes exceeds the {MAX_MANIFEST_BYTES}-byte limit")
     data = bytes(data)
@@ -429,10 +422,12 @@ def decode_manifest(data: bytes | bytearray | memoryview) -> Manifest:
     version = d["format_version"]
     if type(version) is not int:
         _fail(f"format_version must be an int, got {version!r:.40}")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_FORMAT_VERSIONS:
         raise UnsupportedFormatVersionError(
-            f"manifest format_version {version} is not supported (this fastckpt reads {FORMAT_VERSION})"
+            f"manifest format_version {version} is not supported (this fastckpt reads "
+            f"{', '.join(map(str, READABLE_FORMAT_VERSIONS))})"
         )
+    objects = None if version == 1 else _objects(d.get("objects"))
     leaves: list[Leaf] = []
     seen: set[KeyPath] = set()
     keys_ok: set[str] = set()
@@ -444,7 +439,7 @@ def decode_manifest(data: bytes | bytearray | memoryview) -> Manifest:
             _fail(f"{what}: duplicate path")
         seen.add(path)
         if ld["type"] == "array":
-            leaves.append(_array_leaf(ld, path, what, keys_ok))
+            leaves.append(_array_leaf(ld, path, what, keys_ok, objects))
         elif ld["type"] == "value":
             leaves.append(_value_leaf(ld, path, what))
         else:

@@ -18,6 +18,7 @@ from typing import Literal, Union
 
 __all__ = [
     "FORMAT_VERSION",
+    "READABLE_FORMAT_VERSIONS",
     "ArrayLeaf",
     "Box",
     "ChunkEntry",
@@ -34,8 +35,10 @@ __all__ = [
     "keypath_str",
 ]
 
-#: The on-disk format version this fastckpt writes and reads.
-FORMAT_VERSION = 1
+#: The on-disk format version this fastckpt writes.
+FORMAT_VERSION = 2
+#: The versions it reads (1: one JSON object per chunk; 2: a chunk table per leaf).
+READABLE_FORMAT_VERSIONS = (1, 2)
 
 #: A box: per dimension a half-open ``(start, stop)`` interval of global indices.
 Box = tuple[tuple[int, int], ...]

@@ -6,6 +6,7 @@ Everything here is plain data: no jax, no devices, no I/O.
 
 from __future__ import annotations
 
+import itertools
 import string
 from typing import Any
 
@@ -27,6 +28,7 @@ from fastckpt.format.manifest import (
 __all__ = [
     "DTYPE_NAMES",
     "boxes_in",
+    "grid_tilings",
     "json_values",
     "key_paths",
     "manifests",
@@ -158,9 +160,17 @@ _SHAPES = shapes(max_rank=3, max_side=6)
 
 
 @st.composite
+def grid_tilings(draw: st.DrawFn, shape: tuple[int, ...], *, max_cuts: int = 3) -> list[Box]:
+    """The cells, in C order, of a random grid over ``shape`` (what a sharding saves; cells
+    may be empty where cuts repeat)."""
+    cuts = [[0, *sorted(draw(st.lists(st.integers(0, n), max_size=max_cuts))), n] for n in shape]
+    return [tuple(cell) for cell in itertools.product(*[list(zip(c[:-1], c[1:])) for c in cuts])]
+
+
+@st.composite
 def _chunk_entries(draw: st.DrawFn, shape: tuple[int, ...], itemsize: int) -> tuple[ChunkEntry, ...]:
     out = []
-    for box in draw(tilings(shape, max_pieces=6)):
+    for box in draw(st.one_of(tilings(shape, max_pieces=6), grid_tilings(shape, max_cuts=2))):
         raw_length = box_volume(box) * itemsize
         codec = draw(_CODECS)
         length = raw_length if codec == "raw" else draw(st.integers(0, raw_length + 64))

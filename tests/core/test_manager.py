@@ -95,12 +95,12 @@ def test_unknown_format_version_and_malformed_manifest(root: Any, tmp_path: Path
     fastckpt.save(root, 2, state)
     store = store_of(root, tmp_path)
     doc = json.loads(bytes(asyncio.run(store.get(manifest_key(1)))))
-    doc["format_version"] = 2
+    doc["format_version"] = 3
     asyncio.run(store.put(manifest_key(1), json.dumps(doc).encode()))
     asyncio.run(store.put(manifest_key(2), b'{"format_version": 1, "step": 2, "leaves": [{"path": 3}]}'))
     with CheckpointManager(root) as mgr:
         assert mgr.all_steps() == [1, 2]
-        with pytest.raises(UnsupportedFormatVersionError, match="format_version 2"):
+        with pytest.raises(UnsupportedFormatVersionError, match="format_version 3"):
             mgr.restore(1)
         with pytest.raises(ManifestError):
             mgr.restore(2)

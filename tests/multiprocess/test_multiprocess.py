@@ -39,8 +39,8 @@ def test_save_4x2_restore_2x4_and_1x8(tmp_path: Path) -> None:
     assert [s["steps"] for s in saved] == [[1]] * 4
     manifest = json.loads((tmp_path / "ckpt" / "manifests" / "000000000001.json").read_text())
     assert manifest["num_processes"] == 4
-    writers = {c["key"].split("/")[-1].split("-")[0] for leaf in manifest["leaves"] if leaf["type"] == "array"
-               for c in leaf["chunks"]}
+    writers = {manifest["objects"][i].split("/")[-1].split("-")[0] for leaf in manifest["leaves"]
+               if leaf["type"] == "array" for i in leaf["chunks"]["object"]}
     assert writers == {"p00000", "p00001", "p00002", "p00003"}  # every process wrote its shards
     got = run("check_restore", 2, 4, root=root, steps=[1], mesh_shape=[2, 4], layout="cols")
     for r in got:

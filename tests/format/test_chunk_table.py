@@ -1,0 +1,209 @@
+"""Format 2's chunk table: grids chosen exactly when they fit, every flaw a ManifestError,
+the same entries as format 1, and a decoder that leaves the garbage collector as it was."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import gc
+import itertools
+import json
+import random
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fastckpt.errors import ManifestError, UnsupportedFormatVersionError
+from fastckpt.format.chunk_table import grid_cuts
+from fastckpt.format.codec import decode_manifest, encode_manifest
+from fastckpt.format.manifest import FORMAT_VERSION, ArrayLeaf, ChunkEntry, Manifest, box_volume
+from fastckpt.testing.strategies import grid_tilings, manifests, shapes, tilings
+from tests.format.test_codec import base_doc, decode_doc, norm
+
+T = ("leaves", 0, "chunks")
+
+
+def _leaf(boxes: list[Any], shape: tuple[int, ...], *, codec: str = "raw") -> ArrayLeaf:
+    chunks = []
+    for i, box in enumerate(boxes):
+        n = box_volume(box) * 4
+        chunks.append(ChunkEntry(box, f"steps/s/p{i % 3}.fck", 64 * i, n, n, codec, 1000 + i, 1000 + i))
+    return ArrayLeaf(path=(("d", "w"),), shape=shape, dtype="float32", chunks=tuple(chunks))
+
+
+def _encoded_leaf(leaf: ArrayLeaf) -> dict[str, Any]:
+    return json.loads(encode_manifest(Manifest(step=1, leaves=(leaf,))))["leaves"][0]["chunks"]
+
+
+def test_writes_format_2_with_a_grid_for_a_sharded_leaf() -> None:
+    boxes = [((i * 16, i * 16 + 16), (j * 4, j * 4 + 4)) for i in range(4) for j in range(2)]
+    doc = json.loads(encode_manifest(Manifest(step=1, leaves=(_leaf(boxes, (64, 8)),))))
+    assert FORMAT_VERSION == 2 and doc["format_version"] == 2
+    assert doc["objects"] == ["steps/s/p0.fck", "steps/s/p1.fck", "steps/s/p2.fck"]
+    table = doc["leaves"][0]["chunks"]
+    assert table["grid"] == [[0, 16, 32, 48, 64], [0, 4, 8]] and "boxes" not in table
+    assert table["object"] == [0, 1, 2, 0, 1, 2, 0, 1] and table["codec"] == "raw"
+    shuffled = boxes[1:] + boxes[:1]  # not C order: listed, in the given order
+    assert _encoded_leaf(_leaf(shuffled, (64, 8)))["boxes"][-1] == [0, 16, 0, 4]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_grid_cuts_describe_exactly_the_boxes(data: st.DataObject) -> None:
+    shape = data.draw(shapes(max_rank=3, max_side=6))
+    boxes = data.draw(st.one_of(grid_tilings(shape), tilings(shape, max_pieces=6)))
+    if data.draw(st.booleans()):
+        boxes = sorted(boxes)
+    cuts = grid_cuts(boxes, shape)
+    if cuts is not None:  # a grid is only ever a faithful description
+        assert [tuple(c) for c in itertools.product(*[list(zip(c[:-1], c[1:])) for c in cuts])] == boxes
+    strict = all(a < b for box in boxes for a, b in box)  # no empty cell: sorted cells are a grid
+    if strict and boxes == list(itertools.product(*[sorted({b[d] for b in boxes}) for d in range(len(shape))])):
+        assert cuts is not None
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(manifests())
+def test_format_1_and_2_decode_to_the_same_entries(m: Manifest) -> None:
+    v1 = decode_manifest(encode_manifest(dataclasses.replace(m, format_version=1)))
+    v2 = decode_manifest(encode_manifest(dataclasses.replace(m, format_version=2)))
+    assert (v1.format_version, v2.format_version) == (1, 2)
+    assert norm(dataclasses.replace(v1, format_version=2)) == norm(v2)  # nan != nan in value leaves
+
+
+def test_a_large_grid_leaf_is_small_and_exact() -> None:
+    rng = random.Random(0)
+    boxes = [((i * 8, i * 8 + 8), (j * 16, j * 16 + 16)) for i in range(64) for j in range(8)]
+    leaf = _leaf(boxes, (512, 128), codec="zstd")
+    leaf = dataclasses.replace(leaf, chunks=tuple(dataclasses.replace(c, length=rng.randrange(1, 512),
+                                                                      crc32c=rng.getrandbits(32)) for c in leaf.chunks))
+    m = Manifest(step=3, leaves=(leaf,))
+    v1, v2 = encode_manifest(dataclasses.replace(m, format_version=1)), encode_manifest(m)
+    assert decode_manifest(v2) == m
+    assert len(v2) * 3 < len(v1)  # 512 chunks: per-chunk objects vs columns
+
+
+def test_encoder_refuses_what_the_table_cannot_hold() -> None:
+    leaf = _leaf([((0, 4),)], (4,))
+    bad = dataclasses.replace(leaf, chunks=(dataclasses.replace(leaf.chunks[0], raw_length=15),))
+    with pytest.raises(ManifestError, match="raw_length 15"):
+        encode_manifest(Manifest(step=1, leaves=(bad,)))
+    with pytest.raises(ManifestError, match="format_version 3"):
+        encode_manifest(Manifest(step=1, leaves=(), format_version=3))
+
+
+def _put(path: tuple[Any, ...], value: Any) -> Callable[[dict[str, Any]], None]:
+    def edit(doc: dict[str, Any]) -> None:
+        node = doc
+        for p in path[:-1]:
+            node = node[p]
+        if value is _DELETE:
+            del node[path[-1]]
+        else:
+            node[path[-1]] = value
+    return edit
+
+
+def _boxes(rows: Any) -> Callable[[dict[str, Any]], None]:
+    def edit(doc: dict[str, Any]) -> None:
+        table = doc["leaves"][0]["chunks"]
+        del table["grid"]
+        table["boxes"] = rows
+    return edit
+
+
+_DELETE = object()
+
+MALFORMED_V2: dict[str, Callable[[dict[str, Any]], None]] = {
+    "objects missing": _put(("objects",), _DELETE),
+    "objects not a list": _put(("objects",), "steps/a"),
+    "object key unsafe": _put(("objects", 0), "../x"),
+    "object key absolute": _put(("objects", 1), "/abs"),
+    "object key not str": _put(("objects", 1), 5),
+    "table is a format-1 list": _put(T, base_doc(1)["leaves"][0]["chunks"]),
+    "table not an object": _put(T, None),
+    "grid and boxes": _put((*T, "boxes"), [[0, 2, 0, 2], [2, 4, 0, 2]]),
+    "neither grid nor boxes": _put((*T, "grid"), _DELETE),
+    "grid rank": _put((*T, "grid"), [[0, 2, 4]]),
+    "grid not a list": _put((*T, "grid"), {"0": 2}),
+    "grid cuts not a list": _put((*T, "grid"), [4, [0, 2]]),
+    "grid not from 0": _put((*T, "grid"), [[1, 2, 4], [0, 2]]),
+    "grid not to the edge": _put((*T, "grid"), [[0, 2, 3], [0, 2]]),
+    "grid past the edge": _put((*T, "grid"), [[0, 2, 5], [0, 2]]),
+    "grid decreasing": _put((*T, "grid"), [[0, 3, 1, 4], [0, 2]]),
+    "grid float cut": _put((*T, "grid"), [[0, 2.0, 4], [0, 2]]),
+    "grid bool cut": _put((*T, "grid"), [[0, True, 4], [0, 2]]),
+    "grid single cut": _put((*T, "grid"), [[4], [0, 2]]),
+    "grid cells != columns": _put((*T, "grid"), [[0, 1, 2, 3, 4], [0, 2]]),
+    "grid of a million cells": _put((*T, "grid"), [[0] * 1000 + [4], [0] * 1000 + [2]]),
+    "object index out of range": _put((*T, "object"), [0, 2]),
+    "object index negative": _put((*T, "object"), [-1, 0]),
+    "object index str": _put((*T, "object"), ["0", 1]),
+    "offset bool": _put((*T, "offset"), [0, True]),
+    "offset float": _put((*T, "offset"), [0, 1.0]),
+    "offset huge": _put((*T, "offset"), [0, 2**64]),
+    "offset not a list": _put((*T, "offset"), 0),
+    "length column short": _put((*T, "length"), [16]),
+    "length column long": _put((*T, "length"), [16, 9, 9]),
+    "crc over u32": _put((*T, "crc32c"), [2**32, 2]),
+    "raw crc negative": _put((*T, "raw_crc32c"), [1, -3]),
+    "raw_crc32c missing": _put((*T, "raw_crc32c"), _DELETE),
+    "codec missing": _put((*T, "codec"), _DELETE),
+    "codec unknown": _put((*T, "codec"), "lz4"),
+    "codec unhashable": _put((*T, "codec"), {"zstd": 1}),
+    "codec list short": _put((*T, "codec"), ["raw"]),
+    "codec list unknown": _put((*T, "codec"), ["raw", "lz4"]),
+    "codec list unhashable": _put((*T, "codec"), [["raw"], "zstd"]),
+    "raw chunk with another length": _put((*T, "length"), [15, 9]),
+    "all raw, one compressed length": _put((*T, "codec"), "raw"),
+    "boxes overlap": _boxes([[0, 2, 0, 2], [1, 3, 0, 2]]),
+    "boxes short of the volume": _boxes([[0, 2, 0, 2], [2, 3, 0, 2]]),
+    "boxes outside": _boxes([[0, 2, 0, 2], [2, 5, 0, 2]]),
+    "boxes reversed": _boxes([[2, 0, 0, 2], [2, 4, 0, 2]]),
+    "boxes arity": _boxes([[0, 2, 0], [2, 4, 0, 2]]),
+    "boxes float": _boxes([[0, 2, 0, 2.0], [2, 4, 0, 2]]),
+    "boxes not a list": _boxes("0:2"),
+    "boxes row not a list": _boxes([7, [2, 4, 0, 2]]),
+    "boxes != columns": _boxes([[0, 4, 0, 2]]),
+}
+
+
+def test_base_v2_doc_is_a_grid() -> None:
+    doc = base_doc(2)
+    assert doc["leaves"][0]["chunks"]["grid"] == [[0, 2, 4], [0, 2]]
+    assert doc["leaves"][0]["chunks"]["codec"] == ["raw", "zstd"]
+    assert decode_doc(doc) == dataclasses.replace(decode_doc(base_doc(1)), format_version=2)
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED_V2))
+def test_malformed_table_raises_manifest_error(case: str) -> None:
+    doc = copy.deepcopy(base_doc(2))
+    MALFORMED_V2[case](doc)
+    with pytest.raises(ManifestError) as info:
+        decode_doc(doc)
+    assert not isinstance(info.value, UnsupportedFormatVersionError)
+
+
+def test_table_errors_name_the_leaf_and_the_field() -> None:
+    doc = base_doc(2)
+    _put((*T, "offset"), [0, -1])(doc)
+    with pytest.raises(ManifestError, match=r"leaves\[0\]\.chunks\.offset\[1\]: expected an int in \[0, "):
+        decode_doc(doc)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_decoding_leaves_the_garbage_collector_as_it_was(enabled: bool) -> None:
+    good, bad = json.dumps(base_doc(2)).encode(), b'{"format_version": 2, "step": -1, "leaves": []}'
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        decode_manifest(good)
+        assert gc.isenabled() is enabled
+        with pytest.raises(ManifestError):
+            decode_manifest(bad)
+        assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()
