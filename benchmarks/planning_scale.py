@@ -9,8 +9,8 @@ side by side in one run:
    leaf against N stored chunks, by scanning every chunk per box (``plan_leaf_reads``
    without an index) and through one :class:`~fastckpt.planning.ChunkIndex` per leaf (what
    the reader does), same mesh and a 4 -> 3 reshard; ms per leaf and the ratio.
-2. **Manifest codec**: encode and decode a manifest of L leaves x N chunks; microseconds
-   and bytes per chunk.
+2. **Manifest codec**: encode and decode a manifest of L leaves x N chunks in format 1 (an
+   object per chunk) and format 2 (a chunk table per leaf); microseconds and bytes per chunk.
 3. **Own-RAM restore vs leaf count**: RAM-only saves and own-RAM restores of states made of
    many small leaves (128 KiB, 8 shards each) on 8 CPU devices; ms per leaf for the
    blocking part of ``save()`` and for ``restore()``.
@@ -45,13 +45,20 @@ def _cells(grid: tuple[int, int]) -> list[tuple[int, int, tuple[tuple[int, int],
 
 
 def _leaf(k: int, grid: tuple[int, int]) -> Any:
+    """Leaf ``k`` saved by ``grid`` devices: device ``(i, j)``'s shard in process ``i``'s
+    object (real key layout, offsets growing with ``k``, random checksums)."""
+    import random
+
+    from fastckpt.format.layout import data_key
     from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, box_volume
 
+    rng = random.Random(k)
     chunks = []
     for i, j, box in _cells(grid):
         n = box_volume(box) * 4
-        chunks.append(ChunkEntry(box=box, key=f"steps/s/p{i}.fck", offset=n * j, length=n, raw_length=n,
-                                 codec="raw", crc32c=0x1234567, raw_crc32c=0x1234567))
+        crc = rng.getrandbits(32)
+        chunks.append(ChunkEntry(box=box, key=data_key(100, "3f9a1c2e", i, 0), offset=n * (j + k * grid[1]), length=n,
+                                 raw_length=n, codec="raw", crc32c=crc, raw_crc32c=crc))
     return ArrayLeaf(path=(("d", f"layer{k:04d}"), ("d", "w")), shape=(ROWS, COLS), dtype="float32",
                      chunks=tuple(chunks))
 
@@ -104,25 +111,27 @@ def run_planning(chunk_counts: list[int], reps: int) -> list[dict[str, Any]]:
     return out
 
 
-def _codec_case(leaves: int, n: int, reps: int) -> dict[str, Any]:
+def _codec_case(leaves: int, n: int, version: int, reps: int) -> dict[str, Any]:
     from fastckpt.format.codec import decode_manifest, encode_manifest
     from fastckpt.format.manifest import Manifest
 
-    m = Manifest(step=1, leaves=tuple(_leaf(k, _grid(n)) for k in range(leaves)), num_processes=64)
+    m = Manifest(step=1, leaves=tuple(_leaf(k, _grid(n)) for k in range(leaves)), num_processes=_grid(n)[0],
+                 format_version=version)
     data = encode_manifest(m)
     gc.collect()
     enc = _best(lambda: encode_manifest(m), reps)
     dec = _best(lambda: decode_manifest(data), reps)
     total = leaves * n
-    print(f"[codec] {leaves} x {n} chunks: {len(data) / MiB:.1f} MiB, encode {enc:.2f} s, decode {dec:.2f} s",
-          file=sys.stderr, flush=True)
-    return {"leaves": leaves, "chunks_per_leaf": n, "chunks": total, "bytes": len(data), "encode_s": enc,
-            "decode_s": dec, "encode_us_per_chunk": 1e6 * enc / total, "decode_us_per_chunk": 1e6 * dec / total,
-            "bytes_per_chunk": len(data) / total}
+    print(f"[codec] format {version}, {leaves} x {n} chunks: {len(data) / MiB:.1f} MiB, encode {enc:.2f} s, "
+          f"decode {dec:.2f} s", file=sys.stderr, flush=True)
+    return {"format": version, "leaves": leaves, "chunks_per_leaf": n, "chunks": total, "bytes": len(data),
+            "encode_s": enc, "decode_s": dec, "encode_us_per_chunk": 1e6 * enc / total,
+            "decode_us_per_chunk": 1e6 * dec / total, "bytes_per_chunk": len(data) / total}
 
 
 def run_codec(cases: list[tuple[int, int]], reps: int) -> list[dict[str, Any]]:
-    return [_codec_case(leaves, n, reps) for leaves, n in cases]
+    """Format 1 (an object per chunk) beside format 2 (a chunk table per leaf), same manifests."""
+    return [_codec_case(leaves, n, version, reps) for leaves, n in cases for version in (1, 2)]
 
 
 def run_leaves(leaf_counts: list[int], reps: int, shm: Path) -> list[dict[str, Any]]:
@@ -176,7 +185,7 @@ def run_leaves(leaf_counts: list[int], reps: int, shm: Path) -> list[dict[str, A
 def render(doc: dict[str, Any]) -> str:
     plan_rows = [[r["chunks"], r["layout"], r["units"], f"{r['scan_ms']:.3f}", f"{r['index_ms']:.3f}",
                   f"{r['speedup']:.1f}x"] for r in doc["planning"]]
-    codec_rows = [[f"{r['leaves']} x {r['chunks_per_leaf']}", r["chunks"], f"{r['bytes'] / MiB:.1f}",
+    codec_rows = [[f"{r['leaves']} x {r['chunks_per_leaf']}", r["chunks"], r["format"], f"{r['bytes'] / MiB:.1f}",
                    f"{r['bytes_per_chunk']:.0f}", f"{r['encode_s']:.2f}", f"{r['decode_s']:.2f}",
                    f"{r['encode_us_per_chunk']:.1f}", f"{r['decode_us_per_chunk']:.1f}"] for r in doc["codec"]]
     leaf_rows = [[r["leaves"], f"{r['bytes'] / MiB:.0f}", f"{r['save_blocked_s']:.3f}", f"{r['save_ms_per_leaf']:.3f}",
@@ -189,8 +198,8 @@ def render(doc: dict[str, Any]) -> str:
         f"(git {meta['git']}), 2 CPUs. Best of {meta['reps']} for the pure parts.",
         "## Read planning: one host's 8 boxes of one leaf (8192 x 1024 f32) against N stored chunks",
         markdown_table(["chunks", "layout", "boxes", "scan (ms/leaf)", "ChunkIndex (ms/leaf)", "speedup"], plan_rows),
-        "## Manifest codec (raw chunks, 2-d boxes)",
-        markdown_table(["leaves x chunks", "chunks", "MiB", "bytes/chunk", "encode s", "decode s", "encode us/chunk",
+        "## Manifest codec, format 1 (an object per chunk) vs 2 (a chunk table per leaf): raw chunks, 2-d grid",
+        markdown_table(["leaves x chunks", "chunks", "format", "MiB", "bytes/chunk", "encode s", "decode s", "encode us/chunk",
                         "decode us/chunk"], codec_rows),
         "## Own-RAM save and restore vs leaf count (128 KiB leaves, 8 shards each, 8 CPU devices)",
         markdown_table(["leaves", "MiB", "save() blocks s", "ms/leaf", "restore s (median)", "first restore s",
@@ -203,9 +212,10 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     bar_chart(path, title="Per-leaf and per-chunk costs at scale", panels=[
         {"title": "read planning, same mesh (ms per leaf)", "ylabel": "ms", "groups": [str(r["chunks"]) for r in same],
          "series": {"scan": [r["scan_ms"] for r in same], "ChunkIndex": [r["index_ms"] for r in same]}},
-        {"title": "manifest codec (us per chunk)", "ylabel": "us", "groups": [str(r["chunks"]) for r in doc["codec"]],
-         "series": {"encode": [r["encode_us_per_chunk"] for r in doc["codec"]],
-                    "decode": [r["decode_us_per_chunk"] for r in doc["codec"]]}},
+        {"title": "manifest decode (us per chunk)", "ylabel": "us",
+         "groups": [str(r["chunks"]) for r in doc["codec"] if r["format"] == 2],
+         "series": {f"format {v} {what}": [r[f"{what}_us_per_chunk"] for r in doc["codec"] if r["format"] == v]
+                    for v in (1, 2) for what in ("encode", "decode")}},
         {"title": "own-RAM restore (ms per leaf)", "ylabel": "ms", "groups": [str(r["leaves"]) for r in doc["leaves"]],
          "series": {"save() blocks": [r["save_ms_per_leaf"] for r in doc["leaves"]],
                     "restore": [r["restore_ms_per_leaf"] for r in doc["leaves"]]}},

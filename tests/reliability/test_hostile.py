@@ -54,18 +54,19 @@ FAST = PeerOptions(connect_timeout_s=2, handshake_timeout_s=1.0, io_timeout_s=1.
 # ============================================================================ manifests
 
 
-def _real_manifest() -> bytes:
+def _real_manifest(version: int = 2) -> bytes:
     chunk = ChunkEntry(box=((0, 4), (0, 8)), key="steps/000000000007/ab12/p00000-00000.fck", offset=0, length=128,
                        raw_length=128, codec="raw", crc32c=1, raw_crc32c=1)
     leaf = ArrayLeaf(path=(("d", "params"), ("d", "w")), shape=(8, 8), dtype="float32",
                      chunks=(chunk, ChunkEntry(box=((4, 8), (0, 8)), key=chunk.key, offset=128, length=128,
                                                raw_length=128, codec="raw", crc32c=2, raw_crc32c=2)))
-    return encode_manifest(Manifest(step=7, leaves=(leaf,), metadata={"note": "x", "n": 1.5}))
+    return encode_manifest(Manifest(step=7, leaves=(leaf,), metadata={"note": "x", "n": 1.5}, format_version=version))
 
 
 # Without its manifest_crc32c (a legacy manifest): every injected change would otherwise fail
 # the checksum, and the structural checks after parsing are what these tests are after.
-_BASE = {k: v for k, v in json.loads(_real_manifest()).items() if k != "manifest_crc32c"}
+# Both formats the decoder reads: 1 (an object per chunk) and 2 (a chunk table per leaf).
+_BASES = {v: {k: x for k, x in json.loads(_real_manifest(v)).items() if k != "manifest_crc32c"} for v in (1, 2)}
 
 
 def _slots(doc: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
@@ -79,8 +80,10 @@ def _slots(doc: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
     return out
 
 
-_SLOTS = _slots(_BASE)
-_KEYS = [s for s in _SLOTS if s[-1] == "key"]
+_SLOTS = [(v, s) for v, base in _BASES.items() for s in _slots(base)]
+# Where an object key is written: a chunk's "key" (format 1), an "objects" entry (format 2).
+_KEYS = [(v, s) for v, s in _SLOTS if s[-1] == "key" or (len(s) == 2 and s[0] == "objects")]
+assert {v for v, _ in _KEYS} == {1, 2}
 _SEGMENT = st.sampled_from(["..", ".", "", "steps", "a", "\\", "C:", "~", "%2e%2e", "\u2024\u2024", "．．", "\u202e",
                             "\x00", "/", "\U0001f4a5", "con", "a b", "\n"])
 _TRAVERSAL = st.one_of(
@@ -105,8 +108,9 @@ _INJECT = st.one_of(
 )
 
 
-def _inject(slot: tuple[Any, ...], raw: str) -> bytes:
-    doc = json.loads(json.dumps(_BASE))
+def _inject(at: tuple[int, tuple[Any, ...]], raw: str) -> bytes:
+    version, slot = at
+    doc = json.loads(json.dumps(_BASES[version]))
     parent = doc
     for p in slot[:-1]:
         parent = parent[p]
@@ -131,7 +135,7 @@ def _decode_is_safe(data: bytes, root: Path) -> Manifest | None:
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(slot=st.sampled_from(_SLOTS), raw=_INJECT)
-def test_manifest_parser_survives_injected_values(slot: tuple[Any, ...], raw: str, tmp_path_factory: Any,
+def test_manifest_parser_survives_injected_values(slot: tuple[int, tuple[Any, ...]], raw: str, tmp_path_factory: Any,
                                                   recorder: Recorder) -> None:
     """Only ManifestError ever escapes (no RecursionError, ValueError, OverflowError...)."""
     m = _decode_is_safe(_inject(slot, raw), tmp_path_factory.getbasetemp())
@@ -141,7 +145,7 @@ def test_manifest_parser_survives_injected_values(slot: tuple[Any, ...], raw: st
 
 @settings(max_examples=150, deadline=None)
 @given(slot=st.sampled_from(_KEYS), key=_TRAVERSAL)
-def test_manifest_object_keys_cannot_escape_the_root(slot: tuple[Any, ...], key: str, tmp_path_factory: Any,
+def test_manifest_object_keys_cannot_escape_the_root(slot: tuple[int, tuple[Any, ...]], key: str, tmp_path_factory: Any,
                                                      recorder: Recorder) -> None:
     m = _decode_is_safe(_inject(slot, _raw_json(key)), tmp_path_factory.getbasetemp())
     recorder.add("hostile_manifest_keys", examples=1,
