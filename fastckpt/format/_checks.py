@@ -5,13 +5,17 @@ naming the field. No I/O."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import gc
+from collections.abc import Iterator, Mapping
 from typing import Any, NoReturn
 
 from fastckpt.errors import ManifestError
 from fastckpt.format.manifest import Box, box_volume
 
-__all__ = ["MAX_INT", "check_disjoint", "fail", "json_dict", "json_float", "json_int", "json_list", "json_str"]
+__all__ = [
+    "MAX_INT", "check_disjoint", "fail", "json_dict", "json_float", "json_int", "json_list", "json_str", "paused_gc",
+]
 
 MAX_INT = 2**63 - 1
 
@@ -76,3 +80,20 @@ def check_disjoint(boxes: list[Box], what: str) -> None:
             if all(a0 < b1 and b0 < a1 for (a0, a1), (b0, b1) in zip(a, b)):
                 fail(f"{what}: chunks {list(a)} and {list(b)} overlap")
         active.append(b)
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """Pause the cyclic garbage collector for the block, and resume it if it was enabled.
+
+    Decoding builds millions of acyclic objects (one ``ChunkEntry`` and its box per chunk);
+    the collector's passes over them were half of a manifest's decode time. Hazard: a thread
+    that switches the collector on or off during the block may see its setting undone."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()

@@ -32,8 +32,9 @@ from typing import Any
 
 from fastckpt.format._checks import MAX_INT, check_disjoint, fail, json_dict, json_list
 from fastckpt.format.manifest import Box, ChunkEntry, box_volume
+from fastckpt.storage._protocol import validate_key
 
-__all__ = ["decode_chunk_table", "encode_chunk_table", "grid_cuts"]
+__all__ = ["decode_chunk_table", "decode_object_keys", "encode_chunk_table", "grid_cuts"]
 
 _CODECS = ("raw", "zstd")
 _U32 = 0xFFFFFFFF
@@ -107,7 +108,20 @@ def _grid(obj: Any, shape: tuple[int, ...], what: str) -> list[list[int]]:
     return cuts
 
 
-def _listed_boxes(obj: Any, shape: tuple[int, ...], what: str) -> list[Box]:
+def decode_object_keys(obj: Any, what: str) -> list[str]:
+    """A list of object keys (a manifest's ``"objects"``), each checked to be a safe relative key."""
+    keys = json_list(obj, what)
+    for i, key in enumerate(keys):
+        if type(key) is not str:
+            fail(f"{what}[{i}]: expected a string, got {key!r:.80}")
+        try:
+            validate_key(key)
+        except ValueError as e:
+            fail(f"{what}[{i}]: {e}")
+    return keys
+
+
+def _listed_boxes(obj: Any, shape: tuple[int, ...], what: str, tiling: bool) -> list[Box]:
     rows = json_list(obj, what)
     ndim = len(shape)
     out: list[Box] = []
@@ -119,6 +133,8 @@ def _listed_boxes(obj: Any, shape: tuple[int, ...], what: str) -> list[Box]:
             if not 0 <= a <= b <= n:
                 fail(f"{what}[{i}]: dimension {d}: [{a}, {b}) outside [0, {n})")
         out.append(box)
+    if not tiling:
+        return out
     if sum(box_volume(b) for b in out) != math.prod(shape):
         fail(f"{what}: chunks do not tile the array (volumes != {math.prod(shape)})")
     check_disjoint(out, what)
@@ -126,10 +142,12 @@ def _listed_boxes(obj: Any, shape: tuple[int, ...], what: str) -> list[Box]:
 
 
 def decode_chunk_table(
-    obj: Any, *, shape: tuple[int, ...], itemsize: int, objects: Sequence[str], what: str
+    obj: Any, *, shape: tuple[int, ...], itemsize: int, objects: Sequence[str], what: str, tiling: bool = True
 ) -> tuple[ChunkEntry, ...]:
     """Validate a leaf's chunk table and build its entries; ``ManifestError`` on any flaw.
-    ``objects`` is the manifest's (validated) object key list."""
+    ``objects`` is the (validated, :func:`decode_object_keys`) object key list. With
+    ``tiling=False`` (one process's part of a leaf) listed boxes need not tile the array nor
+    be disjoint; a grid always tiles it."""
     d: Mapping[str, Any] = json_dict(obj, what, _COLUMNS)
     if ("grid" in d) == ("boxes" in d):
         fail(f"{what}: expected exactly one of 'grid' and 'boxes'")
@@ -137,7 +155,7 @@ def decode_chunk_table(
         cuts = _grid(d["grid"], shape, f"{what}.grid")
         n = math.prod(len(c) - 1 for c in cuts)  # checked against the columns before building
     else:
-        listed = _listed_boxes(d["boxes"], shape, f"{what}.boxes")
+        listed = _listed_boxes(d["boxes"], shape, f"{what}.boxes", tiling)
         n = len(listed)
     index = _uints(d["object"], n, f"{what}.object", len(objects) - 1)
     offsets = _uints(d["offset"], n, f"{what}.offset", MAX_INT)

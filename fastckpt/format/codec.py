@@ -36,7 +36,6 @@ accepted as before. Numbers that overflow a float (``1e400``) are refused.
 
 from __future__ import annotations
 
-import gc
 import json
 import math
 import re
@@ -53,7 +52,8 @@ from fastckpt.format._checks import json_float as _float_from_json
 from fastckpt.format._checks import json_int as _int
 from fastckpt.format._checks import json_list as _list
 from fastckpt.format._checks import json_str as _str
-from fastckpt.format.chunk_table import decode_chunk_table, encode_chunk_table
+from fastckpt.format._checks import paused_gc
+from fastckpt.format.chunk_table import decode_chunk_table, decode_object_keys, encode_chunk_table
 from fastckpt.format.dtypes import dtype_from_name
 from fastckpt.format.manifest import (
     READABLE_FORMAT_VERSIONS,
@@ -68,7 +68,7 @@ from fastckpt.format.manifest import (
 )
 from fastckpt.storage._protocol import validate_key
 
-__all__ = ["MAX_MANIFEST_BYTES", "chunk_from_json", "chunk_to_json", "decode_manifest", "encode_manifest"]
+__all__ = ["MAX_MANIFEST_BYTES", "chunk_to_json", "decode_manifest", "encode_manifest"]
 
 #: Manifests larger than this are refused before parsing (hostile-input guard).
 MAX_MANIFEST_BYTES = 512 * 1024 * 1024
@@ -133,11 +133,6 @@ def chunk_to_json(c: ChunkEntry) -> dict[str, Any]:
         "crc32c": c.crc32c,
         "raw_crc32c": c.raw_crc32c,
     }
-
-
-def chunk_from_json(obj: Any, *, shape: tuple[int, ...], itemsize: int, what: str = "chunk") -> ChunkEntry:
-    """Parse and validate one chunk entry; ``ManifestError`` on any flaw."""
-    return _chunk(obj, shape, itemsize, what)
 
 
 def encode_manifest(manifest: Manifest) -> bytes:
@@ -330,17 +325,6 @@ def _value_leaf(d: Mapping[str, Any], path: KeyPath, what: str) -> ValueLeaf:
     return ValueLeaf(path=path, vtype=vtype, value=value)
 
 
-def _objects(obj: Any) -> list[str]:
-    """Format 2's object key list, each key validated once."""
-    keys = _list(obj, "objects")
-    for i, key in enumerate(keys):
-        try:
-            validate_key(_str(key, f"objects[{i}]"))
-        except ValueError as e:
-            _fail(f"objects[{i}]: {e}")
-    return keys
-
-
 def _array_leaf(d: Mapping[str, Any], path: KeyPath, what: str, keys_ok: set[str],
                 objects: list[str] | None) -> ArrayLeaf:
     d = _dict(d, what, ("shape", "dtype", "chunks"))
@@ -396,18 +380,9 @@ def _finite_float(text: str) -> float:
 
 def decode_manifest(data: bytes | bytearray | memoryview) -> Manifest:
     """Parse and validate manifest JSON; raises ``ManifestError`` (or a subclass) on any flaw.
-
-    The cyclic garbage collector is paused while it runs (and resumed if it was enabled): a
-    manifest becomes millions of acyclic objects, and the collector's passes over them were
-    half of the decode time. Hazard: a thread that switches the collector on or off at the
-    same moment may see its setting undone."""
-    if not gc.isenabled():
+    Runs with the cyclic garbage collector paused (``_checks.paused_gc``, which names the hazard)."""
+    with paused_gc():
         return _decode(data)
-    gc.disable()
-    try:
-        return _decode(data)
-    finally:
-        gc.enable()
 
 
 def _decode(data: bytes | bytearray | memoryview) -> Manifest:
@@ -427,7 +402,7 @@ def _decode(data: bytes | bytearray | memoryview) -> Manifest:
             f"manifest format_version {version} is not supported (this fastckpt reads "
             f"{', '.join(map(str, READABLE_FORMAT_VERSIONS))})"
         )
-    objects = None if version == 1 else _objects(d.get("objects"))
+    objects = None if version == 1 else decode_object_keys(d.get("objects"), "objects")
     leaves: list[Leaf] = []
     seen: set[KeyPath] = set()
     keys_ok: set[str] = set()

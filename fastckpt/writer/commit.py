@@ -31,10 +31,12 @@ from fastckpt.errors import (
     ManifestError,
     StepAlreadyCommittedError,
 )
-from fastckpt.format.codec import chunk_from_json, chunk_to_json, decode_manifest, encode_manifest
+from fastckpt.format._checks import paused_gc
+from fastckpt.format.chunk_table import decode_chunk_table, decode_object_keys, encode_chunk_table
+from fastckpt.format.codec import decode_manifest, encode_manifest
 from fastckpt.format.dtypes import dtype_from_name
 from fastckpt.format.layout import fragment_key, manifest_key
-from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, KeyPath, Leaf, Manifest
+from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, KeyPath, Leaf, Manifest, keypath_str
 from fastckpt.storage._protocol import Store
 from fastckpt.writer.stage import StagedSave
 
@@ -51,33 +53,45 @@ _POLL_S = 0.05
 
 
 def encode_fragment(staged: StagedSave, chunks: dict[int, list[ChunkEntry]], process_index: int) -> bytes:
-    """JSON of this process's chunk list, keyed by array path."""
-    doc = {
-        "process": process_index,
-        "arrays": [
-            {"path": [list(e) for e in arr.path], "chunks": [chunk_to_json(c) for c in chunks[i]]}
-            for i, arr in enumerate(staged.arrays)
-        ],
-    }
-    return json.dumps(doc, separators=(",", ":")).encode()
+    """JSON of this process's chunk list, keyed by array path: per array a chunk table
+    (``format.chunk_table``; object keys by index into the fragment's ``"objects"``), so a
+    process's part of a pod-scale step stays ~40 bytes per chunk."""
+    objects: dict[str, int] = {}
+    arrays = [
+        {"path": [list(e) for e in arr.path],
+         "chunks": encode_chunk_table(chunks[i], shape=arr.shape, itemsize=dtype_from_name(arr.dtype).itemsize,
+                                      objects=objects)}
+        for i, arr in enumerate(staged.arrays)
+    ]
+    return json.dumps({"process": process_index, "objects": list(objects), "arrays": arrays},
+                      separators=(",", ":")).encode()
 
 
 def decode_fragment(data: bytes | memoryview, staged: StagedSave) -> dict[KeyPath, list[ChunkEntry]]:
-    """Parse a fragment against the local view of the arrays (same pytree everywhere)."""
+    """Parse a fragment against the local view of the arrays (same pytree everywhere);
+    ``ManifestError`` if it is malformed. Tiling is checked on the merged manifest."""
+    with paused_gc():
+        return _decode_fragment(data, staged)
+
+
+def _decode_fragment(data: bytes | memoryview, staged: StagedSave) -> dict[KeyPath, list[ChunkEntry]]:
     try:
         doc = json.loads(bytes(data))
-        arrays = doc["arrays"]
+        arrays, raw_objects = doc["arrays"], doc["objects"]
+        meta = {arr.path: arr for arr in staged.arrays}
+        objects = decode_object_keys(raw_objects, "fragment objects")
+        out: dict[KeyPath, list[ChunkEntry]] = {}
+        for a in arrays:
+            path = tuple((k, v) for k, v in a["path"])
+            if path not in meta:
+                raise ManifestError(f"fragment names an unknown array path {path}")
+            m = meta[path]
+            out[path] = list(decode_chunk_table(a["chunks"], shape=m.shape, itemsize=dtype_from_name(m.dtype).itemsize,
+                                                objects=objects, what=f"fragment {keypath_str(path)}", tiling=False))
     except (ValueError, KeyError, TypeError) as e:
-        raise ManifestError(f"malformed fragment: {e}") from e
-    meta = {arr.path: arr for arr in staged.arrays}
-    out: dict[KeyPath, list[ChunkEntry]] = {}
-    for a in arrays:
-        path = tuple((k, v) for k, v in a["path"])
-        if path not in meta:
-            raise ManifestError(f"fragment names an unknown array path {path}")
-        m = meta[path]
-        itemsize = dtype_from_name(m.dtype).itemsize
-        out[path] = [chunk_from_json(c, shape=m.shape, itemsize=itemsize) for c in a["chunks"]]
+        if isinstance(e, ManifestError):
+            raise
+        raise ManifestError(f"malformed fragment: {e!r:.200}") from e
     return out
 
 
