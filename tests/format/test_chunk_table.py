@@ -3,7 +3,6 @@ the same entries as format 1, and a decoder that leaves the garbage collector as
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import gc
 import itertools
@@ -21,7 +20,7 @@ from fastckpt.format.chunk_table import grid_cuts
 from fastckpt.format.codec import decode_manifest, encode_manifest
 from fastckpt.format.manifest import FORMAT_VERSION, ArrayLeaf, ChunkEntry, Manifest, box_volume
 from fastckpt.testing.strategies import grid_tilings, manifests, shapes, tilings
-from tests.format.test_codec import base_doc, decode_doc, norm
+from tests.format.test_codec import _DELETE, _set, base_doc, decode_doc, norm
 
 T = ("leaves", 0, "chunks")
 
@@ -95,29 +94,19 @@ def test_encoder_refuses_what_the_table_cannot_hold() -> None:
         encode_manifest(Manifest(step=1, leaves=(), format_version=3))
 
 
-def _put(path: tuple[Any, ...], value: Any) -> Callable[[dict[str, Any]], None]:
-    def edit(doc: dict[str, Any]) -> None:
-        node = doc
-        for p in path[:-1]:
-            node = node[p]
-        if value is _DELETE:
-            del node[path[-1]]
-        else:
-            node[path[-1]] = value
+def _put(path: tuple[Any, ...], value: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    return lambda doc: _set(doc, path, value)
+
+
+def _boxes(rows: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    def edit(doc: dict[str, Any]) -> dict[str, Any]:
+        doc = _set(doc, (*T, "grid"), _DELETE)
+        doc["leaves"][0]["chunks"]["boxes"] = rows
+        return doc
     return edit
 
 
-def _boxes(rows: Any) -> Callable[[dict[str, Any]], None]:
-    def edit(doc: dict[str, Any]) -> None:
-        table = doc["leaves"][0]["chunks"]
-        del table["grid"]
-        table["boxes"] = rows
-    return edit
-
-
-_DELETE = object()
-
-MALFORMED_V2: dict[str, Callable[[dict[str, Any]], None]] = {
+MALFORMED_V2: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "objects missing": _put(("objects",), _DELETE),
     "objects not a list": _put(("objects",), "steps/a"),
     "object key unsafe": _put(("objects", 0), "../x"),
@@ -180,16 +169,13 @@ def test_base_v2_doc_is_a_grid() -> None:
 
 @pytest.mark.parametrize("case", sorted(MALFORMED_V2))
 def test_malformed_table_raises_manifest_error(case: str) -> None:
-    doc = copy.deepcopy(base_doc(2))
-    MALFORMED_V2[case](doc)
     with pytest.raises(ManifestError) as info:
-        decode_doc(doc)
+        decode_doc(MALFORMED_V2[case](base_doc(2)))
     assert not isinstance(info.value, UnsupportedFormatVersionError)
 
 
 def test_table_errors_name_the_leaf_and_the_field() -> None:
-    doc = base_doc(2)
-    _put((*T, "offset"), [0, -1])(doc)
+    doc = _put((*T, "offset"), [0, -1])(base_doc(2))
     with pytest.raises(ManifestError, match=r"leaves\[0\]\.chunks\.offset\[1\]: expected an int in \[0, "):
         decode_doc(doc)
 
