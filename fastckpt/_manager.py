@@ -226,6 +226,7 @@ class CheckpointManager:
                 store_run=self._io.run, store=self.store, coord=self.coordinator, ns=f"{self._ns}/{seq}",
                 step=step, save_id=save_id, staged=staged, chunks=chunks, error=error,
                 timeout_s=self.options.distributed.barrier_timeout_s, metadata=metadata, writer_version=_VERSION,
+                format_version=self.options.save.manifest_format,
             )
         finally:
             if not ram:

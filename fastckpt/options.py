@@ -9,6 +9,7 @@ import dataclasses
 from typing import Literal
 
 from fastckpt.errors import ConfigError
+from fastckpt.format.manifest import FORMAT_VERSION, READABLE_FORMAT_VERSIONS
 
 __all__ = [
     "DistributedOptions",
@@ -52,6 +53,10 @@ class SaveOptions:
     """Host memory for encoded-but-not-yet-uploaded bytes (beyond the staged copy)."""
     upload_concurrency: int = 4
     """Concurrent object uploads per process."""
+    manifest_format: int = FORMAT_VERSION
+    """Manifest format of persistent steps: 2 (a chunk table per leaf; the default), or 1 (an
+    object per chunk, ~5x larger and slower to decode) while readers on a fastckpt that
+    predates format 2 must still read new steps. RAM steps, internal to a job, always use 2."""
     if_busy: Literal["wait", "skip"] = "wait"
     """A save while another is in flight (or, for a RAM step, while this process's push of the
     previous RAM step to its peers still runs; process 0's view decides for all): wait for
@@ -64,6 +69,8 @@ class SaveOptions:
             raise ConfigError(f"if_busy must be 'wait' or 'skip', got {self.if_busy!r}")
         if not 0.0 <= self.min_compression_gain < 1.0:
             raise ConfigError(f"min_compression_gain must be in [0, 1), got {self.min_compression_gain}")
+        if self.manifest_format not in READABLE_FORMAT_VERSIONS:
+            raise ConfigError(f"manifest_format must be one of {list(READABLE_FORMAT_VERSIONS)}, got {self.manifest_format!r}")
         if not -7 <= self.zstd_level <= 22:
             raise ConfigError(f"zstd_level must be in [-7, 22], got {self.zstd_level}")
         for name in ("encode_threads", "max_chunk_bytes", "object_bytes", "max_inflight_bytes", "upload_concurrency"):

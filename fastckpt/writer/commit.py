@@ -36,7 +36,7 @@ from fastckpt.format.chunk_table import decode_chunk_table, decode_object_keys, 
 from fastckpt.format.codec import decode_manifest, encode_manifest
 from fastckpt.format.dtypes import dtype_from_name
 from fastckpt.format.layout import fragment_key, manifest_key
-from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, KeyPath, Leaf, Manifest, keypath_str
+from fastckpt.format.manifest import FORMAT_VERSION, ArrayLeaf, ChunkEntry, KeyPath, Leaf, Manifest, keypath_str
 from fastckpt.storage._protocol import Store
 from fastckpt.writer.stage import StagedSave
 
@@ -103,9 +103,10 @@ def build_manifest(
     num_processes: int,
     metadata: dict[str, object],
     writer_version: str,
+    format_version: int = FORMAT_VERSION,
 ) -> bytes:
-    """Assemble, encode and validate (decode the encoding) the manifest of a step; returns
-    the encoded manifest, the bytes to store."""
+    """Assemble, encode (in ``format_version``'s layout) and validate (decode the encoding)
+    the manifest of a step; returns the encoded manifest, the bytes to store."""
     by_path: dict[KeyPath, Leaf] = {v.path: v for v in staged.values}
     for arr in staged.arrays:
         chunks = sorted(chunks_by_path.get(arr.path, []), key=lambda c: c.box)
@@ -120,6 +121,7 @@ def build_manifest(
         created_unix=time.time(),
         writer_version=writer_version,
         metadata=dict(metadata),
+        format_version=format_version,
     )
     data = encode_manifest(manifest)
     decode_manifest(data)  # proves tiling and well-formedness
@@ -157,6 +159,7 @@ def publish_and_commit(
     timeout_s: float,
     metadata: dict[str, object],
     writer_version: str,
+    format_version: int = FORMAT_VERSION,
 ) -> bytes | None:
     """Run steps 1–3 of the protocol for this process (blocking; call off the train thread).
 
@@ -197,7 +200,7 @@ def publish_and_commit(
         else:
             merged = {arr.path: chunks[i] for i, arr in enumerate(staged.arrays)}
         manifest_bytes = build_manifest(step=step, staged=staged, chunks_by_path=merged, num_processes=n,
-                                        metadata=metadata, writer_version=writer_version)
+                                        metadata=metadata, writer_version=writer_version, format_version=format_version)
         try:
             store_run(store.put(manifest_key(step), manifest_bytes, mode="create"))
         except AlreadyExistsError as e:

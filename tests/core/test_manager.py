@@ -430,3 +430,28 @@ def test_same_mesh_restore_after_many_saves_is_exact(root: Any) -> None:
         mgr.wait()
         for step in range(4):
             assert_sharded_like(mgr.restore(step, {"x": sds(hosts[step], s)})["x"], s, hosts[step])
+
+
+def test_manifest_format_1_for_older_readers(root: Any, tmp_path: Path) -> None:
+    state, hosts = small_state()
+    opts = ManagerOptions(save=SaveOptions(manifest_format=1))
+    with CheckpointManager(root, options=opts) as mgr:
+        mgr.save(1, state)
+        mgr.wait()
+    fastckpt.save(root, 2, state)
+    store = store_of(root, tmp_path)
+    docs = {s: json.loads(bytes(asyncio.run(store.get(manifest_key(s))))) for s in (1, 2)}
+    assert (docs[1]["format_version"], docs[2]["format_version"]) == (1, 2)
+    tables = {s: [leaf["chunks"] for leaf in docs[s]["leaves"] if leaf["type"] == "array"] for s in (1, 2)}
+    assert "objects" not in docs[1] and all(type(t) is list for t in tables[1])  # an object per chunk
+    assert "objects" in docs[2] and all("grid" in t for t in tables[2])
+    with CheckpointManager(root) as mgr:
+        for s in (1, 2):
+            out = mgr.restore(s, {"w": sds(hosts["w"], state["w"].sharding), "v": sds(hosts["v"], state["v"].sharding),
+                                  "step": 0})
+            assert_bit_exact(out["w"], hosts["w"])
+            assert_bit_exact(out["v"], hosts["v"])
+        boxes = [[[c.box for c in a.chunks] for a in mgr.manifest(s).arrays()] for s in (1, 2)]
+        assert boxes[0] == boxes[1]
+    with pytest.raises(ConfigError, match="manifest_format"):
+        SaveOptions(manifest_format=3)
