@@ -1,7 +1,8 @@
-"""Strict validators for decoded JSON, shared by the manifest codec and the chunk table.
+"""Strict validators for decoded JSON, shared by the manifest codec, the chunk table and the
+commit protocol's fragments, and :func:`paused_gc` for their bulk decodes.
 
-Each returns its (type-checked) input or raises :class:`~fastckpt.errors.ManifestError`
-naming the field. No I/O."""
+Each validator returns its (type-checked) input or raises
+:class:`~fastckpt.errors.ManifestError` naming the field. No I/O."""
 
 from __future__ import annotations
 
