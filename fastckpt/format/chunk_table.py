@@ -34,10 +34,10 @@ from fastckpt.format._checks import MAX_INT, check_disjoint, fail, json_dict, js
 from fastckpt.format.manifest import Box, ChunkEntry, box_volume
 from fastckpt.storage._protocol import validate_key
 
-__all__ = ["decode_chunk_table", "decode_object_keys", "encode_chunk_table", "grid_cuts"]
+__all__ = ["U32", "codec_column", "decode_chunk_table", "decode_object_keys", "encode_chunk_table", "grid_cuts", "uint_column"]
 
 _CODECS = ("raw", "zstd")
-_U32 = 0xFFFFFFFF
+U32 = 0xFFFFFFFF
 _COLUMNS = ("object", "offset", "length", "codec", "crc32c", "raw_crc32c")
 
 
@@ -85,7 +85,8 @@ def encode_chunk_table(
     return table
 
 
-def _uints(obj: Any, n: int, what: str, hi: int) -> list[int]:
+def uint_column(obj: Any, n: int, what: str, hi: int) -> list[int]:
+    """A JSON list of ``n`` ints in ``[0, hi]`` (checked in C-speed passes; the first bad one is named)."""
     col = json_list(obj, what)
     if len(col) != n:
         fail(f"{what}: {len(col)} entries for {n} chunks")
@@ -93,6 +94,17 @@ def _uints(obj: Any, n: int, what: str, hi: int) -> list[int]:
         i, bad = next((i, v) for i, v in enumerate(col) if type(v) is not int or not 0 <= v <= hi)
         fail(f"{what}[{i}]: expected an int in [0, {hi}], got {bad!r:.80}")
     return col
+
+
+def codec_column(obj: Any, n: int, what: str) -> list[str]:
+    """A codec column: one codec name for all ``n`` chunks, or a list of ``n`` of them."""
+    if type(obj) is list:
+        if len(obj) != n or any(c not in _CODECS for c in obj):
+            fail(f"{what}: expected {n} of {list(_CODECS)}, got {obj!r:.80}")
+        return obj
+    if obj not in _CODECS:
+        fail(f"{what}: unknown codec {obj!r:.40}")
+    return [obj] * n
 
 
 def _grid(obj: Any, shape: tuple[int, ...], what: str) -> list[list[int]]:
@@ -157,20 +169,13 @@ def decode_chunk_table(
     else:
         listed = _listed_boxes(d["boxes"], shape, f"{what}.boxes", tiling)
         n = len(listed)
-    index = _uints(d["object"], n, f"{what}.object", len(objects) - 1)
-    offsets = _uints(d["offset"], n, f"{what}.offset", MAX_INT)
-    lengths = _uints(d["length"], n, f"{what}.length", MAX_INT)
-    crcs = _uints(d["crc32c"], n, f"{what}.crc32c", _U32)
-    raw_crcs = _uints(d["raw_crc32c"], n, f"{what}.raw_crc32c", _U32)
+    index = uint_column(d["object"], n, f"{what}.object", len(objects) - 1)
+    offsets = uint_column(d["offset"], n, f"{what}.offset", MAX_INT)
+    lengths = uint_column(d["length"], n, f"{what}.length", MAX_INT)
+    crcs = uint_column(d["crc32c"], n, f"{what}.crc32c", U32)
+    raw_crcs = uint_column(d["raw_crc32c"], n, f"{what}.raw_crc32c", U32)
     codec = d["codec"]
-    if type(codec) is list:
-        if len(codec) != n or any(c not in _CODECS for c in codec):
-            fail(f"{what}.codec: expected {n} of {list(_CODECS)}, got {codec!r:.80}")
-        codecs = codec
-    elif codec in _CODECS:
-        codecs = [codec] * n
-    else:
-        fail(f"{what}.codec: unknown codec {codec!r:.40}")
+    codecs = codec_column(codec, n, f"{what}.codec")
     if "grid" in d:
         boxes: Iterable[Box] = itertools.product(*[tuple(zip(c[:-1], c[1:])) for c in cuts])
         extents = itertools.product(*[[b - a for a, b in zip(c, c[1:])] for c in cuts])

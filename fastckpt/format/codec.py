@@ -39,7 +39,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
 from fastckpt._checksum import crc32c
@@ -135,14 +135,26 @@ def chunk_to_json(c: ChunkEntry) -> dict[str, Any]:
     }
 
 
-def encode_manifest(manifest: Manifest) -> bytes:
+def encode_manifest(manifest: Manifest, *, tables: tuple[Sequence[str], Mapping[KeyPath, Any]] | None = None) -> bytes:
     """Serialise a manifest to UTF-8 JSON bytes (deterministic key order), in the layout of
-    its ``format_version``."""
+    its ``format_version``.
+
+    ``tables=(objects, by_path)`` writes ready format-2 chunk tables (what the commit
+    protocol merges column by column, without a Python object per chunk) in place of the
+    array leaves' ``chunks``, which must then be empty; ``objects`` is the object key list
+    the tables index. The caller vouches for the tables (``decode_manifest`` checks them)."""
     if manifest.format_version not in READABLE_FORMAT_VERSIONS:
         _fail(f"cannot write format_version {manifest.format_version!r:.40} (this fastckpt writes "
               f"{list(READABLE_FORMAT_VERSIONS)})")
+    if tables is not None and (manifest.format_version != 2 or any(a.chunks for a in manifest.arrays())):
+        _fail("ready chunk tables need format_version 2 and array leaves without chunks")
     objects: dict[str, int] | None = None if manifest.format_version == 1 else {}
     leaves = [_leaf_to_json(leaf, objects) for leaf in manifest.leaves]
+    if tables is not None:
+        objects = dict.fromkeys(tables[0])
+        for leaf, d in zip(manifest.leaves, leaves):
+            if isinstance(leaf, ArrayLeaf):
+                d["chunks"] = tables[1][leaf.path]
     doc: dict[str, Any] = {
         "format_version": manifest.format_version,
         "step": manifest.step,

@@ -18,7 +18,6 @@ happens. A step whose manifest already exists is never overwritten
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
@@ -28,22 +27,19 @@ from fastckpt.errors import (
     AlreadyExistsError,
     BarrierTimeoutError,
     DistributedError,
-    ManifestError,
     StepAlreadyCommittedError,
 )
-from fastckpt.format._checks import paused_gc
-from fastckpt.format.chunk_table import decode_chunk_table, decode_object_keys, encode_chunk_table
+from fastckpt.format.chunk_table import decode_chunk_table
 from fastckpt.format.codec import decode_manifest, encode_manifest
 from fastckpt.format.dtypes import dtype_from_name
 from fastckpt.format.layout import fragment_key, manifest_key
 from fastckpt.format.manifest import FORMAT_VERSION, ArrayLeaf, ChunkEntry, KeyPath, Leaf, Manifest, keypath_str
 from fastckpt.storage._protocol import Store
+from fastckpt.writer.merge import encode_fragment, merge_fragments
 from fastckpt.writer.stage import StagedSave
 
 __all__ = [
     "build_manifest",
-    "decode_fragment",
-    "encode_fragment",
     "exchange_ram_manifest",
     "publish_and_commit",
     "ram_chunk_entries",
@@ -52,66 +48,32 @@ __all__ = [
 _POLL_S = 0.05
 
 
-def encode_fragment(staged: StagedSave, chunks: dict[int, list[ChunkEntry]], process_index: int) -> bytes:
-    """JSON of this process's chunk list, keyed by array path: per array a chunk table
-    (``format.chunk_table``; object keys by index into the fragment's ``"objects"``), so a
-    process's part of a pod-scale step stays ~40 bytes per chunk."""
-    objects: dict[str, int] = {}
-    arrays = [
-        {"path": [list(e) for e in arr.path],
-         "chunks": encode_chunk_table(chunks[i], shape=arr.shape, itemsize=dtype_from_name(arr.dtype).itemsize,
-                                      objects=objects)}
-        for i, arr in enumerate(staged.arrays)
-    ]
-    return json.dumps({"process": process_index, "objects": list(objects), "arrays": arrays},
-                      separators=(",", ":")).encode()
-
-
-def decode_fragment(data: bytes | memoryview, staged: StagedSave) -> dict[KeyPath, list[ChunkEntry]]:
-    """Parse a fragment against the local view of the arrays (same pytree everywhere);
-    ``ManifestError`` if it is malformed. Tiling is checked on the merged manifest."""
-    with paused_gc():
-        return _decode_fragment(data, staged)
-
-
-def _decode_fragment(data: bytes | memoryview, staged: StagedSave) -> dict[KeyPath, list[ChunkEntry]]:
-    try:
-        doc = json.loads(bytes(data))
-        arrays, raw_objects = doc["arrays"], doc["objects"]
-        meta = {arr.path: arr for arr in staged.arrays}
-        objects = decode_object_keys(raw_objects, "fragment objects")
-        out: dict[KeyPath, list[ChunkEntry]] = {}
-        for a in arrays:
-            path = tuple((k, v) for k, v in a["path"])
-            if path not in meta:
-                raise ManifestError(f"fragment names an unknown array path {path}")
-            m = meta[path]
-            out[path] = list(decode_chunk_table(a["chunks"], shape=m.shape, itemsize=dtype_from_name(m.dtype).itemsize,
-                                                objects=objects, what=f"fragment {keypath_str(path)}", tiling=False))
-    except (ValueError, KeyError, TypeError) as e:
-        if isinstance(e, ManifestError):
-            raise
-        raise ManifestError(f"malformed fragment: {e!r:.200}") from e
-    return out
-
-
 def build_manifest(
     *,
     step: int,
     staged: StagedSave,
-    chunks_by_path: dict[KeyPath, list[ChunkEntry]],
+    fragments: Sequence[bytes | memoryview],
     num_processes: int,
     metadata: dict[str, object],
     writer_version: str,
     format_version: int = FORMAT_VERSION,
+    validate: bool = True,
 ) -> bytes:
-    """Assemble, encode (in ``format_version``'s layout) and validate (decode the encoding)
-    the manifest of a step; returns the encoded manifest, the bytes to store."""
+    """Merge the processes' fragments (``writer.merge``) and encode the manifest of a step in
+    ``format_version``'s layout; returns the bytes to store. The merge proves the tiling and
+    the ranges; ``validate`` also decodes the encoding (a persistent step's manifest, written
+    once and read for years, is checked end to end; a RAM step's, built every few steps,
+    is not: a bad one would be refused at restore and an older step used).
+    Raises ``ManifestError``."""
+    objects, tables = merge_fragments(fragments, staged)
     by_path: dict[KeyPath, Leaf] = {v.path: v for v in staged.values}
     for arr in staged.arrays:
-        chunks = sorted(chunks_by_path.get(arr.path, []), key=lambda c: c.box)
+        chunks: tuple[ChunkEntry, ...] = ()
+        if format_version == 1:  # format 1 needs the entries themselves
+            chunks = decode_chunk_table(tables[arr.path], shape=arr.shape, itemsize=dtype_from_name(arr.dtype).itemsize,
+                                        objects=objects, what=f"array {keypath_str(arr.path)}")
         by_path[arr.path] = ArrayLeaf(
-            path=arr.path, shape=arr.shape, dtype=arr.dtype, chunks=tuple(chunks),
+            path=arr.path, shape=arr.shape, dtype=arr.dtype, chunks=chunks,
             kind=arr.kind, sharding=arr.sharding, key_impl=arr.key_impl,  # type: ignore[arg-type]
         )
     manifest = Manifest(
@@ -123,8 +85,9 @@ def build_manifest(
         metadata=dict(metadata),
         format_version=format_version,
     )
-    data = encode_manifest(manifest)
-    decode_manifest(data)  # proves tiling and well-formedness
+    data = encode_manifest(manifest) if format_version == 1 else encode_manifest(manifest, tables=(objects, tables))
+    if validate:
+        decode_manifest(data)
     return data
 
 
@@ -192,14 +155,10 @@ def publish_and_commit(
             raise error
         assert chunks is not None
         if n > 1:
-            fkeys = _wait_all_done(coord, ns, deadline)
-            merged: dict[KeyPath, list[ChunkEntry]] = {}
-            for fk in fkeys:
-                for path, cs in decode_fragment(store_run(store.get(fk)), staged).items():
-                    merged.setdefault(path, []).extend(cs)
+            fragments = [store_run(store.get(fk)) for fk in _wait_all_done(coord, ns, deadline)]
         else:
-            merged = {arr.path: chunks[i] for i, arr in enumerate(staged.arrays)}
-        manifest_bytes = build_manifest(step=step, staged=staged, chunks_by_path=merged, num_processes=n,
+            fragments = [encode_fragment(staged, chunks, 0)]
+        manifest_bytes = build_manifest(step=step, staged=staged, fragments=fragments, num_processes=n,
                                         metadata=metadata, writer_version=writer_version, format_version=format_version)
         try:
             store_run(store.put(manifest_key(step), manifest_bytes, mode="create"))
@@ -254,19 +213,15 @@ def exchange_ram_manifest(
     """
     idx, n = coord.process_index, coord.process_count
     if n == 1:
-        merged = {arr.path: chunks[i] for i, arr in enumerate(staged.arrays)}
-        return build_manifest(step=step, staged=staged, chunks_by_path=merged, num_processes=1,
-                              metadata=metadata, writer_version=writer_version)
+        return build_manifest(step=step, staged=staged, fragments=[encode_fragment(staged, chunks, 0)], num_processes=1,
+                              metadata=metadata, writer_version=writer_version, validate=False)
     deadline = time.monotonic() + timeout_s
     coord.set(f"{ns}/ramfrag/{idx}", encode_fragment(staged, chunks, idx).decode())
     if idx == 0:
-        merged = {}
-        for i in range(n):
-            frag = coord.get(f"{ns}/ramfrag/{i}", timeout_s=max(0.001, deadline - time.monotonic()))
-            for path, cs in decode_fragment(frag.encode(), staged).items():
-                merged.setdefault(path, []).extend(cs)
-        data = build_manifest(step=step, staged=staged, chunks_by_path=merged, num_processes=n,
-                              metadata=metadata, writer_version=writer_version)
+        fragments = [coord.get(f"{ns}/ramfrag/{i}", timeout_s=max(0.001, deadline - time.monotonic())).encode()
+                     for i in range(n)]
+        data = build_manifest(step=step, staged=staged, fragments=fragments, num_processes=n,
+                              metadata=metadata, writer_version=writer_version, validate=False)
         coord.set(f"{ns}/rammanifest", data.decode())
         return data
     return coord.get(f"{ns}/rammanifest", timeout_s=max(0.001, deadline - time.monotonic())).encode()

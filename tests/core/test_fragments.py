@@ -1,102 +1,162 @@
-"""Per-process fragments (the commit protocol's chunk lists): exact round trips of partial
-chunk tables, a merged manifest with a grid, and typed errors for malformed fragments."""
+"""Fragments and their column-wise merge on process 0: the merged manifest is exactly the one
+built entry by entry, whatever the split among processes; every flaw is a ManifestError."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from fastckpt.errors import ManifestError
-from fastckpt.format.codec import decode_manifest
+from fastckpt.format.codec import decode_manifest, encode_manifest
 from fastckpt.format.layout import data_key
-from fastckpt.format.manifest import ChunkEntry, KeyPath, box_volume
-from fastckpt.writer.commit import build_manifest, decode_fragment, encode_fragment
+from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, KeyPath, Manifest, box_volume
+from fastckpt.testing.strategies import manifests
+from fastckpt.writer.commit import build_manifest
+from fastckpt.writer.merge import encode_fragment, merge_fragments
 from fastckpt.writer.stage import StagedArray, StagedSave
 
 W: KeyPath = (("d", "params"), ("d", "w"))
 B: KeyPath = (("d", "params"), ("d", "b"))
 
 
-def _staged() -> StagedSave:
-    arrays = (
-        StagedArray(path=W, shape=(8, 6), dtype="float32", kind="jax", sharding=None, key_impl=None, items=(),
-                    item_offsets=()),
-        StagedArray(path=B, shape=(6,), dtype="bfloat16", kind="numpy", sharding=None, key_impl=None, items=(),
-                    item_offsets=()),
-    )
-    return StagedSave(arrays=arrays, values=(), buffer=np.zeros(0, np.uint8), nbytes=0, order=(W, B))
+def _staged_of(arrays: list[ArrayLeaf]) -> StagedSave:
+    staged = tuple(StagedArray(path=a.path, shape=a.shape, dtype=a.dtype, kind=a.kind, sharding=a.sharding,
+                               key_impl=a.key_impl, items=(), item_offsets=()) for a in arrays)
+    return StagedSave(arrays=staged, values=(), buffer=np.zeros(0, np.uint8), nbytes=0,
+                      order=tuple(a.path for a in arrays))
 
 
-def _part(process: int, *, codec: str = "zstd") -> dict[int, list[ChunkEntry]]:
-    """Process ``process`` of 4 holds rows [2p, 2p + 2) of ``w`` in two column halves; process
-    0 also holds all of ``b``."""
-    key = data_key(5, "c0ffee", process, 0)
-    w = []
-    for j in range(2):
-        box = ((2 * process, 2 * process + 2), (3 * j, 3 * j + 3))
-        raw = box_volume(box) * 4
-        w.append(ChunkEntry(box, key, 100 * j, raw if codec == "raw" else 7 + j, raw, codec, 11 * process + j,
-                            2**32 - 1 - process))
-    b = [ChunkEntry(((0, 6),), key, 900, 12, 12, "raw", 3, 3)] if process == 0 else []
-    return {0: w, 1: b}
+def _build(staged: StagedSave, fragments: list[bytes], **kw: Any) -> Manifest:
+    data = build_manifest(step=5, staged=staged, fragments=fragments, num_processes=len(fragments), metadata={},
+                          writer_version="test", **kw)
+    return decode_manifest(data)
 
 
-def test_each_part_round_trips_exactly_and_the_merge_is_a_grid() -> None:
-    staged = _staged()
-    merged: dict[KeyPath, list[ChunkEntry]] = {}
-    for p in range(4):
-        part = _part(p, codec="raw" if p % 2 else "zstd")
-        data = encode_fragment(staged, part, p)
-        doc = json.loads(data)
-        assert doc["objects"] == [data_key(5, "c0ffee", p, 0)] and "boxes" in doc["arrays"][0]["chunks"]
-        back = decode_fragment(data, staged)
-        assert back == {W: part[0], B: part[1]}
-        for path, cs in back.items():
-            merged.setdefault(path, []).extend(cs)
-    data = build_manifest(step=5, staged=staged, chunks_by_path=merged, num_processes=4, metadata={},
-                          writer_version="test")
-    doc = json.loads(data)
-    assert doc["leaves"][0]["chunks"]["grid"] == [[0, 2, 4, 6, 8], [0, 3, 6]]
-    assert doc["leaves"][0]["chunks"]["codec"] == ["zstd", "zstd", "raw", "raw", "zstd", "zstd", "raw", "raw"]
-    m = decode_manifest(data)
-    every = [c for p in range(4) for c in _part(p, codec="raw" if p % 2 else "zstd")[0]]
-    assert list(m.arrays()[0].chunks) == sorted(every, key=lambda c: c.box)  # C order: the grid's
+def _entry_by_entry(arrays: list[ArrayLeaf]) -> tuple[ArrayLeaf, ...]:
+    """The oracle: each leaf's chunks sorted by box, as the commit did before the merge."""
+    return tuple(dataclasses.replace(a, chunks=tuple(sorted(a.chunks, key=lambda c: c.box))) for a in arrays)
 
 
-def test_overlapping_parts_fail_at_the_merge() -> None:
-    staged = _staged()
-    parts = [decode_fragment(encode_fragment(staged, _part(p), p), staged) for p in (0, 1, 1, 3)]
-    merged: dict[KeyPath, list[ChunkEntry]] = {}
-    for part in parts:
-        for path, cs in part.items():
-            merged.setdefault(path, []).extend(cs)
-    with pytest.raises(ManifestError, match="tile|overlap"):
-        build_manifest(step=5, staged=staged, chunks_by_path=merged, num_processes=4, metadata={}, writer_version="")
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(manifests(max_leaves=4), st.data())
+def test_any_split_among_processes_merges_to_the_entry_by_entry_manifest(m: Manifest, data: st.DataObject) -> None:
+    arrays = list(m.arrays())
+    staged = _staged_of(arrays)
+    nproc = data.draw(st.integers(1, 4))
+    parts: list[dict[int, list[ChunkEntry]]] = [{} for _ in range(nproc)]
+    for i, a in enumerate(arrays):
+        for c in data.draw(st.permutations(a.chunks)):
+            parts[data.draw(st.integers(0, nproc - 1))].setdefault(i, []).append(c)
+    fragments = [encode_fragment(staged, part, p) for p, part in enumerate(parts)]
+    for version in (2, 1):
+        got = _build(staged, fragments, format_version=version).arrays()
+        assert [[c.box for c in a.chunks] for a in got] == [[c.box for c in a.chunks] for a in _entry_by_entry(arrays)]
+        # Equal boxes (empty ones: allowed) may come in either order; the entries are the same.
+        assert [sorted(a.chunks, key=_full) for a in got] == [sorted(a.chunks, key=_full) for a in arrays]
+        assert [dataclasses.replace(a, chunks=()) for a in got] == [dataclasses.replace(a, chunks=()) for a in arrays]
 
 
-def _edit(change: Any) -> bytes:
-    doc = json.loads(encode_fragment(_staged(), _part(1), 1))
+def _full(c: ChunkEntry) -> tuple[Any, ...]:
+    return (c.box, c.key, c.offset, c.length, c.codec, c.crc32c, c.raw_crc32c)
+
+
+def _leaf(rows: int, cols: int) -> ArrayLeaf:
+    """w (8 x 6 f32) saved by ``rows`` x ``cols`` devices; process ``i`` writes grid row ``i``."""
+    chunks = []
+    for i in range(rows):
+        for j in range(cols):
+            box = ((i * 8 // rows, (i + 1) * 8 // rows), (j * 6 // cols, (j + 1) * 6 // cols))
+            n = box_volume(box) * 4
+            chunks.append(ChunkEntry(box, data_key(5, "c0ffee", i, 0), n * j, n, n, "raw", 7 * i + j, 7 * i + j))
+    return ArrayLeaf(path=W, shape=(8, 6), dtype="float32", chunks=tuple(chunks))
+
+
+def _fragments(leaf: ArrayLeaf, staged: StagedSave, rows: int) -> list[bytes]:
+    per = len(leaf.chunks) // rows
+    return [encode_fragment(staged, {0: list(leaf.chunks[i * per:(i + 1) * per])}, i) for i in reversed(range(rows))]
+
+
+def test_a_sharded_leaf_becomes_a_grid_and_a_zero_d_leaf_one_cell() -> None:
+    w = _leaf(4, 2)
+    b = ArrayLeaf(path=B, shape=(), dtype="bfloat16", chunks=(ChunkEntry((), "steps/x/p0.fck", 96, 2, 2, "raw", 1, 1),))
+    staged = _staged_of([w, b])
+    fragments = _fragments(w, staged, 4)
+    fragments[-1] = encode_fragment(staged, {0: list(w.chunks[:2]), 1: list(b.chunks)}, 0)
+    objects, tables = merge_fragments(fragments, staged)
+    assert tables[W]["grid"] == [[0, 2, 4, 6, 8], [0, 3, 6]] and tables[B]["grid"] == []
+    assert [objects[i] for i in tables[W]["object"]] == [c.key for c in w.chunks]  # C order, whoever wrote it
+    assert _build(staged, fragments).arrays() == (w, b)
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda parts: parts.append(parts[1]), "tile"),  # a process's chunks twice (volumes too large)
+    (lambda parts: parts.pop(2), "tile"),  # a process's chunks missing
+])
+def test_overlapping_or_missing_parts_fail(change: Callable[[list[bytes]], Any], match: str) -> None:
+    w = _leaf(4, 2)
+    staged = _staged_of([w])
+    fragments = _fragments(w, staged, 4)
+    change(fragments)
+    with pytest.raises(ManifestError, match=match):
+        build_manifest(step=5, staged=staged, fragments=fragments, num_processes=4, metadata={}, writer_version="")
+
+
+def _edit(change: Callable[[dict[str, Any]], Any]) -> bytes:
+    w = _leaf(2, 2)
+    doc = json.loads(encode_fragment(_staged_of([w]), {0: list(w.chunks[2:])}, 1))
     change(doc)
     return json.dumps(doc).encode()
 
 
 @pytest.mark.parametrize("data", [
-    b"", b"{", b"[]", b'{"arrays": []}', b'{"objects": []}',
+    b"", b"{", b"[]", b"null", b'{"arrays": []}',
+    _edit(lambda d: d.pop("objects")),
     _edit(lambda d: d.update(objects=["../escape"])),
     _edit(lambda d: d.update(objects="steps/x")),
-    _edit(lambda d: d["arrays"][0].update(path=[["d", "params"], ["d", "v"]])),
-    _edit(lambda d: d["arrays"][0].update(path=[["d"]])),
-    _edit(lambda d: d["arrays"][0].update(path=[[["d"], "params"]])),
-    _edit(lambda d: d["arrays"].append(7)),
-    _edit(lambda d: d["arrays"][0]["chunks"].update(boxes=[[2, 4, 0, 3], [2, 4, 3, 7]])),
-    _edit(lambda d: d["arrays"][0]["chunks"].update(object=[0, 1])),
-    _edit(lambda d: d["arrays"][0]["chunks"].update(offset=[0])),
-    _edit(lambda d: d["arrays"][0]["chunks"].update(codec="lz4")),
-    _edit(lambda d: d["arrays"][0].update(chunks=[{"box": [[2, 4], [0, 3]]}])),
+    _edit(lambda d: d.update(paths=[[["d", "params"], ["d", "v"]]])),
+    _edit(lambda d: d.update(paths=[[["d"]]])),
+    _edit(lambda d: d.update(paths=[[[["d"], "params"]]])),
+    _edit(lambda d: d.update(paths=7)),
+    _edit(lambda d: d.update(array=[0, 1])),
+    _edit(lambda d: d.update(array=[0])),
+    _edit(lambda d: d.update(boxes=d["boxes"][:-1])),
+    _edit(lambda d: d.update(boxes=[4, 8, 0, 3, 4, 8, 3, 7])),  # past the edge
+    _edit(lambda d: d.update(boxes=[8, 4, 0, 3, 4, 8, 3, 6])),  # reversed
+    _edit(lambda d: d.update(boxes=[4, 8, 0, 3, 4, 8, 3, 6.0])),
+    _edit(lambda d: d.update(boxes=[4, 8, 0, 3, 4, 8, 3, -6])),
+    _edit(lambda d: d.update(object=[0, 1])),
+    _edit(lambda d: d.update(offset=[0])),
+    _edit(lambda d: d.update(offset=[0, True])),
+    _edit(lambda d: d.update(length=[48, 47])),  # a raw chunk's length is its box's bytes
+    _edit(lambda d: d.update(crc32c=[0, 2**32])),
+    _edit(lambda d: d.update(codec="lz4")),
+    _edit(lambda d: d.update(codec=["raw"])),
+    _edit(lambda d: d.update(codec=[["raw"], "zstd"])),
 ], ids=lambda d: repr(d[:60]))
 def test_malformed_fragments_raise_manifest_error(data: bytes) -> None:
+    w = _leaf(2, 2)
+    staged = _staged_of([w])
+    good = _fragments(w, staged, 2)[1]  # process 0's half
     with pytest.raises(ManifestError):
-        decode_fragment(data, _staged())
+        merge_fragments([good, data], staged)
+
+
+def test_ready_tables_need_format_2_and_empty_leaves() -> None:
+    w = _leaf(1, 1)
+    with pytest.raises(ManifestError, match="ready chunk tables"):
+        encode_manifest(Manifest(step=1, leaves=(w,)), tables=([], {W: {}}))
+
+
+def test_overlapping_boxes_of_the_same_total_volume_fail() -> None:
+    w = _leaf(2, 2)
+    staged = _staged_of([w])
+    shifted = _edit(lambda d: d.update(boxes=[3, 7, 0, 3, 3, 7, 3, 6]))  # rows 3-7, not 4-8
+    with pytest.raises(ManifestError, match="overlap"):
+        merge_fragments([_fragments(w, staged, 2)[1], shifted], staged)

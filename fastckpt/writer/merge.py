@@ -1,0 +1,177 @@
+"""Fragments: each process's chunk list, and their merge into the manifest's chunk tables.
+
+Process 0 merges every process's fragment at every checkpoint, RAM checkpoints included
+(every few steps). A pod-scale step has millions of chunks, so the merge works on columns
+with numpy and never builds a Python object per chunk: a fragment is one table for all of
+a process's chunks (not one per leaf: 3000 leaves x 512 processes would be 1.5 M tables),
+and the merge groups the chunks by leaf, sorts each leaf's chunks into C order, recognises
+the grid (format 2's ``"grid"``), and checks ranges, raw lengths and tiling on the arrays.
+
+Fragment JSON (internal to one job; all processes run the same fastckpt)::
+
+    {"process": 3, "paths": [<key path of every array leaf, staged order>],
+     "objects": ["steps/.../p00003-00000.fck"],
+     "array": [0, 0, 1, ...],           # index into "paths", per chunk
+     "boxes": [s0, e0, s1, e1, ...],    # every chunk's box, flat, in chunk order
+     "object": [...], "offset": [...], "length": [...], "codec": "raw" | [...],
+     "crc32c": [...], "raw_crc32c": [...]}
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from fastckpt.errors import ManifestError
+from fastckpt.format._checks import MAX_INT, check_disjoint, fail, json_dict, json_list
+from fastckpt.format.chunk_table import U32, codec_column, decode_object_keys, uint_column
+from fastckpt.format.dtypes import dtype_from_name
+from fastckpt.format.manifest import ChunkEntry, KeyPath, keypath_str
+from fastckpt.writer.stage import StagedSave
+
+__all__ = ["encode_fragment", "merge_fragments"]
+
+_FIELDS = ("paths", "objects", "array", "boxes", "object", "offset", "length", "codec", "crc32c", "raw_crc32c")
+_CODE = {"raw": 0, "zstd": 1}
+_NAME = ("raw", "zstd")
+
+
+def encode_fragment(staged: StagedSave, chunks: dict[int, list[ChunkEntry]], process_index: int) -> bytes:
+    """JSON of this process's chunks (``chunks[i]``: those of ``staged.arrays[i]``)."""
+    objects: dict[str, int] = {}
+    array: list[int] = []
+    boxes: list[int] = []
+    cols: tuple[list[Any], ...] = ([], [], [], [], [], [])
+    for i in range(len(staged.arrays)):
+        for c in chunks.get(i, ()):
+            array.append(i)
+            for a, b in c.box:
+                boxes += (a, b)
+            for col, v in zip(cols, (objects.setdefault(c.key, len(objects)), c.offset, c.length, c.codec,
+                                     c.crc32c, c.raw_crc32c)):
+                col.append(v)
+    codecs = set(cols[3])
+    doc = {"process": process_index, "paths": [[list(e) for e in a.path] for a in staged.arrays],
+           "objects": list(objects), "array": array, "boxes": boxes, "object": cols[0], "offset": cols[1],
+           "length": cols[2], "codec": codecs.pop() if len(codecs) == 1 else cols[3], "crc32c": cols[4],
+           "raw_crc32c": cols[5]}
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def _parse(data: bytes | memoryview, local: dict[KeyPath, int], ranks: np.ndarray, what: str) -> dict[str, Any]:
+    """One fragment's columns as numpy arrays (object indices still the fragment's own)."""
+    try:
+        doc = json.loads(bytes(data))
+    except (ValueError, RecursionError) as e:
+        raise ManifestError(f"{what}: not JSON: {e}") from e
+    d = json_dict(doc, what, _FIELDS)
+    paths = json_list(d["paths"], f"{what}.paths")
+    to_local = np.empty(len(paths), np.int64)
+    for j, p in enumerate(paths):
+        try:
+            path = tuple((k, v) for k, v in p)
+            to_local[j] = local[path]
+        except (TypeError, ValueError, KeyError):
+            fail(f"{what}.paths[{j}]: not an array of this tree: {p!r:.120}")
+    objects = decode_object_keys(d["objects"], f"{what}.objects")
+    n = len(json_list(d["array"], f"{what}.array"))
+    array = to_local[np.asarray(uint_column(d["array"], n, f"{what}.array", len(paths) - 1), np.int64)]
+    flat = json_list(d["boxes"], f"{what}.boxes")
+    want = int(2 * ranks[array].sum())
+    if len(flat) != want or (flat and set(map(type, flat)) != {int}) or (flat and not 0 <= min(flat) <= max(flat) <= MAX_INT):
+        fail(f"{what}.boxes: expected {want} ints >= 0 (start, stop per dimension of each chunk)")
+    cols = {name: np.asarray(uint_column(d[name], n, f"{what}.{name}", hi), np.int64) for name, hi in
+            (("object", len(objects) - 1), ("offset", MAX_INT), ("length", MAX_INT), ("crc32c", U32),
+             ("raw_crc32c", U32))}
+    cols["codec"] = np.asarray([_CODE[c] for c in codec_column(d["codec"], n, f"{what}.codec")], np.int8)
+    return {"objects": objects, "array": array, "boxes": np.asarray(flat, np.int64), **cols}
+
+
+def merge_fragments(fragments: Sequence[bytes | memoryview], staged: StagedSave
+                    ) -> tuple[list[str], dict[KeyPath, dict[str, Any]]]:
+    """Merge the processes' fragments into format 2's chunk tables: ``(objects, table by
+    array path)``, each leaf's chunks in C order of their boxes (a grid when they form one).
+
+    Raises ``ManifestError`` if a fragment is malformed or names an array this tree lacks, a
+    box lies outside its array, a raw chunk's length is not its box's bytes, or a leaf's
+    chunks do not tile it exactly (missing, overlapping or repeated boxes).
+    """
+    local = {a.path: i for i, a in enumerate(staged.arrays)}
+    ranks = np.asarray([len(a.shape) for a in staged.arrays], np.int64)
+    parts = [_parse(f, local, ranks, f"fragment {i}") for i, f in enumerate(fragments)]
+    objects: dict[str, int] = {}
+    for part in parts:  # fragment object indices -> manifest object indices
+        remap = np.asarray([objects.setdefault(k, len(objects)) for k in part["objects"]] or [0], np.int64)
+        part["object"] = remap[part["object"]]
+    col = {k: np.concatenate([p[k] for p in parts]) if parts else np.zeros(0, np.int64)
+           for k in ("array", "object", "offset", "length", "crc32c", "raw_crc32c", "codec")}
+    # Every chunk's box: where it starts in the concatenation of all fragments' flat lists.
+    flat = np.concatenate([p["boxes"] for p in parts]) if parts else np.zeros(0, np.int64)
+    starts_at: list[np.ndarray] = []
+    offset = 0
+    for p in parts:
+        widths = 2 * ranks[p["array"]]
+        starts_at.append(offset + np.cumsum(widths) - widths)
+        offset += len(p["boxes"])
+    box_at = np.concatenate(starts_at) if parts else np.zeros(0, np.int64)
+    order = np.argsort(col["array"], kind="stable")
+    bounds = np.searchsorted(col["array"][order], np.arange(len(staged.arrays) + 1))
+    tables: dict[KeyPath, dict[str, Any]] = {}
+    for ai, arr in enumerate(staged.arrays):
+        sel = order[bounds[ai]:bounds[ai + 1]]
+        boxes = flat[box_at[sel][:, None] + np.arange(2 * int(ranks[ai]))]
+        tables[arr.path] = _leaf_table(arr.path, arr.shape, dtype_from_name(arr.dtype).itemsize, boxes,
+                                       {k: v[sel] for k, v in col.items()})
+    return list(objects), tables
+
+
+def _leaf_table(path: KeyPath, shape: tuple[int, ...], itemsize: int, boxes: np.ndarray,
+                col: dict[str, np.ndarray]) -> dict[str, Any]:
+    what = f"array {keypath_str(path)}"
+    r = len(shape)
+    starts, stops = boxes[:, 0::2], boxes[:, 1::2]
+    if len(boxes) and not ((starts <= stops).all() and (stops <= np.asarray(shape, np.int64)).all()):
+        bad = int(np.flatnonzero(~((starts <= stops) & (stops <= np.asarray(shape, np.int64))).all(axis=1))[0])
+        fail(f"{what}: chunk box {boxes[bad].tolist()} outside the array's shape {list(shape)}")
+    if r and len(boxes):  # C order of the boxes, as tuples compare: (start0, stop0, start1, ...)
+        c_order = np.lexsort(boxes.T[::-1])
+        boxes, starts, stops = boxes[c_order], starts[c_order], stops[c_order]
+        col = {k: v[c_order] for k, v in col.items()}
+    extents = stops - starts
+    volumes = np.prod(extents, axis=1) if r else np.ones(len(boxes), np.int64)
+    raw = col["codec"] == _CODE["raw"]
+    if (col["length"][raw] != volumes[raw] * itemsize).any():
+        i = int(np.flatnonzero(raw & (col["length"] != volumes * itemsize))[0])
+        fail(f"{what}: raw chunk {boxes[i].tolist()} has length {int(col['length'][i])}, not box volume x itemsize")
+    cuts = _grid(starts, stops, shape)
+    if cuts is None:  # not a grid: prove the tiling the slow way (never the case for a sharding)
+        if int(volumes.sum()) != math.prod(shape):
+            fail(f"{what}: chunks do not tile the array (volumes != {math.prod(shape)})")
+        check_disjoint([tuple(zip(b[0::2], b[1::2])) for b in boxes.tolist()], what)
+    codes = set(col["codec"].tolist())
+    table: dict[str, Any] = {"grid": cuts} if cuts is not None else {"boxes": boxes.tolist()}
+    table.update(object=col["object"].tolist(), offset=col["offset"].tolist(), length=col["length"].tolist(),
+                 codec=_NAME[codes.pop()] if len(codes) == 1 else [_NAME[c] for c in col["codec"].tolist()],
+                 crc32c=col["crc32c"].tolist(), raw_crc32c=col["raw_crc32c"].tolist())
+    return table
+
+
+def _grid(starts: np.ndarray, stops: np.ndarray, shape: tuple[int, ...]) -> list[list[int]] | None:
+    """The cuts of the grid whose cells, in C order, are these (C-ordered) boxes, else None."""
+    n = len(starts)
+    if n == 0:
+        return None
+    cuts = [np.append(np.unique(starts[:, d]), shape[d]) for d in range(len(shape))]
+    if any(c[0] != 0 for c in cuts) or math.prod(len(c) - 1 for c in cuts) != n:
+        return None
+    stride = n
+    for d, c in enumerate(cuts):
+        stride //= len(c) - 1
+        cell = (np.arange(n) // stride) % (len(c) - 1)
+        if (starts[:, d] != c[cell]).any() or (stops[:, d] != c[cell + 1]).any():
+            return None
+    return [c.tolist() for c in cuts]
