@@ -2,7 +2,7 @@
 
 Run ``python -m benchmarks.planning_scale [--quick]``. On a pod, a leaf saved by N devices
 has N chunks and a state has thousands of leaves; the costs that grow with them, not with
-bytes, decide how long a restore takes before any data moves. Three parts, each reported
+bytes, decide how long a restore takes before any data moves. Four parts, each reported
 side by side in one run:
 
 1. **Read planning** (pure, no devices): planning one host's 8 destination boxes of one
@@ -11,7 +11,9 @@ side by side in one run:
    the reader does), same mesh and a 4 -> 3 reshard; ms per leaf and the ratio.
 2. **Manifest codec**: encode and decode a manifest of L leaves x N chunks in format 1 (an
    object per chunk) and format 2 (a chunk table per leaf); microseconds and bytes per chunk.
-3. **Own-RAM restore vs leaf count**: RAM-only saves and own-RAM restores of states made of
+3. **Commit on process 0**: merging P processes' fragments of L leaves x N chunks into the
+   manifest (``writer.merge``, column by column), as every persistent and RAM checkpoint does.
+4. **Own-RAM restore vs leaf count**: RAM-only saves and own-RAM restores of states made of
    many small leaves (128 KiB, 8 shards each) on 8 CPU devices; ms per leaf for the
    blocking part of ``save()`` and for ``restore()``.
 
@@ -134,6 +136,44 @@ def run_codec(cases: list[tuple[int, int]], reps: int) -> list[dict[str, Any]]:
     return [_codec_case(leaves, n, version, reps) for leaves, n in cases for version in (1, 2)]
 
 
+def _merge_case(leaves: int, n: int, reps: int) -> dict[str, Any]:
+    import numpy as np
+
+    from fastckpt.writer.commit import build_manifest
+    from fastckpt.writer.merge import encode_fragment
+    from fastckpt.writer.stage import StagedArray, StagedSave
+
+    grid = _grid(n)
+    stored = [_leaf(k, grid) for k in range(leaves)]
+    arrays = tuple(StagedArray(path=a.path, shape=a.shape, dtype=a.dtype, kind="jax", sharding=None, key_impl=None,
+                               items=(), item_offsets=()) for a in stored)
+    staged = StagedSave(arrays=arrays, values=(), buffer=np.zeros(0, np.uint8), nbytes=0,
+                        order=tuple(a.path for a in arrays))
+    procs, per = grid[0], grid[1]  # process i wrote grid row i of every leaf
+    parts = [{i: list(a.chunks[p * per:(p + 1) * per]) for i, a in enumerate(stored)} for p in range(procs)]
+    frag = _best(lambda: encode_fragment(staged, parts[0], 0), reps)
+    fragments = [encode_fragment(staged, part, p) for p, part in enumerate(parts)]
+    gc.collect()
+
+    def build(validate: bool) -> None:
+        build_manifest(step=1, staged=staged, fragments=fragments, num_processes=procs, metadata={},
+                       writer_version="bench", validate=validate)
+
+    ram, persist = _best(lambda: build(False), reps), _best(lambda: build(True), reps)
+    total = leaves * n
+    print(f"[commit] {procs} processes, {leaves} x {n} chunks: fragment {1e6 * frag / (total / procs):.2f} us/chunk, "
+          f"merge + encode {ram:.2f} s, with validation {persist:.2f} s", file=sys.stderr, flush=True)
+    return {"processes": procs, "leaves": leaves, "chunks_per_leaf": n, "chunks": total,
+            "fragment_bytes_per_chunk": sum(map(len, fragments)) / total,
+            "fragment_encode_us_per_chunk": 1e6 * frag / (total / procs), "merge_s": ram, "merge_validate_s": persist,
+            "merge_us_per_chunk": 1e6 * ram / total, "merge_validate_us_per_chunk": 1e6 * persist / total}
+
+
+def run_merge(cases: list[tuple[int, int]], reps: int) -> list[dict[str, Any]]:
+    """Process 0's part of a commit: merge every process's fragment into the manifest."""
+    return [_merge_case(leaves, n, reps) for leaves, n in cases]
+
+
 def run_leaves(leaf_counts: list[int], reps: int, shm: Path) -> list[dict[str, Any]]:
     import jax
     import numpy as np
@@ -188,6 +228,10 @@ def render(doc: dict[str, Any]) -> str:
     codec_rows = [[f"{r['leaves']} x {r['chunks_per_leaf']}", r["chunks"], r["format"], f"{r['bytes'] / MiB:.1f}",
                    f"{r['bytes_per_chunk']:.0f}", f"{r['encode_s']:.2f}", f"{r['decode_s']:.2f}",
                    f"{r['encode_us_per_chunk']:.1f}", f"{r['decode_us_per_chunk']:.1f}"] for r in doc["codec"]]
+    merge_rows = [[r["processes"], f"{r['leaves']} x {r['chunks_per_leaf']}", r["chunks"],
+                   f"{r['fragment_bytes_per_chunk']:.0f}", f"{r['fragment_encode_us_per_chunk']:.2f}",
+                   f"{r['merge_s']:.2f}", f"{r['merge_us_per_chunk']:.2f}", f"{r['merge_validate_s']:.2f}",
+                   f"{r['merge_validate_us_per_chunk']:.2f}"] for r in doc.get("merge", [])]
     leaf_rows = [[r["leaves"], f"{r['bytes'] / MiB:.0f}", f"{r['save_blocked_s']:.3f}", f"{r['save_ms_per_leaf']:.3f}",
                   f"{r['restore_s']:.3f}", f"{r['restore_first_s']:.3f}", f"{r['restore_ms_per_leaf']:.3f}"]
                  for r in doc["leaves"]]
@@ -201,6 +245,10 @@ def render(doc: dict[str, Any]) -> str:
         "## Manifest codec, format 1 (an object per chunk) vs 2 (a chunk table per leaf): raw chunks, 2-d grid",
         markdown_table(["leaves x chunks", "chunks", "format", "MiB", "bytes/chunk", "encode s", "decode s", "encode us/chunk",
                         "decode us/chunk"], codec_rows),
+        "## Commit on process 0: merge P fragments into the manifest (every checkpoint, RAM ones included)",
+        markdown_table(["processes", "leaves x chunks", "chunks", "fragment bytes/chunk", "fragment encode us/chunk",
+                        "merge + encode s (RAM step)", "us/chunk", "+ validating decode s (persistent)", "us/chunk"],
+                       merge_rows),
         "## Own-RAM save and restore vs leaf count (128 KiB leaves, 8 shards each, 8 CPU devices)",
         markdown_table(["leaves", "MiB", "save() blocks s", "ms/leaf", "restore s (median)", "first restore s",
                         "ms/leaf"], leaf_rows),
@@ -209,13 +257,17 @@ def render(doc: dict[str, Any]) -> str:
 
 def plot(doc: dict[str, Any], path: Path) -> None:
     same = [r for r in doc["planning"] if r["layout"] == "same mesh"]
-    bar_chart(path, title="Per-leaf and per-chunk costs at scale", panels=[
+    bar_chart(path, title="Per-leaf and per-chunk costs at scale", ncols=2, panels=[
         {"title": "read planning, same mesh (ms per leaf)", "ylabel": "ms", "groups": [str(r["chunks"]) for r in same],
          "series": {"scan": [r["scan_ms"] for r in same], "ChunkIndex": [r["index_ms"] for r in same]}},
         {"title": "manifest decode (us per chunk)", "ylabel": "us",
          "groups": [str(r["chunks"]) for r in doc["codec"] if r["format"] == 2],
          "series": {f"format {v} {what}": [r[f"{what}_us_per_chunk"] for r in doc["codec"] if r["format"] == v]
                     for v in (1, 2) for what in ("encode", "decode")}},
+        {"title": "commit merge on process 0 (us per chunk)", "ylabel": "us",
+         "groups": [str(r["chunks"]) for r in doc.get("merge", [])],
+         "series": {"RAM step": [r["merge_us_per_chunk"] for r in doc.get("merge", [])],
+                    "persistent (validated)": [r["merge_validate_us_per_chunk"] for r in doc.get("merge", [])]}},
         {"title": "own-RAM restore (ms per leaf)", "ylabel": "ms", "groups": [str(r["leaves"]) for r in doc["leaves"]],
          "series": {"save() blocks": [r["save_ms_per_leaf"] for r in doc["leaves"]],
                     "restore": [r["restore_ms_per_leaf"] for r in doc["leaves"]]}},
@@ -242,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
                  "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")},
         "planning": run_planning(chunk_counts, reps),
         "codec": run_codec(codec_cases, max(2, reps // 2)),
+        "merge": run_merge(codec_cases, max(2, reps // 2)),
         "leaves": run_leaves(leaf_counts, reps, args.shm_dir),
     }
     name = "planning_scale_quick" if args.quick else "planning_scale"
