@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 
 from fastckpt.errors import ManifestError
-from fastckpt.format._checks import MAX_INT, check_disjoint, fail, json_dict, json_list
-from fastckpt.format.chunk_table import U32, codec_column, decode_object_keys, uint_column
+from fastckpt.format._checks import MAX_INT, check_disjoint, fail, json_dict, json_list, paused_gc
+from fastckpt.format.chunk_table import U32, codec_column, decode_object_keys, grid_cuts, uint_column
 from fastckpt.format.dtypes import dtype_from_name
 from fastckpt.format.manifest import ChunkEntry, KeyPath, keypath_str
 from fastckpt.writer.stage import StagedSave
@@ -99,7 +99,16 @@ def merge_fragments(fragments: Sequence[bytes | memoryview], staged: StagedSave
     Raises ``ManifestError`` if a fragment is malformed or names an array this tree lacks, a
     box lies outside its array, a raw chunk's length is not its box's bytes, or a leaf's
     chunks do not tile it exactly (missing, overlapping or repeated boxes).
+
+    The checks and the sort run once over all chunks of all leaves of one rank (numpy); per
+    leaf only the grid is recognised and the lists are sliced.
     """
+    with paused_gc():
+        return _merge(fragments, staged)
+
+
+def _merge(fragments: Sequence[bytes | memoryview], staged: StagedSave
+           ) -> tuple[list[str], dict[KeyPath, dict[str, Any]]]:
     local = {a.path: i for i, a in enumerate(staged.arrays)}
     ranks = np.asarray([len(a.shape) for a in staged.arrays], np.int64)
     parts = [_parse(f, local, ranks, f"fragment {i}") for i, f in enumerate(fragments)]
@@ -107,71 +116,87 @@ def merge_fragments(fragments: Sequence[bytes | memoryview], staged: StagedSave
     for part in parts:  # fragment object indices -> manifest object indices
         remap = np.asarray([objects.setdefault(k, len(objects)) for k in part["objects"]] or [0], np.int64)
         part["object"] = remap[part["object"]]
-    col = {k: np.concatenate([p[k] for p in parts]) if parts else np.zeros(0, np.int64)
-           for k in ("array", "object", "offset", "length", "crc32c", "raw_crc32c", "codec")}
+    names = ("array", "object", "offset", "length", "crc32c", "raw_crc32c", "codec")
+    col = {k: np.concatenate([p[k] for p in parts]) if parts else np.zeros(0, np.int64) for k in names}
     # Every chunk's box: where it starts in the concatenation of all fragments' flat lists.
     flat = np.concatenate([p["boxes"] for p in parts]) if parts else np.zeros(0, np.int64)
-    starts_at: list[np.ndarray] = []
-    offset = 0
-    for p in parts:
-        widths = 2 * ranks[p["array"]]
-        starts_at.append(offset + np.cumsum(widths) - widths)
-        offset += len(p["boxes"])
-    box_at = np.concatenate(starts_at) if parts else np.zeros(0, np.int64)
-    order = np.argsort(col["array"], kind="stable")
-    bounds = np.searchsorted(col["array"][order], np.arange(len(staged.arrays) + 1))
+    box_at = np.zeros(len(col["array"]), np.int64)
+    widths = 2 * ranks[col["array"]]
+    if len(widths):
+        box_at[1:] = np.cumsum(widths)[:-1]
     tables: dict[KeyPath, dict[str, Any]] = {}
-    for ai, arr in enumerate(staged.arrays):
-        sel = order[bounds[ai]:bounds[ai + 1]]
-        boxes = flat[box_at[sel][:, None] + np.arange(2 * int(ranks[ai]))]
-        tables[arr.path] = _leaf_table(arr.path, arr.shape, dtype_from_name(arr.dtype).itemsize, boxes,
-                                       {k: v[sel] for k, v in col.items()})
+    for r in sorted(set(ranks.tolist())):
+        tables.update(_rank_group(staged, r, col, flat, box_at))
     return list(objects), tables
 
 
-def _leaf_table(path: KeyPath, shape: tuple[int, ...], itemsize: int, boxes: np.ndarray,
-                col: dict[str, np.ndarray]) -> dict[str, Any]:
-    what = f"array {keypath_str(path)}"
-    r = len(shape)
+def _rank_group(staged: StagedSave, r: int, col: dict[str, np.ndarray], flat: np.ndarray, box_at: np.ndarray
+                ) -> dict[KeyPath, dict[str, Any]]:
+    """Tables of the leaves of rank ``r``: checks and C-order sort over all their chunks at
+    once, then per leaf the grid and list slices."""
+    members = [i for i, a in enumerate(staged.arrays) if len(a.shape) == r]
+    mine = np.flatnonzero(np.isin(col["array"], members))
+    array = col["array"][mine]
+    boxes = flat[box_at[mine][:, None] + np.arange(2 * r)]
+    # Sort by leaf, then by box as tuples compare: (start0, stop0, start1, ...).
+    order = np.lexsort((*boxes.T[::-1], array))
+    mine, array, boxes = mine[order], array[order], boxes[order]
     starts, stops = boxes[:, 0::2], boxes[:, 1::2]
-    if len(boxes) and not ((starts <= stops).all() and (stops <= np.asarray(shape, np.int64)).all()):
-        bad = int(np.flatnonzero(~((starts <= stops) & (stops <= np.asarray(shape, np.int64))).all(axis=1))[0])
-        fail(f"{what}: chunk box {boxes[bad].tolist()} outside the array's shape {list(shape)}")
-    if r and len(boxes):  # C order of the boxes, as tuples compare: (start0, stop0, start1, ...)
-        c_order = np.lexsort(boxes.T[::-1])
-        boxes, starts, stops = boxes[c_order], starts[c_order], stops[c_order]
-        col = {k: v[c_order] for k, v in col.items()}
-    extents = stops - starts
-    volumes = np.prod(extents, axis=1) if r else np.ones(len(boxes), np.int64)
-    raw = col["codec"] == _CODE["raw"]
-    if (col["length"][raw] != volumes[raw] * itemsize).any():
-        i = int(np.flatnonzero(raw & (col["length"] != volumes * itemsize))[0])
-        fail(f"{what}: raw chunk {boxes[i].tolist()} has length {int(col['length'][i])}, not box volume x itemsize")
-    cuts = _grid(starts, stops, shape)
-    if cuts is None:  # not a grid: prove the tiling the slow way (never the case for a sharding)
-        if int(volumes.sum()) != math.prod(shape):
-            fail(f"{what}: chunks do not tile the array (volumes != {math.prod(shape)})")
-        check_disjoint([tuple(zip(b[0::2], b[1::2])) for b in boxes.tolist()], what)
-    codes = set(col["codec"].tolist())
-    table: dict[str, Any] = {"grid": cuts} if cuts is not None else {"boxes": boxes.tolist()}
-    table.update(object=col["object"].tolist(), offset=col["offset"].tolist(), length=col["length"].tolist(),
-                 codec=_NAME[codes.pop()] if len(codes) == 1 else [_NAME[c] for c in col["codec"].tolist()],
-                 crc32c=col["crc32c"].tolist(), raw_crc32c=col["raw_crc32c"].tolist())
-    return table
+    shapes = np.asarray([staged.arrays[i].shape for i in members], np.int64).reshape(len(members), r)
+    shape_of = np.zeros((len(staged.arrays), r), np.int64)
+    shape_of[members] = shapes
+    itemsize = np.asarray([dtype_from_name(a.dtype).itemsize for a in staged.arrays], np.int64)
+    bad = ((starts > stops) | (stops > shape_of[array])).any(axis=1)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        fail(f"array {keypath_str(staged.arrays[array[i]].path)}: chunk box {boxes[i].tolist()} outside the "
+             f"array's shape {list(staged.arrays[array[i]].shape)}")
+    nbytes = np.prod(stops - starts, axis=1) * itemsize[array]
+    length, codec = col["length"][mine], col["codec"][mine]
+    bad = (codec == _CODE["raw"]) & (length != nbytes)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        fail(f"array {keypath_str(staged.arrays[array[i]].path)}: raw chunk {boxes[i].tolist()} has length "
+             f"{int(length[i])}, not box volume x itemsize")
+    lists = {k: col[k][mine].tolist() for k in ("object", "offset", "crc32c", "raw_crc32c")}
+    lists["length"], codes = length.tolist(), codec.tolist()
+    bounds = np.searchsorted(array, np.asarray(members + [len(staged.arrays)], np.int64)).tolist()
+    out: dict[KeyPath, dict[str, Any]] = {}
+    for j, ai in enumerate(members):
+        a, b = bounds[j], bounds[j + 1]
+        arr = staged.arrays[ai]
+        what = f"array {keypath_str(arr.path)}"
+        cuts = _grid(boxes[a:b], arr.shape)
+        if cuts is None:  # not a grid: prove the tiling the slow way (never the case for a sharding)
+            if int(nbytes[a:b].sum()) != math.prod(arr.shape) * int(itemsize[ai]):
+                fail(f"{what}: chunks do not tile the array (volumes != {math.prod(arr.shape)})")
+            check_disjoint([tuple(zip(row[0::2], row[1::2])) for row in boxes[a:b].tolist()], what)
+        leaf_codes = codes[a:b]
+        table: dict[str, Any] = {"grid": cuts} if cuts is not None else {"boxes": boxes[a:b].tolist()}
+        table.update({k: v[a:b] for k, v in lists.items()},
+                     codec=_NAME[leaf_codes[0]] if len(set(leaf_codes)) == 1 else [_NAME[c] for c in leaf_codes])
+        out[arr.path] = table
+    return out
 
 
-def _grid(starts: np.ndarray, stops: np.ndarray, shape: tuple[int, ...]) -> list[list[int]] | None:
+#: Up to this many chunks a leaf's grid is recognised on Python tuples, above it with numpy.
+_SMALL = 64
+
+
+def _grid(boxes: np.ndarray, shape: tuple[int, ...]) -> list[list[int]] | None:
     """The cuts of the grid whose cells, in C order, are these (C-ordered) boxes, else None."""
-    n = len(starts)
-    if n == 0:
-        return None
-    cuts = [np.append(np.unique(starts[:, d]), shape[d]) for d in range(len(shape))]
+    n = len(boxes)
+    if n <= _SMALL:  # fewer numpy calls: the per-call cost outweighs the per-chunk one
+        return grid_cuts([tuple(zip(row[0::2], row[1::2])) for row in boxes.tolist()], shape)
+    starts, stops = boxes[:, 0::2], boxes[:, 1::2]
+    cuts = [[*sorted(set(starts[:, d].tolist())), extent] for d, extent in enumerate(shape)]
     if any(c[0] != 0 for c in cuts) or math.prod(len(c) - 1 for c in cuts) != n:
         return None
-    stride = n
+    cell, stride = np.arange(n), n
     for d, c in enumerate(cuts):
         stride //= len(c) - 1
-        cell = (np.arange(n) // stride) % (len(c) - 1)
-        if (starts[:, d] != c[cell]).any() or (stops[:, d] != c[cell + 1]).any():
+        at = (cell // stride) % (len(c) - 1)
+        edges = np.asarray(c, np.int64)
+        if (starts[:, d] != edges[at]).any() or (stops[:, d] != edges[at + 1]).any():
             return None
-    return [c.tolist() for c in cuts]
+    return cuts

@@ -7,6 +7,7 @@ import dataclasses
 import json
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from fastckpt.format.layout import data_key
 from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, KeyPath, Manifest, box_volume
 from fastckpt.testing.strategies import manifests
 from fastckpt.writer.commit import build_manifest
+from fastckpt.writer import merge
 from fastckpt.writer.merge import encode_fragment, merge_fragments
 from fastckpt.writer.stage import StagedArray, StagedSave
 
@@ -44,9 +46,11 @@ def _entry_by_entry(arrays: list[ArrayLeaf]) -> tuple[ArrayLeaf, ...]:
     return tuple(dataclasses.replace(a, chunks=tuple(sorted(a.chunks, key=lambda c: c.box))) for a in arrays)
 
 
+@pytest.mark.parametrize("small", [merge._SMALL, 0])  # grids recognised on tuples / with numpy
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(manifests(max_leaves=4), st.data())
-def test_any_split_among_processes_merges_to_the_entry_by_entry_manifest(m: Manifest, data: st.DataObject) -> None:
+@given(m=manifests(max_leaves=4), data=st.data())
+def test_any_split_among_processes_merges_to_the_entry_by_entry_manifest(small: int, m: Manifest,
+                                                                          data: st.DataObject) -> None:
     arrays = list(m.arrays())
     staged = _staged_of(arrays)
     nproc = data.draw(st.integers(1, 4))
@@ -56,7 +60,8 @@ def test_any_split_among_processes_merges_to_the_entry_by_entry_manifest(m: Mani
             parts[data.draw(st.integers(0, nproc - 1))].setdefault(i, []).append(c)
     fragments = [encode_fragment(staged, part, p) for p, part in enumerate(parts)]
     for version in (2, 1):
-        got = _build(staged, fragments, format_version=version).arrays()
+        with mock.patch.object(merge, "_SMALL", small):
+            got = _build(staged, fragments, format_version=version).arrays()
         assert [[c.box for c in a.chunks] for a in got] == [[c.box for c in a.chunks] for a in _entry_by_entry(arrays)]
         # Equal boxes (empty ones: allowed) may come in either order; the entries are the same.
         assert [sorted(a.chunks, key=_full) for a in got] == [sorted(a.chunks, key=_full) for a in arrays]
