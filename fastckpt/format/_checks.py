@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 from collections.abc import Iterator, Mapping
 from typing import Any, NoReturn
 
@@ -15,7 +16,7 @@ from fastckpt.errors import ManifestError
 from fastckpt.format.manifest import Box, box_volume
 
 __all__ = [
-    "MAX_INT", "check_disjoint", "fail", "json_dict", "json_float", "json_int", "json_list", "json_str", "paused_gc",
+    "MAX_INT", "check_disjoint", "check_tiling", "fail", "json_dict", "json_float", "json_int", "json_list", "json_str", "paused_gc",
 ]
 
 MAX_INT = 2**63 - 1
@@ -58,6 +59,14 @@ def json_float(obj: Any, what: str) -> float:
     if type(obj) not in (int, float):
         fail(f"{what}: expected a number, got {obj!r:.80}")
     return float(obj)
+
+
+def check_tiling(boxes: list[Box], shape: tuple[int, ...], what: str) -> None:
+    """Fail unless ``boxes`` tile an array of ``shape`` exactly: their volumes add up to its
+    size and no two non-empty ones overlap."""
+    if sum(box_volume(b) for b in boxes) != math.prod(shape):
+        fail(f"{what}: chunks do not tile the array (volumes != {math.prod(shape)})")
+    check_disjoint(boxes, what)
 
 
 def check_disjoint(boxes: list[Box], what: str) -> None:

@@ -30,13 +30,14 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from fastckpt.format._checks import MAX_INT, check_disjoint, fail, json_dict, json_list
+from fastckpt.format._checks import MAX_INT, check_tiling, fail, json_dict, json_list
 from fastckpt.format.manifest import Box, ChunkEntry, box_volume
 from fastckpt.storage._protocol import validate_key
 
-__all__ = ["U32", "codec_column", "decode_chunk_table", "decode_object_keys", "encode_chunk_table", "grid_cuts", "uint_column"]
+__all__ = ["CODECS", "U32", "codec_column", "decode_chunk_table", "decode_object_keys", "encode_chunk_table", "grid_cuts", "uint_column"]
 
-_CODECS = ("raw", "zstd")
+#: The codec names, in the order of their codes in a commit fragment's numpy column.
+CODECS = ("raw", "zstd")
 U32 = 0xFFFFFFFF
 _COLUMNS = ("object", "offset", "length", "codec", "crc32c", "raw_crc32c")
 
@@ -99,10 +100,10 @@ def uint_column(obj: Any, n: int, what: str, hi: int) -> list[int]:
 def codec_column(obj: Any, n: int, what: str) -> list[str]:
     """A codec column: one codec name for all ``n`` chunks, or a list of ``n`` of them."""
     if type(obj) is list:
-        if len(obj) != n or any(c not in _CODECS for c in obj):
-            fail(f"{what}: expected {n} of {list(_CODECS)}, got {obj!r:.80}")
+        if len(obj) != n or any(c not in CODECS for c in obj):
+            fail(f"{what}: expected {n} of {list(CODECS)}, got {obj!r:.80}")
         return obj
-    if obj not in _CODECS:
+    if obj not in CODECS:
         fail(f"{what}: unknown codec {obj!r:.40}")
     return [obj] * n
 
@@ -147,9 +148,7 @@ def _listed_boxes(obj: Any, shape: tuple[int, ...], what: str, tiling: bool) -> 
         out.append(box)
     if not tiling:
         return out
-    if sum(box_volume(b) for b in out) != math.prod(shape):
-        fail(f"{what}: chunks do not tile the array (volumes != {math.prod(shape)})")
-    check_disjoint(out, what)
+    check_tiling(out, shape, what)
     return out
 
 

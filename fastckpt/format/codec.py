@@ -45,7 +45,7 @@ from typing import Any, NoReturn
 from fastckpt._checksum import crc32c
 from fastckpt.errors import ManifestError, UnsupportedFormatVersionError
 from fastckpt.format._checks import MAX_INT as _MAX_INT
-from fastckpt.format._checks import check_disjoint as _check_disjoint
+from fastckpt.format._checks import check_tiling
 from fastckpt.format._checks import fail as _fail
 from fastckpt.format._checks import json_dict as _dict
 from fastckpt.format._checks import json_float as _float_from_json
@@ -64,7 +64,6 @@ from fastckpt.format.manifest import (
     Manifest,
     ShardingSpec,
     ValueLeaf,
-    box_volume,
 )
 from fastckpt.storage._protocol import validate_key
 
@@ -361,12 +360,7 @@ def _array_leaf(d: Mapping[str, Any], path: KeyPath, what: str, keys_ok: set[str
             _chunk(c, shape, dtype.itemsize, lambda i=i: f"{what}.chunks[{i}]", keys_ok)  # type: ignore[misc]
             for i, c in enumerate(_list(d["chunks"], f"{what}.chunks"))
         )
-        total = 1
-        for n in shape:
-            total *= n
-        if sum(box_volume(c.box) for c in chunks) != total:
-            _fail(f"{what}: chunks do not tile the array (volumes != {total})")
-        _check_disjoint([c.box for c in chunks], what)
+        check_tiling([c.box for c in chunks], shape, what)
     return ArrayLeaf(
         path=path,
         shape=shape,

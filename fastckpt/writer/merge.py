@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 
 from fastckpt.errors import ManifestError
-from fastckpt.format._checks import MAX_INT, check_disjoint, fail, json_dict, json_list, paused_gc
-from fastckpt.format.chunk_table import U32, codec_column, decode_object_keys, grid_cuts, uint_column
+from fastckpt.format._checks import MAX_INT, check_tiling, fail, json_dict, json_list, paused_gc
+from fastckpt.format.chunk_table import CODECS, U32, codec_column, decode_object_keys, grid_cuts, uint_column
 from fastckpt.format.dtypes import dtype_from_name
 from fastckpt.format.manifest import ChunkEntry, KeyPath, keypath_str
 from fastckpt.writer.stage import StagedSave
@@ -36,8 +36,7 @@ from fastckpt.writer.stage import StagedSave
 __all__ = ["encode_fragment", "merge_fragments"]
 
 _FIELDS = ("paths", "objects", "array", "boxes", "object", "offset", "length", "codec", "crc32c", "raw_crc32c")
-_CODE = {"raw": 0, "zstd": 1}
-_NAME = ("raw", "zstd")
+_CODE = {name: i for i, name in enumerate(CODECS)}
 
 
 def encode_fragment(staged: StagedSave, chunks: dict[int, list[ChunkEntry]], process_index: int) -> bytes:
@@ -165,16 +164,14 @@ def _rank_group(staged: StagedSave, r: int, col: dict[str, np.ndarray], flat: np
     for j, ai in enumerate(members):
         a, b = bounds[j], bounds[j + 1]
         arr = staged.arrays[ai]
-        what = f"array {keypath_str(arr.path)}"
         cuts = _grid(boxes[a:b], arr.shape)
         if cuts is None:  # not a grid: prove the tiling the slow way (never the case for a sharding)
-            if int(nbytes[a:b].sum()) != math.prod(arr.shape) * int(itemsize[ai]):
-                fail(f"{what}: chunks do not tile the array (volumes != {math.prod(arr.shape)})")
-            check_disjoint([tuple(zip(row[0::2], row[1::2])) for row in boxes[a:b].tolist()], what)
+            check_tiling([tuple(zip(row[0::2], row[1::2])) for row in boxes[a:b].tolist()], arr.shape,
+                         f"array {keypath_str(arr.path)}")
         leaf_codes = codes[a:b]
         table: dict[str, Any] = {"grid": cuts} if cuts is not None else {"boxes": boxes[a:b].tolist()}
         table.update({k: v[a:b] for k, v in lists.items()},
-                     codec=_NAME[leaf_codes[0]] if len(set(leaf_codes)) == 1 else [_NAME[c] for c in leaf_codes])
+                     codec=CODECS[leaf_codes[0]] if len(set(leaf_codes)) == 1 else [CODECS[c] for c in leaf_codes])
         out[arr.path] = table
     return out
 
