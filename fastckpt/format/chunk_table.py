@@ -19,22 +19,27 @@ replaces ``"grid"`` when the boxes are not such a grid. ``raw_length`` is not wr
 the box volume times the itemsize. Checksums are u32.
 
 Decoding validates what format 1 validates (boxes inside the array and tiling it, keys safe,
-numbers in range, raw chunks' lengths) column by column, and yields the same
-:class:`~fastckpt.format.manifest.ChunkEntry` tuple. No I/O.
+numbers in range, raw chunks' lengths) column by column, with numpy where it can, and returns
+a :class:`~fastckpt.format.manifest.ChunkTable`: the columns, whose
+:class:`~fastckpt.format.manifest.ChunkEntry` objects are built on access. No I/O.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import itertools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from fastckpt.format._checks import MAX_INT, check_tiling, fail, json_dict, json_list
-from fastckpt.format.manifest import Box, ChunkEntry, box_volume
+from fastckpt.format.manifest import Box, ChunkEntry, ChunkTable, box_volume
 from fastckpt.storage._protocol import validate_key
 
-__all__ = ["CODECS", "U32", "codec_column", "decode_chunk_table", "decode_object_keys", "encode_chunk_table", "grid_cuts", "uint_column"]
+__all__ = ["CODECS", "U32", "codec_column", "decode_chunk_table", "decode_object_keys", "encode_chunk_table", "grid_cuts", "uint_array", "uint_column"]
 
 #: The codec names, in the order of their codes in a commit fragment's numpy column.
 CODECS = ("raw", "zstd")
@@ -152,39 +157,63 @@ def _listed_boxes(obj: Any, shape: tuple[int, ...], what: str, tiling: bool) -> 
     return out
 
 
+def uint_array(obj: Any, n: int, what: str, hi: int, dtype: type[np.integer[Any]] = np.int64) -> np.ndarray:
+    """:func:`uint_column` as a numpy array of ``dtype`` (which must hold ``hi``); one type
+    pass in Python, the range checks in numpy."""
+    col = json_list(obj, what)
+    if len(col) != n:
+        fail(f"{what}: {len(col)} entries for {n} chunks")
+    if not col:
+        return np.zeros(0, dtype)
+    arr = None
+    if set(map(type, col)) == {int}:
+        with contextlib.suppress(OverflowError):
+            arr = np.array(col, np.int64)
+    if arr is None or int(arr.min()) < 0 or int(arr.max()) > hi:
+        i, bad = next((i, v) for i, v in enumerate(col) if type(v) is not int or not 0 <= v <= hi)
+        fail(f"{what}[{i}]: expected an int in [0, {hi}], got {bad!r:.80}")
+    return arr.astype(dtype, copy=False)
+
+
 def decode_chunk_table(
     obj: Any, *, shape: tuple[int, ...], itemsize: int, objects: Sequence[str], what: str, tiling: bool = True
-) -> tuple[ChunkEntry, ...]:
-    """Validate a leaf's chunk table and build its entries; ``ManifestError`` on any flaw.
-    ``objects`` is the (validated, :func:`decode_object_keys`) object key list. With
-    ``tiling=False`` (one process's part of a leaf) listed boxes need not tile the array nor
-    be disjoint; a grid always tiles it."""
+) -> ChunkTable:
+    """Validate a leaf's chunk table and return it as a :class:`ChunkTable` (entries are
+    built on access); ``ManifestError`` on any flaw. ``objects`` is the (validated,
+    :func:`decode_object_keys`) object key list. With ``tiling=False`` (one process's part of
+    a leaf) listed boxes need not tile the array nor be disjoint; a grid always tiles it."""
     d: Mapping[str, Any] = json_dict(obj, what, _COLUMNS)
     if ("grid" in d) == ("boxes" in d):
         fail(f"{what}: expected exactly one of 'grid' and 'boxes'")
+    cuts: list[list[int]] | None = None
+    listed: list[Box] | None = None
     if "grid" in d:
         cuts = _grid(d["grid"], shape, f"{what}.grid")
         n = math.prod(len(c) - 1 for c in cuts)  # checked against the columns before building
     else:
         listed = _listed_boxes(d["boxes"], shape, f"{what}.boxes", tiling)
         n = len(listed)
-    index = uint_column(d["object"], n, f"{what}.object", len(objects) - 1)
-    offsets = uint_column(d["offset"], n, f"{what}.offset", MAX_INT)
-    lengths = uint_column(d["length"], n, f"{what}.length", MAX_INT)
-    crcs = uint_column(d["crc32c"], n, f"{what}.crc32c", U32)
-    raw_crcs = uint_column(d["raw_crc32c"], n, f"{what}.raw_crc32c", U32)
+    index = uint_array(d["object"], n, f"{what}.object", len(objects) - 1, np.int32)
+    offsets = uint_array(d["offset"], n, f"{what}.offset", MAX_INT)
+    lengths = uint_array(d["length"], n, f"{what}.length", MAX_INT)
+    crcs = uint_array(d["crc32c"], n, f"{what}.crc32c", U32, np.uint32)
+    raw_crcs = uint_array(d["raw_crc32c"], n, f"{what}.raw_crc32c", U32, np.uint32)
     codec = d["codec"]
     codecs = codec_column(codec, n, f"{what}.codec")
-    if "grid" in d:
-        boxes: Iterable[Box] = itertools.product(*[tuple(zip(c[:-1], c[1:])) for c in cuts])
-        extents = itertools.product(*[[b - a for a, b in zip(c, c[1:])] for c in cuts])
-        raw_lengths = [math.prod(e) * itemsize for e in extents]
-    else:
-        boxes = listed
-        raw_lengths = [box_volume(b) * itemsize for b in listed]
-    if codec == "raw" and lengths != raw_lengths or type(codec) is list and "raw" in codec:
-        for i, (length, raw, c) in enumerate(zip(lengths, raw_lengths, codecs)):
-            if c == "raw" and length != raw:
-                fail(f"{what}.length[{i}]: raw chunk length {length} != box volume x itemsize {raw}")
-    keys = [objects[i] for i in index]
-    return tuple(map(ChunkEntry, boxes, keys, offsets, lengths, raw_lengths, codecs, crcs, raw_crcs))
+    if codec == "raw" or type(codec) is list and "raw" in codec:
+        if math.prod(shape) * itemsize > MAX_INT:
+            fail(f"{what}: an array of {math.prod(shape)} x {itemsize} bytes is too large")
+        if cuts is not None:  # the cells' volumes, C order
+            raw_lengths = functools.reduce(np.multiply.outer, [np.diff(np.asarray(c, np.int64)) for c in cuts],
+                                           np.int64(itemsize)).reshape(-1)
+        else:
+            raw_lengths = np.array([box_volume(b) * itemsize for b in listed or ()], np.int64)
+        bad = lengths != raw_lengths
+        if type(codec) is list:
+            bad &= np.array([c == "raw" for c in codecs], bool)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            fail(f"{what}.length[{i}]: raw chunk length {int(lengths[i])} != box volume x itemsize {int(raw_lengths[i])}")
+    return ChunkTable(cuts=cuts, boxes=listed, keys=objects, object_index=index, offsets=offsets, lengths=lengths,
+                      codec=codec if type(codec) is str else tuple(codecs), crc32c=crcs, raw_crc32c=raw_crcs,
+                      itemsize=itemsize)

@@ -14,7 +14,13 @@ is a non-negative int where one is expected.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Union
+import itertools
+import math
+import operator
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal, Union, overload
+
+import numpy as np
 
 __all__ = [
     "FORMAT_VERSION",
@@ -22,6 +28,7 @@ __all__ = [
     "ArrayLeaf",
     "Box",
     "ChunkEntry",
+    "ChunkTable",
     "Codec",
     "KeyEntry",
     "KeyPath",
@@ -113,6 +120,110 @@ class ChunkEntry:
     """crc32c of the raw (uncompressed) bytes; RAM tiers and peers verify against this."""
 
 
+class ChunkTable(Sequence[ChunkEntry]):
+    """One leaf's chunks as columns (how format 2 stores them); a :class:`ChunkEntry` is
+    built only when asked for, so a host that restores 8 chunks of a leaf saved by 512
+    devices builds 8 entries, not 512 (nor millions across a pod-scale tree).
+
+    Immutable, and equal to (hashing like) the tuple of its entries. Iterating builds every
+    entry afresh; callers that iterate often keep ``tuple(table)``. ``grid`` is the cuts
+    per dimension when the chunks are the cells of a grid in C order (entry ``i`` is cell
+    ``numpy.unravel_index(i, cells)``), else None; planning bisects it instead of scanning.
+    Built by the manifest codec from validated columns; constructing one by hand skips
+    those checks.
+    """
+
+    __slots__ = ("_boxes", "_cells", "_codec", "_crc", "_cuts", "_itemsize", "_keys", "_length", "_n", "_object",
+                 "_offset", "_raw_crc")
+
+    def __init__(self, *, cuts: Sequence[Sequence[int]] | None, boxes: Sequence[Box] | None, keys: Sequence[str],
+                 object_index: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, codec: Codec | Sequence[Codec],
+                 crc32c: np.ndarray, raw_crc32c: np.ndarray, itemsize: int) -> None:
+        """``cuts`` xor ``boxes`` gives the boxes; ``keys[object_index[i]]`` is chunk i's
+        object; ``codec`` is one codec for all chunks or one per chunk."""
+        if (cuts is None) == (boxes is None):
+            raise ValueError("ChunkTable needs exactly one of cuts and boxes")
+        self._cuts = None if cuts is None else tuple(tuple(int(v) for v in c) for c in cuts)
+        self._cells = None if self._cuts is None else tuple(tuple(zip(c[:-1], c[1:])) for c in self._cuts)
+        self._boxes = None if boxes is None else tuple(boxes)
+        self._n = math.prod(len(c) for c in self._cells) if self._cells is not None else len(self._boxes)  # type: ignore[arg-type]
+        self._keys, self._object, self._offset, self._length = keys, object_index, offsets, lengths
+        self._codec, self._crc, self._raw_crc, self._itemsize = codec, crc32c, raw_crc32c, itemsize
+        if not all(len(col) == self._n for col in (object_index, offsets, lengths, crc32c, raw_crc32c)) or (
+                type(codec) is not str and len(codec) != self._n):
+            raise ValueError(f"ChunkTable columns must have {self._n} entries")
+
+    @property
+    def grid(self) -> tuple[tuple[int, ...], ...] | None:
+        """Cuts per dimension if the chunks are a grid's cells in C order, else None."""
+        return self._cuts
+
+    def box(self, i: int) -> Box:
+        """Chunk ``i``'s box (``0 <= i < len(self)``), without building its entry."""
+        if self._cells is None:
+            return self._boxes[i]  # type: ignore[index]
+        out = []
+        for cells in reversed(self._cells):
+            i, k = divmod(i, len(cells))
+            out.append(cells[k])
+        return tuple(reversed(out))
+
+    def __len__(self) -> int:
+        return self._n
+
+    @overload
+    def __getitem__(self, i: int) -> ChunkEntry: ...
+    @overload
+    def __getitem__(self, i: slice) -> tuple[ChunkEntry, ...]: ...
+    def __getitem__(self, i: int | slice) -> ChunkEntry | tuple[ChunkEntry, ...]:
+        if isinstance(i, slice):
+            return tuple(self[j] for j in range(*i.indices(self._n)))
+        i = operator.index(i)
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError(f"chunk {i} of {self._n}")
+        box = self.box(i)
+        codec = self._codec if type(self._codec) is str else self._codec[i]
+        return ChunkEntry(box, self._keys[self._object[i]], int(self._offset[i]), int(self._length[i]),
+                          box_volume(box) * self._itemsize, codec, int(self._crc[i]), int(self._raw_crc[i]))  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[ChunkEntry]:
+        boxes: Sequence[Box] = list(itertools.product(*self._cells)) if self._cells is not None else self._boxes  # type: ignore[assignment]
+        keys, isz = self._keys, self._itemsize
+        codecs: Any = itertools.repeat(self._codec, self._n) if type(self._codec) is str else self._codec
+        return map(ChunkEntry, boxes, [keys[k] for k in self._object.tolist()], self._offset.tolist(),
+                   self._length.tolist(), [box_volume(b) * isz for b in boxes], codecs, self._crc.tolist(),
+                   self._raw_crc.tolist())
+
+    @property
+    def stored_bytes(self) -> int:
+        """Sum of the chunks' stored lengths."""
+        return int(self._length.sum(dtype=np.int64)) if self._n else 0
+
+    @property
+    def raw_bytes(self) -> int:
+        """Sum of the chunks' raw lengths."""
+        if self._cells is not None:
+            return math.prod(c[-1] - c[0] for c in self._cuts) * self._itemsize  # type: ignore[union-attr]
+        return sum(box_volume(b) for b in self._boxes) * self._itemsize  # type: ignore[union-attr]
+
+    def object_keys(self) -> set[str]:
+        """The object keys the chunks name."""
+        return {self._keys[k] for k in np.unique(self._object).tolist()}
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (ChunkTable, tuple)):
+            return len(other) == self._n and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"ChunkTable({self._n} chunks, {'grid ' + repr(self._cuts) if self._cuts is not None else 'listed boxes'})"
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ShardingSpec:
     """The sharding an array was saved with (informational; restore may use any other)."""
@@ -130,7 +241,8 @@ class ArrayLeaf:
     shape: tuple[int, ...]
     dtype: str
     """Manifest dtype name (``fastckpt.format.dtypes``). For PRNG keys: the key data dtype."""
-    chunks: tuple[ChunkEntry, ...]
+    chunks: tuple[ChunkEntry, ...] | ChunkTable
+    """The chunks tiling the array (a :class:`ChunkTable` when decoded from format 2)."""
     kind: ArrayKind = "jax"
     sharding: ShardingSpec | None = None
     key_impl: str | None = None
@@ -139,11 +251,15 @@ class ArrayLeaf:
     @property
     def nbytes(self) -> int:
         """Logical (raw) size in bytes."""
+        if isinstance(self.chunks, ChunkTable):
+            return self.chunks.raw_bytes
         return sum(c.raw_length for c in self.chunks)
 
     @property
     def stored_bytes(self) -> int:
         """Stored (compressed) size in bytes."""
+        if isinstance(self.chunks, ChunkTable):
+            return self.chunks.stored_bytes
         return sum(c.length for c in self.chunks)
 
 
@@ -192,4 +308,7 @@ class Manifest:
 
     def object_keys(self) -> frozenset[str]:
         """Every object key this manifest references."""
-        return frozenset(c.key for a in self.arrays() for c in a.chunks)
+        keys: set[str] = set()
+        for a in self.arrays():
+            keys.update(a.chunks.object_keys() if isinstance(a.chunks, ChunkTable) else (c.key for c in a.chunks))
+        return frozenset(keys)

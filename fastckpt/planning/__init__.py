@@ -15,8 +15,10 @@ from fastckpt.planning.boxes import (
 from fastckpt.planning.load_plan import (
     ChunkIndex as ChunkIndex,
     FetchRange as FetchRange,
+    GridIndex as GridIndex,
     ReadItem as ReadItem,
     coalesce_fetches as coalesce_fetches,
+    leaf_index as leaf_index,
     plan_leaf_reads as plan_leaf_reads,
 )
 from fastckpt.planning.save_plan import (

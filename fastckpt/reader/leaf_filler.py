@@ -20,7 +20,7 @@ from fastckpt._hostmem import BufferCache, alloc_aligned
 from fastckpt.errors import ChecksumMismatchError, CorruptionError
 from fastckpt.format.dtypes import dtype_from_name
 from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, box_shape, box_volume, chunk_id, chunk_id_prefix, keypath_str
-from fastckpt.planning import ChunkIndex, ReadItem, box_to_slices, contiguous_span, plan_leaf_reads
+from fastckpt.planning import ReadItem, box_to_slices, contiguous_span, leaf_index, plan_leaf_reads
 from fastckpt.reader.units import ChunkSource, RestoreStats, Unit
 
 __all__ = ["Decoder", "LeafFiller", "allocate", "fetch_many_from_source", "where"]
@@ -80,8 +80,7 @@ class LeafFiller:
         #: chunk -> [(unit position, read item)]
         self.items: dict[ChunkEntry, list[tuple[int, ReadItem]]] = {}
         # A decoded manifest's chunks never overlap (the codec checks): exact boxes are looked up.
-        index = ChunkIndex(self.leaf.chunks, disjoint=True) if len(units) > 1 and len(self.leaf.chunks) > _SCAN_CHUNKS \
-            else None
+        index = leaf_index(self.leaf) if len(units) > 1 and len(self.leaf.chunks) > _SCAN_CHUNKS else None
         for pos, unit in enumerate(units):
             for it in plan_leaf_reads(self.leaf, unit.box, index=index):
                 self.items.setdefault(it.chunk, []).append((pos, it))

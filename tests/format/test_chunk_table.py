@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from fastckpt.errors import ManifestError, UnsupportedFormatVersionError
 from fastckpt.format.chunk_table import grid_cuts
 from fastckpt.format.codec import decode_manifest, encode_manifest
-from fastckpt.format.manifest import FORMAT_VERSION, ArrayLeaf, ChunkEntry, Manifest, box_volume
+from fastckpt.format.manifest import FORMAT_VERSION, ArrayLeaf, ChunkEntry, ChunkTable, Manifest, box_volume
 from fastckpt.testing.strategies import grid_tilings, manifests, shapes, tilings
 from tests.format.test_codec import _DELETE, _set, base_doc, decode_doc, norm
 
@@ -193,3 +193,60 @@ def test_decoding_leaves_the_garbage_collector_as_it_was(enabled: bool) -> None:
         assert gc.isenabled() is enabled
     finally:
         (gc.enable if was else gc.disable)()
+
+
+# ------------------------------------------------------------------ the decoded table (lazy entries)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(m=manifests(), data=st.data())
+def test_a_decoded_table_is_the_tuple_of_its_entries(m: Manifest, data: st.DataObject) -> None:
+    """Format 2 decodes each array leaf's chunks to a ChunkTable; in everything a caller can
+    ask (length, indexing, slices, iteration, equality both ways, hash, the per-leaf and
+    manifest sums, object keys) it is the tuple format 1 decodes to."""
+    m = dataclasses.replace(m, format_version=2)
+    v2 = decode_manifest(encode_manifest(m))
+    v1 = decode_manifest(encode_manifest(dataclasses.replace(m, format_version=1)))
+    for a1, a2 in zip(v1.arrays(), v2.arrays()):
+        entries, table = a1.chunks, a2.chunks
+        assert type(entries) is tuple and isinstance(table, ChunkTable)
+        assert len(table) == len(entries) and tuple(table) == entries and list(iter(table)) == list(entries)
+        assert table == entries and entries == table and table != entries[:-1] and hash(table) == hash(entries)
+        assert [table[i] for i in range(len(table))] == list(entries)
+        assert [table.box(i) for i in range(len(table))] == [c.box for c in entries]
+        if entries:
+            i = data.draw(st.integers(-len(entries), len(entries) - 1))
+            assert table[i] == entries[i]
+        start, stop, step = (data.draw(st.integers(-3, 6)) for _ in range(3))
+        step = step or 1
+        assert table[start:stop:step] == entries[start:stop:step]
+        with pytest.raises(IndexError):
+            table[len(entries)]
+        assert (a2.nbytes, a2.stored_bytes) == (a1.nbytes, a1.stored_bytes)
+        assert table.object_keys() == {c.key for c in entries}
+        assert (table.grid is not None) == (grid_cuts([c.box for c in entries], a1.shape) is not None)
+    assert v2.object_keys() == v1.object_keys() and (v2.nbytes, v2.stored_bytes) == (v1.nbytes, v1.stored_bytes)
+
+
+def test_a_table_checks_its_columns_and_names_its_grid() -> None:
+    import numpy as np
+
+    cols = {"keys": ["o"], "object_index": np.zeros(4, np.int32), "offsets": np.arange(4), "lengths": np.full(4, 8),
+            "codec": "raw", "crc32c": np.zeros(4, np.uint32), "raw_crc32c": np.zeros(4, np.uint32), "itemsize": 4}
+    table = ChunkTable(cuts=[[0, 2, 4], [0, 1, 2]], boxes=None, **cols)
+    assert table.grid == ((0, 2, 4), (0, 1, 2)) and table.box(3) == ((2, 4), (1, 2)) and table[3].offset == 3
+    assert "grid" in repr(table) and table.raw_bytes == 32 and table.stored_bytes == 32
+    with pytest.raises(ValueError, match="exactly one"):
+        ChunkTable(cuts=None, boxes=None, **cols)
+    with pytest.raises(ValueError, match="4 entries"):
+        ChunkTable(cuts=None, boxes=[((0, 1),)] * 4, **{**cols, "lengths": np.full(3, 8)})
+    assert ChunkTable(cuts=None, boxes=[((0, 1),)] * 4, **cols).grid is None
+
+
+@pytest.mark.parametrize("value", [2**64, -(2**64), True, 1.0, None])
+def test_a_column_value_numpy_would_coerce_is_refused(value: Any) -> None:
+    """Columns are checked in numpy after one type pass: bools and floats (which numpy
+    would take as ints) and ints beyond int64 (which it cannot hold) are named, not cast."""
+    doc = _set(base_doc(2), (*T, "offset", 0), value)
+    with pytest.raises(ManifestError, match=r"offset\[0\]: expected an int"):
+        decode_doc(doc)

@@ -23,7 +23,7 @@ from fastckpt.format.layout import (
     step_from_data_key,
     step_from_manifest_key,
 )
-from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, Manifest, ShardingSpec, ValueLeaf
+from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, ChunkTable, Manifest, ShardingSpec, ValueLeaf
 from fastckpt.storage._protocol import validate_key
 from fastckpt.testing.strategies import DTYPE_NAMES, json_values, manifests
 
@@ -34,6 +34,8 @@ def norm(x: Any) -> Any:
         return (type(x).__name__, tuple((f.name, norm(getattr(x, f.name))) for f in dataclasses.fields(x)))
     if isinstance(x, float):
         return ("float", repr(x))
+    if isinstance(x, ChunkTable):  # format 2's chunks: equal to the tuple of its entries
+        return ("tuple", tuple(norm(v) for v in x))
     if isinstance(x, (list, tuple)):
         return (type(x).__name__, tuple(norm(v) for v in x))
     if isinstance(x, dict):

@@ -253,3 +253,59 @@ def test_coalesce_fetches_each_chunk_once_within_bounds(case: tuple[list[ChunkEn
             first = min(nxt.chunks, key=lambda c: c.offset)
             assert (first.offset - (prev.start + prev.length) > max_gap
                     or first.offset + first.length - prev.start > max_bytes)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_grid_index_answers_like_the_scan(data: st.DataObject) -> None:
+    """A chunk table over a grid (empty cells where cuts repeat, as a manifest from another
+    writer may hold) is bisected: the same pairs as scanning its entries, for any query box
+    (empty ones, ones reaching past the array, each chunk's own), and the same read plans
+    with or without an index as the tuple of its entries."""
+    import dataclasses
+
+    from fastckpt.format.manifest import ChunkTable
+    from fastckpt.planning import GridIndex, leaf_index
+
+    shape = data.draw(shapes(max_rank=3, max_side=7))
+    cuts = [[0, *sorted(data.draw(st.lists(st.integers(0, n), max_size=3))), n] for n in shape]
+    n = math.prod(len(c) - 1 for c in cuts)
+    table = ChunkTable(cuts=cuts, boxes=None, keys=["obj/0", "obj/1"], object_index=np.arange(n) % 2,
+                       offsets=np.arange(n) * 1000, lengths=np.zeros(n, np.int64), codec="zstd",
+                       crc32c=np.arange(n, dtype=np.uint32), raw_crc32c=np.zeros(n, np.uint32), itemsize=8)
+    entries = tuple(table)
+    leaf = ArrayLeaf(path=(("d", "w"),), shape=shape, dtype="int64", chunks=table)
+    index = leaf_index(leaf)
+    assert isinstance(index, GridIndex)
+    wide = st.tuples(*[st.tuples(st.integers(-2, n + 2), st.integers(-2, n + 2)) for n in shape])
+    for _ in range(4):
+        box = data.draw(st.one_of(boxes_in(shape, allow_empty=True), st.sampled_from([c.box for c in entries]), wide))
+        assert index.overlapping(box) == [(c, o) for c in entries if (o := intersect(c.box, box)) is not None]
+        if not all(0 <= a <= b <= n for (a, b), n in zip(box, shape)):
+            continue
+        expected = plan_leaf_reads(dataclasses.replace(leaf, chunks=entries), box)
+        assert plan_leaf_reads(leaf, box) == expected == plan_leaf_reads(leaf, box, index=index)
+
+
+def test_grid_index_builds_only_the_entries_it_returns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planning one device's box of a leaf saved by 512 devices builds one entry, not 512,
+    and refuses a box of another rank like the scan does."""
+    from fastckpt.errors import ConfigError
+    from fastckpt.format.codec import decode_manifest, encode_manifest
+    from fastckpt.format.manifest import ChunkTable, Manifest
+    from fastckpt.planning import GridIndex, leaf_index
+
+    boxes = [((8 * i, 8 * i + 8), (4 * j, 4 * j + 4)) for i in range(64) for j in range(8)]
+    [leaf] = decode_manifest(encode_manifest(Manifest(step=1, leaves=(make_leaf((512, 32), boxes),)))).arrays()
+    built: list[int] = []
+    real = ChunkTable.__getitem__
+    monkeypatch.setattr(ChunkTable, "__getitem__", lambda self, i: built.append(i) or real(self, i))
+    [item] = plan_leaf_reads(leaf, boxes[77])
+    assert item.chunk.box == boxes[77] and built == [77]
+    assert [c.box for c, _ in leaf_index(leaf).overlapping(((4, 12), (0, 32)))] == boxes[:16]
+    with pytest.raises(ConfigError, match="rank"):
+        GridIndex(leaf.chunks).overlapping(((0, 2),))
+    with pytest.raises(ConfigError, match="grid"):
+        GridIndex(decode_manifest(encode_manifest(Manifest(step=1, leaves=(make_leaf((512, 32), boxes[::-1]),))))
+                  .arrays()[0].chunks)  # type: ignore[arg-type]
+    assert isinstance(leaf_index(make_leaf((512, 32), boxes)), ChunkIndex)
