@@ -120,21 +120,25 @@ class ChunkEntry:
     """crc32c of the raw (uncompressed) bytes; RAM tiers and peers verify against this."""
 
 
+_MAX_BUILT = 1 << 16  # entries a table keeps once built (a host's share of a leaf is far fewer)
+
+
 class ChunkTable(Sequence[ChunkEntry]):
     """One leaf's chunks as columns (how format 2 stores them); a :class:`ChunkEntry` is
     built only when asked for, so a host that restores 8 chunks of a leaf saved by 512
     devices builds 8 entries, not 512 (nor millions across a pod-scale tree).
 
-    Immutable, and equal to (hashing like) the tuple of its entries. Iterating builds every
-    entry afresh; callers that iterate often keep ``tuple(table)``. ``grid`` is the cuts
+    Immutable, and equal to (hashing like) the tuple of its entries. Entries asked for by
+    index are kept (a restore repeated from the same decoded manifest builds none);
+    iterating builds every entry afresh, so callers that iterate often keep ``tuple(table)``. ``grid`` is the cuts
     per dimension when the chunks are the cells of a grid in C order (entry ``i`` is cell
     ``numpy.unravel_index(i, cells)``), else None; planning bisects it instead of scanning.
     Built by the manifest codec from validated columns; constructing one by hand skips
     those checks.
     """
 
-    __slots__ = ("_boxes", "_cells", "_codec", "_crc", "_cuts", "_itemsize", "_keys", "_length", "_n", "_object",
-                 "_offset", "_raw_crc")
+    __slots__ = ("_boxes", "_built", "_cells", "_codec", "_crc", "_cuts", "_itemsize", "_keys", "_length", "_n",
+                 "_object", "_offset", "_raw_crc")
 
     def __init__(self, *, cuts: Sequence[Sequence[int]] | None, boxes: Sequence[Box] | None, keys: Sequence[str],
                  object_index: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, codec: Codec | Sequence[Codec],
@@ -149,6 +153,7 @@ class ChunkTable(Sequence[ChunkEntry]):
         self._n = math.prod(len(c) for c in self._cells) if self._cells is not None else len(self._boxes)  # type: ignore[arg-type]
         self._keys, self._object, self._offset, self._length = keys, object_index, offsets, lengths
         self._codec, self._crc, self._raw_crc, self._itemsize = codec, crc32c, raw_crc32c, itemsize
+        self._built: dict[int, ChunkEntry] = {}  # entries handed out by index, kept for the next restore
         if not all(len(col) == self._n for col in (object_index, offsets, lengths, crc32c, raw_crc32c)) or (
                 type(codec) is not str and len(codec) != self._n):
             raise ValueError(f"ChunkTable columns must have {self._n} entries")
@@ -176,6 +181,9 @@ class ChunkTable(Sequence[ChunkEntry]):
     @overload
     def __getitem__(self, i: slice) -> tuple[ChunkEntry, ...]: ...
     def __getitem__(self, i: int | slice) -> ChunkEntry | tuple[ChunkEntry, ...]:
+        hit = self._built.get(i) if type(i) is int else None  # type: ignore[arg-type]
+        if hit is not None:
+            return hit
         if isinstance(i, slice):
             return tuple(self[j] for j in range(*i.indices(self._n)))
         i = operator.index(i)
@@ -185,8 +193,11 @@ class ChunkTable(Sequence[ChunkEntry]):
             raise IndexError(f"chunk {i} of {self._n}")
         box = self.box(i)
         codec = self._codec if type(self._codec) is str else self._codec[i]
-        return ChunkEntry(box, self._keys[self._object[i]], int(self._offset[i]), int(self._length[i]),
-                          box_volume(box) * self._itemsize, codec, int(self._crc[i]), int(self._raw_crc[i]))  # type: ignore[arg-type]
+        entry = ChunkEntry(box, self._keys[self._object.item(i)], self._offset.item(i), self._length.item(i),
+                           box_volume(box) * self._itemsize, codec, self._crc.item(i), self._raw_crc.item(i))  # type: ignore[arg-type]
+        if len(self._built) < _MAX_BUILT:
+            self._built[i] = entry
+        return entry
 
     def __iter__(self) -> Iterator[ChunkEntry]:
         boxes: Sequence[Box] = list(itertools.product(*self._cells)) if self._cells is not None else self._boxes  # type: ignore[assignment]

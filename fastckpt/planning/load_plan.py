@@ -111,17 +111,21 @@ class GridIndex:
         if len(box) != len(self._cuts):
             raise ConfigError(f"rank mismatch: box {box} for a rank-{len(self._cuts)} grid")
         ranges = []
+        single = True
         for (lo, hi), cuts, count in zip(box, self._cuts, self._counts):
             # cells k with cuts[k] < hi and cuts[k + 1] > lo (empty ones drop out below)
             first = max(bisect.bisect_right(cuts, lo) - 1, 0)
-            ranges.append(range(first, min(bisect.bisect_left(cuts, hi), count)))
+            stop = min(bisect.bisect_left(cuts, hi), count)
+            ranges.append(range(first, stop))
+            single = single and stop - first == 1
+        cells = (tuple(r.start for r in ranges),) if single else itertools.product(*ranges)
         out = []
-        for cell in itertools.product(*ranges):  # C order = the table's order
+        for cell in cells:  # C order = the table's order
             i = 0
             for k, count in zip(cell, self._counts):
                 i = i * count + k
             chunk = self._table[i]
-            overlap = intersect(chunk.box, box)
+            overlap = box if chunk.box == box else intersect(chunk.box, box)
             if overlap is not None:
                 out.append((chunk, overlap))
         return out
