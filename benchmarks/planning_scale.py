@@ -2,18 +2,24 @@
 
 Run ``python -m benchmarks.planning_scale [--quick]``. On a pod, a leaf saved by N devices
 has N chunks and a state has thousands of leaves; the costs that grow with them, not with
-bytes, decide how long a restore takes before any data moves. Four parts, each reported
+bytes, decide how long a restore takes before any data moves. Five parts, each reported
 side by side in one run:
 
 1. **Read planning** (pure, no devices): planning one host's 8 destination boxes of one
    leaf against N stored chunks, by scanning every chunk per box (``plan_leaf_reads``
    without an index) and through one :class:`~fastckpt.planning.ChunkIndex` per leaf (what
-   the reader does), same mesh and a 4 -> 3 reshard; ms per leaf and the ratio.
+   the reader does for format 1) and through a :class:`~fastckpt.planning.GridIndex` of the
+   leaf decoded from format 2 (what it does now), same mesh and a 4 -> 3 reshard; ms per
+   leaf and the ratios.
 2. **Manifest codec**: encode and decode a manifest of L leaves x N chunks in format 1 (an
    object per chunk) and format 2 (a chunk table per leaf); microseconds and bytes per chunk.
 3. **Commit on process 0**: merging P processes' fragments of L leaves x N chunks into the
    manifest (``writer.merge``, column by column), as every persistent and RAM checkpoint does.
-4. **Own-RAM restore vs leaf count**: RAM-only saves and own-RAM restores of states made of
+4. **A restoring host**: decoding the manifest and planning one host's 8 units of every
+   leaf, format 1 (an entry per chunk, a ChunkIndex per leaf) beside format 2 (chunk tables
+   whose entries are built on access, bisected by a :class:`~fastckpt.planning.GridIndex`);
+   seconds, microseconds per chunk of the manifest, and the decoded manifest's memory.
+5. **Own-RAM restore vs leaf count**: RAM-only saves and own-RAM restores of states made of
    many small leaves (128 KiB, 8 shards each) on 8 CPU devices; ms per leaf for the
    blocking part of ``save()`` and for ``restore()``.
 
@@ -85,12 +91,16 @@ def _best(fn: Any, reps: int) -> float:
 
 
 def run_planning(chunk_counts: list[int], reps: int) -> list[dict[str, Any]]:
-    from fastckpt.planning import ChunkIndex, plan_leaf_reads
+    from fastckpt.format.codec import decode_manifest, encode_manifest
+    from fastckpt.format.manifest import Manifest
+    from fastckpt.planning import ChunkIndex, GridIndex, leaf_index, plan_leaf_reads
 
     out = []
     for n in chunk_counts:
         grid = _grid(n)
         leaf = _leaf(0, grid)
+        [table_leaf] = decode_manifest(encode_manifest(Manifest(step=1, leaves=(leaf,)))).arrays()  # format 2
+        assert isinstance(leaf_index(table_leaf), GridIndex)
         for layout, dst_grid in (("same mesh", grid), ("4 -> 3 reshard", (max(1, grid[0] * 3 // 4), grid[1]))):
             boxes = _host_boxes(dst_grid)
 
@@ -103,13 +113,18 @@ def run_planning(chunk_counts: list[int], reps: int) -> list[dict[str, Any]]:
                 for b in boxes:
                     plan_leaf_reads(leaf, b, index=index)
 
+            def gridded() -> None:
+                index = leaf_index(table_leaf)
+                for b in boxes:
+                    plan_leaf_reads(table_leaf, b, index=index)
+
             assert [plan_leaf_reads(leaf, b) for b in boxes] == [plan_leaf_reads(leaf, b, index=ChunkIndex(
-                leaf.chunks)) for b in boxes]
-            s, i = _best(scan, reps), _best(indexed, reps)
+                leaf.chunks)) for b in boxes] == [plan_leaf_reads(table_leaf, b) for b in boxes]
+            s, i, g = _best(scan, reps), _best(indexed, reps), _best(gridded, reps)
             out.append({"chunks": n, "layout": layout, "units": len(boxes), "scan_ms": 1e3 * s, "index_ms": 1e3 * i,
-                        "speedup": s / i})
-            print(f"[planning] {n} chunks, {layout}: scan {1e3 * s:.3f} ms, index {1e3 * i:.3f} ms per leaf",
-                  file=sys.stderr, flush=True)
+                        "speedup": s / i, "grid_ms": 1e3 * g, "grid_speedup": s / g})
+            print(f"[planning] {n} chunks, {layout}: scan {1e3 * s:.3f} ms, index {1e3 * i:.3f} ms, "
+                  f"grid {1e3 * g:.3f} ms per leaf", file=sys.stderr, flush=True)
     return out
 
 
@@ -169,6 +184,52 @@ def _merge_case(leaves: int, n: int, reps: int) -> dict[str, Any]:
             "merge_us_per_chunk": 1e6 * ram / total, "merge_validate_us_per_chunk": 1e6 * persist / total}
 
 
+def _host_case(leaves: int, n: int, version: int, reps: int) -> dict[str, Any]:
+    import tracemalloc
+
+    from fastckpt.format.codec import decode_manifest, encode_manifest
+    from fastckpt.format.manifest import Manifest
+    from fastckpt.planning import leaf_index, plan_leaf_reads
+
+    grid = _grid(n)
+    data = encode_manifest(Manifest(step=1, leaves=tuple(_leaf(k, grid) for k in range(leaves)),
+                                    num_processes=grid[0], format_version=version))
+    boxes = _host_boxes(grid)  # host 0's 8 devices, same mesh, as in part 1
+    gc.collect()
+    tracemalloc.start()
+    m = decode_manifest(data)
+    held = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    del m
+    gc.collect()
+
+    def decode() -> Any:
+        return decode_manifest(data)
+
+    def plan(m: Any) -> int:
+        items = 0
+        for a in m.arrays():  # what each LeafFiller does: one index per leaf, the host's units
+            index = leaf_index(a)
+            items += sum(len(plan_leaf_reads(a, b, index=index)) for b in boxes)
+        return items
+
+    m = decode()
+    assert plan(m) == leaves * len(boxes)
+    dec, pl = _best(decode, reps), _best(lambda: plan(m), reps)
+    total = leaves * n
+    print(f"[host] format {version}, {leaves} x {n} chunks: decode {dec:.3f} s, plan {pl:.3f} s, "
+          f"held {held / MiB:.0f} MiB", file=sys.stderr, flush=True)
+    return {"format": version, "leaves": leaves, "chunks_per_leaf": n, "chunks": total, "decode_s": dec, "plan_s": pl,
+            "total_s": dec + pl, "us_per_chunk": 1e6 * (dec + pl) / total, "held_bytes": held,
+            "held_bytes_per_chunk": held / total}
+
+
+def run_host(cases: list[tuple[int, int]], reps: int) -> list[dict[str, Any]]:
+    """A restoring host's work before data moves: decode the manifest, plan its 8 units of
+    every leaf; format 1 (entries + ChunkIndex) beside format 2 (chunk tables + GridIndex)."""
+    return [_host_case(leaves, n, v, reps) for leaves, n in cases for v in (1, 2)]
+
+
 def run_merge(cases: list[tuple[int, int]], reps: int) -> list[dict[str, Any]]:
     """Process 0's part of a commit: merge every process's fragment into the manifest."""
     return [_merge_case(leaves, n, reps) for leaves, n in cases]
@@ -222,9 +283,17 @@ def run_leaves(leaf_counts: list[int], reps: int, shm: Path) -> list[dict[str, A
     return out
 
 
+def _f(x: float | None, fmt: str) -> str:
+    return "" if x is None else fmt.format(x)
+
+
 def render(doc: dict[str, Any]) -> str:
     plan_rows = [[r["chunks"], r["layout"], r["units"], f"{r['scan_ms']:.3f}", f"{r['index_ms']:.3f}",
-                  f"{r['speedup']:.1f}x"] for r in doc["planning"]]
+                  f"{r['speedup']:.1f}x", _f(r.get("grid_ms"), "{:.3f}"), _f(r.get("grid_speedup"), "{:.1f}x")]
+                 for r in doc["planning"]]
+    host_rows = [[f"{r['leaves']} x {r['chunks_per_leaf']}", r["chunks"], r["format"], f"{r['decode_s']:.3f}",
+                  f"{r['plan_s']:.3f}", f"{r['total_s']:.3f}", f"{r['us_per_chunk']:.2f}",
+                  f"{r['held_bytes'] / MiB:.1f}", f"{r['held_bytes_per_chunk']:.0f}"] for r in doc.get("host", [])]
     codec_rows = [[f"{r['leaves']} x {r['chunks_per_leaf']}", r["chunks"], r["format"], f"{r['bytes'] / MiB:.1f}",
                    f"{r['bytes_per_chunk']:.0f}", f"{r['encode_s']:.2f}", f"{r['decode_s']:.2f}",
                    f"{r['encode_us_per_chunk']:.1f}", f"{r['decode_us_per_chunk']:.1f}"] for r in doc["codec"]]
@@ -241,7 +310,8 @@ def render(doc: dict[str, Any]) -> str:
         f"`python -m benchmarks.planning_scale{' --quick' if meta['quick'] else ''}`, {meta['date']} "
         f"(git {meta['git']}), 2 CPUs. Best of {meta['reps']} for the pure parts.",
         "## Read planning: one host's 8 boxes of one leaf (8192 x 1024 f32) against N stored chunks",
-        markdown_table(["chunks", "layout", "boxes", "scan (ms/leaf)", "ChunkIndex (ms/leaf)", "speedup"], plan_rows),
+        markdown_table(["chunks", "layout", "boxes", "scan (ms/leaf)", "ChunkIndex (ms/leaf)", "speedup",
+                        "GridIndex, format 2 (ms/leaf)", "speedup"], plan_rows),
         "## Manifest codec, format 1 (an object per chunk) vs 2 (a chunk table per leaf): raw chunks, 2-d grid",
         markdown_table(["leaves x chunks", "chunks", "format", "MiB", "bytes/chunk", "encode s", "decode s", "encode us/chunk",
                         "decode us/chunk"], codec_rows),
@@ -249,6 +319,12 @@ def render(doc: dict[str, Any]) -> str:
         markdown_table(["processes", "leaves x chunks", "chunks", "fragment bytes/chunk", "fragment encode us/chunk",
                         "merge + encode s (RAM step)", "us/chunk", "+ validating decode s (persistent)", "us/chunk"],
                        merge_rows),
+        "## A restoring host before data moves: decode the manifest, plan its 8 units of every leaf",
+        "Format 1 decodes to one entry per chunk and plans through a ChunkIndex per leaf; format 2 "
+        "to chunk tables (entries built on access) planned by bisecting the grid. `held` is the "
+        "decoded manifest's memory (tracemalloc).",
+        markdown_table(["leaves x chunks", "chunks", "format", "decode s", "plan s", "total s", "us/chunk",
+                        "held MiB", "held bytes/chunk"], host_rows),
         "## Own-RAM save and restore vs leaf count (128 KiB leaves, 8 shards each, 8 CPU devices)",
         markdown_table(["leaves", "MiB", "save() blocks s", "ms/leaf", "restore s (median)", "first restore s",
                         "ms/leaf"], leaf_rows),
@@ -259,7 +335,8 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     same = [r for r in doc["planning"] if r["layout"] == "same mesh"]
     bar_chart(path, title="Per-leaf and per-chunk costs at scale", ncols=2, panels=[
         {"title": "read planning, same mesh (ms per leaf)", "ylabel": "ms", "groups": [str(r["chunks"]) for r in same],
-         "series": {"scan": [r["scan_ms"] for r in same], "ChunkIndex": [r["index_ms"] for r in same]}},
+         "series": {"scan": [r["scan_ms"] for r in same], "ChunkIndex": [r["index_ms"] for r in same],
+                    "GridIndex": [r.get("grid_ms") or 0.0 for r in same]}},
         {"title": "manifest decode (us per chunk)", "ylabel": "us",
          "groups": [str(r["chunks"]) for r in doc["codec"] if r["format"] == 2],
          "series": {f"format {v} {what}": [r[f"{what}_us_per_chunk"] for r in doc["codec"] if r["format"] == v]
@@ -295,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     # in this process, the same restores measured ~10-20% slower.
     leaves = run_leaves(leaf_counts, reps, args.shm_dir)
     doc = {"meta": meta, "planning": run_planning(chunk_counts, reps), "codec": run_codec(codec_cases, max(2, reps // 2)),
-           "merge": run_merge(codec_cases, max(2, reps // 2)), "leaves": leaves}
+           "merge": run_merge(codec_cases, max(2, reps // 2)), "host": run_host(codec_cases, max(2, reps // 2)),
+           "leaves": leaves}
     name = "planning_scale_quick" if args.quick else "planning_scale"
     write_json(args.results_dir / f"{name}.json", doc)
     (args.results_dir / f"{name}.md").write_text(render(doc))

@@ -7,6 +7,7 @@ from fastckpt.format.manifest import (
     ArrayLeaf as ArrayLeaf,
     Box as Box,
     ChunkEntry as ChunkEntry,
+    ChunkTable as ChunkTable,
     KeyPath as KeyPath,
     Leaf as Leaf,
     Manifest as Manifest,
