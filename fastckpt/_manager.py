@@ -188,12 +188,14 @@ class CheckpointManager:
             raw_crcs = staged_crc32c(staged, self._workers, jobs=self._threads)
             chunks = ram_chunk_entries(staged, raw_crcs, step)
             self._ram.seal(step, staged, chunks)
+            ram = self._ram
             manifest = exchange_ram_manifest(
                 coord=self.coordinator, ns=f"{self._ns}/{seq}", step=step, staged=staged, chunks=chunks,
                 timeout_s=self.options.distributed.barrier_timeout_s,
                 metadata={**metadata, "fastckpt_tier": "ram"}, writer_version=_VERSION,
+                hold=lambda data: ram.hold_manifest(step, data), broadcast=ram.broadcast_manifest,
             )
-            self._ram.publish(step, manifest)
+            ram.publish(step, manifest)
         except BaseException:
             self._ram.abort()
             raise

@@ -28,6 +28,7 @@ __all__ = ["ChunkLocation", "RamBudgetError", "Segment", "close_map", "create_se
 INDEX_SUFFIX = ".index.json"
 DATA_SUFFIX = ".data"
 MANIFEST = "manifest.json"
+COMMIT = "commit.json"  # a step committed here whose manifest other hosts hold
 INDEX_VERSION = 1
 
 
@@ -194,11 +195,13 @@ class Sealed:
 
 @dataclasses.dataclass
 class StepState:
-    """What a tier holds for one step: sealed segments, chunk index, manifest size."""
+    """What a tier holds for one step: sealed segments, chunk index, manifest size, and
+    whether the step is committed (a manifest or a commit record is stored)."""
 
     segments: dict[str, Sealed] = dataclasses.field(default_factory=dict)
     chunks: dict[str, tuple[Sealed, ChunkLocation]] = dataclasses.field(default_factory=dict)
     manifest_bytes: int | None = None
+    committed: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -288,10 +291,13 @@ def scan_root(root: Path, *, recycle: bool) -> tuple[dict[Path, int], dict[int, 
                 load_index(st, p)
             elif p.name == MANIFEST:
                 st.manifest_bytes = p.stat().st_size
+                st.committed = True
+            elif p.name == COMMIT:
+                st.committed = True
         for p in d.iterdir():  # data without index, partial temp files: crash debris
-            if p.name != MANIFEST and not p.name.endswith(INDEX_SUFFIX) and p.name not in st.segments:
+            if p.name not in (MANIFEST, COMMIT) and not p.name.endswith(INDEX_SUFFIX) and p.name not in st.segments:
                 unlink(p)
-        if st.segments or st.manifest_bytes is not None:
+        if st.segments or st.committed:
             steps[step] = st
         else:
             shutil.rmtree(d, ignore_errors=True)

@@ -323,10 +323,14 @@ class PeerClient:
         return self._step_list("steps")
 
     def committed_steps(self) -> list[int]:
-        """Sorted steps the peer holds a manifest for (committed RAM steps)."""
+        """Sorted steps committed on the peer (it holds their manifest or a commit record)."""
         return self._step_list("committed")
 
-    def _step_list(self, field: Literal["steps", "committed"]) -> list[int]:
+    def manifest_steps(self) -> list[int]:
+        """Sorted steps whose manifest the peer holds."""
+        return self._step_list("manifests")
+
+    def _step_list(self, field: Literal["steps", "committed", "manifests"]) -> list[int]:
         def op(c: _Conn) -> list[int]:
             wire.send_frame(c.sock, MsgType.STEPS, {})
             _, h, _ = self._reply(c, MsgType.STEP_LIST, missing_ok=False)

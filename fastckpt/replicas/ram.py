@@ -10,6 +10,8 @@ not the host. Layout (see ``docs/replicas.md``)::
     <root>/step-<N>/<seg>.data          a sealed segment: raw chunk bytes
     <root>/step-<N>/<seg>.index.json    its index; written last, its existence is the seal
     <root>/step-<N>/manifest.json       the step's global manifest (marks it committed)
+    <root>/step-<N>/commit.json         or only a commit record: the step is committed, its
+                                        manifest is held by other hosts (a multi-host RAM step)
 
 Guarantees:
 
@@ -18,7 +20,8 @@ Guarantees:
   deletes temp files and data files without an index.
 * Bytes held (sealed segments, manifests, unsealed allocations, spares) never exceed
   ``budget_bytes``.
-* Retention: the newest ``keep_steps`` committed steps (those with a manifest) are kept, and
+* Retention: the newest ``keep_steps`` committed steps (those with a manifest or a commit
+  record) are kept, and
   with ``replicated=True`` one more: every host commits step N together but pushes it to
   its peers later, so a host lost in between leaves only N-1 complete across the survivors
   (the manager waits for its previous push before staging a RAM step,
@@ -28,7 +31,8 @@ Guarantees:
   S, oldest first.
 
 Call sequence for a save: ``seg = allocate(step, n)`` → fill ``seg.buffer`` →
-``seal(step, seg, index)`` (or ``discard(seg)``) → later ``put_manifest(step, manifest)``.
+``seal(step, seg, index)`` (or ``discard(seg)``) → later ``put_manifest(step, manifest)``
+(or ``mark_committed(step)``).
 
 Hazard: a budget below ``(keep_steps + 2) *`` one step's footprint (own chunks plus replicas
 held for peers; ``keep_steps + 1`` without ``replicated``) makes a new save evict a committed
@@ -54,6 +58,7 @@ from fastckpt.errors import ChecksumMismatchError, ConfigError, FastckptError
 from fastckpt.replicas._shm import (
     DATA_SUFFIX,
     INDEX_SUFFIX,
+    COMMIT,
     MANIFEST,
     ChunkLocation,
     RamBudgetError,
@@ -288,19 +293,35 @@ class RamTier:
         Retention runs afterwards (module docstring): steps older than the newest
         ``keep_steps`` committed ones (one more when ``replicated``) are dropped.
         """
-        data = bytes(data)
+        self._commit(step, MANIFEST, bytes(data))
+
+    def mark_committed(self, step: int) -> None:
+        """Mark ``step`` committed without storing its manifest (atomic; retention as
+        :meth:`put_manifest`): for a multi-host RAM step whose manifest the hosts that built
+        or received it hold, so that it does not travel to every host at every checkpoint.
+        :meth:`get_manifest` stays None unless the manifest arrives later (a push)."""
+        self._commit(step, COMMIT, b'{"committed": true}')
+
+    def _commit(self, step: int, name: str, data: bytes) -> None:
         with self._lock:
             self._check_open()
             floor = self._retention_floor()
             if floor is not None and step < floor:
                 raise StaleStepError(f"step {step} is older than the retained committed step {floor}")
             st = self._steps.get(step)
+            is_manifest = name == MANIFEST
+            if st is not None and st.committed and not is_manifest:
+                return  # committed already (a manifest, or the record, is there)
             old = (st.manifest_bytes or 0) if st else 0
-            self._make_room(len(data) - old, for_step=step)
+            self._make_room((len(data) - old) if is_manifest else 0, for_step=step)
             d = self.root / f"step-{step}"
             d.mkdir(exist_ok=True, mode=0o700)
-            atomic_write(d / MANIFEST, data)
-            self._steps.setdefault(step, StepState()).manifest_bytes = len(data)
+            atomic_write(d / name, data)
+            st = self._steps.setdefault(step, StepState())
+            st.committed = True
+            if is_manifest:
+                st.manifest_bytes = len(data)
+                unlink(d / COMMIT)  # the manifest marks it now
             self._apply_retention()
 
     def drop_step(self, step: int) -> None:
@@ -319,6 +340,7 @@ class RamTier:
             for seg in st.segments.values():
                 unlink(seg.index_path)
             unlink(self.root / f"step-{step}" / MANIFEST)
+            unlink(self.root / f"step-{step}" / COMMIT)
             for seg in st.segments.values():
                 keep = recycle and seg.nbytes >= _MIN_RECYCLE_BYTES and len(self._spares) < _MAX_SPARES
                 mm = seg.detach_writable() if keep else None
@@ -439,7 +461,12 @@ class RamTier:
             return sorted(self._steps)
 
     def committed_steps(self) -> list[int]:
-        """Steps holding a manifest, sorted."""
+        """Committed steps (holding a manifest or a commit record), sorted."""
+        with self._lock:
+            return sorted(s for s, st in self._steps.items() if st.committed)
+
+    def manifest_steps(self) -> list[int]:
+        """Steps whose manifest this tier holds, sorted."""
         with self._lock:
             return sorted(s for s, st in self._steps.items() if st.manifest_bytes is not None)
 
@@ -469,7 +496,7 @@ class RamTier:
         return sum(st.nbytes for st in self._steps.values()) + self._reserved + sum(self._spares.values())
 
     def _retention_floor(self) -> int | None:
-        committed = sorted(s for s, st in self._steps.items() if st.manifest_bytes is not None)
+        committed = sorted(s for s, st in self._steps.items() if st.committed)
         return committed[-self._held_steps] if len(committed) >= self._held_steps else None
 
     def _apply_retention(self) -> None:

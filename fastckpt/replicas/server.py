@@ -237,7 +237,8 @@ class PeerServer:
                 return self._error(conn, "budget", str(e))
             wire.send_frame(conn, MsgType.OK, {"stored": True})
         elif mtype is MsgType.STEPS:
-            wire.send_frame(conn, MsgType.STEP_LIST, {"steps": tier.steps(), "committed": tier.committed_steps()})
+            wire.send_frame(conn, MsgType.STEP_LIST, {"steps": tier.steps(), "committed": tier.committed_steps(),
+                                                      "manifests": tier.manifest_steps()})
         else:
             raise ProtocolError(f"{mtype.name} is not a request")
         return True

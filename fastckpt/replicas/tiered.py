@@ -2,10 +2,11 @@
 
 Call order on a RAM save (all processes, SPMD): :meth:`RamReplication.allocate` (the staging
 buffer *is* the shared-memory segment) -> stage -> :meth:`seal` (own chunks visible, step not
-yet committed) -> the manifest exchange (a barrier: process 0 publishes the manifest only
-after every process sealed) -> :meth:`publish` (store the manifest, which commits the step
-and lets retention drop older RAM steps; push own chunks + manifest to the ring successors
-in the background). On failure: :meth:`abort`. Because the manifest is stored only after
+yet committed) -> the manifest exchange (a barrier: process 0 builds the manifest only after
+every process sealed, stores it, :meth:`hold_manifest`, then tells the others) ->
+:meth:`publish` (commits the step — the manifest on process 0, and on every process when
+there is no peer service, else a commit record — and lets retention drop older RAM steps;
+push own chunks, and the manifest where held, to the ring successors in the background). On failure: :meth:`abort`. Because the manifest is stored only after
 every process sealed, a crash mid-save never leaves the job without a restorable RAM step. On restore: :meth:`select_step` (process 0 decides, everyone
 follows) -> :meth:`source` (own RAM, then every peer, per chunk).
 
@@ -68,6 +69,7 @@ class RamReplication:
         self._segment: Segment | None = None
         self._sealed_ids: list[str] = []
         self._decoded: dict[int, tuple[bytes, Manifest]] = {}
+        self._held: int | None = None  # the step whose manifest hold_manifest stored
         self._clients: dict[str, PeerClient] = {}
         self._server: PeerServer | None = None
         self._replicator: Replicator | None = None
@@ -125,9 +127,26 @@ class RamReplication:
         self.tier.seal(step, seg, index)
         self._sealed_ids = list(index)
 
-    def publish(self, step: int, manifest: bytes) -> None:
-        """Store the manifest (commits the RAM step here) and start the background peer push."""
-        self.tier.put_manifest(step, manifest)  # with peers the tier also holds the previous step
+    @property
+    def broadcast_manifest(self) -> bool:
+        """Whether every process must receive a RAM step's manifest at each checkpoint: only
+        without a peer service (no peer to fetch it from at restore). With one, process 0
+        holds it and pushes it to its ring successors; the others store a commit record."""
+        return self._server is None
+
+    def hold_manifest(self, step: int, manifest: bytes) -> None:
+        """Store the manifest this process built (process 0), before the others commit."""
+        self.tier.put_manifest(step, manifest)
+        self._held = step
+
+    def publish(self, step: int, manifest: bytes | None) -> None:
+        """Commit the RAM step here — store ``manifest`` (unless :meth:`hold_manifest` did),
+        or a commit record when it is None (held by other hosts) — and start the
+        background peer push (with the manifest, when this process has it)."""
+        if manifest is None:
+            self.tier.mark_committed(step)  # with peers the tier also holds the previous step
+        elif self._held != step:
+            self.tier.put_manifest(step, manifest)
         if self._replicator is None or self.options.replicas == 0:
             return
         peers = self._peers()
@@ -162,10 +181,14 @@ class RamReplication:
 
     # ------------------------------------------------------------------ restore
     def _manifest_anywhere(self, step: int) -> bytes | None:
+        """The manifest of RAM step ``step`` from the own tier, else from a peer that holds it
+        (process 0 and its ring successors, for a multi-host step): the peers are asked
+        which manifests they hold all at once, then the holders are read in turn."""
         data = self.tier.get_manifest(step)
         if data is not None:
             return data
-        for client in self._peers().values():
+        held = self._ask_peers(lambda c: (c, step in c.manifest_steps()))
+        for client in [c for c, has in held if has]:
             try:
                 data = client.get_manifest(step)
             except PeerError:

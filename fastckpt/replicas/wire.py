@@ -125,7 +125,8 @@ SCHEMAS: Mapping[MsgType, Mapping[str, str]] = {
     MsgType.MANIFEST: {},
     MsgType.PUT_MANIFEST: {"step": "u63"},
     MsgType.STEPS: {},
-    MsgType.STEP_LIST: {"steps": "u63[]", "committed": "u63[]"},
+    # ``committed``: steps with a manifest or a commit record; ``manifests``: with a manifest.
+    MsgType.STEP_LIST: {"steps": "u63[]", "committed": "u63[]", "manifests": "u63[]"},
     MsgType.OK: {"stored": "bool"},
     # Payload: a JSON array of ``count`` chunk ids (``ids_len`` bytes), then the chunks'
     # bytes back to back in that order; ``lengths[i]``/``crcs[i]`` describe chunk ``i``.

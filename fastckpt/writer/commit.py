@@ -173,6 +173,9 @@ def publish_and_commit(
     return manifest_bytes
 
 
+_HELD = "held by process 0"  # the RAM manifest record when it is not broadcast
+
+
 def fragments_for(keys: Sequence[str]) -> list[str]:
     """Fragment keys among ``keys`` (for gc)."""
     return [k for k in keys if k.endswith(".fragment.json")]
@@ -204,17 +207,27 @@ def exchange_ram_manifest(
     timeout_s: float,
     metadata: dict[str, object],
     writer_version: str,
-) -> bytes:
-    """Build the manifest of a RAM-only step on every process, through the coordinator.
+    hold: Callable[[bytes], None],
+    broadcast: bool = True,
+) -> bytes | None:
+    """Build the manifest of a RAM-only step through the coordinator; returns it (or None).
 
-    Each process publishes its fragment under ``<ns>/ramfrag/<i>``; process 0 merges them
-    and publishes the encoded manifest under ``<ns>/rammanifest``; every process returns
-    those bytes. Bounded by ``timeout_s`` (``BarrierTimeoutError``).
+    Each process publishes its fragment under ``<ns>/ramfrag/<i>``; process 0 merges them,
+    calls ``hold(manifest)`` (stores it in its RAM tier) and only then tells the others
+    under ``<ns>/rammanifest``, so the manifest exists before any process counts the step
+    as committed. With ``broadcast`` the record is the manifest itself and every process
+    returns it (each must hold it: there is no peer to fetch it from); without, the record
+    is a few bytes, process 0 returns the manifest and the others None: the manifest then
+    reaches process 0's ring successors with its push, and a restore fetches it from any
+    peer holding it, instead of every RAM checkpoint moving (processes x manifest) bytes
+    through the coordinator. Bounded by ``timeout_s`` (``BarrierTimeoutError``).
     """
     idx, n = coord.process_index, coord.process_count
     if n == 1:
-        return build_manifest(step=step, staged=staged, fragments=[encode_fragment(staged, chunks, 0)], num_processes=1,
-                              metadata=metadata, writer_version=writer_version, validate=False)
+        data = build_manifest(step=step, staged=staged, fragments=[encode_fragment(staged, chunks, 0)],
+                              num_processes=1, metadata=metadata, writer_version=writer_version, validate=False)
+        hold(data)
+        return data
     deadline = time.monotonic() + timeout_s
     coord.set(f"{ns}/ramfrag/{idx}", encode_fragment(staged, chunks, idx).decode())
     if idx == 0:
@@ -222,6 +235,10 @@ def exchange_ram_manifest(
                      for i in range(n)]
         data = build_manifest(step=step, staged=staged, fragments=fragments, num_processes=n,
                               metadata=metadata, writer_version=writer_version, validate=False)
-        coord.set(f"{ns}/rammanifest", data.decode())
+        hold(data)
+        coord.set(f"{ns}/rammanifest", data.decode() if broadcast else _HELD)
         return data
-    return coord.get(f"{ns}/rammanifest", timeout_s=max(0.001, deadline - time.monotonic())).encode()
+    record = coord.get(f"{ns}/rammanifest", timeout_s=max(0.001, deadline - time.monotonic()))
+    if record == _HELD:
+        return None
+    return record.encode()

@@ -67,7 +67,9 @@ def test_get_list_manifest_steps_bit_exact(served) -> None:  # type: ignore[no-u
         assert c.get_manifest(1) == b'{"manifest": 1}' and c.get_manifest(2) is None
         assert c.steps() == [1] and c.committed_steps() == [1]
         seal_chunks(tier, 2, fill(2, {"x": 10}))  # sealed, not committed
-        assert c.steps() == [1, 2] and c.committed_steps() == [1]
+        assert c.steps() == [1, 2] and c.committed_steps() == [1] and c.manifest_steps() == [1]
+        tier.mark_committed(2)  # committed here, its manifest held elsewhere (retention drops step 1)
+        assert c.committed_steps() == [2] and c.manifest_steps() == [] and c.get_manifest(2) is None
         assert c.handshakes == 1  # one pooled connection served every call
         with pytest.raises(ConfigError):  # a caller bug, not a peer failure
             c.get_chunk(1, "")

@@ -327,3 +327,39 @@ def test_same_size_spare_reuses_its_mapping_unless_viewed(make_tier: MakeTier) -
         seal_chunks(tier, step, fill(step, {"a": 4 * mib}))
         tier.put_manifest(step, b"m")
     assert view is not None and bytes(view) == data.tobytes()
+
+
+def test_a_commit_record_commits_without_a_manifest(make_tier: MakeTier, shm_dir: Path) -> None:
+    """``mark_committed`` (a multi-host RAM step whose manifest other hosts hold) counts as
+    committed for listing and retention, across a reopen; a manifest arriving later (the
+    push of the host that holds it) replaces the record; dropping removes both."""
+    tier = make_tier(keep_steps=1)
+    for step in (1, 2):
+        seal_chunks(tier, step, fill(step, {"a": 100}))
+        tier.mark_committed(step)
+    tier.mark_committed(2)  # idempotent
+    assert tier.steps() == [2] and tier.committed_steps() == [2] and tier.get_manifest(2) is None
+    d = shm_dir / "t0" / "step-2"
+    assert sorted(p.name for p in d.iterdir() if not p.name.endswith((".data", ".index.json"))) == ["commit.json"]
+    with pytest.raises(StaleStepError):
+        tier.mark_committed(1)
+    seal_chunks(tier, 3, fill(3, {"a": 100}))
+    tier.put_manifest(3, b'{"step": 3}')  # the manifest came with the push
+    tier.mark_committed(3)  # the record after it changes nothing
+    assert (d.parent / "step-3" / "manifest.json").exists() and not (d.parent / "step-3" / "commit.json").exists()
+    assert tier.committed_steps() == [3] and not d.exists()
+    seal_chunks(tier, 4, fill(4, {"a": 100}))
+    tier.mark_committed(4)
+    tier.put_manifest(4, b'{"step": 4}')
+    assert not (d.parent / "step-4" / "commit.json").exists() and tier.get_manifest(4) == b'{"step": 4}'
+    seal_chunks(tier, 5, fill(5, {"a": 100}))
+    tier.mark_committed(5)
+    tier.close()
+    again = RamTier(shm_dir / "t0", budget_bytes=1 << 20, keep_steps=1)
+    try:
+        assert again.committed_steps() == [5] and again.get_manifest(5) is None
+        assert bytes(again.get_chunk(5, "a", verify=True)) == fill(5, {"a": 100})["a"].tobytes()  # type: ignore[arg-type]
+        again.drop_step(5)
+        assert not (shm_dir / "t0" / "step-5").exists() and again.committed_steps() == []
+    finally:
+        again.close()

@@ -32,7 +32,7 @@ VALID: list[tuple[MsgType, dict[str, Any], bytes]] = [
     (MsgType.MANIFEST, {}, b"{}"),
     (MsgType.PUT_MANIFEST, {"step": 1}, b"{}"),
     (MsgType.STEPS, {}, b""),
-    (MsgType.STEP_LIST, {"steps": [1, 2], "committed": []}, b""),
+    (MsgType.STEP_LIST, {"steps": [1, 2], "committed": [2], "manifests": []}, b""),
     (MsgType.OK, {"stored": False}, b""),
     (MsgType.GET_CHUNKS, {"step": 3, "count": 2}, b'["a","p[\'w\']@0:4"]'),
     (MsgType.CHUNKS, {"lengths": [3, 0, 1], "crcs": [7, 0, 2**32 - 1], "missing": [1]}, b"abcd"),

@@ -170,6 +170,13 @@ def test_training_job_lost_a_host_after_replicating(saved_job: SavedJob) -> None
     assert sorted(p.name for p in saved_job.tiers.iterdir()) == ["host0", "host1", "host3"]
     for tier in saved_job.tiers.iterdir():  # the last two RAM steps, nothing older
         assert sorted(p.name for p in tier.glob("step-*")) == [f"step-{s}" for s in w.RAM_STEPS[-2:]], tier
+    # A RAM step's manifest is held by process 0 (host0), which built it, and by its ring
+    # successor (host1), which its push reached; host3 holds a commit record only: the
+    # manifest did not go to every process through the coordinator.
+    for host, holds in (("host0", True), ("host1", True), ("host3", False)):
+        for s in w.RAM_STEPS[-2:]:
+            d = saved_job.tiers / host / f"step-{s}"
+            assert ((d / "manifest.json").exists(), (d / "commit.json").exists()) == (holds, not holds), (host, s)
 
 
 def test_restore_after_host_loss_same_size(saved_job: SavedJob, shm_dir: Path) -> None:
@@ -203,9 +210,11 @@ def test_restore_after_host_loss_same_size(saved_job: SavedJob, shm_dir: Path) -
 
 
 def test_restore_after_host_loss_onto_three_hosts(saved_job: SavedJob, shm_dir: Path) -> None:
-    """New 3-process job (3 x 2 mesh) on the surviving hosts: everything is still in RAM."""
+    """New 3-process job (3 x 2 mesh) on the surviving hosts: everything is still in RAM.
+    Process 0 of the new job is host3, whose tier holds commit records but no manifest: it
+    chooses the step with the manifest fetched from a peer that holds it."""
     tiers = _copy_tiers(saved_job, shm_dir / "tiers")
-    results = _restore(tiers, saved_job.persist_root, [0, 1, 3], "resize3x2")
+    results = _restore(tiers, saved_job.persist_root, [3, 0, 1], "resize3x2")
     _assert_ram_only_restore(results, saved_job)
     for r in results:
         assert r["fallbacks"] == [] and r["dead_peers"] == [], r
