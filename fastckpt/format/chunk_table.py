@@ -213,7 +213,8 @@ def decode_chunk_table(
             bad &= np.array([c == "raw" for c in codecs], bool)
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
-            fail(f"{what}.length[{i}]: raw chunk length {int(lengths[i])} != box volume x itemsize {int(raw_lengths[i])}")
+            fail(f"{what}.length[{i}]: raw chunk length {int(lengths[i])} != box volume x itemsize "
+                 f"{int(raw_lengths[i])}")
     return ChunkTable(cuts=cuts, boxes=listed, keys=objects, object_index=index, offsets=offsets, lengths=lengths,
                       codec=codec if type(codec) is str else tuple(codecs), crc32c=crcs, raw_crc32c=raw_crcs,
                       itemsize=itemsize)

@@ -150,7 +150,10 @@ class ChunkTable(Sequence[ChunkEntry]):
         self._cuts = None if cuts is None else tuple(tuple(int(v) for v in c) for c in cuts)
         self._cells = None if self._cuts is None else tuple(tuple(zip(c[:-1], c[1:])) for c in self._cuts)
         self._boxes = None if boxes is None else tuple(boxes)
-        self._n = math.prod(len(c) for c in self._cells) if self._cells is not None else len(self._boxes)  # type: ignore[arg-type]
+        if self._cells is not None:
+            self._n = math.prod(len(c) for c in self._cells)
+        else:
+            self._n = len(self._boxes)  # type: ignore[arg-type]
         self._keys, self._object, self._offset, self._length = keys, object_index, offsets, lengths
         self._codec, self._crc, self._raw_crc, self._itemsize = codec, crc32c, raw_crc32c, itemsize
         self._built: dict[int, ChunkEntry] = {}  # entries handed out by index, kept for the next restore
@@ -200,7 +203,8 @@ class ChunkTable(Sequence[ChunkEntry]):
         return entry
 
     def __iter__(self) -> Iterator[ChunkEntry]:
-        boxes: Sequence[Box] = list(itertools.product(*self._cells)) if self._cells is not None else self._boxes  # type: ignore[assignment]
+        boxes: Sequence[Box] = (  # type: ignore[assignment]
+            list(itertools.product(*self._cells)) if self._cells is not None else self._boxes)
         keys, isz = self._keys, self._itemsize
         codecs: Any = itertools.repeat(self._codec, self._n) if type(self._codec) is str else self._codec
         return map(ChunkEntry, boxes, [keys[k] for k in self._object.tolist()], self._offset.tolist(),
@@ -232,7 +236,8 @@ class ChunkTable(Sequence[ChunkEntry]):
         return hash(tuple(self))
 
     def __repr__(self) -> str:
-        return f"ChunkTable({self._n} chunks, {'grid ' + repr(self._cuts) if self._cuts is not None else 'listed boxes'})"
+        boxes = f"grid {self._cuts!r}" if self._cuts is not None else "listed boxes"
+        return f"ChunkTable({self._n} chunks, {boxes})"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

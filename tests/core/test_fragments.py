@@ -203,7 +203,8 @@ def test_ram_manifest_exchange_holds_before_announcing_and_broadcasts_only_when_
     def process(i: int) -> bytes | None:
         per = len(w.chunks) // 4
         return exchange_ram_manifest(
-            coord=_ThreadJob(kv, cond, i, 4), ns="ns", step=5, staged=staged, chunks={0: list(w.chunks[i * per:(i + 1) * per])},
+            coord=_ThreadJob(kv, cond, i, 4), ns="ns", step=5, staged=staged,
+            chunks={0: list(w.chunks[i * per:(i + 1) * per])},
             timeout_s=30, metadata={}, writer_version="test", broadcast=broadcast,
             hold=lambda data: held.append((i, data, "ns/rammanifest" in kv)))
 
