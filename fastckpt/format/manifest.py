@@ -130,11 +130,11 @@ class ChunkTable(Sequence[ChunkEntry]):
 
     Immutable, and equal to (hashing like) the tuple of its entries. Entries asked for by
     index are kept (a restore repeated from the same decoded manifest builds none);
-    iterating builds every entry afresh, so callers that iterate often keep ``tuple(table)``. ``grid`` is the cuts
-    per dimension when the chunks are the cells of a grid in C order (entry ``i`` is cell
-    ``numpy.unravel_index(i, cells)``), else None; planning bisects it instead of scanning.
-    Built by the manifest codec from validated columns; constructing one by hand skips
-    those checks.
+    iterating builds every entry afresh, so callers that iterate often keep
+    ``tuple(table)``. ``grid`` is the cuts per dimension when the chunks are the cells of a
+    grid in C order (entry ``i`` is cell ``numpy.unravel_index(i, cells)``), else None;
+    planning bisects it instead of scanning. Built by the manifest codec from validated
+    columns; constructing one by hand skips those checks. Thread-safe to read.
     """
 
     __slots__ = ("_boxes", "_built", "_cells", "_codec", "_crc", "_cuts", "_itemsize", "_keys", "_length", "_n",

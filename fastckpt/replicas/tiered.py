@@ -6,9 +6,11 @@ yet committed) -> the manifest exchange (a barrier: process 0 builds the manifes
 every process sealed, stores it, :meth:`hold_manifest`, then tells the others) ->
 :meth:`publish` (commits the step — the manifest on process 0, and on every process when
 there is no peer service, else a commit record — and lets retention drop older RAM steps;
-push own chunks, and the manifest where held, to the ring successors in the background). On failure: :meth:`abort`. Because the manifest is stored only after
-every process sealed, a crash mid-save never leaves the job without a restorable RAM step. On restore: :meth:`select_step` (process 0 decides, everyone
-follows) -> :meth:`source` (own RAM, then every peer, per chunk).
+push own chunks, and the manifest where held, to the ring successors in the background).
+On failure: :meth:`abort`. Because the manifest is stored only after every process sealed,
+a crash mid-save never leaves the job without a restorable RAM step. On restore:
+:meth:`select_step` (process 0 decides, everyone follows; the manifest comes from the first
+tier holding it) -> :meth:`source` (own RAM, then every peer, per chunk).
 
 A RAM-only step is restorable while its chunks are complete across the reachable tiers:
 ``select_step`` checks the union of the chunk lists of own tier and peers against the
