@@ -202,9 +202,12 @@ class ChunkTable(Sequence[ChunkEntry]):
             self._built[i] = entry
         return entry
 
+    def boxes(self) -> Sequence[Box]:
+        """Every chunk's box, in order, without building entries."""
+        return list(itertools.product(*self._cells)) if self._cells is not None else self._boxes  # type: ignore[return-value]
+
     def __iter__(self) -> Iterator[ChunkEntry]:
-        boxes: Sequence[Box] = (  # type: ignore[assignment]
-            list(itertools.product(*self._cells)) if self._cells is not None else self._boxes)
+        boxes = self.boxes()
         keys, isz = self._keys, self._itemsize
         codecs: Any = itertools.repeat(self._codec, self._n) if type(self._codec) is str else self._codec
         return map(ChunkEntry, boxes, [keys[k] for k in self._object.tolist()], self._offset.tolist(),

@@ -30,7 +30,7 @@ import numpy as np
 from fastckpt._distributed import Coordinator
 from fastckpt.errors import FastckptError, PeerError
 from fastckpt.format.codec import decode_manifest
-from fastckpt.format.manifest import ChunkEntry, Manifest, chunk_id, chunk_id_prefix
+from fastckpt.format.manifest import ChunkEntry, ChunkTable, Manifest, chunk_id, chunk_id_prefix
 from fastckpt.options import RamOptions
 from fastckpt.replicas.discovery import CoordinatorDirectory, PeerDirectory, StoreDirectory, make_record
 from fastckpt.replicas.peer import PeerClient, PeerOptions, PeerServer
@@ -71,6 +71,7 @@ class RamReplication:
         self._segment: Segment | None = None
         self._sealed_ids: list[str] = []
         self._decoded: dict[int, tuple[bytes, Manifest]] = {}
+        self._needed: tuple[Manifest, set[str]] | None = None  # chunk ids of a decoded manifest
         self._held: int | None = None  # the step whose manifest hold_manifest stored
         self._clients: dict[str, PeerClient] = {}
         self._server: PeerServer | None = None
@@ -226,11 +227,22 @@ class RamReplication:
                 out.setdefault(s, set()).add("peer")
         return out
 
-    def _complete(self, manifest: Manifest) -> bool:
+    def _chunk_ids(self, manifest: Manifest) -> set[str]:
+        """Every chunk id of ``manifest`` (kept for the manifest decoded last: a restore
+        repeated from the same step formats none)."""
+        hit = self._needed
+        if hit is not None and hit[0] is manifest:
+            return hit[1]
         need: set[str] = set()
         for a in manifest.arrays():
             prefix = chunk_id_prefix(a.path)
-            need.update(chunk_id(a.path, c.box, prefix=prefix) for c in a.chunks)
+            boxes = a.chunks.boxes() if isinstance(a.chunks, ChunkTable) else [c.box for c in a.chunks]
+            need.update([chunk_id(a.path, box, prefix=prefix) for box in boxes])
+        self._needed = (manifest, need)
+        return need
+
+    def _complete(self, manifest: Manifest) -> bool:
+        need = self._chunk_ids(manifest)
         have = set(self.tier.chunk_ids(manifest.step))
         if need <= have:
             return True

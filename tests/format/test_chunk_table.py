@@ -213,7 +213,7 @@ def test_a_decoded_table_is_the_tuple_of_its_entries(m: Manifest, data: st.DataO
         assert len(table) == len(entries) and tuple(table) == entries and list(iter(table)) == list(entries)
         assert table == entries and entries == table and table != entries[:-1] and hash(table) == hash(entries)
         assert [table[i] for i in range(len(table))] == list(entries)
-        assert [table.box(i) for i in range(len(table))] == [c.box for c in entries]
+        assert [table.box(i) for i in range(len(table))] == list(table.boxes()) == [c.box for c in entries]
         if entries:
             i = data.draw(st.integers(-len(entries), len(entries) - 1))
             assert table[i] == entries[i]
