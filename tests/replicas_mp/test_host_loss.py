@@ -221,6 +221,18 @@ def test_restore_after_host_loss_onto_three_hosts(saved_job: SavedJob, shm_dir: 
     assert any(t.startswith("peer:") for r in results for t in r["bytes_by_tier"])
 
 
+def test_restore_after_also_losing_the_host_that_built_the_manifests(saved_job: SavedJob, shm_dir: Path) -> None:
+    """host0 — process 0 of the saving job, which built and holds every RAM manifest — is
+    lost too (its tier wiped). host1 still holds step 20's manifest and host0's chunks (host0's
+    push), host3 host2's chunks: a 2-process job on host3 and host1, whose process 0 (host3)
+    holds commit records only, restores step 20 bit-exact from RAM and peers alone."""
+    tiers = _copy_tiers(saved_job, shm_dir / "tiers")
+    shutil.rmtree(tiers / "host0")
+    results = _restore(tiers, saved_job.persist_root, [3, 1], "resize3x2")
+    _assert_ram_only_restore(results, saved_job)
+    assert results[0]["bytes_by_tier"].get("peer:host1", 0) > 0, results[0]
+
+
 def test_step_corrupt_in_every_ram_copy_falls_back_to_the_previous_ram_step(saved_job: SavedJob,
                                                                            shm_dir: Path) -> None:
     """One chunk of step 20 corrupt in both copies (host3's own, host0's replica): host3
