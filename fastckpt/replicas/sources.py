@@ -95,6 +95,9 @@ class SourceStats:
     """Chunks no RAM source could provide (left to persistent storage)."""
     dead_peers: list[str]
     """Peers no longer asked."""
+    listed_peers: list[str] = dataclasses.field(default_factory=list)
+    """Peers whose chunk list was fetched, in the order they were asked (a replacement host
+    asks its ring successors first: usually one list for its own chunks)."""
 
 
 class TieredChunkSource:
@@ -124,6 +127,7 @@ class TieredChunkSource:
         self._lock = threading.Lock()
         self._listing_locks = [threading.Lock() for _ in self._peers]
         self._listings: dict[tuple[int, int], frozenset[str]] = {}
+        self._listed_order: list[int] = []
         self._dead: set[int] = set()
         self._tiers: dict[str, TierStats] = {}
         self._fallbacks: collections.Counter[str] = collections.Counter()
@@ -298,6 +302,7 @@ class TieredChunkSource:
                 recent_fallbacks=list(self._log),
                 not_found=self._not_found,
                 dead_peers=[self._peers[i].name for i in sorted(self._dead)],
+                listed_peers=[self._peers[i].name for i in self._listed_order],
             )
 
     def reset_peers(self) -> None:
@@ -342,6 +347,7 @@ class TieredChunkSource:
                         return False
                     with self._lock:
                         self._listings[key] = listing
+                        self._listed_order.append(i)
         return chunk_id in listing
 
     def _success(self, tier: str, nbytes: int, seconds: float) -> None:

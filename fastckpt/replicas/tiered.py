@@ -316,8 +316,14 @@ class RamReplication:
             time.sleep(0.05)
 
     def source(self) -> TieredChunkSource:
-        """Per-chunk source: own RAM first, then every peer (listing-guided)."""
-        return TieredChunkSource(self.tier, list(self._peers().values()))
+        """Per-chunk source: own RAM first, then every peer (listing-guided): this member's
+        ring successors first — where a replacement host's chunks were pushed by the host
+        it replaces — so it finds them with one or two chunk lists, not one per peer."""
+        peers = self._peers()
+        first = push_targets([self.member_id, *peers], max(1, self.options.replicas), domain_of=host_domain).get(
+            self.member_id, []) if peers else []
+        ordered = [peers[m] for m in first if m in peers] + [c for m, c in peers.items() if m not in first]
+        return TieredChunkSource(self.tier, ordered)
 
     def forget_peers(self) -> None:
         """Drop cached peer clients (after membership changes)."""

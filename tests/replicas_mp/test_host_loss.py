@@ -195,6 +195,9 @@ def test_restore_after_host_loss_same_size(saved_job: SavedJob, shm_dir: Path) -
     new = results[VICTIM]
     assert new["own_ram_steps_before"] == [] and "ram" not in new["bytes_by_tier"], new
     assert new["bytes_by_tier"].get("peer:host3", 0) > 0, new
+    # It asks its ring successor first (where the host it replaces pushed its chunks), then
+    # the holder of what process 0 wrote once (host0's chunks are on host0 and host1).
+    assert new["listed_peers"][0] == "host3" and len(new["listed_peers"]) <= 2, new
     for r in results[:VICTIM] + results[VICTIM + 1 :]:
         assert r["own_ram_steps_before"] == list(w.RAM_STEPS[-2:]) and r["bytes_by_tier"]["ram"] > 0, r
     # The corrupt own copy was detected (crc32c) and the chunk came from the peer holding the replica.

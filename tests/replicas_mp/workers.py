@@ -324,6 +324,7 @@ def restore(ram_root: str, member: str, persist_root: str, layout: str,
             provenance=provenance,
             fallbacks=[[f.tier, f.chunk_id, f.reason] for f in sst.recent_fallbacks if f.reason != "miss"],
             dead_peers=sst.dead_peers,
+            listed_peers=sst.listed_peers,
             persistent_steps=mgr.persistent_steps(),
         )
     return out
