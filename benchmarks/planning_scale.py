@@ -2,7 +2,7 @@
 
 Run ``python -m benchmarks.planning_scale [--quick]``. On a pod, a leaf saved by N devices
 has N chunks and a state has thousands of leaves; the costs that grow with them, not with
-bytes, decide how long a restore takes before any data moves. Five parts, each reported
+bytes, decide how long a restore takes before any data moves. Six parts, each reported
 side by side in one run:
 
 1. **Read planning** (pure, no devices): planning one host's 8 destination boxes of one
@@ -19,7 +19,11 @@ side by side in one run:
    leaf, format 1 (an entry per chunk, a ChunkIndex per leaf) beside format 2 (chunk tables
    whose entries are built on access, bisected by a :class:`~fastckpt.planning.GridIndex`);
    seconds, microseconds per chunk of the manifest, and the decoded manifest's memory.
-5. **Own-RAM restore vs leaf count**: RAM-only saves and own-RAM restores of states made of
+5. **A RAM manifest through the coordinator**: a real 4-process ``jax.distributed`` job times
+   handing the manifest's bytes from process 0 to every process through the key-value store
+   (the broadcast every multi-host RAM checkpoint made before process 0 kept the manifest)
+   beside the few-byte record announced now.
+6. **Own-RAM restore vs leaf count**: RAM-only saves and own-RAM restores of states made of
    many small leaves (128 KiB, 8 shards each) on 8 CPU devices; ms per leaf for the
    blocking part of ``save()`` and for ``restore()``.
 
@@ -230,6 +234,36 @@ def run_host(cases: list[tuple[int, int]], reps: int) -> list[dict[str, Any]]:
     return [_host_case(leaves, n, v, reps) for leaves, n in cases for v in (1, 2)]
 
 
+def run_broadcast(cases: list[tuple[int, int]], processes: int, reps: int) -> list[dict[str, Any]]:
+    """What a multi-host RAM checkpoint's manifest cost on the ``jax.distributed`` key-value
+    store when process 0 broadcast it (until `26ddef6`): a real ``processes``-process job
+    times process 0's ``set`` until every process ``get``s the manifest's bytes, beside the
+    few-byte record it announces now."""
+    from fastckpt.format.codec import encode_manifest
+    from fastckpt.format.manifest import Manifest
+    from fastckpt.testing.multiprocess import run_processes
+    from fastckpt.writer.commit import _HELD
+
+    sizes = {"record (now)": len(_HELD)}
+    for leaves, n in cases:
+        grid = _grid(n)
+        sizes[f"{leaves} x {n} manifest"] = len(encode_manifest(Manifest(
+            step=1, leaves=tuple(_leaf(k, grid) for k in range(leaves)), num_processes=grid[0])))
+    leaves, n = cases[-1]
+    sizes[f"{leaves * 10} x {n} manifest (10x leaves, estimated)"] = 10 * sizes[f"{leaves} x {n} manifest"]
+    outs = run_processes("benchmarks._kv:broadcast_times", num_processes=processes, devices_per_process=1,
+                         kwargs={"sizes": sorted(set(sizes.values())), "reps": reps}, timeout_s=900)
+    seconds = outs[0].value["seconds"]
+    rows = []
+    for what, nbytes in sizes.items():
+        t = seconds[str(nbytes)]
+        rows.append({"what": what, "bytes": nbytes, "processes": processes, "seconds": t,
+                     "coordinator_bytes": nbytes * (processes - 1)})
+        print(f"[broadcast] {what}: {nbytes / MiB:.2f} MiB to {processes - 1} processes in {t:.3f} s",
+              file=sys.stderr, flush=True)
+    return rows
+
+
 def run_merge(cases: list[tuple[int, int]], reps: int) -> list[dict[str, Any]]:
     """Process 0's part of a commit: merge every process's fragment into the manifest."""
     return [_merge_case(leaves, n, reps) for leaves, n in cases]
@@ -301,6 +335,8 @@ def render(doc: dict[str, Any]) -> str:
                    f"{r['fragment_bytes_per_chunk']:.0f}", f"{r['fragment_encode_us_per_chunk']:.2f}",
                    f"{r['merge_s']:.2f}", f"{r['merge_us_per_chunk']:.2f}", f"{r['merge_validate_s']:.2f}",
                    f"{r['merge_validate_us_per_chunk']:.2f}"] for r in doc.get("merge", [])]
+    bcast_rows = [[r["what"], f"{r['bytes'] / MiB:.2f}", r["processes"], f"{r['coordinator_bytes'] / MiB:.1f}",
+                   f"{r['seconds']:.3f}"] for r in doc.get("broadcast", [])]
     leaf_rows = [[r["leaves"], f"{r['bytes'] / MiB:.0f}", f"{r['save_blocked_s']:.3f}", f"{r['save_ms_per_leaf']:.3f}",
                   f"{r['restore_s']:.3f}", f"{r['restore_first_s']:.3f}", f"{r['restore_ms_per_leaf']:.3f}"]
                  for r in doc["leaves"]]
@@ -325,6 +361,13 @@ def render(doc: dict[str, Any]) -> str:
         "decoded manifest's memory (tracemalloc).",
         markdown_table(["leaves x chunks", "chunks", "format", "decode s", "plan s", "total s", "us/chunk",
                         "held MiB", "held bytes/chunk"], host_rows),
+        "## A RAM checkpoint's manifest through the coordinator (jax.distributed key-value store)",
+        "Until `26ddef6` process 0 broadcast each multi-host RAM step's manifest through the store; "
+        "now, with peers, it announces a few bytes (the manifest goes to its ring successors "
+        "with its push). Measured in a real 4-process job: process 0's `set` until every process "
+        "holds the value; the coordinator carries it once per other process.",
+        markdown_table(["value", "MiB", "processes", "through the coordinator, MiB", "until all hold it, s"],
+                       bcast_rows),
         "## Own-RAM save and restore vs leaf count (128 KiB leaves, 8 shards each, 8 CPU devices)",
         markdown_table(["leaves", "MiB", "save() blocks s", "ms/leaf", "restore s (median)", "first restore s",
                         "ms/leaf"], leaf_rows),
@@ -373,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     leaves = run_leaves(leaf_counts, reps, args.shm_dir)
     doc = {"meta": meta, "planning": run_planning(chunk_counts, reps), "codec": run_codec(codec_cases, max(2, reps // 2)),
            "merge": run_merge(codec_cases, max(2, reps // 2)), "host": run_host(codec_cases, max(2, reps // 2)),
+           "broadcast": run_broadcast(codec_cases[1:2], 4, 2 if args.quick else 3),
            "leaves": leaves}
     name = "planning_scale_quick" if args.quick else "planning_scale"
     write_json(args.results_dir / f"{name}.json", doc)
