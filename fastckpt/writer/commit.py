@@ -29,11 +29,12 @@ from fastckpt.errors import (
     DistributedError,
     StepAlreadyCommittedError,
 )
+from fastckpt.format._checks import paused_gc
 from fastckpt.format.chunk_table import decode_chunk_table
 from fastckpt.format.codec import decode_manifest, encode_manifest
 from fastckpt.format.dtypes import dtype_from_name
 from fastckpt.format.layout import fragment_key, manifest_key
-from fastckpt.format.manifest import FORMAT_VERSION, ArrayLeaf, ChunkEntry, KeyPath, Leaf, Manifest, keypath_str
+from fastckpt.format.manifest import FORMAT_VERSION, ArrayLeaf, ChunkEntry, ChunkTable, KeyPath, Leaf, Manifest, keypath_str
 from fastckpt.storage._protocol import Store
 from fastckpt.writer.merge import encode_fragment, merge_fragments
 from fastckpt.writer.stage import StagedSave
@@ -64,11 +65,19 @@ def build_manifest(
     the ranges; ``validate`` also decodes the encoding (a persistent step's manifest, written
     once and read for years, is checked end to end; a RAM step's, built every few steps,
     is not: a bad one would be refused at restore and an older step used).
-    Raises ``ManifestError``."""
+    Runs with the cyclic garbage collector paused (``format._checks.paused_gc``): the merged
+    tables are millions of fresh ints, which the collector would otherwise walk while the
+    manifest is encoded. Raises ``ManifestError``."""
+    with paused_gc():
+        return _build(step, staged, fragments, num_processes, metadata, writer_version, format_version, validate)
+
+
+def _build(step: int, staged: StagedSave, fragments: Sequence[bytes | memoryview], num_processes: int,
+           metadata: dict[str, object], writer_version: str, format_version: int, validate: bool) -> bytes:
     objects, tables = merge_fragments(fragments, staged)
     by_path: dict[KeyPath, Leaf] = {v.path: v for v in staged.values}
     for arr in staged.arrays:
-        chunks: tuple[ChunkEntry, ...] = ()
+        chunks: tuple[ChunkEntry, ...] | ChunkTable = ()
         if format_version == 1:  # format 1 needs the entries themselves
             chunks = decode_chunk_table(tables[arr.path], shape=arr.shape, itemsize=dtype_from_name(arr.dtype).itemsize,
                                         objects=objects, what=f"array {keypath_str(arr.path)}")
