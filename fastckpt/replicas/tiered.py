@@ -19,7 +19,9 @@ manifest before choosing it.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -185,13 +187,15 @@ class RamReplication:
     # ------------------------------------------------------------------ restore
     def _manifest_anywhere(self, step: int) -> bytes | None:
         """The manifest of RAM step ``step`` from the own tier, else from a peer that holds it
-        (process 0 and its ring successors, for a multi-host step): the peers are asked
-        which manifests they hold all at once, then the holders are read in turn."""
+        (process 0 and its ring successors, for a multi-host step, and hosts that kept a
+        copy at an earlier restore): the peers are asked which manifests they hold all at
+        once, then the holders are read in random order."""
         data = self.tier.get_manifest(step)
         if data is not None:
             return data
-        held = self._ask_peers(lambda c: (c, step in c.manifest_steps()))
-        for client in [c for c, has in held if has]:
+        held = [c for c, has in self._ask_peers(lambda c: (c, step in c.manifest_steps())) if has]
+        random.shuffle(held)  # many hosts restoring at once spread over the holders
+        for client in held:
             try:
                 data = client.get_manifest(step)
             except PeerError:
@@ -283,7 +287,17 @@ class RamReplication:
             return hit[1]
         manifest = decode_manifest(data)
         self._decoded = {step: (data, manifest)}  # the latest only: bounded
+        self._keep_copy(step, data)
         return manifest
+
+    def _keep_copy(self, step: int, data: bytes) -> None:
+        """Store a valid manifest fetched from a peer when this tier holds only the step's
+        commit record: this host then serves it too, so the restores that follow (another
+        host lost) find it on more hosts than process 0's and its ring successors."""
+        tier = self.tier
+        if step in tier.committed_steps() and step not in tier.manifest_steps():
+            with contextlib.suppress(FastckptError):  # stale (retention moved on), budget, closed
+                tier.put_manifest(step, data)
 
     def select_step(self, persistent_latest: int | None, *, key: str, timeout_s: float,
                     older_than: int | None = None) -> StepChoice | None:

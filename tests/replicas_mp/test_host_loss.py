@@ -215,13 +215,16 @@ def test_restore_after_host_loss_same_size(saved_job: SavedJob, shm_dir: Path) -
 def test_restore_after_host_loss_onto_three_hosts(saved_job: SavedJob, shm_dir: Path) -> None:
     """New 3-process job (3 x 2 mesh) on the surviving hosts: everything is still in RAM.
     Process 0 of the new job is host3, whose tier holds commit records but no manifest: it
-    chooses the step with the manifest fetched from a peer that holds it."""
+    chooses the step with the manifest fetched from a peer that holds it, and keeps a copy."""
     tiers = _copy_tiers(saved_job, shm_dir / "tiers")
+    assert not (tiers / "host3" / f"step-{w.LAST_RAM_STEP}" / "manifest.json").exists()
     results = _restore(tiers, saved_job.persist_root, [3, 0, 1], "resize3x2")
     _assert_ram_only_restore(results, saved_job)
     for r in results:
         assert r["fallbacks"] == [] and r["dead_peers"] == [], r
     assert any(t.startswith("peer:") for r in results for t in r["bytes_by_tier"])
+    # host3 kept the copy it fetched: it serves the manifest to the next restore too.
+    assert (tiers / "host3" / f"step-{w.LAST_RAM_STEP}" / "manifest.json").exists()
 
 
 def test_restore_after_also_losing_the_host_that_built_the_manifests(saved_job: SavedJob, shm_dir: Path) -> None:
