@@ -39,7 +39,7 @@ from fastckpt.format._checks import MAX_INT, check_tiling, fail, json_dict, json
 from fastckpt.format.manifest import Box, ChunkEntry, ChunkTable, box_volume
 from fastckpt.storage._protocol import validate_key
 
-__all__ = ["CODECS", "U32", "codec_column", "decode_chunk_table", "decode_object_keys", "encode_chunk_table", "grid_cuts", "uint_array", "uint_column"]
+__all__ = ["CODECS", "U32", "codec_column", "decode_chunk_table", "decode_object_keys", "encode_chunk_table", "grid_cuts", "uint_array"]
 
 #: The codec names, in the order of their codes in a commit fragment's numpy column.
 CODECS = ("raw", "zstd")
@@ -89,17 +89,6 @@ def encode_chunk_table(
     table["crc32c"] = [c.crc32c for c in chunks]
     table["raw_crc32c"] = [c.raw_crc32c for c in chunks]
     return table
-
-
-def uint_column(obj: Any, n: int, what: str, hi: int) -> list[int]:
-    """A JSON list of ``n`` ints in ``[0, hi]`` (checked in C-speed passes; the first bad one is named)."""
-    col = json_list(obj, what)
-    if len(col) != n:
-        fail(f"{what}: {len(col)} entries for {n} chunks")
-    if col and (set(map(type, col)) != {int} or min(col) < 0 or max(col) > hi):
-        i, bad = next((i, v) for i, v in enumerate(col) if type(v) is not int or not 0 <= v <= hi)
-        fail(f"{what}[{i}]: expected an int in [0, {hi}], got {bad!r:.80}")
-    return col
 
 
 def codec_column(obj: Any, n: int, what: str) -> list[str]:
@@ -158,8 +147,9 @@ def _listed_boxes(obj: Any, shape: tuple[int, ...], what: str, tiling: bool) -> 
 
 
 def uint_array(obj: Any, n: int, what: str, hi: int, dtype: type[np.integer[Any]] = np.int64) -> np.ndarray:
-    """:func:`uint_column` as a numpy array of ``dtype`` (which must hold ``hi``); one type
-    pass in Python, the range checks in numpy."""
+    """A JSON list of ``n`` ints in ``[0, hi]`` as a numpy array of ``dtype`` (which must hold
+    ``hi``): one type pass in Python, the range checks in numpy; the first bad value is named
+    (bools, floats and ints beyond int64 included, none is cast)."""
     col = json_list(obj, what)
     if len(col) != n:
         fail(f"{what}: {len(col)} entries for {n} chunks")

@@ -28,7 +28,7 @@ import numpy as np
 
 from fastckpt.errors import ManifestError
 from fastckpt.format._checks import MAX_INT, check_tiling, fail, json_dict, json_list, paused_gc
-from fastckpt.format.chunk_table import CODECS, U32, codec_column, decode_object_keys, grid_cuts, uint_column
+from fastckpt.format.chunk_table import CODECS, U32, codec_column, decode_object_keys, grid_cuts, uint_array
 from fastckpt.format.dtypes import dtype_from_name
 from fastckpt.format.manifest import ChunkEntry, KeyPath, keypath_str
 from fastckpt.writer.stage import StagedSave
@@ -78,12 +78,12 @@ def _parse(data: bytes | memoryview, local: dict[KeyPath, int], ranks: np.ndarra
             fail(f"{what}.paths[{j}]: not an array of this tree: {p!r:.120}")
     objects = decode_object_keys(d["objects"], f"{what}.objects")
     n = len(json_list(d["array"], f"{what}.array"))
-    array = to_local[np.asarray(uint_column(d["array"], n, f"{what}.array", len(paths) - 1), np.int64)]
+    array = to_local[uint_array(d["array"], n, f"{what}.array", len(paths) - 1)]
     flat = json_list(d["boxes"], f"{what}.boxes")
     want = int(2 * ranks[array].sum())
     if len(flat) != want or (flat and set(map(type, flat)) != {int}) or (flat and not 0 <= min(flat) <= max(flat) <= MAX_INT):
         fail(f"{what}.boxes: expected {want} ints >= 0 (start, stop per dimension of each chunk)")
-    cols = {name: np.asarray(uint_column(d[name], n, f"{what}.{name}", hi), np.int64) for name, hi in
+    cols = {name: uint_array(d[name], n, f"{what}.{name}", hi) for name, hi in
             (("object", len(objects) - 1), ("offset", MAX_INT), ("length", MAX_INT), ("crc32c", U32),
              ("raw_crc32c", U32))}
     cols["codec"] = np.asarray([_CODE[c] for c in codec_column(d["codec"], n, f"{what}.codec")], np.int8)
