@@ -27,7 +27,7 @@ __all__ = ["Decoder", "LeafFiller", "allocate", "fetch_many_from_source", "where
 
 _GROUP_BYTES = 64 << 20  # RAM-tier fetches of one group: scratch held at once (resharding)
 _GROUP_CHUNKS = 64  # chunks per RAM-tier fetch group (one pipelined stream per peer)
-_SCAN_CHUNKS = 4  # a leaf with more chunks (and several units) is planned through a ChunkIndex
+_SCAN_CHUNKS = 4  # a leaf with more chunks (and several units) is planned through leaf_index's index
 
 
 class Decoder:

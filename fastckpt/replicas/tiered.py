@@ -281,7 +281,8 @@ class RamReplication:
     def _decode(self, step: int, data: bytes) -> Manifest:
         """``decode_manifest(data)``, reusing the last result for the same bytes: a
         manifest is immutable, and decoding a large tree's costs about as much as
-        verifying a few hundred MiB of own-RAM chunks."""
+        verifying a few hundred MiB of own-RAM chunks. Bytes that decode are kept in the
+        own tier when it held only the step's commit record (:meth:`_keep_copy`)."""
         hit = self._decoded.get(step)
         if hit is not None and hit[0] == data:
             return hit[1]

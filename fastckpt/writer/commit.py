@@ -182,9 +182,6 @@ def publish_and_commit(
     return manifest_bytes
 
 
-_HELD = "held by process 0"  # the RAM manifest record when it is not broadcast
-
-
 def fragments_for(keys: Sequence[str]) -> list[str]:
     """Fragment keys among ``keys`` (for gc)."""
     return [k for k in keys if k.endswith(".fragment.json")]
@@ -204,6 +201,9 @@ def ram_chunk_entries(staged: StagedSave, raw_crcs: dict[int, list[int]], step: 
             for ii, it in enumerate(arr.items)
         ]
     return out
+
+
+_HELD = "held by process 0"  # the RAM manifest record when it is not broadcast
 
 
 def exchange_ram_manifest(
