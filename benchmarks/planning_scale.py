@@ -159,7 +159,7 @@ def _merge_case(leaves: int, n: int, reps: int) -> dict[str, Any]:
     import numpy as np
 
     from fastckpt.writer.commit import build_manifest
-    from fastckpt.writer.merge import encode_fragment
+    from fastckpt.writer.fragment import encode_fragment
     from fastckpt.writer.stage import StagedArray, StagedSave
 
     grid = _grid(n)

@@ -8,6 +8,7 @@ case. Every wait has a timeout and raises :class:`~fastckpt.errors.BarrierTimeou
 from __future__ import annotations
 
 import abc
+import base64
 import threading
 import time
 from typing import Any
@@ -30,6 +31,18 @@ class Coordinator(abc.ABC):
     @abc.abstractmethod
     def get(self, key: str, *, timeout_s: float) -> str:
         """Wait for ``key`` and return its value; ``BarrierTimeoutError`` after the timeout."""
+
+    def set_bytes(self, key: str, value: bytes) -> None:
+        """Publish binary ``value`` under ``key`` (default: base64 text through ``set``)."""
+        self.set(key, base64.b64encode(value).decode("ascii"))
+
+    def get_bytes(self, key: str, *, timeout_s: float) -> bytes:
+        """Wait for a binary value published with ``set_bytes`` (same timeout as ``get``)."""
+        text = self.get(key, timeout_s=timeout_s)
+        try:
+            return base64.b64decode(text, validate=True)
+        except ValueError as e:
+            raise DistributedError(f"key-value {key!r}: not a binary value: {e}") from e
 
     def try_get(self, key: str) -> str | None:
         """Return the value of ``key`` if set, else None (default: zero-timeout ``get``)."""
@@ -114,9 +127,22 @@ class JaxCoordinator(Coordinator):
             raise DistributedError(f"key-value set {key!r} failed: {e}") from e
 
     def get(self, key: str, *, timeout_s: float) -> str:
+        return str(self._blocking(self._client.blocking_key_value_get, key, timeout_s))
+
+    def set_bytes(self, key: str, value: bytes) -> None:
         try:
-            return str(self._client.blocking_key_value_get(key, max(1, int(timeout_s * 1000))))
+            self._client.key_value_set_bytes(key, value)
         except Exception as e:
+            raise DistributedError(f"key-value set {key!r} failed: {e}") from e
+
+    def get_bytes(self, key: str, *, timeout_s: float) -> bytes:
+        return bytes(self._blocking(self._client.blocking_key_value_get_bytes, key, timeout_s))
+
+    @staticmethod
+    def _blocking(get: Any, key: str, timeout_s: float) -> Any:
+        try:
+            return get(key, max(1, int(timeout_s * 1000)))
+        except Exception as e:  # the client raises XlaRuntimeError
             msg = str(e)
             if "DEADLINE_EXCEEDED" in msg or "timed out" in msg.lower():
                 raise BarrierTimeoutError(f"timed out after {timeout_s:.1f}s waiting for {key!r}") from e

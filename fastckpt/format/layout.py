@@ -4,7 +4,7 @@ Layout::
 
     manifests/<step:012d>.json          commit markers (create-only, written last)
     steps/<step:012d>/<save_id>/p<process:05d>-<n:05d>.fck    data objects
-    steps/<step:012d>/<save_id>/p<process:05d>.fragment.json  per-process chunk lists
+    steps/<step:012d>/<save_id>/p<process:05d>.fragment  per-process chunk lists
 
 Committed steps are found by listing ``manifests/`` only (cheap on GCS even with many data
 objects). Data keys carry a per-save random ``save_id``, so a retried or concurrent save of
@@ -49,7 +49,7 @@ def data_key(step: int, save_id: str, process: int, n: int) -> str:
 
 def fragment_key(step: int, save_id: str, process: int) -> str:
     """Key of the per-process fragment (its chunk list) of save ``save_id``."""
-    return f"{step_data_prefix(step)}{save_id}/p{process:05d}.fragment.json"
+    return f"{step_data_prefix(step)}{save_id}/p{process:05d}.fragment"
 
 
 def step_from_manifest_key(key: str) -> int | None:

@@ -3,7 +3,7 @@
 Protocol for save number ``seq`` of a manager (all processes call save in the same order):
 
 1. Every process uploads its objects (``writer.pipeline``). With more than one process it
-   then writes its *fragment* (its chunk list, JSON) and publishes
+   then writes its *fragment* (its chunk list, binary columns: ``writer.fragment``) and publishes
    ``<ns>/<seq>/done/<i> = "ok <fragment key>"``, or ``"err <message>"`` if anything failed.
 2. Process 0 waits for all ``done`` keys (bounded by ``barrier_timeout_s``; it stops early
    at the first ``err``), reads the fragments, builds the manifest and writes it with a
@@ -36,7 +36,8 @@ from fastckpt.format.dtypes import dtype_from_name
 from fastckpt.format.layout import fragment_key, manifest_key
 from fastckpt.format.manifest import FORMAT_VERSION, ArrayLeaf, ChunkEntry, ChunkTable, KeyPath, Leaf, Manifest, keypath_str
 from fastckpt.storage._protocol import Store
-from fastckpt.writer.merge import encode_fragment, merge_fragments
+from fastckpt.writer.fragment import encode_fragment
+from fastckpt.writer.merge import merge_fragments
 from fastckpt.writer.stage import StagedSave
 
 __all__ = [
@@ -182,11 +183,6 @@ def publish_and_commit(
     return manifest_bytes
 
 
-def fragments_for(keys: Sequence[str]) -> list[str]:
-    """Fragment keys among ``keys`` (for gc)."""
-    return [k for k in keys if k.endswith(".fragment.json")]
-
-
 def ram_chunk_entries(staged: StagedSave, raw_crcs: dict[int, list[int]], step: int) -> dict[int, list[ChunkEntry]]:
     """Chunk entries of a RAM-only step: raw codec, located in the staging segment.
 
@@ -238,9 +234,9 @@ def exchange_ram_manifest(
         hold(data)
         return data
     deadline = time.monotonic() + timeout_s
-    coord.set(f"{ns}/ramfrag/{idx}", encode_fragment(staged, chunks, idx).decode())
+    coord.set_bytes(f"{ns}/ramfrag/{idx}", encode_fragment(staged, chunks, idx))
     if idx == 0:
-        fragments = [coord.get(f"{ns}/ramfrag/{i}", timeout_s=max(0.001, deadline - time.monotonic())).encode()
+        fragments = [coord.get_bytes(f"{ns}/ramfrag/{i}", timeout_s=max(0.001, deadline - time.monotonic()))
                      for i in range(n)]
         data = build_manifest(step=step, staged=staged, fragments=fragments, num_processes=n,
                               metadata=metadata, writer_version=writer_version, validate=False)

@@ -1,93 +1,29 @@
-"""Fragments: each process's chunk list, and their merge into the manifest's chunk tables.
+"""Process 0's merge of every process's fragment (``writer.fragment``) into the manifest's
+chunk tables.
 
-Process 0 merges every process's fragment at every checkpoint, RAM checkpoints included
-(every few steps). A pod-scale step has millions of chunks, so the merge works on columns
-with numpy and never builds a Python object per chunk: a fragment is one table for all of
-a process's chunks (not one per leaf: 3000 leaves x 512 processes would be 1.5 M tables),
-and the merge groups the chunks by leaf, sorts each leaf's chunks into C order, recognises
-the grid (format 2's ``"grid"``), and checks ranges, raw lengths and tiling on the arrays.
-
-Fragment JSON (internal to one job; all processes run the same fastckpt)::
-
-    {"process": 3, "paths": [<key path of every array leaf, staged order>],
-     "objects": ["steps/.../p00003-00000.fck"],
-     "array": [0, 0, 1, ...],           # index into "paths", per chunk
-     "boxes": [s0, e0, s1, e1, ...],    # every chunk's box, flat, in chunk order
-     "object": [...], "offset": [...], "length": [...], "codec": "raw" | [...],
-     "crc32c": [...], "raw_crc32c": [...]}
+Process 0 merges at every checkpoint, RAM checkpoints included (every few steps). A
+pod-scale step has millions of chunks, so the merge works on columns with numpy and never
+builds a Python object per chunk: it groups the chunks by leaf, sorts each leaf's chunks
+into C order, recognises the grid (format 2's ``"grid"``), and checks ranges, raw lengths
+and tiling on the arrays.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from fastckpt.errors import ManifestError
-from fastckpt.format._checks import MAX_INT, check_tiling, fail, json_dict, json_list, paused_gc
-from fastckpt.format.chunk_table import CODECS, U32, codec_column, decode_object_keys, grid_cuts, uint_array
+from fastckpt.format._checks import check_tiling, fail, paused_gc
+from fastckpt.format.chunk_table import CODECS, grid_cuts
 from fastckpt.format.dtypes import dtype_from_name
-from fastckpt.format.manifest import ChunkEntry, KeyPath, keypath_str
+from fastckpt.format.manifest import KeyPath, keypath_str
+from fastckpt.writer.fragment import CODE, decode_fragment
 from fastckpt.writer.stage import StagedSave
 
-__all__ = ["encode_fragment", "merge_fragments"]
-
-_FIELDS = ("paths", "objects", "array", "boxes", "object", "offset", "length", "codec", "crc32c", "raw_crc32c")
-_CODE = {name: i for i, name in enumerate(CODECS)}
-
-
-def encode_fragment(staged: StagedSave, chunks: dict[int, list[ChunkEntry]], process_index: int) -> bytes:
-    """JSON of this process's chunks (``chunks[i]``: those of ``staged.arrays[i]``)."""
-    objects: dict[str, int] = {}
-    array: list[int] = []
-    boxes: list[int] = []
-    cols: tuple[list[Any], ...] = ([], [], [], [], [], [])
-    for i in range(len(staged.arrays)):
-        for c in chunks.get(i, ()):
-            array.append(i)
-            for a, b in c.box:
-                boxes += (a, b)
-            for col, v in zip(cols, (objects.setdefault(c.key, len(objects)), c.offset, c.length, c.codec,
-                                     c.crc32c, c.raw_crc32c)):
-                col.append(v)
-    codecs = set(cols[3])
-    doc = {"process": process_index, "paths": [[list(e) for e in a.path] for a in staged.arrays],
-           "objects": list(objects), "array": array, "boxes": boxes, "object": cols[0], "offset": cols[1],
-           "length": cols[2], "codec": codecs.pop() if len(codecs) == 1 else cols[3], "crc32c": cols[4],
-           "raw_crc32c": cols[5]}
-    return json.dumps(doc, separators=(",", ":")).encode()
-
-
-def _parse(data: bytes | memoryview, local: dict[KeyPath, int], ranks: np.ndarray, what: str) -> dict[str, Any]:
-    """One fragment's columns as numpy arrays (object indices still the fragment's own)."""
-    try:
-        doc = json.loads(bytes(data))
-    except (ValueError, RecursionError) as e:
-        raise ManifestError(f"{what}: not JSON: {e}") from e
-    d = json_dict(doc, what, _FIELDS)
-    paths = json_list(d["paths"], f"{what}.paths")
-    to_local = np.empty(len(paths), np.int64)
-    for j, p in enumerate(paths):
-        try:
-            path = tuple((k, v) for k, v in p)
-            to_local[j] = local[path]
-        except (TypeError, ValueError, KeyError):
-            fail(f"{what}.paths[{j}]: not an array of this tree: {p!r:.120}")
-    objects = decode_object_keys(d["objects"], f"{what}.objects")
-    n = len(json_list(d["array"], f"{what}.array"))
-    array = to_local[uint_array(d["array"], n, f"{what}.array", len(paths) - 1)]
-    flat = json_list(d["boxes"], f"{what}.boxes")
-    want = int(2 * ranks[array].sum())
-    if len(flat) != want or (flat and set(map(type, flat)) != {int}) or (flat and not 0 <= min(flat) <= max(flat) <= MAX_INT):
-        fail(f"{what}.boxes: expected {want} ints >= 0 (start, stop per dimension of each chunk)")
-    cols = {name: uint_array(d[name], n, f"{what}.{name}", hi) for name, hi in
-            (("object", len(objects) - 1), ("offset", MAX_INT), ("length", MAX_INT), ("crc32c", U32),
-             ("raw_crc32c", U32))}
-    cols["codec"] = np.asarray([_CODE[c] for c in codec_column(d["codec"], n, f"{what}.codec")], np.int8)
-    return {"objects": objects, "array": array, "boxes": np.asarray(flat, np.int64), **cols}
+__all__ = ["merge_fragments"]
 
 
 def merge_fragments(fragments: Sequence[bytes | memoryview], staged: StagedSave
@@ -110,7 +46,7 @@ def _merge(fragments: Sequence[bytes | memoryview], staged: StagedSave
            ) -> tuple[list[str], dict[KeyPath, dict[str, Any]]]:
     local = {a.path: i for i, a in enumerate(staged.arrays)}
     ranks = np.asarray([len(a.shape) for a in staged.arrays], np.int64)
-    parts = [_parse(f, local, ranks, f"fragment {i}") for i, f in enumerate(fragments)]
+    parts = [decode_fragment(f, local, ranks, f"fragment {i}") for i, f in enumerate(fragments)]
     objects: dict[str, int] = {}
     for part in parts:  # fragment object indices -> manifest object indices
         remap = np.asarray([objects.setdefault(k, len(objects)) for k in part["objects"]] or [0], np.int64)
@@ -152,7 +88,7 @@ def _rank_group(staged: StagedSave, r: int, col: dict[str, np.ndarray], flat: np
              f"array's shape {list(staged.arrays[array[i]].shape)}")
     nbytes = np.prod(stops - starts, axis=1) * itemsize[array]
     length, codec = col["length"][mine], col["codec"][mine]
-    bad = (codec == _CODE["raw"]) & (length != nbytes)
+    bad = (codec == CODE["raw"]) & (length != nbytes)
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         fail(f"array {keypath_str(staged.arrays[array[i]].path)}: raw chunk {boxes[i].tolist()} has length "

@@ -59,7 +59,7 @@ def root(saved_root: Path, tmp_path: Path) -> Path:
     dst = tmp_path / "root"
     shutil.copytree(saved_root, dst)
     _leftover(dst, 4, "p00000-00000.fck", 300)
-    _leftover(dst, 1, "p00000.fragment.json", 50)
+    _leftover(dst, 1, "p00000.fragment", 50)
     return dst
 
 
@@ -142,7 +142,7 @@ def test_verify_names_the_damaged_chunk(root: Path, capsys: pytest.CaptureFixtur
 
 def test_gc(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     fresh = root / _STEPS_DIR / f"{4:012d}" / "deadbeef0000" / "p00000-00000.fck"
-    unref = root / _STEPS_DIR / f"{1:012d}" / "deadbeef0000" / "p00000.fragment.json"
+    unref = root / _STEPS_DIR / f"{1:012d}" / "deadbeef0000" / "p00000.fragment"
     doc = _json(["gc", str(root), "--dry-run"], capsys)
     assert [lo["key"] for lo in doc["removed"]] == [str(unref.relative_to(root))]
     assert [lo["key"] for lo in doc["kept"]] == [str(fresh.relative_to(root))]  # young: may be in flight

@@ -4,7 +4,6 @@ built entry by entry, whatever the split among processes; every flaw is a Manife
 from __future__ import annotations
 
 import dataclasses
-import json
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +23,8 @@ from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, KeyPath, Manifest, b
 from fastckpt.testing.strategies import manifests
 from fastckpt.writer.commit import build_manifest, exchange_ram_manifest
 from fastckpt.writer import merge
-from fastckpt.writer.merge import encode_fragment, merge_fragments
+from fastckpt.writer.fragment import encode_fragment, pack_fragment, unpack_fragment
+from fastckpt.writer.merge import merge_fragments
 from fastckpt.writer.stage import StagedArray, StagedSave
 
 W: KeyPath = (("d", "params"), ("d", "w"))
@@ -116,44 +116,107 @@ def test_overlapping_or_missing_parts_fail(change: Callable[[list[bytes]], Any],
         build_manifest(step=5, staged=staged, fragments=fragments, num_processes=4, metadata={}, writer_version="")
 
 
-def _edit(change: Callable[[dict[str, Any]], Any]) -> bytes:
+def _good_part() -> bytes:
+    """Process 1's half of a 2 x 2-chunk leaf (its two chunks)."""
     w = _leaf(2, 2)
-    doc = json.loads(encode_fragment(_staged_of([w]), {0: list(w.chunks[2:])}, 1))
+    return encode_fragment(_staged_of([w]), {0: list(w.chunks[2:])}, 1)
+
+
+def _edit(change: Callable[[dict[str, Any]], Any] = lambda d: None,
+          header: Callable[[dict[str, Any]], Any] = lambda h: None) -> bytes:
+    """``_good_part()`` with its columns (as int lists) and its header fields edited."""
+    head, cols = unpack_fragment(_good_part(), "good")
+    doc = {k: v.tolist() for k, v in cols.items()}
+    fields = {k: v for k, v in head.items() if k != "columns"}
     change(doc)
-    return json.dumps(doc).encode()
+    header(fields)
+    return pack_fragment(fields, {k: np.asarray(v, np.uint64) for k, v in doc.items()})
+
+
+def _with_column(name: str, values: np.ndarray) -> bytes:
+    """``_good_part()`` with column ``name`` stored as ``values`` (their dtype as given)."""
+    header, cols = unpack_fragment(_good_part(), "good")
+    return pack_fragment({k: v for k, v in header.items() if k != "columns"}, {**cols, name: values})
+
+
+def _spliced(change: Callable[[bytes], bytes]) -> bytes:
+    return change(_good_part())
+
+
+_HEAD = 16  # magic + header length
 
 
 @pytest.mark.parametrize("data", [
-    b"", b"{", b"[]", b"null", b'{"arrays": []}',
-    _edit(lambda d: d.pop("objects")),
-    _edit(lambda d: d.update(objects=["../escape"])),
-    _edit(lambda d: d.update(objects="steps/x")),
-    _edit(lambda d: d.update(paths=[[["d", "params"], ["d", "v"]]])),
-    _edit(lambda d: d.update(paths=[[["d"]]])),
-    _edit(lambda d: d.update(paths=[[[["d"], "params"]]])),
-    _edit(lambda d: d.update(paths=7)),
-    _edit(lambda d: d.update(array=[0, 1])),
-    _edit(lambda d: d.update(array=[0])),
+    b"", b"{", b"[]", b"FCKFRAG\x01", b"FCKFRAG\x02" + bytes(8) + b"{}",
+    _spliced(lambda b: b"JSONFRAG" + b[8:]),  # not our magic
+    _spliced(lambda b: b[:8] + (2**40).to_bytes(8, "little") + b[16:]),  # header length past the end
+    _spliced(lambda b: b[:_HEAD] + b"[" + b[_HEAD + 1:]),  # header not JSON
+    _spliced(lambda b: b[:-1]),  # the last column cut short
+    _spliced(lambda b: b + b"\0"),  # a byte after the last column
+    _edit(header=lambda h: h.pop("objects")),
+    _edit(header=lambda h: h.update(process=-1)),
+    _edit(header=lambda h: h.update(objects=["../escape"])),
+    _edit(header=lambda h: h.update(objects="steps/x")),
+    _edit(header=lambda h: h.update(paths=[[["d", "params"], ["d", "v"]]])),
+    _edit(header=lambda h: h.update(paths=[[["d"]]])),
+    _edit(header=lambda h: h.update(paths=[[[["d"], "params"]]])),
+    _edit(header=lambda h: h.update(paths=7)),
+    _edit(lambda d: d.update(array=[0, 1])),  # an array index past "paths"
+    _edit(lambda d: d.update(array=[0])),  # fewer array indices than chunks
+    _edit(lambda d: d.pop("crc32c")),  # a column missing
+    _edit(lambda d: d.update(codec=[0, 1])),  # a codec column beside a single codec
+    _edit(header=lambda h: h.update(codec=None)),  # mixed codecs without the column
+    _edit(lambda d: d.update(codec=[0, 2]), header=lambda h: h.update(codec=None)),  # an unknown codec code
     _edit(lambda d: d.update(boxes=d["boxes"][:-1])),
     _edit(lambda d: d.update(boxes=[4, 8, 0, 3, 4, 8, 3, 7])),  # past the edge
     _edit(lambda d: d.update(boxes=[8, 4, 0, 3, 4, 8, 3, 6])),  # reversed
-    _edit(lambda d: d.update(boxes=[4, 8, 0, 3, 4, 8, 3, 6.0])),
-    _edit(lambda d: d.update(boxes=[4, 8, 0, 3, 4, 8, 3, -6])),
     _edit(lambda d: d.update(object=[0, 1])),
     _edit(lambda d: d.update(offset=[0])),
-    _edit(lambda d: d.update(offset=[0, True])),
+    _edit(lambda d: d.update(offset=[0, 2**63])),  # beyond int64
     _edit(lambda d: d.update(length=[48, 47])),  # a raw chunk's length is its box's bytes
     _edit(lambda d: d.update(crc32c=[0, 2**32])),
-    _edit(lambda d: d.update(codec="lz4")),
-    _edit(lambda d: d.update(codec=["raw"])),
-    _edit(lambda d: d.update(codec=[["raw"], "zstd"])),
+    _edit(header=lambda h: h.update(codec="lz4")),
+    _edit(header=lambda h: h.update(codec=["raw"])),
+    _with_column("offset", np.zeros(2, "<i8")),  # signed
+    _with_column("offset", np.zeros(2, "<f8")),  # float
+    _with_column("offset", np.zeros(2, ">u8")),  # big-endian
 ], ids=lambda d: repr(d[:60]))
 def test_malformed_fragments_raise_manifest_error(data: bytes) -> None:
     w = _leaf(2, 2)
     staged = _staged_of([w])
     good = _fragments(w, staged, 2)[1]  # process 0's half
+    merge_fragments([good, _good_part()], staged)  # the unedited part merges
     with pytest.raises(ManifestError):
         merge_fragments([good, data], staged)
+
+
+@settings(max_examples=200, deadline=None)
+@given(cut=st.integers(0, 10_000), junk=st.binary(max_size=64), at=st.integers(0, 10_000))
+def test_truncated_or_overwritten_fragments_raise_only_manifest_error(cut: int, junk: bytes, at: int) -> None:
+    """No byte string, however broken, gets past the decoder as anything but ManifestError:
+    every prefix is refused; junk written over any part is refused or decodes to columns the
+    merge then checks (a changed crc is a valid fragment)."""
+    w = _leaf(2, 2)
+    staged = _staged_of([w])
+    good = _good_part()
+    with pytest.raises(ManifestError):
+        merge_fragments([_fragments(w, staged, 2)[1], good[:cut % len(good)]], staged)
+    at %= len(good)
+    bad = good[:at] + junk + good[at + len(junk):]
+    try:
+        merge_fragments([_fragments(w, staged, 2)[1], bad], staged)
+    except ManifestError:
+        pass
+
+
+def test_fragment_columns_are_narrow_binary() -> None:
+    """Values small enough for one byte take one byte; the layout is what the docstring says."""
+    header, cols = unpack_fragment(_good_part(), "good")
+    assert header["codec"] == "raw" and "codec" not in cols
+    assert {k: v.dtype.str for k, v in cols.items()} == {
+        "array": "|u1", "boxes": "|u1", "object": "|u1", "offset": "|u1", "length": "|u1", "crc32c": "|u1",
+        "raw_crc32c": "|u1"}
+    assert cols["boxes"].tolist() == [4, 8, 0, 3, 4, 8, 3, 6] and cols["crc32c"].tolist() == [7, 8]
 
 
 def test_ready_tables_need_format_2_and_empty_leaves() -> None:

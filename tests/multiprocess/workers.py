@@ -140,7 +140,7 @@ class FaultyStore(Store):
         return await self.inner.get(key, byte_range=byte_range)
 
     async def put(self, key: str, data: Payload, *, mode: PutMode = "overwrite") -> None:
-        if key.startswith("steps/") and not key.endswith(".fragment.json"):
+        if key.startswith("steps/") and not key.endswith(".fragment"):
             action = self.fail_steps.get(int(key.split("/")[1]))
             if action == "raise":
                 raise OSError(f"injected upload failure in process {jax.process_index()}")
