@@ -18,6 +18,7 @@ happens. A step whose manifest already exists is never overwritten
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
@@ -35,7 +36,7 @@ from fastckpt.format.codec import decode_manifest, encode_manifest
 from fastckpt.format.dtypes import dtype_from_name
 from fastckpt.format.layout import fragment_key, manifest_key
 from fastckpt.format.manifest import FORMAT_VERSION, ArrayLeaf, ChunkEntry, ChunkTable, KeyPath, Leaf, Manifest, keypath_str
-from fastckpt.storage._protocol import Store
+from fastckpt.storage._protocol import Buffer, Store
 from fastckpt.writer.fragment import encode_fragment
 from fastckpt.writer.merge import merge_fragments
 from fastckpt.writer.stage import StagedSave
@@ -48,6 +49,7 @@ __all__ = [
 ]
 
 _POLL_S = 0.05
+_FRAGMENT_READS = 32
 
 
 def build_manifest(
@@ -118,6 +120,24 @@ def _wait_all_done(coord: Coordinator, ns: str, deadline: float) -> list[str]:
         time.sleep(_POLL_S)
 
 
+async def _read_all(store: Store, keys: Sequence[str]) -> list[Buffer]:
+    """Every fragment, ``_FRAGMENT_READS`` at a time (one read per process: on GCS a pod's
+    fragments read one after another would cost hundreds of round trips per commit).
+    The first failure cancels the rest and is raised as itself (not as an exception group)."""
+    limit = asyncio.Semaphore(_FRAGMENT_READS)
+
+    async def one(key: str) -> bytes:
+        async with limit:
+            return await store.get(key)
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(one(k)) for k in keys]
+    except BaseExceptionGroup as failed:
+        raise failed.exceptions[0] from None
+    return [t.result() for t in tasks]
+
+
 def publish_and_commit(
     *,
     store_run: Callable[[Coroutine[Any, Any, Any]], Any],
@@ -165,7 +185,7 @@ def publish_and_commit(
             raise error
         assert chunks is not None
         if n > 1:
-            fragments = [store_run(store.get(fk)) for fk in _wait_all_done(coord, ns, deadline)]
+            fragments = store_run(_read_all(store, _wait_all_done(coord, ns, deadline)))
         else:
             fragments = [encode_fragment(staged, chunks, 0)]
         manifest_bytes = build_manifest(step=step, staged=staged, fragments=fragments, num_processes=n,

@@ -139,7 +139,6 @@ async def write_chunks(
             await budget.release(charged)
 
     async def consume() -> None:
-        nonlocal n_objects
         parts: list[memoryview] = []
         entries: list[tuple[int, ChunkEntry]] = []
         size = charged_total = 0

@@ -3,6 +3,7 @@ built entry by entry, whatever the split among processes; every flaw is a Manife
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import threading
 from collections.abc import Callable
@@ -16,13 +17,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastckpt._distributed import Coordinator
-from fastckpt.errors import BarrierTimeoutError, ManifestError
+from fastckpt.errors import BarrierTimeoutError, ManifestError, NotFoundError
 from fastckpt.format.codec import decode_manifest, encode_manifest
-from fastckpt.format.layout import data_key
+from fastckpt.format.layout import data_key, fragment_key
 from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, KeyPath, Manifest, box_volume
 from fastckpt.testing.strategies import manifests
 from fastckpt.writer.commit import build_manifest, exchange_ram_manifest
-from fastckpt.writer import merge
+from fastckpt.storage import MemoryStore
+from fastckpt.testing.wrapping import ForwardingStore
+from fastckpt.writer import commit, merge
 from fastckpt.writer.fragment import encode_fragment, pack_fragment, unpack_fragment
 from fastckpt.writer.merge import merge_fragments
 from fastckpt.writer.stage import StagedArray, StagedSave
@@ -280,3 +283,35 @@ def test_ram_manifest_exchange_holds_before_announcing_and_broadcasts_only_when_
         assert got[1:] == [data] * 3 and kv["ns/rammanifest"] == data.decode()
     else:
         assert got[1:] == [None] * 3 and len(kv["ns/rammanifest"]) < 32
+
+
+class _CountingReads(ForwardingStore):
+    """Counts the reads in flight at once (each takes ``delay_s``)."""
+
+    def __init__(self, inner: MemoryStore, delay_s: float) -> None:
+        super().__init__(inner)
+        self.delay_s, self.now, self.peak = delay_s, 0, 0
+
+    async def get(self, key: str, *, byte_range: Any = None) -> Any:
+        self.now += 1
+        self.peak = max(self.peak, self.now)
+        try:
+            await asyncio.sleep(self.delay_s)
+            return await self.inner.get(key, byte_range=byte_range)
+        finally:
+            self.now -= 1
+
+
+def test_process_0_reads_the_fragments_concurrently_in_order_and_raises_a_failed_read_as_itself() -> None:
+    store = _CountingReads(MemoryStore(), delay_s=0.01)
+    keys = [fragment_key(5, "c0ffee", i) for i in range(100)]
+
+    async def put_all() -> None:
+        for i, k in enumerate(keys):
+            await store.put(k, b"fragment %d" % i)
+
+    asyncio.run(put_all())
+    assert asyncio.run(commit._read_all(store, keys)) == [b"fragment %d" % i for i in range(100)]
+    assert store.peak == commit._FRAGMENT_READS  # not one at a time, and bounded
+    with pytest.raises(NotFoundError):
+        asyncio.run(commit._read_all(store, [*keys[:50], fragment_key(5, "c0ffee", 999), *keys[50:]]))

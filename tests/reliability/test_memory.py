@@ -12,7 +12,6 @@ reads of at most 4 MiB. RSS is sampled every ~2 ms (psutil). Bounds checked:
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import re

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import shutil
 import socket
@@ -27,7 +26,6 @@ import numpy as np
 import pytest
 
 from fastckpt import CheckpointManager, DistributedOptions, ManagerOptions, RetentionOptions, SaveOptions
-from fastckpt._checksum import crc32c
 from fastckpt._distributed import Coordinator
 from fastckpt.errors import (
     BarrierTimeoutError,
@@ -43,7 +41,7 @@ from fastckpt.storage import ByteRange, GcsOptions, GcsStore, MemoryStore, Retry
 from fastckpt.testing.fault_proxy import FaultProxy
 from fastckpt.testing.gcs_emulator import GcsEmulator
 
-from ._util import BUCKET, Recorder, device_state, expected, state_mismatches
+from ._util import BUCKET, Recorder, device_state, state_mismatches
 
 _prefixes = itertools.count()
 READ_TIMEOUT_S = 0.3
