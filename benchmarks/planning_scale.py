@@ -9,15 +9,16 @@ side by side in one run:
    leaf against N stored chunks, by scanning every chunk per box (``plan_leaf_reads``
    without an index) and through one :class:`~fastckpt.planning.ChunkIndex` per leaf (what
    the reader does for format 1) and through a :class:`~fastckpt.planning.GridIndex` of the
-   leaf decoded from format 2 (what it does now), same mesh and a 4 -> 3 reshard; ms per
+   leaf decoded from a chunk table (formats 2 and 3), same mesh and a 4 -> 3 reshard; ms per
    leaf and the ratios.
 2. **Manifest codec**: encode and decode a manifest of L leaves x N chunks in format 1 (an
-   object per chunk) and format 2 (a chunk table per leaf); microseconds and bytes per chunk.
+   object per chunk), format 2 (a chunk table per leaf, JSON int columns) and format 3 (the
+   same table, binary columns: what fastckpt writes); microseconds and bytes per chunk.
 3. **Commit on process 0**: merging P processes' fragments of L leaves x N chunks into the
    manifest (``writer.merge``, column by column), as every persistent and RAM checkpoint does.
 4. **A restoring host**: decoding the manifest and planning one host's 8 units of every
-   leaf, format 1 (an entry per chunk, a ChunkIndex per leaf) beside format 2 (chunk tables
-   whose entries are built on access, bisected by a :class:`~fastckpt.planning.GridIndex`);
+   leaf, format 1 (an entry per chunk, a ChunkIndex per leaf) beside formats 2 and 3 (chunk
+   tables whose entries are built on access, bisected by a :class:`~fastckpt.planning.GridIndex`);
    seconds, microseconds per chunk of the manifest, and the decoded manifest's memory.
 5. **A RAM manifest through the coordinator**: a real 4-process ``jax.distributed`` job times
    handing the manifest's bytes from process 0 to every process through the key-value store
@@ -103,7 +104,7 @@ def run_planning(chunk_counts: list[int], reps: int) -> list[dict[str, Any]]:
     for n in chunk_counts:
         grid = _grid(n)
         leaf = _leaf(0, grid)
-        [table_leaf] = decode_manifest(encode_manifest(Manifest(step=1, leaves=(leaf,)))).arrays()  # format 2
+        [table_leaf] = decode_manifest(encode_manifest(Manifest(step=1, leaves=(leaf,)))).arrays()  # a chunk table
         assert isinstance(leaf_index(table_leaf), GridIndex)
         for layout, dst_grid in (("same mesh", grid), ("4 -> 3 reshard", (max(1, grid[0] * 3 // 4), grid[1]))):
             boxes = _host_boxes(dst_grid)
@@ -151,8 +152,9 @@ def _codec_case(leaves: int, n: int, version: int, reps: int) -> dict[str, Any]:
 
 
 def run_codec(cases: list[tuple[int, int]], reps: int) -> list[dict[str, Any]]:
-    """Format 1 (an object per chunk) beside format 2 (a chunk table per leaf), same manifests."""
-    return [_codec_case(leaves, n, version, reps) for leaves, n in cases for version in (1, 2)]
+    """Format 1 (an object per chunk) beside formats 2 and 3 (a chunk table per leaf; JSON /
+    binary columns), same manifests."""
+    return [_codec_case(leaves, n, version, reps) for leaves, n in cases for version in (1, 2, 3)]
 
 
 def _merge_case(leaves: int, n: int, reps: int) -> dict[str, Any]:
@@ -230,8 +232,8 @@ def _host_case(leaves: int, n: int, version: int, reps: int) -> dict[str, Any]:
 
 def run_host(cases: list[tuple[int, int]], reps: int) -> list[dict[str, Any]]:
     """A restoring host's work before data moves: decode the manifest, plan its 8 units of
-    every leaf; format 1 (entries + ChunkIndex) beside format 2 (chunk tables + GridIndex)."""
-    return [_host_case(leaves, n, v, reps) for leaves, n in cases for v in (1, 2)]
+    every leaf; format 1 (entries + ChunkIndex) beside formats 2 and 3 (chunk tables + GridIndex)."""
+    return [_host_case(leaves, n, v, reps) for leaves, n in cases for v in (1, 2, 3)]
 
 
 def run_broadcast(cases: list[tuple[int, int]], processes: int, reps: int) -> list[dict[str, Any]]:
@@ -347,8 +349,9 @@ def render(doc: dict[str, Any]) -> str:
         f"(git {meta['git']}), 2 CPUs. Best of {meta['reps']} for the pure parts.",
         "## Read planning: one host's 8 boxes of one leaf (8192 x 1024 f32) against N stored chunks",
         markdown_table(["chunks", "layout", "boxes", "scan (ms/leaf)", "ChunkIndex (ms/leaf)", "speedup",
-                        "GridIndex, format 2 (ms/leaf)", "speedup"], plan_rows),
-        "## Manifest codec, format 1 (an object per chunk) vs 2 (a chunk table per leaf): raw chunks, 2-d grid",
+                        "GridIndex, chunk table (ms/leaf)", "speedup"], plan_rows),
+        "## Manifest codec, format 1 (an object per chunk) vs 2 (a chunk table per leaf) vs 3 (the table with "
+        "binary columns): raw chunks, 2-d grid",
         markdown_table(["leaves x chunks", "chunks", "format", "MiB", "bytes/chunk", "encode s", "decode s", "encode us/chunk",
                         "decode us/chunk"], codec_rows),
         "## Commit on process 0: merge P fragments into the manifest (every checkpoint, RAM ones included)",
@@ -356,8 +359,8 @@ def render(doc: dict[str, Any]) -> str:
                         "merge + encode s (RAM step)", "us/chunk", "+ validating decode s (persistent)", "us/chunk"],
                        merge_rows),
         "## A restoring host before data moves: decode the manifest, plan its 8 units of every leaf",
-        "Format 1 decodes to one entry per chunk and plans through a ChunkIndex per leaf; format 2 "
-        "to chunk tables (entries built on access) planned by bisecting the grid. `held` is the "
+        "Format 1 decodes to one entry per chunk and plans through a ChunkIndex per leaf; formats 2 "
+        "and 3 to chunk tables (entries built on access) planned by bisecting the grid. `held` is the "
         "decoded manifest's memory (tracemalloc).",
         markdown_table(["leaves x chunks", "chunks", "format", "decode s", "plan s", "total s", "us/chunk",
                         "held MiB", "held bytes/chunk"], host_rows),
@@ -381,9 +384,9 @@ def plot(doc: dict[str, Any], path: Path) -> None:
          "series": {"scan": [r["scan_ms"] for r in same], "ChunkIndex": [r["index_ms"] for r in same],
                     "GridIndex": [r.get("grid_ms") or 0.0 for r in same]}},
         {"title": "manifest decode (us per chunk)", "ylabel": "us",
-         "groups": [str(r["chunks"]) for r in doc["codec"] if r["format"] == 2],
+         "groups": [str(r["chunks"]) for r in doc["codec"] if r["format"] == 1],
          "series": {f"format {v} {what}": [r[f"{what}_us_per_chunk"] for r in doc["codec"] if r["format"] == v]
-                    for v in (1, 2) for what in ("encode", "decode")}},
+                    for v in (1, 2, 3) for what in ("encode", "decode")}},
         {"title": "commit merge on process 0 (us per chunk)", "ylabel": "us",
          "groups": [str(r["chunks"]) for r in doc.get("merge", [])],
          "series": {"RAM step": [r["merge_us_per_chunk"] for r in doc.get("merge", [])],

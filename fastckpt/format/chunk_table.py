@@ -18,6 +18,13 @@ saves), writes the grid's cuts instead of one box per chunk. JSON (an array leaf
 replaces ``"grid"`` when the boxes are not such a grid. ``raw_length`` is not written: it is
 the box volume times the itemsize. Checksums are u32.
 
+Format 3 writes the same table with its five numeric columns (``"object"``, ``"offset"``,
+``"length"``, ``"crc32c"``, ``"raw_crc32c"``) as *binary columns*: a string
+``"<kind>:<base64>"``, the base64 of the values as little-endian unsigned integers of
+``kind`` (``u1``, ``u2``, ``u4`` or ``u8``; the writer picks the narrowest that holds them),
+e.g. ``"object": "u1:AAABAQ=="``. A reader decodes a column with one base64 call and
+``np.frombuffer`` instead of parsing and range-checking a JSON int per chunk.
+
 Decoding validates what format 1 validates (boxes inside the array and tiling it, keys safe,
 numbers in range, raw chunks' lengths) column by column, with numpy where it can, and returns
 a :class:`~fastckpt.format.manifest.ChunkTable`: the columns, whose
@@ -26,6 +33,8 @@ a :class:`~fastckpt.format.manifest.ChunkTable`: the columns, whose
 
 from __future__ import annotations
 
+import base64
+import binascii
 import contextlib
 import functools
 import itertools
@@ -39,12 +48,18 @@ from fastckpt.format._checks import MAX_INT, check_tiling, fail, json_dict, json
 from fastckpt.format.manifest import Box, ChunkEntry, ChunkTable, box_volume
 from fastckpt.storage._protocol import validate_key
 
-__all__ = ["CODECS", "U32", "codec_column", "decode_chunk_table", "decode_object_keys", "encode_chunk_table", "grid_cuts", "uint_array"]
+__all__ = [
+    "CODECS", "NUMERIC_COLUMNS", "U32", "binary_array", "codec_column", "decode_chunk_table", "decode_object_keys",
+    "encode_chunk_table", "encode_column", "grid_cuts", "table_json", "uint_array",
+]
 
 #: The codec names, in the order of their codes in a commit fragment's numpy column.
 CODECS = ("raw", "zstd")
 U32 = 0xFFFFFFFF
 _COLUMNS = ("object", "offset", "length", "codec", "crc32c", "raw_crc32c")
+#: The columns format 3 writes as binary columns.
+NUMERIC_COLUMNS = ("object", "offset", "length", "crc32c", "raw_crc32c")
+_KINDS = {f"u{n}": np.dtype(f"<u{n}") for n in (1, 2, 4, 8)}
 
 
 def grid_cuts(boxes: Sequence[Box], shape: tuple[int, ...]) -> list[list[int]] | None:
@@ -68,12 +83,14 @@ def grid_cuts(boxes: Sequence[Box], shape: tuple[int, ...]) -> list[list[int]] |
 
 
 def encode_chunk_table(
-    chunks: Sequence[ChunkEntry], *, shape: tuple[int, ...], itemsize: int, objects: dict[str, int]
+    chunks: Sequence[ChunkEntry], *, shape: tuple[int, ...], itemsize: int, objects: dict[str, int],
+    binary: bool = False,
 ) -> dict[str, Any]:
-    """JSON object of a leaf's chunks. ``objects`` maps object keys to their index in the
-    manifest's ``"objects"`` list; keys not in it yet are appended (insertion order is the
-    list's order). ``ManifestError`` if a chunk's ``raw_length`` is not its box volume x
-    ``itemsize`` (the table does not store it, so it could not come back)."""
+    """JSON object of a leaf's chunks (``binary``: format 3's binary columns). ``objects``
+    maps object keys to their index in the manifest's ``"objects"`` list; keys not in it
+    yet are appended (insertion order is the list's order). ``ManifestError`` if a chunk's
+    ``raw_length`` is not its box volume x ``itemsize`` (the table does not store it, so it
+    could not come back)."""
     for c in chunks:
         if c.raw_length != box_volume(c.box) * itemsize:
             fail(f"chunk {list(c.box)}: raw_length {c.raw_length} != box volume x itemsize {itemsize}")
@@ -88,7 +105,25 @@ def encode_chunk_table(
     table["codec"] = next(iter(codecs)) if len(codecs) == 1 else [c.codec for c in chunks]
     table["crc32c"] = [c.crc32c for c in chunks]
     table["raw_crc32c"] = [c.raw_crc32c for c in chunks]
+    if binary:
+        for k in NUMERIC_COLUMNS:
+            table[k] = encode_column(table[k])
     return table
+
+
+def encode_column(values: np.ndarray | Sequence[int]) -> str:
+    """Format 3's binary column of ``values`` (ints in ``[0, 2**64)``): ``"<kind>:<base64>"``
+    in the narrowest kind that holds them."""
+    arr = np.asarray(values, np.uint64) if not isinstance(values, np.ndarray) else values
+    kind = "u1" if not arr.size else f"u{np.min_scalar_type(int(arr.max())).itemsize}"
+    return kind + ":" + base64.b64encode(arr.astype(_KINDS[kind], copy=False).tobytes()).decode("ascii")
+
+
+def table_json(table: Mapping[str, Any], *, binary: bool) -> dict[str, Any]:
+    """A ready chunk table (what the commit merge builds: the numeric columns as numpy
+    arrays) in format 2's JSON form (lists) or format 3's (``binary`` columns)."""
+    return {k: (encode_column(v) if binary else v.tolist()) if isinstance(v, np.ndarray) else v
+            for k, v in table.items()}
 
 
 def codec_column(obj: Any, n: int, what: str) -> list[str]:
@@ -165,13 +200,38 @@ def uint_array(obj: Any, n: int, what: str, hi: int, dtype: type[np.integer[Any]
     return arr.astype(dtype, copy=False)
 
 
+def binary_array(obj: Any, n: int, what: str, hi: int, dtype: type[np.integer[Any]] = np.int64) -> np.ndarray:
+    """A format-3 binary column of ``n`` ints in ``[0, hi]`` as a numpy array of ``dtype``
+    (which must hold ``hi``); the first value out of range is named. The string's length is
+    checked before it is decoded."""
+    kind, sep, text = obj.partition(":") if type(obj) is str else ("", "", "")
+    if not sep or kind not in _KINDS:
+        fail(f"{what}: expected a binary column '<u1|u2|u4|u8>:<base64>', got {obj!r:.60}")
+    nbytes = n * _KINDS[kind].itemsize
+    if len(text) != 4 * -(-nbytes // 3):
+        fail(f"{what}: {len(text)} base64 characters for {n} values of {kind} ({nbytes} bytes)")
+    try:
+        raw = binascii.a2b_base64(text, strict_mode=True)
+    except (binascii.Error, ValueError) as e:
+        fail(f"{what}: not base64: {e}")
+    if len(raw) != nbytes:
+        fail(f"{what}: {len(raw)} bytes for {n} values of {kind}")
+    arr = np.frombuffer(raw, _KINDS[kind])
+    if n and int(arr.max()) > hi:
+        i = int(np.argmax(arr > hi))
+        fail(f"{what}[{i}]: expected an int in [0, {hi}], got {int(arr[i])}")
+    return arr.astype(dtype)
+
+
 def decode_chunk_table(
-    obj: Any, *, shape: tuple[int, ...], itemsize: int, objects: Sequence[str], what: str, tiling: bool = True
+    obj: Any, *, shape: tuple[int, ...], itemsize: int, objects: Sequence[str], what: str, tiling: bool = True,
+    binary: bool = False,
 ) -> ChunkTable:
     """Validate a leaf's chunk table and return it as a :class:`ChunkTable` (entries are
     built on access); ``ManifestError`` on any flaw. ``objects`` is the (validated,
     :func:`decode_object_keys`) object key list. With ``tiling=False`` (one process's part of
-    a leaf) listed boxes need not tile the array nor be disjoint; a grid always tiles it."""
+    a leaf) listed boxes need not tile the array nor be disjoint; a grid always tiles it.
+    ``binary``: the numeric columns are format 3's binary columns, else JSON lists."""
     d: Mapping[str, Any] = json_dict(obj, what, _COLUMNS)
     if ("grid" in d) == ("boxes" in d):
         fail(f"{what}: expected exactly one of 'grid' and 'boxes'")
@@ -183,11 +243,12 @@ def decode_chunk_table(
     else:
         listed = _listed_boxes(d["boxes"], shape, f"{what}.boxes", tiling)
         n = len(listed)
-    index = uint_array(d["object"], n, f"{what}.object", len(objects) - 1, np.int32)
-    offsets = uint_array(d["offset"], n, f"{what}.offset", MAX_INT)
-    lengths = uint_array(d["length"], n, f"{what}.length", MAX_INT)
-    crcs = uint_array(d["crc32c"], n, f"{what}.crc32c", U32, np.uint32)
-    raw_crcs = uint_array(d["raw_crc32c"], n, f"{what}.raw_crc32c", U32, np.uint32)
+    column = binary_array if binary else uint_array
+    index = column(d["object"], n, f"{what}.object", len(objects) - 1, np.int32)
+    offsets = column(d["offset"], n, f"{what}.offset", MAX_INT)
+    lengths = column(d["length"], n, f"{what}.length", MAX_INT)
+    crcs = column(d["crc32c"], n, f"{what}.crc32c", U32, np.uint32)
+    raw_crcs = column(d["raw_crc32c"], n, f"{what}.raw_crc32c", U32, np.uint32)
     codec = d["codec"]
     codecs = codec_column(codec, n, f"{what}.codec")
     if codec == "raw" or type(codec) is list and "raw" in codec:

@@ -1,8 +1,8 @@
 """Manifest <-> JSON. Strict: every field is type-checked on decode; never pickle.
 
-JSON layout (``format_version`` 2, what this fastckpt writes)::
+JSON layout (``format_version`` 3, what this fastckpt writes)::
 
-    {"format_version": 2, "step": 100, "num_processes": 4, "created_unix": 1.7e9,
+    {"format_version": 3, "step": 100, "num_processes": 4, "created_unix": 1.7e9,
      "writer_version": "0.1.0", "metadata": {...},
      "objects": ["steps/00000100/...", ...],
      "leaves": [
@@ -10,13 +10,15 @@ JSON layout (``format_version`` 2, what this fastckpt writes)::
         "shape": [1024, 512], "dtype": "bfloat16", "key_impl": null,
         "sharding": {"mesh_axis_names": ["data", "model"], "mesh_shape": [2, 4],
                      "partition_spec": [null, "model"]},
-        "chunks": {"grid": [[0, 1024], [0, 128, 256, 384, 512]], "object": [0, 0, 1, 1],
-                   "offset": [...], "length": [...], "codec": "zstd",
-                   "crc32c": [...], "raw_crc32c": [...]}},
+        "chunks": {"grid": [[0, 1024], [0, 128, 256, 384, 512]], "object": "u1:AAABAQ==",
+                   "offset": "u4:...", "length": "u4:...", "codec": "zstd",
+                   "crc32c": "u4:...", "raw_crc32c": "u4:..."}},
        {"path": [["d", "step"]], "type": "value", "vtype": "int", "value": 100}]}
 
 An array leaf's ``"chunks"`` is a chunk table (:mod:`fastckpt.format.chunk_table`: columns,
-object keys by index into ``"objects"``, boxes as a grid's cuts). Format 1 (still read, and
+object keys by index into ``"objects"``, boxes as a grid's cuts), its numeric columns binary
+(``"<kind>:<base64>"`` of little-endian unsigned ints). Format 2 (still read and written on
+request) is the same with those columns as JSON lists of ints. Format 1 (still read, and
 written for a ``Manifest`` whose ``format_version`` is 1) has no ``"objects"`` and lists
 one object per chunk: ``{"box": [[0, 1024], [0, 128]], "key": "steps/...", "offset": 0,
 "length": 123, "raw_length": 262144, "codec": "zstd", "crc32c": 1234, "raw_crc32c": 5678}``.
@@ -53,7 +55,7 @@ from fastckpt.format._checks import json_int as _int
 from fastckpt.format._checks import json_list as _list
 from fastckpt.format._checks import json_str as _str
 from fastckpt.format._checks import paused_gc
-from fastckpt.format.chunk_table import decode_chunk_table, decode_object_keys, encode_chunk_table
+from fastckpt.format.chunk_table import decode_chunk_table, decode_object_keys, encode_chunk_table, table_json
 from fastckpt.format.dtypes import dtype_from_name
 from fastckpt.format.manifest import (
     READABLE_FORMAT_VERSIONS,
@@ -88,7 +90,7 @@ def _float_to_json(x: float) -> float | str:
     return x
 
 
-def _leaf_to_json(leaf: Leaf, objects: dict[str, int] | None) -> dict[str, Any]:
+def _leaf_to_json(leaf: Leaf, objects: dict[str, int] | None, binary: bool) -> dict[str, Any]:
     path = [[k, v] for k, v in leaf.path]
     if isinstance(leaf, ValueLeaf):
         value: Any = leaf.value
@@ -116,7 +118,8 @@ def _leaf_to_json(leaf: Leaf, objects: dict[str, int] | None) -> dict[str, Any]:
         "key_impl": leaf.key_impl,
         "sharding": sharding,
         "chunks": [chunk_to_json(c) for c in leaf.chunks] if objects is None else encode_chunk_table(
-            leaf.chunks, shape=leaf.shape, itemsize=dtype_from_name(leaf.dtype).itemsize, objects=objects),
+            leaf.chunks, shape=leaf.shape, itemsize=dtype_from_name(leaf.dtype).itemsize, objects=objects,
+            binary=binary),
     }
 
 
@@ -138,22 +141,24 @@ def encode_manifest(manifest: Manifest, *, tables: tuple[Sequence[str], Mapping[
     """Serialise a manifest to UTF-8 JSON bytes (deterministic key order), in the layout of
     its ``format_version``.
 
-    ``tables=(objects, by_path)`` writes ready format-2 chunk tables (what the commit
-    protocol merges column by column, without a Python object per chunk) in place of the
-    array leaves' ``chunks``, which must then be empty; ``objects`` is the object key list
-    the tables index. The caller vouches for the tables (``decode_manifest`` checks them)."""
+    ``tables=(objects, by_path)`` writes ready chunk tables (what the commit protocol
+    merges column by column, without a Python object per chunk: numeric columns as numpy
+    arrays, see ``chunk_table.table_json``) in place of the array leaves' ``chunks``, which
+    must then be empty; ``objects`` is the object key list the tables index (format 2 or 3).
+    The caller vouches for the tables (``decode_manifest`` checks them)."""
     if manifest.format_version not in READABLE_FORMAT_VERSIONS:
         _fail(f"cannot write format_version {manifest.format_version!r:.40} (this fastckpt writes "
               f"{list(READABLE_FORMAT_VERSIONS)})")
-    if tables is not None and (manifest.format_version != 2 or any(a.chunks for a in manifest.arrays())):
-        _fail("ready chunk tables need format_version 2 and array leaves without chunks")
+    if tables is not None and (manifest.format_version == 1 or any(a.chunks for a in manifest.arrays())):
+        _fail("ready chunk tables need format_version 2 or 3 and array leaves without chunks")
     objects: dict[str, int] | None = None if manifest.format_version == 1 else {}
-    leaves = [_leaf_to_json(leaf, objects) for leaf in manifest.leaves]
+    binary = manifest.format_version == 3
+    leaves = [_leaf_to_json(leaf, objects, binary) for leaf in manifest.leaves]
     if tables is not None:
         objects = dict.fromkeys(tables[0])
         for leaf, d in zip(manifest.leaves, leaves):
             if isinstance(leaf, ArrayLeaf):
-                d["chunks"] = tables[1][leaf.path]
+                d["chunks"] = table_json(tables[1][leaf.path], binary=binary)
     doc: dict[str, Any] = {
         "format_version": manifest.format_version,
         "step": manifest.step,
@@ -337,7 +342,7 @@ def _value_leaf(d: Mapping[str, Any], path: KeyPath, what: str) -> ValueLeaf:
 
 
 def _array_leaf(d: Mapping[str, Any], path: KeyPath, what: str, keys_ok: set[str],
-                objects: list[str] | None) -> ArrayLeaf:
+                objects: list[str] | None, binary: bool) -> ArrayLeaf:
     d = _dict(d, what, ("shape", "dtype", "chunks"))
     shape_l = _list(d["shape"], f"{what}.shape")
     if len(shape_l) > _MAX_NDIM:
@@ -352,9 +357,9 @@ def _array_leaf(d: Mapping[str, Any], path: KeyPath, what: str, keys_ok: set[str
         _str(key_impl, f"{what}.key_impl")
     if kind == "prng_key" and key_impl is None:
         _fail(f"{what}: prng_key leaf without key_impl")
-    if objects is not None:  # format 2: validated (tiling included) column by column
+    if objects is not None:  # formats 2 and 3: validated (tiling included) column by column
         chunks = decode_chunk_table(d["chunks"], shape=shape, itemsize=dtype.itemsize, objects=objects,
-                                    what=f"{what}.chunks")
+                                    what=f"{what}.chunks", binary=binary)
     else:
         chunks = tuple(
             _chunk(c, shape, dtype.itemsize, lambda i=i: f"{what}.chunks[{i}]", keys_ok)  # type: ignore[misc]
@@ -420,7 +425,7 @@ def _decode(data: bytes | bytearray | memoryview) -> Manifest:
             _fail(f"{what}: duplicate path")
         seen.add(path)
         if ld["type"] == "array":
-            leaves.append(_array_leaf(ld, path, what, keys_ok, objects))
+            leaves.append(_array_leaf(ld, path, what, keys_ok, objects, version == 3))
         elif ld["type"] == "value":
             leaves.append(_value_leaf(ld, path, what))
         else:

@@ -43,9 +43,10 @@ __all__ = [
 ]
 
 #: The on-disk format version this fastckpt writes.
-FORMAT_VERSION = 2
-#: The versions it reads (1: one JSON object per chunk; 2: a chunk table per leaf).
-READABLE_FORMAT_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+#: The versions it reads (1: one JSON object per chunk; 2: a chunk table per leaf; 3: the same
+#: table with binary numeric columns).
+READABLE_FORMAT_VERSIONS = (1, 2, 3)
 
 #: A box: per dimension a half-open ``(start, stop)`` interval of global indices.
 Box = tuple[tuple[int, int], ...]

@@ -31,7 +31,7 @@ from fastckpt.errors import (
     StepAlreadyCommittedError,
 )
 from fastckpt.format._checks import paused_gc
-from fastckpt.format.chunk_table import decode_chunk_table
+from fastckpt.format.chunk_table import decode_chunk_table, table_json
 from fastckpt.format.codec import decode_manifest, encode_manifest
 from fastckpt.format.dtypes import dtype_from_name
 from fastckpt.format.layout import fragment_key, manifest_key
@@ -82,7 +82,7 @@ def _build(step: int, staged: StagedSave, fragments: Sequence[bytes | memoryview
     for arr in staged.arrays:
         chunks: tuple[ChunkEntry, ...] | ChunkTable = ()
         if format_version == 1:  # format 1 needs the entries themselves
-            chunks = decode_chunk_table(tables[arr.path], shape=arr.shape, itemsize=dtype_from_name(arr.dtype).itemsize,
+            chunks = decode_chunk_table(table_json(tables[arr.path], binary=False), shape=arr.shape, itemsize=dtype_from_name(arr.dtype).itemsize,
                                         objects=objects, what=f"array {keypath_str(arr.path)}")
         by_path[arr.path] = ArrayLeaf(
             path=arr.path, shape=arr.shape, dtype=arr.dtype, chunks=chunks,

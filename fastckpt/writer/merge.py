@@ -28,8 +28,10 @@ __all__ = ["merge_fragments"]
 
 def merge_fragments(fragments: Sequence[bytes | memoryview], staged: StagedSave
                     ) -> tuple[list[str], dict[KeyPath, dict[str, Any]]]:
-    """Merge the processes' fragments into format 2's chunk tables: ``(objects, table by
-    array path)``, each leaf's chunks in C order of their boxes (a grid when they form one).
+    """Merge the processes' fragments into ready chunk tables: ``(objects, table by array
+    path)``, each leaf's chunks in C order of their boxes (a grid when they form one), the
+    numeric columns as numpy arrays (``chunk_table.table_json`` writes them as format 2's
+    or 3's JSON).
 
     Raises ``ManifestError`` if a fragment is malformed or names an array this tree lacks, a
     box lies outside its array, a raw chunk's length is not its box's bytes, or a leaf's
@@ -93,8 +95,8 @@ def _rank_group(staged: StagedSave, r: int, col: dict[str, np.ndarray], flat: np
         i = int(np.flatnonzero(bad)[0])
         fail(f"array {keypath_str(staged.arrays[array[i]].path)}: raw chunk {boxes[i].tolist()} has length "
              f"{int(length[i])}, not box volume x itemsize")
-    lists = {k: col[k][mine].tolist() for k in ("object", "offset", "crc32c", "raw_crc32c")}
-    lists["length"], codes = length.tolist(), codec.tolist()
+    cols = {k: col[k][mine] for k in ("object", "offset", "crc32c", "raw_crc32c")}
+    cols["length"], codes = length, codec.tolist()
     bounds = np.searchsorted(array, np.asarray(members + [len(staged.arrays)], np.int64)).tolist()
     out: dict[KeyPath, dict[str, Any]] = {}
     for j, ai in enumerate(members):
@@ -106,7 +108,7 @@ def _rank_group(staged: StagedSave, r: int, col: dict[str, np.ndarray], flat: np
                          f"array {keypath_str(arr.path)}")
         leaf_codes = codes[a:b]
         table: dict[str, Any] = {"grid": cuts} if cuts is not None else {"boxes": boxes[a:b].tolist()}
-        table.update({k: v[a:b] for k, v in lists.items()},
+        table.update({k: v[a:b] for k, v in cols.items()},
                      codec=CODECS[leaf_codes[0]] if len(set(leaf_codes)) == 1 else [CODECS[c] for c in leaf_codes])
         out[arr.path] = table
     return out

@@ -95,12 +95,12 @@ def test_unknown_format_version_and_malformed_manifest(root: Any, tmp_path: Path
     fastckpt.save(root, 2, state)
     store = store_of(root, tmp_path)
     doc = json.loads(bytes(asyncio.run(store.get(manifest_key(1)))))
-    doc["format_version"] = 3
+    doc["format_version"] = 4
     asyncio.run(store.put(manifest_key(1), json.dumps(doc).encode()))
     asyncio.run(store.put(manifest_key(2), b'{"format_version": 1, "step": 2, "leaves": [{"path": 3}]}'))
     with CheckpointManager(root) as mgr:
         assert mgr.all_steps() == [1, 2]
-        with pytest.raises(UnsupportedFormatVersionError, match="format_version 3"):
+        with pytest.raises(UnsupportedFormatVersionError, match="format_version 4"):
             mgr.restore(1)
         with pytest.raises(ManifestError):
             mgr.restore(2)
@@ -432,26 +432,28 @@ def test_same_mesh_restore_after_many_saves_is_exact(root: Any) -> None:
             assert_sharded_like(mgr.restore(step, {"x": sds(hosts[step], s)})["x"], s, hosts[step])
 
 
-def test_manifest_format_1_for_older_readers(root: Any, tmp_path: Path) -> None:
+def test_manifest_formats_1_and_2_for_older_readers(root: Any, tmp_path: Path) -> None:
     state, hosts = small_state()
-    opts = ManagerOptions(save=SaveOptions(manifest_format=1))
-    with CheckpointManager(root, options=opts) as mgr:
-        mgr.save(1, state)
-        mgr.wait()
-    fastckpt.save(root, 2, state)
+    for step, version in ((1, 1), (2, 2)):
+        with CheckpointManager(root, options=ManagerOptions(save=SaveOptions(manifest_format=version))) as mgr:
+            mgr.save(step, state)
+            mgr.wait()
+    fastckpt.save(root, 3, state)
     store = store_of(root, tmp_path)
-    docs = {s: json.loads(bytes(asyncio.run(store.get(manifest_key(s))))) for s in (1, 2)}
-    assert (docs[1]["format_version"], docs[2]["format_version"]) == (1, 2)
-    tables = {s: [leaf["chunks"] for leaf in docs[s]["leaves"] if leaf["type"] == "array"] for s in (1, 2)}
+    steps = (1, 2, 3)
+    docs = {s: json.loads(bytes(asyncio.run(store.get(manifest_key(s))))) for s in steps}
+    assert [docs[s]["format_version"] for s in steps] == [1, 2, 3]
+    tables = {s: [leaf["chunks"] for leaf in docs[s]["leaves"] if leaf["type"] == "array"] for s in steps}
     assert "objects" not in docs[1] and all(type(t) is list for t in tables[1])  # an object per chunk
-    assert "objects" in docs[2] and all("grid" in t for t in tables[2])
+    assert all("objects" in docs[s] and all("grid" in t for t in tables[s]) for s in (2, 3))
+    assert all(type(t["crc32c"]) is list for t in tables[2]) and all(t["crc32c"][:3] == "u4:" for t in tables[3])
     with CheckpointManager(root) as mgr:
-        for s in (1, 2):
+        for s in steps:
             out = mgr.restore(s, {"w": sds(hosts["w"], state["w"].sharding), "v": sds(hosts["v"], state["v"].sharding),
                                   "step": 0})
             assert_bit_exact(out["w"], hosts["w"])
             assert_bit_exact(out["v"], hosts["v"])
-        boxes = [[[c.box for c in a.chunks] for a in mgr.manifest(s).arrays()] for s in (1, 2)]
-        assert boxes[0] == boxes[1]
+        boxes = [[[c.box for c in a.chunks] for a in mgr.manifest(s).arrays()] for s in steps]
+        assert boxes[0] == boxes[1] == boxes[2]
     with pytest.raises(ConfigError, match="manifest_format"):
-        SaveOptions(manifest_format=3)
+        SaveOptions(manifest_format=4)

@@ -1,8 +1,10 @@
-"""Format 2's chunk table: grids chosen exactly when they fit, every flaw a ManifestError,
-the same entries as format 1, and a decoder that leaves the garbage collector as it was."""
+"""Formats 2 and 3's chunk table: grids chosen exactly when they fit, every flaw a
+ManifestError, the same entries as format 1, binary columns (format 3) that hold exactly the
+values, and a decoder that leaves the garbage collector as it was."""
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import gc
 import itertools
@@ -11,12 +13,13 @@ import random
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastckpt.errors import ManifestError, UnsupportedFormatVersionError
-from fastckpt.format.chunk_table import grid_cuts
+from fastckpt.format.chunk_table import binary_array, encode_column, grid_cuts
 from fastckpt.format.codec import decode_manifest, encode_manifest
 from fastckpt.format.manifest import FORMAT_VERSION, ArrayLeaf, ChunkEntry, ChunkTable, Manifest, box_volume
 from fastckpt.testing.strategies import grid_tilings, manifests, shapes, tilings
@@ -37,16 +40,36 @@ def _encoded_leaf(leaf: ArrayLeaf) -> dict[str, Any]:
     return json.loads(encode_manifest(Manifest(step=1, leaves=(leaf,))))["leaves"][0]["chunks"]
 
 
-def test_writes_format_2_with_a_grid_for_a_sharded_leaf() -> None:
+def test_writes_format_3_with_a_grid_and_binary_columns_for_a_sharded_leaf() -> None:
     boxes = [((i * 16, i * 16 + 16), (j * 4, j * 4 + 4)) for i in range(4) for j in range(2)]
     doc = json.loads(encode_manifest(Manifest(step=1, leaves=(_leaf(boxes, (64, 8)),))))
-    assert FORMAT_VERSION == 2 and doc["format_version"] == 2
+    assert FORMAT_VERSION == 3 and doc["format_version"] == 3
     assert doc["objects"] == ["steps/s/p0.fck", "steps/s/p1.fck", "steps/s/p2.fck"]
     table = doc["leaves"][0]["chunks"]
-    assert table["grid"] == [[0, 16, 32, 48, 64], [0, 4, 8]] and "boxes" not in table
-    assert table["object"] == [0, 1, 2, 0, 1, 2, 0, 1] and table["codec"] == "raw"
+    assert table["grid"] == [[0, 16, 32, 48, 64], [0, 4, 8]] and "boxes" not in table and table["codec"] == "raw"
+    assert table["object"] == "u1:" + base64.b64encode(bytes([0, 1, 2, 0, 1, 2, 0, 1])).decode()
+    assert table["offset"] == "u2:" + base64.b64encode(np.arange(0, 512, 64, dtype="<u2").tobytes()).decode()
+    assert table["crc32c"] == "u2:" + base64.b64encode(np.arange(1000, 1008, dtype="<u2").tobytes()).decode()
     shuffled = boxes[1:] + boxes[:1]  # not C order: listed, in the given order
     assert _encoded_leaf(_leaf(shuffled, (64, 8)))["boxes"][-1] == [0, 16, 0, 4]
+    v2 = json.loads(encode_manifest(Manifest(step=1, leaves=(_leaf(boxes, (64, 8)),), format_version=2)))
+    assert v2["leaves"][0]["chunks"]["object"] == [0, 1, 2, 0, 1, 2, 0, 1]
+
+
+@settings(max_examples=200, deadline=None)
+@given(values=st.lists(st.integers(0, 2**63 - 1), max_size=40), hi=st.integers(0, 2**63 - 1))
+def test_a_binary_column_holds_exactly_its_values_in_the_narrowest_kind(values: list[int], hi: int) -> None:
+    text = encode_column(values)
+    kind = text.split(":")[0]
+    assert kind == f"u{np.min_scalar_type(max(values, default=0)).itemsize}"
+    if all(v <= hi for v in values):
+        assert binary_array(text, len(values), "c", hi).tolist() == values
+    else:
+        first = next(i for i, v in enumerate(values) if v > hi)
+        with pytest.raises(ManifestError, match=rf"c\[{first}\]: expected an int in \[0, {hi}\]"):
+            binary_array(text, len(values), "c", hi)
+    with pytest.raises(ManifestError):
+        binary_array(text, len(values) + 1, "c", 2**63 - 1)
 
 
 @settings(max_examples=200, deadline=None)
@@ -66,11 +89,13 @@ def test_grid_cuts_describe_exactly_the_boxes(data: st.DataObject) -> None:
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(manifests())
-def test_format_1_and_2_decode_to_the_same_entries(m: Manifest) -> None:
+def test_formats_1_2_and_3_decode_to_the_same_entries(m: Manifest) -> None:
     v1 = decode_manifest(encode_manifest(dataclasses.replace(m, format_version=1)))
     v2 = decode_manifest(encode_manifest(dataclasses.replace(m, format_version=2)))
-    assert (v1.format_version, v2.format_version) == (1, 2)
+    v3 = decode_manifest(encode_manifest(dataclasses.replace(m, format_version=3)))
+    assert (v1.format_version, v2.format_version, v3.format_version) == (1, 2, 3)
     assert norm(dataclasses.replace(v1, format_version=2)) == norm(v2)  # nan != nan in value leaves
+    assert norm(dataclasses.replace(v1, format_version=3)) == norm(v3)
 
 
 def test_a_large_grid_leaf_is_small_and_exact() -> None:
@@ -80,9 +105,12 @@ def test_a_large_grid_leaf_is_small_and_exact() -> None:
     leaf = dataclasses.replace(leaf, chunks=tuple(dataclasses.replace(c, length=rng.randrange(1, 512),
                                                                       crc32c=rng.getrandbits(32)) for c in leaf.chunks))
     m = Manifest(step=3, leaves=(leaf,))
-    v1, v2 = encode_manifest(dataclasses.replace(m, format_version=1)), encode_manifest(m)
-    assert decode_manifest(v2) == m
+    v1, v2 = (encode_manifest(dataclasses.replace(m, format_version=v)) for v in (1, 2))
+    assert decode_manifest(v2) == dataclasses.replace(m, format_version=2)
     assert len(v2) * 3 < len(v1)  # 512 chunks: per-chunk objects vs columns
+    v3 = encode_manifest(m)
+    assert decode_manifest(v3) == m
+    assert len(v3) < len(v2) * 0.7  # binary columns: fewer bytes than decimal ints
 
 
 def test_encoder_refuses_what_the_table_cannot_hold() -> None:
@@ -90,8 +118,8 @@ def test_encoder_refuses_what_the_table_cannot_hold() -> None:
     bad = dataclasses.replace(leaf, chunks=(dataclasses.replace(leaf.chunks[0], raw_length=15),))
     with pytest.raises(ManifestError, match="raw_length 15"):
         encode_manifest(Manifest(step=1, leaves=(bad,)))
-    with pytest.raises(ManifestError, match="format_version 3"):
-        encode_manifest(Manifest(step=1, leaves=(), format_version=3))
+    with pytest.raises(ManifestError, match="format_version 4"):
+        encode_manifest(Manifest(step=1, leaves=(), format_version=4))
 
 
 def _put(path: tuple[Any, ...], value: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
@@ -174,6 +202,43 @@ def test_malformed_table_raises_manifest_error(case: str) -> None:
     assert not isinstance(info.value, UnsupportedFormatVersionError)
 
 
+def _b64(kind: str, values: list[int]) -> str:
+    return kind + ":" + base64.b64encode(np.asarray(values, f"<{kind}").tobytes()).decode()
+
+
+MALFORMED_V3: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "a column as format 2's list": _put((*T, "offset"), [0, 0]),
+    "a column as an int": _put((*T, "offset"), 0),
+    "no kind": _put((*T, "offset"), base64.b64encode(bytes(16)).decode()),
+    "signed kind": _put((*T, "offset"), "i8:" + base64.b64encode(bytes(16)).decode()),
+    "odd kind": _put((*T, "offset"), "u3:" + base64.b64encode(bytes(6)).decode()),
+    "one value short": _put((*T, "offset"), _b64("u8", [0])),
+    "one value long": _put((*T, "offset"), _b64("u8", [0, 0, 0])),
+    "a byte short, same length of text": _put((*T, "offset"), "u1:AA=="),  # 1 byte, 2 wanted: AAA=
+    "not base64": _put((*T, "offset"), "u1:A!A="),
+    "padding inside": _put((*T, "length"), "u4:AA==AAAAAAA="),
+    "object index out of range": _put((*T, "object"), _b64("u1", [0, 2])),
+    "offset beyond int64": _put((*T, "offset"), _b64("u8", [0, 2**63])),
+    "crc over u32": _put((*T, "crc32c"), _b64("u8", [2**32, 2])),
+    "raw chunk with another length": _put((*T, "length"), _b64("u1", [15, 9])),
+    "raw_crc32c missing": _put((*T, "raw_crc32c"), _DELETE),
+}
+
+
+def test_base_v3_doc_has_binary_columns() -> None:
+    doc = base_doc(3)
+    assert doc["leaves"][0]["chunks"]["object"] == _b64("u1", [0, 1])
+    assert doc["leaves"][0]["chunks"]["length"] == _b64("u1", [16, 9])
+    assert decode_doc(doc) == dataclasses.replace(decode_doc(base_doc(1)), format_version=3)
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED_V3))
+def test_malformed_binary_column_raises_manifest_error(case: str) -> None:
+    with pytest.raises(ManifestError) as info:
+        decode_doc(MALFORMED_V3[case](base_doc(3)))
+    assert not isinstance(info.value, UnsupportedFormatVersionError)
+
+
 def test_table_errors_name_the_leaf_and_the_field() -> None:
     doc = _put((*T, "offset"), [0, -1])(base_doc(2))
     with pytest.raises(ManifestError, match=r"leaves\[0\]\.chunks\.offset\[1\]: expected an int in \[0, "):
@@ -229,8 +294,6 @@ def test_a_decoded_table_is_the_tuple_of_its_entries(m: Manifest, data: st.DataO
 
 
 def test_a_table_checks_its_columns_and_names_its_grid() -> None:
-    import numpy as np
-
     cols = {"keys": ["o"], "object_index": np.zeros(4, np.int32), "offsets": np.arange(4), "lengths": np.full(4, 8),
             "codec": "raw", "crc32c": np.zeros(4, np.uint32), "raw_crc32c": np.zeros(4, np.uint32), "itemsize": 4}
     table = ChunkTable(cuts=[[0, 2, 4], [0, 1, 2]], boxes=None, **cols)

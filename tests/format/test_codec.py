@@ -43,7 +43,7 @@ def norm(x: Any) -> Any:
     return (type(x).__name__, x)
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 2, 3])
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(m=manifests())
 def test_round_trip_is_exact(version: int, m: Manifest) -> None:
@@ -85,7 +85,7 @@ def decode_doc(doc: Any) -> Manifest:
     return decode_manifest(json.dumps(doc).encode())
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 2, 3])
 def test_base_doc_is_valid(version: int) -> None:
     assert decode_doc(base_doc(version)).step == 7
 
@@ -193,7 +193,7 @@ def test_malformed_field_raises_manifest_error(case: str) -> None:
     assert not isinstance(info.value, UnsupportedFormatVersionError)
 
 
-@pytest.mark.parametrize("version", [0, 3, 99, 2**40])
+@pytest.mark.parametrize("version", [0, 4, 99, 2**40])
 def test_unknown_format_version(version: int) -> None:
     with pytest.raises(UnsupportedFormatVersionError, match="format_version"):
         decode_doc(_set(base_doc(), ("format_version",), version))
@@ -262,7 +262,7 @@ def _check_decode(data: bytes) -> None:
     assert norm(decode_manifest(encode_manifest(m))) == norm(m)
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 2, 3])
 @settings(max_examples=250, deadline=None)
 @given(data=st.data())
 def test_fuzz_field_mutations(version: int, data: st.DataObject) -> None:
@@ -321,7 +321,7 @@ def test_chunk_decode_with_key_cache_and_lazy_name_agrees_with_the_plain_call(da
     assert outcome(lambda: codec._chunk(chunk, shape, itemsize, lambda: "chunk", set())) == expected
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 2, 3])
 @settings(max_examples=300, deadline=None)
 @given(data=st.data())
 def test_fuzz_bytes(version: int, data: st.DataObject) -> None:
@@ -339,7 +339,7 @@ def test_fuzz_bytes(version: int, data: st.DataObject) -> None:
     _check_decode(bytes(raw))
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 2, 3])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(m=manifests(max_leaves=3), data=st.data())
 def test_fuzz_random_manifest_mutations(version: int, m: Manifest, data: st.DataObject) -> None:

@@ -6,13 +6,13 @@ protocol under failures: a process that fails its part, and a process SIGKILLed 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+from fastckpt.format.codec import decode_manifest
 from fastckpt.testing.multiprocess import MultiprocessError, ProcessOutcome, run_processes
 
 WORKERS = str(Path(__file__).with_name("workers.py"))
@@ -37,10 +37,9 @@ def test_save_4x2_restore_2x4_and_1x8(tmp_path: Path) -> None:
     root = str(tmp_path / "ckpt")
     saved = run("save", 4, 2, root=root, steps=[1], mesh_shape=[4, 2], layout="rows")
     assert [s["steps"] for s in saved] == [[1]] * 4
-    manifest = json.loads((tmp_path / "ckpt" / "manifests" / "000000000001.json").read_text())
-    assert manifest["num_processes"] == 4
-    writers = {manifest["objects"][i].split("/")[-1].split("-")[0] for leaf in manifest["leaves"]
-               if leaf["type"] == "array" for i in leaf["chunks"]["object"]}
+    manifest = decode_manifest((tmp_path / "ckpt" / "manifests" / "000000000001.json").read_bytes())
+    assert manifest.num_processes == 4
+    writers = {c.key.split("/")[-1].split("-")[0] for a in manifest.arrays() for c in a.chunks}
     assert writers == {"p00000", "p00001", "p00002", "p00003"}  # every process wrote its shards
     got = run("check_restore", 2, 4, root=root, steps=[1], mesh_shape=[2, 4], layout="cols")
     for r in got:
