@@ -51,6 +51,12 @@ class Coordinator(abc.ABC):
         except BarrierTimeoutError:
             return None
 
+    def try_get_all(self, directory: str, count: int) -> list[str | None]:
+        """The values of ``<directory>/<i>`` for ``i < count``, None where not set (default:
+        one ``try_get`` per key; ``JaxCoordinator`` reads the directory in one request, so a
+        poll over hundreds of processes is one round trip, not hundreds)."""
+        return [self.try_get(f"{directory}/{i}") for i in range(count)]
+
     def namespace(self, base: str) -> str:
         """A key prefix unique to this call within the job: ``<base>/m<n>`` where ``n`` counts
         earlier calls with the same ``base`` in this process. SPMD code makes the same calls
@@ -137,6 +143,18 @@ class JaxCoordinator(Coordinator):
 
     def get_bytes(self, key: str, *, timeout_s: float) -> bytes:
         return bytes(self._blocking(self._client.blocking_key_value_get_bytes, key, timeout_s))
+
+    def try_get_all(self, directory: str, count: int) -> list[str | None]:
+        try:
+            pairs = self._client.key_value_dir_get(directory)
+        except Exception as e:
+            raise DistributedError(f"key-value directory get {directory!r} failed: {e}") from e
+        found: dict[int, str] = {}
+        for key, value in pairs:  # full keys; deeper ones (<directory>/<i>/...) are not ours
+            head, _, tail = str(key).rpartition("/")
+            if head == directory and tail.isdigit() and int(tail) < count:
+                found[int(tail)] = str(value)
+        return [found.get(i) for i in range(count)]
 
     @staticmethod
     def _blocking(get: Any, key: str, timeout_s: float) -> Any:

@@ -174,19 +174,16 @@ class CoordinatorDirectory(PeerDirectory):
             BarrierTimeoutError: ``wait`` and some process did not publish within the timeout.
         """
         deadline = time.monotonic() + self._timeout_s
+        count = self._coordinator.process_count
+        if not wait:  # one request for all processes' records
+            return _newest(_parse_all([v for v in self._coordinator.try_get_all(self._prefix[:-1], count) if v is not None]))
         blobs = []
-        for i in range(self._coordinator.process_count):
-            key = self._prefix + str(i)
-            if wait:
-                remaining = max(0.001, deadline - time.monotonic())
-                try:
-                    blobs.append(self._coordinator.get(key, timeout_s=remaining))
-                except BarrierTimeoutError as e:
-                    raise BarrierTimeoutError(f"process {i} did not publish its peer address: {e}") from e
-            else:
-                value = self._coordinator.try_get(key)
-                if value is not None:
-                    blobs.append(value)
+        for i in range(count):
+            remaining = max(0.001, deadline - time.monotonic())
+            try:
+                blobs.append(self._coordinator.get(self._prefix + str(i), timeout_s=remaining))
+            except BarrierTimeoutError as e:
+                raise BarrierTimeoutError(f"process {i} did not publish its peer address: {e}") from e
         return _newest(_parse_all(blobs))
 
 

@@ -107,11 +107,11 @@ def _wait_all_done(coord: Coordinator, ns: str, deadline: float) -> list[str]:
     n = coord.process_count
     values: list[str | None] = [None] * n
     while True:
-        for i in range(n):
-            if values[i] is None:
-                values[i] = coord.try_get(f"{ns}/done/{i}")
-                if values[i] is not None and values[i].startswith("err"):  # type: ignore[union-attr]
-                    raise DistributedError(f"process {i} failed its part of the save: {values[i][4:]}")  # type: ignore[index]
+        for i, value in enumerate(coord.try_get_all(f"{ns}/done", n)):  # one request per poll
+            if values[i] is None and value is not None:
+                values[i] = value
+                if value.startswith("err"):
+                    raise DistributedError(f"process {i} failed its part of the save: {value[4:]}")
         if all(v is not None for v in values):
             return [v[3:] for v in values]  # type: ignore[index]
         if time.monotonic() > deadline:

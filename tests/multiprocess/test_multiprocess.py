@@ -128,3 +128,10 @@ def test_if_busy_skip_agrees_across_processes(tmp_path: Path) -> None:
     (r0, r1) = run("skip_when_busy", 2, 1, timeout_s=60, root=str(tmp_path / "ckpt"))
     assert r0["saved"] == r1["saved"]
     assert r0["steps"] == r1["steps"] and 1 in r0["steps"] and 3 in r0["steps"]
+
+
+def test_the_coordinator_reads_a_directory_at_once_and_carries_binary_values() -> None:
+    for got in run("coordinator_values", 3, 1):
+        assert got["dir"] == ["value 0", "value 1", "value 2", None]
+        assert got["missing"] == [None, None, None]
+        assert got["bin"] == [[j, 0, 255, 128] for j in range(3)] and got["bin_len"] == [4000] * 3

@@ -254,3 +254,20 @@ def fail_in_process(which: int) -> int:
         return 1 // 0
     time.sleep(600)
     return jax.process_index()
+
+
+def coordinator_values() -> dict[str, Any]:
+    """The key-value calls fastckpt adds to jax's: a directory read of every process's key
+    (nested and sibling keys left out) and binary values (any bytes, not text)."""
+    from fastckpt._distributed import default_coordinator
+
+    coord = default_coordinator()
+    i, n = coord.process_index, coord.process_count
+    coord.set(f"t/dir/{i}", f"value {i}")
+    coord.set(f"t/dir/{i}/nested", "not a process's value")
+    coord.set(f"t/dirx/{i}", "a sibling directory")
+    coord.set_bytes(f"t/bin/{i}", bytes([i, 0, 255, 128]) * 1000)
+    coord.barrier("t/all-set", timeout_s=30)
+    return {"dir": coord.try_get_all("t/dir", n + 1), "missing": coord.try_get_all("t/none", n),
+            "bin": [list(coord.get_bytes(f"t/bin/{j}", timeout_s=30)[:4]) for j in range(n)],
+            "bin_len": [len(coord.get_bytes(f"t/bin/{j}", timeout_s=30)) for j in range(n)]}
