@@ -14,5 +14,6 @@ from fastckpt.format.manifest import (
     ShardingSpec as ShardingSpec,
     ValueLeaf as ValueLeaf,
     chunk_id as chunk_id,
+    chunk_ids as chunk_ids,
     keypath_str as keypath_str,
 )

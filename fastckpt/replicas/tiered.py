@@ -32,7 +32,7 @@ import numpy as np
 from fastckpt._distributed import Coordinator
 from fastckpt.errors import FastckptError, PeerError
 from fastckpt.format.codec import decode_manifest
-from fastckpt.format.manifest import ChunkEntry, ChunkTable, Manifest, chunk_id, chunk_id_prefix
+from fastckpt.format.manifest import ChunkEntry, Manifest, chunk_id, chunk_ids
 from fastckpt.options import RamOptions
 from fastckpt.replicas.discovery import CoordinatorDirectory, PeerDirectory, StoreDirectory, make_record
 from fastckpt.replicas.peer import PeerClient, PeerOptions, PeerServer
@@ -239,9 +239,7 @@ class RamReplication:
             return hit[1]
         need: set[str] = set()
         for a in manifest.arrays():
-            prefix = chunk_id_prefix(a.path)
-            boxes = a.chunks.boxes() if isinstance(a.chunks, ChunkTable) else [c.box for c in a.chunks]
-            need.update([chunk_id(a.path, box, prefix=prefix) for box in boxes])
+            need.update(chunk_ids(a))
         self._needed = (manifest, need)
         return need
 

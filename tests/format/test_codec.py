@@ -399,3 +399,16 @@ def test_chunk_id_with_a_precomputed_prefix_is_the_same_id(data: st.DataObject) 
     box = data.draw(boxes_in(data.draw(shapes(max_rank=3, max_side=9)), allow_empty=True))
     assert chunk_id(path, box, prefix=chunk_id_prefix(path)) == chunk_id(path, box)
     assert chunk_id(path, box).startswith(chunk_id_prefix(path))
+
+
+@pytest.mark.parametrize("version", [1, 2, 3])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(m=manifests(max_leaves=4))
+def test_chunk_ids_of_a_leaf_are_each_chunks_id_in_order(version: int, m: Manifest) -> None:
+    """The grid shortcut (cut intervals formatted once, joined per cell) and the listed boxes
+    give exactly chunk_id of every chunk, in the leaf's order, in every format."""
+    from fastckpt.format.manifest import chunk_id, chunk_ids
+
+    decoded = decode_manifest(encode_manifest(dataclasses.replace(m, format_version=version)))
+    for a in decoded.arrays():
+        assert chunk_ids(a) == [chunk_id(a.path, c.box) for c in a.chunks]
