@@ -50,7 +50,7 @@ from fastckpt.storage._protocol import validate_key
 
 __all__ = [
     "CODECS", "NUMERIC_COLUMNS", "U32", "binary_array", "codec_column", "decode_chunk_table", "decode_object_keys",
-    "encode_chunk_table", "encode_column", "grid_cuts", "table_json", "uint_array",
+    "encode_chunk_table", "encode_column", "grid_cuts", "narrow_uint", "table_json", "uint_array",
 ]
 
 #: The codec names, in the order of their codes in a commit fragment's numpy column.
@@ -111,12 +111,20 @@ def encode_chunk_table(
     return table
 
 
+def narrow_uint(values: np.ndarray | Sequence[int]) -> np.ndarray:
+    """``values`` (ints in ``[0, 2**64)``) as little-endian unsigned ints of the narrowest of
+    ``u1 u2 u4 u8`` that holds them (``u1`` when empty): format 3's binary columns and the
+    commit fragments' columns."""
+    arr = np.asarray(values, np.uint64) if not isinstance(values, np.ndarray) else values
+    kind = "u1" if not arr.size else f"u{np.min_scalar_type(int(arr.max())).itemsize}"
+    return arr.astype(_KINDS[kind], copy=False)
+
+
 def encode_column(values: np.ndarray | Sequence[int]) -> str:
     """Format 3's binary column of ``values`` (ints in ``[0, 2**64)``): ``"<kind>:<base64>"``
     in the narrowest kind that holds them."""
-    arr = np.asarray(values, np.uint64) if not isinstance(values, np.ndarray) else values
-    kind = "u1" if not arr.size else f"u{np.min_scalar_type(int(arr.max())).itemsize}"
-    return kind + ":" + base64.b64encode(arr.astype(_KINDS[kind], copy=False).tobytes()).decode("ascii")
+    arr = narrow_uint(values)
+    return f"u{arr.itemsize}:" + base64.b64encode(arr.tobytes()).decode("ascii")
 
 
 def table_json(table: Mapping[str, Any], *, binary: bool) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from fastckpt.format._checks import MAX_INT, fail, json_dict, json_int, json_list
-from fastckpt.format.chunk_table import CODECS, U32, decode_object_keys
+from fastckpt.format.chunk_table import CODECS, U32, decode_object_keys, narrow_uint
 from fastckpt.format.manifest import ChunkEntry, KeyPath
 from fastckpt.writer.stage import StagedSave
 
@@ -70,15 +70,7 @@ def encode_fragment(staged: StagedSave, chunks: dict[int, list[ChunkEntry]], pro
         columns["codec"] = cols[3]
     header = {"process": process_index, "paths": [[list(e) for e in a.path] for a in staged.arrays],
               "objects": list(objects), "codec": CODECS[codes.pop()] if len(codes) == 1 else (None if codes else "raw")}
-    return pack_fragment(header, {k: _narrow(v) for k, v in columns.items()})
-
-
-def _narrow(values: list[int]) -> np.ndarray:
-    """``values`` (ints in [0, 2**64)) in the narrowest little-endian unsigned dtype."""
-    if not values:
-        return np.zeros(0, "<u1")
-    arr = np.asarray(values, np.uint64)
-    return arr.astype(np.dtype(np.min_scalar_type(int(arr.max()))).newbyteorder("<"))
+    return pack_fragment(header, {k: narrow_uint(v) for k, v in columns.items()})
 
 
 def pack_fragment(header: Mapping[str, Any], columns: Mapping[str, np.ndarray]) -> bytes:
