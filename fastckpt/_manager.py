@@ -38,7 +38,8 @@ from fastckpt.format.layout import MANIFEST_PREFIX, manifest_key, step_data_pref
 from fastckpt.format.dtypes import dtype_from_name
 from fastckpt.format.manifest import Manifest, box_volume
 from fastckpt.options import ManagerOptions
-from fastckpt.reader.assemble import build_leaves, resolve_target
+from fastckpt.planning import needed_chunk_ids
+from fastckpt.reader.assemble import RestorePlan, build_leaves, resolve_target
 from fastckpt.reader.fetch import ChunkSource, RestoreStats, Unit, fill_units
 from fastckpt.storage._protocol import Store
 from fastckpt.writer.commit import exchange_ram_manifest, publish_and_commit, ram_chunk_entries
@@ -347,16 +348,24 @@ class CheckpointManager:
         source = self._ram.source() if self._ram is not None else self._chunk_source
         older_than: int | None = None
         failure: BaseException | None = None
+        plans: dict[int, tuple[Manifest, RestorePlan]] = {}
+
+        def wanted(m: Manifest) -> set[str]:  # the chunks this process's restore of m reads
+            plans[m.step] = (m, resolve_target(m, target, partial=partial))
+            return needed_chunk_ids((u.leaf, u.box) for u in plans[m.step][1].units())
+
         for attempt in itertools.count():
             tag = f"{self._ns}/restore/{rseq}/{attempt}"
             try:
-                manifest = self._choose_manifest(step, key=tag, older_than=older_than)
+                manifest = self._choose_manifest(step, key=tag, older_than=older_than, wanted=wanted)
             except CheckpointNotFoundError:
                 if failure is not None:  # nothing older to fall back to: the last failure says why
                     raise failure from None
                 raise
             ram_only = manifest.metadata.get("fastckpt_tier") == "ram"
-            plan = resolve_target(manifest, target, partial=partial)
+            known = plans.get(manifest.step)
+            plan = known[1] if known is not None and known[0] is manifest else resolve_target(manifest, target,
+                                                                                               partial=partial)
             stats = RestoreStats(step=manifest.step)
             failure = None
             try:  # CheckpointNotFoundError here: a RAM-only step's chunk is in no reachable tier
@@ -381,16 +390,19 @@ class CheckpointManager:
         log.info("fastckpt: restored step %d (%s)", manifest.step, stats.bytes_by_tier)
         return jax.tree_util.tree_unflatten(plan.treedef, leaves), stats
 
-    def _choose_manifest(self, step: int | None, *, key: str, older_than: int | None) -> Manifest:
-        """The manifest to restore: ``step``'s, or (None) the newest complete RAM step newer
-        than storage's latest (and older than ``older_than``), else storage's latest."""
+    def _choose_manifest(self, step: int | None, *, key: str, older_than: int | None,
+                         wanted: Callable[[Manifest], set[str]]) -> Manifest:
+        """The manifest to restore: ``step``'s, or (None) the newest RAM step newer than
+        storage's latest (and older than ``older_than``) from which every process reaches the
+        chunks it needs (``wanted``), else storage's latest."""
         if step is not None:
             return self.manifest(step)
         if self._ram is None:
             return self.manifest(None)
         persistent = self.persistent_steps()
         choice = self._ram.select_step(persistent[-1] if persistent else None, key=key,
-                                       timeout_s=self.options.distributed.barrier_timeout_s, older_than=older_than)
+                                       timeout_s=self.options.distributed.barrier_timeout_s, older_than=older_than,
+                                       wanted=wanted)
         if choice is not None:
             return choice.manifest  # type: ignore[return-value]
         if not persistent:

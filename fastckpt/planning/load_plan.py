@@ -14,10 +14,13 @@ import itertools
 from collections.abc import Iterable, Sequence
 
 from fastckpt.errors import ConfigError, CorruptionError
-from fastckpt.format.manifest import ArrayLeaf, Box, ChunkEntry, ChunkTable, box_volume, keypath_str
+from fastckpt.format.manifest import ArrayLeaf, Box, ChunkEntry, ChunkTable, box_volume, chunk_id, chunk_id_prefix, keypath_str
 from fastckpt.planning.boxes import intersect, relative_to
 
-__all__ = ["ChunkIndex", "FetchRange", "GridIndex", "ReadItem", "coalesce_fetches", "leaf_index", "plan_leaf_reads"]
+__all__ = [
+    "ChunkIndex", "FetchRange", "GridIndex", "ReadItem", "coalesce_fetches", "leaf_index", "needed_chunk_ids",
+    "plan_leaf_reads",
+]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -173,6 +176,20 @@ def plan_leaf_reads(leaf: ArrayLeaf, dst_box: Box, *, index: ChunkIndex | GridIn
             f"elements of box {dst_box}"
         )
     return tuple(items)
+
+
+def needed_chunk_ids(wants: Iterable[tuple[ArrayLeaf, Box]]) -> set[str]:
+    """The ids (``format.chunk_id``) of the chunks that filling each ``(leaf, box)`` reads:
+    what one process's restore needs from the tiers (one index per leaf)."""
+    out: set[str] = set()
+    indexes: dict[int, tuple[ArrayLeaf, GridIndex | ChunkIndex]] = {}
+    for leaf, box in wants:
+        hit = indexes.get(id(leaf))
+        if hit is None:
+            hit = indexes[id(leaf)] = (leaf, leaf_index(leaf))  # the leaf is kept: its id stays unique
+        prefix = chunk_id_prefix(leaf.path)
+        out.update([chunk_id(leaf.path, item.chunk.box, prefix=prefix) for item in plan_leaf_reads(leaf, box, index=hit[1])])
+    return out
 
 
 def coalesce_fetches(

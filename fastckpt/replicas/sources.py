@@ -23,7 +23,7 @@ import collections
 import dataclasses
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Literal, Protocol
 
 import numpy as np
@@ -110,6 +110,8 @@ class TieredChunkSource:
             do not list a chunk.
         verify: Verify the crc32c of own-RAM copies (peer copies are always verified while
             they arrive).
+        known_listings: Chunk lists already fetched, by ``(step, peer name)`` (the step
+            selection's; read, never written, and consulted before asking a peer).
     """
 
     def __init__(
@@ -119,9 +121,11 @@ class TieredChunkSource:
         *,
         use_listing: bool = True,
         verify: bool = True,
+        known_listings: Mapping[tuple[int, str], frozenset[str]] | None = None,
     ) -> None:
         self._own = own
         self._peers = list(peers)
+        self._known = known_listings if known_listings is not None else {}
         self._use_listing = use_listing
         self._verify = verify
         self._lock = threading.Lock()
@@ -338,7 +342,9 @@ class TieredChunkSource:
                 if listing is None:
                     peer = self._peers[i]
                     try:
-                        listing = frozenset(peer.list_chunks(step))
+                        listing = self._known.get((step, peer.name))
+                        if listing is None:
+                            listing = frozenset(peer.list_chunks(step))
                     except PeerUnavailableError as e:
                         self._fallback(f"peer:{peer.name}", chunk_id, "unavailable", e, dead=i)
                         return False

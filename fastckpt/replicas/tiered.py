@@ -9,28 +9,32 @@ there is no peer service, else a commit record — and lets retention drop older
 push own chunks, and the manifest where held, to the ring successors in the background).
 On failure: :meth:`abort`. Because the manifest is stored only after every process sealed,
 a crash mid-save never leaves the job without a restorable RAM step. On restore:
-:meth:`select_step` (process 0 decides, everyone follows; the manifest comes from the first
-tier holding it) -> :meth:`source` (own RAM, then every peer, per chunk).
+:meth:`source` (own RAM, then every peer, per chunk) -> :meth:`select_step` (every process
+checks the chunks its own restore reads against its tier and its peers' chunk lists; all
+agree on the newest RAM step every one can restore; the manifest comes from the first tier
+holding it).
 
-A RAM-only step is restorable while its chunks are complete across the reachable tiers:
-``select_step`` checks the union of the chunk lists of own tier and peers against the
-manifest before choosing it.
+A RAM-only step is restorable while the chunks each process reads are reachable from it; a
+chunk found corrupt in every copy while it is read still fails the step (the manager then
+falls back to an older one on every process).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
+import json
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import numpy as np
 
 from fastckpt._distributed import Coordinator
-from fastckpt.errors import FastckptError, PeerError
+from fastckpt.errors import DistributedError, FastckptError, PeerError
 from fastckpt.format.codec import decode_manifest
 from fastckpt.format.manifest import ChunkEntry, Manifest, chunk_id, chunk_ids
 from fastckpt.options import RamOptions
@@ -74,6 +78,7 @@ class RamReplication:
         self._sealed_ids: list[str] = []
         self._decoded: dict[int, tuple[bytes, Manifest]] = {}
         self._needed: tuple[Manifest, set[str]] | None = None  # chunk ids of a decoded manifest
+        self._lists: dict[tuple[int, str], frozenset[str]] = {}  # (step, peer): its chunk ids, this restore
         self._held: int | None = None  # the step whose manifest hold_manifest stored
         self._clients: dict[str, PeerClient] = {}
         self._server: PeerServer | None = None
@@ -204,11 +209,11 @@ class RamReplication:
                 return data
         return None
 
-    def _ask_peers(self, ask: Callable[[PeerClient], _T]) -> list[_T]:
-        """``ask(client)`` for every peer, concurrently (a job of hundreds of hosts, or a dead
-        peer's connect timeout, costs one round trip, not one per peer); peers that fail
-        (``PeerError``) are left out."""
-        clients = list(self._peers().values())
+    def _ask_peers(self, ask: Callable[[PeerClient], _T], clients: list[PeerClient] | None = None) -> list[_T]:
+        """``ask(client)`` for every peer (or ``clients``), concurrently (a job of hundreds of
+        hosts, or a dead peer's connect timeout, costs one round trip, not one per peer);
+        peers that fail (``PeerError``) are left out."""
+        clients = list(self._peers().values()) if clients is None else clients
 
         def one(client: PeerClient) -> tuple[bool, _T | None]:
             try:
@@ -243,38 +248,47 @@ class RamReplication:
         self._needed = (manifest, need)
         return need
 
-    def _complete(self, manifest: Manifest) -> bool:
-        need = self._chunk_ids(manifest)
-        have = set(self.tier.chunk_ids(manifest.step))
-        if need <= have:
+    def _reachable(self, step: int, need: set[str]) -> bool:
+        """Whether every chunk id in ``need`` is in the own tier or a peer's chunk list: the
+        ring successors' lists first (one by one: usually they hold the rest), then every
+        other peer's at once. The lists are kept for this restore's :meth:`source`."""
+        missing = need.difference(self.tier.chunk_ids(step))
+        if not missing:
             return True
-        for ids in self._ask_peers(lambda c: c.list_chunks(manifest.step)):
-            have.update(ids)
-        return need <= have
+        ordered = self._ordered_peers()
+        k = max(1, self.options.replicas)
+        for client in ordered[:k]:
+            missing -= self._listing(step, client)
+            if not missing:
+                return True
+        for ids in self._ask_peers(lambda c: self._listing(step, c), ordered[k:]):
+            missing -= ids
+        return not missing
 
-    def newest_complete_step(self, newer_than: int | None) -> tuple[int, bytes] | None:
-        """The newest RAM step newer than ``newer_than`` whose chunks are all reachable."""
-        found = self._newest_complete(newer_than)
-        return None if found is None else (found[0].step, found[1])
-
-    def _newest_complete(self, newer_than: int | None, older_than: int | None = None) -> tuple[Manifest, bytes] | None:
-        # Returns the decoded manifest too: decoding (validation included) costs as much
-        # as the rest of step selection on large trees, so it is done once per restore.
-        for step in sorted(self.steps_by_tier(), reverse=True):
-            if older_than is not None and step >= older_than:
-                continue
-            if newer_than is not None and step <= newer_than:
-                return None
-            data = self._manifest_anywhere(step)
-            if data is None:
-                continue
+    def _listing(self, step: int, client: PeerClient) -> frozenset[str]:
+        """``client``'s chunk ids of ``step`` (empty if it cannot answer), kept by peer name."""
+        key = (step, client.name)
+        ids = self._lists.get(key)
+        if ids is None:
             try:
-                manifest = self._decode(step, data)
-            except FastckptError:
-                continue
-            if self._complete(manifest):
-                return manifest, data
-        return None
+                ids = frozenset(client.list_chunks(step))
+            except PeerError:
+                return frozenset()
+            self._lists[key] = ids
+        return ids
+
+    def _restorable(self, step: int, wanted: Callable[[Manifest], Iterable[str]] | None) -> Manifest | None:
+        """The manifest of RAM step ``step`` if every chunk this process needs from it
+        (``wanted``; default: all of them) is reachable, else None."""
+        data = self._manifest_anywhere(step)
+        if data is None:
+            return None
+        try:
+            manifest = self._decode(step, data)
+        except FastckptError:
+            return None
+        need = set(wanted(manifest)) if wanted is not None else self._chunk_ids(manifest)
+        return manifest if self._reachable(step, need) else None
 
     def _decode(self, step: int, data: bytes) -> Manifest:
         """``decode_manifest(data)``, reusing the last result for the same bytes: a
@@ -299,44 +313,70 @@ class RamReplication:
                 tier.put_manifest(step, data)
 
     def select_step(self, persistent_latest: int | None, *, key: str, timeout_s: float,
-                    older_than: int | None = None) -> StepChoice | None:
-        """Agree on the step to restore: a complete RAM step newer than storage's latest (and
-        older than ``older_than``, after a newer one failed), if any.
+                    older_than: int | None = None,
+                    wanted: Callable[[Manifest], Iterable[str]] | None = None) -> StepChoice | None:
+        """Agree on the step to restore: the newest RAM step newer than storage's latest (and
+        older than ``older_than``, after a newer one failed) from which *every* process can
+        reach every chunk it needs; None when storage's latest should be used.
 
-        Process 0 decides and publishes under ``key``; the others fetch the RAM manifest
-        from their tier or a peer. Returns None when storage's latest should be used.
+        Process 0 lists the candidate RAM steps (its tier's and its peers') and publishes
+        them. Each process checks them, newest first, until one holds every chunk it needs —
+        ``wanted(manifest)``, the ids of the chunks its restore reads (default: every chunk
+        of the step) — in its own tier or a peer's chunk list, then the processes exchange
+        the newest step each can restore (one round of the key-value store). If they differ,
+        those with a newer one check the oldest named, and so on; each round lowers the
+        newest step named, so it ends. Each process checks only its own share (on a pod, a
+        host's chunks, not the millions of the step), and the chunk lists it fetched serve
+        this restore's :meth:`source`. ``wanted`` must answer alike on every process (SPMD);
+        an error it raises (the target does not match) propagates, on every process alike.
+        Raises ``BarrierTimeoutError`` if a process does not take part within ``timeout_s``.
         """
         coord = self._coord
-        if coord.process_index == 0:
-            found = self._newest_complete(persistent_latest, older_than)
-            decision = str(found[0].step) if found else "storage"
-            if coord.process_count > 1:
-                coord.set(key, decision)
-            if found is None:
-                return None
-            return StepChoice(found[0].step, found[0])
-        decision = coord.get(key, timeout_s=timeout_s)
-        if decision == "storage":
-            return None
-        step = int(decision)
         deadline = time.monotonic() + timeout_s
-        while True:
-            data = self._manifest_anywhere(step)
-            if data is not None:
-                return StepChoice(step, self._decode(step, data))
-            if time.monotonic() > deadline:
-                raise PeerError(f"RAM step {step} chosen by process 0 but its manifest is unreachable here")
-            time.sleep(0.05)
+        self._lists.clear()  # a new restore: chunk lists fetched earlier may be stale
+        if coord.process_index == 0:
+            candidates = [s for s in sorted(self.steps_by_tier(), reverse=True)
+                          if (older_than is None or s < older_than) and (persistent_latest is None or s > persistent_latest)]
+            if coord.process_count > 1:
+                coord.set(f"{key}/candidates", json.dumps(candidates))
+        else:
+            candidates = _steps(coord.get(f"{key}/candidates", timeout_s=timeout_s))
+        verdicts: dict[int, Manifest | None] = {}
+        bound: int | None = None
+        for round_ in itertools.count():
+            mine = None
+            for step in candidates:  # newest first
+                if bound is not None and step > bound:
+                    continue
+                if step not in verdicts:
+                    verdicts[step] = self._restorable(step, wanted)
+                if verdicts[step] is not None:
+                    mine = step
+                    break
+            named = coord.exchange(f"{key}/round{round_}", "none" if mine is None else str(mine),
+                                   timeout_s=max(0.001, deadline - time.monotonic()))
+            if "none" in named:
+                return None
+            steps = [int(v) for v in named]
+            bound = min(steps)
+            if max(steps) == bound:
+                return StepChoice(bound, verdicts[bound])
+        raise AssertionError("unreachable")
 
-    def source(self) -> TieredChunkSource:
-        """Per-chunk source: own RAM first, then every peer (listing-guided): this member's
-        ring successors first — where a replacement host's chunks were pushed by the host
-        it replaces — so it finds them with one or two chunk lists, not one per peer."""
+    def _ordered_peers(self) -> list[PeerClient]:
+        """Peers, this member's ring successors first — where a replacement host's chunks
+        were pushed by the host it replaces — then the rest in directory order."""
         peers = self._peers()
         first = push_targets([self.member_id, *peers], max(1, self.options.replicas), domain_of=host_domain).get(
             self.member_id, []) if peers else []
-        ordered = [peers[m] for m in first if m in peers] + [c for m, c in peers.items() if m not in first]
-        return TieredChunkSource(self.tier, ordered)
+        return [peers[m] for m in first if m in peers] + [c for m, c in peers.items() if m not in first]
+
+    def source(self) -> TieredChunkSource:
+        """Per-chunk source: own RAM first, then every peer (listing-guided), this member's
+        ring successors first (:meth:`_ordered_peers`), so a replacement host finds its
+        chunks with one or two chunk lists, not one per peer. The source also uses the chunk
+        lists :meth:`select_step` fetches (shared, cleared at each selection)."""
+        return TieredChunkSource(self.tier, self._ordered_peers(), known_listings=self._lists)
 
     def forget_peers(self) -> None:
         """Drop cached peer clients (after membership changes)."""
@@ -353,3 +393,14 @@ class RamReplication:
         if self._server is not None:
             self._server.close()
         self.tier.close()
+
+
+def _steps(text: str) -> list[int]:
+    """The candidate steps process 0 published (a JSON list of ints, newest first)."""
+    try:
+        steps = json.loads(text)
+    except ValueError:
+        steps = None
+    if type(steps) is not list or any(type(v) is not int for v in steps):
+        raise DistributedError(f"RAM step candidates: expected a JSON list of ints, got {text[:80]!r}")
+    return steps

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -16,12 +15,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fastckpt._distributed import Coordinator
-from fastckpt.errors import BarrierTimeoutError, ManifestError, NotFoundError
+from fastckpt.errors import ManifestError, NotFoundError
 from fastckpt.format.codec import decode_manifest, encode_manifest
 from fastckpt.format.layout import data_key, fragment_key
 from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, KeyPath, Manifest, box_volume
 from fastckpt.testing.strategies import manifests
+from fastckpt.testing.threaded_job import ThreadedJob
 from fastckpt.writer.commit import build_manifest, exchange_ram_manifest
 from fastckpt.storage import MemoryStore
 from fastckpt.testing.wrapping import ForwardingStore
@@ -236,25 +235,6 @@ def test_overlapping_boxes_of_the_same_total_volume_fail() -> None:
         merge_fragments([_fragments(w, staged, 2)[1], shifted], staged)
 
 
-class _ThreadJob(Coordinator):
-    """One process of a job whose processes are threads sharing one key-value dict."""
-
-    def __init__(self, kv: dict[str, str], cond: threading.Condition, index: int, count: int) -> None:
-        self._kv, self._cond = kv, cond
-        self.process_index, self.process_count = index, count
-
-    def set(self, key: str, value: str) -> None:
-        with self._cond:
-            self._kv[key] = value
-            self._cond.notify_all()
-
-    def get(self, key: str, *, timeout_s: float) -> str:
-        with self._cond:
-            if not self._cond.wait_for(lambda: key in self._kv, timeout_s):
-                raise BarrierTimeoutError(key)
-            return self._kv[key]
-
-
 @pytest.mark.parametrize("broadcast", [True, False])
 def test_ram_manifest_exchange_holds_before_announcing_and_broadcasts_only_when_asked(broadcast: bool) -> None:
     """Process 0 merges the fragments, holds the manifest (stores it) before the others
@@ -262,17 +242,16 @@ def test_ram_manifest_exchange_holds_before_announcing_and_broadcasts_only_when_
     the record is a few bytes and the others get None (they fetch it from a peer later)."""
     w = _leaf(4, 2)
     staged = _staged_of([w])
-    kv: dict[str, str] = {}
-    cond = threading.Condition()
+    coords = ThreadedJob.of(4)
     held: list[tuple[int, bytes, bool]] = []
 
     def process(i: int) -> bytes | None:
         per = len(w.chunks) // 4
         return exchange_ram_manifest(
-            coord=_ThreadJob(kv, cond, i, 4), ns="ns", step=5, staged=staged,
+            coord=coords[i], ns="ns", step=5, staged=staged,
             chunks={0: list(w.chunks[i * per:(i + 1) * per])},
             timeout_s=30, metadata={}, writer_version="test", broadcast=broadcast,
-            hold=lambda data: held.append((i, data, "ns/rammanifest" in kv)))
+            hold=lambda data: held.append((i, data, "ns/rammanifest" in coords[0].keys())))
 
     with ThreadPoolExecutor(4) as pool:
         got = list(pool.map(process, range(4)))
@@ -280,9 +259,9 @@ def test_ram_manifest_exchange_holds_before_announcing_and_broadcasts_only_when_
     assert who == 0 and not announced and got[0] == data
     assert decode_manifest(data).arrays() == (w,)
     if broadcast:
-        assert got[1:] == [data] * 3 and kv["ns/rammanifest"] == data.decode()
+        assert got[1:] == [data] * 3 and coords[0].get("ns/rammanifest", timeout_s=1) == data.decode()
     else:
-        assert got[1:] == [None] * 3 and len(kv["ns/rammanifest"]) < 32
+        assert got[1:] == [None] * 3 and len(coords[0].get("ns/rammanifest", timeout_s=1)) < 32
 
 
 class _CountingReads(ForwardingStore):
