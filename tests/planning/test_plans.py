@@ -309,3 +309,27 @@ def test_grid_index_builds_only_the_entries_it_returns(monkeypatch: pytest.Monke
         GridIndex(decode_manifest(encode_manifest(Manifest(step=1, leaves=(make_leaf((512, 32), boxes[::-1]),))))
                   .arrays()[0].chunks)  # type: ignore[arg-type]
     assert isinstance(leaf_index(make_leaf((512, 32), boxes)), ChunkIndex)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_needed_chunk_ids_are_the_ids_of_the_chunks_each_box_overlaps(data: st.DataObject) -> None:
+    """What a process's restore of some boxes reads, as chunk ids: exactly the non-empty
+    chunks overlapping a box with a non-empty intersection, of any tiling, over several
+    leaves (each indexed once)."""
+    from fastckpt.format.manifest import chunk_id
+    from fastckpt.planning import needed_chunk_ids
+
+    leaves, wants, expected = [], [], set()
+    for k in range(data.draw(st.integers(1, 3))):
+        shape = data.draw(shapes(max_rank=3, max_side=6))
+        boxes = data.draw(tilings(shape, max_pieces=6))
+        leaf = ArrayLeaf(path=(("d", f"w{k}"),), shape=shape, dtype="uint8",
+                         chunks=tuple(ChunkEntry(b, "obj", 0, box_volume(b), box_volume(b), "raw", 0, 0) for b in boxes))
+        leaves.append(leaf)
+        for _ in range(data.draw(st.integers(0, 3))):
+            box = data.draw(boxes_in(shape, allow_empty=True))
+            wants.append((leaf, box))
+            expected |= {chunk_id(leaf.path, c.box) for c in leaf.chunks
+                         if (o := intersect(c.box, box)) is not None and box_volume(o) > 0}
+    assert needed_chunk_ids(wants) == expected
