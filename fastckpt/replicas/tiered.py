@@ -248,11 +248,11 @@ class RamReplication:
         self._needed = (manifest, need)
         return need
 
-    def _reachable(self, step: int, need: set[str]) -> bool:
-        """Whether every chunk id in ``need`` is in the own tier or a peer's chunk list: the
-        ring successors' lists first (one by one: usually they hold the rest), then every
-        other peer's at once. The lists are kept for this restore's :meth:`source`."""
-        missing = need.difference(self.tier.chunk_ids(step))
+    def _reachable(self, step: int, need: set[str], own: list[str]) -> bool:
+        """Whether every chunk id in ``need`` is in ``own`` (the own tier's) or a peer's chunk
+        list: the ring successors' lists first (one by one: usually they hold the rest),
+        then every other peer's at once. The lists are kept for this restore's :meth:`source`."""
+        missing = need.difference(own)
         if not missing:
             return True
         ordered = self._ordered_peers()
@@ -287,8 +287,11 @@ class RamReplication:
             manifest = self._decode(step, data)
         except FastckptError:
             return None
+        own = self.tier.chunk_ids(step)
+        if len(own) >= sum(len(a.chunks) for a in manifest.arrays()) and self._chunk_ids(manifest).issubset(own):
+            return manifest  # this tier holds the whole step (one host, or a restart in place): no planning
         need = set(wanted(manifest)) if wanted is not None else self._chunk_ids(manifest)
-        return manifest if self._reachable(step, need) else None
+        return manifest if self._reachable(step, need, own) else None
 
     def _decode(self, step: int, data: bytes) -> Manifest:
         """``decode_manifest(data)``, reusing the last result for the same bytes: a
