@@ -330,9 +330,11 @@ class RamReplication:
         those with a newer one check the oldest named, and so on; each round lowers the
         newest step named, so it ends. Each process checks only its own share (on a pod, a
         host's chunks, not the millions of the step), and the chunk lists it fetched serve
-        this restore's :meth:`source`. ``wanted`` must answer alike on every process (SPMD);
-        an error it raises (the target does not match) propagates, on every process alike.
-        Raises ``BarrierTimeoutError`` if a process does not take part within ``timeout_s``.
+        this restore's :meth:`source`. An error ``wanted`` raises (the target does not match)
+        is raised on that process and, as ``DistributedError`` naming it, on the others (a
+        process whose tier holds the whole step does not plan, so it would not see it
+        itself). Raises ``BarrierTimeoutError`` if a process does not take part within
+        ``timeout_s``.
         """
         coord = self._coord
         deadline = time.monotonic() + timeout_s
@@ -347,17 +349,26 @@ class RamReplication:
         verdicts: dict[int, Manifest | None] = {}
         bound: int | None = None
         for round_ in itertools.count():
-            mine = None
-            for step in candidates:  # newest first
-                if bound is not None and step > bound:
-                    continue
-                if step not in verdicts:
-                    verdicts[step] = self._restorable(step, wanted)
-                if verdicts[step] is not None:
-                    mine = step
-                    break
-            named = coord.exchange(f"{key}/round{round_}", "none" if mine is None else str(mine),
-                                   timeout_s=max(0.001, deadline - time.monotonic()))
+            mine: str = "none"
+            error: BaseException | None = None
+            try:
+                for step in candidates:  # newest first
+                    if bound is not None and step > bound:
+                        continue
+                    if step not in verdicts:
+                        verdicts[step] = self._restorable(step, wanted)
+                    if verdicts[step] is not None:
+                        mine = str(step)
+                        break
+            except Exception as e:  # ``wanted`` failed (e.g. the target does not match): tell the others
+                error, mine = e, f"error {type(e).__name__}: {e}"[:500]
+            named = coord.exchange(f"{key}/round{round_}", mine, timeout_s=max(0.001, deadline - time.monotonic()))
+            if error is not None:
+                raise error
+            failed = [(i, v) for i, v in enumerate(named) if v.startswith("error ")]
+            if failed:
+                i, v = failed[0]
+                raise DistributedError(f"process {i} could not check the RAM steps for its restore: {v[6:]}")
             if "none" in named:
                 return None
             steps = [int(v) for v in named]

@@ -4,13 +4,14 @@ in as few key-value rounds as the disagreement needs."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from fastckpt.errors import BarrierTimeoutError
+from fastckpt.errors import BarrierTimeoutError, DistributedError, TreeStructureError
 from fastckpt.format.codec import encode_manifest
 from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, KeyPath, Manifest, chunk_id
 from fastckpt.options import RamOptions
@@ -104,3 +105,32 @@ def test_a_process_that_never_takes_part_times_the_others_out(shm_dir: Path) -> 
     finally:
         for rr in job:
             rr.close()
+
+
+def test_a_process_whose_plan_fails_fails_every_process_at_once(shm_dir: Path) -> None:
+    """Processes 0 and 2 hold the whole step (they accept it without planning); process 1's
+    plan raises (its target does not match): it raises that, the others a DistributedError
+    naming it, at once rather than after the barrier timeout."""
+    job = _job(shm_dir, {0: {10: [0, 1, 2, 3]}, 1: {10: [1]}, 2: {10: [0, 1, 2, 3]}})
+
+    def bad_target(m: Manifest) -> set[str]:
+        raise TreeStructureError("target has no leaf ['w']")
+
+    def one(p: int) -> BaseException | None:
+        try:
+            job[p].select_step(None, key="sel", timeout_s=60, wanted=bad_target)
+        except (TreeStructureError, DistributedError) as e:
+            return e
+        return None
+
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            t0 = time.monotonic()
+            got = list(pool.map(one, range(3)))
+            assert time.monotonic() - t0 < 30
+    finally:
+        for rr in job:
+            rr.close()
+    assert isinstance(got[1], TreeStructureError)
+    for p in (0, 2):
+        assert isinstance(got[p], DistributedError) and "process 1" in str(got[p]) and "no leaf" in str(got[p])
