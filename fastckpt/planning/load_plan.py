@@ -187,8 +187,8 @@ def needed_chunk_ids(wants: Iterable[tuple[ArrayLeaf, Box]]) -> set[str]:
         hit = indexes.get(id(leaf))
         if hit is None:
             hit = indexes[id(leaf)] = (leaf, leaf_index(leaf))  # the leaf is kept: its id stays unique
-        prefix = chunk_id_prefix(leaf.path)
-        out.update([chunk_id(leaf.path, item.chunk.box, prefix=prefix) for item in plan_leaf_reads(leaf, box, index=hit[1])])
+        prefix = chunk_id_prefix(leaf.path)  # the overlaps alone: no read items, no coverage check
+        out.update([chunk_id(leaf.path, c.box, prefix=prefix) for c, _ in hit[1].overlapping(box)])
     return out
 
 
