@@ -2,7 +2,7 @@
 
 Run ``python -m benchmarks.planning_scale [--quick]``. On a pod, a leaf saved by N devices
 has N chunks and a state has thousands of leaves; the costs that grow with them, not with
-bytes, decide how long a restore takes before any data moves. Six parts, each reported
+bytes, decide how long a restore takes before any data moves. Seven parts, each reported
 side by side in one run:
 
 1. **Read planning** (pure, no devices): planning one host's 8 destination boxes of one
@@ -24,7 +24,9 @@ side by side in one run:
    handing the manifest's bytes from process 0 to every process through the key-value store
    (the broadcast every multi-host RAM checkpoint made before process 0 kept the manifest)
    beside the few-byte record announced now.
-6. **Own-RAM restore vs leaf count**: RAM-only saves and own-RAM restores of states made of
+6. **Choosing the RAM step**: process 0 checking every chunk id against every peer's chunk
+   list (until ``a42628d``) beside one host checking its own share (now); CPU seconds.
+7. **Own-RAM restore vs leaf count**: RAM-only saves and own-RAM restores of states made of
    many small leaves (128 KiB, 8 shards each) on 8 CPU devices; ms per leaf for the
    blocking part of ``save()`` and for ``restore()``.
 
@@ -236,6 +238,64 @@ def run_host(cases: list[tuple[int, int]], reps: int) -> list[dict[str, Any]]:
     return [_host_case(leaves, n, v, reps) for leaves, n in cases for v in (1, 2, 3)]
 
 
+def _selection_case(leaves: int, n: int, reps: int) -> dict[str, Any]:
+    import json
+
+    from fastckpt.format.codec import decode_manifest, encode_manifest
+    from fastckpt.format.manifest import Manifest, chunk_ids
+    from fastckpt.planning import needed_chunk_ids
+    from fastckpt.replicas.wire import decode_json_list
+
+    grid = _grid(n)
+    hosts, per = grid
+    m = decode_manifest(encode_manifest(Manifest(step=1, leaves=tuple(_leaf(k, grid) for k in range(leaves)),
+                                                 num_processes=hosts)))
+    arrays = m.arrays()
+    ids = [chunk_ids(a) for a in arrays]
+
+    def tier(h: int) -> list[str]:  # host h's own row of every leaf + its ring predecessor's (pushed to it)
+        prev = (h - 1) % hosts
+        return [i for leaf_ids in ids for i in leaf_ids[h * per:(h + 1) * per] + leaf_ids[prev * per:(prev + 1) * per]]
+
+    lists = [json.dumps(tier(h)).encode() for h in range(hosts)]  # CHUNK_LIST payloads, as a peer sends them
+    counts = [len(tier(h)) for h in range(hosts)]
+    own0 = tier(0)
+    boxes = _host_boxes(grid)  # host 0's 8 units of every leaf, same mesh
+
+    def old() -> bool:  # process 0 before a42628d: every id of the step vs every peer's whole list
+        need: set[str] = set()
+        for a in arrays:
+            need.update(chunk_ids(a))
+        have = set(own0)
+        for h in range(1, hosts):
+            have.update(decode_json_list(lists[h], count=counts[h]))
+        return need <= have
+
+    def new(own: list[str], successor: int | None) -> bool:  # each host now: its own share
+        need = needed_chunk_ids((a, b) for a in arrays for b in boxes).difference(own)
+        if need and successor is not None:
+            need -= set(decode_json_list(lists[successor], count=counts[successor]))
+        return not need
+
+    assert old() and new(own0, None) and new([], 1)
+    t_old, t_in_place, t_replacement = (_best(f, reps) for f in (old, lambda: new(own0, None), lambda: new([], 1)))
+    total = leaves * n
+    print(f"[selection] {hosts} hosts, {leaves} x {n} chunks: process 0 checking every chunk {t_old:.3f} s "
+          f"({sum(map(len, lists[1:])) / MiB:.1f} MiB of lists); each host its share {t_in_place:.3f} s in place, "
+          f"{t_replacement:.3f} s as a replacement (1 list, {len(lists[1]) / MiB:.2f} MiB)", file=sys.stderr, flush=True)
+    return {"hosts": hosts, "leaves": leaves, "chunks_per_leaf": n, "chunks": total, "old_s": t_old,
+            "old_list_bytes": sum(map(len, lists[1:])), "old_lists": hosts - 1, "in_place_s": t_in_place,
+            "replacement_s": t_replacement, "replacement_list_bytes": len(lists[1])}
+
+
+def run_selection(cases: list[tuple[int, int]], reps: int) -> list[dict[str, Any]]:
+    """Choosing the RAM step to restore, CPU on one host: process 0 checking every chunk id
+    of the step against every peer's chunk list (until ``a42628d``) beside a host checking the
+    chunks of its own restore (now), in place (its tier holds them) and as a replacement
+    (its successor's list). Network time not included (the lists' bytes are reported)."""
+    return [_selection_case(leaves, n, reps) for leaves, n in cases]
+
+
 def run_broadcast(cases: list[tuple[int, int]], processes: int, reps: int) -> list[dict[str, Any]]:
     """What a multi-host RAM checkpoint's manifest cost on the ``jax.distributed`` key-value
     store when process 0 broadcast it (until `26ddef6`): a real ``processes``-process job
@@ -339,6 +399,10 @@ def render(doc: dict[str, Any]) -> str:
                    f"{r['merge_validate_us_per_chunk']:.2f}"] for r in doc.get("merge", [])]
     bcast_rows = [[r["what"], f"{r['bytes'] / MiB:.2f}", r["processes"], f"{r['coordinator_bytes'] / MiB:.1f}",
                    f"{r['seconds']:.3f}"] for r in doc.get("broadcast", [])]
+    sel_rows = [[r["hosts"], f"{r['leaves']} x {r['chunks_per_leaf']}", r["chunks"], f"{r['old_s']:.3f}",
+                 f"{r['old_lists']} ({r['old_list_bytes'] / MiB:.1f} MiB)", f"{r['in_place_s']:.3f}",
+                 f"{r['replacement_s']:.3f}", f"1 ({r['replacement_list_bytes'] / MiB:.2f} MiB)"]
+                for r in doc.get("selection", [])]
     leaf_rows = [[r["leaves"], f"{r['bytes'] / MiB:.0f}", f"{r['save_blocked_s']:.3f}", f"{r['save_ms_per_leaf']:.3f}",
                   f"{r['restore_s']:.3f}", f"{r['restore_first_s']:.3f}", f"{r['restore_ms_per_leaf']:.3f}"]
                  for r in doc["leaves"]]
@@ -371,6 +435,13 @@ def render(doc: dict[str, Any]) -> str:
         "holds the value; the coordinator carries it once per other process.",
         markdown_table(["value", "MiB", "processes", "through the coordinator, MiB", "until all hold it, s"],
                        bcast_rows),
+        "## Choosing the RAM step to restore: CPU on one host",
+        "Until `a42628d` process 0 alone checked every chunk id of the step against every peer's chunk "
+        "list; now each host checks the chunks its own restore reads (its 8 units of every leaf): in "
+        "place its own tier holds them, as a replacement its ring successor's list does. Lists are "
+        "decoded as the peer client does; network time is not included.",
+        markdown_table(["hosts", "leaves x chunks", "chunks", "process 0, every chunk s", "lists fetched",
+                        "one host, its share, in place s", "as a replacement s", "lists fetched"], sel_rows),
         "## Own-RAM save and restore vs leaf count (128 KiB leaves, 8 shards each, 8 CPU devices)",
         markdown_table(["leaves", "MiB", "save() blocks s", "ms/leaf", "restore s (median)", "first restore s",
                         "ms/leaf"], leaf_rows),
@@ -420,6 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"meta": meta, "planning": run_planning(chunk_counts, reps), "codec": run_codec(codec_cases, max(2, reps // 2)),
            "merge": run_merge(codec_cases, max(2, reps // 2)), "host": run_host(codec_cases, max(2, reps // 2)),
            "broadcast": run_broadcast(codec_cases[1:2], 4, 2 if args.quick else 3),
+           "selection": run_selection(codec_cases[1:], max(2, reps // 2)),
            "leaves": leaves}
     name = "planning_scale_quick" if args.quick else "planning_scale"
     write_json(args.results_dir / f"{name}.json", doc)
