@@ -94,7 +94,8 @@ def test_submit_never_blocks_and_newer_steps_supersede(make_tier: MakeTier, capl
     t0 = time.monotonic()
     h1 = rep.submit(1)
     h2 = rep.submit(2)
-    assert time.monotonic() - t0 < 0.5 and not h1.done()
+    # Returned while the pusher is blocked (for up to 10 s): generous, a busy 2-core VM stalls.
+    assert time.monotonic() - t0 < 5 and not h1.done()
     with pytest.raises(ReplicationTimeoutError):
         rep.wait(0.05)
     slow.release.set()
