@@ -243,7 +243,7 @@ def _selection_case(leaves: int, n: int, reps: int) -> dict[str, Any]:
 
     from fastckpt.format.codec import decode_manifest, encode_manifest
     from fastckpt.format.manifest import Manifest, chunk_ids
-    from fastckpt.planning import needed_chunk_ids
+    from fastckpt.planning import needed_chunks
     from fastckpt.replicas.wire import decode_json_list
 
     grid = _grid(n)
@@ -272,7 +272,7 @@ def _selection_case(leaves: int, n: int, reps: int) -> dict[str, Any]:
         return need <= have
 
     def new(own: list[str], successor: int | None) -> bool:  # each host now: its own share
-        need = needed_chunk_ids((a, b) for a in arrays for b in boxes).difference(own)
+        need = set(needed_chunks((a, b) for a in arrays for b in boxes)).difference(own)
         if need and successor is not None:
             need -= set(decode_json_list(lists[successor], count=counts[successor]))
         return not need

@@ -38,7 +38,7 @@ from fastckpt.format.layout import MANIFEST_PREFIX, manifest_key, step_data_pref
 from fastckpt.format.dtypes import dtype_from_name
 from fastckpt.format.manifest import Manifest, box_volume
 from fastckpt.options import ManagerOptions
-from fastckpt.planning import needed_chunk_ids
+from fastckpt.planning import needed_chunks
 from fastckpt.reader.assemble import RestorePlan, build_leaves, resolve_target
 from fastckpt.reader.fetch import ChunkSource, RestoreStats, Unit, fill_units
 from fastckpt.storage._protocol import Store
@@ -187,7 +187,7 @@ class CheckpointManager:
         assert self._ram is not None
         try:
             raw_crcs = staged_crc32c(staged, self._workers, jobs=self._threads)
-            chunks = ram_chunk_entries(staged, raw_crcs, step)
+            chunks = ram_chunk_entries(staged, raw_crcs, step, writer=self._ram.member_id)
             self._ram.seal(step, staged, chunks)
             ram = self._ram
             manifest = exchange_ram_manifest(
@@ -345,14 +345,14 @@ class CheckpointManager:
         t0 = time.perf_counter()
         self._check_open()
         rseq, self._rseq = self._rseq, self._rseq + 1
-        source = self._ram.source() if self._ram is not None else self._chunk_source
+        source: ChunkSource | None = None  # made after the first step choice: it orders peers by the lists fetched
         older_than: int | None = None
         failure: BaseException | None = None
         plans: dict[int, tuple[Manifest, RestorePlan]] = {}
 
-        def wanted(m: Manifest) -> set[str]:  # the chunks this process's restore of m reads
+        def wanted(m: Manifest) -> dict[str, str]:  # the chunks this process's restore of m reads
             plans[m.step] = (m, resolve_target(m, target, partial=partial))
-            return needed_chunk_ids((u.leaf, u.box) for u in plans[m.step][1].units())
+            return needed_chunks((u.leaf, u.box) for u in plans[m.step][1].units())
 
         for attempt in itertools.count():
             tag = f"{self._ns}/restore/{rseq}/{attempt}"
@@ -362,6 +362,8 @@ class CheckpointManager:
                 if failure is not None:  # nothing older to fall back to: the last failure says why
                     raise failure from None
                 raise
+            if source is None:
+                source = self._ram.source() if self._ram is not None else self._chunk_source
             ram_only = manifest.metadata.get("fastckpt_tier") == "ram"
             known = plans.get(manifest.step)
             plan = known[1] if known is not None and known[0] is manifest else resolve_target(manifest, target,
@@ -391,7 +393,7 @@ class CheckpointManager:
         return jax.tree_util.tree_unflatten(plan.treedef, leaves), stats
 
     def _choose_manifest(self, step: int | None, *, key: str, older_than: int | None,
-                         wanted: Callable[[Manifest], set[str]]) -> Manifest:
+                         wanted: Callable[[Manifest], dict[str, str]]) -> Manifest:
         """The manifest to restore: ``step``'s, or (None) the newest RAM step newer than
         storage's latest (and older than ``older_than``) from which every process reaches the
         chunks it needs (``wanted``), else storage's latest."""

@@ -5,6 +5,8 @@ Layout::
     manifests/<step:012d>.json          commit markers (create-only, written last)
     steps/<step:012d>/<save_id>/p<process:05d>-<n:05d>.fck    data objects
     steps/<step:012d>/<save_id>/p<process:05d>.fragment  per-process chunk lists
+    ram/<step:012d>/w-<member>          a RAM-only step's chunks (names no object: the
+                                        member that wrote them, in the manifest only)
 
 Committed steps are found by listing ``manifests/`` only (cheap on GCS even with many data
 objects). Data keys carry a per-save random ``save_id``, so a retried or concurrent save of
@@ -14,6 +16,7 @@ the same step never overwrites objects another attempt's manifest could referenc
 from __future__ import annotations
 
 import re
+from urllib.parse import quote, unquote
 
 __all__ = [
     "MANIFEST_PREFIX",
@@ -21,6 +24,8 @@ __all__ = [
     "data_key",
     "fragment_key",
     "manifest_key",
+    "ram_object_key",
+    "ram_writer",
     "step_data_prefix",
     "step_from_manifest_key",
     "step_from_data_key",
@@ -62,3 +67,14 @@ def step_from_data_key(key: str) -> int | None:
     """The step a data/fragment key belongs to, or None."""
     m = _DATA_RE.match(key)
     return int(m.group(1)) if m else None
+
+
+def ram_object_key(step: int, writer: str | None) -> str:
+    """``ram/<step>/w-<writer, percent-encoded>`` (``ram/<step>`` without a writer)."""
+    return f"ram/{step:012d}" + ("" if writer is None else "/w-" + quote(writer, safe=""))
+
+
+def ram_writer(step: int, key: str) -> str | None:
+    """The writer :func:`ram_object_key` put in ``key`` for ``step``, else None."""
+    prefix = f"ram/{step:012d}/w-"
+    return unquote(key[len(prefix):]) if key.startswith(prefix) else None

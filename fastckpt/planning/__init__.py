@@ -19,7 +19,7 @@ from fastckpt.planning.load_plan import (
     ReadItem as ReadItem,
     coalesce_fetches as coalesce_fetches,
     leaf_index as leaf_index,
-    needed_chunk_ids as needed_chunk_ids,
+    needed_chunks as needed_chunks,
     plan_leaf_reads as plan_leaf_reads,
 )
 from fastckpt.planning.save_plan import (

@@ -18,7 +18,7 @@ from fastckpt.format.manifest import ArrayLeaf, Box, ChunkEntry, ChunkTable, box
 from fastckpt.planning.boxes import intersect, relative_to
 
 __all__ = [
-    "ChunkIndex", "FetchRange", "GridIndex", "ReadItem", "coalesce_fetches", "leaf_index", "needed_chunk_ids",
+    "ChunkIndex", "FetchRange", "GridIndex", "ReadItem", "coalesce_fetches", "leaf_index", "needed_chunks",
     "plan_leaf_reads",
 ]
 
@@ -178,17 +178,18 @@ def plan_leaf_reads(leaf: ArrayLeaf, dst_box: Box, *, index: ChunkIndex | GridIn
     return tuple(items)
 
 
-def needed_chunk_ids(wants: Iterable[tuple[ArrayLeaf, Box]]) -> set[str]:
-    """The ids (``format.chunk_id``) of the chunks that filling each ``(leaf, box)`` reads:
+def needed_chunks(wants: Iterable[tuple[ArrayLeaf, Box]]) -> dict[str, str]:
+    """The chunks that filling each ``(leaf, box)`` reads, as ``chunk id -> object key``
+    (``format.chunk_id``; a RAM step's object key names the member that wrote the chunk):
     what one process's restore needs from the tiers (one index per leaf)."""
-    out: set[str] = set()
+    out: dict[str, str] = {}
     indexes: dict[int, tuple[ArrayLeaf, GridIndex | ChunkIndex]] = {}
     for leaf, box in wants:
         hit = indexes.get(id(leaf))
         if hit is None:
             hit = indexes[id(leaf)] = (leaf, leaf_index(leaf))  # the leaf is kept: its id stays unique
         prefix = chunk_id_prefix(leaf.path)  # the overlaps alone: no read items, no coverage check
-        out.update([chunk_id(leaf.path, c.box, prefix=prefix) for c, _ in hit[1].overlapping(box)])
+        out.update([(chunk_id(leaf.path, c.box, prefix=prefix), c.key) for c, _ in hit[1].overlapping(box)])
     return out
 
 

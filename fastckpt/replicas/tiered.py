@@ -9,10 +9,10 @@ there is no peer service, else a commit record — and lets retention drop older
 push own chunks, and the manifest where held, to the ring successors in the background).
 On failure: :meth:`abort`. Because the manifest is stored only after every process sealed,
 a crash mid-save never leaves the job without a restorable RAM step. On restore:
-:meth:`source` (own RAM, then every peer, per chunk) -> :meth:`select_step` (every process
-checks the chunks its own restore reads against its tier and its peers' chunk lists; all
-agree on the newest RAM step every one can restore; the manifest comes from the first tier
-holding it).
+:meth:`select_step` (every process checks the chunks its own restore reads against its tier
+and the chunk lists of the peers that should hold them; all agree on the newest RAM step
+every one can restore; the manifest comes from the first tier holding it) -> :meth:`source`
+(own RAM, then peers, per chunk; it takes the lists the selection fetched).
 
 A RAM-only step is restorable while the chunks each process reads are reachable from it; a
 chunk found corrupt in every copy while it is read still fails the step (the manager then
@@ -27,7 +27,7 @@ import json
 import os
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -36,11 +36,12 @@ import numpy as np
 from fastckpt._distributed import Coordinator
 from fastckpt.errors import DistributedError, FastckptError, PeerError
 from fastckpt.format.codec import decode_manifest
+from fastckpt.format.layout import ram_writer
 from fastckpt.format.manifest import ChunkEntry, Manifest, chunk_id, chunk_ids
 from fastckpt.options import RamOptions
 from fastckpt.replicas.discovery import CoordinatorDirectory, PeerDirectory, StoreDirectory, make_record
 from fastckpt.replicas.peer import PeerClient, PeerOptions, PeerServer
-from fastckpt.replicas.placement import host_domain, push_targets
+from fastckpt.replicas.placement import host_domain, push_targets, replica_holders
 from fastckpt.replicas.ram import ChunkLocation, RamTier, Segment
 from fastckpt.replicas.replicator import Replicator
 from fastckpt.replicas.sources import TieredChunkSource
@@ -248,10 +249,15 @@ class RamReplication:
         self._needed = (manifest, need)
         return need
 
-    def _reachable(self, step: int, need: set[str], own: list[str]) -> bool:
+    def _reachable(self, step: int, need: set[str], own: list[str], *, keys: Mapping[str, str] | None = None,
+                   manifest: Manifest | None = None) -> bool:
         """Whether every chunk id in ``need`` is in ``own`` (the own tier's) or a peer's chunk
-        list: the ring successors' lists first (one by one: usually they hold the rest),
-        then every other peer's at once. The lists are kept for this restore's :meth:`source`."""
+        list, asking as few peers as it can: the ring successors' lists first (one by one:
+        after a restart on the same mesh they hold the rest), then — when ``keys`` (chunk id
+        -> object key) name the members that wrote the missing chunks — each writer and its
+        ring successors on the ring of the step's writers (``placement.replica_holders``: where
+        the writer pushed them), then every other peer. The lists are kept for this
+        restore's :meth:`source`."""
         missing = need.difference(own)
         if not missing:
             return True
@@ -261,9 +267,29 @@ class RamReplication:
             missing -= self._listing(step, client)
             if not missing:
                 return True
-        for ids in self._ask_peers(lambda c: self._listing(step, c), ordered[k:]):
+        rest = ordered[k:]
+        if keys is not None and manifest is not None:
+            holders = self._holders(step, {keys[i] for i in missing if i in keys}, manifest)
+            first = [c for c in rest if c.name in holders]
+            for ids in self._ask_peers(lambda c: self._listing(step, c), first):
+                missing -= ids
+            if not missing:
+                return True
+            rest = [c for c in rest if c.name not in holders]
+        for ids in self._ask_peers(lambda c: self._listing(step, c), rest):
             missing -= ids
         return not missing
+
+    def _holders(self, step: int, keys: set[str], manifest: Manifest) -> set[str]:
+        """Members that may hold the chunks stored under object ``keys`` of RAM step ``step``:
+        each key's writer and its push targets on the ring of all the step's writers (the
+        membership it was pushed under). Keys that name no writer add nothing."""
+        writers = {w for key in keys if (w := ram_writer(step, key)) is not None}
+        if not writers:
+            return set()
+        ring = {w for key in manifest.object_keys() if (w := ram_writer(step, key)) is not None}
+        k = max(1, self.options.replicas)
+        return {m for w in writers for m in replica_holders(w, ring, k, domain_of=host_domain)}
 
     def _listing(self, step: int, client: PeerClient) -> frozenset[str]:
         """``client``'s chunk ids of ``step`` (empty if it cannot answer), kept by peer name."""
@@ -277,9 +303,9 @@ class RamReplication:
             self._lists[key] = ids
         return ids
 
-    def _restorable(self, step: int, wanted: Callable[[Manifest], Iterable[str]] | None) -> Manifest | None:
+    def _restorable(self, step: int, wanted: Callable[[Manifest], Mapping[str, str]] | None) -> Manifest | None:
         """The manifest of RAM step ``step`` if every chunk this process needs from it
-        (``wanted``; default: all of them) is reachable, else None."""
+        (``wanted``: chunk id -> object key; default: all of them) is reachable, else None."""
         data = self._manifest_anywhere(step)
         if data is None:
             return None
@@ -290,8 +316,10 @@ class RamReplication:
         own = self.tier.chunk_ids(step)
         if len(own) >= sum(len(a.chunks) for a in manifest.arrays()) and self._chunk_ids(manifest).issubset(own):
             return manifest  # this tier holds the whole step (one host, or a restart in place): no planning
-        need = set(wanted(manifest)) if wanted is not None else self._chunk_ids(manifest)
-        return manifest if self._reachable(step, need, own) else None
+        if wanted is None:
+            return manifest if self._reachable(step, self._chunk_ids(manifest), own) else None
+        keys = wanted(manifest)
+        return manifest if self._reachable(step, set(keys), own, keys=keys, manifest=manifest) else None
 
     def _decode(self, step: int, data: bytes) -> Manifest:
         """``decode_manifest(data)``, reusing the last result for the same bytes: a
@@ -317,15 +345,16 @@ class RamReplication:
 
     def select_step(self, persistent_latest: int | None, *, key: str, timeout_s: float,
                     older_than: int | None = None,
-                    wanted: Callable[[Manifest], Iterable[str]] | None = None) -> StepChoice | None:
+                    wanted: Callable[[Manifest], Mapping[str, str]] | None = None) -> StepChoice | None:
         """Agree on the step to restore: the newest RAM step newer than storage's latest (and
         older than ``older_than``, after a newer one failed) from which *every* process can
         reach every chunk it needs; None when storage's latest should be used.
 
         Process 0 lists the candidate RAM steps (its tier's and its peers') and publishes
         them. Each process checks them, newest first, until one holds every chunk it needs —
-        ``wanted(manifest)``, the ids of the chunks its restore reads (default: every chunk
-        of the step) — in its own tier or a peer's chunk list, then the processes exchange
+        ``wanted(manifest)``, the chunks its restore reads as chunk id -> object key (default:
+        every chunk of the step) — in its own tier or a peer's chunk list (:meth:`_reachable`:
+        the peers that should hold them first), then the processes exchange
         the newest step each can restore (one round of the key-value store). If they differ,
         those with a newer one check the oldest named, and so on; each round lowers the
         newest step named, so it ends. Each process checks only its own share (on a pod, a
@@ -379,18 +408,26 @@ class RamReplication:
 
     def _ordered_peers(self) -> list[PeerClient]:
         """Peers, this member's ring successors first — where a replacement host's chunks
-        were pushed by the host it replaces — then the rest in directory order."""
+        were pushed by the host it replaces — then those whose chunk list the last step
+        selection fetched (the holders of what this host needs), then the rest in directory
+        order."""
         peers = self._peers()
         first = push_targets([self.member_id, *peers], max(1, self.options.replicas), domain_of=host_domain).get(
             self.member_id, []) if peers else []
-        return [peers[m] for m in first if m in peers] + [c for m, c in peers.items() if m not in first]
+        listed = {name for _, name in self._lists}
+        rest = [m for m in peers if m not in first]
+        return ([peers[m] for m in first if m in peers] + [peers[m] for m in rest if m in listed]
+                + [peers[m] for m in rest if m not in listed])
 
     def source(self) -> TieredChunkSource:
         """Per-chunk source: own RAM first, then every peer (listing-guided), this member's
         ring successors first (:meth:`_ordered_peers`), so a replacement host finds its
-        chunks with one or two chunk lists, not one per peer. The source also uses the chunk
-        lists :meth:`select_step` fetches (shared, cleared at each selection)."""
-        return TieredChunkSource(self.tier, self._ordered_peers(), known_listings=self._lists)
+        chunks with one or two chunk lists, not one per peer. Call it after :meth:`select_step`:
+        the source takes the chunk lists the selection fetched (and the peers that sent them
+        come next in its order), which later restores then no longer see (they may be stale)."""
+        peers = self._ordered_peers()
+        known, self._lists = self._lists, {}
+        return TieredChunkSource(self.tier, peers, known_listings=known)
 
     def forget_peers(self) -> None:
         """Drop cached peer clients (after membership changes)."""

@@ -34,7 +34,7 @@ from fastckpt.format._checks import paused_gc
 from fastckpt.format.chunk_table import decode_chunk_table, table_json
 from fastckpt.format.codec import decode_manifest, encode_manifest
 from fastckpt.format.dtypes import dtype_from_name
-from fastckpt.format.layout import fragment_key, manifest_key
+from fastckpt.format.layout import fragment_key, manifest_key, ram_object_key
 from fastckpt.format.manifest import FORMAT_VERSION, ArrayLeaf, ChunkEntry, ChunkTable, KeyPath, Leaf, Manifest, keypath_str
 from fastckpt.storage._protocol import Buffer, Store
 from fastckpt.writer.fragment import encode_fragment
@@ -203,16 +203,20 @@ def publish_and_commit(
     return manifest_bytes
 
 
-def ram_chunk_entries(staged: StagedSave, raw_crcs: dict[int, list[int]], step: int) -> dict[int, list[ChunkEntry]]:
+def ram_chunk_entries(staged: StagedSave, raw_crcs: dict[int, list[int]], step: int, *,
+                      writer: str | None = None) -> dict[int, list[ChunkEntry]]:
     """Chunk entries of a RAM-only step: raw codec, located in the staging segment.
 
-    The key ``ram/<step>`` is a placeholder (no persistent object exists); RAM tiers and
-    peers find chunks by ``chunk_id`` and verify against ``raw_crc32c``.
+    The key (:func:`ram_object_key`) names no persistent object: RAM tiers and peers find
+    chunks by ``chunk_id`` and verify against ``raw_crc32c``. It names the ``writer``
+    (this process's RAM member id), so that the manifest tells a restoring host which
+    member wrote each chunk, and so which peers hold it (the writer and its ring successors).
     """
+    key = ram_object_key(step, writer)
     out: dict[int, list[ChunkEntry]] = {}
     for ai, arr in enumerate(staged.arrays):
         out[ai] = [
-            ChunkEntry(box=it.box, key=f"ram/{step:012d}", offset=arr.item_offsets[ii], length=it.nbytes,
+            ChunkEntry(box=it.box, key=key, offset=arr.item_offsets[ii], length=it.nbytes,
                        raw_length=it.nbytes, codec="raw", crc32c=raw_crcs[ai][ii], raw_crc32c=raw_crcs[ai][ii])
             for ii, it in enumerate(arr.items)
         ]

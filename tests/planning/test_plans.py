@@ -313,23 +313,24 @@ def test_grid_index_builds_only_the_entries_it_returns(monkeypatch: pytest.Monke
 
 @settings(max_examples=200, deadline=None)
 @given(st.data())
-def test_needed_chunk_ids_are_the_ids_of_the_chunks_each_box_overlaps(data: st.DataObject) -> None:
-    """What a process's restore of some boxes reads, as chunk ids: exactly the non-empty
+def test_needed_chunks_are_the_chunks_each_box_overlaps(data: st.DataObject) -> None:
+    """What a process's restore of some boxes reads, as chunk id -> object key: exactly the
     chunks overlapping a box with a non-empty intersection, of any tiling, over several
     leaves (each indexed once)."""
     from fastckpt.format.manifest import chunk_id
-    from fastckpt.planning import needed_chunk_ids
+    from fastckpt.planning import needed_chunks
 
     leaves, wants, expected = [], [], set()
     for k in range(data.draw(st.integers(1, 3))):
         shape = data.draw(shapes(max_rank=3, max_side=6))
         boxes = data.draw(tilings(shape, max_pieces=6))
         leaf = ArrayLeaf(path=(("d", f"w{k}"),), shape=shape, dtype="uint8",
-                         chunks=tuple(ChunkEntry(b, "obj", 0, box_volume(b), box_volume(b), "raw", 0, 0) for b in boxes))
+                         chunks=tuple(ChunkEntry(b, f"obj/{k}/{i}", 0, box_volume(b), box_volume(b), "raw", 0, 0)
+                                      for i, b in enumerate(boxes)))
         leaves.append(leaf)
         for _ in range(data.draw(st.integers(0, 3))):
             box = data.draw(boxes_in(shape, allow_empty=True))
             wants.append((leaf, box))
-            expected |= {chunk_id(leaf.path, c.box) for c in leaf.chunks
+            expected |= {(chunk_id(leaf.path, c.box), c.key) for c in leaf.chunks
                          if (o := intersect(c.box, box)) is not None and box_volume(o) > 0}
-    assert needed_chunk_ids(wants) == expected
+    assert needed_chunks(wants).items() == expected

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from fastckpt.errors import BarrierTimeoutError, DistributedError, TreeStructureError
+from fastckpt._distributed import LocalCoordinator
 from fastckpt.format.codec import encode_manifest
+from fastckpt.format.layout import ram_object_key
 from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, KeyPath, Manifest, chunk_id
 from fastckpt.options import RamOptions
 from fastckpt.replicas.tiered import RamReplication
@@ -50,7 +52,7 @@ def _job(shm_dir: Path, held: dict[int, dict[int, list[int]]]) -> list[RamReplic
 def _select(job: list[RamReplication], wanted: Callable[[int], Iterable[str]] | None,
             persistent_latest: int | None = None) -> list[int | None]:
     def one(p: int) -> int | None:
-        want = None if wanted is None else (lambda m, p=p: set(wanted(p)))
+        want = None if wanted is None else (lambda m, p=p: dict.fromkeys(wanted(p), f"ram/{m.step:012d}"))
         choice = job[p].select_step(persistent_latest, key="sel", timeout_s=10, wanted=want)
         assert choice is None or choice.manifest is not None and choice.manifest.step == choice.step
         return None if choice is None else choice.step
@@ -113,7 +115,7 @@ def test_a_process_whose_plan_fails_fails_every_process_at_once(shm_dir: Path) -
     naming it, at once rather than after the barrier timeout."""
     job = _job(shm_dir, {0: {10: [0, 1, 2, 3]}, 1: {10: [1]}, 2: {10: [0, 1, 2, 3]}})
 
-    def bad_target(m: Manifest) -> set[str]:
+    def bad_target(m: Manifest) -> dict[str, str]:
         raise TreeStructureError("target has no leaf ['w']")
 
     def one(p: int) -> BaseException | None:
@@ -134,3 +136,44 @@ def test_a_process_whose_plan_fails_fails_every_process_at_once(shm_dir: Path) -
     assert isinstance(got[1], TreeStructureError)
     for p in (0, 2):
         assert isinstance(got[p], DistributedError) and "process 1" in str(got[p]) and "no leaf" in str(got[p])
+
+
+class _ListingPeer:
+    """A peer holding some chunk ids of step 10; counts the chunk lists asked of it."""
+
+    def __init__(self, name: str, ids: list[str]) -> None:
+        self.name, self.ids, self.asked = name, ids, 0
+
+    def committed_steps(self) -> list[int]:
+        return [10]
+
+    def list_chunks(self, step: int) -> list[str]:
+        self.asked += 1
+        return list(self.ids) if step == 10 else []
+
+
+def test_a_host_asks_the_writer_of_what_it_needs_and_its_ring_successor_not_every_peer(shm_dir: Path) -> None:
+    """Six members h0..h5 wrote step 10, one chunk each, and pushed it to their ring
+    successor (k = 1). h0 restores with an empty tier and needs h3's chunk only: it asks its
+    own successor h1, then h3 and h4 (the holders the manifest's writer keys point to), and
+    never h2 or h5. The source it makes next takes those lists and asks no peer again."""
+    members = [f"h{i}" for i in range(6)]
+    chunks = tuple(ChunkEntry(((2 * i, 2 * i + 2),), ram_object_key(10, members[i]), 0, 2, 2, "raw", 0, 0)
+                   for i in range(6))
+    manifest = Manifest(step=10, leaves=(ArrayLeaf(path=W, shape=(12,), dtype="uint8", chunks=chunks),),
+                        num_processes=6, metadata={"fastckpt_tier": "ram"})
+    ids = [chunk_id(W, c.box) for c in chunks]
+    peers = {m: _ListingPeer(m, [ids[i], ids[i - 1]]) for i, m in enumerate(members) if i}  # own + predecessor's
+    rr = RamReplication(RamOptions(root=str(shm_dir / "h0"), member_id="h0", replicas=1), coordinator=LocalCoordinator(),
+                        store=MemoryStore(), namespace="t", run=lambda c: None)
+    try:
+        rr._peers = lambda: peers  # type: ignore[assignment]
+        rr.tier.put_manifest(10, encode_manifest(manifest))
+        choice = rr.select_step(None, key="sel", timeout_s=10, wanted=lambda m: {ids[3]: ram_object_key(10, "h3")})
+        assert choice is not None and choice.step == 10
+        assert {m: p.asked for m, p in peers.items()} == {"h1": 1, "h2": 0, "h3": 1, "h4": 1, "h5": 0}
+        source = rr.source()
+        assert source._listed(source._peers.index(peers["h3"]), 10, ids[3])  # the kept list: no new request
+        assert [p.name for p in source._peers][:3] == ["h1", "h3", "h4"] and peers["h3"].asked == 1
+    finally:
+        rr.close()
