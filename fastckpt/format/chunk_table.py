@@ -49,7 +49,7 @@ from fastckpt.format.manifest import Box, ChunkEntry, ChunkTable, box_volume
 from fastckpt.storage._protocol import validate_key
 
 __all__ = [
-    "CODECS", "NUMERIC_COLUMNS", "U32", "binary_array", "codec_column", "decode_chunk_table", "decode_object_keys",
+    "CODECS", "NUMERIC_COLUMNS", "U32", "binary_array", "checked_uint", "codec_column", "decode_chunk_table", "decode_object_keys",
     "encode_chunk_table", "encode_column", "grid_cuts", "narrow_uint", "table_json", "uint_array",
 ]
 
@@ -224,11 +224,18 @@ def binary_array(obj: Any, n: int, what: str, hi: int, dtype: type[np.integer[An
         fail(f"{what}: not base64: {e}")
     if len(raw) != nbytes:
         fail(f"{what}: {len(raw)} bytes for {n} values of {kind}")
-    arr = np.frombuffer(raw, _KINDS[kind])
-    if n and int(arr.max()) > hi:
-        i = int(np.argmax(arr > hi))
-        fail(f"{what}[{i}]: expected an int in [0, {hi}], got {int(arr[i])}")
-    return arr.astype(dtype)
+    return checked_uint(np.frombuffer(raw, _KINDS[kind]), n, what, hi, dtype)
+
+
+def checked_uint(col: np.ndarray, n: int, what: str, hi: int, dtype: type[np.integer[Any]] = np.int64) -> np.ndarray:
+    """An unsigned numpy column (format 3's, a commit fragment's) as ``dtype`` (which must
+    hold ``hi``) after checking it has ``n`` values in ``[0, hi]``; the first bad one named."""
+    if len(col) != n:
+        fail(f"{what}: {len(col)} values, expected {n}")
+    if n and int(col.max()) > hi:
+        i = int(np.argmax(col > hi))
+        fail(f"{what}[{i}]: expected an int in [0, {hi}], got {int(col[i])}")
+    return col.astype(dtype)
 
 
 def decode_chunk_table(

@@ -160,12 +160,12 @@ class CoordinatorDirectory(PeerDirectory):
         if "/" in namespace or not namespace:
             raise ConfigError(f"namespace must be a non-empty str without '/', got {namespace!r}")
         self._coordinator = coordinator
-        self._prefix = f"fastckpt/{namespace}/peers/"
+        self._directory = f"fastckpt/{namespace}/peers"  # process i's record: <directory>/<i>
         self._timeout_s = timeout_s
 
     def publish(self, record: PeerRecord) -> None:
         """Publish under this process's index (once per coordination-service lifetime)."""
-        self._coordinator.set(self._prefix + str(self._coordinator.process_index), record.to_json())
+        self._coordinator.set(f"{self._directory}/{self._coordinator.process_index}", record.to_json())
 
     def lookup(self, *, wait: bool = True) -> dict[str, PeerRecord]:
         """Every process's record; with ``wait``, block until all published (or time out).
@@ -176,12 +176,12 @@ class CoordinatorDirectory(PeerDirectory):
         deadline = time.monotonic() + self._timeout_s
         count = self._coordinator.process_count
         if not wait:  # one request for all processes' records
-            return _newest(_parse_all([v for v in self._coordinator.try_get_all(self._prefix[:-1], count) if v is not None]))
+            return _newest(_parse_all([v for v in self._coordinator.try_get_all(self._directory, count) if v is not None]))
         blobs = []
         for i in range(count):
             remaining = max(0.001, deadline - time.monotonic())
             try:
-                blobs.append(self._coordinator.get(self._prefix + str(i), timeout_s=remaining))
+                blobs.append(self._coordinator.get(f"{self._directory}/{i}", timeout_s=remaining))
             except BarrierTimeoutError as e:
                 raise BarrierTimeoutError(f"process {i} did not publish its peer address: {e}") from e
         return _newest(_parse_all(blobs))

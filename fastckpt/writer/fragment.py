@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from fastckpt.format._checks import MAX_INT, fail, json_dict, json_int, json_list
-from fastckpt.format.chunk_table import CODECS, U32, decode_object_keys, narrow_uint
+from fastckpt.format.chunk_table import CODECS, U32, checked_uint, decode_object_keys, narrow_uint
 from fastckpt.format.manifest import ChunkEntry, KeyPath
 from fastckpt.writer.stage import StagedSave
 
@@ -147,20 +147,10 @@ def decode_fragment(data: bytes | memoryview, local: dict[KeyPath, int], ranks: 
     for name, hi in (("array", len(paths) - 1), ("object", len(objects) - 1), ("offset", MAX_INT),
                      ("length", MAX_INT), ("crc32c", U32), ("raw_crc32c", U32), ("codec", len(CODECS) - 1)):
         if name in raw:
-            out[name] = _bounded(raw[name], n, hi, f"{what}.{name}")
+            out[name] = checked_uint(raw[name], n, f"{what}.{name}", hi)
     out["array"] = to_local[out["array"]]
     if codec is not None:
         out["codec"] = np.full(n, CODE[codec], np.int64)
     want_boxes = int(2 * ranks[out["array"]].sum())
-    out["boxes"] = _bounded(raw["boxes"], want_boxes, MAX_INT, f"{what}.boxes")
+    out["boxes"] = checked_uint(raw["boxes"], want_boxes, f"{what}.boxes", MAX_INT)
     return out
-
-
-def _bounded(col: np.ndarray, n: int, hi: int, what: str) -> np.ndarray:
-    """``col`` as int64 after checking it has ``n`` values, each at most ``hi``."""
-    if len(col) != n:
-        fail(f"{what}: {len(col)} values, expected {n}")
-    if n and int(col.max()) > hi:
-        i = int(np.argmax(col > hi))
-        fail(f"{what}[{i}]: {int(col[i])} exceeds {hi}")
-    return col.astype(np.int64)
