@@ -32,10 +32,11 @@ class SlowPusher:
     """A pusher that blocks until released (to observe the caller never blocking)."""
 
     def __init__(self) -> None:
-        self.release = threading.Event()
+        self.release, self.entered = threading.Event(), threading.Event()
         self.pushed: list[tuple[int, str]] = []
 
     def push_chunk(self, step: int, chunk_id: str, data: memoryview, *, raw_crc32c: int | None = None) -> bool:
+        self.entered.set()
         self.release.wait(10)
         self.pushed.append((step, chunk_id))
         return True
@@ -93,8 +94,13 @@ def test_submit_never_blocks_and_newer_steps_supersede(make_tier: MakeTier, capl
     rep = Replicator(own, targets={"slow": slow})
     t0 = time.monotonic()
     h1 = rep.submit(1)
-    h2 = rep.submit(2)
     # Returned while the pusher is blocked (for up to 10 s): generous, a busy 2-core VM stalls.
+    assert time.monotonic() - t0 < 5
+    # Step 2 supersedes step 1 *while it runs* (submitted before the worker took step 1, it
+    # would skip step 1 altogether: a race, not what this test checks).
+    assert slow.entered.wait(10)
+    t0 = time.monotonic()
+    h2 = rep.submit(2)
     assert time.monotonic() - t0 < 5 and not h1.done()
     with pytest.raises(ReplicationTimeoutError):
         rep.wait(0.05)
@@ -141,11 +147,12 @@ class CountingPusher:
     """Records pushes; blocks on steps listed in ``hold`` until ``release`` is set."""
 
     def __init__(self, hold: set[int] = frozenset()) -> None:  # type: ignore[assignment]
-        self.hold, self.release = hold, threading.Event()
+        self.hold, self.release, self.holding = hold, threading.Event(), threading.Event()
         self.pushed: list[tuple[int, str]] = []
 
     def push_chunk(self, step: int, chunk_id: str, data: memoryview, *, raw_crc32c: int | None = None) -> bool:
         if step in self.hold:
+            self.holding.set()
             self.release.wait(10)
         self.pushed.append((step, chunk_id))
         return True
@@ -171,6 +178,7 @@ def test_reports_are_bounded_and_running_pushes_are_kept(make_tier: MakeTier) ->
     # (those go to no target: done at once; each still supersedes the held push).
     pusher.hold = {21}
     held = rep.submit(21)
+    assert pusher.holding.wait(10)  # the push of 21 is running (a newer submit before it starts skips it)
     rep.set_targets({})
     for step in range(22, 31):
         rep.submit(step)
