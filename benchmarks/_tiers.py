@@ -152,15 +152,23 @@ def _serve_raw(nbytes: str) -> None:
 
 # =========================================================================== raw TCP
 
+_CRC_WINDOW = 4 << 20  # as the peer client's receive (fastckpt.replicas._transport)
 
-def measure_loopback_tcp(port: int, nbytes: int, *, streams: int, reps: int, fresh: bool = False) -> dict[str, Any]:
+
+def measure_loopback_tcp(port: int, nbytes: int, *, streams: int, reps: int, fresh: bool = False,
+                         checksum: bool = False) -> dict[str, Any]:
     """Raw loopback TCP from a ``serve-raw`` helper: ``nbytes`` split over ``streams``
     connections (one thread each, one request per stream), received into a warm buffer, or
     with ``fresh`` into newly allocated page-aligned memory (allocation timed), as a restore
     must (its arrays are new memory).
 
+    With ``checksum`` each stream also computes the crc32c of every 4 MiB window right after
+    it lands (in cache, in the receiving thread): the least a *verified* receive does, so
+    its figure is the ceiling of any restore that checks what it received on this machine.
+
     Returns GB/s (best and median of ``reps`` after one warm-up) and the stream count.
     """
+    from fastckpt._checksum import crc32c
     from fastckpt._hostmem import alloc_aligned
 
     dst = np.ones(nbytes, np.uint8)  # warm: bandwidth, not first-touch page faults
@@ -172,12 +180,17 @@ def measure_loopback_tcp(port: int, nbytes: int, *, streams: int, reps: int, fre
     def worker(i: int) -> None:
         s, view = socks[i], dst.data[i * share : (i + 1) * share]
         s.sendall(struct.pack(">Q", view.nbytes))
-        pos = 0
-        while pos < view.nbytes:
-            got = s.recv_into(view[pos:], view.nbytes - pos)
-            if not got:
-                raise OSError("raw TCP server closed the connection")
-            pos += got
+        window = _CRC_WINDOW if checksum else view.nbytes
+        crc = 0
+        for start in range(0, view.nbytes, window):
+            piece, pos = view[start : start + window], 0
+            while pos < piece.nbytes:
+                got = s.recv_into(piece[pos:], piece.nbytes - pos)
+                if not got:
+                    raise OSError("raw TCP server closed the connection")
+                pos += got
+            if checksum:
+                crc = crc32c(piece, crc)
 
     def once() -> float:
         nonlocal dst

@@ -308,10 +308,10 @@ class CheckpointManager:
         try:
             data = self._io.run(self.store.get(manifest_key(step)))
         except NotFoundError:
-            ram_data = self._ram._manifest_anywhere(step) if self._ram is not None else None
-            if ram_data is None:
+            ram = self._ram.ram_manifest(step) if self._ram is not None else None
+            if ram is None:
                 raise CheckpointNotFoundError(f"step {step} is not committed in {self.store.url}") from None
-            data = ram_data
+            return ram
         return decode_manifest(data)
 
     def metadata(self, step: int | None = None) -> dict[str, object]:

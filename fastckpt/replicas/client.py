@@ -12,7 +12,7 @@ import socket
 import threading
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar
 
 import crc32c as _crc32c
 import numpy as np
@@ -28,9 +28,17 @@ from fastckpt.replicas import wire
 from fastckpt.replicas._transport import PeerOptions, PeerRequestError, check_secret, drain, recv_into_crc, tune
 from fastckpt.replicas.wire import MsgType
 
-__all__ = ["PeerClient"]
+__all__ = ["PeerClient", "StepLists"]
 
 _T = TypeVar("_T")
+
+
+class StepLists(NamedTuple):
+    """A peer's steps, sorted: with any data, committed (manifest or commit record), with a manifest."""
+
+    steps: list[int]
+    committed: list[int]
+    manifests: list[int]
 
 
 class _Conn:
@@ -320,21 +328,23 @@ class PeerClient:
 
     def steps(self) -> list[int]:
         """Sorted steps the peer holds any data for."""
-        return self._step_list("steps")
+        return self.step_lists().steps
 
     def committed_steps(self) -> list[int]:
         """Sorted steps committed on the peer (it holds their manifest or a commit record)."""
-        return self._step_list("committed")
+        return self.step_lists().committed
 
     def manifest_steps(self) -> list[int]:
         """Sorted steps whose manifest the peer holds."""
-        return self._step_list("manifests")
+        return self.step_lists().manifests
 
-    def _step_list(self, field: Literal["steps", "committed", "manifests"]) -> list[int]:
-        def op(c: _Conn) -> list[int]:
+    def step_lists(self) -> StepLists:
+        """All three step lists of the peer, in one request."""
+
+        def op(c: _Conn) -> StepLists:
             wire.send_frame(c.sock, MsgType.STEPS, {})
             _, h, _ = self._reply(c, MsgType.STEP_LIST, missing_ok=False)
-            return sorted(h[field])
+            return StepLists(sorted(h["steps"]), sorted(h["committed"]), sorted(h["manifests"]))
 
         return self._call(op)
 

@@ -15,11 +15,12 @@ sorted member list.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Iterable, Sequence
 
 from fastckpt.errors import ConfigError
 
-__all__ = ["host_domain", "push_targets", "replica_holders", "ring_order", "ring_successors"]
+__all__ = ["host_domain", "push_targets", "relay_parent", "replica_holders", "ring_order", "ring_successors"]
 
 DomainOf = Callable[[str], str]
 
@@ -108,3 +109,30 @@ def replica_holders(
     with ``PeerClient.list_chunks`` instead (``TieredChunkSource`` does).
     """
     return [writer, *ring_successors(members, writer, k, domain_of=domain_of)]
+
+
+def relay_parent(member: str, holders: Iterable[str], relays: Iterable[str], *, fanout: int) -> str | None:
+    """Where ``member`` fetches a copy that ``holders`` hold and ``relays`` serve once they
+    fetched theirs (e.g. a RAM step's manifest at a restore); None for a holder.
+
+    The holders (sorted), then the relays (sorted, holders left out) form one list; entry
+    ``j`` past the holders fetches from entry ``(j - len(holders)) // fanout``: a tree rooted
+    at the holders in which every member serves at most ``fanout`` list members, of depth
+    about ``log_fanout(len(relays) / len(holders))``. A member on neither list (a
+    replacement host, which cannot serve) gets a list member chosen by a stable hash of its id.
+
+    Raises:
+        ConfigError: no holder, ``fanout < 1``, or an id is empty.
+    """
+    if fanout < 1:
+        raise ConfigError(f"fanout must be >= 1, got {fanout}")
+    roots = _members(holders)
+    if not roots:
+        raise ConfigError("relay_parent needs at least one holder")
+    if member in roots:
+        return None
+    held = set(roots)
+    order = roots + [m for m in _members(relays) if m not in held]
+    if member not in order:
+        return order[zlib.crc32(member.encode()) % len(order)]
+    return order[(order.index(member) - len(roots)) // fanout]

@@ -11,7 +11,8 @@ On failure: :meth:`abort`. Because the manifest is stored only after every proce
 a crash mid-save never leaves the job without a restorable RAM step. On restore:
 :meth:`select_step` (every process checks the chunks its own restore reads against its tier
 and the chunk lists of the peers that should hold them; all agree on the newest RAM step
-every one can restore; the manifest comes from the first tier holding it) -> :meth:`source`
+every one can restore; each host gets the manifest from its parent in a relay tree rooted at
+the hosts that hold it, see ``manifest_relay``) -> :meth:`source`
 (own RAM, then peers, per chunk; it takes the lists the selection fetched).
 
 A RAM-only step is restorable while the chunks each process reads are reachable from it; a
@@ -23,25 +24,33 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
+import logging
 import os
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import numpy as np
 
 from fastckpt._distributed import Coordinator
-from fastckpt.errors import DistributedError, FastckptError, PeerError
+from fastckpt.errors import DistributedError, FastckptError, ManifestError, PeerError
 from fastckpt.format.codec import decode_manifest
 from fastckpt.format.layout import ram_writer
 from fastckpt.format.manifest import ChunkEntry, Manifest, chunk_id, chunk_ids
 from fastckpt.options import RamOptions
 from fastckpt.replicas.discovery import CoordinatorDirectory, PeerDirectory, StoreDirectory, make_record
+from fastckpt.replicas.client import StepLists
+from fastckpt.replicas.manifest_relay import (
+    ManifestSources,
+    decode_candidates,
+    encode_candidates,
+    manifest_sources,
+    wait_for_manifest,
+)
 from fastckpt.replicas.peer import PeerClient, PeerOptions, PeerServer
-from fastckpt.replicas.placement import host_domain, push_targets, replica_holders
+from fastckpt.replicas.placement import host_domain, push_targets, relay_parent, replica_holders
 from fastckpt.replicas.ram import ChunkLocation, RamTier, Segment
 from fastckpt.replicas.replicator import Replicator
 from fastckpt.replicas.sources import TieredChunkSource
@@ -52,6 +61,10 @@ __all__ = ["RamReplication", "StepChoice"]
 
 _T = TypeVar("_T")
 _MAX_PEER_QUERIES = 32  # concurrent step/chunk-list queries during step selection
+_RELAY_FANOUT = 4  # manifest copies one host serves to the others of a restore (relay tree)
+_RELAY_WAIT_S = 10.0  # longest a host waits for its relay parent's copy before asking the holders
+
+log = logging.getLogger("fastckpt")
 
 
 class StepChoice:
@@ -191,24 +204,54 @@ class RamReplication:
             self._replicator.wait(timeout_s)
 
     # ------------------------------------------------------------------ restore
-    def _manifest_anywhere(self, step: int) -> bytes | None:
-        """The manifest of RAM step ``step`` from the own tier, else from a peer that holds it
-        (process 0 and its ring successors, for a multi-host step, and hosts that kept a
-        copy at an earlier restore): the peers are asked which manifests they hold all at
-        once, then the holders are read in random order."""
+    def ram_manifest(self, step: int, sources: ManifestSources | None = None) -> Manifest | None:
+        """The manifest of RAM step ``step`` from the nearest copy that decodes and names that
+        step (:meth:`_manifest_copies`; a bad copy is logged and the next one tried), kept in
+        the own tier when it held only the step's commit record; None if no copy does."""
+        for data in self._manifest_copies(step, sources):
+            try:
+                return self._decode(step, data)
+            except FastckptError as e:
+                log.warning("fastckpt: a copy of RAM step %d's manifest is unusable (%s); trying the next", step, e)
+        return None
+
+    def _manifest_copies(self, step: int, sources: ManifestSources | None) -> Iterator[bytes]:
+        """Copies of RAM step ``step``'s manifest, nearest first (fetched lazily): the own
+        tier's; with ``sources`` (from process 0's survey) the relay parent's
+        (``placement.relay_parent``, waited for while it fetches its own), then each holder's
+        in random order; last any other peer that says it holds one (all asked at once)."""
         data = self.tier.get_manifest(step)
         if data is not None:
-            return data
-        held = [c for c, has in self._ask_peers(lambda c: (c, step in c.manifest_steps())) if has]
-        random.shuffle(held)  # many hosts restoring at once spread over the holders
+            yield data
+        peers = self._peers()
+        asked: set[str] = set()
+        if sources is not None and sources.holders:
+            parent = relay_parent(self.member_id, sources.holders, sources.relays, fanout=_RELAY_FANOUT)
+            if parent is not None and parent in peers:
+                asked.add(parent)
+                data = wait_for_manifest(peers[parent], step, wait_s=_RELAY_WAIT_S)
+                if data is not None:
+                    yield data
+            holders = [m for m in sources.holders if m in peers and m not in asked]
+            random.shuffle(holders)  # hosts that fall back spread over the holders
+            for member in holders:
+                asked.add(member)
+                if (data := _manifest_of(peers[member], step)) is not None:
+                    yield data
+        rest = [c for m, c in peers.items() if m not in asked]
+        held = [c for c, has in self._ask_peers(lambda c: (c, step in c.manifest_steps()), rest) if has]
+        random.shuffle(held)
         for client in held:
-            try:
-                data = client.get_manifest(step)
-            except PeerError:
-                continue
-            if data is not None:
-                return data
-        return None
+            if (data := _manifest_of(client, step)) is not None:
+                yield data
+
+    def _survey(self) -> dict[int, ManifestSources]:
+        """Every committed RAM step of this tier and the reachable peers', with the members
+        that hold its manifest and those that hold only its commit record (one request per peer)."""
+        lists = dict(self._ask_peers(lambda c: (c.name, c.step_lists())))
+        tier = self.tier
+        lists[self.member_id] = StepLists(tier.steps(), tier.committed_steps(), tier.manifest_steps())
+        return manifest_sources(lists)
 
     def _ask_peers(self, ask: Callable[[PeerClient], _T], clients: list[PeerClient] | None = None) -> list[_T]:
         """``ask(client)`` for every peer (or ``clients``), concurrently (a job of hundreds of
@@ -303,15 +346,12 @@ class RamReplication:
             self._lists[key] = ids
         return ids
 
-    def _restorable(self, step: int, wanted: Callable[[Manifest], Mapping[str, str]] | None) -> Manifest | None:
+    def _restorable(self, step: int, wanted: Callable[[Manifest], Mapping[str, str]] | None,
+                    sources: ManifestSources | None) -> Manifest | None:
         """The manifest of RAM step ``step`` if every chunk this process needs from it
         (``wanted``: chunk id -> object key; default: all of them) is reachable, else None."""
-        data = self._manifest_anywhere(step)
-        if data is None:
-            return None
-        try:
-            manifest = self._decode(step, data)
-        except FastckptError:
+        manifest = self.ram_manifest(step, sources)
+        if manifest is None:
             return None
         own = self.tier.chunk_ids(step)
         if len(own) >= sum(len(a.chunks) for a in manifest.arrays()) and self._chunk_ids(manifest).issubset(own):
@@ -330,6 +370,8 @@ class RamReplication:
         if hit is not None and hit[0] == data:
             return hit[1]
         manifest = decode_manifest(data)
+        if manifest.step != step:
+            raise ManifestError(f"the manifest held as RAM step {step}'s is step {manifest.step}'s")
         self._decoded = {step: (data, manifest)}  # the latest only: bounded
         self._keep_copy(step, data)
         return manifest
@@ -350,8 +392,10 @@ class RamReplication:
         older than ``older_than``, after a newer one failed) from which *every* process can
         reach every chunk it needs; None when storage's latest should be used.
 
-        Process 0 lists the candidate RAM steps (its tier's and its peers') and publishes
-        them. Each process checks them, newest first, until one holds every chunk it needs —
+        Process 0 lists the candidate RAM steps (its tier's and its peers', one request per
+        peer) and publishes them with the members that hold each one's manifest and those
+        that will relay it (``manifest_relay``): each process fetches a manifest from its
+        parent in that relay tree, not from every holder after asking every peer. Each process checks them, newest first, until one holds every chunk it needs —
         ``wanted(manifest)``, the chunks its restore reads as chunk id -> object key (default:
         every chunk of the step) — in its own tier or a peer's chunk list (:meth:`_reachable`:
         the peers that should hold them first), then the processes exchange
@@ -369,12 +413,13 @@ class RamReplication:
         deadline = time.monotonic() + timeout_s
         self._lists.clear()  # a new restore: chunk lists fetched earlier may be stale
         if coord.process_index == 0:
-            candidates = [s for s in sorted(self.steps_by_tier(), reverse=True)
+            sources = self._survey()
+            candidates = [s for s in sorted(sources, reverse=True)
                           if (older_than is None or s < older_than) and (persistent_latest is None or s > persistent_latest)]
             if coord.process_count > 1:
-                coord.set(f"{key}/candidates", json.dumps(candidates))
+                coord.set(f"{key}/candidates", encode_candidates(candidates, sources))
         else:
-            candidates = _steps(coord.get(f"{key}/candidates", timeout_s=timeout_s))
+            candidates, sources = decode_candidates(coord.get(f"{key}/candidates", timeout_s=timeout_s))
         verdicts: dict[int, Manifest | None] = {}
         bound: int | None = None
         for round_ in itertools.count():
@@ -385,7 +430,7 @@ class RamReplication:
                     if bound is not None and step > bound:
                         continue
                     if step not in verdicts:
-                        verdicts[step] = self._restorable(step, wanted)
+                        verdicts[step] = self._restorable(step, wanted, sources.get(step))
                     if verdicts[step] is not None:
                         mine = str(step)
                         break
@@ -446,12 +491,9 @@ class RamReplication:
         self.tier.close()
 
 
-def _steps(text: str) -> list[int]:
-    """The candidate steps process 0 published (a JSON list of ints, newest first)."""
+def _manifest_of(client: PeerClient, step: int) -> bytes | None:
+    """``client``'s copy of ``step``'s manifest; None if it has none or cannot answer."""
     try:
-        steps = json.loads(text)
-    except ValueError:
-        steps = None
-    if type(steps) is not list or any(type(v) is not int for v in steps):
-        raise DistributedError(f"RAM step candidates: expected a JSON list of ints, got {text[:80]!r}")
-    return steps
+        return client.get_manifest(step)
+    except PeerError:
+        return None

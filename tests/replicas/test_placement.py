@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from fastckpt.errors import ConfigError
 from fastckpt.replicas import host_domain, push_targets, replica_holders, ring_order, ring_successors
+from fastckpt.replicas.placement import relay_parent
 
 member_ids = st.lists(st.text(st.characters(codec="utf-8", exclude_characters="/"), min_size=1, max_size=6), min_size=1, max_size=12, unique=True)
 
@@ -85,3 +86,37 @@ def test_replica_holders_and_errors() -> None:
         ring_successors(members, "a/0", -1)
     with pytest.raises(ConfigError):
         ring_order(["", "a"])
+
+
+@settings(max_examples=120, deadline=None)
+@given(member_ids, st.integers(1, 4), st.integers(1, 5), st.data())
+def test_relay_tree_reaches_a_holder_and_no_member_serves_more_than_fanout(
+        members: list[str], n_holders: int, fanout: int, data: st.DataObject) -> None:
+    holders = members[:n_holders]
+    relays = data.draw(st.lists(st.sampled_from(members), unique=True)) if len(members) > n_holders else []
+    outside = data.draw(st.lists(st.text(min_size=1, max_size=4).filter(lambda m: m not in members), max_size=3))
+    tree = [m for m in sorted(set(holders) | set(relays))]
+    parents = {m: relay_parent(m, holders, relays, fanout=fanout) for m in tree + outside}
+    for h in holders:
+        assert parents[h] is None
+    served = collections.Counter(parents[m] for m in tree if m not in holders)
+    assert max(served.values(), default=0) <= fanout
+    depth_bound = 1
+    while len(holders) * sum(fanout ** d for d in range(1, depth_bound + 1)) < len(tree) - len(holders):
+        depth_bound += 1
+    for m in tree + outside:
+        chain, node = [], m
+        while parents.get(node) is not None:
+            node = parents[node]
+            chain.append(node)
+            assert node in tree and len(chain) <= depth_bound + (m in outside)  # no cycle, logarithmic depth
+        assert node in holders
+    for m in outside:  # a member that cannot serve hangs below one that can, stably
+        assert parents[m] in tree and relay_parent(m, list(reversed(holders)), relays, fanout=fanout) == parents[m]
+
+
+def test_relay_parent_refuses_no_holder_and_a_zero_fanout() -> None:
+    with pytest.raises(ConfigError):
+        relay_parent("a", [], ["a"], fanout=2)
+    with pytest.raises(ConfigError):
+        relay_parent("a", ["b"], [], fanout=0)

@@ -17,6 +17,7 @@ from fastckpt.format.codec import encode_manifest
 from fastckpt.format.layout import ram_object_key
 from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, KeyPath, Manifest, chunk_id
 from fastckpt.options import RamOptions
+from fastckpt.replicas.client import StepLists
 from fastckpt.replicas.tiered import RamReplication
 from fastckpt.storage import MemoryStore
 from fastckpt.testing.threaded_job import ThreadedJob
@@ -144,8 +145,8 @@ class _ListingPeer:
     def __init__(self, name: str, ids: list[str]) -> None:
         self.name, self.ids, self.asked = name, ids, 0
 
-    def committed_steps(self) -> list[int]:
-        return [10]
+    def step_lists(self) -> StepLists:
+        return StepLists(steps=[10], committed=[10], manifests=[])
 
     def list_chunks(self, step: int) -> list[str]:
         self.asked += 1
