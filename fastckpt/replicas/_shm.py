@@ -17,6 +17,7 @@ import threading
 import uuid
 from pathlib import Path
 from types import TracebackType
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
@@ -114,32 +115,44 @@ class Sealed:
     def slice(self, offset: int, length: int, prefault: bool) -> memoryview | None:
         """A read-only view of ``[offset, offset + length)``; None once the segment is dropped."""
         with self.lock:
-            if self.dropped:
-                return None
-            if self.view is None:
-                if self.nbytes == 0:
-                    self.view = memoryview(b"")
-                else:
-                    flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if prefault else 0)
-                    fd = os.open(self.path, os.O_RDONLY)
-                    try:
-                        self.mm = mmap.mmap(fd, self.nbytes, flags=flags, prot=mmap.PROT_READ)
-                    finally:
-                        os.close(fd)
-                    self.view = memoryview(self.mm)
-            return self.view[offset : offset + length]
+            view = self._view(prefault)
+            return None if view is None else view[offset : offset + length]
 
-    def mark_lent(self) -> None:
-        """Record that views of this file may live indefinitely: it must never be rewritten.
-
-        The mark is the file's mode (read-only), so a tier reopened over the same directory
-        in this process sees it too.
-        """
+    def lend(self, spans: Sequence[tuple[int, int]], prefault: bool) -> list[memoryview] | None:
+        """Read-only views of ``(offset, length)`` spans that may live indefinitely (the file is
+        marked lent: never rewritten), under one lock acquisition; None once dropped."""
         with self.lock:
-            if not self.lent:
-                self.lent = True
-                with contextlib.suppress(OSError):
-                    os.chmod(self.path, 0o400)
+            view = self._view(prefault)
+            if view is None:
+                return None
+            self._mark_lent()
+            return [view[o : o + n] for o, n in spans]
+
+    def _view(self, prefault: bool) -> memoryview | None:
+        """The whole segment's read view, mapped on first use; None once dropped (hold ``lock``)."""
+        if self.dropped:
+            return None
+        if self.view is None:
+            if self.nbytes == 0:
+                self.view = memoryview(b"")
+            else:
+                flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if prefault else 0)
+                fd = os.open(self.path, os.O_RDONLY)
+                try:
+                    self.mm = mmap.mmap(fd, self.nbytes, flags=flags, prot=mmap.PROT_READ)
+                finally:
+                    os.close(fd)
+                self.view = memoryview(self.mm)
+        return self.view
+
+    def _mark_lent(self) -> None:
+        """Record that views of this file may live indefinitely: it must never be rewritten
+        (hold ``lock``). The mark is the file's mode (read-only), so a tier reopened over the
+        same directory in this process sees it too."""
+        if not self.lent:
+            self.lent = True
+            with contextlib.suppress(OSError):
+                os.chmod(self.path, 0o400)
 
     def is_lent(self) -> bool:
         """Whether the file was lent (by this object, or by an earlier tier over the same file)."""

@@ -390,25 +390,29 @@ class RamTier:
 
     def lend_spans(self, step: int, groups: Sequence[Sequence[str]]
                    ) -> list[tuple[memoryview, list[ChunkLocation]] | None]:
-        """:meth:`lend_span` for several groups of chunks at once (one lock acquisition)."""
+        """:meth:`lend_span` for several groups of chunks at once: one acquisition of the
+        tier's lock and one of each segment's (a restore lends thousands of groups from
+        one segment; a lock per group made its threads queue on it)."""
         with self._lock:
             st = self._steps.get(step)
             hits = [[st.chunks.get(cid) for cid in ids] if st and ids else [None] for ids in groups]
-        return [self._span(h) for h in hits]
-
-    def _span(self, hits: list[tuple[Sealed, ChunkLocation] | None]) -> tuple[memoryview, list[ChunkLocation]] | None:
-        if any(h is None for h in hits):
-            return None
-        seg = hits[0][0]  # type: ignore[index]
-        locs = [h[1] for h in hits]  # type: ignore[index]
-        for (s, _), a, b in zip(hits[1:], locs, locs[1:]):  # type: ignore[misc]
-            if s is not seg or a.offset + a.length != b.offset:
-                return None
-        view = seg.slice(locs[0].offset, locs[-1].offset + locs[-1].length - locs[0].offset, self._prefault)
-        if view is None:
-            return None
-        seg.mark_lent()
-        return view, locs
+        out: list[tuple[memoryview, list[ChunkLocation]] | None] = [None] * len(groups)
+        by_segment: dict[int, tuple[Sealed, list[int]]] = {}
+        for i, h in enumerate(hits):
+            seg = _contiguous(h)
+            if seg is not None:
+                by_segment.setdefault(id(seg), (seg, []))[1].append(i)
+        for seg, members in by_segment.values():
+            spans = []
+            for i in members:
+                first, last = hits[i][0][1], hits[i][-1][1]  # type: ignore[index]
+                spans.append((first.offset, last.offset + last.length - first.offset))
+            views = seg.lend(spans, self._prefault)
+            if views is None:  # dropped meanwhile
+                continue
+            for i, view in zip(members, views):
+                out[i] = (view, [h[1] for h in hits[i]])  # type: ignore[index]
+        return out
 
     def get_chunk(self, step: int, chunk_id: str, *, verify: bool = False) -> memoryview | None:
         """A read-only, zero-copy view of a sealed chunk, or None if this tier lacks it.
@@ -532,3 +536,16 @@ class RamTier:
             if self._used() + extra <= self.budget_bytes:
                 return
             self._drop(s, recycle=False)  # freed for room: not kept as a spare
+
+
+def _contiguous(hits: list[tuple[Sealed, ChunkLocation] | None]) -> Sealed | None:
+    """The segment holding ``hits`` back to back in order; None if any is missing or they
+    are not contiguous in one segment."""
+    if not hits or hits[0] is None:
+        return None
+    seg, prev = hits[0]
+    for h in hits[1:]:
+        if h is None or h[0] is not seg or prev.offset + prev.length != h[1].offset:
+            return None
+        prev = h[1]
+    return seg

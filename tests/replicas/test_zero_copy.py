@@ -33,6 +33,25 @@ def test_lend_span_requires_back_to_back_chunks(make_tier: MakeTier) -> None:
     assert tier.lend_span(1, []) is None
 
 
+def test_lend_spans_answers_each_group_over_several_segments_in_one_call(make_tier: MakeTier, shm_dir: Path) -> None:
+    tier = make_tier()
+    first = fill(1, {"a": 4096, "b": 100, "c": 7})
+    second = fill(1, {"d": 300, "e": 5}, seed=1)
+    seal_chunks(tier, 1, first)
+    seal_chunks(tier, 1, second)
+    groups = [["a", "b"], ["d"], ["b", "a"], [], ["c"], ["d", "e"], ["c", "d"], ["zz"]]
+    got = tier.lend_spans(1, groups)
+    data = {**first, **second}
+    for ids, hit in zip(groups, got):
+        ok = ids in (["a", "b"], ["d"], ["c"], ["d", "e"])
+        assert (hit is not None) == ok, ids
+        if hit is not None:
+            assert bytes(hit[0]) == b"".join(data[k].tobytes() for k in ids)
+            assert [loc.length for loc in hit[1]] == [data[k].nbytes for k in ids]
+    lent = sorted(p for p in (shm_dir / "t0").rglob("*") if p.is_file() and not p.stat().st_mode & 0o200)
+    assert len([p for p in lent if p.suffix == ".data"]) == 2  # both segments marked lent: never rewritten
+
+
 def test_lent_segment_is_never_recycled_even_by_a_reopened_tier(make_tier: MakeTier, shm_dir: Path) -> None:
     tier = make_tier(budget_bytes=64 * MIB)
     data = fill(1, {"a": 4 * MIB})
