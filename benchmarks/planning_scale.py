@@ -2,7 +2,7 @@
 
 Run ``python -m benchmarks.planning_scale [--quick]``. On a pod, a leaf saved by N devices
 has N chunks and a state has thousands of leaves; the costs that grow with them, not with
-bytes, decide how long a restore takes before any data moves. Seven parts, each reported
+bytes, decide how long a restore takes before any data moves. Eight parts, each reported
 side by side in one run:
 
 1. **Read planning** (pure, no devices): planning one host's 8 destination boxes of one
@@ -29,6 +29,10 @@ side by side in one run:
 7. **Own-RAM restore vs leaf count**: RAM-only saves and own-RAM restores of states made of
    many small leaves (128 KiB, 8 shards each) on 8 CPU devices; ms per leaf for the
    blocking part of ``save()`` and for ``restore()``.
+8. **A RAM manifest to every restoring host**: every host asking every peer for its steps and
+   reading one of the 2 holders (until ``manifest_relay``) beside the relay tree
+   (``placement.relay_parent``): requests, copies the busiest host serves, tree depth, and
+   process 0's CPU to plan it (pure: the tree over H hosts).
 
 Writes ``benchmarks/results/planning_scale.{json,md,png}``.
 """
@@ -331,6 +335,43 @@ def run_merge(cases: list[tuple[int, int]], reps: int) -> list[dict[str, Any]]:
     return [_merge_case(leaves, n, reps) for leaves, n in cases]
 
 
+def run_relay(host_counts: list[int], manifest_bytes: int, reps: int) -> list[dict[str, Any]]:
+    """The manifest of a RAM step held by process 0 and its ring successor (k = 1), needed by
+    every other host: holders only (before) vs the relay tree (now)."""
+    from fastckpt.replicas.manifest_relay import manifest_sources
+    from fastckpt.replicas.client import StepLists
+    from fastckpt.replicas.placement import relay_parent
+
+    out = []
+    for hosts in host_counts:
+        members = [f"host{i:05d}/0" for i in range(hosts)]
+        lists = {m: StepLists([7], [7], [7] if i < 2 else []) for i, m in enumerate(members)}
+
+        src = manifest_sources(lists)[7]
+        parents = {m: relay_parent(m, src.holders, src.relays, fanout=4) for m in members}
+        # What one host spends: process 0's survey into sources, then a host's own parent.
+        t = _best(lambda: relay_parent(members[-1], *(lambda x: (x.holders, x.relays))(manifest_sources(lists)[7]),
+                                       fanout=4), reps)
+        served: dict[str, int] = {}
+        depth = 0
+        for m, parent in parents.items():
+            if parent is not None:
+                served[parent] = served.get(parent, 0) + 1
+            d, node = 0, m
+            while parents[node] is not None:
+                node, d = parents[node], d + 1  # type: ignore[assignment]
+            depth = max(depth, d)
+        busiest_before = -(-(hosts - 2) // 2)
+        out.append({"hosts": hosts, "manifest_bytes": manifest_bytes,
+                    "before_step_requests": (hosts - 2) * (hosts - 1), "before_max_copies": busiest_before,
+                    "before_max_bytes": busiest_before * manifest_bytes,
+                    "after_step_requests": hosts - 1, "after_max_copies": max(served.values()),
+                    "after_max_bytes": max(served.values()) * manifest_bytes, "depth": depth, "plan_s": t})
+        print(f"[relay] {hosts} hosts: busiest host serves {busiest_before} -> {max(served.values())} copies, "
+              f"depth {depth}, planned in {t:.4f} s", file=sys.stderr, flush=True)
+    return out
+
+
 def run_leaves(leaf_counts: list[int], reps: int, shm: Path) -> list[dict[str, Any]]:
     import jax
     import numpy as np
@@ -403,6 +444,9 @@ def render(doc: dict[str, Any]) -> str:
                  f"{r['old_lists']} ({r['old_list_bytes'] / MiB:.1f} MiB)", f"{r['in_place_s']:.3f}",
                  f"{r['replacement_s']:.3f}", f"1 ({r['replacement_list_bytes'] / MiB:.2f} MiB)"]
                 for r in doc.get("selection", [])]
+    relay_rows = [[r["hosts"], r["before_step_requests"], f"{r['before_max_copies']} ({r['before_max_bytes'] / MiB:.0f} MiB)",
+                   r["after_step_requests"], f"{r['after_max_copies']} ({r['after_max_bytes'] / MiB:.0f} MiB)",
+                   r["depth"], f"{r['plan_s'] * 1e3:.1f}"] for r in doc.get("relay", [])]
     leaf_rows = [[r["leaves"], f"{r['bytes'] / MiB:.0f}", f"{r['save_blocked_s']:.3f}", f"{r['save_ms_per_leaf']:.3f}",
                   f"{r['restore_s']:.3f}", f"{r['restore_first_s']:.3f}", f"{r['restore_ms_per_leaf']:.3f}"]
                  for r in doc["leaves"]]
@@ -445,6 +489,14 @@ def render(doc: dict[str, Any]) -> str:
         "## Own-RAM save and restore vs leaf count (128 KiB leaves, 8 shards each, 8 CPU devices)",
         markdown_table(["leaves", "MiB", "save() blocks s", "ms/leaf", "restore s (median)", "first restore s",
                         "ms/leaf"], leaf_rows),
+        "## A RAM step's manifest to every restoring host (2 holders: process 0 and its ring successor)",
+        "Before `manifest_relay`: every host without it asked every peer for its step lists and read one "
+        "of the 2 holders. Now process 0 alone asks (one request per peer) and the others fetch down a "
+        "tree of fan-out 4 rooted at the holders. Bytes for the manifest of the largest codec case in "
+        "format 3 (x10 at 3000 leaves); `plan ms`: the survey's sources (process 0) and one host's "
+        "parent (each host computes only its own).",
+        markdown_table(["hosts", "step-list requests, before", "busiest host serves, before", "step-list requests, now",
+                        "busiest host serves, now", "tree depth", "plan ms"], relay_rows),
     ]) + "\n"
 
 
@@ -493,6 +545,8 @@ def main(argv: list[str] | None = None) -> int:
            "broadcast": run_broadcast(codec_cases[1:2], 4, 2 if args.quick else 3),
            "selection": run_selection(codec_cases[1:], max(2, reps // 2)),
            "leaves": leaves}
+    manifest_bytes = max((r["bytes"] for r in doc["codec"] if r["format"] == 3), default=0)
+    doc["relay"] = run_relay([64, 512] if args.quick else [64, 512, 2048], manifest_bytes, reps)
     name = "planning_scale_quick" if args.quick else "planning_scale"
     write_json(args.results_dir / f"{name}.json", doc)
     (args.results_dir / f"{name}.md").write_text(render(doc))
