@@ -79,7 +79,7 @@ def decode_candidates(text: str) -> tuple[list[int], dict[int, ManifestSources]]
         raise bad("expected a list of step numbers")
     sources: dict[int, ManifestSources] = {}
     for key, value in doc["sources"].items():
-        if not key.isdecimal() or int(key) not in steps:
+        if not (key.isascii() and key.isdigit()) or int(key) not in steps:
             raise bad(f"sources of {key!r}, which is not a candidate")
         if (type(value) is not list or len(value) != 2
                 or any(type(ms) is not list or any(type(m) is not str or not m for m in ms) for ms in value)):

@@ -151,7 +151,7 @@ def test_sources_split_committed_steps_into_holders_and_relays_and_survive_the_m
     '{"steps": [1], "sources": {"2": [[], []]}}', '{"steps": [1], "sources": {"x": [[], []]}}',
     '{"steps": [1], "sources": {"1": [["a"]]}}', '{"steps": [1], "sources": {"1": [["a"], [""]]}}',
     '{"steps": [1], "sources": {"1": [["a"], [3]]}}', '{"steps": [1], "sources": []}',
-    '{"steps": [1], "sources": {}, "extra": 1}',
+    '{"steps": [1], "sources": {}, "extra": 1}', '{"steps": [3], "sources": {"\u0663": [[], []]}}',
 ])
 def test_a_malformed_candidates_message_is_a_distributed_error(text: str) -> None:
     with pytest.raises(DistributedError, match="RAM step candidates"):
