@@ -186,11 +186,17 @@ class RamOptions:
     peer_io_timeout_s: float = 30.0
     discovery_timeout_s: float = 60.0
     """How long to wait for every process to publish its peer address."""
+    manifest_fanout: int = 4
+    """At a restore, a host that fetched a RAM step's manifest serves it to at most this many
+    others (a relay tree rooted at the hosts that hold it; see docs/replicas.md)."""
+    manifest_relay_wait_s: float = 10.0
+    """Longest a restoring host waits for its relay parent's copy of the manifest before it
+    reads the holders instead."""
 
     def __post_init__(self) -> None:
         if not self.root:
             raise ConfigError("RamOptions.root is required")
-        for name in ("interval_steps", "budget_bytes", "keep_steps"):
+        for name in ("interval_steps", "budget_bytes", "keep_steps", "manifest_fanout", "manifest_relay_wait_s"):
             _positive(name, getattr(self, name))
         if self.replicas < 0:
             raise ConfigError("replicas must be >= 0")

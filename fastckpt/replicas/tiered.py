@@ -61,8 +61,6 @@ __all__ = ["RamReplication", "StepChoice"]
 
 _T = TypeVar("_T")
 _MAX_PEER_QUERIES = 32  # concurrent step/chunk-list queries during step selection
-_RELAY_FANOUT = 4  # manifest copies one host serves to the others of a restore (relay tree)
-_RELAY_WAIT_S = 10.0  # longest a host waits for its relay parent's copy before asking the holders
 
 log = logging.getLogger("fastckpt")
 
@@ -226,10 +224,10 @@ class RamReplication:
         peers = self._peers()
         asked: set[str] = set()
         if sources is not None and sources.holders:
-            parent = relay_parent(self.member_id, sources.holders, sources.relays, fanout=_RELAY_FANOUT)
+            parent = relay_parent(self.member_id, sources.holders, sources.relays, fanout=self.options.manifest_fanout)
             if parent is not None and parent in peers:
                 asked.add(parent)
-                data = wait_for_manifest(peers[parent], step, wait_s=_RELAY_WAIT_S)
+                data = wait_for_manifest(peers[parent], step, wait_s=self.options.manifest_relay_wait_s)
                 if data is not None:
                     yield data
             holders = [m for m in sources.holders if m in peers and m not in asked]

@@ -16,12 +16,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastckpt.errors import DistributedError
+from fastckpt.errors import ConfigError, DistributedError
 from fastckpt.format.codec import encode_manifest
 from fastckpt.format.layout import ram_object_key
 from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, KeyPath, Manifest, chunk_id
 from fastckpt.options import RamOptions
-from fastckpt.replicas import manifest_relay, tiered
+from fastckpt.replicas import manifest_relay
 from fastckpt.replicas.client import PeerClient, StepLists
 from fastckpt.replicas.manifest_relay import ManifestSources, decode_candidates, encode_candidates, manifest_sources
 from fastckpt.replicas.tiered import RamReplication
@@ -44,12 +44,15 @@ def _manifest() -> bytes:
 
 
 @pytest.fixture
-def job(shm_dir: Path) -> Iterator[list[RamReplication]]:
+def job(shm_dir: Path, request: pytest.FixtureRequest) -> Iterator[list[RamReplication]]:
+    """The 14 members; ``@pytest.mark.parametrize("job", [{option: value}], indirect=True)``
+    sets RamOptions fields."""
+    extra = getattr(request, "param", {})
     coords = ThreadedJob.of(M)
     out = []
     for i, (coord, member) in enumerate(zip(coords, MEMBERS)):
-        rr = RamReplication(RamOptions(root=str(shm_dir / member), member_id=member, replicas=1, secret=SECRET),
-                            coordinator=coord, store=MemoryStore(), namespace="t", run=lambda c: None)
+        options = RamOptions(root=str(shm_dir / member), member_id=member, replicas=1, secret=SECRET, **extra)
+        rr = RamReplication(options, coordinator=coord, store=MemoryStore(), namespace="t", run=lambda c: None)
         seal_chunks(rr.tier, 10, fill(10, {IDS[i]: 2}))
         if i < 2:
             rr.tier.put_manifest(10, _manifest())
@@ -102,17 +105,17 @@ def test_the_manifest_goes_down_a_tree_no_host_serves_more_than_the_fanout(
     assert _select_all(job) == [10] * M
     # 12 hosts lacked it; from the two holders alone one would serve >= 6 copies.
     assert sum(calls.served.values()) == M - 2
-    assert max(calls.served.values()) <= tiered._RELAY_FANOUT, calls.served  # noqa: SLF001
+    assert max(calls.served.values()) <= RamOptions(root="x").manifest_fanout == 4, calls.served
     assert set(calls.served) - {"h00", "h01"}, "relays served copies too"
     assert calls.surveys == M - 1  # process 0's survey only: no host asked every peer
     assert all(10 in rr.tier.manifest_steps() for rr in job)  # each kept its copy (it serves later restores)
 
 
+@pytest.mark.parametrize("job", [{"manifest_relay_wait_s": 0.5}], indirect=True)
 def test_a_relay_that_never_gets_its_copy_sends_its_children_to_the_holders(
         job: list[RamReplication], monkeypatch: pytest.MonkeyPatch) -> None:
     """h02 relays to h10..h13 (fan-out 4 below h00's h02..h05) but cannot store its copy:
     they wait for it at most the relay wait, then read a holder."""
-    monkeypatch.setattr(tiered, "_RELAY_WAIT_S", 0.5)
     monkeypatch.setattr(job[2], "_keep_copy", lambda step, data: None)
     calls = _Calls(monkeypatch)
     t0 = time.monotonic()
@@ -121,6 +124,20 @@ def test_a_relay_that_never_gets_its_copy_sends_its_children_to_the_holders(
     assert calls.served["h02"] == 0 and sum(calls.served.values()) == M - 2
     assert calls.served["h00"] + calls.served["h01"] == 4 + 4 + 4  # their own children and h02's
     assert 10 not in job[2].tier.manifest_steps() and all(10 in rr.tier.manifest_steps() for rr in job[10:])
+
+
+@pytest.mark.parametrize("job", [{"manifest_fanout": 2}], indirect=True)
+def test_a_smaller_fanout_makes_a_deeper_tree(job: list[RamReplication], monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _Calls(monkeypatch)
+    assert _select_all(job) == [10] * M
+    assert sum(calls.served.values()) == M - 2 and max(calls.served.values()) == 2, calls.served
+
+
+def test_relay_options_are_validated() -> None:
+    with pytest.raises(ConfigError, match="manifest_fanout"):
+        RamOptions(root="x", manifest_fanout=0)
+    with pytest.raises(ConfigError, match="manifest_relay_wait_s"):
+        RamOptions(root="x", manifest_relay_wait_s=0)
 
 
 def test_a_corrupt_copy_is_skipped_for_the_next_one(job: list[RamReplication], monkeypatch: pytest.MonkeyPatch) -> None:
