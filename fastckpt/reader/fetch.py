@@ -35,6 +35,7 @@ from fastckpt.storage._protocol import Store
 __all__ = ["ChunkSource", "LendingChunkSource", "RestoreStats", "Unit", "fill_units"]
 
 _SCRATCH_GRAIN = 4 << 20
+_ONE_PLANNER_UNIT_BYTES = 1 << 20  # units smaller than this on average: plan on one thread (see prepare_all)
 _PREPARE_JOBS_PER_THREAD = 4  # a few jobs per thread: a slow leaf does not leave a thread idle
 
 
@@ -157,11 +158,13 @@ async def fill_units(
     scratch_budget = ByteBudget(options.max_scratch_bytes)
     t0 = time.perf_counter()
 
-    def prepare(group: Sequence[Sequence[Unit]]) -> list[tuple[LeafFiller, list[ChunkEntry]]]:
-        # One worker job per group of leaves (plan, allocate, every RAM-tier fetch), not one
-        # per leaf or chunk: a loop-to-thread hop cost as much as preparing a small leaf.
-        fillers = [LeafFiller(us, step, decoder, source, stats, options.verify_checksums, lock, buffers)
-                   for us in group]
+    def plan(group: Sequence[Sequence[Unit]]) -> list[LeafFiller]:
+        # Plan, lend and allocate a group of leaves: Python under the GIL (see prepare_all).
+        return [LeafFiller(us, step, decoder, source, stats, options.verify_checksums, lock, buffers) for us in group]
+
+    def fetch(fillers: Sequence[LeafFiller]) -> list[tuple[LeafFiller, list[ChunkEntry]]]:
+        # Every RAM-tier fetch of a planned group (peers: mostly socket receives, GIL released);
+        # returns what storage must still deliver.
         pairs = [(f, c) for f in fillers for c in f.items]
         if source is None:
             left = pairs
@@ -216,11 +219,37 @@ async def fill_units(
     leaf_units = list(by_leaf.values())
     prepared: list[tuple[LeafFiller, list[ChunkEntry]]] = []
 
-    async def prep(group: Sequence[int]) -> None:
-        prepared.extend(await loop.run_in_executor(executor, prepare, [leaf_units[i] for i in group]))
+    async def prepare_all(groups: Sequence[Sequence[int]], *, one_planner: bool) -> None:
+        # Small units (one_planner): groups are planned one after another (one worker job
+        # each, never two at once: their planning is mostly Python, and two threads of it
+        # only queue on the GIL — 3000 leaves of 8 x 16 KiB restored 1.32 -> 1.07-1.12 s from
+        # own RAM), while each planned group's fetch runs as its own job beside the next
+        # group's planning. Large units: every group is planned and fetched in parallel (the
+        # checksums of lent memory, GIL released, dominate: 1 GiB restored ~20% slower with
+        # one planner).
+        if not one_planner:
+            async def both(group: Sequence[int]) -> None:  # one worker job: plan, then fetch
+                leaves = [leaf_units[i] for i in group]
+                prepared.extend(await loop.run_in_executor(executor, lambda: fetch(plan(leaves))))
+
+            await _all_or_nothing(both(g) for g in groups)
+            return
+        fetching: list[asyncio.Future[list[tuple[LeafFiller, list[ChunkEntry]]]]] = []
+        try:
+            for group in groups:
+                fillers = await loop.run_in_executor(executor, plan, [leaf_units[i] for i in group])
+                fetching.append(loop.run_in_executor(executor, fetch, fillers))
+            for job in fetching:
+                prepared.extend(await job)
+        except BaseException:
+            for job in fetching:
+                job.cancel()
+            await asyncio.gather(*fetching, return_exceptions=True)
+            raise
 
     sizes = [sum(box_volume(u.box) for u in us) * dtype_from_name(us[0].leaf.dtype).itemsize for us in leaf_units]
-    await _all_or_nothing(prep(g) for g in balanced_groups(sizes, _PREPARE_JOBS_PER_THREAD * options.decode_threads))
+    await prepare_all(balanced_groups(sizes, _PREPARE_JOBS_PER_THREAD * options.decode_threads),
+                      one_planner=sum(sizes) < _ONE_PLANNER_UNIT_BYTES * len(units))
     # Coalesce across leaves: small leaves packed next to each other in one object are read
     # with one request instead of one each (per-request cost dominates small reads). A stored
     # location named by several chunks (only a malformed manifest does that) is read once

@@ -140,3 +140,30 @@ def test_a_ram_save_waits_for_the_previous_steps_push(tmp_path: Path, shm_dir: P
         gate.set()
         server.close()
         peer_tier.close()
+
+
+@pytest.mark.parametrize("one_planner_below", [0, 1 << 40], ids=["parallel planning", "one planner"])
+def test_both_planning_schedules_restore_bit_exact_from_ram_and_storage(
+        tmp_path: Path, shm_dir: Path, monkeypatch: pytest.MonkeyPatch, one_planner_below: int) -> None:
+    """Small units are planned on one thread, large ones in parallel (reader/fetch.py's
+    prepare_all); forcing each schedule, RAM and storage restores are bit-exact."""
+    import jax
+
+    from fastckpt.reader import fetch
+
+    monkeypatch.setattr(fetch, "_ONE_PLANNER_UNIT_BYTES", one_planner_below)
+    options = ManagerOptions(save_interval_steps=2, ram=RamOptions(root=str(shm_dir / "h0"), interval_steps=1,
+                                                                     replicas=0, budget_bytes=256 * MIB))
+    with CheckpointManager(str(tmp_path / "ckpt"), options=options) as mgr:
+        for step in (2, 3):  # 2: storage and RAM; 3: RAM only
+            mgr.save(step, _state(step))
+        mgr.wait()
+        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                              if isinstance(x, jax.Array) else x, _state(3))
+        for step, tier in ((3, "ram"), (2, None)):
+            restored, stats = mgr.restore_with_stats(step, target=target)
+            expected = jax.tree.map(np.asarray, _state(step))
+            got = jax.tree.map(np.asarray, restored)
+            assert jax.tree.all(jax.tree.map(np.array_equal, got, expected))
+            if tier is not None:
+                assert set(stats.bytes_by_tier) == {tier}
