@@ -18,7 +18,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Coroutine, Iterable, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from typing import Any
 
 from fastckpt._aio import ByteBudget
@@ -220,13 +220,12 @@ async def fill_units(
     prepared: list[tuple[LeafFiller, list[ChunkEntry]]] = []
 
     async def prepare_all(groups: Sequence[Sequence[int]], *, one_planner: bool) -> None:
-        # Small units (one_planner): groups are planned one after another (one worker job
-        # each, never two at once: their planning is mostly Python, and two threads of it
-        # only queue on the GIL — 3000 leaves of 8 x 16 KiB restored 1.32 -> 1.07-1.12 s from
-        # own RAM), while each planned group's fetch runs as its own job beside the next
-        # group's planning. Large units: every group is planned and fetched in parallel (the
-        # checksums of lent memory, GIL released, dominate: 1 GiB restored ~20% slower with
-        # one planner).
+        # Small units (one_planner): one worker job plans the groups one after another
+        # (their planning is mostly Python, and two threads of it only queue on the GIL —
+        # 3000 leaves of 8 x 16 KiB restored 1.23 -> 1.07 s from own RAM) and hands each
+        # planned group's fetch to the executor, to run beside the next group's planning.
+        # Large units: every group is planned and fetched in parallel (the checksums of lent
+        # memory, GIL released, dominate: 1 GiB restored ~20% slower with one planner).
         if not one_planner:
             async def both(group: Sequence[int]) -> None:  # one worker job: plan, then fetch
                 leaves = [leaf_units[i] for i in group]
@@ -234,17 +233,20 @@ async def fill_units(
 
             await _all_or_nothing(both(g) for g in groups)
             return
-        fetching: list[asyncio.Future[list[tuple[LeafFiller, list[ChunkEntry]]]]] = []
-        try:
+        fetching: list[Future[list[tuple[LeafFiller, list[ChunkEntry]]]]] = []
+
+        def plan_all() -> None:  # no loop round trip between groups
             for group in groups:
-                fillers = await loop.run_in_executor(executor, plan, [leaf_units[i] for i in group])
-                fetching.append(loop.run_in_executor(executor, fetch, fillers))
+                fetching.append(executor.submit(fetch, plan([leaf_units[i] for i in group])))
+
+        try:
+            await loop.run_in_executor(executor, plan_all)
             for job in fetching:
-                prepared.extend(await job)
-        except BaseException:
+                prepared.extend(await asyncio.wrap_future(job))
+        except BaseException:  # wait for the fetches already running: none outlives the restore
             for job in fetching:
                 job.cancel()
-            await asyncio.gather(*fetching, return_exceptions=True)
+            await asyncio.gather(*(asyncio.wrap_future(j) for j in fetching), return_exceptions=True)
             raise
 
     sizes = [sum(box_volume(u.box) for u in us) * dtype_from_name(us[0].leaf.dtype).itemsize for us in leaf_units]
