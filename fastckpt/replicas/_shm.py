@@ -359,3 +359,16 @@ def unlink(path: Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink()
+
+
+def contiguous_segment(hits: Sequence[tuple[Sealed, ChunkLocation] | None]) -> Sealed | None:
+    """The segment holding ``hits`` back to back in order; None if any is missing or they
+    are not contiguous in one segment."""
+    if not hits or hits[0] is None:
+        return None
+    seg, prev = hits[0]
+    for h in hits[1:]:
+        if h is None or h[0] is not seg or prev.offset + prev.length != h[1].offset:
+            return None
+        prev = h[1]
+    return seg

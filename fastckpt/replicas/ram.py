@@ -67,6 +67,7 @@ from fastckpt.replicas._shm import (
     StepState,
     atomic_write,
     close_map,
+    contiguous_segment,
     create_segment_file,
     index_document,
     new_name,
@@ -399,7 +400,7 @@ class RamTier:
         out: list[tuple[memoryview, list[ChunkLocation]] | None] = [None] * len(groups)
         by_segment: dict[int, tuple[Sealed, list[int]]] = {}
         for i, h in enumerate(hits):
-            seg = _contiguous(h)
+            seg = contiguous_segment(h)
             if seg is not None:
                 by_segment.setdefault(id(seg), (seg, []))[1].append(i)
         for seg, members in by_segment.values():
@@ -536,16 +537,3 @@ class RamTier:
             if self._used() + extra <= self.budget_bytes:
                 return
             self._drop(s, recycle=False)  # freed for room: not kept as a spare
-
-
-def _contiguous(hits: list[tuple[Sealed, ChunkLocation] | None]) -> Sealed | None:
-    """The segment holding ``hits`` back to back in order; None if any is missing or they
-    are not contiguous in one segment."""
-    if not hits or hits[0] is None:
-        return None
-    seg, prev = hits[0]
-    for h in hits[1:]:
-        if h is None or h[0] is not seg or prev.offset + prev.length != h[1].offset:
-            return None
-        prev = h[1]
-    return seg
