@@ -167,3 +167,35 @@ def test_both_planning_schedules_restore_bit_exact_from_ram_and_storage(
             assert jax.tree.all(jax.tree.map(np.array_equal, got, expected))
             if tier is not None:
                 assert set(stats.bytes_by_tier) == {tier}
+
+
+def test_a_failure_while_planning_fails_the_restore_and_leaves_the_manager_usable(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planning runs one group after another (small units); a host that refuses one leaf's
+    buffer mid-way fails the restore with a MemoryError naming it, after the fetches already
+    started, and the next restore works."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from fastckpt.reader import leaf_filler
+
+    mesh = Mesh(np.asarray(jax.devices()).reshape(2, 4), ("d", "m"))
+    sharding = NamedSharding(mesh, P("d", "m"))
+    state = {f"l{i:02d}": jax.device_put(np.full((16, 64), i, np.float32), sharding) for i in range(40)}
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    real = leaf_filler.allocate
+
+    def refuse_l30(nbytes: int, what: Any, **kw: Any) -> np.ndarray:
+        if "l30" in what():
+            raise MemoryError(f"restore cannot allocate {nbytes} bytes of host memory for {what()}: refused")
+        return real(nbytes, what, **kw)
+
+    with CheckpointManager(str(tmp_path / "ckpt")) as mgr:
+        mgr.save(1, state)
+        mgr.wait()
+        monkeypatch.setattr(leaf_filler, "allocate", refuse_l30)
+        with pytest.raises(MemoryError, match="l30"):
+            mgr.restore(1, target=target)
+        monkeypatch.setattr(leaf_filler, "allocate", real)
+        restored = mgr.restore(1, target=target)
+        assert all(np.array_equal(np.asarray(restored[k]), np.asarray(state[k])) for k in state)
