@@ -240,23 +240,25 @@ def measure_placement(tree: Any, *, reps: int) -> float:
     from benchmarks._common import host_value
     from fastckpt._hostmem import alloc_aligned
 
+    def key(idx: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+        return tuple(sl.indices(n)[:2] for sl, n in zip(idx, shape))
+
     leaves = jax.tree_util.tree_leaves(tree)
     shards = []
     for x in leaves:
         host = host_value(x)
         by_index = {}
         for idx in x.sharding.addressable_devices_indices_map(x.shape).values():
-            key = tuple(sl.indices(n)[:2] for sl, n in zip(idx, x.shape))
             part = np.asarray(host[idx])
             buf = alloc_aligned(max(part.nbytes, 1))[: part.nbytes].view(part.dtype).reshape(part.shape)
             buf[...] = part  # page-aligned, as a restore's buffers: jax may alias them instead of copying
-            by_index[key] = buf
+            by_index[key(idx, x.shape)] = buf
         shards.append(by_index)
 
     def once() -> float:
         t0 = time.perf_counter()
         out = [jax.make_array_from_callback(
-            x.shape, x.sharding, lambda idx, x=x, s=s: s[tuple(sl.indices(n)[:2] for sl, n in zip(idx, x.shape))])
+            x.shape, x.sharding, lambda idx, x=x, s=s: s[key(idx, x.shape)])
             for x, s in zip(leaves, shards)]
         jax.block_until_ready(out)
         return time.perf_counter() - t0

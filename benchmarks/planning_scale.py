@@ -349,9 +349,11 @@ def run_relay(host_counts: list[int], manifest_bytes: int, reps: int) -> list[di
 
         src = manifest_sources(lists)[7]
         parents = {m: relay_parent(m, src.holders, src.relays, fanout=4) for m in members}
-        # What one host spends: process 0's survey into sources, then a host's own parent.
-        t = _best(lambda: relay_parent(members[-1], *(lambda x: (x.holders, x.relays))(manifest_sources(lists)[7]),
-                                       fanout=4), reps)
+        def one_host() -> None:  # process 0's survey into sources, then one host's own parent
+            sources = manifest_sources(lists)[7]
+            relay_parent(members[-1], sources.holders, sources.relays, fanout=4)
+
+        t = _best(one_host, reps)
         served: dict[str, int] = {}
         depth = 0
         for m, parent in parents.items():

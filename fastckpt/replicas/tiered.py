@@ -243,13 +243,17 @@ class RamReplication:
             if (data := _manifest_of(client, step)) is not None:
                 yield data
 
-    def _survey(self) -> dict[int, ManifestSources]:
-        """Every committed RAM step of this tier and the reachable peers', with the members
-        that hold its manifest and those that hold only its commit record (one request per peer)."""
+    def _step_lists(self) -> dict[str, StepLists]:
+        """This member's and every reachable peer's step lists (one request per peer)."""
         lists = dict(self._ask_peers(lambda c: (c.name, c.step_lists())))
         tier = self.tier
         lists[self.member_id] = StepLists(tier.steps(), tier.committed_steps(), tier.manifest_steps())
-        return manifest_sources(lists)
+        return lists
+
+    def _survey(self) -> dict[int, ManifestSources]:
+        """Every committed RAM step of this tier and the reachable peers', with the members
+        that hold its manifest and those that hold only its commit record."""
+        return manifest_sources(self._step_lists())
 
     def _ask_peers(self, ask: Callable[[PeerClient], _T], clients: list[PeerClient] | None = None) -> list[_T]:
         """``ask(client)`` for every peer (or ``clients``), concurrently (a job of hundreds of
@@ -272,10 +276,10 @@ class RamReplication:
 
     def steps_by_tier(self) -> dict[int, set[str]]:
         """RAM steps with a manifest: ``{"ram"}`` own tier, ``{"peer"}`` some peer."""
-        out: dict[int, set[str]] = {s: {"ram"} for s in self.tier.committed_steps()}
-        for steps in self._ask_peers(lambda c: c.committed_steps()):  # sealed but not committed: no step
-            for s in steps:
-                out.setdefault(s, set()).add("peer")
+        out: dict[int, set[str]] = {}
+        for member, lists in self._step_lists().items():
+            for s in lists.committed:  # sealed but not committed: no step
+                out.setdefault(s, set()).add("ram" if member == self.member_id else "peer")
         return out
 
     def _chunk_ids(self, manifest: Manifest) -> set[str]:

@@ -10,6 +10,7 @@ from typing import Any
 from fastckpt._distributed import default_coordinator
 from fastckpt.errors import PeerUnavailableError
 from fastckpt.options import RamOptions
+from fastckpt.replicas.client import StepLists
 from fastckpt.replicas.tiered import RamReplication
 from fastckpt.storage import MemoryStore
 
@@ -18,14 +19,14 @@ class _Peer:
     """Answers only once every peer has been asked (a barrier): sequential queries would
     break the barrier (after its timeout) instead of answering."""
 
-    def __init__(self, barrier: threading.Barrier, steps: list[int], *, dead: bool = False) -> None:
-        self.barrier, self.steps, self.dead = barrier, steps, dead
+    def __init__(self, name: str, barrier: threading.Barrier, steps: list[int], *, dead: bool = False) -> None:
+        self.name, self.barrier, self.steps, self.dead = name, barrier, steps, dead
 
-    def committed_steps(self) -> list[int]:
+    def step_lists(self) -> StepLists:
         self.barrier.wait(timeout=10)
         if self.dead:
             raise PeerUnavailableError("connect timed out")
-        return self.steps
+        return StepLists(steps=self.steps, committed=self.steps, manifests=[])
 
     def list_chunks(self, step: int) -> list[str]:
         return []
@@ -37,7 +38,7 @@ def test_peers_are_asked_concurrently_and_failures_left_out(tmp_path: Path) -> N
     try:
         n = 12
         barrier = threading.Barrier(n)
-        peers: dict[str, Any] = {f"h{i}": _Peer(barrier, [i, 100], dead=i % 5 == 0) for i in range(n)}
+        peers: dict[str, Any] = {f"h{i}": _Peer(f"h{i}", barrier, [i, 100], dead=i % 5 == 0) for i in range(n)}
         rr._peers = lambda: peers  # type: ignore[method-assign]
         got = rr.steps_by_tier()
         assert not barrier.broken
