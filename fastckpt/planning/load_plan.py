@@ -113,6 +113,14 @@ class GridIndex:
         """``(chunk, overlap)`` for every chunk that overlaps ``box``, in the chunks' order."""
         if len(box) != len(self._cuts):
             raise ConfigError(f"rank mismatch: box {box} for a rank-{len(self._cuts)} grid")
+        i = 0
+        for (lo, hi), cuts, count in zip(box, self._cuts, self._counts):  # one whole cell (same mesh)?
+            k = bisect.bisect_left(cuts, lo)
+            if hi <= lo or k >= count or cuts[k] != lo or cuts[k + 1] != hi:
+                break
+            i = i * count + k
+        else:
+            return [(self._table[i], box)]
         ranges = []
         single = True
         for (lo, hi), cuts, count in zip(box, self._cuts, self._counts):
@@ -161,6 +169,9 @@ def plan_leaf_reads(leaf: ArrayLeaf, dst_box: Box, *, index: ChunkIndex | GridIn
     if index is None and isinstance(leaf.chunks, ChunkTable) and leaf.chunks.grid is not None:
         index = GridIndex(leaf.chunks)
     pairs = index.overlapping(dst_box) if index is not None else [(c, intersect(c.box, dst_box)) for c in leaf.chunks]
+    if len(pairs) == 1 and pairs[0][1] == pairs[0][0].box == dst_box and box_volume(dst_box):
+        whole = tuple([(0, b - a) for a, b in dst_box])  # the chunk is the box (same mesh)
+        return (ReadItem(pairs[0][0], whole, whole),)
     for chunk, overlap in pairs:
         if overlap is None:
             continue

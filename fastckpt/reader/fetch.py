@@ -2,14 +2,17 @@
 
 One *unit* is one distinct destination box of one array on this process (replicated
 device shards share a unit). For each unit the reader plans :class:`ReadItem` s, asks the
-optional RAM-tier ``ChunkSource`` for each needed chunk first (``reader/leaf_filler.py``), and reads the rest from
-persistent storage with coalesced ranged reads. Every chunk is verified (crc32c) before
-its bytes are used; a chunk that fails verification on the persistent path is re-read once
-and then reported as :class:`~fastckpt.errors.ChecksumMismatchError` naming the array,
-box and object. Storage reads are scatter reads (``Store.get_into``): a raw chunk that maps
-onto one contiguous destination span is received straight into the destination buffer (no
-intermediate buffer, no copy); compressed or scattered chunks go through a per-read scratch
-buffer, and a compressed chunk whose span is contiguous decodes straight into it.
+optional RAM-tier ``ChunkSource`` for each needed chunk first (``reader/leaf_filler.py``),
+and reads the rest from persistent storage with coalesced ranged reads. Units the own RAM
+tier holds whole are borrowed (zero copy) while planning, and their checksums are verified
+together once planning is done, on the worker threads. Every chunk is verified (crc32c)
+before its bytes are used; a chunk that fails verification on the persistent path is
+re-read once and then reported as :class:`~fastckpt.errors.ChecksumMismatchError` naming
+the array, box and object. Storage reads are scatter reads (``Store.get_into``): a raw
+chunk that maps onto one contiguous destination span is received straight into the
+destination buffer (no intermediate buffer, no copy); compressed or scattered chunks go
+through a per-read scratch buffer, and a compressed chunk whose span is contiguous decodes
+straight into it.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ _PREPARE_JOBS_PER_THREAD = 4  # a few jobs per thread: a slow leaf does not leav
 #: One chunk of one leaf, with the stored bytes a scatter read received for it and whether
 #: they landed in place (in the leaf's destination buffer).
 _Received = tuple[LeafFiller, ChunkEntry, memoryview, bool]
+_Pair = tuple[LeafFiller, ChunkEntry]
 
 
 def _lands_in_place(filler: LeafFiller, c: ChunkEntry) -> bool:
@@ -159,27 +163,31 @@ async def fill_units(
     t0 = time.perf_counter()
 
     def plan(group: Sequence[Sequence[Unit]]) -> list[LeafFiller]:
-        # Plan, lend and allocate a group of leaves: Python under the GIL (see prepare_all).
+        # Plan, borrow (own RAM, unverified) and allocate a group of leaves: Python under
+        # the GIL (see prepare_all).
         return [LeafFiller(us, step, decoder, source, stats, options.verify_checksums, lock, buffers) for us in group]
 
-    def fetch(fillers: Sequence[LeafFiller]) -> list[tuple[LeafFiller, list[ChunkEntry]]]:
-        # Every RAM-tier fetch of a planned group (peers: mostly socket receives, GIL released);
-        # returns what storage must still deliver.
-        pairs = [(f, c) for f in fillers for c in f.items]
+    def fetch(fillers: Sequence[LeafFiller]) -> list[_Pair]:
+        # The fast tiers' fetch of what was not borrowed (peers: mostly socket receives,
+        # GIL released).
+        return from_sources([(f, c) for f in fillers for c in f.items])
+
+    def from_sources(pairs: list[_Pair]) -> list[_Pair]:
+        # The chunks no fast tier placed: what storage must still deliver.
         if source is None:
             left = pairs
         elif hasattr(source, "fetch_many"):
             left = fetch_many_from_source(pairs, source, step)
         else:
             left = [(f, c) for f, c in pairs if not f.try_source(c)]
-        need: dict[int, list[ChunkEntry]] = {id(f): [] for f in fillers}
-        for f, c in left:
-            if not storage_holds_step:
-                raise CheckpointNotFoundError(
-                    f"RAM-only step {step}: {where(f.leaf, c)} is held by no reachable RAM tier"
-                )
-            need[id(f)].append(c)
-        return [(f, need[id(f)]) for f in fillers]
+        if left and not storage_holds_step:
+            f, c = left[0]
+            raise CheckpointNotFoundError(f"RAM-only step {step}: {where(f.leaf, c)} is held by no reachable RAM tier")
+        return left
+
+    def verify_lent(fillers: Sequence[LeafFiller]) -> list[_Pair]:
+        # Checksums of borrowed units (GIL released); a unit that fails goes to the next tier.
+        return from_sources([(f, c) for f in fillers for c in f.verify_lent()])
 
     async def do_range(r: FetchRange, pairs: Sequence[tuple[LeafFiller, ChunkEntry]]) -> None:
         # Raw chunks that map onto contiguous destination spans are received in place; the
@@ -217,32 +225,36 @@ async def fill_units(
     for u in units:
         by_leaf.setdefault(id(u.leaf), []).append(u)
     leaf_units = list(by_leaf.values())
-    prepared: list[tuple[LeafFiller, list[ChunkEntry]]] = []
+    fillers: list[LeafFiller] = []
+    left: list[_Pair] = []  # for storage
 
     async def prepare_all(groups: Sequence[Sequence[int]], *, one_planner: bool) -> None:
         # Small units (one_planner): one worker job plans the groups one after another
         # (their planning is mostly Python, and two threads of it only queue on the GIL —
         # 3000 leaves of 8 x 16 KiB restored 1.23 -> 1.07 s from own RAM) and hands each
         # planned group's fetch to the executor, to run beside the next group's planning.
-        # Large units: every group is planned and fetched in parallel (the checksums of lent
-        # memory, GIL released, dominate: 1 GiB restored ~20% slower with one planner).
+        # Large units: every group is planned and fetched in parallel.
+        def planned(group: Sequence[int]) -> list[LeafFiller]:
+            out = plan([leaf_units[i] for i in group])
+            fillers.extend(out)
+            return out
+
         if not one_planner:
             async def both(group: Sequence[int]) -> None:  # one worker job: plan, then fetch
-                leaves = [leaf_units[i] for i in group]
-                prepared.extend(await loop.run_in_executor(executor, lambda: fetch(plan(leaves))))
+                left.extend(await loop.run_in_executor(executor, lambda: fetch(planned(group))))
 
             await _all_or_nothing(both(g) for g in groups)
             return
-        fetching: list[Future[list[tuple[LeafFiller, list[ChunkEntry]]]]] = []
+        fetching: list[Future[list[_Pair]]] = []
 
         def plan_all() -> None:  # no loop round trip between groups
             for group in groups:
-                fetching.append(executor.submit(fetch, plan([leaf_units[i] for i in group])))
+                fetching.append(executor.submit(fetch, planned(group)))
 
         try:
             await loop.run_in_executor(executor, plan_all)
             for job in fetching:
-                prepared.extend(await asyncio.wrap_future(job))
+                left.extend(await asyncio.wrap_future(job))
         except BaseException:  # wait for the fetches already running: none outlives the restore
             for job in fetching:
                 job.cancel()
@@ -252,14 +264,20 @@ async def fill_units(
     sizes = [sum(box_volume(u.box) for u in us) * dtype_from_name(us[0].leaf.dtype).itemsize for us in leaf_units]
     await prepare_all(balanced_groups(sizes, _PREPARE_JOBS_PER_THREAD * options.decode_threads),
                       one_planner=sum(sizes) < _ONE_PLANNER_UNIT_BYTES * len(units))
+    # The borrowed units' checksums, once all planning is done (see LeafFiller): a job per thread.
+    lent = [f for f in fillers if f.lent]
+    if lent:
+        async def check(group: Sequence[int]) -> None:
+            left.extend(await loop.run_in_executor(executor, verify_lent, [lent[i] for i in group]))
+
+        await _all_or_nothing(check(g) for g in balanced_groups([f.lent_bytes for f in lent], options.decode_threads))
     # Coalesce across leaves: small leaves packed next to each other in one object are read
     # with one request instead of one each (per-request cost dominates small reads). A stored
     # location named by several chunks (only a malformed manifest does that) is read once
     # per chunk, in later rounds.
-    owners: dict[tuple[str, int], list[tuple[LeafFiller, ChunkEntry]]] = {}
-    for filler, need in prepared:
-        for c in need:
-            owners.setdefault((c.key, c.offset), []).append((filler, c))
+    owners: dict[tuple[str, int], list[_Pair]] = {}
+    for filler, c in left:
+        owners.setdefault((c.key, c.offset), []).append((filler, c))
     pending = list(owners.values())
     # Chunks that need scratch are read in smaller ranges, so that read_concurrency of them
     # fit in the scratch budget at once (one 64 MiB range would hold all of it, one at a time).
@@ -273,6 +291,6 @@ async def fill_units(
                                    max_bytes=min(options.max_request_bytes, scratch_read))
         await _all_or_nothing(do_range(r, [first[(c.key, c.offset)] for c in r.chunks]) for r in ranges)
         pending = [p[1:] for p in pending if len(p) > 1]
-    for filler, _ in prepared:
+    for filler in fillers:
         filler.done()
     stats.fetch_s += time.perf_counter() - t0

@@ -62,7 +62,18 @@ def allocate(nbytes: int, what: Callable[[], str], *, aligned: bool = True,
 
 
 class LeafFiller:
-    """Fills every unit of one array leaf; a chunk shared by several units is read once."""
+    """Fills every unit of one array leaf; a chunk shared by several units is read once.
+
+    Call order: construct (plans the reads, borrows whole units from the own RAM tier
+    unverified, allocates the other units' buffers), fill ``items`` from the fast tiers
+    (:meth:`try_source` or :func:`fetch_many_from_source`), :meth:`verify_lent` (the
+    checksums of what was borrowed; a unit that fails gets a buffer and its chunks back in
+    ``items`` for the next tier), fill what is left from storage (:meth:`from_fetched`),
+    then :meth:`done`. The first steps are Python under the GIL; :meth:`verify_lent` is
+    mostly checksums with the GIL released, which a restore runs on its worker threads
+    after planning rather than interleaved with it: a thread returning from a checksum
+    waits for the GIL while another runs Python (up to the 5 ms switch interval each time).
+    """
 
     def __init__(self, units: Sequence[Unit], step: int, decoder: Decoder, source: ChunkSource | None,
                  stats: RestoreStats, verify: bool, lock: threading.Lock, buffers: BufferCache | None = None) -> None:
@@ -75,8 +86,12 @@ class LeafFiller:
         self.stats = stats
         self.verify = verify
         self.lock = lock
+        self.buffers = buffers
         self.flats: list[np.ndarray] = []
         self.dsts: list[np.ndarray] = []
+        #: borrowed, not yet verified: (unit position, its chunks in order)
+        self.lent: list[tuple[int, list[ChunkEntry]]] = []
+        self.lent_bytes = 0
         #: chunk -> [(unit position, read item)]
         self.items: dict[ChunkEntry, list[tuple[int, ReadItem]]] = {}
         # A decoded manifest's chunks never overlap (the codec checks): exact boxes are looked up.
@@ -84,18 +99,20 @@ class LeafFiller:
         for pos, unit in enumerate(units):
             for it in plan_leaf_reads(self.leaf, unit.box, index=index):
                 self.items.setdefault(it.chunk, []).append((pos, it))
-        lent = self._lend_units() if source is not None and hasattr(source, "lend_many") else {}
-        for pos, unit in enumerate(units):
+        # Every unit's destination: a view the own RAM tier lends, else a fresh host buffer.
+        lent = self._lend_units() if self.source is not None and hasattr(self.source, "lend_many") else {}
+        for pos, unit in enumerate(self.units):
             flat = lent.get(pos)
             if flat is None:
                 nbytes = box_volume(unit.box) * self.dtype.itemsize
                 flat = allocate(nbytes, lambda: f"array {keypath_str(self.leaf.path)} box {list(unit.box)}",
-                                 cache=buffers if unit.lendable else None)
+                                 cache=self.buffers if unit.lendable else None)
             self.flats.append(flat)
             self.dsts.append(flat.view(self.dtype).reshape(box_shape(unit.box)))
 
     def _lend_units(self) -> dict[int, np.ndarray]:
-        """Units whose bytes a RAM tier lends as one verified view (their chunks are then done).
+        """Units whose bytes a RAM tier lends as one view, unverified (their chunks leave
+        ``items`` for ``lent``: :meth:`verify_lent` checks them).
 
         A unit qualifies when its chunks feed no other unit, each whole and onto one
         contiguous span, and the spans tile it in order (a same-mesh restore's usual case).
@@ -104,6 +121,9 @@ class LeafFiller:
         shared: set[int] = set()
         for chunk, its in self.items.items():
             pos, item = its[0]
+            if len(its) == 1 and chunk.box == self.units[pos].box:  # the unit is this chunk (same mesh)
+                by_unit.setdefault(pos, []).append((0, chunk))
+                continue
             span = contiguous_span(item.dst_box, box_shape(self.units[pos].box))
             if len(its) != 1 or span is None or box_shape(item.src_box) != box_shape(chunk.box):
                 shared.update(p for p, _ in its)
@@ -112,6 +132,9 @@ class LeafFiller:
         candidates: list[tuple[int, list[ChunkEntry]]] = []  # units whose chunks tile them in order
         for pos, spans in by_unit.items():
             if pos in shared or not self.units[pos].lendable:
+                continue
+            if len(spans) == 1 and spans[0][1].box == self.units[pos].box:
+                candidates.append((pos, [spans[0][1]]))
                 continue
             spans.sort(key=lambda sc: sc[0])
             expect = 0
@@ -128,20 +151,54 @@ class LeafFiller:
         prefix = chunk_id_prefix(self.leaf.path)
         views = self.source.lend_many(self.step, [  # type: ignore[union-attr]
             [(chunk_id(self.leaf.path, c.box, prefix=prefix), c.raw_length, c.raw_crc32c) for c in chunks]
-            for _, chunks in candidates])
-        nbytes = nchunks = 0
-        for (pos, chunks), view in zip(candidates, views):
+            for _, chunks in candidates], verify=False)
+        for cand, view in zip(candidates, views):  # (few new objects: a restore of many leaves is GC-bound)
             if view is None:
                 continue
-            lent[pos] = np.frombuffer(view, np.uint8)
-            for c in chunks:
+            lent[cand[0]] = np.frombuffer(view, np.uint8)
+            for c in cand[1]:
                 del self.items[c]
-                nbytes += c.raw_length
-            nchunks += len(chunks)
+            self.lent.append(cand)
+            self.lent_bytes += view.nbytes
+        return lent
+
+    def verify_lent(self) -> list[ChunkEntry]:
+        """Check every borrowed unit against its chunks' crc32c. A unit that fails gets a
+        fresh buffer and its chunks back in ``items``, and they are returned (to be fetched
+        from the next tier: a source's per-chunk fetch finds and records the bad copy); the
+        rest count as read from RAM. Call once, after the fast tiers' fetches."""
+        back: list[ChunkEntry] = []
+        nbytes = nchunks = 0
+        for pos, chunks in self.lent:
+            flat = self.flats[pos]
+            if len(chunks) == 1:  # the unit is one chunk (same mesh): no slicing
+                if crc32c(flat) == chunks[0].raw_crc32c:
+                    nbytes += flat.nbytes
+                    nchunks += 1
+                    continue
+            else:
+                start = 0
+                for c in chunks:
+                    if crc32c(flat[start : start + c.raw_length]) != c.raw_crc32c:
+                        break
+                    start += c.raw_length
+                else:
+                    nbytes += start
+                    nchunks += len(chunks)
+                    continue
+            unit = self.units[pos]
+            flat = allocate(flat.nbytes, lambda: f"array {keypath_str(self.leaf.path)} box {list(unit.box)}",
+                            cache=self.buffers)
+            self.flats[pos] = flat
+            self.dsts[pos] = flat.view(self.dtype).reshape(box_shape(unit.box))
+            for it in plan_leaf_reads(self.leaf, unit.box):  # its chunks feed this unit alone
+                self.items[it.chunk] = [(pos, it)]
+            back.extend(chunks)
+        self.lent.clear()
         if nchunks:
             with self.lock:
                 self.stats.add("ram", nbytes, chunks=nchunks)
-        return lent
+        return back
 
     def direct_span(self, chunk: ChunkEntry) -> memoryview | None:
         """The destination bytes a whole chunk maps onto, if it feeds one contiguous span."""

@@ -33,11 +33,13 @@ class LendingChunkSource(ChunkSource, Protocol):
 
     ``lend_many`` gets, per destination buffer, the ``(chunk_id, raw_length, raw_crc32c)``
     of chunks that together tile it, in order; it returns per buffer one view of all their
-    bytes, verified, which the caller may keep indefinitely, or None (then ``fetch`` is
-    used per chunk).
+    bytes, which the caller may keep indefinitely, or None (then ``fetch`` is used per
+    chunk). The views are verified unless ``verify=False``: then the caller checks each
+    chunk's crc32c itself and fetches the chunks of a view that fails.
     """
 
-    def lend_many(self, step: int, groups: Sequence[Sequence[tuple[str, int, int]]]) -> list[memoryview | None]: ...
+    def lend_many(self, step: int, groups: Sequence[Sequence[tuple[str, int, int]]], *,
+                  verify: bool = True) -> list[memoryview | None]: ...
 
 
 @dataclasses.dataclass

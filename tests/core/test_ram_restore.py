@@ -169,6 +169,44 @@ def test_both_planning_schedules_restore_bit_exact_from_ram_and_storage(
                 assert set(stats.bytes_by_tier) == {tier}
 
 
+@pytest.mark.parametrize("one_planner_below", [0, 1 << 40], ids=["parallel planning", "one planner"])
+def test_a_corrupt_lent_unit_is_caught_after_planning_and_read_from_the_next_tier(
+        tmp_path: Path, shm_dir: Path, monkeypatch: pytest.MonkeyPatch, one_planner_below: int) -> None:
+    """Own-RAM units are borrowed unverified while planning and checked together afterwards
+    (LeafFiller.verify_lent): a flipped byte in one chunk sends exactly that unit to the next
+    tier (storage here), the source records the corrupt copy, the rest stays zero copy."""
+    import json
+
+    import jax
+
+    from fastckpt.reader import fetch
+
+    monkeypatch.setattr(fetch, "_ONE_PLANNER_UNIT_BYTES", one_planner_below)
+    options = ManagerOptions(save_interval_steps=1, ram=RamOptions(root=str(shm_dir / "h0"), interval_steps=1,
+                                                                     replicas=0, budget_bytes=256 * MIB))
+    root = str(tmp_path / "ckpt")
+    with CheckpointManager(root, options=options) as mgr:
+        mgr.save(2, _state(2))
+        mgr.wait()
+        nchunks = sum(len(a.chunks) for a in mgr.manifest(2).arrays())
+    (index,) = (shm_dir / "h0" / "step-2").glob("*.index.json")
+    doc = json.loads(index.read_text())
+    cid, off, length, _ = next(c for c in doc["chunks"] if c[0].startswith("['w']@"))
+    with (index.parent / doc["data"]).open("r+b") as f:
+        f.seek(off + length // 2)
+        byte = f.read(1)
+        f.seek(off + length // 2)
+        f.write(bytes([byte[0] ^ 0x40]))
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                          if isinstance(x, jax.Array) else x, _state(2))
+    with CheckpointManager(root, options=options) as mgr:
+        restored, stats = mgr.restore_with_stats(2, target=target)
+    got, expected = jax.tree.map(np.asarray, restored), jax.tree.map(np.asarray, _state(2))
+    assert jax.tree.all(jax.tree.map(np.array_equal, got, expected))
+    assert stats.chunks_by_tier == {"ram": nchunks - 1, "storage": 1}, (cid, stats)
+    assert stats.bytes_by_tier["storage"] == length and stats.fallbacks == {"corrupt": 1}, stats
+
+
 def test_a_failure_while_planning_fails_the_restore_and_leaves_the_manager_usable(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Planning runs one group after another (small units); a host that refuses one leaf's

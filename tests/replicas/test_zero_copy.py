@@ -88,6 +88,30 @@ def test_lend_falls_back_on_a_corrupt_copy(make_tier: MakeTier, shm_dir: Path) -
     assert TieredChunkSource(None).lend(1, chunks) is None
 
 
+def test_unverified_lend_leaves_the_bytes_to_the_caller_but_not_the_record(make_tier: MakeTier, shm_dir: Path) -> None:
+    """``verify=False`` (the reader checks the bytes itself, off its planning thread): a view
+    whose bytes are corrupt is still lent, one whose tier record names other bytes (length
+    or crc32c) is not."""
+    tier = make_tier()
+    data = fill(1, {"a": 8192, "b": 8192})
+    index = seal_chunks(tier, 1, data)
+    tier.close()
+    (segment,) = (shm_dir / "t0" / "step-1").glob("*.data")
+    with segment.open("r+b") as f:
+        f.seek(index["a"].offset + 10)
+        f.write(b"\xff" if data["a"][10] != 0xFF else b"\x00")
+    again = make_tier()
+    src = TieredChunkSource(again)
+    ok = [(k, index[k].length, index[k].raw_crc32c) for k in "ab"]
+    wrong_crc = [("a", 8192, index["a"].raw_crc32c ^ 1)]
+    wrong_len = [("b", 4096, index["b"].raw_crc32c)]
+    views = src.lend_many(1, [ok, wrong_crc, wrong_len, [ok[1]]], verify=False)
+    assert [v is not None for v in views] == [True, False, False, True]
+    assert bytes(views[0])[8192:] == data["b"].tobytes() and bytes(views[0])[:8192] != data["a"].tobytes()  # type: ignore[index]
+    assert src.lend_many(1, [ok, [ok[1]]]) == [None, views[3]]  # verified (the default): the corrupt view is refused
+    again.close()
+
+
 def test_lend_many_answers_each_group_on_its_own(make_tier: MakeTier) -> None:
     tier = make_tier()
     data = fill(1, {"a": 4096, "b": 4096, "c": 4096})

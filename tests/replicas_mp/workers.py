@@ -283,10 +283,10 @@ def restore(ram_root: str, member: str, persist_root: str, layout: str,
                 provenance.update({item[0]: tier for item, tier in zip(items, tiers)})
                 return tiers
 
-            def recording_lend_many(step: int, groups: Any) -> Any:
-                views = lend_many(step, groups)
+            def recording_lend_many(step: int, groups: Any, **kw: Any) -> Any:
+                views = lend_many(step, groups, **kw)
                 for chunks, view in zip(groups, views):
-                    if view is not None:
+                    if view is not None:  # an unverified view found bad is fetched (and recorded) afterwards
                         provenance.update({c[0]: "ram" for c in chunks})
                 return views
 
