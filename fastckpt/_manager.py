@@ -63,6 +63,15 @@ def _open(root: str | Store) -> Store:
     return open_store(root)
 
 
+def _published_step(value: str) -> int | None:
+    """Process 0's storage latest as published for a restore (``"none"`` or a step)."""
+    if value == "none":
+        return None
+    if not (value.isascii() and value.isdigit()) or len(value) > 19:
+        raise DistributedError(f"process 0 published a malformed storage step {value[:40]!r}")
+    return int(value)
+
+
 class CheckpointManager:
     """Saves and restores pytrees of ``jax.Array`` s under one root (``gs://``, path, ``mem://``).
 
@@ -396,21 +405,33 @@ class CheckpointManager:
                          wanted: Callable[[Manifest], dict[str, str]]) -> Manifest:
         """The manifest to restore: ``step``'s, or (None) the newest RAM step newer than
         storage's latest (and older than ``older_than``) from which every process reaches the
-        chunks it needs (``wanted``), else storage's latest."""
+        chunks it needs (``wanted``), else storage's latest.
+
+        With a RAM tier only process 0 lists storage, and publishes its latest step for the
+        others (read only when no RAM step is chosen): one listing per restore instead of one
+        per host, and every process falls back to the same step even if a commit landed
+        between two listings."""
         if step is not None:
             return self.manifest(step)
         if self._ram is None:
             return self.manifest(None)
-        persistent = self.persistent_steps()
-        choice = self._ram.select_step(persistent[-1] if persistent else None, key=key,
-                                       timeout_s=self.options.distributed.barrier_timeout_s, older_than=older_than,
-                                       wanted=wanted)
+        coord = self.coordinator
+        timeout_s = self.options.distributed.barrier_timeout_s
+        latest: int | None = None
+        if coord.process_index == 0:
+            persistent = self.persistent_steps()
+            latest = persistent[-1] if persistent else None
+            if coord.process_count > 1:
+                coord.set(f"{key}/persistent", "none" if latest is None else str(latest))
+        choice = self._ram.select_step(latest, key=key, timeout_s=timeout_s, older_than=older_than, wanted=wanted)
         if choice is not None:
             return choice.manifest  # type: ignore[return-value]
-        if not persistent:
+        if coord.process_index != 0:
+            latest = _published_step(coord.get(f"{key}/persistent", timeout_s=timeout_s))
+        if latest is None:
             raise CheckpointNotFoundError(f"no committed checkpoint in {self.store.url} or any RAM tier"
                                           + ("" if older_than is None else f" older than RAM step {older_than}"))
-        return self.manifest(persistent[-1])
+        return self.manifest(latest)
 
     def _fill(self, manifest: Manifest, units: Sequence[Unit], stats: RestoreStats, source: ChunkSource | None, *,
               storage_holds_step: bool) -> None:

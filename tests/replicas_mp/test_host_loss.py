@@ -124,6 +124,7 @@ def _assert_ram_only_restore(results: list[dict[str, Any]], saved: SavedJob) -> 
         assert sum(r["bytes_by_tier"].values()) > 0
         assert all(t is not None and t != "storage" for t in r["provenance"].values()), r
         assert r["persistent_steps"] == [w.PERSIST_STEP]
+    assert [r["storage_listings"] for r in results] == [1] + [0] * (len(results) - 1), results
     manifests = sorted(p.name for p in (saved.persist_root / "manifests").iterdir())
     assert manifests == [f"{w.PERSIST_STEP:012d}.json"]  # step 20 never reached storage
 
@@ -237,6 +238,19 @@ def test_restore_after_also_losing_the_host_that_built_the_manifests(saved_job: 
     results = _restore(tiers, saved_job.persist_root, [3, 1], "resize3x2")
     _assert_ram_only_restore(results, saved_job)
     assert results[0]["bytes_by_tier"].get("peer:host1", 0) > 0, results[0]
+
+
+def test_every_ram_tier_lost_restores_storage_step_listed_once(saved_job: SavedJob, shm_dir: Path) -> None:
+    """Every host lost (a new job on new hosts, empty tiers): no RAM step to agree on, so
+    the job restores storage's latest step, bit-exact; process 0 alone listed storage and
+    the others took the step it published (one listing per restore, not one per host; and
+    all restore the same step even if a commit landed between two listings)."""
+    empty = shm_dir / "empty"
+    results = _restore(empty, saved_job.persist_root, [0, 1, 2, 3], "save4x2")
+    for r in results:
+        assert r["step"] == w.PERSIST_STEP and r["checked_shards"] == RESTORED_SHARDS, r
+        assert set(r["bytes_by_tier"]) == {"storage"} and r["bytes_read_storage"] > 0, r
+    assert [r["storage_listings"] for r in results] == [1, 0, 0, 0], results
 
 
 def test_step_corrupt_in_every_ram_copy_falls_back_to_the_previous_ram_step(saved_job: SavedJob,
