@@ -176,10 +176,6 @@ def plan_leaf_reads(leaf: ArrayLeaf, dst_box: Box, *, index: ChunkIndex | GridIn
         if overlap is None:
             continue
         covered += box_volume(overlap)
-        if overlap == chunk.box == dst_box:  # the chunk is the box (same mesh): both local boxes are whole
-            whole = tuple((0, b - a) for a, b in dst_box)
-            items.append(ReadItem(chunk, whole, whole))
-            continue
         items.append(ReadItem(chunk, relative_to(overlap, chunk.box), relative_to(overlap, dst_box)))
     if covered != box_volume(dst_box):
         raise CorruptionError(

@@ -91,7 +91,6 @@ class LeafFiller:
         self.dsts: list[np.ndarray] = []
         #: borrowed, not yet verified: (unit position, its chunks in order)
         self.lent: list[tuple[int, list[ChunkEntry]]] = []
-        self.lent_bytes = 0
         #: chunk -> [(unit position, read item)]
         self.items: dict[ChunkEntry, list[tuple[int, ReadItem]]] = {}
         # A decoded manifest's chunks never overlap (the codec checks): exact boxes are looked up.
@@ -104,11 +103,20 @@ class LeafFiller:
         for pos, unit in enumerate(self.units):
             flat = lent.get(pos)
             if flat is None:
-                nbytes = box_volume(unit.box) * self.dtype.itemsize
-                flat = allocate(nbytes, lambda: f"array {keypath_str(self.leaf.path)} box {list(unit.box)}",
-                                 cache=self.buffers if unit.lendable else None)
+                flat = self._fresh_buffer(unit)
             self.flats.append(flat)
             self.dsts.append(flat.view(self.dtype).reshape(box_shape(unit.box)))
+
+    def _fresh_buffer(self, unit: Unit) -> np.ndarray:
+        """A new host buffer for ``unit`` (from the restore's cache when it may be lent)."""
+        return allocate(box_volume(unit.box) * self.dtype.itemsize,
+                        lambda: f"array {keypath_str(self.leaf.path)} box {list(unit.box)}",
+                        cache=self.buffers if unit.lendable else None)
+
+    @property
+    def lent_bytes(self) -> int:
+        """Bytes borrowed and not yet verified."""
+        return sum(self.flats[pos].nbytes for pos, _ in self.lent)
 
     def _lend_units(self) -> dict[int, np.ndarray]:
         """Units whose bytes a RAM tier lends as one view, unverified (their chunks leave
@@ -133,9 +141,6 @@ class LeafFiller:
         for pos, spans in by_unit.items():
             if pos in shared or not self.units[pos].lendable:
                 continue
-            if len(spans) == 1 and spans[0][1].box == self.units[pos].box:
-                candidates.append((pos, [spans[0][1]]))
-                continue
             spans.sort(key=lambda sc: sc[0])
             expect = 0
             for start, chunk in spans:
@@ -159,7 +164,6 @@ class LeafFiller:
             for c in cand[1]:
                 del self.items[c]
             self.lent.append(cand)
-            self.lent_bytes += view.nbytes
         return lent
 
     def verify_lent(self) -> list[ChunkEntry]:
@@ -187,9 +191,7 @@ class LeafFiller:
                     nchunks += len(chunks)
                     continue
             unit = self.units[pos]
-            flat = allocate(flat.nbytes, lambda: f"array {keypath_str(self.leaf.path)} box {list(unit.box)}",
-                            cache=self.buffers)
-            self.flats[pos] = flat
+            flat = self.flats[pos] = self._fresh_buffer(unit)
             self.dsts[pos] = flat.view(self.dtype).reshape(box_shape(unit.box))
             for it in plan_leaf_reads(self.leaf, unit.box):  # its chunks feed this unit alone
                 self.items[it.chunk] = [(pos, it)]
