@@ -6,6 +6,7 @@ from fastckpt.planning.boxes import (
     box_to_slices as box_to_slices,
     box_volume as box_volume,
     contiguous_span as contiguous_span,
+    element_runs as element_runs,
     full_box as full_box,
     intersect as intersect,
     is_inside as is_inside,

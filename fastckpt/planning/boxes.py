@@ -19,6 +19,7 @@ __all__ = [
     "box_to_slices",
     "box_volume",
     "contiguous_span",
+    "element_runs",
     "full_box",
     "intersect",
     "is_inside",
@@ -142,3 +143,58 @@ def contiguous_span(region: Box, shape: Sequence[int]) -> tuple[int, int] | None
     for (a, _), n in zip(region, shape):
         start = start * n + a
     return (start, math.prod(ext))
+
+
+
+def element_runs(regions: Sequence[Box], shape: Sequence[int], *, min_gap: int = 0,
+                 max_runs: int | None = None) -> list[tuple[int, int]]:
+    """The runs ``(first_element, n_elements)`` of a C-order array of ``shape`` that hold
+    every element of ``regions`` (local coordinates), ascending and disjoint: what a ranged
+    read of a stored chunk fetches to fill them.
+
+    Runs less than ``min_gap`` elements apart are merged (one run costs a request entry and
+    two checksums; a small gap is cheaper to read). When more than ``max_runs`` runs remain,
+    the single shortest run holding them all is returned instead. Regions without elements
+    add nothing (``[]`` when none has any).
+    """
+    runs: list[tuple[int, int]] = []
+    for region in regions:
+        if len(region) != len(shape):
+            raise ConfigError(f"rank mismatch: {region} vs {tuple(shape)}")
+        runs.extend(_region_runs(region, shape, min_gap, max_runs))
+    runs.sort()
+    merged: list[tuple[int, int]] = []
+    for first, n in runs:
+        if merged and first - (merged[-1][0] + merged[-1][1]) < max(min_gap, 1):
+            last_first, last_n = merged[-1]
+            merged[-1] = (last_first, max(last_first + last_n, first + n) - last_first)
+        else:
+            merged.append((first, n))
+    if max_runs is not None and len(merged) > max_runs:
+        return [(merged[0][0], merged[-1][0] + merged[-1][1] - merged[0][0])]
+    return merged
+
+
+def _region_runs(region: Box, shape: Sequence[int], min_gap: int, max_runs: int | None) -> list[tuple[int, int]]:
+    """:func:`element_runs` of one region (at most ``max_runs`` + 1 of them: more are
+    summarised by the region's bounding run, since the caller then falls back to it)."""
+    ext = [b - a for a, b in region]
+    if any(e <= 0 for e in ext):
+        return []
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    base = sum(a * st for (a, _), st in zip(region, strides))
+    # From the innermost dimension outwards: one run spans a dimension's extent while the
+    # gap to its next repeat (the dimension's stride minus the run) is under min_gap.
+    d, run = len(shape), 1
+    while d > 0 and strides[d - 1] - run < max(min_gap, 1):
+        d -= 1
+        run = (ext[d] - 1) * strides[d] + run
+    count = math.prod(ext[:d])
+    if max_runs is not None and count > max_runs:
+        last = base + sum((e - 1) * st for e, st in zip(ext, strides))
+        return [(base, last + 1 - base)]
+    starts = [base]
+    for k in range(d):
+        starts = [s + i * strides[k] for s in starts for i in range(ext[k])]
+    return [(s, run) for s in starts]
+

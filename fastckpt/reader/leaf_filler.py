@@ -20,7 +20,7 @@ from fastckpt._hostmem import BufferCache, alloc_aligned
 from fastckpt.errors import ChecksumMismatchError, CorruptionError
 from fastckpt.format.dtypes import dtype_from_name
 from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, box_shape, box_volume, chunk_id, chunk_id_prefix, keypath_str
-from fastckpt.planning import ReadItem, box_to_slices, contiguous_span, leaf_index, plan_leaf_reads
+from fastckpt.planning import ReadItem, box_to_slices, contiguous_span, element_runs, leaf_index, plan_leaf_reads
 from fastckpt.reader.units import ChunkSource, RestoreStats, Unit
 
 __all__ = ["Decoder", "LeafFiller", "allocate", "fetch_many_from_source", "where"]
@@ -28,6 +28,9 @@ __all__ = ["Decoder", "LeafFiller", "allocate", "fetch_many_from_source", "where
 _GROUP_BYTES = 64 << 20  # RAM-tier fetches of one group: scratch held at once (resharding)
 _GROUP_CHUNKS = 64  # chunks per RAM-tier fetch group (one pipelined stream per peer)
 _SCAN_CHUNKS = 4  # a leaf with more chunks (and several units) is planned through leaf_index's index
+_RANGE_MIN_SAVING = 64 << 10  # a RAM-tier fetch asks for part of a chunk when that spares this many bytes
+_RANGE_MIN_GAP = 16 << 10  # byte ranges of a chunk closer than this are read as one
+_RANGE_MAX_RUNS = 64  # more ranges in one chunk: the one range holding them all
 
 
 class Decoder:
@@ -222,6 +225,15 @@ class LeafFiller:
         scratch = allocate(chunk.raw_length, lambda: where(self.leaf, chunk), aligned=False)
         return memoryview(scratch), scratch
 
+    def needed_runs(self, chunk: ChunkEntry) -> list[tuple[int, int]]:
+        """The byte ranges ``(start, n)`` of ``chunk`` its read items use (a resharding
+        restore uses part of a chunk; :meth:`finish` reads only these), ascending; ranges
+        closer than ``_RANGE_MIN_GAP`` merged, at most ``_RANGE_MAX_RUNS`` of them."""
+        isz = self.dtype.itemsize
+        runs = element_runs([it.src_box for _, it in self.items[chunk]], box_shape(chunk.box),
+                            min_gap=-(-_RANGE_MIN_GAP // isz), max_runs=_RANGE_MAX_RUNS)
+        return [(a * isz, n * isz) for a, n in runs]
+
     def finish(self, chunk: ChunkEntry, scratch: np.ndarray | None) -> None:
         if scratch is None:
             return  # decoded in place
@@ -279,28 +291,37 @@ def fetch_many_from_source(pairs: Sequence[tuple[LeafFiller, ChunkEntry]], sourc
                            step: int) -> list[tuple[LeafFiller, ChunkEntry]]:
     """Ask the RAM tiers (``source.fetch_many``) for chunks of any number of leaves, in
     groups: one pipelined stream per peer and group, so that small leaves do not drain the
-    stream at every leaf boundary. Returns the pairs no tier placed. Scratch buffers of a
-    group stay under ``_GROUP_BYTES``."""
+    stream at every leaf boundary. A chunk the restore uses only part of (resharding) is
+    asked for as the byte ranges it uses when that spares ``_RANGE_MIN_SAVING`` bytes or
+    more. Returns the pairs no tier placed. Scratch buffers of a group stay under
+    ``_GROUP_BYTES`` (counting the bytes received)."""
     left: list[tuple[LeafFiller, ChunkEntry]] = []
-    group: list[tuple[LeafFiller, ChunkEntry, memoryview, np.ndarray | None]] = []
+    group: list[tuple[LeafFiller, ChunkEntry, memoryview, np.ndarray | None, list[tuple[int, int]] | None]] = []
     scratch_bytes = 0
+    ranges = getattr(source, "fetches_ranges", False) is True
 
     def flush() -> None:
-        tiers = source.fetch_many(
-            step, [(chunk_id(f.leaf.path, c.box), c.raw_length, c.raw_crc32c, into) for f, c, into, _ in group])
-        for (f, c, _, scratch), tier in zip(group, tiers):
+        items = [(chunk_id(f.leaf.path, c.box), c.raw_length, c.raw_crc32c, into) for f, c, into, _, _ in group]
+        tiers = (source.fetch_many(step, items, runs=[runs for *_, runs in group]) if ranges
+                 else source.fetch_many(step, items))
+        for (f, c, _, scratch, runs), tier in zip(group, tiers):
             if tier is None:
                 left.append((f, c))
                 continue
             f.finish(c, scratch)
             with f.lock:
-                f.stats.add(tier, c.raw_length)
+                f.stats.add(tier, c.raw_length if runs is None else sum(n for _, n in runs))
         group.clear()
 
     for filler, chunk in pairs:
         into, scratch = filler.target(chunk)
-        group.append((filler, chunk, into, scratch))
-        scratch_bytes += 0 if scratch is None else scratch.nbytes
+        runs = None
+        if ranges and scratch is not None:  # (np.empty: the pages of bytes never received are never touched)
+            runs = filler.needed_runs(chunk)
+            if chunk.raw_length - sum(n for _, n in runs) < _RANGE_MIN_SAVING:
+                runs = None
+        group.append((filler, chunk, into, scratch, runs))
+        scratch_bytes += 0 if scratch is None else (chunk.raw_length if runs is None else sum(n for _, n in runs))
         if scratch_bytes >= _GROUP_BYTES or len(group) >= _GROUP_CHUNKS:
             flush()
             scratch_bytes = 0

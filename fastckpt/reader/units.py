@@ -22,7 +22,10 @@ class ChunkSource(Protocol):
     good copy (misses, corruption and timeouts are handled inside, per tier). A source may
     also offer ``fetch_many(step, [(chunk_id, raw_length, raw_crc32c, into), ...])`` (a
     tier name or None per item), which the reader then prefers: one call per group of
-    chunks (of several leaves), so a peer can stream them.
+    chunks (of several leaves), so a peer can stream them. A source whose
+    ``fetches_ranges`` is True also takes ``fetch_many(..., runs=[...])``: where ``runs[i]``
+    is not None, only those byte ranges ``(start, n)`` of chunk ``i`` are filled into its
+    ``into`` (a resharding restore asks for the parts of a chunk it uses).
     """
 
     def fetch(self, step: int, chunk_id: str, *, raw_length: int, raw_crc32c: int, into: memoryview) -> str | None: ...

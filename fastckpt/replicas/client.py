@@ -17,6 +17,7 @@ from typing import Any, Literal, NamedTuple, TypeVar
 import crc32c as _crc32c
 import numpy as np
 
+from fastckpt._checksum import crc32c_combine
 from fastckpt.errors import (
     AuthenticationError,
     ChecksumMismatchError,
@@ -172,17 +173,89 @@ class PeerClient:
                 connection is discarded; no item after the failure is done).
             ProtocolError: the peer's reply is malformed (the connection is discarded).
         """
-        if window < 1:
-            raise ConfigError(f"window must be >= 1, got {window}")
-        if not 0 < batch_chunks <= wire.MAX_BATCH_CHUNKS:
-            raise ConfigError(f"batch_chunks must be in 1..{wire.MAX_BATCH_CHUNKS}, got {batch_chunks}")
+        self._check_stream(batch_chunks, window)
         ids = [wire.check_chunk_id(cid) for cid, _, _ in items]
         dsts = [(i.data if isinstance(i, np.ndarray) else memoryview(i)).cast("B") for _, i, _ in items]
-        batches = self._batches(ids, [d.nbytes for d in dsts], batch_chunks)
 
         def request(lo: int, hi: int) -> bytes:
             payload = json.dumps(ids[lo:hi], separators=(",", ":")).encode()
             return wire.encode_frame(MsgType.GET_CHUNKS, {"step": step, "count": hi - lo}, len(payload)) + payload
+
+        def receive(c: _Conn, lo: int, hi: int) -> list[Literal["ok", "missing", "corrupt"]]:
+            _, h, plen = self._reply(c, MsgType.CHUNKS, missing_ok=False)
+            return self._recv_batch(c, h, plen, dsts[lo:hi], [e for _, _, e in items[lo:hi]])
+
+        return self._stream(self._batches(ids, [d.nbytes for d in dsts], batch_chunks), request, receive, window)
+
+    def get_ranges(
+        self,
+        step: int,
+        items: Sequence[tuple[str, memoryview | np.ndarray, int, Sequence[tuple[int, int]]]],
+        *,
+        batch_chunks: int = 16,
+        window: int = 4,
+    ) -> list[Literal["ok", "missing", "corrupt"]]:
+        """Fetch some byte ranges of each of several chunks, like :meth:`get_chunks` (batched,
+        pipelined), with only the ranges on the wire.
+
+        Each item is verified against the whole chunk's crc32c: the peer sends the crc32c of
+        the chunk's bytes before, between and after the ranges, and the client combines them
+        with the checksums of the bytes it received (``crc32c_combine``), so a byte corrupt
+        anywhere in the peer's copy or on the wire fails the item, as it would a whole read.
+
+        Args:
+            step: Step number.
+            items: ``(chunk_id, into, expected_crc32c, runs)``: ``into`` has the chunk's length
+                (``expected_crc32c`` is the whole chunk's, e.g. from the manifest) and receives
+                the bytes of each run ``(start, n)`` at their place; ``runs`` are ascending,
+                disjoint and not empty.
+            batch_chunks, window: As for :meth:`get_chunks` (a batch also holds at most
+                ``wire.MAX_BATCH_RUNS`` runs).
+
+        Returns:
+            Per item: ``"ok"``, ``"missing"`` (the peer lacks the chunk or it is shorter than
+            the runs) or ``"corrupt"`` (another length, or the checksums do not combine;
+            ``into``'s runs may be garbage).
+
+        Raises:
+            PeerUnavailableError, ProtocolError: As for :meth:`get_chunks`.
+        """
+        self._check_stream(batch_chunks, window)
+        ids = [wire.check_chunk_id(cid) for cid, *_ in items]
+        dsts = [(i.data if isinstance(i, np.ndarray) else memoryview(i)).cast("B") for _, i, *_ in items]
+        runs = [list(r) for *_, r in items]
+        for cid, dst, rs in zip(ids, dsts, runs):
+            ends = [0, *(x for a, n in rs for x in (a, a + n)), dst.nbytes]
+            if not rs or len(rs) > wire.MAX_BATCH_RUNS or any(a > b for a, b in zip(ends, ends[1:])):
+                raise ConfigError(f"runs {rs[:4]}... of chunk {cid!r} ({dst.nbytes} bytes) are not ascending, "
+                                  f"disjoint and inside it (1..{wire.MAX_BATCH_RUNS} of them)")
+
+        def request(lo: int, hi: int) -> bytes:
+            payload = json.dumps(ids[lo:hi], separators=(",", ":")).encode()
+            header = {"step": step, "count": hi - lo, "runs": [len(r) for r in runs[lo:hi]],
+                      "starts": [a for r in runs[lo:hi] for a, _ in r], "stops": [a + n for r in runs[lo:hi] for a, n in r]}
+            return wire.encode_frame(MsgType.GET_RANGES, header, len(payload)) + payload
+
+        def receive(c: _Conn, lo: int, hi: int) -> list[Literal["ok", "missing", "corrupt"]]:
+            _, h, plen = self._reply(c, MsgType.RANGES, missing_ok=False)
+            return self._recv_ranges(c, h, plen, dsts[lo:hi], runs[lo:hi], [e for _, _, e, _ in items[lo:hi]])
+
+        sizes = [sum(n for _, n in r) for r in runs]
+        return self._stream(self._batches(ids, sizes, batch_chunks, runs=[len(r) for r in runs]), request, receive,
+                            window)
+
+    @staticmethod
+    def _check_stream(batch_chunks: int, window: int) -> None:
+        if window < 1:
+            raise ConfigError(f"window must be >= 1, got {window}")
+        if not 0 < batch_chunks <= wire.MAX_BATCH_CHUNKS:
+            raise ConfigError(f"batch_chunks must be in 1..{wire.MAX_BATCH_CHUNKS}, got {batch_chunks}")
+
+    def _stream(self, batches: Sequence[tuple[int, int]], request: Callable[[int, int], bytes],
+                receive: Callable[[_Conn, int, int], list[Literal["ok", "missing", "corrupt"]]],
+                window: int) -> list[Literal["ok", "missing", "corrupt"]]:
+        """Send the batch requests ``request(lo, hi)`` over one connection, up to ``window``
+        ahead of the replies, and collect ``receive(conn, lo, hi)`` of each in order."""
 
         def op(c: _Conn) -> list[Literal["ok", "missing", "corrupt"]]:
             out: list[Literal["ok", "missing", "corrupt"]] = []
@@ -196,8 +269,7 @@ class PeerClient:
                         except OSError as e:
                             raise PeerUnavailableError(f"send to peer {self.name} failed: {e!r}") from e
                         sent = upto
-                    _, h, plen = self._reply(c, MsgType.CHUNKS, missing_ok=False)
-                    out.extend(self._recv_batch(c, h, plen, dsts[lo:hi], [e for _, _, e in items[lo:hi]]))
+                    out.extend(receive(c, lo, hi))
             except (PeerRequestError, ChecksumMismatchError) as e:  # replies still in flight: out of sync
                 c.sock.close()
                 raise PeerUnavailableError(f"peer {self.name} refused mid-stream: {e}") from e
@@ -205,16 +277,21 @@ class PeerClient:
 
         return self._call(op)
 
-    def _batches(self, ids: Sequence[str], sizes: Sequence[int], batch_chunks: int) -> list[tuple[int, int]]:
-        """Consecutive ``[lo, hi)`` index ranges of at most ``batch_chunks`` distinct ids and at
-        most ``max_payload_bytes`` (an item larger than that gets a batch of its own)."""
+    def _batches(self, ids: Sequence[str], sizes: Sequence[int], batch_chunks: int,
+                 runs: Sequence[int] | None = None) -> list[tuple[int, int]]:
+        """Consecutive ``[lo, hi)`` index ranges of at most ``batch_chunks`` distinct ids, at
+        most ``max_payload_bytes`` (an item larger than that gets a batch of its own) and, with
+        ``runs`` (per item), at most ``wire.MAX_BATCH_RUNS`` runs."""
         out: list[tuple[int, int]] = []
-        lo, nbytes, seen = 0, 0, set()
+        lo, nbytes, nruns, seen = 0, 0, 0, set()
         for i, (cid, n) in enumerate(zip(ids, sizes)):
-            if i > lo and (i - lo >= batch_chunks or nbytes + n > self._limits.max_payload_bytes or cid in seen):
+            r = runs[i] if runs is not None else 0
+            if i > lo and (i - lo >= batch_chunks or nbytes + n > self._limits.max_payload_bytes or cid in seen
+                           or nruns + r > wire.MAX_BATCH_RUNS):
                 out.append((lo, i))
-                lo, nbytes, seen = i, 0, set()
+                lo, nbytes, nruns, seen = i, 0, 0, set()
             nbytes += n
+            nruns += r
             seen.add(cid)
         if lo < len(sizes):
             out.append((lo, len(sizes)))
@@ -240,6 +317,35 @@ class PeerClient:
             else:
                 got = recv_into_crc(c.sock, dst)
                 out.append("ok" if got == crcs[i] and expected[i] in (None, got) else "corrupt")
+        return out
+
+    def _recv_ranges(self, c: _Conn, h: dict[str, Any], plen: int, dsts: Sequence[memoryview],
+                     runs: Sequence[Sequence[tuple[int, int]]],
+                     expected: Sequence[int]) -> list[Literal["ok", "missing", "corrupt"]]:
+        """Receive one RANGES payload into ``dsts``' runs; each chunk's runs must combine with
+        the checksums around them into its expected crc32c."""
+        lengths, gaps, missing = h["lengths"], h["gaps"], h["missing"]
+        n = len(dsts)
+        absent = set(missing)
+        held = [i for i in range(n) if i not in absent]
+        if (len(lengths) != n or len(absent) != len(missing) or any(i >= n or lengths[i] for i in absent)
+                or len(gaps) != sum(len(runs[i]) + 1 for i in held)
+                or plen != sum(k for i in held for _, k in runs[i])):
+            raise ProtocolError(f"RANGES reply for {n} chunks is inconsistent: {len(lengths)} lengths, "
+                                f"{len(gaps)} checksums, {len(missing)} missing, {plen} payload bytes")
+        out: list[Literal["ok", "missing", "corrupt"]] = []
+        g = 0
+        for i, (dst, rs) in enumerate(zip(dsts, runs)):
+            if i in absent:
+                out.append("missing")
+                continue
+            whole = gaps[g]  # the bytes before the first run
+            for j, (a, k) in enumerate(rs):
+                got = recv_into_crc(c.sock, dst[a : a + k])
+                gap = (rs[j + 1][0] if j + 1 < len(rs) else lengths[i]) - a - k
+                whole = crc32c_combine(crc32c_combine(whole, got, k), gaps[g + 1 + j], gap)
+            g += len(rs) + 1
+            out.append("ok" if lengths[i] == dst.nbytes and whole == expected[i] else "corrupt")
         return out
 
     def push_chunk(

@@ -15,6 +15,7 @@ import threading
 from types import TracebackType
 from typing import Any
 
+from fastckpt._checksum import crc32c
 from fastckpt.errors import ConfigError, PeerError, PeerUnavailableError, ProtocolError
 from fastckpt.replicas import wire
 from fastckpt.replicas._transport import PeerOptions, check_secret, close_gracefully, drain, recv_into_crc, tune
@@ -211,6 +212,8 @@ class PeerServer:
             self._count("bytes_sent", stop - start)
         elif mtype is MsgType.GET_CHUNKS:
             return self._get_chunks(conn, h, plen)
+        elif mtype is MsgType.GET_RANGES:
+            return self._get_ranges(conn, h, plen)
         elif mtype is MsgType.PUT_CHUNK:
             return self._put_chunk(conn, h, plen)
         elif mtype is MsgType.PUT_CHUNKS:
@@ -266,6 +269,42 @@ class PeerServer:
             return self._error(conn, "too_large", f"{count} chunks of {total} bytes exceed the payload limit "
                                                   f"of {self._limits.max_payload_bytes}")
         wire.send_frame(conn, MsgType.CHUNKS, {"lengths": lengths, "crcs": crcs, "missing": missing}, views)
+        self._count("bytes_sent", total)
+        return True
+
+    def _get_ranges(self, conn: socket.socket, h: dict[str, Any], plen: int) -> bool:
+        """Answer a batch of ranged chunk reads with one RANGES frame: each held chunk's
+        ranges, and the crc32c of its bytes around them, so that the client checks what it
+        receives against the whole chunk's checksum (``crc32c_combine``) while only the
+        ranges cross the wire."""
+        count, runs, starts, stops = h["count"], h["runs"], h["starts"], h["stops"]
+        if (not 0 < count <= wire.MAX_BATCH_CHUNKS or plen > wire.max_id_list_bytes(count) or len(runs) != count
+                or 0 in runs or len(starts) > wire.MAX_BATCH_RUNS or sum(runs) != len(starts) or len(stops) != len(starts)):
+            raise ProtocolError(f"GET_RANGES: {count} chunks, {sum(runs)} runs, {len(starts)} starts, "
+                                f"{len(stops)} stops in a {plen}-byte id list")
+        raw = bytearray(plen)
+        wire.recv_exact(conn, memoryview(raw))
+        ids = wire.decode_id_batch(raw, count=count, what="GET_RANGES")
+        views: list[memoryview] = []
+        lengths, gaps, missing = [0] * count, [], []
+        j = 0
+        for i, (cid, n) in enumerate(zip(ids, runs)):
+            spans = list(zip(starts[j : j + n], stops[j : j + n]))
+            j += n
+            hit = self._tier.read_chunk(h["step"], cid)
+            bounds = [0, *(x for span in spans for x in span), hit[1].length if hit is not None else 0]
+            if hit is None or any(a > b for a, b in zip(bounds, bounds[1:])):
+                missing.append(i)  # not held, or the ranges are not ascending, disjoint and inside it
+                continue
+            view, loc = hit
+            lengths[i] = loc.length
+            gaps.extend(crc32c(view[a:b]) for a, b in zip(bounds[::2], bounds[1::2]))  # before, between, after
+            views.extend(view[a:b] for a, b in spans)
+        total = sum(v.nbytes for v in views)
+        if total > self._limits.max_payload_bytes:
+            return self._error(conn, "too_large", f"{count} chunks' ranges of {total} bytes exceed the payload limit "
+                                                  f"of {self._limits.max_payload_bytes}")
+        wire.send_frame(conn, MsgType.RANGES, {"lengths": lengths, "gaps": gaps, "missing": missing}, views)
         self._count("bytes_sent", total)
         return True
 

@@ -114,6 +114,9 @@ class TieredChunkSource:
             selection's; read, never written, and consulted before asking a peer).
     """
 
+    fetches_ranges = True
+    """``fetch_many`` takes ``starts`` (see ``reader.units.ChunkSource``)."""
+
     def __init__(
         self,
         own: RamTier | None,
@@ -195,15 +198,23 @@ class TieredChunkSource:
         return tier
 
     def fetch_many(
-        self, step: int, items: Sequence[tuple[str, int, int, memoryview | np.ndarray]]
+        self, step: int, items: Sequence[tuple[str, int, int, memoryview | np.ndarray]],
+        *, runs: Sequence[Sequence[tuple[int, int]] | None] | None = None,
     ) -> list[str | None]:
         """:meth:`fetch` for several chunks: ``(chunk_id, raw_length, raw_crc32c, into)`` each.
 
         Own RAM first, then each peer gets the chunks still missing that it lists, in one
         pipelined stream (:meth:`PeerClient.get_chunks`) instead of a request per chunk.
-        Returns the tier per item, None where no RAM source had a good copy.
+        With ``runs``, an item whose entry is not None asks only for those byte ranges
+        ``(start, n)`` of the chunk (ascending, disjoint), received at their place in
+        ``into``: a peer sends just them (:meth:`PeerClient.get_ranges`, checked against the
+        whole chunk's crc32c all the same). Returns the tier per item, None where no RAM
+        source had a good copy.
         """
         dsts = []
+        spans = list(runs) if runs is not None else [None] * len(items)
+        if len(spans) != len(items):
+            raise ConfigError(f"{len(spans)} run lists for {len(items)} items")
         for cid, n, _, into in items:
             dst = np.frombuffer(into, np.uint8) if not isinstance(into, np.ndarray) else into.reshape(-1).view(np.uint8)
             if dst.nbytes != n:
@@ -212,7 +223,7 @@ class TieredChunkSource:
         out: list[str | None] = [None] * len(items)
         if self._own is not None:
             for k, ((cid, n, crc, _), dst) in enumerate(zip(items, dsts)):
-                if self._fetch_own(step, cid, n, crc, dst):
+                if self._fetch_own(step, cid, n, crc, dst, runs=spans[k]):
                     out[k] = "ram"
         for i, peer in enumerate(self._peers):
             todo = [k for k in range(len(items)) if out[k] is None]
@@ -223,15 +234,21 @@ class TieredChunkSource:
             todo = [k for k in todo if self._listed(i, step, items[k][0])]
             if not todo:
                 continue
-            if not hasattr(peer, "get_chunks"):
+            if not hasattr(peer, "get_chunks"):  # a chunk at a time, whole
                 for k in todo:
                     cid, n, crc, _ = items[k]
                     out[k] = self._fetch_peer(i, step, cid, n, crc, dsts[k])
                 continue
+            whole = [k for k in todo if spans[k] is None or not hasattr(peer, "get_ranges")]
+            ranged = [k for k in todo if spans[k] is not None and hasattr(peer, "get_ranges")]
             tier = f"peer:{peer.name}"
             t0 = time.perf_counter()
             try:
-                results = peer.get_chunks(step, [(items[k][0], dsts[k], items[k][2]) for k in todo])
+                results = dict(zip(whole, peer.get_chunks(step, [(items[k][0], dsts[k], items[k][2]) for k in whole])
+                                   if whole else []))
+                if ranged:
+                    results.update(zip(ranged, peer.get_ranges(  # type: ignore[attr-defined]
+                        step, [(items[k][0], dsts[k], items[k][2], spans[k]) for k in ranged])))
             except PeerUnavailableError as e:
                 self._fallback(tier, items[todo[0]][0], "unavailable", e, dead=i)
                 continue
@@ -241,17 +258,18 @@ class TieredChunkSource:
             except PeerError as e:
                 self._fallback(tier, items[todo[0]][0], "error", e)
                 continue
-            got = 0
-            for k, r in zip(todo, results):
+            got = nok = 0
+            for k, r in results.items():
                 if r == "ok":
                     out[k] = tier
-                    got += items[k][1]
+                    got += _run_bytes(spans[k], items[k][1])
+                    nok += 1
                 else:
                     self._fallback(tier, items[k][0], "miss" if r == "missing" else "corrupt", None)
-            if got:
+            if nok:
                 with self._lock:
                     st = self._tiers.setdefault(tier, TierStats())
-                    st.chunks += sum(1 for r in results if r == "ok")
+                    st.chunks += nok
                     st.bytes += got
                     st.seconds += time.perf_counter() - t0
         with self._lock:
@@ -327,7 +345,10 @@ class TieredChunkSource:
 
     # ---------------------------------------------------------------- internals
 
-    def _fetch_own(self, step: int, chunk_id: str, raw_length: int, raw_crc32c: int, dst: np.ndarray) -> bool:
+    def _fetch_own(self, step: int, chunk_id: str, raw_length: int, raw_crc32c: int, dst: np.ndarray, *,
+                   runs: Sequence[tuple[int, int]] | None = None) -> bool:
+        """The own tier's copy of the chunk into ``dst``: whole, or only the byte ranges
+        ``runs`` (the whole copy is verified either way)."""
         assert self._own is not None
         t0 = time.perf_counter()
         view = self._own.get_chunk(step, chunk_id)
@@ -337,8 +358,13 @@ class TieredChunkSource:
         if view.nbytes != raw_length or (self._verify and crc32c(view) != raw_crc32c):
             self._fallback("ram", chunk_id, "corrupt", f"{view.nbytes} bytes, crc32c mismatch or wrong length")
             return False
-        np.copyto(dst, np.frombuffer(view, np.uint8))
-        self._success("ram", raw_length, time.perf_counter() - t0)
+        src = np.frombuffer(view, np.uint8)
+        if runs is None:
+            np.copyto(dst, src)
+        else:
+            for a, n in runs:
+                dst[a : a + n] = src[a : a + n]
+        self._success("ram", _run_bytes(runs, raw_length), time.perf_counter() - t0)
         return True
 
     def _listed(self, i: int, step: int, chunk_id: str) -> bool:
@@ -381,3 +407,8 @@ class TieredChunkSource:
             self._log.append(Fallback(tier, chunk_id, reason, "" if err is None else str(err)[:300]))
             if dead is not None:
                 self._dead.add(dead)
+
+
+def _run_bytes(runs: Sequence[tuple[int, int]] | None, whole: int) -> int:
+    """Bytes a fetch of ``runs`` of a chunk of ``whole`` bytes moves (None: the whole chunk)."""
+    return whole if runs is None else sum(n for _, n in runs)

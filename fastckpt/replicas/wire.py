@@ -39,6 +39,7 @@ __all__ = [
     "ERROR_CODES",
     "MAGIC",
     "MAX_BATCH_CHUNKS",
+    "MAX_BATCH_RUNS",
     "PAYLOAD_TYPES",
     "PREFIX",
     "SCHEMAS",
@@ -71,8 +72,10 @@ PREFIX = struct.Struct(">4sBBHIQ")
 NONCE_BYTES = 32
 MAX_CHUNK_ID_CHARS = 16384
 MAX_MESSAGE_CHARS = 4096
-#: Most chunks one GET_CHUNKS may ask for (keeps the CHUNKS header far below 64 KiB).
+#: Most chunks one GET_CHUNKS or GET_RANGES may ask for (keeps every header of theirs below 64 KiB).
 MAX_BATCH_CHUNKS = 1024
+#: Most byte ranges one GET_RANGES may ask for, over all its chunks (the same reason).
+MAX_BATCH_RUNS = 1024
 _U63 = (1 << 63) - 1
 _SEND_PIECE = 64 << 20  # a payload is sent in pieces so the socket timeout bounds a stall
 _AUTH_DOMAIN = b"fastckpt-peer-auth-v1\x00"
@@ -107,6 +110,11 @@ class MsgType(enum.IntEnum):
     CHUNKS = 29
     """Server → client: the chunks a GET_CHUNKS asked for, back to back (see ``SCHEMAS``)."""
     ERROR = 31
+    GET_RANGES = 32
+    """Client → server: a byte range of each of several chunks of one step (see ``SCHEMAS``)."""
+    RANGES = 33
+    """Server → client: the ranges a GET_RANGES asked for, back to back, with the checksums
+    of each chunk's bytes around its range (the client checks the whole chunk's crc32c)."""
 
 
 #: Field kinds: "u63" int in [0, 2**63), "u32", "str" (chunk id), "msg" (short text),
@@ -137,11 +145,22 @@ SCHEMAS: Mapping[MsgType, Mapping[str, str]] = {
     # does not hold (their lengths/crcs are 0). Payload: the held chunks back to back.
     MsgType.CHUNKS: {"lengths": "u63[]", "crcs": "u32[]", "missing": "u63[]"},
     MsgType.ERROR: {"code": "msg", "message": "msg"},
+    # Payload: a JSON array of ``count`` (<= MAX_BATCH_CHUNKS) distinct chunk ids. Chunk ``i``
+    # asks for ``runs[i]`` (>= 1) byte ranges ``[starts[j], stops[j])``, ascending and disjoint;
+    # ``starts``/``stops`` hold every chunk's in turn (at most MAX_BATCH_RUNS in all).
+    MsgType.GET_RANGES: {"step": "u63", "count": "u63", "runs": "u63[]", "starts": "u63[]", "stops": "u63[]"},
+    # One ``lengths`` entry per requested id, in request order (the held chunk's length);
+    # ``gaps``: for each held chunk in turn, the crc32c of its bytes before, between and after
+    # its ranges (runs + 1 values); ``missing`` lists the indexes the server does not hold or
+    # whose ranges do not fit the chunk (their length is 0, they have no gaps).
+    # Payload: every held chunk's ranges back to back.
+    MsgType.RANGES: {"lengths": "u63[]", "gaps": "u32[]", "missing": "u63[]"},
 }
 
 #: Message types that may carry a payload; every other type must have ``payload_len == 0``.
 PAYLOAD_TYPES = frozenset({MsgType.CHUNK, MsgType.PUT_CHUNK, MsgType.PUT_CHUNKS, MsgType.CHUNK_LIST, MsgType.MANIFEST,
-                           MsgType.PUT_MANIFEST, MsgType.GET_CHUNKS, MsgType.CHUNKS})
+                           MsgType.PUT_MANIFEST, MsgType.GET_CHUNKS, MsgType.CHUNKS, MsgType.GET_RANGES,
+                           MsgType.RANGES})
 
 #: ERROR codes a server sends. Clients map them onto the :mod:`fastckpt.errors` tree.
 ERROR_CODES = frozenset(
@@ -318,11 +337,11 @@ def decode_json_list(raw: bytes | bytearray | memoryview, *, count: int) -> list
     return value
 
 
-def decode_id_batch(raw: bytes | bytearray | memoryview, *, count: int) -> list[str]:
-    """Decode a GET_CHUNKS payload: ``count`` (1..MAX_BATCH_CHUNKS) distinct chunk ids."""
+def decode_id_batch(raw: bytes | bytearray | memoryview, *, count: int, what: str = "GET_CHUNKS") -> list[str]:
+    """Decode a GET_CHUNKS (or GET_RANGES) payload: ``count`` (1..MAX_BATCH_CHUNKS) distinct chunk ids."""
     if not 0 < count <= MAX_BATCH_CHUNKS:
-        raise ProtocolError(f"GET_CHUNKS asks for {count} chunks (1..{MAX_BATCH_CHUNKS} allowed)")
-    return decode_distinct_ids(raw, count=count, what="GET_CHUNKS")
+        raise ProtocolError(f"{what} asks for {count} chunks (1..{MAX_BATCH_CHUNKS} allowed)")
+    return decode_distinct_ids(raw, count=count, what=what)
 
 
 def decode_distinct_ids(raw: bytes | bytearray | memoryview, *, count: int, what: str) -> list[str]:

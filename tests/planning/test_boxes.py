@@ -15,6 +15,7 @@ from fastckpt.planning import (
     box_from_index,
     box_to_slices,
     contiguous_span,
+    element_runs,
     full_box,
     intersect,
     is_inside,
@@ -186,3 +187,52 @@ def test_contiguous_span_matches_brute_force(case: tuple[Box, tuple[int, ...]]) 
 def test_contiguous_span_rank_mismatch() -> None:
     with pytest.raises(ConfigError):
         contiguous_span(((0, 1),), (2, 2))
+
+
+
+@st.composite
+def regions_in_one_shape(draw: st.DrawFn) -> tuple[list[Box], tuple[int, ...]]:
+    shape = draw(shapes(max_rank=4, max_side=6))
+    return draw(st.lists(boxes_in(shape, allow_empty=True), max_size=3)), shape
+
+
+@settings(max_examples=300, deadline=None)
+@given(regions_in_one_shape(), st.integers(0, 12), st.none() | st.integers(1, 6))
+def test_element_runs_cover_the_regions_sparingly(case: tuple[list[Box], tuple[int, ...]], min_gap: int,
+                                                  max_runs: int | None) -> None:
+    regions, shape = case
+    runs = element_runs(regions, shape, min_gap=min_gap, max_runs=max_runs)
+    wanted = np.zeros(math.prod(shape), bool)
+    for r in regions:
+        wanted[flat_indices(r, shape)] = True
+    covered = np.zeros_like(wanted)
+    for first, n in runs:
+        assert n > 0 and 0 <= first and first + n <= wanted.size
+        covered[first : first + n] = True
+    assert not (wanted & ~covered).any()  # every element wanted is read
+    if not wanted.any():
+        assert runs == []
+        return
+    idx = np.flatnonzero(wanted)
+    bounding = (int(idx[0]), int(idx[-1] - idx[0] + 1))
+    if max_runs is not None and len(runs) == 1:
+        assert runs[0][0] == bounding[0]
+    assert runs[0][0] == idx[0] and runs[-1][0] + runs[-1][1] == idx[-1] + 1  # no run starts or ends idle
+    for (a, n), (b, _) in zip(runs, runs[1:]):
+        assert b - (a + n) >= max(min_gap, 1)  # ascending, disjoint, gaps at least min_gap
+    assert max_runs is None or len(runs) <= max_runs
+    if max_runs is None and min_gap <= 1:
+        assert covered.sum() == wanted.sum()  # nothing idle read: exactly the wanted elements
+    assert element_runs(regions, shape, max_runs=1) == [bounding]
+
+
+def test_element_runs_of_stacked_layers() -> None:
+    """Rows 4..6 of every layer of an (L, rows, cols) chunk: one run per layer."""
+    assert element_runs([((0, 3), (4, 6), (0, 8))], (3, 10, 8)) == [(32, 16), (112, 16), (192, 16)]
+    assert element_runs([((0, 3), (4, 6), (0, 8))], (3, 10, 8), min_gap=65) == [(32, 176)]
+    assert element_runs([((0, 3), (4, 6), (0, 8))], (3, 10, 8), max_runs=2) == [(32, 176)]
+
+
+def test_element_runs_rank_mismatch() -> None:
+    with pytest.raises(ConfigError):
+        element_runs([((0, 1),)], (2, 2))

@@ -417,3 +417,70 @@ def test_get_chunks_pipelined_with_misses_and_bad_sizes(served) -> None:  # type
         assert c.handshakes == 1  # one pooled connection, still in sync after every case
         with pytest.raises(ConfigError):
             c.get_chunks(1, [("", np.zeros(1, np.uint8), None)])
+
+
+
+def test_get_ranges_sends_only_the_ranges_and_checks_the_whole_chunk(served) -> None:  # type: ignore[no-untyped-def]
+    tier, server, data = served
+    b = data["b"].tobytes()
+    crc_b = crc32c(data["b"])
+    w = "params['w']@0:2,0:8"
+    cases = [  # (chunk id, runs, expected crc, chunk length)
+        ("b", [(1000, 1 << 20)], crc_b, len(b)),                         # one middle range
+        ("b", [(0, 10), (100, 5000), (len(b) - 7, 7)], crc_b, len(b)),   # head, middle, tail
+        ("b", [(0, len(b))], crc_b, len(b)),                            # the whole chunk
+        ("b", [(7, 0)], crc_b, len(b)),                                 # nothing received, still checked
+        ("missing", [(0, 3)], 0, 3),
+        ("a", [(0, 1)], crc32c(data["a"]) ^ 1, 1),                      # the caller's checksum disagrees
+        (w, [(10, 10)], crc32c(data[w]), 99),                           # another length
+    ]
+    intos = [np.zeros(n, np.uint8) for _, _, _, n in cases]
+    sent0 = server.stats["bytes_sent"]
+    with PeerClient(server.address, secret=SECRET, options=FAST) as c:
+        got = c.get_ranges(1, [(cid, into, crc, runs) for (cid, runs, crc, _), into in zip(cases, intos)],
+                           batch_chunks=3, window=2)
+        assert got == ["ok", "ok", "ok", "ok", "missing", "corrupt", "corrupt"]
+        for (_, runs, _, _), into in list(zip(cases, intos))[:4]:
+            for a, n in runs:
+                assert into[a : a + n].tobytes() == b[a : a + n]
+        assert not intos[0][:1000].any() and not intos[0][1000 + (1 << 20):].any()  # only the runs were written
+        # runs reaching past the peer's (shorter) copy are missing there; the stream stays in sync
+        assert c.get_ranges(1, [("a", np.zeros(2, np.uint8), 0, [(0, 2)])]) == ["missing"]
+        for bad in ([], [(5, 3), (4, 1)], [(0, 3), (2, 1)], [(len(b) - 2, 4)]):  # empty, descending, overlapping, outside
+            with pytest.raises(ConfigError):
+                c.get_ranges(1, [("b", np.zeros(len(b), np.uint8), crc_b, bad)])
+        assert c.handshakes == 1
+    sent = sum(n for cid, runs, _, _ in cases if cid in data for _, n in runs)
+    assert server.stats["bytes_sent"] - sent0 == sent
+
+
+def test_get_ranges_batches_respect_the_run_limit(served) -> None:  # type: ignore[no-untyped-def]
+    tier, server, data = served
+    b = data["b"]
+    runs = [(2 * i, 1) for i in range(600)]  # 600 runs per item: two items never share a request
+    intos = [np.zeros(b.nbytes, np.uint8) for _ in range(3)]
+    with PeerClient(server.address, secret=SECRET, options=FAST) as c:
+        requests0 = server.stats["requests"]
+        assert c.get_ranges(1, [("b", into, crc32c(b), runs) for into in intos]) == ["ok"] * 3
+        assert server.stats["requests"] - requests0 == 3
+    for into in intos:
+        assert into[0:1200:2].tobytes() == b[0:1200:2].tobytes()
+
+
+def test_get_ranges_detects_corruption_inside_and_outside_the_ranges(make_tier: MakeTier, make_server: MakeServer,
+                                                                     shm_dir: Path) -> None:
+    tier = make_tier("srv")
+    data = fill(1, {"a": 1 << 20})
+    seal_chunks(tier, 1, data)
+    tier.close()
+    (f,) = (shm_dir / "srv" / "step-1").glob("*.data")
+    with f.open("r+b") as fh:
+        fh.seek(5000)
+        fh.write(b"\xff\x00")
+    server = make_server(make_tier("srv"), options=FAST)
+    crc = crc32c(data["a"])
+    with PeerClient(server.address, secret=SECRET, options=FAST) as c:
+        # the bad bytes inside a run, before the runs, between two, after them
+        for runs in ([(4096, 4096)], [(8192, 100)], [(0, 4096), (8192, 100)], [(0, 4000)]):
+            into = np.zeros(1 << 20, np.uint8)
+            assert c.get_ranges(1, [("a", into, crc, runs)]) == ["corrupt"], runs

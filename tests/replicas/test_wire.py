@@ -37,6 +37,8 @@ VALID: list[tuple[MsgType, dict[str, Any], bytes]] = [
     (MsgType.GET_CHUNKS, {"step": 3, "count": 2}, b'["a","p[\'w\']@0:4"]'),
     (MsgType.CHUNKS, {"lengths": [3, 0, 1], "crcs": [7, 0, 2**32 - 1], "missing": [1]}, b"abcd"),
     (MsgType.ERROR, {"code": "not_found", "message": "nope"}, b""),
+    (MsgType.GET_RANGES, {"step": 3, "count": 2, "runs": [2, 1], "starts": [0, 5, 5], "stops": [4, 9, 5]}, b'["a","b"]'),
+    (MsgType.RANGES, {"lengths": [9, 0], "gaps": [0, 7, 2**32 - 1], "missing": [1]}, b"abcd"),
 ]
 
 

@@ -278,8 +278,8 @@ def restore(ram_root: str, member: str, persist_root: str, layout: str,
 
             fetch_many, lend_many = src.fetch_many, src.lend_many
 
-            def recording_fetch_many(step: int, items: Any) -> list[str | None]:
-                tiers = fetch_many(step, items)
+            def recording_fetch_many(step: int, items: Any, **kw: Any) -> list[str | None]:
+                tiers = fetch_many(step, items, **kw)
                 provenance.update({item[0]: tier for item, tier in zip(items, tiers)})
                 return tiers
 
