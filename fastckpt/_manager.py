@@ -281,8 +281,12 @@ class CheckpointManager:
     def persistent_steps(self) -> list[int]:
         """Steps committed to persistent storage, ascending."""
         self._check_open()
-        keys = self._io.run(self.store.list(MANIFEST_PREFIX))
+        keys = self._io.run(self._list_manifests())
         return sorted(s for s in (step_from_manifest_key(k) for k in keys) if s is not None)
+
+    async def _list_manifests(self) -> list[str]:
+        """The committed manifests' keys: one storage listing (the only one a restore makes)."""
+        return await self.store.list(MANIFEST_PREFIX)
 
     def steps_by_tier(self) -> dict[int, set[str]]:
         """Every committed step and the tiers holding its manifest: ``"storage"``, ``"ram"``
@@ -407,27 +411,38 @@ class CheckpointManager:
         storage's latest (and older than ``older_than``) from which every process reaches the
         chunks it needs (``wanted``), else storage's latest.
 
-        With a RAM tier only process 0 lists storage, and publishes its latest step for the
-        others (read only when no RAM step is chosen): one listing per restore instead of one
-        per host, and every process falls back to the same step even if a commit landed
-        between two listings."""
+        With a RAM tier only process 0 lists storage, while it surveys its peers' RAM steps,
+        and publishes its latest step for the others (read only when no RAM step is chosen):
+        one listing per restore instead of one per host, and every process falls back to the
+        same step even if a commit landed between two listings."""
         if step is not None:
             return self.manifest(step)
         if self._ram is None:
             return self.manifest(None)
         coord = self.coordinator
         timeout_s = self.options.distributed.barrier_timeout_s
-        latest: int | None = None
-        if coord.process_index == 0:
-            persistent = self.persistent_steps()
-            latest = persistent[-1] if persistent else None
+        listed: list[int | None] = []
+
+        def storage_latest() -> int | None:  # process 0, after its peer survey: the listing ran meanwhile
+            keys = listing.result()
+            steps = [s for s in (step_from_manifest_key(k) for k in keys) if s is not None]
+            listed.append(max(steps) if steps else None)
             if coord.process_count > 1:
-                coord.set(f"{key}/persistent", "none" if latest is None else str(latest))
-        choice = self._ram.select_step(latest, key=key, timeout_s=timeout_s, older_than=older_than, wanted=wanted)
+                coord.set(f"{key}/persistent", "none" if listed[0] is None else str(listed[0]))
+            return listed[0]
+
+        if coord.process_index == 0:
+            listing = self._io.submit(self._list_manifests())
+        try:
+            choice = self._ram.select_step(storage_latest, key=key, timeout_s=timeout_s, older_than=older_than,
+                                           wanted=wanted)
+        finally:
+            if coord.process_index == 0 and not listing.done():  # select_step failed before asking
+                listing.cancel()
         if choice is not None:
             return choice.manifest  # type: ignore[return-value]
-        if coord.process_index != 0:
-            latest = _published_step(coord.get(f"{key}/persistent", timeout_s=timeout_s))
+        latest = listed[0] if coord.process_index == 0 else _published_step(
+            coord.get(f"{key}/persistent", timeout_s=timeout_s))
         if latest is None:
             raise CheckpointNotFoundError(f"no committed checkpoint in {self.store.url} or any RAM tier"
                                           + ("" if older_than is None else f" older than RAM step {older_than}"))

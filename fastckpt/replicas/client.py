@@ -12,12 +12,11 @@ import socket
 import threading
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any, Literal, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import crc32c as _crc32c
 import numpy as np
 
-from fastckpt._checksum import crc32c_combine
 from fastckpt.errors import (
     AuthenticationError,
     ChecksumMismatchError,
@@ -25,7 +24,8 @@ from fastckpt.errors import (
     PeerUnavailableError,
     ProtocolError,
 )
-from fastckpt.replicas import wire
+from fastckpt.replicas import _batched, wire
+from fastckpt.replicas._batched import Outcome
 from fastckpt.replicas._transport import PeerOptions, PeerRequestError, check_secret, drain, recv_into_crc, tune
 from fastckpt.replicas.wire import MsgType
 
@@ -149,7 +149,7 @@ class PeerClient:
         *,
         batch_chunks: int = 16,
         window: int = 4,
-    ) -> list[Literal["ok", "missing", "corrupt"]]:
+    ) -> list[Outcome]:
         """Fetch several whole chunks over one connection, in batches, requests pipelined.
 
         Each batch of up to ``batch_chunks`` chunks (and at most ``max_payload_bytes``) is one
@@ -173,7 +173,7 @@ class PeerClient:
                 connection is discarded; no item after the failure is done).
             ProtocolError: the peer's reply is malformed (the connection is discarded).
         """
-        self._check_stream(batch_chunks, window)
+        _batched.check_stream(batch_chunks, window)
         ids = [wire.check_chunk_id(cid) for cid, _, _ in items]
         dsts = [(i.data if isinstance(i, np.ndarray) else memoryview(i)).cast("B") for _, i, _ in items]
 
@@ -181,11 +181,12 @@ class PeerClient:
             payload = json.dumps(ids[lo:hi], separators=(",", ":")).encode()
             return wire.encode_frame(MsgType.GET_CHUNKS, {"step": step, "count": hi - lo}, len(payload)) + payload
 
-        def receive(c: _Conn, lo: int, hi: int) -> list[Literal["ok", "missing", "corrupt"]]:
+        def receive(c: _Conn, lo: int, hi: int) -> list[Outcome]:
             _, h, plen = self._reply(c, MsgType.CHUNKS, missing_ok=False)
-            return self._recv_batch(c, h, plen, dsts[lo:hi], [e for _, _, e in items[lo:hi]])
+            return _batched.recv_chunks(c.sock, h, plen, dsts[lo:hi], [e for _, _, e in items[lo:hi]])
 
-        return self._stream(self._batches(ids, [d.nbytes for d in dsts], batch_chunks), request, receive, window)
+        return self._stream(_batched.batches(ids, [d.nbytes for d in dsts], batch_chunks, self._limits.max_payload_bytes),
+                            request, receive, window)
 
     def get_ranges(
         self,
@@ -194,7 +195,7 @@ class PeerClient:
         *,
         batch_chunks: int = 16,
         window: int = 4,
-    ) -> list[Literal["ok", "missing", "corrupt"]]:
+    ) -> list[Outcome]:
         """Fetch some byte ranges of each of several chunks, like :meth:`get_chunks` (batched,
         pipelined), with only the ranges on the wire.
 
@@ -220,7 +221,7 @@ class PeerClient:
         Raises:
             PeerUnavailableError, ProtocolError: As for :meth:`get_chunks`.
         """
-        self._check_stream(batch_chunks, window)
+        _batched.check_stream(batch_chunks, window)
         ids = [wire.check_chunk_id(cid) for cid, *_ in items]
         dsts = [(i.data if isinstance(i, np.ndarray) else memoryview(i)).cast("B") for _, i, *_ in items]
         runs = [list(r) for *_, r in items]
@@ -236,29 +237,22 @@ class PeerClient:
                       "starts": [a for r in runs[lo:hi] for a, _ in r], "stops": [a + n for r in runs[lo:hi] for a, n in r]}
             return wire.encode_frame(MsgType.GET_RANGES, header, len(payload)) + payload
 
-        def receive(c: _Conn, lo: int, hi: int) -> list[Literal["ok", "missing", "corrupt"]]:
+        def receive(c: _Conn, lo: int, hi: int) -> list[Outcome]:
             _, h, plen = self._reply(c, MsgType.RANGES, missing_ok=False)
-            return self._recv_ranges(c, h, plen, dsts[lo:hi], runs[lo:hi], [e for _, _, e, _ in items[lo:hi]])
+            return _batched.recv_ranges(c.sock, h, plen, dsts[lo:hi], runs[lo:hi], [e for _, _, e, _ in items[lo:hi]])
 
         sizes = [sum(n for _, n in r) for r in runs]
-        return self._stream(self._batches(ids, sizes, batch_chunks, runs=[len(r) for r in runs]), request, receive,
-                            window)
-
-    @staticmethod
-    def _check_stream(batch_chunks: int, window: int) -> None:
-        if window < 1:
-            raise ConfigError(f"window must be >= 1, got {window}")
-        if not 0 < batch_chunks <= wire.MAX_BATCH_CHUNKS:
-            raise ConfigError(f"batch_chunks must be in 1..{wire.MAX_BATCH_CHUNKS}, got {batch_chunks}")
+        return self._stream(_batched.batches(ids, sizes, batch_chunks, self._limits.max_payload_bytes,
+                                             runs=[len(r) for r in runs]), request, receive, window)
 
     def _stream(self, batches: Sequence[tuple[int, int]], request: Callable[[int, int], bytes],
-                receive: Callable[[_Conn, int, int], list[Literal["ok", "missing", "corrupt"]]],
-                window: int) -> list[Literal["ok", "missing", "corrupt"]]:
+                receive: Callable[[_Conn, int, int], list[Outcome]],
+                window: int) -> list[Outcome]:
         """Send the batch requests ``request(lo, hi)`` over one connection, up to ``window``
         ahead of the replies, and collect ``receive(conn, lo, hi)`` of each in order."""
 
-        def op(c: _Conn) -> list[Literal["ok", "missing", "corrupt"]]:
-            out: list[Literal["ok", "missing", "corrupt"]] = []
+        def op(c: _Conn) -> list[Outcome]:
+            out: list[Outcome] = []
             sent = 0
             try:
                 for b, (lo, hi) in enumerate(batches):
@@ -276,77 +270,6 @@ class PeerClient:
             return out
 
         return self._call(op)
-
-    def _batches(self, ids: Sequence[str], sizes: Sequence[int], batch_chunks: int,
-                 runs: Sequence[int] | None = None) -> list[tuple[int, int]]:
-        """Consecutive ``[lo, hi)`` index ranges of at most ``batch_chunks`` distinct ids, at
-        most ``max_payload_bytes`` (an item larger than that gets a batch of its own) and, with
-        ``runs`` (per item), at most ``wire.MAX_BATCH_RUNS`` runs."""
-        out: list[tuple[int, int]] = []
-        lo, nbytes, nruns, seen = 0, 0, 0, set()
-        for i, (cid, n) in enumerate(zip(ids, sizes)):
-            r = runs[i] if runs is not None else 0
-            if i > lo and (i - lo >= batch_chunks or nbytes + n > self._limits.max_payload_bytes or cid in seen
-                           or nruns + r > wire.MAX_BATCH_RUNS):
-                out.append((lo, i))
-                lo, nbytes, nruns, seen = i, 0, 0, set()
-            nbytes += n
-            nruns += r
-            seen.add(cid)
-        if lo < len(sizes):
-            out.append((lo, len(sizes)))
-        return out
-
-    def _recv_batch(self, c: _Conn, h: dict[str, Any], plen: int, dsts: Sequence[memoryview],
-                    expected: Sequence[int | None]) -> list[Literal["ok", "missing", "corrupt"]]:
-        """Receive one CHUNKS payload into ``dsts``, verifying each chunk as it arrives."""
-        lengths, crcs, missing = h["lengths"], h["crcs"], h["missing"]
-        n = len(dsts)
-        absent = set(missing)
-        if (len(lengths) != n or len(crcs) != n or sum(lengths) != plen or len(absent) != len(missing)
-                or any(i >= n or lengths[i] for i in absent)):
-            raise ProtocolError(f"CHUNKS reply for {n} chunks is inconsistent: {len(lengths)} lengths, "
-                                f"{len(crcs)} crcs, {len(missing)} missing, {sum(lengths)} of {plen} payload bytes")
-        out: list[Literal["ok", "missing", "corrupt"]] = []
-        for i, dst in enumerate(dsts):
-            if i in absent:
-                out.append("missing")
-            elif lengths[i] != dst.nbytes:
-                drain(c.sock, lengths[i])
-                out.append("corrupt")
-            else:
-                got = recv_into_crc(c.sock, dst)
-                out.append("ok" if got == crcs[i] and expected[i] in (None, got) else "corrupt")
-        return out
-
-    def _recv_ranges(self, c: _Conn, h: dict[str, Any], plen: int, dsts: Sequence[memoryview],
-                     runs: Sequence[Sequence[tuple[int, int]]],
-                     expected: Sequence[int]) -> list[Literal["ok", "missing", "corrupt"]]:
-        """Receive one RANGES payload into ``dsts``' runs; each chunk's runs must combine with
-        the checksums around them into its expected crc32c."""
-        lengths, gaps, missing = h["lengths"], h["gaps"], h["missing"]
-        n = len(dsts)
-        absent = set(missing)
-        held = [i for i in range(n) if i not in absent]
-        if (len(lengths) != n or len(absent) != len(missing) or any(i >= n or lengths[i] for i in absent)
-                or len(gaps) != sum(len(runs[i]) + 1 for i in held)
-                or plen != sum(k for i in held for _, k in runs[i])):
-            raise ProtocolError(f"RANGES reply for {n} chunks is inconsistent: {len(lengths)} lengths, "
-                                f"{len(gaps)} checksums, {len(missing)} missing, {plen} payload bytes")
-        out: list[Literal["ok", "missing", "corrupt"]] = []
-        g = 0
-        for i, (dst, rs) in enumerate(zip(dsts, runs)):
-            if i in absent:
-                out.append("missing")
-                continue
-            whole = gaps[g]  # the bytes before the first run
-            for j, (a, k) in enumerate(rs):
-                got = recv_into_crc(c.sock, dst[a : a + k])
-                gap = (rs[j + 1][0] if j + 1 < len(rs) else lengths[i]) - a - k
-                whole = crc32c_combine(crc32c_combine(whole, got, k), gaps[g + 1 + j], gap)
-            g += len(rs) + 1
-            out.append("ok" if lengths[i] == dst.nbytes and whole == expected[i] else "corrupt")
-        return out
 
     def push_chunk(
         self, step: int, chunk_id: str, data: memoryview | bytes | np.ndarray, *, raw_crc32c: int | None = None

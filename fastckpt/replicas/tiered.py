@@ -387,15 +387,17 @@ class RamReplication:
             with contextlib.suppress(FastckptError):  # stale (retention moved on), budget, closed
                 tier.put_manifest(step, data)
 
-    def select_step(self, persistent_latest: int | None, *, key: str, timeout_s: float,
+    def select_step(self, persistent_latest: int | None | Callable[[], int | None], *, key: str, timeout_s: float,
                     older_than: int | None = None,
                     wanted: Callable[[Manifest], Mapping[str, str]] | None = None) -> StepChoice | None:
         """Agree on the step to restore: the newest RAM step newer than storage's latest (and
         older than ``older_than``, after a newer one failed) from which *every* process can
         reach every chunk it needs; None when storage's latest should be used.
 
-        Process 0 lists the candidate RAM steps (its tier's and its peers', one request per
-        peer) and publishes them with the members that hold each one's manifest and those
+        ``persistent_latest`` is storage's latest step, or a callable that returns it, which
+        only process 0 calls, once its peer survey is done (the caller's storage listing
+        then runs beside the survey). Process 0 lists the candidate RAM steps (its tier's and
+        its peers', one request per peer) and publishes them with the members that hold each one's manifest and those
         that will relay it (``manifest_relay``): each process fetches a manifest from its
         parent in that relay tree, not from every holder after asking every peer. Each process checks them, newest first, until one holds every chunk it needs —
         ``wanted(manifest)``, the chunks its restore reads as chunk id -> object key (default:
@@ -416,6 +418,8 @@ class RamReplication:
         self._lists.clear()  # a new restore: chunk lists fetched earlier may be stale
         if coord.process_index == 0:
             sources = self._survey()
+            if callable(persistent_latest):
+                persistent_latest = persistent_latest()
             candidates = [s for s in sorted(sources, reverse=True)
                           if (older_than is None or s < older_than) and (persistent_latest is None or s > persistent_latest)]
             if coord.process_count > 1:

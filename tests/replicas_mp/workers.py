@@ -300,10 +300,15 @@ def restore(ram_root: str, member: str, persist_root: str, layout: str,
         if probe_wrong_secret:
             out["wrong_secret"] = _probe_wrong_secret(mgr)
         listings: list[int] = []
-        list_steps = mgr.persistent_steps
-        mgr.persistent_steps = lambda: listings.append(1) or list_steps()  # type: ignore[method-assign]
+        store_list = mgr.store.list
+
+        async def counting_list(prefix: str) -> list[str]:
+            listings.append(1)
+            return await store_list(prefix)
+
+        mgr.store.list = counting_list  # type: ignore[method-assign]
         got, stats = mgr.restore_with_stats(target=target)
-        mgr.persistent_steps = list_steps  # type: ignore[method-assign]
+        mgr.store.list = store_list  # type: ignore[method-assign]
         out["storage_listings"] = len(listings)  # only process 0 lists storage for a restore
         step = got["step"]
         out["step"] = step
