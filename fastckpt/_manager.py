@@ -30,6 +30,7 @@ from fastckpt.errors import (
     ConfigError,
     DistributedError,
     FastckptError,
+    NoCheckpointError,
     SaveError,
     StepAlreadyCommittedError,
 )
@@ -317,7 +318,7 @@ class CheckpointManager:
         if step is None:
             step = self.latest_step()
             if step is None:
-                raise CheckpointNotFoundError(f"no committed checkpoint in {self.store.url}")
+                raise NoCheckpointError(f"no committed checkpoint in {self.store.url}")
         try:
             data = self._io.run(self.store.get(manifest_key(step)))
         except NotFoundError:
@@ -339,8 +340,10 @@ class CheckpointManager:
         arrays; any mesh or device count works. ``partial=True`` restores only the
         target's leaves (a subtree). With ``step=None``, a RAM-only step found incomplete
         while reading is replaced by the next older complete step on every process (see
-        :meth:`restore_with_stats`). Raises CheckpointNotFoundError, TreeStructureError,
-        ShapeMismatchError, DtypeMismatchError, ChecksumMismatchError, DistributedError.
+        :meth:`restore_with_stats`). Raises NoCheckpointError (``step=None`` and nothing is
+        committed in any tier, on every process alike: initialise instead),
+        CheckpointNotFoundError, TreeStructureError, ShapeMismatchError, DtypeMismatchError,
+        ChecksumMismatchError, DistributedError.
         """
         return self.restore_with_stats(step, target, partial=partial)[0]
 
@@ -369,6 +372,7 @@ class CheckpointManager:
 
         for attempt in itertools.count():
             tag = f"{self._ns}/restore/{rseq}/{attempt}"
+            t_select = time.perf_counter()
             try:
                 manifest = self._choose_manifest(step, key=tag, older_than=older_than, wanted=wanted)
             except CheckpointNotFoundError:
@@ -381,7 +385,7 @@ class CheckpointManager:
             known = plans.get(manifest.step)
             plan = known[1] if known is not None and known[0] is manifest else resolve_target(manifest, target,
                                                                                                partial=partial)
-            stats = RestoreStats(step=manifest.step)
+            stats = RestoreStats(step=manifest.step, select_s=time.perf_counter() - t_select)
             failure = None
             try:  # CheckpointNotFoundError here: a RAM-only step's chunk is in no reachable tier
                 self._fill(manifest, plan.units(), stats, source, storage_holds_step=not ram_only)
@@ -444,8 +448,10 @@ class CheckpointManager:
         latest = listed[0] if coord.process_index == 0 else _published_step(
             coord.get(f"{key}/persistent", timeout_s=timeout_s))
         if latest is None:
+            if older_than is None:
+                raise NoCheckpointError(f"no committed checkpoint in {self.store.url} or any RAM tier")
             raise CheckpointNotFoundError(f"no committed checkpoint in {self.store.url} or any RAM tier"
-                                          + ("" if older_than is None else f" older than RAM step {older_than}"))
+                                          f" older than RAM step {older_than}")
         return self.manifest(latest)
 
     def _fill(self, manifest: Manifest, units: Sequence[Unit], stats: RestoreStats, source: ChunkSource | None, *,

@@ -21,6 +21,7 @@ Tree::
     ├── ManifestError (ValueError)             malformed manifest
     │   └── UnsupportedFormatVersionError
     ├── CheckpointNotFoundError (LookupError)  no such committed step
+    │   └── NoCheckpointError                  no committed step at all (a job starting afresh)
     ├── StepAlreadyCommittedError              a step that is already committed
     ├── TargetMismatchError (ValueError)       restore target disagrees with the checkpoint
     │   ├── TreeStructureError
@@ -49,6 +50,7 @@ __all__ = [
     "DtypeMismatchError",
     "FastckptError",
     "ManifestError",
+    "NoCheckpointError",
     "NotFoundError",
     "PeerError",
     "PeerUnavailableError",
@@ -116,6 +118,13 @@ class UnsupportedFormatVersionError(ManifestError):
 
 class CheckpointNotFoundError(FastckptError, LookupError):
     """No committed checkpoint for the requested step (or no checkpoint at all)."""
+
+
+class NoCheckpointError(CheckpointNotFoundError):
+    """No committed checkpoint in any tier: a restore of the latest step has nothing to
+    restore (a job starting afresh may initialise instead). Every other
+    :class:`CheckpointNotFoundError` means a checkpoint exists but the one asked for (or
+    the data of a RAM-only step) cannot be read."""
 
 
 class StepAlreadyCommittedError(FastckptError):

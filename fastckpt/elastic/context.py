@@ -50,7 +50,7 @@ from fastckpt.elastic._protocol import (
     now,
     write_json_atomic,
 )
-from fastckpt.errors import ConfigError
+from fastckpt.errors import ConfigError, NoCheckpointError
 
 __all__ = ["ElasticContext", "ElasticOptions"]
 
@@ -155,21 +155,23 @@ class ElasticContext:
         mgr = self._require_manager()
         self._set_phase("restore")
         t0 = now()
-        latest = self._agree("latest", lambda: str(mgr.latest_step()))
-        if latest == "None":
+        try:
+            # step=None: the manager picks the newest step whose chunks are all reachable
+            # (a RAM step, or storage's latest) and every process follows process 0.
+            state, stats = mgr.restore_with_stats(None, target=target)
+        except NoCheckpointError:  # nothing committed in any tier (raised on every process alike)
             state = init_fn()
             jax.block_until_ready(state)
             self._report.update(restored_step=None, restore_kind="init")
         else:
-            # step=None: the manager picks the newest step whose chunks are all reachable
-            # (a RAM step, or storage's latest) and every process follows process 0.
-            state, stats = mgr.restore_with_stats(None, target=target)
-            self.start_step = _restored_step(stats, fallback=int(latest))
+            assert stats.step is not None
+            self.start_step = stats.step
             self._report.update(
                 restored_step=self.start_step,
                 restore_kind="restore",
                 restore_bytes_by_tier=dict(stats.bytes_by_tier),
                 restore_bytes_read_storage=stats.bytes_read_storage,
+                restore_select_s=stats.select_s,
                 restore_fetch_s=stats.fetch_s,
                 restore_device_put_s=stats.device_put_s,
                 restore_fallbacks=dict(getattr(stats, "fallbacks", {}) or {}),
@@ -332,13 +334,3 @@ def _wait_for_listener(address: str, timeout_s: float) -> None:
                 return
             time.sleep(0.005)
 
-
-def _restored_step(stats: object, *, fallback: int) -> int:
-    """The step a ``restore_with_stats(None, ...)`` restored.
-
-    ``RestoreStats`` does not carry it yet (requested from the core); until it does, the
-    newest committed step process 0 saw just before is used. The example worker checks the
-    restored ``step``/``data_pos`` leaves against it, so a mismatch fails loudly.
-    """
-    step = getattr(stats, "step", None)
-    return fallback if step is None else int(step)

@@ -54,6 +54,8 @@ class RestoreStats:
     bytes_by_tier: dict[str, int] = dataclasses.field(default_factory=dict)
     chunks_by_tier: dict[str, int] = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
+    select_s: float = 0.0
+    """Choosing the step and planning: storage listing, RAM-step agreement, target checks."""
     fetch_s: float = 0.0
     device_put_s: float = 0.0
     bytes_read_storage: int = 0

@@ -23,6 +23,7 @@ from fastckpt.errors import (
     ConfigError,
     DtypeMismatchError,
     ManifestError,
+    NoCheckpointError,
     SaveError,
     ShapeMismatchError,
     StepAlreadyCommittedError,
@@ -83,10 +84,13 @@ def test_target_mismatch_errors(root: Any) -> None:
 def test_empty_root(root: Any) -> None:
     with CheckpointManager(root) as mgr:
         assert mgr.all_steps() == [] and mgr.latest_step() is None
-        with pytest.raises(CheckpointNotFoundError):
+        with pytest.raises(NoCheckpointError):  # nothing at all: a job may initialise instead
             mgr.restore()
-        with pytest.raises(CheckpointNotFoundError):
+        with pytest.raises(NoCheckpointError):
+            mgr.manifest()
+        with pytest.raises(CheckpointNotFoundError) as info:  # a step that is not there
             mgr.manifest(0)
+        assert not isinstance(info.value, NoCheckpointError)
 
 
 def test_unknown_format_version_and_malformed_manifest(root: Any, tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ from fastckpt.errors import (
     CorruptionError,
     FastckptError,
     ManifestError,
+    NoCheckpointError,
 )
 from fastckpt.options import RamOptions
 from fastckpt.replicas import PeerClient, PeerOptions, PeerServer, RamTier, TieredChunkSource, wire
@@ -333,6 +334,7 @@ def test_latest_ram_step_corrupt_falls_back_to_the_previous_ram_step(tmp_path: P
         with pytest.raises(CheckpointNotFoundError, match="RAM-only step 2") as info:
             mgr.restore()
         assert cid2.split("@")[0] in str(info.value), info.value
+        assert not isinstance(info.value, NoCheckpointError)  # a checkpoint exists: never "start afresh"
 
 
 # ----------------------------------------------------------------------------- peer wire
