@@ -20,6 +20,7 @@ __all__ = [
     "SaveOptions",
 ]
 
+KiB = 1 << 10
 MiB = 1 << 20
 
 
@@ -102,12 +103,19 @@ class RestoreOptions:
     of memory stays mapped after the arrays are gone, until the manager is closed."""
     verify_checksums: bool = True
     """Verify crc32c of every chunk (strongly recommended; it is cheap)."""
+    min_range_saving_bytes: int = 64 * KiB
+    """A resharding restore asks the RAM tiers (own, peers) for only the bytes of a chunk it
+    uses when that spares at least this many bytes of the chunk; otherwise it reads the
+    whole chunk (a range costs a request entry, and the peer checksums the bytes around it
+    so that the whole chunk is still verified). Persistent storage always serves whole
+    chunks (its checksums cover whole stored chunks)."""
 
     def __post_init__(self) -> None:
         for name in ("read_concurrency", "decode_threads", "max_request_bytes", "max_scratch_bytes"):
             _positive(name, getattr(self, name))
-        if self.max_gap_bytes < 0:
-            raise ConfigError("max_gap_bytes must be >= 0")
+        for name in ("max_gap_bytes", "min_range_saving_bytes"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

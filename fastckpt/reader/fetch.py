@@ -177,7 +177,7 @@ async def fill_units(
         if source is None:
             left = pairs
         elif hasattr(source, "fetch_many"):
-            left = fetch_many_from_source(pairs, source, step)
+            left = fetch_many_from_source(pairs, source, step, min_range_saving=options.min_range_saving_bytes)
         else:
             left = [(f, c) for f, c in pairs if not f.try_source(c)]
         if left and not storage_holds_step:

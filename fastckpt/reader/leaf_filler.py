@@ -28,7 +28,6 @@ __all__ = ["Decoder", "LeafFiller", "allocate", "fetch_many_from_source", "where
 _GROUP_BYTES = 64 << 20  # RAM-tier fetches of one group: scratch held at once (resharding)
 _GROUP_CHUNKS = 64  # chunks per RAM-tier fetch group (one pipelined stream per peer)
 _SCAN_CHUNKS = 4  # a leaf with more chunks (and several units) is planned through leaf_index's index
-_RANGE_MIN_SAVING = 64 << 10  # a RAM-tier fetch asks for part of a chunk when that spares this many bytes
 _RANGE_MIN_GAP = 16 << 10  # byte ranges of a chunk closer than this are read as one
 _RANGE_MAX_RUNS = 64  # more ranges in one chunk: the one range holding them all
 
@@ -288,13 +287,13 @@ class LeafFiller:
 
 
 def fetch_many_from_source(pairs: Sequence[tuple[LeafFiller, ChunkEntry]], source: Any,
-                           step: int) -> list[tuple[LeafFiller, ChunkEntry]]:
+                           step: int, *, min_range_saving: int) -> list[tuple[LeafFiller, ChunkEntry]]:
     """Ask the RAM tiers (``source.fetch_many``) for chunks of any number of leaves, in
     groups: one pipelined stream per peer and group, so that small leaves do not drain the
     stream at every leaf boundary. A chunk the restore uses only part of (resharding) is
-    asked for as the byte ranges it uses when that spares ``_RANGE_MIN_SAVING`` bytes or
-    more. Returns the pairs no tier placed. Scratch buffers of a group stay under
-    ``_GROUP_BYTES`` (counting the bytes received)."""
+    asked for as the byte ranges it uses when that spares ``min_range_saving`` bytes or
+    more (``RestoreOptions.min_range_saving_bytes``). Returns the pairs no tier placed.
+    Scratch buffers of a group stay under ``_GROUP_BYTES`` (counting the bytes received)."""
     left: list[tuple[LeafFiller, ChunkEntry]] = []
     group: list[tuple[LeafFiller, ChunkEntry, memoryview, np.ndarray | None, list[tuple[int, int]] | None]] = []
     scratch_bytes = 0
@@ -318,7 +317,7 @@ def fetch_many_from_source(pairs: Sequence[tuple[LeafFiller, ChunkEntry]], sourc
         runs = None
         if ranges and scratch is not None:  # (np.empty: the pages of bytes never received are never touched)
             runs = filler.needed_runs(chunk)
-            if chunk.raw_length - sum(n for _, n in runs) < _RANGE_MIN_SAVING:
+            if chunk.raw_length - sum(n for _, n in runs) < max(1, min_range_saving):
                 runs = None
         group.append((filler, chunk, into, scratch, runs))
         scratch_bytes += 0 if scratch is None else (chunk.raw_length if runs is None else sum(n for _, n in runs))

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from fastckpt import CheckpointManager, ManagerOptions, SaveOptions
+from fastckpt.errors import ConfigError
 from fastckpt.format.manifest import ArrayLeaf
 from fastckpt.options import RamOptions, RestoreOptions
 from fastckpt.reader.fetch import RestoreStats, Unit, fill_units
@@ -39,14 +40,16 @@ def _save(root: str, ram_root: Path, *, layers_per_chunk: int = 1) -> tuple[np.n
     return w_host, leaf
 
 
-def _fill(root: str, leaf: ArrayLeaf, box: tuple[tuple[int, int], ...], source: TieredChunkSource) -> tuple[Unit, RestoreStats]:
+def _fill(root: str, leaf: ArrayLeaf, box: tuple[tuple[int, int], ...], source: TieredChunkSource,
+          options: RestoreOptions | None = None) -> tuple[Unit, RestoreStats]:
     unit, stats = Unit(leaf, box), RestoreStats()
 
     async def run() -> None:
         store = open_store(root)
         try:
             with ThreadPoolExecutor(2) as ex:
-                await fill_units(store, 1, [unit], options=RestoreOptions(), executor=ex, stats=stats, source=source)
+                await fill_units(store, 1, [unit], options=options or RestoreOptions(), executor=ex, stats=stats,
+                                 source=source)
         finally:
             await store.close()
 
@@ -124,3 +127,14 @@ def test_a_corrupt_byte_outside_the_range_still_fails_the_chunk(saved) -> None: 
     np.testing.assert_array_equal(unit.buffer, w_host[:, 64:128])
     assert stats.chunks_by_tier == {"peer:writer": 7, "storage": 1}
     assert source.stats().fallbacks == {"corrupt": 1}
+
+
+def test_the_saving_threshold_is_an_option(saved) -> None:  # type: ignore[no-untyped-def]
+    root, w_host, leaf, _, server = saved
+    never = RestoreOptions(min_range_saving_bytes=1 << 40)
+    with PeerClient(server.address, secret=SECRET, name="writer") as client:
+        unit, stats = _fill(root, leaf, ((0, 8), (64, 128), (0, 128)), TieredChunkSource(None, [client]), never)
+    np.testing.assert_array_equal(unit.buffer, w_host[:, 64:128])
+    assert stats.bytes_by_tier == {"peer:writer": 8 * (128 << 10)}  # whole chunks
+    with pytest.raises(ConfigError):
+        RestoreOptions(min_range_saving_bytes=-1)

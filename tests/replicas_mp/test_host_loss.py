@@ -196,6 +196,7 @@ def test_restore_after_host_loss_same_size(saved_job: SavedJob, shm_dir: Path) -
     new = results[VICTIM]
     assert new["own_ram_steps_before"] == [] and "ram" not in new["bytes_by_tier"], new
     assert new["bytes_by_tier"].get("peer:host3", 0) > 0, new
+    assert new["fetched_ranged_bytes"] == new["fetched_whole_bytes"], new  # the same mesh: whole chunks
     # It asks its ring successor first (where the host it replaces pushed its chunks), then
     # the holder of what process 0 wrote once (host0's chunks are on host0 and host1).
     assert new["listed_peers"][0] == "host3" and len(new["listed_peers"]) <= 2, new
@@ -224,6 +225,10 @@ def test_restore_after_host_loss_onto_three_hosts(saved_job: SavedJob, shm_dir: 
     for r in results:
         assert r["fallbacks"] == [] and r["dead_peers"] == [], r
     assert any(t.startswith("peer:") for r in results for t in r["bytes_by_tier"])
+    # The 3 x 2 layout uses parts of the 4 x 2 chunks: peers sent only those parts (GET_RANGES).
+    peer_whole = sum(v for r in results for t, v in r["fetched_whole_bytes"].items() if t.startswith("peer:"))
+    peer_sent = sum(v for r in results for t, v in r["fetched_ranged_bytes"].items() if t.startswith("peer:"))
+    assert peer_sent < peer_whole, results
     # host3 kept the copy it fetched: it serves the manifest to the next restore too.
     assert (tiers / "host3" / f"step-{w.LAST_RAM_STEP}" / "manifest.json").exists()
 

@@ -103,11 +103,20 @@ def _generator(shardings: dict[str, Any]) -> Any:
 
 
 def _options(ram_root: str, member: str) -> Any:
-    from fastckpt.options import DistributedOptions, ManagerOptions, RamOptions, RetentionOptions, SaveOptions
+    from fastckpt.options import (
+        DistributedOptions,
+        ManagerOptions,
+        RamOptions,
+        RestoreOptions,
+        RetentionOptions,
+        SaveOptions,
+    )
 
     return ManagerOptions(
         save_interval_steps=1_000_000,  # persistent only when forced: the RAM steps are RAM-only
         save=SaveOptions(max_chunk_bytes=MAX_CHUNK_BYTES, object_bytes=512 << 10),
+        # chunks of <= 64 KiB: a resharding restore asks for the parts it uses however small
+        restore=RestoreOptions(min_range_saving_bytes=1),
         retention=RetentionOptions(keep_last=None),
         distributed=DistributedOptions(barrier_timeout_s=30),
         ram=RamOptions(root=ram_root, member_id=member, interval_steps=10, budget_bytes=64 << 20, replicas=1,
@@ -266,6 +275,8 @@ def restore(ram_root: str, member: str, persist_root: str, layout: str,
         make_source = ram.source
 
         provenance: dict[str, str | None] = {}
+        whole_bytes: dict[str, int] = {}  # per tier: the fetched chunks' whole lengths ...
+        ranged_bytes: dict[str, int] = {}  # ... and the bytes asked for (ranges of resharded chunks)
 
         def capture() -> Any:  # keep the restore's TieredChunkSource; record where each chunk came from
             src = make_source()
@@ -281,6 +292,11 @@ def restore(ram_root: str, member: str, persist_root: str, layout: str,
             def recording_fetch_many(step: int, items: Any, **kw: Any) -> list[str | None]:
                 tiers = fetch_many(step, items, **kw)
                 provenance.update({item[0]: tier for item, tier in zip(items, tiers)})
+                runs = kw.get("runs") or [None] * len(items)
+                for item, tier, rs in zip(items, tiers, runs):  # whole chunk bytes vs bytes received
+                    if tier is not None:
+                        whole_bytes[tier] = whole_bytes.get(tier, 0) + item[1]
+                        ranged_bytes[tier] = ranged_bytes.get(tier, 0) + (item[1] if rs is None else sum(n for _, n in rs))
                 return tiers
 
             def recording_lend_many(step: int, groups: Any, **kw: Any) -> Any:
@@ -332,6 +348,8 @@ def restore(ram_root: str, member: str, persist_root: str, layout: str,
             bytes_read_storage=stats.bytes_read_storage,
             restored_bytes=stats.restored_bytes,
             provenance=provenance,
+            fetched_whole_bytes=whole_bytes,
+            fetched_ranged_bytes=ranged_bytes,
             fallbacks=[[f.tier, f.chunk_id, f.reason] for f in sst.recent_fallbacks if f.reason != "miss"],
             dead_peers=sst.dead_peers,
             listed_peers=sst.listed_peers,
