@@ -41,6 +41,7 @@ from fastckpt.format.manifest import Manifest, box_volume
 from fastckpt.options import ManagerOptions
 from fastckpt.planning import needed_chunks
 from fastckpt.reader.assemble import RestorePlan, build_leaves, resolve_target
+from fastckpt._restore_agreement import agree_on_outcome, choose_latest
 from fastckpt.reader.fetch import ChunkSource, RestoreStats, Unit, fill_units
 from fastckpt.storage._protocol import Store
 from fastckpt.writer.commit import exchange_ram_manifest, publish_and_commit, ram_chunk_entries
@@ -62,15 +63,6 @@ def _open(root: str | Store) -> Store:
     from fastckpt.storage import open_store
 
     return open_store(root)
-
-
-def _published_step(value: str) -> int | None:
-    """Process 0's storage latest as published for a restore (``"none"`` or a step)."""
-    if value == "none":
-        return None
-    if not (value.isascii() and value.isdigit()) or len(value) > 19:
-        raise DistributedError(f"process 0 published a malformed storage step {value[:40]!r}")
-    return int(value)
 
 
 class CheckpointManager:
@@ -391,7 +383,9 @@ class CheckpointManager:
                 self._fill(manifest, plan.units(), stats, source, storage_holds_step=not ram_only)
             except BaseException as e:  # reported to the other processes before re-raising
                 failure = e
-            retry = self._agree_on_outcome(tag, failure, may_retry=step is None and ram_only)
+            retry = agree_on_outcome(self.coordinator if self._ram is not None else None, tag, failure,
+                                     may_retry=step is None and ram_only,
+                                     timeout_s=self.options.distributed.barrier_timeout_s)
             if not retry:
                 break
             log.warning("fastckpt: RAM step %d is incomplete (%s); restoring an older step", manifest.step,
@@ -411,48 +405,16 @@ class CheckpointManager:
 
     def _choose_manifest(self, step: int | None, *, key: str, older_than: int | None,
                          wanted: Callable[[Manifest], dict[str, str]]) -> Manifest:
-        """The manifest to restore: ``step``'s, or (None) the newest RAM step newer than
-        storage's latest (and older than ``older_than``) from which every process reaches the
-        chunks it needs (``wanted``), else storage's latest.
-
-        With a RAM tier only process 0 lists storage, while it surveys its peers' RAM steps,
-        and publishes its latest step for the others (read only when no RAM step is chosen):
-        one listing per restore instead of one per host, and every process falls back to the
-        same step even if a commit landed between two listings."""
+        """The manifest to restore: ``step``'s, or (None) the newest step every process can
+        restore (``_restore_agreement.choose_latest`` with a RAM tier, else storage's latest)."""
         if step is not None:
             return self.manifest(step)
         if self._ram is None:
             return self.manifest(None)
-        coord = self.coordinator
-        timeout_s = self.options.distributed.barrier_timeout_s
-        listed: list[int | None] = []
-
-        def storage_latest() -> int | None:  # process 0, after its peer survey: the listing ran meanwhile
-            keys = listing.result()
-            steps = [s for s in (step_from_manifest_key(k) for k in keys) if s is not None]
-            listed.append(max(steps) if steps else None)
-            if coord.process_count > 1:
-                coord.set(f"{key}/persistent", "none" if listed[0] is None else str(listed[0]))
-            return listed[0]
-
-        if coord.process_index == 0:
-            listing = self._io.submit(self._list_manifests())
-        try:
-            choice = self._ram.select_step(storage_latest, key=key, timeout_s=timeout_s, older_than=older_than,
-                                           wanted=wanted)
-        finally:
-            if coord.process_index == 0 and not listing.done():  # select_step failed before asking
-                listing.cancel()
-        if choice is not None:
-            return choice.manifest  # type: ignore[return-value]
-        latest = listed[0] if coord.process_index == 0 else _published_step(
-            coord.get(f"{key}/persistent", timeout_s=timeout_s))
-        if latest is None:
-            if older_than is None:
-                raise NoCheckpointError(f"no committed checkpoint in {self.store.url} or any RAM tier")
-            raise CheckpointNotFoundError(f"no committed checkpoint in {self.store.url} or any RAM tier"
-                                          f" older than RAM step {older_than}")
-        return self.manifest(latest)
+        return choose_latest(self._ram, self.coordinator, key=key, older_than=older_than, wanted=wanted,
+                             timeout_s=self.options.distributed.barrier_timeout_s,
+                             list_manifests=lambda: self._io.submit(self._list_manifests()),
+                             load=self.manifest, url=self.store.url)
 
     def _fill(self, manifest: Manifest, units: Sequence[Unit], stats: RestoreStats, source: ChunkSource | None, *,
               storage_holds_step: bool) -> None:
@@ -464,25 +426,6 @@ class CheckpointManager:
         self._io.run(fill_units(self.store, manifest.step, units, options=self.options.restore,
                                 executor=self._workers, stats=stats, source=source,
                                 storage_holds_step=storage_holds_step, buffers=buffers))
-
-    def _agree_on_outcome(self, tag: str, failure: BaseException | None, *, may_retry: bool) -> bool:
-        """Exchange every process's fill outcome (also the barrier that keeps peers serving
-        until everyone has read). Returns True if all should retry an older step; raises
-        this process's error, or :class:`DistributedError` naming another process's."""
-        coord = self.coordinator
-        missing = isinstance(failure, CheckpointNotFoundError)
-        mine = "ok" if failure is None else ("missing " if missing else "error ") + str(failure)[:500]
-        outcomes = [mine]
-        if self._ram is not None:
-            outcomes = coord.exchange(f"{tag}/outcome", mine, timeout_s=self.options.distributed.barrier_timeout_s)
-        if all(o == "ok" for o in outcomes):
-            return False
-        if may_retry and all(o == "ok" or o.startswith("missing ") for o in outcomes):
-            return True
-        if failure is not None:
-            raise failure
-        bad = next(i for i, o in enumerate(outcomes) if o != "ok")
-        raise DistributedError(f"process {bad} failed its part of the restore: {outcomes[bad].split(' ', 1)[1]}")
 
     # ------------------------------------------------------------------ retention / gc
     def _apply_retention(self) -> None:

@@ -251,9 +251,7 @@ class PeerServer:
         count = h["count"]
         if not 0 < count <= wire.MAX_BATCH_CHUNKS or plen > wire.max_id_list_bytes(count):
             raise ProtocolError(f"GET_CHUNKS: {count} chunks in a {plen}-byte id list")
-        raw = bytearray(plen)
-        wire.recv_exact(conn, memoryview(raw))
-        ids = wire.decode_id_batch(raw, count=count)
+        ids = self._recv_ids(conn, plen, count, "GET_CHUNKS")
         views: list[memoryview] = []
         lengths, crcs, missing = [0] * count, [0] * count, []
         for i, cid in enumerate(ids):
@@ -264,13 +262,7 @@ class PeerServer:
             view, loc = hit
             views.append(view)
             lengths[i], crcs[i] = loc.length, loc.raw_crc32c
-        total = sum(lengths)
-        if total > self._limits.max_payload_bytes:
-            return self._error(conn, "too_large", f"{count} chunks of {total} bytes exceed the payload limit "
-                                                  f"of {self._limits.max_payload_bytes}")
-        wire.send_frame(conn, MsgType.CHUNKS, {"lengths": lengths, "crcs": crcs, "missing": missing}, views)
-        self._count("bytes_sent", total)
-        return True
+        return self._send_batch(conn, MsgType.CHUNKS, {"lengths": lengths, "crcs": crcs, "missing": missing}, views)
 
     def _get_ranges(self, conn: socket.socket, h: dict[str, Any], plen: int) -> bool:
         """Answer a batch of ranged chunk reads with one RANGES frame: each held chunk's
@@ -282,9 +274,7 @@ class PeerServer:
                 or 0 in runs or len(starts) > wire.MAX_BATCH_RUNS or sum(runs) != len(starts) or len(stops) != len(starts)):
             raise ProtocolError(f"GET_RANGES: {count} chunks, {sum(runs)} runs, {len(starts)} starts, "
                                 f"{len(stops)} stops in a {plen}-byte id list")
-        raw = bytearray(plen)
-        wire.recv_exact(conn, memoryview(raw))
-        ids = wire.decode_id_batch(raw, count=count, what="GET_RANGES")
+        ids = self._recv_ids(conn, plen, count, "GET_RANGES")
         views: list[memoryview] = []
         lengths, gaps, missing = [0] * count, [], []
         j = 0
@@ -300,11 +290,24 @@ class PeerServer:
             lengths[i] = loc.length
             gaps.extend(crc32c(view[a:b]) for a, b in zip(bounds[::2], bounds[1::2]))  # before, between, after
             views.extend(view[a:b] for a, b in spans)
+        return self._send_batch(conn, MsgType.RANGES, {"lengths": lengths, "gaps": gaps, "missing": missing}, views)
+
+    @staticmethod
+    def _recv_ids(conn: socket.socket, plen: int, count: int, what: str) -> list[str]:
+        """The id list of a batch request (``count`` distinct chunk ids in ``plen`` bytes)."""
+        raw = bytearray(plen)
+        wire.recv_exact(conn, memoryview(raw))
+        return wire.decode_id_batch(raw, count=count, what=what)
+
+    def _send_batch(self, conn: socket.socket, msg_type: MsgType, header: dict[str, Any],
+                    views: list[memoryview]) -> bool:
+        """Send a batch reply carrying ``views`` back to back, or ``too_large`` when they
+        exceed the payload limit (the client then asks for fewer at a time)."""
         total = sum(v.nbytes for v in views)
         if total > self._limits.max_payload_bytes:
-            return self._error(conn, "too_large", f"{count} chunks' ranges of {total} bytes exceed the payload limit "
-                                                  f"of {self._limits.max_payload_bytes}")
-        wire.send_frame(conn, MsgType.RANGES, {"lengths": lengths, "gaps": gaps, "missing": missing}, views)
+            return self._error(conn, "too_large", f"a {msg_type.name} reply of {total} bytes exceeds the payload "
+                                                  f"limit of {self._limits.max_payload_bytes}")
+        wire.send_frame(conn, msg_type, header, views)
         self._count("bytes_sent", total)
         return True
 

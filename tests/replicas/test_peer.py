@@ -244,16 +244,23 @@ def test_busy_server_refuses_extra_connections(served, make_server: MakeServer) 
     holder.close()
 
 
-def test_corrupt_server_copy_and_wrong_size_buffer(make_tier: MakeTier, make_server: MakeServer, shm_dir: Path) -> None:
+def _serve_corrupted(make_tier: MakeTier, make_server: MakeServer, shm_dir: Path, sizes: dict[str, int],
+                     offset: int, garbage: bytes) -> tuple[PeerServer, dict[str, np.ndarray]]:
+    """A server over a tier whose step-1 segment (``sizes``' chunks, in order) has ``garbage``
+    written at ``offset`` after it was sealed (as a scribbling process or bad memory would)."""
     tier = make_tier("srv")
-    data = fill(1, {"a": 1 << 20, "b": 100})
+    data = fill(1, sizes)
     seal_chunks(tier, 1, data)
     tier.close()
     (f,) = (shm_dir / "srv" / "step-1").glob("*.data")
     with f.open("r+b") as fh:
-        fh.seek(12345)
-        fh.write(b"\x00\x01\x02")
-    server = make_server(make_tier("srv"), options=FAST)
+        fh.seek(offset)
+        fh.write(garbage)
+    return make_server(make_tier("srv"), options=FAST), data
+
+
+def test_corrupt_server_copy_and_wrong_size_buffer(make_tier: MakeTier, make_server: MakeServer, shm_dir: Path) -> None:
+    server, data = _serve_corrupted(make_tier, make_server, shm_dir, {"a": 1 << 20, "b": 100}, 12345, b"\x00\x01\x02")
     with PeerClient(server.address, secret=SECRET, options=FAST) as c:
         with pytest.raises(ChecksumMismatchError):
             c.get_chunk(1, "a")
@@ -469,15 +476,7 @@ def test_get_ranges_batches_respect_the_run_limit(served) -> None:  # type: igno
 
 def test_get_ranges_detects_corruption_inside_and_outside_the_ranges(make_tier: MakeTier, make_server: MakeServer,
                                                                      shm_dir: Path) -> None:
-    tier = make_tier("srv")
-    data = fill(1, {"a": 1 << 20})
-    seal_chunks(tier, 1, data)
-    tier.close()
-    (f,) = (shm_dir / "srv" / "step-1").glob("*.data")
-    with f.open("r+b") as fh:
-        fh.seek(5000)
-        fh.write(b"\xff\x00")
-    server = make_server(make_tier("srv"), options=FAST)
+    server, data = _serve_corrupted(make_tier, make_server, shm_dir, {"a": 1 << 20}, 5000, b"\xff\x00")
     crc = crc32c(data["a"])
     with PeerClient(server.address, secret=SECRET, options=FAST) as c:
         # the bad bytes inside a run, before the runs, between two, after them

@@ -184,7 +184,7 @@ def test_a_host_asks_the_writer_of_what_it_needs_and_its_ring_successor_not_ever
 def test_a_malformed_published_storage_step_is_a_distributed_error(value: str) -> None:
     """Process 0 publishes storage's latest step for a restore ("none" or digits); anything
     else read back is refused, typed, rather than restoring some other step."""
-    from fastckpt._manager import _published_step
+    from fastckpt._restore_agreement import published_step as _published_step
 
     assert _published_step("none") is None and _published_step("0") == 0 and _published_step("42") == 42
     with pytest.raises(DistributedError, match="malformed storage step"):
