@@ -41,7 +41,7 @@ from fastckpt.format.manifest import Manifest, box_volume
 from fastckpt.options import ManagerOptions
 from fastckpt.planning import needed_chunks
 from fastckpt.reader.assemble import RestorePlan, build_leaves, resolve_target
-from fastckpt._restore_agreement import agree_on_outcome, choose_latest
+from fastckpt._restore_agreement import agree_on_outcome, agreed_storage_latest, choose_latest
 from fastckpt.reader.fetch import ChunkSource, RestoreStats, Unit, fill_units
 from fastckpt.storage._protocol import Store
 from fastckpt.writer.commit import exchange_ram_manifest, publish_and_commit, ram_chunk_entries
@@ -330,9 +330,10 @@ class CheckpointManager:
 
         ``target`` is a pytree of ``jax.ShapeDtypeStruct`` (with ``.sharding``) or concrete
         arrays; any mesh or device count works. ``partial=True`` restores only the
-        target's leaves (a subtree). With ``step=None``, a RAM-only step found incomplete
-        while reading is replaced by the next older complete step on every process (see
-        :meth:`restore_with_stats`). Raises NoCheckpointError (``step=None`` and nothing is
+        target's leaves (a subtree). With ``step=None`` only process 0 lists storage and
+        every process restores the step it found (collective: every process must call it);
+        a RAM-only step found incomplete while reading is replaced by the next older
+        complete step on every process (see :meth:`restore_with_stats`). Raises NoCheckpointError (``step=None`` and nothing is
         committed in any tier, on every process alike: initialise instead),
         CheckpointNotFoundError, TreeStructureError, ShapeMismatchError, DtypeMismatchError,
         ChecksumMismatchError, DistributedError.
@@ -406,15 +407,22 @@ class CheckpointManager:
     def _choose_manifest(self, step: int | None, *, key: str, older_than: int | None,
                          wanted: Callable[[Manifest], dict[str, str]]) -> Manifest:
         """The manifest to restore: ``step``'s, or (None) the newest step every process can
-        restore (``_restore_agreement.choose_latest`` with a RAM tier, else storage's latest)."""
+        restore (``_restore_agreement.choose_latest`` with a RAM tier, else storage's latest
+        as process 0 lists it: ``agreed_storage_latest``)."""
         if step is not None:
             return self.manifest(step)
-        if self._ram is None:
+        list_manifests = lambda: self._io.submit(self._list_manifests())  # noqa: E731
+        timeout_s = self.options.distributed.barrier_timeout_s
+        if self._ram is not None:
+            return choose_latest(self._ram, self.coordinator, key=key, older_than=older_than, wanted=wanted,
+                                 timeout_s=timeout_s, list_manifests=list_manifests, load=self.manifest,
+                                 url=self.store.url)
+        if self.coordinator.process_count == 1:
             return self.manifest(None)
-        return choose_latest(self._ram, self.coordinator, key=key, older_than=older_than, wanted=wanted,
-                             timeout_s=self.options.distributed.barrier_timeout_s,
-                             list_manifests=lambda: self._io.submit(self._list_manifests()),
-                             load=self.manifest, url=self.store.url)
+        latest = agreed_storage_latest(self.coordinator, key=key, list_manifests=list_manifests, timeout_s=timeout_s)
+        if latest is None:
+            raise NoCheckpointError(f"no committed checkpoint in {self.store.url}")
+        return self.manifest(latest)
 
     def _fill(self, manifest: Manifest, units: Sequence[Unit], stats: RestoreStats, source: ChunkSource | None, *,
               storage_holds_step: bool) -> None:

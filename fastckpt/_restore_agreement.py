@@ -20,7 +20,7 @@ from fastckpt.format.manifest import Manifest
 if TYPE_CHECKING:
     from fastckpt.replicas.tiered import RamReplication
 
-__all__ = ["agree_on_outcome", "choose_latest", "published_step"]
+__all__ = ["agree_on_outcome", "agreed_storage_latest", "choose_latest", "published_step"]
 
 
 def published_step(value: str) -> int | None:
@@ -30,6 +30,25 @@ def published_step(value: str) -> int | None:
     if not (value.isascii() and value.isdigit()) or len(value) > 19:
         raise DistributedError(f"process 0 published a malformed storage step {value[:40]!r}")
     return int(value)
+
+
+def _publish_latest(coord: Coordinator, key: str, manifest_keys: list[str]) -> int | None:
+    """Process 0: storage's latest committed step from its listing, published for the others."""
+    steps = [s for s in (step_from_manifest_key(k) for k in manifest_keys) if s is not None]
+    latest = max(steps) if steps else None
+    if coord.process_count > 1:
+        coord.set(f"{key}/persistent", "none" if latest is None else str(latest))
+    return latest
+
+
+def agreed_storage_latest(coord: Coordinator, *, key: str, list_manifests: Callable[[], Future[list[str]]],
+                          timeout_s: float) -> int | None:
+    """Storage's latest committed step as process 0 lists it; the others read what it
+    publishes (a restore without a RAM tier): one listing per restore instead of one per
+    host, and every process restores the same step even if a commit lands meanwhile."""
+    if coord.process_index == 0:
+        return _publish_latest(coord, key, list_manifests().result())
+    return published_step(coord.get(f"{key}/persistent", timeout_s=timeout_s))
 
 
 def choose_latest(ram: RamReplication, coord: Coordinator, *, key: str, older_than: int | None,
@@ -53,10 +72,7 @@ def choose_latest(ram: RamReplication, coord: Coordinator, *, key: str, older_th
 
     def storage_latest() -> int | None:  # process 0, after its peer survey: the listing ran meanwhile
         assert listing is not None
-        steps = [s for s in (step_from_manifest_key(k) for k in listing.result()) if s is not None]
-        listed.append(max(steps) if steps else None)
-        if coord.process_count > 1:
-            coord.set(f"{key}/persistent", "none" if listed[0] is None else str(listed[0]))
+        listed.append(_publish_latest(coord, key, listing.result()))
         return listed[0]
 
     try:

@@ -46,8 +46,9 @@ def test_save_4x2_restore_2x4_and_1x8(tmp_path: Path) -> None:
         assert r["checked_shards"] == 16 and r["local_devices"] == 4
         # Each process reads what its shards need, not the whole checkpoint.
         assert r["bytes_read_storage"] < r["total_bytes"]
+    assert [r["latest_listings"] for r in got] == [1, 0]  # restore(): process 0 lists, the other follows
     (one,) = run("check_restore", 1, 8, root=root, steps=[1], mesh_shape=[8], layout="flat")
-    assert one["checked_shards"] == 32
+    assert one["checked_shards"] == 32 and one["latest_listings"] == 1
 
 
 def test_save_2x4_restore_4x2(tmp_path: Path) -> None:
@@ -55,6 +56,7 @@ def test_save_2x4_restore_4x2(tmp_path: Path) -> None:
     run("save", 2, 4, root=root, steps=[3, 4], mesh_shape=[2, 4], layout="cols")
     got = run("check_restore", 4, 2, root=root, steps=[3, 4], mesh_shape=[4, 2], layout="rows")
     assert all(r["checked_shards"] == 16 and r["steps"] == [3, 4] for r in got)
+    assert [r["latest_listings"] for r in got] == [1, 0, 0, 0]
 
 
 def test_faults_commit_nothing_and_every_process_errors(tmp_path: Path) -> None:

@@ -119,9 +119,22 @@ def check_restore(root: str, steps: list[int], mesh_shape: list[int], layout: st
                     checked += 1
             np.testing.assert_array_equal(got["host"], np.arange(10) * (step + 1))
             assert got["seed"] == step
+        # The latest step: process 0 lists storage, the others follow it (no listing of theirs).
+        listings: list[str] = []
+        store_list = mgr.store.list
+
+        async def counting_list(prefix: str = "") -> list[str]:
+            listings.append(prefix)
+            return await store_list(prefix)
+
+        mgr.store.list = counting_list  # type: ignore[method-assign]
+        got, stats = mgr.restore_with_stats(None, target)
+        mgr.store.list = store_list  # type: ignore[method-assign]
+        assert got["seed"] == stats.step == max(steps)
         total = sum(expected(n, s).nbytes for n in specs for s in steps)
         return {"checked_shards": checked, "bytes_read_storage": read, "total_bytes": total,
-                "steps": mgr.all_steps(), "local_devices": jax.local_device_count()}
+                "steps": mgr.all_steps(), "local_devices": jax.local_device_count(),
+                "latest_listings": len(listings)}
 
 
 # ------------------------------------------------------------------ fault injection
