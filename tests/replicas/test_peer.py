@@ -483,3 +483,32 @@ def test_get_ranges_detects_corruption_inside_and_outside_the_ranges(make_tier: 
         for runs in ([(4096, 4096)], [(8192, 100)], [(0, 4096), (8192, 100)], [(0, 4000)]):
             into = np.zeros(1 << 20, np.uint8)
             assert c.get_ranges(1, [("a", into, crc, runs)]) == ["corrupt"], runs
+
+
+def test_malformed_get_ranges_is_refused_and_bad_runs_are_missing(served) -> None:  # type: ignore[no-untyped-def]
+    tier, server, data = served
+    many = wire.MAX_BATCH_RUNS + 1
+    cases = [
+        ({"step": 1, "count": 2, "runs": [1], "starts": [0], "stops": [1]}, b'["a","b"]'),  # runs per id missing
+        ({"step": 1, "count": 1, "runs": [0], "starts": [], "stops": []}, b'["a"]'),  # an id without runs
+        ({"step": 1, "count": 1, "runs": [1], "starts": [0], "stops": []}, b'["a"]'),  # a run without its stop
+        ({"step": 1, "count": 1, "runs": [many], "starts": list(range(many)), "stops": list(range(many))}, b'["b"]'),
+        ({"step": 1, "count": 2, "runs": [1, 1], "starts": [0, 0], "stops": [1, 1]}, b'["a","a"]'),  # duplicate ids
+    ]
+    for header, payload in cases:
+        s, t, _, _ = raw_handshake(server.address)
+        assert t is MsgType.AUTH_OK
+        s.sendall(wire.encode_frame(MsgType.GET_RANGES, header, len(payload)) + payload)
+        reply = read_to_eof(s)
+        s.close()
+        assert b'"bad_request"' in reply, (header, reply[:200])
+    # Well-formed, but the runs are descending, overlapping or outside the chunk: those ids are missing.
+    s, t, _, _ = raw_handshake(server.address)
+    header = {"step": 1, "count": 3, "runs": [2, 2, 1], "starts": [10, 0, 0, 5, 0], "stops": [20, 5, 10, 15, 2]}
+    ids = b'["b","empty","a"]'
+    s.sendall(wire.encode_frame(MsgType.GET_RANGES, header, len(ids)) + ids)
+    t, h, plen = wire.recv_frame_head(s, wire.WireLimits())
+    s.close()
+    assert t is MsgType.RANGES and h["missing"] == [0, 1, 2] and plen == 0 and h["gaps"] == [], h
+    with PeerClient(server.address, secret=SECRET, options=FAST) as c:  # the server carries on
+        assert c.steps() == [1]
