@@ -24,7 +24,8 @@ import numpy as np
 
 from fastckpt.errors import ConfigError
 
-__all__ = ["ChunkLocation", "RamBudgetError", "Segment", "close_map", "create_segment_file", "load_index", "scan_root"]
+__all__ = ["ChunkLocation", "RamBudgetError", "Segment", "SparePool", "close_map", "create_segment_file", "load_index",
+           "scan_root"]
 
 INDEX_SUFFIX = ".index.json"
 DATA_SUFFIX = ".data"
@@ -220,6 +221,50 @@ class StepState:
     def nbytes(self) -> int:
         """Bytes held for the step (segments + manifest)."""
         return sum(s.nbytes for s in self.segments.values()) + (self.manifest_bytes or 0)
+
+
+class SparePool:
+    """Freed segment files kept for reuse (their pages stay allocated: a new segment of a
+    similar size is filled ~4x faster), with the writable mapping of each when it was kept.
+    Not thread-safe: the tier's lock guards it."""
+
+    def __init__(self, files: dict[Path, int] | None = None) -> None:
+        self.sizes: dict[Path, int] = dict(files or {})
+        """Spare file -> its bytes."""
+        self._maps: dict[Path, mmap.mmap] = {}
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.sizes.values())
+
+    def pick(self, nbytes: int) -> Path | None:
+        """The spare closest in size to ``nbytes`` within a factor of 2 (None if there is none)."""
+        fits = [(abs(size - nbytes), p) for p, size in self.sizes.items() if nbytes <= 2 * size and size <= 2 * nbytes]
+        return min(fits)[1] if fits and nbytes else None
+
+    def take(self, path: Path) -> mmap.mmap | None:
+        """Remove ``path`` from the pool (the caller reuses the file); its kept mapping, if any."""
+        del self.sizes[path]
+        return self._maps.pop(path, None)
+
+    def add(self, path: Path, nbytes: int, mm: mmap.mmap | None) -> None:
+        self.sizes[path] = nbytes
+        if mm is not None:
+            self._maps[path] = mm
+
+    def free(self, path: Path) -> None:
+        """Delete a spare file and its mapping."""
+        unlink(path)
+        close_map(self.take(path))
+
+    def close(self) -> None:
+        """Unmap the kept mappings (the files stay for a tier reopened over the directory)."""
+        for mm in self._maps.values():
+            close_map(mm)
+        self._maps.clear()
 
 
 def create_segment_file(path: Path, nbytes: int, *, spare: Path | None, prefault: bool) -> mmap.mmap | None:

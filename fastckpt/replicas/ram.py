@@ -64,6 +64,7 @@ from fastckpt.replicas._shm import (
     RamBudgetError,
     Sealed,
     Segment,
+    SparePool,
     StepState,
     atomic_write,
     close_map,
@@ -127,8 +128,7 @@ class RamTier:
         self._recycle = recycle
         self._lock = threading.RLock()
         self._steps: dict[int, StepState] = {}
-        self._spares: dict[Path, int] = {}
-        self._spare_maps: dict[Path, mmap.mmap] = {}  # spares whose writable mapping was kept
+        self._spares = SparePool()
         self._reserved = 0
         self._closed = False
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -147,7 +147,8 @@ class RamTier:
     # ------------------------------------------------------------------ open / close
 
     def _recover(self) -> None:
-        self._spares, self._steps = scan_root(self.root, recycle=self._recycle)
+        spares, self._steps = scan_root(self.root, recycle=self._recycle)
+        self._spares = SparePool(spares)
         with self._lock:
             self._apply_retention()
             self._make_room(0, for_step=None)
@@ -162,9 +163,7 @@ class RamTier:
                 for seg in st.segments.values():
                     seg.unmap(dropped=True)
             self._steps.clear()
-            for mm in self._spare_maps.values():
-                close_map(mm)
-            self._spare_maps.clear()
+            self._spares.close()
             os.close(self._lock_fd)
 
     def __enter__(self) -> RamTier:
@@ -192,11 +191,9 @@ class RamTier:
             floor = self._retention_floor()
             if floor is not None and step < floor:
                 raise StaleStepError(f"step {step} is older than the retained committed step {floor}")
-            spare = self._pick_spare(nbytes)
-            self._make_room(nbytes - (self._spares[spare] if spare else 0), for_step=step, keep_spare=spare)
-            spare_mm = self._spare_maps.pop(spare, None) if spare is not None else None
-            if spare is not None:
-                del self._spares[spare]
+            spare = self._spares.pick(nbytes)
+            self._make_room(nbytes - (self._spares.sizes[spare] if spare else 0), for_step=step, keep_spare=spare)
+            spare_mm = self._spares.take(spare) if spare is not None else None
             self._reserved += nbytes
         path = self.root / "tmp" / new_name()
         try:
@@ -349,9 +346,7 @@ class RamTier:
                 if keep and unmapped and not seg.is_lent():
                     spare = self.root / "spare" / new_name()
                     os.rename(seg.path, spare)
-                    self._spares[spare] = seg.nbytes
-                    if mm is not None:
-                        self._spare_maps[spare] = mm
+                    self._spares.add(spare, seg.nbytes, mm)
                 else:
                     close_map(mm)
                     unlink(seg.path)
@@ -498,7 +493,7 @@ class RamTier:
             raise ConfigError(f"RAM tier {self.root} is closed")
 
     def _used(self) -> int:
-        return sum(st.nbytes for st in self._steps.values()) + self._reserved + sum(self._spares.values())
+        return sum(st.nbytes for st in self._steps.values()) + self._reserved + self._spares.nbytes
 
     def _retention_floor(self) -> int | None:
         committed = sorted(s for s, st in self._steps.items() if st.committed)
@@ -510,18 +505,13 @@ class RamTier:
             for s in [s for s in self._steps if s < floor]:
                 self._drop(s, recycle=self._recycle)
 
-    def _pick_spare(self, nbytes: int) -> Path | None:
-        """The spare closest in size to ``nbytes`` within a factor of 2 (None if there is none)."""
-        fits = [(abs(size - nbytes), p) for p, size in self._spares.items() if nbytes <= 2 * size and size <= 2 * nbytes]
-        return min(fits)[1] if fits and nbytes else None
-
     def _make_room(self, extra: int, *, for_step: int | None, keep_spare: Path | None = None) -> None:
         """Free spares, then steps older than ``for_step``, until ``extra`` more bytes fit."""
         if self._used() + extra <= self.budget_bytes:
             return
-        spares = [p for p in self._spares if p != keep_spare]
+        spares = [p for p in self._spares.sizes if p != keep_spare]
         older = sorted(s for s in self._steps if for_step is None or s < for_step)
-        freeable = sum(self._spares[p] for p in spares) + sum(self._steps[s].nbytes for s in older)
+        freeable = sum(self._spares.sizes[p] for p in spares) + sum(self._steps[s].nbytes for s in older)
         if self._used() + extra - freeable > self.budget_bytes:
             raise RamBudgetError(
                 f"{extra} more bytes do not fit the RAM tier budget of {self.budget_bytes} "
@@ -530,9 +520,7 @@ class RamTier:
         for p in spares:
             if self._used() + extra <= self.budget_bytes:
                 return
-            unlink(p)
-            del self._spares[p]
-            close_map(self._spare_maps.pop(p, None))
+            self._spares.free(p)
         for s in older:
             if self._used() + extra <= self.budget_bytes:
                 return

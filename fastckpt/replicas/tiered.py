@@ -23,6 +23,7 @@ falls back to an older one on every process).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -65,13 +66,12 @@ _MAX_PEER_QUERIES = 32  # concurrent step/chunk-list queries during step selecti
 log = logging.getLogger("fastckpt")
 
 
+@dataclasses.dataclass(frozen=True)
 class StepChoice:
-    """The step a restore uses and where its manifest comes from."""
+    """The step a restore uses, and its RAM manifest (None when storage holds the step)."""
 
-    def __init__(self, step: int, manifest: Manifest | None) -> None:
-        self.step = step
-        self.manifest = manifest
-        """The RAM manifest for a RAM-only step; None when storage holds the step."""
+    step: int
+    manifest: Manifest | None
 
 
 class RamReplication:
