@@ -115,7 +115,7 @@ class TieredChunkSource:
     """
 
     fetches_ranges = True
-    """``fetch_many`` takes ``starts`` (see ``reader.units.ChunkSource``)."""
+    """``fetch_many`` takes ``runs`` (see ``reader.units.ChunkSource``)."""
 
     def __init__(
         self,
@@ -243,21 +243,23 @@ class TieredChunkSource:
             ranged = [k for k in todo if spans[k] is not None and hasattr(peer, "get_ranges")]
             tier = f"peer:{peer.name}"
             t0 = time.perf_counter()
-            try:
-                results = dict(zip(whole, peer.get_chunks(step, [(items[k][0], dsts[k], items[k][2]) for k in whole])
-                                   if whole else []))
-                if ranged:
-                    results.update(zip(ranged, peer.get_ranges(  # type: ignore[attr-defined]
-                        step, [(items[k][0], dsts[k], items[k][2], spans[k]) for k in ranged])))
-            except PeerUnavailableError as e:
-                self._fallback(tier, items[todo[0]][0], "unavailable", e, dead=i)
-                continue
-            except (ProtocolError, AuthenticationError) as e:
-                self._fallback(tier, items[todo[0]][0], "protocol", e, dead=i)
-                continue
-            except PeerError as e:
-                self._fallback(tier, items[todo[0]][0], "error", e)
-                continue
+            results: dict[int, str] = {}
+            for ks, ask in ((whole, lambda ks: peer.get_chunks(step, [(items[k][0], dsts[k], items[k][2]) for k in ks])),
+                            (ranged, lambda ks: peer.get_ranges(  # type: ignore[attr-defined]
+                                step, [(items[k][0], dsts[k], items[k][2], spans[k]) for k in ks]))):
+                if not ks:
+                    continue
+                try:
+                    results.update(zip(ks, ask(ks)))
+                except PeerUnavailableError as e:
+                    self._fallback(tier, items[ks[0]][0], "unavailable", e, dead=i)
+                    break
+                except (ProtocolError, AuthenticationError) as e:
+                    self._fallback(tier, items[ks[0]][0], "protocol", e, dead=i)
+                    break
+                except PeerError as e:
+                    self._fallback(tier, items[ks[0]][0], "error", e)
+                    break
             got = nok = 0
             for k, r in results.items():
                 if r == "ok":
