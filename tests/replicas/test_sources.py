@@ -156,3 +156,41 @@ def test_fetch_many_streams_from_peers_and_falls_back(make_tier: MakeTier, make_
     assert st.fallbacks.get("corrupt") == 1
     for p in peers:
         p.close()
+
+
+class _RangesFail:
+    """A streaming peer whose whole-chunk reads work and whose ranged stream breaks."""
+
+    name = "flaky"
+
+    def __init__(self, data: dict[str, np.ndarray]) -> None:
+        self.data = data
+
+    def list_chunks(self, step: int) -> list[str]:
+        return list(self.data)
+
+    def get_chunk(self, step: int, chunk_id: str, **kw: object) -> None:
+        raise AssertionError("streaming peers are asked in batches")
+
+    def get_chunks(self, step: int, items: list[tuple[str, np.ndarray, int]]) -> list[str]:
+        for cid, into, _ in items:
+            into[:] = self.data[cid]
+        return ["ok"] * len(items)
+
+    def get_ranges(self, step: int, items: object) -> list[str]:
+        from fastckpt.errors import PeerUnavailableError
+
+        raise PeerUnavailableError("connection reset mid-stream")
+
+
+def test_a_broken_ranged_stream_keeps_the_whole_chunks_already_received() -> None:
+    data = fill(1, {"whole": 3000, "part": 5000})
+    src = TieredChunkSource(None, [_RangesFail(data)])  # type: ignore[list-item]
+    intos = {k: np.zeros(a.nbytes, np.uint8) for k, a in data.items()}
+    items = [(k, a.nbytes, crc32c(a), intos[k]) for k, a in data.items()]
+    assert src.fetch_many(1, items, runs=[None, [(100, 50)]]) == ["peer:flaky", None]
+    assert intos["whole"].tobytes() == data["whole"].tobytes()
+    st = src.stats()
+    assert st.fallbacks == {"unavailable": 1} and st.dead_peers == ["flaky"] and st.tiers["peer:flaky"].chunks == 1
+    with pytest.raises(ConfigError):
+        src.fetch_many(1, items, runs=[None])
