@@ -333,10 +333,10 @@ class CheckpointManager:
         target's leaves (a subtree). With ``step=None`` only process 0 lists storage and
         every process restores the step it found (collective: every process must call it);
         a RAM-only step found incomplete while reading is replaced by the next older
-        complete step on every process (see :meth:`restore_with_stats`). Raises NoCheckpointError (``step=None`` and nothing is
-        committed in any tier, on every process alike: initialise instead),
-        CheckpointNotFoundError, TreeStructureError, ShapeMismatchError, DtypeMismatchError,
-        ChecksumMismatchError, DistributedError.
+        complete step on every process (see :meth:`restore_with_stats`). Raises
+        NoCheckpointError (``step=None`` and nothing is committed in any tier, on every
+        process alike: initialise instead), CheckpointNotFoundError, TreeStructureError,
+        ShapeMismatchError, DtypeMismatchError, ChecksumMismatchError, DistributedError.
         """
         return self.restore_with_stats(step, target, partial=partial)[0]
 

@@ -32,6 +32,11 @@ def published_step(value: str) -> int | None:
     return int(value)
 
 
+def _read_published(coord: Coordinator, key: str, timeout_s: float) -> int | None:
+    """Processes other than 0: the storage latest process 0 published under ``key``."""
+    return published_step(coord.get(f"{key}/persistent", timeout_s=timeout_s))
+
+
 def _publish_latest(coord: Coordinator, key: str, manifest_keys: list[str]) -> int | None:
     """Process 0: storage's latest committed step from its listing, published for the others."""
     steps = [s for s in (step_from_manifest_key(k) for k in manifest_keys) if s is not None]
@@ -48,7 +53,7 @@ def agreed_storage_latest(coord: Coordinator, *, key: str, list_manifests: Calla
     host, and every process restores the same step even if a commit lands meanwhile."""
     if coord.process_index == 0:
         return _publish_latest(coord, key, list_manifests().result())
-    return published_step(coord.get(f"{key}/persistent", timeout_s=timeout_s))
+    return _read_published(coord, key, timeout_s)
 
 
 def choose_latest(ram: RamReplication, coord: Coordinator, *, key: str, older_than: int | None,
@@ -82,8 +87,7 @@ def choose_latest(ram: RamReplication, coord: Coordinator, *, key: str, older_th
             listing.cancel()
     if choice is not None:
         return choice.manifest  # type: ignore[return-value]
-    latest = listed[0] if coord.process_index == 0 else published_step(
-        coord.get(f"{key}/persistent", timeout_s=timeout_s))
+    latest = listed[0] if coord.process_index == 0 else _read_published(coord, key, timeout_s)
     if latest is None:
         if older_than is None:
             raise NoCheckpointError(f"no committed checkpoint in {url} or any RAM tier")

@@ -145,7 +145,6 @@ def contiguous_span(region: Box, shape: Sequence[int]) -> tuple[int, int] | None
     return (start, math.prod(ext))
 
 
-
 def element_runs(regions: Sequence[Box], shape: Sequence[int], *, min_gap: int = 0,
                  max_runs: int | None = None) -> list[tuple[int, int]]:
     """The runs ``(first_element, n_elements)`` of a C-order array of ``shape`` that hold
@@ -176,8 +175,8 @@ def element_runs(regions: Sequence[Box], shape: Sequence[int], *, min_gap: int =
 
 
 def _region_runs(region: Box, shape: Sequence[int], min_gap: int, max_runs: int | None) -> list[tuple[int, int]]:
-    """:func:`element_runs` of one region (at most ``max_runs`` + 1 of them: more are
-    summarised by the region's bounding run, since the caller then falls back to it)."""
+    """:func:`element_runs` of one region: at most ``max_runs`` runs, or else the one run
+    bounding the region (the caller then falls back to a bounding run anyway)."""
     ext = [b - a for a, b in region]
     if any(e <= 0 for e in ext):
         return []
@@ -197,4 +196,3 @@ def _region_runs(region: Box, shape: Sequence[int], min_gap: int, max_runs: int 
     for k in range(d):
         starts = [s + i * strides[k] for s in starts for i in range(ext[k])]
     return [(s, run) for s in starts]
-

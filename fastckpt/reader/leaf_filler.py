@@ -295,32 +295,34 @@ def fetch_many_from_source(pairs: Sequence[tuple[LeafFiller, ChunkEntry]], sourc
     more (``RestoreOptions.min_range_saving_bytes``). Returns the pairs no tier placed.
     Scratch buffers of a group stay under ``_GROUP_BYTES`` (counting the bytes received)."""
     left: list[tuple[LeafFiller, ChunkEntry]] = []
-    group: list[tuple[LeafFiller, ChunkEntry, memoryview, np.ndarray | None, list[tuple[int, int]] | None]] = []
+    # (filler, chunk, into, scratch, runs asked for or None: whole, bytes asked for)
+    group: list[tuple[LeafFiller, ChunkEntry, memoryview, np.ndarray | None, list[tuple[int, int]] | None, int]] = []
     scratch_bytes = 0
     ranges = getattr(source, "fetches_ranges", False) is True
 
     def flush() -> None:
-        items = [(chunk_id(f.leaf.path, c.box), c.raw_length, c.raw_crc32c, into) for f, c, into, _, _ in group]
-        tiers = (source.fetch_many(step, items, runs=[runs for *_, runs in group]) if ranges
+        items = [(chunk_id(f.leaf.path, c.box), c.raw_length, c.raw_crc32c, into) for f, c, into, *_ in group]
+        tiers = (source.fetch_many(step, items, runs=[g[4] for g in group]) if ranges
                  else source.fetch_many(step, items))
-        for (f, c, _, scratch, runs), tier in zip(group, tiers):
+        for (f, c, _, scratch, _, nbytes), tier in zip(group, tiers):
             if tier is None:
                 left.append((f, c))
                 continue
             f.finish(c, scratch)
             with f.lock:
-                f.stats.add(tier, c.raw_length if runs is None else sum(n for _, n in runs))
+                f.stats.add(tier, nbytes)
         group.clear()
 
     for filler, chunk in pairs:
         into, scratch = filler.target(chunk)
-        runs = None
+        runs, nbytes = None, chunk.raw_length
         if ranges and scratch is not None:  # (np.empty: the pages of bytes never received are never touched)
             runs = filler.needed_runs(chunk)
-            if chunk.raw_length - sum(n for _, n in runs) < max(1, min_range_saving):
-                runs = None
-        group.append((filler, chunk, into, scratch, runs))
-        scratch_bytes += 0 if scratch is None else (chunk.raw_length if runs is None else sum(n for _, n in runs))
+            nbytes = sum(n for _, n in runs)
+            if chunk.raw_length - nbytes < max(1, min_range_saving):
+                runs, nbytes = None, chunk.raw_length
+        group.append((filler, chunk, into, scratch, runs, nbytes))
+        scratch_bytes += 0 if scratch is None else nbytes
         if scratch_bytes >= _GROUP_BYTES or len(group) >= _GROUP_CHUNKS:
             flush()
             scratch_bytes = 0

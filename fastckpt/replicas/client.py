@@ -226,8 +226,7 @@ class PeerClient:
         dsts = [(i.data if isinstance(i, np.ndarray) else memoryview(i)).cast("B") for _, i, *_ in items]
         runs = [list(r) for *_, r in items]
         for cid, dst, rs in zip(ids, dsts, runs):
-            ends = [0, *(x for a, n in rs for x in (a, a + n)), dst.nbytes]
-            if not rs or len(rs) > wire.MAX_BATCH_RUNS or any(a > b for a, b in zip(ends, ends[1:])):
+            if not rs or len(rs) > wire.MAX_BATCH_RUNS or not wire.spans_fit(((a, a + n) for a, n in rs), dst.nbytes):
                 raise ConfigError(f"runs {rs[:4]}... of chunk {cid!r} ({dst.nbytes} bytes) are not ascending, "
                                   f"disjoint and inside it (1..{wire.MAX_BATCH_RUNS} of them)")
 

@@ -282,12 +282,12 @@ class PeerServer:
             spans = list(zip(starts[j : j + n], stops[j : j + n]))
             j += n
             hit = self._tier.read_chunk(h["step"], cid)
-            bounds = [0, *(x for span in spans for x in span), hit[1].length if hit is not None else 0]
-            if hit is None or any(a > b for a, b in zip(bounds, bounds[1:])):
+            if hit is None or not wire.spans_fit(spans, hit[1].length):
                 missing.append(i)  # not held, or the ranges are not ascending, disjoint and inside it
                 continue
             view, loc = hit
             lengths[i] = loc.length
+            bounds = [0, *(x for span in spans for x in span), loc.length]
             gaps.extend(crc32c(view[a:b]) for a, b in zip(bounds[::2], bounds[1::2]))  # before, between, after
             views.extend(view[a:b] for a, b in spans)
         return self._send_batch(conn, MsgType.RANGES, {"lengths": lengths, "gaps": gaps, "missing": missing}, views)

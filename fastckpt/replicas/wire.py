@@ -63,6 +63,7 @@ __all__ = [
     "recv_exact",
     "recv_frame_head",
     "send_frame",
+    "spans_fit",
 ]
 
 MAGIC = b"FCKP"
@@ -217,6 +218,18 @@ def auth_mac(secret: bytes, role: Literal["server", "client"], client_nonce: byt
     """
     msg = _AUTH_DOMAIN + role.encode() + b"\x00" + client_nonce + server_nonce
     return hmac.new(secret, msg, hashlib.sha256).digest()
+
+
+def spans_fit(spans: Iterable[tuple[int, int]], length: int) -> bool:
+    """Whether byte ranges ``[start, stop)`` are ascending, disjoint and inside ``length``
+    bytes (a GET_RANGES chunk's runs: checked by the client before asking, by the server
+    against the chunk it holds)."""
+    pos = 0
+    for start, stop in spans:
+        if not pos <= start <= stop:
+            return False
+        pos = stop
+    return pos <= length
 
 
 def check_chunk_id(chunk_id: str) -> str:

@@ -45,6 +45,18 @@ def read_to_eof(s: socket.socket) -> bytes:
     return out
 
 
+def assert_refused(server: PeerServer, msg_type: MsgType, cases: list[tuple[dict, bytes]]) -> None:  # type: ignore[type-arg]
+    """Each ``(header, payload)`` request, sent on its own authenticated connection, gets a
+    ``bad_request`` ERROR and the connection closed."""
+    for header, payload in cases:
+        s, t, _, _ = raw_handshake(server.address)
+        assert t is MsgType.AUTH_OK
+        s.sendall(wire.encode_frame(msg_type, header, len(payload)) + payload)
+        reply = read_to_eof(s)
+        s.close()
+        assert b'"bad_request"' in reply, (header, reply[:200])
+
+
 @pytest.fixture
 def served(make_tier: MakeTier, make_server: MakeServer) -> tuple[RamTier, PeerServer, dict[str, np.ndarray]]:
     tier = make_tier("server")
@@ -395,13 +407,7 @@ def test_malformed_push_chunks_is_refused(served) -> None:  # type: ignore[no-un
         ({"step": 7, "count": 1, "ids_len": 5, "lengths": [1], "crcs": [0]}, b'["a",' + b"x"),
         ({"step": 7, "count": 0, "ids_len": 2, "lengths": [], "crcs": []}, b"[]"),
     ]
-    for header, payload in cases:
-        s, t, _, _ = raw_handshake(server.address)
-        assert t is MsgType.AUTH_OK
-        s.sendall(wire.encode_frame(MsgType.PUT_CHUNKS, header, len(payload)) + payload)
-        reply = read_to_eof(s)
-        s.close()
-        assert b'"bad_request"' in reply, (header, reply[:200])
+    assert_refused(server, MsgType.PUT_CHUNKS, cases)
     assert tier.chunk_ids(7) == []
     with PeerClient(server.address, secret=SECRET, options=FAST) as c:  # the server carries on
         assert c.steps() == [1]
@@ -495,13 +501,7 @@ def test_malformed_get_ranges_is_refused_and_bad_runs_are_missing(served) -> Non
         ({"step": 1, "count": 1, "runs": [many], "starts": list(range(many)), "stops": list(range(many))}, b'["b"]'),
         ({"step": 1, "count": 2, "runs": [1, 1], "starts": [0, 0], "stops": [1, 1]}, b'["a","a"]'),  # duplicate ids
     ]
-    for header, payload in cases:
-        s, t, _, _ = raw_handshake(server.address)
-        assert t is MsgType.AUTH_OK
-        s.sendall(wire.encode_frame(MsgType.GET_RANGES, header, len(payload)) + payload)
-        reply = read_to_eof(s)
-        s.close()
-        assert b'"bad_request"' in reply, (header, reply[:200])
+    assert_refused(server, MsgType.GET_RANGES, cases)
     # Well-formed, but the runs are descending, overlapping or outside the chunk: those ids are missing.
     s, t, _, _ = raw_handshake(server.address)
     header = {"step": 1, "count": 3, "runs": [2, 2, 1], "starts": [10, 0, 0, 5, 0], "stops": [20, 5, 10, 15, 2]}
