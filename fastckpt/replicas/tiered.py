@@ -39,7 +39,7 @@ from fastckpt._distributed import Coordinator
 from fastckpt.errors import DistributedError, FastckptError, ManifestError, PeerError
 from fastckpt.format.codec import decode_manifest
 from fastckpt.format.layout import ram_writer
-from fastckpt.format.manifest import ChunkEntry, Manifest, chunk_id, chunk_ids
+from fastckpt.format.manifest import ChunkEntry, Manifest, chunk_id, chunk_id_prefix, chunk_ids
 from fastckpt.options import RamOptions
 from fastckpt.replicas.discovery import CoordinatorDirectory, PeerDirectory, StoreDirectory, make_record
 from fastckpt.replicas.client import StepLists
@@ -144,8 +144,9 @@ class RamReplication:
         index: dict[str, ChunkLocation] = {}
         for ai, arr in enumerate(staged.arrays):
             crc_by_box = {c.box: c.raw_crc32c for c in chunks[ai]}
-            for ii, item in enumerate(arr.items):
-                index[chunk_id(arr.path, item.box)] = ChunkLocation(arr.item_offsets[ii], item.nbytes, crc_by_box[item.box])
+            prefix = chunk_id_prefix(arr.path)
+            for off, item in zip(arr.item_offsets, arr.items):
+                index[chunk_id(arr.path, item.box, prefix=prefix)] = ChunkLocation(off, item.nbytes, crc_by_box[item.box])
         self.tier.seal(step, seg, index)
         self._sealed_ids = list(index)
 

@@ -11,7 +11,9 @@ import pytest
 from fastckpt import CheckpointManager
 from fastckpt.errors import ConfigError
 from fastckpt._tree import flatten
+from fastckpt.writer import stage
 from fastckpt.writer.stage import StagePlans, stage_state
+from jax._src.array import ArrayImpl
 
 from .util import P, assert_sharded_like, device_data, named
 
@@ -78,3 +80,38 @@ def test_manager_saves_reuse_plans_and_restore_bit_exact(root: Any) -> None:
                 assert_sharded_like(got[k], state[k].sharding, h)
             assert np.array_equal(got["n"], np.arange(6))
         assert (mgr._plans.hits, mgr._plans.misses) == (5, 4)  # noqa: SLF001 - 3 + 3 (hits 3) + 3 (hits 2)
+
+
+def test_transfer_mode_is_none_on_host_devices_and_one_call_when_every_shard_is_used() -> None:
+    assert stage._transfer_mode(on_host=True, local_shards=8, used=range(8)) is None
+    assert stage._transfer_mode(on_host=False, local_shards=8, used=range(8)) == "all"
+    assert stage._transfer_mode(on_host=False, local_shards=8, used=[0, 4]) == "shards"
+
+
+@pytest.mark.parametrize("mode", [None, "all", "shards"])
+@pytest.mark.parametrize("cached", [False, True])
+def test_each_transfer_mode_starts_the_copies_it_says_and_stages_the_same_bytes(
+        mode: str | None, cached: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    state = _state(3)[0]
+    expected = _stage(state, None)  # CPU devices: no asynchronous transfer at all
+    calls: list[tuple[int, ...]] = []
+    real = ArrayImpl.copy_to_host_async
+
+    def counting(self: Any) -> None:
+        calls.append(tuple(self.shape))
+        real(self)
+
+    monkeypatch.setattr(ArrayImpl, "copy_to_host_async", counting)
+    assert _stage(state, None) == expected and calls == []
+    monkeypatch.setattr(stage, "_transfer_mode", lambda **kw: mode)
+    plans = StagePlans()
+    if cached:
+        _stage(state, plans)
+        calls.clear()
+    assert _stage(state, plans) == expected
+    if mode is None:
+        assert calls == []
+    elif mode == "all":  # one call per jax leaf, on the global array
+        assert sorted(calls) == [(8, 8), (16, 32), (16, 32)]
+    else:  # one per used shard: a's 8; b's 4 distinct (not its replicas over "x"); r's 1
+        assert sorted(calls) == [(4, 32)] * 4 + [(8, 8)] * 9
