@@ -4,7 +4,8 @@ Call order: :func:`write_chunks` runs on the fastckpt event loop after staging. 
 on a thread pool (zstd and crc32c release the GIL); encoded chunks are packed into objects of
 about ``object_bytes`` and uploaded with bounded concurrency. Host memory beyond the staged
 copy is bounded by ``max_inflight_bytes``: a chunk's budget is taken before it is encoded
-and returned when the object holding it has been uploaded. Chunks that do not compress
+(small chunks in batches of about 1 MiB, one thread hand-off each) and returned when the
+object holding it has been uploaded. Chunks that do not compress
 (saving less than ``SaveOptions.min_compression_gain``; decided from a 1 MiB trial for big
 chunks, so dense float weights cost no compression CPU) are stored raw, straight from the
 staging buffer.
@@ -30,6 +31,10 @@ from fastckpt.writer.stage import StagedSave
 __all__ = ["EncodedChunk", "WriteStats", "write_chunks"]
 
 _TRIAL_BYTES = 1 << 20
+_BATCH_BYTES = 1 << 20
+"""Chunks are handed to the encoder threads in batches of about this many bytes..."""
+_BATCH_CHUNKS = 256
+"""...or of at most this many chunks."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -103,8 +108,9 @@ async def write_chunks(
     budget = ByteBudget(options.max_inflight_bytes)
     upload_slots = asyncio.Semaphore(options.upload_concurrency)
     target = max(1, min(options.object_bytes, options.max_inflight_bytes // 2))
+    batch_bytes = max(1, min(_BATCH_BYTES, options.max_inflight_bytes // 8))
     result: dict[int, list[ChunkEntry]] = {i: [] for i in range(len(staged.arrays))}
-    queue: asyncio.Queue[tuple[asyncio.Future[EncodedChunk], int] | None] = asyncio.Queue(
+    queue: asyncio.Queue[tuple[asyncio.Future[list[EncodedChunk]], int] | None] = asyncio.Queue(
         maxsize=max(2, options.encode_threads * 2)
     )
     uploads: set[asyncio.Task[None]] = set()
@@ -117,13 +123,27 @@ async def write_chunks(
         if not task.cancelled() and task.exception() is not None:
             failed.append(task.exception())  # type: ignore[arg-type]
 
+    def encode_batch(batch: list[tuple[int, int, memoryview, int | None]]) -> list[EncodedChunk]:
+        return [encoder(ai, ii, raw, known) for ai, ii, raw, known in batch]
+
     async def produce() -> None:
+        # Small chunks go to the encoder in batches (one executor job per ~1 MiB, not per
+        # chunk: a thread hand-off per 16 KiB shard cost more than encoding it).
+        buf = memoryview(staged.buffer)
+        batch: list[tuple[int, int, memoryview, int | None]] = []
+        nbytes = 0
         for ai, arr in enumerate(staged.arrays):
-            for ii in range(len(arr.items)):
-                charged = await budget.acquire(arr.items[ii].nbytes)
+            for ii, (item, off) in enumerate(zip(arr.items, arr.item_offsets)):
                 known = raw_crcs[ai][ii] if raw_crcs is not None else None
-                fut = loop.run_in_executor(executor, encoder, ai, ii, staged.chunk_view(arr, ii), known)
-                await queue.put((fut, charged))
+                batch.append((ai, ii, buf[off : off + item.nbytes], known))
+                nbytes += item.nbytes
+                if nbytes >= batch_bytes or len(batch) >= _BATCH_CHUNKS:
+                    charged = await budget.acquire(nbytes)
+                    await queue.put((loop.run_in_executor(executor, encode_batch, batch), charged))
+                    batch, nbytes = [], 0
+        if batch:
+            charged = await budget.acquire(nbytes)
+            await queue.put((loop.run_in_executor(executor, encode_batch, batch), charged))
         await queue.put(None)
 
     async def upload(key: str, parts: list[memoryview], charged: int, entries: list[tuple[int, ChunkEntry]]) -> None:
@@ -168,24 +188,23 @@ async def write_chunks(
                 break
             fut, charged = got
             t0 = loop.time()
-            enc = await fut
+            encoded = await fut
             stats.encode_s += loop.time() - t0
             # Raw chunks are views of the staging buffer: they cost no extra memory.
-            keep = enc.stored.nbytes if enc.codec != "raw" else 0
-            keep = min(keep, charged)
+            keep = min(charged, sum(enc.stored.nbytes for enc in encoded if enc.codec != "raw"))
             if charged > keep:
                 await budget.release(charged - keep)
-            arr = staged.arrays[enc.array_index]
-            item = arr.items[enc.item_index]
-            entries.append((enc.array_index, ChunkEntry(
-                box=item.box, key="", offset=size, length=enc.stored.nbytes,
-                raw_length=enc.raw_length, codec=enc.codec, crc32c=enc.crc32c, raw_crc32c=enc.raw_crc32c,
-            )))
-            parts.append(enc.stored)
-            size += enc.stored.nbytes
             charged_total += keep
-            stats.raw_bytes += enc.raw_length
-            stats.stored_bytes += enc.stored.nbytes
+            for enc in encoded:
+                item = staged.arrays[enc.array_index].items[enc.item_index]
+                entries.append((enc.array_index, ChunkEntry(
+                    box=item.box, key="", offset=size, length=enc.stored.nbytes,
+                    raw_length=enc.raw_length, codec=enc.codec, crc32c=enc.crc32c, raw_crc32c=enc.raw_crc32c,
+                )))
+                parts.append(enc.stored)
+                size += enc.stored.nbytes
+                stats.raw_bytes += enc.raw_length
+                stats.stored_bytes += enc.stored.nbytes
         flush()
 
     producer = asyncio.ensure_future(produce())
