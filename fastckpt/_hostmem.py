@@ -21,9 +21,11 @@ from fastckpt._checksum import crc32c
 
 _T = TypeVar("_T")
 
-__all__ = ["BufferCache", "StagingPool", "alloc_aligned", "as_bytes", "balanced_groups", "parallel_copy", "parallel_crc32c"]
+__all__ = ["BufferCache", "StagingPool", "alloc_aligned", "as_bytes", "balanced_groups", "carve", "parallel_copy",
+           "parallel_crc32c", "slab_bytes"]
 
 _HUGE = 2 << 20
+_SLAB_ALIGN = 64
 
 
 def alloc_aligned(nbytes: int, *, hugepages: bool = True) -> np.ndarray:
@@ -44,6 +46,23 @@ def _mapping(nbytes: int, hugepages: bool = True) -> mmap.mmap:
         except OSError:
             pass
     return m
+
+
+def slab_bytes(sizes: Sequence[int]) -> int:
+    """Bytes of one buffer holding ``sizes`` back to back, each start 64-byte aligned (see
+    :func:`carve`)."""
+    return sum(-(-n // _SLAB_ALIGN) * _SLAB_ALIGN for n in sizes)
+
+
+def carve(slab: np.ndarray, sizes: Sequence[int]) -> list[np.ndarray]:
+    """Views of ``slab`` (at least :func:`slab_bytes` of ``sizes``), one per size, each
+    starting 64-byte aligned when ``slab`` is (enough for ``jax.device_put`` on the CPU
+    backend to alias a view instead of copying it)."""
+    out, off = [], 0
+    for n in sizes:
+        out.append(slab[off : off + n])
+        off += -(-n // _SLAB_ALIGN) * _SLAB_ALIGN
+    return out
 
 
 class BufferCache:

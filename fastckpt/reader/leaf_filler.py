@@ -16,7 +16,7 @@ import numpy as np
 import zstandard
 
 from fastckpt._checksum import crc32c
-from fastckpt._hostmem import BufferCache, alloc_aligned
+from fastckpt._hostmem import BufferCache, alloc_aligned, carve, slab_bytes
 from fastckpt.errors import ChecksumMismatchError, CorruptionError
 from fastckpt.format.dtypes import dtype_from_name
 from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, box_shape, box_volume, chunk_id, chunk_id_prefix, keypath_str
@@ -102,12 +102,23 @@ class LeafFiller:
                 self.items.setdefault(it.chunk, []).append((pos, it))
         # Every unit's destination: a view the own RAM tier lends, else a fresh host buffer.
         lent = self._lend_units() if self.source is not None and hasattr(self.source, "lend_many") else {}
+        fresh = iter(self._fresh_buffers([u for pos, u in enumerate(self.units) if pos not in lent]))
         for pos, unit in enumerate(self.units):
-            flat = lent.get(pos)
-            if flat is None:
-                flat = self._fresh_buffer(unit)
+            flat = lent[pos] if pos in lent else next(fresh)
             self.flats.append(flat)
             self.dsts.append(flat.view(self.dtype).reshape(box_shape(unit.box)))
+
+    def _fresh_buffers(self, units: Sequence[Unit]) -> list[np.ndarray]:
+        """New host buffers for ``units``. Units that may be lent (device-bound) share one
+        mapping, each 64-byte aligned (what lets ``device_put`` alias it): one allocation and
+        one reuse record per leaf instead of one per shard; the mapping goes back to the
+        cache when every unit's array is gone."""
+        if len(units) < 2 or not all(u.lendable for u in units):
+            return [self._fresh_buffer(u) for u in units]
+        sizes = [box_volume(u.box) * self.dtype.itemsize for u in units]
+        slab = allocate(slab_bytes(sizes), lambda: f"array {keypath_str(self.leaf.path)} ({len(units)} boxes)",
+                        cache=self.buffers)
+        return carve(slab, sizes)
 
     def _fresh_buffer(self, unit: Unit) -> np.ndarray:
         """A new host buffer for ``unit`` (from the restore's cache when it may be lent)."""

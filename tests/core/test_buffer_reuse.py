@@ -60,3 +60,34 @@ def test_reuse_can_be_turned_off(tmp_path: Path) -> None:
             del del_me
             gc.collect()
         assert mgr._restore_buffers.reused == 0 and mgr._restore_buffers.held_bytes() == 0
+
+
+def test_a_leafs_shards_share_one_mapping_aliased_by_its_array_and_come_back_together(tmp_path: Path) -> None:
+    """A storage restore allocates one mapping per leaf (its 8 boxes 64-byte aligned in it),
+    the restored shards alias it (no copy into jax), and it returns to the cache as one."""
+    import jax
+
+    state = _state()
+    expected = {k: np.asarray(v) for k, v in state.items()}
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
+    with CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(1, state)
+        mgr.wait()
+        got = mgr.restore(1, target=target)
+        ptrs = sorted(s.data.unsafe_buffer_pointer() for s in got["w"].addressable_shards)
+        shard_bytes = got["w"].addressable_shards[0].data.nbytes
+        assert [p % 64 for p in ptrs] == [0] * 8
+        assert ptrs[-1] - ptrs[0] == 7 * shard_bytes  # back to back in one slab (128 KiB each: no padding)
+        np.testing.assert_array_equal(np.asarray(got["w"]), expected["w"])
+        cache: BufferCache = mgr._restore_buffers
+        held, reused = cache.held_bytes(), cache.reused
+        del got
+        gc.collect()
+        # w's one slab, and b's one box (replicated: every device places the same unit)
+        assert cache.held_bytes() - held == 8 * shard_bytes + expected["b"].nbytes
+        again = mgr.restore(1, target=target)
+        assert cache.reused == reused + 2 and cache.held_bytes() == held
+        ptrs = sorted(s.data.unsafe_buffer_pointer() for s in again["w"].addressable_shards)
+        assert ptrs[-1] - ptrs[0] == 7 * shard_bytes
+        for k in expected:
+            np.testing.assert_array_equal(np.asarray(again[k]), expected[k])
