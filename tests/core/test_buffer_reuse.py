@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -21,15 +24,22 @@ def _state() -> dict[str, object]:
             "b": jax.device_put(rng.standard_normal((4096,), dtype=np.float32), NamedSharding(mesh, P()))}
 
 
-def test_second_restore_reuses_freed_buffers_and_is_exact(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def _saved(root: Path, options: ManagerOptions | None = None) -> Iterator[tuple[CheckpointManager, dict[str, np.ndarray], Any]]:
+    """A manager holding ``_state()`` as step 1, the state's host values and a restore target."""
     import jax
 
     state = _state()
     expected = {k: np.asarray(v) for k, v in state.items()}
     target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
-    with CheckpointManager(str(tmp_path)) as mgr:
+    with CheckpointManager(str(root), options=options) as mgr:
         mgr.save(1, state)
         mgr.wait()
+        yield mgr, expected, target
+
+
+def test_second_restore_reuses_freed_buffers_and_is_exact(tmp_path: Path) -> None:
+    with _saved(tmp_path) as (mgr, expected, target):
         first = mgr.restore(1, target=target)
         kept = first["w"]  # still alive: its buffers must not be handed out again
         del first
@@ -47,14 +57,8 @@ def test_second_restore_reuses_freed_buffers_and_is_exact(tmp_path: Path) -> Non
 
 
 def test_reuse_can_be_turned_off(tmp_path: Path) -> None:
-    import jax
-
-    state = _state()
-    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
     options = ManagerOptions(restore=RestoreOptions(reuse_host_buffers=False))
-    with CheckpointManager(str(tmp_path), options=options) as mgr:
-        mgr.save(1, state)
-        mgr.wait()
+    with _saved(tmp_path, options) as (mgr, _, target):
         for _ in range(2):
             del_me = mgr.restore(1, target=target)
             del del_me
@@ -65,14 +69,7 @@ def test_reuse_can_be_turned_off(tmp_path: Path) -> None:
 def test_a_leafs_shards_share_one_mapping_aliased_by_its_array_and_come_back_together(tmp_path: Path) -> None:
     """A storage restore allocates one mapping per leaf (its 8 boxes 64-byte aligned in it),
     the restored shards alias it (no copy into jax), and it returns to the cache as one."""
-    import jax
-
-    state = _state()
-    expected = {k: np.asarray(v) for k, v in state.items()}
-    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
-    with CheckpointManager(str(tmp_path)) as mgr:
-        mgr.save(1, state)
-        mgr.wait()
+    with _saved(tmp_path) as (mgr, expected, target):
         got = mgr.restore(1, target=target)
         ptrs = sorted(s.data.unsafe_buffer_pointer() for s in got["w"].addressable_shards)
         shard_bytes = got["w"].addressable_shards[0].data.nbytes
