@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastckpt._checksum import crc32c
-from fastckpt._hostmem import balanced_groups, parallel_copy, parallel_crc32c
+from fastckpt._hostmem import alloc_aligned, balanced_groups, carve, parallel_copy, parallel_crc32c, slab_bytes
 
 
 @given(st.lists(st.integers(0, 1 << 30), max_size=60), st.integers(1, 9))
@@ -45,3 +45,19 @@ def test_parallel_copy_rejects_size_mismatch() -> None:
         assert "mismatch" in str(e)
     else:
         raise AssertionError("a size mismatch was copied")
+
+
+@given(st.lists(st.integers(0, 5000), max_size=40))
+def test_carved_views_are_disjoint_exact_and_64_byte_aligned_inside_the_slab(sizes: list[int]) -> None:
+    total = slab_bytes(sizes)
+    assert sum(sizes) <= total < sum(sizes) + 64 * max(1, len(sizes))
+    slab = alloc_aligned(max(total, 1))
+    views = carve(slab, sizes)
+    assert [v.nbytes for v in views] == sizes
+    base = slab.ctypes.data
+    starts = [v.ctypes.data - base for v in views]
+    assert all(s % 64 == 0 and s + n <= total for s, n in zip(starts, sizes))
+    assert all(a + n <= b for a, n, b in zip(starts, sizes, starts[1:]))  # in order, no overlap
+    for i, v in enumerate(views):  # writes through one view land in no other
+        v[:] = i % 251
+    assert all((v == i % 251).all() for i, v in enumerate(views))
