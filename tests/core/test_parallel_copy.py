@@ -48,7 +48,9 @@ def test_parallel_copy_rejects_size_mismatch() -> None:
 
 
 @given(st.lists(st.integers(0, 5000), max_size=40))
-@example([1, 0]).example([0, 0, 5]).example([])
+@example([1, 0])
+@example([0, 0, 5])
+@example([])
 def test_carved_views_are_disjoint_exact_and_64_byte_aligned_inside_the_slab(sizes: list[int]) -> None:
     total = slab_bytes(sizes)
     assert sum(sizes) <= total < sum(sizes) + 64 * max(1, len(sizes))
