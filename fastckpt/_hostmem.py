@@ -21,8 +21,8 @@ from fastckpt._checksum import crc32c
 
 _T = TypeVar("_T")
 
-__all__ = ["BufferCache", "StagingPool", "alloc_aligned", "as_bytes", "balanced_groups", "carve", "parallel_copy",
-           "parallel_crc32c", "slab_bytes"]
+__all__ = ["BufferCache", "StagingPool", "aligned_offsets", "alloc_aligned", "as_bytes", "balanced_groups", "carve",
+           "parallel_copy", "parallel_crc32c", "slab_bytes"]
 
 _HUGE = 2 << 20
 _SLAB_ALIGN = 64
@@ -48,21 +48,26 @@ def _mapping(nbytes: int, hugepages: bool = True) -> mmap.mmap:
     return m
 
 
+def aligned_offsets(sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Offsets of buffers of ``sizes`` laid back to back in one, each start 64-byte aligned
+    (enough for ``jax.device_put`` on the CPU backend to alias a view instead of copying
+    it), and the total bytes that layout takes."""
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total += -(-n // _SLAB_ALIGN) * _SLAB_ALIGN
+    return offsets, total
+
+
 def slab_bytes(sizes: Sequence[int]) -> int:
-    """Bytes of one buffer holding ``sizes`` back to back, each start 64-byte aligned (see
-    :func:`carve`)."""
-    return sum(-(-n // _SLAB_ALIGN) * _SLAB_ALIGN for n in sizes)
+    """Bytes of one buffer holding ``sizes`` as :func:`aligned_offsets` lays them out."""
+    return aligned_offsets(sizes)[1]
 
 
 def carve(slab: np.ndarray, sizes: Sequence[int]) -> list[np.ndarray]:
-    """Views of ``slab`` (at least :func:`slab_bytes` of ``sizes``), one per size, each
-    starting 64-byte aligned when ``slab`` is (enough for ``jax.device_put`` on the CPU
-    backend to alias a view instead of copying it)."""
-    out, off = [], 0
-    for n in sizes:
-        out.append(slab[off : off + n])
-        off += -(-n // _SLAB_ALIGN) * _SLAB_ALIGN
-    return out
+    """Views of ``slab`` (at least :func:`slab_bytes` of ``sizes``), one per size, at the
+    :func:`aligned_offsets` (64-byte aligned when ``slab`` is)."""
+    return [slab[off : off + n] for off, n in zip(aligned_offsets(sizes)[0], sizes)]
 
 
 class BufferCache:

@@ -61,7 +61,7 @@ _COLUMNS = ("object", "offset", "length", "codec", "crc32c", "raw_crc32c")
 #: The columns format 3 writes as binary columns.
 NUMERIC_COLUMNS = ("object", "offset", "length", "crc32c", "raw_crc32c")
 _KINDS = {f"u{n}": np.dtype(f"<u{n}") for n in (1, 2, 4, 8)}
-_STRUCT_CODES = (("u1", "B"), ("u2", "H"), ("u4", "I"), ("u8", "Q"))
+_STRUCT_CODES = (("u1", "B", 1 << 8), ("u2", "H", 1 << 16), ("u4", "I", 1 << 32), ("u8", "Q", 1 << 64))
 
 
 def grid_cuts(boxes: Sequence[Box], shape: tuple[int, ...]) -> list[list[int]] | None:
@@ -127,8 +127,8 @@ def encode_column(values: np.ndarray | Sequence[int]) -> str:
     in the narrowest kind that holds them."""
     if not isinstance(values, np.ndarray) and values and 0 <= min(values):
         top = max(values)  # a list of a few ints (a leaf's chunks): struct is ~4x numpy's cost
-        for kind, code in _STRUCT_CODES:
-            if top < 1 << (8 * int(kind[1:])):
+        for kind, code, limit in _STRUCT_CODES:
+            if top < limit:
                 return f"{kind}:" + base64.b64encode(struct.pack(f"<{len(values)}{code}", *values)).decode("ascii")
     arr = narrow_uint(values)
     return f"u{arr.itemsize}:" + base64.b64encode(arr.tobytes()).decode("ascii")

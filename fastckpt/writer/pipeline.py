@@ -126,24 +126,23 @@ async def write_chunks(
     def encode_batch(batch: list[tuple[int, int, memoryview, int | None]]) -> list[EncodedChunk]:
         return [encoder(ai, ii, raw, known) for ai, ii, raw, known in batch]
 
+    async def submit(batch: list[tuple[int, int, memoryview, int | None]], nbytes: int) -> None:
+        charged = await budget.acquire(nbytes)
+        await queue.put((loop.run_in_executor(executor, encode_batch, batch), charged))
+
     async def produce() -> None:
         # Small chunks go to the encoder in batches (one executor job per ~1 MiB, not per
         # chunk: a thread hand-off per 16 KiB shard cost more than encoding it).
-        buf = memoryview(staged.buffer)
         batch: list[tuple[int, int, memoryview, int | None]] = []
         nbytes = 0
-        for ai, arr in enumerate(staged.arrays):
-            for ii, (item, off) in enumerate(zip(arr.items, arr.item_offsets)):
-                known = raw_crcs[ai][ii] if raw_crcs is not None else None
-                batch.append((ai, ii, buf[off : off + item.nbytes], known))
-                nbytes += item.nbytes
-                if nbytes >= batch_bytes or len(batch) >= _BATCH_CHUNKS:
-                    charged = await budget.acquire(nbytes)
-                    await queue.put((loop.run_in_executor(executor, encode_batch, batch), charged))
-                    batch, nbytes = [], 0
+        for ai, ii, raw in staged.chunk_views():
+            batch.append((ai, ii, raw, raw_crcs[ai][ii] if raw_crcs is not None else None))
+            nbytes += raw.nbytes
+            if nbytes >= batch_bytes or len(batch) >= _BATCH_CHUNKS:
+                await submit(batch, nbytes)
+                batch, nbytes = [], 0
         if batch:
-            charged = await budget.acquire(nbytes)
-            await queue.put((loop.run_in_executor(executor, encode_batch, batch), charged))
+            await submit(batch, nbytes)
         await queue.put(None)
 
     async def upload(key: str, parts: list[memoryview], charged: int, entries: list[tuple[int, ChunkEntry]]) -> None:
