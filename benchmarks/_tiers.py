@@ -10,10 +10,14 @@ Nothing here imports jax at module import time (like :mod:`benchmarks._common`).
     peer record in a checkpoint store's ``_peers/`` directory, where a
     :class:`~fastckpt.CheckpointManager` with RAM options finds it;
   - ``serve-raw``: a raw loopback TCP sender (8-byte length request, then ``sendall`` of
-    that many bytes from a warm buffer; no framing, no checks).
+    that many bytes from a warm buffer; no framing, no checks);
+  - ``sink-raw``: a raw loopback TCP receiver (8-byte length, then that many bytes into a
+    warm buffer, then a 1-byte ack; no checks).
 
 * :func:`measure_loopback_tcp`: raw TCP throughput from a ``serve-raw`` process with N
   parallel streams into a warm destination (the limit a peer restore is compared with).
+* :class:`RawCheckpointFloor`: the least a RAM checkpoint with a peer push does, without
+  fastckpt (copy, crc32c, raw send to a ``sink-raw`` process): the step-overhead floor.
 * :func:`tree_digest`: per-leaf crc32c of a pytree's global values (bit-exact check
   between processes without keeping two copies of a state).
 * :func:`matmul_state` / :func:`make_matmul_step`: a training-like state and jitted step.
@@ -104,6 +108,11 @@ def _readline_timeout(proc: subprocess.Popen[str], timeout_s: float) -> str:
 def peer_process(tier_root: str | os.PathLike[str], store_root: str, *, member_id: str, budget_bytes: int) -> HelperProcess:
     """Start a ``serve-peer`` helper (see the module docstring)."""
     return HelperProcess("serve-peer", [str(tier_root), store_root, member_id, str(budget_bytes)])
+
+
+def raw_sink_process() -> HelperProcess:
+    """Start a ``sink-raw`` helper (receives what :class:`RawCheckpointFloor` sends)."""
+    return HelperProcess("sink-raw", [])
 
 
 def raw_tcp_process(nbytes: int) -> HelperProcess:
@@ -213,6 +222,116 @@ def measure_loopback_tcp(port: int, nbytes: int, *, streams: int, reps: int, fre
     moved = share * streams
     return {"streams": streams, "gbps": moved / min(times) / 1e9,
             "median_gbps": moved / float(np.median(times)) / 1e9, "all_s": times}
+
+
+def _sink_raw() -> None:
+    listener = socket.create_server(("127.0.0.1", 0), backlog=8)
+
+    def handle(conn: socket.socket) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        hdr, buf = bytearray(8), np.ones(0, np.uint8)
+        with conn:
+            while True:
+                view, pos = memoryview(hdr), 0
+                while pos < 8:
+                    got = conn.recv_into(view[pos:])
+                    if not got:
+                        return
+                    pos += got
+                (n,) = struct.unpack(">Q", hdr)
+                if buf.nbytes < n:
+                    buf = np.ones(n, np.uint8)  # warm once: later receives reuse its pages
+                view, pos = buf.data[:n], 0
+                while pos < n:
+                    got = conn.recv_into(view[pos:], n - pos)
+                    if not got:
+                        return
+                    pos += got
+                conn.sendall(b"k")
+
+    def accept() -> None:
+        while True:
+            conn, _ = listener.accept()
+            threading.Thread(target=handle, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    print(listener.getsockname()[1], flush=True)
+    sys.stdin.read()
+
+
+class RawCheckpointFloor:
+    """The least work a RAM checkpoint with a push to one peer does, written without fastckpt.
+
+    Every ``interval`` steps, :meth:`save` copies every addressable shard of the state into
+    one warm host buffer on ``threads`` threads and returns (the train step donates the
+    state's buffers, so a checkpoint must copy them off before the next step); a background
+    thread then computes the crc32c of the copy (on ``threads`` threads, as every chunk must
+    carry one) and sends it over one loopback TCP connection to a ``sink-raw`` process,
+    which receives into warm memory and checks nothing. No shared memory, no framing, no
+    manifest, no verification on receipt: strictly less than the target asks of a RAM
+    checkpoint, so the step overhead it adds bounds any implementation's on this machine.
+    """
+
+    def __init__(self, port: int, nbytes: int, *, interval: int, threads: int = 2) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._interval, self._threads = interval, threads
+        self._buf = np.ones(nbytes, np.uint8)  # warm: no page faults in the measurement
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="floor")
+        self._sock = socket.create_connection(("127.0.0.1", port))
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sender: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.crcs: list[int] = []
+
+    def save(self, step: int, state: Any) -> None:
+        if step % self._interval:
+            return
+        import jax
+
+        self.wait()  # as fastckpt waits for the previous push before a new RAM step
+        shards = [np.asarray(s.data).reshape(-1).view(np.uint8)
+                  for leaf in jax.tree_util.tree_leaves(state) for s in leaf.addressable_shards]
+        offsets = np.cumsum([0] + [a.nbytes for a in shards])
+        if offsets[-1] > self._buf.nbytes:
+            raise ValueError(f"state of {offsets[-1]} bytes exceeds the floor's {self._buf.nbytes}-byte buffer")
+
+        def copy(part: int) -> None:
+            for i in range(part, len(shards), self._threads):
+                self._buf[offsets[i] : offsets[i + 1]] = shards[i]
+
+        list(self._pool.map(copy, range(self._threads)))
+        n = int(offsets[-1])
+        self._sender = threading.Thread(target=self._send, args=(n,), daemon=True)
+        self._sender.start()
+
+    def _send(self, n: int) -> None:
+        try:
+            self._send_checked(n)
+        except BaseException as e:  # re-raised by wait()
+            self._error = e
+
+    def _send_checked(self, n: int) -> None:
+        from fastckpt._checksum import crc32c  # the same crc32c library fastckpt calls
+
+        piece = -(-n // self._threads)
+        self.crcs = list(self._pool.map(lambda a: crc32c(self._buf.data[a : min(n, a + piece)]), range(0, n, piece)))
+        self._sock.sendall(struct.pack(">Q", n))
+        self._sock.sendall(self._buf.data[:n])
+        if self._sock.recv(1) != b"k":
+            raise OSError("raw sink closed the connection")
+
+    def wait(self) -> None:
+        if self._sender is not None:
+            self._sender.join()
+            self._sender = None
+        if self._error is not None:
+            raise RuntimeError("raw checkpoint floor failed") from self._error
+
+    def close(self) -> None:
+        self.wait()
+        self._sock.close()
+        self._pool.shutdown()
 
 
 # =========================================================================== state checks
@@ -326,6 +445,8 @@ def _main(argv: list[str]) -> None:
         _serve_peer(*args)
     elif role == "serve-raw":
         _serve_raw(*args)
+    elif role == "sink-raw":
+        _sink_raw(*args)
     else:
         raise SystemExit(f"unknown role {role!r}")
 
