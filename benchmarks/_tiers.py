@@ -131,23 +131,28 @@ def _serve_peer(tier_root: str, store_root: str, member_id: str, budget_bytes: s
         sys.stdin.read()
 
 
-def _serve_raw(nbytes: str) -> None:
-    src = np.ones(int(nbytes), np.uint8)
+def _recv_exact(conn: socket.socket, view: memoryview) -> bool:
+    """Fill ``view`` from ``conn``; False if the peer closed the connection first."""
+    pos = 0
+    while pos < view.nbytes:
+        got = conn.recv_into(view[pos:], view.nbytes - pos)
+        if not got:
+            return False
+        pos += got
+    return True
+
+
+def _serve_requests(answer: Callable[[socket.socket, int], None]) -> None:
+    """Listen on loopback, print the port, and answer each connection's 8-byte length
+    requests with ``answer(conn, n)`` (a thread per connection) until stdin closes."""
     listener = socket.create_server(("127.0.0.1", 0), backlog=64)
 
     def handle(conn: socket.socket) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         hdr = bytearray(8)
         with conn:
-            while True:
-                view, pos = memoryview(hdr), 0
-                while pos < 8:
-                    got = conn.recv_into(view[pos:])
-                    if not got:
-                        return
-                    pos += got
-                (n,) = struct.unpack(">Q", hdr)
-                conn.sendall(src.data[:n])
+            while _recv_exact(conn, memoryview(hdr)):
+                answer(conn, struct.unpack(">Q", hdr)[0])
 
     def accept() -> None:
         while True:
@@ -157,6 +162,24 @@ def _serve_raw(nbytes: str) -> None:
     threading.Thread(target=accept, daemon=True).start()
     print(listener.getsockname()[1], flush=True)
     sys.stdin.read()
+
+
+def _serve_raw(nbytes: str) -> None:
+    src = np.ones(int(nbytes), np.uint8)
+    _serve_requests(lambda conn, n: conn.sendall(src.data[:n]))
+
+
+def _sink_raw() -> None:
+    bufs: dict[int, np.ndarray] = {}  # per connection: warm once, later receives reuse its pages
+
+    def receive(conn: socket.socket, n: int) -> None:
+        buf = bufs.get(id(conn))
+        if buf is None or buf.nbytes < n:
+            buf = bufs[id(conn)] = np.ones(n, np.uint8)
+        if _recv_exact(conn, buf.data[:n]):
+            conn.sendall(b"k")
+
+    _serve_requests(receive)
 
 
 # =========================================================================== raw TCP
@@ -192,12 +215,9 @@ def measure_loopback_tcp(port: int, nbytes: int, *, streams: int, reps: int, fre
         window = _CRC_WINDOW if checksum else view.nbytes
         crc = 0
         for start in range(0, view.nbytes, window):
-            piece, pos = view[start : start + window], 0
-            while pos < piece.nbytes:
-                got = s.recv_into(piece[pos:], piece.nbytes - pos)
-                if not got:
-                    raise OSError("raw TCP server closed the connection")
-                pos += got
+            piece = view[start : start + window]
+            if not _recv_exact(s, piece):
+                raise OSError("raw TCP server closed the connection")
             if checksum:
                 crc = crc32c(piece, crc)
 
@@ -222,41 +242,6 @@ def measure_loopback_tcp(port: int, nbytes: int, *, streams: int, reps: int, fre
     moved = share * streams
     return {"streams": streams, "gbps": moved / min(times) / 1e9,
             "median_gbps": moved / float(np.median(times)) / 1e9, "all_s": times}
-
-
-def _sink_raw() -> None:
-    listener = socket.create_server(("127.0.0.1", 0), backlog=8)
-
-    def handle(conn: socket.socket) -> None:
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        hdr, buf = bytearray(8), np.ones(0, np.uint8)
-        with conn:
-            while True:
-                view, pos = memoryview(hdr), 0
-                while pos < 8:
-                    got = conn.recv_into(view[pos:])
-                    if not got:
-                        return
-                    pos += got
-                (n,) = struct.unpack(">Q", hdr)
-                if buf.nbytes < n:
-                    buf = np.ones(n, np.uint8)  # warm once: later receives reuse its pages
-                view, pos = buf.data[:n], 0
-                while pos < n:
-                    got = conn.recv_into(view[pos:], n - pos)
-                    if not got:
-                        return
-                    pos += got
-                conn.sendall(b"k")
-
-    def accept() -> None:
-        while True:
-            conn, _ = listener.accept()
-            threading.Thread(target=handle, args=(conn,), daemon=True).start()
-
-    threading.Thread(target=accept, daemon=True).start()
-    print(listener.getsockname()[1], flush=True)
-    sys.stdin.read()
 
 
 class RawCheckpointFloor:

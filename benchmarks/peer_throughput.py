@@ -193,30 +193,9 @@ def _serve_peer(root: str) -> None:
 
 
 def _serve_raw(nbytes: int) -> None:
-    src = np.ones(nbytes, np.uint8)
-    listener = socket.create_server(("127.0.0.1", 0))
+    from benchmarks._tiers import _serve_raw as serve  # the same raw sender restore_latency measures
 
-    def handle(conn: socket.socket) -> None:
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        hdr = bytearray(8)
-        while True:
-            view, pos = memoryview(hdr), 0
-            while pos < 8:
-                got = conn.recv_into(view[pos:])
-                if not got:
-                    return
-                pos += got
-            (n,) = struct.unpack(">Q", hdr)
-            conn.sendall(src.data[:n])
-
-    def accept() -> None:
-        while True:
-            conn, _ = listener.accept()
-            threading.Thread(target=handle, args=(conn,), daemon=True).start()
-
-    threading.Thread(target=accept, daemon=True).start()
-    print(listener.getsockname()[1], flush=True)
-    sys.stdin.read()
+    serve(str(nbytes))
 
 
 def main(argv: list[str] | None = None) -> None:
