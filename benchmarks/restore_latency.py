@@ -181,13 +181,8 @@ def _ram_options(root: Path, nbytes: int) -> Any:
 
 
 def _drain_replication(mgr: Any) -> list[Any]:
-    """Wait for the manager's background peer pushes and return their reports.
-
-    The manager has no public hook for this (see the report in docs/benchmarks.md), so the
-    benchmark reaches into its replication object.
-    """
-    replicator = mgr._ram._replicator  # noqa: SLF001 - benchmark instrumentation
-    return replicator.wait() if replicator is not None else []
+    """Wait for the manager's background peer pushes and return their reports."""
+    return list(mgr.wait_replication())
 
 
 def _check_pushed(reports: list[Any]) -> None:

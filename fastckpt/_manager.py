@@ -16,7 +16,7 @@ import time
 import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -48,6 +48,9 @@ from fastckpt.writer.commit import exchange_ram_manifest, publish_and_commit, ra
 from fastckpt.writer.pipeline import WriteStats, write_chunks
 from fastckpt.writer.stage import StagedSave, StagePlans, stage_state, staged_crc32c
 from fastckpt.writer.stats import SaveStats
+
+if TYPE_CHECKING:
+    from fastckpt.replicas.replicator import ReplicationReport
 
 __all__ = ["CheckpointManager", "SaveStats"]
 
@@ -263,12 +266,17 @@ class CheckpointManager:
         if self._on_stats is not None:
             self._on_stats(stats)
 
-    def wait_replication(self, timeout_s: float | None = None) -> None:
-        """Block until this process's RAM-tier pushes to its peers finished (no-op without
-        a RAM tier). Push failures are logged and counted, not raised: storage and the
-        other replicas still hold the data."""
-        if self._ram is not None:
-            self._ram.wait_replication(timeout_s)
+    def wait_replication(self, timeout_s: float | None = None) -> list[ReplicationReport]:
+        """Block until this process's RAM-tier pushes to its peers finished, and return the
+        reports of the pushes that finished since the last call, oldest first (empty without
+        a RAM tier; of many unread ones, the newest are kept). A failed push is not raised:
+        its report says so (``ok`` False, ``errors`` per peer) and it is logged, while
+        storage and the other replicas still hold the data.
+
+        Raises:
+            ReplicationTimeoutError: pushes still running after ``timeout_s``.
+        """
+        return self._ram.wait_replication(timeout_s) if self._ram is not None else []
 
     # ------------------------------------------------------------------ listing
     def persistent_steps(self) -> list[int]:

@@ -53,7 +53,7 @@ from fastckpt.replicas.manifest_relay import (
 from fastckpt.replicas.peer import PeerClient, PeerOptions, PeerServer
 from fastckpt.replicas.placement import host_domain, push_targets, relay_parent, replica_holders
 from fastckpt.replicas.ram import ChunkLocation, RamTier, Segment
-from fastckpt.replicas.replicator import Replicator
+from fastckpt.replicas.replicator import ReplicationReport, Replicator
 from fastckpt.replicas.sources import TieredChunkSource
 from fastckpt.storage._protocol import Store
 from fastckpt.writer.stage import StagedSave
@@ -197,10 +197,10 @@ class RamReplication:
         """Whether a push of an earlier RAM step is still running (``wait_pushed`` would wait)."""
         return self._replicator is not None and not self._replicator.wait_idle(0)
 
-    def wait_replication(self, timeout_s: float | None = None) -> None:
-        """Block until pushes of submitted steps finished (errors are logged, not raised)."""
-        if self._replicator is not None:
-            self._replicator.wait(timeout_s)
+    def wait_replication(self, timeout_s: float | None = None) -> list[ReplicationReport]:
+        """Block until pushes of submitted steps finished; return (and forget) their reports,
+        oldest first (errors are in them and logged, not raised)."""
+        return self._replicator.wait(timeout_s) if self._replicator is not None else []
 
     # ------------------------------------------------------------------ restore
     def ram_manifest(self, step: int, sources: ManifestSources | None = None) -> Manifest | None:

@@ -122,7 +122,8 @@ def test_a_ram_save_waits_for_the_previous_steps_push(tmp_path: Path, shm_dir: P
                 assert mgr.save(2, _state(2)) is False
                 assert peer_tier.get_manifest(1) is None
                 gate.set()
-                mgr.wait_replication()
+                (first,) = mgr.wait_replication()  # the push of step 1, now finished
+                assert first.step == 1 and first.ok and first.targets == ("peer",) and first.bytes_pushed > 0
             else:
                 threading.Timer(0.5, gate.set).start()  # the link recovers while save(2) waits
             mgr.save(2, _state(2))
@@ -132,7 +133,10 @@ def test_a_ram_save_waits_for_the_previous_steps_push(tmp_path: Path, shm_dir: P
             mgr.wait()
             assert mgr.last_save_stats is not None
             assert (mgr.last_save_stats.push_wait_s > 0.3) == (if_busy == "wait")
-            mgr.wait_replication()
+            reports = mgr.wait_replication()  # the pushes finished since the last call, oldest first
+            assert [r.step for r in reports] == ([2] if if_busy == "skip" else [1, 2])
+            assert all(r.ok and r.targets == ("peer",) and r.bytes_pushed > 0 for r in reports)
+            assert mgr.wait_replication() == []  # each report is returned once
             assert peer_tier.get_manifest(2) is not None
             got = mgr.restore(2)
             np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(_state(2)["w"]))

@@ -174,10 +174,9 @@ def _train(ram_root: str, member: str, persist_root: str, signals: str) -> dict[
             if step == LAST_RAM_STEP:
                 mgr.wait()
                 assert mgr.last_save_stats is not None and mgr.last_save_stats.tiers == ("ram",)
-                assert mgr._ram._replicator is not None
                 # An older step's push may have failed as stale (its target already committed
                 # step 20) or been superseded; the newest step's push must be complete.
-                reports = mgr._ram._replicator.wait(30)
+                reports = mgr.wait_replication(30)
                 last = reports[-1]
                 assert last.step == LAST_RAM_STEP and last.ok and len(last.targets) == 1, last
                 report["pushed_to"] = list(last.targets)
