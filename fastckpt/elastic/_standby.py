@@ -44,6 +44,9 @@ def main(argv: Sequence[str]) -> int:
     try:
         if cmd[0] == "-m":
             sys.argv = [cmd[1], *cmd[2:]]
+            # The worker runs as __main__ either way; a preloaded copy of its module left in
+            # sys.modules only makes runpy warn (what that copy imported stays loaded).
+            sys.modules.pop(cmd[1], None)
             runpy.run_module(cmd[1], run_name="__main__", alter_sys=True)
         else:
             sys.argv = list(cmd)

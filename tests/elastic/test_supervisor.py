@@ -128,3 +128,20 @@ def test_options_and_event_parsing() -> None:
         SupervisorOptions(num_hosts=2, min_hosts=3)
     with pytest.raises(ConfigError):
         SupervisorOptions(num_hosts=2, events=(ChaosEvent(kind="kill", host=2, at_step=1),))
+
+
+def test_standby_runs_a_preloaded_module_as_main_without_warnings() -> None:
+    """A warm standby that preloaded the worker module itself (as the example worker's does)
+    runs it as ``__main__`` after the identity line, without runpy's "found in sys.modules"
+    warning in the worker's log."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-W", "always", "-m", "fastckpt.elastic._standby", "json.tool", "--",
+         sys.executable, "-m", "json.tool", "--sort-keys"],
+        input='{"FASTCKPT_TEST_IDENTITY": "7"}\n{"b": 1, "a": 2}\n', capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["{", '"a":', "2,", '"b":', "1", "}"]  # json.tool ran, on the rest of stdin
+    assert "Warning" not in proc.stderr, proc.stderr
