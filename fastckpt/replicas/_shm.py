@@ -17,7 +17,7 @@ import threading
 import uuid
 from pathlib import Path
 from types import TracebackType
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -25,7 +25,7 @@ import numpy as np
 from fastckpt.errors import ConfigError
 
 __all__ = ["ChunkLocation", "RamBudgetError", "Segment", "SparePool", "close_map", "create_segment_file", "load_index",
-           "scan_root"]
+           "room_to_free", "scan_root"]
 
 INDEX_SUFFIX = ".index.json"
 DATA_SUFFIX = ".data"
@@ -221,6 +221,36 @@ class StepState:
     def nbytes(self) -> int:
         """Bytes held for the step (segments + manifest)."""
         return sum(s.nbytes for s in self.segments.values()) + (self.manifest_bytes or 0)
+
+
+def room_to_free(*, used: int, extra: int, budget: int, spares: Mapping[Path, int], steps: Mapping[int, int],
+                 for_step: int | None, keep_spare: Path | None = None) -> tuple[list[Path], list[int]]:
+    """What a tier holding ``used`` bytes of ``budget`` frees so that ``extra`` more fit:
+    spares (all but ``keep_spare``, in the pool's order) first, then whole steps older than
+    ``for_step`` (any step when None), oldest first, stopping as soon as they fit. Pure.
+
+    Raises:
+        RamBudgetError: freeing all of them would not be enough (nothing is to be freed then).
+    """
+    spare_paths = [p for p in spares if p != keep_spare]
+    older = sorted(s for s in steps if for_step is None or s < for_step)
+    freeable = sum(spares[p] for p in spare_paths) + sum(steps[s] for s in older)
+    if used + extra - freeable > budget:
+        raise RamBudgetError(f"{extra} more bytes do not fit the RAM tier budget of {budget} "
+                             f"({used} held, {freeable} freeable)")
+    free_spares: list[Path] = []
+    free_steps: list[int] = []
+    for p in spare_paths:
+        if used + extra <= budget:
+            break
+        free_spares.append(p)
+        used -= spares[p]
+    for s in older:
+        if used + extra <= budget:
+            break
+        free_steps.append(s)
+        used -= steps[s]
+    return free_spares, free_steps
 
 
 class SparePool:

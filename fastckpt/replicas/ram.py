@@ -72,6 +72,7 @@ from fastckpt.replicas._shm import (
     create_segment_file,
     index_document,
     new_name,
+    room_to_free,
     scan_root,
     unlink,
 )
@@ -506,22 +507,12 @@ class RamTier:
                 self._drop(s, recycle=self._recycle)
 
     def _make_room(self, extra: int, *, for_step: int | None, keep_spare: Path | None = None) -> None:
-        """Free spares, then steps older than ``for_step``, until ``extra`` more bytes fit."""
-        if self._used() + extra <= self.budget_bytes:
-            return
-        spares = [p for p in self._spares.sizes if p != keep_spare]
-        older = sorted(s for s in self._steps if for_step is None or s < for_step)
-        freeable = sum(self._spares.sizes[p] for p in spares) + sum(self._steps[s].nbytes for s in older)
-        if self._used() + extra - freeable > self.budget_bytes:
-            raise RamBudgetError(
-                f"{extra} more bytes do not fit the RAM tier budget of {self.budget_bytes} "
-                f"({self._used()} held, {freeable} freeable)"
-            )
+        """Free spares, then steps older than ``for_step``, until ``extra`` more bytes fit
+        (:func:`room_to_free`; raises ``RamBudgetError`` if they cannot)."""
+        spares, steps = room_to_free(used=self._used(), extra=extra, budget=self.budget_bytes, spares=self._spares.sizes,
+                                     steps={s: st.nbytes for s, st in self._steps.items()}, for_step=for_step,
+                                     keep_spare=keep_spare)
         for p in spares:
-            if self._used() + extra <= self.budget_bytes:
-                return
             self._spares.free(p)
-        for s in older:
-            if self._used() + extra <= self.budget_bytes:
-                return
+        for s in steps:
             self._drop(s, recycle=False)  # freed for room: not kept as a spare
