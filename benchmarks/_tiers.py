@@ -254,7 +254,8 @@ class RawCheckpointFloor:
     carry one) and sends it over one loopback TCP connection to a ``sink-raw`` process,
     which receives into warm memory and checks nothing. No shared memory, no framing, no
     manifest, no verification on receipt: strictly less than the target asks of a RAM
-    checkpoint, so the step overhead it adds bounds any implementation's on this machine.
+    checkpoint, so the step overhead it adds is what even that much costs on this machine
+    (a measured reference beside fastckpt's, not a proven lower bound).
     """
 
     def __init__(self, port: int, nbytes: int, *, interval: int, threads: int = 2) -> None:

@@ -42,7 +42,7 @@ What it does:
    push (a second manager, no peers), and with the *floor*: the same cadence done the
    cheapest way without fastckpt (copy the shards into a warm buffer, crc32c it, send it
    raw over loopback TCP to a sink process; no shared memory, framing or verification on
-   receipt), which bounds what any RAM checkpoint + push can add on this machine. Segments
+   receipt): what even that much costs this machine's step, beside fastckpt's. Segments
    rotate through the four modes and each overhead is the median of the per-round ratios
    to the segment without checkpoints; a checkpointed segment includes draining the save
    and push still running after its last step. Added CPU (both processes) and the blocking
@@ -180,11 +180,6 @@ def _ram_options(root: Path, nbytes: int) -> Any:
     return fastckpt.ManagerOptions(save_interval_steps=1 << 40, ram=ram)
 
 
-def _drain_replication(mgr: Any) -> list[Any]:
-    """Wait for the manager's background peer pushes and return their reports."""
-    return list(mgr.wait_replication())
-
-
 def _check_pushed(reports: list[Any]) -> None:
     """Every submitted step reached a peer (a push with no target counts as a failure)."""
     bad = [r for r in reports if not r.ok or not r.targets or not r.bytes_pushed]
@@ -245,7 +240,7 @@ def run_fastckpt_cell(args: argparse.Namespace) -> dict[str, Any]:
             mgr.save(RAM_STEP, state)
             mgr.wait()
             saved = mgr.last_save_stats
-            _check_pushed(_drain_replication(mgr))
+            _check_pushed(mgr.wait_replication())
             nchunks = sum(len(a.chunks) for a in mgr.manifest(RAM_STEP).arrays())
             push_s = _wait_pushed(peer_port, RAM_STEP, nchunks)  # the peer holds it all (and says so)
             out["saves"]["ram"] = {"blocked_s": saved.blocked_s if saved else None,
@@ -472,7 +467,7 @@ def run_overhead(args: argparse.Namespace) -> dict[str, Any]:
                 m.save(step, state)
                 m.wait()
                 step += 1
-            _check_pushed(_drain_replication(mgr))
+            _check_pushed(mgr.wait_replication())
         saves.clear()
         managers = {"base": None, "ram": local, "push": mgr, "floor": floor}
 
@@ -497,7 +492,7 @@ def run_overhead(args: argparse.Namespace) -> dict[str, Any]:
             if m is not None:  # background work still running counts too
                 m.wait()
                 if m is mgr:
-                    reports.extend(_drain_replication(mgr))
+                    reports.extend(mgr.wait_replication())
             total = time.perf_counter() - t_start
             return {"ckpt": m is not None, "mode": mode, "total_s": total, "loop_s": t_loop, "drain_s": total - t_loop,
                     "step_s": times, "cpu_s": cpu_seconds() - c0, "peer_cpu_s": cpu_seconds(peer.pid) - cp0,
@@ -544,7 +539,7 @@ def run_overhead(args: argparse.Namespace) -> dict[str, Any]:
                 m.save(step, state)
                 m.wait()
                 if m is mgr:
-                    _check_pushed(_drain_replication(mgr))
+                    _check_pushed(mgr.wait_replication())
                 if i:
                     runs.append((cpu_seconds() - c0, cpu_seconds(other_pid) - p0 if other_pid else 0.0))
                 step += 1
@@ -818,8 +813,8 @@ def write_outputs(results: dict[str, Any], results_dir: Path, name: str, *, plot
                   "the segment without checkpoints. The floor does the same cadence without fastckpt, the cheapest "
                   "way: copy every shard into a warm buffer (blocking, 2 threads), then in the background crc32c "
                   "it (2 threads) and send it raw over loopback TCP to a sink process that receives into warm "
-                  "memory and checks nothing: less work than a RAM checkpoint + push, so what it adds bounds any "
-                  "implementation on this machine. Host-idle step: the same loop and checkpoints with a step that "
+                  "memory and checks nothing: less work than a RAM checkpoint + push, a measured reference for what "
+                  "any implementation adds on this machine. Host-idle step: the same loop and checkpoints with a step that "
                   "sleeps for the CPU step's median time instead of computing (the host CPUs idle, as during an "
                   "accelerator's step), in pairs with and without checkpoints; it shows what the checkpoint costs "
                   "the loop when its background work does not compete with the step for the 2 CPUs. The target "

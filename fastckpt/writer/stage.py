@@ -3,10 +3,10 @@
 This is the only part of a save that blocks the training step. Call order inside
 :func:`stage_state`: (1) classify leaves and plan chunks (pure), (2) start every
 device-to-host copy (``copy_to_host_async``; none for shards already in host memory) before
-waiting on any, (3) copy every shard into one staging buffer (parallel). After it returns, the caller may mutate or donate the device
-arrays: the staged copy is independent of them. Checksums are not computed here: the
-background part of the save computes them from the staged copy (:func:`staged_crc32c`, or
-while encoding), so the step waits for the copy alone.
+waiting on any, (3) copy every shard into one staging buffer (parallel). After it returns,
+the caller may mutate or donate the device arrays: the staged copy is independent of them.
+Checksums are not computed here: the background part of the save computes them from the
+staged copy (:func:`staged_crc32c`, or while encoding), so the step waits for the copy alone.
 """
 
 from __future__ import annotations
