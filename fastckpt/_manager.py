@@ -158,6 +158,8 @@ class CheckpointManager:
                 executor=self._workers,
                 copy_threads=self._threads,
                 plans=self._plans,
+                device_copy=self.options.save.device_copy,
+                defer_host_copies=True,
             )
         except BaseException:
             if ram_tier is not None:
@@ -191,6 +193,7 @@ class CheckpointManager:
         Returns the chunks' crc32c (``staged_crc32c``), which a persistent write reuses."""
         assert self._ram is not None
         try:
+            staged.finish_copies(self._workers, jobs=self._threads)  # before reading the buffer
             raw_crcs = staged_crc32c(staged, self._workers, jobs=self._threads)
             chunks = ram_chunk_entries(staged, raw_crcs, step, writer=self._ram.member_id)
             self._ram.seal(step, staged, chunks)
@@ -213,6 +216,7 @@ class CheckpointManager:
         if ram:
             raw_crcs = self._commit_ram(seq, step, staged, metadata)
             stats.ram_commit_s = time.perf_counter() - t0
+            stats.deferred_copy_s = staged.finish_copies(self._workers, jobs=self._threads)  # made: its time
             stats.tiers += ("ram",)
             if not persist:
                 stats.total_s = stats.ram_commit_s
@@ -222,6 +226,7 @@ class CheckpointManager:
         chunks = None
         error: BaseException | None = None
         try:
+            stats.deferred_copy_s = staged.finish_copies(self._workers, jobs=self._threads)
             chunks = self._io.run(write_chunks(
                 self.store, staged, step=step, save_id=save_id, process_index=self.coordinator.process_index,
                 options=self.options.save, executor=self._workers, stats=wstats, raw_crcs=raw_crcs,

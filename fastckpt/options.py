@@ -83,6 +83,14 @@ class SaveOptions:
     to decode) or 1 (an object per chunk, ~9x larger, ~15x slower) while readers on a
     fastckpt that predates the default must still read new steps. RAM steps, internal to a
     job, always use the default."""
+    device_copy: Literal["auto", "pinned_host", "pageable"] = "auto"
+    """How shards on accelerators reach host memory. ``"auto"``: through ``pinned_host``
+    memory where the devices have it (full DMA speed; the copy into the staging buffer then
+    runs in the background part of the save, so ``save()`` waits for the DMA alone), else
+    ``copy_to_host_async`` into pageable memory. ``"pinned_host"``: pinned wherever it exists,
+    host-platform (CPU) devices too (ConfigError where it does not). ``"pageable"``: never
+    pinned. A pinned copy holds a save's device shards in pinned host memory until that
+    background copy is made."""
     if_busy: Literal["wait", "skip"] = "wait"
     """A save while another is in flight (or, for a RAM step, while this process's push of the
     previous RAM step to its peers still runs; process 0's view decides for all): wait for
@@ -91,6 +99,8 @@ class SaveOptions:
     def __post_init__(self) -> None:
         if self.compression not in ("zstd", "none"):
             raise ConfigError(f"compression must be 'zstd' or 'none', got {self.compression!r}")
+        if self.device_copy not in ("auto", "pinned_host", "pageable"):
+            raise ConfigError(f"device_copy must be 'auto', 'pinned_host' or 'pageable', got {self.device_copy!r}")
         if self.if_busy not in ("wait", "skip"):
             raise ConfigError(f"if_busy must be 'wait' or 'skip', got {self.if_busy!r}")
         if not 0.0 <= self.min_compression_gain < 1.0:

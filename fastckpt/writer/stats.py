@@ -27,6 +27,9 @@ class SaveStats:
     """Where this step was committed: ``"ram"`` and/or ``"storage"``."""
     ram_commit_s: float = 0.0
     """From the start of ``save()`` until the RAM step was sealed (RAM steps only)."""
+    deferred_copy_s: float = 0.0
+    """Background copy of shards from pinned host memory into the staging buffer (the part
+    of staging that ``save()`` did not wait for; ``SaveOptions.device_copy``)."""
     push_wait_s: float = 0.0
     """How long ``save()`` waited, before staging, for this host's push of the previous RAM
     step to its peers (RAM steps only; non-zero only when pushes are slower than the RAM

@@ -3,19 +3,32 @@ plan stages exactly what a fresh one does."""
 
 from __future__ import annotations
 
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from fastckpt import CheckpointManager
+from fastckpt import CheckpointManager, ManagerOptions, SaveOptions
 from fastckpt.errors import ConfigError
+from fastckpt.options import RamOptions
 from fastckpt._tree import flatten
 from fastckpt.writer import stage
 from fastckpt.writer.stage import StagePlans, stage_state
 from jax._src.array import ArrayImpl
 
-from .util import P, assert_sharded_like, device_data, named
+from .util import P, assert_bit_exact, assert_sharded_like, device_data, named
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    d = Path("/dev/shm") / f"fastckpt-test-{uuid.uuid4().hex[:12]}"
+    d.mkdir()
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 def _stage(state: Any, plans: StagePlans | None) -> tuple[list[tuple[Any, ...]], bytes]:
@@ -83,12 +96,85 @@ def test_manager_saves_reuse_plans_and_restore_bit_exact(root: Any) -> None:
 
 
 def test_transfer_mode_is_none_on_host_devices_and_one_call_when_every_shard_is_used() -> None:
-    assert stage._transfer_mode(on_host=True, local_shards=8, used=range(8)) is None
-    assert stage._transfer_mode(on_host=False, local_shards=8, used=range(8)) == "all"
-    assert stage._transfer_mode(on_host=False, local_shards=8, used=[0, 4]) == "shards"
+    assert stage._transfer_mode(on_host=True, local_shards=8, used=range(8), pinned=False) is None
+    assert stage._transfer_mode(on_host=False, local_shards=8, used=range(8), pinned=False) == "all"
+    assert stage._transfer_mode(on_host=False, local_shards=8, used=[0, 4], pinned=False) == "shards"
+    for on_host in (False, True):
+        assert stage._transfer_mode(on_host=on_host, local_shards=8, used=range(8), pinned=True) == "pinned_all"
+        assert stage._transfer_mode(on_host=on_host, local_shards=8, used=[0, 4], pinned=True) == "pinned_shards"
 
 
-@pytest.mark.parametrize("mode", [None, "all", "shards"])
+def test_pinned_host_is_automatic_on_accelerators_only_and_refused_where_missing() -> None:
+    import jax
+
+    cpu = jax.devices()
+    assert stage._pinned_ok(cpu, "auto") is False  # host-platform devices: their memory is host memory
+    assert stage._pinned_ok(cpu, "pinned_host") is True  # forced (jax's CPU client has the memory kind)
+    assert stage._pinned_ok(cpu, "pageable") is False
+
+    class NoPinned:
+        platform = "gpu"
+
+        def addressable_memories(self) -> list[Any]:
+            return []
+
+    assert stage._pinned_ok([NoPinned()], "auto") is False
+    with pytest.raises(ConfigError, match="pinned_host"):
+        stage._pinned_ok([NoPinned()], "pinned_host")
+    with pytest.raises(ConfigError, match="device_copy"):
+        SaveOptions(device_copy="pinned")  # type: ignore[arg-type]
+
+
+def test_deferred_pinned_copies_are_independent_of_the_device_arrays() -> None:
+    """Staging through pinned host memory with the copies deferred: the buffer is filled only
+    by ``finish_copies``, from private copies — deleting (as donation does) or overwriting
+    the device arrays in between changes nothing."""
+    state = _state(4)[0]
+    expected = _stage(state, None)
+    staged = stage_state(flatten(state)[0], process_index=0, max_chunk_bytes=1 << 10,
+                         allocate=lambda n: np.zeros(n, np.uint8), executor=None, device_copy="pinned_host",
+                         defer_host_copies=True)
+    assert staged.deferred is not None and staged.deferred.nbytes == sum(
+        it.nbytes for a in staged.arrays if a.kind == "jax" for it in a.items)
+    for k in ("a", "b", "r"):
+        state[k].delete()
+    assert staged.finish_copies(None, jobs=2) >= 0.0
+    staged.finish_copies(None, jobs=2)  # idempotent
+    meta = [(a.path, a.dtype, a.kind, a.sharding, a.items) for a in staged.arrays]
+    data = b"".join(bytes(staged.chunk_view(a, i)) for a in staged.arrays for i in range(len(a.items)))
+    assert (meta, data) == expected
+
+
+def test_manager_saves_through_pinned_host_and_the_step_may_donate_at_once(tmp_path: Path, shm_dir: Path) -> None:
+    """RAM and persistent saves with ``device_copy="pinned_host"``: a donating step right after
+    ``save()`` returns does not reach the checkpoint; both tiers restore bit-exact."""
+    import jax
+
+    step_fn = jax.jit(lambda t: jax.tree.map(lambda x: x + 1, t), donate_argnums=0)
+    options = ManagerOptions(save=SaveOptions(device_copy="pinned_host"), save_interval_steps=2,
+                             ram=RamOptions(root=str(shm_dir / "h0"), interval_steps=1, replicas=0,
+                                            budget_bytes=64 << 20))
+    with CheckpointManager(str(tmp_path / "ckpt"), options=options) as mgr:
+        for step in (1, 2):  # 1: RAM only; 2: RAM and storage
+            state, hosts = _state(step)
+            arrays = {k: state[k] for k in hosts}
+            mgr.save(step, arrays)
+            arrays = step_fn(arrays)  # donates the saved buffers while the background copies run
+            mgr.wait()
+            stats = mgr.last_save_stats
+            assert stats is not None and stats.deferred_copy_s > 0.0
+            assert stats.tiers == (("ram",) if step == 1 else ("ram", "storage"))
+            for tier_restore in (mgr.restore(step), mgr.restore_with_stats(step)[0]):
+                for k, h in hosts.items():
+                    assert_sharded_like(tier_restore[k], state[k].sharding, h)
+            assert all(state[k].is_deleted() for k in hosts)  # the step did take the saved buffers
+    with CheckpointManager(str(tmp_path / "ckpt")) as mgr:  # storage alone (no RAM tier)
+        got = mgr.restore(2)
+        for k, h in _state(2)[1].items():
+            assert_bit_exact(got[k], h)
+
+
+@pytest.mark.parametrize("mode", [None, "all", "shards", "pinned_all", "pinned_shards"])
 @pytest.mark.parametrize("cached", [False, True])
 def test_each_transfer_mode_starts_the_copies_it_says_and_stages_the_same_bytes(
         mode: str | None, cached: bool, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -109,7 +195,7 @@ def test_each_transfer_mode_starts_the_copies_it_says_and_stages_the_same_bytes(
         _stage(state, plans)
         calls.clear()
     assert _stage(state, plans) == expected
-    if mode is None:
+    if mode is None or mode.startswith("pinned"):  # pinned: device_put, not copy_to_host_async
         assert calls == []
     elif mode == "all":  # one call per jax leaf, on the global array
         assert sorted(calls) == [(8, 8), (16, 32), (16, 32)]
