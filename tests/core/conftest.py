@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -44,3 +46,12 @@ def root(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[object]:
         yield MemoryStore()
     else:
         yield str(tmp_path / "ckpt")
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    """A fresh directory on tmpfs (``/dev/shm``), removed after the test."""
+    d = Path("/dev/shm") / f"fastckpt-test-{uuid.uuid4().hex[:12]}"
+    d.mkdir()
+    yield d
+    shutil.rmtree(d, ignore_errors=True)

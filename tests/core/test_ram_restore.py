@@ -7,10 +7,7 @@ recycle segment files, and the restored arrays must not change.
 from __future__ import annotations
 
 import os
-import shutil
 import threading
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,14 +18,6 @@ from fastckpt import CheckpointManager, ManagerOptions, RetentionOptions, SaveOp
 from fastckpt.options import RamOptions
 
 MIB = 1 << 20
-
-
-@pytest.fixture
-def shm_dir() -> Iterator[Path]:
-    d = Path("/dev/shm") / f"fastckpt-test-{uuid.uuid4().hex[:12]}"
-    d.mkdir()
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def _state(step: int) -> dict[str, Any]:

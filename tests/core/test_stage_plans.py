@@ -3,9 +3,6 @@ plan stages exactly what a fresh one does."""
 
 from __future__ import annotations
 
-import shutil
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,14 +18,6 @@ from fastckpt.writer.stage import StagePlans, stage_state
 from jax._src.array import ArrayImpl
 
 from .util import P, assert_bit_exact, assert_sharded_like, device_data, named
-
-
-@pytest.fixture
-def shm_dir() -> Iterator[Path]:
-    d = Path("/dev/shm") / f"fastckpt-test-{uuid.uuid4().hex[:12]}"
-    d.mkdir()
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def _stage(state: Any, plans: StagePlans | None) -> tuple[list[tuple[Any, ...]], bytes]:
