@@ -199,18 +199,16 @@ def _transfer_mode(*, on_host: bool, local_shards: int, used: Sequence[int], pin
     return "all" if every else "shards"
 
 
-def _pinned_ok(devices: Any, device_copy: str) -> bool:
-    """Whether to copy shards on ``devices`` through ``pinned_host`` memory: ``"auto"`` on
-    accelerators that have it, ``"pinned_host"`` wherever it exists (else ConfigError),
-    ``"pageable"`` never."""
-    if device_copy == "pageable":
+def _pinned_ok(devices: Sequence[Any], device_copy: str) -> bool:
+    """Whether to copy shards on ``devices`` (this process's: only addressable devices can be
+    asked for their memories) through ``pinned_host`` memory: ``"auto"`` on accelerators that
+    have it, ``"pinned_host"`` wherever it exists (else ConfigError), ``"pageable"`` never."""
+    if device_copy == "pageable" or (device_copy == "auto" and all(d.platform == "cpu" for d in devices)):
         return False
     has = all(any(m.kind == "pinned_host" for m in d.addressable_memories()) for d in devices)
-    if device_copy == "pinned_host":
-        if not has:
-            raise ConfigError("SaveOptions.device_copy='pinned_host' but a device has no pinned_host memory")
-        return True
-    return has and not all(d.platform == "cpu" for d in devices)
+    if device_copy == "pinned_host" and not has:
+        raise ConfigError("SaveOptions.device_copy='pinned_host' but a device has no pinned_host memory")
+    return has
 
 
 class StagePlans:
@@ -293,15 +291,15 @@ def _plan_array(leaf: FlatLeaf, *, process_index: int, max_chunk_bytes: int,
         name = dtype_name(x.dtype)
     except Exception as e:
         raise ConfigError(f"{where}: {e}") from e
-    shards, sources = [], {}
+    shards, sources, local = [], {}, []
     for i, s in enumerate(x.addressable_shards):
         shards.append(ShardInfo(box_from_index(s.index, x.shape), s.replica_id, i))
         sources[i] = s.data
+        local.append(s.device)
     items = plan_leaf_writes(shards, itemsize=np.dtype(x.dtype).itemsize, max_chunk_bytes=max_chunk_bytes)
     used = sorted({it.shard_index for it in items})
-    devices = x.sharding.device_set
-    transfer = _transfer_mode(on_host=all(d.platform == "cpu" for d in devices), local_shards=len(shards),
-                              used=used, pinned=_pinned_ok(devices, device_copy))
+    transfer = _transfer_mode(on_host=all(d.platform == "cpu" for d in local), local_shards=len(shards),
+                              used=used, pinned=bool(used) and _pinned_ok(local, device_copy))
     if key is not None:
         plans.put(key, _LeafPlan(name, sharding, items, tuple(used), transfer))  # type: ignore[union-attr]
     return _Pending(leaf.path, tuple(x.shape), name, kind, sharding, key_impl, items,
