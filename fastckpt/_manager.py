@@ -220,6 +220,7 @@ class CheckpointManager:
             stats.tiers += ("ram",)
             if not persist:
                 stats.total_s = stats.ram_commit_s
+                self._provision_ram(staged)
                 return stats
         wstats = WriteStats()
         save_id = secrets.token_hex(6)
@@ -252,7 +253,18 @@ class CheckpointManager:
         log.info("fastckpt: committed step %d (%d bytes stored, %.2fs)", step, stats.stored_bytes, stats.total_s)
         if self.coordinator.process_index == 0:
             self._apply_retention()
+        if ram:
+            self._provision_ram(staged)
         return stats
+
+    def _provision_ram(self, staged: StagedSave) -> None:
+        """After a RAM step is committed: a spare segment for the next one (``RamTier.provision``),
+        so that the next ``save()`` does not create its segment file while the step waits."""
+        assert self._ram is not None
+        try:
+            self._ram.tier.provision(staged.buffer.nbytes)
+        except Exception as e:  # noqa: BLE001 - only a lost optimisation: the next save creates its own
+            log.warning("fastckpt: could not provision a RAM segment: %s", e)
 
     def wait(self) -> None:
         """Block until the in-flight save (if any) is committed; re-raise its error as SaveError."""

@@ -210,6 +210,35 @@ class RamTier:
             raise
         return Segment(self, step, path, mm, nbytes)
 
+    def provision(self, nbytes: int) -> bool:
+        """Create a spare of ``nbytes`` (reserved, pre-faulted) for the next allocation of that
+        size, unless a spare that fits exists, spares are off, or it would not fit the budget
+        without freeing anything. For the background part of a save: the next save's
+        :meth:`allocate` then reuses it instead of creating its file inside the blocking part
+        (the first saves, before steps recycle their segments). Spares are freed first under
+        budget pressure. Returns whether one was created."""
+        with self._lock:
+            self._check_open()
+            if (not self._recycle or nbytes < _MIN_RECYCLE_BYTES or len(self._spares) >= _MAX_SPARES
+                    or self._spares.pick(nbytes) is not None or self._used() + nbytes > self.budget_bytes):
+                return False
+            self._reserved += nbytes
+        path = self.root / "spare" / new_name()
+        try:
+            mm = create_segment_file(path, nbytes, spare=None, prefault=self._prefault)
+        except RamBudgetError:  # tmpfs full: no spare, nothing lost
+            return False
+        finally:
+            with self._lock:
+                self._reserved -= nbytes
+        with self._lock:
+            if not self._closed:
+                self._spares.add(path, nbytes, mm)
+                return True
+        close_map(mm)
+        unlink(path)
+        return False
+
     def seal(self, step: int, seg: Segment, index: Mapping[str, ChunkLocation], *, verify: bool = False) -> None:
         """Make ``seg``'s chunks visible under ``step``. The segment's buffer stays the replica.
 

@@ -230,3 +230,29 @@ def test_a_failure_while_planning_fails_the_restore_and_leaves_the_manager_usabl
         monkeypatch.setattr(leaf_filler, "allocate", real)
         restored = mgr.restore(1, target=target)
         assert all(np.array_equal(np.asarray(restored[k]), np.asarray(state[k])) for k in state)
+
+
+def test_the_next_ram_save_reuses_a_segment_provisioned_in_the_background(tmp_path: Path, shm_dir: Path) -> None:
+    """After a RAM step commits, the save's background part provisions a spare segment of the
+    same size; the next RAM save stages straight into it (the same file), instead of creating
+    a segment file while the step waits."""
+    import jax
+
+    def _big(step: int) -> dict[str, Any]:  # 2 MiB: above the size worth recycling
+        return {"w": jax.device_put(np.random.default_rng(step).standard_normal((1024, 512), dtype=np.float32))}
+
+    options = ManagerOptions(save_interval_steps=1000, ram=RamOptions(root=str(shm_dir / "h0"), interval_steps=1,
+                                                                      replicas=0, budget_bytes=256 * MIB))
+    with CheckpointManager(str(tmp_path / "ckpt"), options=options) as mgr:
+        mgr.save(1, _big(1))
+        mgr.wait()
+        (spare,) = (shm_dir / "h0" / "spare").iterdir()
+        (first,) = (shm_dir / "h0" / "step-1").glob("*.data")
+        assert spare.stat().st_size == first.stat().st_size
+        inode = spare.stat().st_ino
+        mgr.save(2, _big(2))
+        mgr.wait()
+        (second,) = (shm_dir / "h0" / "step-2").glob("*.data")
+        assert second.stat().st_ino == inode
+        got = mgr.restore(2)
+        np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(_big(2)["w"]))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,6 +25,16 @@ def shm_dir() -> Iterator[Path]:
     d.mkdir()
     yield d
     shutil.rmtree(d, ignore_errors=True)
+
+
+def sent_bytes(server: PeerServer, expected: int, timeout_s: float = 10.0) -> int:
+    """``server.stats["bytes_sent"]`` once it reaches ``expected`` (or at ``timeout_s``): the
+    server counts a reply after its last byte is handed to the socket, which can be after the
+    client has read it all."""
+    deadline = time.monotonic() + timeout_s
+    while server.stats["bytes_sent"] < expected and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return int(server.stats["bytes_sent"])
 
 
 def fill(step: int, sizes: dict[str, int], seed: int = 0) -> dict[str, np.ndarray]:

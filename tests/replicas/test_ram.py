@@ -363,3 +363,40 @@ def test_a_commit_record_commits_without_a_manifest(make_tier: MakeTier, shm_dir
         assert not (shm_dir / "t0" / "step-5").exists() and again.committed_steps() == []
     finally:
         again.close()
+
+
+def test_provision_creates_a_spare_that_the_next_allocation_takes_as_is(make_tier: MakeTier, shm_dir: Path) -> None:
+    """A provisioned spare is reserved and mapped; an allocation of its size renames it into
+    place with its mapping (no new file); no second spare is made while one fits."""
+    mib = 1 << 20
+    tier = make_tier(budget_bytes=16 * mib)
+    spare_dir = shm_dir / "t0" / "spare"
+    assert tier.provision(4 * mib) is True
+    (spare,) = spare_dir.iterdir()
+    assert spare.stat().st_size == 4 * mib and tier.nbytes() == 4 * mib
+    inode = spare.stat().st_ino
+    assert tier.provision(4 * mib) is False  # one that fits exists
+    seg = tier.allocate(1, 4 * mib)
+    assert list(spare_dir.iterdir()) == []
+    data = fill(1, {"a": 4 * mib})["a"]
+    seg.buffer[:] = data
+    tier.seal(1, seg, {"a": ChunkLocation(0, 4 * mib, crc32c(data))})
+    tier.put_manifest(1, b"m")
+    (sealed,) = (shm_dir / "t0" / "step-1").glob("*.data")
+    assert sealed.stat().st_ino == inode
+    view = tier.get_chunk(1, "a")
+    assert view is not None and bytes(view) == data.tobytes()
+
+
+def test_provision_stays_inside_the_budget_and_frees_nothing(make_tier: MakeTier, shm_dir: Path) -> None:
+    mib = 1 << 20
+    tier = make_tier(budget_bytes=10 * mib)
+    seal_chunks(tier, 1, fill(1, {"a": 4 * mib}))
+    tier.put_manifest(1, b"m")
+    assert tier.provision(8 * mib) is False  # would need step 1's room: not taken
+    assert tier.steps() == [1] and list((shm_dir / "t0" / "spare").iterdir()) == []
+    assert tier.provision(1 << 10) is False  # below the recycling size: not worth a file
+    assert make_tier("t1", recycle=False).provision(4 * mib) is False
+    assert tier.provision(4 * mib) is True
+    seal_chunks(tier, 2, fill(2, {"a": 5 * mib}))  # needs room: the spare goes first, step 1 stays
+    assert tier.steps() == [1, 2] and tier.nbytes() <= 10 * mib

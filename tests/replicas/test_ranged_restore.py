@@ -22,7 +22,7 @@ from fastckpt.replicas import PeerClient, PeerServer, RamTier
 from fastckpt.replicas.sources import TieredChunkSource
 from fastckpt.storage import open_store
 
-from .conftest import SECRET
+from .conftest import SECRET, sent_bytes
 
 SHAPE = (8, 256, 128)  # float32: 8 layers of 256 rows x 128 columns (128 KiB each)
 
@@ -74,7 +74,7 @@ def test_rows_of_column_chunks_cross_the_wire_as_ranges(saved) -> None:  # type:
     used = 8 * 64 * 128 * 4  # rows 64..128 of each chunk: one contiguous quarter of it
     assert stats.bytes_by_tier == {"peer:writer": used} and stats.chunks_by_tier == {"peer:writer": 8}
     assert stats.bytes_read_storage == 0
-    assert server.stats["bytes_sent"] == used  # a quarter of the 1 MiB the chunks hold
+    assert sent_bytes(server, used) == used  # a quarter of the 1 MiB the chunks hold
 
 
 def test_a_strided_overlap_crosses_as_one_range_per_layer(tmp_path: Path, shm_dir: Path,
@@ -89,7 +89,7 @@ def test_a_strided_overlap_crosses_as_one_range_per_layer(tmp_path: Path, shm_di
         unit, stats = _fill(root, leaf, ((0, 8), (64, 128), (0, 128)), TieredChunkSource(None, [client]))
     np.testing.assert_array_equal(unit.buffer, w_host[:, 64:128])
     used = 2 * 4 * (64 * 128 * 4)  # 2 chunks x 4 layers x 64 rows
-    assert stats.bytes_by_tier == {"peer:writer": used} and server.stats["bytes_sent"] == used
+    assert stats.bytes_by_tier == {"peer:writer": used} and sent_bytes(server, used) == used
 
 
 def test_own_ram_copies_only_the_ranges(tmp_path: Path, shm_dir: Path, make_tier: Callable[..., RamTier]) -> None:
@@ -106,7 +106,7 @@ def test_a_range_that_spares_little_is_read_whole(saved) -> None:  # type: ignor
         # columns 0..64 of every row of chunk 0: the run holding them is nearly all of it
         unit, stats = _fill(root, leaf, ((0, 1), (0, 256), (0, 64)), TieredChunkSource(None, [client]))
     np.testing.assert_array_equal(unit.buffer, w_host[:1, :, :64])
-    assert stats.bytes_by_tier == {"peer:writer": 128 << 10} and server.stats["bytes_sent"] == 128 << 10
+    assert stats.bytes_by_tier == {"peer:writer": 128 << 10} and sent_bytes(server, 128 << 10) == 128 << 10
 
 
 def test_a_corrupt_byte_outside_the_range_still_fails_the_chunk(saved) -> None:  # type: ignore[no-untyped-def]
