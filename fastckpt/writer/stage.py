@@ -17,6 +17,7 @@ staged copy (:func:`staged_crc32c`, or while encoding), so the step waits for th
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
@@ -31,6 +32,8 @@ from fastckpt.errors import ConfigError
 from fastckpt.format.dtypes import dtype_name
 from fastckpt.format.manifest import KeyPath, ShardingSpec, ValueLeaf, keypath_str
 from fastckpt.planning import ShardInfo, WriteItem, box_from_index, full_box, plan_leaf_writes
+
+log = logging.getLogger("fastckpt")
 
 __all__ = ["DeferredCopies", "StagePlans", "StagedArray", "StagedSave", "stage_state", "staged_crc32c", "sharding_spec_of", "value_leaf_of"]
 
@@ -199,16 +202,42 @@ def _transfer_mode(*, on_host: bool, local_shards: int, used: Sequence[int], pin
     return "all" if every else "shards"
 
 
-def _pinned_ok(devices: Sequence[Any], device_copy: str) -> bool:
+def _pinned_ok(devices: Sequence[Any], device_copy: str, probed: dict[Any, bool] | None = None) -> bool:
     """Whether to copy shards on ``devices`` (this process's: only addressable devices can be
-    asked for their memories) through ``pinned_host`` memory: ``"auto"`` on accelerators that
-    have it, ``"pinned_host"`` wherever it exists (else ConfigError), ``"pageable"`` never."""
+    asked for their memories) through ``pinned_host`` memory: ``"auto"`` on accelerators
+    that have it and pass :func:`_pinned_round_trip` (results kept in ``probed``),
+    ``"pinned_host"`` wherever it exists (else ConfigError), ``"pageable"`` never."""
     if device_copy == "pageable" or (device_copy == "auto" and all(d.platform == "cpu" for d in devices)):
         return False
     has = all(any(m.kind == "pinned_host" for m in d.addressable_memories()) for d in devices)
-    if device_copy == "pinned_host" and not has:
-        raise ConfigError("SaveOptions.device_copy='pinned_host' but a device has no pinned_host memory")
-    return has
+    if device_copy == "pinned_host":
+        if not has:
+            raise ConfigError("SaveOptions.device_copy='pinned_host' but a device has no pinned_host memory")
+        return True
+    if not has:
+        return False
+    probed = {} if probed is None else probed
+    for d in devices:
+        if d not in probed:
+            probed[d] = _pinned_round_trip(d)
+    return all(probed[d] for d in devices)
+
+
+def _pinned_round_trip(device: Any) -> bool:
+    """Whether this backend and jax version copy into ``device``'s pinned host memory and read
+    it back as numpy (a 4-byte probe): ``"auto"`` falls back to pageable copies, with a
+    warning, where they do not, rather than fail every save."""
+    try:
+        x = jax.device_put(np.full(1, 7, np.int32), device)
+        y = jax.device_put(x, jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host"))
+        if int(np.asarray(y)[0]) == 7:
+            return True
+        problem = "read back a wrong value"
+    except Exception as e:  # noqa: BLE001 - any failure means: do not use it
+        problem = f"{type(e).__name__}: {e}"
+    log.warning("fastckpt: copies through pinned host memory do not work on %s (%s): saving through "
+                "pageable memory (slower device-to-host copies)", device, problem)
+    return False
 
 
 class StagePlans:
@@ -224,6 +253,8 @@ class StagePlans:
     def __init__(self, max_entries: int = 1 << 16) -> None:
         self._plans: dict[Any, _LeafPlan] = {}
         self._max = max_entries
+        self.pinned: dict[Any, bool] = {}
+        """Per device: whether copies through its pinned host memory work (``_pinned_ok``)."""
         self.hits = 0
         self.misses = 0
 
@@ -299,7 +330,8 @@ def _plan_array(leaf: FlatLeaf, *, process_index: int, max_chunk_bytes: int,
     items = plan_leaf_writes(shards, itemsize=np.dtype(x.dtype).itemsize, max_chunk_bytes=max_chunk_bytes)
     used = sorted({it.shard_index for it in items})
     transfer = _transfer_mode(on_host=all(d.platform == "cpu" for d in local), local_shards=len(shards),
-                              used=used, pinned=bool(used) and _pinned_ok(local, device_copy))
+                              used=used, pinned=bool(used) and _pinned_ok(local, device_copy,
+                                                                          plans.pinned if plans is not None else None))
     if key is not None:
         plans.put(key, _LeafPlan(name, sharding, items, tuple(used), transfer))  # type: ignore[union-attr]
     return _Pending(leaf.path, tuple(x.shape), name, kind, sharding, key_impl, items,

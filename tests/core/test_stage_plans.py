@@ -114,6 +114,33 @@ def test_pinned_host_is_automatic_on_accelerators_only_and_refused_where_missing
         SaveOptions(device_copy="pinned")  # type: ignore[arg-type]
 
 
+def test_auto_falls_back_to_pageable_where_a_pinned_round_trip_fails(caplog: pytest.LogCaptureFixture) -> None:
+    """A device that lists pinned_host memory but cannot round-trip through it (a backend or
+    jax version without the support) gets pageable copies in "auto", probed once per device,
+    with a warning; a working device passes the probe."""
+    import jax
+
+    assert stage._pinned_round_trip(jax.devices()[0]) is True
+
+    class Memory:
+        kind = "pinned_host"
+
+    class Broken:
+        platform = "tpu"
+
+        def addressable_memories(self) -> list[Any]:
+            return [Memory()]
+
+    broken = Broken()
+    probed: dict[Any, bool] = {}
+    with caplog.at_level("WARNING", logger="fastckpt"):
+        assert stage._pinned_ok([broken], "auto", probed) is False
+        assert stage._pinned_ok([broken], "auto", probed) is False
+    assert probed == {broken: False}
+    assert len([r for r in caplog.records if "pinned host memory do not work" in r.getMessage()]) == 1
+    assert stage._pinned_ok([broken], "pinned_host") is True  # forced: no probe, errors surface
+
+
 def test_deferred_pinned_copies_are_independent_of_the_device_arrays() -> None:
     """Staging through pinned host memory with the copies deferred: the buffer is filled only
     by ``finish_copies``, from private copies — deleting (as donation does) or overwriting
