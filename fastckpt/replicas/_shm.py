@@ -69,12 +69,16 @@ class Segment:
     :meth:`~fastckpt.replicas.ram.RamTier.seal`.
     """
 
-    def __init__(self, tier: _Discarding, step: int, path: Path, mm: mmap.mmap | None, nbytes: int) -> None:
+    def __init__(self, tier: _Discarding, step: int, path: Path, mm: mmap.mmap | None, nbytes: int,
+                 *, reserved: bool = True, prefault: bool = False) -> None:
         self._tier = tier
         self.step = step
         """The step this segment was allocated for."""
         self.nbytes = nbytes
         """Size in bytes."""
+        self.reserved = reserved
+        """Whether its pages are reserved (see :meth:`reserve`)."""
+        self._prefault = prefault
         self._path = path
         self._mm = mm
         self._buffer: np.ndarray | None = np.frombuffer(mm, np.uint8) if mm is not None else np.empty(0, np.uint8)
@@ -87,6 +91,23 @@ class Segment:
         if self._buffer is None:
             raise ConfigError(f"segment is {self.state}; its buffer is no longer writable")
         return self._buffer
+
+    def reserve(self) -> None:
+        """Reserve the pages of a segment allocated with ``reserve=False``; call it before the
+        first write (a full tmpfs then fails here, not with SIGBUS on that write). Idempotent.
+
+        Raises:
+            RamBudgetError: tmpfs has no room.
+        """
+        if not self.reserved:
+            fd = os.open(self._path, os.O_RDWR)
+            try:
+                reserve_pages(fd, self.nbytes, self._path)
+            finally:
+                os.close(fd)
+            if self._prefault and self._mm is not None:
+                populate_writable(self._mm)
+            self.reserved = True
 
     def __enter__(self) -> Segment:
         return self
@@ -297,8 +318,37 @@ class SparePool:
         self._maps.clear()
 
 
-def create_segment_file(path: Path, nbytes: int, *, spare: Path | None, prefault: bool) -> mmap.mmap | None:
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
+
+
+def populate_writable(mm: mmap.mmap) -> None:
+    """Pre-fault a writable shared mapping (``MADV_POPULATE_WRITE``) so that filling it runs at
+    memcpy speed; a no-op where the kernel lacks it. Measured on this VM for 256 MiB on
+    tmpfs: fallocate + populate 0.13 s, then copy 0.03 s; fallocate alone, then a copy that
+    faults every page in: 0.23 s."""
+    with contextlib.suppress(OSError, ValueError):
+        mm.madvise(_MADV_POPULATE_WRITE)
+
+
+def reserve_pages(fd: int, nbytes: int, path: Path) -> None:
+    """Allocate the tmpfs pages of an open file now, so that a full tmpfs fails here
+    (RamBudgetError) instead of with SIGBUS on a write through a mapping."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise RamBudgetError(f"no room on {path.parent.parent} for {nbytes} bytes (tmpfs full)") from None
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+
+
+def create_segment_file(path: Path, nbytes: int, *, spare: Path | None, prefault: bool,
+                        reserve: bool = True) -> mmap.mmap | None:
     """Create (or take over ``spare``) ``path`` of ``nbytes``, reserve its pages, map it writable.
+
+    With ``reserve=False`` the pages are neither reserved nor pre-faulted (microseconds, for
+    a segment filled in the background): the caller must :func:`reserve_pages` (through
+    :meth:`Segment.reserve`) before writing.
 
     Raises:
         RamBudgetError: tmpfs has no room for ``nbytes``.
@@ -312,14 +362,9 @@ def create_segment_file(path: Path, nbytes: int, *, spare: Path | None, prefault
         os.ftruncate(fd, nbytes)  # shrinks a larger spare (frees its tail)
         if nbytes == 0:
             return None
-        try:  # reserve the pages now: a full tmpfs fails here, not with SIGBUS on write
-            os.posix_fallocate(fd, 0, nbytes)
-        except OSError as e:
-            if e.errno == errno.ENOSPC:
-                raise RamBudgetError(f"no room on {path.parent.parent} for {nbytes} bytes (tmpfs full)") from None
-            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                raise
-        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if prefault else 0)
+        if reserve:
+            reserve_pages(fd, nbytes, path)
+        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if prefault and reserve else 0)
         return mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     except BaseException:
         unlink(path)

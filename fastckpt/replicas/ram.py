@@ -175,10 +175,13 @@ class RamTier:
 
     # ------------------------------------------------------------------ writing
 
-    def allocate(self, step: int, nbytes: int) -> Segment:
+    def allocate(self, step: int, nbytes: int, *, reserve: bool = True) -> Segment:
         """Reserve a new writable segment of ``nbytes`` for ``step`` (invisible until sealed).
 
-        May free spares and older steps to make room (see module docstring).
+        May free spares and older steps to make room (see module docstring). With
+        ``reserve=False`` a new file's pages are left for :meth:`Segment.reserve` (which the
+        caller must call before writing: the background part of a save, off the step's path);
+        the budget is charged either way.
 
         Raises:
             RamBudgetError: ``nbytes`` cannot fit even after freeing older steps, or tmpfs
@@ -201,14 +204,15 @@ class RamTier:
             if spare is not None and spare_mm is not None and len(spare_mm) == nbytes:
                 os.rename(spare, path)  # same size: reuse the mapping and its page tables as is
                 mm: mmap.mmap | None = spare_mm
+                reserve = True  # its pages are allocated already
             else:
                 close_map(spare_mm)
-                mm = create_segment_file(path, nbytes, spare=spare, prefault=self._prefault)
+                mm = create_segment_file(path, nbytes, spare=spare, prefault=self._prefault, reserve=reserve)
         except BaseException:
             with self._lock:
                 self._reserved -= nbytes
             raise
-        return Segment(self, step, path, mm, nbytes)
+        return Segment(self, step, path, mm, nbytes, reserved=reserve, prefault=self._prefault)
 
     def provision(self, nbytes: int) -> bool:
         """Create a spare of ``nbytes`` (reserved, pre-faulted) for the next allocation of that
@@ -258,6 +262,8 @@ class RamTier:
         """
         if seg.state != "open" or seg._tier is not self or seg.step != step:
             raise ConfigError(f"cannot seal a {seg.state} segment of step {seg.step} as step {step}")
+        if not seg.reserved:
+            raise ConfigError(f"segment of step {step} was never reserved (Segment.reserve before writing)")
         for cid, loc in index.items():
             if not isinstance(cid, str) or not cid:
                 raise ConfigError(f"chunk ids must be non-empty str, got {cid!r}")

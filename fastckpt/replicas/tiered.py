@@ -124,11 +124,17 @@ class RamReplication:
         """Whether ``step`` is a RAM checkpoint step."""
         return step % self.options.interval_steps == 0
 
-    def allocate(self, step: int, nbytes: int) -> np.ndarray:
-        """A shared-memory staging buffer for ``step`` (becomes the replica once sealed)."""
+    def allocate(self, step: int, nbytes: int, *, reserve: bool = True) -> np.ndarray:
+        """A shared-memory staging buffer for ``step`` (becomes the replica once sealed); with
+        ``reserve=False``, :meth:`reserve` must run before it is written."""
         self.abort()
-        self._segment = self.tier.allocate(step, nbytes)
+        self._segment = self.tier.allocate(step, nbytes, reserve=reserve)
         return self._segment.buffer
+
+    def reserve(self) -> None:
+        """Reserve the pages of the buffer :meth:`allocate` left unreserved (RamBudgetError)."""
+        if self._segment is not None:
+            self._segment.reserve()
 
     def abort(self) -> None:
         """Discard an unsealed segment (a failed save)."""

@@ -57,17 +57,22 @@ class DeferredCopies:
     a view of a private ``pinned_host`` copy of a shard (held here until copied), so nothing
     the caller does to its arrays can change them. :meth:`run` is idempotent."""
 
-    def __init__(self, pairs: list[tuple[np.ndarray, np.ndarray]], keep: list[Any]) -> None:
+    def __init__(self, pairs: list[tuple[np.ndarray, np.ndarray]], keep: list[Any],
+                 before: Callable[[], None] | None = None) -> None:
         self._pairs: list[tuple[np.ndarray, np.ndarray]] | None = pairs
         self._keep: list[Any] | None = keep
+        self._before = before
         self.nbytes = sum(d.nbytes for d, _ in pairs)
         self.seconds = 0.0
 
     def run(self, executor: Executor | None, *, jobs: int) -> None:
-        """Copy (first call only) and release the pinned host copies."""
+        """Prepare the buffer (``before``: reserving its pages), copy (first call only) and
+        release the pinned host copies."""
         if self._pairs is None:
             return
         t0 = time.perf_counter()
+        if self._before is not None:
+            self._before()
         parallel_copy(self._pairs, executor, jobs=jobs)
         self._pairs = self._keep = None
         self.seconds = time.perf_counter() - t0
@@ -349,6 +354,7 @@ def stage_state(
     plans: StagePlans | None = None,
     device_copy: str = "auto",
     defer_host_copies: bool = False,
+    allocate_unreserved: Callable[[int], tuple[np.ndarray, Callable[[], None]]] | None = None,
 ) -> StagedSave:
     """Classify leaves, start all device-to-host copies, then copy shards into one buffer.
 
@@ -366,6 +372,10 @@ def stage_state(
         defer_host_copies: leave the copies out of pinned host memory to
             :meth:`StagedSave.finish_copies` (the caller must call it before reading the
             buffer); otherwise every copy is made before returning.
+        allocate_unreserved: used instead of ``allocate`` when every copy is deferred:
+            returns a buffer whose memory is prepared later (a RAM-tier segment whose pages
+            are not reserved yet) and the function that prepares it, which
+            :meth:`StagedSave.finish_copies` calls before copying.
     """
     pending: list[_Pending] = []
     values: list[ValueLeaf] = []
@@ -400,11 +410,16 @@ def stage_state(
     staged_bytes = sum(flat)
     next_start = iter(starts)
     shard_offsets = [{idx: next(next_start) for idx in hosts} for hosts in leaf_hosts]
-    buffer = allocate(total)
+    deferrable = [defer_host_copies and p.transfer in ("pinned_all", "pinned_shards") for p in pending]
+    prepare = None
+    if allocate_unreserved is not None and pending and all(deferrable):
+        buffer, prepare = allocate_unreserved(total)
+    else:
+        buffer = allocate(total)
     copies, later = [], []
     arrays = []
-    for p, hosts, offs in zip(pending, leaf_hosts, shard_offsets):
-        to = later if defer_host_copies and p.transfer in ("pinned_all", "pinned_shards") else copies
+    for p, hosts, offs, defer in zip(pending, leaf_hosts, shard_offsets, deferrable):
+        to = later if defer else copies
         for it in p.items:  # items tile their shards: copying them copies every shard
             dst = offs[it.shard_index] + it.byte_offset
             to.append((buffer[dst : dst + it.nbytes], hosts[it.shard_index][it.byte_offset : it.byte_offset + it.nbytes]))
@@ -421,7 +436,7 @@ def stage_state(
             )
         )
     parallel_copy(copies, executor, jobs=copy_threads)
-    deferred = DeferredCopies(later, keep) if later else None
+    deferred = DeferredCopies(later, keep, prepare) if later or prepare is not None else None
     return StagedSave(tuple(arrays), tuple(values), buffer, staged_bytes, tuple(l.path for l in leaves), deferred)
 
 

@@ -161,6 +161,39 @@ def test_deferred_pinned_copies_are_independent_of_the_device_arrays() -> None:
     assert (meta, data) == expected
 
 
+def test_an_unreserved_buffer_is_asked_for_only_when_every_copy_is_deferred() -> None:
+    """``allocate_unreserved`` serves a save whose copies all run in the background, and its
+    preparation runs inside ``finish_copies``, before the copies; a state with a leaf that
+    must be copied at once (numpy) gets a ready buffer from ``allocate``."""
+    events: list[str] = []
+
+    def unreserved(n: int) -> tuple[np.ndarray, Any]:
+        events.append("unreserved")
+        return np.zeros(n, np.uint8), lambda: events.append("prepare")
+
+    def ready(n: int) -> np.ndarray:
+        events.append("ready")
+        return np.zeros(n, np.uint8)
+
+    def run(state: dict[str, Any]) -> Any:
+        return stage_state(flatten(state)[0], process_index=0, max_chunk_bytes=1 << 10, allocate=ready,
+                           executor=None, device_copy="pinned_host", defer_host_copies=True,
+                           allocate_unreserved=unreserved)
+
+    state = _state(6)[0]
+    jax_only = {k: state[k] for k in ("a", "b", "r")}
+    expected = _stage(jax_only, None)
+    staged = run(jax_only)
+    assert events == ["unreserved"]
+    staged.finish_copies(None, jobs=2)
+    assert events == ["unreserved", "prepare"]
+    data = b"".join(bytes(staged.chunk_view(a, i)) for a in staged.arrays for i in range(len(a.items)))
+    assert data == expected[1]
+    events.clear()
+    run(state)  # "n" is a numpy leaf: copied at once, into a ready buffer
+    assert events == ["ready"]
+
+
 def test_manager_saves_through_pinned_host_and_the_step_may_donate_at_once(tmp_path: Path, shm_dir: Path) -> None:
     """RAM and persistent saves with ``device_copy="pinned_host"``: a donating step right after
     ``save()`` returns does not reach the checkpoint; both tiers restore bit-exact."""

@@ -400,3 +400,36 @@ def test_provision_stays_inside_the_budget_and_frees_nothing(make_tier: MakeTier
     assert tier.provision(4 * mib) is True
     seal_chunks(tier, 2, fill(2, {"a": 5 * mib}))  # needs room: the spare goes first, step 1 stays
     assert tier.steps() == [1, 2] and tier.nbytes() <= 10 * mib
+
+
+def test_an_unreserved_segment_gets_its_pages_only_when_reserved(make_tier: MakeTier, shm_dir: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """``allocate(reserve=False)`` (a save whose copies run in the background) creates the file
+    with no pages; ``reserve`` allocates them (a full tmpfs fails there, cleanly); sealing an
+    unreserved segment is refused."""
+    import errno
+    import os
+
+    mib = 1 << 20
+    tier = make_tier(budget_bytes=64 * mib)
+    seg = tier.allocate(1, 4 * mib, reserve=False)
+    (path,) = (shm_dir / "t0" / "tmp").iterdir()
+    assert path.stat().st_blocks == 0 and tier.nbytes() == 4 * mib  # charged to the budget all the same
+    with pytest.raises(ConfigError, match="reserve"):
+        tier.seal(1, seg, {})
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(RamBudgetError, match="tmpfs full"):
+        seg.reserve()
+    monkeypatch.undo()
+    assert not seg.reserved
+    seg.reserve()
+    assert seg.reserved and path.stat().st_blocks * 512 >= 4 * mib
+    data = fill(1, {"a": 4 * mib})["a"]
+    seg.buffer[:] = data
+    tier.seal(1, seg, {"a": ChunkLocation(0, 4 * mib, crc32c(data))})
+    view = tier.get_chunk(1, "a", verify=True)
+    assert view is not None and bytes(view) == data.tobytes()
