@@ -366,8 +366,9 @@ def stage_state(
             staging buffer or a RAM-tier segment).
         executor: threads for the parallel copy (None: copy inline).
         copy_threads: parallel copy tasks on ``executor`` (at most its thread count).
-        plans: leaf plans to reuse and extend (None: plan every leaf afresh); a manager
-            keeps one per ``device_copy`` value (the plans record the transfer mode).
+        plans: leaf plans to reuse and extend (None: plan every leaf afresh). Plans record
+            the transfer mode: reuse them only with the same ``device_copy`` (a manager's
+            options are fixed).
         device_copy: ``SaveOptions.device_copy`` (how accelerator shards reach host memory).
         defer_host_copies: leave the copies out of pinned host memory to
             :meth:`StagedSave.finish_copies` (the caller must call it before reading the
