@@ -80,15 +80,17 @@ def _options(barrier_timeout_s: float = 30.0, **save: Any) -> ManagerOptions:
     )
 
 
-def save(root: str, steps: list[int], mesh_shape: list[int], layout: str) -> dict[str, Any]:
+def save(root: str, steps: list[int], mesh_shape: list[int], layout: str, device_copy: str = "auto") -> dict[str, Any]:
     """Save ``steps`` (seed = step) from this job's topology."""
     _in_child()
     mesh = global_mesh(tuple(mesh_shape))
-    with CheckpointManager(root, options=_options()) as mgr:
+    with CheckpointManager(root, options=_options(device_copy=device_copy)) as mgr:
         for step in steps:
             assert mgr.save(step, _state(mesh, layout, seed=step))
         mgr.wait()
-        return {"steps": mgr.all_steps(), "process": jax.process_index(), "stats": mgr.last_save_stats.staged_bytes}
+        stats = mgr.last_save_stats
+        return {"steps": mgr.all_steps(), "process": jax.process_index(), "stats": stats.staged_bytes,
+                "deferred_copy_s": stats.deferred_copy_s}
 
 
 def check_restore(root: str, steps: list[int], mesh_shape: list[int], layout: str) -> dict[str, Any]:
