@@ -112,9 +112,12 @@ def _options(ram_root: str, member: str) -> Any:
         SaveOptions,
     )
 
+    # Even-numbered hosts stage through pinned host memory (as on accelerators: deferred copies
+    # into unreserved segments), odd ones copy at once (CPU devices): both paths in one job.
+    device_copy = "pinned_host" if int(member.removeprefix("host")) % 2 == 0 else "auto"
     return ManagerOptions(
         save_interval_steps=1_000_000,  # persistent only when forced: the RAM steps are RAM-only
-        save=SaveOptions(max_chunk_bytes=MAX_CHUNK_BYTES, object_bytes=512 << 10),
+        save=SaveOptions(max_chunk_bytes=MAX_CHUNK_BYTES, object_bytes=512 << 10, device_copy=device_copy),
         # chunks of <= 64 KiB: a resharding restore asks for the parts it uses however small
         restore=RestoreOptions(min_range_saving_bytes=1),
         retention=RetentionOptions(keep_last=None),
