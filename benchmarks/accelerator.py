@@ -205,10 +205,11 @@ def _ram_manager(store_root: Path, tier: Path, nbytes: int, *, decode_threads: i
 def ram_and_peer(state: Any, *, work: Path, shm: Path, reps: int, threads: list[int]) -> dict[str, Any]:
     """RAM saves (pushed to a peer process), own-RAM restores per decode_threads, then peer restores.
 
-    Every save is of fresh arrays (no cached host copy); the tier's spare segments are
-    reused from the 4th save on (two committed steps are kept while a third is written), so
-    the first saves also pay for new shared-memory pages. The restores are of the last save,
-    whose digest is taken after it (taking it before would cache the host copy the save makes).
+    Every save is of fresh arrays (no cached host copy). Saves after the first reuse a
+    segment (provisioned by the previous save's background part, later a recycled one); the
+    first creates its own (in the blocking part where copies are made there). The restores
+    are of the last save, whose digest is taken after it (taking it before would cache the
+    host copy the save makes).
     """
     import jax
 
