@@ -459,7 +459,8 @@ def run_overhead(args: argparse.Namespace) -> dict[str, Any]:
         # Checkpoints outside the measurement until segment files are recycled: the first
         # saves' one-off costs (new segment files, page faults, peer connections). With a
         # peer, each tier holds keep_steps + 1 = 2 committed steps while a third is being
-        # written, so the 4th checkpoint is the first to reuse a spare segment (both sides).
+        # written, so the 4th checkpoint is the first whose push reuses a recycled segment on
+        # the receiving side (the saving side reuses one from the 2nd: RamTier.provision).
         for _ in range(4):
             for m in (mgr, local, floor):
                 step = RAM_STEP * (step // RAM_STEP + 1)
