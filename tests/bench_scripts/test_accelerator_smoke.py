@@ -30,7 +30,7 @@ def test_accelerator_benchmark_runs_every_section_and_writes_its_results(tmp_pat
     doc = json.loads((tmp_path / "accelerator.json").read_text())
     assert doc["errors"] == [] and doc["env"]["backend"] == "cpu"
     size = doc["sizes"]["0.02"]
-    for section in ("limits", "raw_tcp", "ram", "disk", "orbax"):
+    for section in ("limits", "raw_tcp", "ram", "pageable", "disk", "orbax"):
         assert section in size and "error" not in size[section] and "skipped" not in size[section], section
     assert set(size["ram"]["own_ram"]) == {"2"} and size["ram"]["peer"]["seconds"] > 0
     assert all(s["bytes_pushed"] > 0 for s in size["ram"]["saves"])
