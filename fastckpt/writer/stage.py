@@ -210,22 +210,23 @@ def _transfer_mode(*, on_host: bool, local_shards: int, used: Sequence[int], pin
 def _pinned_ok(devices: Sequence[Any], device_copy: str, probed: dict[Any, bool] | None = None) -> bool:
     """Whether to copy shards on ``devices`` (this process's: only addressable devices can be
     asked for their memories) through ``pinned_host`` memory: ``"auto"`` on accelerators
-    that have it and pass :func:`_pinned_round_trip` (results kept in ``probed``),
-    ``"pinned_host"`` wherever it exists (else ConfigError), ``"pageable"`` never."""
+    that have it and pass :func:`_pinned_round_trip` (each device's answer kept in
+    ``probed``), ``"pinned_host"`` wherever it exists (else ConfigError), ``"pageable"`` never."""
     if device_copy == "pageable" or (device_copy == "auto" and all(d.platform == "cpu" for d in devices)):
         return False
-    has = all(any(m.kind == "pinned_host" for m in d.addressable_memories()) for d in devices)
     if device_copy == "pinned_host":
-        if not has:
+        if not all(_has_pinned(d) for d in devices):
             raise ConfigError("SaveOptions.device_copy='pinned_host' but a device has no pinned_host memory")
         return True
-    if not has:
-        return False
     probed = {} if probed is None else probed
     for d in devices:
         if d not in probed:
-            probed[d] = _pinned_round_trip(d)
+            probed[d] = _has_pinned(d) and _pinned_round_trip(d)
     return all(probed[d] for d in devices)
+
+
+def _has_pinned(device: Any) -> bool:
+    return any(m.kind == "pinned_host" for m in device.addressable_memories())
 
 
 def _pinned_round_trip(device: Any) -> bool:
