@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import os
 import socket
 import struct
@@ -333,6 +334,40 @@ def tree_digest(tree: Any) -> list[int]:
     out = []
     for leaf in jax.tree_util.tree_leaves(tree):
         out.append(crc32c(np.ascontiguousarray(host_value(leaf)).reshape(-1).view(np.uint8)))
+    return out
+
+
+def time_restores(mgr: Any, target: Any, digest: list[int], reps: int, *, tag: str, expect_tier: str,
+                   before: Any = None) -> list[dict[str, Any]]:
+    """``reps + 1`` timed restores of ``target`` through ``mgr`` (the first one reported apart;
+    ``before`` runs before each, untimed): each must read only from ``expect_tier`` (or its
+    ``expect_tier:<member>`` sources), and the first must match ``digest`` (:func:`tree_digest`)."""
+    import jax
+
+    from benchmarks._common import cpu_seconds
+
+    out = []
+    for i in range(reps + 1):
+        if before is not None:
+            before()
+        gc.collect()
+        c0 = cpu_seconds()
+        t0 = time.perf_counter()
+        restored, stats = mgr.restore_with_stats(target=target)
+        jax.block_until_ready(restored)
+        t1 = time.perf_counter()
+        cpu = cpu_seconds() - c0
+        tiers = dict(stats.bytes_by_tier)
+        if not tiers or not all(k == expect_tier or k.startswith(expect_tier + ":") for k in tiers):
+            raise AssertionError(f"{tag}: restore read from {tiers}, expected only {expect_tier!r}")
+        if i == 0 and tree_digest(restored) != digest:
+            raise AssertionError(f"{tag}: restored state differs from the saved one")
+        del restored
+        out.append({"seconds": t1 - t0, "cpu_s": cpu, "fetch_s": stats.fetch_s, "device_put_s": stats.device_put_s,
+                    "bytes_by_tier": tiers, "restored_bytes": stats.restored_bytes,
+                    "loadavg": os.getloadavg()[0], "verified": i == 0})
+        print(f"[fastckpt {tag}] restore {i}: {t1 - t0:.3f}s (cpu {cpu:.2f}s, fetch {stats.fetch_s:.2f}s, "
+              f"device_put {stats.device_put_s:.2f}s) {tiers}", file=sys.stderr, flush=True)
     return out
 
 

@@ -78,6 +78,7 @@ from benchmarks._tiers import (
     measure_loopback_tcp,
     peer_process,
     raw_tcp_process,
+    time_restores,
     tree_digest,
 )
 
@@ -168,24 +169,8 @@ def measure_limits(state: Any, reps: int) -> dict[str, Any]:
 
 
 def _restores(mgr: Any, target: Any, digest: list[int], reps: int, *, tag: str, expect: str) -> dict[str, Any]:
-    import jax
-
-    runs = []
-    for i in range(reps + 1):
-        gc.collect()
-        t0 = time.perf_counter()
-        restored, stats = mgr.restore_with_stats(target=target)
-        jax.block_until_ready(restored)
-        seconds = time.perf_counter() - t0
-        tiers = dict(stats.bytes_by_tier)
-        if not tiers or not all(k == expect or k.startswith(expect + ":") for k in tiers):
-            raise AssertionError(f"{tag}: restore read from {tiers}, expected only {expect!r}")
-        if i == 0 and tree_digest(restored) != digest:
-            raise AssertionError(f"{tag}: restored state differs from the saved one")
-        del restored
-        runs.append({"seconds": seconds, "fetch_s": stats.fetch_s, "device_put_s": stats.device_put_s})
-        print(f"[accel {tag}] restore {i}: {seconds:.3f}s (fetch {stats.fetch_s:.3f}s, "
-              f"device_put {stats.device_put_s:.3f}s)", file=sys.stderr, flush=True)
+    """:func:`~benchmarks._tiers.time_restores`, with medians of the restores after the first."""
+    runs = time_restores(mgr, target, digest, reps, tag=tag, expect_tier=expect)
     rest = runs[1:] or runs
     return {"first_s": runs[0]["seconds"], "seconds": median([r["seconds"] for r in rest]),
             "fetch_s": median([r["fetch_s"] for r in rest]),
@@ -318,10 +303,8 @@ def disk(state: Any, *, work: Path, reps: int, threads: list[int]) -> dict[str, 
             mgr.close()
     digest = tree_digest(fresh)
     del fresh
-    runs = []
-    for i in range(reps + 1):
-        evict_page_cache(root)
-        runs.append(_restores(mgr, target, digest, 0, tag="disk", expect="storage")["runs"][0])
+    runs = [time_restores(mgr, target, digest, 0, tag="disk", expect_tier="storage",  # each one checked
+                          before=lambda: evict_page_cache(root))[0] for _ in range(reps + 1)]
     mgr.close()
     shutil.rmtree(root, ignore_errors=True)
     return {**out, "restore_s": median([r["seconds"] for r in runs[1:] or runs]), "restores": runs}

@@ -113,6 +113,7 @@ from benchmarks._tiers import (  # noqa: E402
     peer_process,
     raw_sink_process,
     raw_tcp_process,
+    time_restores,
     tree_digest,
 )
 
@@ -139,36 +140,6 @@ def _restore_streams() -> int:
     from fastckpt.options import RestoreOptions, SaveOptions
 
     return max(SaveOptions().encode_threads, RestoreOptions().decode_threads)
-
-
-def _time_restores(mgr: Any, target: Any, digest: list[int], reps: int, *, tag: str, expect_tier: str,
-                   before: Any = None) -> list[dict[str, Any]]:
-    """``reps + 1`` timed restores (the first one reported apart); checks tiers and bits."""
-    import jax
-
-    out = []
-    for i in range(reps + 1):
-        if before is not None:
-            before()
-        gc.collect()
-        c0 = cpu_seconds()
-        t0 = time.perf_counter()
-        restored, stats = mgr.restore_with_stats(target=target)
-        jax.block_until_ready(restored)
-        t1 = time.perf_counter()
-        cpu = cpu_seconds() - c0
-        tiers = dict(stats.bytes_by_tier)
-        if not tiers or not all(k == expect_tier or k.startswith(expect_tier + ":") for k in tiers):
-            raise AssertionError(f"{tag}: restore read from {tiers}, expected only {expect_tier!r}")
-        if i == 0 and tree_digest(restored) != digest:
-            raise AssertionError(f"{tag}: restored state differs from the saved one")
-        del restored
-        out.append({"seconds": t1 - t0, "cpu_s": cpu, "fetch_s": stats.fetch_s, "device_put_s": stats.device_put_s,
-                    "bytes_by_tier": tiers, "restored_bytes": stats.restored_bytes,
-                    "loadavg": os.getloadavg()[0], "verified": i == 0})
-        print(f"[fastckpt {tag}] restore {i}: {t1 - t0:.3f}s (cpu {cpu:.2f}s, fetch {stats.fetch_s:.2f}s, "
-              f"device_put {stats.device_put_s:.2f}s) {tiers}", file=sys.stderr, flush=True)
-    return out
 
 
 def _ram_options(root: Path, nbytes: int) -> Any:
@@ -247,7 +218,7 @@ def run_fastckpt_cell(args: argparse.Namespace) -> dict[str, Any]:
                                    "ram_commit_s": saved.ram_commit_s if saved else None,
                                    "pushed_s": time.perf_counter() - t0, "push_wait_s": push_s, "chunks": nchunks}
             if "ram" in tiers:
-                out["tiers"]["ram"] = _time_restores(mgr, target, digest, args.reps, tag="own RAM", expect_tier="ram")
+                out["tiers"]["ram"] = time_restores(mgr, target, digest, args.reps, tag="own RAM", expect_tier="ram")
                 # jax's share of any restore of this tree (host shards ready: no fetch, no checksum)
                 out["placement_s"] = measure_placement(state, reps=max(3, args.reps))
             mgr.close()
@@ -256,7 +227,7 @@ def run_fastckpt_cell(args: argparse.Namespace) -> dict[str, Any]:
             shutil.rmtree(shm / "slot-a")
             if "peer" in tiers:
                 mgr = fastckpt.CheckpointManager(str(store_root), options=_ram_options(shm / "slot-a-new", n))
-                out["tiers"]["peer"] = _time_restores(mgr, target, digest, args.reps, tag="peer RAM",
+                out["tiers"]["peer"] = time_restores(mgr, target, digest, args.reps, tag="peer RAM",
                                                       expect_tier="peer")
                 mgr.close()
                 shutil.rmtree(shm / "slot-a-new", ignore_errors=True)
@@ -275,7 +246,7 @@ def run_fastckpt_cell(args: argparse.Namespace) -> dict[str, Any]:
             out["saves"][tier] = {"committed_s": time.perf_counter() - t0,
                                   "stored_bytes": mgr.last_save_stats.stored_bytes if mgr.last_save_stats else None}
             before = (lambda: evict_page_cache(evict_dir)) if evict_dir is not None else None
-            out["tiers"][tier] = _time_restores(mgr, target, digest, args.reps, tag=TIER_LABEL[tier],
+            out["tiers"][tier] = time_restores(mgr, target, digest, args.reps, tag=TIER_LABEL[tier],
                                                 expect_tier="storage", before=before)
         finally:
             if cleanup is not None:
