@@ -218,7 +218,7 @@ class CheckpointManager:
         if ram:
             raw_crcs = self._commit_ram(seq, step, staged, metadata)
             stats.ram_commit_s = time.perf_counter() - t0
-            stats.deferred_copy_s = staged.finish_copies(self._workers, jobs=self._threads)  # made: its time
+            stats.deferred_copy_s = staged.finish_copies(self._workers, jobs=self._threads)  # made already: their time
             stats.tiers += ("ram",)
             if not persist:
                 stats.total_s = stats.ram_commit_s
@@ -229,7 +229,7 @@ class CheckpointManager:
         chunks = None
         error: BaseException | None = None
         try:
-            stats.deferred_copy_s = staged.finish_copies(self._workers, jobs=self._threads)
+            stats.deferred_copy_s = staged.finish_copies(self._workers, jobs=self._threads)  # no-op after a RAM commit
             chunks = self._io.run(write_chunks(
                 self.store, staged, step=step, save_id=save_id, process_index=self.coordinator.process_index,
                 options=self.options.save, executor=self._workers, stats=wstats, raw_crcs=raw_crcs,
