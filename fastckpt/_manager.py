@@ -41,6 +41,7 @@ from fastckpt.format.manifest import Manifest, box_volume
 from fastckpt.options import ManagerOptions
 from fastckpt.planning import needed_chunks
 from fastckpt.reader.assemble import RestorePlan, build_leaves, resolve_target
+from fastckpt._pygc import paused_gc
 from fastckpt._restore_agreement import agree_on_outcome, agreed_storage_latest, choose_latest
 from fastckpt.reader.fetch import ChunkSource, RestoreStats, Unit, fill_units
 from fastckpt.storage._protocol import Store
@@ -148,25 +149,26 @@ class CheckpointManager:
         ram_tier = self._ram if ram else None
         push_wait_s = ram_tier.wait_pushed() if ram_tier is not None else 0.0
         t0 = time.perf_counter()
-        leaves, _ = flatten(state)
-        try:
-            staged = stage_state(
-                leaves,
-                process_index=self.coordinator.process_index,
-                max_chunk_bytes=self.options.save.max_chunk_bytes,
-                allocate=(lambda n: ram_tier.allocate(step, n)) if ram_tier is not None else self._pool.take,
-                executor=self._workers,
-                copy_threads=self._threads,
-                plans=self._plans,
-                device_copy=self.options.save.device_copy,
-                defer_host_copies=True,
-                allocate_unreserved=(lambda n: (ram_tier.allocate(step, n, reserve=False), ram_tier.reserve))
-                if ram_tier is not None else None,
-            )
-        except BaseException:
-            if ram_tier is not None:
-                ram_tier.abort()
-            raise
+        with paused_gc(self.options.pause_gc):  # thousands of leaves: no full collections
+            leaves, _ = flatten(state)
+            try:
+                staged = stage_state(
+                    leaves,
+                    process_index=self.coordinator.process_index,
+                    max_chunk_bytes=self.options.save.max_chunk_bytes,
+                    allocate=(lambda n: ram_tier.allocate(step, n)) if ram_tier is not None else self._pool.take,
+                    executor=self._workers,
+                    copy_threads=self._threads,
+                    plans=self._plans,
+                    device_copy=self.options.save.device_copy,
+                    defer_host_copies=True,
+                    allocate_unreserved=(lambda n: (ram_tier.allocate(step, n, reserve=False), ram_tier.reserve))
+                    if ram_tier is not None else None,
+                )
+            except BaseException:
+                if ram_tier is not None:
+                    ram_tier.abort()
+                raise
         stats = SaveStats(step=step, blocked_s=time.perf_counter() - t0, staged_bytes=staged.nbytes,
                           push_wait_s=push_wait_s)
         seq, self._seq = self._seq, self._seq + 1
@@ -376,6 +378,10 @@ class CheckpointManager:
         restored instead (an older RAM step, else storage's latest). An explicit ``step``
         never falls back.
         """
+        with paused_gc(self.options.pause_gc):  # thousands of leaves: no full collections
+            return self._restore_with_stats(step, target, partial=partial)
+
+    def _restore_with_stats(self, step: int | None, target: Any, *, partial: bool) -> tuple[Any, RestoreStats]:
         import jax
 
         t0 = time.perf_counter()

@@ -189,6 +189,12 @@ class ManagerOptions:
     (or ``force=True``)."""
     ram: RamOptions | None = None
     """RAM tier + peer replicas (None: persistent storage only)."""
+    pause_gc: bool = True
+    """Pause Python's cyclic garbage collector during ``save()``'s blocking part and during a
+    restore, and re-enable it after (only if it was enabled: see ``_pygc.paused_gc`` for the
+    hazards of the process-wide switch). A state of thousands of leaves allocates enough
+    objects to trigger full collections: on the 2-CPU reference machine, 3000 leaves of
+    128 KiB block ``save()`` 0.41 s instead of 0.57 s."""
 
     def __post_init__(self) -> None:
         _positive("save_interval_steps", self.save_interval_steps)
