@@ -162,7 +162,7 @@ class CheckpointManager:
                     plans=self._plans,
                     device_copy=self.options.save.device_copy,
                     defer_host_copies=True,
-                    allocate_unreserved=(lambda n: (ram_tier.allocate(step, n, reserve=False), ram_tier.reserve))
+                    allocate_unreserved=(lambda n: ram_tier.allocate_unreserved(step, n))
                     if ram_tier is not None else None,
                 )
             except BaseException:

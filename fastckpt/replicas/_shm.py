@@ -87,7 +87,8 @@ class Segment:
 
     @property
     def buffer(self) -> np.ndarray:
-        """The writable uint8 array over the whole segment (shared memory; pre-faulted)."""
+        """The writable uint8 array over the whole segment (shared memory; pre-faulted once
+        reserved: a segment allocated with ``reserve=False`` must get :meth:`reserve` first)."""
         if self._buffer is None:
             raise ConfigError(f"segment is {self.state}; its buffer is no longer writable")
         return self._buffer

@@ -230,12 +230,14 @@ class RamTier:
         path = self.root / "spare" / new_name()
         try:
             mm = create_segment_file(path, nbytes, spare=None, prefault=self._prefault)
-        except RamBudgetError:  # tmpfs full: no spare, nothing lost
-            return False
-        finally:
+        except BaseException as e:
             with self._lock:
                 self._reserved -= nbytes
-        with self._lock:
+            if isinstance(e, RamBudgetError):  # tmpfs full: no spare, nothing lost
+                return False
+            raise
+        with self._lock:  # the charge moves from reserved to the spare pool at once: always counted
+            self._reserved -= nbytes
             if not self._closed:
                 self._spares.add(path, nbytes, mm)
                 return True
@@ -278,7 +280,12 @@ class RamTier:
             name = new_name()
             data_path, index_path = d / name, d / (name[: -len(DATA_SUFFIX)] + INDEX_SUFFIX)
             os.rename(seg._path, data_path)
-            atomic_write(index_path, index_document(step, name, seg.nbytes, dict(index)))
+            try:
+                atomic_write(index_path, index_document(step, name, seg.nbytes, dict(index)))
+            except BaseException:  # not sealed: the segment stays open (discard frees it), no debris
+                unlink(index_path)
+                os.rename(data_path, seg._path)
+                raise
             sealed = Sealed(data_path, index_path, seg.nbytes, seg._mm)
             st = self._steps.setdefault(step, StepState())
             st.segments[name] = sealed

@@ -131,10 +131,12 @@ class RamReplication:
         self._segment = self.tier.allocate(step, nbytes, reserve=reserve)
         return self._segment.buffer
 
-    def reserve(self) -> None:
-        """Reserve the pages of the buffer :meth:`allocate` left unreserved (RamBudgetError)."""
-        if self._segment is not None:
-            self._segment.reserve()
+    def allocate_unreserved(self, step: int, nbytes: int) -> tuple[np.ndarray, Callable[[], None]]:
+        """:meth:`allocate` with ``reserve=False``, and the function that reserves that segment's
+        pages (``Segment.reserve``: RamBudgetError on a full tmpfs), to call before writing it."""
+        buffer = self.allocate(step, nbytes, reserve=False)
+        assert self._segment is not None
+        return buffer, self._segment.reserve
 
     def abort(self) -> None:
         """Discard an unsealed segment (a failed save)."""
@@ -144,7 +146,7 @@ class RamReplication:
 
     def seal(self, step: int, staged: StagedSave, chunks: dict[int, list[ChunkEntry]]) -> None:
         """Make this process's staged chunks of ``step`` visible (not yet committed)."""
-        seg, self._segment = self._segment, None
+        seg = self._segment
         if seg is None:
             raise FastckptError(f"no RAM segment allocated for step {step}")
         index: dict[str, ChunkLocation] = {}
@@ -153,7 +155,8 @@ class RamReplication:
             prefix = chunk_id_prefix(arr.path)
             for off, item in zip(arr.item_offsets, arr.items):
                 index[chunk_id(arr.path, item.box, prefix=prefix)] = ChunkLocation(off, item.nbytes, crc_by_box[item.box])
-        self.tier.seal(step, seg, index)
+        self.tier.seal(step, seg, index)  # refused or failed: the segment stays here for abort()
+        self._segment = None
         self._sealed_ids = list(index)
 
     @property

@@ -62,20 +62,29 @@ class DeferredCopies:
         self._pairs: list[tuple[np.ndarray, np.ndarray]] | None = pairs
         self._keep: list[Any] | None = keep
         self._before = before
+        self._failed: BaseException | None = None
         self.nbytes = sum(d.nbytes for d, _ in pairs)
         self.seconds = 0.0
 
     def run(self, executor: Executor | None, *, jobs: int) -> None:
         """Prepare the buffer (``before``: reserving its pages), copy (first call only) and
-        release the pinned host copies."""
+        release the pinned host copies. A failure releases them too, and every later call
+        raises it again (the buffer never holds the chunks)."""
+        if self._failed is not None:
+            raise self._failed
         if self._pairs is None:
             return
         t0 = time.perf_counter()
-        if self._before is not None:
-            self._before()
-        parallel_copy(self._pairs, executor, jobs=jobs)
-        self._pairs = self._keep = None
-        self.seconds = time.perf_counter() - t0
+        try:
+            if self._before is not None:
+                self._before()
+            parallel_copy(self._pairs, executor, jobs=jobs)
+        except BaseException as e:
+            self._failed = e
+            raise
+        finally:
+            self._pairs = self._keep = None
+            self.seconds = time.perf_counter() - t0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -397,12 +406,12 @@ def stage_state(
             for src in p.sources.values():
                 src.copy_to_host_async()
         elif p.transfer == "pinned_all":
-            host = jax.device_put(p.array, p.array.sharding.with_memory_kind("pinned_host"))
+            host = jax.device_put(p.array, p.array.sharding.with_memory_kind("pinned_host"), may_alias=False)
             keep.append(host)
             p.sources = {i: host.addressable_data(i) for i in p.sources}
         elif p.transfer == "pinned_shards":
-            p.sources = {i: jax.device_put(src, src.sharding.with_memory_kind("pinned_host"))
-                         for i, src in p.sources.items()}
+            p.sources = {i: jax.device_put(src, src.sharding.with_memory_kind("pinned_host"), may_alias=False)
+                         for i, src in p.sources.items()}  # (may_alias: a shard already pinned is copied too)
             keep.extend(p.sources.values())
     # (3) host views of the shards (waits for the transfers), laid out in one buffer,
     # 64-byte aligned; then copy.

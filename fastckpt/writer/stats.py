@@ -29,7 +29,8 @@ class SaveStats:
     """From the start of ``save()`` until the RAM step was sealed (RAM steps only)."""
     deferred_copy_s: float = 0.0
     """Background copy of shards from pinned host memory into the staging buffer (the part
-    of staging that ``save()`` did not wait for; ``SaveOptions.device_copy``)."""
+    of staging that ``save()`` did not wait for; ``SaveOptions.device_copy``), including
+    reserving and pre-faulting a new RAM segment's pages when ``save()`` left that to it."""
     push_wait_s: float = 0.0
     """How long ``save()`` waited, before staging, for this host's push of the previous RAM
     step to its peers (RAM steps only; non-zero only when pushes are slower than the RAM

@@ -161,6 +161,53 @@ def test_deferred_pinned_copies_are_independent_of_the_device_arrays() -> None:
     assert (meta, data) == expected
 
 
+def test_arrays_already_in_pinned_host_memory_get_a_private_copy_too() -> None:
+    """A state kept in pinned host memory (host-offloaded optimizer state): ``device_put`` to
+    the same memory kind would hand back the caller's own buffers, which a donating step may
+    reuse before the deferred copy reads them. Staging must copy them."""
+    import jax
+
+    for spec in (P("x", "y"), P("y", None)):  # every shard written (one put), some replicated (per shard)
+        sharding = named((2, 4), ("x", "y"), spec).with_memory_kind("pinned_host")
+        host = np.arange(16 * 32, dtype=np.float32).reshape(16, 32)
+        x = jax.device_put(host, sharding)
+        staged = stage_state(flatten({"x": x})[0], process_index=0, max_chunk_bytes=1 << 10,
+                             allocate=lambda n: np.zeros(n, np.uint8), executor=None, device_copy="pinned_host",
+                             defer_host_copies=True)
+        assert staged.deferred is not None
+        src = {s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
+        kept = {a.unsafe_buffer_pointer() for k in staged.deferred._keep for a in
+                ([k] if not hasattr(k, "addressable_shards") else [s.data for s in k.addressable_shards])}
+        assert kept and not kept & src  # private copies, not the caller's buffers
+        staged.finish_copies(None, jobs=2)
+        data = b"".join(bytes(staged.chunk_view(a, i)) for a in staged.arrays for i in range(len(a.items)))
+        assert data == _stage({"x": jax.device_put(host, sharding.with_memory_kind("device"))}, None)[1]
+
+
+def test_a_failed_deferred_copy_releases_the_pinned_copies_and_stays_failed() -> None:
+    """The preparation (reserving a RAM segment) fails: the pinned copies are let go at once,
+    and asking again raises again instead of reporting a buffer that never got its chunks."""
+
+    class Full(Exception):
+        pass
+
+    def unreserved(n: int) -> tuple[np.ndarray, Any]:
+        def prepare() -> None:
+            raise Full("tmpfs is full")
+        return np.zeros(n, np.uint8), prepare
+
+    state = {k: v for k, v in _state(7)[0].items() if k != "n"}
+    staged = stage_state(flatten(state)[0], process_index=0, max_chunk_bytes=1 << 10,
+                         allocate=lambda n: np.zeros(n, np.uint8), executor=None, device_copy="pinned_host",
+                         defer_host_copies=True, allocate_unreserved=unreserved)
+    deferred = staged.deferred
+    assert deferred is not None and deferred._keep
+    for _ in range(2):
+        with pytest.raises(Full):
+            staged.finish_copies(None, jobs=2)
+        assert deferred._keep is None and deferred._pairs is None
+
+
 def test_an_unreserved_buffer_is_asked_for_only_when_every_copy_is_deferred() -> None:
     """``allocate_unreserved`` serves a save whose copies all run in the background, and its
     preparation runs inside ``finish_copies``, before the copies; a state with a leaf that

@@ -433,3 +433,65 @@ def test_an_unreserved_segment_gets_its_pages_only_when_reserved(make_tier: Make
     tier.seal(1, seg, {"a": ChunkLocation(0, 4 * mib, crc32c(data))})
     view = tier.get_chunk(1, "a", verify=True)
     assert view is not None and bytes(view) == data.tobytes()
+
+
+def test_provision_never_leaves_its_spare_uncounted(make_tier: MakeTier, shm_dir: Path) -> None:
+    """An allocation on another thread (a peer's push) that runs at any moment of
+    ``provision`` after the spare file exists must see it counted (in the pool, freeable): the
+    bytes held never exceed the budget."""
+    import threading
+
+    mib = 1 << 20
+    tier = make_tier(budget_bytes=3 * mib)
+    seal_chunks(tier, 5, fill(5, {"a": mib}))
+    tier.put_manifest(5, b"m")
+    real, others = tier._lock, []
+
+    class Hook:  # the tier's lock; after a release, once the spare file exists: another thread allocates
+        fired = False
+
+        def __enter__(self) -> object:
+            return real.__enter__()
+
+        def __exit__(self, *exc: object) -> None:
+            real.__exit__(*exc)
+            if not Hook.fired and any((shm_dir / "t0" / "spare").iterdir()):
+                Hook.fired = True
+                t = threading.Thread(target=lambda: others.append(tier.allocate(7, int(1.9 * mib))))
+                t.start()
+                t.join()
+
+    tier._lock = Hook()  # type: ignore[assignment]
+    try:
+        tier.provision(mib)
+    finally:
+        tier._lock = real
+    assert Hook.fired and others  # the spare was freed for it
+    held = sum(p.stat().st_blocks * 512 for p in (shm_dir / "t0").rglob("*.data"))
+    assert tier.nbytes() <= 3 * mib and held <= 3 * mib
+    tier.discard(others[0])
+
+
+def test_a_failed_seal_leaves_nothing_behind(make_tier: MakeTier, shm_dir: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The index write fails (e.g. a full tmpfs): the data file goes back, the segment stays
+    open for ``discard``, and after it the budget and the folder are as before."""
+    from fastckpt.replicas import ram
+
+    mib = 1 << 20
+    tier = make_tier(budget_bytes=8 * mib)
+    seg = tier.allocate(3, 4 * mib)
+    data = fill(3, {"a": 4 * mib})["a"]
+    seg.buffer[:] = data
+
+    def full(path: Path, data: bytes) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ram, "atomic_write", full)
+    with pytest.raises(OSError):
+        tier.seal(3, seg, {"a": ChunkLocation(0, 4 * mib, crc32c(data))})
+    monkeypatch.undo()
+    assert seg.state == "open" and tier.steps() == []
+    tier.discard(seg)
+    assert tier.nbytes() == 0 and not list((shm_dir / "t0").rglob("*.data"))
+    seal_chunks(tier, 4, fill(4, {"b": 7 * mib}))  # the whole budget is there again

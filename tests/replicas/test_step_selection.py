@@ -7,6 +7,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from fastckpt._distributed import default_coordinator
 from fastckpt.errors import PeerUnavailableError
 from fastckpt.options import RamOptions
@@ -43,5 +45,28 @@ def test_peers_are_asked_concurrently_and_failures_left_out(tmp_path: Path) -> N
         got = rr.steps_by_tier()
         assert not barrier.broken
         assert got == {100: {"peer"}, **{i: {"peer"} for i in range(n) if i % 5}}
+    finally:
+        rr.close()
+
+
+def test_a_refused_seal_leaves_the_segment_to_abort(tmp_path: Path) -> None:
+    """``RamReplication.seal`` refused by the tier (here: a segment never reserved): ``abort``
+    still discards it, so its budget and file are freed for the next save."""
+    import numpy as np
+
+    from fastckpt.errors import ConfigError
+    from fastckpt.writer.stage import StagedSave
+
+    mib = 1 << 20
+    rr = RamReplication(RamOptions(root=str(tmp_path / "tier"), replicas=0, budget_bytes=8 * mib),
+                        coordinator=default_coordinator(), store=MemoryStore(), namespace="t", run=lambda c: None)
+    try:
+        buffer, reserve = rr.allocate_unreserved(3, 4 * mib)
+        assert buffer.nbytes == 4 * mib
+        with pytest.raises(ConfigError, match="reserve"):
+            rr.seal(3, StagedSave((), (), np.zeros(0, np.uint8), 0, ()), {})
+        rr.abort()
+        assert rr.tier.nbytes() == 0 and not list((tmp_path / "tier" / "tmp").iterdir())
+        rr.allocate(4, 7 * mib)  # fits: nothing was left charged
     finally:
         rr.close()
