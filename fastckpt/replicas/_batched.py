@@ -80,7 +80,8 @@ def recv_ranges(sock: socket.socket, h: dict[str, Any], plen: int, dsts: Sequenc
     held = [i for i in range(n) if i not in absent]
     if (len(lengths) != n or len(absent) != len(missing) or any(i >= n or lengths[i] for i in absent)
             or len(gaps) != sum(len(runs[i]) + 1 for i in held)
-            or plen != sum(k for i in held for _, k in runs[i])):
+            or plen != sum(k for i in held for _, k in runs[i])
+            or any(lengths[i] < runs[i][-1][0] + runs[i][-1][1] for i in held)):
         raise ProtocolError(f"RANGES reply for {n} chunks is inconsistent: {len(lengths)} lengths, "
                             f"{len(gaps)} checksums, {len(missing)} missing, {plen} payload bytes")
     out: list[Outcome] = []

@@ -7,6 +7,7 @@ import dataclasses
 import queue
 import socket
 import threading
+import time
 
 import crc32c as _crc32c
 
@@ -134,9 +135,12 @@ def close_gracefully(sock: socket.socket) -> None:
     ``close`` would answer with a reset that can destroy the frame in flight."""
     with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_WR)
-        sock.settimeout(_LINGER_S)
+        deadline = time.monotonic() + _LINGER_S  # in total: a client trickling bytes cannot hold the thread
         buf = bytearray(65536)
         budget = _LINGER_BYTES
-        while budget > 0 and (n := sock.recv_into(buf)):
+        while budget > 0 and (left := deadline - time.monotonic()) > 0:
+            sock.settimeout(left)
+            if not (n := sock.recv_into(buf)):
+                break
             budget -= n
     sock.close()

@@ -10,6 +10,7 @@ import hmac
 import json
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, NamedTuple, TypeVar
@@ -21,6 +22,7 @@ from fastckpt.errors import (
     AuthenticationError,
     ChecksumMismatchError,
     ConfigError,
+    PeerError,
     PeerUnavailableError,
     ProtocolError,
 )
@@ -49,6 +51,21 @@ class _Conn:
         self.sock = sock
         self.replied = False
         """Whether the current request got any reply (then it must not be retried)."""
+
+
+_CLOSING_CODES = frozenset({"too_large", "bad_request", "internal", "auth_failed"})
+"""ERROR codes after which a server may have closed the connection (a malformed or oversized
+request, or a server fault): such a connection is not reused."""
+
+
+def _early_refusal(sock: socket.socket, limits: wire.WireLimits) -> PeerRequestError | None:
+    """The ERROR frame a peer sent before closing, if one is readable now (None otherwise)."""
+    try:
+        sock.settimeout(0.5)
+        mtype, h, _ = wire.recv_frame_head(sock, limits, allowed=[MsgType.ERROR], deadline=time.monotonic() + 0.5)
+    except (PeerError, OSError):
+        return None
+    return PeerRequestError(h["code"], h["message"])
 
 
 class PeerClient:
@@ -287,7 +304,7 @@ class PeerClient:
         wire.check_chunk_id(chunk_id)
 
         def op(c: _Conn) -> bool:
-            wire.send_frame(c.sock, MsgType.PUT_CHUNK, {"step": step, "chunk_id": chunk_id, "raw_crc32c": crc}, [view])
+            self._send_push(c, MsgType.PUT_CHUNK, {"step": step, "chunk_id": chunk_id, "raw_crc32c": crc}, [view])
             _, h, _ = self._reply(c, MsgType.OK, missing_ok=False)
             return bool(h["stored"])
 
@@ -314,7 +331,7 @@ class PeerClient:
                   "lengths": [v.nbytes for v in views], "crcs": [crc for _, _, crc in chunks]}
 
         def op(c: _Conn) -> None:
-            wire.send_frame(c.sock, MsgType.PUT_CHUNKS, header, [id_bytes, *views])
+            self._send_push(c, MsgType.PUT_CHUNKS, header, [id_bytes, *views])
             self._reply(c, MsgType.OK, missing_ok=False)
 
         self._call(op)
@@ -409,6 +426,19 @@ class PeerClient:
             raise PeerRequestError(h["code"], h["message"])
         return mtype, h, plen
 
+    def _send_push(self, c: _Conn, msg_type: MsgType, header: dict[str, Any], payload: list[Any]) -> None:
+        """Send a push; if the send fails because the peer refused it early (e.g. ``too_large``
+        right after the header) and closed, raise that refusal instead of a lost connection
+        (and do not retry it)."""
+        try:
+            wire.send_frame(c.sock, msg_type, header, payload)
+        except PeerUnavailableError:
+            refusal = _early_refusal(c.sock, self._limits)
+            if refusal is None:
+                raise
+            c.replied = True
+            raise refusal from None
+
     def _call(self, op: Callable[[_Conn], _T]) -> _T:
         for attempt in (0, 1):
             conn, reused = self._acquire()
@@ -419,8 +449,11 @@ class PeerClient:
                 if reused and attempt == 0 and not conn.replied:
                     continue  # the pooled connection had gone stale (e.g. server idle timeout)
                 raise
-            except PeerRequestError:
-                self._release(conn)  # a well-formed refusal: the connection is still in sync
+            except PeerRequestError as e:
+                if e.code in _CLOSING_CODES:  # the server ends the connection after these
+                    conn.sock.close()
+                else:
+                    self._release(conn)  # a well-formed refusal: the connection is still in sync
                 raise
             except BaseException:
                 conn.sock.close()
@@ -455,9 +488,11 @@ class PeerClient:
         try:
             tune(sock, o)
             sock.settimeout(o.handshake_timeout_s)
+            deadline = time.monotonic() + o.handshake_timeout_s  # for the whole handshake
             client_nonce = wire.new_nonce()
             wire.send_frame(sock, MsgType.HELLO, {"nonce": client_nonce.hex()})
-            mtype, h, _ = wire.recv_frame_head(sock, wire.AUTH_LIMITS, allowed=[MsgType.CHALLENGE, MsgType.ERROR])
+            mtype, h, _ = wire.recv_frame_head(sock, wire.AUTH_LIMITS, allowed=[MsgType.CHALLENGE, MsgType.ERROR],
+                                               deadline=deadline)
             if mtype is MsgType.ERROR:
                 raise PeerRequestError(h["code"], h["message"])
             server_nonce = bytes.fromhex(h["nonce"])
@@ -466,7 +501,8 @@ class PeerClient:
                 raise AuthenticationError(f"peer {self.name} failed to prove it knows our secret (secrets differ?)")
             proof = wire.auth_mac(self._secret, "client", client_nonce, server_nonce)
             wire.send_frame(sock, MsgType.AUTH, {"mac": proof.hex()})
-            mtype, h, _ = wire.recv_frame_head(sock, wire.AUTH_LIMITS, allowed=[MsgType.AUTH_OK, MsgType.ERROR])
+            mtype, h, _ = wire.recv_frame_head(sock, wire.AUTH_LIMITS, allowed=[MsgType.AUTH_OK, MsgType.ERROR],
+                                               deadline=deadline)
             if mtype is MsgType.ERROR:
                 if h["code"] == "auth_failed":
                     raise AuthenticationError(f"peer {self.name} refused our secret")

@@ -21,6 +21,7 @@ import abc
 import asyncio
 import dataclasses
 import json
+import math
 import threading
 import time
 import uuid
@@ -91,12 +92,13 @@ class PeerRecord:
                 and type(rec.port) is int
                 and 0 < rec.port < 65536
                 and isinstance(rec.incarnation, str)
-                and isinstance(rec.published_unix, (int, float))
+                and type(rec.published_unix) in (int, float)
+                and math.isfinite(rec.published_unix)
             )
             if not ok:
                 raise ValueError("bad field")
-        except (ValueError, TypeError) as e:
-            raise ProtocolError(f"malformed peer record: {e}") from None
+        except (ValueError, TypeError, RecursionError) as e:
+            raise ProtocolError(f"malformed peer record: {type(e).__name__}: {str(e)[:200]}") from None
         return rec
 
 

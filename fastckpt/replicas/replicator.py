@@ -28,6 +28,7 @@ from typing import Protocol, runtime_checkable
 
 from fastckpt.errors import ConfigError, PeerError
 from fastckpt.replicas.ram import RamTier
+from fastckpt.replicas.wire import MAX_BATCH_CHUNKS
 
 _log = logging.getLogger(__name__)
 
@@ -96,6 +97,8 @@ class ReplicatorOptions:
         for name in ("max_inflight_bytes", "concurrency", "batch_bytes", "batch_chunks", "max_reports"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
+        if self.batch_chunks > MAX_BATCH_CHUNKS:
+            raise ConfigError(f"batch_chunks must be <= {MAX_BATCH_CHUNKS} (what a peer accepts in one request)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -12,6 +12,7 @@ import json
 import logging
 import socket
 import threading
+import time
 from types import TracebackType
 from typing import Any
 
@@ -170,11 +171,12 @@ class PeerServer:
     def _handshake(self, conn: socket.socket) -> bool:
         t = self.options.handshake_timeout_s
         conn.settimeout(t)
-        _, hello, _ = wire.recv_frame_head(conn, wire.AUTH_LIMITS, allowed=[MsgType.HELLO])
+        deadline = time.monotonic() + t  # for the whole handshake, not each receive
+        _, hello, _ = wire.recv_frame_head(conn, wire.AUTH_LIMITS, allowed=[MsgType.HELLO], deadline=deadline)
         client_nonce, server_nonce = bytes.fromhex(hello["nonce"]), wire.new_nonce()
         proof = wire.auth_mac(self._secret, "server", client_nonce, server_nonce)
         wire.send_frame(conn, MsgType.CHALLENGE, {"nonce": server_nonce.hex(), "mac": proof.hex()})
-        _, auth, _ = wire.recv_frame_head(conn, wire.AUTH_LIMITS, allowed=[MsgType.AUTH])
+        _, auth, _ = wire.recv_frame_head(conn, wire.AUTH_LIMITS, allowed=[MsgType.AUTH], deadline=deadline)
         expected = wire.auth_mac(self._secret, "client", client_nonce, server_nonce)
         if not hmac.compare_digest(expected, bytes.fromhex(auth["mac"])):
             self._count("auth_failures")
@@ -228,10 +230,11 @@ class PeerServer:
                 return self._error(conn, "not_found", f"no manifest for step {h['step']}")
             wire.send_frame(conn, MsgType.MANIFEST, {}, [data])
         elif mtype is MsgType.PUT_MANIFEST:
+            if not o.accept_pushes:
+                drain(conn, plen)
+                return self._error(conn, "bad_request", "this peer does not accept pushes")
             received = bytearray(plen)
             wire.recv_exact(conn, memoryview(received))
-            if not o.accept_pushes:
-                return self._error(conn, "bad_request", "this peer does not accept pushes")
             try:
                 tier.put_manifest(h["step"], bytes(received))
             except StaleStepError as e:
@@ -338,7 +341,7 @@ class PeerServer:
     def _put_chunks(self, conn: socket.socket, h: dict[str, Any], plen: int) -> bool:
         """Receive several chunks into one new segment; all are sealed together, or none."""
         step, count, ids_len, lengths, crcs = h["step"], h["count"], h["ids_len"], h["lengths"], h["crcs"]
-        if not 0 < count == len(lengths) == len(crcs) or ids_len + sum(lengths) != plen:
+        if not 0 < count == len(lengths) == len(crcs) <= wire.MAX_BATCH_CHUNKS or ids_len + sum(lengths) != plen:
             raise ProtocolError(f"PUT_CHUNKS: {count} chunks, {len(lengths)} lengths, {len(crcs)} crcs, "
                                 f"{ids_len} + {sum(lengths)} bytes != payload {plen}")
         if ids_len > wire.max_id_list_bytes(count):

@@ -29,6 +29,7 @@ import json
 import secrets
 import socket
 import struct
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
@@ -392,16 +393,23 @@ def decode_frame(data: bytes | bytearray | memoryview, limits: WireLimits) -> Fr
 # --------------------------------------------------------------------------- socket helpers
 
 
-def recv_exact(sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` from ``sock``.
+def recv_exact(sock: socket.socket, view: memoryview, *, deadline: float | None = None) -> None:
+    """Fill ``view`` from ``sock``; with ``deadline`` (``time.monotonic()``), by then at the
+    latest (the socket timeout bounds each receive; a deadline bounds them all: a peer that
+    trickles a byte at a time cannot stretch the wait).
 
     Raises:
         PeerUnavailableError: the peer closed the connection early, or a receive failed or
-            stalled past the socket timeout.
+            stalled past the socket timeout or the deadline.
     """
     pos, n = 0, view.nbytes
     try:
         while pos < n:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise PeerUnavailableError(f"receive timed out after {pos} of {n} bytes (deadline)")
+                sock.settimeout(left)
             got = sock.recv_into(view[pos:], n - pos)
             if not got:
                 raise PeerUnavailableError(f"connection closed by peer after {pos} of {n} bytes")
@@ -417,6 +425,7 @@ def recv_frame_head(
     allowed: Iterable[MsgType] | None = None,
     first_byte_timeout_s: float | None = None,
     timeout_s: float | None = None,
+    deadline: float | None = None,
 ) -> tuple[MsgType, dict[str, Any], int]:
     """Receive a frame's prefix and header; leave its payload on the socket.
 
@@ -427,6 +436,8 @@ def recv_frame_head(
         first_byte_timeout_s: Timeout for the wait until the frame starts (e.g. the idle
             timeout between requests); ``timeout_s`` applies to everything after.
         timeout_s: Timeout for every later receive (None: leave the socket's timeout).
+        deadline: ``time.monotonic()`` by which the whole prefix and header must have
+            arrived (overrides the timeouts; e.g. an authentication handshake's).
 
     Returns:
         ``(type, header, payload_len)``; the caller must consume ``payload_len`` bytes next.
@@ -435,16 +446,16 @@ def recv_frame_head(
     view = memoryview(prefix)
     if first_byte_timeout_s is not None:
         sock.settimeout(first_byte_timeout_s)
-        recv_exact(sock, view[:1])
+        recv_exact(sock, view[:1], deadline=deadline)
         view = view[1:]
     if timeout_s is not None:
         sock.settimeout(timeout_s)
-    recv_exact(sock, view)
+    recv_exact(sock, view, deadline=deadline)
     head = decode_prefix(prefix, limits)
     if allowed is not None and head.type not in set(allowed):
         raise ProtocolError(f"unexpected message {head.type.name}")
     raw = bytearray(head.header_len)
-    recv_exact(sock, memoryview(raw))
+    recv_exact(sock, memoryview(raw), deadline=deadline)
     return head.type, decode_header(head.type, raw), head.payload_len
 
 

@@ -62,3 +62,21 @@ def test_callback_directory_skips_garbage_and_keeps_newest() -> None:
     assert d.lookup() == {"m": new}
     d.withdraw("m")
     assert d.lookup() == {"m": old}
+
+
+@pytest.mark.parametrize("text", [
+    "[" * 100000 + "]" * 100000,  # nesting beyond the parser's recursion limit
+    '{"version": 1, "member_id": "m", "host": "h", "port": 1, "incarnation": "i", "published_unix": Infinity}',
+    '{"version": 1, "member_id": "m", "host": "h", "port": 1, "incarnation": "i", "published_unix": NaN}',
+    '{"version": 1, "member_id": "m", "host": "h", "port": 1, "incarnation": "i", "published_unix": 1e400}',
+    '{"version": 1, "member_id": "m", "host": "h", "port": 1, "incarnation": "i", "published_unix": true}',
+])
+def test_malformed_records_are_protocol_errors(text: str) -> None:
+    """Every malformed record is a ProtocolError (skipped by the directories), and a record
+    stamped with a non-finite time cannot outrank every later republish."""
+    import json
+
+    # the record's version field, whatever the current one is
+    version = json.loads(make_record("m", ("h", 1)).to_json())["version"]
+    with pytest.raises(ProtocolError):
+        PeerRecord.from_json(text.replace('"version": 1', f'"version": {version}'))

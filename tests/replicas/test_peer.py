@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import socket
 import threading
@@ -512,3 +513,118 @@ def test_malformed_get_ranges_is_refused_and_bad_runs_are_missing(served) -> Non
     assert t is MsgType.RANGES and h["missing"] == [0, 1, 2] and plen == 0 and h["gaps"] == [], h
     with PeerClient(server.address, secret=SECRET, options=FAST) as c:  # the server carries on
         assert c.steps() == [1]
+
+
+def test_a_trickling_client_cannot_hold_a_connection_past_the_handshake_deadline(
+        make_tier: MakeTier, make_server: MakeServer) -> None:
+    """The handshake timeout bounds the whole handshake, not each receive: unauthenticated
+    clients sending a byte at a time (each within the timeout) lose their slots, and an
+    honest client gets in."""
+    server = make_server(make_tier("slow"), options=dataclasses.replace(FAST, handshake_timeout_s=0.5,
+                                                                        max_connections=3))
+    hello = wire.encode_frame(MsgType.HELLO, {"nonce": "00" * 32}, 0)
+    stop = threading.Event()
+    dropped: list[bool] = []
+
+    def trickle(s: socket.socket) -> None:
+        for b in hello[:-1]:  # never completes
+            if stop.is_set():
+                return
+            try:
+                s.send(bytes([b]))
+            except OSError:
+                dropped.append(True)
+                return
+            time.sleep(0.2)
+
+    socks = [socket.create_connection(server.address) for _ in range(3)]
+    threads = [threading.Thread(target=trickle, args=(s,), daemon=True) for s in socks]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(2.0)
+        with PeerClient(server.address, secret=SECRET, options=FAST) as client:
+            assert client.steps() == []
+        assert len(dropped) == 3
+    finally:
+        stop.set()
+        for s in socks:
+            s.close()
+
+
+def test_a_refused_connection_lingers_for_a_bounded_time(make_tier: MakeTier, make_server: MakeServer) -> None:
+    """After an error reply the server waits a little for the client's EOF (so the reply is
+    not destroyed by a reset), but a client that keeps trickling bytes cannot keep the
+    connection's thread alive."""
+    server = make_server(make_tier("linger"), options=FAST)
+    conns = [socket.create_connection(server.address) for _ in range(8)]
+    stop = threading.Event()
+
+    def trickle(s: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            s.sendall(b"XXXX" * 5)  # bad magic: refused at once
+            while not stop.is_set():
+                s.send(b"x")
+                time.sleep(0.1)
+
+    threads = [threading.Thread(target=trickle, args=(s,), daemon=True) for s in conns]
+    for t in threads:
+        t.start()
+    try:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(t.name == "fastckpt-peer-conn" for t in threading.enumerate()):
+            time.sleep(0.1)
+        assert not [t for t in threading.enumerate() if t.name == "fastckpt-peer-conn"]
+        assert server.stats["protocol_errors"] == 8
+    finally:
+        stop.set()
+        for s in conns:
+            s.close()
+
+
+@pytest.mark.parametrize("size", [2 << 20, 64 << 20])
+def test_an_oversized_push_is_refused_as_too_large_once(make_tier: MakeTier, make_server: MakeServer, size: int) -> None:
+    """A push over the server's payload limit gets ``PeerRequestError("too_large")`` whether the
+    refusal arrives before the client finished sending or after, with no retry, and the
+    connection (which the server closed) is not reused."""
+    server = make_server(make_tier("big"), options=dataclasses.replace(FAST, max_payload_bytes=1 << 20))
+    with PeerClient(server.address, secret=SECRET, options=FAST) as client:
+        client.steps()  # a pooled connection: the retry path
+        with pytest.raises(PeerRequestError) as e:
+            client.push_chunk(1, "big", np.zeros(size, np.uint8))
+        assert e.value.code == "too_large"
+        assert client.handshakes == 1  # not sent again on a new connection
+        assert client.steps() == []  # a fresh connection, not the one the server closed
+        assert client.handshakes == 2
+
+
+def test_a_ranges_reply_shorter_than_its_runs_is_a_protocol_error() -> None:
+    """A peer (with the secret) whose RANGES reply names a chunk shorter than the runs asked
+    for: the client raises ProtocolError (the source then falls back), not a bare ValueError."""
+    from fastckpt.errors import ProtocolError
+
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def fake_peer() -> None:
+        s, _ = listener.accept()
+        with s:
+            _, h, _ = wire.recv_frame_head(s, wire.AUTH_LIMITS)
+            cn, sn = bytes.fromhex(h["nonce"]), wire.new_nonce()
+            wire.send_frame(s, MsgType.CHALLENGE, {"nonce": sn.hex(), "mac": wire.auth_mac(SECRET, "server", cn, sn).hex()})
+            wire.recv_frame_head(s, wire.AUTH_LIMITS)
+            wire.send_frame(s, MsgType.AUTH_OK, {})
+            _, h, plen = wire.recv_frame_head(s, wire.WireLimits())
+            wire.recv_exact(s, memoryview(bytearray(plen)))
+            wire.send_frame(s, MsgType.RANGES, {"lengths": [50], "gaps": [0, 0], "missing": []}, [b"\0" * 100])
+            with contextlib.suppress(OSError):  # the client drops the connection it cannot trust
+                read_to_eof(s)
+
+    t = threading.Thread(target=fake_peer, daemon=True)
+    t.start()
+    try:
+        with PeerClient(listener.getsockname(), secret=SECRET, options=FAST) as client:
+            with pytest.raises(ProtocolError):
+                client.get_ranges(1, [("a", np.zeros(100, np.uint8), 123, [(0, 100)])])
+    finally:
+        listener.close()
+        t.join(5)
