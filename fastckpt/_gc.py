@@ -15,7 +15,10 @@ manifest references. :func:`collect_garbage` finds them:
 
 Order of deletion: for retention, a step's manifest is deleted before its data (un-commit
 first, like :meth:`fastckpt.CheckpointManager.delete_step`). A manifest that cannot be read
-protects its whole step (reported in ``GcReport.errors``), never the reverse.
+protects its whole step (reported in ``GcReport.errors``), never the reverse. A step whose
+manifest appears while collection runs keeps its data (the manifests are checked again
+before deleting "uncommitted" data); one that commits in the moment between that check and
+the deletion is only protected by ``grace_s``: keep it above the longest save.
 """
 
 from __future__ import annotations
@@ -206,6 +209,15 @@ def _collectable(lo: Leftover, *, grace_s: float, newest: int | None) -> bool:
     return newest is not None and lo.step is not None and lo.step < newest
 
 
+async def _committed_now(store: Store, steps: set[int | None]) -> set[int]:
+    """Those of ``steps`` whose manifest exists now."""
+    out: set[int] = set()
+    for step in steps:
+        if step is not None and await store.exists(manifest_key(step)):
+            out.add(step)
+    return out
+
+
 async def _delete_all(store: Store, keys: Sequence[str]) -> None:
     sem = asyncio.Semaphore(_CONCURRENCY)
 
@@ -278,6 +290,12 @@ async def collect_garbage_async(
     newest = max(committed) if committed else None
     for lo in leftovers:
         (report.removed if _collectable(lo, grace_s=grace_s, newest=newest) else report.kept).append(lo)
+    # A step may have committed since the manifests were read (a save that ran longer than
+    # grace_s): its data is no leftover. Checked again right before deleting.
+    late = await _committed_now(store, {lo.step for lo in report.removed if lo.reason == "uncommitted"})
+    if late:
+        report.kept += [lo for lo in report.removed if lo.reason == "uncommitted" and lo.step in late]
+        report.removed = [lo for lo in report.removed if not (lo.reason == "uncommitted" and lo.step in late)]
     if retention is not None:
         report.retention_steps = steps_to_delete(committed, retention)
     if not dry_run:

@@ -35,7 +35,7 @@ from fastckpt.errors import (
     StepAlreadyCommittedError,
 )
 from fastckpt.format.codec import decode_manifest
-from fastckpt.format.layout import MANIFEST_PREFIX, manifest_key, step_data_prefix, step_from_manifest_key
+from fastckpt.format.layout import MANIFEST_PREFIX, MAX_STEP, manifest_key, step_data_prefix, step_from_manifest_key
 from fastckpt.format.dtypes import dtype_from_name
 from fastckpt.format.manifest import Manifest, box_volume
 from fastckpt.options import ManagerOptions
@@ -136,8 +136,8 @@ class CheckpointManager:
         that is already committed, :class:`ConfigError` for unsupported leaves.
         """
         self._check_open()
-        if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
-            raise ConfigError(f"step must be a non-negative int, got {step!r}")
+        if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
+            raise ConfigError(f"step must be an int in [0, {MAX_STEP}], got {step!r}")
         step = int(step)
         persist = force or step % self.options.save_interval_steps == 0
         ram = self._ram is not None and (persist or self._ram.due(step))

@@ -33,8 +33,10 @@ __all__ = [
 
 MANIFEST_PREFIX = "manifests/"
 STEPS_PREFIX = "steps/"
-_MANIFEST_RE = re.compile(r"^manifests/(\d{12})\.json$")
-_DATA_RE = re.compile(r"^steps/(\d{12})/")
+MAX_STEP = 10**18 - 1
+"""The largest step a key can name (12 digits, zero-padded, up to 18: Unix-millisecond steps fit)."""
+_MANIFEST_RE = re.compile(r"^manifests/(\d{12,18})\.json$")
+_DATA_RE = re.compile(r"^steps/(\d{12,18})/")
 
 
 def manifest_key(step: int) -> str:
@@ -60,13 +62,13 @@ def fragment_key(step: int, save_id: str, process: int) -> str:
 def step_from_manifest_key(key: str) -> int | None:
     """The step a manifest key names, or None if ``key`` is not a manifest key."""
     m = _MANIFEST_RE.match(key)
-    return int(m.group(1)) if m else None
+    return int(m.group(1)) if m and m.group(1) == f"{int(m.group(1)):012d}" else None  # canonical only
 
 
 def step_from_data_key(key: str) -> int | None:
     """The step a data/fragment key belongs to, or None."""
     m = _DATA_RE.match(key)
-    return int(m.group(1)) if m else None
+    return int(m.group(1)) if m and m.group(1) == f"{int(m.group(1)):012d}" else None  # canonical only
 
 
 def ram_object_key(step: int, writer: str | None) -> str:

@@ -41,6 +41,7 @@ from fastckpt.errors import (
     NotFoundError,
     PermissionDeniedError,
     StorageError,
+    TransientStorageError,
 )
 from fastckpt.storage._checksum import crc32c
 from fastckpt.storage._gcs_http import (
@@ -333,7 +334,13 @@ class GcsStore(Store):
                 stored = resp.json().get("crc32c")
             except ValueError:
                 stored = None
-        if stored is not None and crc_from_b64(stored) != crc:
+        if stored is None:
+            return
+        try:
+            stored_crc = crc_from_b64(stored)
+        except CorruptionError as e:  # a mangled response: retried (a create-only retry checks the object)
+            raise TransientStorageError(f"{what}: unreadable upload response: {e}") from e
+        if stored_crc != crc:
             raise ChecksumMismatchError(f"{what}: server stored crc32c {stored}, sent {b64_crc(crc)}")
 
     def _list_sync(self, prefix: str) -> list[str]:
@@ -348,7 +355,9 @@ class GcsStore(Store):
             names = [blob.name for blob in blobs]
         except Exception as exc:
             translate(exc, what)
-        return sorted(n[len(base) :] for n in names)
+        # Names ending in "/" are folder placeholders (Cloud Console, gcsfuse), not objects this
+        # store writes or can address: leaving them out keeps list() to valid keys.
+        return sorted(n[len(base) :] for n in names if not n.endswith("/"))
 
     def _delete_sync(self, name: str, key: str) -> None:
         client, _ = self._connect()

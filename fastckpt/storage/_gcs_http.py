@@ -7,6 +7,7 @@ Nothing here retries (:class:`~fastckpt.storage.RetryingStore` does) or knows ab
 from __future__ import annotations
 
 import base64
+import binascii
 import http.client
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, NoReturn
@@ -15,6 +16,7 @@ import numpy as np
 
 from fastckpt.errors import (
     AlreadyExistsError,
+    CorruptionError,
     FastckptError,
     NotFoundError,
     PermissionDeniedError,
@@ -159,5 +161,16 @@ def b64_crc(value: int) -> str:
     return base64.b64encode(value.to_bytes(4, "big")).decode("ascii")
 
 
-def crc_from_b64(text: str) -> int:
-    return int.from_bytes(base64.b64decode(text), "big")
+def crc_from_b64(text: object) -> int:
+    """The crc32c a GCS response reports (base64 of 4 big-endian bytes).
+
+    Raises:
+        CorruptionError: not such a value (a mangled response).
+    """
+    try:
+        raw = base64.b64decode(text, validate=True)  # type: ignore[arg-type]
+    except (binascii.Error, TypeError, ValueError) as e:
+        raise CorruptionError(f"GCS reported a crc32c that is not base64: {str(text)[:40]!r}") from e
+    if len(raw) != 4:
+        raise CorruptionError(f"GCS reported a crc32c of {len(raw)} bytes, not 4")
+    return int.from_bytes(raw, "big")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import functools
 import os
@@ -166,14 +167,18 @@ class LocalStore(Store):
             size = os.fstat(fd).st_size
             start, stop = clip_range(size, byte_range, key)
             n = stop - start
+            head = b""
             if n < 256 * 1024:
-                return os.pread(fd, n, start) if n else b""
+                head = os.pread(fd, n, start) if n else b""
+                if len(head) == n:
+                    return head  # (short reads, e.g. on network file systems, go on below)
             view = memoryview(np.empty(n, dtype=np.uint8)).cast("B")
-            done = 0
+            view[: len(head)] = head
+            done = len(head)
             while done < n:
                 got = os.preadv(fd, [view[done:]], start + done)
                 if got == 0:
-                    raise StorageError(f"get {self.url}/{key}: file shrank while reading")
+                    raise CorruptionError(f"get {self.url}/{key}: object shrank while reading")
                 done += got
             return view
         except OSError as exc:
@@ -197,7 +202,7 @@ class LocalStore(Store):
             while todo:
                 got = os.preadv(fd, todo[:_IOV_MAX], start + done)
                 if got == 0:
-                    raise StorageError(f"{what}: file shrank while reading")
+                    raise CorruptionError(f"{what}: object shrank while reading")
                 done += got
                 todo = consume(todo, got)
         except OSError as exc:
@@ -208,10 +213,16 @@ class LocalStore(Store):
     def _put_sync(self, path: Path, key: str, parts: list[memoryview], mode: PutMode) -> None:
         what = f"put {self.url}/{key}"
         directory = path.parent
+        tmp = directory / f".{path.name}.{secrets.token_hex(8)}{TEMP_SUFFIX}"
         try:
-            self._makedirs(directory)
-            tmp = directory / f".{path.name}.{secrets.token_hex(8)}{TEMP_SUFFIX}"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            for attempt in range(3):
+                self._makedirs(directory)
+                try:
+                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+                    break
+                except FileNotFoundError:  # a concurrent gc pruned the new, still empty directory
+                    if attempt == 2:
+                        raise
         except OSError as exc:
             _translate(exc, what)
         try:
@@ -235,10 +246,8 @@ class LocalStore(Store):
         except OSError as exc:
             _translate(exc, what)
         finally:
-            try:
+            with contextlib.suppress(OSError):  # (gone after a rename; never masks the put's own error)
                 os.unlink(tmp)
-            except FileNotFoundError:
-                pass
 
     def _list_sync(self, prefix: str) -> list[str]:
         head, _, _ = prefix.rpartition("/")

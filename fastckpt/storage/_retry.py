@@ -59,7 +59,11 @@ class RetryPolicy:
 
     def backoff_ceiling(self, retry: int) -> float:
         """The backoff ceiling before retry number ``retry`` (1-based)."""
-        return min(self.max_backoff_s, self.initial_backoff_s * self.multiplier ** (retry - 1))
+        exponent = min(retry - 1, 1023)  # (a float power of a long retry series overflows)
+        try:
+            return min(self.max_backoff_s, self.initial_backoff_s * self.multiplier ** exponent)
+        except OverflowError:
+            return self.max_backoff_s
 
 
 @final

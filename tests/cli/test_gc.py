@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import fastckpt
+import fastckpt.storage
 from fastckpt._gc import collect_garbage
 from fastckpt.errors import ConfigError
 from fastckpt.format.layout import manifest_key
@@ -61,3 +63,50 @@ def test_retention_and_unreadable_manifests(store: MemoryStore) -> None:
     assert fastckpt.restore(store)["x"][0] == 30.0
     with pytest.raises(ConfigError):
         collect_garbage(store, grace_s=-1)
+
+
+def test_a_step_committed_while_gc_runs_keeps_its_data(tmp_path: Path) -> None:
+    """A save that ran longer than the grace period commits right after gc read the manifests:
+    its data, old enough to look abandoned, is kept (the manifests are checked again before
+    deleting), and the step restores."""
+    import os
+    import time
+
+    from fastckpt._gc import collect_garbage_async
+    from fastckpt.format.layout import MANIFEST_PREFIX, STEPS_PREFIX
+    from fastckpt.storage import LocalStore
+
+    root = tmp_path / "ckpt"
+    fastckpt.save(str(root), 7, {"w": np.arange(1000, dtype=np.float32)})
+    plain = LocalStore(root)
+    manifest = bytes(asyncio.run(plain.get(manifest_key(7))))
+    asyncio.run(plain.delete(manifest_key(7)))  # the save of step 7, its data written 15 min ago
+    old = time.time() - 900
+    for k in asyncio.run(plain.list(STEPS_PREFIX)):
+        os.utime(root / k, (old, old))
+
+    class CommitsDuringGc(LocalStore):
+        async def list(self, prefix: str = "") -> list[str]:
+            out = await super().list(prefix)
+            if prefix == MANIFEST_PREFIX:  # the save commits right after gc listed the manifests
+                await super().put(manifest_key(7), manifest, mode="create")
+            return out
+
+    report = asyncio.run(collect_garbage_async(CommitsDuringGc(root), grace_s=600))
+    assert report.removed == [] and {lo.step for lo in report.kept} == {7}
+    restored = fastckpt.restore(str(root), step=7)
+    np.testing.assert_array_equal(restored["w"], np.arange(1000, dtype=np.float32))
+
+
+def test_steps_past_twelve_digits_are_listed_restored_and_kept(tmp_path: Path) -> None:
+    """A Unix-millisecond step (13 digits) is committed, listed, restored and not collected;
+    steps beyond the key format are refused up front."""
+    root = str(tmp_path / "ckpt")
+    step = 1_700_000_000_000
+    fastckpt.save(root, step, {"w": np.arange(10, dtype=np.float32)})
+    with fastckpt.CheckpointManager(root) as mgr:
+        assert mgr.all_steps() == [step] and mgr.latest_step() == step
+        with pytest.raises(ConfigError, match="step must be"):
+            mgr.save(10**18, {"w": np.zeros(1)})
+    assert collect_garbage(fastckpt.storage.open_store(root), grace_s=0).removed == []
+    np.testing.assert_array_equal(fastckpt.restore(root)["w"], np.arange(10, dtype=np.float32))

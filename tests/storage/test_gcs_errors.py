@@ -159,3 +159,12 @@ def test_get_into_oversized_partial_answer_does_not_poison_the_connection(
     server.reply = Reply(status=206, body=b"XYZ")
     run(store.get_into("k", 0, [memoryview(out)]))  # a reused connection would read "def"
     assert bytes(out) == b"XYZ"
+
+
+def test_an_unreadable_crc_in_an_upload_response_is_transient(stub: tuple[_Server, GcsStore]) -> None:
+    """A 200 whose crc32c field is not base64 (mangled in transit): a typed, retryable error —
+    a create-only retry then checks the object itself — never a bare binascii.Error."""
+    server, store = stub
+    server.reply = Reply(status=200, body=b'{"crc32c": "AAAAA"}', content_type="application/json")
+    with pytest.raises(TransientStorageError, match="unreadable upload response"):
+        run(store.put("k", b"data"))
