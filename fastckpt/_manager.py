@@ -59,6 +59,13 @@ log = logging.getLogger("fastckpt")
 _VERSION = "0.1.0"
 
 
+def _checked_step(step: object) -> int:
+    """``step`` as an int, or ConfigError (a bool, a float, a str, out of range)."""
+    if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
+        raise ConfigError(f"step must be an int in [0, {MAX_STEP}], got {step!r}")
+    return int(step)
+
+
 def _open(root: str | Store) -> Store:
     if isinstance(root, Store):
         return root
@@ -136,9 +143,7 @@ class CheckpointManager:
         that is already committed, :class:`ConfigError` for unsupported leaves.
         """
         self._check_open()
-        if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
-            raise ConfigError(f"step must be an int in [0, {MAX_STEP}], got {step!r}")
-        step = int(step)
+        step = _checked_step(step)
         persist = force or step % self.options.save_interval_steps == 0
         ram = self._ram is not None and (persist or self._ram.due(step))
         if not persist and not ram:
@@ -384,10 +389,12 @@ class CheckpointManager:
     def _restore_with_stats(self, step: int | None, target: Any, *, partial: bool) -> tuple[Any, RestoreStats]:
         import jax
 
+        step = None if step is None else _checked_step(step)
         t0 = time.perf_counter()
         self._check_open()
         rseq, self._rseq = self._rseq, self._rseq + 1
         source: ChunkSource | None = None  # made after the first step choice: it orders peers by the lists fetched
+        fallbacks_before: dict[str, int] = {}
         older_than: int | None = None
         failure: BaseException | None = None
         plans: dict[int, tuple[Manifest, RestorePlan]] = {}
@@ -407,6 +414,8 @@ class CheckpointManager:
                 raise
             if source is None:
                 source = self._ram.source() if self._ram is not None else self._chunk_source
+                stats_of = getattr(source, "stats", None)
+                fallbacks_before = dict(stats_of().fallbacks) if callable(stats_of) else {}
             ram_only = manifest.metadata.get("fastckpt_tier") == "ram"
             known = plans.get(manifest.step)
             plan = known[1] if known is not None and known[0] is manifest else resolve_target(manifest, target,
@@ -427,8 +436,9 @@ class CheckpointManager:
             older_than = manifest.step
             failure = failure or DistributedError(f"RAM step {manifest.step} is incomplete on another process")
         source_stats = getattr(source, "stats", None)
-        if callable(source_stats):
-            stats.fallbacks = {str(k): int(v) for k, v in source_stats().fallbacks.items()}
+        if callable(source_stats):  # this restore's: a long-lived source counts since it was made
+            stats.fallbacks = {str(k): int(v) - fallbacks_before.get(k, 0)
+                               for k, v in source_stats().fallbacks.items() if int(v) > fallbacks_before.get(k, 0)}
         leaves = build_leaves(plan, stats)
         stats.seconds = time.perf_counter() - t0
         self.last_restore_stats = stats

@@ -7,6 +7,7 @@ Call order (the manager drives it): :func:`resolve_target` (pure checks, typed e
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any
 
@@ -101,6 +102,19 @@ def _device_boxes(sharding: Any, shape: tuple[int, ...], cache: dict[Any, _Devic
     return hit
 
 
+@functools.lru_cache(maxsize=16)
+def _key_dtype_of(impl: str) -> Any:
+    return jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
+
+
+def _key_dtype(impl: str | None, where: str) -> Any:
+    """The key dtype of a stored PRNG implementation (DtypeMismatchError if unknown here)."""
+    try:
+        return _key_dtype_of(str(impl))
+    except (ValueError, TypeError, KeyError) as e:
+        raise DtypeMismatchError(f"{where}: the checkpoint's PRNG implementation {impl!r} is unknown here: {e}") from e
+
+
 def _plan_array(path: KeyPath, stored: ArrayLeaf, tgt: Any, boxes_cache: dict[Any, _DeviceBoxes]) -> LeafPlan:
     where = keypath_str(path)
     shape = tuple(stored.shape)
@@ -108,6 +122,9 @@ def _plan_array(path: KeyPath, stored: ArrayLeaf, tgt: Any, boxes_cache: dict[An
     if stored.kind == "prng_key":
         if tgt is not None and not is_prng_key(tgt):
             raise DtypeMismatchError(f"{where}: checkpoint holds a PRNG key array, target is {getattr(tgt, 'dtype', type(tgt))}")
+        key_dtype = _key_dtype(stored.key_impl, where)
+        if tgt is not None and tgt.dtype != key_dtype:
+            raise DtypeMismatchError(f"{where}: target keys are {tgt.dtype}, the checkpoint's {key_dtype}")
         key_shape = shape
         if tgt is not None:
             key_extra = len(shape) - len(tgt.shape)

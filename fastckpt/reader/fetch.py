@@ -20,9 +20,9 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Coroutine, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from concurrent.futures import Executor, Future
-from typing import Any
+from typing import Any, TypeVar
 
 from fastckpt._aio import ByteBudget
 from fastckpt._hostmem import BufferCache, balanced_groups
@@ -37,6 +37,7 @@ from fastckpt.storage._protocol import Store
 
 __all__ = ["ChunkSource", "LendingChunkSource", "RestoreStats", "Unit", "fill_units"]
 
+_T = TypeVar("_T")
 _SCRATCH_GRAIN = 4 << 20
 _ONE_PLANNER_UNIT_BYTES = 1 << 20  # units smaller than this on average: plan on one thread (see prepare_all)
 _PREPARE_JOBS_PER_THREAD = 4  # a few jobs per thread: a slow leaf does not leave a thread idle
@@ -122,6 +123,18 @@ def _verify_all(got: Sequence[_Received]) -> list[_Received]:
     return bad
 
 
+async def _in_thread(executor: Executor, fn: Callable[..., _T], *args: Any) -> _T:
+    """``fn(*args)`` on ``executor``; if the awaiting task is cancelled while ``fn`` runs, the
+    cancellation waits for it to finish (a job of a failed restore never outlives it)."""
+    job = executor.submit(fn, *args)
+    try:
+        return await asyncio.wrap_future(job)
+    except asyncio.CancelledError:
+        if not job.cancel():
+            await asyncio.wait([asyncio.wrap_future(job)])
+        raise
+
+
 async def _all_or_nothing(coros: Iterable[Coroutine[Any, Any, None]]) -> None:
     """Run ``coros`` concurrently; on the first failure cancel the rest and wait for them, so
     nothing of a failed restore keeps reading (or touches the loop) after this returns."""
@@ -155,7 +168,6 @@ async def fill_units(
     With ``storage_holds_step=False`` (a RAM-only step) a chunk no RAM source has raises
     :class:`CheckpointNotFoundError` naming it, instead of reading storage.
     """
-    loop = asyncio.get_running_loop()
     decoder = Decoder()
     lock = threading.Lock()
     reads = asyncio.Semaphore(options.read_concurrency)
@@ -213,13 +225,13 @@ async def fill_units(
         stats.reads_storage += 1
         stats.bytes_read_storage += r.length
         stats.bytes_in_place += sum(view.nbytes for _, _, view, in_place in got if in_place)
-        bad = await loop.run_in_executor(executor, _verify_all, got)
+        bad = await _in_thread(executor, _verify_all, got)
         for filler, c, view, in_place in bad:
             stats.retries += 1  # re-read once: the corruption may have been on the wire
             await store.get_into(c.key, c.offset, [view])
             stats.reads_storage += 1
             stats.bytes_read_storage += c.length
-            await loop.run_in_executor(executor, filler.from_fetched, c, view, in_place)
+            await _in_thread(executor, filler.from_fetched, c, view, in_place)
 
     by_leaf: dict[int, list[Unit]] = {}
     for u in units:
@@ -241,7 +253,7 @@ async def fill_units(
 
         if not one_planner:
             async def both(group: Sequence[int]) -> None:  # one worker job: plan, then fetch
-                left.extend(await loop.run_in_executor(executor, lambda: fetch(planned(group))))
+                left.extend(await _in_thread(executor, lambda: fetch(planned(group))))
 
             await _all_or_nothing(both(g) for g in groups)
             return
@@ -252,7 +264,7 @@ async def fill_units(
                 fetching.append(executor.submit(fetch, planned(group)))
 
         try:
-            await loop.run_in_executor(executor, plan_all)
+            await _in_thread(executor, plan_all)
             for job in fetching:
                 left.extend(await asyncio.wrap_future(job))
         except BaseException:  # wait for the fetches already running: none outlives the restore
@@ -268,7 +280,7 @@ async def fill_units(
     lent = [f for f in fillers if f.lent]
     if lent:
         async def check(group: Sequence[int]) -> None:
-            left.extend(await loop.run_in_executor(executor, verify_lent, [lent[i] for i in group]))
+            left.extend(await _in_thread(executor, verify_lent, [lent[i] for i in group]))
 
         await _all_or_nothing(check(g) for g in balanced_groups([f.lent_bytes for f in lent], options.decode_threads))
     # Coalesce across leaves: small leaves packed next to each other in one object are read

@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import errno
 import json
+import logging
 import mmap
 import os
 import shutil
@@ -26,6 +27,8 @@ from fastckpt.errors import ConfigError
 
 __all__ = ["ChunkLocation", "RamBudgetError", "Segment", "SparePool", "close_map", "create_segment_file", "load_index",
            "room_to_free", "scan_root"]
+
+_log = logging.getLogger(__name__)
 
 INDEX_SUFFIX = ".index.json"
 DATA_SUFFIX = ".data"
@@ -160,11 +163,19 @@ class Sealed:
                 self.view = memoryview(b"")
             else:
                 flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if prefault else 0)
-                fd = os.open(self.path, os.O_RDONLY)
                 try:
-                    self.mm = mmap.mmap(fd, self.nbytes, flags=flags, prot=mmap.PROT_READ)
-                finally:
-                    os.close(fd)
+                    fd = os.open(self.path, os.O_RDONLY)
+                    try:
+                        if os.fstat(fd).st_size != self.nbytes:
+                            raise ValueError(f"{os.fstat(fd).st_size} bytes, its index says {self.nbytes}")
+                        self.mm = mmap.mmap(fd, self.nbytes, flags=flags, prot=mmap.PROT_READ)
+                    finally:
+                        os.close(fd)
+                except (OSError, ValueError) as e:  # deleted or truncated behind the tier's back
+                    _log.warning("fastckpt: RAM segment %s is unreadable (%s); its chunks are no longer served",
+                                 self.path, e)
+                    self.dropped = True
+                    return None
                 self.view = memoryview(self.mm)
         return self.view
 

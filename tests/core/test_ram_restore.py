@@ -17,6 +17,8 @@ import pytest
 from fastckpt import CheckpointManager, ManagerOptions, RetentionOptions, SaveOptions
 from fastckpt.options import RamOptions
 
+from .util import P, named
+
 MIB = 1 << 20
 
 
@@ -256,3 +258,101 @@ def test_the_next_ram_save_reuses_a_segment_provisioned_in_the_background(tmp_pa
         assert second.stat().st_ino == inode
         got = mgr.restore(2)
         np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(_big(2)["w"]))
+
+
+@pytest.mark.parametrize("damage", ["delete", "truncate"])
+def test_a_vanished_or_shrunk_ram_segment_falls_back_to_storage(tmp_path: Path, shm_dir: Path, damage: str) -> None:
+    """A RAM-tier data file deleted or truncated behind the tier's back (mapped only when first
+    read): the restore reads those chunks from storage, bit-exact, instead of failing on an
+    OSError/ValueError from the mapping."""
+    import glob
+
+    import jax
+
+    sharding = named((8,), ("x",), P("x"))
+    w = np.arange(256 * 256, dtype=np.float32).reshape(256, 256)
+    opts = ManagerOptions(save_interval_steps=1, ram=RamOptions(root=str(shm_dir / "h0"), interval_steps=1, replicas=0,
+                                                                budget_bytes=64 << 20))
+    with CheckpointManager(str(tmp_path / "ck"), options=opts) as mgr:
+        mgr.save(1, {"w": jax.device_put(w, sharding)})
+        mgr.wait()
+    with CheckpointManager(str(tmp_path / "ck"), options=opts) as mgr:  # reopened: segments not mapped yet
+        (data,) = glob.glob(str(shm_dir / "h0" / "step-1" / "*.data"))
+        if damage == "delete":
+            os.remove(data)
+        else:
+            os.truncate(data, 100)
+        got, stats = mgr.restore_with_stats(1, {"w": jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=sharding)})
+        np.testing.assert_array_equal(np.asarray(got["w"]), w)
+        assert set(stats.bytes_by_tier) == {"storage"}
+
+
+def test_restore_stats_count_this_restores_fallbacks_only(tmp_path: Path, shm_dir: Path) -> None:
+    """A long-lived chunk source (``chunk_source=``) counts fallbacks since it was made; each
+    restore's stats report its own."""
+    import jax
+
+    from fastckpt.replicas import RamTier
+    from fastckpt.replicas.sources import TieredChunkSource
+
+    sharding = named((8,), ("x",), P("x"))
+    w = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)
+    with RamTier(shm_dir / "t", budget_bytes=1 << 20) as tier:
+        source = TieredChunkSource(tier)  # lacks the step: every chunk is a miss
+        with CheckpointManager(str(tmp_path / "ck"), chunk_source=source) as mgr:
+            mgr.save(1, {"w": jax.device_put(w, sharding)})
+            mgr.wait()
+            seen = [mgr.restore_with_stats(1, {"w": jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=sharding)})[1]
+                    for _ in range(3)]
+    assert [s.fallbacks for s in seen] == [{"miss": 8}] * 3
+
+
+def test_no_job_of_a_failed_restore_outlives_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One leaf group fails while others are still fetching from a (slow) fast tier: by the time
+    restore() raises, every worker job has finished."""
+    import time
+
+    import jax
+
+    from fastckpt import RestoreOptions
+    from fastckpt.reader import leaf_filler
+
+    class SlowSource:  # a fast tier that is slow and never has anything
+        fetches_ranges = False
+
+        def __init__(self) -> None:
+            self.done: list[float] = []
+
+        def fetch(self, *a: Any, **k: Any) -> None:
+            return None
+
+        def fetch_many(self, step: int, items: list[Any]) -> list[None]:
+            time.sleep(0.5)
+            self.done.append(time.perf_counter())
+            return [None] * len(items)
+
+    sharding = named((8,), ("x",), P("x"))
+    # 8 MiB leaves: planned in parallel, a job per group (small units are planned by one job)
+    state = {f"l{i:02d}": jax.device_put(np.full((1024, 2048), i, np.float32), sharding) for i in range(8)}
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    source = SlowSource()
+    real = leaf_filler.allocate
+
+    def refuse(n: int, what: Any, **kw: Any) -> Any:
+        if "l05" in what():
+            time.sleep(0.1)
+            raise MemoryError("refused " + what())
+        return real(n, what, **kw)
+
+    with CheckpointManager(str(tmp_path / "ck")) as mgr:
+        mgr.save(1, state)
+        mgr.wait()
+    with CheckpointManager(str(tmp_path / "ck"), chunk_source=source,
+                           options=ManagerOptions(restore=RestoreOptions(decode_threads=8))) as mgr:
+        monkeypatch.setattr(leaf_filler, "allocate", refuse)
+        with pytest.raises(MemoryError, match="l05"):
+            mgr.restore(1, target)
+        failed_at = time.perf_counter()
+        monkeypatch.undo()
+        time.sleep(1.0)
+        assert source.done and all(t <= failed_at for t in source.done)

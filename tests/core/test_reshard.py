@@ -184,3 +184,28 @@ def test_tight_memory_budget_and_tiny_reads(root: Any) -> None:
         got = mgr.restore(1, {"x": sds(xh, named((2,), ("x",), P(None, "x"))), "y": None})
     assert_bit_exact(got["x"], xh)
     assert_bit_exact(got["y"], np.asarray(y))
+
+
+def test_restore_checks_its_step_and_prng_key_implementations(tmp_path: Any) -> None:
+    """restore() refuses steps that are not ints (a str, a float, a bool) with ConfigError, and a
+    PRNG key target of another implementation with DtypeMismatchError (it was restored as the
+    checkpoint's implementation)."""
+    import jax
+
+    from fastckpt import CheckpointManager
+    from fastckpt.errors import ConfigError, DtypeMismatchError
+
+    with CheckpointManager(str(tmp_path / "ck")) as mgr:
+        mgr.save(1, {"k": jax.random.split(jax.random.key(0), 8)})
+        mgr.wait()
+        for bad in ("1", 1.0, True, -1):
+            with pytest.raises(ConfigError, match="step must be"):
+                mgr.restore(bad)  # type: ignore[arg-type]
+        for impl in ("rbg", "unsafe_rbg"):
+            target = {"k": jax.eval_shape(lambda impl=impl: jax.random.split(jax.random.key(0, impl=impl), 8))}
+            with pytest.raises(DtypeMismatchError, match="target keys are"):
+                mgr.restore(1, target)
+        same = {"k": jax.eval_shape(lambda: jax.random.split(jax.random.key(0), 8))}
+        got = mgr.restore(1, same)["k"]
+        assert got.dtype == same["k"].dtype
+        np.testing.assert_array_equal(jax.random.key_data(got), jax.random.key_data(jax.random.split(jax.random.key(0), 8)))
