@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -26,6 +28,7 @@ def _run(argv: Sequence[str]) -> int:
         ElasticRunError,
         Supervisor,
         SupervisorOptions,
+        SupervisorTerminated,
     )
     from fastckpt.elastic.timeline import summarize
 
@@ -63,7 +66,9 @@ def _run(argv: Sequence[str]) -> int:
         preload=tuple(filter(None, args.preload.split(","))) if args.preload is not None else EXAMPLE_WORKER_PRELOAD,
     )
     run_dir = args.run_dir or tempfile.mkdtemp(prefix="fastckpt-run-")
-    local_root = args.local_root or tempfile.mkdtemp(prefix="fastckpt-local-")
+    # the hosts' RAM tiers: tmpfs (memory until removed), removed after the run unless given
+    local_root = args.local_root or tempfile.mkdtemp(prefix="fastckpt-local-",
+                                                     dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     sup = Supervisor(worker, run_dir=run_dir, local_root=local_root, options=options,
                      on_event=lambda ev: print(json.dumps(ev), flush=True))
     try:
@@ -71,6 +76,12 @@ def _run(argv: Sequence[str]) -> int:
     except ElasticRunError as e:
         print(f"elastic run failed: {e}", file=sys.stderr)
         return 1
+    except SupervisorTerminated as e:
+        print(f"elastic run terminated: {e}", file=sys.stderr)
+        return 143
+    finally:
+        if args.local_root is None:
+            shutil.rmtree(local_root, ignore_errors=True)
     print(json.dumps(summarize(run_dir)), flush=True)
     return 0
 

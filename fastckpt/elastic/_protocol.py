@@ -20,9 +20,11 @@ worker noticed its supervisor died and ended itself).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import threading
 import time
 from collections.abc import Mapping
@@ -71,6 +73,9 @@ class WorkerEnv:
     """Host-local scratch (the RAM tier's home); wiped when the host is lost."""
     launch_time: float
     """``time.time()`` when the supervisor spawned this process."""
+    supervisor_pid: int = 0
+    """The supervisor's pid (0: none, e.g. standalone): a worker whose parent is another
+    process (the supervisor died, the worker was re-parented) exits with EXIT_ORPHANED."""
 
     def to_environ(self) -> dict[str, str]:
         """The environment variables that encode this identity."""
@@ -81,6 +86,8 @@ class WorkerEnv:
         """Parse :meth:`to_environ` output. Raises ``KeyError`` naming a missing variable."""
         kwargs: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
+            if ENV_PREFIX + f.name.upper() not in environ and f.default is not dataclasses.MISSING:
+                continue
             raw = environ[ENV_PREFIX + f.name.upper()]
             kwargs[f.name] = int(raw) if f.type == "int" else float(raw) if f.type == "float" else raw
         return cls(**kwargs)
@@ -130,6 +137,16 @@ class RunPaths:
     def make_dirs(self) -> None:
         for sub in ("hb", "report", "control", "logs"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
+
+    def reset(self) -> None:
+        """Remove an earlier run's state (heartbeats, reports, stop requests, logs, events,
+        metrics, secret): generation numbers restart at 0, so a new run would read them as
+        its own. The checkpoints live elsewhere and are kept."""
+        for sub in ("hb", "report", "control", "logs"):
+            shutil.rmtree(self.root / sub, ignore_errors=True)
+        for f in (self.events, self.metrics, self.secret):
+            with contextlib.suppress(FileNotFoundError):
+                f.unlink()
 
 
 def write_json_atomic(path: Path, obj: object) -> None:

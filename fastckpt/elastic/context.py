@@ -304,10 +304,12 @@ class ElasticContext:
         write_json_atomic(self.paths.heartbeat(self.env.generation, self.env.host_id), hb)
 
     def _beat_loop(self) -> None:
-        parent = os.getppid()
-        while not self._beat_stop.wait(self.options.heartbeat_interval_s):
+        parent = self.env.supervisor_pid or os.getppid()
+        while True:
             if os.getppid() != parent:  # the supervisor is gone: nobody would ever reap us
                 os._exit(EXIT_ORPHANED)
+            if self._beat_stop.wait(self.options.heartbeat_interval_s):
+                return
             self._beat()
 
     def _write_report(self) -> None:

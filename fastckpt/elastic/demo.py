@@ -28,6 +28,7 @@ from fastckpt.elastic.supervisor import (
     ChaosEvent,
     Supervisor,
     SupervisorOptions,
+    SupervisorTerminated,
     default_worker_cmd,
 )
 from fastckpt.elastic.timeline import summarize
@@ -212,7 +213,11 @@ def _print_recoveries(summary: dict[str, Any], t0: float) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry: run the demo, print the timeline, end with the JSON line."""
     args = build_parser().parse_args(argv)
-    out = run_demo(args)
+    try:
+        out = run_demo(args)
+    except SupervisorTerminated as e:  # SIGTERM/SIGHUP: workers were killed, the RAM tiers removed
+        print(f"demo terminated: {e}", file=sys.stderr)
+        return 143
     print(json.dumps(out), flush=True)
     return 0
 

@@ -37,8 +37,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Literal
 
@@ -199,10 +200,22 @@ class Supervisor:
         self._pending_events = sorted(self.options.events, key=lambda e: e.at_step)
         self._pool: list[_Standby] = []
         self._standbys_started = 0
+        self._standby_ok = runs_in_process(self.worker_cmd)
+        """Whether standbys can run the worker command (else every launch spawns afresh)."""
 
     # ------------------------------------------------------------------ public
     def run(self) -> SupervisorResult:
-        """Run generations until a worker finishes. Raises :class:`ElasticRunError` on giving up."""
+        """Run generations until a worker finishes. Raises :class:`ElasticRunError` on giving up.
+
+        The run directory starts empty of an earlier run's state (``RunPaths.reset``). Called
+        from the main thread, SIGTERM and SIGHUP end the run like Ctrl-C: every worker and
+        standby is killed before this returns (raising :class:`SupervisorTerminated`).
+        """
+        with _terminating_signals():
+            return self._run()
+
+    def _run(self) -> SupervisorResult:
+        self.paths.reset()
         self.paths.make_dirs()
         if not self.paths.secret.exists():
             fd = os.open(self.paths.secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -240,9 +253,11 @@ class Supervisor:
     def _run_generation(self, generation: int, hosts: tuple[int, ...]) -> GenerationResult:
         coordinator = f"127.0.0.1:{_free_port()}"
         t_launch = now()
-        workers = [self._spawn(generation, rank, host, hosts, coordinator, t_launch) for rank, host in enumerate(hosts)]
-        self._event("launch", generation=generation, hosts=list(hosts), coordinator=coordinator, t=t_launch)
-        try:
+        workers: list[_Worker] = []
+        try:  # (spawning inside: a failure part-way kills those already started)
+            for rank, host in enumerate(hosts):
+                workers.append(self._spawn(generation, rank, host, hosts, coordinator, t_launch))
+            self._event("launch", generation=generation, hosts=list(hosts), coordinator=coordinator, t=t_launch)
             outcome, reason = self._watch(generation, workers)
         finally:
             self._kill(workers)
@@ -257,7 +272,7 @@ class Supervisor:
                t_launch: float) -> _Worker:
         ident = WorkerEnv(coordinator=coordinator, num_processes=len(hosts), process_id=rank, host_id=host,
                           generation=generation, run_dir=str(self.paths.root), local_dir=str(self._local_dir(host)),
-                          launch_time=t_launch)
+                          launch_time=t_launch, supervisor_pid=os.getpid())
         while self._pool:
             standby = self._pool.pop(0)
             try:
@@ -269,8 +284,14 @@ class Supervisor:
                 standby.proc.wait()
                 standby.log.close()
                 continue
-            self.paths.log(generation, host).symlink_to(standby.log_path.name)
-            return _Worker(host=host, proc=standby.proc, log=standby.log)
+            worker = _Worker(host=host, proc=standby.proc, log=standby.log)
+            try:
+                link = self.paths.log(generation, host)
+                link.unlink(missing_ok=True)
+                link.symlink_to(standby.log_path.name)
+            except OSError as e:  # only the log's second name: the worker runs all the same
+                self._event("log_link_failed", generation=generation, host=host, error=repr(e))
+            return worker
         env = self._child_env()
         env.update(ident.to_environ())
         log = open(self.paths.log(generation, host), "wb")  # noqa: SIM115 (closed by _run_generation)
@@ -321,6 +342,9 @@ class Supervisor:
                 rc = w.proc.poll()
                 if rc is None:
                     running.append(w)
+                elif rc == EXIT_STOPPED and not (stop_requested or self.paths.stop_request(generation).exists()):
+                    self._event("failure_detected", generation=generation, host=w.host, rc=rc, reason="unrequested_stop")
+                    return "failed", f"host {w.host} exited {rc} (stopped) though no stop was requested"
                 elif rc in (EXIT_DONE, EXIT_STOPPED):
                     first_exit = first_exit or t
                     clean = clean or ("done" if rc == EXIT_DONE else "stopped")
@@ -347,7 +371,7 @@ class Supervisor:
                     return "failed", f"host {w.host}: {problem}"
                 if hb is not None:
                     max_step = max(max_step, int(hb["step"]))
-            if opts.warm_standby and first_exit is None and stepped == len(workers):
+            if opts.warm_standby and self._standby_ok and first_exit is None and stepped == len(workers):
                 # Only now: standbys importing jax during the restore, the compile or the
                 # first step would slow this restart down. Tops up what the relaunch used.
                 self._fill_pool()
@@ -419,7 +443,45 @@ class Supervisor:
         record = {"t": now(), "event": name, **fields}
         append_jsonl(self.paths.events, record)
         if self.on_event is not None:
-            self.on_event(record)
+            try:
+                self.on_event(record)
+            except Exception as e:  # e.g. printing to a closed pipe: the run must go on (or clean up)
+                self.on_event = None
+                append_jsonl(self.paths.events, {"t": now(), "event": "on_event_failed", "error": repr(e)})
+
+
+class SupervisorTerminated(BaseException):
+    """SIGTERM or SIGHUP reached the supervisor: the run ends (workers and standbys killed)."""
+
+
+@contextlib.contextmanager
+def _terminating_signals() -> Iterator[None]:
+    """In the main thread: SIGTERM and SIGHUP raise :class:`SupervisorTerminated` (so that the
+    cleanup in ``finally`` blocks runs, as for Ctrl-C); the previous handlers come back after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        raise SupervisorTerminated(f"received {signal.Signals(signum).name}")
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def runs_in_process(cmd: Sequence[str]) -> bool:
+    """Whether a standby can run the worker command ``cmd`` in-process: ``python -m module
+    args`` or ``python script args`` (an interpreter without options of its own). Anything
+    else (``python -u ...``, ``env python ...``, a wrapper script) must be spawned afresh."""
+    cmd = list(cmd)
+    if not cmd or not (cmd[0] == sys.executable or os.path.basename(cmd[0]).startswith("python")):
+        return False
+    rest = cmd[1:]
+    return bool(rest) and (rest[0] == "-m" and len(rest) >= 2 or not rest[0].startswith("-"))
 
 
 def _signal_group(pid: int, sig: int) -> None:

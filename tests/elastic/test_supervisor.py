@@ -145,3 +145,89 @@ def test_standby_runs_a_preloaded_module_as_main_without_warnings() -> None:
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["{", '"a":', "2,", '"b":', "1", "}"]  # json.tool ran, on the rest of stdin
     assert "Warning" not in proc.stderr, proc.stderr
+
+
+def test_a_reused_run_directory_starts_clean(tmp_path: Path) -> None:
+    """A second run in the same run directory does not read the first one's heartbeats, stop
+    requests or logs as its own (generation numbers restart at 0)."""
+    spec = {"total": 10, "step_s": 0.02, "faults": [{"kind": "crash", "host": 1, "step": 4, "generation": 0}]}
+    _, first = supervise(tmp_path, spec)
+    assert first is not None and first.restarts == 1
+    (tmp_path / "run" / "control" / "stop-g0").touch()  # as an interrupted resize would leave it
+    (tmp_path / "run" / "fake_ckpt").unlink()
+    _, second = supervise(tmp_path, {"total": 10, "step_s": 0.02})
+    assert second is not None and shape(second) == [((0, 1, 2), "done")] and second.restarts == 0
+    assert [e["event"] for e in read_jsonl(tmp_path / "run" / "events.jsonl")][0] == "launch"
+
+
+def test_a_stop_nobody_asked_for_is_a_failure(tmp_path: Path) -> None:
+    """Workers exiting 75 (stopped) with no stop request count as failures, so a trainer that
+    keeps doing it exhausts max_restarts instead of relaunching forever."""
+    opts = SupervisorOptions(num_hosts=2, **FAST, max_restarts=1)
+    sup = Supervisor([sys.executable, "-c", "import sys; sys.exit(75)"], run_dir=tmp_path / "run",
+                     local_root=tmp_path / "local", options=opts)
+    t0 = time.monotonic()
+    with pytest.raises(ElasticRunError, match="restarts exhausted"):
+        sup.run()
+    assert time.monotonic() - t0 < 30
+    assert {e["reason"] for e in events(tmp_path, "failure_detected")} == {"unrequested_stop"}
+
+
+def test_standbys_are_not_used_for_commands_they_cannot_run(tmp_path: Path) -> None:
+    """``python -u script`` cannot run inside a standby: relaunches spawn afresh (one restart for
+    the one crash, not one more per failed activation)."""
+    from fastckpt.elastic.supervisor import runs_in_process
+
+    assert runs_in_process([sys.executable, "-m", "mod", "a"]) and runs_in_process([sys.executable, "x.py"])
+    assert not runs_in_process([sys.executable, "-u", "x.py"]) and not runs_in_process(["env", "python", "x.py"])
+    spec = {"total": 30, "step_s": 0.02, "faults": [{"kind": "crash", "host": 1, "step": 10, "generation": 0}]}
+    opts = SupervisorOptions(num_hosts=2, **{**FAST, "warm_standby": True, "heartbeat_timeout_s": 5.0,
+                                              "progress_timeout_s": 5.0}, max_restarts=3)
+    sup = Supervisor([sys.executable, "-u", FAKE, json.dumps(spec)], run_dir=tmp_path / "run",
+                     local_root=tmp_path / "local", options=opts)
+    result = sup.run()
+    assert [g.outcome for g in result.generations] == ["failed", "done"] and result.restarts == 1
+    assert not list((tmp_path / "run" / "logs").glob("standby-*"))
+
+
+def test_a_failing_event_printer_does_not_orphan_the_workers(tmp_path: Path) -> None:
+    """``on_event`` raising (printing to a closed pipe) does not kill the supervisor between
+    spawning workers and watching them: the run completes."""
+    def broken(event: dict[str, Any]) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    opts = SupervisorOptions(num_hosts=2, **FAST)
+    sup = Supervisor([sys.executable, FAKE, json.dumps({"total": 5})], run_dir=tmp_path / "run",
+                     local_root=tmp_path / "local", options=opts, on_event=broken)
+    assert shape(sup.run()) == [((0, 1), "done")]
+    assert events(tmp_path, "on_event_failed")
+
+
+def test_sigterm_ends_the_run_and_kills_every_worker(tmp_path: Path) -> None:
+    """SIGTERM (docker stop, systemd) ends the run as Ctrl-C does: no worker outlives it."""
+    import signal
+    import threading
+
+    from fastckpt.elastic import SupervisorTerminated
+
+    opts = SupervisorOptions(num_hosts=2, **FAST)
+    sup = Supervisor([sys.executable, FAKE, json.dumps({"total": 100000, "step_s": 0.05})], run_dir=tmp_path / "run",
+                     local_root=tmp_path / "local", options=opts)
+    hb = tmp_path / "run" / "hb"
+    pids: list[int] = []
+
+    def terminate() -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and len(list(hb.glob("*.json"))) < 2:
+            time.sleep(0.05)
+        pids.extend(json.loads(p.read_text())["pid"] for p in hb.glob("*.json"))
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=terminate, daemon=True).start()
+    with pytest.raises(SupervisorTerminated):
+        sup.run()
+    assert len(pids) == 2
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL or callable(signal.getsignal(signal.SIGTERM))
