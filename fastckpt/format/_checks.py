@@ -1,22 +1,20 @@
 """Strict validators for decoded JSON, shared by the manifest codec, the chunk table and the
-commit protocol's fragments, and :func:`paused_gc` for their bulk decodes.
+commit protocol's fragments.
 
 Each validator returns its (type-checked) input or raises
 :class:`~fastckpt.errors.ManifestError` naming the field. No I/O."""
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any, NoReturn
 
 from fastckpt.errors import ManifestError
 from fastckpt.format.manifest import Box, box_volume
 
 __all__ = [
-    "MAX_INT", "check_disjoint", "check_tiling", "fail", "json_dict", "json_float", "json_int", "json_list", "json_str", "paused_gc",
+    "MAX_INT", "check_disjoint", "check_tiling", "fail", "json_dict", "json_float", "json_int", "json_list", "json_str",
 ]
 
 MAX_INT = 2**63 - 1
@@ -92,18 +90,3 @@ def check_disjoint(boxes: list[Box], what: str) -> None:
         active.append(b)
 
 
-@contextlib.contextmanager
-def paused_gc() -> Iterator[None]:
-    """Pause the cyclic garbage collector for the block, and resume it if it was enabled.
-
-    Decoding builds millions of acyclic objects (one ``ChunkEntry`` and its box per chunk);
-    the collector's passes over them were half of a manifest's decode time. Hazard: a thread
-    that switches the collector on or off during the block may see its setting undone."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()

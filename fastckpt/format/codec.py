@@ -54,7 +54,7 @@ from fastckpt.format._checks import json_float as _float_from_json
 from fastckpt.format._checks import json_int as _int
 from fastckpt.format._checks import json_list as _list
 from fastckpt.format._checks import json_str as _str
-from fastckpt.format._checks import paused_gc
+from fastckpt._pygc import paused_gc
 from fastckpt.format.chunk_table import decode_chunk_table, decode_object_keys, encode_chunk_table, table_json
 from fastckpt.format.dtypes import dtype_from_name
 from fastckpt.format.manifest import (
@@ -391,7 +391,7 @@ def _finite_float(text: str) -> float:
 
 def decode_manifest(data: bytes | bytearray | memoryview) -> Manifest:
     """Parse and validate manifest JSON; raises ``ManifestError`` (or a subclass) on any flaw.
-    Runs with the cyclic garbage collector paused (``_checks.paused_gc``, which names the hazard)."""
+    Runs with the cyclic garbage collector paused (``fastckpt._pygc.paused_gc``, which names the hazard)."""
     with paused_gc():
         return _decode(data)
 

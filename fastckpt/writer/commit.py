@@ -30,7 +30,7 @@ from fastckpt.errors import (
     DistributedError,
     StepAlreadyCommittedError,
 )
-from fastckpt.format._checks import paused_gc
+from fastckpt._pygc import paused_gc
 from fastckpt.format.chunk_table import decode_chunk_table, table_json
 from fastckpt.format.codec import decode_manifest, encode_manifest
 from fastckpt.format.dtypes import dtype_from_name
@@ -68,7 +68,7 @@ def build_manifest(
     the ranges; ``validate`` also decodes the encoding (a persistent step's manifest, written
     once and read for years, is checked end to end; a RAM step's, built every few steps,
     is not: a bad one would be refused at restore and an older step used).
-    Runs with the cyclic garbage collector paused (``format._checks.paused_gc``): the merged
+    Runs with the cyclic garbage collector paused (``fastckpt._pygc.paused_gc``): the merged
     tables are millions of fresh ints, which the collector would otherwise walk while the
     manifest is encoded. Raises ``ManifestError``."""
     with paused_gc():

@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from fastckpt.format._checks import check_tiling, fail, paused_gc
+from fastckpt._pygc import paused_gc
+from fastckpt.format._checks import check_tiling, fail
 from fastckpt.format.chunk_table import CODECS, grid_cuts
 from fastckpt.format.dtypes import dtype_from_name
 from fastckpt.format.manifest import KeyPath, keypath_str
