@@ -9,12 +9,15 @@ the next ``save()`` does the same first. All processes of a multi-process job mu
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import itertools
 import logging
 import secrets
+import threading
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -113,7 +116,14 @@ class CheckpointManager:
         self._pending: Future[SaveStats] | None = None
         self._pool = StagingPool()
         self._restore_buffers = BufferCache(max_bytes=0)  # grows to the largest restore
-        self._seq = 0
+        self._attempts: collections.Counter[int] = collections.Counter()
+        """Saves begun per step: a commit round is named by step and attempt, so processes whose
+        earlier saves failed differently (one raised in ``wait()``, another did not) still meet
+        in the same round for the same step."""
+        self._reading: collections.Counter[int] = collections.Counter()
+        """Steps this manager's restores are reading (retention leaves them alone)."""
+        self._retention_lock = threading.Lock()
+        """Held while retention decides on and deletes a step, and while a restore marks one."""
         # Unique per manager within a job: every process creates managers in the same order.
         self._ns = self.coordinator.namespace(f"fastckpt/{zlib.crc32(self.store.url.encode()):08x}")
         self._rseq = 0
@@ -123,8 +133,16 @@ class CheckpointManager:
         if self.options.ram is not None:
             from fastckpt.replicas.tiered import RamReplication
 
-            self._ram = RamReplication(self.options.ram, coordinator=self.coordinator, store=self.store,
-                                       namespace=self._ns, run=self._io.run)
+            try:
+                self._ram = RamReplication(self.options.ram, coordinator=self.coordinator, store=self.store,
+                                           namespace=self._ns, run=self._io.run)
+            except BaseException:  # nothing of a manager that was never made keeps running
+                self._background.shutdown(wait=True)
+                self._workers.shutdown(wait=True)
+                with contextlib.suppress(Exception):
+                    self._io.run(self.store.close())
+                self._io.close()
+                raise
         self.last_save_stats: SaveStats | None = None
         self.last_restore_stats: RestoreStats | None = None
         self._plans = StagePlans()
@@ -176,7 +194,8 @@ class CheckpointManager:
                 raise
         stats = SaveStats(step=step, blocked_s=time.perf_counter() - t0, staged_bytes=staged.nbytes,
                           push_wait_s=push_wait_s)
-        seq, self._seq = self._seq, self._seq + 1
+        seq = f"s{step}.{self._attempts[step]}"
+        self._attempts[step] += 1
         self._pending = self._background.submit(
             self._finish_save, seq, step, staged, dict(metadata or {}), stats, t0, persist, ram_tier is not None
         )
@@ -197,7 +216,7 @@ class CheckpointManager:
             return busy
         return coord.get(key, timeout_s=self.options.distributed.barrier_timeout_s) == "busy"
 
-    def _commit_ram(self, seq: int, step: int, staged: StagedSave, metadata: dict[str, object]) -> dict[int, list[int]]:
+    def _commit_ram(self, seq: str, step: int, staged: StagedSave, metadata: dict[str, object]) -> dict[int, list[int]]:
         """Checksum, agree on the RAM manifest, seal the segment and start the peer push.
         Returns the chunks' crc32c (``staged_crc32c``), which a persistent write reuses."""
         assert self._ram is not None
@@ -219,7 +238,7 @@ class CheckpointManager:
             raise
         return raw_crcs
 
-    def _finish_save(self, seq: int, step: int, staged: StagedSave, metadata: dict[str, object],
+    def _finish_save(self, seq: str, step: int, staged: StagedSave, metadata: dict[str, object],
                      stats: SaveStats, t0: float, persist: bool, ram: bool) -> SaveStats:
         raw_crcs = None  # a persistent-only save checksums while encoding
         if ram:
@@ -252,7 +271,7 @@ class CheckpointManager:
                 format_version=self.options.save.manifest_format,
             )
         finally:
-            if not ram:
+            if not ram and error is None:  # (after a failed write, puts in threads may still read it)
                 self._pool.give(staged.buffer)
         stats.tiers += ("storage",)
         stats.raw_bytes, stats.stored_bytes, stats.objects = wstats.raw_bytes, wstats.stored_bytes, wstats.objects
@@ -261,7 +280,10 @@ class CheckpointManager:
         stats.total_s = time.perf_counter() - t0
         log.info("fastckpt: committed step %d (%d bytes stored, %.2fs)", step, stats.stored_bytes, stats.total_s)
         if self.coordinator.process_index == 0:
-            self._apply_retention()
+            try:
+                self._apply_retention()
+            except Exception as e:  # noqa: BLE001 - the step is committed: the next save retries retention
+                log.warning("fastckpt: retention after step %d failed: %s", step, e)
         if ram:
             self._provision_ram(staged)
         return stats
@@ -383,8 +405,24 @@ class CheckpointManager:
         restored instead (an older RAM step, else storage's latest). An explicit ``step``
         never falls back.
         """
-        with paused_gc(self.options.pause_gc):  # thousands of leaves: no full collections
+        reading = self._reading_step(step) if step is not None else contextlib.nullcontext()
+        with paused_gc(self.options.pause_gc), reading:  # thousands of leaves: no full collections
             return self._restore_with_stats(step, target, partial=partial)
+
+    @contextlib.contextmanager
+    def _reading_step(self, step: object) -> Iterator[None]:
+        """Mark ``step`` as read by a restore for the block: retention does not delete it (a
+        deletion already under way finishes first; the restore then finds no such step)."""
+        if not isinstance(step, (int, np.integer)) or isinstance(step, bool):
+            yield  # (a bad step: the restore refuses it)
+            return
+        with self._retention_lock:
+            self._reading[int(step)] += 1
+        try:
+            yield
+        finally:
+            with self._retention_lock:
+                self._reading[int(step)] -= 1
 
     def _restore_with_stats(self, step: int | None, target: Any, *, partial: bool) -> tuple[Any, RestoreStats]:
         import jax
@@ -423,7 +461,8 @@ class CheckpointManager:
             stats = RestoreStats(step=manifest.step, select_s=time.perf_counter() - t_select)
             failure = None
             try:  # CheckpointNotFoundError here: a RAM-only step's chunk is in no reachable tier
-                self._fill(manifest, plan.units(), stats, source, storage_holds_step=not ram_only)
+                with self._reading_step(manifest.step):
+                    self._fill(manifest, plan.units(), stats, source, storage_holds_step=not ram_only)
             except BaseException as e:  # reported to the other processes before re-raising
                 failure = e
             retry = agree_on_outcome(self.coordinator if self._ram is not None else None, tag, failure,
@@ -481,7 +520,9 @@ class CheckpointManager:
     # ------------------------------------------------------------------ retention / gc
     def _apply_retention(self) -> None:
         for step in steps_to_delete(self.persistent_steps(), self.options.retention):
-            self.delete_step(step)
+            with self._retention_lock:
+                if not self._reading[step]:  # a restore of it is running: a later save deletes it
+                    self.delete_step(step)
 
     def gc(self, *, grace_s: float = 3600.0, dry_run: bool = False) -> Any:
         """Remove uncommitted leftovers older than ``grace_s`` (see ``fastckpt gc``).

@@ -8,6 +8,7 @@ object is made.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Literal
 
@@ -48,8 +49,8 @@ def default_threads(cpus: int | None = None) -> int:
 def _positive(name: str, value: int | float | None, *, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
-    if value is None or value <= 0:
-        raise ConfigError(f"{name} must be > 0, got {value!r}")
+    if value is None or not 0 < value < math.inf:  # (NaN and inf fail too)
+        raise ConfigError(f"{name} must be > 0 and finite, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -34,7 +34,7 @@ from fastckpt._pygc import paused_gc
 from fastckpt.format.chunk_table import decode_chunk_table, table_json
 from fastckpt.format.codec import decode_manifest, encode_manifest
 from fastckpt.format.dtypes import dtype_from_name
-from fastckpt.format.layout import fragment_key, manifest_key, ram_object_key
+from fastckpt.format.layout import fragment_key, manifest_key, ram_object_key, step_from_data_key
 from fastckpt.format.manifest import FORMAT_VERSION, ArrayLeaf, ChunkEntry, ChunkTable, KeyPath, Leaf, Manifest, keypath_str
 from fastckpt.storage._protocol import Buffer, Store
 from fastckpt.writer.fragment import encode_fragment
@@ -103,7 +103,9 @@ def _build(step: int, staged: StagedSave, fragments: Sequence[bytes | memoryview
     return data
 
 
-def _wait_all_done(coord: Coordinator, ns: str, deadline: float) -> list[str]:
+def _wait_all_done(coord: Coordinator, ns: str, deadline: float, step: int) -> list[str]:
+    """Every process's fragment key, once all are done; each must be a fragment of ``step``
+    (a process saving another step would have its shards committed as this one's)."""
     n = coord.process_count
     values: list[str | None] = [None] * n
     while True:
@@ -113,7 +115,12 @@ def _wait_all_done(coord: Coordinator, ns: str, deadline: float) -> list[str]:
                 if value.startswith("err"):
                     raise DistributedError(f"process {i} failed its part of the save: {value[4:]}")
         if all(v is not None for v in values):
-            return [v[3:] for v in values]  # type: ignore[index]
+            keys = [v[3:] for v in values]  # type: ignore[index]
+            wrong = [(i, k) for i, k in enumerate(keys) if step_from_data_key(k) != step]
+            if wrong:
+                raise DistributedError(f"process {wrong[0][0]} published {wrong[0][1]!r} for the commit of step "
+                                       f"{step}: the processes' saves are out of step")
+            return keys
         if time.monotonic() > deadline:
             missing = [i for i, v in enumerate(values) if v is None]
             raise BarrierTimeoutError(f"processes {missing} did not finish their part of the save in time")
@@ -185,7 +192,7 @@ def publish_and_commit(
             raise error
         assert chunks is not None
         if n > 1:
-            fragments = store_run(_read_all(store, _wait_all_done(coord, ns, deadline)))
+            fragments = store_run(_read_all(store, _wait_all_done(coord, ns, deadline, step)))
         else:
             fragments = [encode_fragment(staged, chunks, 0)]
         manifest_bytes = build_manifest(step=step, staged=staged, fragments=fragments, num_processes=n,

@@ -148,3 +148,16 @@ def test_the_coordinator_reads_a_directory_at_once_and_carries_binary_values() -
         assert got["dir"] == ["value 0", "value 1", "value 2", None]
         assert got["missing"] == [None, None, None]
         assert got["bin"] == [[j, 0, 255, 128] for j in range(3)] and got["bin_len"] == [4000] * 3
+
+
+def test_a_failure_seen_by_one_process_does_not_pair_different_steps(tmp_path: Path) -> None:
+    """Process 0 alone hits a retention failure after a commit. Saves go on, and every
+    committed step holds that step's shards from both processes (commit rounds are named by
+    step: a per-process counter drifted after such a failure and paired process 0's step 5
+    with process 1's step 4)."""
+    root = str(tmp_path / "ckpt")
+    saved = run("saves_past_a_retention_failure", 2, 4, timeout_s=120, root=root, steps=[1, 2, 3, 4, 5])
+    steps = saved[0]["steps"]  # (process 0 lists after its retention; process 1 may list before it)
+    assert steps[-2:] == [4, 5] and set(steps) <= set(saved[1]["steps"])
+    checked = run("check_restore", 1, 8, root=root, steps=steps, mesh_shape=[8], layout="flat")
+    assert checked[0]["checked_shards"] > 0

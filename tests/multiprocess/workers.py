@@ -286,3 +286,44 @@ def coordinator_values() -> dict[str, Any]:
     return {"dir": coord.try_get_all("t/dir", n + 1), "missing": coord.try_get_all("t/none", n),
             "bin": [list(coord.get_bytes(f"t/bin/{j}", timeout_s=30)[:4]) for j in range(n)],
             "bin_len": [len(coord.get_bytes(f"t/bin/{j}", timeout_s=30)) for j in range(n)]}
+
+
+class _FirstDeleteFails(Store):
+    """A LocalStore whose first delete fails on process 0 (a retention hiccup after a commit)."""
+
+    def __init__(self, root: str) -> None:
+        self.inner = LocalStore(root, durable=False)
+        self.url = self.inner.url
+        self.failed = False
+
+    async def get(self, key: str, *, byte_range: ByteRange | None = None) -> Buffer:
+        return await self.inner.get(key, byte_range=byte_range)
+
+    async def put(self, key: str, data: Payload, *, mode: PutMode = "overwrite") -> None:
+        await self.inner.put(key, data, mode=mode)
+
+    async def list(self, prefix: str = "") -> list[str]:
+        return await self.inner.list(prefix)
+
+    async def delete(self, key: str) -> None:
+        if not self.failed and jax.process_index() == 0:
+            self.failed = True
+            raise OSError("injected delete failure")
+        await self.inner.delete(key)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+def saves_past_a_retention_failure(root: str, steps: list[int]) -> dict[str, Any]:
+    """Saves with retention (keep 2) whose first delete fails on process 0 only: every save
+    must still commit, each with its own step's shards from every process."""
+    _in_child()
+    mesh = global_mesh((jax.device_count(),))
+    opts = ManagerOptions(save=SaveOptions(max_chunk_bytes=512, object_bytes=4096),
+                          retention=RetentionOptions(keep_last=2), distributed=DistributedOptions(barrier_timeout_s=20))
+    with CheckpointManager(_FirstDeleteFails(root), options=opts) as mgr:
+        for step in steps:
+            mgr.save(step, _state(mesh, "flat", seed=step))
+        mgr.wait()
+        return {"steps": mgr.persistent_steps()}
