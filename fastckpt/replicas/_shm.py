@@ -439,7 +439,9 @@ def scan_root(root: Path, *, recycle: bool) -> tuple[dict[Path, int], dict[int, 
         if step is None or not d.is_dir():
             continue
         st = StepState()
-        for p in list(d.iterdir()):
+        # Oldest index first: a chunk sealed again later in the same step (a re-push) must win,
+        # as it does in the live tier.
+        for p in sorted(d.iterdir(), key=_mtime_ns):
             if p.name.endswith(INDEX_SUFFIX):
                 load_index(st, p)
             elif p.name == MANIFEST:
@@ -455,6 +457,13 @@ def scan_root(root: Path, *, recycle: bool) -> tuple[dict[Path, int], dict[int, 
         else:
             shutil.rmtree(d, ignore_errors=True)
     return spares, steps
+
+
+def _mtime_ns(path: Path) -> int:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return 0
 
 
 def index_document(step: int, data_name: str, nbytes: int, index: dict[str, ChunkLocation]) -> bytes:

@@ -126,8 +126,23 @@ class RamReplication:
 
     def allocate(self, step: int, nbytes: int, *, reserve: bool = True) -> np.ndarray:
         """A shared-memory staging buffer for ``step`` (becomes the replica once sealed); with
-        ``reserve=False``, :meth:`reserve` must run before it is written."""
+        ``reserve=False``, the segment's pages must be reserved before it is written.
+
+        Steps ``>= step`` this tier still holds belong to an abandoned timeline (the job went
+        back to an older step: a restore fell back, or restored an older one) and are dropped
+        first: a step is committed by every process together, so none of them can have a
+        newer one legitimately. Otherwise their copies (own chunks, peers' replicas, kept
+        manifests) would be served for the re-trained steps, and the retention floor they set
+        would refuse the re-trained saves (StaleStepError).
+        """
         self.abort()
+        abandoned = [s for s in self.tier.steps() if s >= step]
+        if abandoned:
+            log.warning("fastckpt: dropping RAM steps %s of an abandoned timeline before saving step %d",
+                        abandoned, step)
+            for s in abandoned:
+                self.tier.drop_step(s)
+            self._decoded = {}
         self._segment = self.tier.allocate(step, nbytes, reserve=reserve)
         return self._segment.buffer
 

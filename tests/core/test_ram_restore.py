@@ -356,3 +356,31 @@ def test_no_job_of_a_failed_restore_outlives_it(tmp_path: Path, monkeypatch: pyt
         monkeypatch.undo()
         time.sleep(1.0)
         assert source.done and all(t <= failed_at for t in source.done)
+
+
+def test_ram_saves_go_on_after_a_restore_fell_back_to_an_older_step(tmp_path: Path, shm_dir: Path) -> None:
+    """RAM step 120's only copy is corrupt: restore() falls back to storage's 100, and the
+    re-trained steps 110 and 120 save to RAM again (the abandoned 120 no longer sets the
+    tier's retention floor, nor is it served for the new 120)."""
+    opts = ManagerOptions(save_interval_steps=100, retention=RetentionOptions(keep_last=None),
+                          ram=RamOptions(root=str(shm_dir / "h0"), interval_steps=10, replicas=0, budget_bytes=64 << 20))
+
+    def state(s: int) -> dict[str, np.ndarray]:
+        return {"w": np.full((256,), s, np.float32)}
+
+    with CheckpointManager(str(tmp_path / "ck"), options=opts) as mgr:
+        for s in (100, 110, 120):
+            assert mgr.save(s, state(s))
+            mgr.wait()
+        data = next((shm_dir / "h0" / "step-120").glob("*.data"))
+        with open(data, "r+b") as f:
+            b = f.read(1)
+            f.seek(0)
+            f.write(bytes([b[0] ^ 0xFF]))
+        restored, stats = mgr.restore_with_stats(None, target=state(0))
+        assert stats.step == 100 and restored["w"][0] == 100
+        for s in (110, 120):
+            assert mgr.save(s, state(s + 1000))  # the re-trained values
+            mgr.wait()
+        again, stats = mgr.restore_with_stats(None, target=state(0))
+        assert stats.step == 120 and again["w"][0] == 1120 and set(stats.bytes_by_tier) == {"ram"}

@@ -495,3 +495,20 @@ def test_a_failed_seal_leaves_nothing_behind(make_tier: MakeTier, shm_dir: Path,
     tier.discard(seg)
     assert tier.nbytes() == 0 and not list((shm_dir / "t0").rglob("*.data"))
     seal_chunks(tier, 4, fill(4, {"b": 7 * mib}))  # the whole budget is there again
+
+
+def test_a_reopened_tier_serves_the_copy_sealed_last(make_tier: MakeTier, shm_dir: Path) -> None:
+    """A chunk sealed again in the same step (a peer's re-push with other bytes) replaces the
+    first copy; after a restart (the tier reopened over the same folder) the later copy still
+    wins, whatever order the folder lists the indexes in."""
+    tier = make_tier()
+    first = fill(1, {"a": 4096}, seed=1)["a"]
+    seal_chunks(tier, 1, {"a": first})
+    second = fill(1, {"a": 4096}, seed=2)["a"]
+    assert tier.put_chunk(1, "a", second, crc32c(second))
+    tier.close()
+    for _ in range(5):
+        again = RamTier(shm_dir / "t0", budget_bytes=64 << 20)
+        view = again.get_chunk(1, "a", verify=True)
+        assert view is not None and bytes(view) == second.tobytes()
+        again.close()

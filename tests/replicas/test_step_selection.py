@@ -70,3 +70,26 @@ def test_a_refused_seal_leaves_the_segment_to_abort(tmp_path: Path) -> None:
         rr.allocate(4, 7 * mib)  # fits: nothing was left charged
     finally:
         rr.close()
+
+
+def test_a_save_drops_the_steps_of_an_abandoned_timeline(tmp_path: Path) -> None:
+    """Saving step S after the job went back to an older step: the tier's steps >= S (committed
+    on the abandoned timeline, with their kept manifests) are dropped before the new S is
+    staged, so neither their copies nor their retention floor outlive the rollback."""
+    import numpy as np
+
+    mib = 1 << 20
+    rr = RamReplication(RamOptions(root=str(tmp_path / "tier"), replicas=0, budget_bytes=64 * mib, keep_steps=3),
+                        coordinator=default_coordinator(), store=MemoryStore(), namespace="t", run=lambda c: None)
+    try:
+        for step in (10, 20, 30):
+            with rr.tier.allocate(step, 8) as seg:
+                seg.buffer[:] = step
+                rr.tier.seal(step, seg, {})
+            rr.tier.put_manifest(step, b"m")
+        buffer = rr.allocate(20, 8)  # the job restored 10 and trains again
+        assert rr.tier.steps() == [10] and buffer.nbytes == 8
+        rr.abort()
+        assert np.asarray(rr.tier.committed_steps()).tolist() == [10]
+    finally:
+        rr.close()
