@@ -56,7 +56,10 @@ def json_float(obj: Any, what: str) -> float:
         return float(obj)
     if type(obj) not in (int, float):
         fail(f"{what}: expected a number, got {obj!r:.80}")
-    return float(obj)
+    try:
+        return float(obj)
+    except OverflowError:  # an int of hundreds of digits
+        fail(f"{what}: {str(obj)[:40]}... is out of a float's range")
 
 
 def check_tiling(boxes: list[Box], shape: tuple[int, ...], what: str) -> None:

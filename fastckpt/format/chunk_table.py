@@ -273,9 +273,9 @@ def decode_chunk_table(
     raw_crcs = column(d["raw_crc32c"], n, f"{what}.raw_crc32c", U32, np.uint32)
     codec = d["codec"]
     codecs = codec_column(codec, n, f"{what}.codec")
+    if math.prod(shape) * itemsize > MAX_INT:  # (any codec: a chunk's raw_length is bounded by it)
+        fail(f"{what}: an array of {math.prod(shape)} x {itemsize} bytes is too large")
     if codec == "raw" or type(codec) is list and "raw" in codec:
-        if math.prod(shape) * itemsize > MAX_INT:
-            fail(f"{what}: an array of {math.prod(shape)} x {itemsize} bytes is too large")
         if cuts is not None:  # the cells' volumes, C order
             raw_lengths = functools.reduce(np.multiply.outer, [np.diff(np.asarray(c, np.int64)) for c in cuts],
                                            np.int64(itemsize)).reshape(-1)

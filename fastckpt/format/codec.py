@@ -233,6 +233,11 @@ def _chunk(obj: Any, shape: tuple[int, ...], itemsize: int, what: str | Callable
             fail(f"{field}: expected an int >= 0, got {v!r:.80}")
         return v
 
+    def u32(v: Any, field: str) -> int:  # a crc32c: as formats 2 and 3 check it
+        if type(v) is not int or not 0 <= v < 1 << 32:
+            fail(f"{field}: expected an int in [0, {(1 << 32) - 1}], got {v!r:.80}")
+        return v
+
     if type(obj) is not dict:
         fail(f": expected an object, got {type(obj).__name__}")
     missing = [k for k in _CHUNK_FIELDS if k not in obj]
@@ -282,8 +287,8 @@ def _chunk(obj: Any, shape: tuple[int, ...], itemsize: int, what: str | Callable
         length=length,
         raw_length=raw_length,
         codec=codec,
-        crc32c=uint(crc, ".crc32c"),
-        raw_crc32c=uint(obj.get("raw_crc32c", crc if codec == "raw" else 0), ".raw_crc32c"),
+        crc32c=u32(crc, ".crc32c"),
+        raw_crc32c=u32(obj.get("raw_crc32c", crc if codec == "raw" else 0), ".raw_crc32c"),
     )
 
 

@@ -80,6 +80,10 @@ def validate_key(key: str) -> str:
     parts = key.split("/")
     if any(p in ("", ".", "..") for p in parts):
         raise ConfigError(f"unsafe object key {key!r}")
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: no store can name it
+        raise ConfigError(f"object key {key!r} is not valid UTF-8") from None
     return key
 
 
