@@ -1,7 +1,8 @@
 """The ``fastckpt`` command line: ``ls``, ``inspect``, ``verify``, ``gc``, ``convert``, ``bench``, ``demo``.
 
 Run as ``fastckpt ...`` (console script) or ``python -m fastckpt ...``. Exit status: 0 ok,
-1 damage or failure (corrupt chunk, missing step, storage error), 2 usage error. This
+1 damage or failure (corrupt chunk, missing step, storage error), 2 usage error, 130
+interrupted, 141 (128 + SIGPIPE) stdout closed early (``fastckpt inspect ROOT | head``). This
 package is the only place (with ``fastckpt.testing``) that reads environment variables:
 ``STORAGE_EMULATOR_HOST`` for ``gs://`` roots unless ``--gcs-endpoint`` is given.
 """
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import signal
 import sys
 from collections.abc import Coroutine, Sequence
 from typing import Any
@@ -17,6 +20,8 @@ from typing import Any
 __all__ = ["build_parser", "main"]
 
 _DESCRIPTION = "Inspect, verify, clean up and convert fastckpt checkpoints."
+#: Exit status when the reader of stdout went away (a shell's status for death by SIGPIPE).
+_EXIT_BROKEN_PIPE = 128 + int(getattr(signal, "SIGPIPE", 13))
 
 
 def _common(p: argparse.ArgumentParser, *, json_flag: bool = True, progress: bool = False) -> None:
@@ -170,7 +175,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from fastckpt.errors import ConfigError, FastckptError
 
     try:
-        return _dispatch(args, extra)
+        rc = _dispatch(args, extra)
+        sys.stdout.flush()  # a closed pipe surfaces here, not at interpreter exit
+        return rc
+    except BrokenPipeError:
+        return _stdout_closed()
     except (_UsageError, ConfigError) as e:
         sys.stderr.write(f"fastckpt {args.command}: error: {e}\n")
         return 2
@@ -180,3 +189,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
         return 130
+
+
+def _stdout_closed() -> int:
+    """Stop writing quietly after the reader of stdout went away (``| head``); the exit status.
+
+    stdout is pointed at ``/dev/null`` so that flushing what is still buffered at interpreter
+    exit cannot raise again (the recipe of Python's ``signal`` documentation).
+    """
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # no file descriptor behind sys.stdout (captured)
+        return _EXIT_BROKEN_PIPE
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    except OSError:
+        pass
+    finally:
+        os.close(devnull)
+    return _EXIT_BROKEN_PIPE

@@ -218,7 +218,13 @@ class OrbaxItem:
 
 
 def load_item(url: str) -> OrbaxItem:
-    """Parse ``_METADATA``, ``_sharding`` and ``array_metadatas`` of an item directory."""
+    """Parse ``_METADATA``, ``_sharding`` and ``array_metadatas`` of an item directory.
+
+    Raises:
+        CheckpointNotFoundError: there is no ``_METADATA``.
+        ManifestError: a metadata file is not JSON, or not shaped as Orbax writes it (the
+            message names the file).
+    """
     d = _Dir(url)
     meta = _load_json(d, "_METADATA")
     if meta is None:
@@ -239,17 +245,50 @@ def load_item(url: str) -> OrbaxItem:
     key_impls: dict[str, str] = {}
     amd = d.child("array_metadatas")
     for name in sorted(amd.children()):
-        doc = _load_json(amd, name) or {}
-        for a in doc.get("array_metadatas", []):
-            a = a.get("array_metadata", {})
-            ext = a.get("ext_metadata") or {}
-            if ext.get("random_key_impl"):
-                key_impls[str(a["param_name"])] = str(ext["random_key_impl"])
-    shardings: dict[str, Any] = {}
-    for k, v in (_load_json(d, "_sharding") or {}).items():
-        try:
-            shardings[base64.b64decode(k).decode()] = json.loads(v)
-        except (ValueError, TypeError):
-            continue  # informational only
+        key_impls.update(_key_impls(_load_json(amd, name), _join(amd.url, name)))
     return OrbaxItem(url, entries, bool(meta.get("use_ocdbt", True)), bool(meta.get("use_zarr3", False)),
-                     key_impls, shardings)
+                     key_impls, _shardings(_load_json(d, "_sharding"), _join(url, "_sharding")))
+
+
+def _key_impls(doc: Any, where: str) -> dict[str, str]:
+    """Parameter name -> PRNG implementation, from one ``array_metadatas/process_<i>`` document.
+
+    Raises:
+        ManifestError: the document is not shaped as Orbax writes it (objects and lists).
+    """
+    if doc is None:
+        return {}
+    records = doc.get("array_metadatas", []) if isinstance(doc, dict) else None
+    if not isinstance(records, list):
+        raise ManifestError(f"{where}: expected an object with an 'array_metadatas' list")
+    out: dict[str, str] = {}
+    for i, record in enumerate(records):
+        a = record.get("array_metadata", {}) if isinstance(record, dict) else None
+        ext = (a.get("ext_metadata") or {}) if isinstance(a, dict) else None
+        if not isinstance(ext, dict):
+            raise ManifestError(f"{where}: array_metadatas[{i}] is malformed: {record!r:.80}")
+        if ext.get("random_key_impl"):
+            if "param_name" not in a:  # type: ignore[operator]
+                raise ManifestError(f"{where}: array_metadatas[{i}] has a key implementation but no param_name")
+            out[str(a["param_name"])] = str(ext["random_key_impl"])  # type: ignore[index]
+    return out
+
+
+def _shardings(doc: Any, where: str) -> dict[str, Any]:
+    """Parameter name -> saved sharding JSON, from ``_sharding`` (entries that do not decode
+    are skipped: they are informational only).
+
+    Raises:
+        ManifestError: the document is not a JSON object.
+    """
+    if doc is None:
+        return {}
+    if not isinstance(doc, dict):
+        raise ManifestError(f"{where}: expected a JSON object, got {type(doc).__name__}")
+    out: dict[str, Any] = {}
+    for k, v in doc.items():
+        try:
+            out[base64.b64decode(k).decode()] = json.loads(v)
+        except (ValueError, TypeError):
+            continue
+    return out

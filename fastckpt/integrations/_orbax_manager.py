@@ -14,6 +14,7 @@ crc32c on every chunk), not Orbax's: an Orbax-style manager reads only fastckpt 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from collections.abc import Container, Sequence
@@ -21,7 +22,13 @@ from typing import Any
 
 from fastckpt._manager import CheckpointManager
 from fastckpt._tree import unflatten_from_paths
-from fastckpt.errors import CheckpointNotFoundError, ConfigError, StepAlreadyCommittedError, TreeStructureError
+from fastckpt.errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    FastckptError,
+    StepAlreadyCommittedError,
+    TreeStructureError,
+)
 from fastckpt.format.manifest import ArrayLeaf
 from fastckpt.options import ManagerOptions, RetentionOptions
 from fastckpt.storage._protocol import Store
@@ -174,8 +181,10 @@ class OrbaxStyleCheckpointManager:
         root = directory if isinstance(directory, Store) else os.fspath(directory)
         self._mgr = CheckpointManager(root, options=options.to_manager_options())
         self._inflight: int | None = None
-        steps = self._mgr.all_steps()
-        self._last: int | None = steps[-1] if steps else None
+        """The step whose background save was started and not yet waited for."""
+        self._committed: int | None = None
+        """The newest committed step, as last listed or seen committed by this manager."""
+        self.reload()
 
     @property
     def directory(self) -> str:
@@ -186,6 +195,23 @@ class OrbaxStyleCheckpointManager:
     def fastckpt_manager(self) -> CheckpointManager:
         """The underlying :class:`fastckpt.CheckpointManager` (stats, manifests, RAM tiers)."""
         return self._mgr
+
+    @property
+    def _last(self) -> int | None:
+        """The newest step committed or being saved (a failed save is dropped once seen)."""
+        steps = [s for s in (self._committed, self._inflight) if s is not None]
+        return max(steps) if steps else None
+
+    def _settle(self, *, committed: bool) -> None:
+        """Account for the end of the in-flight save: fold it into the committed step when it
+        committed; else drop it and re-list (so a failed step is never reported)."""
+        step, self._inflight = self._inflight, None
+        if committed:
+            if step is not None:
+                self._committed = step if self._committed is None else max(self._committed, step)
+            return
+        with contextlib.suppress(FastckptError):  # keep the cached step: it was committed
+            self.reload()
 
     # ------------------------------------------------------------------ save
     def should_save(self, step: int) -> bool:
@@ -212,9 +238,11 @@ class OrbaxStyleCheckpointManager:
     ) -> bool:
         """Save ``args`` (Orbax args or a pytree; ``items`` is the legacy spelling) as ``step``.
 
-        Returns False when skipped (``should_save`` said no, unless ``force``). Raises
+        Returns False when skipped (``should_save`` said no, unless ``force``; or another
+        save is in flight and fastckpt's ``if_busy="skip"`` is set). Raises
         :class:`~fastckpt.errors.StepAlreadyCommittedError` for an existing step, and the
-        previous background save's :class:`~fastckpt.errors.SaveError`.
+        previous background save's :class:`~fastckpt.errors.SaveError` (that step is then
+        no longer listed: ``latest_step()`` names the newest committed one).
         """
         if self.options.read_only:
             return False
@@ -225,23 +253,28 @@ class OrbaxStyleCheckpointManager:
         tree, names, json_items = _unpack_save(args if args is not None else items)
         meta = {_META_KEY: {"items": names, "json": json_items, "metrics": metrics,
                             "custom_metadata": dict(custom_metadata or {})}}
-        self._mgr.save(step, tree, metadata=meta, force=True)
+        try:
+            started = self._mgr.save(step, tree, metadata=meta, force=True)
+        except BaseException:
+            self._settle(committed=False)  # the previous save failed, or this one never started
+            raise
+        if not started:
+            return False  # if_busy="skip": the previous save is still in flight
+        self._settle(committed=True)  # fastckpt's save waited for the previous one
         self._inflight = step
-        self._last = step if self._last is None else max(self._last, step)
         if not self.options.enable_async_checkpointing:
             self.wait_until_finished()
         return True
 
     def wait_until_finished(self) -> None:
-        """Block until the in-flight save is committed; re-raise its error."""
+        """Block until the in-flight save is committed; re-raise its error (the failed step
+        is then dropped from ``all_steps``/``latest_step``)."""
         try:
             self._mgr.wait()
-        except Exception:
-            steps = self._mgr.all_steps()
-            self._last = steps[-1] if steps else None
+        except BaseException:
+            self._settle(committed=False)
             raise
-        finally:
-            self._inflight = None
+        self._settle(committed=True)
 
     # ------------------------------------------------------------------ listing
     def all_steps(self, read: bool = False) -> list[int]:
@@ -253,13 +286,14 @@ class OrbaxStyleCheckpointManager:
         return sorted(steps)
 
     def latest_step(self) -> int | None:
-        """The newest step saved or being saved, or None."""
+        """The newest step committed or being saved, or None (as Orbax: the in-flight step
+        is named at once; it stays named once committed and is dropped if its save fails)."""
         return self._last
 
     def reload(self) -> None:
-        """Re-read the step list from storage."""
+        """Re-read the committed steps from storage (an in-flight save stays accounted for)."""
         steps = self._mgr.all_steps()
-        self._last = steps[-1] if steps else None
+        self._committed = steps[-1] if steps else None
 
     def reached_preemption(self, step: int) -> bool:
         """Always False: fastckpt has no preemption sync point (kept for signature compatibility)."""
@@ -362,9 +396,12 @@ class OrbaxStyleCheckpointManager:
 
     # ------------------------------------------------------------------ deletion / lifecycle
     def delete(self, step: int) -> None:
-        """Delete a committed step (no-op when ``read_only``)."""
+        """Delete a committed step (no-op when ``read_only``); the in-flight save of this
+        very step is finished first. A save of another step stays in flight."""
         if self.options.read_only:
             return
+        if step == self._inflight:
+            self.wait_until_finished()
         self._mgr.delete_step(step)
         self.reload()
 

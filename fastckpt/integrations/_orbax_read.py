@@ -13,6 +13,7 @@ and dtypes (typed errors) -> per leaf, read only the boxes this process's device
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -24,6 +25,7 @@ from fastckpt.errors import (
     ConfigError,
     CorruptionError,
     DtypeMismatchError,
+    ManifestError,
     ShapeMismatchError,
     TreeStructureError,
 )
@@ -65,9 +67,18 @@ def _device_ids(node: Any) -> list[Any]:
 
 
 def _saved_sharding(desc: Any) -> jax.sharding.Sharding | None:
-    """Rebuild a saved NamedSharding on this job's devices if the device count matches."""
+    """Rebuild a saved NamedSharding on this job's devices if the device count matches;
+    None when there is none, or it does not describe one (it is informational only)."""
     if not isinstance(desc, dict) or desc.get("sharding_type") != "NamedSharding":
         return None
+    try:
+        return _named_sharding(desc)
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+def _named_sharding(desc: dict[str, Any]) -> jax.sharding.Sharding | None:
+    """The NamedSharding ``desc`` describes, on this job's devices (None: other device count)."""
     shape = tuple(int(n) for n in desc.get("shape", ()))
     devices = jax.devices()
     if not shape or int(np.prod(shape)) != len(devices):
@@ -102,6 +113,48 @@ class _Leaf:
     sharding: jax.sharding.Sharding | None = None
     key_impl: str | None = None
     device_boxes: list[tuple[jax.Device, Box]] = dataclasses.field(default_factory=list)
+
+
+@functools.lru_cache(maxsize=16)
+def _key_info_of(impl: str) -> tuple[Any, tuple[int, ...]]:
+    key = jax.eval_shape(lambda: jax.random.key(0, impl=impl))
+    data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl)))
+    return key.dtype, tuple(data.shape)
+
+
+def _key_info(impl: str, where: str) -> tuple[Any, tuple[int, ...]]:
+    """``(key dtype, key data shape of one key)`` of a stored PRNG implementation.
+
+    Raises:
+        DtypeMismatchError: the implementation is unknown to this JAX.
+    """
+    try:
+        return _key_info_of(impl)
+    except (ValueError, TypeError, KeyError) as e:
+        raise DtypeMismatchError(f"{where}: the checkpoint's PRNG implementation {impl!r} is unknown here: {e}") from e
+
+
+def _stored_key_shape(leaf: _Leaf, impl: str, stored_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The key array shape a stored key-data array holds; checks the target's key dtype and shape.
+
+    Raises:
+        DtypeMismatchError: the target's keys are of another implementation.
+        ShapeMismatchError: the target's key array has another shape.
+        CorruptionError: the stored data does not end in the implementation's key data shape.
+    """
+    where = leaf.entry.param_name
+    key_dtype, data_shape = _key_info(impl, where)
+    split = len(stored_shape) - len(data_shape)
+    if split < 0 or stored_shape[split:] != data_shape:
+        raise CorruptionError(f"{where}: stored key data of shape {stored_shape} does not end in {impl}'s "
+                              f"key data shape {data_shape}")
+    key_shape = stored_shape[:split]
+    tgt = leaf.target
+    if tgt is not None and tgt.dtype != key_dtype:
+        raise DtypeMismatchError(f"{where}: target keys are {tgt.dtype}, the checkpoint's {key_dtype}")
+    if tgt is not None and tuple(tgt.shape) != key_shape:
+        raise ShapeMismatchError(f"{where}: target key array shape {tuple(tgt.shape)} != stored {key_shape}")
+    return key_shape
 
 
 def _mode_of(entry: OrbaxEntry, tgt: Any, item: OrbaxItem) -> str:
@@ -155,10 +208,7 @@ def _plan(leaf: _Leaf, item: OrbaxItem, *, allow_cast: bool) -> None:
         if impl is None:
             raise DtypeMismatchError(f"{where}: target is a PRNG key array but the checkpoint holds plain {stored_dtype}")
         leaf.key_impl = impl
-        key_shape = tuple(tgt.shape) if tgt is not None else stored_shape[:-1]
-        if stored_shape[: len(key_shape)] != key_shape or len(key_shape) > len(stored_shape):
-            raise ShapeMismatchError(f"{where}: key array shape {key_shape} != stored {stored_shape[:len(key_shape)]}")
-        extra = len(stored_shape) - len(key_shape)
+        extra = len(stored_shape) - len(_stored_key_shape(leaf, impl, stored_shape))
     elif tgt is not None and leaf.mode in ("jax", "numpy", "npscalar"):
         if tuple(tgt.shape) != stored_shape:
             raise ShapeMismatchError(f"{where}: target shape {tuple(tgt.shape)} != stored shape {stored_shape}")
@@ -200,10 +250,18 @@ def _translate(e: Exception, what: str) -> Exception:
     return CorruptionError(f"{what}: {msg}")
 
 
+def _empty_value(value_type: str) -> Any:
+    """What an empty Orbax value restores as: None, or a new empty container (never shared)."""
+    value = EMPTY_TYPES[value_type]
+    return type(value)() if isinstance(value, (dict, list)) else value
+
+
 def _finish(leaf: _Leaf, futures: dict[Box, Any], strings: dict[str, Any]) -> Any:
+    """The restored value of ``leaf``: as stored (a target leaf gives only shape, dtype and
+    sharding; a stored None / empty container or Python scalar is returned as stored)."""
     where = leaf.entry.param_name
     if leaf.mode == "empty":
-        return leaf.target if leaf.target is not None else EMPTY_TYPES[leaf.entry.value_type]
+        return _empty_value(leaf.entry.value_type)
     if leaf.mode == "string":
         if where not in strings:
             raise CheckpointNotFoundError(f"string leaf {where} is missing from _strings.json")
@@ -222,8 +280,7 @@ def _finish(leaf: _Leaf, futures: dict[Box, Any], strings: dict[str, Any]) -> An
             return arr
         if leaf.mode == "npscalar":
             return arr[()]
-        value = arr.item()
-        return type(leaf.target)(value) if leaf.target is not None else value
+        return arr.item()  # the stored Python scalar, whatever scalar type the target holds
     assert leaf.sharding is not None
     singles = [jax.device_put(bufs[box], d) for d, box in leaf.device_boxes]
     out = jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, singles)
@@ -283,6 +340,8 @@ def read_item(
     strings: dict[str, Any] = {}
     if any(lf.mode == "string" for lf in leaves):
         strings = read_json(item.url, "_strings.json") or {}
+        if not isinstance(strings, dict):
+            raise ManifestError(f"{item.url}/_strings.json: expected a JSON object, got {type(strings).__name__}")
     results: list[Any] = [None] * len(leaves)
     pending: list[tuple[int, dict[Box, Any]]] = []
     inflight = 0

@@ -18,7 +18,16 @@ from __future__ import annotations
 import os
 from typing import Any, Literal
 
-from fastckpt.errors import CheckpointNotFoundError, ConfigError
+from fastckpt.errors import (
+    AlreadyExistsError,
+    CheckpointNotFoundError,
+    ConfigError,
+    FastckptError,
+    PermissionDeniedError,
+    SaveError,
+    StepAlreadyCommittedError,
+    StorageError,
+)
 from fastckpt.integrations._orbax_manager import (
     OrbaxStyleCheckpointManager as OrbaxStyleCheckpointManager,
     OrbaxStyleOptions as OrbaxStyleOptions,
@@ -184,6 +193,15 @@ def convert_fastckpt_to_orbax(
 
     Returns:
         The step converted.
+
+    Raises:
+        CheckpointNotFoundError: no such (or no committed) fastckpt step.
+        AlreadyExistsError: ``layout="item"`` and ``orbax_path`` exists, or it is a file.
+        StepAlreadyCommittedError: the Orbax manager directory already holds ``step``.
+        StorageError: the destination cannot be written (a parent is a file, no permission...).
+        ConfigError: the state holds leaves Orbax cannot store (complex Python scalars,
+            Python ints beyond int64, zero-size arrays).
+        SaveError: Orbax failed otherwise (``__cause__`` is its exception).
     """
     import fastckpt
 
@@ -199,7 +217,65 @@ def convert_fastckpt_to_orbax(
             step = mgr.latest_step()
             if step is None:
                 raise CheckpointNotFoundError(f"no committed checkpoint in {mgr.store.url}")
+        _check_orbax_destination(dst, step, layout)
         tree = mgr.restore(step, target)
+    _check_orbax_leaves(tree)
+    try:
+        _write_orbax(ocp, tree, dst, step, layout)
+    except FastckptError:
+        raise
+    except Exception as e:  # Orbax and the OS raise plain exceptions: give them fastckpt types
+        raise _orbax_write_error(e, dst, step) from e
+    return step
+
+
+def _check_orbax_destination(dst: str, step: int, layout: str) -> None:
+    """Refuse a local destination Orbax would not write to, before any data is read.
+
+    Raises:
+        StorageError: a parent of ``dst`` is not a directory.
+        AlreadyExistsError: ``dst`` exists and is a file, or exists at all for ``layout="item"``.
+        StepAlreadyCommittedError: ``dst/<step>`` exists for ``layout="manager"``.
+    """
+    if dst.startswith("gs://"):
+        return  # Orbax's own errors are translated by _orbax_write_error
+    parent = os.path.dirname(dst)
+    while parent and not os.path.lexists(parent):
+        parent = os.path.dirname(parent)
+    if parent and not os.path.isdir(parent):
+        raise StorageError(f"cannot write the Orbax checkpoint at {dst}: {parent} is not a directory")
+    if not os.path.lexists(dst):
+        return
+    if not os.path.isdir(dst):
+        raise AlreadyExistsError(f"cannot write the Orbax checkpoint at {dst}: it exists and is not a directory")
+    if layout == "item":
+        raise AlreadyExistsError(f"Orbax item directory {dst} already exists (layout='item' needs a new path)")
+    if os.path.lexists(os.path.join(dst, str(step))):
+        raise StepAlreadyCommittedError(f"Orbax step {step} already exists in {dst}")
+
+
+def _check_orbax_leaves(tree: Any) -> None:
+    """Refuse leaves fastckpt holds but Orbax cannot save (Orbax fails late and noisily on them).
+
+    Raises:
+        ConfigError: a complex Python scalar, a Python int outside int64, or a zero-size array.
+    """
+    import jax
+
+    for path, x in jax.tree_util.tree_leaves_with_path(tree):
+        why = None
+        if isinstance(x, complex):
+            why = "is a complex Python scalar"
+        elif isinstance(x, int) and not isinstance(x, bool) and not -(2**63) <= x < 2**63:
+            why = "is a Python int outside int64"
+        elif getattr(x, "size", None) == 0 and hasattr(x, "shape"):
+            why = f"is a zero-size array {tuple(x.shape)}"
+        if why is not None:
+            raise ConfigError(f"leaf {jax.tree_util.keystr(path)} {why}, which Orbax cannot save")
+
+
+def _write_orbax(ocp: Any, tree: Any, dst: str, step: int, layout: str) -> None:
+    """Write ``tree`` with Orbax: a bare item directory, or ``step`` of a manager directory."""
     import jax
 
     # StandardSave refuses str leaves; PyTreeSave writes them (to _strings.json).
@@ -211,4 +287,17 @@ def convert_fastckpt_to_orbax(
         with ocp.CheckpointManager(dst) as omgr:
             omgr.save(step, args=ocp.args.PyTreeSave(tree) if has_str else ocp.args.StandardSave(tree), force=True)
             omgr.wait_until_finished()
-    return step
+
+
+def _orbax_write_error(e: Exception, dst: str, step: int) -> FastckptError:
+    """The fastckpt error for an exception Orbax (or the OS under it) raised writing ``dst``."""
+    what = f"writing the Orbax checkpoint at {dst}"
+    if type(e).__name__ == "StepAlreadyExistsError":  # orbax.checkpoint.checkpoint_manager's
+        return StepAlreadyCommittedError(f"Orbax step {step} already exists in {dst}")
+    if isinstance(e, FileExistsError) or (isinstance(e, ValueError) and "already exists" in str(e)):
+        return AlreadyExistsError(f"{what}: {e}")
+    if isinstance(e, PermissionError):
+        return PermissionDeniedError(f"{what}: {e}")
+    if isinstance(e, OSError):
+        return StorageError(f"{what}: {e}")
+    return SaveError(f"{what} failed: {type(e).__name__}: {e}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -289,3 +290,58 @@ def test_convert_orbax_checkpoint_on_gcs(gcs_emulator: Any, tmp_path: Path, caps
     assert "fastckpt step 12" in r.stdout
     doc = _json(["inspect", f"gs://fastckpt-test/{prefix}-fck", "--gcs-endpoint", gcs_emulator.endpoint], capsys)
     assert doc["step"] == 12 and {leaf["path"] for leaf in doc["leaves"]} == {"['w']", "['n']"}
+
+
+def test_convert_failures_are_one_line_errors(saved_root: Path, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """Orbax/OS failures of ``convert`` exit 1 with one typed line, never a traceback."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    src = str(saved_root)
+    assert _run(["convert", src, str(tmp_path / "mgr"), "--step", "1"], capsys)[0] == 0
+    assert _run(["convert", src, str(tmp_path / "item"), "--step", "1", "--layout", "item"], capsys)[0] == 0
+    (tmp_path / "afile").write_text("x")
+    with ocp.CheckpointManager(tmp_path / "orbax") as mngr:
+        mngr.save(5, args=ocp.args.StandardSave({"w": jnp.arange(4.0)}))
+        mngr.wait_until_finished()
+    (tmp_path / "orbax" / "5" / "default" / "_sharding").write_text("[]")
+    cases = [
+        (["convert", src, str(tmp_path / "mgr"), "--step", "1"], "StepAlreadyCommittedError"),
+        (["convert", src, str(tmp_path / "item"), "--layout", "item"], "AlreadyExistsError"),
+        (["convert", src, str(tmp_path / "afile" / "sub")], "StorageError"),
+        (["convert", src, str(tmp_path / "afile"), "--layout", "item"], "AlreadyExistsError"),
+        (["convert", str(tmp_path / "orbax"), str(tmp_path / "back")], "ManifestError: .*_sharding"),
+    ]
+    for argv, expected in cases:
+        rc, _, err = _run(argv, capsys)
+        assert rc == 1, (argv, err)
+        assert len(err.strip().splitlines()) == 1 and re.match(f"fastckpt convert: {expected}", err), (argv, err)
+
+
+class _ClosedPipe:
+    """A stdout whose reader went away."""
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_broken_pipe_exits_quietly(saved_root: Path, monkeypatch: pytest.MonkeyPatch,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(sys, "stdout", _ClosedPipe())
+    assert main(["inspect", str(saved_root)]) == 141
+    assert capsys.readouterr().err == ""
+
+
+def test_broken_pipe_subprocess(tmp_path: Path) -> None:
+    """``fastckpt inspect BIG | head -1``: no traceback, the shell's SIGPIPE status."""
+    fastckpt.save(str(tmp_path / "big"), 1, {f"leaf{i:05d}": np.full((2,), i, np.float32) for i in range(3000)})
+    proc = subprocess.Popen([sys.executable, "-m", "fastckpt", "inspect", str(tmp_path / "big")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.readline()
+    proc.stdout.close()  # like `head -1` exiting
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err

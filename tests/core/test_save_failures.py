@@ -18,28 +18,16 @@ from fastckpt import CheckpointManager, DistributedOptions, ManagerOptions, Rete
 from fastckpt._checksum import crc32c
 from fastckpt.errors import ConfigError, SaveError
 from fastckpt.options import RamOptions
-from fastckpt.storage import LocalStore, Store
+from fastckpt.storage import LocalStore
 from fastckpt.storage._protocol import Buffer, Payload, PutMode
+from fastckpt.testing.wrapping import ForwardingStore
 
 from .util import P, named
 
 
-class _Wrapped(Store):
+class _Wrapped(ForwardingStore):
     def __init__(self, root: Path) -> None:
-        self.inner = LocalStore(root, durable=False)
-        self.url = self.inner.url
-
-    async def get(self, key: str, *, byte_range: Any = None) -> Buffer:
-        return await self.inner.get(key, byte_range=byte_range)
-
-    async def put(self, key: str, data: Payload, *, mode: PutMode = "overwrite") -> None:
-        await self.inner.put(key, data, mode=mode)
-
-    async def list(self, prefix: str = "") -> list[str]:
-        return await self.inner.list(prefix)
-
-    async def delete(self, key: str) -> None:
-        await self.inner.delete(key)
+        super().__init__(LocalStore(root, durable=False))
 
     async def close(self) -> None:
         await self.inner.close()

@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from fastckpt import CheckpointManager, DistributedOptions, ManagerOptions, RetentionOptions, SaveOptions
 from fastckpt.storage import ByteRange, LocalStore, Store
 from fastckpt.storage._protocol import Buffer, Payload, PutMode
+from fastckpt.testing.wrapping import ForwardingStore
 
 
 def _in_child() -> None:
@@ -288,22 +289,12 @@ def coordinator_values() -> dict[str, Any]:
             "bin_len": [len(coord.get_bytes(f"t/bin/{j}", timeout_s=30)) for j in range(n)]}
 
 
-class _FirstDeleteFails(Store):
+class _FirstDeleteFails(ForwardingStore):
     """A LocalStore whose first delete fails on process 0 (a retention hiccup after a commit)."""
 
     def __init__(self, root: str) -> None:
-        self.inner = LocalStore(root, durable=False)
-        self.url = self.inner.url
+        super().__init__(LocalStore(root, durable=False))
         self.failed = False
-
-    async def get(self, key: str, *, byte_range: ByteRange | None = None) -> Buffer:
-        return await self.inner.get(key, byte_range=byte_range)
-
-    async def put(self, key: str, data: Payload, *, mode: PutMode = "overwrite") -> None:
-        await self.inner.put(key, data, mode=mode)
-
-    async def list(self, prefix: str = "") -> list[str]:
-        return await self.inner.list(prefix)
 
     async def delete(self, key: str) -> None:
         if not self.failed and jax.process_index() == 0:
