@@ -107,6 +107,12 @@ def _key_dtype_of(impl: str) -> Any:
     return jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
 
 
+@functools.lru_cache(maxsize=16)
+def _key_data_shape(impl: str | None) -> tuple[int, ...]:
+    """The trailing shape one key of ``impl`` adds to its key data (e.g. (2,) for threefry)."""
+    return tuple(jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=str(impl)))).shape)
+
+
 def _key_dtype(impl: str | None, where: str) -> Any:
     """The key dtype of a stored PRNG implementation (DtypeMismatchError if unknown here)."""
     try:
@@ -125,12 +131,11 @@ def _plan_array(path: KeyPath, stored: ArrayLeaf, tgt: Any, boxes_cache: dict[An
         key_dtype = _key_dtype(stored.key_impl, where)
         if tgt is not None and tgt.dtype != key_dtype:
             raise DtypeMismatchError(f"{where}: target keys are {tgt.dtype}, the checkpoint's {key_dtype}")
-        key_shape = shape
-        if tgt is not None:
-            key_extra = len(shape) - len(tgt.shape)
-            key_shape = tuple(tgt.shape)
-            if shape[: len(key_shape)] != key_shape or key_extra < 0:
-                raise ShapeMismatchError(f"{where}: key array shape {key_shape} != stored {shape[:len(key_shape)]}")
+        if tgt is not None:  # the stored key data: the key array's shape, then the implementation's
+            key_extra = len(_key_data_shape(stored.key_impl))
+            if tuple(tgt.shape) != shape[: len(shape) - key_extra]:
+                raise ShapeMismatchError(f"{where}: target key array shape {tuple(tgt.shape)} != stored "
+                                         f"{shape[: len(shape) - key_extra]}")
     elif tgt is not None:
         if tuple(tgt.shape) != shape:
             raise ShapeMismatchError(f"{where}: target shape {tuple(tgt.shape)} != stored shape {shape}")

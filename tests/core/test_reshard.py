@@ -209,3 +209,26 @@ def test_restore_checks_its_step_and_prng_key_implementations(tmp_path: Any) -> 
         got = mgr.restore(1, same)["k"]
         assert got.dtype == same["k"].dtype
         np.testing.assert_array_equal(jax.random.key_data(got), jax.random.key_data(jax.random.split(jax.random.key(0), 8)))
+
+
+def test_a_key_target_of_another_key_shape_is_refused(tmp_path: Any) -> None:
+    """A scalar key (key data (2,)) restored into a target of 2 keys: ShapeMismatchError (it
+    was restored as one key, silently); a batch of keys into a scalar target too."""
+    import jax
+
+    from fastckpt import CheckpointManager
+    from fastckpt.errors import ShapeMismatchError
+
+    with CheckpointManager(str(tmp_path / "ck")) as mgr:
+        mgr.save(1, {"one": jax.random.key(0), "many": jax.random.split(jax.random.key(1), 4)})
+        mgr.wait()
+        key = jax.eval_shape(lambda: jax.random.key(0))
+        two = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), 2))
+        with pytest.raises(ShapeMismatchError, match="target key array shape"):
+            mgr.restore(1, {"one": two, "many": jax.eval_shape(lambda: jax.random.split(jax.random.key(1), 4))})
+        with pytest.raises(ShapeMismatchError, match="target key array shape"):
+            mgr.restore(1, {"one": key, "many": key})
+        got = mgr.restore(1, {"one": key, "many": jax.eval_shape(lambda: jax.random.split(jax.random.key(1), 4))})
+        assert got["one"].shape == () and got["many"].shape == (4,)
+        np.testing.assert_array_equal(jax.random.key_data(got["many"]),
+                                      jax.random.key_data(jax.random.split(jax.random.key(1), 4)))
