@@ -405,33 +405,31 @@ class CheckpointManager:
         restored instead (an older RAM step, else storage's latest). An explicit ``step``
         never falls back.
         """
+        step = None if step is None else _checked_step(step)
         reading = self._reading_step(step) if step is not None else contextlib.nullcontext()
         with paused_gc(self.options.pause_gc), reading:  # thousands of leaves: no full collections
             return self._restore_with_stats(step, target, partial=partial)
 
     @contextlib.contextmanager
-    def _reading_step(self, step: object) -> Iterator[None]:
+    def _reading_step(self, step: int) -> Iterator[None]:
         """Mark ``step`` as read by a restore for the block: retention does not delete it (a
         deletion already under way finishes first; the restore then finds no such step)."""
-        if not isinstance(step, (int, np.integer)) or isinstance(step, bool):
-            yield  # (a bad step: the restore refuses it)
-            return
         with self._retention_lock:
-            self._reading[int(step)] += 1
+            self._reading[step] += 1
         try:
             yield
         finally:
             with self._retention_lock:
-                self._reading[int(step)] -= 1
+                self._reading[step] -= 1
 
     def _restore_with_stats(self, step: int | None, target: Any, *, partial: bool) -> tuple[Any, RestoreStats]:
         import jax
 
-        step = None if step is None else _checked_step(step)
         t0 = time.perf_counter()
         self._check_open()
         rseq, self._rseq = self._rseq, self._rseq + 1
         source: ChunkSource | None = None  # made after the first step choice: it orders peers by the lists fetched
+        source_stats: Any = None
         fallbacks_before: dict[str, int] = {}
         older_than: int | None = None
         failure: BaseException | None = None
@@ -452,8 +450,8 @@ class CheckpointManager:
                 raise
             if source is None:
                 source = self._ram.source() if self._ram is not None else self._chunk_source
-                stats_of = getattr(source, "stats", None)
-                fallbacks_before = dict(stats_of().fallbacks) if callable(stats_of) else {}
+                source_stats = getattr(source, "stats", None)
+                fallbacks_before = dict(source_stats().fallbacks) if callable(source_stats) else {}
             ram_only = manifest.metadata.get("fastckpt_tier") == "ram"
             known = plans.get(manifest.step)
             plan = known[1] if known is not None and known[0] is manifest else resolve_target(manifest, target,
@@ -474,7 +472,6 @@ class CheckpointManager:
                         failure or "on another process")
             older_than = manifest.step
             failure = failure or DistributedError(f"RAM step {manifest.step} is incomplete on another process")
-        source_stats = getattr(source, "stats", None)
         if callable(source_stats):  # this restore's: a long-lived source counts since it was made
             stats.fallbacks = {str(k): int(v) - fallbacks_before.get(k, 0)
                                for k, v in source_stats().fallbacks.items() if int(v) > fallbacks_before.get(k, 0)}

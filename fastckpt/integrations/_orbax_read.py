@@ -13,7 +13,6 @@ and dtypes (typed errors) -> per leaf, read only the boxes this process's device
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -29,6 +28,7 @@ from fastckpt.errors import (
     ShapeMismatchError,
     TreeStructureError,
 )
+from fastckpt.reader.assemble import prng_key_info
 from fastckpt.format.manifest import Box
 from fastckpt.integrations._orbax_layout import EMPTY_TYPES, OrbaxEntry, OrbaxItem, kv_spec, read_json
 from fastckpt.planning import box_from_index, box_to_slices, full_box
@@ -115,25 +115,6 @@ class _Leaf:
     device_boxes: list[tuple[jax.Device, Box]] = dataclasses.field(default_factory=list)
 
 
-@functools.lru_cache(maxsize=16)
-def _key_info_of(impl: str) -> tuple[Any, tuple[int, ...]]:
-    key = jax.eval_shape(lambda: jax.random.key(0, impl=impl))
-    data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl)))
-    return key.dtype, tuple(data.shape)
-
-
-def _key_info(impl: str, where: str) -> tuple[Any, tuple[int, ...]]:
-    """``(key dtype, key data shape of one key)`` of a stored PRNG implementation.
-
-    Raises:
-        DtypeMismatchError: the implementation is unknown to this JAX.
-    """
-    try:
-        return _key_info_of(impl)
-    except (ValueError, TypeError, KeyError) as e:
-        raise DtypeMismatchError(f"{where}: the checkpoint's PRNG implementation {impl!r} is unknown here: {e}") from e
-
-
 def _stored_key_shape(leaf: _Leaf, impl: str, stored_shape: tuple[int, ...]) -> tuple[int, ...]:
     """The key array shape a stored key-data array holds; checks the target's key dtype and shape.
 
@@ -143,7 +124,7 @@ def _stored_key_shape(leaf: _Leaf, impl: str, stored_shape: tuple[int, ...]) -> 
         CorruptionError: the stored data does not end in the implementation's key data shape.
     """
     where = leaf.entry.param_name
-    key_dtype, data_shape = _key_info(impl, where)
+    key_dtype, data_shape = prng_key_info(impl, where)
     split = len(stored_shape) - len(data_shape)
     if split < 0 or stored_shape[split:] != data_shape:
         raise CorruptionError(f"{where}: stored key data of shape {stored_shape} does not end in {impl}'s "

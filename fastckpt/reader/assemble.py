@@ -103,20 +103,21 @@ def _device_boxes(sharding: Any, shape: tuple[int, ...], cache: dict[Any, _Devic
 
 
 @functools.lru_cache(maxsize=16)
-def _key_dtype_of(impl: str) -> Any:
-    return jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
+def _key_info_of(impl: str) -> tuple[Any, tuple[int, ...]]:
+    key = jax.eval_shape(lambda: jax.random.key(0, impl=impl))
+    data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl)))
+    return key.dtype, tuple(data.shape)
 
 
-@functools.lru_cache(maxsize=16)
-def _key_data_shape(impl: str | None) -> tuple[int, ...]:
-    """The trailing shape one key of ``impl`` adds to its key data (e.g. (2,) for threefry)."""
-    return tuple(jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=str(impl)))).shape)
+def prng_key_info(impl: str | None, where: str) -> tuple[Any, tuple[int, ...]]:
+    """``(key dtype, key data shape of one key)`` of a stored PRNG implementation (e.g.
+    ``key<fry>`` and ``(2,)`` for threefry); shared by fastckpt's and the Orbax reader.
 
-
-def _key_dtype(impl: str | None, where: str) -> Any:
-    """The key dtype of a stored PRNG implementation (DtypeMismatchError if unknown here)."""
+    Raises:
+        DtypeMismatchError: the implementation is unknown to this JAX.
+    """
     try:
-        return _key_dtype_of(str(impl))
+        return _key_info_of(str(impl))
     except (ValueError, TypeError, KeyError) as e:
         raise DtypeMismatchError(f"{where}: the checkpoint's PRNG implementation {impl!r} is unknown here: {e}") from e
 
@@ -128,11 +129,11 @@ def _plan_array(path: KeyPath, stored: ArrayLeaf, tgt: Any, boxes_cache: dict[An
     if stored.kind == "prng_key":
         if tgt is not None and not is_prng_key(tgt):
             raise DtypeMismatchError(f"{where}: checkpoint holds a PRNG key array, target is {getattr(tgt, 'dtype', type(tgt))}")
-        key_dtype = _key_dtype(stored.key_impl, where)
+        key_dtype, data_shape = prng_key_info(stored.key_impl, where)
         if tgt is not None and tgt.dtype != key_dtype:
             raise DtypeMismatchError(f"{where}: target keys are {tgt.dtype}, the checkpoint's {key_dtype}")
         if tgt is not None:  # the stored key data: the key array's shape, then the implementation's
-            key_extra = len(_key_data_shape(stored.key_impl))
+            key_extra = len(data_shape)
             if tuple(tgt.shape) != shape[: len(shape) - key_extra]:
                 raise ShapeMismatchError(f"{where}: target key array shape {tuple(tgt.shape)} != stored "
                                          f"{shape[: len(shape) - key_extra]}")
