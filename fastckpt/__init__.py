@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from fastckpt._manager import CheckpointManager as CheckpointManager
     from fastckpt.writer.stats import SaveStats as SaveStats
     from fastckpt.reader.units import RestoreStats as RestoreStats
+    from fastckpt.replicas._secret import new_peer_secret as new_peer_secret
+    from fastckpt.replicas._secret import peer_secret_from_env as peer_secret_from_env
 
 # Imported on first use: they pull in jax (over a second), which the CLI's inspect/gc/verify
 # and code that only builds options do not need.
@@ -32,6 +34,8 @@ _LAZY = {
     "RestoreStats": "fastckpt.reader.units",
     "save": "fastckpt._api",
     "restore": "fastckpt._api",
+    "peer_secret_from_env": "fastckpt.replicas._secret",
+    "new_peer_secret": "fastckpt.replicas._secret",
 }
 
 
@@ -63,6 +67,8 @@ __all__ = [
     "SaveOptions",
     "SaveStats",
     "errors",
+    "new_peer_secret",
+    "peer_secret_from_env",
     "restore",
     "save",
 ]

@@ -2,18 +2,21 @@
 
 ``JaxCoordinator`` uses the key-value store of ``jax.distributed`` (the coordination
 service every multi-host JAX job already runs). ``LocalCoordinator`` is the single-process
-case. Every wait has a timeout and raises :class:`~fastckpt.errors.BarrierTimeoutError`.
+case. Every call has a deadline, writes included: a process cut off from the coordination
+service (a network partition) gets :class:`~fastckpt.errors.BarrierTimeoutError` once it
+passes, instead of blocking for as long as the partition lasts.
 """
 
 from __future__ import annotations
 
 import abc
 import base64
+import math
 import threading
 import time
 from typing import Any
 
-from fastckpt.errors import BarrierTimeoutError, DistributedError
+from fastckpt.errors import BarrierTimeoutError, ConfigError, DistributedError
 
 __all__ = ["Coordinator", "JaxCoordinator", "LocalCoordinator", "default_coordinator"]
 
@@ -23,6 +26,9 @@ class Coordinator(abc.ABC):
 
     process_index: int
     process_count: int
+    service_address: str | None = None
+    """``host:port`` of the coordination service, where there is one: the peer layer binds
+    its server to this host's address on the route to it (what the other hosts reach)."""
 
     @abc.abstractmethod
     def set(self, key: str, value: str) -> None:
@@ -116,39 +122,44 @@ class LocalCoordinator(Coordinator):
 
 
 class JaxCoordinator(Coordinator):
-    """Coordinator over the ``jax.distributed`` key-value store. Call after initialize()."""
+    """Coordinator over the ``jax.distributed`` key-value store. Call after initialize().
 
-    def __init__(self, client: Any, *, process_index: int, process_count: int) -> None:
+    Every client call runs with a deadline of ``timeout_s`` (or the shorter wait asked
+    for): the client's writes and directory reads have none of their own, and a partition
+    from the coordination service would block them for as long as it lasts. A call past its
+    deadline raises :class:`BarrierTimeoutError` and is left to finish on its own daemon
+    thread (hazard: a write may still land after its caller gave up; every key is written
+    once per save attempt, so a late write changes no decision already taken).
+    """
+
+    def __init__(self, client: Any, *, process_index: int, process_count: int, timeout_s: float = 300.0,
+                 service_address: str | None = None) -> None:
+        if not 0 < timeout_s < math.inf:
+            raise ConfigError(f"timeout_s must be > 0 and finite, got {timeout_s!r}")
         self._client = client
         self.process_index = process_index
         self.process_count = process_count
+        self.timeout_s = timeout_s
+        self.service_address = service_address
 
     def _count_scope(self) -> object:
         return self._client
 
     def set(self, key: str, value: str) -> None:
-        try:
-            self._client.key_value_set(key, value)
-        except Exception as e:  # the client raises XlaRuntimeError
-            raise DistributedError(f"key-value set {key!r} failed: {e}") from e
+        _bounded(self._client.key_value_set, (key, value), self.timeout_s, f"key-value set {key!r}")
 
     def get(self, key: str, *, timeout_s: float) -> str:
         return str(self._blocking(self._client.blocking_key_value_get, key, timeout_s))
 
     def set_bytes(self, key: str, value: bytes) -> None:
-        try:
-            self._client.key_value_set_bytes(key, value)
-        except Exception as e:
-            raise DistributedError(f"key-value set {key!r} failed: {e}") from e
+        _bounded(self._client.key_value_set_bytes, (key, value), self.timeout_s, f"key-value set {key!r}")
 
     def get_bytes(self, key: str, *, timeout_s: float) -> bytes:
         return bytes(self._blocking(self._client.blocking_key_value_get_bytes, key, timeout_s))
 
     def try_get_all(self, directory: str, count: int) -> list[str | None]:
-        try:
-            pairs = self._client.key_value_dir_get(directory)
-        except Exception as e:
-            raise DistributedError(f"key-value directory get {directory!r} failed: {e}") from e
+        pairs = _bounded(self._client.key_value_dir_get, (directory,), self.timeout_s,
+                         f"key-value directory get {directory!r}")
         found: dict[int, str] = {}
         for key, value in pairs:  # full keys; deeper ones (<directory>/<i>/...) are not ours
             head, _, tail = str(key).rpartition("/")
@@ -156,30 +167,71 @@ class JaxCoordinator(Coordinator):
                 found[int(tail)] = str(value)
         return [found.get(i) for i in range(count)]
 
-    @staticmethod
-    def _blocking(get: Any, key: str, timeout_s: float) -> Any:
-        try:
-            return get(key, max(1, int(timeout_s * 1000)))
-        except Exception as e:  # the client raises XlaRuntimeError
-            msg = str(e)
-            if "DEADLINE_EXCEEDED" in msg or "timed out" in msg.lower():
-                raise BarrierTimeoutError(f"timed out after {timeout_s:.1f}s waiting for {key!r}") from e
-            raise DistributedError(f"key-value get {key!r} failed: {msg}") from e
+    def _blocking(self, get: Any, key: str, timeout_s: float) -> Any:
+        # The client's own timeout ends the wait for a key that is not there; the deadline
+        # (a little later) ends a call that cannot reach the service at all.
+        wait_s = min(timeout_s, self.timeout_s)
+        return _bounded(get, (key, max(1, int(wait_s * 1000))), wait_s + _DEADLINE_SLACK_S,
+                        f"waiting for {key!r}", waited_s=wait_s)
 
     def try_get(self, key: str) -> str | None:
         try:
-            value = self._client.key_value_try_get(key)
-        except Exception:
+            value = _bounded(self._client.key_value_try_get, (key,), self.timeout_s, f"key-value get {key!r}")
+        except BarrierTimeoutError:
+            raise
+        except DistributedError:  # not set (the client raises NOT_FOUND)
             return None
         return None if value is None else str(value)
 
 
-def default_coordinator() -> Coordinator:
-    """``JaxCoordinator`` if ``jax.distributed`` is initialised with >1 process, else local."""
+_DEADLINE_SLACK_S = 1.0
+"""How much longer than its own timeout a blocking get may take before its deadline ends it."""
+
+
+def _bounded(call: Any, args: tuple[Any, ...], deadline_s: float, what: str, *,
+             waited_s: float | None = None) -> Any:
+    """``call(*args)`` on a daemon thread, waited for at most ``deadline_s``.
+
+    Raises:
+        BarrierTimeoutError: the call did not return in time, or the client reported that
+            its own timeout passed (``waited_s``: the wait it was given).
+        DistributedError: the client raised anything else.
+    """
+    done = threading.Event()
+    box: list[Any] = []
+
+    def run() -> None:
+        try:
+            box.append((True, call(*args)))
+        except BaseException as e:  # handed to the caller
+            box.append((False, e))
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="fastckpt-kv", daemon=True).start()
+    if not done.wait(deadline_s):
+        raise BarrierTimeoutError(f"{what}: no answer from the coordination service within {deadline_s:.1f}s "
+                                  "(unreachable: partitioned or down?)")
+    ok, value = box[0]
+    if ok:
+        return value
+    msg = str(value)
+    if waited_s is not None and ("DEADLINE_EXCEEDED" in msg or "timed out" in msg.lower()):
+        raise BarrierTimeoutError(f"timed out after {waited_s:.1f}s {what}") from value
+    raise DistributedError(f"{what} failed: {msg}") from value
+
+
+def default_coordinator(*, timeout_s: float = 300.0) -> Coordinator:
+    """``JaxCoordinator`` if ``jax.distributed`` is initialised with >1 process, else local.
+
+    ``timeout_s`` bounds every call the coordinator makes (see :class:`JaxCoordinator`).
+    """
     import jax
     from jax._src import distributed
 
     client = distributed.global_state.client
     if client is None or jax.process_count() == 1:
         return LocalCoordinator()
-    return JaxCoordinator(client, process_index=jax.process_index(), process_count=jax.process_count())
+    address = distributed.global_state.coordinator_address
+    return JaxCoordinator(client, process_index=jax.process_index(), process_count=jax.process_count(),
+                          timeout_s=timeout_s, service_address=str(address) if address else None)

@@ -105,7 +105,7 @@ class CheckpointManager:
     ) -> None:
         self.options = options or ManagerOptions()
         self.store = _open(root)
-        self.coordinator = coordinator or default_coordinator()
+        self.coordinator = coordinator or default_coordinator(timeout_s=self.options.distributed.barrier_timeout_s)
         self._chunk_source = chunk_source
         self._on_stats = on_stats
         self._io = LoopThread()

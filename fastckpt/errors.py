@@ -32,6 +32,7 @@ Tree::
     │   └── BarrierTimeoutError (TimeoutError)
     └── PeerError
         ├── PeerUnavailableError               connect/transfer failure or timeout
+        │   └── PeersUnreachableError          at start: hosts cannot reach their peers
         ├── AuthenticationError                HMAC handshake failed
         └── ProtocolError (ValueError)         malformed or oversized peer message
 """
@@ -54,6 +55,7 @@ __all__ = [
     "NotFoundError",
     "PeerError",
     "PeerUnavailableError",
+    "PeersUnreachableError",
     "PermissionDeniedError",
     "ProtocolError",
     "RetriesExhaustedError",
@@ -165,6 +167,11 @@ class PeerError(FastckptError):
 
 class PeerUnavailableError(PeerError):
     """A peer could not be reached or timed out."""
+
+
+class PeersUnreachableError(PeerUnavailableError):
+    """At a job's start, some hosts could not reach (or authenticate to) the peers they
+    replicate RAM steps to; the message names the members and addresses."""
 
 
 class AuthenticationError(PeerError):

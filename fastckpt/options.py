@@ -224,10 +224,18 @@ class RamOptions:
     hosts only once every host's push finished; see docs/replicas.md)."""
     replicas: int = 1
     """Peers each host pushes its chunks to (k)."""
-    secret: bytes | None = None
-    """Shared secret (>= 16 bytes) for the peer handshake; None disables peers."""
-    host: str = "127.0.0.1"
-    """Interface the peer server binds to and advertises."""
+    secret: bytes | None = dataclasses.field(default=None, repr=False)
+    """The job's shared peer secret (>= 16 bytes; every process the same), e.g.
+    ``fastckpt.peer_secret_from_env()`` (the launcher sets ``FASTCKPT_PEER_SECRET`` or
+    ``FASTCKPT_PEER_SECRET_FILE``). It keys the peer handshake and the per-frame
+    authentication of the peer wire. None: no peer service; a multi-process job then needs
+    ``replicas=0`` (each host keeps only its own RAM copy). Never shown in ``repr``."""
+    host: str | None = None
+    """Address the peer server binds to and advertises to the other hosts. None: in a
+    multi-process job, this host's address on the route to the ``jax.distributed``
+    coordinator (what the other hosts reach it by; IPv4 or IPv6), alone ``127.0.0.1``. An
+    explicit address or name wins; ``"0.0.0.0"``/``"::"`` binds every interface and
+    advertises that default address."""
     port: int = 0
     """Peer server port (0: any free port)."""
     peer_connect_timeout_s: float = 5.0

@@ -10,7 +10,6 @@ files in the run directory, all written atomically (temp file + ``os.replace``):
       hb/g<gen>-h<host>.json    heartbeat: {"t", "step", "phase", "pid"}
       report/g<gen>-h<host>.json  phase timestamps + restore stats of one worker
       control/stop-g<gen>       exists => stop at the next agreed step, checkpoint, exit 75
-      secret                    32 random bytes (mode 0600): the peer-replica handshake key
       logs/g<gen>-h<host>.log   the worker's stdout + stderr
 
 Exit codes: 0 done, :data:`EXIT_STOPPED` stopped at a checkpoint on request (the supervisor
@@ -127,10 +126,6 @@ class RunPaths:
     def stop_request(self, generation: int) -> Path:
         return self.root / "control" / f"stop-g{generation}"
 
-    @property
-    def secret(self) -> Path:
-        return self.root / "secret"
-
     def log(self, generation: int, host: int) -> Path:
         return self.root / "logs" / f"g{generation}-h{host}.log"
 
@@ -140,11 +135,11 @@ class RunPaths:
 
     def reset(self) -> None:
         """Remove an earlier run's state (heartbeats, reports, stop requests, logs, events,
-        metrics, secret): generation numbers restart at 0, so a new run would read them as
+        metrics): generation numbers restart at 0, so a new run would read them as
         its own. The checkpoints live elsewhere and are kept."""
         for sub in ("hb", "report", "control", "logs"):
             shutil.rmtree(self.root / sub, ignore_errors=True)
-        for f in (self.events, self.metrics, self.secret):
+        for f in (self.events, self.metrics):
             with contextlib.suppress(FileNotFoundError):
                 f.unlink()
 

@@ -127,7 +127,7 @@ class ElasticContext:
                 shutdown_timeout_seconds=self.options.distributed_timeout_s,
             )
         self._report["t_distributed"] = now()  # jax.distributed is up (diagnostics: init = distributed + manager)
-        self._coord = default_coordinator()
+        self._coord = default_coordinator(timeout_s=self.options.kv_timeout_s)
         self.manager = fastckpt.CheckpointManager(self.root, options=self.options.manager, coordinator=self._coord)
         self.mark("init")
         return self

@@ -31,7 +31,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import secrets
 import shutil
 import signal
 import socket
@@ -45,6 +44,7 @@ from typing import IO, Literal
 
 from fastckpt.elastic._protocol import EXIT_DONE, EXIT_STOPPED, RunPaths, WorkerEnv, append_jsonl, now, read_json
 from fastckpt.errors import ConfigError, FastckptError
+from fastckpt.replicas._secret import SECRET_ENV, new_peer_secret
 
 __all__ = [
     "EXAMPLE_WORKER_PRELOAD",
@@ -196,6 +196,7 @@ class Supervisor:
         self.local_root = Path(local_root)
         self.options = options or SupervisorOptions()
         self.base_env = dict(os.environ if env is None else env)
+        self._secret = new_peer_secret()
         self._available = set(range(self.options.num_hosts))
         self._pending_events = sorted(self.options.events, key=lambda e: e.at_step)
         self._pool: list[_Standby] = []
@@ -217,10 +218,7 @@ class Supervisor:
     def _run(self) -> SupervisorResult:
         self.paths.reset()
         self.paths.make_dirs()
-        if not self.paths.secret.exists():
-            fd = os.open(self.paths.secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(secrets.token_bytes(32))
+        self._secret = new_peer_secret()  # a new one per run, handed to workers in their environment
         for h in range(self.options.num_hosts):
             self._local_dir(h).mkdir(parents=True, exist_ok=True)
         try:
@@ -303,6 +301,7 @@ class Supervisor:
         env = dict(self.base_env)
         env["XLA_FLAGS"] = _xla_flags(env.get("XLA_FLAGS", ""), self.options.devices_per_host)
         env["JAX_PLATFORMS"] = "cpu"
+        env[SECRET_ENV] = self._secret
         pkg_parent = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH", "")) if p)
         return env

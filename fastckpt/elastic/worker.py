@@ -83,7 +83,7 @@ def run(args: argparse.Namespace, env: WorkerEnv) -> int:
     if args.ram_every:
         ram = fastckpt.RamOptions(
             root=env.local_dir, member_id=f"host{env.host_id}", interval_steps=args.ram_every,
-            replicas=args.ram_replicas, secret=env.paths.secret.read_bytes(),
+            replicas=args.ram_replicas, secret=fastckpt.peer_secret_from_env(),
         )
     options = ElasticOptions(
         checkpoint_every=math.gcd(args.checkpoint_every, args.ram_every or args.checkpoint_every),

@@ -76,6 +76,7 @@ from fastckpt.replicas._shm import (
     scan_root,
     unlink,
 )
+from fastckpt.replicas._tier_dir import claim_tier_dir
 
 __all__ = ["ChunkLocation", "RamBudgetError", "RamTier", "Segment", "StaleStepError"]
 
@@ -106,7 +107,9 @@ class RamTier:
             similar size (their pages are already allocated: ~4x faster first fill).
 
     Raises:
-        ConfigError: bad arguments, or another live process owns ``root``.
+        ConfigError: bad arguments, another live process owns ``root``, or ``root`` is not
+            this user's alone (see ``_tier_dir``: a symlink, another owner, writable by
+            group or others, or an ancestor others could swap it in).
     """
 
     def __init__(
@@ -121,7 +124,7 @@ class RamTier:
     ) -> None:
         if budget_bytes <= 0 or keep_steps <= 0:
             raise ConfigError(f"budget_bytes and keep_steps must be > 0, got {budget_bytes}, {keep_steps}")
-        self.root = Path(root)
+        self.root = claim_tier_dir(root)
         self.budget_bytes = budget_bytes
         self.keep_steps = keep_steps
         self._held_steps = keep_steps + (1 if replicated else 0)
@@ -132,8 +135,7 @@ class RamTier:
         self._spares = SparePool()
         self._reserved = 0
         self._closed = False
-        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self._lock_fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        self._lock_fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import json
 import logging
 import os
 import random
@@ -36,11 +37,12 @@ from typing import Any, TypeVar
 import numpy as np
 
 from fastckpt._distributed import Coordinator
-from fastckpt.errors import DistributedError, FastckptError, ManifestError, PeerError
+from fastckpt.errors import ConfigError, DistributedError, FastckptError, ManifestError, PeerError, PeersUnreachableError
 from fastckpt.format.codec import decode_manifest
 from fastckpt.format.layout import ram_writer
 from fastckpt.format.manifest import ChunkEntry, Manifest, chunk_id, chunk_id_prefix, chunk_ids
 from fastckpt.options import RamOptions
+from fastckpt.replicas._address import peer_address
 from fastckpt.replicas.discovery import CoordinatorDirectory, PeerDirectory, StoreDirectory, make_record
 from fastckpt.replicas.client import StepLists
 from fastckpt.replicas.manifest_relay import (
@@ -82,6 +84,11 @@ class RamReplication:
         self.options = options
         self.member_id = options.member_id or os.path.basename(os.path.normpath(options.root))
         self._coord = coordinator
+        multi = coordinator.process_count > 1
+        if options.secret is None and multi and options.replicas > 0:
+            raise ConfigError(f"RamOptions(replicas={options.replicas}) needs the job's peer secret in a multi-process "
+                              "job: RamOptions(secret=fastckpt.peer_secret_from_env(), ...) with FASTCKPT_PEER_SECRET "
+                              "set by the launcher, or replicas=0 (each host keeps only its own RAM copy)")
         self.tier = RamTier(options.root, budget_bytes=options.budget_bytes, keep_steps=options.keep_steps,
                             replicated=options.secret is not None and options.replicas > 0)
         self._peer_options = PeerOptions(connect_timeout_s=options.peer_connect_timeout_s,
@@ -96,16 +103,34 @@ class RamReplication:
         self._server: PeerServer | None = None
         self._replicator: Replicator | None = None
         self._directory: PeerDirectory | None = None
-        if options.secret is not None:
-            self._server = PeerServer(self.tier, secret=options.secret, host=options.host, port=options.port,
-                                      options=self._peer_options).start()
-            if coordinator.process_count > 1:
-                self._directory = CoordinatorDirectory(coordinator, namespace=namespace.replace("/", "-"),
-                                                       timeout_s=options.discovery_timeout_s)
-            else:
-                self._directory = StoreDirectory(store, prefix="_peers/", run=run)
-            self._directory.publish(make_record(self.member_id, self._server.address))
-            self._replicator = Replicator(self.tier)
+        self.advertised: tuple[str, int] | None = None
+        """Where the other hosts reach this host's peer server (None: no peer service)."""
+        try:
+            self._start_peers(options, coordinator, store, namespace, run)
+        except BaseException:  # nothing of a replication that was never made keeps running
+            self.close()
+            raise
+
+    def _start_peers(self, options: RamOptions, coordinator: Coordinator, store: Store, namespace: str,
+                     run: Callable[[Any], Any]) -> None:
+        """With a secret: serve the tier, publish where, and check the push targets."""
+        if options.secret is None:
+            return
+        multi = coordinator.process_count > 1
+        address = peer_address(options.host, service_address=coordinator.service_address,
+                               process_count=coordinator.process_count)
+        self._server = PeerServer(self.tier, secret=options.secret, host=address.bind, port=options.port,
+                                  options=self._peer_options).start()
+        if multi:
+            self._directory = CoordinatorDirectory(coordinator, namespace=namespace.replace("/", "-"),
+                                                   timeout_s=options.discovery_timeout_s)
+        else:
+            self._directory = StoreDirectory(store, prefix="_peers/", run=run)
+        self.advertised = (address.advertise, self._server.address[1])
+        self._directory.publish(make_record(self.member_id, self.advertised))
+        self._replicator = Replicator(self.tier)
+        if multi and options.replicas > 0:
+            self._check_peers(f"{namespace}/peercheck")
 
     # ------------------------------------------------------------------ peers
     def _peers(self) -> dict[str, PeerClient]:
@@ -118,6 +143,50 @@ class RamReplication:
                     self._clients[member] = PeerClient(rec.address, secret=self.options.secret,
                                                        options=self._peer_options, name=member)
         return self._clients
+
+    def _check_peers(self, key: str) -> None:
+        """Fail the job's start on every process, loudly, when any host cannot reach (or
+        authenticate to) a peer it pushes to: otherwise each RAM step would silently lack
+        its replicas and a lost host would be restored from storage, an older step.
+
+        Every process connects to its push targets (a handshake and one request each, all
+        at once, bounded by the peer timeouts) and reports to process 0, which publishes
+        the job's verdict (O(processes) key-value operations).
+
+        Raises:
+            PeersUnreachableError: some host could not reach a peer (every process raises it,
+                naming the members and addresses).
+        """
+        peers = self._peers()
+        targets = push_targets([self.member_id, *peers], self.options.replicas, domain_of=host_domain).get(
+            self.member_id, [])
+        me = f"{self.member_id} ({self.advertised[0]}:{self.advertised[1]})"
+
+        def probe(member: str) -> str | None:
+            client = peers[member]
+            try:
+                client.step_lists()
+            except PeerError as e:
+                return f"{me} cannot reach {member} at {client.address[0]}:{client.address[1]}: {e}"
+            return None
+
+        with ThreadPoolExecutor(max(1, min(_MAX_PEER_QUERIES, len(targets))), thread_name_prefix="fastckpt-probe") as pool:
+            problems = [p for p in pool.map(probe, [t for t in targets if t in peers]) if p is not None]
+        problems += [f"{me} found no published address of its peer {t}" for t in targets if t not in peers]
+        coord, timeout_s = self._coord, self.options.discovery_timeout_s
+        coord.set(f"{key}/{coord.process_index}", json.dumps(problems))
+        if coord.process_index == 0:
+            deadline = time.monotonic() + timeout_s
+            found = [p for i in range(coord.process_count)
+                     for p in json.loads(coord.get(f"{key}/{i}", timeout_s=max(0.001, deadline - time.monotonic())))]
+            coord.set(f"{key}/verdict", json.dumps(found))
+        found = json.loads(coord.get(f"{key}/verdict", timeout_s=timeout_s))
+        if found:
+            more = f" (and {len(found) - 8} more)" if len(found) > 8 else ""
+            raise PeersUnreachableError(
+                "RAM replicas cannot work: hosts cannot reach the peers they replicate to: " + "; ".join(found[:8])
+                + more + ". Check RamOptions.host (default: the address on the route to the jax.distributed "
+                "coordinator), firewalls between the hosts, and that every process has the same secret")
 
     # ------------------------------------------------------------------ save
     def due(self, step: int) -> bool:

@@ -306,7 +306,7 @@ def shm() -> Iterator[Path]:
 def test_save_waiting_for_a_missing_process_times_out(me: int, ram: bool, shm: Path, recorder: Recorder) -> None:
     store = MemoryStore()
     coord = HalfJob(me)
-    opts = _options(ram=RamOptions(root=str(shm), interval_steps=1) if ram else None)
+    opts = _options(ram=RamOptions(root=str(shm), interval_steps=1, replicas=0) if ram else None)
     with CheckpointManager(store, options=opts, coordinator=coord) as mgr:
         t0 = time.monotonic()
         mgr.save(1, device_state(1))
@@ -328,7 +328,7 @@ def test_restore_waiting_for_a_missing_process_times_out(shm: Path, recorder: Re
         mgr.wait()
     for me in (0, 1):
         coord = HalfJob(me)
-        opts = _options(ram=RamOptions(root=str(shm / f"p{me}"), interval_steps=1))
+        opts = _options(ram=RamOptions(root=str(shm / f"p{me}"), interval_steps=1, replicas=0))
         with CheckpointManager(store, options=opts, coordinator=coord) as mgr:
             t0 = time.monotonic()
             with pytest.raises(BarrierTimeoutError):

@@ -49,16 +49,20 @@ def job(shm_dir: Path, request: pytest.FixtureRequest) -> Iterator[list[RamRepli
     sets RamOptions fields."""
     extra = getattr(request, "param", {})
     coords = ThreadedJob.of(M)
-    out = []
-    for i, (coord, member) in enumerate(zip(coords, MEMBERS)):
-        options = RamOptions(root=str(shm_dir / member), member_id=member, replicas=1, secret=SECRET, **extra)
-        rr = RamReplication(options, coordinator=coord, store=MemoryStore(), namespace="t", run=lambda c: None)
+
+    def start(i: int) -> RamReplication:  # concurrently, as a job's processes do: each checks its peers
+        options = RamOptions(root=str(shm_dir / MEMBERS[i]), member_id=MEMBERS[i], replicas=1, secret=SECRET,
+                             host="127.0.0.1", **extra)
+        return RamReplication(options, coordinator=coords[i], store=MemoryStore(), namespace="t", run=lambda c: None)
+
+    with ThreadPoolExecutor(M) as pool:
+        out = list(pool.map(start, range(M)))
+    for i, rr in enumerate(out):
         seal_chunks(rr.tier, 10, fill(10, {IDS[i]: 2}))
         if i < 2:
             rr.tier.put_manifest(10, _manifest())
         else:
             rr.tier.mark_committed(10)
-        out.append(rr)
     yield out
     for rr in out:
         rr.close()
