@@ -128,6 +128,7 @@ def _stop(signum: int, frame: object) -> None:
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     parent = os.getppid()
+    os.chdir("/")  # pin no directory of the caller's
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the controller decides, not a stray Ctrl-C
     try:
         _enter(_libc(), cfg)
@@ -147,6 +148,8 @@ def main() -> None:
                 break
     except _Stop:
         pass
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     _sweep(netns, 10.0)
     if cfg.get("remove_on_exit"):
         _remove(cfg["remove_on_exit"], 5.0)

@@ -1,6 +1,7 @@
 """Plumbing for :mod:`fastckpt.testing.hosts`: tools, probes, keepers, the switch, ``ip``/``tc``.
 
-Private: everything here may change. Nothing runs at import time.
+Private: :mod:`fastckpt.testing.hosts` re-exports the public names (the errors and
+:func:`hosts_unavailable_reason`); the rest may change. Nothing runs at import time.
 """
 
 from __future__ import annotations
@@ -77,8 +78,8 @@ def probe(tools: Tools, *, delay: bool) -> str | None:
         " tc qdisc add dev fcprobe1 root handle 1: tbf rate 100mbit burst 32k latency 20ms;"
         " mount -t tmpfs tmpfs /dev/shm"
     )
-    if delay:
-        script += "; tc qdisc add dev fcprobe0 root handle 1: netem delay 1ms"
+    if delay:  # exit status 3: only netem failed
+        script += "; tc qdisc add dev fcprobe0 root handle 1: netem delay 1ms || exit 3"
     user = [] if privileged() else ["--user", "--map-root-user"]
     argv = [tools.unshare, *user, "--net", "--mount", "--uts", "sh", "-c", script]
     try:
@@ -90,11 +91,28 @@ def probe(tools: Tools, *, delay: bool) -> str | None:
         return None
     lines = (done.stderr or done.stdout).strip().splitlines()
     detail = lines[-1] if lines else f"exit status {done.returncode}"
-    if delay and "qdisc kind is unknown" in detail:
-        return "this kernel has no netem qdisc (CONFIG_NET_SCH_NETEM), needed for link delay"
+    if delay and done.returncode == 3:
+        return f"no netem qdisc here (CONFIG_NET_SCH_NETEM), needed for link delay: {detail}"
     if not user:
         return f"cannot create namespaces, links or qdiscs as root here: {detail}"
     return f"unprivileged user namespaces do not work here ({detail}); run as root"
+
+
+def hosts_unavailable_reason(*, delay: bool = False) -> str | None:
+    """None if this process can create simulated hosts; otherwise why not, in one line.
+
+    It tries what the harness does in a throwaway namespace (one short ``unshare`` run, a
+    few milliseconds) each time it is called; nothing is cached.
+
+    Args:
+        delay: Also require link delay (``LinkShape.delay_ms``: the netem qdisc).
+    """
+    if not sys.platform.startswith("linux"):
+        return f"simulated hosts need Linux namespaces; this is {sys.platform}"
+    tools = find_tools()
+    if isinstance(tools, str):
+        return tools
+    return probe(tools, delay=delay)
 
 
 def ns_argv(tools: Tools, pid: int, *, userns: bool, host: bool,

@@ -1,9 +1,11 @@
 """Child for the unprivileged test: run as an ordinary user (e.g. ``nobody``) by any Python 3.11+.
 
-Loads ``fastckpt.testing.hosts`` from the repository given as argv[1] without running
-``fastckpt/__init__.py`` (whose imports need the project's virtualenv, which such a user
-may not be able to read), creates 2 hosts through one user namespace, checks they talk and
-keep their RAM tiers apart, and prints one JSON line of what it saw.
+Usage: ``_unprivileged_child.py REPO check|hold``. Loads ``fastckpt.testing.hosts`` from REPO
+without running ``fastckpt/__init__.py`` (whose imports need the project's virtualenv, which
+such a user may not be able to read) and creates 2 hosts through one user namespace.
+``check``: checks they talk and keep their RAM tiers apart, closes them, prints one JSON line
+of what it saw. ``hold``: starts processes in them, prints one JSON line (namespaces, pids,
+shared_dir) and waits to be killed.
 """
 
 from __future__ import annotations
@@ -15,11 +17,20 @@ import time
 import types
 
 
-def main(repo: str) -> None:
+def main(repo: str, mode: str) -> None:
     package = types.ModuleType("fastckpt")
     package.__path__ = [os.path.join(repo, "fastckpt")]
     sys.modules["fastckpt"] = package
     from fastckpt.testing.hosts import LinkShape, SimulatedHosts, hosts_unavailable_reason
+
+    if mode == "hold":  # report, then wait to be SIGKILLed
+        hosts = SimulatedHosts(2, link=LinkShape(rate_mbit=100))
+        for host in hosts:
+            host.popen(["sh", "-c", "echo x > /dev/shm/tier; sleep 600 & sleep 600"])
+        time.sleep(0.2)
+        print(json.dumps({"netns": [h._netns for h in hosts], "shared_dir": str(hosts.shared_dir),
+                          "pids": [p for h in hosts for p in h.pids()]}), flush=True)
+        time.sleep(600)
 
     report: dict[str, object] = {"uid": os.getuid(), "reason": hosts_unavailable_reason()}
     t0 = time.monotonic()
@@ -48,4 +59,4 @@ def main(repo: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])

@@ -124,9 +124,9 @@ def test_an_unprivileged_user_gets_hosts_through_a_user_namespace() -> None:
     nobody = [] if os.geteuid() != 0 else ["setpriv", "--reuid=65534", "--regid=65534",
                                            "--clear-groups"]
     python = _python_for(nobody)
+    child = [*nobody, python, "-I", "-B", str(HERE / "_unprivileged_child.py"), str(REPO)]
     before = root_state()
-    done = subprocess.run([*nobody, python, "-I", "-B", str(HERE / "_unprivileged_child.py"),
-                           str(REPO)], capture_output=True, text=True, timeout=120, cwd="/")
+    done = subprocess.run([*child, "check"], capture_output=True, text=True, timeout=120, cwd="/")
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["uid"] != 0 and report["reason"] is None and report["userns"] is True
@@ -134,4 +134,14 @@ def test_an_unprivileged_user_gets_hosts_through_a_user_namespace() -> None:
     assert report["shm_apart"] and report["closed"]
     assert wait_for_nothing_left(5.0, netns=report["netns"], pids=report["pids"],
                                  shared_dir=report["shared_dir"]) == []
+    # Its controller SIGKILLed: the keepers (uid nobody) still sweep their hosts.
+    held = subprocess.Popen([*child, "hold"], stdout=subprocess.PIPE, text=True, cwd="/")
+    try:
+        assert held.stdout is not None
+        seen = json.loads(held.stdout.readline())
+        assert len(seen["pids"]) == 2 * 4
+    finally:
+        held.kill()
+        held.wait()
+    assert wait_for_nothing_left(5.0, **seen) == []
     assert root_state() == before
