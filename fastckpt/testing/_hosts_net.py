@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import json
 import os
 import secrets
 import selectors
@@ -161,8 +162,6 @@ def tc_commands(dev: str, *, rate_mbit: float | None, delay_ms: float) -> list[s
 
 def spawn_keeper(config: dict[str, object]) -> subprocess.Popen[bytes]:
     """Start a keeper (see ``_hosts_keeper``); its stdin is the lifeline: closing it ends it."""
-    import json
-
     argv = [sys.executable, "-I", "-S", str(KEEPER), json.dumps(config)]
     return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, start_new_session=True)
@@ -210,7 +209,7 @@ def stop_keeper(keeper: subprocess.Popen[bytes], timeout_s: float = 15.0) -> Non
 
 def pids_in(netns_ids: Iterable[str]) -> dict[str, list[int]]:
     """Every process whose network namespace is one of ``netns_ids``, by namespace."""
-    wanted = {i: [] for i in netns_ids}  # type: dict[str, list[int]]
+    wanted: dict[str, list[int]] = {i: [] for i in netns_ids}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue

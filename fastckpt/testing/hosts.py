@@ -34,8 +34,9 @@ this works here.
   SIGKILLs every process in every host and ends the keepers: namespaces, veths, bridge,
   qdiscs and tmpfs mounts go with them (nothing is bound under ``/run`` or mounted in the
   caller's namespace); it removes :attr:`SimulatedHosts.shared_dir`. If the caller dies
-  instead, even by SIGKILL, each keeper notices within 0.5 s (its stdin pipe closes, or its
-  parent changes), SIGKILLs every process in its host, and the switch's removes shared_dir.
+  instead, even by SIGKILL, each keeper notices (at once: its stdin pipe closes; at the
+  latest within 0.5 s: its parent changes), SIGKILLs every process in its host, and the
+  switch's keeper removes shared_dir.
 
 **Hazards:**
 
@@ -45,8 +46,7 @@ this works here.
 * Paths under ``/tmp`` and ``/dev/shm`` differ per host (pytest's ``tmp_path`` is under
   ``/tmp``): put what the caller and the hosts share in ``shared_dir``.
 * ``/sys/class/net`` inside a host shows the machine's interfaces (sysfs is not remounted).
-* Processes are found by network namespace: one that moves to another escapes the sweeps. A
-  child forked but not exec'd by the caller holds the keepers' pipes open until it ends.
+* Processes are found by network namespace: one that moves to another escapes the sweeps.
 """
 
 from __future__ import annotations

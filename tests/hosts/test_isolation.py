@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -24,9 +25,10 @@ def test_each_host_has_its_own_dev_shm_and_tmp() -> None:
             assert sh(hosts[0], f"cat {where}/{name}").stdout == "hello\n"
             assert sh(hosts[1], f"test -e {where}/{name}", check=False).returncode == 1, where
             assert not (Path(where) / name).exists(), where
-        # Both are tmpfs of their own: neither is the machine's /dev/shm.
-        mounts = sh(hosts[1], "grep -E ' (/dev/shm|/tmp) ' /proc/self/mountinfo").stdout
-        assert mounts.count(" - tmpfs ") >= 2, mounts
+        # Four file systems of their own (device ids), none of them the machine's.
+        devices = [sh(h, "stat -c %d /dev/shm /tmp").stdout.split() for h in hosts]
+        mine = {str(os.stat("/dev/shm").st_dev), str(os.stat("/tmp").st_dev)}
+        assert len(set(devices[0] + devices[1]) - mine) == 4, (devices, mine)
 
 
 def test_hosts_talk_by_address_and_by_name_and_know_their_own() -> None:
