@@ -4,6 +4,13 @@ The emulator is a test dependency (extra ``emulator``). :class:`GcsEmulator` nev
 the process environment: point clients at :attr:`GcsEmulator.endpoint` explicitly, e.g.
 ``GcsStore(bucket, options=GcsOptions(endpoint=emu.endpoint))``.
 
+It runs on ``127.0.0.1`` of this machine, or inside a simulated host
+(:mod:`fastckpt.testing.hosts`) on that host's address, where the other hosts of its cluster
+reach it across the switch like a storage service::
+
+    with SimulatedHosts(2) as hosts, GcsEmulator(host=hosts.add_host("gcs")) as emu:
+        emu.create_bucket("b")   # emu.endpoint: http://<the gcs host's address>:<port>
+
 !!! warning
     The emulator enforces ``ifGenerationMatch`` only on multipart and resumable uploads,
     not on simple media uploads, GETs or DELETEs. Code that relies on preconditions must
@@ -19,17 +26,40 @@ import platform
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Literal, final
+from typing import IO, TYPE_CHECKING, Literal, final
+
+if TYPE_CHECKING:
+    from fastckpt.testing.hosts import Host
 
 __all__ = ["EmulatorError", "GcsEmulator", "find_emulator_binary"]
 
 Backend = Literal["memory", "filesystem"]
+
+# One HTTP request made inside a simulated host: argv METHOD URL, body on stdin; prints the
+# status line then the body; exit status 2 if nothing answered. No proxies: the URL is local.
+_REQUEST_IN_HOST = """
+import sys, urllib.error, urllib.request
+method, url = sys.argv[1:3]
+body = sys.stdin.buffer.read() or None
+req = urllib.request.Request(url, data=body, method=method,
+                             headers={"Content-Type": "application/json"})
+opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+try:
+    with opener.open(req, timeout=5) as f:
+        code, data = f.status, f.read()
+except urllib.error.HTTPError as e:
+    code, data = e.code, e.read()
+except OSError:
+    sys.exit(2)
+sys.stdout.buffer.write(b"%d\\n" % code + data)
+"""
 
 
 class EmulatorError(RuntimeError):
@@ -67,7 +97,7 @@ def _free_port() -> int:
 
 @final
 class GcsEmulator:
-    """A fake-gcs-server process on a free ``127.0.0.1`` port, for tests and benchmarks.
+    """A fake-gcs-server process on a free port, for tests and benchmarks.
 
     Use as a context manager; the process is killed on exit. Starting raises
     :class:`EmulatorError` if the server cannot be started (tests must fail, not skip).
@@ -76,12 +106,19 @@ class GcsEmulator:
         backend: ``"memory"`` (fast, RSS grows with the data) or ``"filesystem"`` (use for
             large benchmarks).
         root: Directory for the filesystem backend; a temporary one (removed on exit) if
-            ``None``.
+            ``None`` (under ``/var/tmp`` with ``host``: a host's ``/tmp`` is its own).
+            With ``host``, a given root is resolved inside the host.
         start_timeout_s: How long to wait for the server to answer.
+        host: Run inside this simulated host, bound to its address, instead of on
+            ``127.0.0.1`` here. The endpoint is then reachable from the hosts of its cluster
+            only (the caller's namespace has no route to it): the readiness check and
+            :meth:`create_bucket` run inside ``host`` (a short Python process each). If the
+            host is killed, the emulator dies with it (its memory backend's data too).
     """
 
     def __init__(
-        self, *, backend: Backend = "memory", root: str | os.PathLike[str] | None = None, start_timeout_s: float = 20.0
+        self, *, backend: Backend = "memory", root: str | os.PathLike[str] | None = None,
+        start_timeout_s: float = 20.0, host: Host | None = None,
     ) -> None:
         if backend not in ("memory", "filesystem"):
             raise ValueError(f"backend must be 'memory' or 'filesystem', got {backend!r}")
@@ -93,13 +130,16 @@ class GcsEmulator:
         self._log: IO[bytes] | None = None
         self.port = 0
         self._buckets: set[str] = set()
+        self._host = host
+        self.address = "127.0.0.1" if host is None else host.address
+        """The address it listens on: ``127.0.0.1``, or its host's."""
 
     @property
     def endpoint(self) -> str:
         """Base URL of the running emulator, e.g. ``http://127.0.0.1:4443``."""
         if self._process is None:
             raise EmulatorError("the emulator is not running")
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.address}:{self.port}"
 
     def __enter__(self) -> GcsEmulator:
         self.start()
@@ -116,19 +156,22 @@ class GcsEmulator:
             return
         binary = find_emulator_binary()
         if self.backend == "filesystem" and self._root is None:
-            self._own_root = Path(tempfile.mkdtemp(prefix="fastckpt-gcs-"))
+            where = None if self._host is None else "/var/tmp"
+            self._own_root = Path(tempfile.mkdtemp(prefix="fastckpt-gcs-", dir=where))
         self._log = tempfile.TemporaryFile(prefix="fastckpt-gcs-log-")
         last_error = "not started"
         for _ in range(3):
-            self.port = _free_port()
+            self.port = _free_port() if self._host is None else self._host.free_port()
             cmd = [
-                str(binary), "-scheme", "http", "-host", "127.0.0.1", "-port", str(self.port),
-                "-external-url", f"http://127.0.0.1:{self.port}", "-backend", self.backend,
+                str(binary), "-scheme", "http", "-host", self.address, "-port", str(self.port),
+                "-external-url", f"http://{self.address}:{self.port}", "-backend", self.backend,
                 "-log-level", "error",
             ]  # fmt: skip
             if self.backend == "filesystem":
                 cmd += ["-filesystem-root", str(self._root or self._own_root)]
-            self._process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log)
+            launch = subprocess.Popen if self._host is None else self._host.popen
+            self._process = launch(cmd, stdin=subprocess.DEVNULL, stdout=self._log,
+                                   stderr=self._log)
             try:
                 self._wait_ready()
                 return
@@ -141,16 +184,20 @@ class GcsEmulator:
     def _wait_ready(self) -> None:
         assert self._process is not None
         deadline = time.monotonic() + self._start_timeout_s
-        url = f"http://127.0.0.1:{self.port}/storage/v1/b?project=test"
+        url = f"http://{self.address}:{self.port}/storage/v1/b?project=test"
         while True:
             if self._process.poll() is not None:
                 raise EmulatorError(f"exited with {self._process.returncode}: {self._log_tail()}")
-            try:
-                with urllib.request.urlopen(url, timeout=1.0) as resp:
-                    if resp.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
+            if self._host is not None:
+                if self._request_in_host("GET", url, None)[0] == 200:
+                    return
+            else:
+                try:
+                    with urllib.request.urlopen(url, timeout=1.0) as resp:
+                        if resp.status == 200:
+                            return
+                except (urllib.error.URLError, OSError):
+                    pass
             if time.monotonic() > deadline:
                 raise EmulatorError(f"no answer within {self._start_timeout_s} s: {self._log_tail()}")
             time.sleep(0.05)
@@ -161,11 +208,31 @@ class GcsEmulator:
         self._log.seek(0)
         return self._log.read()[-2000:].decode(errors="replace")
 
+    def _request_in_host(self, method: str, url: str, body: bytes | None) -> tuple[int, bytes]:
+        """``(status, body)`` of a request made inside the emulator's host; status 0 if
+        nothing answered."""
+        assert self._host is not None
+        done = self._host.run([sys.executable, "-I", "-S", "-c", _REQUEST_IN_HOST, method, url],
+                              input=body or b"", capture_output=True, check=False, timeout=30)
+        if done.returncode == 2:
+            return 0, b""
+        if done.returncode != 0:
+            raise EmulatorError(f"request in {self._host.hostname} failed: {done.stderr[-500:]!r}")
+        status, _, data = done.stdout.partition(b"\n")
+        return int(status), data
+
     def create_bucket(self, name: str) -> None:
         """Create bucket ``name`` if this emulator has not created it already."""
         if name in self._buckets:
             return
         body = json.dumps({"name": name}).encode()
+        if self._host is not None:
+            code, data = self._request_in_host("POST", f"{self.endpoint}/storage/v1/b?project=test",
+                                               body)
+            if code not in (200, 409):  # 409: it exists already
+                raise EmulatorError(f"creating bucket {name!r} failed: HTTP {code} {data[:200]!r}")
+            self._buckets.add(name)
+            return
         req = urllib.request.Request(
             f"{self.endpoint}/storage/v1/b?project=test",
             data=body,

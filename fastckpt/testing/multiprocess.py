@@ -12,6 +12,16 @@ the target function, calls it with the given keyword arguments and writes what i
     )
     values = [o.value for o in outcomes]
 
+On simulated hosts (:mod:`fastckpt.testing.hosts`), ``hosts=`` puts process ``i`` on the
+``i``-th host: the coordinator listens on the first host's address, gloo talks across the
+virtual switch, and the job's files live under the hosts' shared directory (each host's
+``/tmp`` is its own)::
+
+    with SimulatedHosts(2) as hosts:
+        outcomes = run_processes(target, num_processes=2, devices_per_process=2, hosts=hosts)
+        hosts[1].kill()
+        run_processes(target, num_processes=1, devices_per_process=2, hosts=[hosts[0]])
+
 Guarantees: nothing outlives the call (every child is killed at the timeout, and the
 call then raises); with ``check=True`` any child that exits non-zero or raises makes
 the call raise :class:`MultiprocessError` carrying every child's error and stderr tail.
@@ -41,7 +51,10 @@ import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fastckpt.testing.hosts import Host, SimulatedHosts
 
 __all__ = ["MultiprocessError", "ProcessOutcome", "free_port", "run_processes"]
 
@@ -123,6 +136,7 @@ def run_processes(
     exit_wait_s: float = 20.0,
     fail_fast_s: float = 10.0,
     env: Mapping[str, str] | None = None,
+    hosts: SimulatedHosts | Sequence[Host] | None = None,
 ) -> list[ProcessOutcome]:
     """Run ``target`` (``"pkg.mod:fn"`` or ``"path/file.py:fn"``) in ``num_processes`` processes.
 
@@ -140,6 +154,11 @@ def run_processes(
         fail_fast_s: With ``check``, once a child has failed, how long the others get to
             finish before they are killed.
         env: Extra environment variables for the children.
+        hosts: Run process ``i`` inside ``hosts[i]`` (a cluster, or a list of its hosts, e.g.
+            the survivors of a lost host); there must be at least ``num_processes``, all up
+            and of one cluster. Children start in the caller's working directory, which must
+            not be under ``/tmp`` or ``/dev/shm`` (those are each host's own). None: on this
+            machine's loopback.
 
     Returns:
         One :class:`ProcessOutcome` per process, in process order.
@@ -149,9 +168,19 @@ def run_processes(
     per_process = [dict(kwargs or {})] * num_processes if not isinstance(kwargs, Sequence) else [dict(k) for k in kwargs]
     if len(per_process) != num_processes:
         raise ValueError(f"{len(per_process)} kwargs mappings for {num_processes} processes")
-    coordinator = f"127.0.0.1:{free_port()}"
+    placed = None if hosts is None else list(hosts)[:num_processes]
+    if placed is None:
+        coordinator = f"127.0.0.1:{free_port()}"
+        work_parent = None
+    else:
+        if len(placed) < num_processes:
+            raise ValueError(f"{len(placed)} hosts for {num_processes} processes")
+        if len({h.shared_dir for h in placed}) != 1:
+            raise ValueError("the hosts must belong to one cluster")
+        coordinator = f"{placed[0].address}:{placed[0].free_port()}"
+        work_parent = str(placed[0].shared_dir)
     child_env = _child_env(devices_per_process, env)
-    with tempfile.TemporaryDirectory(prefix="fastckpt-mp-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="fastckpt-mp-", dir=work_parent) as tmp:
         work = Path(tmp)
         procs: list[subprocess.Popen[bytes]] = []
         files = []
@@ -167,9 +196,10 @@ def run_processes(
                 spec_path.write_text(json.dumps(spec))
                 out, err = open(work / f"out{i}", "wb"), open(work / f"err{i}", "wb")  # noqa: SIM115
                 files += [out, err]
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "fastckpt.testing.multiprocess", str(spec_path)],
-                    stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=child_env, start_new_session=True,
+                argv = [sys.executable, "-m", "fastckpt.testing.multiprocess", str(spec_path)]
+                popen = subprocess.Popen if placed is None else placed[i].popen
+                procs.append(popen(
+                    argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=child_env, start_new_session=True,
                 ))
             ended: dict[int, float] = {}
             timed_out = False
