@@ -31,16 +31,17 @@ class Coordinator(abc.ABC):
     its server to this host's address on the route to it (what the other hosts reach)."""
 
     @abc.abstractmethod
-    def set(self, key: str, value: str) -> None:
-        """Publish ``value`` under ``key`` (keys are written once)."""
+    def set(self, key: str, value: str, *, timeout_s: float | None = None) -> None:
+        """Publish ``value`` under ``key`` (keys are written once), within ``timeout_s``
+        (None: the coordinator's own bound) or ``BarrierTimeoutError``."""
 
     @abc.abstractmethod
     def get(self, key: str, *, timeout_s: float) -> str:
         """Wait for ``key`` and return its value; ``BarrierTimeoutError`` after the timeout."""
 
-    def set_bytes(self, key: str, value: bytes) -> None:
+    def set_bytes(self, key: str, value: bytes, *, timeout_s: float | None = None) -> None:
         """Publish binary ``value`` under ``key`` (default: base64 text through ``set``)."""
-        self.set(key, base64.b64encode(value).decode("ascii"))
+        self.set(key, base64.b64encode(value).decode("ascii"), timeout_s=timeout_s)
 
     def get_bytes(self, key: str, *, timeout_s: float) -> bytes:
         """Wait for a binary value published with ``set_bytes`` (same timeout as ``get``)."""
@@ -57,7 +58,7 @@ class Coordinator(abc.ABC):
         except BarrierTimeoutError:
             return None
 
-    def try_get_all(self, directory: str, count: int) -> list[str | None]:
+    def try_get_all(self, directory: str, count: int, *, timeout_s: float | None = None) -> list[str | None]:
         """The values of ``<directory>/<i>`` for ``i < count``, None where not set (default:
         one ``try_get`` per key; ``JaxCoordinator`` reads the directory in one request, so a
         poll over hundreds of processes is one round trip, not hundreds)."""
@@ -78,8 +79,8 @@ class Coordinator(abc.ABC):
         used once per job; ``timeout_s`` bounds the whole wait)."""
         if self.process_count == 1:
             return [value]
-        self.set(f"{name}/{self.process_index}", value)
         deadline = time.monotonic() + timeout_s
+        self.set(f"{name}/{self.process_index}", value, timeout_s=timeout_s)
         return [self.get(f"{name}/{i}", timeout_s=max(0.001, deadline - time.monotonic()))
                 for i in range(self.process_count)]
 
@@ -111,7 +112,7 @@ class LocalCoordinator(Coordinator):
         self.process_count = 1
         self._kv: dict[str, str] = {}
 
-    def set(self, key: str, value: str) -> None:
+    def set(self, key: str, value: str, *, timeout_s: float | None = None) -> None:
         self._kv[key] = value
 
     def get(self, key: str, *, timeout_s: float) -> str:
@@ -145,20 +146,23 @@ class JaxCoordinator(Coordinator):
     def _count_scope(self) -> object:
         return self._client
 
-    def set(self, key: str, value: str) -> None:
-        _bounded(self._client.key_value_set, (key, value), self.timeout_s, f"key-value set {key!r}")
+    def set(self, key: str, value: str, *, timeout_s: float | None = None) -> None:
+        _bounded(self._client.key_value_set, (key, value), self._bound(timeout_s), f"key-value set {key!r}")
 
     def get(self, key: str, *, timeout_s: float) -> str:
         return str(self._blocking(self._client.blocking_key_value_get, key, timeout_s))
 
-    def set_bytes(self, key: str, value: bytes) -> None:
-        _bounded(self._client.key_value_set_bytes, (key, value), self.timeout_s, f"key-value set {key!r}")
+    def set_bytes(self, key: str, value: bytes, *, timeout_s: float | None = None) -> None:
+        _bounded(self._client.key_value_set_bytes, (key, value), self._bound(timeout_s), f"key-value set {key!r}")
+
+    def _bound(self, timeout_s: float | None) -> float:
+        return self.timeout_s if timeout_s is None else max(0.001, min(timeout_s, self.timeout_s))
 
     def get_bytes(self, key: str, *, timeout_s: float) -> bytes:
         return bytes(self._blocking(self._client.blocking_key_value_get_bytes, key, timeout_s))
 
-    def try_get_all(self, directory: str, count: int) -> list[str | None]:
-        pairs = _bounded(self._client.key_value_dir_get, (directory,), self.timeout_s,
+    def try_get_all(self, directory: str, count: int, *, timeout_s: float | None = None) -> list[str | None]:
+        pairs = _bounded(self._client.key_value_dir_get, (directory,), self._bound(timeout_s),
                          f"key-value directory get {directory!r}")
         found: dict[int, str] = {}
         for key, value in pairs:  # full keys; deeper ones (<directory>/<i>/...) are not ours

@@ -27,7 +27,7 @@ class ThreadedJob(Coordinator):
         cond = threading.Condition()
         return [cls(kv, cond, i, count) for i in range(count)]
 
-    def set(self, key: str, value: str) -> None:
+    def set(self, key: str, value: str, *, timeout_s: float | None = None) -> None:
         with self._cond:
             self._kv[key] = value
             self._cond.notify_all()

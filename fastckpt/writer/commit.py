@@ -109,7 +109,8 @@ def _wait_all_done(coord: Coordinator, ns: str, deadline: float, step: int) -> l
     n = coord.process_count
     values: list[str | None] = [None] * n
     while True:
-        for i, value in enumerate(coord.try_get_all(f"{ns}/done", n)):  # one request per poll
+        left = max(0.001, deadline - time.monotonic())
+        for i, value in enumerate(coord.try_get_all(f"{ns}/done", n, timeout_s=left)):  # one request per poll
             if values[i] is None and value is not None:
                 values[i] = value
                 if value.startswith("err"):
@@ -167,6 +168,10 @@ def publish_and_commit(
     Returns the encoded manifest on process 0, None elsewhere; raises on any failure.
     """
     deadline = time.monotonic() + timeout_s
+
+    def left() -> float:
+        return max(0.001, deadline - time.monotonic())
+
     idx, n = coord.process_index, coord.process_count
     if n > 1:
         if error is None:
@@ -174,16 +179,18 @@ def publish_and_commit(
                 assert chunks is not None
                 fkey = fragment_key(step, save_id, idx)
                 store_run(store.put(fkey, encode_fragment(staged, chunks, idx), mode="overwrite"))
-                coord.set(f"{ns}/done/{idx}", f"ok {fkey}")
+                coord.set(f"{ns}/done/{idx}", f"ok {fkey}", timeout_s=left())
+            except BarrierTimeoutError:
+                raise  # the coordination service did not answer: a report would not get through either
             except BaseException as e:
-                coord.set(f"{ns}/done/{idx}", f"err {type(e).__name__}: {e}")
+                coord.set(f"{ns}/done/{idx}", f"err {type(e).__name__}: {e}", timeout_s=left())
                 raise
         else:
-            coord.set(f"{ns}/done/{idx}", f"err {type(error).__name__}: {error}")
+            coord.set(f"{ns}/done/{idx}", f"err {type(error).__name__}: {error}", timeout_s=left())
     if error is not None and idx != 0:
         raise error
     if idx != 0:
-        verdict = coord.get(f"{ns}/commit", timeout_s=max(0.001, deadline - time.monotonic()))
+        verdict = coord.get(f"{ns}/commit", timeout_s=left())
         if verdict != "ok":
             raise DistributedError(f"step {step} was not committed: {verdict[4:]}")
         return None
@@ -202,11 +209,11 @@ def publish_and_commit(
         except AlreadyExistsError as e:
             raise StepAlreadyCommittedError(f"step {step} is already committed in {store.url}") from e
     except BaseException as e:
-        if n > 1:
-            coord.set(f"{ns}/commit", f"err {type(e).__name__}: {e}")
+        if n > 1 and not isinstance(e, BarrierTimeoutError):
+            coord.set(f"{ns}/commit", f"err {type(e).__name__}: {e}", timeout_s=left())
         raise
     if n > 1:
-        coord.set(f"{ns}/commit", "ok")
+        coord.set(f"{ns}/commit", "ok")  # the step is committed: the others must learn it, however late
     return manifest_bytes
 
 
@@ -265,16 +272,19 @@ def exchange_ram_manifest(
         hold(data)
         return data
     deadline = time.monotonic() + timeout_s
-    coord.set_bytes(f"{ns}/ramfrag/{idx}", encode_fragment(staged, chunks, idx))
+
+    def left() -> float:
+        return max(0.001, deadline - time.monotonic())
+
+    coord.set_bytes(f"{ns}/ramfrag/{idx}", encode_fragment(staged, chunks, idx), timeout_s=left())
     if idx == 0:
-        fragments = [coord.get_bytes(f"{ns}/ramfrag/{i}", timeout_s=max(0.001, deadline - time.monotonic()))
-                     for i in range(n)]
+        fragments = [coord.get_bytes(f"{ns}/ramfrag/{i}", timeout_s=left()) for i in range(n)]
         data = build_manifest(step=step, staged=staged, fragments=fragments, num_processes=n,
                               metadata=metadata, writer_version=writer_version, validate=False)
         hold(data)
-        coord.set(f"{ns}/rammanifest", data.decode() if broadcast else _HELD)
+        coord.set(f"{ns}/rammanifest", data.decode() if broadcast else _HELD, timeout_s=left())
         return data
-    record = coord.get(f"{ns}/rammanifest", timeout_s=max(0.001, deadline - time.monotonic()))
+    record = coord.get(f"{ns}/rammanifest", timeout_s=left())
     if record == _HELD:
         return None
     return record.encode()

@@ -268,7 +268,7 @@ class HalfJob(Coordinator):
         self._kv: dict[str, str] = {}
         self.waits: list[tuple[str, float]] = []
 
-    def set(self, key: str, value: str) -> None:
+    def set(self, key: str, value: str, *, timeout_s: float | None = None) -> None:
         self._kv[key] = value
 
     def get(self, key: str, *, timeout_s: float) -> str:
