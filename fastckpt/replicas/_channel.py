@@ -1,11 +1,10 @@
-"""One peer connection: the handshake, then frames sent and received through a
-:class:`Channel` that authenticates each of them (internal).
+"""One authenticated peer connection: frames sent and received through a :class:`Channel`
+that tags and verifies each of them (internal).
 
-Call order: the client calls :func:`client_handshake` on a connected socket, the server
-:func:`server_handshake`; each returns a :class:`Channel`. After that every frame of the
-connection goes through the channel, which counts frames per direction and tags and
-verifies them (``wire`` describes the layout). Only the handshake and a server's ``busy``
-refusal use the plain helpers :func:`send_frame` and :func:`recv_frame_head`.
+Call order: the handshake (:mod:`~fastckpt.replicas._handshake`: ``client_handshake`` on
+the client, ``server_handshake`` on the server) returns a :class:`Channel`. After that
+every frame of the connection goes through the channel, which counts frames per direction
+and tags and verifies them (``wire`` describes the layout).
 
 Receiving a frame with a payload::
 
@@ -35,17 +34,15 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from fastckpt.errors import (
-    AuthenticationError,
+    ConfigError,
     FrameAuthenticationError,
     PeerUnavailableError,
     ProtocolError,
 )
 from fastckpt.replicas import wire
-from fastckpt.replicas._transport import PeerRequestError
 from fastckpt.replicas.wire import MsgType
 
-__all__ = ["Channel", "client_handshake", "recv_exact", "recv_frame_head", "send_frame",
-           "server_handshake"]
+__all__ = ["Channel", "recv_exact", "recv_prefix", "send_all"]
 
 _WINDOW = 4 << 20  # received bytes are checksummed and MAC-ed in windows still in cache
 _SEND_PIECE = 4 << 20  # sent in pieces: MAC-ed while in cache; the timeout bounds a stall
@@ -53,7 +50,7 @@ _SMALL = 64 << 10  # frames up to this payload leave in one segment
 _DRAIN_PIECE = 1 << 20
 
 
-# --------------------------------------------------------------------------- plain frames
+# --------------------------------------------------------------------------- sockets
 
 
 def recv_exact(sock: socket.socket, view: memoryview, *, deadline: float | None = None) -> None:
@@ -82,7 +79,7 @@ def recv_exact(sock: socket.socket, view: memoryview, *, deadline: float | None 
         raise PeerUnavailableError(f"receive failed after {pos} of {n} bytes: {e!r}") from e
 
 
-def _recv_prefix(sock: socket.socket, limits: wire.WireLimits, allowed: Iterable[MsgType] | None,
+def recv_prefix(sock: socket.socket, limits: wire.WireLimits, allowed: Iterable[MsgType] | None,
                  first_byte_timeout_s: float | None, timeout_s: float | None,
                  deadline: float | None) -> tuple[bytearray, wire.FramePrefix]:
     prefix = bytearray(wire.PREFIX.size)
@@ -100,50 +97,11 @@ def _recv_prefix(sock: socket.socket, limits: wire.WireLimits, allowed: Iterable
     return prefix, head
 
 
-def recv_frame_head(
-    sock: socket.socket,
-    limits: wire.WireLimits,
-    *,
-    allowed: Iterable[MsgType] | None = None,
-    first_byte_timeout_s: float | None = None,
-    timeout_s: float | None = None,
-    deadline: float | None = None,
-) -> tuple[MsgType, dict[str, Any], int]:
-    """Receive an untagged frame's prefix and header (the handshake's); leave its payload.
-
-    Args:
-        sock: A connected blocking socket.
-        limits: Bounds checked before the header and payload are read.
-        allowed: If given, message types outside it raise ``ProtocolError``.
-        first_byte_timeout_s: Timeout for the wait until the frame starts (e.g. the idle
-            timeout between requests); ``timeout_s`` applies to everything after.
-        timeout_s: Timeout for every later receive (None: leave the socket's timeout).
-        deadline: ``time.monotonic()`` by which the whole prefix and header must have
-            arrived (overrides the timeouts; e.g. an authentication handshake's).
-
-    Returns:
-        ``(type, header, payload_len)``; the caller must consume ``payload_len`` bytes next.
-    """
-    _, head = _recv_prefix(sock, limits, allowed, first_byte_timeout_s, timeout_s, deadline)
-    raw = bytearray(head.header_len)
-    recv_exact(sock, memoryview(raw), deadline=deadline)
-    return head.type, wire.decode_header(head.type, raw), head.payload_len
-
-
-def _sendall(sock: socket.socket, data: bytes | memoryview, what: str) -> None:
+def send_all(sock: socket.socket, data: bytes | memoryview, what: str) -> None:
     try:
         sock.sendall(data)
     except OSError as e:
         raise PeerUnavailableError(f"send of {what} failed: {e!r}") from e
-
-
-def send_frame(sock: socket.socket, msg_type: MsgType, header: Mapping[str, Any]) -> None:
-    """Send one untagged frame without payload (the handshake's, a ``busy`` refusal).
-
-    Raises:
-        PeerUnavailableError: the send failed or stalled past the socket timeout.
-    """
-    _sendall(sock, wire.encode_frame(msg_type, header), msg_type.name)
 
 
 # --------------------------------------------------------------------------- tags
@@ -251,7 +209,7 @@ class Channel:
                  role: Literal["client", "server"], send_key: bytes | None,
                  recv_key: bytes | None) -> None:
         if (send_key is None) != (recv_key is None):
-            raise ValueError("both frame keys, or neither")
+            raise ConfigError("both frame keys, or neither")
         self.sock = sock
         self.limits = limits
         out_dir, in_dir = wire.CLIENT_TO_SERVER, wire.SERVER_TO_CLIENT
@@ -292,7 +250,7 @@ class Channel:
 
     def send_frames(self, frames: Iterable[tuple[MsgType, Mapping[str, Any], bytes]]) -> None:
         """Send small frames ``(type, header, payload)`` in one ``sendall`` (pipelining)."""
-        _sendall(self.sock, b"".join(self.encode(*f) for f in frames), "requests")
+        send_all(self.sock, b"".join(self.encode(*f) for f in frames), "requests")
 
     def send(self, msg_type: MsgType, header: Mapping[str, Any],
              payload: Sequence[memoryview | bytes] = ()) -> None:
@@ -305,7 +263,7 @@ class Channel:
         parts = [memoryview(p).cast("B") for p in payload]
         total = sum(p.nbytes for p in parts)
         if total <= _SMALL:
-            _sendall(self.sock, self.encode(msg_type, header, b"".join(parts)), msg_type.name)
+            send_all(self.sock, self.encode(msg_type, header, b"".join(parts)), msg_type.name)
             return
         head = wire.encode_frame(msg_type, header, total)
         ctx = None
@@ -314,15 +272,15 @@ class Channel:
             ctx = self._out.payload_mac(htag)
             self._out.next_frame()
             head += htag
-        _sendall(self.sock, head, msg_type.name)
+        send_all(self.sock, head, msg_type.name)
         for part in parts:
             for off in range(0, part.nbytes, _SEND_PIECE):
                 piece = part[off : off + _SEND_PIECE]
                 if ctx is not None:
                     ctx.authenticate_additional_data(piece)
-                _sendall(self.sock, piece, msg_type.name)
+                send_all(self.sock, piece, msg_type.name)
         if ctx is not None:
-            _sendall(self.sock, _final_tag(ctx), msg_type.name)
+            send_all(self.sock, _final_tag(ctx), msg_type.name)
 
     def tag_raw(self, raw: bytes) -> bytes:
         """For hostile tests: ``raw`` bytes (a frame, possibly malformed, lying or cut short)
@@ -373,7 +331,7 @@ class Channel:
         if self._pending is not None:
             raise ProtocolError("a frame was received before the previous payload was finished")
         try:
-            prefix, head = _recv_prefix(self.sock, self.limits, allowed, first_byte_timeout_s,
+            prefix, head = recv_prefix(self.sock, self.limits, allowed, first_byte_timeout_s,
                                         timeout_s, deadline)
             tag_len = wire.TAG_BYTES if self._in is not None else 0
             raw = bytearray(head.header_len + tag_len)
@@ -471,82 +429,3 @@ class Channel:
     def _check_usable(self) -> None:
         if self._failed:
             raise ProtocolError("the connection failed earlier and is out of sync")
-
-
-# --------------------------------------------------------------------------- handshake
-
-
-def client_handshake(sock: socket.socket, *, secret: bytes, frame_mac: bool,
-                     limits: wire.WireLimits, timeout_s: float, name: str) -> Channel:
-    """Authenticate ``sock`` as a client (HELLO, CHALLENGE, AUTH, AUTH_OK) within ``timeout_s``.
-
-    Raises:
-        AuthenticationError: the server cannot prove the secret for this handshake (other
-            secret, altered handshake), runs another ``frame_mac`` mode, or refused us.
-        PeerRequestError: the server refused otherwise (e.g. ``busy``).
-        PeerUnavailableError, ProtocolError: the connection failed or spoke garbage.
-    """
-    sock.settimeout(timeout_s)
-    deadline = time.monotonic() + timeout_s  # for the whole handshake
-    client_nonce = wire.new_nonce()
-    send_frame(sock, MsgType.HELLO, {"nonce": client_nonce.hex(), "frame_mac": frame_mac})
-    mtype, h, _ = recv_frame_head(sock, wire.AUTH_LIMITS,
-                                  allowed=[MsgType.CHALLENGE, MsgType.ERROR], deadline=deadline)
-    if mtype is MsgType.ERROR:
-        if h["code"] == "auth_failed":
-            raise AuthenticationError(f"peer {name} refused the handshake: {h['message']}")
-        raise PeerRequestError(h["code"], h["message"])
-    if h["frame_mac"] != frame_mac:
-        raise AuthenticationError(f"peer {name} runs with frame_mac={h['frame_mac']}, this "
-                                  f"client with frame_mac={frame_mac}: set PeerOptions alike")
-    keys = wire.session_keys(secret, client_nonce=client_nonce,
-                             server_nonce=bytes.fromhex(h["nonce"]), frame_mac=frame_mac)
-    if not hmac.compare_digest(keys.server_proof, bytes.fromhex(h["mac"])):
-        raise AuthenticationError(f"peer {name} failed to prove it knows our secret for this "
-                                  "handshake (secrets differ, or the handshake was altered)")
-    send_frame(sock, MsgType.AUTH, {"mac": keys.client_proof.hex()})
-    mtype, h, _ = recv_frame_head(sock, wire.AUTH_LIMITS,
-                                  allowed=[MsgType.AUTH_OK, MsgType.ERROR], deadline=deadline)
-    if mtype is MsgType.ERROR:
-        if h["code"] == "auth_failed":
-            raise AuthenticationError(f"peer {name} refused our proof (secrets differ?): "
-                                      f"{h['message']}")
-        raise PeerRequestError(h["code"], h["message"])
-    return Channel(sock, limits=limits, role="client",
-                   send_key=keys.client_key if frame_mac else None,
-                   recv_key=keys.server_key if frame_mac else None)
-
-
-def server_handshake(sock: socket.socket, *, secret: bytes, frame_mac: bool,
-                     limits: wire.WireLimits, timeout_s: float) -> Channel:
-    """Authenticate the client on ``sock`` (the server's side) within ``timeout_s``.
-
-    Before it succeeds only HELLO and AUTH frames of at most ``AUTH_LIMITS`` are accepted.
-
-    Raises:
-        AuthenticationError: the client's proof is wrong, or it asked for another
-            ``frame_mac`` mode (``ERROR auth_failed`` was sent, saying which).
-        PeerUnavailableError, ProtocolError: the connection failed or spoke garbage.
-    """
-    sock.settimeout(timeout_s)
-    deadline = time.monotonic() + timeout_s  # for the whole handshake, not each receive
-    _, hello, _ = recv_frame_head(sock, wire.AUTH_LIMITS, allowed=[MsgType.HELLO],
-                                  deadline=deadline)
-    if hello["frame_mac"] != frame_mac:
-        message = (f"frame_mac mismatch: this server runs with frame_mac={frame_mac}, the "
-                   f"client asked for frame_mac={hello['frame_mac']}")
-        send_frame(sock, MsgType.ERROR, {"code": "auth_failed", "message": message})
-        raise AuthenticationError(message)
-    client_nonce, server_nonce = bytes.fromhex(hello["nonce"]), wire.new_nonce()
-    keys = wire.session_keys(secret, client_nonce=client_nonce, server_nonce=server_nonce,
-                             frame_mac=frame_mac)
-    send_frame(sock, MsgType.CHALLENGE, {"nonce": server_nonce.hex(), "frame_mac": frame_mac,
-                                         "mac": keys.server_proof.hex()})
-    _, auth, _ = recv_frame_head(sock, wire.AUTH_LIMITS, allowed=[MsgType.AUTH], deadline=deadline)
-    if not hmac.compare_digest(keys.client_proof, bytes.fromhex(auth["mac"])):
-        send_frame(sock, MsgType.ERROR, {"code": "auth_failed", "message": "authentication failed"})
-        raise AuthenticationError("a client failed to prove it knows the secret")
-    send_frame(sock, MsgType.AUTH_OK, {})
-    return Channel(sock, limits=limits, role="server",
-                   send_key=keys.server_key if frame_mac else None,
-                   recv_key=keys.client_key if frame_mac else None)

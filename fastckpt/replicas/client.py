@@ -26,7 +26,7 @@ from fastckpt.errors import (
     PeerUnavailableError,
     ProtocolError,
 )
-from fastckpt.replicas import _batched, _channel, wire
+from fastckpt.replicas import _batched, _handshake, wire
 from fastckpt.replicas._batched import Outcome
 from fastckpt.replicas._channel import Channel
 from fastckpt.replicas._transport import PeerOptions, PeerRequestError, check_secret, tune
@@ -490,7 +490,7 @@ class PeerClient:
             raise PeerUnavailableError(f"cannot connect to peer {self.name}: {e}") from e
         try:
             tune(sock, o)
-            chan = _channel.client_handshake(sock, secret=self._secret, frame_mac=o.frame_mac,
+            chan = _handshake.client_handshake(sock, secret=self._secret, frame_mac=o.frame_mac,
                                              limits=self._limits, timeout_s=o.handshake_timeout_s,
                                              name=self.name)
             sock.settimeout(o.io_timeout_s)

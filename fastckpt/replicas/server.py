@@ -26,7 +26,7 @@ from fastckpt.errors import (
     PeerUnavailableError,
     ProtocolError,
 )
-from fastckpt.replicas import _channel, wire
+from fastckpt.replicas import _handshake, wire
 from fastckpt.replicas._channel import Channel
 from fastckpt.replicas._transport import PeerOptions, check_secret, close_gracefully, tune
 from fastckpt.replicas.ram import ChunkLocation, RamBudgetError, RamTier, StaleStepError
@@ -153,7 +153,7 @@ class PeerServer:
             if busy:
                 with contextlib.suppress(OSError, PeerError):
                     conn.settimeout(1.0)
-                    _channel.send_frame(conn, MsgType.ERROR, {"code": "busy",
+                    _handshake.send_frame(conn, MsgType.ERROR, {"code": "busy",
                                                               "message": "too many connections"})
                 conn.close()
                 continue
@@ -165,7 +165,7 @@ class PeerServer:
         try:
             tune(conn, o)
             try:
-                chan = _channel.server_handshake(
+                chan = _handshake.server_handshake(
                     conn, secret=self._secret, frame_mac=o.frame_mac, limits=self._limits,
                     timeout_s=o.handshake_timeout_s)
             except AuthenticationError:
@@ -195,7 +195,7 @@ class PeerServer:
         """An ERROR before the connection closes (tagged once the handshake is done)."""
         with contextlib.suppress(PeerError, OSError):
             if chan is None:
-                _channel.send_frame(conn, MsgType.ERROR, {"code": code, "message": message})
+                _handshake.send_frame(conn, MsgType.ERROR, {"code": code, "message": message})
             else:
                 chan.send(MsgType.ERROR, {"code": code, "message": message})
 

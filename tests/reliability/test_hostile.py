@@ -43,7 +43,8 @@ from fastckpt.errors import (
 from fastckpt.format.codec import decode_manifest, encode_manifest
 from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, Manifest
 from fastckpt.replicas import ChunkLocation, PeerClient, PeerOptions, PeerRequestError, PeerServer, RamTier, wire
-from fastckpt.replicas._channel import Channel, recv_frame_head, send_frame, server_handshake
+from fastckpt.replicas._channel import Channel
+from fastckpt.replicas._handshake import recv_frame_head, send_frame, server_handshake
 from fastckpt.replicas.wire import ERROR_CODES, MsgType
 from fastckpt.storage import LocalStore, MemoryStore
 from fastckpt.testing.wrapping import ForwardingStore

@@ -36,7 +36,7 @@ from fastckpt.errors import (
 )
 from fastckpt.options import RamOptions
 from fastckpt.replicas import PeerClient, PeerOptions, TieredChunkSource, wire
-from fastckpt.replicas._channel import server_handshake
+from fastckpt.replicas._handshake import server_handshake
 from fastckpt.replicas.wire import MsgType
 from fastckpt.storage import ByteRange, GcsOptions, GcsStore, MemoryStore, RetryingStore, RetryPolicy
 from fastckpt.testing.fault_proxy import FaultProxy

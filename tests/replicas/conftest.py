@@ -14,7 +14,8 @@ import pytest
 
 from fastckpt._checksum import crc32c
 from fastckpt.replicas import ChunkLocation, PeerOptions, PeerServer, RamTier, wire
-from fastckpt.replicas._channel import Channel, recv_frame_head, send_frame
+from fastckpt.replicas._channel import Channel
+from fastckpt.replicas._handshake import recv_frame_head, send_frame
 from fastckpt.replicas.wire import MsgType
 
 SECRET = b"test-secret-0123456789abcdef"

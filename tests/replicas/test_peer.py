@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from fastckpt._checksum import crc32c
 from fastckpt.errors import AuthenticationError, ChecksumMismatchError, ConfigError, PeerUnavailableError
 from fastckpt.replicas import PeerClient, PeerOptions, PeerRequestError, PeerServer, RamTier, wire
-from fastckpt.replicas._channel import recv_frame_head, send_frame, server_handshake
+from fastckpt.replicas._handshake import recv_frame_head, send_frame, server_handshake
 from fastckpt.replicas.wire import MsgType
 
 from .conftest import SECRET, fill, raw_handshake, seal_chunks

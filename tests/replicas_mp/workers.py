@@ -202,7 +202,8 @@ def _impostor(address: tuple[str, int], chunk_id: str) -> dict[str, Any]:
     """Handshake by hand with a proof made from the wrong secret (ignoring the server's
     proof, as an attacker would), then ask for a chunk the server holds anyway."""
     from fastckpt.replicas import wire
-    from fastckpt.replicas._channel import Channel, recv_frame_head, send_frame
+    from fastckpt.replicas._channel import Channel
+    from fastckpt.replicas._handshake import recv_frame_head, send_frame
     from fastckpt.replicas.wire import MsgType
 
     with socket.create_connection(address, timeout=5) as s:
