@@ -185,7 +185,7 @@ def _sink_raw() -> None:
 
 # =========================================================================== raw TCP
 
-_CRC_WINDOW = 4 << 20  # as the peer client's receive (fastckpt.replicas._transport)
+_CRC_WINDOW = 4 << 20  # as the peer client's receive (fastckpt.replicas._channel)
 
 
 def measure_loopback_tcp(port: int, nbytes: int, *, streams: int, reps: int, fresh: bool = False,

@@ -1,6 +1,7 @@
 """Throughput of the RAM tier and the peer layer against their raw baselines.
 
-Run ``python -m benchmarks.peer_throughput [--sizes-mib 256,1024] [--streams 1,2]``.
+Run ``python -m benchmarks.peer_throughput [--sizes-mib 256,1024] [--streams 1,2]
+[--frame-mac on,off]``.
 
 Measures, per state size (split into ``--chunk-mib`` chunks):
 
@@ -8,7 +9,9 @@ Measures, per state size (split into ``--chunk-mib`` chunks):
   into a warm destination) vs a numpy copy of the same bytes (same source, same destination);
 * peer: ``PeerClient.get_chunk`` from a ``PeerServer`` in another process (crc32c verified,
   received into a warm destination) vs raw loopback TCP (``sendall``/``recv_into``, one
-  request per stream, no framing, no checks), both with the same number of streams.
+  request per stream, no framing, no checks), both with the same number of streams; once
+  per ``--frame-mac`` setting (``on``: every frame authenticated, the default; ``off``: only
+  to see what that costs), side by side in one run.
 
 Baseline and candidate runs are interleaved (ABBA order, after one warm-up of each) and
 the ratio is the median of the per-pair ratios: on a shared, noisy machine the load drifts
@@ -34,7 +37,14 @@ from pathlib import Path
 import numpy as np
 
 from fastckpt._checksum import crc32c
-from fastckpt.replicas import ChunkLocation, PeerClient, PeerServer, RamTier, TieredChunkSource
+from fastckpt.replicas import (
+    ChunkLocation,
+    PeerClient,
+    PeerOptions,
+    PeerServer,
+    RamTier,
+    TieredChunkSource,
+)
 
 MiB = 1 << 20
 SECRET = b"benchmark-secret-0123456789"
@@ -113,12 +123,12 @@ def bench_own(
     return out
 
 
-def _spawn(args: list[str]) -> tuple[subprocess.Popen[str], int]:
+def _spawn(args: list[str]) -> tuple[subprocess.Popen[str], list[int]]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "benchmarks.peer_throughput", *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
     assert proc.stdout is not None
-    return proc, int(proc.stdout.readline())
+    return proc, [int(p) for p in proc.stdout.readline().split()]
 
 
 def _stop(proc: subprocess.Popen[str]) -> None:
@@ -167,29 +177,43 @@ def _peer_reader(
 
 
 def bench_peers(
-    root: Path, nbytes: int, chunks: dict[str, tuple[int, int, int]], dst: np.ndarray, streams_list: list[int], repeats: int
-) -> dict[int, tuple[float, float, float]]:
-    """Peer GET vs raw TCP, servers in separate processes, per stream count."""
-    peer_proc, peer_port = _spawn(["--serve-peer", str(root)])
-    raw_proc, raw_port = _spawn(["--serve-raw", str(nbytes)])
+    root: Path, nbytes: int, chunks: dict[str, tuple[int, int, int]], dst: np.ndarray,
+    streams_list: list[int], repeats: int, frame_macs: list[bool],
+) -> dict[tuple[bool, int], tuple[float, float, float]]:
+    """Peer GET vs raw TCP, servers in separate processes, per frame_mac setting and stream
+    count."""
+    raw_proc, (raw_port,) = _spawn(["--serve-raw", str(nbytes)])
+    modes = ",".join("on" if m else "off" for m in frame_macs)
+    peer_proc, peer_ports = _spawn(["--serve-peer", str(root), "--frame-mac", modes])
     out = {}
     try:
-        client = PeerClient(("127.0.0.1", peer_port), secret=SECRET)
-        for streams in streams_list:
-            raw, close = _raw_reader(raw_port, nbytes, dst, streams)
-            out[streams] = _paired(nbytes, raw, _peer_reader(client, chunks, dst, streams), repeats)
-            close()
-        client.close()
+        for frame_mac, port in zip(frame_macs, peer_ports):
+            options = PeerOptions(frame_mac=frame_mac)
+            client = PeerClient(("127.0.0.1", port), secret=SECRET, options=options)
+            for streams in streams_list:
+                raw, close = _raw_reader(raw_port, nbytes, dst, streams)
+                peer = _peer_reader(client, chunks, dst, streams)
+                out[frame_mac, streams] = _paired(nbytes, raw, peer, repeats)
+                close()
+            client.close()
     finally:
         _stop(peer_proc)
         _stop(raw_proc)
     return out
 
 
-def _serve_peer(root: str) -> None:
-    with RamTier(root, budget_bytes=1 << 40) as tier, PeerServer(tier, secret=SECRET) as server:
-        print(server.address[1], flush=True)
-        sys.stdin.read()
+def _serve_peer(root: str, frame_macs: list[bool]) -> None:
+    """Serve the tier at ``root`` once per frame_mac setting (one tier, one server each);
+    print their ports on one line, serve until stdin closes."""
+    with RamTier(root, budget_bytes=1 << 40) as tier:
+        servers = [PeerServer(tier, secret=SECRET, options=PeerOptions(frame_mac=m)).start()
+                   for m in frame_macs]
+        try:
+            print(" ".join(str(s.address[1]) for s in servers), flush=True)
+            sys.stdin.read()
+        finally:
+            for s in servers:
+                s.close()
 
 
 def _serve_raw(nbytes: int) -> None:
@@ -205,14 +229,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chunk-mib", type=int, default=16)
     p.add_argument("--repeats", type=int, default=6)
     p.add_argument("--shm", default="/dev/shm")
+    p.add_argument("--frame-mac", default="on,off",
+                   help="on, off or both (on,off): frame MACs of the peer runs")
     p.add_argument("--serve-peer", help=argparse.SUPPRESS)
     p.add_argument("--serve-raw", type=int, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    frame_macs = [{"on": True, "off": False}[x] for x in a.frame_mac.split(",")]
     if a.serve_peer:
-        return _serve_peer(a.serve_peer)
+        return _serve_peer(a.serve_peer, frame_macs)
     if a.serve_raw:
         return _serve_raw(a.serve_raw)
-    print(f"{'size':>8} {'what':<32} {'GB/s':>7} {'baseline':>9} {'ratio':>6}")
+    print(f"{'size':>8} {'what':<40} {'GB/s':>7} {'baseline':>9} {'ratio':>6}")
     for size_mib in [int(x) for x in a.sizes_mib.split(",")]:
         nbytes = size_mib * MiB
         with tempfile.TemporaryDirectory(dir=a.shm, prefix="fastckpt-bench-") as d:
@@ -221,10 +248,15 @@ def main(argv: list[str] | None = None) -> None:
             dst = np.empty(nbytes, np.uint8)
             dst[:] = 0  # pre-fault: measure bandwidth, not first-touch page faults
             for what, (base, cand, ratio) in bench_own(root, nbytes, chunks, dst, a.repeats).items():
-                print(f"{size_mib:>6}Mi {'own RAM ' + what:<32} {cand:7.2f} {base:9.2f} {ratio:6.2f}  (vs numpy copy)")
+                print(f"{size_mib:>6}Mi {'own RAM ' + what:<40} {cand:7.2f} {base:9.2f} "
+                      f"{ratio:6.2f}  (vs numpy copy)")
             streams_list = [int(x) for x in a.streams.split(",")]
-            for streams, (base, cand, ratio) in bench_peers(root, nbytes, chunks, dst, streams_list, a.repeats).items():
-                print(f"{size_mib:>6}Mi {f'peer get, {streams} stream(s)':<32} {cand:7.2f} {base:9.2f} {ratio:6.2f}  (vs raw TCP)")
+            peers = bench_peers(root, nbytes, chunks, dst, streams_list, a.repeats, frame_macs)
+            for (frame_mac, streams), (base, cand, ratio) in sorted(peers.items(),
+                                                                    key=lambda kv: kv[0][1]):
+                what = f"peer get, {streams} stream(s), mac {'on' if frame_mac else 'off'}"
+                print(f"{size_mib:>6}Mi {what:<40} {cand:7.2f} {base:9.2f} {ratio:6.2f}"
+                      "  (vs raw TCP)")
 
 if __name__ == "__main__":
     main()

@@ -35,6 +35,7 @@ Tree::
         │   └── PeersUnreachableError          at start: hosts cannot reach their peers
         ├── AuthenticationError                HMAC handshake failed
         └── ProtocolError (ValueError)         malformed or oversized peer message
+            └── FrameAuthenticationError       a frame failed its per-frame MAC
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ __all__ = [
     "DistributedError",
     "DtypeMismatchError",
     "FastckptError",
+    "FrameAuthenticationError",
     "ManifestError",
     "NoCheckpointError",
     "NotFoundError",
@@ -180,3 +182,9 @@ class AuthenticationError(PeerError):
 
 class ProtocolError(PeerError, ValueError):
     """A peer message was malformed, truncated or oversized."""
+
+
+class FrameAuthenticationError(ProtocolError):
+    """A peer frame failed verification of its MAC tag (forged, altered, replayed, reordered
+    or dropped on the way): the connection is out of sync and must be dropped; nothing the
+    frame carried may be used."""

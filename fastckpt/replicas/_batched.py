@@ -1,17 +1,17 @@
 """The batched reads of a peer client, as pure helpers: how a request list is cut into
 batches, and how a CHUNKS or RANGES reply is received and verified (``PeerClient.get_chunks``,
-``PeerClient.get_ranges``)."""
+``PeerClient.get_ranges``). An outcome is reported only once the whole reply's payload
+verified (``Channel.end_payload``)."""
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Sequence
 from typing import Any, Literal
 
 from fastckpt._checksum import crc32c_combine
 from fastckpt.errors import ConfigError, ProtocolError
 from fastckpt.replicas import wire
-from fastckpt.replicas._transport import drain, recv_into_crc
+from fastckpt.replicas._channel import Channel
 
 __all__ = ["Outcome", "batches", "check_stream", "recv_chunks", "recv_ranges"]
 
@@ -47,9 +47,10 @@ def batches(ids: Sequence[str], sizes: Sequence[int], batch_chunks: int, max_pay
     return out
 
 
-def recv_chunks(sock: socket.socket, h: dict[str, Any], plen: int, dsts: Sequence[memoryview],
+def recv_chunks(chan: Channel, h: dict[str, Any], plen: int, dsts: Sequence[memoryview],
                 expected: Sequence[int | None]) -> list[Outcome]:
-    """Receive one CHUNKS payload into ``dsts``, verifying each chunk as it arrives."""
+    """Receive one CHUNKS payload into ``dsts``, checksumming each chunk as it arrives; the
+    outcomes are returned once the payload's tag verified."""
     lengths, crcs, missing = h["lengths"], h["crcs"], h["missing"]
     n = len(dsts)
     absent = set(missing)
@@ -62,18 +63,20 @@ def recv_chunks(sock: socket.socket, h: dict[str, Any], plen: int, dsts: Sequenc
         if i in absent:
             out.append("missing")
         elif lengths[i] != dst.nbytes:
-            drain(sock, lengths[i])
+            chan.drain(lengths[i])
             out.append("corrupt")
         else:
-            got = recv_into_crc(sock, dst)
+            got = chan.recv_into(dst)
             out.append("ok" if got == crcs[i] and expected[i] in (None, got) else "corrupt")
+    chan.end_payload()
     return out
 
 
-def recv_ranges(sock: socket.socket, h: dict[str, Any], plen: int, dsts: Sequence[memoryview],
+def recv_ranges(chan: Channel, h: dict[str, Any], plen: int, dsts: Sequence[memoryview],
                 runs: Sequence[Sequence[tuple[int, int]]], expected: Sequence[int]) -> list[Outcome]:
     """Receive one RANGES payload into ``dsts``' runs; each chunk's runs must combine with
-    the checksums around them into its expected crc32c."""
+    the checksums around them into its expected crc32c; the outcomes are returned once the
+    payload's tag verified."""
     lengths, gaps, missing = h["lengths"], h["gaps"], h["missing"]
     n = len(dsts)
     absent = set(missing)
@@ -92,9 +95,10 @@ def recv_ranges(sock: socket.socket, h: dict[str, Any], plen: int, dsts: Sequenc
             continue
         whole = gaps[g]  # the bytes before the first run
         for j, (a, k) in enumerate(rs):
-            got = recv_into_crc(sock, dst[a : a + k])
+            got = chan.recv_into(dst[a : a + k])
             gap = (rs[j + 1][0] if j + 1 < len(rs) else lengths[i]) - a - k
             whole = crc32c_combine(crc32c_combine(whole, got, k), gaps[g + 1 + j], gap)
         g += len(rs) + 1
         out.append("ok" if lengths[i] == dst.nbytes and whole == expected[i] else "corrupt")
+    chan.end_payload()
     return out

@@ -1,23 +1,17 @@
-"""Shared pieces of the peer layer: options, the request error, socket helpers (internal)."""
+"""Shared pieces of the peer layer: options, the request error, socket settings (internal)."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import queue
 import socket
-import threading
 import time
-
-import crc32c as _crc32c
 
 from fastckpt.errors import ConfigError, PeerError
 from fastckpt.replicas import wire
 
 __all__ = ["PeerOptions", "PeerRequestError"]
 
-_CRC_WINDOW = 4 << 20  # received bytes are checksummed in windows that are still in cache
-_DRAIN_PIECE = 1 << 20
 _LINGER_S = 0.5  # how long a closing server connection waits for the client's EOF
 _LINGER_BYTES = 4 << 20
 
@@ -47,6 +41,16 @@ class PeerOptions:
     """SO_SNDBUF/SO_RCVBUF; None keeps the kernel's autotuning (fastest on loopback here)."""
     accept_pushes: bool = True
     """Server: accept PUT_CHUNK/PUT_MANIFEST (peers replicating into this tier)."""
+    frame_mac: bool = True
+    """Authenticate every frame after the handshake (GMAC per header and payload, see
+    :mod:`~fastckpt.replicas.wire`). Both sides must agree: the flag is part of the
+    authenticated handshake, and a mismatch fails it (``AuthenticationError``).
+
+    !!! warning
+        False exists only to measure what the MACs cost. Such a connection still starts
+        with a mutual handshake, but accepts forged, altered, replayed or injected frames
+        from anyone on the network path: a restore may then return bytes the attacker
+        chose (with crc32c that match: crc32c is no defence against a forger)."""
 
     def __post_init__(self) -> None:
         for name in ("connect_timeout_s", "handshake_timeout_s", "io_timeout_s", "idle_timeout_s"):
@@ -83,51 +87,6 @@ def tune(sock: socket.socket, options: PeerOptions) -> None:
     if options.socket_buffer_bytes is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, options.socket_buffer_bytes)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, options.socket_buffer_bytes)
-
-
-def recv_into_crc(sock: socket.socket, view: memoryview, crc: int = 0) -> int:
-    """Fill ``view`` from ``sock`` and return the crc32c of its bytes (extending ``crc``).
-
-    Windows are checksummed right after they arrive, while still in cache. For payloads of
-    more than two windows a helper thread checksums window ``i`` while window ``i + 1`` is
-    being received (both release the GIL), so on a multi-core host verification adds little
-    to the transfer time.
-    """
-    n = view.nbytes
-    if n <= 2 * _CRC_WINDOW:
-        for off in range(0, n, _CRC_WINDOW):
-            window = view[off : off + _CRC_WINDOW]
-            wire.recv_exact(sock, window)
-            crc = _crc32c.crc32c(window, crc)
-        return crc
-    windows: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
-    result = [crc]
-
-    def checksum() -> None:
-        value = crc
-        while (window := windows.get()) is not None:
-            value = _crc32c.crc32c(window, value)
-        result[0] = value
-
-    worker = threading.Thread(target=checksum, name="fastckpt-crc", daemon=True)
-    worker.start()
-    try:
-        for off in range(0, n, _CRC_WINDOW):
-            window = view[off : off + _CRC_WINDOW]
-            wire.recv_exact(sock, window)
-            windows.put(window)
-    finally:
-        windows.put(None)
-        worker.join()
-    return result[0]
-
-
-def drain(sock: socket.socket, n: int) -> None:
-    buf = memoryview(bytearray(min(n, _DRAIN_PIECE)))
-    while n:
-        k = min(n, buf.nbytes)
-        wire.recv_exact(sock, buf[:k])
-        n -= k
 
 
 def close_gracefully(sock: socket.socket) -> None:

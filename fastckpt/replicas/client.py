@@ -1,12 +1,13 @@
 """The peer client: reads chunks from and pushes chunks to one :class:`~fastckpt.replicas.PeerServer`.
 
 Synchronous and thread-safe, with a pool of authenticated connections; payloads arrive with
-``recv_into`` straight into the caller's buffer and are checksummed window by window.
+``recv_into`` straight into the caller's buffer and are checksummed (and fed to the frame's
+MAC) window by window. A call reports a chunk ``"ok"`` or returns bytes only after the
+payload's tag verified (see :mod:`~fastckpt.replicas._channel`).
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 import socket
 import threading
@@ -19,21 +20,22 @@ import crc32c as _crc32c
 import numpy as np
 
 from fastckpt.errors import (
-    AuthenticationError,
     ChecksumMismatchError,
     ConfigError,
     PeerError,
     PeerUnavailableError,
     ProtocolError,
 )
-from fastckpt.replicas import _batched, wire
+from fastckpt.replicas import _batched, _handshake, wire
 from fastckpt.replicas._batched import Outcome
-from fastckpt.replicas._transport import PeerOptions, PeerRequestError, check_secret, drain, recv_into_crc, tune
+from fastckpt.replicas._channel import Channel
+from fastckpt.replicas._transport import PeerOptions, PeerRequestError, check_secret, tune
 from fastckpt.replicas.wire import MsgType
 
 __all__ = ["PeerClient", "StepLists"]
 
 _T = TypeVar("_T")
+_Request = tuple[MsgType, dict[str, Any], bytes]
 
 
 class StepLists(NamedTuple):
@@ -45,10 +47,10 @@ class StepLists(NamedTuple):
 
 
 class _Conn:
-    __slots__ = ("replied", "sock")
+    __slots__ = ("chan", "replied")
 
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
+    def __init__(self, chan: Channel) -> None:
+        self.chan = chan
         self.replied = False
         """Whether the current request got any reply (then it must not be retried)."""
 
@@ -58,11 +60,11 @@ _CLOSING_CODES = frozenset({"too_large", "bad_request", "internal", "auth_failed
 request, or a server fault): such a connection is not reused."""
 
 
-def _early_refusal(sock: socket.socket, limits: wire.WireLimits) -> PeerRequestError | None:
+def _early_refusal(chan: Channel) -> PeerRequestError | None:
     """The ERROR frame a peer sent before closing, if one is readable now (None otherwise)."""
     try:
-        sock.settimeout(0.5)
-        mtype, h, _ = wire.recv_frame_head(sock, limits, allowed=[MsgType.ERROR], deadline=time.monotonic() + 0.5)
+        chan.sock.settimeout(0.5)
+        mtype, h, _ = chan.recv_head(allowed=[MsgType.ERROR], deadline=time.monotonic() + 0.5)
     except (PeerError, OSError):
         return None
     return PeerRequestError(h["code"], h["message"])
@@ -77,8 +79,11 @@ class PeerClient:
     request is idempotent).
 
     Errors: unreachable/timeouts/disconnects → :class:`PeerUnavailableError`; handshake
-    refused → :class:`AuthenticationError`; malformed replies → :class:`ProtocolError`;
-    ERROR replies → :class:`PeerRequestError`. A connection that saw any error is discarded.
+    refused → :class:`AuthenticationError`; malformed replies → :class:`ProtocolError`; a
+    reply that fails its tag (forged or altered on the way) →
+    :class:`~fastckpt.errors.FrameAuthenticationError` (a ``ProtocolError``); ERROR replies
+    → :class:`PeerRequestError`. A connection that saw any error other than a well-formed
+    refusal is discarded.
 
     Args:
         address: ``(host, port)`` of the server.
@@ -139,7 +144,7 @@ class PeerClient:
 
         def op(c: _Conn) -> memoryview | None:
             req = {"step": step, "chunk_id": chunk_id, "offset": 0, "length": None}
-            wire.send_frame(c.sock, MsgType.GET_CHUNK, req)
+            c.chan.send(MsgType.GET_CHUNK, req)
             mtype, h, plen = self._reply(c, MsgType.CHUNK)
             if mtype is MsgType.ERROR:
                 return None
@@ -148,11 +153,13 @@ class PeerClient:
             buf = np.empty(plen, np.uint8) if into is None else into
             dst = (buf.data if isinstance(buf, np.ndarray) else memoryview(buf)).cast("B")
             if dst.nbytes != plen:
-                drain(c.sock, plen)
+                c.chan.drain(plen)
+                c.chan.end_payload()
                 raise ChecksumMismatchError(
                     f"peer {self.name} holds chunk {chunk_id!r} with {plen} bytes, expected {dst.nbytes}"
                 )
-            got = recv_into_crc(c.sock, dst)
+            got = c.chan.recv_into(dst)
+            c.chan.end_payload()  # the bytes are authentic from here on
             if got != h["raw_crc32c"] or (expected_crc32c is not None and got != expected_crc32c):
                 raise ChecksumMismatchError(f"chunk {chunk_id!r} of step {step} from peer {self.name} is corrupt")
             return dst
@@ -194,13 +201,14 @@ class PeerClient:
         ids = [wire.check_chunk_id(cid) for cid, _, _ in items]
         dsts = [(i.data if isinstance(i, np.ndarray) else memoryview(i)).cast("B") for _, i, _ in items]
 
-        def request(lo: int, hi: int) -> bytes:
+        def request(lo: int, hi: int) -> _Request:
             payload = json.dumps(ids[lo:hi], separators=(",", ":")).encode()
-            return wire.encode_frame(MsgType.GET_CHUNKS, {"step": step, "count": hi - lo}, len(payload)) + payload
+            return MsgType.GET_CHUNKS, {"step": step, "count": hi - lo}, payload
 
         def receive(c: _Conn, lo: int, hi: int) -> list[Outcome]:
             _, h, plen = self._reply(c, MsgType.CHUNKS, missing_ok=False)
-            return _batched.recv_chunks(c.sock, h, plen, dsts[lo:hi], [e for _, _, e in items[lo:hi]])
+            expected = [e for _, _, e in items[lo:hi]]
+            return _batched.recv_chunks(c.chan, h, plen, dsts[lo:hi], expected)
 
         return self._stream(_batched.batches(ids, [d.nbytes for d in dsts], batch_chunks, self._limits.max_payload_bytes),
                             request, receive, window)
@@ -247,25 +255,27 @@ class PeerClient:
                 raise ConfigError(f"runs {rs[:4]}... of chunk {cid!r} ({dst.nbytes} bytes) are not ascending, "
                                   f"disjoint and inside it (1..{wire.MAX_BATCH_RUNS} of them)")
 
-        def request(lo: int, hi: int) -> bytes:
+        def request(lo: int, hi: int) -> _Request:
             payload = json.dumps(ids[lo:hi], separators=(",", ":")).encode()
             header = {"step": step, "count": hi - lo, "runs": [len(r) for r in runs[lo:hi]],
                       "starts": [a for r in runs[lo:hi] for a, _ in r], "stops": [a + n for r in runs[lo:hi] for a, n in r]}
-            return wire.encode_frame(MsgType.GET_RANGES, header, len(payload)) + payload
+            return MsgType.GET_RANGES, header, payload
 
         def receive(c: _Conn, lo: int, hi: int) -> list[Outcome]:
             _, h, plen = self._reply(c, MsgType.RANGES, missing_ok=False)
-            return _batched.recv_ranges(c.sock, h, plen, dsts[lo:hi], runs[lo:hi], [e for _, _, e, _ in items[lo:hi]])
+            expected = [e for _, _, e, _ in items[lo:hi]]
+            return _batched.recv_ranges(c.chan, h, plen, dsts[lo:hi], runs[lo:hi], expected)
 
         sizes = [sum(n for _, n in r) for r in runs]
         return self._stream(_batched.batches(ids, sizes, batch_chunks, self._limits.max_payload_bytes,
                                              runs=[len(r) for r in runs]), request, receive, window)
 
-    def _stream(self, batches: Sequence[tuple[int, int]], request: Callable[[int, int], bytes],
+    def _stream(self, batches: Sequence[tuple[int, int]], request: Callable[[int, int], _Request],
                 receive: Callable[[_Conn, int, int], list[Outcome]],
                 window: int) -> list[Outcome]:
         """Send the batch requests ``request(lo, hi)`` over one connection, up to ``window``
-        ahead of the replies, and collect ``receive(conn, lo, hi)`` of each in order."""
+        ahead of the replies (several frames in one send; they are numbered in that order),
+        and collect ``receive(conn, lo, hi)`` of each in order."""
 
         def op(c: _Conn) -> list[Outcome]:
             out: list[Outcome] = []
@@ -274,14 +284,11 @@ class PeerClient:
                 for b, (lo, hi) in enumerate(batches):
                     if sent <= b:
                         upto = min(len(batches), b + window)
-                        try:
-                            c.sock.sendall(b"".join(request(*batches[k]) for k in range(sent, upto)))
-                        except OSError as e:
-                            raise PeerUnavailableError(f"send to peer {self.name} failed: {e!r}") from e
+                        c.chan.send_frames(request(*batches[k]) for k in range(sent, upto))
                         sent = upto
                     out.extend(receive(c, lo, hi))
             except (PeerRequestError, ChecksumMismatchError) as e:  # replies still in flight: out of sync
-                c.sock.close()
+                c.chan.close()
                 raise PeerUnavailableError(f"peer {self.name} refused mid-stream: {e}") from e
             return out
 
@@ -340,11 +347,9 @@ class PeerClient:
         """Sorted ids of the chunks the peer holds for ``step``."""
 
         def op(c: _Conn) -> list[str]:
-            wire.send_frame(c.sock, MsgType.LIST, {"step": step})
-            _, h, plen = self._reply(c, MsgType.CHUNK_LIST, missing_ok=False)
-            raw = bytearray(plen)
-            wire.recv_exact(c.sock, memoryview(raw))
-            return wire.decode_json_list(raw, count=h["count"])
+            c.chan.send(MsgType.LIST, {"step": step})
+            _, h, _ = self._reply(c, MsgType.CHUNK_LIST, missing_ok=False)
+            return wire.decode_json_list(c.chan.recv_payload(), count=h["count"])
 
         return self._call(op)
 
@@ -352,13 +357,11 @@ class PeerClient:
         """The manifest the peer holds for ``step``, or None."""
 
         def op(c: _Conn) -> bytes | None:
-            wire.send_frame(c.sock, MsgType.GET_MANIFEST, {"step": step})
-            mtype, _, plen = self._reply(c, MsgType.MANIFEST)
+            c.chan.send(MsgType.GET_MANIFEST, {"step": step})
+            mtype, _, _ = self._reply(c, MsgType.MANIFEST)
             if mtype is MsgType.ERROR:
                 return None
-            raw = bytearray(plen)
-            wire.recv_exact(c.sock, memoryview(raw))
-            return bytes(raw)
+            return bytes(c.chan.recv_payload())
 
         return self._call(op)
 
@@ -366,7 +369,7 @@ class PeerClient:
         """Store ``data`` as the manifest of ``step`` in the peer's tier."""
 
         def op(c: _Conn) -> None:
-            wire.send_frame(c.sock, MsgType.PUT_MANIFEST, {"step": step}, [memoryview(data)])
+            c.chan.send(MsgType.PUT_MANIFEST, {"step": step}, [memoryview(data)])
             self._reply(c, MsgType.OK, missing_ok=False)
 
         self._call(op)
@@ -387,7 +390,7 @@ class PeerClient:
         """All three step lists of the peer, in one request."""
 
         def op(c: _Conn) -> StepLists:
-            wire.send_frame(c.sock, MsgType.STEPS, {})
+            c.chan.send(MsgType.STEPS, {})
             _, h, _ = self._reply(c, MsgType.STEP_LIST, missing_ok=False)
             return StepLists(sorted(h["steps"]), sorted(h["committed"]), sorted(h["manifests"]))
 
@@ -399,7 +402,7 @@ class PeerClient:
             self._closed = True
             idle, self._idle = self._idle, []
         for c in idle:
-            c.sock.close()
+            c.chan.close()
 
     def __enter__(self) -> PeerClient:
         return self
@@ -411,13 +414,13 @@ class PeerClient:
 
     def _reply(self, c: _Conn, want: MsgType, *, missing_ok: bool = True) -> tuple[MsgType, dict[str, Any], int]:
         try:  # wait for the reply to start: a stale pooled connection fails here, retryably
-            started = c.sock.recv(1, socket.MSG_PEEK)
+            started = c.chan.sock.recv(1, socket.MSG_PEEK)
         except OSError as e:
             raise PeerUnavailableError(f"peer {self.name} did not answer: {e!r}") from e
         if not started:
             raise PeerUnavailableError(f"peer {self.name} closed the connection")
         c.replied = True
-        mtype, h, plen = wire.recv_frame_head(c.sock, self._limits, allowed=[want, MsgType.ERROR])
+        mtype, h, plen = c.chan.recv_head(allowed=[want, MsgType.ERROR])
         if mtype is MsgType.ERROR:
             if h["code"] == "not_found" and missing_ok:
                 return mtype, h, plen
@@ -431,9 +434,9 @@ class PeerClient:
         right after the header) and closed, raise that refusal instead of a lost connection
         (and do not retry it)."""
         try:
-            wire.send_frame(c.sock, msg_type, header, payload)
+            c.chan.send(msg_type, header, payload)
         except PeerUnavailableError:
-            refusal = _early_refusal(c.sock, self._limits)
+            refusal = _early_refusal(c.chan)
             if refusal is None:
                 raise
             c.replied = True
@@ -445,18 +448,18 @@ class PeerClient:
             try:
                 result = op(conn)
             except PeerUnavailableError:
-                conn.sock.close()
+                conn.chan.close()
                 if reused and attempt == 0 and not conn.replied:
                     continue  # the pooled connection had gone stale (e.g. server idle timeout)
                 raise
             except PeerRequestError as e:
                 if e.code in _CLOSING_CODES:  # the server ends the connection after these
-                    conn.sock.close()
+                    conn.chan.close()
                 else:
                     self._release(conn)  # a well-formed refusal: the connection is still in sync
                 raise
             except BaseException:
-                conn.sock.close()
+                conn.chan.close()
                 raise
             self._release(conn)
             return result
@@ -477,7 +480,7 @@ class PeerClient:
             if not self._closed and len(self._idle) < self.options.pool_size:
                 self._idle.append(conn)
                 return
-        conn.sock.close()
+        conn.chan.close()
 
     def _connect(self) -> _Conn:
         o = self.options
@@ -487,30 +490,13 @@ class PeerClient:
             raise PeerUnavailableError(f"cannot connect to peer {self.name}: {e}") from e
         try:
             tune(sock, o)
-            sock.settimeout(o.handshake_timeout_s)
-            deadline = time.monotonic() + o.handshake_timeout_s  # for the whole handshake
-            client_nonce = wire.new_nonce()
-            wire.send_frame(sock, MsgType.HELLO, {"nonce": client_nonce.hex()})
-            mtype, h, _ = wire.recv_frame_head(sock, wire.AUTH_LIMITS, allowed=[MsgType.CHALLENGE, MsgType.ERROR],
-                                               deadline=deadline)
-            if mtype is MsgType.ERROR:
-                raise PeerRequestError(h["code"], h["message"])
-            server_nonce = bytes.fromhex(h["nonce"])
-            expected = wire.auth_mac(self._secret, "server", client_nonce, server_nonce)
-            if not hmac.compare_digest(expected, bytes.fromhex(h["mac"])):
-                raise AuthenticationError(f"peer {self.name} failed to prove it knows our secret (secrets differ?)")
-            proof = wire.auth_mac(self._secret, "client", client_nonce, server_nonce)
-            wire.send_frame(sock, MsgType.AUTH, {"mac": proof.hex()})
-            mtype, h, _ = wire.recv_frame_head(sock, wire.AUTH_LIMITS, allowed=[MsgType.AUTH_OK, MsgType.ERROR],
-                                               deadline=deadline)
-            if mtype is MsgType.ERROR:
-                if h["code"] == "auth_failed":
-                    raise AuthenticationError(f"peer {self.name} refused our secret")
-                raise PeerRequestError(h["code"], h["message"])
+            chan = _handshake.client_handshake(sock, secret=self._secret, frame_mac=o.frame_mac,
+                                             limits=self._limits, timeout_s=o.handshake_timeout_s,
+                                             name=self.name)
             sock.settimeout(o.io_timeout_s)
         except BaseException:
             sock.close()
             raise
         with self._lock:
             self.handshakes += 1
-        return _Conn(sock)
+        return _Conn(chan)

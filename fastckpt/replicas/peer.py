@@ -5,11 +5,21 @@ the tier's mmap and arrives with ``recv_into`` straight into the caller's buffer
 the GIL), which is what keeps a peer transfer near raw loopback TCP speed. The client API is
 synchronous and thread-safe; run it on a pool of threads for parallel streams.
 
-Security: every connection starts with a mutual HMAC-SHA256 challenge/response (see
-:mod:`fastckpt.replicas.wire`). Until it succeeds the server accepts only tiny frames and
-reveals nothing; a failed handshake is answered with ``ERROR auth_failed`` and a disconnect.
-The secret only authenticates: traffic is not encrypted, so bind to a trusted interface
-(loopback by default).
+Security (``docs/replicas.md``, "Security properties"): every connection starts with a
+mutual challenge/response over fresh nonces from both sides; the proofs and the
+connection's two frame keys (one per direction) are HMAC-SHA256 of the shared secret and a
+transcript of the whole handshake, so an altered or downgraded handshake fails. Until it
+succeeds the server accepts only tiny frames and reveals nothing. After it, every frame in
+both directions carries GMAC tags over its header and payload and its implicit sequence
+number: a frame injected, altered, replayed, reordered or dropped on the way is refused
+(:class:`~fastckpt.errors.FrameAuthenticationError` on the client, which then falls back to
+another source; an unanswered disconnect on the server, which stores nothing of it).
+
+Not provided: confidentiality (traffic is authenticated, not encrypted: anyone on the path
+reads checkpoint contents, so bind to a trusted interface; loopback by default) and
+availability (anyone on the path can drop connections). A holder of the secret is a peer,
+and can serve or push data of its choosing. ``PeerOptions(frame_mac=False)`` (both sides)
+turns the frame tags off, to measure their cost only: such connections accept forged frames.
 
 Implementation: :mod:`~fastckpt.replicas.server`, :mod:`~fastckpt.replicas.client`.
 """

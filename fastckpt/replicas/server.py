@@ -1,25 +1,34 @@
 """The peer server: serves a :class:`~fastckpt.replicas.RamTier` to authenticated peers over TCP.
 
 One thread per connection with blocking sockets: a payload leaves with ``sendall`` straight
-from the tier's mmap (GIL released), which keeps a transfer near raw loopback speed.
+from the tier's mmap (GIL released), which keeps a transfer near raw loopback speed. Every
+frame after the handshake goes through the connection's :class:`~._channel.Channel`: a
+pushed chunk is sealed, a pushed manifest stored, and an id list read only after its
+payload's tag verified.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hmac
 import json
 import logging
 import socket
 import threading
-import time
 from types import TracebackType
 from typing import Any
 
 from fastckpt._checksum import crc32c
-from fastckpt.errors import ConfigError, PeerError, PeerUnavailableError, ProtocolError
-from fastckpt.replicas import wire
-from fastckpt.replicas._transport import PeerOptions, check_secret, close_gracefully, drain, recv_into_crc, tune
+from fastckpt.errors import (
+    AuthenticationError,
+    ConfigError,
+    FrameAuthenticationError,
+    PeerError,
+    PeerUnavailableError,
+    ProtocolError,
+)
+from fastckpt.replicas import _handshake, wire
+from fastckpt.replicas._channel import Channel
+from fastckpt.replicas._transport import PeerOptions, check_secret, close_gracefully, tune
 from fastckpt.replicas.ram import ChunkLocation, RamBudgetError, RamTier, StaleStepError
 from fastckpt.replicas.wire import MsgType
 
@@ -32,8 +41,9 @@ class PeerServer:
     """Serves a :class:`RamTier` to authenticated peers over TCP. Thread per connection.
 
     A misbehaving or failing client only ever loses its own connection: malformed frames get
-    ``ERROR bad_request``/``too_large`` and a disconnect; the accept loop and other clients
-    carry on.
+    ``ERROR bad_request``/``too_large`` and a disconnect; a frame that fails its tag
+    (``options.frame_mac``) is not answered at all, the connection is dropped and counted in
+    ``stats["frame_auth_failures"]``; the accept loop and other clients carry on.
 
     Args:
         tier: The tier served (and written by PUT requests when ``options.accept_pushes``).
@@ -65,12 +75,14 @@ class PeerServer:
         self.stats: dict[str, int] = {
             "connections": 0,
             "auth_failures": 0,
+            "frame_auth_failures": 0,
             "protocol_errors": 0,
             "requests": 0,
             "bytes_sent": 0,
             "bytes_received": 0,
         }
-        """Counters (connections accepted, auth failures, protocol errors, requests, bytes)."""
+        """Counters (connections accepted, failed handshakes, frames that failed their tag,
+        other protocol errors, requests, bytes)."""
 
     @property
     def address(self) -> tuple[str, int]:
@@ -141,61 +153,62 @@ class PeerServer:
             if busy:
                 with contextlib.suppress(OSError, PeerError):
                     conn.settimeout(1.0)
-                    wire.send_frame(conn, MsgType.ERROR, {"code": "busy", "message": "too many connections"})
+                    _handshake.send_frame(conn, MsgType.ERROR, {"code": "busy",
+                                                              "message": "too many connections"})
                 conn.close()
                 continue
             threading.Thread(target=self._serve, args=(conn,), name="fastckpt-peer-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        chan: Channel | None = None
+        o = self.options
         try:
-            tune(conn, self.options)
-            if self._handshake(conn):
-                while not self._closed.is_set() and self._handle_one(conn):
-                    pass
+            tune(conn, o)
+            try:
+                chan = _handshake.server_handshake(
+                    conn, secret=self._secret, frame_mac=o.frame_mac, limits=self._limits,
+                    timeout_s=o.handshake_timeout_s)
+            except AuthenticationError:
+                self._count("auth_failures")
+                return
+            conn.settimeout(o.io_timeout_s)
+            while not self._closed.is_set() and self._handle_one(chan):
+                pass
+        except FrameAuthenticationError:
+            self._count("frame_auth_failures")  # dropped unanswered: the stream is untrustworthy
         except ProtocolError as e:
             self._count("protocol_errors")
             code = "too_large" if isinstance(e, wire.FrameTooLargeError) else "bad_request"
-            with contextlib.suppress(PeerError, OSError):
-                wire.send_frame(conn, MsgType.ERROR, {"code": code, "message": str(e)[:200]})
+            self._last_word(conn, chan, code, str(e)[:200])
         except (PeerUnavailableError, OSError):
             pass  # the client went away or stalled
         except Exception:  # a bug must cost one connection, never the server
             _log.exception("peer connection failed")
-            with contextlib.suppress(PeerError, OSError):
-                wire.send_frame(conn, MsgType.ERROR, {"code": "internal", "message": "internal error"})
+            self._last_word(conn, chan, "internal", "internal error")
         finally:
             with self._lock:
                 self._conns.discard(conn)
             close_gracefully(conn)
 
-    def _handshake(self, conn: socket.socket) -> bool:
-        t = self.options.handshake_timeout_s
-        conn.settimeout(t)
-        deadline = time.monotonic() + t  # for the whole handshake, not each receive
-        _, hello, _ = wire.recv_frame_head(conn, wire.AUTH_LIMITS, allowed=[MsgType.HELLO], deadline=deadline)
-        client_nonce, server_nonce = bytes.fromhex(hello["nonce"]), wire.new_nonce()
-        proof = wire.auth_mac(self._secret, "server", client_nonce, server_nonce)
-        wire.send_frame(conn, MsgType.CHALLENGE, {"nonce": server_nonce.hex(), "mac": proof.hex()})
-        _, auth, _ = wire.recv_frame_head(conn, wire.AUTH_LIMITS, allowed=[MsgType.AUTH], deadline=deadline)
-        expected = wire.auth_mac(self._secret, "client", client_nonce, server_nonce)
-        if not hmac.compare_digest(expected, bytes.fromhex(auth["mac"])):
-            self._count("auth_failures")
-            wire.send_frame(conn, MsgType.ERROR, {"code": "auth_failed", "message": "authentication failed"})
-            return False
-        wire.send_frame(conn, MsgType.AUTH_OK, {})
+    @staticmethod
+    def _last_word(conn: socket.socket, chan: Channel | None, code: str, message: str) -> None:
+        """An ERROR before the connection closes (tagged once the handshake is done)."""
+        with contextlib.suppress(PeerError, OSError):
+            if chan is None:
+                _handshake.send_frame(conn, MsgType.ERROR, {"code": code, "message": message})
+            else:
+                chan.send(MsgType.ERROR, {"code": code, "message": message})
+
+    def _error(self, chan: Channel, code: str, message: str) -> bool:
+        chan.send(MsgType.ERROR, {"code": code, "message": message[:1000]})
         return True
 
-    def _error(self, conn: socket.socket, code: str, message: str) -> bool:
-        wire.send_frame(conn, MsgType.ERROR, {"code": code, "message": message[:1000]})
-        return True
-
-    def _handle_one(self, conn: socket.socket) -> bool:
+    def _handle_one(self, chan: Channel) -> bool:
         """Serve one request; False ends the connection (the client closed it)."""
         o = self.options
         try:
-            mtype, h, plen = wire.recv_frame_head(
-                conn, self._limits, first_byte_timeout_s=o.idle_timeout_s, timeout_s=o.io_timeout_s
-            )
+            mtype, h, plen = chan.recv_head(first_byte_timeout_s=o.idle_timeout_s,
+                                            timeout_s=o.io_timeout_s)
         except PeerUnavailableError:
             return False
         self._count("requests")
@@ -203,58 +216,58 @@ class PeerServer:
         if mtype is MsgType.GET_CHUNK:
             hit = tier.read_chunk(h["step"], h["chunk_id"])
             if hit is None:
-                return self._error(conn, "not_found", f"no chunk {h['chunk_id']!r} of step {h['step']}")
+                return self._error(chan, "not_found",
+                                   f"no chunk {h['chunk_id']!r} of step {h['step']}")
             view, loc = hit
             start = h["offset"]
             stop = loc.length if h["length"] is None else start + h["length"]
             if start > loc.length or stop > loc.length:
-                return self._error(conn, "bad_request", f"range {start}:{stop} outside a {loc.length}-byte chunk")
+                return self._error(chan, "bad_request",
+                                   f"range {start}:{stop} outside a {loc.length}-byte chunk")
             header = {"raw_crc32c": loc.raw_crc32c, "chunk_length": loc.length, "offset": start}
-            wire.send_frame(conn, MsgType.CHUNK, header, [view[start:stop]])
+            chan.send(MsgType.CHUNK, header, [view[start:stop]])
             self._count("bytes_sent", stop - start)
         elif mtype is MsgType.GET_CHUNKS:
-            return self._get_chunks(conn, h, plen)
+            return self._get_chunks(chan, h, plen)
         elif mtype is MsgType.GET_RANGES:
-            return self._get_ranges(conn, h, plen)
+            return self._get_ranges(chan, h, plen)
         elif mtype is MsgType.PUT_CHUNK:
-            return self._put_chunk(conn, h, plen)
+            return self._put_chunk(chan, h, plen)
         elif mtype is MsgType.PUT_CHUNKS:
-            return self._put_chunks(conn, h, plen)
+            return self._put_chunks(chan, h, plen)
         elif mtype is MsgType.LIST:
             ids = tier.chunk_ids(h["step"])
             payload = json.dumps(ids, separators=(",", ":")).encode()
-            wire.send_frame(conn, MsgType.CHUNK_LIST, {"count": len(ids)}, [payload])
+            chan.send(MsgType.CHUNK_LIST, {"count": len(ids)}, [payload])
         elif mtype is MsgType.GET_MANIFEST:
             data = tier.get_manifest(h["step"])
             if data is None:
-                return self._error(conn, "not_found", f"no manifest for step {h['step']}")
-            wire.send_frame(conn, MsgType.MANIFEST, {}, [data])
+                return self._error(chan, "not_found", f"no manifest for step {h['step']}")
+            chan.send(MsgType.MANIFEST, {}, [data])
         elif mtype is MsgType.PUT_MANIFEST:
+            received = chan.recv_payload()  # verified before it is stored, or refused
             if not o.accept_pushes:
-                drain(conn, plen)
-                return self._error(conn, "bad_request", "this peer does not accept pushes")
-            received = bytearray(plen)
-            wire.recv_exact(conn, memoryview(received))
+                return self._error(chan, "bad_request", "this peer does not accept pushes")
             try:
                 tier.put_manifest(h["step"], bytes(received))
             except StaleStepError as e:
-                return self._error(conn, "stale_step", str(e))
+                return self._error(chan, "stale_step", str(e))
             except RamBudgetError as e:
-                return self._error(conn, "budget", str(e))
-            wire.send_frame(conn, MsgType.OK, {"stored": True})
+                return self._error(chan, "budget", str(e))
+            chan.send(MsgType.OK, {"stored": True})
         elif mtype is MsgType.STEPS:
-            wire.send_frame(conn, MsgType.STEP_LIST, {"steps": tier.steps(), "committed": tier.committed_steps(),
-                                                      "manifests": tier.manifest_steps()})
+            chan.send(MsgType.STEP_LIST, {"steps": tier.steps(), "committed": tier.committed_steps(),
+                                          "manifests": tier.manifest_steps()})
         else:
             raise ProtocolError(f"{mtype.name} is not a request")
         return True
 
-    def _get_chunks(self, conn: socket.socket, h: dict[str, Any], plen: int) -> bool:
+    def _get_chunks(self, chan: Channel, h: dict[str, Any], plen: int) -> bool:
         """Answer a batch of whole-chunk reads with one CHUNKS frame (held chunks back to back)."""
         count = h["count"]
         if not 0 < count <= wire.MAX_BATCH_CHUNKS or plen > wire.max_id_list_bytes(count):
             raise ProtocolError(f"GET_CHUNKS: {count} chunks in a {plen}-byte id list")
-        ids = self._recv_ids(conn, plen, count, "GET_CHUNKS")
+        ids = self._recv_ids(chan, plen, count, "GET_CHUNKS")
         views: list[memoryview] = []
         lengths, crcs, missing = [0] * count, [0] * count, []
         for i, cid in enumerate(ids):
@@ -265,9 +278,10 @@ class PeerServer:
             view, loc = hit
             views.append(view)
             lengths[i], crcs[i] = loc.length, loc.raw_crc32c
-        return self._send_batch(conn, MsgType.CHUNKS, {"lengths": lengths, "crcs": crcs, "missing": missing}, views)
+        header = {"lengths": lengths, "crcs": crcs, "missing": missing}
+        return self._send_batch(chan, MsgType.CHUNKS, header, views)
 
-    def _get_ranges(self, conn: socket.socket, h: dict[str, Any], plen: int) -> bool:
+    def _get_ranges(self, chan: Channel, h: dict[str, Any], plen: int) -> bool:
         """Answer a batch of ranged chunk reads with one RANGES frame: each held chunk's
         ranges, and the crc32c of its bytes around them, so that the client checks what it
         receives against the whole chunk's checksum (``crc32c_combine``) while only the
@@ -277,7 +291,7 @@ class PeerServer:
                 or 0 in runs or len(starts) > wire.MAX_BATCH_RUNS or sum(runs) != len(starts) or len(stops) != len(starts)):
             raise ProtocolError(f"GET_RANGES: {count} chunks, {sum(runs)} runs, {len(starts)} starts, "
                                 f"{len(stops)} stops in a {plen}-byte id list")
-        ids = self._recv_ids(conn, plen, count, "GET_RANGES")
+        ids = self._recv_ids(chan, plen, count, "GET_RANGES")
         views: list[memoryview] = []
         lengths, gaps, missing = [0] * count, [], []
         j = 0
@@ -293,52 +307,52 @@ class PeerServer:
             bounds = [0, *(x for span in spans for x in span), loc.length]
             gaps.extend(crc32c(view[a:b]) for a, b in zip(bounds[::2], bounds[1::2]))  # before, between, after
             views.extend(view[a:b] for a, b in spans)
-        return self._send_batch(conn, MsgType.RANGES, {"lengths": lengths, "gaps": gaps, "missing": missing}, views)
+        header = {"lengths": lengths, "gaps": gaps, "missing": missing}
+        return self._send_batch(chan, MsgType.RANGES, header, views)
 
     @staticmethod
-    def _recv_ids(conn: socket.socket, plen: int, count: int, what: str) -> list[str]:
+    def _recv_ids(chan: Channel, plen: int, count: int, what: str) -> list[str]:
         """The id list of a batch request (``count`` distinct chunk ids in ``plen`` bytes)."""
-        raw = bytearray(plen)
-        wire.recv_exact(conn, memoryview(raw))
-        return wire.decode_id_batch(raw, count=count, what=what)
+        return wire.decode_id_batch(chan.recv_payload(), count=count, what=what)
 
-    def _send_batch(self, conn: socket.socket, msg_type: MsgType, header: dict[str, Any],
+    def _send_batch(self, chan: Channel, msg_type: MsgType, header: dict[str, Any],
                     views: list[memoryview]) -> bool:
         """Send a batch reply carrying ``views`` back to back, or ``too_large`` when they
         exceed the payload limit (the client then asks for fewer at a time)."""
         total = sum(v.nbytes for v in views)
         if total > self._limits.max_payload_bytes:
-            return self._error(conn, "too_large", f"a {msg_type.name} reply of {total} bytes exceeds the payload "
-                                                  f"limit of {self._limits.max_payload_bytes}")
-        wire.send_frame(conn, msg_type, header, views)
+            return self._error(chan, "too_large", f"a {msg_type.name} reply of {total} bytes exceeds "
+                                                  f"the payload limit of {self._limits.max_payload_bytes}")
+        chan.send(msg_type, header, views)
         self._count("bytes_sent", total)
         return True
 
-    def _put_chunk(self, conn: socket.socket, h: dict[str, Any], plen: int) -> bool:
+    def _put_chunk(self, chan: Channel, h: dict[str, Any], plen: int) -> bool:
         step, cid, crc = h["step"], h["chunk_id"], h["raw_crc32c"]
         tier = self._tier
         if not self.options.accept_pushes:
-            drain(conn, plen)
-            return self._error(conn, "bad_request", "this peer does not accept pushes")
+            self._skip(chan, plen)
+            return self._error(chan, "bad_request", "this peer does not accept pushes")
         if tier.has_chunk(step, cid, length=plen, raw_crc32c=crc):
-            drain(conn, plen)
-            wire.send_frame(conn, MsgType.OK, {"stored": False})
+            self._skip(chan, plen)
+            chan.send(MsgType.OK, {"stored": False})
             return True
         try:
             seg = tier.allocate(step, plen)
         except (StaleStepError, RamBudgetError) as e:
-            drain(conn, plen)
-            return self._error(conn, "stale_step" if isinstance(e, StaleStepError) else "budget", str(e))
+            self._skip(chan, plen)
+            return self._error(chan, _refusal_code(e), str(e))
         with seg:  # discarded unless sealed
-            got = recv_into_crc(conn, seg.buffer.data)
+            got = chan.recv_into(seg.buffer.data)
+            chan.end_payload()  # authentic before it is sealed
             self._count("bytes_received", plen)
             if got != crc:
-                return self._error(conn, "checksum_mismatch", f"chunk {cid!r} arrived corrupt")
+                return self._error(chan, "checksum_mismatch", f"chunk {cid!r} arrived corrupt")
             tier.seal(step, seg, {cid: ChunkLocation(0, plen, crc)})
-        wire.send_frame(conn, MsgType.OK, {"stored": True})
+        chan.send(MsgType.OK, {"stored": True})
         return True
 
-    def _put_chunks(self, conn: socket.socket, h: dict[str, Any], plen: int) -> bool:
+    def _put_chunks(self, chan: Channel, h: dict[str, Any], plen: int) -> bool:
         """Receive several chunks into one new segment; all are sealed together, or none."""
         step, count, ids_len, lengths, crcs = h["step"], h["count"], h["ids_len"], h["lengths"], h["crcs"]
         if not 0 < count == len(lengths) == len(crcs) <= wire.MAX_BATCH_CHUNKS or ids_len + sum(lengths) != plen:
@@ -346,30 +360,46 @@ class PeerServer:
                                 f"{ids_len} + {sum(lengths)} bytes != payload {plen}")
         if ids_len > wire.max_id_list_bytes(count):
             raise ProtocolError(f"PUT_CHUNKS: {ids_len}-byte id list for {count} chunks")
-        raw = bytearray(ids_len)
-        wire.recv_exact(conn, memoryview(raw))
-        ids = wire.decode_distinct_ids(raw, count=count, what="PUT_CHUNKS")
+        raw = chan.recv_bytes(ids_len)  # the id list: decoded once the payload verified
         total = plen - ids_len
         if not self.options.accept_pushes:
-            drain(conn, total)
-            return self._error(conn, "bad_request", "this peer does not accept pushes")
+            self._skip(chan, total)
+            return self._error(chan, "bad_request", "this peer does not accept pushes")
         try:
             seg = self._tier.allocate(step, total)
         except (StaleStepError, RamBudgetError) as e:
-            drain(conn, total)
-            return self._error(conn, "stale_step" if isinstance(e, StaleStepError) else "budget", str(e))
+            self._skip(chan, total)
+            return self._error(chan, _refusal_code(e), str(e))
         with seg:  # discarded unless sealed
+            got, off = [], 0
+            for n in lengths:
+                got.append(chan.recv_into(seg.buffer[off : off + n].data))
+                off += n
+            chan.end_payload()  # authentic before anything is decoded, sealed or answered
+            ids = wire.decode_distinct_ids(raw, count=count, what="PUT_CHUNKS")
             index: dict[str, ChunkLocation] = {}
             bad: list[str] = []
             off = 0
-            for cid, n, crc in zip(ids, lengths, crcs):
-                if recv_into_crc(conn, seg.buffer[off : off + n].data) != crc:
+            for cid, n, crc, g in zip(ids, lengths, crcs, got):
+                if g != crc:
                     bad.append(cid)
                 index[cid] = ChunkLocation(off, n, crc)
                 off += n
             self._count("bytes_received", total)
             if bad:
-                return self._error(conn, "checksum_mismatch", f"{len(bad)} chunks arrived corrupt, e.g. {bad[0]!r}")
+                return self._error(chan, "checksum_mismatch",
+                                   f"{len(bad)} chunks arrived corrupt, e.g. {bad[0]!r}")
             self._tier.seal(step, seg, index)
-        wire.send_frame(conn, MsgType.OK, {"stored": True})
+        chan.send(MsgType.OK, {"stored": True})
         return True
+
+    @staticmethod
+    def _skip(chan: Channel, rest: int) -> None:
+        """Skip the ``rest`` of a refused request's payload, verifying its tag (a forged
+        request gets no answer at all)."""
+        chan.drain(rest)
+        chan.end_payload()
+
+
+def _refusal_code(e: Exception) -> str:
+    return "stale_step" if isinstance(e, StaleStepError) else "budget"

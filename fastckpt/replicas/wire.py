@@ -1,22 +1,37 @@
-"""The peer wire protocol: length-prefixed binary frames with a strict JSON header. No pickle.
+"""The peer wire protocol (version 2): length-prefixed binary frames with a strict JSON
+header, authenticated frame by frame. No pickle. Pure: no sockets here (``_channel`` moves
+frames).
 
 A frame is::
 
-    prefix   20 bytes, big-endian: magic b"FCKP" | version u8 | type u8 | flags u16 (= 0)
-                                   | header_len u32 | payload_len u64
-    header   header_len bytes of UTF-8 JSON: one object whose keys are exactly the fields
-             of the message type (see ``SCHEMAS``), no duplicates, no extras
-    payload  payload_len raw bytes (only message types in ``PAYLOAD_TYPES`` may carry one)
+    prefix      20 bytes, big-endian: magic b"FCKP" | version u8 | type u8 | flags u16 (= 0)
+                                      | header_len u32 | payload_len u64
+    header      header_len bytes of UTF-8 JSON: one object whose keys are exactly the fields
+                of the message type (see ``SCHEMAS``), no duplicates, no extras
+    header tag  16 bytes (after the handshake, with ``frame_mac``)
+    payload     payload_len raw bytes (only message types in ``PAYLOAD_TYPES`` may carry one)
+    payload tag 16 bytes (after the handshake, with ``frame_mac``, if payload_len > 0)
 
 Decoding is strict and bounded: a wrong magic, an unknown version, type or flag, a header or
 payload over the receiver's :class:`WireLimits`, invalid UTF-8/JSON, a missing, extra or
 ill-typed field, or a frame cut short all raise :class:`~fastckpt.errors.ProtocolError`, and
-nothing else (the fuzz tests hold the decoder to this). The socket helpers translate OS and
-timeout errors into :class:`~fastckpt.errors.PeerUnavailableError`.
+nothing else (the fuzz tests hold the decoder to this).
 
-Authentication (mutual, per connection) is a challenge/response over fresh 32-byte nonces
-from both sides with HMAC-SHA256 under a shared secret; see :func:`auth_mac` and
-``docs/replicas.md``.
+Handshake (mutual, per connection): HELLO (client nonce, ``frame_mac``), CHALLENGE (server
+nonce, ``frame_mac``, server proof), AUTH (client proof), AUTH_OK. :func:`session_keys`
+derives both proofs and one frame key per direction from the shared secret and a transcript
+of every field exchanged (both nonces, the protocol version, the ``frame_mac`` flag), so an
+altered or downgraded handshake fails and no two connections share a key.
+
+Frame tags (GMAC: AES-256-GCM with an empty plaintext, the input as associated data), under
+the sending direction's key, for the ``seq``-th frame that direction sent after AUTH_OK
+(from 0; implicit, never sent)::
+
+    header tag   nonce = u32 HEADER_TAG | u64 seq;  input = direction u8 | u64 seq | prefix | header
+    payload tag  nonce = u32 PAYLOAD_TAG | u64 seq; input = u64 seq | header tag | payload
+
+Each (key, nonce) pair is used once. A frame injected, altered, replayed (on its connection
+or another), reordered or dropped fails its own tag or the next frame's.
 """
 
 from __future__ import annotations
@@ -27,13 +42,11 @@ import hashlib
 import hmac
 import json
 import secrets
-import socket
 import struct
-import time
 from collections.abc import Iterable, Mapping
-from typing import Any, Literal
+from typing import Any
 
-from fastckpt.errors import ConfigError, PeerUnavailableError, ProtocolError
+from fastckpt.errors import ConfigError, ProtocolError
 
 __all__ = [
     "AUTH_LIMITS",
@@ -49,8 +62,9 @@ __all__ = [
     "FramePrefix",
     "FrameTooLargeError",
     "MsgType",
+    "SessionKeys",
+    "TAG_BYTES",
     "WireLimits",
-    "auth_mac",
     "check_chunk_id",
     "decode_frame",
     "decode_distinct_ids",
@@ -59,16 +73,17 @@ __all__ = [
     "decode_json_list",
     "decode_prefix",
     "encode_frame",
+    "header_tag_input",
     "max_id_list_bytes",
     "new_nonce",
-    "recv_exact",
-    "recv_frame_head",
-    "send_frame",
+    "payload_tag_prefix",
+    "session_keys",
     "spans_fit",
+    "tag_nonce",
 ]
 
 MAGIC = b"FCKP"
-VERSION = 1
+VERSION = 2
 #: magic, version, type, flags, header_len, payload_len.
 PREFIX = struct.Struct(">4sBBHIQ")
 NONCE_BYTES = 32
@@ -79,17 +94,27 @@ MAX_BATCH_CHUNKS = 1024
 #: Most byte ranges one GET_RANGES may ask for, over all its chunks (the same reason).
 MAX_BATCH_RUNS = 1024
 _U63 = (1 << 63) - 1
-_SEND_PIECE = 64 << 20  # a payload is sent in pieces so the socket timeout bounds a stall
-_AUTH_DOMAIN = b"fastckpt-peer-auth-v1\x00"
+_KDF_DOMAIN = b"fastckpt-peer-v2\x00"
+#: Bytes of a frame tag (GMAC).
+TAG_BYTES = 16
+#: The first 4 bytes of a tag's GCM nonce: which tag of the frame it is.
+HEADER_TAG = 1
+PAYLOAD_TAG = 2
+#: The direction byte of a header tag's input.
+CLIENT_TO_SERVER = 0
+SERVER_TO_CLIENT = 1
+_NONCE = struct.Struct(">IQ")
+_SEQ = struct.Struct(">Q")
 
 
 class MsgType(enum.IntEnum):
     """Message types. Requests are sent by clients, the rest by servers."""
 
     HELLO = 1
-    """Client → server: ``nonce`` (client nonce)."""
+    """Client → server: ``nonce`` (client nonce), ``frame_mac`` (the client's mode)."""
     CHALLENGE = 2
-    """Server → client: ``nonce`` (server nonce), ``mac`` (server proof)."""
+    """Server → client: ``nonce`` (server nonce), ``frame_mac`` (the server's mode), ``mac``
+    (server proof)."""
     AUTH = 3
     """Client → server: ``mac`` (client proof)."""
     AUTH_OK = 4
@@ -122,8 +147,8 @@ class MsgType(enum.IntEnum):
 #: Field kinds: "u63" int in [0, 2**63), "u32", "str" (chunk id), "msg" (short text),
 #: "nonce"/"mac" (64 hex chars), "u63?" (u63 or null), "u63[]"/"u32[]" (lists), "bool".
 SCHEMAS: Mapping[MsgType, Mapping[str, str]] = {
-    MsgType.HELLO: {"nonce": "nonce"},
-    MsgType.CHALLENGE: {"nonce": "nonce", "mac": "mac"},
+    MsgType.HELLO: {"nonce": "nonce", "frame_mac": "bool"},
+    MsgType.CHALLENGE: {"nonce": "nonce", "frame_mac": "bool", "mac": "mac"},
     MsgType.AUTH: {"mac": "mac"},
     MsgType.AUTH_OK: {},
     MsgType.GET_CHUNK: {"step": "u63", "chunk_id": "str", "offset": "u63", "length": "u63?"},
@@ -211,14 +236,64 @@ def new_nonce() -> bytes:
     return secrets.token_bytes(NONCE_BYTES)
 
 
-def auth_mac(secret: bytes, role: Literal["server", "client"], client_nonce: bytes, server_nonce: bytes) -> bytes:
-    """HMAC-SHA256 proof that ``role`` knows ``secret`` for this pair of nonces.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SessionKeys:
+    """What :func:`session_keys` derives for one connection (32 bytes each)."""
 
-    The role is part of the MAC input, so a server proof can never be reflected back as a
-    client proof; both nonces are, so a proof is only valid on the connection it was made for.
+    server_proof: bytes
+    """CHALLENGE's ``mac``: the server knows the secret and saw this transcript."""
+    client_proof: bytes
+    """AUTH's ``mac``: the client knows the secret and saw this transcript."""
+    client_key: bytes
+    """AES-256 key of the client → server frame tags."""
+    server_key: bytes
+    """AES-256 key of the server → client frame tags."""
+
+
+def session_keys(secret: bytes, *, client_nonce: bytes, server_nonce: bytes,
+                 frame_mac: bool) -> SessionKeys:
+    """The handshake proofs and frame keys of one connection (HMAC-SHA256, distinct labels)::
+
+        transcript = "fastckpt-peer-v2" 0x00 | VERSION u8 | frame_mac u8 | Nc (32) | Ns (32)
+        master     = HMAC(secret, transcript)
+        each value = HMAC(master, its label)
+
+    Every input has a fixed length, so no two transcripts collide. Each side uses its own
+    ``frame_mac`` setting and the nonces it sent and received: if anything in the handshake
+    was altered (a nonce, a flag, the version), the proofs differ and the handshake fails.
+    The role labels stop a proof from being reflected, and fresh nonces from both sides stop
+    a recorded proof or key from being valid on another connection.
+
+    Raises:
+        ProtocolError: a nonce is not ``NONCE_BYTES`` long.
     """
-    msg = _AUTH_DOMAIN + role.encode() + b"\x00" + client_nonce + server_nonce
-    return hmac.new(secret, msg, hashlib.sha256).digest()
+    if len(client_nonce) != NONCE_BYTES or len(server_nonce) != NONCE_BYTES:
+        raise ProtocolError(f"handshake nonces must be {NONCE_BYTES} bytes")
+    transcript = _KDF_DOMAIN + bytes([VERSION, int(bool(frame_mac))]) + client_nonce + server_nonce
+    master = hmac.new(secret, transcript, hashlib.sha256).digest()
+
+    def label(name: bytes) -> bytes:
+        return hmac.new(master, name, hashlib.sha256).digest()
+
+    return SessionKeys(server_proof=label(b"server proof"), client_proof=label(b"client proof"),
+                       client_key=label(b"client->server frame key"),
+                       server_key=label(b"server->client frame key"))
+
+
+def tag_nonce(part: int, seq: int) -> bytes:
+    """The 12-byte GCM nonce of tag ``part`` (``HEADER_TAG``/``PAYLOAD_TAG``) of frame ``seq``."""
+    return _NONCE.pack(part, seq)
+
+
+def header_tag_input(direction: int, seq: int, head: bytes | bytearray) -> bytes:
+    """What a header tag authenticates: direction, frame number, ``head`` (prefix + header)."""
+    return bytes([direction]) + _SEQ.pack(seq) + head
+
+
+def payload_tag_prefix(seq: int, header_tag: bytes | bytearray) -> bytes:
+    """What a payload tag authenticates before the payload: the frame number and its header's
+    tag (which binds the payload to that header)."""
+    return _SEQ.pack(seq) + bytes(header_tag)
 
 
 def spans_fit(spans: Iterable[tuple[int, int]], length: int) -> bool:
@@ -388,104 +463,3 @@ def decode_frame(data: bytes | bytearray | memoryview, limits: WireLimits) -> Fr
     elif prefix.type is MsgType.GET_CHUNKS:
         decode_id_batch(payload, count=header["count"])
     return Frame(prefix.type, header, payload)
-
-
-# --------------------------------------------------------------------------- socket helpers
-
-
-def recv_exact(sock: socket.socket, view: memoryview, *, deadline: float | None = None) -> None:
-    """Fill ``view`` from ``sock``; with ``deadline`` (``time.monotonic()``), by then at the
-    latest (the socket timeout bounds each receive; a deadline bounds them all: a peer that
-    trickles a byte at a time cannot stretch the wait).
-
-    Raises:
-        PeerUnavailableError: the peer closed the connection early, or a receive failed or
-            stalled past the socket timeout or the deadline.
-    """
-    pos, n = 0, view.nbytes
-    try:
-        while pos < n:
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise PeerUnavailableError(f"receive timed out after {pos} of {n} bytes (deadline)")
-                sock.settimeout(left)
-            got = sock.recv_into(view[pos:], n - pos)
-            if not got:
-                raise PeerUnavailableError(f"connection closed by peer after {pos} of {n} bytes")
-            pos += got
-    except OSError as e:  # socket.timeout is an OSError
-        raise PeerUnavailableError(f"receive failed after {pos} of {n} bytes: {e!r}") from e
-
-
-def recv_frame_head(
-    sock: socket.socket,
-    limits: WireLimits,
-    *,
-    allowed: Iterable[MsgType] | None = None,
-    first_byte_timeout_s: float | None = None,
-    timeout_s: float | None = None,
-    deadline: float | None = None,
-) -> tuple[MsgType, dict[str, Any], int]:
-    """Receive a frame's prefix and header; leave its payload on the socket.
-
-    Args:
-        sock: A connected blocking socket.
-        limits: Bounds checked before the header and payload are read.
-        allowed: If given, message types outside it raise ``ProtocolError``.
-        first_byte_timeout_s: Timeout for the wait until the frame starts (e.g. the idle
-            timeout between requests); ``timeout_s`` applies to everything after.
-        timeout_s: Timeout for every later receive (None: leave the socket's timeout).
-        deadline: ``time.monotonic()`` by which the whole prefix and header must have
-            arrived (overrides the timeouts; e.g. an authentication handshake's).
-
-    Returns:
-        ``(type, header, payload_len)``; the caller must consume ``payload_len`` bytes next.
-    """
-    prefix = bytearray(PREFIX.size)
-    view = memoryview(prefix)
-    if first_byte_timeout_s is not None:
-        sock.settimeout(first_byte_timeout_s)
-        recv_exact(sock, view[:1], deadline=deadline)
-        view = view[1:]
-    if timeout_s is not None:
-        sock.settimeout(timeout_s)
-    recv_exact(sock, view, deadline=deadline)
-    head = decode_prefix(prefix, limits)
-    if allowed is not None and head.type not in set(allowed):
-        raise ProtocolError(f"unexpected message {head.type.name}")
-    raw = bytearray(head.header_len)
-    recv_exact(sock, memoryview(raw), deadline=deadline)
-    return head.type, decode_header(head.type, raw), head.payload_len
-
-
-def send_frame(
-    sock: socket.socket,
-    msg_type: MsgType,
-    header: Mapping[str, Any],
-    payload: Iterable[memoryview | bytes] = (),
-    *,
-    payload_len: int | None = None,
-) -> None:
-    """Send one frame; ``payload`` parts are sent straight from their buffers (no joins).
-
-    ``payload_len`` defaults to the total size of the parts. Large parts are sent in pieces
-    so the socket timeout bounds a stall, not the whole transfer.
-
-    Raises:
-        PeerUnavailableError: a send failed or stalled past the socket timeout.
-    """
-    parts = [memoryview(p).cast("B") for p in payload]
-    total = sum(p.nbytes for p in parts) if payload_len is None else payload_len
-    head = encode_frame(msg_type, header, total)
-    try:
-        if parts and parts[0].nbytes <= 64 << 10:
-            sock.sendall(head + bytes(parts[0]))  # small frames leave in one segment
-            parts = parts[1:]
-        else:
-            sock.sendall(head)
-        for part in parts:
-            for off in range(0, part.nbytes, _SEND_PIECE):
-                sock.sendall(part[off : off + _SEND_PIECE])
-    except OSError as e:
-        raise PeerUnavailableError(f"send of {msg_type.name} failed: {e!r}") from e

@@ -15,7 +15,6 @@ import itertools
 import json
 import random
 import shutil
-import socket
 import threading
 import uuid
 from collections.abc import Iterator
@@ -31,15 +30,19 @@ from fastckpt.errors import (
     ChecksumMismatchError,
     CorruptionError,
     FastckptError,
+    FrameAuthenticationError,
     ManifestError,
     NoCheckpointError,
+    PeerUnavailableError,
 )
 from fastckpt.options import RamOptions
-from fastckpt.replicas import PeerClient, PeerOptions, PeerServer, RamTier, TieredChunkSource, wire
+from fastckpt._checksum import crc32c
+from fastckpt.replicas import PeerClient, PeerOptions, PeerServer, RamTier, TieredChunkSource
 from fastckpt.replicas.wire import MsgType
 from fastckpt.storage import GcsOptions, GcsStore, LocalStore, MemoryStore, RetryingStore, RetryPolicy, Store
 from fastckpt.testing.fault_proxy import FaultProxy
 from fastckpt.testing.gcs_emulator import GcsEmulator
+from fastckpt.testing.peer_relay import PeerRelay, RelayedFrame, forge_crc32c
 
 from ._util import BUCKET, Recorder, trial_count
 
@@ -340,88 +343,58 @@ def test_latest_ram_step_corrupt_falls_back_to_the_previous_ram_step(tmp_path: P
 # ----------------------------------------------------------------------------- peer wire
 
 
-class FlippingRelay:
-    """A TCP man-in-the-middle between a PeerClient and a PeerServer.
+class FlippingRelay(PeerRelay):
+    """A man-in-the-middle between a PeerClient and a PeerServer (no secret: it cannot tag).
 
-    Client -> server bytes and server -> client bytes are relayed frame by frame; a frame of a
-    type in ``types`` (in the chosen direction) gets one byte XOR-ed with ``probability``, at a
-    random position of the payload (``where="payload"``) or of the whole frame
-    (``where="anywhere"``: prefix, JSON header or payload).
+    A frame of a type in ``types`` (in the chosen direction) gets one byte XOR-ed with
+    ``probability``, at a random position of the payload (``where="payload"``) or of the whole
+    frame (``where="anywhere"``: prefix, JSON header, tags or payload). With ``forge``, a
+    payload flip inside a chunk of a CHUNK/CHUNKS reply also patches 4 bytes of that chunk so
+    its crc32c still matches the header's (only the frame's MAC can tell).
     """
 
     def __init__(self, upstream: tuple[str, int], *, seed: int, direction: str = "down",
                  types: frozenset[MsgType] = frozenset({MsgType.CHUNK, MsgType.CHUNKS}), probability: float = 1.0,
-                 where: str = "payload") -> None:
-        self.upstream = upstream
+                 where: str = "payload", forge: bool = False) -> None:
         self.rng = random.Random(seed)
-        self.direction, self.types, self.probability, self.where = direction, types, probability, where
-        self.flips: dict[str, int] = {"prefix": 0, "header": 0, "payload": 0}
-        self._lock = threading.Lock()
-        self._socks: list[socket.socket] = []
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self._closed = False
-        threading.Thread(target=self._accept, daemon=True).start()
+        self.direction, self.types, self.probability, self.where, self.forge = direction, types, probability, where, forge
+        self.flips: dict[str, int] = {"prefix": 0, "header": 0, "tag": 0, "payload": 0, "forged": 0}
+        self._flip_lock = threading.Lock()
+        super().__init__(upstream, tamper=self._flip)
 
-    @property
-    def address(self) -> tuple[str, int]:
-        return self._listener.getsockname()[:2]
+    def _flip(self, f: RelayedFrame) -> list[bytes]:
+        if f.direction != self.direction or f.type not in self.types:
+            return [f.raw]
+        with self._flip_lock:
+            if self.rng.random() >= self.probability:
+                return [f.raw]
+            frame = bytearray(f.raw)
+            lo = len(f.prefix) + len(f.header) + len(f.header_tag)
+            if self.where == "payload" and f.payload:
+                pos = self.rng.randrange(lo, lo + len(f.payload))
+            else:
+                pos = self.rng.randrange(0, len(frame))
+            frame[pos] ^= self.rng.randrange(1, 256)
+            part = ("prefix" if pos < len(f.prefix) else "header" if pos < len(f.prefix) + len(f.header)
+                    else "payload" if lo <= pos < lo + len(f.payload) else "tag")
+            self.flips[part] += 1
+            if part == "payload" and self.forge:
+                self._forge(f, frame, lo, pos - lo)
+        return [bytes(frame)]
 
-    def close(self) -> None:
-        self._closed = True
-        self._listener.close()
-        for s in self._socks:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
+    def _forge(self, f: RelayedFrame, frame: bytearray, lo: int, at: int) -> None:
+        """Restore the crc32c of the chunk holding payload byte ``at`` (4 other bytes of it)."""
+        lengths = f.json()["lengths"] if f.type is MsgType.CHUNKS else [len(f.payload)]
+        start = 0
+        for n in lengths:
+            if start <= at < start + n and n >= 8:
+                fix = start if at >= start + 4 else start + n - 4
+                chunk = bytearray(frame[lo + start : lo + start + n])
+                forge_crc32c(chunk, fix - start, crc32c(f.payload[start : start + n]))
+                frame[lo + start : lo + start + n] = chunk
+                self.flips["forged"] += 1
                 return
-            server = socket.create_connection(self.upstream, timeout=10)
-            self._socks += [client, server]
-            threading.Thread(target=self._pump, args=(server, client, self.direction == "down"), daemon=True).start()
-            threading.Thread(target=self._pump, args=(client, server, self.direction == "up"), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, tamper: bool) -> None:
-        try:
-            while True:
-                prefix = _recv(src, wire.PREFIX.size)
-                if prefix is None:
-                    break
-                _, _, mtype, _, hlen, plen = wire.PREFIX.unpack(prefix)
-                frame = bytearray(prefix + (_recv(src, hlen + plen) or b""))
-                if tamper and mtype in self.types:
-                    with self._lock:
-                        if self.rng.random() < self.probability:
-                            lo = wire.PREFIX.size + hlen if self.where == "payload" and plen else 0
-                            pos = self.rng.randrange(lo, len(frame))
-                            frame[pos] ^= self.rng.randrange(1, 256)
-                            part = "prefix" if pos < wire.PREFIX.size else "header" if pos < wire.PREFIX.size + hlen else "payload"
-                            self.flips[part] += 1
-                dst.sendall(frame)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-
-def _recv(sock: socket.socket, n: int) -> bytes | None:
-    buf = bytearray()
-    while len(buf) < n:
-        got = sock.recv(n - len(buf))
-        if not got:
-            return None
-        buf += got
-    return bytes(buf)
+            start += n
 
 
 @pytest.fixture
@@ -443,11 +416,11 @@ def served_step(tmp_path: Path, shm: Path) -> Iterator[tuple[str, dict[str, Any]
 def test_peer_wire_corruption_falls_back_to_storage(served_step: Any, recorder: Recorder) -> None:
     root, host, server, _ = served_step
     outcomes: dict[str, int] = {}
-    flips = {"prefix": 0, "header": 0, "payload": 0}
+    flips = {"prefix": 0, "header": 0, "tag": 0, "payload": 0, "forged": 0}
     fallbacks: dict[str, int] = {}
     for t in range(trial_count(12, scale=0.5)):
         where = "payload" if t % 3 else "anywhere"
-        relay = FlippingRelay(server.address, seed=t, probability=0.3, where=where)
+        relay = FlippingRelay(server.address, seed=t, probability=0.3, where=where, forge=t % 2 == 1)
         try:
             source = TieredChunkSource(None, [PeerClient(relay.address, secret=SECRET, options=FAST, name="mitm")])
             with CheckpointManager(root, options=OPTIONS, chunk_source=source) as mgr:
@@ -460,24 +433,42 @@ def test_peer_wire_corruption_falls_back_to_storage(served_step: Any, recorder: 
             flips[k] += v
         for reason, n in source.stats().fallbacks.items():
             fallbacks[reason] = fallbacks.get(reason, 0) + n
-        if relay.flips["payload"]:
-            assert source.stats().fallbacks.get("corrupt", 0) >= 1 and stats.chunks_by_tier.get("storage", 0) >= 1
-    assert flips["payload"] > 0 and fallbacks.get("corrupt", 0) > 0
+        if relay.flips["payload"]:  # the frame's MAC refuses it (crc32c may have been forged to match)
+            assert source.stats().fallbacks.get("protocol", 0) >= 1 and stats.chunks_by_tier.get("storage", 0) >= 1
+    assert flips["payload"] > 0 and flips["forged"] > 0 and fallbacks.get("protocol", 0) > 0
     recorder.add("corruption_peer_wire", trials=sum(outcomes.values()), bytes_flipped_by_part=flips,
                  source_fallbacks=fallbacks, outcomes=outcomes, wrong_data=0)
 
 
 def test_peer_wire_corruption_without_fallback_is_a_typed_error(served_step: Any) -> None:
     _, _, server, tier = served_step
+    cid, loc = next((c, loc) for c, loc in tier.iter_chunks(1) if loc.length)
     relay = FlippingRelay(server.address, seed=5, probability=1.0)
     try:
         with PeerClient(relay.address, secret=SECRET, options=FAST) as client:
-            cid, loc = next((c, loc) for c, loc in tier.iter_chunks(1) if loc.length)
-            with pytest.raises(ChecksumMismatchError, match="corrupt") as info:
+            with pytest.raises(FrameAuthenticationError, match="CHUNK frame 0 payload"):
                 client.get_chunk(1, cid, expected_crc32c=loc.raw_crc32c)
-            assert repr(cid) in str(info.value) and "step 1" in str(info.value)
     finally:
         relay.close()
+    # Without frame MACs (a benchmark setting) the crc32c still catches a random flip...
+    plain = dataclasses.replace(FAST, frame_mac=False)
+    with PeerServer(tier, secret=SECRET, options=plain).start() as unmac:
+        relay = FlippingRelay(unmac.address, seed=5, probability=1.0)
+        try:
+            with PeerClient(relay.address, secret=SECRET, options=plain) as client:
+                with pytest.raises(ChecksumMismatchError, match="corrupt") as info:
+                    client.get_chunk(1, cid, expected_crc32c=loc.raw_crc32c)
+                assert repr(cid) in str(info.value) and "step 1" in str(info.value)
+        finally:
+            relay.close()
+        # ...but not a forger, who keeps it matching: that is what the MACs are for.
+        relay = FlippingRelay(unmac.address, seed=5, probability=1.0, forge=True)
+        try:
+            with PeerClient(relay.address, secret=SECRET, options=plain) as client:
+                got = client.get_chunk(1, cid, expected_crc32c=loc.raw_crc32c)
+                assert got is not None and bytes(got) != bytes(tier.get_chunk(1, cid))  # type: ignore[arg-type]
+        finally:
+            relay.close()
 
 
 def test_pushed_chunk_corrupted_on_the_wire_is_refused(served_step: Any) -> None:
@@ -486,12 +477,12 @@ def test_pushed_chunk_corrupted_on_the_wire_is_refused(served_step: Any) -> None
     data = np.random.default_rng(0).bytes(50_000)
     try:
         with PeerClient(relay.address, secret=SECRET, options=FAST) as client:
-            with pytest.raises(ChecksumMismatchError):
+            with pytest.raises(PeerUnavailableError):  # the server drops it unanswered
                 client.push_chunk(1, "pushed@0:1", data)
     finally:
         relay.close()
     assert not tier.has_chunk(1, "pushed@0:1")
-    assert relay.flips["payload"] == 1
+    assert relay.flips["payload"] == 1 and server.stats["frame_auth_failures"] == 1
     with PeerClient(server.address, secret=SECRET, options=FAST) as client:  # the direct path works
         assert client.push_chunk(1, "pushed@0:1", data) is True
         assert bytes(client.get_chunk(1, "pushed@0:1")) == data  # type: ignore[arg-type]

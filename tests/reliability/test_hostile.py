@@ -34,6 +34,7 @@ from fastckpt.errors import (
     ConfigError,
     CorruptionError,
     FastckptError,
+    FrameAuthenticationError,
     ManifestError,
     PeerError,
     PeerUnavailableError,
@@ -42,6 +43,8 @@ from fastckpt.errors import (
 from fastckpt.format.codec import decode_manifest, encode_manifest
 from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, Manifest
 from fastckpt.replicas import ChunkLocation, PeerClient, PeerOptions, PeerRequestError, PeerServer, RamTier, wire
+from fastckpt.replicas._channel import Channel
+from fastckpt.replicas._handshake import recv_frame_head, send_frame, server_handshake
 from fastckpt.replicas.wire import ERROR_CODES, MsgType
 from fastckpt.storage import LocalStore, MemoryStore
 from fastckpt.testing.wrapping import ForwardingStore
@@ -258,22 +261,30 @@ def _expected(tier: RamTier, cid: str) -> bytes:
     return bytes(hit[0])
 
 
-def _raw_auth(address: tuple[str, int], secret: bytes = SECRET) -> socket.socket:
+def _raw_auth(address: tuple[str, int], secret: bytes = SECRET) -> Channel:
+    """An authenticated connection of a client with the secret (it sends raw bytes with
+    ``chan.sock``, tagged as the server expects with ``chan.tag_raw``)."""
     s = socket.create_connection(address, timeout=5)
     cn = wire.new_nonce()
-    wire.send_frame(s, MsgType.HELLO, {"nonce": cn.hex()})
-    _, h, _ = wire.recv_frame_head(s, wire.AUTH_LIMITS)
-    wire.send_frame(s, MsgType.AUTH, {"mac": wire.auth_mac(secret, "client", cn, bytes.fromhex(h["nonce"])).hex()})
-    t, _, _ = wire.recv_frame_head(s, wire.AUTH_LIMITS)
+    send_frame(s, MsgType.HELLO, {"nonce": cn.hex(), "frame_mac": True})
+    _, h, _ = recv_frame_head(s, wire.AUTH_LIMITS)
+    keys = wire.session_keys(secret, client_nonce=cn, server_nonce=bytes.fromhex(h["nonce"]), frame_mac=True)
+    send_frame(s, MsgType.AUTH, {"mac": keys.client_proof.hex()})
+    t, _, _ = recv_frame_head(s, wire.AUTH_LIMITS)
     assert t is MsgType.AUTH_OK
-    return s
+    return Channel(s, limits=wire.WireLimits(max_payload_bytes=1 << 30), role="client", send_key=keys.client_key,
+                   recv_key=keys.server_key)
 
 
-def _answer(s: socket.socket, timeout_s: float = 5.0) -> tuple[str, Any]:
+def _answer(s: socket.socket | Channel, timeout_s: float = 5.0) -> tuple[str, Any]:
     """What the server did: ("error", code), ("reply", type), ("closed", None). Bounded."""
-    s.settimeout(timeout_s)
+    sock = s.sock if isinstance(s, Channel) else s
+    sock.settimeout(timeout_s)
     try:
-        t, h, plen = wire.recv_frame_head(s, wire.WireLimits(max_payload_bytes=1 << 30))
+        if isinstance(s, Channel):
+            t, h, plen = s.recv_head()
+        else:
+            t, h, plen = recv_frame_head(s, wire.WireLimits(max_payload_bytes=1 << 30))
     except PeerUnavailableError as e:
         if "timed out" in str(e):
             raise AssertionError("the server neither answered nor closed") from e
@@ -324,8 +335,12 @@ def test_generated_frames_get_typed_answers_and_the_server_keeps_serving(
 ) -> None:
     s = _raw_auth(server.address) if authenticated else socket.create_connection(server.address, timeout=5)
     try:
-        s.sendall(frame)
-        s.shutdown(socket.SHUT_WR)  # a truncated frame ends here
+        if isinstance(s, Channel):  # tagged as from a client with the secret: the parser is under test
+            s.sock.sendall(s.tag_raw(frame))
+            s.sock.shutdown(socket.SHUT_WR)  # a truncated frame ends here
+        else:
+            s.sendall(frame)
+            s.shutdown(socket.SHUT_WR)
         what, detail = _answer(s)
     finally:
         s.close()
@@ -357,7 +372,8 @@ SCRIPTED: dict[str, tuple[bool, Callable[[], bytes], tuple[str, Any]]] = {
     "server_only_type": (True, lambda: _frame(MsgType.CHUNK, {"raw_crc32c": 0, "chunk_length": 0, "offset": 0}),
                          ("error", "bad_request")),
     "second_auth_replayed": (True, lambda: _frame(MsgType.AUTH, {"mac": "0" * 64}), ("error", "bad_request")),
-    "hello_again": (True, lambda: _frame(MsgType.HELLO, {"nonce": _nonce_hex()}), ("error", "bad_request")),
+    "hello_again": (True, lambda: _frame(MsgType.HELLO, {"nonce": _nonce_hex(), "frame_mac": True}),
+                    ("error", "bad_request")),
     "range_outside_chunk": (True, lambda: _frame(MsgType.GET_CHUNK, {"step": 1, "chunk_id": "a", "offset": 59_999,
                                                                      "length": 2}), ("error", "bad_request")),
     "chunk_id_too_long": (True, lambda: _frame(MsgType.GET_CHUNK, {"step": 1, "chunk_id": "x" * (wire.MAX_CHUNK_ID_CHARS + 1),
@@ -375,8 +391,8 @@ SCRIPTED: dict[str, tuple[bool, Callable[[], bytes], tuple[str, Any]]] = {
                           ("error", "too_large")),
     "payload_over_limit": (True, lambda: wire.PREFIX.pack(wire.MAGIC, wire.VERSION, MsgType.PUT_CHUNK, 0, 2,
                                                           FAST.max_payload_bytes + 1) + b"{}", ("error", "too_large")),
-    "missing_secret": (False, lambda: _frame(MsgType.HELLO, {"nonce": _nonce_hex()}) + _frame(MsgType.AUTH, {"mac": ""}),
-                       ("reply", MsgType.CHALLENGE)),
+    "missing_secret": (False, lambda: _frame(MsgType.HELLO, {"nonce": _nonce_hex(), "frame_mac": True})
+                       + _frame(MsgType.AUTH, {"mac": ""}), ("reply", MsgType.CHALLENGE)),
     "request_before_auth": (False, lambda: _frame(MsgType.STEPS, {}), ("error", "bad_request")),
     "deep_json_header": (True, lambda: wire.PREFIX.pack(wire.MAGIC, wire.VERSION, MsgType.LIST, 0, 60_000, 0)
                          + b"[" * 30_000 + b"]" * 30_000, ("error", "bad_request")),
@@ -390,7 +406,10 @@ def test_scripted_hostile_requests(server: PeerServer, tier: RamTier, good: Peer
     handshakes = good.handshakes
     s = _raw_auth(server.address) if authenticate else socket.create_connection(server.address, timeout=5)
     try:
-        s.sendall(make())
+        if isinstance(s, Channel):
+            s.sock.sendall(s.tag_raw(make()))
+        else:
+            s.sendall(make())
         got = _answer(s)
         if name == "missing_secret":  # the CHALLENGE first, then the refusal of an empty MAC
             got = _answer(s)
@@ -440,10 +459,12 @@ def test_slowloris_connections_are_dropped_and_service_resumes(tier: RamTier) ->
 
 class LyingServer:
     """Completes a genuine handshake (it knows the secret), then answers the first request
-    with ``reply(request_type, header) -> bytes`` and hangs up (or, for None, says nothing)."""
+    with ``reply(request_type, header) -> bytes`` (tagged as from a server with the secret,
+    unless ``tag`` is False: a forger on the path) and hangs up (or, for None, says nothing)."""
 
-    def __init__(self, reply: Callable[[MsgType, dict[str, Any]], bytes | None], *, secret: bytes = SECRET) -> None:
-        self.reply, self.secret = reply, secret
+    def __init__(self, reply: Callable[[MsgType, dict[str, Any]], bytes | None], *, secret: bytes = SECRET,
+                 tag: bool = True) -> None:
+        self.reply, self.secret, self.tag = reply, secret, tag
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.address = self.listener.getsockname()[:2]
         self._socks: list[socket.socket] = []
@@ -461,21 +482,15 @@ class LyingServer:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
-            conn.settimeout(10)
-            _, hello, _ = wire.recv_frame_head(conn, wire.AUTH_LIMITS)
-            cn, sn = bytes.fromhex(hello["nonce"]), wire.new_nonce()
-            wire.send_frame(conn, MsgType.CHALLENGE, {"nonce": sn.hex(),
-                                                      "mac": wire.auth_mac(self.secret, "server", cn, sn).hex()})
-            wire.recv_frame_head(conn, wire.AUTH_LIMITS)
-            wire.send_frame(conn, MsgType.AUTH_OK, {})
-            t, h, plen = wire.recv_frame_head(conn, wire.WireLimits())
+            chan = server_handshake(conn, secret=self.secret, frame_mac=True, limits=wire.WireLimits(), timeout_s=10)
+            t, h, plen = chan.recv_head()
             if plen:
-                wire.recv_exact(conn, memoryview(bytearray(plen)))
+                chan.recv_payload()
             out = self.reply(t, h)
             if out is None:
                 self._stop.wait(30)  # say nothing (until closed)
                 return
-            conn.sendall(out)  # one answer per connection, then hang up
+            conn.sendall(chan.tag_raw(out) if self.tag else out)  # one answer per connection, then hang up
         except (PeerError, OSError):
             pass
         finally:
@@ -499,6 +514,8 @@ def _chunk(header: dict[str, Any], payload: bytes, declared: int | None = None) 
 
 _GOOD_HEADER = {"raw_crc32c": crc32c(_DATA), "chunk_length": _DATA.nbytes, "offset": 0}
 LIES: dict[str, tuple[Callable[[MsgType, dict[str, Any]], bytes | None], type[BaseException]]] = {
+    # a frame right in every way but its tags, which the liar leaves out (run untagged below)
+    "untagged_forgery": (lambda t, h: _chunk(_GOOD_HEADER, _DATA.tobytes()), FrameAuthenticationError),
     "garbage": (lambda t, h: os.urandom(64), ProtocolError),
     "wrong_crc": (lambda t, h: _chunk({**_GOOD_HEADER, "raw_crc32c": 1}, _DATA.tobytes()), ChecksumMismatchError),
     "length_mismatch": (lambda t, h: _chunk({**_GOOD_HEADER, "chunk_length": 10}, _DATA.tobytes()), ProtocolError),
@@ -517,7 +534,7 @@ LIES: dict[str, tuple[Callable[[MsgType, dict[str, Any]], bytes | None], type[Ba
 @pytest.mark.parametrize("lie", sorted(LIES))
 def test_client_against_a_lying_server_fails_typed_and_bounded(lie: str, recorder: Recorder) -> None:
     reply, error = LIES[lie]
-    srv = LyingServer(reply)
+    srv = LyingServer(reply, tag=lie != "untagged_forgery")
     try:
         into = np.zeros(_DATA.nbytes, np.uint8)
         t0 = time.monotonic()

@@ -36,6 +36,7 @@ from fastckpt.errors import (
 )
 from fastckpt.options import RamOptions
 from fastckpt.replicas import PeerClient, PeerOptions, TieredChunkSource, wire
+from fastckpt.replicas._handshake import server_handshake
 from fastckpt.replicas.wire import MsgType
 from fastckpt.storage import ByteRange, GcsOptions, GcsStore, MemoryStore, RetryingStore, RetryPolicy
 from fastckpt.testing.fault_proxy import FaultProxy
@@ -173,19 +174,17 @@ class StallingPeer:
         try:
             conn.settimeout(10)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            _, hello, _ = wire.recv_frame_head(conn, wire.AUTH_LIMITS)
-            cn, sn = bytes.fromhex(hello["nonce"]), wire.new_nonce()
-            wire.send_frame(conn, MsgType.CHALLENGE, {"nonce": sn.hex(), "mac": wire.auth_mac(SECRET, "server", cn, sn).hex()})
-            wire.recv_frame_head(conn, wire.AUTH_LIMITS)
-            wire.send_frame(conn, MsgType.AUTH_OK, {})
+            chan = server_handshake(conn, secret=SECRET, frame_mac=True, limits=wire.WireLimits(), timeout_s=10)
             if self.mode != "read":
-                t, h, _ = wire.recv_frame_head(conn, wire.WireLimits())
-                if self.mode == "payload" and t is MsgType.GET_CHUNK:
+                t, h, plen = chan.recv_head()
+                if plen:
+                    chan.recv_payload()
+                if self.mode == "payload" and t is MsgType.GET_CHUNK:  # half the payload, then nothing
                     head = wire.encode_frame(MsgType.CHUNK, {"raw_crc32c": 0, "chunk_length": 1 << 20, "offset": 0}, 1 << 20)
-                    conn.sendall(head + b"\0" * (1 << 19))
+                    conn.sendall(chan.tag_raw(head + b"\0" * (1 << 19)))
                 elif self.mode == "payload" and t is MsgType.GET_CHUNKS:
                     head = wire.encode_frame(MsgType.CHUNKS, {"lengths": [1 << 20], "crcs": [0], "missing": []}, 1 << 20)
-                    conn.sendall(head + b"\0" * (1 << 19))
+                    conn.sendall(chan.tag_raw(head + b"\0" * (1 << 19)))
             self.stop.wait(60)
         except Exception:
             pass

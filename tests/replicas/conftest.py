@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import socket
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -12,9 +13,30 @@ import numpy as np
 import pytest
 
 from fastckpt._checksum import crc32c
-from fastckpt.replicas import ChunkLocation, PeerOptions, PeerServer, RamTier
+from fastckpt.replicas import ChunkLocation, PeerOptions, PeerServer, RamTier, wire
+from fastckpt.replicas._channel import Channel
+from fastckpt.replicas._handshake import recv_frame_head, send_frame
+from fastckpt.replicas.wire import MsgType
 
 SECRET = b"test-secret-0123456789abcdef"
+
+
+def raw_handshake(addr: tuple[str, int], secret: bytes = SECRET, nonce: bytes | None = None, *,
+                  frame_mac: bool = True) -> tuple[Channel, MsgType, dict, bytes]:  # type: ignore[type-arg]
+    """Handshake by hand, sending AUTH whatever the server proved (a client with ``secret``):
+    returns (a channel with the keys ``secret`` derives, reply type, reply header, server
+    nonce). Send raw bytes with ``chan.sock``, tagged frames with ``chan.encode``/``tag_raw``."""
+    s = socket.create_connection(addr, timeout=5)
+    cn = nonce or wire.new_nonce()
+    send_frame(s, MsgType.HELLO, {"nonce": cn.hex(), "frame_mac": frame_mac})
+    _, h, _ = recv_frame_head(s, wire.AUTH_LIMITS)
+    sn = bytes.fromhex(h["nonce"])
+    keys = wire.session_keys(secret, client_nonce=cn, server_nonce=sn, frame_mac=frame_mac)
+    send_frame(s, MsgType.AUTH, {"mac": keys.client_proof.hex()})
+    t, h, _ = recv_frame_head(s, wire.AUTH_LIMITS)
+    chan = Channel(s, limits=wire.WireLimits(), role="client", send_key=keys.client_key if frame_mac else None,
+                   recv_key=keys.server_key if frame_mac else None)
+    return chan, t, h, sn
 
 
 @pytest.fixture

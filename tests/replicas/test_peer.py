@@ -18,25 +18,14 @@ from hypothesis import strategies as st
 from fastckpt._checksum import crc32c
 from fastckpt.errors import AuthenticationError, ChecksumMismatchError, ConfigError, PeerUnavailableError
 from fastckpt.replicas import PeerClient, PeerOptions, PeerRequestError, PeerServer, RamTier, wire
+from fastckpt.replicas._handshake import recv_frame_head, send_frame, server_handshake
 from fastckpt.replicas.wire import MsgType
 
-from .conftest import SECRET, fill, seal_chunks
+from .conftest import SECRET, fill, raw_handshake, seal_chunks
 
 MakeTier = Callable[..., RamTier]
 MakeServer = Callable[..., PeerServer]
 FAST = PeerOptions(connect_timeout_s=2, handshake_timeout_s=1, io_timeout_s=2)
-
-
-def raw_handshake(addr: tuple[str, int], secret: bytes = SECRET, nonce: bytes | None = None) -> tuple[socket.socket, MsgType, dict, bytes]:  # type: ignore[type-arg]
-    """Handshake by hand; returns (socket, reply type, reply header, server nonce)."""
-    s = socket.create_connection(addr, timeout=5)
-    cn = nonce or wire.new_nonce()
-    wire.send_frame(s, MsgType.HELLO, {"nonce": cn.hex()})
-    _, h, _ = wire.recv_frame_head(s, wire.AUTH_LIMITS)
-    sn = bytes.fromhex(h["nonce"])
-    wire.send_frame(s, MsgType.AUTH, {"mac": wire.auth_mac(secret, "client", cn, sn).hex()})
-    t, h, _ = wire.recv_frame_head(s, wire.AUTH_LIMITS)
-    return s, t, h, sn
 
 
 def read_to_eof(s: socket.socket) -> bytes:
@@ -50,11 +39,11 @@ def assert_refused(server: PeerServer, msg_type: MsgType, cases: list[tuple[dict
     """Each ``(header, payload)`` request, sent on its own authenticated connection, gets a
     ``bad_request`` ERROR and the connection closed."""
     for header, payload in cases:
-        s, t, _, _ = raw_handshake(server.address)
+        chan, t, _, _ = raw_handshake(server.address)
         assert t is MsgType.AUTH_OK
-        s.sendall(wire.encode_frame(msg_type, header, len(payload)) + payload)
-        reply = read_to_eof(s)
-        s.close()
+        chan.sock.sendall(chan.tag_raw(wire.encode_frame(msg_type, header, len(payload)) + payload))
+        reply = read_to_eof(chan.sock)
+        chan.close()
         assert b'"bad_request"' in reply, (header, reply[:200])
 
 
@@ -146,11 +135,11 @@ def test_wrong_secret_gets_nothing(served) -> None:  # type: ignore[no-untyped-d
     _, server, _ = served
     with pytest.raises(AuthenticationError):
         PeerClient(server.address, secret=b"wrong-secret-0123456789", options=FAST).get_chunk(1, "a")
-    s, t, h, _ = raw_handshake(server.address, secret=b"wrong-secret-0123456789")
+    chan, t, h, _ = raw_handshake(server.address, secret=b"wrong-secret-0123456789")
     assert (t, h["code"]) == (MsgType.ERROR, "auth_failed")
-    s.sendall(wire.encode_frame(MsgType.GET_CHUNK, {"step": 1, "chunk_id": "a", "offset": 0, "length": None}))
-    assert read_to_eof(s) == b""  # disconnected; the request was never served
-    s.close()
+    chan.sock.sendall(chan.encode(MsgType.GET_CHUNK, {"step": 1, "chunk_id": "a", "offset": 0, "length": None}))
+    assert read_to_eof(chan.sock) == b""  # disconnected; the request was never served
+    chan.close()
     # The PeerClient gave up on the server's proof before answering; the raw one was refused.
     assert server.stats["auth_failures"] == 1 and server.stats["bytes_sent"] == 0
 
@@ -165,7 +154,7 @@ def test_request_before_auth_is_refused(served) -> None:  # type: ignore[no-unty
     _, server, _ = served
     s = socket.create_connection(server.address, timeout=5)
     s.sendall(wire.encode_frame(MsgType.GET_CHUNK, {"step": 1, "chunk_id": "a", "offset": 0, "length": None}))
-    t, h, _ = wire.recv_frame_head(s, wire.AUTH_LIMITS)
+    t, h, _ = recv_frame_head(s, wire.AUTH_LIMITS)
     assert (t, h["code"]) == (MsgType.ERROR, "bad_request")
     assert read_to_eof(s) == b""
     s.close()
@@ -178,24 +167,24 @@ def test_replayed_and_reflected_proofs_are_refused(served) -> None:  # type: ign
     s1, t1, _, sn1 = raw_handshake(server.address, nonce=nonce)
     assert t1 is MsgType.AUTH_OK
     s1.close()
-    recorded = wire.auth_mac(SECRET, "client", nonce, sn1)
+    keys = wire.session_keys(SECRET, client_nonce=nonce, server_nonce=sn1, frame_mac=True)
     # ...and replays the same HELLO and AUTH: the server's fresh nonce makes the proof stale.
-    for proof in (recorded, wire.auth_mac(SECRET, "server", nonce, sn1)):
+    for proof in (keys.client_proof, keys.server_proof):
         s = socket.create_connection(server.address, timeout=5)
-        wire.send_frame(s, MsgType.HELLO, {"nonce": nonce.hex()})
-        _, h, _ = wire.recv_frame_head(s, wire.AUTH_LIMITS)
+        send_frame(s, MsgType.HELLO, {"nonce": nonce.hex(), "frame_mac": True})
+        _, h, _ = recv_frame_head(s, wire.AUTH_LIMITS)
         assert bytes.fromhex(h["nonce"]) != sn1
-        wire.send_frame(s, MsgType.AUTH, {"mac": proof.hex()})
-        t, h, _ = wire.recv_frame_head(s, wire.AUTH_LIMITS)
+        send_frame(s, MsgType.AUTH, {"mac": proof.hex()})
+        t, h, _ = recv_frame_head(s, wire.AUTH_LIMITS)
         assert (t, h["code"]) == (MsgType.ERROR, "auth_failed")
         assert read_to_eof(s) == b""
         s.close()
     # Reflection: the server's own proof for our nonces is not accepted as ours.
     s = socket.create_connection(server.address, timeout=5)
-    wire.send_frame(s, MsgType.HELLO, {"nonce": nonce.hex()})
-    _, h, _ = wire.recv_frame_head(s, wire.AUTH_LIMITS)
-    wire.send_frame(s, MsgType.AUTH, {"mac": h["mac"]})
-    t, h, _ = wire.recv_frame_head(s, wire.AUTH_LIMITS)
+    send_frame(s, MsgType.HELLO, {"nonce": nonce.hex(), "frame_mac": True})
+    _, h, _ = recv_frame_head(s, wire.AUTH_LIMITS)
+    send_frame(s, MsgType.AUTH, {"mac": h["mac"]})
+    t, h, _ = recv_frame_head(s, wire.AUTH_LIMITS)
     assert h["code"] == "auth_failed"
     s.close()
 
@@ -204,18 +193,18 @@ def test_oversized_requests_are_refused_and_others_served(served) -> None:  # ty
     _, server, data = served
     good = PeerClient(server.address, secret=SECRET, options=FAST)
     assert good.get_chunk(1, "a") is not None
-    s, t, _, _ = raw_handshake(server.address)
+    chan, t, _, _ = raw_handshake(server.address)
     assert t is MsgType.AUTH_OK
     huge = wire.PREFIX.pack(wire.MAGIC, wire.VERSION, MsgType.PUT_CHUNK, 0, 40, FAST.max_payload_bytes + 1)
-    s.sendall(huge)
-    t, h, _ = wire.recv_frame_head(s, wire.AUTH_LIMITS)
+    chan.sock.sendall(huge)  # refused from the prefix alone, before any tag is read
+    t, h, _ = chan.recv_head()
     assert (t, h["code"]) == (MsgType.ERROR, "too_large")
-    assert read_to_eof(s) == b""
-    s.close()
-    s, _, _, _ = raw_handshake(server.address)
-    s.sendall(wire.PREFIX.pack(wire.MAGIC, wire.VERSION, MsgType.LIST, 0, 1 << 30, 0))
-    assert wire.recv_frame_head(s, wire.AUTH_LIMITS)[1]["code"] == "too_large"
-    s.close()
+    assert read_to_eof(chan.sock) == b""
+    chan.close()
+    chan, _, _, _ = raw_handshake(server.address)
+    chan.sock.sendall(wire.PREFIX.pack(wire.MAGIC, wire.VERSION, MsgType.LIST, 0, 1 << 30, 0))
+    assert chan.recv_head()[1]["code"] == "too_large"
+    chan.close()
     assert bytes(good.get_chunk(1, "b")) == data["b"].tobytes()  # type: ignore[arg-type]
     assert server.stats["protocol_errors"] == 2
 
@@ -288,8 +277,9 @@ def test_corrupt_server_copy_and_wrong_size_buffer(make_tier: MakeTier, make_ser
 @given(garbage=st.binary(min_size=1, max_size=300), authenticate=st.booleans())
 def test_fuzz_live_server_survives_garbage(served, garbage: bytes, authenticate: bool) -> None:  # type: ignore[no-untyped-def]
     _, server, data = served
-    if authenticate:
-        s, _, _, _ = raw_handshake(server.address)
+    if authenticate:  # garbage from a client with the secret: tagged where the server looks for tags
+        chan = raw_handshake(server.address)[0]
+        s, garbage = chan.sock, chan.tag_raw(garbage)
     else:
         s = socket.create_connection(server.address, timeout=5)
     s.settimeout(3)
@@ -504,12 +494,12 @@ def test_malformed_get_ranges_is_refused_and_bad_runs_are_missing(served) -> Non
     ]
     assert_refused(server, MsgType.GET_RANGES, cases)
     # Well-formed, but the runs are descending, overlapping or outside the chunk: those ids are missing.
-    s, t, _, _ = raw_handshake(server.address)
+    chan, t, _, _ = raw_handshake(server.address)
     header = {"step": 1, "count": 3, "runs": [2, 2, 1], "starts": [10, 0, 0, 5, 0], "stops": [20, 5, 10, 15, 2]}
     ids = b'["b","empty","a"]'
-    s.sendall(wire.encode_frame(MsgType.GET_RANGES, header, len(ids)) + ids)
-    t, h, plen = wire.recv_frame_head(s, wire.WireLimits())
-    s.close()
+    chan.send_frames([(MsgType.GET_RANGES, header, ids)])
+    t, h, plen = chan.recv_head()
+    chan.close()
     assert t is MsgType.RANGES and h["missing"] == [0, 1, 2] and plen == 0 and h["gaps"] == [], h
     with PeerClient(server.address, secret=SECRET, options=FAST) as c:  # the server carries on
         assert c.steps() == [1]
@@ -522,7 +512,7 @@ def test_a_trickling_client_cannot_hold_a_connection_past_the_handshake_deadline
     honest client gets in."""
     server = make_server(make_tier("slow"), options=dataclasses.replace(FAST, handshake_timeout_s=0.5,
                                                                         max_connections=3))
-    hello = wire.encode_frame(MsgType.HELLO, {"nonce": "00" * 32}, 0)
+    hello = wire.encode_frame(MsgType.HELLO, {"nonce": "00" * 32, "frame_mac": True}, 0)
     stop = threading.Event()
     dropped: list[bool] = []
 
@@ -608,14 +598,10 @@ def test_a_ranges_reply_shorter_than_its_runs_is_a_protocol_error() -> None:
     def fake_peer() -> None:
         s, _ = listener.accept()
         with s:
-            _, h, _ = wire.recv_frame_head(s, wire.AUTH_LIMITS)
-            cn, sn = bytes.fromhex(h["nonce"]), wire.new_nonce()
-            wire.send_frame(s, MsgType.CHALLENGE, {"nonce": sn.hex(), "mac": wire.auth_mac(SECRET, "server", cn, sn).hex()})
-            wire.recv_frame_head(s, wire.AUTH_LIMITS)
-            wire.send_frame(s, MsgType.AUTH_OK, {})
-            _, h, plen = wire.recv_frame_head(s, wire.WireLimits())
-            wire.recv_exact(s, memoryview(bytearray(plen)))
-            wire.send_frame(s, MsgType.RANGES, {"lengths": [50], "gaps": [0, 0], "missing": []}, [b"\0" * 100])
+            chan = server_handshake(s, secret=SECRET, frame_mac=True, limits=wire.WireLimits(), timeout_s=5)
+            chan.recv_head()
+            chan.recv_payload()
+            chan.send(MsgType.RANGES, {"lengths": [50], "gaps": [0, 0], "missing": []}, [b"\0" * 100])
             with contextlib.suppress(OSError):  # the client drops the connection it cannot trust
                 read_to_eof(s)
 

@@ -18,8 +18,8 @@ LIMITS = WireLimits(max_header_bytes=4096, max_payload_bytes=1 << 16)
 NONCE = "ab" * 32
 
 VALID: list[tuple[MsgType, dict[str, Any], bytes]] = [
-    (MsgType.HELLO, {"nonce": NONCE}, b""),
-    (MsgType.CHALLENGE, {"nonce": NONCE, "mac": "0f" * 32}, b""),
+    (MsgType.HELLO, {"nonce": NONCE, "frame_mac": True}, b""),
+    (MsgType.CHALLENGE, {"nonce": NONCE, "frame_mac": False, "mac": "0f" * 32}, b""),
     (MsgType.AUTH, {"mac": "00" * 32}, b""),
     (MsgType.AUTH_OK, {}, b""),
     (MsgType.GET_CHUNK, {"step": 7, "chunk_id": "p['w']@0:4", "offset": 0, "length": None}, b""),
@@ -46,7 +46,7 @@ def frame(t: MsgType, h: dict[str, Any], payload: bytes = b"") -> bytes:
     return wire.encode_frame(t, h, len(payload)) + payload
 
 
-def raw_frame(t: int, header: bytes, payload: bytes = b"", *, magic: bytes = b"FCKP", version: int = 1, flags: int = 0) -> bytes:
+def raw_frame(t: int, header: bytes, payload: bytes = b"", *, magic: bytes = b"FCKP", version: int = 2, flags: int = 0) -> bytes:
     return struct.pack(">4sBBHIQ", magic, version, t, flags, len(header), len(payload)) + header + payload
 
 
@@ -60,7 +60,8 @@ def test_round_trip(t: MsgType, h: dict[str, Any], payload: bytes) -> None:
     "data",
     [
         raw_frame(16, b'{"step":1,"chunk_id":"x","offset":0,"length":null}', magic=b"HTTP"),
-        raw_frame(16, b'{"step":1,"chunk_id":"x","offset":0,"length":null}', version=2),
+        raw_frame(16, b'{"step":1,"chunk_id":"x","offset":0,"length":null}', version=1),  # v1: untagged
+        raw_frame(16, b'{"step":1,"chunk_id":"x","offset":0,"length":null}', version=3),
         raw_frame(99, b"{}"),
         raw_frame(4, b"{}", flags=1),
         raw_frame(4, b"{}", b"payload-not-allowed"),
@@ -79,8 +80,10 @@ def test_round_trip(t: MsgType, h: dict[str, Any], payload: bytes) -> None:
         raw_frame(24, b"[" * 3000 + b"]" * 3000),
         raw_frame(25, b'{"steps":[NaN],"committed":[]}'),
         raw_frame(25, b'{"steps":[Infinity],"committed":[]}'),
-        raw_frame(1, b'{"nonce":"' + b"AB" * 32 + b'"}'),
-        raw_frame(1, b'{"nonce":"abc"}'),
+        raw_frame(1, b'{"nonce":"' + b"AB" * 32 + b'","frame_mac":true}'),
+        raw_frame(1, b'{"nonce":"abc","frame_mac":true}'),
+        raw_frame(1, b'{"nonce":"' + b"ab" * 32 + b'"}'),  # HELLO without frame_mac
+        raw_frame(1, b'{"nonce":"' + b"ab" * 32 + b'","frame_mac":1}'),
         raw_frame(20, b'{"count":2}', b'["a"]'),
         raw_frame(20, b'{"count":1}', b'[1]'),
         raw_frame(28, b'{"step":1,"count":2}', b'["a","a"]'),  # GET_CHUNKS: duplicate ids
@@ -101,13 +104,13 @@ def test_malformed_frames_raise_protocol_error(data: bytes) -> None:
 
 
 def test_limits_are_checked_from_the_prefix_alone() -> None:
-    big_header = struct.pack(">4sBBHIQ", b"FCKP", 1, 24, 0, LIMITS.max_header_bytes + 1, 0)
-    big_payload = struct.pack(">4sBBHIQ", b"FCKP", 1, 18, 0, 10, 2**63)
+    big_header = struct.pack(">4sBBHIQ", b"FCKP", 2, 24, 0, LIMITS.max_header_bytes + 1, 0)
+    big_payload = struct.pack(">4sBBHIQ", b"FCKP", 2, 18, 0, 10, 2**63)
     for prefix in (big_header, big_payload):
         with pytest.raises(wire.FrameTooLargeError):
             wire.decode_prefix(prefix, LIMITS)
     with pytest.raises(ProtocolError):  # the unauthenticated phase accepts no payload at all
-        wire.decode_prefix(struct.pack(">4sBBHIQ", b"FCKP", 1, 17, 0, 10, 1), wire.AUTH_LIMITS)
+        wire.decode_prefix(struct.pack(">4sBBHIQ", b"FCKP", 2, 17, 0, 10, 1), wire.AUTH_LIMITS)
 
 
 def test_encode_refuses_what_a_peer_would_refuse() -> None:
@@ -117,14 +120,39 @@ def test_encode_refuses_what_a_peer_would_refuse() -> None:
         wire.encode_frame(MsgType.LIST, {"step": 1}, payload_len=3)
 
 
-def test_auth_mac_binds_role_and_both_nonces() -> None:
+def test_session_keys_bind_secret_nonces_version_and_mode() -> None:
+    """Every value the handshake derives differs from every other, and changes with any input:
+    the secret, either nonce, their order, the frame_mac flag, the protocol version."""
     k, a, b = b"k" * 16, b"a" * 32, b"b" * 32
-    m = wire.auth_mac(k, "client", a, b)
-    assert len(m) == 32
-    assert m != wire.auth_mac(k, "server", a, b)
-    assert m != wire.auth_mac(k, "client", b, a)
-    assert m != wire.auth_mac(b"j" * 16, "client", a, b)
+    keys = wire.session_keys(k, client_nonce=a, server_nonce=b, frame_mac=True)
+    values = [keys.server_proof, keys.client_proof, keys.client_key, keys.server_key]
+    assert all(len(v) == 32 for v in values) and len(set(values)) == 4  # roles and directions apart
+    assert keys == wire.session_keys(k, client_nonce=a, server_nonce=b, frame_mac=True)
+    others = [wire.session_keys(b"j" * 16, client_nonce=a, server_nonce=b, frame_mac=True),
+              wire.session_keys(k, client_nonce=b, server_nonce=a, frame_mac=True),
+              wire.session_keys(k, client_nonce=a, server_nonce=b"c" * 32, frame_mac=True),
+              wire.session_keys(k, client_nonce=a, server_nonce=b, frame_mac=False)]
+    for other in others:
+        assert not set(values) & {other.server_proof, other.client_proof, other.client_key, other.server_key}
+    with pytest.raises(ProtocolError):
+        wire.session_keys(k, client_nonce=a[:31], server_nonce=b, frame_mac=True)
     assert wire.new_nonce() != wire.new_nonce()
+
+
+def test_session_keys_depend_on_the_protocol_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    k, a, b = b"k" * 16, b"a" * 32, b"b" * 32
+    keys = wire.session_keys(k, client_nonce=a, server_nonce=b, frame_mac=True)
+    monkeypatch.setattr(wire, "VERSION", wire.VERSION + 1)
+    assert wire.session_keys(k, client_nonce=a, server_nonce=b, frame_mac=True).server_proof != keys.server_proof
+
+
+def test_tag_inputs_are_unique_per_frame_part_and_direction() -> None:
+    nonces = {wire.tag_nonce(part, seq) for part in (wire.HEADER_TAG, wire.PAYLOAD_TAG) for seq in (0, 1, 2**64 - 1)}
+    assert len(nonces) == 6 and all(len(n) == 12 for n in nonces)
+    head = frame(MsgType.STEPS, {})
+    assert wire.header_tag_input(wire.CLIENT_TO_SERVER, 0, head) != wire.header_tag_input(wire.SERVER_TO_CLIENT, 0, head)
+    assert wire.header_tag_input(wire.CLIENT_TO_SERVER, 0, head) != wire.header_tag_input(wire.CLIENT_TO_SERVER, 1, head)
+    assert wire.payload_tag_prefix(0, b"t" * 16) != wire.payload_tag_prefix(1, b"t" * 16)
 
 
 def _decode_only_protocol_errors(data: bytes) -> None:

@@ -202,19 +202,24 @@ def _impostor(address: tuple[str, int], chunk_id: str) -> dict[str, Any]:
     """Handshake by hand with a proof made from the wrong secret (ignoring the server's
     proof, as an attacker would), then ask for a chunk the server holds anyway."""
     from fastckpt.replicas import wire
+    from fastckpt.replicas._channel import Channel
+    from fastckpt.replicas._handshake import recv_frame_head, send_frame
     from fastckpt.replicas.wire import MsgType
 
     with socket.create_connection(address, timeout=5) as s:
         cn = wire.new_nonce()
-        wire.send_frame(s, MsgType.HELLO, {"nonce": cn.hex()})
-        _, h, _ = wire.recv_frame_head(s, wire.AUTH_LIMITS)
+        send_frame(s, MsgType.HELLO, {"nonce": cn.hex(), "frame_mac": True})
+        _, h, _ = recv_frame_head(s, wire.AUTH_LIMITS)
         sn = bytes.fromhex(h["nonce"])
-        wire.send_frame(s, MsgType.AUTH, {"mac": wire.auth_mac(WRONG_SECRET, "client", cn, sn).hex()})
-        reply, h, _ = wire.recv_frame_head(s, wire.AUTH_LIMITS)
+        keys = wire.session_keys(WRONG_SECRET, client_nonce=cn, server_nonce=sn, frame_mac=True)
+        send_frame(s, MsgType.AUTH, {"mac": keys.client_proof.hex()})
+        reply, h, _ = recv_frame_head(s, wire.AUTH_LIMITS)
+        chan = Channel(s, limits=wire.WireLimits(), role="client", send_key=keys.client_key,
+                       recv_key=keys.server_key)
         received = 0
         try:
-            s.sendall(wire.encode_frame(MsgType.GET_CHUNK, {"step": LAST_RAM_STEP, "chunk_id": chunk_id,
-                                                            "offset": 0, "length": None}))
+            s.sendall(chan.encode(MsgType.GET_CHUNK, {"step": LAST_RAM_STEP, "chunk_id": chunk_id,
+                                                      "offset": 0, "length": None}))
             while data := s.recv(1 << 16):
                 received += len(data)
         except OSError:

@@ -1,0 +1,431 @@
+"""One authenticated peer connection: frames sent and received through a :class:`Channel`
+that tags and verifies each of them (internal).
+
+Call order: the handshake (:mod:`~fastckpt.replicas._handshake`: ``client_handshake`` on
+the client, ``server_handshake`` on the server) returns a :class:`Channel`. After that
+every frame of the connection goes through the channel, which counts frames per direction
+and tags and verifies them (``wire`` describes the layout).
+
+Receiving a frame with a payload::
+
+    mtype, header, n = chan.recv_head(allowed=[...])   # header verified before it is decoded
+    crc = chan.recv_into(view)                          # any number of times, n bytes in all
+    chan.drain(k) / chan.recv_bytes(k)                  # (skip or take bytes)
+    chan.end_payload()                                  # verifies the payload tag
+
+Nothing received as a payload may be used (stored, returned, decoded) before
+:meth:`Channel.end_payload` returned. A tag that fails raises
+:class:`~fastckpt.errors.FrameAuthenticationError`; after any failure to receive, the
+channel refuses to receive again: the caller must close it, never reuse it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import queue
+import socket
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Literal
+
+import crc32c as _crc32c
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from fastckpt.errors import (
+    ConfigError,
+    FrameAuthenticationError,
+    PeerUnavailableError,
+    ProtocolError,
+)
+from fastckpt.replicas import wire
+from fastckpt.replicas.wire import MsgType
+
+__all__ = ["Channel", "recv_exact", "recv_prefix", "send_all"]
+
+_WINDOW = 4 << 20  # received bytes are checksummed and MAC-ed in windows still in cache
+_SEND_PIECE = 4 << 20  # sent in pieces: MAC-ed while in cache; the timeout bounds a stall
+_SMALL = 64 << 10  # frames up to this payload leave in one segment
+_DRAIN_PIECE = 1 << 20
+
+
+# --------------------------------------------------------------------------- sockets
+
+
+def recv_exact(sock: socket.socket, view: memoryview, *, deadline: float | None = None) -> None:
+    """Fill ``view`` from ``sock``; with ``deadline`` (``time.monotonic()``), by then at the
+    latest (the socket timeout bounds each receive; a deadline bounds them all: a peer that
+    trickles a byte at a time cannot stretch the wait).
+
+    Raises:
+        PeerUnavailableError: the peer closed the connection early, or a receive failed or
+            stalled past the socket timeout or the deadline.
+    """
+    pos, n = 0, view.nbytes
+    try:
+        while pos < n:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise PeerUnavailableError(
+                        f"receive timed out after {pos} of {n} bytes (deadline)")
+                sock.settimeout(left)
+            got = sock.recv_into(view[pos:], n - pos)
+            if not got:
+                raise PeerUnavailableError(f"connection closed by peer after {pos} of {n} bytes")
+            pos += got
+    except OSError as e:  # socket.timeout is an OSError
+        raise PeerUnavailableError(f"receive failed after {pos} of {n} bytes: {e!r}") from e
+
+
+def recv_prefix(sock: socket.socket, limits: wire.WireLimits, allowed: Iterable[MsgType] | None,
+                 first_byte_timeout_s: float | None, timeout_s: float | None,
+                 deadline: float | None) -> tuple[bytearray, wire.FramePrefix]:
+    prefix = bytearray(wire.PREFIX.size)
+    view = memoryview(prefix)
+    if first_byte_timeout_s is not None:
+        sock.settimeout(first_byte_timeout_s)
+        recv_exact(sock, view[:1], deadline=deadline)
+        view = view[1:]
+    if timeout_s is not None:
+        sock.settimeout(timeout_s)
+    recv_exact(sock, view, deadline=deadline)
+    head = wire.decode_prefix(prefix, limits)
+    if allowed is not None and head.type not in set(allowed):
+        raise ProtocolError(f"unexpected message {head.type.name}")
+    return prefix, head
+
+
+def send_all(sock: socket.socket, data: bytes | memoryview, what: str) -> None:
+    try:
+        sock.sendall(data)
+    except OSError as e:
+        raise PeerUnavailableError(f"send of {what} failed: {e!r}") from e
+
+
+# --------------------------------------------------------------------------- tags
+
+
+class _Tagger:
+    """The GMAC tags of one direction of a connection: its key and next frame number."""
+
+    __slots__ = ("_aead", "_cipher", "_direction", "seq")
+
+    def __init__(self, key: bytes, direction: int) -> None:
+        self._aead = AESGCM(key)
+        self._cipher = algorithms.AES(key)
+        self._direction = direction
+        self.seq = 0
+        """The number of the next frame (its tags use it; ``next_frame`` moves on)."""
+
+    def header_tag(self, head: bytes | bytearray) -> bytes:
+        nonce = wire.tag_nonce(wire.HEADER_TAG, self.seq)
+        data = wire.header_tag_input(self._direction, self.seq, head)
+        return self._aead.encrypt(nonce, b"", data)
+
+    def payload_mac(self, header_tag: bytes | bytearray) -> Any:
+        """A GCM context of this frame's payload tag: ``authenticate_additional_data`` each
+        piece in order, then ``finalize()`` and read ``.tag``."""
+        nonce = wire.tag_nonce(wire.PAYLOAD_TAG, self.seq)
+        ctx = Cipher(self._cipher, modes.GCM(nonce)).encryptor()
+        ctx.authenticate_additional_data(wire.payload_tag_prefix(self.seq, header_tag))
+        return ctx
+
+    def next_frame(self) -> None:
+        self.seq += 1
+
+
+def _final_tag(ctx: Any) -> bytes:
+    ctx.finalize()
+    return bytes(ctx.tag)
+
+
+def _recv_windows(sock: socket.socket, view: memoryview, mac: Any) -> int:
+    """Fill ``view`` from ``sock``; return the crc32c of its bytes and feed them to ``mac``
+    (if not None) in order.
+
+    Windows are checksummed right after they arrive, while still in cache. For more than two
+    windows a helper thread checksums and MACs window ``i`` while window ``i + 1`` is being
+    received (all three release the GIL), so on a multi-core host verification overlaps the
+    transfer.
+    """
+    n = view.nbytes
+    if n <= 2 * _WINDOW:
+        crc = 0
+        for off in range(0, n, _WINDOW):
+            window = view[off : off + _WINDOW]
+            recv_exact(sock, window)
+            crc = _crc32c.crc32c(window, crc)
+            if mac is not None:
+                mac.authenticate_additional_data(window)
+        return crc
+    windows: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
+    result = [0]
+
+    def verify() -> None:
+        value = 0
+        while (window := windows.get()) is not None:
+            value = _crc32c.crc32c(window, value)
+            if mac is not None:
+                mac.authenticate_additional_data(window)
+        result[0] = value
+
+    worker = threading.Thread(target=verify, name="fastckpt-crc", daemon=True)
+    worker.start()
+    try:
+        for off in range(0, n, _WINDOW):
+            window = view[off : off + _WINDOW]
+            recv_exact(sock, window)
+            windows.put(window)
+    finally:
+        windows.put(None)
+        worker.join()
+    return result[0]
+
+
+# --------------------------------------------------------------------------- the channel
+
+
+class Channel:
+    """An established peer connection: frames in both directions, tagged and verified when
+    the handshake agreed on ``frame_mac``.
+
+    Guarantees (``frame_mac``): a frame's header is decoded only after its tag verified; a
+    payload is whole and authentic once :meth:`end_payload` returned; every frame carries
+    its number in its tags, so one injected, altered, replayed, reordered or dropped fails.
+    Frames get their numbers in the order they are encoded: frames encoded together
+    (:meth:`send_frames`) leave in that order. Not thread-safe: one user at a time.
+
+    Args:
+        sock: The connected socket (the channel owns it: :meth:`close`).
+        limits: Bounds checked on every received prefix before anything else is read.
+        role: This side of the connection.
+        send_key, recv_key: The frame keys of this side's sending and receiving direction
+            (``wire.session_keys``), or both None (``frame_mac=False``: frames untagged).
+    """
+
+    def __init__(self, sock: socket.socket, *, limits: wire.WireLimits,
+                 role: Literal["client", "server"], send_key: bytes | None,
+                 recv_key: bytes | None) -> None:
+        if (send_key is None) != (recv_key is None):
+            raise ConfigError("both frame keys, or neither")
+        self.sock = sock
+        self.limits = limits
+        out_dir, in_dir = wire.CLIENT_TO_SERVER, wire.SERVER_TO_CLIENT
+        if role == "server":
+            out_dir, in_dir = in_dir, out_dir
+        self._out = None if send_key is None else _Tagger(send_key, out_dir)
+        self._in = None if recv_key is None else _Tagger(recv_key, in_dir)
+        self._pending: int | None = None  # payload bytes of the current frame still unread
+        self._pmac: Any = None  # the current payload's tag context
+        self._htag = b""
+        self._what = ""
+        self._failed = False
+
+    @property
+    def frame_mac(self) -> bool:
+        """Whether frames are tagged and verified."""
+        return self._out is not None
+
+    def close(self) -> None:
+        self.sock.close()
+
+    # ---------------------------------------------------------------- sending
+
+    def encode(self, msg_type: MsgType, header: Mapping[str, Any], payload: bytes = b"") -> bytes:
+        """One whole frame, tags included, ready to send. It takes the next frame number:
+        frames must leave in the order they were encoded."""
+        head = wire.encode_frame(msg_type, header, len(payload))
+        if self._out is None:
+            return head + payload
+        htag = self._out.header_tag(head)
+        parts = [head, htag]
+        if payload:
+            ctx = self._out.payload_mac(htag)
+            ctx.authenticate_additional_data(payload)
+            parts += [payload, _final_tag(ctx)]
+        self._out.next_frame()
+        return b"".join(parts)
+
+    def send_frames(self, frames: Iterable[tuple[MsgType, Mapping[str, Any], bytes]]) -> None:
+        """Send small frames ``(type, header, payload)`` in one ``sendall`` (pipelining)."""
+        send_all(self.sock, b"".join(self.encode(*f) for f in frames), "requests")
+
+    def send(self, msg_type: MsgType, header: Mapping[str, Any],
+             payload: Sequence[memoryview | bytes] = ()) -> None:
+        """Send one frame; ``payload`` parts are sent straight from their buffers (no joins
+        past 64 KiB), in pieces, each fed to the payload tag right before it is sent.
+
+        Raises:
+            PeerUnavailableError: a send failed or stalled past the socket timeout.
+        """
+        parts = [memoryview(p).cast("B") for p in payload]
+        total = sum(p.nbytes for p in parts)
+        if total <= _SMALL:
+            send_all(self.sock, self.encode(msg_type, header, b"".join(parts)), msg_type.name)
+            return
+        head = wire.encode_frame(msg_type, header, total)
+        ctx = None
+        if self._out is not None:
+            htag = self._out.header_tag(head)
+            ctx = self._out.payload_mac(htag)
+            self._out.next_frame()
+            head += htag
+        send_all(self.sock, head, msg_type.name)
+        for part in parts:
+            for off in range(0, part.nbytes, _SEND_PIECE):
+                piece = part[off : off + _SEND_PIECE]
+                if ctx is not None:
+                    ctx.authenticate_additional_data(piece)
+                send_all(self.sock, piece, msg_type.name)
+        if ctx is not None:
+            send_all(self.sock, _final_tag(ctx), msg_type.name)
+
+    def tag_raw(self, raw: bytes) -> bytes:
+        """For hostile tests: ``raw`` bytes (a frame, possibly malformed, lying or cut short)
+        with tags inserted where a receiver looks for them by the prefix's declared lengths,
+        as an authenticated sender would. Takes the next frame number."""
+        if self._out is None or len(raw) < wire.PREFIX.size:
+            return raw
+        *_, hlen, plen = wire.PREFIX.unpack(raw[: wire.PREFIX.size])
+        cut = wire.PREFIX.size + hlen
+        if len(raw) < cut:
+            return raw
+        htag = self._out.header_tag(raw[:cut])
+        out = raw[:cut] + htag + raw[cut : cut + plen]
+        if plen and len(raw) >= cut + plen:
+            ctx = self._out.payload_mac(htag)
+            ctx.authenticate_additional_data(raw[cut : cut + plen])
+            out += _final_tag(ctx) + raw[cut + plen :]
+        self._out.next_frame()
+        return out
+
+    # ---------------------------------------------------------------- receiving
+
+    def recv_head(
+        self,
+        *,
+        allowed: Iterable[MsgType] | None = None,
+        first_byte_timeout_s: float | None = None,
+        timeout_s: float | None = None,
+        deadline: float | None = None,
+    ) -> tuple[MsgType, dict[str, Any], int]:
+        """Receive the next frame's prefix, header and header tag; leave its payload.
+
+        The prefix's lengths are checked against the limits (and its type against
+        ``allowed``) before anything else is read; the header is decoded only after its tag
+        verified. Arguments as :func:`recv_frame_head`.
+
+        Returns:
+            ``(type, header, payload_len)``. With ``payload_len > 0`` the caller must consume
+            exactly that many bytes (:meth:`recv_into`, :meth:`recv_bytes`, :meth:`drain`),
+            then call :meth:`end_payload` before using any of them.
+
+        Raises:
+            FrameAuthenticationError: the header tag does not verify.
+            ProtocolError: a malformed, oversized or unexpected frame.
+            PeerUnavailableError: the connection failed or stalled.
+        """
+        self._check_usable()
+        if self._pending is not None:
+            raise ProtocolError("a frame was received before the previous payload was finished")
+        try:
+            prefix, head = recv_prefix(self.sock, self.limits, allowed, first_byte_timeout_s,
+                                        timeout_s, deadline)
+            tag_len = wire.TAG_BYTES if self._in is not None else 0
+            raw = bytearray(head.header_len + tag_len)
+            recv_exact(self.sock, memoryview(raw), deadline=deadline)
+            htag = b""
+            if self._in is not None:
+                htag = bytes(raw[head.header_len :])
+                want = self._in.header_tag(bytes(prefix) + raw[: head.header_len])
+                if not hmac.compare_digest(want, htag):
+                    raise FrameAuthenticationError(
+                        f"{head.type.name} frame {self._in.seq} failed its header tag (forged, "
+                        f"altered, replayed, reordered or after a dropped frame)")
+            header = wire.decode_header(head.type, memoryview(raw)[: head.header_len])
+        except BaseException:
+            self._failed = True
+            raise
+        if head.payload_len:
+            self._pending = head.payload_len
+            self._pmac = None if self._in is None else self._in.payload_mac(htag)
+            self._what = f"{head.type.name} frame {self._in.seq if self._in else '-'}"
+        if self._in is not None:
+            self._in.next_frame()
+        return head.type, header, head.payload_len
+
+    def recv_into(self, view: memoryview) -> int:
+        """Receive the next ``view.nbytes`` payload bytes into ``view`` (straight from the
+        socket); return their crc32c. The bytes are not authentic before :meth:`end_payload`."""
+        self._take(view.nbytes)
+        try:
+            return _recv_windows(self.sock, view, self._pmac)
+        except BaseException:
+            self._failed = True
+            raise
+
+    def recv_bytes(self, n: int) -> bytearray:
+        """The next ``n`` payload bytes (not authentic before :meth:`end_payload`)."""
+        buf = bytearray(n)
+        self.recv_into(memoryview(buf))
+        return buf
+
+    def drain(self, n: int) -> None:
+        """Receive and discard the next ``n`` payload bytes (still fed to the payload tag)."""
+        self._take(0)
+        buf = memoryview(bytearray(min(n, _DRAIN_PIECE)))
+        while n:
+            k = min(n, buf.nbytes)
+            self.recv_into(buf[:k])
+            n -= k
+
+    def end_payload(self) -> None:
+        """Finish the current frame's payload: every byte consumed, then its tag verified.
+        A no-op for a frame without payload.
+
+        Raises:
+            FrameAuthenticationError: the payload tag does not verify (nothing of the
+                payload may be used).
+            ProtocolError: payload bytes were left unread (a caller bug).
+        """
+        self._check_usable()
+        if self._pending is None:
+            return
+        if self._pending:
+            self._failed = True
+            raise ProtocolError(f"{self._pending} bytes of the {self._what} payload left unread")
+        try:
+            if self._pmac is not None:
+                got = bytearray(wire.TAG_BYTES)
+                recv_exact(self.sock, memoryview(got))
+                if not hmac.compare_digest(_final_tag(self._pmac), got):
+                    raise FrameAuthenticationError(
+                        f"the {self._what} payload failed its tag (forged or altered)")
+        except BaseException:
+            self._failed = True
+            raise
+        self._pending, self._pmac = None, None
+
+    def recv_payload(self) -> bytearray:
+        """The whole payload of the current frame, verified (small payloads: a list, a
+        manifest). Empty for a frame without payload."""
+        if self._pending is None:
+            return bytearray()
+        data = self.recv_bytes(self._pending)
+        self.end_payload()
+        return data
+
+    def _take(self, n: int) -> None:
+        self._check_usable()
+        left = self._pending or 0
+        if n > left:
+            self._failed = True
+            raise ProtocolError(f"reading {n} payload bytes past the end of the frame")
+        if n:
+            self._pending = left - n
+
+    def _check_usable(self) -> None:
+        if self._failed:
+            raise ProtocolError("the connection failed earlier and is out of sync")
