@@ -100,9 +100,10 @@ class PeerServer:
         """
         if self._listener is not None:
             return self
-        try:
-            self._listener = socket.create_server((self._host, self._port), backlog=128)
-        except OSError as e:
+        try:  # an IPv6 address (or a name that resolves to one only) needs an IPv6 socket
+            family = socket.getaddrinfo(self._host, self._port, type=socket.SOCK_STREAM)[0][0]
+            self._listener = socket.create_server((self._host, self._port), family=family, backlog=128)
+        except OSError as e:  # (socket.gaierror is an OSError)
             raise PeerError(f"cannot listen on {self._host}:{self._port}: {e}") from e
         self._accept_thread = threading.Thread(target=self._accept_loop, name="fastckpt-peer-accept", daemon=True)
         self._accept_thread.start()
