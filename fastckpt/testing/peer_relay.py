@@ -1,6 +1,6 @@
 """A frame-aware man in the middle for peer-wire tests, and a crc32c forger.
 
-:class:`PeerRelay` listens on ``127.0.0.1`` and relays every connection to an upstream
+:class:`PeerRelay` listens (on ``127.0.0.1`` by default) and relays every connection to an upstream
 :class:`~fastckpt.replicas.PeerServer`, frame by frame. It holds no secret: like an attacker
 on the network path, it can parse frames (prefix, header, tags, payload), and drop, delay,
 reorder, replay, rewrite or inject them, but cannot compute a tag. A ``tamper`` callback
@@ -118,9 +118,12 @@ class PeerRelay:
         upstream: The server's ``(host, port)``.
         tamper: Called for every frame in both directions, in a relay thread; returns the
             bytes to forward. None forwards everything unchanged.
+        bind: Where the relay listens (default: a free port on loopback; a man in the middle
+            on a simulated host listens on that host's address).
     """
 
-    def __init__(self, upstream: tuple[str, int], *, tamper: Tamper | None = None) -> None:
+    def __init__(self, upstream: tuple[str, int], *, tamper: Tamper | None = None,
+                 bind: tuple[str, int] = ("127.0.0.1", 0)) -> None:
         self.upstream = upstream
         self.tamper: Tamper = tamper or (lambda f: [f.raw])
         self.frames: list[RelayedFrame] = []
@@ -129,7 +132,7 @@ class PeerRelay:
         self._socks: list[socket.socket] = []
         self._conns = 0
         self._closed = False
-        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener = socket.create_server(bind)
         threading.Thread(target=self._accept, name="peer-relay", daemon=True).start()
 
     @property

@@ -64,7 +64,8 @@ def _causes(e: BaseException | None) -> list[str]:
     return out
 
 
-def _options(ram_root: str, member: str, barrier_s: float, secret: bytes, host: str | None) -> Any:
+def _options(ram_root: str, member: str, barrier_s: float, secret: bytes, host: str | None, port: int,
+             replicas: int) -> Any:
     from fastckpt.options import (
         DistributedOptions,
         ManagerOptions,
@@ -80,8 +81,8 @@ def _options(ram_root: str, member: str, barrier_s: float, secret: bytes, host: 
         restore=RestoreOptions(min_range_saving_bytes=1),
         retention=RetentionOptions(keep_last=None),
         distributed=DistributedOptions(barrier_timeout_s=barrier_s),
-        ram=RamOptions(root=ram_root, member_id=member, interval_steps=10, budget_bytes=64 << 20, replicas=1,
-                       secret=secret, host=host, discovery_timeout_s=30, peer_connect_timeout_s=3,
+        ram=RamOptions(root=ram_root, member_id=member, interval_steps=10, budget_bytes=64 << 20, replicas=replicas,
+                       secret=secret, host=host, port=port, discovery_timeout_s=30, peer_connect_timeout_s=3,
                        peer_io_timeout_s=5),
     )
 
@@ -111,8 +112,8 @@ def _store(endpoint: str, prefix: str, control: Path, hold_process: int | None) 
 
 
 def scripted(*, control: str, endpoint: str, prefix: str, ram_root: str, member: str, barrier_s: float = 30.0,
-             secret_hex: str | None = None, host: str | None = None, hold_process: int | None = None,
-             advertise_via: str | None = None) -> dict[str, Any]:
+             secret_hex: str | None = None, host: str | None = None, port: int = 0, replicas: int = 1,
+             hold_process: int | None = None, advertise_via: str | None = None) -> dict[str, Any]:
     """Run the test's commands (see the module docstring) until ``exit``; returns a summary.
 
     ``advertise_via``: publish this host's peer address as that host instead of its own (the
@@ -138,7 +139,7 @@ def scripted(*, control: str, endpoint: str, prefix: str, ram_root: str, member:
     make = mp._generator(mp._shardings(mesh, layout))
     store = _store(endpoint, prefix, ctl, hold_process)
     try:
-        mgr = CheckpointManager(store, options=_options(ram_root, member, barrier_s, secret, host))
+        mgr = CheckpointManager(store, options=_options(ram_root, member, barrier_s, secret, host, port, replicas))
     except FastckptError as e:
         summary["start_error"] = {"type": type(e).__name__, "message": str(e), "t": time.time()}
         return summary
@@ -165,7 +166,8 @@ def scripted(*, control: str, endpoint: str, prefix: str, ram_root: str, member:
                     res["tiers"] = list(mgr.last_save_stats.tiers)
                 elif cmd["op"] == "replicated":
                     reports = mgr.wait_replication(30)
-                    res["reports"] = [{"step": r.step, "ok": r.ok, "targets": list(r.targets)} for r in reports]
+                    res["reports"] = [{"step": r.step, "ok": r.ok, "targets": list(r.targets),
+                                       "errors": {k: str(v)[:300] for k, v in r.errors.items()}} for r in reports]
                 elif cmd["op"] == "sync":  # after a partition heals: wait until the coordinator answers again
                     from jax._src import distributed
 

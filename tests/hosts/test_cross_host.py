@@ -18,6 +18,7 @@ nothing here sets ``RamOptions.host`` except the misconfigured host.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -234,3 +235,58 @@ def test_a_host_advertising_loopback_fails_the_start_on_every_process(
     assert "cannot reach host2 at 127.0.0.1:" in errors[0]["message"], errors[0]
     assert all(e["message"] == errors[0]["message"] for e in errors), errors
     assert took < 60, took
+
+
+MITM = str(Path(__file__).with_name("_mitm.py"))
+VICTIM_PORT = 47101
+
+
+def test_a_man_in_the_middle_on_the_switch_never_changes_restored_state(
+        cluster: tuple[SimulatedHosts, GcsEmulator]) -> None:
+    """Every peer's connection to host1 goes through a man-in-the-middle host (host1's record
+    names the mitm's address; the mitm relays to host1). It rewrites pushed chunks, then
+    chunk and manifest replies, keeping every crc32c valid. With k=2, host0's chunks also
+    live on host2: the pushes the mitm forged are refused by host1, and when host0 is lost
+    its restore refuses the forged replies and takes each chunk from host2, bit for bit."""
+    hosts, emulator = cluster
+    mitm = hosts.add_host("mitm")
+    control = hosts.shared_dir / "mitm"
+    control.mkdir()
+    relay = mitm.popen([sys.executable, MITM, mitm.address, str(VICTIM_PORT), hosts[1].address, str(VICTIM_PORT),
+                        str(control)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert relay.stdout is not None and relay.stdout.readline() == "listening\n"
+        per = [{"replicas": 2, **({"port": VICTIM_PORT, "advertise_via": mitm.address} if i == 1 else {})}
+               for i in range(4)]
+        job = Job(hosts, hosts.hosts[:4], "mitm-train", emulator, prefix="mitm", per_process=per)
+        _ok(job.do("save", step=5, force=True))
+        _ok(job.do("save", step=10))
+        _ok(job.do("replicated"))
+        (control / "tamper-pushes").touch()
+        _ok(job.do("save", step=20))
+        reports = [r["reports"][-1] for r in _ok(job.do("replicated"))]
+        (control / "tamper-pushes").unlink()
+        for i in (0, 3):  # host0 and host3 push to host1 (through the mitm) and to one more host
+            assert reports[i]["step"] == 20 and not reports[i]["ok"], reports[i]
+            assert set(reports[i]["errors"]) == {"host1"}, reports[i]
+        _ok(job.do("save", step=30))
+        assert all(r["reports"][-1]["ok"] for r in _ok(job.do("replicated")))
+        job.finish()
+        forged_pushes = json.loads((control / "mitm.json").read_text())["forged_pushes"]
+        assert forged_pushes >= 2, forged_pushes
+
+        hosts[0].kill()
+        hosts[0].revive()
+        (control / "tamper-replies").touch()
+        job = Job(hosts, hosts.hosts[:4], "mitm-restore", emulator, prefix="mitm", per_process=per)
+        restored = _ok(job.do("restore"))
+        job.finish()
+        counts = json.loads((control / "mitm.json").read_text())
+        assert counts["forged_replies"] >= 1, counts  # host0 asked host1 (its first successor) first
+        for r in restored:
+            assert r["step"] == 30 and r["checked_shards"] == 10 and r["bytes_read_storage"] == 0, r
+        assert restored[0]["bytes_by_tier"].get("peer:host2", 0) > 0, restored[0]
+        print(f"man in the middle: {counts}")
+    finally:
+        relay.kill()
+        relay.wait()
