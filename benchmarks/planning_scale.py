@@ -6,20 +6,20 @@ bytes, decide how long a restore takes before any data moves. Eight parts, each 
 side by side in one run:
 
 1. **Read planning** (pure, no devices): planning one host's 8 destination boxes of one
-   leaf against N stored chunks, by scanning every chunk per box (``plan_leaf_reads``
-   without an index) and through one :class:`~fastckpt.planning.ChunkIndex` per leaf (what
-   the reader does for format 1) and through a :class:`~fastckpt.planning.GridIndex` of the
-   leaf decoded from a chunk table (formats 2 and 3), same mesh and a 4 -> 3 reshard; ms per
-   leaf and the ratios.
-2. **Manifest codec**: encode and decode a manifest of L leaves x N chunks in format 1 (an
-   object per chunk), format 2 (a chunk table per leaf, JSON int columns) and format 3 (the
-   same table, binary columns: what fastckpt writes); microseconds and bytes per chunk.
-3. **Commit on process 0**: merging P processes' fragments of L leaves x N chunks into the
-   manifest (``writer.merge``, column by column), as every persistent and RAM checkpoint does.
+   leaf against N stored chunks, by scanning every chunk per box (``plan_leaf_reads`` of a
+   table with listed boxes, without an index), through one
+   :class:`~fastckpt.planning.ChunkIndex` per leaf (what the reader does for listed boxes)
+   and through a :class:`~fastckpt.planning.GridIndex` of the table's grid (what fastckpt
+   writes for every sharding), same mesh and a 4 -> 3 reshard; ms per leaf and the ratios.
+2. **Manifest codec**: encode and decode a manifest of L leaves x N chunks (a chunk table
+   per leaf, binary columns); microseconds and bytes per chunk.
+3. **Commit on process 0**: decoding P processes' fragments of L leaves x N chunks and
+   merging them into the manifest (``writer.merge``, column by column), as every
+   multi-process persistent and RAM checkpoint does.
 4. **A restoring host**: decoding the manifest and planning one host's 8 units of every
-   leaf, format 1 (an entry per chunk, a ChunkIndex per leaf) beside formats 2 and 3 (chunk
-   tables whose entries are built on access, bisected by a :class:`~fastckpt.planning.GridIndex`);
-   seconds, microseconds per chunk of the manifest, and the decoded manifest's memory.
+   leaf (chunk tables whose entries are built on access, bisected by a
+   :class:`~fastckpt.planning.GridIndex`); seconds, microseconds per chunk of the manifest,
+   and the decoded manifest's memory.
 5. **A RAM manifest through the coordinator**: a real 4-process ``jax.distributed`` job times
    handing the manifest's bytes from process 0 to every process through the key-value store
    (the broadcast every multi-host RAM checkpoint made before process 0 kept the manifest)
@@ -65,9 +65,11 @@ def _cells(grid: tuple[int, int]) -> list[tuple[int, int, tuple[tuple[int, int],
 
 def _leaf(k: int, grid: tuple[int, int]) -> Any:
     """Leaf ``k`` saved by ``grid`` devices: device ``(i, j)``'s shard in process ``i``'s
-    object (real key layout, offsets growing with ``k``, random checksums)."""
+    object (real key layout, offsets growing with ``k``, random checksums); its chunk table
+    has a grid."""
     import random
 
+    from fastckpt.format.chunk_table import table_from_entries
     from fastckpt.format.layout import data_key
     from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, box_volume
 
@@ -79,7 +81,20 @@ def _leaf(k: int, grid: tuple[int, int]) -> Any:
         chunks.append(ChunkEntry(box=box, key=data_key(100, "3f9a1c2e", i, 0), offset=n * (j + k * grid[1]), length=n,
                                  raw_length=n, codec="raw", crc32c=crc, raw_crc32c=crc))
     return ArrayLeaf(path=(("d", f"layer{k:04d}"), ("d", "w")), shape=(ROWS, COLS), dtype="float32",
-                     chunks=tuple(chunks))
+                     chunks=table_from_entries(chunks, shape=(ROWS, COLS), itemsize=4))
+
+
+def _listed(leaf: Any) -> Any:
+    """``leaf`` with the same chunks, its table listing their boxes (no grid)."""
+    import dataclasses
+
+    from fastckpt.format.manifest import ChunkTable
+
+    c = leaf.chunks.columns()
+    table = ChunkTable(cuts=None, boxes=list(leaf.chunks.boxes()), keys=c.keys, object_index=c.object_index,
+                       offsets=c.offsets, lengths=c.lengths, codec=c.codec, crc32c=c.crc32c,
+                       raw_crc32c=c.raw_crc32c, itemsize=4)
+    return dataclasses.replace(leaf, chunks=table)
 
 
 def _grid(n: int) -> tuple[int, int]:
@@ -109,9 +124,9 @@ def run_planning(chunk_counts: list[int], reps: int) -> list[dict[str, Any]]:
     out = []
     for n in chunk_counts:
         grid = _grid(n)
-        leaf = _leaf(0, grid)
-        [table_leaf] = decode_manifest(encode_manifest(Manifest(step=1, leaves=(leaf,)))).arrays()  # a chunk table
-        assert isinstance(leaf_index(table_leaf), GridIndex)
+        [table_leaf] = decode_manifest(encode_manifest(Manifest(step=1, leaves=(_leaf(0, grid),)))).arrays()
+        leaf = _listed(table_leaf)
+        assert isinstance(leaf_index(table_leaf), GridIndex) and isinstance(leaf_index(leaf), ChunkIndex)
         for layout, dst_grid in (("same mesh", grid), ("4 -> 3 reshard", (max(1, grid[0] * 3 // 4), grid[1]))):
             boxes = _host_boxes(dst_grid)
 
@@ -139,35 +154,34 @@ def run_planning(chunk_counts: list[int], reps: int) -> list[dict[str, Any]]:
     return out
 
 
-def _codec_case(leaves: int, n: int, version: int, reps: int) -> dict[str, Any]:
+def _codec_case(leaves: int, n: int, reps: int) -> dict[str, Any]:
     from fastckpt.format.codec import decode_manifest, encode_manifest
     from fastckpt.format.manifest import Manifest
 
-    m = Manifest(step=1, leaves=tuple(_leaf(k, _grid(n)) for k in range(leaves)), num_processes=_grid(n)[0],
-                 format_version=version)
+    m = Manifest(step=1, leaves=tuple(_leaf(k, _grid(n)) for k in range(leaves)), num_processes=_grid(n)[0])
     data = encode_manifest(m)
+    m = decode_manifest(data)  # its tables share one object key list, as the commit's do
     gc.collect()
     enc = _best(lambda: encode_manifest(m), reps)
     dec = _best(lambda: decode_manifest(data), reps)
     total = leaves * n
-    print(f"[codec] format {version}, {leaves} x {n} chunks: {len(data) / MiB:.1f} MiB, encode {enc:.2f} s, "
+    print(f"[codec] {leaves} x {n} chunks: {len(data) / MiB:.1f} MiB, encode {enc:.2f} s, "
           f"decode {dec:.2f} s", file=sys.stderr, flush=True)
-    return {"format": version, "leaves": leaves, "chunks_per_leaf": n, "chunks": total, "bytes": len(data),
+    return {"leaves": leaves, "chunks_per_leaf": n, "chunks": total, "bytes": len(data),
             "encode_s": enc, "decode_s": dec, "encode_us_per_chunk": 1e6 * enc / total,
             "decode_us_per_chunk": 1e6 * dec / total, "bytes_per_chunk": len(data) / total}
 
 
 def run_codec(cases: list[tuple[int, int]], reps: int) -> list[dict[str, Any]]:
-    """Format 1 (an object per chunk) beside formats 2 and 3 (a chunk table per leaf; JSON /
-    binary columns), same manifests."""
-    return [_codec_case(leaves, n, version, reps) for leaves, n in cases for version in (1, 2, 3)]
+    """Encode and decode the manifest of each case."""
+    return [_codec_case(leaves, n, reps) for leaves, n in cases]
 
 
 def _merge_case(leaves: int, n: int, reps: int) -> dict[str, Any]:
     import numpy as np
 
     from fastckpt.writer.commit import build_manifest
-    from fastckpt.writer.fragment import encode_fragment
+    from fastckpt.writer.fragment import ChunkRows, decode_fragments, encode_fragment
     from fastckpt.writer.stage import StagedArray, StagedSave
 
     grid = _grid(n)
@@ -177,14 +191,20 @@ def _merge_case(leaves: int, n: int, reps: int) -> dict[str, Any]:
     staged = StagedSave(arrays=arrays, values=(), buffer=np.zeros(0, np.uint8), nbytes=0,
                         order=tuple(a.path for a in arrays))
     procs, per = grid[0], grid[1]  # process i wrote grid row i of every leaf
-    parts = [{i: list(a.chunks[p * per:(p + 1) * per]) for i, a in enumerate(stored)} for p in range(procs)]
-    frag = _best(lambda: encode_fragment(staged, parts[0], 0), reps)
-    fragments = [encode_fragment(staged, part, p) for p, part in enumerate(parts)]
+    parts = []
+    for p in range(procs):
+        rows = ChunkRows()
+        for i, a in enumerate(stored):
+            for c in a.chunks[p * per:(p + 1) * per]:
+                rows.add(i, c.box, c.key, c.offset, c.length, c.codec, c.crc32c, c.raw_crc32c)
+        parts.append(rows.build())
+    frag = _best(lambda: encode_fragment(parts[0], staged, 0), reps)
+    fragments = [encode_fragment(part, staged, p) for p, part in enumerate(parts)]
     gc.collect()
 
     def build(validate: bool) -> None:
-        build_manifest(step=1, staged=staged, fragments=fragments, num_processes=procs, metadata={},
-                       writer_version="bench", validate=validate)
+        build_manifest(step=1, staged=staged, parts=decode_fragments(fragments, staged), num_processes=procs,
+                       metadata={}, writer_version="bench", validate=validate)
 
     ram, persist = _best(lambda: build(False), reps), _best(lambda: build(True), reps)
     total = leaves * n
@@ -196,7 +216,7 @@ def _merge_case(leaves: int, n: int, reps: int) -> dict[str, Any]:
             "merge_us_per_chunk": 1e6 * ram / total, "merge_validate_us_per_chunk": 1e6 * persist / total}
 
 
-def _host_case(leaves: int, n: int, version: int, reps: int) -> dict[str, Any]:
+def _host_case(leaves: int, n: int, reps: int) -> dict[str, Any]:
     import tracemalloc
 
     from fastckpt.format.codec import decode_manifest, encode_manifest
@@ -205,7 +225,7 @@ def _host_case(leaves: int, n: int, version: int, reps: int) -> dict[str, Any]:
 
     grid = _grid(n)
     data = encode_manifest(Manifest(step=1, leaves=tuple(_leaf(k, grid) for k in range(leaves)),
-                                    num_processes=grid[0], format_version=version))
+                                    num_processes=grid[0]))
     boxes = _host_boxes(grid)  # host 0's 8 devices, same mesh, as in part 1
     gc.collect()
     tracemalloc.start()
@@ -229,17 +249,17 @@ def _host_case(leaves: int, n: int, version: int, reps: int) -> dict[str, Any]:
     assert plan(m) == leaves * len(boxes)
     dec, pl = _best(decode, reps), _best(lambda: plan(m), reps)
     total = leaves * n
-    print(f"[host] format {version}, {leaves} x {n} chunks: decode {dec:.3f} s, plan {pl:.3f} s, "
+    print(f"[host] {leaves} x {n} chunks: decode {dec:.3f} s, plan {pl:.3f} s, "
           f"held {held / MiB:.0f} MiB", file=sys.stderr, flush=True)
-    return {"format": version, "leaves": leaves, "chunks_per_leaf": n, "chunks": total, "decode_s": dec, "plan_s": pl,
+    return {"leaves": leaves, "chunks_per_leaf": n, "chunks": total, "decode_s": dec, "plan_s": pl,
             "total_s": dec + pl, "us_per_chunk": 1e6 * (dec + pl) / total, "held_bytes": held,
             "held_bytes_per_chunk": held / total}
 
 
 def run_host(cases: list[tuple[int, int]], reps: int) -> list[dict[str, Any]]:
     """A restoring host's work before data moves: decode the manifest, plan its 8 units of
-    every leaf; format 1 (entries + ChunkIndex) beside formats 2 and 3 (chunk tables + GridIndex)."""
-    return [_host_case(leaves, n, v, reps) for leaves, n in cases for v in (1, 2, 3)]
+    every leaf (chunk tables + GridIndex)."""
+    return [_host_case(leaves, n, reps) for leaves, n in cases]
 
 
 def _selection_case(leaves: int, n: int, reps: int) -> dict[str, Any]:
@@ -430,10 +450,10 @@ def render(doc: dict[str, Any]) -> str:
     plan_rows = [[r["chunks"], r["layout"], r["units"], f"{r['scan_ms']:.3f}", f"{r['index_ms']:.3f}",
                   f"{r['speedup']:.1f}x", _f(r.get("grid_ms"), "{:.3f}"), _f(r.get("grid_speedup"), "{:.1f}x")]
                  for r in doc["planning"]]
-    host_rows = [[f"{r['leaves']} x {r['chunks_per_leaf']}", r["chunks"], r["format"], f"{r['decode_s']:.3f}",
+    host_rows = [[f"{r['leaves']} x {r['chunks_per_leaf']}", r["chunks"], f"{r['decode_s']:.3f}",
                   f"{r['plan_s']:.3f}", f"{r['total_s']:.3f}", f"{r['us_per_chunk']:.2f}",
                   f"{r['held_bytes'] / MiB:.1f}", f"{r['held_bytes_per_chunk']:.0f}"] for r in doc.get("host", [])]
-    codec_rows = [[f"{r['leaves']} x {r['chunks_per_leaf']}", r["chunks"], r["format"], f"{r['bytes'] / MiB:.1f}",
+    codec_rows = [[f"{r['leaves']} x {r['chunks_per_leaf']}", r["chunks"], f"{r['bytes'] / MiB:.1f}",
                    f"{r['bytes_per_chunk']:.0f}", f"{r['encode_s']:.2f}", f"{r['decode_s']:.2f}",
                    f"{r['encode_us_per_chunk']:.1f}", f"{r['decode_us_per_chunk']:.1f}"] for r in doc["codec"]]
     merge_rows = [[r["processes"], f"{r['leaves']} x {r['chunks_per_leaf']}", r["chunks"],
@@ -460,19 +480,18 @@ def render(doc: dict[str, Any]) -> str:
         "## Read planning: one host's 8 boxes of one leaf (8192 x 1024 f32) against N stored chunks",
         markdown_table(["chunks", "layout", "boxes", "scan (ms/leaf)", "ChunkIndex (ms/leaf)", "speedup",
                         "GridIndex, chunk table (ms/leaf)", "speedup"], plan_rows),
-        "## Manifest codec, format 1 (an object per chunk) vs 2 (a chunk table per leaf) vs 3 (the table with "
-        "binary columns): raw chunks, 2-d grid",
-        markdown_table(["leaves x chunks", "chunks", "format", "MiB", "bytes/chunk", "encode s", "decode s", "encode us/chunk",
+        "## Manifest codec (a chunk table per leaf, binary columns): raw chunks, 2-d grid",
+        markdown_table(["leaves x chunks", "chunks", "MiB", "bytes/chunk", "encode s", "decode s", "encode us/chunk",
                         "decode us/chunk"], codec_rows),
-        "## Commit on process 0: merge P fragments into the manifest (every checkpoint, RAM ones included)",
+        "## Commit on process 0: decode and merge P fragments into the manifest (every multi-process "
+        "checkpoint, RAM ones included)",
         markdown_table(["processes", "leaves x chunks", "chunks", "fragment bytes/chunk", "fragment encode us/chunk",
-                        "merge + encode s (RAM step)", "us/chunk", "+ validating decode s (persistent)", "us/chunk"],
-                       merge_rows),
+                        "decode + merge + encode s (RAM step)", "us/chunk", "+ validating decode s (persistent)",
+                        "us/chunk"], merge_rows),
         "## A restoring host before data moves: decode the manifest, plan its 8 units of every leaf",
-        "Format 1 decodes to one entry per chunk and plans through a ChunkIndex per leaf; formats 2 "
-        "and 3 to chunk tables (entries built on access) planned by bisecting the grid. `held` is the "
-        "decoded manifest's memory (tracemalloc).",
-        markdown_table(["leaves x chunks", "chunks", "format", "decode s", "plan s", "total s", "us/chunk",
+        "The manifest decodes to chunk tables (entries built on access) planned by bisecting the "
+        "grid. `held` is the decoded manifest's memory (tracemalloc).",
+        markdown_table(["leaves x chunks", "chunks", "decode s", "plan s", "total s", "us/chunk",
                         "held MiB", "held bytes/chunk"], host_rows),
         "## A RAM checkpoint's manifest through the coordinator (jax.distributed key-value store)",
         "Until `26ddef6` process 0 broadcast each multi-host RAM step's manifest through the store; "
@@ -494,8 +513,8 @@ def render(doc: dict[str, Any]) -> str:
         "## A RAM step's manifest to every restoring host (2 holders: process 0 and its ring successor)",
         "Before `manifest_relay`: every host without it asked every peer for its step lists and read one "
         "of the 2 holders. Now process 0 alone asks (one request per peer) and the others fetch down a "
-        "tree of fan-out 4 rooted at the holders. Bytes for the manifest of the largest codec case in "
-        "format 3 (x10 at 3000 leaves); `plan ms`: the survey's sources (process 0) and one host's "
+        "tree of fan-out 4 rooted at the holders. Bytes for the manifest of the largest codec case "
+        "(x10 at 3000 leaves); `plan ms`: the survey's sources (process 0) and one host's "
         "parent (each host computes only its own).",
         markdown_table(["hosts", "step-list requests, before", "busiest host serves, before", "step-list requests, now",
                         "busiest host serves, now", "tree depth", "plan ms"], relay_rows),
@@ -508,10 +527,9 @@ def plot(doc: dict[str, Any], path: Path) -> None:
         {"title": "read planning, same mesh (ms per leaf)", "ylabel": "ms", "groups": [str(r["chunks"]) for r in same],
          "series": {"scan": [r["scan_ms"] for r in same], "ChunkIndex": [r["index_ms"] for r in same],
                     "GridIndex": [r.get("grid_ms") or 0.0 for r in same]}},
-        {"title": "manifest decode (us per chunk)", "ylabel": "us",
-         "groups": [str(r["chunks"]) for r in doc["codec"] if r["format"] == 1],
-         "series": {f"format {v} {what}": [r[f"{what}_us_per_chunk"] for r in doc["codec"] if r["format"] == v]
-                    for v in (1, 2, 3) for what in ("encode", "decode")}},
+        {"title": "manifest codec (us per chunk)", "ylabel": "us",
+         "groups": [str(r["chunks"]) for r in doc["codec"]],
+         "series": {what: [r[f"{what}_us_per_chunk"] for r in doc["codec"]] for what in ("encode", "decode")}},
         {"title": "commit merge on process 0 (us per chunk)", "ylabel": "us",
          "groups": [str(r["chunks"]) for r in doc.get("merge", [])],
          "series": {"RAM step": [r["merge_us_per_chunk"] for r in doc.get("merge", [])],
@@ -547,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
            "broadcast": run_broadcast(codec_cases[1:2], 4, 2 if args.quick else 3),
            "selection": run_selection(codec_cases[1:], max(2, reps // 2)),
            "leaves": leaves}
-    manifest_bytes = max((r["bytes"] for r in doc["codec"] if r["format"] == 3), default=0)
+    manifest_bytes = max((r["bytes"] for r in doc["codec"]), default=0)
     doc["relay"] = run_relay([64, 512] if args.quick else [64, 512, 2048], manifest_bytes, reps)
     name = "planning_scale_quick" if args.quick else "planning_scale"
     write_json(args.results_dir / f"{name}.json", doc)

@@ -48,7 +48,7 @@ from fastckpt._pygc import paused_gc
 from fastckpt._restore_agreement import agree_on_outcome, agreed_storage_latest, choose_latest
 from fastckpt.reader.fetch import ChunkSource, RestoreStats, Unit, fill_units
 from fastckpt.storage._protocol import Store
-from fastckpt.writer.commit import exchange_ram_manifest, publish_and_commit, ram_chunk_entries
+from fastckpt.writer.commit import exchange_ram_manifest, publish_and_commit, ram_chunks
 from fastckpt.writer.pipeline import WriteStats, write_chunks
 from fastckpt.writer.stage import StagedSave, StagePlans, stage_state, staged_crc32c
 from fastckpt.writer.stats import SaveStats
@@ -223,8 +223,8 @@ class CheckpointManager:
         try:
             staged.finish_copies(self._workers, jobs=self._threads)  # before reading the buffer
             raw_crcs = staged_crc32c(staged, self._workers, jobs=self._threads)
-            chunks = ram_chunk_entries(staged, raw_crcs, step, writer=self._ram.member_id)
-            self._ram.seal(step, staged, chunks)
+            chunks = ram_chunks(staged, raw_crcs, step, writer=self._ram.member_id)
+            self._ram.seal(step, staged, raw_crcs)
             ram = self._ram
             manifest = exchange_ram_manifest(
                 coord=self.coordinator, ns=f"{self._ns}/{seq}", step=step, staged=staged, chunks=chunks,
@@ -268,7 +268,6 @@ class CheckpointManager:
                 store_run=self._io.run, store=self.store, coord=self.coordinator, ns=f"{self._ns}/{seq}",
                 step=step, save_id=save_id, staged=staged, chunks=chunks, error=error,
                 timeout_s=self.options.distributed.barrier_timeout_s, metadata=metadata, writer_version=_VERSION,
-                format_version=self.options.save.manifest_format,
             )
         finally:
             if not ram and error is None:  # (after a failed write, puts in threads may still read it)

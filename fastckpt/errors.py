@@ -117,7 +117,7 @@ class ManifestError(FastckptError, ValueError):
 
 
 class UnsupportedFormatVersionError(ManifestError):
-    """The manifest's ``format_version`` is not one this fastckpt can read."""
+    """The manifest's ``format_version`` is not 3, the one format this fastckpt reads."""
 
 
 class CheckpointNotFoundError(FastckptError, LookupError):

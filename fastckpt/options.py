@@ -13,7 +13,6 @@ import os
 from typing import Literal
 
 from fastckpt.errors import ConfigError
-from fastckpt.format.manifest import FORMAT_VERSION, READABLE_FORMAT_VERSIONS
 
 __all__ = [
     "DistributedOptions",
@@ -78,12 +77,6 @@ class SaveOptions:
     """Host memory for encoded-but-not-yet-uploaded bytes (beyond the staged copy)."""
     upload_concurrency: int = 4
     """Concurrent object uploads per process."""
-    manifest_format: int = FORMAT_VERSION
-    """Manifest format of persistent steps: 3 (a chunk table per leaf with binary numeric
-    columns; the default), 2 (the same table with JSON int columns, ~1.7x larger, ~2x slower
-    to decode) or 1 (an object per chunk, ~9x larger, ~15x slower) while readers on a
-    fastckpt that predates the default must still read new steps. RAM steps, internal to a
-    job, always use the default."""
     device_copy: Literal["auto", "pinned_host", "pageable"] = "auto"
     """How shards on accelerators reach host memory. ``"auto"``: through ``pinned_host``
     memory where the devices have it (full DMA speed; the copy into the staging buffer then
@@ -106,8 +99,6 @@ class SaveOptions:
             raise ConfigError(f"if_busy must be 'wait' or 'skip', got {self.if_busy!r}")
         if not 0.0 <= self.min_compression_gain < 1.0:
             raise ConfigError(f"min_compression_gain must be in [0, 1), got {self.min_compression_gain}")
-        if self.manifest_format not in READABLE_FORMAT_VERSIONS:
-            raise ConfigError(f"manifest_format must be one of {list(READABLE_FORMAT_VERSIONS)}, got {self.manifest_format!r}")
         if not -7 <= self.zstd_level <= 22:
             raise ConfigError(f"zstd_level must be in [-7, 22], got {self.zstd_level}")
         for name in ("encode_threads", "max_chunk_bytes", "object_bytes", "max_inflight_bytes", "upload_concurrency"):

@@ -10,7 +10,14 @@ from fastckpt._gc import find_leftovers, read_manifests
 from fastckpt.cli._util import dump_json, fmt_age, fmt_bytes, plural
 from fastckpt.errors import CheckpointNotFoundError
 from fastckpt.format.layout import manifest_key
-from fastckpt.format.manifest import ArrayLeaf, Manifest, ShardingSpec, ValueLeaf, keypath_str
+from fastckpt.format.manifest import (
+    FORMAT_VERSION,
+    ArrayLeaf,
+    Manifest,
+    ShardingSpec,
+    ValueLeaf,
+    keypath_str,
+)
 from fastckpt.storage import Store
 
 __all__ = ["cmd_inspect", "cmd_ls", "load_manifest"]
@@ -123,7 +130,7 @@ def _leaf_json(leaf: ArrayLeaf | ValueLeaf) -> dict[str, Any]:
     return {**path, "type": "array", "kind": leaf.kind, "shape": list(leaf.shape), "dtype": leaf.dtype,
             "key_impl": leaf.key_impl, "sharding": sharding, "logical_bytes": leaf.nbytes,
             "stored_bytes": leaf.stored_bytes, "ratio": _ratio(leaf.stored_bytes, leaf.nbytes),
-            "chunks": len(leaf.chunks), "objects": len({c.key for c in leaf.chunks})}
+            "chunks": len(leaf.chunks), "objects": len(leaf.chunks.object_keys())}
 
 
 def _dtype_str(leaf: ArrayLeaf) -> str:
@@ -137,14 +144,16 @@ async def cmd_inspect(store: Store, step: int | None, *, as_json: bool) -> int:
     m = await load_manifest(store, step)
     if as_json:
         dump_json({
-            "root": store.url, "step": m.step, "format_version": m.format_version, "created_unix": m.created_unix,
+            "root": store.url, "step": m.step, "format_version": FORMAT_VERSION,
+            "created_unix": m.created_unix,
             "writer_version": m.writer_version, "num_processes": m.num_processes, "metadata": m.metadata,
             "logical_bytes": m.nbytes, "stored_bytes": m.stored_bytes, "ratio": _ratio(m.stored_bytes, m.nbytes),
             "objects": len(m.object_keys()), "leaves": [_leaf_json(leaf) for leaf in m.leaves],
         })
         return 0
     out = sys.stdout
-    out.write(f"{store.url}  step {m.step}  (format {m.format_version}, written by fastckpt {m.writer_version or '?'}, "
+    out.write(f"{store.url}  step {m.step}  (format {FORMAT_VERSION}, "
+              f"written by fastckpt {m.writer_version or '?'}, "
               f"{m.num_processes} process{'es' if m.num_processes != 1 else ''}, {_when(m.created_unix)})\n")
     if m.metadata:
         import json

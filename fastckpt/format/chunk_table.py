@@ -1,41 +1,37 @@
-"""Format 2's chunk table: one array leaf's chunks as columns, their boxes as a grid.
+"""The chunk table: one array leaf's chunks as columns, their boxes as a grid.
 
-A pod-scale manifest lists millions of chunks (3000 leaves x 512 devices). Format 1 wrote an
-object per chunk (~180 bytes, ~19 us to decode); the table writes each field as one list per
-leaf, names object keys by an index into the manifest's ``"objects"`` list, and, when the
-boxes are the cells of a grid in C order (how fastckpt sorts the chunks of every sharding it
-saves), writes the grid's cuts instead of one box per chunk. JSON (an array leaf's
-``"chunks"``)::
+A pod-scale manifest lists millions of chunks (3000 leaves x 512 devices), so an array leaf's
+``"chunks"`` is a table: each field one column per leaf, object keys named by an index into
+the manifest's ``"objects"`` list, and, when the boxes are the cells of a grid in C order
+(how fastckpt sorts the chunks of every sharding it saves), the grid's cuts instead of one
+box per chunk. The numeric columns (``"object"``, ``"offset"``, ``"length"``, ``"crc32c"``,
+``"raw_crc32c"``) are *binary columns*: a string ``"<kind>:<base64>"``, the base64 of the
+values as little-endian unsigned integers of ``kind`` (``u1``, ``u2``, ``u4`` or ``u8``; the
+writer picks the narrowest that holds them), read with one base64 call and
+``np.frombuffer``. JSON (an array leaf's ``"chunks"``)::
 
     {"grid": [[0, 4096, 8192], [0, 512, 1024]],   # cuts per dimension: 2 x 2 cells, C order
-     "object": [0, 0, 1, 1],                       # index into the manifest's "objects"
-     "offset": [0, 2097152, 0, 2097152],
-     "length": [2097152, 2097152, 2097152, 2097152],
+     "object": "u1:AAABAQ==",                      # index into the manifest's "objects"
+     "offset": "u4:...", "length": "u4:...",
      "codec": "raw",                               # one for all chunks, or a list
-     "crc32c": [...], "raw_crc32c": [...]}
+     "crc32c": "u4:...", "raw_crc32c": "u4:..."}
 
 ``"boxes": [[start0, stop0, start1, stop1, ...], ...]`` (one flat list per chunk, any order)
 replaces ``"grid"`` when the boxes are not such a grid. ``raw_length`` is not written: it is
 the box volume times the itemsize. Checksums are u32.
 
-Format 3 writes the same table with its five numeric columns (``"object"``, ``"offset"``,
-``"length"``, ``"crc32c"``, ``"raw_crc32c"``) as *binary columns*: a string
-``"<kind>:<base64>"``, the base64 of the values as little-endian unsigned integers of
-``kind`` (``u1``, ``u2``, ``u4`` or ``u8``; the writer picks the narrowest that holds them),
-e.g. ``"object": "u1:AAABAQ=="``. A reader decodes a column with one base64 call and
-``np.frombuffer`` instead of parsing and range-checking a JSON int per chunk.
-
-Decoding validates what format 1 validates (boxes inside the array and tiling it, keys safe,
-numbers in range, raw chunks' lengths) column by column, with numpy where it can, and returns
-a :class:`~fastckpt.format.manifest.ChunkTable`: the columns, whose
-:class:`~fastckpt.format.manifest.ChunkEntry` objects are built on access. No I/O.
+Decoding validates every column (boxes inside the array and tiling it, keys safe, numbers
+in range, raw chunks' lengths) with numpy where it can, and returns a
+:class:`~fastckpt.format.manifest.ChunkTable`: the columns, whose
+:class:`~fastckpt.format.manifest.ChunkEntry` objects are built on access. The column codec
+(:func:`encode_column`, :func:`binary_array`) is also the commit fragments' (``writer.fragment``).
+No I/O.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import contextlib
 import functools
 import itertools
 import math
@@ -50,16 +46,15 @@ from fastckpt.format.manifest import Box, ChunkEntry, ChunkTable, box_volume
 from fastckpt.storage._protocol import validate_key
 
 __all__ = [
-    "CODECS", "NUMERIC_COLUMNS", "U32", "binary_array", "checked_uint", "codec_column", "decode_chunk_table", "decode_object_keys",
-    "encode_chunk_table", "encode_column", "grid_cuts", "narrow_uint", "table_json", "uint_array",
+    "CODECS", "U32", "binary_array", "checked_uint", "codec_column", "decode_chunk_table",
+    "decode_object_keys", "encode_column", "encode_table", "grid_cuts", "narrow_uint",
+    "table_from_entries",
 ]
 
-#: The codec names, in the order of their codes in a commit fragment's numpy column.
+#: The codec names, in the order of their codes in a commit's numpy codec column.
 CODECS = ("raw", "zstd")
 U32 = 0xFFFFFFFF
 _COLUMNS = ("object", "offset", "length", "codec", "crc32c", "raw_crc32c")
-#: The columns format 3 writes as binary columns.
-NUMERIC_COLUMNS = ("object", "offset", "length", "crc32c", "raw_crc32c")
 _KINDS = {f"u{n}": np.dtype(f"<u{n}") for n in (1, 2, 4, 8)}
 _STRUCT_CODES = (("u1", "B", 1 << 8), ("u2", "H", 1 << 16), ("u4", "I", 1 << 32), ("u8", "Q", 1 << 64))
 
@@ -84,46 +79,62 @@ def grid_cuts(boxes: Sequence[Box], shape: tuple[int, ...]) -> list[list[int]] |
     return cuts
 
 
-def encode_chunk_table(
-    chunks: Sequence[ChunkEntry], *, shape: tuple[int, ...], itemsize: int, objects: dict[str, int],
-    binary: bool = False,
-) -> dict[str, Any]:
-    """JSON object of a leaf's chunks (``binary``: format 3's binary columns). ``objects``
-    maps object keys to their index in the manifest's ``"objects"`` list; keys not in it
-    yet are appended (insertion order is the list's order). ``ManifestError`` if a chunk's
-    ``raw_length`` is not its box volume x ``itemsize`` (the table does not store it, so it
-    could not come back)."""
+def table_from_entries(chunks: Sequence[ChunkEntry], *, shape: tuple[int, ...], itemsize: int
+                       ) -> ChunkTable:
+    """The :class:`ChunkTable` of ``chunks``, in their order: a grid when their boxes are a
+    grid's cells in C order, else listed boxes. ``ManifestError`` if a chunk's ``raw_length``
+    is not its box volume x ``itemsize`` (a table does not store it, so it could not come
+    back). Checks nothing else: the manifest codec validates a table when it decodes one."""
     for c in chunks:
         if c.raw_length != box_volume(c.box) * itemsize:
-            fail(f"chunk {list(c.box)}: raw_length {c.raw_length} != box volume x itemsize {itemsize}")
-    cuts = grid_cuts([c.box for c in chunks], shape)
-    table: dict[str, Any] = (
-        {"grid": cuts} if cuts is not None else {"boxes": [[v for iv in c.box for v in iv] for c in chunks]}
-    )
+            fail(f"chunk {list(c.box)}: raw_length {c.raw_length} != box volume x itemsize "
+                 f"{itemsize}")
+    boxes = [c.box for c in chunks]
+    cuts = grid_cuts(boxes, shape)
+    keys: dict[str, int] = {}
+    index = np.array([keys.setdefault(c.key, len(keys)) for c in chunks], np.int32)
     codecs = {c.codec for c in chunks}
-    table["object"] = [objects.setdefault(c.key, len(objects)) for c in chunks]
-    table["offset"] = [c.offset for c in chunks]
-    table["length"] = [c.length for c in chunks]
-    table["codec"] = next(iter(codecs)) if len(codecs) == 1 else [c.codec for c in chunks]
-    table["crc32c"] = [c.crc32c for c in chunks]
-    table["raw_crc32c"] = [c.raw_crc32c for c in chunks]
-    if binary:
-        for k in NUMERIC_COLUMNS:
-            table[k] = encode_column(table[k])
-    return table
+    return ChunkTable(
+        cuts=cuts, boxes=None if cuts is not None else boxes, keys=list(keys), object_index=index,
+        offsets=np.array([c.offset for c in chunks], np.int64),
+        lengths=np.array([c.length for c in chunks], np.int64),
+        codec=next(iter(codecs)) if len(codecs) == 1 else tuple(c.codec for c in chunks),
+        crc32c=np.array([c.crc32c for c in chunks], np.uint32),
+        raw_crc32c=np.array([c.raw_crc32c for c in chunks], np.uint32), itemsize=itemsize)
+
+
+def encode_table(table: ChunkTable, *, shape: tuple[int, ...], remap: np.ndarray | None = None
+                 ) -> dict[str, Any]:
+    """JSON object of a leaf's chunk table (of an array of ``shape``), from its columns: its
+    boxes as a grid whenever they are one (a table listing a grid's cells in C order is
+    written as the grid). ``remap[i]`` is the index in the manifest's ``"objects"`` of the
+    table's object key ``i``; None when the table's keys are that list (a decoded manifest's
+    tables, the commit's merged ones)."""
+    cols = table.columns()
+    cuts = cols.cuts if cols.cuts is not None else grid_cuts(cols.boxes or (), shape)
+    out: dict[str, Any] = (
+        {"grid": [list(c) for c in cuts]} if cuts is not None
+        else {"boxes": [[v for iv in box for v in iv] for box in cols.boxes or ()]}
+    )
+    out["object"] = encode_column(cols.object_index if remap is None else remap[cols.object_index])
+    out["offset"] = encode_column(cols.offsets)
+    out["length"] = encode_column(cols.lengths)
+    out["codec"] = cols.codec if type(cols.codec) is str else list(cols.codec)
+    out["crc32c"] = encode_column(cols.crc32c)
+    out["raw_crc32c"] = encode_column(cols.raw_crc32c)
+    return out
 
 
 def narrow_uint(values: np.ndarray | Sequence[int]) -> np.ndarray:
     """``values`` (ints in ``[0, 2**64)``) as little-endian unsigned ints of the narrowest of
-    ``u1 u2 u4 u8`` that holds them (``u1`` when empty): format 3's binary columns and the
-    commit fragments' columns."""
+    ``u1 u2 u4 u8`` that holds them (``u1`` when empty): a binary column's values."""
     arr = np.asarray(values, np.uint64) if not isinstance(values, np.ndarray) else values
     kind = "u1" if not arr.size else f"u{np.min_scalar_type(int(arr.max())).itemsize}"
     return arr.astype(_KINDS[kind], copy=False)
 
 
 def encode_column(values: np.ndarray | Sequence[int]) -> str:
-    """Format 3's binary column of ``values`` (ints in ``[0, 2**64)``): ``"<kind>:<base64>"``
+    """The binary column of ``values`` (ints in ``[0, 2**64)``): ``"<kind>:<base64>"``
     in the narrowest kind that holds them."""
     if not isinstance(values, np.ndarray) and values and 0 <= min(values):
         top = max(values)  # a list of a few ints (a leaf's chunks): struct is ~4x numpy's cost
@@ -132,13 +143,6 @@ def encode_column(values: np.ndarray | Sequence[int]) -> str:
                 return f"{kind}:" + base64.b64encode(struct.pack(f"<{len(values)}{code}", *values)).decode("ascii")
     arr = narrow_uint(values)
     return f"u{arr.itemsize}:" + base64.b64encode(arr.tobytes()).decode("ascii")
-
-
-def table_json(table: Mapping[str, Any], *, binary: bool) -> dict[str, Any]:
-    """A ready chunk table (what the commit merge builds: the numeric columns as numpy
-    arrays) in format 2's JSON form (lists) or format 3's (``binary`` columns)."""
-    return {k: (encode_column(v) if binary else v.tolist()) if isinstance(v, np.ndarray) else v
-            for k, v in table.items()}
 
 
 def codec_column(obj: Any, n: int, what: str) -> list[str]:
@@ -178,7 +182,7 @@ def decode_object_keys(obj: Any, what: str) -> list[str]:
     return keys
 
 
-def _listed_boxes(obj: Any, shape: tuple[int, ...], what: str, tiling: bool) -> list[Box]:
+def _listed_boxes(obj: Any, shape: tuple[int, ...], what: str) -> list[Box]:
     rows = json_list(obj, what)
     ndim = len(shape)
     out: list[Box] = []
@@ -190,52 +194,35 @@ def _listed_boxes(obj: Any, shape: tuple[int, ...], what: str, tiling: bool) -> 
             if not 0 <= a <= b <= n:
                 fail(f"{what}[{i}]: dimension {d}: [{a}, {b}) outside [0, {n})")
         out.append(box)
-    if not tiling:
-        return out
     check_tiling(out, shape, what)
     return out
 
 
-def uint_array(obj: Any, n: int, what: str, hi: int, dtype: type[np.integer[Any]] = np.int64) -> np.ndarray:
-    """A JSON list of ``n`` ints in ``[0, hi]`` as a numpy array of ``dtype`` (which must hold
-    ``hi``): one type pass in Python, the range checks in numpy; the first bad value is named
-    (bools, floats and ints beyond int64 included, none is cast)."""
-    col = json_list(obj, what)
-    if len(col) != n:
-        fail(f"{what}: {len(col)} entries for {n} chunks")
-    if not col:
-        return np.zeros(0, dtype)
-    arr = None
-    if set(map(type, col)) == {int}:
-        with contextlib.suppress(OverflowError):
-            arr = np.array(col, np.int64)
-    if arr is None or int(arr.min()) < 0 or int(arr.max()) > hi:
-        i, bad = next((i, v) for i, v in enumerate(col) if type(v) is not int or not 0 <= v <= hi)
-        fail(f"{what}[{i}]: expected an int in [0, {hi}], got {bad!r:.80}")
-    return arr.astype(dtype, copy=False)
-
-
-def binary_array(obj: Any, n: int, what: str, hi: int, dtype: type[np.integer[Any]] = np.int64) -> np.ndarray:
-    """A format-3 binary column of ``n`` ints in ``[0, hi]`` as a numpy array of ``dtype``
-    (which must hold ``hi``); the first value out of range is named. The string's length is
-    checked before it is decoded."""
+def binary_array(obj: Any, n: int | None, what: str, hi: int,
+                 dtype: type[np.integer[Any]] = np.int64) -> np.ndarray:
+    """A binary column of ``n`` ints (as many as it holds when ``n`` is None) in ``[0, hi]``
+    as a numpy array of ``dtype`` (which must hold ``hi``); the first value out of range is
+    named. With ``n`` given, the string's length is checked before it is decoded."""
     kind, sep, text = obj.partition(":") if type(obj) is str else ("", "", "")
     if not sep or kind not in _KINDS:
         fail(f"{what}: expected a binary column '<u1|u2|u4|u8>:<base64>', got {obj!r:.60}")
-    nbytes = n * _KINDS[kind].itemsize
-    if len(text) != 4 * -(-nbytes // 3):
-        fail(f"{what}: {len(text)} base64 characters for {n} values of {kind} ({nbytes} bytes)")
+    size = _KINDS[kind].itemsize
+    if n is not None and len(text) != 4 * -(-(n * size) // 3):
+        fail(f"{what}: {len(text)} base64 characters for {n} values of {kind} ({n * size} bytes)")
     try:
         raw = binascii.a2b_base64(text, strict_mode=True)
     except (binascii.Error, ValueError) as e:
         fail(f"{what}: not base64: {e}")
-    if len(raw) != nbytes:
-        fail(f"{what}: {len(raw)} bytes for {n} values of {kind}")
-    return checked_uint(np.frombuffer(raw, _KINDS[kind]), n, what, hi, dtype)
+    if n is None and len(raw) % size:
+        fail(f"{what}: {len(raw)} bytes is not a whole number of {kind} values")
+    count = len(raw) // size if n is None else n
+    if len(raw) != count * size:
+        fail(f"{what}: {len(raw)} bytes for {count} values of {kind}")
+    return checked_uint(np.frombuffer(raw, _KINDS[kind]), count, what, hi, dtype)
 
 
 def checked_uint(col: np.ndarray, n: int, what: str, hi: int, dtype: type[np.integer[Any]] = np.int64) -> np.ndarray:
-    """An unsigned numpy column (format 3's, a commit fragment's) as ``dtype`` (which must
+    """An unsigned numpy column (a decoded binary column) as ``dtype`` (which must
     hold ``hi``) after checking it has ``n`` values in ``[0, hi]``; the first bad one named."""
     if len(col) != n:
         fail(f"{what}: {len(col)} values, expected {n}")
@@ -246,14 +233,12 @@ def checked_uint(col: np.ndarray, n: int, what: str, hi: int, dtype: type[np.int
 
 
 def decode_chunk_table(
-    obj: Any, *, shape: tuple[int, ...], itemsize: int, objects: Sequence[str], what: str, tiling: bool = True,
-    binary: bool = False,
+    obj: Any, *, shape: tuple[int, ...], itemsize: int, objects: Sequence[str], what: str,
 ) -> ChunkTable:
     """Validate a leaf's chunk table and return it as a :class:`ChunkTable` (entries are
     built on access); ``ManifestError`` on any flaw. ``objects`` is the (validated,
-    :func:`decode_object_keys`) object key list. With ``tiling=False`` (one process's part of
-    a leaf) listed boxes need not tile the array nor be disjoint; a grid always tiles it.
-    ``binary``: the numeric columns are format 3's binary columns, else JSON lists."""
+    :func:`decode_object_keys`) object key list. The boxes must tile the array exactly (a
+    grid always does)."""
     d: Mapping[str, Any] = json_dict(obj, what, _COLUMNS)
     if ("grid" in d) == ("boxes" in d):
         fail(f"{what}: expected exactly one of 'grid' and 'boxes'")
@@ -263,14 +248,13 @@ def decode_chunk_table(
         cuts = _grid(d["grid"], shape, f"{what}.grid")
         n = math.prod(len(c) - 1 for c in cuts)  # checked against the columns before building
     else:
-        listed = _listed_boxes(d["boxes"], shape, f"{what}.boxes", tiling)
+        listed = _listed_boxes(d["boxes"], shape, f"{what}.boxes")
         n = len(listed)
-    column = binary_array if binary else uint_array
-    index = column(d["object"], n, f"{what}.object", len(objects) - 1, np.int32)
-    offsets = column(d["offset"], n, f"{what}.offset", MAX_INT)
-    lengths = column(d["length"], n, f"{what}.length", MAX_INT)
-    crcs = column(d["crc32c"], n, f"{what}.crc32c", U32, np.uint32)
-    raw_crcs = column(d["raw_crc32c"], n, f"{what}.raw_crc32c", U32, np.uint32)
+    index = binary_array(d["object"], n, f"{what}.object", len(objects) - 1, np.int32)
+    offsets = binary_array(d["offset"], n, f"{what}.offset", MAX_INT)
+    lengths = binary_array(d["length"], n, f"{what}.length", MAX_INT)
+    crcs = binary_array(d["crc32c"], n, f"{what}.crc32c", U32, np.uint32)
+    raw_crcs = binary_array(d["raw_crc32c"], n, f"{what}.raw_crc32c", U32, np.uint32)
     codec = d["codec"]
     codecs = codec_column(codec, n, f"{what}.codec")
     if math.prod(shape) * itemsize > MAX_INT:  # (any codec: a chunk's raw_length is bounded by it)

@@ -17,11 +17,8 @@ JSON layout (``format_version`` 3, what this fastckpt writes)::
 
 An array leaf's ``"chunks"`` is a chunk table (:mod:`fastckpt.format.chunk_table`: columns,
 object keys by index into ``"objects"``, boxes as a grid's cuts), its numeric columns binary
-(``"<kind>:<base64>"`` of little-endian unsigned ints). Format 2 (still read and written on
-request) is the same with those columns as JSON lists of ints. Format 1 (still read, and
-written for a ``Manifest`` whose ``format_version`` is 1) has no ``"objects"`` and lists
-one object per chunk: ``{"box": [[0, 1024], [0, 128]], "key": "steps/...", "offset": 0,
-"length": 123, "raw_length": 262144, "codec": "zstd", "crc32c": 1234, "raw_crc32c": 5678}``.
+(``"<kind>:<base64>"`` of little-endian unsigned ints). ``format_version`` 3 is the only
+format: any other is refused with ``UnsupportedFormatVersionError``.
 
 Floats that JSON cannot hold (nan, inf) are written as strings ``"nan"``, ``"inf"``,
 ``"-inf"``; complex values as ``[re, im]``.
@@ -29,11 +26,11 @@ Floats that JSON cannot hold (nan, inf) are written as strings ``"nan"``, ``"inf
 Integrity: the encoder writes ``"manifest_crc32c"`` first, the crc32c of the canonical JSON
 of every other field (sorted keys, compact separators), so a manifest corrupted at rest or in
 transit (a renamed leaf, a changed value leaf, dtype or metadata: changes the chunk
-checksums cannot see) fails to decode instead of restoring wrong state. The decoder checks
-it after the structural checks (so a malformed manifest still reports its first flaw), on the
-raw bytes when they are laid out as the encoder writes them, else on the canonical
-re-encoding of the parsed document. Manifests without the field (hand-written ones) are
-accepted as before. Numbers that overflow a float (``1e400``) are refused.
+checksums cannot see) fails to decode instead of restoring wrong state. The field is
+mandatory: a manifest without it is refused (``ManifestError``). The decoder checks it after
+the structural checks (so a malformed manifest still reports its first flaw), on the raw
+bytes when they are laid out as the encoder writes them, else on the canonical re-encoding
+of the parsed document. Numbers that overflow a float (``1e400``) are refused.
 """
 
 from __future__ import annotations
@@ -41,13 +38,13 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, NoReturn
+
+import numpy as np
 
 from fastckpt._checksum import crc32c
 from fastckpt.errors import ManifestError, UnsupportedFormatVersionError
-from fastckpt.format._checks import MAX_INT as _MAX_INT
-from fastckpt.format._checks import check_tiling
 from fastckpt.format._checks import fail as _fail
 from fastckpt.format._checks import json_dict as _dict
 from fastckpt.format._checks import json_float as _float_from_json
@@ -55,21 +52,21 @@ from fastckpt.format._checks import json_int as _int
 from fastckpt.format._checks import json_list as _list
 from fastckpt.format._checks import json_str as _str
 from fastckpt._pygc import paused_gc
-from fastckpt.format.chunk_table import decode_chunk_table, decode_object_keys, encode_chunk_table, table_json
+from fastckpt.format.chunk_table import decode_chunk_table, decode_object_keys, encode_table
 from fastckpt.format.dtypes import dtype_from_name
 from fastckpt.format.manifest import (
-    READABLE_FORMAT_VERSIONS,
+    FORMAT_VERSION,
     ArrayLeaf,
-    ChunkEntry,
     KeyPath,
     Leaf,
     Manifest,
     ShardingSpec,
     ValueLeaf,
 )
-from fastckpt.storage._protocol import validate_key
 
-__all__ = ["MAX_MANIFEST_BYTES", "chunk_to_json", "decode_manifest", "encode_manifest"]
+__all__ = [
+    "CHECKSUM_FIELD", "MAX_MANIFEST_BYTES", "decode_manifest", "encode_manifest", "seal_document",
+]
 
 #: Manifests larger than this are refused before parsing (hostile-input guard).
 MAX_MANIFEST_BYTES = 512 * 1024 * 1024
@@ -90,7 +87,7 @@ def _float_to_json(x: float) -> float | str:
     return x
 
 
-def _leaf_to_json(leaf: Leaf, objects: dict[str, int] | None, binary: bool) -> dict[str, Any]:
+def _leaf_to_json(leaf: Leaf, objects: dict[str, int] | None) -> dict[str, Any]:
     path = [[k, v] for k, v in leaf.path]
     if isinstance(leaf, ValueLeaf):
         value: Any = leaf.value
@@ -117,60 +114,51 @@ def _leaf_to_json(leaf: Leaf, objects: dict[str, int] | None, binary: bool) -> d
         "dtype": leaf.dtype,
         "key_impl": leaf.key_impl,
         "sharding": sharding,
-        "chunks": [chunk_to_json(c) for c in leaf.chunks] if objects is None else encode_chunk_table(
-            leaf.chunks, shape=leaf.shape, itemsize=dtype_from_name(leaf.dtype).itemsize, objects=objects,
-            binary=binary),
+        "chunks": encode_table(leaf.chunks, shape=leaf.shape,
+                               remap=None if objects is None else _remap(leaf, objects)),
     }
 
 
-def chunk_to_json(c: ChunkEntry) -> dict[str, Any]:
-    """JSON object of one chunk entry."""
-    return {
-        "box": [list(iv) for iv in c.box],
-        "key": c.key,
-        "offset": c.offset,
-        "length": c.length,
-        "raw_length": c.raw_length,
-        "codec": c.codec,
-        "crc32c": c.crc32c,
-        "raw_crc32c": c.raw_crc32c,
-    }
+def _remap(leaf: ArrayLeaf, objects: dict[str, int]) -> np.ndarray:
+    """``leaf``'s table's object indices -> indices in ``objects`` (the keys it references
+    added in order of their index)."""
+    cols = leaf.chunks.columns()
+    remap = np.zeros(len(cols.keys), np.int64)
+    for k in np.unique(cols.object_index).tolist():
+        remap[k] = objects.setdefault(cols.keys[k], len(objects))
+    return remap
 
 
-def encode_manifest(manifest: Manifest, *, tables: tuple[Sequence[str], Mapping[KeyPath, Any]] | None = None) -> bytes:
-    """Serialise a manifest to UTF-8 JSON bytes (deterministic key order), in the layout of
-    its ``format_version``.
+def encode_manifest(manifest: Manifest) -> bytes:
+    """Serialise a manifest to UTF-8 JSON bytes (deterministic key order), checksum first.
 
-    ``tables=(objects, by_path)`` writes ready chunk tables (what the commit protocol
-    merges column by column, without a Python object per chunk: numeric columns as numpy
-    arrays, see ``chunk_table.table_json``) in place of the array leaves' ``chunks``, which
-    must then be empty; ``objects`` is the object key list the tables index (format 2 or 3).
-    The caller vouches for the tables (``decode_manifest`` checks them)."""
-    if manifest.format_version not in READABLE_FORMAT_VERSIONS:
-        _fail(f"cannot write format_version {manifest.format_version!r:.40} (this fastckpt writes "
-              f"{list(READABLE_FORMAT_VERSIONS)})")
-    if tables is not None and (manifest.format_version == 1 or any(a.chunks for a in manifest.arrays())):
-        _fail("ready chunk tables need format_version 2 or 3 and array leaves without chunks")
-    objects: dict[str, int] | None = None if manifest.format_version == 1 else {}
-    binary = manifest.format_version == 3
-    leaves = [_leaf_to_json(leaf, objects, binary) for leaf in manifest.leaves]
-    if tables is not None:
-        objects = dict.fromkeys(tables[0])
-        for leaf, d in zip(manifest.leaves, leaves):
-            if isinstance(leaf, ArrayLeaf):
-                d["chunks"] = table_json(tables[1][leaf.path], binary=binary)
+    Each array leaf's chunk table is written from its columns (no Python object per chunk).
+    When every table indexes one key list (a decoded manifest's, the commit's merge), that
+    list is the manifest's ``"objects"`` as it is; otherwise the keys the tables reference,
+    each once. The caller vouches for the tables: ``decode_manifest`` checks them."""
+    keys = [a.chunks.columns().keys for a in manifest.arrays()]
+    shared = keys[0] if keys and all(k is keys[0] for k in keys) else None
+    objects: dict[str, int] | None = None if shared is not None else {}
+    leaves = [_leaf_to_json(leaf, objects) for leaf in manifest.leaves]
     doc: dict[str, Any] = {
-        "format_version": manifest.format_version,
+        "format_version": FORMAT_VERSION,
         "step": manifest.step,
         "num_processes": manifest.num_processes,
         "created_unix": manifest.created_unix,
         "writer_version": manifest.writer_version,
         "metadata": manifest.metadata,
         "leaves": leaves,
+        "objects": list(shared if shared is not None else objects or ()),
     }
-    if objects is not None:
-        doc["objects"] = list(objects)
-    body = _canonical(doc)
+    return seal_document(doc)
+
+
+def seal_document(doc: Mapping[str, Any]) -> bytes:
+    """The bytes of a manifest document (decoded JSON; a ``manifest_crc32c`` in it is
+    replaced): its canonical JSON with the checksum first, as :func:`encode_manifest` writes
+    it. For tools and tests that edit a manifest's JSON; ``ManifestError`` if ``doc`` is not
+    JSON-serialisable."""
+    body = _canonical({k: v for k, v in doc.items() if k != CHECKSUM_FIELD})
     return b'{"%s":%d,' % (CHECKSUM_FIELD.encode(), crc32c(body)) + body[1:]
 
 
@@ -182,9 +170,10 @@ def _canonical(doc: Mapping[str, Any]) -> bytes:
 
 
 def _check_integrity(data: bytes, doc: dict[str, Any]) -> None:
-    """Verify ``manifest_crc32c`` (popped from ``doc``) if present; ``ManifestError`` if wrong."""
+    """Verify ``manifest_crc32c`` (popped from ``doc``); ``ManifestError`` if absent or wrong."""
     if CHECKSUM_FIELD not in doc:
-        return
+        _fail(f"manifest has no {CHECKSUM_FIELD}: refused (every manifest fastckpt writes carries "
+              "it; without it a corrupted manifest could restore wrong state)")
     stored = doc.pop(CHECKSUM_FIELD)
     if type(stored) is not int or not 0 <= stored <= 0xFFFFFFFF:
         _fail(f"{CHECKSUM_FIELD}: expected a u32, got {stored!r:.40}")
@@ -214,82 +203,6 @@ def _path(obj: Any, what: str) -> KeyPath:
             _int(key, f"{what}[{i}]")
         out.append((kind, key))
     return tuple(out)
-
-
-_CHUNK_FIELDS = ("box", "key", "offset", "length", "raw_length", "codec", "crc32c")
-
-
-def _chunk(obj: Any, shape: tuple[int, ...], itemsize: int, what: str | Callable[[], str],
-           keys_ok: set[str] | None = None) -> ChunkEntry:
-    """Validate one chunk entry. ``what`` names it in errors; a callable is only called to
-    build a message (decoding formats no string per chunk). ``keys_ok`` caches object keys
-    already validated (a manifest's chunks share few objects)."""
-
-    def fail(msg: str) -> NoReturn:
-        _fail((what() if callable(what) else what) + msg)
-
-    def uint(v: Any, field: str) -> int:
-        if type(v) is not int or not 0 <= v <= _MAX_INT:
-            fail(f"{field}: expected an int >= 0, got {v!r:.80}")
-        return v
-
-    def u32(v: Any, field: str) -> int:  # a crc32c: as formats 2 and 3 check it
-        if type(v) is not int or not 0 <= v < 1 << 32:
-            fail(f"{field}: expected an int in [0, {(1 << 32) - 1}], got {v!r:.80}")
-        return v
-
-    if type(obj) is not dict:
-        fail(f": expected an object, got {type(obj).__name__}")
-    missing = [k for k in _CHUNK_FIELDS if k not in obj]
-    if missing:
-        fail(f": missing field(s) {missing}")
-    raw_box = obj["box"]
-    if type(raw_box) is not list:
-        fail(f".box: expected a list, got {type(raw_box).__name__}")
-    if len(raw_box) != len(shape):
-        fail(f".box: box rank {len(raw_box)} != array rank {len(shape)}")
-    box = []
-    volume = 1
-    for d, (iv, n) in enumerate(zip(raw_box, shape)):
-        if type(iv) is not list:
-            fail(f".box[{d}]: expected a list, got {type(iv).__name__}")
-        if len(iv) != 2:
-            fail(f".box[{d}]: expected [start, stop]")
-        a, b = uint(iv[0], f".box[{d}]"), uint(iv[1], f".box[{d}]")
-        if not a <= b <= n:
-            fail(f".box[{d}]: [{a}, {b}) outside [0, {n})")
-        box.append((a, b))
-        volume *= b - a
-    key = obj["key"]
-    if type(key) is not str:
-        fail(f".key: expected a string, got {key!r:.80}")
-    if keys_ok is None or key not in keys_ok:
-        try:
-            validate_key(key)
-        except ValueError as e:
-            fail(f".key: {e}")
-        if keys_ok is not None:
-            keys_ok.add(key)
-    codec = obj["codec"]
-    if codec not in ("raw", "zstd"):
-        fail(f".codec: unknown codec {codec!r:.40}")
-    raw_length = uint(obj["raw_length"], ".raw_length")
-    if raw_length != volume * itemsize:
-        fail(f".raw_length {raw_length} != box volume x itemsize")
-    length = uint(obj["length"], ".length")
-    if codec == "raw" and length != raw_length:
-        fail(f": raw chunk length {length} != raw_length {raw_length}")
-    crc = obj["crc32c"]
-    return ChunkEntry(
-        box=tuple(box),
-        key=key,
-        offset=uint(obj["offset"], ".offset"),
-        length=length,
-        raw_length=raw_length,
-        codec=codec,
-        crc32c=u32(crc, ".crc32c"),
-        raw_crc32c=u32(obj.get("raw_crc32c", crc if codec == "raw" else 0), ".raw_crc32c"),
-    )
 
 
 def _sharding(obj: Any, rank: int, what: str) -> ShardingSpec | None:
@@ -346,8 +259,7 @@ def _value_leaf(d: Mapping[str, Any], path: KeyPath, what: str) -> ValueLeaf:
     return ValueLeaf(path=path, vtype=vtype, value=value)
 
 
-def _array_leaf(d: Mapping[str, Any], path: KeyPath, what: str, keys_ok: set[str],
-                objects: list[str] | None, binary: bool) -> ArrayLeaf:
+def _array_leaf(d: Mapping[str, Any], path: KeyPath, what: str, objects: list[str]) -> ArrayLeaf:
     d = _dict(d, what, ("shape", "dtype", "chunks"))
     shape_l = _list(d["shape"], f"{what}.shape")
     if len(shape_l) > _MAX_NDIM:
@@ -362,15 +274,9 @@ def _array_leaf(d: Mapping[str, Any], path: KeyPath, what: str, keys_ok: set[str
         _str(key_impl, f"{what}.key_impl")
     if kind == "prng_key" and key_impl is None:
         _fail(f"{what}: prng_key leaf without key_impl")
-    if objects is not None:  # formats 2 and 3: validated (tiling included) column by column
-        chunks = decode_chunk_table(d["chunks"], shape=shape, itemsize=dtype.itemsize, objects=objects,
-                                    what=f"{what}.chunks", binary=binary)
-    else:
-        chunks = tuple(
-            _chunk(c, shape, dtype.itemsize, lambda i=i: f"{what}.chunks[{i}]", keys_ok)  # type: ignore[misc]
-            for i, c in enumerate(_list(d["chunks"], f"{what}.chunks"))
-        )
-        check_tiling([c.box for c in chunks], shape, what)
+    # validated (tiling included) column by column
+    chunks = decode_chunk_table(d["chunks"], shape=shape, itemsize=dtype.itemsize, objects=objects,
+                                what=f"{what}.chunks")
     return ArrayLeaf(
         path=path,
         shape=shape,
@@ -395,8 +301,12 @@ def _finite_float(text: str) -> float:
 
 
 def decode_manifest(data: bytes | bytearray | memoryview) -> Manifest:
-    """Parse and validate manifest JSON; raises ``ManifestError`` (or a subclass) on any flaw.
-    Runs with the cyclic garbage collector paused (``fastckpt._pygc.paused_gc``, which names the hazard)."""
+    """Parse and validate manifest JSON; raises ``ManifestError`` (or a subclass) on any flaw:
+    ``UnsupportedFormatVersionError`` for a ``format_version`` other than 3, ``ManifestError``
+    for a manifest without its ``manifest_crc32c`` or whose checksum does not match. Every
+    array leaf's chunks decode to one :class:`~fastckpt.format.manifest.ChunkTable`, all
+    indexing one object key list. Runs with the cyclic garbage collector paused
+    (``fastckpt._pygc.paused_gc``, which names the hazard)."""
     with paused_gc():
         return _decode(data)
 
@@ -413,15 +323,14 @@ def _decode(data: bytes | bytearray | memoryview) -> Manifest:
     version = d["format_version"]
     if type(version) is not int:
         _fail(f"format_version must be an int, got {version!r:.40}")
-    if version not in READABLE_FORMAT_VERSIONS:
+    if version != FORMAT_VERSION:
         raise UnsupportedFormatVersionError(
             f"manifest format_version {version} is not supported (this fastckpt reads "
-            f"{', '.join(map(str, READABLE_FORMAT_VERSIONS))})"
+            f"format_version {FORMAT_VERSION} only)"
         )
-    objects = None if version == 1 else decode_object_keys(d.get("objects"), "objects")
+    objects = decode_object_keys(d.get("objects"), "objects")
     leaves: list[Leaf] = []
     seen: set[KeyPath] = set()
-    keys_ok: set[str] = set()
     for i, raw in enumerate(_list(d["leaves"], "leaves")):
         what = f"leaves[{i}]"
         ld = _dict(raw, what, ("path", "type"))
@@ -430,7 +339,7 @@ def _decode(data: bytes | bytearray | memoryview) -> Manifest:
             _fail(f"{what}: duplicate path")
         seen.add(path)
         if ld["type"] == "array":
-            leaves.append(_array_leaf(ld, path, what, keys_ok, objects, version == 3))
+            leaves.append(_array_leaf(ld, path, what, objects))
         elif ld["type"] == "value":
             leaves.append(_value_leaf(ld, path, what))
         else:
@@ -448,7 +357,6 @@ def _decode(data: bytes | bytearray | memoryview) -> Manifest:
         created_unix=float(created),
         writer_version=_str(d.get("writer_version", ""), "writer_version"),
         metadata=metadata,
-        format_version=version,
     )
     _check_integrity(data, doc)
     return manifest

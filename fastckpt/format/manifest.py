@@ -24,7 +24,6 @@ import numpy as np
 
 __all__ = [
     "FORMAT_VERSION",
-    "READABLE_FORMAT_VERSIONS",
     "ArrayLeaf",
     "Box",
     "ChunkEntry",
@@ -35,6 +34,7 @@ __all__ = [
     "Leaf",
     "Manifest",
     "ShardingSpec",
+    "TableColumns",
     "ValueLeaf",
     "box_shape",
     "box_volume",
@@ -43,11 +43,8 @@ __all__ = [
     "keypath_str",
 ]
 
-#: The on-disk format version this fastckpt writes.
+#: The on-disk format version: the only one this fastckpt writes and reads.
 FORMAT_VERSION = 3
-#: The versions it reads (1: one JSON object per chunk; 2: a chunk table per leaf; 3: the same
-#: table with binary numeric columns).
-READABLE_FORMAT_VERSIONS = (1, 2, 3)
 
 #: A box: per dimension a half-open ``(start, stop)`` interval of global indices.
 Box = tuple[tuple[int, int], ...]
@@ -105,17 +102,18 @@ def chunk_ids(leaf: ArrayLeaf) -> list[str]:
     formats each cut interval once and joins them per cell (about half the time of one
     :func:`chunk_id` per chunk, which counts when process 0 checks a pod's RAM step)."""
     prefix = chunk_id_prefix(leaf.path)
-    grid = leaf.chunks.grid if isinstance(leaf.chunks, ChunkTable) else None
+    grid = leaf.chunks.grid
     if grid is None:
-        boxes = leaf.chunks.boxes() if isinstance(leaf.chunks, ChunkTable) else [c.box for c in leaf.chunks]
-        return [chunk_id(leaf.path, box, prefix=prefix) for box in boxes]
+        return [chunk_id(leaf.path, box, prefix=prefix) for box in leaf.chunks.boxes()]
     dims = [[f"{a}:{b}" for a, b in zip(cuts[:-1], cuts[1:])] for cuts in grid]
     return [prefix + ",".join(cell) for cell in itertools.product(*dims)]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ChunkEntry:
-    """One stored chunk: a box of an array, stored contiguously (C order) in one object."""
+    """One stored chunk: a box of an array, stored contiguously (C order) in one object.
+
+    A row of a :class:`ChunkTable`, built when a reader asks for it."""
 
     box: Box
     """Global index box this chunk covers."""
@@ -139,17 +137,19 @@ _MAX_BUILT = 1 << 16  # entries a table keeps once built (a host's share of a le
 
 
 class ChunkTable(Sequence[ChunkEntry]):
-    """One leaf's chunks as columns (how format 2 stores them); a :class:`ChunkEntry` is
+    """One leaf's chunks as columns (how the manifest stores them); a :class:`ChunkEntry` is
     built only when asked for, so a host that restores 8 chunks of a leaf saved by 512
     devices builds 8 entries, not 512 (nor millions across a pod-scale tree).
 
-    Immutable, and equal to (hashing like) the tuple of its entries. Entries asked for by
-    index are kept (a restore repeated from the same decoded manifest builds none);
+    Immutable; two tables are equal (and hash alike) when their entries are. Entries asked
+    for by index are kept (a restore repeated from the same decoded manifest builds none);
     iterating builds every entry afresh, so callers that iterate often keep
     ``tuple(table)``. ``grid`` is the cuts per dimension when the chunks are the cells of a
     grid in C order (entry ``i`` is cell ``numpy.unravel_index(i, cells)``), else None;
     planning bisects it instead of scanning. Built by the manifest codec from validated
-    columns; constructing one by hand skips those checks. Thread-safe to read.
+    columns, by the commit's merge, or from entries by
+    :func:`fastckpt.format.chunk_table.table_from_entries`; constructing one by hand skips
+    the codec's checks. Thread-safe to read.
     """
 
     __slots__ = ("_boxes", "_built", "_cells", "_codec", "_crc", "_cuts", "_itemsize", "_keys", "_length", "_n",
@@ -162,7 +162,7 @@ class ChunkTable(Sequence[ChunkEntry]):
         object; ``codec`` is one codec for all chunks or one per chunk."""
         if (cuts is None) == (boxes is None):
             raise ValueError("ChunkTable needs exactly one of cuts and boxes")
-        self._cuts = None if cuts is None else tuple(tuple(int(v) for v in c) for c in cuts)
+        self._cuts = None if cuts is None else tuple([tuple(map(int, c)) for c in cuts])
         self._cells = None if self._cuts is None else tuple(tuple(zip(c[:-1], c[1:])) for c in self._cuts)
         self._boxes = None if boxes is None else tuple(boxes)
         if self._cells is not None:
@@ -245,8 +245,14 @@ class ChunkTable(Sequence[ChunkEntry]):
         """The object keys the chunks name."""
         return {self._keys[k] for k in np.unique(self._object).tolist()}
 
+    def columns(self) -> TableColumns:
+        """The table's columns as stored (read-only; what the manifest encoder writes)."""
+        return TableColumns(cuts=self._cuts, boxes=self._boxes, keys=self._keys,
+                            object_index=self._object, offsets=self._offset, lengths=self._length,
+                            codec=self._codec, crc32c=self._crc, raw_crc32c=self._raw_crc)
+
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, (ChunkTable, tuple)):
+        if isinstance(other, ChunkTable):
             return len(other) == self._n and all(a == b for a, b in zip(self, other))
         return NotImplemented
 
@@ -256,6 +262,24 @@ class ChunkTable(Sequence[ChunkEntry]):
     def __repr__(self) -> str:
         boxes = f"grid {self._cuts!r}" if self._cuts is not None else "listed boxes"
         return f"ChunkTable({self._n} chunks, {boxes})"
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class TableColumns:
+    """A :class:`ChunkTable`'s stored columns (:meth:`ChunkTable.columns`); no copies."""
+
+    cuts: tuple[tuple[int, ...], ...] | None
+    """The grid's cuts per dimension, or None when ``boxes`` lists the boxes."""
+    boxes: tuple[Box, ...] | None
+    keys: Sequence[str]
+    """Object keys; ``object_index`` indexes them (it may name only some)."""
+    object_index: np.ndarray
+    offsets: np.ndarray
+    lengths: np.ndarray
+    codec: Codec | Sequence[Codec]
+    """One codec for every chunk, or one per chunk."""
+    crc32c: np.ndarray
+    raw_crc32c: np.ndarray
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -275,26 +299,27 @@ class ArrayLeaf:
     shape: tuple[int, ...]
     dtype: str
     """Manifest dtype name (``fastckpt.format.dtypes``). For PRNG keys: the key data dtype."""
-    chunks: tuple[ChunkEntry, ...] | ChunkTable
-    """The chunks tiling the array (a :class:`ChunkTable` when decoded from format 2)."""
+    chunks: ChunkTable
+    """The chunks tiling the array."""
     kind: ArrayKind = "jax"
     sharding: ShardingSpec | None = None
     key_impl: str | None = None
     """For ``kind="prng_key"``: the PRNG implementation name (``shape`` is the key data's)."""
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.chunks, ChunkTable):
+            raise TypeError(
+                f"ArrayLeaf.chunks must be a ChunkTable, got {type(self.chunks).__name__}")
+
     @property
     def nbytes(self) -> int:
         """Logical (raw) size in bytes."""
-        if isinstance(self.chunks, ChunkTable):
-            return self.chunks.raw_bytes
-        return sum(c.raw_length for c in self.chunks)
+        return self.chunks.raw_bytes
 
     @property
     def stored_bytes(self) -> int:
         """Stored (compressed) size in bytes."""
-        if isinstance(self.chunks, ChunkTable):
-            return self.chunks.stored_bytes
-        return sum(c.length for c in self.chunks)
+        return self.chunks.stored_bytes
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -320,7 +345,6 @@ class Manifest:
     writer_version: str = ""
     metadata: dict[str, object] = dataclasses.field(default_factory=dict)
     """User JSON metadata (e.g. the data-loader position)."""
-    format_version: int = FORMAT_VERSION
 
     def arrays(self) -> tuple[ArrayLeaf, ...]:
         """The array leaves, in manifest order."""
@@ -344,5 +368,5 @@ class Manifest:
         """Every object key this manifest references."""
         keys: set[str] = set()
         for a in self.arrays():
-            keys.update(a.chunks.object_keys() if isinstance(a.chunks, ChunkTable) else (c.key for c in a.chunks))
+            keys.update(a.chunks.object_keys())
         return frozenset(keys)

@@ -143,11 +143,11 @@ class GridIndex:
 
 
 def leaf_index(leaf: ArrayLeaf, *, disjoint: bool = True) -> GridIndex | ChunkIndex:
-    """The cheapest overlap index of ``leaf.chunks``: a :class:`GridIndex` when they are a
-    table with a grid (format 2 as fastckpt writes it), else a :class:`ChunkIndex`
-    (``disjoint`` as there)."""
+    """The cheapest overlap index of ``leaf.chunks``: a :class:`GridIndex` when the table has
+    a grid (as fastckpt writes every sharding), else a :class:`ChunkIndex` (``disjoint`` as
+    there)."""
     chunks = leaf.chunks
-    if isinstance(chunks, ChunkTable) and chunks.grid is not None:
+    if chunks.grid is not None:
         return GridIndex(chunks)
     return ChunkIndex(chunks, disjoint=disjoint)
 
@@ -166,7 +166,7 @@ def plan_leaf_reads(leaf: ArrayLeaf, dst_box: Box, *, index: ChunkIndex | GridIn
     """
     items = []
     covered = 0
-    if index is None and isinstance(leaf.chunks, ChunkTable) and leaf.chunks.grid is not None:
+    if index is None and leaf.chunks.grid is not None:
         index = GridIndex(leaf.chunks)
     pairs = index.overlapping(dst_box) if index is not None else [(c, intersect(c.box, dst_box)) for c in leaf.chunks]
     if len(pairs) == 1 and pairs[0][1] == pairs[0][0].box == dst_box and box_volume(dst_box):

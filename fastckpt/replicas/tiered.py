@@ -40,7 +40,7 @@ from fastckpt._distributed import Coordinator
 from fastckpt.errors import ConfigError, DistributedError, FastckptError, ManifestError, PeerError, PeersUnreachableError
 from fastckpt.format.codec import decode_manifest
 from fastckpt.format.layout import ram_writer
-from fastckpt.format.manifest import ChunkEntry, Manifest, chunk_id, chunk_id_prefix, chunk_ids
+from fastckpt.format.manifest import Manifest, chunk_id, chunk_id_prefix, chunk_ids
 from fastckpt.options import RamOptions
 from fastckpt.replicas._address import peer_address
 from fastckpt.replicas.discovery import CoordinatorDirectory, PeerDirectory, StoreDirectory, make_record
@@ -228,17 +228,18 @@ class RamReplication:
         if seg is not None:
             self.tier.discard(seg)
 
-    def seal(self, step: int, staged: StagedSave, chunks: dict[int, list[ChunkEntry]]) -> None:
-        """Make this process's staged chunks of ``step`` visible (not yet committed)."""
+    def seal(self, step: int, staged: StagedSave, raw_crcs: dict[int, list[int]]) -> None:
+        """Make this process's staged chunks of ``step`` visible (not yet committed);
+        ``raw_crcs[i][j]`` is the crc32c of item ``j`` of ``staged.arrays[i]``."""
         seg = self._segment
         if seg is None:
             raise FastckptError(f"no RAM segment allocated for step {step}")
         index: dict[str, ChunkLocation] = {}
         for ai, arr in enumerate(staged.arrays):
-            crc_by_box = {c.box: c.raw_crc32c for c in chunks[ai]}
             prefix = chunk_id_prefix(arr.path)
-            for off, item in zip(arr.item_offsets, arr.items):
-                index[chunk_id(arr.path, item.box, prefix=prefix)] = ChunkLocation(off, item.nbytes, crc_by_box[item.box])
+            for off, item, crc in zip(arr.item_offsets, arr.items, raw_crcs[ai]):
+                cid = chunk_id(arr.path, item.box, prefix=prefix)
+                index[cid] = ChunkLocation(off, item.nbytes, crc)
         self.tier.seal(step, seg, index)  # refused or failed: the segment stays here for abort()
         self._segment = None
         self._sealed_ids = list(index)

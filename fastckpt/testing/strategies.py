@@ -12,6 +12,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
+from fastckpt.format.chunk_table import table_from_entries
 from fastckpt.format.dtypes import _BY_NAME
 from fastckpt.format.manifest import (
     ArrayLeaf,
@@ -196,7 +197,9 @@ def _array_leaf(draw: st.DrawFn, path: KeyPath) -> ArrayLeaf:
     dtype = draw(_DTYPES)
     kind = draw(_KINDS)
     key_impl = draw(_KEY_IMPLS) if kind == "prng_key" else None
-    chunks = draw(_chunk_entries(shape, _BY_NAME[dtype].itemsize))
+    itemsize = _BY_NAME[dtype].itemsize
+    entries = draw(_chunk_entries(shape, itemsize))
+    chunks = table_from_entries(entries, shape=shape, itemsize=itemsize)
     sharding = None if kind == "numpy" else draw(sharding_specs(len(shape)))
     return ArrayLeaf(path=path, shape=shape, dtype=dtype, chunks=chunks, kind=kind, sharding=sharding, key_impl=key_impl)
 

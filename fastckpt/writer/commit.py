@@ -3,12 +3,13 @@
 Protocol for save number ``seq`` of a manager (all processes call save in the same order):
 
 1. Every process uploads its objects (``writer.pipeline``). With more than one process it
-   then writes its *fragment* (its chunk list, binary columns: ``writer.fragment``) and publishes
-   ``<ns>/<seq>/done/<i> = "ok <fragment key>"``, or ``"err <message>"`` if anything failed.
+   then writes its *fragment* (its chunk list as a chunk table: ``writer.fragment``) and
+   publishes ``<ns>/<seq>/done/<i> = "ok <fragment key>"``, or ``"err <message>"`` if
+   anything failed. A single process writes no fragment: it merges its own chunk list.
 2. Process 0 waits for all ``done`` keys (bounded by ``barrier_timeout_s``; it stops early
-   at the first ``err``), reads the fragments, builds the manifest and writes it with a
-   create-only put. Only then does the step exist. It publishes ``<ns>/<seq>/commit`` as
-   ``"ok"`` or ``"err <message>"``.
+   at the first ``err``), reads and decodes the fragments, builds the manifest and writes
+   it with a create-only put. Only then does the step exist. It publishes
+   ``<ns>/<seq>/commit`` as ``"ok"`` or ``"err <message>"``.
 3. Every other process waits for ``commit`` (bounded) and raises if it is not ``ok``.
 
 A process that dies makes the others time out with :class:`BarrierTimeoutError`; no commit
@@ -31,21 +32,19 @@ from fastckpt.errors import (
     StepAlreadyCommittedError,
 )
 from fastckpt._pygc import paused_gc
-from fastckpt.format.chunk_table import decode_chunk_table, table_json
 from fastckpt.format.codec import decode_manifest, encode_manifest
-from fastckpt.format.dtypes import dtype_from_name
 from fastckpt.format.layout import fragment_key, manifest_key, ram_object_key, step_from_data_key
-from fastckpt.format.manifest import FORMAT_VERSION, ArrayLeaf, ChunkEntry, ChunkTable, KeyPath, Leaf, Manifest, keypath_str
+from fastckpt.format.manifest import ArrayLeaf, KeyPath, Leaf, Manifest
 from fastckpt.storage._protocol import Buffer, Store
-from fastckpt.writer.fragment import encode_fragment
-from fastckpt.writer.merge import merge_fragments
+from fastckpt.writer.fragment import ChunkRows, ProcessChunks, decode_fragments, encode_fragment
+from fastckpt.writer.merge import merge_chunks
 from fastckpt.writer.stage import StagedSave
 
 __all__ = [
     "build_manifest",
     "exchange_ram_manifest",
     "publish_and_commit",
-    "ram_chunk_entries",
+    "ram_chunks",
 ]
 
 _POLL_S = 0.05
@@ -56,36 +55,31 @@ def build_manifest(
     *,
     step: int,
     staged: StagedSave,
-    fragments: Sequence[bytes | memoryview],
+    parts: Sequence[ProcessChunks],
     num_processes: int,
     metadata: dict[str, object],
     writer_version: str,
-    format_version: int = FORMAT_VERSION,
     validate: bool = True,
 ) -> bytes:
-    """Merge the processes' fragments (``writer.merge``) and encode the manifest of a step in
-    ``format_version``'s layout; returns the bytes to store. The merge proves the tiling and
-    the ranges; ``validate`` also decodes the encoding (a persistent step's manifest, written
-    once and read for years, is checked end to end; a RAM step's, built every few steps,
-    is not: a bad one would be refused at restore and an older step used).
+    """Merge the processes' chunks (``writer.merge``) and encode the manifest of a step;
+    returns the bytes to store. The merge proves the tiling and the ranges; ``validate``
+    also decodes the encoding (a persistent step's manifest, written once and read for
+    years, is checked end to end; a RAM step's, built every few steps, is not: a bad one
+    would be refused at restore and an older step used).
     Runs with the cyclic garbage collector paused (``fastckpt._pygc.paused_gc``): the merged
     tables are millions of fresh ints, which the collector would otherwise walk while the
     manifest is encoded. Raises ``ManifestError``."""
     with paused_gc():
-        return _build(step, staged, fragments, num_processes, metadata, writer_version, format_version, validate)
+        return _build(step, staged, parts, num_processes, metadata, writer_version, validate)
 
 
-def _build(step: int, staged: StagedSave, fragments: Sequence[bytes | memoryview], num_processes: int,
-           metadata: dict[str, object], writer_version: str, format_version: int, validate: bool) -> bytes:
-    objects, tables = merge_fragments(fragments, staged)
+def _build(step: int, staged: StagedSave, parts: Sequence[ProcessChunks], num_processes: int,
+           metadata: dict[str, object], writer_version: str, validate: bool) -> bytes:
+    tables = merge_chunks(parts, staged)
     by_path: dict[KeyPath, Leaf] = {v.path: v for v in staged.values}
     for arr in staged.arrays:
-        chunks: tuple[ChunkEntry, ...] | ChunkTable = ()
-        if format_version == 1:  # format 1 needs the entries themselves
-            chunks = decode_chunk_table(table_json(tables[arr.path], binary=False), shape=arr.shape, itemsize=dtype_from_name(arr.dtype).itemsize,
-                                        objects=objects, what=f"array {keypath_str(arr.path)}")
         by_path[arr.path] = ArrayLeaf(
-            path=arr.path, shape=arr.shape, dtype=arr.dtype, chunks=chunks,
+            path=arr.path, shape=arr.shape, dtype=arr.dtype, chunks=tables[arr.path],
             kind=arr.kind, sharding=arr.sharding, key_impl=arr.key_impl,  # type: ignore[arg-type]
         )
     manifest = Manifest(
@@ -95,9 +89,8 @@ def _build(step: int, staged: StagedSave, fragments: Sequence[bytes | memoryview
         created_unix=time.time(),
         writer_version=writer_version,
         metadata=dict(metadata),
-        format_version=format_version,
     )
-    data = encode_manifest(manifest) if format_version == 1 else encode_manifest(manifest, tables=(objects, tables))
+    data = encode_manifest(manifest)
     if validate:
         decode_manifest(data)
     return data
@@ -155,12 +148,11 @@ def publish_and_commit(
     step: int,
     save_id: str,
     staged: StagedSave,
-    chunks: dict[int, list[ChunkEntry]] | None,
+    chunks: ProcessChunks | None,
     error: BaseException | None,
     timeout_s: float,
     metadata: dict[str, object],
     writer_version: str,
-    format_version: int = FORMAT_VERSION,
 ) -> bytes | None:
     """Run steps 1–3 of the protocol for this process (blocking; call off the train thread).
 
@@ -178,7 +170,7 @@ def publish_and_commit(
             try:
                 assert chunks is not None
                 fkey = fragment_key(step, save_id, idx)
-                store_run(store.put(fkey, encode_fragment(staged, chunks, idx), mode="overwrite"))
+                store_run(store.put(fkey, encode_fragment(chunks, staged, idx), mode="overwrite"))
                 coord.set(f"{ns}/done/{idx}", f"ok {fkey}", timeout_s=left())
             except BarrierTimeoutError:
                 raise  # the coordination service did not answer: a report would not get through either
@@ -199,11 +191,12 @@ def publish_and_commit(
             raise error
         assert chunks is not None
         if n > 1:
-            fragments = store_run(_read_all(store, _wait_all_done(coord, ns, deadline, step)))
+            keys = _wait_all_done(coord, ns, deadline, step)
+            parts = decode_fragments(store_run(_read_all(store, keys)), staged)
         else:
-            fragments = [encode_fragment(staged, chunks, 0)]
-        manifest_bytes = build_manifest(step=step, staged=staged, fragments=fragments, num_processes=n,
-                                        metadata=metadata, writer_version=writer_version, format_version=format_version)
+            parts = [chunks]
+        manifest_bytes = build_manifest(step=step, staged=staged, parts=parts, num_processes=n,
+                                        metadata=metadata, writer_version=writer_version)
         try:
             store_run(store.put(manifest_key(step), manifest_bytes, mode="create"))
         except AlreadyExistsError as e:
@@ -217,9 +210,9 @@ def publish_and_commit(
     return manifest_bytes
 
 
-def ram_chunk_entries(staged: StagedSave, raw_crcs: dict[int, list[int]], step: int, *,
-                      writer: str | None = None) -> dict[int, list[ChunkEntry]]:
-    """Chunk entries of a RAM-only step: raw codec, located in the staging segment.
+def ram_chunks(staged: StagedSave, raw_crcs: dict[int, list[int]], step: int, *,
+               writer: str | None = None) -> ProcessChunks:
+    """This process's chunks of a RAM-only step: raw codec, located in the staging segment.
 
     The key (:func:`ram_object_key`) names no persistent object: RAM tiers and peers find
     chunks by ``chunk_id`` and verify against ``raw_crc32c``. It names the ``writer``
@@ -227,14 +220,12 @@ def ram_chunk_entries(staged: StagedSave, raw_crcs: dict[int, list[int]], step: 
     member wrote each chunk, and so which peers hold it (the writer and its ring successors).
     """
     key = ram_object_key(step, writer)
-    out: dict[int, list[ChunkEntry]] = {}
+    rows = ChunkRows()
     for ai, arr in enumerate(staged.arrays):
-        out[ai] = [
-            ChunkEntry(box=it.box, key=key, offset=arr.item_offsets[ii], length=it.nbytes,
-                       raw_length=it.nbytes, codec="raw", crc32c=raw_crcs[ai][ii], raw_crc32c=raw_crcs[ai][ii])
-            for ii, it in enumerate(arr.items)
-        ]
-    return out
+        crcs = raw_crcs[ai]
+        for ii, it in enumerate(arr.items):
+            rows.add(ai, it.box, key, arr.item_offsets[ii], it.nbytes, "raw", crcs[ii], crcs[ii])
+    return rows.build()
 
 
 _HELD = "held by process 0"  # the RAM manifest record when it is not broadcast
@@ -246,7 +237,7 @@ def exchange_ram_manifest(
     ns: str,
     step: int,
     staged: StagedSave,
-    chunks: dict[int, list[ChunkEntry]],
+    chunks: ProcessChunks,
     timeout_s: float,
     metadata: dict[str, object],
     writer_version: str,
@@ -255,7 +246,8 @@ def exchange_ram_manifest(
 ) -> bytes | None:
     """Build the manifest of a RAM-only step through the coordinator; returns it (or None).
 
-    Each process publishes its fragment under ``<ns>/ramfrag/<i>``; process 0 merges them,
+    Each process publishes its fragment under ``<ns>/ramfrag/<i>`` (a single process merges
+    its own chunks, with no fragment); process 0 decodes and merges them,
     calls ``hold(manifest)`` (stores it in its RAM tier) and only then tells the others
     under ``<ns>/rammanifest``, so the manifest exists before any process counts the step
     as committed. With ``broadcast`` the record is the manifest itself and every process
@@ -267,8 +259,8 @@ def exchange_ram_manifest(
     """
     idx, n = coord.process_index, coord.process_count
     if n == 1:
-        data = build_manifest(step=step, staged=staged, fragments=[encode_fragment(staged, chunks, 0)],
-                              num_processes=1, metadata=metadata, writer_version=writer_version, validate=False)
+        data = build_manifest(step=step, staged=staged, parts=[chunks], num_processes=1,
+                              metadata=metadata, writer_version=writer_version, validate=False)
         hold(data)
         return data
     deadline = time.monotonic() + timeout_s
@@ -276,11 +268,12 @@ def exchange_ram_manifest(
     def left() -> float:
         return max(0.001, deadline - time.monotonic())
 
-    coord.set_bytes(f"{ns}/ramfrag/{idx}", encode_fragment(staged, chunks, idx), timeout_s=left())
+    coord.set_bytes(f"{ns}/ramfrag/{idx}", encode_fragment(chunks, staged, idx), timeout_s=left())
     if idx == 0:
         fragments = [coord.get_bytes(f"{ns}/ramfrag/{i}", timeout_s=left()) for i in range(n)]
-        data = build_manifest(step=step, staged=staged, fragments=fragments, num_processes=n,
-                              metadata=metadata, writer_version=writer_version, validate=False)
+        data = build_manifest(step=step, staged=staged, parts=decode_fragments(fragments, staged),
+                              num_processes=n, metadata=metadata, writer_version=writer_version,
+                              validate=False)
         hold(data)
         coord.set(f"{ns}/rammanifest", data.decode() if broadcast else _HELD, timeout_s=left())
         return data

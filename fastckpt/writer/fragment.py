@@ -1,156 +1,181 @@
-"""Fragments: one process's chunk list, as binary columns, for process 0's merge.
+"""One process's chunks of a save, as columns, and the fragment that carries them to process 0.
 
-Process 0 reads every process's fragment at every checkpoint, RAM checkpoints included
-(every few steps), so a fragment is made to be read without a Python object per chunk: a
-small JSON header, then each column as raw little-endian unsigned integers, read by
-``np.frombuffer``. (JSON columns cost process 0 ~1.6 µs per chunk to parse: ~2.5 s per
-checkpoint of a 1.5 M-chunk pod step.) A fragment is internal to one job — every process
-runs the same fastckpt — and never outlives its save; it is not part of the checkpoint
-format. No pickle: the layout is fixed and every field is validated on decode.
+Every process's part of a save ends in the list of chunks it stored (or, for a RAM step,
+staged). That list is built as columns (:class:`ProcessChunks`, row by row through
+:class:`ChunkRows`), and process 0 merges every process's columns into the manifest's chunk
+tables (``writer.merge``). A single process merges its own columns directly: nothing is
+encoded. With several processes, each sends its columns to process 0 as a *fragment*
+(an object in storage for a persistent step, a key-value entry of the coordinator for a RAM
+step), which process 0 decodes once. A fragment is the manifest's chunk table encoding
+(:mod:`fastckpt.format.chunk_table`: binary columns, listed boxes) for one process's chunks
+of all its leaves, in a small JSON document::
 
-Layout::
+    {"format_version": 3, "process": 3,
+     "paths": [<key path of every array leaf, staged order>],
+     "objects": ["steps/.../p00003-00000.fck"],
+     "chunks": {"array": "u1:...", "boxes": "u2:...", "object": "u1:...", "offset": "u4:...",
+                "length": "u4:...", "codec": "zstd", "crc32c": "u4:...", "raw_crc32c": "u4:..."}}
 
-    b"FCKFRAG" + version byte (1)   8 bytes
-    header length H                  uint64, little-endian
-    header                           H bytes of JSON:
-        {"process": 3, "paths": [<key path of every array leaf, staged order>],
-         "objects": ["steps/.../p00003-00000.fck"], "codec": "raw" | null,
-         "columns": [[name, dtype, count], ...]}     # in _COLUMNS order
-    columns                          back to back, each count x dtype bytes
-
-Columns (one value per chunk unless noted): ``array`` (index into ``paths``), ``boxes``
-(every chunk's box flat, start and stop per dimension, in chunk order), ``object`` (index
-into ``objects``), ``offset``, ``length``, ``crc32c``, ``raw_crc32c``, and ``codec`` (codes
-of ``CODECS``) only when the header's ``codec`` is null (chunks of mixed codecs). Each
-column is stored in the narrowest of ``<u1 <u2 <u4 <u8`` holding its values.
+``array`` names each chunk's leaf (an index into ``paths``); ``boxes`` lists every chunk's box
+flat (start and stop per dimension, in chunk order: leaves of any rank share the column);
+``object`` indexes ``objects``; ``codec`` is one codec for all chunks or a list of one per
+chunk; every other column is the manifest table's. A fragment never outlives its save and is
+never read by a restore. No pickle: every field is validated on decode.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import struct
-from collections.abc import Mapping
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from fastckpt._pygc import paused_gc
 from fastckpt.format._checks import MAX_INT, fail, json_dict, json_int, json_list
-from fastckpt.format.chunk_table import CODECS, U32, checked_uint, decode_object_keys, narrow_uint
-from fastckpt.format.manifest import ChunkEntry, KeyPath
+from fastckpt.format.chunk_table import (
+    CODECS,
+    U32,
+    binary_array,
+    codec_column,
+    decode_object_keys,
+    encode_column,
+)
+from fastckpt.format.manifest import FORMAT_VERSION, Box, Codec
 from fastckpt.writer.stage import StagedSave
 
-__all__ = ["CODE", "decode_fragment", "encode_fragment", "pack_fragment", "unpack_fragment"]
+__all__ = [
+    "CODE", "ChunkRows", "ProcessChunks", "decode_fragment", "decode_fragments", "encode_fragment",
+    "fragment_paths",
+]
 
-MAGIC = b"FCKFRAG\x01"
-_PREFIX = struct.Struct("<8sQ")
-_MAX_HEADER = 1 << 30
-_COLUMNS = ("array", "boxes", "object", "offset", "length", "crc32c", "raw_crc32c", "codec")
-_DTYPES = {np.dtype(t).str: np.dtype(t) for t in ("<u1", "<u2", "<u4", "<u8")}
-#: Codec name -> its code in the ``codec`` column.
+#: Codec name -> its code in :attr:`ProcessChunks.codec`.
 CODE = {name: i for i, name in enumerate(CODECS)}
+_COLUMNS = ("array", "boxes", "object", "offset", "length", "codec", "crc32c", "raw_crc32c")
 
 
-def encode_fragment(staged: StagedSave, chunks: dict[int, list[ChunkEntry]], process_index: int) -> bytes:
-    """This process's chunks (``chunks[i]``: those of ``staged.arrays[i]``) as a fragment."""
-    objects: dict[str, int] = {}
-    array: list[int] = []
-    boxes: list[int] = []
-    cols: tuple[list[Any], ...] = ([], [], [], [], [], [])
-    for i in range(len(staged.arrays)):
-        for c in chunks.get(i, ()):
-            array.append(i)
-            for a, b in c.box:
-                boxes += (a, b)
-            for col, v in zip(cols, (objects.setdefault(c.key, len(objects)), c.offset, c.length, CODE[c.codec],
-                                     c.crc32c, c.raw_crc32c)):
-                col.append(v)
-    codes = set(cols[3])
-    columns = dict(zip(_COLUMNS, (array, boxes, cols[0], cols[1], cols[2], cols[4], cols[5])))
-    if len(codes) > 1:
-        columns["codec"] = cols[3]
-    header = {"process": process_index, "paths": [[list(e) for e in a.path] for a in staged.arrays],
-              "objects": list(objects), "codec": CODECS[codes.pop()] if len(codes) == 1 else (None if codes else "raw")}
-    return pack_fragment(header, {k: narrow_uint(v) for k, v in columns.items()})
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ProcessChunks:
+    """One process's chunks of a save, in any order: every column an int64 numpy array with
+    one value per chunk, but ``boxes`` (``2 x rank`` values per chunk, in chunk order)."""
+
+    objects: list[str]
+    """The object keys ``object`` indexes."""
+    array: np.ndarray
+    """Index of each chunk's leaf in ``StagedSave.arrays``."""
+    boxes: np.ndarray
+    """Every chunk's box flat: start and stop per dimension."""
+    object: np.ndarray
+    offset: np.ndarray
+    length: np.ndarray
+    codec: np.ndarray
+    """Codes of :data:`CODE`."""
+    crc32c: np.ndarray
+    raw_crc32c: np.ndarray
 
 
-def pack_fragment(header: Mapping[str, Any], columns: Mapping[str, np.ndarray]) -> bytes:
-    """The fragment bytes of ``header`` (without ``"columns"``) and the ``columns`` given
-    (names of ``_COLUMNS``, in any order; written in ``_COLUMNS`` order, dtypes as given).
-    The low-level half of :func:`encode_fragment`; tests use it to build malformed ones."""
-    cols = [(k, np.ascontiguousarray(columns[k])) for k in _COLUMNS if k in columns]
-    head = json.dumps({**header, "columns": [[k, v.dtype.str, len(v)] for k, v in cols]},
-                      separators=(",", ":")).encode()
-    return b"".join([_PREFIX.pack(MAGIC, len(head)), head, *(v.tobytes() for _, v in cols)])
+class ChunkRows:
+    """Builds a :class:`ProcessChunks` one chunk at a time (the writer adds an object's chunks
+    once its upload completed). Not thread-safe."""
+
+    def __init__(self) -> None:
+        self._objects: dict[str, int] = {}
+        self._boxes: list[int] = []
+        self._cols: tuple[list[int], ...] = ([], [], [], [], [], [], [])
+
+    def add(self, array: int, box: Box, key: str, offset: int, length: int, codec: Codec,
+            crc32c: int, raw_crc32c: int) -> None:
+        """One chunk of staged array ``array``, stored at ``key[offset:offset + length]``."""
+        for a, b in box:
+            self._boxes += (a, b)
+        obj = self._objects.setdefault(key, len(self._objects))
+        values = (array, obj, offset, length, CODE[codec], crc32c, raw_crc32c)
+        for col, v in zip(self._cols, values):
+            col.append(v)
+
+    def build(self) -> ProcessChunks:
+        """The chunks added so far."""
+        array, obj, offset, length, codec, crc, raw_crc = (np.array(c, np.int64)
+                                                           for c in self._cols)
+        return ProcessChunks(objects=list(self._objects), array=array,
+                             boxes=np.array(self._boxes, np.int64), object=obj, offset=offset,
+                             length=length, codec=codec, crc32c=crc, raw_crc32c=raw_crc)
 
 
-def unpack_fragment(data: bytes | memoryview, what: str) -> tuple[Mapping[str, Any], dict[str, np.ndarray]]:
-    """The header and the columns (read-only views into ``data``, in their stored dtypes)
-    of a fragment; ``ManifestError`` if the layout is broken. Values are not checked."""
-    buf = memoryview(data).cast("B")
-    if len(buf) < _PREFIX.size:
-        fail(f"{what}: {len(buf)} bytes, too short for a fragment")
-    magic, hlen = _PREFIX.unpack_from(buf)
-    if magic != MAGIC:
-        fail(f"{what}: not a fragment of this fastckpt (starts {bytes(magic)!r})")
-    if hlen > min(_MAX_HEADER, len(buf) - _PREFIX.size):
-        fail(f"{what}: header length {hlen} exceeds the fragment")
+def fragment_paths(staged: StagedSave) -> list[list[list[Any]]]:
+    """A fragment's ``"paths"`` for ``staged``: each array's key path, as JSON decodes it."""
+    return [[list(e) for e in a.path] for a in staged.arrays]
+
+
+def encode_fragment(chunks: ProcessChunks, staged: StagedSave, process_index: int) -> bytes:
+    """The fragment of ``chunks`` (``staged``'s, written by process ``process_index``)."""
+    codes = np.unique(chunks.codec).tolist()
+    codec: str | list[str] = (
+        CODECS[codes[0]] if len(codes) == 1 else [CODECS[c] for c in chunks.codec.tolist()]
+    )
+    columns = {k: encode_column(getattr(chunks, k)) for k in _COLUMNS if k != "codec"}
+    doc = {"format_version": FORMAT_VERSION, "process": process_index,
+           "paths": fragment_paths(staged), "objects": chunks.objects,
+           "chunks": {**columns, "codec": codec}}
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def decode_fragments(fragments: Sequence[bytes | memoryview], staged: StagedSave
+                     ) -> list[ProcessChunks]:
+    """Every process's fragment decoded (:func:`decode_fragment`) against ``staged``'s arrays,
+    with the cyclic garbage collector paused (``fastckpt._pygc.paused_gc``)."""
+    paths = fragment_paths(staged)
+    ranks = np.asarray([len(a.shape) for a in staged.arrays], np.int64)
+    with paused_gc():
+        return [_decode(f, staged, paths, ranks, f"fragment {i}") for i, f in enumerate(fragments)]
+
+
+def decode_fragment(data: bytes | memoryview, staged: StagedSave, what: str = "fragment"
+                    ) -> ProcessChunks:
+    """A fragment's validated chunks, ``array`` as indices into ``staged.arrays``.
+    ``ManifestError`` (naming ``what``) on any flaw: not JSON, another format version, a
+    missing field or column, a column of the wrong length, an index out of range, a path this
+    tree lacks, a value beyond its field's range (crc32c > 2**32 - 1, offsets and box bounds
+    > 2**63 - 1)."""
+    ranks = np.asarray([len(a.shape) for a in staged.arrays], np.int64)
+    return _decode(data, staged, fragment_paths(staged), ranks, what)
+
+
+def _decode(data: bytes | memoryview, staged: StagedSave, paths: list[list[list[Any]]],
+            ranks: np.ndarray, what: str) -> ProcessChunks:
     try:
-        header = json.loads(bytes(buf[_PREFIX.size:_PREFIX.size + hlen]))
-    except (ValueError, RecursionError) as e:
-        fail(f"{what}: header is not JSON: {e}")
-    d = json_dict(header, what, ("process", "paths", "objects", "codec", "columns"))
-    listed = json_list(d["columns"], f"{what}.columns")
-    at = _PREFIX.size + hlen
-    columns: dict[str, np.ndarray] = {}
-    for j, spec in enumerate(listed):
-        if (type(spec) is not list or len(spec) != 3 or spec[0] not in _COLUMNS or spec[0] in columns
-                or spec[1] not in _DTYPES):
-            fail(f"{what}.columns[{j}]: expected [name, dtype, count] with a name of {list(_COLUMNS)} "
-                 f"(each once) and a dtype of {list(_DTYPES)}, got {spec!r:.120}")
-        dtype, count = _DTYPES[spec[1]], json_int(spec[2], f"{what}.columns[{j}][2]")
-        if count > (len(buf) - at) // dtype.itemsize:
-            fail(f"{what}: column {spec[0]!r} ({count} x {dtype.str}) runs past the fragment's end")
-        columns[spec[0]] = np.frombuffer(buf, dtype, count, at)
-        at += count * dtype.itemsize
-    if at != len(buf):
-        fail(f"{what}: {len(buf) - at} bytes after the last column")
-    return d, columns
-
-
-def decode_fragment(data: bytes | memoryview, local: dict[KeyPath, int], ranks: np.ndarray, what: str
-                    ) -> dict[str, Any]:
-    """One fragment's validated columns as int64 numpy arrays: ``array`` as indices into the
-    staged arrays (``local``: path -> index; ``ranks``: each staged array's rank), the rest
-    as stored (``object`` still indexing the fragment's own ``objects``), ``codec`` as codes.
-    ``ManifestError`` on any flaw: a broken layout, a missing or surplus column, a column of
-    the wrong length, an index out of range, a path this tree lacks, a value beyond its
-    field's range (crc32c > 2**32 - 1, offsets and box bounds > 2**63 - 1)."""
-    d, raw = unpack_fragment(data, what)
+        doc = json.loads(bytes(data))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        fail(f"{what}: not a fragment (not JSON: {e})")
+    d = json_dict(doc, what, ("format_version", "process", "paths", "objects", "chunks"))
+    if d["format_version"] != FORMAT_VERSION or type(d["format_version"]) is not int:
+        fail(f"{what}: format_version {d['format_version']!r:.40}, expected {FORMAT_VERSION}")
     json_int(d["process"], f"{what}.process")
-    paths = json_list(d["paths"], f"{what}.paths")
-    to_local = np.empty(len(paths), np.int64)
-    for j, p in enumerate(paths):
-        try:
-            path = tuple((k, v) for k, v in p)
-            to_local[j] = local[path]
-        except (TypeError, ValueError, KeyError):
-            fail(f"{what}.paths[{j}]: not an array of this tree: {p!r:.120}")
+    listed = json_list(d["paths"], f"{what}.paths")
+    if listed == paths:
+        to_local = np.arange(len(listed), dtype=np.int64)  # staged alike: the usual case
+    else:
+        local = {a.path: i for i, a in enumerate(staged.arrays)}
+        to_local = np.empty(len(listed), np.int64)
+        for j, p in enumerate(listed):
+            try:
+                to_local[j] = local[tuple((k, v) for k, v in p)]
+            except (TypeError, ValueError, KeyError):
+                fail(f"{what}.paths[{j}]: not an array of this tree: {p!r:.120}")
     objects = decode_object_keys(d["objects"], f"{what}.objects")
-    codec = d["codec"]
-    if codec is not None and codec not in CODECS:
-        fail(f"{what}.codec: expected one of {list(CODECS)} or null, got {codec!r:.40}")
-    want = [k for k in _COLUMNS if k != "codec" or codec is None]
-    if sorted(raw) != sorted(want):
-        fail(f"{what}: columns {sorted(raw)}, expected {sorted(want)}")
-    n = len(raw["array"])
-    out: dict[str, Any] = {"objects": objects}
-    for name, hi in (("array", len(paths) - 1), ("object", len(objects) - 1), ("offset", MAX_INT),
-                     ("length", MAX_INT), ("crc32c", U32), ("raw_crc32c", U32), ("codec", len(CODECS) - 1)):
-        if name in raw:
-            out[name] = checked_uint(raw[name], n, f"{what}.{name}", hi)
-    out["array"] = to_local[out["array"]]
-    if codec is not None:
-        out["codec"] = np.full(n, CODE[codec], np.int64)
-    want_boxes = int(2 * ranks[out["array"]].sum())
-    out["boxes"] = checked_uint(raw["boxes"], want_boxes, f"{what}.boxes", MAX_INT)
-    return out
+    c = json_dict(d["chunks"], f"{what}.chunks", _COLUMNS)
+    array = binary_array(c["array"], None, f"{what}.chunks.array", len(listed) - 1)
+    n = len(array)
+    cols = {name: binary_array(c[name], n, f"{what}.chunks.{name}", hi) for name, hi in (
+        ("object", len(objects) - 1), ("offset", MAX_INT), ("length", MAX_INT), ("crc32c", U32),
+        ("raw_crc32c", U32))}
+    codec = c["codec"]
+    if type(codec) is str and codec in CODE:
+        codes = np.full(n, CODE[codec], np.int64)
+    else:
+        names = codec_column(codec, n, f"{what}.chunks.codec")
+        codes = np.array([CODE[x] for x in names], np.int64)
+    array = to_local[array]
+    boxes = binary_array(c["boxes"], int(2 * ranks[array].sum()), f"{what}.chunks.boxes", MAX_INT)
+    return ProcessChunks(objects=objects, array=array, boxes=boxes, codec=codes, **cols)

@@ -23,9 +23,10 @@ import zstandard
 from fastckpt._aio import ByteBudget
 from fastckpt._checksum import crc32c
 from fastckpt.format.layout import data_key
-from fastckpt.format.manifest import ChunkEntry, Codec
+from fastckpt.format.manifest import Box, Codec
 from fastckpt.options import SaveOptions
 from fastckpt.storage._protocol import Store
+from fastckpt.writer.fragment import ChunkRows, ProcessChunks
 from fastckpt.writer.stage import StagedSave
 
 __all__ = ["EncodedChunk", "WriteStats", "write_chunks"]
@@ -35,6 +36,9 @@ _BATCH_BYTES = 1 << 20
 """Chunks are handed to the encoder threads in batches of about this many bytes..."""
 _BATCH_CHUNKS = 256
 """...or of at most this many chunks."""
+_Row = tuple[int, Box, int, int, Codec, int, int]
+"""A chunk of an object being filled: array index, box, offset, length, codec, crc32c and
+raw crc32c."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -96,8 +100,8 @@ async def write_chunks(
     executor: Executor,
     stats: WriteStats,
     raw_crcs: dict[int, list[int]] | None = None,
-) -> dict[int, list[ChunkEntry]]:
-    """Encode and upload every staged chunk; return chunk entries per staged array index.
+) -> ProcessChunks:
+    """Encode and upload every staged chunk; return them (in no particular order).
 
     Guarantees: on return every listed chunk is durably stored (each object's ``put``
     completed). On error, nothing is committed; already-uploaded objects are unreferenced
@@ -109,7 +113,7 @@ async def write_chunks(
     upload_slots = asyncio.Semaphore(options.upload_concurrency)
     target = max(1, min(options.object_bytes, options.max_inflight_bytes // 2))
     batch_bytes = max(1, min(_BATCH_BYTES, options.max_inflight_bytes // 8))
-    result: dict[int, list[ChunkEntry]] = {i: [] for i in range(len(staged.arrays))}
+    result = ChunkRows()
     queue: asyncio.Queue[tuple[asyncio.Future[list[EncodedChunk]], int] | None] = asyncio.Queue(
         maxsize=max(2, options.encode_threads * 2)
     )
@@ -145,34 +149,33 @@ async def write_chunks(
             await submit(batch, nbytes)
         await queue.put(None)
 
-    async def upload(key: str, parts: list[memoryview], charged: int, entries: list[tuple[int, ChunkEntry]]) -> None:
+    async def upload(key: str, parts: list[memoryview], charged: int, rows: list[_Row]) -> None:
         try:
             async with upload_slots:
                 t0 = loop.time()
                 await store.put(key, parts, mode="overwrite")
                 stats.upload_s += loop.time() - t0
-            for ai, entry in entries:
-                result[ai].append(entry)
+            for ai, box, offset, length, codec, crc, raw_crc in rows:
+                result.add(ai, box, key, offset, length, codec, crc, raw_crc)
             stats.objects += 1
         finally:
             await budget.release(charged)
 
     async def consume() -> None:
         parts: list[memoryview] = []
-        entries: list[tuple[int, ChunkEntry]] = []
+        rows: list[_Row] = []
         size = charged_total = 0
 
         def flush() -> None:
-            nonlocal parts, entries, size, charged_total, n_objects
+            nonlocal parts, rows, size, charged_total, n_objects
             if not parts:
                 return
             key = data_key(step, save_id, process_index, n_objects)
             n_objects += 1
-            keyed = [(ai, dataclasses.replace(e, key=key)) for ai, e in entries]
-            task = asyncio.ensure_future(upload(key, parts, charged_total, keyed))
+            task = asyncio.ensure_future(upload(key, parts, charged_total, rows))
             uploads.add(task)
             task.add_done_callback(upload_done)
-            parts, entries, size, charged_total = [], [], 0, 0
+            parts, rows, size, charged_total = [], [], 0, 0
 
         while True:
             if failed:
@@ -196,10 +199,8 @@ async def write_chunks(
             charged_total += keep
             for enc in encoded:
                 item = staged.arrays[enc.array_index].items[enc.item_index]
-                entries.append((enc.array_index, ChunkEntry(
-                    box=item.box, key="", offset=size, length=enc.stored.nbytes,
-                    raw_length=enc.raw_length, codec=enc.codec, crc32c=enc.crc32c, raw_crc32c=enc.raw_crc32c,
-                )))
+                rows.append((enc.array_index, item.box, size, enc.stored.nbytes, enc.codec,
+                             enc.crc32c, enc.raw_crc32c))
                 parts.append(enc.stored)
                 size += enc.stored.nbytes
                 stats.raw_bytes += enc.raw_length
@@ -220,6 +221,4 @@ async def write_chunks(
             t.cancel()
         await asyncio.gather(producer, *uploads, return_exceptions=True)
         raise
-    for entries in result.values():
-        entries.sort(key=lambda e: e.box)
-    return result
+    return result.build()

@@ -31,6 +31,7 @@ from fastckpt.errors import (
     TreeStructureError,
     UnsupportedFormatVersionError,
 )
+from fastckpt.format.codec import seal_document
 from fastckpt.format.layout import manifest_key, step_data_prefix
 from fastckpt.storage import ByteRange, LocalStore, MemoryStore, Store
 from fastckpt.storage._protocol import Buffer, Payload, PutMode
@@ -101,7 +102,7 @@ def test_unknown_format_version_and_malformed_manifest(root: Any, tmp_path: Path
     doc = json.loads(bytes(asyncio.run(store.get(manifest_key(1)))))
     doc["format_version"] = 4
     asyncio.run(store.put(manifest_key(1), json.dumps(doc).encode()))
-    asyncio.run(store.put(manifest_key(2), b'{"format_version": 1, "step": 2, "leaves": [{"path": 3}]}'))
+    asyncio.run(store.put(manifest_key(2), b'{"format_version": 3, "step": 2, "leaves": [{"path": 3}]}'))
     with CheckpointManager(root) as mgr:
         assert mgr.all_steps() == [1, 2]
         with pytest.raises(UnsupportedFormatVersionError, match="format_version 4"):
@@ -436,28 +437,31 @@ def test_same_mesh_restore_after_many_saves_is_exact(root: Any) -> None:
             assert_sharded_like(mgr.restore(step, {"x": sds(hosts[step], s)})["x"], s, hosts[step])
 
 
-def test_manifest_formats_1_and_2_for_older_readers(root: Any, tmp_path: Path) -> None:
+def test_one_manifest_format_and_nothing_else_is_restored(root: Any, tmp_path: Path) -> None:
+    """Every step's manifest is format 3 (a grid table per leaf, binary columns, the checksum
+    first); a step whose manifest claims another format, or has no checksum, is listed but
+    refused with a typed error, and the other steps restore."""
     state, hosts = small_state()
-    for step, version in ((1, 1), (2, 2)):
-        with CheckpointManager(root, options=ManagerOptions(save=SaveOptions(manifest_format=version))) as mgr:
-            mgr.save(step, state)
-            mgr.wait()
-    fastckpt.save(root, 3, state)
+    for step in (1, 2, 3):
+        fastckpt.save(root, step, state)
     store = store_of(root, tmp_path)
-    steps = (1, 2, 3)
-    docs = {s: json.loads(bytes(asyncio.run(store.get(manifest_key(s))))) for s in steps}
-    assert [docs[s]["format_version"] for s in steps] == [1, 2, 3]
-    tables = {s: [leaf["chunks"] for leaf in docs[s]["leaves"] if leaf["type"] == "array"] for s in steps}
-    assert "objects" not in docs[1] and all(type(t) is list for t in tables[1])  # an object per chunk
-    assert all("objects" in docs[s] and all("grid" in t for t in tables[s]) for s in (2, 3))
-    assert all(type(t["crc32c"]) is list for t in tables[2]) and all(t["crc32c"][:3] == "u4:" for t in tables[3])
+    data = bytes(asyncio.run(store.get(manifest_key(1))))
+    doc = json.loads(data)
+    assert data.startswith(b'{"manifest_crc32c":') and doc["format_version"] == 3
+    tables = [leaf["chunks"] for leaf in doc["leaves"] if leaf["type"] == "array"]
+    assert all("grid" in t and t["crc32c"][:3] in ("u1:", "u2:", "u4:") for t in tables)
+    asyncio.run(store.put(manifest_key(1), seal_document({**doc, "format_version": 2})))
+    asyncio.run(store.put(manifest_key(2), json.dumps({k: v for k, v in doc.items() if k != "manifest_crc32c"})
+                          .encode()))
     with CheckpointManager(root) as mgr:
-        for s in steps:
-            out = mgr.restore(s, {"w": sds(hosts["w"], state["w"].sharding), "v": sds(hosts["v"], state["v"].sharding),
-                                  "step": 0})
-            assert_bit_exact(out["w"], hosts["w"])
-            assert_bit_exact(out["v"], hosts["v"])
-        boxes = [[[c.box for c in a.chunks] for a in mgr.manifest(s).arrays()] for s in steps]
-        assert boxes[0] == boxes[1] == boxes[2]
-    with pytest.raises(ConfigError, match="manifest_format"):
-        SaveOptions(manifest_format=4)
+        assert mgr.all_steps() == [1, 2, 3]
+        with pytest.raises(UnsupportedFormatVersionError, match="format_version 2 is not supported"):
+            mgr.restore(1)
+        with pytest.raises(ManifestError, match="no manifest_crc32c") as info:
+            mgr.restore(2)
+        assert not isinstance(info.value, UnsupportedFormatVersionError)
+        out = mgr.restore(3, {"w": sds(hosts["w"], state["w"].sharding), "v": sds(hosts["v"], state["v"].sharding),
+                              "step": 0})
+        assert_bit_exact(out["w"], hosts["w"])
+    with pytest.raises(TypeError, match="manifest_format"):
+        SaveOptions(manifest_format=3)  # type: ignore[call-arg]

@@ -15,6 +15,7 @@ from fastckpt._checksum import crc32c
 from fastckpt._tree import flatten
 from fastckpt.options import SaveOptions
 from fastckpt.storage import MemoryStore
+from fastckpt.writer.merge import merge_chunks
 from fastckpt.writer.pipeline import WriteStats, write_chunks
 from fastckpt.writer.stage import stage_state
 
@@ -47,11 +48,12 @@ def test_small_chunks_are_encoded_in_batches_and_stored_exactly(inflight: int, j
                                           executor=ex, stats=stats))
         # 256 chunks a job by default (3 jobs for 600); under a 64 KiB budget 8 KiB a job (75)
         assert ex.jobs == jobs
-    assert stats.raw_bytes == 600 << 10 and stats.objects == len({c.key for cs in chunks.values() for c in cs})
+    tables = merge_chunks([chunks], staged)  # what the commit makes of them (C order)
+    assert stats.raw_bytes == 600 << 10 and stats.objects == len(chunks.objects)
     codecs = set()
     for ai, arr in enumerate(staged.arrays):
-        assert [c.box for c in chunks[ai]] == [it.box for it in arr.items]  # every chunk, in order
-        for i, c in enumerate(chunks[ai]):
+        assert [c.box for c in tables[arr.path]] == [it.box for it in arr.items]  # every chunk, once
+        for i, c in enumerate(tables[arr.path]):
             stored = bytearray(c.length)
             asyncio.run(store.get_into(c.key, c.offset, [memoryview(stored)]))
             assert crc32c(stored) == c.crc32c

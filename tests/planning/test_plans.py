@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastckpt.errors import CorruptionError
-from fastckpt.format.manifest import ArrayLeaf, Box, ChunkEntry, box_shape, box_volume
+from fastckpt.format.manifest import ArrayLeaf, Box, ChunkEntry, ChunkTable, box_shape, box_volume
 from fastckpt.planning import (
     ChunkIndex,
     ShardInfo,
@@ -95,13 +95,24 @@ def test_plan_leaf_writes_no_replica_zero_writes_nothing() -> None:
 # ------------------------------------------------------------------ plan_leaf_reads
 
 
+def listed_table(entries: list[ChunkEntry], itemsize: int) -> ChunkTable:
+    """A table listing the entries' boxes (never a grid: planning scans or indexes it)."""
+    keys = sorted({c.key for c in entries})
+    return ChunkTable(cuts=None, boxes=[c.box for c in entries], keys=keys,
+                      object_index=np.array([keys.index(c.key) for c in entries], np.int32),
+                      offsets=np.array([c.offset for c in entries], np.int64),
+                      lengths=np.array([c.length for c in entries], np.int64),
+                      codec=tuple(c.codec for c in entries), crc32c=np.array([c.crc32c for c in entries], np.uint32),
+                      raw_crc32c=np.array([c.raw_crc32c for c in entries], np.uint32), itemsize=itemsize)
+
+
 def make_leaf(shape: tuple[int, ...], boxes: list[Box], itemsize: int = 8) -> ArrayLeaf:
-    chunks = tuple(
+    chunks = [
         ChunkEntry(box=b, key=f"obj/{i % 3}", offset=1000 * i, length=box_volume(b) * itemsize,
                    raw_length=box_volume(b) * itemsize, codec="raw", crc32c=0, raw_crc32c=0)
         for i, b in enumerate(boxes)
-    )
-    return ArrayLeaf(path=(("d", "w"),), shape=shape, dtype="int64", chunks=chunks)
+    ]
+    return ArrayLeaf(path=(("d", "w"),), shape=shape, dtype="int64", chunks=listed_table(chunks, itemsize))
 
 
 @st.composite
@@ -283,7 +294,7 @@ def test_grid_index_answers_like_the_scan(data: st.DataObject) -> None:
         assert index.overlapping(box) == [(c, o) for c in entries if (o := intersect(c.box, box)) is not None]
         if not all(0 <= a <= b <= n for (a, b), n in zip(box, shape)):
             continue
-        expected = plan_leaf_reads(dataclasses.replace(leaf, chunks=entries), box)
+        expected = plan_leaf_reads(dataclasses.replace(leaf, chunks=listed_table(list(entries), 8)), box)
         assert plan_leaf_reads(leaf, box) == expected == plan_leaf_reads(leaf, box, index=index)
 
 
@@ -325,8 +336,8 @@ def test_needed_chunks_are_the_chunks_each_box_overlaps(data: st.DataObject) -> 
         shape = data.draw(shapes(max_rank=3, max_side=6))
         boxes = data.draw(tilings(shape, max_pieces=6))
         leaf = ArrayLeaf(path=(("d", f"w{k}"),), shape=shape, dtype="uint8",
-                         chunks=tuple(ChunkEntry(b, f"obj/{k}/{i}", 0, box_volume(b), box_volume(b), "raw", 0, 0)
-                                      for i, b in enumerate(boxes)))
+                         chunks=listed_table([ChunkEntry(b, f"obj/{k}/{i}", 0, box_volume(b), box_volume(b), "raw",
+                                                         0, 0) for i, b in enumerate(boxes)], 1))
         leaves.append(leaf)
         for _ in range(data.draw(st.integers(0, 3))):
             box = data.draw(boxes_in(shape, allow_empty=True))

@@ -164,9 +164,11 @@ def test_random_byte_flips_at_rest_are_always_detected(objects: _Objects, record
 
 
 def test_manifest_checksum_catches_what_chunk_checksums_cannot(recorder: Recorder) -> None:
-    """Random single-byte changes to a manifest, with its ``manifest_crc32c`` and without it
-    (a legacy manifest): chunk checksums cannot see a renamed leaf or a changed kind, dtype or
-    value, so without the manifest checksum some changes restore wrong state silently."""
+    """Random single-byte changes to a manifest: chunk checksums cannot see a renamed leaf or
+    a changed kind, dtype or value; ``manifest_crc32c`` refuses them, so none restores wrong
+    state. The same manifest without its checksum is refused whether changed or not: no
+    manifest is taken on trust (a checksum-less one restored wrong state silently before the
+    field became mandatory)."""
     from ._util import expected, state_mismatches
 
     store = MemoryStore()
@@ -177,27 +179,32 @@ def test_manifest_checksum_catches_what_chunk_checksums_cannot(recorder: Recorde
     with_crc = bytes(asyncio.run(store.get(key)))
     doc = json.loads(with_crc)
     del doc["manifest_crc32c"]
-    legacy = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    without = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
     figures: dict[str, dict[str, int]] = {}
     n = trial_count(150, scale=8)
-    for name, original in (("with_manifest_crc32c", with_crc), ("without (legacy)", legacy)):
+    for name, original in (("with_manifest_crc32c", with_crc), ("without_it", without)):
         rng = random.Random(21)
         counts: dict[str, int] = {}
-        for _ in range(n):
+        for trial in range(n + 1):
             data = bytearray(original)
-            pos = rng.randrange(len(data))
-            data[pos] ^= rng.randrange(1, 256)
+            if trial:  # trial 0: the manifest as it is
+                pos = rng.randrange(len(data))
+                data[pos] ^= rng.randrange(1, 256)
             asyncio.run(store.put(key, bytes(data)))
             try:
                 with CheckpointManager(store, options=OPTIONS) as mgr:
                     outcome = "wrong" if state_mismatches(mgr.restore(5), 5) else "exact"
             except FastckptError as e:
                 outcome = type(e).__name__
+            if trial == 0:
+                assert outcome == ("exact" if original is with_crc else "ManifestError"), (name, outcome)
+                continue
             counts[outcome] = counts.get(outcome, 0) + 1
         figures[name] = counts
     assert figures["with_manifest_crc32c"].get("wrong", 0) == 0, figures
+    assert set(figures["without_it"]) <= {"ManifestError", "UnsupportedFormatVersionError"}, figures
     recorder.add("corruption_manifest_bytes", trials_each=n, outcomes=figures,
-                 wrong_data=figures["with_manifest_crc32c"].get("wrong", 0))
+                 wrong_data=sum(c.get("wrong", 0) for c in figures.values()))
 
 
 def test_gcs_responses_corrupted_in_transit_are_reread(gcs_emulator: GcsEmulator, recorder: Recorder) -> None:

@@ -40,7 +40,9 @@ from fastckpt.errors import (
     PeerUnavailableError,
     ProtocolError,
 )
-from fastckpt.format.codec import decode_manifest, encode_manifest
+from fastckpt.format.chunk_table import table_from_entries
+from fastckpt.format.codec import decode_manifest, encode_manifest, seal_document
+from fastckpt.format.dtypes import dtype_from_name
 from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, Manifest
 from fastckpt.replicas import ChunkLocation, PeerClient, PeerOptions, PeerRequestError, PeerServer, RamTier, wire
 from fastckpt.replicas._channel import Channel
@@ -57,19 +59,23 @@ FAST = PeerOptions(connect_timeout_s=2, handshake_timeout_s=1.0, io_timeout_s=1.
 # ============================================================================ manifests
 
 
-def _real_manifest(version: int = 2) -> bytes:
+def _real_manifest(*, listed: bool = False) -> bytes:
+    """A real manifest of one 2-chunk leaf (its table a grid, or ``listed`` boxes)."""
     chunk = ChunkEntry(box=((0, 4), (0, 8)), key="steps/000000000007/ab12/p00000-00000.fck", offset=0, length=128,
                        raw_length=128, codec="raw", crc32c=1, raw_crc32c=1)
+    chunks = [chunk, ChunkEntry(box=((4, 8), (0, 8)), key=chunk.key, offset=128, length=128, raw_length=128,
+                                codec="raw", crc32c=2, raw_crc32c=2)]
     leaf = ArrayLeaf(path=(("d", "params"), ("d", "w")), shape=(8, 8), dtype="float32",
-                     chunks=(chunk, ChunkEntry(box=((4, 8), (0, 8)), key=chunk.key, offset=128, length=128,
-                                               raw_length=128, codec="raw", crc32c=2, raw_crc32c=2)))
-    return encode_manifest(Manifest(step=7, leaves=(leaf,), metadata={"note": "x", "n": 1.5}, format_version=version))
+                     chunks=table_from_entries(chunks[::-1] if listed else chunks, shape=(8, 8), itemsize=4))
+    return encode_manifest(Manifest(step=7, leaves=(leaf,), metadata={"note": "x", "n": 1.5}))
 
 
-# Without its manifest_crc32c (a legacy manifest): every injected change would otherwise fail
-# the checksum, and the structural checks after parsing are what these tests are after.
-# Both formats the decoder reads: 1 (an object per chunk) and 2 (a chunk table per leaf).
-_BASES = {v: {k: x for k, x in json.loads(_real_manifest(v)).items() if k != "manifest_crc32c"} for v in (1, 2)}
+# The documents without their manifest_crc32c: a value is injected into the JSON text and the
+# checksum of the result put back in front (``_sealed``), so that the structural checks after
+# parsing are what these tests are after, not the checksum. A leaf's table with a grid (as
+# fastckpt writes a sharding) and with listed boxes.
+_BASES = {name: {k: x for k, x in json.loads(_real_manifest(listed=name == "listed")).items()
+                 if k != "manifest_crc32c"} for name in ("grid", "listed")}
 
 
 def _slots(doc: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
@@ -84,9 +90,9 @@ def _slots(doc: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
 
 
 _SLOTS = [(v, s) for v, base in _BASES.items() for s in _slots(base)]
-# Where an object key is written: a chunk's "key" (format 1), an "objects" entry (format 2).
-_KEYS = [(v, s) for v, s in _SLOTS if s[-1] == "key" or (len(s) == 2 and s[0] == "objects")]
-assert {v for v, _ in _KEYS} == {1, 2}
+# Where an object key is written: an "objects" entry.
+_KEYS = [(v, s) for v, s in _SLOTS if len(s) == 2 and s[0] == "objects"]
+assert _KEYS
 _SEGMENT = st.sampled_from(["..", ".", "", "steps", "a", "\\", "C:", "~", "%2e%2e", "\u2024\u2024", "．．", "\u202e",
                             "\x00", "/", "\U0001f4a5", "con", "a b", "\n"])
 _TRAVERSAL = st.one_of(
@@ -111,14 +117,27 @@ _INJECT = st.one_of(
 )
 
 
-def _inject(at: tuple[int, tuple[Any, ...]], raw: str) -> bytes:
+def _sealed(data: bytes) -> bytes:
+    """``data`` with the ``manifest_crc32c`` of what it parses to put in front (the decoder
+    then checks it on the canonical form), or as it is if it does not parse to an object
+    (the decoder refuses it anyway)."""
+    try:
+        doc = json.loads(data)
+        crc = seal_document(doc).split(b",", 1)[0] if isinstance(doc, dict) and doc else None
+    except (ValueError, RecursionError):  # ManifestError is a ValueError
+        return data
+    return data if crc is None else crc + b"," + data.lstrip()[1:]
+
+
+def _inject(at: tuple[str, tuple[Any, ...]], raw: str) -> bytes:
     version, slot = at
     doc = json.loads(json.dumps(_BASES[version]))
     parent = doc
     for p in slot[:-1]:
         parent = parent[p]
     parent[slot[-1]] = "\x00INJECT\x00"
-    return json.dumps(doc, ensure_ascii=False).replace('"\\u0000INJECT\\u0000"', raw).encode("utf-8", "surrogatepass")
+    text = json.dumps(doc, ensure_ascii=False).replace('"\\u0000INJECT\\u0000"', raw)
+    return _sealed(text.encode("utf-8", "surrogatepass"))
 
 
 def _decode_is_safe(data: bytes, root: Path) -> Manifest | None:
@@ -138,7 +157,7 @@ def _decode_is_safe(data: bytes, root: Path) -> Manifest | None:
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(slot=st.sampled_from(_SLOTS), raw=_INJECT)
-def test_manifest_parser_survives_injected_values(slot: tuple[int, tuple[Any, ...]], raw: str, tmp_path_factory: Any,
+def test_manifest_parser_survives_injected_values(slot: tuple[str, tuple[Any, ...]], raw: str, tmp_path_factory: Any,
                                                   recorder: Recorder) -> None:
     """Only ManifestError ever escapes (no RecursionError, ValueError, OverflowError...)."""
     m = _decode_is_safe(_inject(slot, raw), tmp_path_factory.getbasetemp())
@@ -148,7 +167,7 @@ def test_manifest_parser_survives_injected_values(slot: tuple[int, tuple[Any, ..
 
 @settings(max_examples=150, deadline=None)
 @given(slot=st.sampled_from(_KEYS), key=_TRAVERSAL)
-def test_manifest_object_keys_cannot_escape_the_root(slot: tuple[int, tuple[Any, ...]], key: str, tmp_path_factory: Any,
+def test_manifest_object_keys_cannot_escape_the_root(slot: tuple[str, tuple[Any, ...]], key: str, tmp_path_factory: Any,
                                                      recorder: Recorder) -> None:
     m = _decode_is_safe(_inject(slot, _raw_json(key)), tmp_path_factory.getbasetemp())
     recorder.add("hostile_manifest_keys", examples=1,
@@ -159,7 +178,7 @@ def test_manifest_object_keys_cannot_escape_the_root(slot: tuple[int, tuple[Any,
 
 def test_edited_manifest_is_refused_by_its_checksum() -> None:
     """A manifest whose body changed (a renamed leaf, a changed value or dtype) no longer
-    matches its ``manifest_crc32c``; without one (hand-written manifests) it is accepted."""
+    matches its ``manifest_crc32c``; without one it is refused, edited or not."""
     data = _real_manifest()
     assert decode_manifest(data).step == 7
     for a, b in ((b'"w"', b'"v"'), (b'"float32"', b'"uint32"'), (b'"n":1.5', b'"n":2.5'), (b'"step":7', b'"step":8')):
@@ -168,8 +187,11 @@ def test_edited_manifest_is_refused_by_its_checksum() -> None:
             decode_manifest(data.replace(a, b, 1))
     doc = json.loads(data)
     del doc["manifest_crc32c"]
-    doc["metadata"]["note"] = "edited by hand"
-    assert decode_manifest(json.dumps(doc).encode()).metadata["note"] == "edited by hand"
+    for note in ("x", "edited by hand"):
+        doc["metadata"]["note"] = note
+        with pytest.raises(ManifestError, match="no manifest_crc32c"):
+            decode_manifest(json.dumps(doc).encode())
+    assert decode_manifest(_sealed(json.dumps(doc).encode())).metadata["note"] == "edited by hand"
 
 
 def _hostile(leaf: ArrayLeaf, step: int = 9) -> MemoryStore:
@@ -180,7 +202,8 @@ def _hostile(leaf: ArrayLeaf, step: int = 9) -> MemoryStore:
 
 
 def _leaf(shape: tuple[int, ...], *chunks: ChunkEntry, dtype: str = "uint8", kind: str = "numpy") -> ArrayLeaf:
-    return ArrayLeaf(path=(("d", "x"),), shape=shape, dtype=dtype, chunks=chunks, kind=kind)  # type: ignore[arg-type]
+    table = table_from_entries(chunks, shape=shape, itemsize=dtype_from_name(dtype).itemsize)
+    return ArrayLeaf(path=(("d", "x"),), shape=shape, dtype=dtype, chunks=table, kind=kind)  # type: ignore[arg-type]
 
 
 _OBJ = "steps/000000000009/aa/p00000-00000.fck"
@@ -584,7 +607,8 @@ def test_a_failed_restore_leaves_no_read_running() -> None:
     good, bad = "steps/000000000009/aa/p00000-00000.fck", "steps/000000000009/aa/p00000-00001.fck"
     leaves = tuple(
         ArrayLeaf(path=(("d", f"x{i}"),), shape=(64,), dtype="uint8", kind="numpy",
-                  chunks=(ChunkEntry(((0, 64),), good if i else bad, 0, 64, 64, "raw", _GOOD_CRC, _GOOD_CRC),))
+                  chunks=table_from_entries([ChunkEntry(((0, 64),), good if i else bad, 0, 64, 64, "raw", _GOOD_CRC,
+                                                        _GOOD_CRC)], shape=(64,), itemsize=1))
         for i in range(6)
     )
     inner = MemoryStore()

@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastckpt.errors import ConfigError, DistributedError
+from fastckpt.format.chunk_table import table_from_entries
 from fastckpt.format.codec import encode_manifest
 from fastckpt.format.layout import ram_object_key
 from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, KeyPath, Manifest, chunk_id
@@ -39,7 +40,8 @@ IDS = [chunk_id(W, ((2 * i, 2 * i + 2),)) for i in range(M)]
 def _manifest() -> bytes:
     chunks = tuple(ChunkEntry(((2 * i, 2 * i + 2),), ram_object_key(10, m), 0, 2, 2, "raw", 0, 0)
                    for i, m in enumerate(MEMBERS))
-    return encode_manifest(Manifest(step=10, leaves=(ArrayLeaf(path=W, shape=(2 * M,), dtype="uint8", chunks=chunks),),
+    table = table_from_entries(chunks, shape=(2 * M,), itemsize=1)
+    return encode_manifest(Manifest(step=10, leaves=(ArrayLeaf(path=W, shape=(2 * M,), dtype="uint8", chunks=table),),
                                     num_processes=M, metadata={"fastckpt_tier": "ram"}))
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from fastckpt.errors import BarrierTimeoutError, DistributedError, TreeStructureError
 from fastckpt._distributed import LocalCoordinator
+from fastckpt.format.chunk_table import table_from_entries
 from fastckpt.format.codec import encode_manifest
 from fastckpt.format.layout import ram_object_key
 from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, KeyPath, Manifest, chunk_id
@@ -31,7 +32,7 @@ CID = [chunk_id(W, ((2 * i, 2 * i + 2),)) for i in range(N)]
 
 def _manifest(step: int) -> bytes:
     chunks = tuple(ChunkEntry(((2 * i, 2 * i + 2),), f"ram/{step:012d}", 2 * i, 2, 2, "raw", 0, 0) for i in range(N))
-    leaf = ArrayLeaf(path=W, shape=(2 * N,), dtype="uint8", chunks=chunks)
+    leaf = ArrayLeaf(path=W, shape=(2 * N,), dtype="uint8", chunks=table_from_entries(chunks, shape=(2 * N,), itemsize=1))
     return encode_manifest(Manifest(step=step, leaves=(leaf,), num_processes=3, metadata={"fastckpt_tier": "ram"}))
 
 
@@ -161,7 +162,8 @@ def test_a_host_asks_the_writer_of_what_it_needs_and_its_ring_successor_not_ever
     members = [f"h{i}" for i in range(6)]
     chunks = tuple(ChunkEntry(((2 * i, 2 * i + 2),), ram_object_key(10, members[i]), 0, 2, 2, "raw", 0, 0)
                    for i in range(6))
-    manifest = Manifest(step=10, leaves=(ArrayLeaf(path=W, shape=(12,), dtype="uint8", chunks=chunks),),
+    manifest = Manifest(step=10, leaves=(ArrayLeaf(path=W, shape=(12,), dtype="uint8",
+                                                  chunks=table_from_entries(chunks, shape=(12,), itemsize=1)),),
                         num_processes=6, metadata={"fastckpt_tier": "ram"})
     ids = [chunk_id(W, c.box) for c in chunks]
     peers = {m: _ListingPeer(m, [ids[i], ids[i - 1]]) for i, m in enumerate(members) if i}  # own + predecessor's
