@@ -23,8 +23,8 @@ if TYPE_CHECKING:
     from fastckpt._manager import CheckpointManager as CheckpointManager
     from fastckpt.writer.stats import SaveStats as SaveStats
     from fastckpt.reader.units import RestoreStats as RestoreStats
-    from fastckpt.replicas._secret import new_peer_secret as new_peer_secret
-    from fastckpt.replicas._secret import peer_secret_from_env as peer_secret_from_env
+    from fastckpt.replicas import new_peer_secret as new_peer_secret
+    from fastckpt.replicas import peer_secret_from_env as peer_secret_from_env
 
 # Imported on first use: they pull in jax (over a second), which the CLI's inspect/gc/verify
 # and code that only builds options do not need.
@@ -34,8 +34,8 @@ _LAZY = {
     "RestoreStats": "fastckpt.reader.units",
     "save": "fastckpt._api",
     "restore": "fastckpt._api",
-    "peer_secret_from_env": "fastckpt.replicas._secret",
-    "new_peer_secret": "fastckpt.replicas._secret",
+    "peer_secret_from_env": "fastckpt.replicas",
+    "new_peer_secret": "fastckpt.replicas",
 }
 
 

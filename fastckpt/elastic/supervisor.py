@@ -44,7 +44,7 @@ from typing import IO, Literal
 
 from fastckpt.elastic._protocol import EXIT_DONE, EXIT_STOPPED, RunPaths, WorkerEnv, append_jsonl, now, read_json
 from fastckpt.errors import ConfigError, FastckptError
-from fastckpt.replicas._secret import SECRET_ENV, new_peer_secret
+from fastckpt.replicas import SECRET_ENV, new_peer_secret
 
 __all__ = [
     "EXAMPLE_WORKER_PRELOAD",

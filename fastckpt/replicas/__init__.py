@@ -9,12 +9,18 @@ Pieces (see ``docs/replicas.md``):
 * :class:`Replicator`: pushes a sealed step to those peers in the background.
 * :class:`TieredChunkSource`: per-chunk restore from own RAM, then peers.
 * :mod:`~fastckpt.replicas.discovery`: publishing and finding peer addresses.
+* :func:`peer_secret_from_env` / :func:`new_peer_secret`: the job's peer secret, from the
+  launcher (``FASTCKPT_PEER_SECRET`` or ``FASTCKPT_PEER_SECRET_FILE``).
 
 Importing this package has no side effects.
 """
 
 from __future__ import annotations
 
+from fastckpt.replicas._secret import SECRET_ENV as SECRET_ENV
+from fastckpt.replicas._secret import SECRET_FILE_ENV as SECRET_FILE_ENV
+from fastckpt.replicas._secret import new_peer_secret as new_peer_secret
+from fastckpt.replicas._secret import peer_secret_from_env as peer_secret_from_env
 from fastckpt.replicas.discovery import CallbackDirectory as CallbackDirectory
 from fastckpt.replicas.discovery import CoordinatorDirectory as CoordinatorDirectory
 from fastckpt.replicas.discovery import PeerDirectory as PeerDirectory
@@ -58,6 +64,8 @@ __all__ = [
     "PeerRequestError",
     "PeerServer",
     "RamBudgetError",
+    "SECRET_ENV",
+    "SECRET_FILE_ENV",
     "RamTier",
     "ReplicationError",
     "ReplicationHandle",
@@ -73,6 +81,8 @@ __all__ = [
     "TieredChunkSource",
     "host_domain",
     "make_record",
+    "new_peer_secret",
+    "peer_secret_from_env",
     "push_targets",
     "replica_holders",
     "ring_order",

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-import json
 import logging
 import os
 import random
@@ -37,12 +36,13 @@ from typing import Any, TypeVar
 import numpy as np
 
 from fastckpt._distributed import Coordinator
-from fastckpt.errors import ConfigError, DistributedError, FastckptError, ManifestError, PeerError, PeersUnreachableError
+from fastckpt.errors import ConfigError, DistributedError, FastckptError, ManifestError, PeerError
 from fastckpt.format.codec import decode_manifest
 from fastckpt.format.layout import ram_writer
 from fastckpt.format.manifest import Manifest, chunk_id, chunk_id_prefix, chunk_ids
 from fastckpt.options import RamOptions
 from fastckpt.replicas._address import peer_address
+from fastckpt.replicas._reachability import check_push_targets
 from fastckpt.replicas.discovery import CoordinatorDirectory, PeerDirectory, StoreDirectory, make_record
 from fastckpt.replicas.client import StepLists
 from fastckpt.replicas.manifest_relay import (
@@ -130,7 +130,11 @@ class RamReplication:
         self._directory.publish(make_record(self.member_id, self.advertised))
         self._replicator = Replicator(self.tier)
         if multi and options.replicas > 0:
-            self._check_peers(f"{namespace}/peercheck")
+            peers = self._peers()
+            targets = push_targets([self.member_id, *peers], options.replicas, domain_of=host_domain)
+            check_push_targets(coordinator, key=f"{namespace}/peercheck", clients=peers,
+                               targets=targets.get(self.member_id, []), timeout_s=options.discovery_timeout_s,
+                               me=f"{self.member_id} ({self.advertised[0]}:{self.advertised[1]})")
 
     # ------------------------------------------------------------------ peers
     def _peers(self) -> dict[str, PeerClient]:
@@ -143,50 +147,6 @@ class RamReplication:
                     self._clients[member] = PeerClient(rec.address, secret=self.options.secret,
                                                        options=self._peer_options, name=member)
         return self._clients
-
-    def _check_peers(self, key: str) -> None:
-        """Fail the job's start on every process, loudly, when any host cannot reach (or
-        authenticate to) a peer it pushes to: otherwise each RAM step would silently lack
-        its replicas and a lost host would be restored from storage, an older step.
-
-        Every process connects to its push targets (a handshake and one request each, all
-        at once, bounded by the peer timeouts) and reports to process 0, which publishes
-        the job's verdict (O(processes) key-value operations).
-
-        Raises:
-            PeersUnreachableError: some host could not reach a peer (every process raises it,
-                naming the members and addresses).
-        """
-        peers = self._peers()
-        targets = push_targets([self.member_id, *peers], self.options.replicas, domain_of=host_domain).get(
-            self.member_id, [])
-        me = f"{self.member_id} ({self.advertised[0]}:{self.advertised[1]})"
-
-        def probe(member: str) -> str | None:
-            client = peers[member]
-            try:
-                client.step_lists()
-            except PeerError as e:
-                return f"{me} cannot reach {member} at {client.address[0]}:{client.address[1]}: {e}"
-            return None
-
-        with ThreadPoolExecutor(max(1, min(_MAX_PEER_QUERIES, len(targets))), thread_name_prefix="fastckpt-probe") as pool:
-            problems = [p for p in pool.map(probe, [t for t in targets if t in peers]) if p is not None]
-        problems += [f"{me} found no published address of its peer {t}" for t in targets if t not in peers]
-        coord, timeout_s = self._coord, self.options.discovery_timeout_s
-        coord.set(f"{key}/{coord.process_index}", json.dumps(problems))
-        if coord.process_index == 0:
-            deadline = time.monotonic() + timeout_s
-            found = [p for i in range(coord.process_count)
-                     for p in json.loads(coord.get(f"{key}/{i}", timeout_s=max(0.001, deadline - time.monotonic())))]
-            coord.set(f"{key}/verdict", json.dumps(found))
-        found = json.loads(coord.get(f"{key}/verdict", timeout_s=timeout_s))
-        if found:
-            more = f" (and {len(found) - 8} more)" if len(found) > 8 else ""
-            raise PeersUnreachableError(
-                "RAM replicas cannot work: hosts cannot reach the peers they replicate to: " + "; ".join(found[:8])
-                + more + ". Check RamOptions.host (default: the address on the route to the jax.distributed "
-                "coordinator), firewalls between the hosts, and that every process has the same secret")
 
     # ------------------------------------------------------------------ save
     def due(self, step: int) -> bool:
