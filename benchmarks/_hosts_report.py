@@ -53,6 +53,7 @@ def _lost_host_summary(r: dict[str, Any]) -> dict[str, Any]:
         "device_put_s": rep["device_put_s"],
         "other_s": rep["seconds"] - rep["select_s"] - rep["fetch_s"] - rep["device_put_s"],
         "startup_s": rep["startup_s"],
+        "first_gcs_s": r["first_gcs_request"]["first_s"],
         "e2e_gbps": nbytes / rep["seconds"] / 1e9,
         "fetch_gbps": fetch,
         "raw_gbps": raw,
@@ -217,6 +218,7 @@ def report(doc: dict[str, Any]) -> str:
             f"{s['e2e_fraction']:.0%}",
             f"{s['e2e_vs_rawfresh']:.0%}",
             f"{s['select_s']:.2f}",
+            f"{s['first_gcs_s']:.2f}",
             f"{s['fetch_s']:.2f} ({s['fetch_fraction']:.0%})",
             f"{s['device_put_s'] + s['other_s']:.3f}",
             f"{s['startup_s']:.2f}",
@@ -230,6 +232,7 @@ def report(doc: dict[str, Any]) -> str:
         "of raw TCP",
         "of raw TCP into new memory",
         "select s",
+        "first GCS request of a new process s",
         "fetch s (of raw TCP)",
         "placing s",
         "manager start-up s",
@@ -289,6 +292,7 @@ def report(doc: dict[str, Any]) -> str:
                 f"{max(r['select_s'] for r in rs):.2f}",
                 f"{max(r['startup_s'] for r in rs):.2f}",
                 f"{max(s['startup_s'] for s in sc[n]['save']):.2f}",
+                f"{sum(r['cpu_s'] for r in rs):.2f}",
             ]
         )
     out.append(
@@ -302,6 +306,7 @@ def report(doc: dict[str, Any]) -> str:
                 "max select s",
                 "max start-up s",
                 "save job: max start-up s",
+                "restore CPU s, all hosts",
             ],
             rows,
         )

@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from benchmarks._common import RESULTS_DIR, MiB, median, write_json
+from benchmarks._hosts_job import BUCKET
 from benchmarks._hosts_report import plot, report, summarise
 
 if TYPE_CHECKING:
@@ -88,6 +89,20 @@ class Config:
     @property
     def shaped(self) -> tuple[int, ...]:
         return tuple(r for r in self.rates if r)
+
+
+_FIRST_GCS_REQUEST = """
+import asyncio, json, sys, time
+from fastckpt.storage import GcsOptions, GcsStore
+store = GcsStore(sys.argv[2], options=GcsOptions(endpoint=sys.argv[1]))
+times = []
+for _ in range(2):
+    t0 = time.perf_counter()
+    asyncio.run(store.list("no-such-prefix/"))
+    times.append(time.perf_counter() - t0)
+print(json.dumps({"first_s": times[0], "next_s": times[1]}))
+"""
+"""Seconds of a fresh process's first GCS request (it creates the client) and of the next."""
 
 
 class BenchError(RuntimeError):
@@ -199,6 +214,13 @@ class Bench:
                 "peer_bytes": nbytes,
                 "link": self.link(src, on[3], nbytes - nbytes % 8),
             }
+            probe = on[3].run(
+                [sys.executable, "-c", _FIRST_GCS_REQUEST, self.emu.endpoint, BUCKET],
+                timeout=60,
+                capture_output=True,
+                text=True,
+            )
+            out["rates"][str(rate)]["first_gcs_request"] = json.loads(probe.stdout)
             took = ", ".join(f"{v[3]['ram']['seconds']:.2f}" for v in runs)
             print(f"  rate {rate or 'unshaped'}: replaced host {took} s", flush=True)
         return out
@@ -420,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         gcs = hosts.add_host("gcs", link=LinkShape())
         relay = hosts.add_host("relay", link=LinkShape())
         with GcsEmulator(host=gcs, backend="filesystem", root=str(hosts.shared_dir / "gcs")) as emu:
-            emu.create_bucket("fastckpt-bench")
+            emu.create_bucket(BUCKET)
             bench = Bench(hosts, emu, relay, cfg)
             for name, section in (
                 ("lost_host", bench.lost_host),

@@ -72,6 +72,7 @@ def test_hosts_benchmark_runs_every_section_and_writes_its_results(tmp_path: Pat
         replaced = r["restore"][3]["ram"]
         assert replaced["bytes_read_storage"] == 0 and "ram" not in replaced["bytes_by_tier"]
         assert r["peer_bytes"] == sum(replaced["bytes_by_tier"].values()) and r["source"] == "host0"
+        assert len(r["runs"]) == 1 and r["first_gcs_request"]["first_s"] > 0
         for mode in ("raw1", "raw4", "rawfresh", "on", "on2", "off", "fresh"):
             assert r["link"][mode]["gbps"] > 0 and r["link"][mode]["server_cpu_s_per_gib"] >= 0
     assert len(doc["resize"]["hosts"]) == 3
