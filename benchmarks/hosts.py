@@ -88,6 +88,7 @@ class Config:
 
     @property
     def shaped(self) -> tuple[int, ...]:
+        """The shaped link rates, in order (the last one serves the resize and scaling)."""
         return tuple(r for r in self.rates if r)
 
 
@@ -123,6 +124,7 @@ def _line(proc: subprocess.Popen[str], timeout_s: float, what: str) -> str:
 
 
 def _stop(proc: subprocess.Popen[str]) -> None:
+    """Close ``proc``'s stdin (helpers exit then) and reap it; SIGKILL after 30 s."""
     if proc.stdin is not None and not proc.stdin.closed:
         proc.stdin.close()
     try:
@@ -133,6 +135,7 @@ def _stop(proc: subprocess.Popen[str]) -> None:
 
 
 def _peer_bytes(tiers: dict[str, int]) -> tuple[int, str | None]:
+    """Bytes a restore got from peers (``bytes_by_tier``), and the peer that sent the most."""
     peers = {k.removeprefix("peer:"): v for k, v in tiers.items() if k.startswith("peer:")}
     return sum(peers.values()), max(peers, key=lambda k: peers[k]) if peers else None
 
@@ -423,7 +426,9 @@ def main(argv: list[str] | None = None) -> int:
         ["git", "rev-parse", "--short", "HEAD"], check=False, capture_output=True, text=True
     ).stdout.strip()
     doc: dict[str, Any] = {
-        "command": "python -m benchmarks.hosts " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": " ".join(
+            ["python -m benchmarks.hosts", *(sys.argv[1:] if argv is None else argv)]
+        ),
         "when": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "git": git,
         "config": dataclasses.asdict(cfg),
