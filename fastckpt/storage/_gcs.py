@@ -140,6 +140,12 @@ class GcsStore(Store):
         self._executor: ThreadPoolExecutor | None = None
         self._client: storage.Client | None = None
         self._session: requests.Session | None = None
+        # The client and session (importing google-auth and google-cloud-storage, finding
+        # credentials) are made on a daemon thread from the start, so that the first request
+        # of a new process (a replaced host's restore) does not wait for them. Nothing is
+        # sent: a failure is raised again by the first call that needs the client.
+        self._warm = threading.Thread(target=self._warm_up, name="fastckpt-gcs-warm", daemon=True)
+        self._warm.start()
 
     def __repr__(self) -> str:
         return f"GcsStore({self.url!r}, endpoint={self.options.endpoint!r})"
@@ -152,6 +158,12 @@ class GcsStore(Store):
                 self._executor = ThreadPoolExecutor(self.options.max_workers, thread_name_prefix="fastckpt-gcs")
             executor = self._executor
         return await asyncio.get_running_loop().run_in_executor(executor, functools.partial(fn, *args))
+
+    def _warm_up(self) -> None:
+        try:
+            self._connect()
+        except Exception:  # raised again where the client is needed
+            pass
 
     def _connect(self) -> tuple[storage.Client, requests.Session]:
         """Create the client and pooled session once (called on a worker thread)."""
@@ -413,6 +425,7 @@ class GcsStore(Store):
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=True)
+        self._warm.join()  # (a client it makes after close would leak its session)
         with self._connect_lock:
             session, self._session = self._session, None
             self._client = None
