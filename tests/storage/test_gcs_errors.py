@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import socket
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -168,3 +171,24 @@ def test_an_unreadable_crc_in_an_upload_response_is_transient(stub: tuple[_Serve
     server.reply = Reply(status=200, body=b'{"crc32c": "AAAAA"}', content_type="application/json")
     with pytest.raises(TransientStorageError, match="unreadable upload response"):
         run(store.put("k", b"data"))
+
+
+def test_the_client_is_made_in_the_background_without_a_request() -> None:
+    """A new GcsStore makes its client and session on its own (a replaced host's first
+    restore request does not wait for them) and sends nothing doing so."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        listener.settimeout(0.5)
+        port = listener.getsockname()[1]
+        store = GcsStore("b", "p", options=GcsOptions(endpoint=f"http://127.0.0.1:{port}"))
+        try:
+            deadline = time.monotonic() + 10
+            while store._client is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert store._client is not None and store._session is not None
+            with pytest.raises(socket.timeout):
+                listener.accept()  # no connection was made
+        finally:
+            asyncio.run(store.close())
+    assert store._client is None
