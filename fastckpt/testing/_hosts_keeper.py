@@ -14,6 +14,8 @@ Configuration (JSON object):
     userns: ``"create"`` (switch only: a new user namespace mapping root to the caller),
         ``"join"`` (enter the user namespace of process ``userns_pid``) or ``null``.
     userns_pid, hostname, hosts_file: for ``"join"`` and hosts.
+    keep: (hosts) paths under /tmp or /dev/shm bound into the private tmpfs, so that the
+        caller's checkout or virtualenv there stays visible.
     remove_on_exit: a directory to remove after the sweep (the switch keeper), or ``null``.
 """
 
@@ -34,6 +36,7 @@ CLONE_NEWUTS = 0x04000000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
 MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 4096, 16384, 1 << 18
+O_PATH = 0o10000000
 
 
 def _libc() -> ctypes.CDLL:
@@ -69,9 +72,17 @@ def _enter(libc: ctypes.CDLL, cfg: dict[str, Any]) -> None:
     else:
         _check(libc.unshare(CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWUTS), "unshare(host)")
         _check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "make / private")
-        for where in (b"/dev/shm", b"/tmp"):
-            rc = libc.mount(b"tmpfs", where, b"tmpfs", MS_NOSUID | MS_NODEV, b"mode=1777")
-            _check(rc, f"mount tmpfs on {where.decode()}")
+        for where in ("/dev/shm", "/tmp"):
+            below = os.open(where, O_PATH | os.O_DIRECTORY)  # the caller's, hidden by the tmpfs
+            rc = libc.mount(b"tmpfs", where.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"mode=1777")
+            _check(rc, f"mount tmpfs on {where}")
+            for path in cfg.get("keep", []):  # a checkout or venv of the caller under it
+                if path.startswith(where + "/"):
+                    os.makedirs(path, exist_ok=True)
+                    source = f"/proc/self/fd/{below}/{os.path.relpath(path, where)}".encode()
+                    _check(libc.mount(source, path.encode(), None, MS_BIND | MS_REC, None),
+                           f"bind {path}")
+            os.close(below)
         hosts_file = cfg["hosts_file"].encode()
         _check(libc.mount(hosts_file, b"/etc/hosts", None, MS_BIND, None), "bind /etc/hosts")
         name = cfg["hostname"].encode()

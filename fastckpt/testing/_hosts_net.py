@@ -160,6 +160,21 @@ def tc_commands(dev: str, *, rate_mbit: float | None, delay_ms: float) -> list[s
     return commands
 
 
+_PRIVATE = ("/tmp", "/dev/shm")  # each host mounts its own tmpfs there
+
+
+def caller_paths() -> list[str]:
+    """What of this process lives under ``/tmp`` or ``/dev/shm`` and must stay visible in the
+    hosts, or a program started there could not find it: the working directory, the
+    interpreter and its prefixes, and ``sys.path`` (a checkout or virtualenv under /tmp).
+    Outermost directories only, each existing."""
+    found = {os.getcwd(), sys.prefix, sys.base_prefix, os.path.dirname(sys.executable), *sys.path}
+    paths = sorted({os.path.realpath(p) for p in found if p} | {os.path.abspath(p) for p in found if p})
+    inside = [p for p in paths if os.path.isdir(p)
+              and any(p == r or p.startswith(r + "/") for r in _PRIVATE) and p not in _PRIVATE]
+    return [p for p in inside if not any(p.startswith(q + "/") for q in inside)]
+
+
 def spawn_keeper(config: dict[str, object]) -> subprocess.Popen[bytes]:
     """Start a keeper (see ``_hosts_keeper``); its stdin is the lifeline: closing it ends it."""
     argv = [sys.executable, "-I", "-S", str(KEEPER), json.dumps(config)]
@@ -323,14 +338,17 @@ class Fabric:
         shared_dir: Removed by the switch's keeper when it ends.
         hosts_file: Bound on each host's /etc/hosts.
         start_timeout_s: How long a keeper may take to start.
+        keep: Paths under ``/tmp`` or ``/dev/shm`` that stay visible in every host (bound
+            from the caller's namespace into the private tmpfs; see :func:`caller_paths`).
     """
 
     BRIDGE = "br0"
 
     def __init__(self, tools: Tools, *, userns: bool, shared_dir: Path, hosts_file: Path,
-                 start_timeout_s: float) -> None:
+                 start_timeout_s: float, keep: Sequence[str] = ()) -> None:
         self.tools = tools
         self.userns = userns
+        self._keep = list(keep)
         self._hosts_file = hosts_file
         self._timeout_s = start_timeout_s
         switch = spawn_keeper({"kind": "switch", "userns": "create" if userns else None,
@@ -378,7 +396,8 @@ class Fabric:
         """
         assert self._switch is not None
         config = {"kind": "host", "userns": "join" if self.userns else None,
-                  "userns_pid": self._switch.pid, "hosts_file": str(self._hosts_file)}
+                  "userns_pid": self._switch.pid, "hosts_file": str(self._hosts_file),
+                  "keep": self._keep}
         keepers = [spawn_keeper({**config, "hostname": p.hostname}) for p in ports]
         try:
             try:

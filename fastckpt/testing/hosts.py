@@ -44,7 +44,9 @@ this works here.
   boundary: hosts share the PID namespace, CPUs, memory (tmpfs pages count against the
   machine's RAM) and every path but ``/tmp``, ``/dev/shm`` and ``/etc/hosts``.
 * Paths under ``/tmp`` and ``/dev/shm`` differ per host (pytest's ``tmp_path`` is under
-  ``/tmp``): put what the caller and the hosts share in ``shared_dir``.
+  ``/tmp``): put what the caller and the hosts share in ``shared_dir``. Only the caller's
+  working directory, interpreter and ``sys.path`` stay visible there (bound in, shared), so
+  a checkout or virtualenv under ``/tmp`` still runs in the hosts.
 * ``/sys/class/net`` inside a host shows the machine's interfaces (sysfs is not remounted).
 * Processes are found by network namespace: one that moves to another escapes the sweeps.
 """
@@ -385,7 +387,7 @@ class SimulatedHosts:
             self._hosts_file.write_text("")
             self._fabric = _net.Fabric(tools, userns=self.userns, shared_dir=self.shared_dir,
                                        hosts_file=self._hosts_file,
-                                       start_timeout_s=start_timeout_s)
+                                       start_timeout_s=start_timeout_s, keep=_net.caller_paths())
             new = [self._new_host(f"host{i}", link) for i in range(count)]
             self._write_hosts_file()
             self._start(new)
