@@ -59,7 +59,7 @@ class SaveOptions:
     compression: Literal["zstd", "none"] = "zstd"
     """Codec for persistent storage. RAM tiers always hold raw bytes."""
     zstd_level: int = 1
-    """zstd level (1 is ~0.7 GB/s per core on float weights)."""
+    """zstd level (1: the fastest; higher levels trade encode speed for size)."""
     min_compression_gain: float = 0.10
     """A chunk is stored zstd-compressed only if that saves at least this fraction of its
     bytes (bf16/int/sparse data usually does; dense float32 weights, ~7%, usually do not and
@@ -185,8 +185,8 @@ class ManagerOptions:
     """Pause Python's cyclic garbage collector during ``save()``'s blocking part and during a
     restore, and re-enable it after (only if it was enabled: see ``_pygc.paused_gc`` for the
     hazards of the process-wide switch). A state of thousands of leaves allocates enough
-    objects to trigger full collections: on the 2-CPU reference machine, 3000 leaves of
-    128 KiB block ``save()`` 0.41 s instead of 0.57 s."""
+    objects to trigger full collections, which then cost more than the work itself
+    (``docs/benchmarks.md``, leaf scaling)."""
 
     def __post_init__(self) -> None:
         _positive("save_interval_steps", self.save_interval_steps)

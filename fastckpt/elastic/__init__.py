@@ -13,7 +13,7 @@ Two halves:
 :mod:`fastckpt.elastic.worker` is the reference trainer (a small transformer LM with
 AdamW over a ``("data", "model")`` mesh, :mod:`~fastckpt.elastic.model`,
 :mod:`~fastckpt.elastic.data`, :mod:`~fastckpt.elastic.trainer`) and
-:mod:`fastckpt.elastic.demo` the host-loss demo. Needs the ``elastic`` extra (optax;
+:mod:`fastckpt.elastic.demo` the host-loss demo. Needs the ``demo`` extra (optax;
 matplotlib for the demo's plot).
 """
 

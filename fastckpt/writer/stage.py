@@ -201,8 +201,8 @@ def _transfer_mode(*, on_host: bool, local_shards: int, used: Sequence[int], pin
     ``"pinned_all"`` when every local shard is used (one ``device_put`` of the global array
     into pinned host memory), ``"pinned_shards"`` otherwise (each used shard's own, so
     replicas this process does not write stay on the device). Pinned memory is what an
-    accelerator's DMA engines copy into at full speed (an H200 measured ~39 GB/s into pinned
-    host memory against ~2 GB/s for ``jax.device_get`` into pageable memory).
+    accelerator's DMA engines copy into at full speed, many times faster than
+    ``jax.device_get`` into pageable memory (``docs/benchmarks.md``, accelerator).
     Without: None for shards on host-platform (CPU) devices: their memory is host memory,
     ``np.asarray`` views it without a copy and an asynchronous "transfer" is pure overhead
     (~10 us of Python per shard). ``"all"`` when every local shard is used: the global
