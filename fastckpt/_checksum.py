@@ -3,17 +3,25 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 from typing import Any
 
 import crc32c as _crc32c
 
-__all__ = ["crc32c", "crc32c_combine"]
+__all__ = ["crc32c", "crc32c_combine", "crc32c_parts"]
 
 
 def crc32c(data: Any, value: int = 0) -> int:
     """The crc32c (Castagnoli) checksum of ``data``'s bytes, as GCS reports it; ``value``
     continues a checksum (``crc32c(a + b) == crc32c(b, crc32c(a))``)."""
     return int(_crc32c.crc32c(data, value))
+
+
+def crc32c_parts(parts: Iterable[Any], value: int = 0) -> int:
+    """The crc32c of the concatenation of ``parts`` (buffers), without joining them."""
+    for part in parts:
+        value = int(_crc32c.crc32c(part, value))
+    return value
 
 
 _POLY = 0x82F63B78  # crc32c, reflected

@@ -43,7 +43,7 @@ from fastckpt.errors import (
     StorageError,
     TransientStorageError,
 )
-from fastckpt.storage._checksum import crc32c
+from fastckpt._checksum import crc32c_parts
 from fastckpt.storage._gcs_http import (
     StreamBody,
     b64_crc,
@@ -317,7 +317,7 @@ class GcsStore(Store):
     def _put_sync(self, name: str, key: str, parts: list[memoryview], mode: PutMode) -> None:
         what = f"put {self.url}/{key}"
         _, session = self._connect()
-        crc = crc32c(parts)
+        crc = crc32c_parts(parts)
         boundary = "fastckpt-" + secrets.token_hex(16)
         metadata = json.dumps({"name": name, "crc32c": b64_crc(crc)})
         head = (

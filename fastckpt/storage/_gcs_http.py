@@ -23,7 +23,7 @@ from fastckpt.errors import (
     StorageError,
     TransientStorageError,
 )
-from fastckpt.storage._checksum import crc32c
+from fastckpt._checksum import crc32c_parts
 from fastckpt.storage._protocol import Buffer
 
 if TYPE_CHECKING:
@@ -152,7 +152,7 @@ def check_whole_object(goog_hash: str | None, body: Buffer, what: str) -> None:
                 want = crc_from_b64(value)
             except ValueError:
                 return
-            if crc32c([body]) != want:
+            if crc32c_parts([body]) != want:
                 raise TransientStorageError(f"{what}: body does not match the object's crc32c (corrupted in transit)")
             return
 

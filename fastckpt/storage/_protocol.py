@@ -30,6 +30,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Literal, Union
 
+from fastckpt._checksum import crc32c
 from fastckpt.errors import ConfigError, NotFoundError
 
 __all__ = [
@@ -213,10 +214,8 @@ class Store(abc.ABC):
         :class:`~fastckpt.storage.RetryingStore` uses it to tell whether a create-only put
         that hit an ambiguous transient error did land.
         """
-        from fastckpt.storage._checksum import crc32c
-
         data = await self.get(key)
-        return ObjectMeta(size=memoryview(data).nbytes, crc32c=crc32c([data]))
+        return ObjectMeta(size=memoryview(data).nbytes, crc32c=crc32c(data))
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections and threads. Idempotent."""

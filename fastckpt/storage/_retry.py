@@ -16,7 +16,7 @@ from fastckpt.errors import (
     RetriesExhaustedError,
     TransientStorageError,
 )
-from fastckpt.storage._checksum import crc32c
+from fastckpt._checksum import crc32c_parts
 from fastckpt.storage._protocol import Buffer, ByteRange, ObjectMeta, Payload, PutMode, Store, payload_parts
 
 __all__ = ["RetryPolicy", "RetryingStore"]
@@ -158,7 +158,7 @@ class RetryingStore(Store):
                     meta = await self.inner.head(key)
                 except NotFoundError:
                     raise TransientStorageError(f"{what}: object vanished after a create conflict") from None
-                if meta != ObjectMeta(size=sum(p.nbytes for p in parts), crc32c=crc32c(parts)):
+                if meta != ObjectMeta(size=sum(p.nbytes for p in parts), crc32c=crc32c_parts(parts)):
                     raise
                 # An earlier attempt whose response was lost did write exactly our bytes.
 

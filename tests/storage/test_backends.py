@@ -30,7 +30,7 @@ from fastckpt.storage import (
     RetryPolicy,
     open_store,
 )
-from fastckpt.storage._checksum import crc32c
+from fastckpt._checksum import crc32c
 from fastckpt.storage._local import TEMP_SUFFIX, _translate
 from fastckpt.testing.gcs_emulator import EmulatorError, GcsEmulator
 from fastckpt.testing.store_tests import run
@@ -157,7 +157,7 @@ def test_gcs_head_reports_server_crc(gcs_store: GcsStore) -> None:
     parts = [b"abc", bytearray(b"def"), memoryview(b"ghi")]
     run(gcs_store.put("k", parts))
     meta = run(gcs_store.head("k"))
-    assert meta.size == 9 and meta.crc32c == crc32c([b"abcdefghi"])
+    assert meta.size == 9 and meta.crc32c == crc32c(b"abcdefghi")
     with pytest.raises(NotFoundError):
         run(gcs_store.head("missing"))
 

@@ -27,7 +27,7 @@ from fastckpt.storage import (
     Store,
 )
 from fastckpt.storage._protocol import Buffer
-from fastckpt.storage._checksum import crc32c
+from fastckpt._checksum import crc32c
 from fastckpt.testing.gcs_emulator import GcsEmulator
 from fastckpt.testing.store_tests import run
 
@@ -49,7 +49,7 @@ def test_second_create_is_refused_and_first_is_intact(gcs_emulator: GcsEmulator,
     assert bytes(run(gcs_store.get("step-100/MANIFEST"))) == first
     after = _metadata(gcs_emulator, gcs_store, "step-100/MANIFEST")
     assert after["generation"] == before["generation"]
-    assert run(gcs_store.head("step-100/MANIFEST")).crc32c == crc32c([first])
+    assert run(gcs_store.head("step-100/MANIFEST")).crc32c == crc32c(first)
 
 
 def test_create_race_between_two_clients(gcs_emulator: GcsEmulator, gcs_store: GcsStore) -> None:
