@@ -53,7 +53,7 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return sorted({*globals(), *_LAZY})
 
-__version__ = "0.1.0"
+from fastckpt._version import __version__ as __version__
 
 __all__ = [
     "CheckpointManager",

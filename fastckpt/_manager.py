@@ -46,6 +46,7 @@ from fastckpt.planning import needed_chunks
 from fastckpt.reader.assemble import RestorePlan, build_leaves, resolve_target
 from fastckpt._pygc import paused_gc
 from fastckpt._restore_agreement import agree_on_outcome, agreed_storage_latest, choose_latest
+from fastckpt._version import __version__
 from fastckpt.reader.fetch import ChunkSource, RestoreStats, Unit, fill_units
 from fastckpt.storage._protocol import Store
 from fastckpt.writer.commit import exchange_ram_manifest, publish_and_commit, ram_chunks
@@ -59,7 +60,6 @@ if TYPE_CHECKING:
 __all__ = ["CheckpointManager", "SaveStats"]
 
 log = logging.getLogger("fastckpt")
-_VERSION = "0.1.0"
 
 
 def _checked_step(step: object) -> int:
@@ -229,7 +229,7 @@ class CheckpointManager:
             manifest = exchange_ram_manifest(
                 coord=self.coordinator, ns=f"{self._ns}/{seq}", step=step, staged=staged, chunks=chunks,
                 timeout_s=self.options.distributed.barrier_timeout_s,
-                metadata={**metadata, "fastckpt_tier": "ram"}, writer_version=_VERSION,
+                metadata={**metadata, "fastckpt_tier": "ram"}, writer_version=__version__,
                 hold=lambda data: ram.hold_manifest(step, data), broadcast=ram.broadcast_manifest,
             )
             ram.publish(step, manifest)
@@ -267,7 +267,7 @@ class CheckpointManager:
             publish_and_commit(
                 store_run=self._io.run, store=self.store, coord=self.coordinator, ns=f"{self._ns}/{seq}",
                 step=step, save_id=save_id, staged=staged, chunks=chunks, error=error,
-                timeout_s=self.options.distributed.barrier_timeout_s, metadata=metadata, writer_version=_VERSION,
+                timeout_s=self.options.distributed.barrier_timeout_s, metadata=metadata, writer_version=__version__,
             )
         finally:
             if not ram and error is None:  # (after a failed write, puts in threads may still read it)
