@@ -1,10 +1,10 @@
-"""The ``fastckpt`` command line: ``ls``, ``inspect``, ``verify``, ``gc``, ``convert``, ``bench``, ``demo``.
+"""The ``fastckpt`` command line: ``ls``, ``inspect``, ``verify``, ``gc``, ``convert``, ``demo``.
 
 Run as ``fastckpt ...`` (console script) or ``python -m fastckpt ...``. Exit status: 0 ok,
 1 damage or failure (corrupt chunk, missing step, storage error), 2 usage error, 130
-interrupted, 141 (128 + SIGPIPE) stdout closed early (``fastckpt inspect ROOT | head``). This
-package is the only place (with ``fastckpt.testing``) that reads environment variables:
-``STORAGE_EMULATOR_HOST`` for ``gs://`` roots unless ``--gcs-endpoint`` is given.
+interrupted, 141 (128 + SIGPIPE) stdout closed early (``fastckpt inspect ROOT | head``).
+``gs://`` roots use ``--gcs-endpoint`` if given, else ``STORAGE_EMULATOR_HOST`` if set (as
+every GCS client does), else Google; the CLI also points tensorstore (Orbax reads) at it.
 """
 
 from __future__ import annotations
