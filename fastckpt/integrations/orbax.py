@@ -218,7 +218,7 @@ def convert_fastckpt_to_orbax(
             if step is None:
                 raise CheckpointNotFoundError(f"no committed checkpoint in {mgr.store.url}")
         _check_orbax_destination(dst, step, layout)
-        tree = mgr.restore(step, target)
+        tree = mgr.restore(step, target=target)
     _check_orbax_leaves(tree)
     try:
         _write_orbax(ocp, tree, dst, step, layout)

@@ -39,7 +39,7 @@ def test_gcs_reshard_round_trip_and_commit_rules(gcs_store: GcsStore) -> None:
         assert mgr.metadata(3) == {"step": 3}
         for rshape, rnames, rspec in [((6,), ("x",), P("x", None)), ((1,), ("x",), P()), ((4, 2), ("a", "b"), P("b", "a"))]:
             dst = named(rshape, rnames, rspec)
-            got = mgr.restore(3, {"w": sds(wh, dst), "b": sds(bh, named(rshape, rnames, P(rspec[0] if rspec else None))),
+            got = mgr.restore(3, target={"w": sds(wh, dst), "b": sds(bh, named(rshape, rnames, P(rspec[0] if rspec else None))),
                                   "key": key, "n": np.zeros(5, int), "s": ""})
             assert_sharded_like(got["w"], dst, wh)
             assert_bit_exact(got["b"], bh)
@@ -76,7 +76,8 @@ def test_gcs_restore_scatter_reads_are_bit_exact(gcs_store: GcsStore) -> None:
     with CheckpointManager(gcs_store, options=OPTS) as mgr:
         mgr.save(1, state)
         mgr.wait()
-        got, stats = mgr.restore_with_stats(1, target={k: sds(h, shardings[k]) for k, h in hosts.items()})
+        got = mgr.restore(1, target={k: sds(h, shardings[k]) for k, h in hosts.items()})
+        stats = mgr.last_restore_stats
         check(got, hosts, shardings)
         assert stats.bytes_in_place >= hosts["big"].nbytes + sum(hosts[f"s{i:02d}"].nbytes for i in range(N_SMALL))
         assert stats.reads_storage < len(hosts)

@@ -62,7 +62,7 @@ def test_retention_leaves_a_step_that_is_being_restored(tmp_path: Path) -> None:
         s2, _ = _state(2)
         mgr.save(2, s2)  # commits 2, then retention: step 1 goes, unless it is being read
         target = {"w": jax.ShapeDtypeStruct(h1.shape, h1.dtype, sharding=s1["w"].sharding), "seed": 0}
-        got = mgr.restore(1, target)
+        got = mgr.restore(1, target=target)
         np.testing.assert_array_equal(np.asarray(got["w"]), h1)
         mgr.wait()
         s3, _ = _state(3)

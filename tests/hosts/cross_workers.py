@@ -200,7 +200,8 @@ def _restore(mgr: Any, mp: Any) -> dict[str, Any]:
                               for name, (shape, dtype) in mp.ARRAYS.items()}
     target["step"] = 0
     t0 = time.perf_counter()
-    got, stats = mgr.restore_with_stats(target=target)
+    got = mgr.restore(target=target)
+    stats = mgr.last_restore_stats
     seconds = time.perf_counter() - t0
     step = got["step"]
     checked = 0
