@@ -20,7 +20,7 @@ from fastckpt.errors import ConfigError, SaveError
 from fastckpt.options import RamOptions
 from fastckpt.storage import LocalStore
 from fastckpt.storage._protocol import Buffer, Payload, PutMode
-from fastckpt.testing.wrapping import ForwardingStore
+from tests.support.wrapping import ForwardingStore
 
 from .util import P, named
 

@@ -16,7 +16,7 @@ import pytest
 from fastckpt import CheckpointManager, ManagerOptions, RestoreOptions, SaveOptions
 from fastckpt.errors import ConfigError
 from fastckpt.storage import LocalStore, MemoryStore, Store
-from fastckpt.testing.wrapping import ForwardingStore
+from tests.support.wrapping import ForwardingStore
 
 from .util import P, assert_bit_exact, assert_sharded_like, device_data, named, sds
 

@@ -91,7 +91,7 @@ def _store(endpoint: str, prefix: str, control: Path, hold_process: int | None) 
     import jax
 
     from fastckpt.storage import GcsOptions, GcsStore
-    from fastckpt.testing.wrapping import ForwardingStore
+    from tests.support.wrapping import ForwardingStore
 
     store = GcsStore(BUCKET, prefix, options=GcsOptions(endpoint=endpoint, connect_timeout_s=3, read_timeout_s=5))
     if hold_process != jax.process_index():

@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from fastckpt import CheckpointManager, DistributedOptions, ManagerOptions, RetentionOptions, SaveOptions
 from fastckpt.storage import ByteRange, LocalStore, Store
 from fastckpt.storage._protocol import Buffer, Payload, PutMode
-from fastckpt.testing.wrapping import ForwardingStore
+from tests.support.wrapping import ForwardingStore
 
 
 def _in_child() -> None:

@@ -42,7 +42,7 @@ from fastckpt.replicas.wire import MsgType
 from fastckpt.storage import GcsOptions, GcsStore, LocalStore, MemoryStore, RetryingStore, RetryPolicy, Store
 from fastckpt.testing.fault_proxy import FaultProxy
 from fastckpt.testing.gcs_emulator import GcsEmulator
-from fastckpt.testing.peer_relay import PeerRelay, RelayedFrame, forge_crc32c
+from tests.support.peer_relay import PeerRelay, RelayedFrame, forge_crc32c
 
 from ._util import BUCKET, Recorder, trial_count
 
