@@ -18,8 +18,10 @@ The library's own retries are disabled everywhere (``retry=None``; the session h
 urllib3 retries): retrying is :class:`~fastckpt.storage.RetryingStore`'s job.
 
 ``STORAGE_EMULATOR_HOST`` is honoured as google-cloud-storage, gcsfs and Orbax honour it
-(see :class:`GcsStore`): it is the one environment variable read outside the CLI and
-``fastckpt.testing``, because the ecosystem's convention is that the GCS client reads it.
+(see :class:`GcsStore`): the one environment variable the library reads unasked (elsewhere
+only the edges read the environment: the CLI, ``fastckpt.testing``, entry points, and
+``peer_secret_from_env`` when called), because the ecosystem's convention is that the GCS
+client reads it.
 """
 
 from __future__ import annotations

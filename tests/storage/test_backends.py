@@ -186,6 +186,7 @@ def test_gcs_options_validation() -> None:
 
 
 def test_open_store_urls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
     s = open_store("gs://bkt/some/prefix/", gcs_endpoint="http://127.0.0.1:1")
     assert isinstance(s, RetryingStore) and isinstance(s.inner, GcsStore)
     assert (s.inner.bucket, s.inner.prefix, s.inner.options.endpoint) == ("bkt", "some/prefix", "http://127.0.0.1:1")
