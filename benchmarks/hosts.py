@@ -15,7 +15,7 @@ the peer secret reaches the processes as ``FASTCKPT_PEER_SECRET``. Sections, in 
 1. **Lost host** (4 hosts x 2 devices, ``--share-mib`` per host): a RAM step (one replica per host;
    also saved to GCS with ``force=True``; over unshaped links); per link rate (``--rates``,
    ``0``: unshaped) host 3 is killed and revived empty, a new 4-process job restores
-   (``--repeats`` times, each after a new loss), and the replaced host's ``restore_with_stats``
+   (``--repeats`` times, each after a new loss), and the replaced host's ``restore``
    time and bytes per tier are recorded. Beside it, over the same link between the same two hosts
    (the replaced one and the peer it pulled from), the same byte count: raw TCP (1 and 4 streams;
    1 into new memory) and ``PeerClient.get_chunks`` from a ``PeerServer`` (16 MiB chunks) with

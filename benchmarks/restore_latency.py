@@ -30,7 +30,7 @@ What it does:
    * **root** (``--root``): the same on the given root, under a fresh sub-prefix that is
      deleted afterwards.
 
-   Timing covers ``restore_with_stats`` (manifest, step choice, fetch, device placement)
+   Timing covers ``restore`` (manifest, step choice, fetch, device placement)
    until ``block_until_ready``; process start-up, state build and saves are outside it.
    The first restore of each tier is reported apart; the headline is the median of the
    rest. The first restore of every tier is checked bit for bit (per-leaf crc32c).
@@ -405,8 +405,16 @@ def run_overhead(args: argparse.Namespace) -> dict[str, Any]:
     step_fn = make_matmul_step(batch=args.batch, d=1024)
     x = jax.device_put(np.random.default_rng(1).standard_normal((args.batch, 1024), dtype=np.float32),
                        NamedSharding(mesh, PartitionSpec()))
-    saves: list[Any] = []
+    saves: list[Any] = []  # the push manager's SaveStats, each once
+    joined: list[Any] = []  # every one collected (saves.clear() must not let one count twice)
     reports: list[Any] = []
+
+    def collect() -> None:
+        """Keep ``mgr.last_save_stats`` if new: each ``save()`` and ``wait()`` joins the save before."""
+        s = mgr.last_save_stats
+        if s is not None and not any(s is t for t in joined):
+            joined.append(s)
+            saves.append(s)
     result: dict[str, Any] = {"state_bytes": n, "batch": args.batch, "interval_steps": RAM_STEP,
                               "segment_steps": args.segment_steps, "pairs": args.pairs}
     with peer, sink:
@@ -417,7 +425,7 @@ def run_overhead(args: argparse.Namespace) -> dict[str, Any]:
         ram = RamOptions(root=str(shm / "overhead-slot"), member_id="host-a", interval_steps=RAM_STEP,
                          budget_bytes=3 * n + 256 * MiB, replicas=1, secret=PEER_SECRET)
         mgr = fastckpt.CheckpointManager(str(store_root), options=fastckpt.ManagerOptions(
-            save_interval_steps=1 << 40, ram=ram), on_stats=saves.append)
+            save_interval_steps=1 << 40, ram=ram))
         # The same RAM checkpoints without a peer push (no secret: no server, no pushes),
         # to split the overhead into the checkpoint itself and the push.
         local = fastckpt.CheckpointManager(str(work / "overhead-local-store"), options=fastckpt.ManagerOptions(
@@ -438,6 +446,8 @@ def run_overhead(args: argparse.Namespace) -> dict[str, Any]:
                 state = jax.block_until_ready(step_fn(state, x))
                 m.save(step, state)
                 m.wait()
+                if m is mgr:
+                    collect()
                 step += 1
             _check_pushed(mgr.wait_replication())
         saves.clear()
@@ -458,12 +468,15 @@ def run_overhead(args: argparse.Namespace) -> dict[str, Any]:
                     time.sleep(idle_step_s)
                 if m is not None:  # a RAM checkpoint when step % 10 == 0, else a no-op
                     m.save(step, state)  # blocks for the device-to-host copy only
+                    if m is mgr:
+                        collect()
                 times.append(time.perf_counter() - t0)
                 step += 1
             t_loop = time.perf_counter() - t_start
             if m is not None:  # background work still running counts too
                 m.wait()
                 if m is mgr:
+                    collect()
                     reports.extend(mgr.wait_replication())
             total = time.perf_counter() - t_start
             return {"ckpt": m is not None, "mode": mode, "total_s": total, "loop_s": t_loop, "drain_s": total - t_loop,
@@ -765,7 +778,7 @@ def write_outputs(results: dict[str, Any], results_dir: Path, name: str, *, plot
             f"{meta['reps']} timed restores per tier after a first one. Load average "
             f"{meta['loadavg_start'][0]:.1f} -> {meta['loadavg_end'][0]:.1f} on {meta['cpus']} CPUs "
             f"(shared machine: wall times are inflated by contention; the CPU s column is less so).")
-    legend = ("GB/s = state bytes / median restore time. `restore s` covers `restore_with_stats` (manifest, "
+    legend = ("GB/s = state bytes / median restore time. `restore s` covers `restore` (manifest, "
               "step choice, fetch, checksum, device placement) until `block_until_ready`. own RAM: every byte "
               "from this process's tier; peer RAM: a replacement process with an empty tier pulls every byte "
               "from a peer *process* over loopback TCP; local disk: page cache evicted before each restore; "

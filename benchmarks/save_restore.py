@@ -123,7 +123,8 @@ class _FastckptLib:
         return dataclasses.asdict(stats) if stats is not None else {}
 
     def restore(self, step: int, target: Any) -> tuple[Any, dict[str, Any]]:
-        state, stats = self.mgr.restore_with_stats(step, target=target)
+        state = self.mgr.restore(step, target=target)
+        stats = self.mgr.last_restore_stats
         return state, dataclasses.asdict(stats)
 
     def close(self) -> None:

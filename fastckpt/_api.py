@@ -20,10 +20,16 @@ def save(root: str | Store, step: int, state: Any, *, metadata: dict[str, object
         mgr.wait()
 
 
-def restore(root: str | Store, target: Any = None, *, step: int | None = None, partial: bool = False,
+def restore(root: str | Store, step: int | None = None, *, target: Any = None, partial: bool = False,
             options: ManagerOptions | None = None) -> Any:
-    """Restore ``step`` (default: latest committed) from ``root`` laid out as ``target``."""
+    """Restore ``step`` (default: latest committed) from ``root`` laid out as ``target``.
+
+    The arguments are :meth:`CheckpointManager.restore`'s, after ``root``: the order of
+    :func:`save` (``root, step, state``), with ``target`` keyword-only because both it and
+    ``step`` are optional. For the restore's figures use a manager
+    (:attr:`CheckpointManager.last_restore_stats`).
+    """
     from fastckpt._manager import CheckpointManager
 
     with CheckpointManager(root, options=options) as mgr:
-        return mgr.restore(step, target, partial=partial)
+        return mgr.restore(step, target=target, partial=partial)

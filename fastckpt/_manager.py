@@ -87,7 +87,8 @@ class CheckpointManager:
         with fastckpt.CheckpointManager("/tmp/run1") as mgr:
             mgr.save(step, state)          # returns after the device->host copy
             ...
-            state = mgr.restore(target=abstract_state)
+            state = mgr.restore(target=abstract_state)   # or mgr.restore(step, target=...)
+            print(mgr.last_restore_stats)
 
     Guarantees: a step is listed and restorable only once its manifest is committed (written
     last, create-only); committed steps are never overwritten; a failed or killed save leaves
@@ -101,13 +102,11 @@ class CheckpointManager:
         options: ManagerOptions | None = None,
         coordinator: Coordinator | None = None,
         chunk_source: ChunkSource | None = None,
-        on_stats: Callable[[SaveStats | RestoreStats], None] | None = None,
     ) -> None:
         self.options = options or ManagerOptions()
         self.store = _open(root)
         self.coordinator = coordinator or default_coordinator(timeout_s=self.options.distributed.barrier_timeout_s)
         self._chunk_source = chunk_source
-        self._on_stats = on_stats
         self._io = LoopThread()
         threads = max(self.options.save.encode_threads, self.options.restore.decode_threads)
         self._workers = ThreadPoolExecutor(threads, thread_name_prefix="fastckpt-work")
@@ -144,7 +143,11 @@ class CheckpointManager:
                 self._io.close()
                 raise
         self.last_save_stats: SaveStats | None = None
+        """This process's figures of the newest save joined here (by :meth:`wait`, :meth:`close`
+        or the next :meth:`save`); None before the first. The one way to get save figures."""
         self.last_restore_stats: RestoreStats | None = None
+        """This process's figures of the newest :meth:`restore` that returned; None before the
+        first. The one way to get restore figures."""
         self._plans = StagePlans()
 
     # ------------------------------------------------------------------ save
@@ -310,8 +313,6 @@ class CheckpointManager:
         except Exception as e:
             raise SaveError(f"background save failed: {type(e).__name__}: {e}") from e
         self.last_save_stats = stats
-        if self._on_stats is not None:
-            self._on_stats(stats)
 
     def wait_replication(self, timeout_s: float | None = None) -> list[ReplicationReport]:
         """Block until this process's RAM-tier pushes to its peers finished, and return the
@@ -380,34 +381,31 @@ class CheckpointManager:
         return dict(self.manifest(step).metadata)
 
     # ------------------------------------------------------------------ restore
-    def restore(self, step: int | None = None, target: Any = None, *, partial: bool = False) -> Any:
+    def restore(self, step: int | None = None, *, target: Any = None, partial: bool = False) -> Any:
         """Restore ``step`` (default: latest) laid out as ``target`` says.
 
         ``target`` is a pytree of ``jax.ShapeDtypeStruct`` (with ``.sharding``) or concrete
-        arrays; any mesh or device count works. ``partial=True`` restores only the
-        target's leaves (a subtree). With ``step=None`` only process 0 lists storage and
-        every process restores the step it found (collective: every process must call it);
-        a RAM-only step found incomplete while reading is replaced by the next older
-        complete step on every process (see :meth:`restore_with_stats`). Raises
-        NoCheckpointError (``step=None`` and nothing is committed in any tier, on every
-        process alike: initialise instead), CheckpointNotFoundError, TreeStructureError,
-        ShapeMismatchError, DtypeMismatchError, ChecksumMismatchError, DistributedError.
-        """
-        return self.restore_with_stats(step, target, partial=partial)[0]
+        arrays; any mesh or device count works; None restores the saved tree with its saved
+        shardings. ``partial=True`` restores only the target's leaves (a subtree). This
+        process's figures are in :attr:`last_restore_stats` afterwards.
 
-    def restore_with_stats(self, step: int | None = None, target: Any = None, *, partial: bool = False) -> tuple[Any, RestoreStats]:
-        """Like :meth:`restore`, also returning this process's :class:`RestoreStats`.
+        With ``step=None`` only process 0 lists storage and every process restores the step
+        it found (collective: every process must call it). With a RAM tier, a RAM-only step
+        that turns out incomplete while it is read (a chunk corrupt in every copy, or a peer
+        lost mid-restore with no other copy) is abandoned by every process together, and the
+        next older complete step is restored instead (an older RAM step, else storage's
+        latest). An explicit ``step`` never falls back.
 
-        With ``step=None`` and a RAM tier, a RAM-only step that turns out incomplete while
-        it is read (a chunk corrupt in every copy, or a peer lost mid-restore with no other
-        copy) is abandoned by every process together, and the next older complete step is
-        restored instead (an older RAM step, else storage's latest). An explicit ``step``
-        never falls back.
+        Raises:
+            NoCheckpointError: ``step=None`` and nothing is committed in any tier (on every
+                process alike: initialise instead).
+            CheckpointNotFoundError, TreeStructureError, ShapeMismatchError,
+            DtypeMismatchError, ChecksumMismatchError, DistributedError.
         """
         step = None if step is None else _checked_step(step)
         reading = self._reading_step(step) if step is not None else contextlib.nullcontext()
         with paused_gc(self.options.pause_gc), reading:  # thousands of leaves: no full collections
-            return self._restore_with_stats(step, target, partial=partial)
+            return self._restore(step, target, partial=partial)
 
     @contextlib.contextmanager
     def _reading_step(self, step: int) -> Iterator[None]:
@@ -421,7 +419,7 @@ class CheckpointManager:
             with self._retention_lock:
                 self._reading[step] -= 1
 
-    def _restore_with_stats(self, step: int | None, target: Any, *, partial: bool) -> tuple[Any, RestoreStats]:
+    def _restore(self, step: int | None, target: Any, *, partial: bool) -> Any:
         import jax
 
         t0 = time.perf_counter()
@@ -477,10 +475,8 @@ class CheckpointManager:
         leaves = build_leaves(plan, stats)
         stats.seconds = time.perf_counter() - t0
         self.last_restore_stats = stats
-        if self._on_stats is not None:
-            self._on_stats(stats)
         log.info("fastckpt: restored step %d (%s)", manifest.step, stats.bytes_by_tier)
-        return jax.tree_util.tree_unflatten(plan.treedef, leaves), stats
+        return jax.tree_util.tree_unflatten(plan.treedef, leaves)
 
     def _choose_manifest(self, step: int | None, *, key: str, older_than: int | None,
                          wanted: Callable[[Manifest], dict[str, str]]) -> Manifest:

@@ -1,10 +1,10 @@
-"""The ``fastckpt`` command line: ``ls``, ``inspect``, ``verify``, ``gc``, ``convert``, ``bench``, ``demo``.
+"""The ``fastckpt`` command line: ``ls``, ``inspect``, ``verify``, ``gc``, ``convert``, ``demo``.
 
 Run as ``fastckpt ...`` (console script) or ``python -m fastckpt ...``. Exit status: 0 ok,
 1 damage or failure (corrupt chunk, missing step, storage error), 2 usage error, 130
-interrupted, 141 (128 + SIGPIPE) stdout closed early (``fastckpt inspect ROOT | head``). This
-package is the only place (with ``fastckpt.testing``) that reads environment variables:
-``STORAGE_EMULATOR_HOST`` for ``gs://`` roots unless ``--gcs-endpoint`` is given.
+interrupted, 141 (128 + SIGPIPE) stdout closed early (``fastckpt inspect ROOT | head``).
+``gs://`` roots use ``--gcs-endpoint`` if given, else ``STORAGE_EMULATOR_HOST`` if set (as
+every GCS client does), else Google; the CLI also points tensorstore (Orbax reads) at it.
 """
 
 from __future__ import annotations
@@ -92,9 +92,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fastckpt->Orbax: write a CheckpointManager dir (DST/<step>/default) or a bare item dir")
     _common(p, json_flag=False)
 
-    p = sub.add_parser("bench", help="run benchmarks.restore_latency (extra arguments pass through)")
-    p.add_argument("--root", default=None, help="checkpoint root for the benchmark")
-
     sub.add_parser("demo", help="run the elastic training demo (arguments pass through)", add_help=False)
     return parser
 
@@ -123,13 +120,11 @@ def _missing_local_root(root: str) -> bool:
     return not os.path.isdir(path)
 
 
-def _dispatch(args: argparse.Namespace, extra: list[str]) -> int:
+def _dispatch(args: argparse.Namespace) -> int:
     from fastckpt.cli import _inspect, _ops, _verify
     from fastckpt.cli._util import parse_duration
 
     cmd = args.command
-    if cmd == "bench":
-        return _ops.cmd_bench(args.root, extra)
     if cmd == "convert":
         return _ops.cmd_convert(args.src, args.dst, step=args.step, to_step=args.to_step, item=args.item,
                                 layout=args.layout, gcs_endpoint=args.gcs_endpoint)
@@ -165,17 +160,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_demo(argv[1:])
     parser = build_parser()
     try:
-        args, extra = parser.parse_known_args(argv)
+        args = parser.parse_args(argv)
     except SystemExit as e:  # argparse: --help (0) or a usage error (2)
         return int(e.code) if isinstance(e.code, int) else 2
-    if extra and args.command != "bench":
-        parser.print_usage(sys.stderr)
-        sys.stderr.write(f"fastckpt: error: unrecognized arguments: {' '.join(extra)}\n")
-        return 2
     from fastckpt.errors import ConfigError, FastckptError
 
     try:
-        rc = _dispatch(args, extra)
+        rc = _dispatch(args)
         sys.stdout.flush()  # a closed pipe surfaces here, not at interpreter exit
         return rc
     except BrokenPipeError:

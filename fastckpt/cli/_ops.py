@@ -1,13 +1,9 @@
-"""``fastckpt gc``, ``convert``, ``bench`` and ``demo``."""
+"""``fastckpt gc``, ``convert`` and ``demo``."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from fastckpt._gc import collect_garbage_async
 from fastckpt.cli._util import dump_json, fmt_age, fmt_bytes, open_root, plural
@@ -16,7 +12,7 @@ from fastckpt.format.layout import MANIFEST_PREFIX
 from fastckpt.options import RetentionOptions
 from fastckpt.storage import Store
 
-__all__ = ["cmd_bench", "cmd_convert", "cmd_demo", "cmd_gc"]
+__all__ = ["cmd_convert", "cmd_demo", "cmd_gc"]
 
 
 async def cmd_gc(store: Store, *, grace_s: float, dry_run: bool, keep_last: int | None, keep_every: int | None,
@@ -70,32 +66,6 @@ def cmd_convert(src: str, dst: str, *, step: int | None, to_step: int | None, it
     written = convert_orbax_to_fastckpt(src, dst_store, to_step, orbax_step=step, item=item)
     sys.stdout.write(f"converted Orbax checkpoint {src} -> fastckpt step {written} at {dst_store.url}\n")
     return 0
-
-
-def _benchmark_env() -> dict[str, str] | None:
-    """Environment under which ``python -m benchmarks.restore_latency`` resolves, or None."""
-    env = dict(os.environ)
-    try:
-        if importlib.util.find_spec("benchmarks.restore_latency") is not None:
-            return env
-    except (ImportError, ValueError):
-        pass
-    checkout = Path(__file__).resolve().parents[2]  # <repo>/fastckpt/cli/_ops.py
-    if (checkout / "benchmarks" / "restore_latency.py").is_file():
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(checkout), env.get("PYTHONPATH", "")) if p)
-        return env
-    return None
-
-
-def cmd_bench(root: str | None, extra: Sequence[str]) -> int:
-    """Run ``python -m benchmarks.restore_latency [--root ROOT] EXTRA...``; its exit status."""
-    env = _benchmark_env()
-    if env is None:
-        sys.stderr.write("fastckpt bench: benchmarks.restore_latency is not available "
-                         "(run from a fastckpt source checkout)\n")
-        return 1
-    argv = [sys.executable, "-m", "benchmarks.restore_latency", *(["--root", root] if root else []), *extra]
-    return subprocess.call(argv, env=env)
 
 
 def cmd_demo(argv: Sequence[str]) -> int:

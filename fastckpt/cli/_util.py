@@ -1,4 +1,4 @@
-"""CLI plumbing: opening roots (the one place that reads environment variables), human-readable
+"""CLI plumbing: opening roots (pointing tensorstore at a GCS emulator), human-readable
 sizes and durations, a stderr progress line, JSON output."""
 
 from __future__ import annotations
@@ -23,17 +23,16 @@ _EMULATOR_ENV = "STORAGE_EMULATOR_HOST"
 def open_root(url: str, *, gcs_endpoint: str | None) -> Store:
     """Open a checkpoint root for the CLI.
 
-    ``gs://`` roots use ``--gcs-endpoint`` if given, else ``STORAGE_EMULATOR_HOST``. When an
-    endpoint is in play, tensorstore (used to read Orbax checkpoints) is pointed at it too.
+    ``gs://`` roots use ``--gcs-endpoint`` if given, else ``STORAGE_EMULATOR_HOST`` (which
+    :class:`~fastckpt.storage.GcsStore` honours itself). When an endpoint is in play,
+    tensorstore (used to read Orbax checkpoints) is pointed at it too.
     """
     if url.startswith("gs://"):
         endpoint = gcs_endpoint or os.environ.get(_EMULATOR_ENV) or None
         if endpoint:
             os.environ.setdefault("TENSORSTORE_GCS_HTTP_URL", endpoint)
             os.environ.setdefault("GOOGLE_AUTH_TOKEN_FOR_TESTING", "emulator")
-        if gcs_endpoint is not None:
-            return open_store(url, gcs_endpoint=gcs_endpoint)
-        return open_store(url, gcs_endpoint_from_env=True)
+        return open_store(url, gcs_endpoint=gcs_endpoint)
     return open_store(url)
 
 

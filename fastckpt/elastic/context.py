@@ -158,7 +158,8 @@ class ElasticContext:
         try:
             # step=None: the manager picks the newest step whose chunks are all reachable
             # (a RAM step, or storage's latest) and every process follows process 0.
-            state, stats = mgr.restore_with_stats(None, target=target)
+            state = mgr.restore(target=target)
+            stats = mgr.last_restore_stats
         except NoCheckpointError:  # nothing committed in any tier (raised on every process alike)
             state = init_fn()
             jax.block_until_ready(state)

@@ -31,6 +31,20 @@ EMPTY_TYPES: dict[str, Any] = {"None": None, "Dict": {}, "List": [], "Tuple": ()
 _STEP_DIR = re.compile(r"^(?:.*_)?(\d+)$")
 
 
+def import_tensorstore() -> Any:
+    """The ``tensorstore`` module, which only reading Orbax checkpoints needs.
+
+    Raises:
+        ConfigError: tensorstore is not installed (it comes with the ``orbax`` extra).
+    """
+    try:
+        import tensorstore
+    except ImportError as e:
+        raise ConfigError("reading an Orbax checkpoint needs tensorstore: "
+                          "pip install 'fastckpt[orbax]'") from e
+    return tensorstore
+
+
 # ---------------------------------------------------------------- paths (local or gs://)
 
 
@@ -67,9 +81,7 @@ class _Dir:
 
     def _store(self) -> Any:
         if self._kv is None:
-            import tensorstore as ts
-
-            self._kv = ts.KvStore.open(self.spec).result()
+            self._kv = import_tensorstore().KvStore.open(self.spec).result()
         return self._kv
 
     def read(self, name: str) -> bytes | None:

@@ -359,9 +359,9 @@ class OrbaxStyleCheckpointManager:
                 return self._restore_composite(step, spec, saved_items, meta.get("json") or {})
             spec = _restore_target(spec)
         if saved_items is None:
-            return self._mgr.restore(step, spec)
+            return self._mgr.restore(step, target=spec)
         if "default" in saved_items:
-            return self._mgr.restore(step, {"default": spec}, partial=True)["default"]
+            return self._mgr.restore(step, target={"default": spec}, partial=True)["default"]
         if spec is None:
             return self._mgr.restore(step)
         raise TreeStructureError(f"step {step} holds items {saved_items}; restore it with a Composite")
@@ -382,7 +382,7 @@ class OrbaxStyleCheckpointManager:
         if trees and saved_items is None:
             if set(trees) != {"default"}:
                 raise TreeStructureError(f"step {step} holds one unnamed tree; restore it as 'default'")
-            results["default"] = self._mgr.restore(step, trees["default"])
+            results["default"] = self._mgr.restore(step, target=trees["default"])
         elif trees:
             unknown = sorted(set(trees) - set(saved_items or ()))
             if unknown:
@@ -391,7 +391,7 @@ class OrbaxStyleCheckpointManager:
                 full = self._mgr.restore(step)
                 results.update({n: full[n] for n in trees})
             else:
-                results.update(self._mgr.restore(step, trees, partial=True))
+                results.update(self._mgr.restore(step, target=trees, partial=True))
         return ocp.args.Composite(**results)
 
     # ------------------------------------------------------------------ deletion / lifecycle

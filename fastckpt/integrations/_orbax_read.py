@@ -1,6 +1,6 @@
 """Read checkpoints written by orbax-checkpoint with tensorstore directly (no handler stack).
 
-Only ``tensorstore`` (a core dependency) is used; orbax is not imported. The layout and
+Only ``tensorstore`` (the ``orbax`` extra) is used; orbax is not imported. The layout and
 metadata parsing live in :mod:`fastckpt.integrations._orbax_layout`.
 
 Call order inside :func:`read_item`: match the target's leaves to ``_METADATA`` entries by
@@ -30,7 +30,14 @@ from fastckpt.errors import (
 )
 from fastckpt.reader.assemble import prng_key_info
 from fastckpt.format.manifest import Box
-from fastckpt.integrations._orbax_layout import EMPTY_TYPES, OrbaxEntry, OrbaxItem, kv_spec, read_json
+from fastckpt.integrations._orbax_layout import (
+    EMPTY_TYPES,
+    OrbaxEntry,
+    OrbaxItem,
+    import_tensorstore,
+    kv_spec,
+    read_json,
+)
 from fastckpt.planning import box_from_index, box_to_slices, full_box
 
 __all__ = ["read_item"]
@@ -304,7 +311,7 @@ def read_item(
     max_inflight_bytes: int = 1 << 30,
 ) -> Any:
     """Restore an Orbax item laid out as ``target`` (see :func:`fastckpt.integrations.orbax.restore_orbax`)."""
-    import tensorstore as ts
+    ts = import_tensorstore()
 
     matched, treedef = _match(item, target, partial=partial)
     leaves = [_Leaf(e, t, _mode_of(e, t, item)) for e, t in matched]

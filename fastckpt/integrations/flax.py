@@ -59,7 +59,7 @@ def restore_nnx(manager: Any, graphdef: Any, abstract: Any, *, step: int | None 
     """Restore ``step`` (default: latest) into ``abstract`` and ``nnx.merge`` it with ``graphdef``."""
     from flax import nnx
 
-    return nnx.merge(graphdef, manager.restore(step, abstract))
+    return nnx.merge(graphdef, manager.restore(step, target=abstract))
 
 
 def abstract_train_state(create: Callable[[], Any], sharding: Any = None) -> Any:

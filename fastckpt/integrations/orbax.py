@@ -1,8 +1,9 @@
 """Orbax interop: read Orbax checkpoints onto any sharding, convert both ways, Orbax-style manager.
 
-``orbax-checkpoint`` is an optional extra (``pip install fastckpt[orbax]``). Reading an
-Orbax checkpoint (:func:`restore_orbax`, :func:`convert_orbax_to_fastckpt`) needs only
-tensorstore, which fastckpt already depends on; writing one
+The ``orbax`` extra (``pip install 'fastckpt[orbax]'``) brings orbax-checkpoint, gcsfs and
+tensorstore. Reading an Orbax checkpoint (:func:`restore_orbax`,
+:func:`convert_orbax_to_fastckpt`) needs only tensorstore (a :class:`ConfigError` naming the
+extra without it); writing one
 (:func:`convert_fastckpt_to_orbax`) imports orbax lazily. The manager surface
 (:class:`OrbaxStyleCheckpointManager`) imports orbax only when it is handed Orbax objects.
 
@@ -218,7 +219,7 @@ def convert_fastckpt_to_orbax(
             if step is None:
                 raise CheckpointNotFoundError(f"no committed checkpoint in {mgr.store.url}")
         _check_orbax_destination(dst, step, layout)
-        tree = mgr.restore(step, target)
+        tree = mgr.restore(step, target=target)
     _check_orbax_leaves(tree)
     try:
         _write_orbax(ocp, tree, dst, step, layout)

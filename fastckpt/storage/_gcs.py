@@ -16,6 +16,12 @@ connection (see ``docs/storage.md``):
 
 The library's own retries are disabled everywhere (``retry=None``; the session has no
 urllib3 retries): retrying is :class:`~fastckpt.storage.RetryingStore`'s job.
+
+``STORAGE_EMULATOR_HOST`` is honoured as google-cloud-storage, gcsfs and Orbax honour it
+(see :class:`GcsStore`): the one environment variable the library reads unasked (elsewhere
+only the edges read the environment: the CLI, ``fastckpt.testing``, entry points, and
+``peer_secret_from_env`` when called), because the ecosystem's convention is that the GCS
+client reads it.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import asyncio
 import dataclasses
 import functools
 import json
+import os
 import secrets
 import threading
 from collections.abc import Callable, Sequence
@@ -78,15 +85,27 @@ T = TypeVar("T")
 
 _SCOPES = ("https://www.googleapis.com/auth/devstorage.read_write",)
 _DEFAULT_BASE = "https://storage.googleapis.com"
+_EMULATOR_ENV = "STORAGE_EMULATOR_HOST"
+
+
+def _emulator_endpoint() -> str | None:
+    """``STORAGE_EMULATOR_HOST`` as a base URL (``http://`` added to a bare ``host:port``, as
+    gcsfs does), or None when it is unset or empty."""
+    value = os.environ.get(_EMULATOR_ENV, "").strip()
+    if not value:
+        return None
+    return value if value.startswith(("http://", "https://")) else f"http://{value}"
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class GcsOptions:
-    """Options for :class:`GcsStore`. Nothing here is read from the environment."""
+    """Options for :class:`GcsStore`. The options themselves read nothing from the
+    environment; :class:`GcsStore` fills in ``endpoint`` from ``STORAGE_EMULATOR_HOST``."""
 
     endpoint: str | None = None
     """Base URL of a GCS-compatible endpoint (an emulator: ``http://127.0.0.1:4443``).
-    When set and ``credentials`` is None, requests are anonymous."""
+    When set and ``credentials`` is None, requests are anonymous. None: the
+    ``STORAGE_EMULATOR_HOST`` endpoint if that variable is set, else Google's."""
     project: str | None = None
     """Project for the client (only used for billing/quota headers)."""
     credentials: Any = None
@@ -116,6 +135,13 @@ class GcsStore(Store):
     ``options.max_workers`` threads sharing one pooled session; the client and session are
     created on first use (credentials discovery may do I/O).
 
+    Endpoint, as google-cloud-storage's ``Client`` chooses it: ``options.endpoint`` if set;
+    else ``STORAGE_EMULATOR_HOST`` if set (read once, here; a bare ``host:port`` gets
+    ``http://``), with anonymous credentials unless ``options.credentials`` is given; else
+    Google's, with Application Default Credentials. So code written for real GCS runs
+    against an emulator with no change, and an explicit ``GcsOptions(endpoint=...)`` wins
+    over the variable. :attr:`options` holds the endpoint chosen.
+
     Args:
         bucket: Bucket name.
         prefix: Key prefix inside the bucket ("" for the bucket root); no leading or
@@ -131,7 +157,10 @@ class GcsStore(Store):
             validate_key(prefix)
         self.bucket = bucket
         self.prefix = prefix
-        self.options = options or GcsOptions()
+        options = options or GcsOptions()
+        if options.endpoint is None and (emulator := _emulator_endpoint()) is not None:
+            options = dataclasses.replace(options, endpoint=emulator)
+        self.options = options
         self.url = f"gs://{bucket}/{prefix}" if prefix else f"gs://{bucket}"
         self._base = (self.options.endpoint or _DEFAULT_BASE).rstrip("/")
         self._timeout = (self.options.connect_timeout_s, self.options.read_timeout_s)

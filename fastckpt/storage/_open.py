@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 from urllib.parse import unquote, urlsplit
 
@@ -20,7 +19,6 @@ __all__ = ["DEFAULT_RETRY", "open_store"]
 DEFAULT_RETRY = RetryPolicy()
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
-_EMULATOR_ENV = "STORAGE_EMULATOR_HOST"
 
 
 def open_store(
@@ -29,7 +27,6 @@ def open_store(
     retry: RetryPolicy | None = DEFAULT_RETRY,
     gcs_options: GcsOptions | None = None,
     gcs_endpoint: str | None = None,
-    gcs_endpoint_from_env: bool = False,
     local_durable: bool = True,
 ) -> Store:
     """Open the store a URL names.
@@ -49,9 +46,9 @@ def open_store(
         retry: Retry policy for GCS and local stores; None for no retries.
         gcs_options: Base options for a GCS store.
         gcs_endpoint: GCS endpoint override (e.g. an emulator); replaces
-            ``gcs_options.endpoint``.
-        gcs_endpoint_from_env: Take the endpoint from ``STORAGE_EMULATOR_HOST`` (the only
-            environment variable fastckpt's library code reads, and only when asked).
+            ``gcs_options.endpoint``. With neither, :class:`GcsStore` uses
+            ``STORAGE_EMULATOR_HOST`` when it is set (anonymously), as google-cloud-storage
+            does, else Google's endpoint.
         local_durable: fsync local writes.
 
     Raises:
@@ -63,10 +60,6 @@ def open_store(
     scheme = match.group(1).lower() if match else ""
     store: Store
     if scheme == "gs":
-        if gcs_endpoint_from_env:
-            if gcs_endpoint is not None:
-                raise ConfigError("pass gcs_endpoint or gcs_endpoint_from_env, not both")
-            gcs_endpoint = os.environ.get(_EMULATOR_ENV) or None
         parts = urlsplit(url)
         if not parts.netloc or parts.query or parts.fragment:
             raise ConfigError(f"malformed GCS URL {url!r}; expected gs://bucket[/prefix]")

@@ -1,9 +1,15 @@
-"""Test helpers that ship with fastckpt (the store conformance suite, a GCS emulator,
-multi-process jobs, simulated hosts, ...).
+"""Test helpers that ship with fastckpt, for third parties as for fastckpt's own tests.
 
-Import the submodules directly (e.g. ``fastckpt.testing.store_tests``,
-``fastckpt.testing.gcs_emulator``, ``fastckpt.testing.hosts``); this package imports nothing
-itself, so it has no side effects and no pytest dependency at import time.
+* ``store_tests``: the :class:`~fastckpt.storage.Store` conformance suite a backend subclasses.
+* ``strategies``: hypothesis strategies (shapes, boxes, tilings, manifests).
+* ``gcs_emulator``: fake-gcs-server on a free port, for code that talks to GCS.
+* ``fault_proxy``: an HTTP proxy that injects faults in front of it (retry settings, a store).
+* ``multiprocess``: a function run in N real ``jax.distributed`` processes on one machine.
+* ``hosts``: simulated hosts (network + mount namespaces) for those processes.
+
+Import the submodules directly (e.g. ``fastckpt.testing.store_tests``); this package imports
+nothing itself, so it has no side effects and no pytest dependency at import time. Harnesses
+only fastckpt's own tests use live in the repository's ``tests/support``.
 """
 
 from __future__ import annotations

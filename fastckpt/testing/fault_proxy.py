@@ -1,5 +1,8 @@
 """A fault-injecting HTTP/1.1 proxy for reliability tests (in front of the GCS emulator).
 
+Public for anyone who tests code that talks to GCS (a custom store, retry settings) against
+:mod:`~fastckpt.testing.gcs_emulator`; fastckpt's reliability tests use it too.
+
 :class:`FaultProxy` listens on ``127.0.0.1``, forwards every request to an upstream HTTP
 server (the emulator) and, for a configurable fraction of requests (seeded RNG), injects one
 fault instead of the faithful answer. Point a client at :attr:`FaultProxy.endpoint`::

@@ -25,8 +25,8 @@ from fastckpt.format.layout import data_key, fragment_key
 from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, ChunkTable, KeyPath, Manifest, box_volume
 from fastckpt.storage import MemoryStore
 from fastckpt.testing.strategies import manifests
-from fastckpt.testing.threaded_job import ThreadedJob
-from fastckpt.testing.wrapping import ForwardingStore
+from tests.support.threaded_job import ThreadedJob
+from tests.support.wrapping import ForwardingStore
 from fastckpt.writer import commit, fragment, merge
 from fastckpt.writer.commit import build_manifest, exchange_ram_manifest, publish_and_commit
 from fastckpt.writer.fragment import ChunkRows, ProcessChunks, decode_fragments, encode_fragment

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import time
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 
+import fastckpt
 from fastckpt import CheckpointManager, ManagerOptions, RetentionOptions, SaveOptions
 from fastckpt.errors import ChecksumMismatchError, StepAlreadyCommittedError
 from fastckpt.storage import GcsStore
@@ -34,7 +39,7 @@ def test_gcs_reshard_round_trip_and_commit_rules(gcs_store: GcsStore) -> None:
         assert mgr.metadata(3) == {"step": 3}
         for rshape, rnames, rspec in [((6,), ("x",), P("x", None)), ((1,), ("x",), P()), ((4, 2), ("a", "b"), P("b", "a"))]:
             dst = named(rshape, rnames, rspec)
-            got = mgr.restore(3, {"w": sds(wh, dst), "b": sds(bh, named(rshape, rnames, P(rspec[0] if rspec else None))),
+            got = mgr.restore(3, target={"w": sds(wh, dst), "b": sds(bh, named(rshape, rnames, P(rspec[0] if rspec else None))),
                                   "key": key, "n": np.zeros(5, int), "s": ""})
             assert_sharded_like(got["w"], dst, wh)
             assert_bit_exact(got["b"], bh)
@@ -71,7 +76,8 @@ def test_gcs_restore_scatter_reads_are_bit_exact(gcs_store: GcsStore) -> None:
     with CheckpointManager(gcs_store, options=OPTS) as mgr:
         mgr.save(1, state)
         mgr.wait()
-        got, stats = mgr.restore_with_stats(1, target={k: sds(h, shardings[k]) for k, h in hosts.items()})
+        got = mgr.restore(1, target={k: sds(h, shardings[k]) for k, h in hosts.items()})
+        stats = mgr.last_restore_stats
         check(got, hosts, shardings)
         assert stats.bytes_in_place >= hosts["big"].nbytes + sum(hosts[f"s{i:02d}"].nbytes for i in range(N_SMALL))
         assert stats.reads_storage < len(hosts)
@@ -79,3 +85,19 @@ def test_gcs_restore_scatter_reads_are_bit_exact(gcs_store: GcsStore) -> None:
         small = named((4, 2), ("a", "b"), P())
         shardings = {k: (small if k.startswith("s") else dst) for k in hosts}
         check(mgr.restore(1, target={k: sds(h, shardings[k]) for k, h in hosts.items()}), hosts, shardings)
+
+
+def test_gs_root_honours_storage_emulator_host(gcs_emulator: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain ``gs://`` root, with ``STORAGE_EMULATOR_HOST`` set as for google-cloud-storage
+    and no credentials anywhere, saves to and restores from the emulator bit-exact."""
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_emulator.endpoint)
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", "/nonexistent/credentials.json")
+    w, wh = device_data((32, 8), np.float32, named((2, 4), ("a", "b"), P("a", "b")), seed=3)
+    url = f"gs://fastckpt-test/env-{os.getpid()}-{time.monotonic_ns()}"
+    with CheckpointManager(url) as mgr:
+        assert mgr.store.inner.options.endpoint == gcs_emulator.endpoint  # type: ignore[attr-defined]
+        mgr.save(1, {"w": w, "n": np.arange(3)})
+        mgr.wait()
+    got = fastckpt.restore(url, target={"w": sds(wh, w.sharding), "n": np.zeros(3, int)})
+    assert_sharded_like(got["w"], w.sharding, wh)
+    np.testing.assert_array_equal(got["n"], np.arange(3))

@@ -47,7 +47,7 @@ def test_every_jax_dtype_round_trips_bit_exact(root: Any) -> None:
             stored = {leaf.path[0][1]: leaf.dtype for leaf in mgr.manifest(3).arrays()}
             assert stored == {k: str(np.dtype(v.dtype).name) for k, v in state.items()}
             target = {k: sds(h, dst if h.ndim == 2 else named((8,), ("x",), P())) for k, h in hosts.items()}
-            got = mgr.restore(3, target)
+            got = mgr.restore(3, target=target)
             for k, h in hosts.items():
                 assert_sharded_like(got[k], target[k].sharding, h)
             got = mgr.restore(3)  # target=None: saved shardings
@@ -70,18 +70,18 @@ def test_typed_prng_keys(impl: str, where: str, tmp_path: Path) -> None:
         dst = named((2,), ("x",), P("x"))
         target = {"keys": jax.ShapeDtypeStruct(keys.shape, keys.dtype, sharding=dst),
                   "scalar": scalar, "grid": jax.ShapeDtypeStruct(grid.shape, grid.dtype, sharding=named((4,), ("x",), P(None, "x")))}
-        for got in (mgr.restore(1, target), mgr.restore(1)):
+        for got in (mgr.restore(1, target=target), mgr.restore(1)):
             for k, orig in (("keys", keys), ("scalar", scalar), ("grid", grid)):
                 assert jax.dtypes.issubdtype(got[k].dtype, jax.dtypes.prng_key)
                 assert jax.random.key_impl(got[k]) == jax.random.key_impl(orig)
                 assert got[k].shape == orig.shape
                 assert_bit_exact(jax.random.key_data(got[k]), np.asarray(jax.random.key_data(orig)))
-        got = mgr.restore(1, target)
+        got = mgr.restore(1, target=target)
         assert got["keys"].sharding == dst
         # The restored keys are usable keys that draw the same numbers.
         np.testing.assert_array_equal(jax.random.uniform(got["scalar"], (4,)), jax.random.uniform(scalar, (4,)))
         with pytest.raises(fastckpt.errors.DtypeMismatchError):
-            mgr.restore(1, {**target, "keys": jax.ShapeDtypeStruct((16, 2), jnp.uint32)})
+            mgr.restore(1, target={**target, "keys": jax.ShapeDtypeStruct((16, 2), jnp.uint32)})
 
 
 NUMPY_DTYPES = JAX_DTYPES + ["float6_e2m3fn", "float6_e3m2fn"]
@@ -96,7 +96,7 @@ def test_numpy_arrays_and_scalars(root: Any) -> None:
     }
     state = {"arrays": arrays, "scalars": scalars, "empty": np.zeros((2, 0, 3), np.float32)}
     fastckpt.save(root, 2, state)
-    for got in (fastckpt.restore(root, state), fastckpt.restore(root)):
+    for got in (fastckpt.restore(root, target=state), fastckpt.restore(root)):
         for k, a in arrays.items():
             assert isinstance(got["arrays"][k], np.ndarray)
             assert_bit_exact(got["arrays"][k], a)
@@ -108,7 +108,7 @@ def test_numpy_arrays_and_scalars(root: Any) -> None:
                 assert type(g) is type(s), (k, type(g), type(s))
             assert_bit_exact(np.asarray(g), np.asarray(s))
         assert got["empty"].shape == (2, 0, 3)
-    got = fastckpt.restore(root, state)
+    got = fastckpt.restore(root, target=state)
     assert isinstance(got["scalars"]["zero_d"], np.ndarray)
 
 
@@ -119,7 +119,7 @@ def test_python_values(root: Any) -> None:
         "none": None, "true": True, "false": False,
     }
     fastckpt.save(root, 1, state)
-    for got in (fastckpt.restore(root), fastckpt.restore(root, state)):
+    for got in (fastckpt.restore(root), fastckpt.restore(root, target=state)):
         assert set(got) == set(state)
         for k, v in state.items():
             g = got[k]
@@ -172,7 +172,7 @@ def nested_state() -> tuple[Any, dict[str, np.ndarray]]:
 def test_nested_containers_round_trip_with_target(root: Any) -> None:
     state, hosts = nested_state()
     fastckpt.save(root, 4, state)
-    got = fastckpt.restore(root, state)
+    got = fastckpt.restore(root, target=state)
     assert jax.tree_util.tree_structure(got, is_leaf=lambda x: x is None) == \
         jax.tree_util.tree_structure(state, is_leaf=lambda x: x is None)
     assert isinstance(got["opt"], Opt) and isinstance(got["pair"], Pair)
@@ -206,13 +206,13 @@ def test_partial_restore_of_subtrees(root: Any) -> None:
     fastckpt.save(root, 4, state)
     dst = named((2,), ("x",), P(None, "x"))
     sub = {"opt": Opt(mu=jax.ShapeDtypeStruct((16, 4), jnp.float32, sharding=dst), nu=(jnp.zeros(3), np.zeros(3, int)), count=0)}
-    got = fastckpt.restore(root, sub, partial=True)
+    got = fastckpt.restore(root, target=sub, partial=True)
     assert set(got) == {"opt"}
     assert_sharded_like(got["opt"].mu, dst, hosts["m"])
     with pytest.raises(fastckpt.errors.TreeStructureError, match="partial=True"):
-        fastckpt.restore(root, sub)
+        fastckpt.restore(root, target=sub)
     # A single deep leaf.
-    got = fastckpt.restore(root, {"params": {"layers": [Layer(kernel=None, bias=None)]}}, partial=True)
+    got = fastckpt.restore(root, target={"params": {"layers": [Layer(kernel=None, bias=None)]}}, partial=True)
     # A None target leaf restores the stored array with its saved sharding.
     kernel = got["params"]["layers"][0].kernel
     assert_bit_exact(kernel, hosts["w"])

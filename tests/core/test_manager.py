@@ -58,28 +58,56 @@ def test_target_mismatch_errors(root: Any) -> None:
     fastckpt.save(root, 1, state)
     with CheckpointManager(root) as mgr:
         ok = {"w": sds(hosts["w"], state["w"].sharding), "v": sds(hosts["v"], state["v"].sharding), "step": 0}
-        mgr.restore(1, ok)
+        mgr.restore(1, target=ok)
         with pytest.raises(TreeStructureError, match="not in checkpoint"):
-            mgr.restore(1, {**ok, "extra": jnp.zeros(2)})
+            mgr.restore(1, target={**ok, "extra": jnp.zeros(2)})
         with pytest.raises(TreeStructureError, match="lacks"):
-            mgr.restore(1, {"w": ok["w"]})
+            mgr.restore(1, target={"w": ok["w"]})
         with pytest.raises(TreeStructureError):
-            mgr.restore(1, {**ok, "step": jnp.zeros(())})  # value leaf vs array target
+            mgr.restore(1, target={**ok, "step": jnp.zeros(())})  # value leaf vs array target
         with pytest.raises(TreeStructureError):
-            mgr.restore(1, {**ok, "w": 3})  # array leaf vs scalar target
+            mgr.restore(1, target={**ok, "w": 3})  # array leaf vs scalar target
         with pytest.raises(ShapeMismatchError, match=r"\['w'\]"):
-            mgr.restore(1, {**ok, "w": jax.ShapeDtypeStruct((16, 4), jnp.float32)})
+            mgr.restore(1, target={**ok, "w": jax.ShapeDtypeStruct((16, 4), jnp.float32)})
         with pytest.raises(DtypeMismatchError, match=r"\['v'\]"):
-            mgr.restore(1, {**ok, "v": jax.ShapeDtypeStruct((8,), jnp.float32)})
+            mgr.restore(1, target={**ok, "v": jax.ShapeDtypeStruct((8,), jnp.float32)})
         with pytest.raises(DtypeMismatchError):
-            mgr.restore(1, {**ok, "v": jax.random.split(jax.random.key(0), 8)})
+            mgr.restore(1, target={**ok, "v": jax.random.split(jax.random.key(0), 8)})
         with pytest.raises(CheckpointNotFoundError, match="step 2"):
-            mgr.restore(2, ok)
+            mgr.restore(2, target=ok)
         # Errors are also their builtin counterparts.
         with pytest.raises(LookupError):
             mgr.restore(2)
         with pytest.raises(ValueError):
-            mgr.restore(1, {"w": ok["w"]})
+            mgr.restore(1, target={"w": ok["w"]})
+
+
+def test_restore_argument_order_and_stats() -> None:
+    """``restore(step=None, *, target=None)`` on the manager and after the root in the one-shot
+    function (the order of ``save``); figures only through ``last_save_stats`` /
+    ``last_restore_stats``."""
+    store = MemoryStore()
+    x = jnp.arange(8, dtype=np.float32)
+    with CheckpointManager(store) as mgr:
+        assert mgr.last_save_stats is None and mgr.last_restore_stats is None
+        mgr.save(1, {"x": x})
+        mgr.save(2, {"x": x + 1})  # joins save 1
+        assert mgr.last_save_stats is not None and mgr.last_save_stats.step == 1
+        mgr.wait()
+        assert mgr.last_save_stats.step == 2
+        with pytest.raises(TypeError):
+            mgr.restore(1, {"x": x})  # type: ignore[misc]
+        assert_bit_exact(mgr.restore(1, target={"x": x})["x"], np.arange(8, dtype=np.float32))
+        assert mgr.last_restore_stats is not None and mgr.last_restore_stats.step == 1
+        assert_bit_exact(mgr.restore()["x"], np.arange(8, dtype=np.float32) + 1)
+        assert mgr.last_restore_stats.step == 2
+        assert not hasattr(mgr, "restore_with_stats")
+    assert_bit_exact(fastckpt.restore(store, 1)["x"], np.arange(8, dtype=np.float32))
+    assert_bit_exact(fastckpt.restore(store, target={"x": x})["x"], np.arange(8, dtype=np.float32) + 1)
+    with pytest.raises(TypeError):
+        fastckpt.restore(store, 1, {"x": x})  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        CheckpointManager(store, on_stats=print)  # type: ignore[call-arg]
 
 
 def test_empty_root(root: Any) -> None:
@@ -419,7 +447,7 @@ def test_corrupted_byte_raises_checksum_mismatch_naming_the_array(root: Any, com
             mgr.restore(1)
         assert chunk.key in str(info.value)
         # A subtree that does not touch the corrupted chunk restores fine.
-        got = mgr.restore(1, {"good": None}, partial=True)
+        got = mgr.restore(1, target={"good": None}, partial=True)
         assert_bit_exact(got["good"], np.arange(1024.0, dtype=np.float32))
 
 
@@ -434,7 +462,7 @@ def test_same_mesh_restore_after_many_saves_is_exact(root: Any) -> None:
             mgr.save(step, {"x": x})
         mgr.wait()
         for step in range(4):
-            assert_sharded_like(mgr.restore(step, {"x": sds(hosts[step], s)})["x"], s, hosts[step])
+            assert_sharded_like(mgr.restore(step, target={"x": sds(hosts[step], s)})["x"], s, hosts[step])
 
 
 def test_one_manifest_format_and_nothing_else_is_restored(root: Any, tmp_path: Path) -> None:
@@ -460,7 +488,7 @@ def test_one_manifest_format_and_nothing_else_is_restored(root: Any, tmp_path: P
         with pytest.raises(ManifestError, match="no manifest_crc32c") as info:
             mgr.restore(2)
         assert not isinstance(info.value, UnsupportedFormatVersionError)
-        out = mgr.restore(3, {"w": sds(hosts["w"], state["w"].sharding), "v": sds(hosts["v"], state["v"].sharding),
+        out = mgr.restore(3, target={"w": sds(hosts["w"], state["w"].sharding), "v": sds(hosts["v"], state["v"].sharding),
                               "step": 0})
         assert_bit_exact(out["w"], hosts["w"])
     with pytest.raises(TypeError, match="manifest_format"):

@@ -70,7 +70,7 @@ def test_manager_pauses_gc_while_saving_and_restoring(pause: bool) -> None:
         assert gc.isenabled()
         mgr.wait()
         Probe.seen.clear()
-        restored = mgr.restore(0, {"p": Probe(jax.ShapeDtypeStruct(x.shape, x.dtype))})
+        restored = mgr.restore(0, target={"p": Probe(jax.ShapeDtypeStruct(x.shape, x.dtype))})
         assert Probe.seen and all(seen is not pause for seen in Probe.seen)
         assert gc.isenabled()
     np.testing.assert_array_equal(np.asarray(restored["p"].x), np.asarray(x))
@@ -82,5 +82,5 @@ def test_manager_keeps_a_disabled_collector_disabled() -> None:
     with fastckpt.CheckpointManager("mem://pause-gc-off") as mgr:
         mgr.save(0, {"x": x})
         mgr.wait()
-        mgr.restore(0, {"x": jax.ShapeDtypeStruct(x.shape, x.dtype)})
+        mgr.restore(0, target={"x": jax.ShapeDtypeStruct(x.shape, x.dtype)})
     assert not gc.isenabled()

@@ -51,7 +51,8 @@ def test_restored_arrays_survive_later_saves(tmp_path: Path, shm_dir: Path) -> N
         mgr.wait()
         target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
                               if isinstance(a, jax.Array) else a, _state(1))
-        restored, stats = mgr.restore_with_stats(1, target=target)
+        restored = mgr.restore(1, target=target)
+        stats = mgr.last_restore_stats
         assert stats.bytes_by_tier == {"ram": stats.restored_bytes}
         restored["host"][0, 0] = -1  # numpy leaves come back writable (copied, not lent)
         restored["host"][0, 0] = expected["host"][0, 0]
@@ -156,7 +157,8 @@ def test_both_planning_schedules_restore_bit_exact_from_ram_and_storage(
         target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
                               if isinstance(x, jax.Array) else x, _state(3))
         for step, tier in ((3, "ram"), (2, None)):
-            restored, stats = mgr.restore_with_stats(step, target=target)
+            restored = mgr.restore(step, target=target)
+            stats = mgr.last_restore_stats
             expected = jax.tree.map(np.asarray, _state(step))
             got = jax.tree.map(np.asarray, restored)
             assert jax.tree.all(jax.tree.map(np.array_equal, got, expected))
@@ -195,7 +197,8 @@ def test_a_corrupt_lent_unit_is_caught_after_planning_and_read_from_the_next_tie
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
                           if isinstance(x, jax.Array) else x, _state(2))
     with CheckpointManager(root, options=options) as mgr:
-        restored, stats = mgr.restore_with_stats(2, target=target)
+        restored = mgr.restore(2, target=target)
+        stats = mgr.last_restore_stats
     got, expected = jax.tree.map(np.asarray, restored), jax.tree.map(np.asarray, _state(2))
     assert jax.tree.all(jax.tree.map(np.array_equal, got, expected))
     assert stats.chunks_by_tier == {"ram": nchunks - 1, "storage": 1}, (cid, stats)
@@ -282,7 +285,8 @@ def test_a_vanished_or_shrunk_ram_segment_falls_back_to_storage(tmp_path: Path, 
             os.remove(data)
         else:
             os.truncate(data, 100)
-        got, stats = mgr.restore_with_stats(1, {"w": jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=sharding)})
+        got = mgr.restore(1, target={"w": jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=sharding)})
+        stats = mgr.last_restore_stats
         np.testing.assert_array_equal(np.asarray(got["w"]), w)
         assert set(stats.bytes_by_tier) == {"storage"}
 
@@ -302,8 +306,10 @@ def test_restore_stats_count_this_restores_fallbacks_only(tmp_path: Path, shm_di
         with CheckpointManager(str(tmp_path / "ck"), chunk_source=source) as mgr:
             mgr.save(1, {"w": jax.device_put(w, sharding)})
             mgr.wait()
-            seen = [mgr.restore_with_stats(1, {"w": jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=sharding)})[1]
-                    for _ in range(3)]
+            seen = []
+            for _ in range(3):
+                mgr.restore(1, target={"w": jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=sharding)})
+                seen.append(mgr.last_restore_stats)
     assert [s.fallbacks for s in seen] == [{"miss": 8}] * 3
 
 
@@ -351,7 +357,7 @@ def test_no_job_of_a_failed_restore_outlives_it(tmp_path: Path, monkeypatch: pyt
                            options=ManagerOptions(restore=RestoreOptions(decode_threads=8))) as mgr:
         monkeypatch.setattr(leaf_filler, "allocate", refuse)
         with pytest.raises(MemoryError, match="l05"):
-            mgr.restore(1, target)
+            mgr.restore(1, target=target)
         failed_at = time.perf_counter()
         monkeypatch.undo()
         time.sleep(1.0)
@@ -377,10 +383,12 @@ def test_ram_saves_go_on_after_a_restore_fell_back_to_an_older_step(tmp_path: Pa
             b = f.read(1)
             f.seek(0)
             f.write(bytes([b[0] ^ 0xFF]))
-        restored, stats = mgr.restore_with_stats(None, target=state(0))
+        restored = mgr.restore(target=state(0))
+        stats = mgr.last_restore_stats
         assert stats.step == 100 and restored["w"][0] == 100
         for s in (110, 120):
             assert mgr.save(s, state(s + 1000))  # the re-trained values
             mgr.wait()
-        again, stats = mgr.restore_with_stats(None, target=state(0))
+        again = mgr.restore(target=state(0))
+        stats = mgr.last_restore_stats
         assert stats.step == 120 and again["w"][0] == 1120 and set(stats.bytes_by_tier) == {"ram"}

@@ -59,7 +59,8 @@ def test_reshard_round_trip(root: Any, layout: str) -> None:
             dst = named(rshape, rnames, rspec)
             dst_b = NamedSharding1D(dst)
             target = {"w": sds(w_host, dst), "b": sds(b_host, dst_b)}
-            got, stats = mgr.restore_with_stats(None, target)
+            got = mgr.restore(target=target)
+            stats = mgr.last_restore_stats
             assert_sharded_like(got["w"], dst, w_host)
             assert_sharded_like(got["b"], dst_b, b_host)
             assert stats.restored_bytes >= w_host.nbytes + b_host.nbytes
@@ -82,14 +83,14 @@ def test_restore_onto_concrete_arrays_and_single_device(root: Any) -> None:
     # A concrete array as target: its sharding is used, its values are not.
     dst = named((4,), ("x",), P(None, "x"))
     like = jax.device_put(np.zeros(SHAPE, np.int32), dst)
-    got = fastckpt.restore(root, {"w": like})
+    got = fastckpt.restore(root, target={"w": like})
     assert_sharded_like(got["w"], dst, w_host)
     one = jax.sharding.SingleDeviceSharding(jax.devices()[5])
-    got = fastckpt.restore(root, {"w": jax.ShapeDtypeStruct(SHAPE, jnp.int32, sharding=one)})
+    got = fastckpt.restore(root, target={"w": jax.ShapeDtypeStruct(SHAPE, jnp.int32, sharding=one)})
     assert got["w"].devices() == {jax.devices()[5]}
     assert_sharded_like(got["w"], one, w_host)
     # A numpy target restores to host memory.
-    got = fastckpt.restore(root, {"w": np.zeros(SHAPE, np.int32)})
+    got = fastckpt.restore(root, target={"w": np.zeros(SHAPE, np.int32)})
     assert isinstance(got["w"], np.ndarray)
     np.testing.assert_array_equal(got["w"], w_host)
 
@@ -131,7 +132,7 @@ def test_subchunked_row_restore_reads_only_needed_chunks(root: Any, compression:
         assert stats.bytes_read_storage < leaf.stored_bytes / 4
         # The full resharded restore is exact too.
         dst = named((8,), ("x",), P("x", None))
-        got = mgr.restore(1, {"w": sds(w_host, dst)})
+        got = mgr.restore(1, target={"w": sds(w_host, dst)})
         assert_sharded_like(got["w"], dst, w_host)
 
 
@@ -161,7 +162,8 @@ def test_default_options_large_replicated_array(root: Any) -> None:
         assert [c.raw_length for c in leaf.chunks] == [16 << 20, 4 << 20]
         assert {c.codec for c in leaf.chunks} == {"zstd"}
         dst = named((8,), ("x",), P(None, "x"))
-        got, stats = mgr.restore_with_stats(1, {"x": sds(host, dst)})
+        got = mgr.restore(1, target={"x": sds(host, dst)})
+        stats = mgr.last_restore_stats
         assert_sharded_like(got["x"], dst, host)
         assert stats.bytes_read_storage == leaf.stored_bytes
 
@@ -181,7 +183,7 @@ def test_tight_memory_budget_and_tiny_reads(root: Any) -> None:
     with CheckpointManager(root, options=opts) as mgr:
         mgr.save(1, {"x": x, "y": y})
         mgr.wait()
-        got = mgr.restore(1, {"x": sds(xh, named((2,), ("x",), P(None, "x"))), "y": None})
+        got = mgr.restore(1, target={"x": sds(xh, named((2,), ("x",), P(None, "x"))), "y": None})
     assert_bit_exact(got["x"], xh)
     assert_bit_exact(got["y"], np.asarray(y))
 
@@ -204,9 +206,9 @@ def test_restore_checks_its_step_and_prng_key_implementations(tmp_path: Any) -> 
         for impl in ("rbg", "unsafe_rbg"):
             target = {"k": jax.eval_shape(lambda impl=impl: jax.random.split(jax.random.key(0, impl=impl), 8))}
             with pytest.raises(DtypeMismatchError, match="target keys are"):
-                mgr.restore(1, target)
+                mgr.restore(1, target=target)
         same = {"k": jax.eval_shape(lambda: jax.random.split(jax.random.key(0), 8))}
-        got = mgr.restore(1, same)["k"]
+        got = mgr.restore(1, target=same)["k"]
         assert got.dtype == same["k"].dtype
         np.testing.assert_array_equal(jax.random.key_data(got), jax.random.key_data(jax.random.split(jax.random.key(0), 8)))
 
@@ -225,10 +227,10 @@ def test_a_key_target_of_another_key_shape_is_refused(tmp_path: Any) -> None:
         key = jax.eval_shape(lambda: jax.random.key(0))
         two = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), 2))
         with pytest.raises(ShapeMismatchError, match="target key array shape"):
-            mgr.restore(1, {"one": two, "many": jax.eval_shape(lambda: jax.random.split(jax.random.key(1), 4))})
+            mgr.restore(1, target={"one": two, "many": jax.eval_shape(lambda: jax.random.split(jax.random.key(1), 4))})
         with pytest.raises(ShapeMismatchError, match="target key array shape"):
-            mgr.restore(1, {"one": key, "many": key})
-        got = mgr.restore(1, {"one": key, "many": jax.eval_shape(lambda: jax.random.split(jax.random.key(1), 4))})
+            mgr.restore(1, target={"one": key, "many": key})
+        got = mgr.restore(1, target={"one": key, "many": jax.eval_shape(lambda: jax.random.split(jax.random.key(1), 4))})
         assert got["one"].shape == () and got["many"].shape == (4,)
         np.testing.assert_array_equal(jax.random.key_data(got["many"]),
                                       jax.random.key_data(jax.random.split(jax.random.key(1), 4)))

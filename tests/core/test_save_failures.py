@@ -20,7 +20,7 @@ from fastckpt.errors import ConfigError, SaveError
 from fastckpt.options import RamOptions
 from fastckpt.storage import LocalStore
 from fastckpt.storage._protocol import Buffer, Payload, PutMode
-from fastckpt.testing.wrapping import ForwardingStore
+from tests.support.wrapping import ForwardingStore
 
 from .util import P, named
 
@@ -62,7 +62,7 @@ def test_retention_leaves_a_step_that_is_being_restored(tmp_path: Path) -> None:
         s2, _ = _state(2)
         mgr.save(2, s2)  # commits 2, then retention: step 1 goes, unless it is being read
         target = {"w": jax.ShapeDtypeStruct(h1.shape, h1.dtype, sharding=s1["w"].sharding), "seed": 0}
-        got = mgr.restore(1, target)
+        got = mgr.restore(1, target=target)
         np.testing.assert_array_equal(np.asarray(got["w"]), h1)
         mgr.wait()
         s3, _ = _state(3)

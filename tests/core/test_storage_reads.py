@@ -16,7 +16,7 @@ import pytest
 from fastckpt import CheckpointManager, ManagerOptions, RestoreOptions, SaveOptions
 from fastckpt.errors import ConfigError
 from fastckpt.storage import LocalStore, MemoryStore, Store
-from fastckpt.testing.wrapping import ForwardingStore
+from tests.support.wrapping import ForwardingStore
 
 from .util import P, assert_bit_exact, assert_sharded_like, device_data, named, sds
 
@@ -61,7 +61,8 @@ def test_same_mesh_restore_reads_in_place_and_coalesced(store: Store) -> None:
         mgr.save(1, state)
         mgr.wait()
         target = {k: sds(h, shardings[k]) for k, h in hosts.items()}
-        got, stats = mgr.restore_with_stats(1, target=target)
+        got = mgr.restore(1, target=target)
+        stats = mgr.last_restore_stats
         check(got, hosts, shardings)
         # Every raw chunk maps onto one contiguous destination span: received in place.
         assert stats.bytes_in_place >= hosts["big"].nbytes + sum(hosts[f"s{i:02d}"].nbytes for i in range(N_SMALL))
@@ -109,7 +110,8 @@ def test_chunk_corrupted_on_the_wire_is_reread() -> None:
         mgr.wait()
     flaky = _FlipOnce(store)
     with CheckpointManager(flaky, options=OPTS) as mgr:
-        got, stats = mgr.restore_with_stats(1, target={k: sds(h, shardings[k]) for k, h in hosts.items()})
+        got = mgr.restore(1, target={k: sds(h, shardings[k]) for k, h in hosts.items()})
+        stats = mgr.last_restore_stats
     assert flaky.flipped == 1
     assert stats.retries == 1
     check(got, hosts, shardings)

@@ -2,7 +2,7 @@
 UPSTREAM_PORT CONTROL_DIR``.
 
 Relays peer connections to the upstream peer server frame by frame
-(``fastckpt.testing.peer_relay``), holding no secret. While ``CONTROL_DIR/tamper-pushes``
+(``tests.support.peer_relay``), holding no secret. While ``CONTROL_DIR/tamper-pushes``
 exists it rewrites every pushed chunk batch (``PUT_CHUNKS``, client to server); while
 ``CONTROL_DIR/tamper-replies`` exists, every chunk, range and manifest reply (server to
 client). Each rewrite flips a byte of the first chunk and patches the 4 bytes after it so
@@ -19,9 +19,11 @@ import threading
 import time
 from pathlib import Path
 
-from fastckpt._checksum import crc32c
-from fastckpt.replicas.wire import MsgType
-from fastckpt.testing.peer_relay import PeerRelay, RelayedFrame, forge_crc32c
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the checkout, for tests.support
+
+from fastckpt._checksum import crc32c  # noqa: E402
+from fastckpt.replicas.wire import MsgType  # noqa: E402
+from tests.support.peer_relay import PeerRelay, RelayedFrame, forge_crc32c  # noqa: E402
 
 _REPLIES = {MsgType.CHUNKS, MsgType.RANGES, MsgType.CHUNK, MsgType.MANIFEST}
 

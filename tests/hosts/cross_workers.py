@@ -91,7 +91,7 @@ def _store(endpoint: str, prefix: str, control: Path, hold_process: int | None) 
     import jax
 
     from fastckpt.storage import GcsOptions, GcsStore
-    from fastckpt.testing.wrapping import ForwardingStore
+    from tests.support.wrapping import ForwardingStore
 
     store = GcsStore(BUCKET, prefix, options=GcsOptions(endpoint=endpoint, connect_timeout_s=3, read_timeout_s=5))
     if hold_process != jax.process_index():
@@ -200,7 +200,8 @@ def _restore(mgr: Any, mp: Any) -> dict[str, Any]:
                               for name, (shape, dtype) in mp.ARRAYS.items()}
     target["step"] = 0
     t0 = time.perf_counter()
-    got, stats = mgr.restore_with_stats(target=target)
+    got = mgr.restore(target=target)
+    stats = mgr.last_restore_stats
     seconds = time.perf_counter() - t0
     step = got["step"]
     checked = 0

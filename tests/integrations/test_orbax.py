@@ -194,7 +194,7 @@ def test_convert_orbax_to_fastckpt(orbax_root: Any, tmp_path: Path, devices8: li
         assert mgr.all_steps() == [1, 20]
         assert mgr.metadata(20)["converted_from"]["format"] == "orbax"
         target = _target(states[2], _mesh(devices8, (4,), ("x",)), P("x"))
-        restored = mgr.restore(20, target)
+        restored = mgr.restore(20, target=target)
     assert_bit_exact(states[2], restored)
     assert_shardings(target, restored)
 
@@ -214,7 +214,7 @@ def test_convert_fastckpt_to_orbax_and_back(tmp_path: Path, devices8: list[jax.D
     assert_bit_exact(state, restore_orbax(tmp_path / "item", target))
     # and back again: orbax -> fastckpt, with the real target's key paths
     convert_orbax_to_fastckpt(tmp_path / "orbax", str(tmp_path / "fck2"), target=target)
-    assert_bit_exact(state, fastckpt.restore(str(tmp_path / "fck2"), target))
+    assert_bit_exact(state, fastckpt.restore(str(tmp_path / "fck2"), target=target))
 
 
 # ---------------------------------------------------------------- Orbax-style manager

@@ -54,6 +54,19 @@ def test_python_scalars_restore_as_stored(tmp_path: Path) -> None:
     assert type(out["f"]) is float and type(out["s"]) is int
 
 
+def test_reading_without_tensorstore_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tensorstore comes with the ``orbax`` extra: without it, reading an Orbax checkpoint is a
+    ConfigError that says which extra to install."""
+    import sys
+
+    root = _orbax_save(tmp_path / "s", {"w": np.arange(4.0)})
+    monkeypatch.setitem(sys.modules, "tensorstore", None)  # `import tensorstore` raises ImportError
+    with pytest.raises(ConfigError, match=r"fastckpt\[orbax\]"):
+        restore_orbax(root, {"w": jax.ShapeDtypeStruct((4,), jnp.float64)})
+    with pytest.raises(ConfigError, match=r"fastckpt\[orbax\]"):
+        restore_orbax(f"gs://no-bucket/{root.name}")  # a remote directory is listed through tensorstore
+
+
 def test_key_targets_check_implementation_and_shape(tmp_path: Path) -> None:
     keys = jax.random.split(jax.random.key(1), 8)
     state = {"k": jax.random.key(0), "kr": jax.random.key(0, impl="rbg"), "ks": keys}

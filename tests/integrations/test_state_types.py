@@ -29,7 +29,7 @@ def _roundtrip(state: Any, target: Any) -> Any:
     with fastckpt.CheckpointManager(MemoryStore()) as mgr:
         mgr.save(1, state)
         mgr.wait()
-        return mgr.restore(1, target)
+        return mgr.restore(1, target=target)
 
 
 def _spread(mesh: Mesh, axis: str) -> Any:
@@ -90,16 +90,16 @@ def test_nnx_state_split_merge_onto_other_mesh(devices8: list[jax.Device]) -> No
         # nnx.split graph state (no mesh given: the saved sharding is rebuilt)
         graphdef2, state2 = nnx.split(model)
         _, abstract2 = nnx_abstract_state(lambda: nnx.merge(graphdef2, state2))
-        merged = nnx.merge(graphdef2, mgr.restore(1, abstract2))
+        merged = nnx.merge(graphdef2, mgr.restore(1, target=abstract2))
         assert_bit_exact(state2, nnx.split(merged)[1])
         # optimizer state (Adam moments are Variables too)
         with jax.set_mesh(save_mesh):
             abstract_opt = nnx.state(nnx.eval_shape(lambda: nnx.Optimizer(factory(), optax.adamw(1e-2), wrt=nnx.Param)))
         with pytest.raises(ConfigError, match="AbstractMesh"):
-            mgr.restore(2, abstract_opt)  # eval_shape under set_mesh: shardings over an AbstractMesh
+            mgr.restore(2, target=abstract_opt)  # eval_shape under set_mesh: shardings over an AbstractMesh
         abstract_opt = abstract_state(abstract_opt, mesh=save_mesh)
-        assert_bit_exact(nnx.state(optimizer), mgr.restore(2, abstract_opt))
-        assert_shardings(abstract_opt, mgr.restore(2, abstract_opt))
+        assert_bit_exact(nnx.state(optimizer), mgr.restore(2, target=abstract_opt))
+        assert_shardings(abstract_opt, mgr.restore(2, target=abstract_opt))
 
 
 # ---------------------------------------------------------------- Flax linen TrainState

@@ -113,7 +113,7 @@ def test_faults_commit_nothing_and_every_process_errors(tmp_path: Path) -> None:
         target: dict[str, Any] = {name: np.zeros(shape, dtype) for name, (shape, dtype) in w.ARRAYS.items()}
         target.update(host=np.zeros(10, int), seed=0)
         for step in (1, 4):
-            got = mgr.restore(step, target)
+            got = mgr.restore(step, target=target)
             for name in w.ARRAYS:
                 assert got[name].tobytes() == w.expected(name, step).tobytes(), (step, name)
 

@@ -59,7 +59,7 @@ def kill_during_save(tmp_path: Path, seed: int) -> None:
         assert set(steps) <= on_disk
         for step in steps:
             want = child.expected(step)
-            got = mgr.restore(step, {"state": {k: np.zeros(v.shape, v.dtype) for k, v in want.items()}, "step": 0})
+            got = mgr.restore(step, target={"state": {k: np.zeros(v.shape, v.dtype) for k, v in want.items()}, "step": 0})
             assert got["step"] == step
             for k, v in want.items():
                 assert got["state"][k].tobytes() == v.tobytes(), f"step {step} array {k} differs"

@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from fastckpt import CheckpointManager, DistributedOptions, ManagerOptions, RetentionOptions, SaveOptions
 from fastckpt.storage import ByteRange, LocalStore, Store
 from fastckpt.storage._protocol import Buffer, Payload, PutMode
-from fastckpt.testing.wrapping import ForwardingStore
+from tests.support.wrapping import ForwardingStore
 
 
 def _in_child() -> None:
@@ -108,7 +108,8 @@ def check_restore(root: str, steps: list[int], mesh_shape: list[int], layout: st
     checked = read = 0
     with CheckpointManager(root, options=_options()) as mgr:
         for step in steps:
-            got, stats = mgr.restore_with_stats(step, target)
+            got = mgr.restore(step, target=target)
+            stats = mgr.last_restore_stats
             read += stats.bytes_read_storage
             for name in specs:
                 arr = got[name]
@@ -131,7 +132,8 @@ def check_restore(root: str, steps: list[int], mesh_shape: list[int], layout: st
             return await store_list(prefix)
 
         mgr.store.list = counting_list  # type: ignore[method-assign]
-        got, stats = mgr.restore_with_stats(None, target)
+        got = mgr.restore(target=target)
+        stats = mgr.last_restore_stats
         mgr.store.list = store_list  # type: ignore[method-assign]
         assert got["seed"] == stats.step == max(steps)
         total = sum(expected(n, s).nbytes for n in specs for s in steps)

@@ -42,7 +42,7 @@ from fastckpt.replicas.wire import MsgType
 from fastckpt.storage import GcsOptions, GcsStore, LocalStore, MemoryStore, RetryingStore, RetryPolicy, Store
 from fastckpt.testing.fault_proxy import FaultProxy
 from fastckpt.testing.gcs_emulator import GcsEmulator
-from fastckpt.testing.peer_relay import PeerRelay, RelayedFrame, forge_crc32c
+from tests.support.peer_relay import PeerRelay, RelayedFrame, forge_crc32c
 
 from ._util import BUCKET, Recorder, trial_count
 
@@ -281,7 +281,8 @@ def test_corrupt_ram_tier_falls_back_to_storage(tmp_path: Path, shm: Path, recor
         for data, _, off, length in hit:
             _flip_file(data, off + rng.randrange(length), rng)
         with CheckpointManager(str(root), options=ram_opts) as mgr:
-            got, stats = mgr.restore_with_stats()
+            got = mgr.restore()
+            stats = mgr.last_restore_stats
         assert wrong_leaves(got, host) == []
         assert stats.chunks_by_tier.get("storage", 0) >= len({cid for _, cid, _, _ in hit}), stats.chunks_by_tier
         assert stats.chunks_by_tier.get("ram", 0) == len(chunks) - stats.chunks_by_tier["storage"], stats
@@ -317,7 +318,8 @@ def test_corrupt_ram_only_step_fails_naming_the_chunk(tmp_path: Path, shm: Path,
             mgr.restore(3)
         leaf = cid.split("@")[0]
         assert "array " in str(info.value) and leaf in str(info.value) and "chunk [" in str(info.value), info.value
-        restored, stats = mgr.restore_with_stats()  # the latest: step 3 is incomplete, step 2 is used
+        restored = mgr.restore()  # the latest: step 3 is incomplete, step 2 is used
+        stats = mgr.last_restore_stats
         assert stats.step == 2 and wrong_leaves(restored, make_state(2)[1]) == []
         assert wrong_leaves(mgr.restore(2), make_state(2)[1]) == []
     recorder.add("corruption_ram_only_step", trials=1, outcomes={type(info.value).__name__: 1}, wrong_data=0)
@@ -334,7 +336,8 @@ def test_latest_ram_step_corrupt_falls_back_to_the_previous_ram_step(tmp_path: P
     tiers, _ = _save_then_flip_a_ram_chunk(root, opts, shm / "host0", flip_step=3, rng=rng)
     assert tiers == {2: {"ram"}, 3: {"ram"}}
     with CheckpointManager(root, options=opts) as mgr:
-        restored, stats = mgr.restore_with_stats()
+        restored = mgr.restore()
+        stats = mgr.last_restore_stats
         assert stats.step == 2 and wrong_leaves(restored, make_state(2)[1]) == []
         with pytest.raises(CheckpointNotFoundError, match="RAM-only step 3"):
             mgr.restore(3)
@@ -431,7 +434,8 @@ def test_peer_wire_corruption_falls_back_to_storage(served_step: Any, recorder: 
         try:
             source = TieredChunkSource(None, [PeerClient(relay.address, secret=SECRET, options=FAST, name="mitm")])
             with CheckpointManager(root, options=OPTIONS, chunk_source=source) as mgr:
-                got, stats = mgr.restore_with_stats(1)
+                got = mgr.restore(1)
+                stats = mgr.last_restore_stats
         finally:
             relay.close()
         assert wrong_leaves(got, host) == [], (t, relay.flips)

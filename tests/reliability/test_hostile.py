@@ -49,7 +49,7 @@ from fastckpt.replicas._channel import Channel
 from fastckpt.replicas._handshake import recv_frame_head, send_frame, server_handshake
 from fastckpt.replicas.wire import ERROR_CODES, MsgType
 from fastckpt.storage import LocalStore, MemoryStore
-from fastckpt.testing.wrapping import ForwardingStore
+from tests.support.wrapping import ForwardingStore
 
 from ._util import Recorder
 

@@ -27,7 +27,7 @@ import numpy as np
 from fastckpt import CheckpointManager, ManagerOptions, RestoreOptions, SaveOptions
 from fastckpt.storage import ByteRange, MemoryStore
 from fastckpt.storage._protocol import Buffer
-from fastckpt.testing.wrapping import ForwardingStore
+from tests.support.wrapping import ForwardingStore
 
 from ._util import HERE, Recorder
 

@@ -28,7 +28,7 @@ from fastckpt.errors import AuthenticationError, FrameAuthenticationError, PeerE
 from fastckpt.replicas import PeerClient, PeerOptions, PeerServer, RamTier, TieredChunkSource, wire
 from fastckpt.replicas._channel import Channel
 from fastckpt.replicas.wire import MsgType
-from fastckpt.testing.peer_relay import PeerRelay, RelayedFrame, forge_crc32c
+from tests.support.peer_relay import PeerRelay, RelayedFrame, forge_crc32c
 
 from .conftest import SECRET, fill, seal_chunks
 

@@ -27,7 +27,7 @@ from fastckpt.replicas.client import PeerClient, StepLists
 from fastckpt.replicas.manifest_relay import ManifestSources, decode_candidates, encode_candidates, manifest_sources
 from fastckpt.replicas.tiered import RamReplication
 from fastckpt.storage import MemoryStore
-from fastckpt.testing.threaded_job import ThreadedJob
+from tests.support.threaded_job import ThreadedJob
 
 from .conftest import SECRET, fill, seal_chunks
 

@@ -21,7 +21,7 @@ from fastckpt.replicas._tier_dir import claim_tier_dir
 from fastckpt.replicas.ram import RamTier
 from fastckpt.replicas.tiered import RamReplication
 from fastckpt.storage import MemoryStore
-from fastckpt.testing.threaded_job import ThreadedJob
+from tests.support.threaded_job import ThreadedJob
 
 from .conftest import SECRET
 

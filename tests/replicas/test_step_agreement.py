@@ -21,7 +21,7 @@ from fastckpt.options import RamOptions
 from fastckpt.replicas.client import StepLists
 from fastckpt.replicas.tiered import RamReplication
 from fastckpt.storage import MemoryStore
-from fastckpt.testing.threaded_job import ThreadedJob
+from tests.support.threaded_job import ThreadedJob
 
 from .conftest import fill, seal_chunks
 

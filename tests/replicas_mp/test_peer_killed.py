@@ -126,7 +126,8 @@ def test_peer_killed_mid_transfer_restore_falls_back_to_storage(tmp_path: Path, 
                                                      options=PeerOptions(connect_timeout_s=3, io_timeout_s=10))])
         try:
             with CheckpointManager(root, chunk_source=source) as mgr:
-                got, stats = mgr.restore_with_stats(1, {"big": np.zeros_like(big)})
+                got = mgr.restore(1, target={"big": np.zeros_like(big)})
+                stats = mgr.last_restore_stats
         finally:
             relay.release.set()
             relay.holding.set()

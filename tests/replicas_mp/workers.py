@@ -330,7 +330,8 @@ def restore(ram_root: str, member: str, persist_root: str, layout: str,
             return await store_list(prefix)
 
         mgr.store.list = counting_list  # type: ignore[method-assign]
-        got, stats = mgr.restore_with_stats(target=target)
+        got = mgr.restore(target=target)
+        stats = mgr.last_restore_stats
         mgr.store.list = store_list  # type: ignore[method-assign]
         out["storage_listings"] = len(listings)  # only process 0 lists storage for a restore
         step = got["step"]

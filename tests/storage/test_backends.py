@@ -186,6 +186,7 @@ def test_gcs_options_validation() -> None:
 
 
 def test_open_store_urls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
     s = open_store("gs://bkt/some/prefix/", gcs_endpoint="http://127.0.0.1:1")
     assert isinstance(s, RetryingStore) and isinstance(s.inner, GcsStore)
     assert (s.inner.bucket, s.inner.prefix, s.inner.options.endpoint) == ("bkt", "some/prefix", "http://127.0.0.1:1")
@@ -195,11 +196,17 @@ def test_open_store_urls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     assert isinstance(bare, GcsStore) and bare.prefix == "" and bare.options.endpoint is None
 
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:2")
-    assert open_store("gs://bkt", retry=None).options.endpoint is None  # type: ignore[attr-defined]
-    env = open_store("gs://bkt", retry=None, gcs_endpoint_from_env=True)
+    env = open_store("gs://bkt", retry=None)
     assert isinstance(env, GcsStore) and env.options.endpoint == "http://127.0.0.1:2"
-    with pytest.raises(ConfigError):
-        open_store("gs://bkt", gcs_endpoint="http://x", gcs_endpoint_from_env=True)
+    # An explicit endpoint wins over the variable, whichever way it is given.
+    assert open_store("gs://bkt", retry=None, gcs_endpoint="http://x").options.endpoint == "http://x"  # type: ignore[attr-defined]
+    explicit = GcsStore("bkt", options=GcsOptions(endpoint="http://127.0.0.1:3"))
+    assert explicit.options.endpoint == "http://127.0.0.1:3"
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "127.0.0.1:4")  # a bare host:port, as gcsfs accepts
+    assert GcsStore("bkt").options.endpoint == "http://127.0.0.1:4"
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "")
+    assert GcsStore("bkt").options.endpoint is None
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST")
 
     f = open_store(tmp_path.as_uri() + "/ck%20pt", retry=None)
     assert isinstance(f, LocalStore) and f.root == tmp_path / "ck pt"
