@@ -18,7 +18,7 @@ import pytest
 from fastckpt._tree import flatten
 from fastckpt.options import SaveOptions
 from fastckpt.storage import MemoryStore
-from fastckpt.testing.wrapping import ForwardingStore
+from tests.support.wrapping import ForwardingStore
 from fastckpt.writer.pipeline import WriteStats, write_chunks
 from fastckpt.writer.stage import stage_state
 
