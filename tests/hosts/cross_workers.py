@@ -20,6 +20,7 @@ the middle of the commit round, deterministically).
 
 from __future__ import annotations
 
+import faulthandler
 import importlib.util
 import json
 import os
@@ -153,8 +154,10 @@ def scripted(*, control: str, endpoint: str, prefix: str, ram_root: str, member:
                 time.sleep(0.01)
             cmd = json.loads(cmd_path.read_text())
             res: dict[str, Any] = {"op": cmd["op"], "t_start": time.time()}
+            faulthandler.dump_traceback_later(75)  # a command stuck this long shows every thread's stack
             try:
                 if cmd["op"] == "exit":
+                    faulthandler.cancel_dump_traceback_later()
                     _write_json(ctl / f"res-{n}-{me}.json", res)
                     break
                 if cmd["op"] == "save":
@@ -181,6 +184,7 @@ def scripted(*, control: str, endpoint: str, prefix: str, ram_root: str, member:
             except Exception as e:  # reported to the test, which judges it
                 res.update(ok=False, error=type(e).__name__, causes=_causes(e), message=str(e)[:2000],
                            traceback=traceback.format_exc()[-3000:])
+            faulthandler.cancel_dump_traceback_later()
             res["t_end"] = time.time()
             _write_json(ctl / f"res-{n}-{me}.json", res)
             n += 1

@@ -77,7 +77,8 @@ class Job:
         paths = [self.control / f"res-{n}-{i}.json" for i in range(self.size)]
         while not all(p.exists() for p in paths):
             if self.future.done() or time.monotonic() > deadline:
-                raise AssertionError(f"command {n}: results {[p.exists() for p in paths]}\n{self._describe()}")
+                raise AssertionError(f"command {n}: results {[p.exists() for p in paths]}\n{self._describe()}"
+                                     f"{self._stderr_tails()}")
             time.sleep(0.02)
         return [json.loads(p.read_text()) for p in paths]
 
@@ -90,6 +91,15 @@ class Job:
         self._pool.shutdown()
         assert all(o.ok for o in outcomes), self._describe(outcomes)
         return outcomes
+
+    def _stderr_tails(self) -> str:
+        """The running children's stderr (run_processes keeps it under the shared directory)."""
+        tails = []
+        for err in sorted(self.control.parent.glob("fastckpt-mp-*/err*")):
+            text = err.read_bytes()[-3000:].decode(errors="replace")
+            if text.strip():
+                tails.append(f"--- {err.parent.name}/{err.name}:\n{text}")
+        return "\n" + "\n".join(tails)
 
     def _describe(self, outcomes: list[ProcessOutcome] | None = None) -> str:
         if outcomes is None and self.future.done():
