@@ -426,7 +426,6 @@ class CheckpointManager:
         self._check_open()
         rseq, self._rseq = self._rseq, self._rseq + 1
         source: ChunkSource | None = None  # made after the first step choice: it orders peers by the lists fetched
-        source_stats: Any = None
         fallbacks_before: dict[str, int] = {}
         older_than: int | None = None
         failure: BaseException | None = None
@@ -447,8 +446,7 @@ class CheckpointManager:
                 raise
             if source is None:
                 source = self._ram.source() if self._ram is not None else self._chunk_source
-                source_stats = getattr(source, "stats", None)
-                fallbacks_before = dict(source_stats().fallbacks) if callable(source_stats) else {}
+                fallbacks_before = dict(source.stats().fallbacks) if source is not None else {}
             ram_only = manifest.metadata.get("fastckpt_tier") == "ram"
             known = plans.get(manifest.step)
             plan = known[1] if known is not None and known[0] is manifest else resolve_target(manifest, target,
@@ -469,9 +467,9 @@ class CheckpointManager:
                         failure or "on another process")
             older_than = manifest.step
             failure = failure or DistributedError(f"RAM step {manifest.step} is incomplete on another process")
-        if callable(source_stats):  # this restore's: a long-lived source counts since it was made
+        if source is not None:  # this restore's: a long-lived source counts since it was made
             stats.fallbacks = {str(k): int(v) - fallbacks_before.get(k, 0)
-                               for k, v in source_stats().fallbacks.items() if int(v) > fallbacks_before.get(k, 0)}
+                               for k, v in source.stats().fallbacks.items() if int(v) > fallbacks_before.get(k, 0)}
         leaves = build_leaves(plan, stats)
         stats.seconds = time.perf_counter() - t0
         self.last_restore_stats = stats

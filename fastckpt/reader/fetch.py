@@ -32,10 +32,10 @@ from fastckpt.format.manifest import ChunkEntry, box_volume
 from fastckpt.options import RestoreOptions
 from fastckpt.planning import FetchRange, coalesce_fetches
 from fastckpt.reader.leaf_filler import Decoder, LeafFiller, allocate, fetch_many_from_source, where
-from fastckpt.reader.units import ChunkSource, LendingChunkSource, RestoreStats, Unit
+from fastckpt.reader.units import ChunkSource, RestoreStats, SourceCounters, Unit
 from fastckpt.storage._protocol import Store
 
-__all__ = ["ChunkSource", "LendingChunkSource", "RestoreStats", "Unit", "fill_units"]
+__all__ = ["ChunkSource", "RestoreStats", "SourceCounters", "Unit", "fill_units"]
 
 _T = TypeVar("_T")
 _SCRATCH_GRAIN = 4 << 20
@@ -188,10 +188,8 @@ async def fill_units(
         # The chunks no fast tier placed: what storage must still deliver.
         if source is None:
             left = pairs
-        elif hasattr(source, "fetch_many"):
-            left = fetch_many_from_source(pairs, source, step, min_range_saving=options.min_range_saving_bytes)
         else:
-            left = [(f, c) for f, c in pairs if not f.try_source(c)]
+            left = fetch_many_from_source(pairs, source, step, min_range_saving=options.min_range_saving_bytes)
         if left and not storage_holds_step:
             f, c = left[0]
             raise CheckpointNotFoundError(f"RAM-only step {step}: {where(f.leaf, c)} is held by no reachable RAM tier")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import numpy as np
 import zstandard
@@ -68,7 +67,7 @@ class LeafFiller:
 
     Call order: construct (plans the reads, borrows whole units from the own RAM tier
     unverified, allocates the other units' buffers), fill ``items`` from the fast tiers
-    (:meth:`try_source` or :func:`fetch_many_from_source`), :meth:`verify_lent` (the
+    (:func:`fetch_many_from_source`), :meth:`verify_lent` (the
     checksums of what was borrowed; a unit that fails gets a buffer and its chunks back in
     ``items`` for the next tier), fill what is left from storage (:meth:`from_fetched`),
     then :meth:`done`. The first steps are Python under the GIL; :meth:`verify_lent` is
@@ -101,7 +100,7 @@ class LeafFiller:
             for it in plan_leaf_reads(self.leaf, unit.box, index=index):
                 self.items.setdefault(it.chunk, []).append((pos, it))
         # Every unit's destination: a view the own RAM tier lends, else a fresh host buffer.
-        lent = self._lend_units() if self.source is not None and hasattr(self.source, "lend_many") else {}
+        lent = self._lend_units() if self.source is not None else {}
         fresh = iter(self._fresh_buffers([u for pos, u in enumerate(self.units) if pos not in lent]))
         for pos, unit in enumerate(self.units):
             flat = lent[pos] if pos in lent else next(fresh)
@@ -167,7 +166,8 @@ class LeafFiller:
         if not candidates:
             return lent
         prefix = chunk_id_prefix(self.leaf.path)
-        views = self.source.lend_many(self.step, [  # type: ignore[union-attr]
+        assert self.source is not None
+        views = self.source.lend_many(self.step, [
             [(chunk_id(self.leaf.path, c.box, prefix=prefix), c.raw_length, c.raw_crc32c) for c in chunks]
             for _, chunks in candidates], verify=False)
         for cand, view in zip(candidates, views):  # (few new objects: a restore of many leaves is GC-bound)
@@ -251,20 +251,6 @@ class LeafFiller:
         for pos, it in self.items[chunk]:
             self.dsts[pos][box_to_slices(it.dst_box)] = arr[box_to_slices(it.src_box)]
 
-    def try_source(self, chunk: ChunkEntry) -> bool:
-        """Ask the RAM tiers; True if the chunk was placed."""
-        if self.source is None:
-            return False
-        into, scratch = self.target(chunk)
-        tier = self.source.fetch(self.step, chunk_id(self.leaf.path, chunk.box),
-                                 raw_length=chunk.raw_length, raw_crc32c=chunk.raw_crc32c, into=into)
-        if tier is None:
-            return False
-        self.finish(chunk, scratch)
-        with self.lock:
-            self.stats.add(tier, chunk.raw_length)
-        return True
-
     def from_fetched(self, chunk: ChunkEntry, stored: memoryview, in_place: bool) -> None:
         """Verify the stored bytes of ``chunk`` a scatter read received (see ``_scatter``), and
         decode/place them unless they were received in place; raise CorruptionError if bad."""
@@ -297,7 +283,7 @@ class LeafFiller:
             self.stats.restored_bytes += sum(f.nbytes for f in self.flats)
 
 
-def fetch_many_from_source(pairs: Sequence[tuple[LeafFiller, ChunkEntry]], source: Any,
+def fetch_many_from_source(pairs: Sequence[tuple[LeafFiller, ChunkEntry]], source: ChunkSource,
                            step: int, *, min_range_saving: int) -> list[tuple[LeafFiller, ChunkEntry]]:
     """Ask the RAM tiers (``source.fetch_many``) for chunks of any number of leaves, in
     groups: one pipelined stream per peer and group, so that small leaves do not drain the
@@ -309,12 +295,10 @@ def fetch_many_from_source(pairs: Sequence[tuple[LeafFiller, ChunkEntry]], sourc
     # (filler, chunk, into, scratch, runs asked for or None: whole, bytes asked for)
     group: list[tuple[LeafFiller, ChunkEntry, memoryview, np.ndarray | None, list[tuple[int, int]] | None, int]] = []
     scratch_bytes = 0
-    ranges = getattr(source, "fetches_ranges", False) is True
 
     def flush() -> None:
         items = [(chunk_id(f.leaf.path, c.box), c.raw_length, c.raw_crc32c, into) for f, c, into, *_ in group]
-        tiers = (source.fetch_many(step, items, runs=[g[4] for g in group]) if ranges
-                 else source.fetch_many(step, items))
+        tiers = source.fetch_many(step, items, runs=[g[4] for g in group])
         for (f, c, _, scratch, _, nbytes), tier in zip(group, tiers):
             if tier is None:
                 left.append((f, c))
@@ -327,7 +311,7 @@ def fetch_many_from_source(pairs: Sequence[tuple[LeafFiller, ChunkEntry]], sourc
     for filler, chunk in pairs:
         into, scratch = filler.target(chunk)
         runs, nbytes = None, chunk.raw_length
-        if ranges and scratch is not None:  # (np.empty: the pages of bytes never received are never touched)
+        if scratch is not None:  # (np.empty: the pages of bytes never received are never touched)
             runs = filler.needed_runs(chunk)
             nbytes = sum(n for _, n in runs)
             if chunk.raw_length - nbytes < max(1, min_range_saving):

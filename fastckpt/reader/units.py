@@ -4,45 +4,55 @@ protocol of the fast tiers (own RAM, peers) consulted before persistent storage.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
 
 from fastckpt.format.manifest import ArrayLeaf, Box
 
-__all__ = ["ChunkSource", "LendingChunkSource", "RestoreStats", "Unit"]
+__all__ = ["ChunkSource", "RestoreStats", "SourceCounters", "Unit"]
+
+
+class SourceCounters(Protocol):
+    """What the manager reads of a source's counters."""
+
+    @property
+    def fallbacks(self) -> Mapping[str, int]:
+        """Fallbacks to the next tier so far, by reason."""
+        ...
 
 
 class ChunkSource(Protocol):
-    """A fast tier consulted before persistent storage (own RAM, peers).
+    """The fast tiers consulted before persistent storage (own RAM, peers).
 
-    ``fetch`` runs on a worker thread. It writes the chunk's verified raw bytes into
-    ``into`` and returns the tier's name, or returns None when no tier it knows holds a
-    good copy (misses, corruption and timeouts are handled inside, per tier). A source may
-    also offer ``fetch_many(step, [(chunk_id, raw_length, raw_crc32c, into), ...])`` (a
-    tier name or None per item), which the reader then prefers: one call per group of
-    chunks (of several leaves), so a peer can stream them. A source whose
-    ``fetches_ranges`` is True also takes ``fetch_many(..., runs=[...])``: where ``runs[i]``
-    is not None, only those byte ranges ``(start, n)`` of chunk ``i`` are filled into its
-    ``into`` (a resharding restore asks for the parts of a chunk it uses).
+    Every method runs on worker threads and returns, per chunk, the name of the tier that
+    supplied its verified raw bytes, or None when no tier it knows holds a good copy
+    (misses, corruption and timeouts are handled inside, per tier); the reader then reads
+    storage. Call order per restore: :meth:`lend_many` (zero-copy views of the own tier)
+    for whole destination buffers, then :meth:`fetch_many` for the rest.
     """
 
-    def fetch(self, step: int, chunk_id: str, *, raw_length: int, raw_crc32c: int, into: memoryview) -> str | None: ...
-
-
-class LendingChunkSource(ChunkSource, Protocol):
-    """A source that can also hand out verified read-only views of its own memory (zero copy).
-
-    ``lend_many`` gets, per destination buffer, the ``(chunk_id, raw_length, raw_crc32c)``
-    of chunks that together tile it, in order; it returns per buffer one view of all their
-    bytes, which the caller may keep indefinitely, or None (then ``fetch`` is used per
-    chunk). The views are verified unless ``verify=False``: then the caller checks each
-    chunk's crc32c itself and fetches the chunks of a view that fails.
-    """
+    def fetch_many(self, step: int, items: Sequence[tuple[str, int, int, memoryview | np.ndarray]], *,
+                   runs: Sequence[Sequence[tuple[int, int]] | None] | None = None) -> list[str | None]:
+        """Several chunks, ``(chunk_id, raw_length, raw_crc32c, into)`` each, in one call
+        (of several leaves, so a peer can stream them). Where ``runs[i]`` is not None, only
+        those byte ranges ``(start, n)`` of chunk ``i`` are filled into its ``into`` (a
+        resharding restore asks for the parts of a chunk it uses)."""
+        ...
 
     def lend_many(self, step: int, groups: Sequence[Sequence[tuple[str, int, int]]], *,
-                  verify: bool = True) -> list[memoryview | None]: ...
+                  verify: bool = True) -> list[memoryview | None]:
+        """Per destination buffer, given the ``(chunk_id, raw_length, raw_crc32c)`` of the
+        chunks that tile it in order, one read-only view of all their bytes in the source's
+        own memory (the caller may keep it indefinitely), or None (then the chunks are
+        fetched). With ``verify=False`` the caller checks each chunk's crc32c itself and
+        fetches the chunks of a view that fails."""
+        ...
+
+    def stats(self) -> SourceCounters:
+        """The source's counters so far."""
+        ...
 
 
 @dataclasses.dataclass

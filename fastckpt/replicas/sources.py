@@ -24,7 +24,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -53,6 +53,15 @@ class ChunkPeer(Protocol):
     def get_chunk(
         self, step: int, chunk_id: str, *, into: memoryview | np.ndarray | None = None, expected_crc32c: int | None = None
     ) -> memoryview | None: ...
+
+    def get_chunks(self, step: int, items: Sequence[tuple[str, memoryview | np.ndarray, int | None]]) -> list[Any]:
+        """Several whole chunks in one stream: per item ``"ok"``, ``"missing"`` or ``"corrupt"``."""
+        ...
+
+    def get_ranges(self, step: int,
+                   items: Sequence[tuple[str, memoryview | np.ndarray, int, Sequence[tuple[int, int]]]]) -> list[Any]:
+        """Byte ranges of several chunks, each checked against the whole chunk's crc32c."""
+        ...
 
     def list_chunks(self, step: int) -> list[str]: ...
 
@@ -113,9 +122,6 @@ class TieredChunkSource:
         known_listings: Chunk lists already fetched, by ``(step, peer name)`` (the step
             selection's; read, never written, and consulted before asking a peer).
     """
-
-    fetches_ranges = True
-    """``fetch_many`` takes ``runs`` (see ``reader.units.ChunkSource``)."""
 
     def __init__(
         self,
@@ -234,18 +240,13 @@ class TieredChunkSource:
             todo = [k for k in todo if self._listed(i, step, items[k][0])]
             if not todo:
                 continue
-            if not hasattr(peer, "get_chunks"):  # a chunk at a time, whole
-                for k in todo:
-                    cid, n, crc, _ = items[k]
-                    out[k] = self._fetch_peer(i, step, cid, n, crc, dsts[k])
-                continue
-            whole = [k for k in todo if spans[k] is None or not hasattr(peer, "get_ranges")]
-            ranged = [k for k in todo if spans[k] is not None and hasattr(peer, "get_ranges")]
+            whole = [k for k in todo if spans[k] is None]
+            ranged = [k for k in todo if spans[k] is not None]
             tier = f"peer:{peer.name}"
             t0 = time.perf_counter()
             results: dict[int, str] = {}
             for ks, ask in ((whole, lambda ks: peer.get_chunks(step, [(items[k][0], dsts[k], items[k][2]) for k in ks])),
-                            (ranged, lambda ks: peer.get_ranges(  # type: ignore[attr-defined]
+                            (ranged, lambda ks: peer.get_ranges(
                                 step, [(items[k][0], dsts[k], items[k][2], spans[k]) for k in ks]))):
                 if not ks:
                     continue

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
+import types
 from pathlib import Path
 from typing import Any
 
@@ -324,18 +325,22 @@ def test_no_job_of_a_failed_restore_outlives_it(tmp_path: Path, monkeypatch: pyt
     from fastckpt.reader import leaf_filler
 
     class SlowSource:  # a fast tier that is slow and never has anything
-        fetches_ranges = False
-
         def __init__(self) -> None:
             self.done: list[float] = []
 
         def fetch(self, *a: Any, **k: Any) -> None:
             return None
 
-        def fetch_many(self, step: int, items: list[Any]) -> list[None]:
+        def fetch_many(self, step: int, items: list[Any], *, runs: Any = None) -> list[None]:
             time.sleep(0.5)
             self.done.append(time.perf_counter())
             return [None] * len(items)
+
+        def lend_many(self, step: int, groups: list[Any], *, verify: bool = True) -> list[None]:
+            return [None] * len(groups)
+
+        def stats(self) -> Any:
+            return types.SimpleNamespace(fallbacks={})
 
     sharding = named((8,), ("x",), P("x"))
     # 8 MiB leaves: planned in parallel, a job per group (small units are planned by one job)
