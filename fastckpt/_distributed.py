@@ -18,7 +18,13 @@ from typing import Any
 
 from fastckpt.errors import BarrierTimeoutError, ConfigError, DistributedError
 
-__all__ = ["Coordinator", "JaxCoordinator", "LocalCoordinator", "default_coordinator"]
+__all__ = ["Coordinator", "JaxCoordinator", "LocalCoordinator", "default_coordinator", "time_left"]
+
+
+def time_left(deadline: float) -> float:
+    """Seconds until ``deadline`` (``time.monotonic()``), at least 1 ms: the timeout of the
+    next wait of a sequence that shares one deadline (a wait of 0 would mean "no wait")."""
+    return max(0.001, deadline - time.monotonic())
 
 
 class Coordinator(abc.ABC):
@@ -81,7 +87,7 @@ class Coordinator(abc.ABC):
             return [value]
         deadline = time.monotonic() + timeout_s
         self.set(f"{name}/{self.process_index}", value, timeout_s=timeout_s)
-        return [self.get(f"{name}/{i}", timeout_s=max(0.001, deadline - time.monotonic()))
+        return [self.get(f"{name}/{i}", timeout_s=time_left(deadline))
                 for i in range(self.process_count)]
 
     def barrier(self, name: str, *, timeout_s: float) -> None:

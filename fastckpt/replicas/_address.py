@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+from typing import NamedTuple
 
 from fastckpt.errors import ConfigError
 
@@ -56,19 +57,11 @@ def route_source_address(host: str, port: int) -> str:
     raise ConfigError(f"no route to the coordinator {host!r} ({'; '.join(errors) or 'no address'})")
 
 
-class PeerAddress(tuple[str, str]):
-    """``(bind, advertise)``: the interface the server listens on, and the address peers are
-    told to connect to."""
+class PeerAddress(NamedTuple):
+    """Where a peer server listens, and what peers are told to connect to."""
 
-    __slots__ = ()
-
-    @property
-    def bind(self) -> str:
-        return self[0]
-
-    @property
-    def advertise(self) -> str:
-        return self[1]
+    bind: str
+    advertise: str
 
 
 def peer_address(host: str | None, *, service_address: str | None, process_count: int) -> PeerAddress:
@@ -85,7 +78,7 @@ def peer_address(host: str | None, *, service_address: str | None, process_count
             ``host`` (there is nothing to infer a reachable address from), or no route.
     """
     if host is not None and host not in _WILDCARDS:
-        return PeerAddress((host, host))
+        return PeerAddress(host, host)
     if process_count <= 1 and service_address is None:
         default = "127.0.0.1"
     elif service_address is None:
@@ -94,9 +87,9 @@ def peer_address(host: str | None, *, service_address: str | None, process_count
     else:
         default = route_source_address(*split_host_port(service_address))
     if host is None:
-        return PeerAddress((default, default))
+        return PeerAddress(default, default)
     bind = "::" if _is_v6(default) else "0.0.0.0"
-    return PeerAddress((bind, default))
+    return PeerAddress(bind, default)
 
 
 def _is_v6(address: str) -> bool:

@@ -7,7 +7,7 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from fastckpt._distributed import Coordinator
+from fastckpt._distributed import Coordinator, time_left
 from fastckpt.errors import PeerError, PeersUnreachableError
 from fastckpt.replicas.client import PeerClient
 
@@ -49,7 +49,7 @@ def check_push_targets(coord: Coordinator, *, key: str, me: str, clients: Mappin
     if coord.process_index == 0:
         deadline = time.monotonic() + timeout_s
         found = [p for i in range(coord.process_count)
-                 for p in json.loads(coord.get(f"{key}/{i}", timeout_s=max(0.001, deadline - time.monotonic())))]
+                 for p in json.loads(coord.get(f"{key}/{i}", timeout_s=time_left(deadline)))]
         coord.set(f"{key}/verdict", json.dumps(found))
     found = json.loads(coord.get(f"{key}/verdict", timeout_s=timeout_s))
     if found:

@@ -9,6 +9,7 @@ import time
 
 from fastckpt.errors import ConfigError, PeerError
 from fastckpt.replicas import wire
+from fastckpt.replicas._secret import MIN_SECRET_BYTES
 
 __all__ = ["PeerOptions", "PeerRequestError"]
 
@@ -77,8 +78,8 @@ class PeerRequestError(PeerError):
 
 
 def check_secret(secret: bytes) -> bytes:
-    if not isinstance(secret, (bytes, bytearray)) or len(secret) < 16:
-        raise ConfigError("the peer secret must be at least 16 bytes")
+    if not isinstance(secret, (bytes, bytearray)) or len(secret) < MIN_SECRET_BYTES:
+        raise ConfigError(f"the peer secret must be at least {MIN_SECRET_BYTES} bytes")
     return bytes(secret)
 
 

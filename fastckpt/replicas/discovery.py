@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 from urllib.parse import quote
 
+from fastckpt._distributed import time_left
 from fastckpt.errors import BarrierTimeoutError, ConfigError, ProtocolError
 
 if TYPE_CHECKING:
@@ -181,7 +182,7 @@ class CoordinatorDirectory(PeerDirectory):
             return _newest(_parse_all([v for v in self._coordinator.try_get_all(self._directory, count) if v is not None]))
         blobs = []
         for i in range(count):
-            remaining = max(0.001, deadline - time.monotonic())
+            remaining = time_left(deadline)
             try:
                 blobs.append(self._coordinator.get(f"{self._directory}/{i}", timeout_s=remaining))
             except BarrierTimeoutError as e:

@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from fastckpt._distributed import Coordinator
+from fastckpt._distributed import Coordinator, time_left
 from fastckpt.errors import ConfigError, DistributedError, FastckptError, ManifestError, PeerError
 from fastckpt.format.codec import decode_manifest
 from fastckpt.format.layout import ram_writer
@@ -497,7 +497,7 @@ class RamReplication:
                         break
             except Exception as e:  # ``wanted`` failed (e.g. the target does not match): tell the others
                 error, mine = e, f"error {type(e).__name__}: {e}"[:500]
-            named = coord.exchange(f"{key}/round{round_}", mine, timeout_s=max(0.001, deadline - time.monotonic()))
+            named = coord.exchange(f"{key}/round{round_}", mine, timeout_s=time_left(deadline))
             if error is not None:
                 raise error
             failed = [(i, v) for i, v in enumerate(named) if v.startswith("error ")]

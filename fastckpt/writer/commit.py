@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
-from fastckpt._distributed import Coordinator
+from fastckpt._distributed import Coordinator, time_left
 from fastckpt.errors import (
     AlreadyExistsError,
     BarrierTimeoutError,
@@ -102,8 +102,7 @@ def _wait_all_done(coord: Coordinator, ns: str, deadline: float, step: int) -> l
     n = coord.process_count
     values: list[str | None] = [None] * n
     while True:
-        left = max(0.001, deadline - time.monotonic())
-        for i, value in enumerate(coord.try_get_all(f"{ns}/done", n, timeout_s=left)):  # one request per poll
+        for i, value in enumerate(coord.try_get_all(f"{ns}/done", n, timeout_s=time_left(deadline))):  # one request per poll
             if values[i] is None and value is not None:
                 values[i] = value
                 if value.startswith("err"):
@@ -160,10 +159,6 @@ def publish_and_commit(
     Returns the encoded manifest on process 0, None elsewhere; raises on any failure.
     """
     deadline = time.monotonic() + timeout_s
-
-    def left() -> float:
-        return max(0.001, deadline - time.monotonic())
-
     idx, n = coord.process_index, coord.process_count
     if n > 1:
         if error is None:
@@ -171,18 +166,18 @@ def publish_and_commit(
                 assert chunks is not None
                 fkey = fragment_key(step, save_id, idx)
                 store_run(store.put(fkey, encode_fragment(chunks, staged, idx), mode="overwrite"))
-                coord.set(f"{ns}/done/{idx}", f"ok {fkey}", timeout_s=left())
+                coord.set(f"{ns}/done/{idx}", f"ok {fkey}", timeout_s=time_left(deadline))
             except BarrierTimeoutError:
                 raise  # the coordination service did not answer: a report would not get through either
             except BaseException as e:
-                coord.set(f"{ns}/done/{idx}", f"err {type(e).__name__}: {e}", timeout_s=left())
+                coord.set(f"{ns}/done/{idx}", f"err {type(e).__name__}: {e}", timeout_s=time_left(deadline))
                 raise
         else:
-            coord.set(f"{ns}/done/{idx}", f"err {type(error).__name__}: {error}", timeout_s=left())
+            coord.set(f"{ns}/done/{idx}", f"err {type(error).__name__}: {error}", timeout_s=time_left(deadline))
     if error is not None and idx != 0:
         raise error
     if idx != 0:
-        verdict = coord.get(f"{ns}/commit", timeout_s=left())
+        verdict = coord.get(f"{ns}/commit", timeout_s=time_left(deadline))
         if verdict != "ok":
             raise DistributedError(f"step {step} was not committed: {verdict[4:]}")
         return None
@@ -203,7 +198,7 @@ def publish_and_commit(
             raise StepAlreadyCommittedError(f"step {step} is already committed in {store.url}") from e
     except BaseException as e:
         if n > 1 and not isinstance(e, BarrierTimeoutError):
-            coord.set(f"{ns}/commit", f"err {type(e).__name__}: {e}", timeout_s=left())
+            coord.set(f"{ns}/commit", f"err {type(e).__name__}: {e}", timeout_s=time_left(deadline))
         raise
     if n > 1:
         coord.set(f"{ns}/commit", "ok")  # the step is committed: the others must learn it, however late
@@ -264,20 +259,16 @@ def exchange_ram_manifest(
         hold(data)
         return data
     deadline = time.monotonic() + timeout_s
-
-    def left() -> float:
-        return max(0.001, deadline - time.monotonic())
-
-    coord.set_bytes(f"{ns}/ramfrag/{idx}", encode_fragment(chunks, staged, idx), timeout_s=left())
+    coord.set_bytes(f"{ns}/ramfrag/{idx}", encode_fragment(chunks, staged, idx), timeout_s=time_left(deadline))
     if idx == 0:
-        fragments = [coord.get_bytes(f"{ns}/ramfrag/{i}", timeout_s=left()) for i in range(n)]
+        fragments = [coord.get_bytes(f"{ns}/ramfrag/{i}", timeout_s=time_left(deadline)) for i in range(n)]
         data = build_manifest(step=step, staged=staged, parts=decode_fragments(fragments, staged),
                               num_processes=n, metadata=metadata, writer_version=writer_version,
                               validate=False)
         hold(data)
-        coord.set(f"{ns}/rammanifest", data.decode() if broadcast else _HELD, timeout_s=left())
+        coord.set(f"{ns}/rammanifest", data.decode() if broadcast else _HELD, timeout_s=time_left(deadline))
         return data
-    record = coord.get(f"{ns}/rammanifest", timeout_s=left())
+    record = coord.get(f"{ns}/rammanifest", timeout_s=time_left(deadline))
     if record == _HELD:
         return None
     return record.encode()
