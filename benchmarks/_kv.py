@@ -12,7 +12,7 @@ from typing import Any
 def broadcast_times(sizes: list[int], reps: int) -> dict[str, Any]:
     """Per value size (bytes), the best of ``reps`` times from process 0's ``set`` until
     every process holds the value (a barrier after the ``get``s closes the interval)."""
-    from fastckpt._distributed import default_coordinator
+    from fastckpt.coordination.distributed import default_coordinator
 
     coord = default_coordinator()
     out: dict[str, float] = {}

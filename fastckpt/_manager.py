@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fastckpt._aio import LoopThread
-from fastckpt._distributed import Coordinator, default_coordinator
+from fastckpt.coordination.distributed import Coordinator, default_coordinator
 from fastckpt._hostmem import BufferCache, StagingPool
 from fastckpt._retention import steps_to_delete
 from fastckpt._tree import flatten
@@ -45,7 +45,7 @@ from fastckpt.options import ManagerOptions
 from fastckpt.planning import needed_chunks
 from fastckpt.reader.assemble import RestorePlan, build_leaves, resolve_target
 from fastckpt._pygc import paused_gc
-from fastckpt._restore_agreement import agree_on_outcome, agreed_storage_latest, choose_latest
+from fastckpt.coordination.restore_agreement import agree_on_outcome, agreed_storage_latest, choose_latest
 from fastckpt._version import __version__
 from fastckpt.reader.fetch import ChunkSource, RestoreStats, Unit, fill_units
 from fastckpt.storage._protocol import Store
@@ -479,7 +479,7 @@ class CheckpointManager:
     def _choose_manifest(self, step: int | None, *, key: str, older_than: int | None,
                          wanted: Callable[[Manifest], dict[str, str]]) -> Manifest:
         """The manifest to restore: ``step``'s, or (None) the newest step every process can
-        restore (``_restore_agreement.choose_latest`` with a RAM tier, else storage's latest
+        restore (``coordination.restore_agreement.choose_latest`` with a RAM tier, else storage's latest
         as process 0 lists it: ``agreed_storage_latest``)."""
         if step is not None:
             return self.manifest(step)

@@ -40,7 +40,7 @@ from typing import Any
 import jax
 
 import fastckpt
-from fastckpt._distributed import Coordinator, default_coordinator
+from fastckpt.coordination.distributed import Coordinator, default_coordinator
 from fastckpt.elastic._protocol import (
     EXIT_DONE,
     EXIT_ORPHANED,

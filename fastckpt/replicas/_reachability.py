@@ -7,7 +7,7 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from fastckpt._distributed import Coordinator, time_left
+from fastckpt.coordination.distributed import Coordinator, time_left
 from fastckpt.errors import PeerError, PeersUnreachableError
 from fastckpt.replicas.client import PeerClient
 

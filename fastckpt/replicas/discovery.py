@@ -2,7 +2,7 @@
 
 A :class:`PeerRecord` is a small JSON document. Three directories carry them:
 
-* :class:`CoordinatorDirectory`: the job's :class:`~fastckpt._distributed.Coordinator`
+* :class:`CoordinatorDirectory`: the job's :class:`~fastckpt.coordination.distributed.Coordinator`
   key-value store, one key per process index. Coordinator keys are written once, so a
   process publishes once per coordination-service lifetime (a job restart starts a new one).
 * :class:`StoreDirectory`: one object per member under a prefix of a
@@ -29,11 +29,11 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 from urllib.parse import quote
 
-from fastckpt._distributed import time_left
+from fastckpt.coordination.distributed import time_left
 from fastckpt.errors import BarrierTimeoutError, ConfigError, ProtocolError
 
 if TYPE_CHECKING:
-    from fastckpt._distributed import Coordinator
+    from fastckpt.coordination.distributed import Coordinator
     from fastckpt.storage._protocol import Store
 
 __all__ = [

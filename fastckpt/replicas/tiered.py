@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from fastckpt._distributed import Coordinator, time_left
+from fastckpt.coordination.distributed import Coordinator, time_left
 from fastckpt.errors import ConfigError, DistributedError, FastckptError, ManifestError, PeerError
 from fastckpt.format.codec import decode_manifest
 from fastckpt.format.layout import ram_writer

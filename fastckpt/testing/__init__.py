@@ -3,7 +3,6 @@
 * ``store_tests``: the :class:`~fastckpt.storage.Store` conformance suite a backend subclasses.
 * ``strategies``: hypothesis strategies (shapes, boxes, tilings, manifests).
 * ``gcs_emulator``: fake-gcs-server on a free port, for code that talks to GCS.
-* ``fault_proxy``: an HTTP proxy that injects faults in front of it (retry settings, a store).
 * ``multiprocess``: a function run in N real ``jax.distributed`` processes on one machine.
 * ``hosts``: simulated hosts (network + mount namespaces) for those processes.
 

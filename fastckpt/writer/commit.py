@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
-from fastckpt._distributed import Coordinator, time_left
+from fastckpt.coordination.distributed import Coordinator, time_left
 from fastckpt.errors import (
     AlreadyExistsError,
     BarrierTimeoutError,

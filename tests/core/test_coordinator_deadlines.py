@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from fastckpt._distributed import JaxCoordinator
+from fastckpt.coordination.distributed import JaxCoordinator
 from fastckpt.errors import BarrierTimeoutError, ConfigError, DistributedError
 
 TIMEOUT_S = 0.5

@@ -333,7 +333,7 @@ def test_a_single_process_save_encodes_no_fragment(monkeypatch: pytest.MonkeyPat
     """One process merges its own chunks: no fragment is encoded, decoded or stored, for a
     persistent step (only the manifest is put) and for a RAM step (nothing goes through
     the coordinator)."""
-    from fastckpt._distributed import LocalCoordinator
+    from fastckpt.coordination.distributed import LocalCoordinator
 
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a single process encoded or decoded a fragment")

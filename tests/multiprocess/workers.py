@@ -277,7 +277,7 @@ def fail_in_process(which: int) -> int:
 def coordinator_values() -> dict[str, Any]:
     """The key-value calls fastckpt adds to jax's: a directory read of every process's key
     (nested and sibling keys left out) and binary values (any bytes, not text)."""
-    from fastckpt._distributed import default_coordinator
+    from fastckpt.coordination.distributed import default_coordinator
 
     coord = default_coordinator()
     i, n = coord.process_index, coord.process_count

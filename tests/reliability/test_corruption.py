@@ -40,7 +40,7 @@ from fastckpt._checksum import crc32c
 from fastckpt.replicas import PeerClient, PeerOptions, PeerServer, RamTier, TieredChunkSource
 from fastckpt.replicas.wire import MsgType
 from fastckpt.storage import GcsOptions, GcsStore, LocalStore, MemoryStore, RetryingStore, RetryPolicy, Store
-from fastckpt.testing.fault_proxy import FaultProxy
+from tests.support.fault_proxy import FaultProxy
 from fastckpt.testing.gcs_emulator import GcsEmulator
 from tests.support.peer_relay import PeerRelay, RelayedFrame, forge_crc32c
 

@@ -23,7 +23,7 @@ from fastckpt import CheckpointManager, ManagerOptions, RestoreOptions, Retentio
 from fastckpt.errors import RetriesExhaustedError, SaveError
 from fastckpt.format.layout import MANIFEST_PREFIX
 from fastckpt.storage import GcsOptions, GcsStore, RetryingStore, RetryPolicy
-from fastckpt.testing.fault_proxy import DEFAULT_KINDS, FaultProxy
+from tests.support.fault_proxy import DEFAULT_KINDS, FaultProxy
 from fastckpt.testing.gcs_emulator import GcsEmulator
 
 from ._util import BUCKET, Recorder, device_state, state_mismatches, trial_count

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from fastckpt import CheckpointManager, DistributedOptions, ManagerOptions, RetentionOptions, SaveOptions
-from fastckpt._distributed import Coordinator
+from fastckpt.coordination.distributed import Coordinator
 from fastckpt.errors import (
     BarrierTimeoutError,
     PeerUnavailableError,
@@ -39,7 +39,7 @@ from fastckpt.replicas import PeerClient, PeerOptions, TieredChunkSource, wire
 from fastckpt.replicas._handshake import server_handshake
 from fastckpt.replicas.wire import MsgType
 from fastckpt.storage import ByteRange, GcsOptions, GcsStore, MemoryStore, RetryingStore, RetryPolicy
-from fastckpt.testing.fault_proxy import FaultProxy
+from tests.support.fault_proxy import FaultProxy
 from fastckpt.testing.gcs_emulator import GcsEmulator
 
 from ._util import BUCKET, Recorder, device_state, state_mismatches

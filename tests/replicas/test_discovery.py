@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fastckpt._distributed import LocalCoordinator
+from fastckpt.coordination.distributed import LocalCoordinator
 from fastckpt.errors import BarrierTimeoutError, ConfigError, ProtocolError
 from fastckpt.replicas import CallbackDirectory, CoordinatorDirectory, PeerRecord, StoreDirectory, make_record
 from fastckpt.storage import MemoryStore

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from fastckpt.errors import BarrierTimeoutError, DistributedError, TreeStructureError
-from fastckpt._distributed import LocalCoordinator
+from fastckpt.coordination.distributed import LocalCoordinator
 from fastckpt.format.chunk_table import table_from_entries
 from fastckpt.format.codec import encode_manifest
 from fastckpt.format.layout import ram_object_key
@@ -186,7 +186,7 @@ def test_a_host_asks_the_writer_of_what_it_needs_and_its_ring_successor_not_ever
 def test_a_malformed_published_storage_step_is_a_distributed_error(value: str) -> None:
     """Process 0 publishes storage's latest step for a restore ("none" or digits); anything
     else read back is refused, typed, rather than restoring some other step."""
-    from fastckpt._restore_agreement import published_step as _published_step
+    from fastckpt.coordination.restore_agreement import published_step as _published_step
 
     assert _published_step("none") is None and _published_step("0") == 0 and _published_step("42") == 42
     with pytest.raises(DistributedError, match="malformed storage step"):

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from fastckpt._distributed import default_coordinator
+from fastckpt.coordination.distributed import default_coordinator
 from fastckpt.errors import PeerUnavailableError
 from fastckpt.options import RamOptions
 from fastckpt.replicas.client import StepLists

@@ -1,4 +1,4 @@
-"""A job whose processes are threads: a :class:`~fastckpt._distributed.Coordinator` per
+"""A job whose processes are threads: a :class:`~fastckpt.coordination.distributed.Coordinator` per
 thread over one shared key-value dict, for tests of the coordination protocols (commit,
 RAM-manifest exchange, step selection) without launching processes."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 
-from fastckpt._distributed import Coordinator
+from fastckpt.coordination.distributed import Coordinator
 from fastckpt.errors import BarrierTimeoutError
 
 __all__ = ["ThreadedJob"]

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-from fastckpt._distributed import Coordinator
+from fastckpt.coordination.distributed import Coordinator
 from fastckpt.errors import CheckpointNotFoundError, DistributedError, NoCheckpointError
 from fastckpt.format.layout import step_from_manifest_key
 from fastckpt.format.manifest import Manifest
