@@ -1,7 +1,7 @@
 """A fault-injecting HTTP/1.1 proxy for reliability tests (in front of the GCS emulator).
 
-Public for anyone who tests code that talks to GCS (a custom store, retry settings) against
-:mod:`~fastckpt.testing.gcs_emulator`; fastckpt's reliability tests use it (a harness of the repository, not the package).
+A harness of fastckpt's own reliability tests (the repository's, not the package's), in front
+of :mod:`~fastckpt.testing.gcs_emulator`.
 
 :class:`FaultProxy` listens on ``127.0.0.1``, forwards every request to an upstream HTTP
 server (the emulator) and, for a configurable fraction of requests (seeded RNG), injects one
