@@ -1,5 +1,13 @@
 """Shared pytest fixtures and hooks.
 
+Devices: in-process tests run on 8 virtual CPU devices. XLA reads the device count when the
+CPU backend is created (the first ``jax.devices()``), not at ``import jax``: setting the flag
+here, at collection time, is early enough as long as nothing touches devices while
+collecting. Every in-process jax test in this repository shares the one backend, so all of
+them see 8 devices; subprocess-based tests (multiprocess, elastic, replicas) set their own
+count in the child environment.
+
+Checkpoint roots: ``root`` (a MemoryStore or a local directory) and ``shm_dir`` (tmpfs).
 Storage: a session-wide GCS emulator and a fresh GcsStore per test. Simulated hosts: tests
 marked ``hosts`` are deselected (not skipped) where simulated hosts cannot be created here,
 and the run's summary says how many and why.
@@ -9,13 +17,23 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
+import re
+import shutil
+import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from fastckpt.storage import GcsOptions, GcsStore
 from fastckpt.testing.gcs_emulator import GcsEmulator
 from fastckpt.testing.hosts import hosts_unavailable_reason
+
+N_DEVICES = 8
+_FLAG = "--xla_force_host_platform_device_count"
+_flags = re.sub(rf"{_FLAG}=\S+", "", os.environ.get("XLA_FLAGS", "")).strip()
+os.environ["XLA_FLAGS"] = f"{_flags} {_FLAG}={N_DEVICES}".strip()
 
 _GCS_TEST_BUCKET = "fastckpt-test"
 _prefix_counter = itertools.count()
@@ -71,3 +89,37 @@ def gcs_store(gcs_emulator: GcsEmulator) -> Iterator[GcsStore]:
     )
     yield store
     asyncio.run(store.close())
+
+
+@pytest.fixture(scope="session", autouse=True)
+def eight_devices() -> None:
+    """Fails the session if the backend started before this file set ``XLA_FLAGS``."""
+    import jax
+
+    n = len(jax.devices())
+    if n != N_DEVICES:
+        pytest.fail(
+            f"in-process tests need {N_DEVICES} CPU devices but the backend has {n}: something initialised "
+            "jax before tests/conftest.py set XLA_FLAGS"
+        )
+
+
+@pytest.fixture(params=["memory", "local"])
+def root(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[object]:
+    """Where checkpoints go: a fresh MemoryStore, or a local directory opened by path (the
+    public ``open_store`` route: RetryingStore over a durable LocalStore)."""
+    if request.param == "memory":
+        from fastckpt.storage import MemoryStore
+
+        yield MemoryStore()
+    else:
+        yield str(tmp_path / "ckpt")
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    """A fresh directory on tmpfs (``/dev/shm``), removed after the test."""
+    d = Path("/dev/shm") / f"fastckpt-test-{uuid.uuid4().hex[:12]}"
+    d.mkdir()
+    yield d
+    shutil.rmtree(d, ignore_errors=True)

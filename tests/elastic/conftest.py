@@ -1,5 +1,6 @@
-"""Elastic tests: in-process ones run on 8 virtual CPU devices (like tests/core); the
-supervisor tests launch real worker processes that set their own device count."""
+"""Elastic tests: in-process ones run on 8 virtual CPU devices (as every in-process test,
+tests/conftest.py); the supervisor tests launch real worker processes that set their own
+device count."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ simulated host and executes the commands the test writes, one after another.
 
 Loaded by file path in fresh child processes (``fastckpt.testing.multiprocess``) after
 ``jax.distributed.initialize``. The state is the deterministic generator of
-``tests/replicas_mp/workers.py`` (every array a hash of its global index and the step), so a
+``tests/replicas/multiprocess/workers.py`` (every array a hash of its global index and the step), so a
 restore is checked bit for bit, shard by shard, against numpy.
 
 Control (a directory on the shared disk: hosts have private ``/tmp`` and ``/dev/shm``, and
@@ -32,11 +32,11 @@ from typing import Any
 
 import numpy as np
 
-_MP_PATH = Path(__file__).resolve().parents[1] / "replicas_mp" / "workers.py"
+_MP_PATH = Path(__file__).resolve().parents[1] / "replicas" / "multiprocess" / "workers.py"
 
 
 def _mp() -> Any:
-    """tests/replicas_mp/workers.py (the state generator and its numpy twin), loaded once."""
+    """tests/replicas/multiprocess/workers.py (the state generator and its numpy twin), loaded once."""
     name = "_fastckpt_hosts_state"
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, _MP_PATH)

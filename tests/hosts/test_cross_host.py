@@ -37,7 +37,7 @@ from . import cross_workers as cw
 pytestmark = pytest.mark.hosts
 
 WORKERS = str(Path(__file__).with_name("cross_workers.py"))
-STATE_BYTES = 2_700_000  # tests/replicas_mp/workers.py ARRAYS, ~2.6 MiB in all
+STATE_BYTES = 2_700_000  # tests/replicas/multiprocess/workers.py ARRAYS, ~2.6 MiB in all
 GCS_CONTROL_BYTES = 64 << 10
 """What a restore may still receive from GCS without reading chunks: listings, metadata."""
 

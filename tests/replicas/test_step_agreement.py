@@ -180,14 +180,3 @@ def test_a_host_asks_the_writer_of_what_it_needs_and_its_ring_successor_not_ever
         assert [p.name for p in source._peers][:3] == ["h1", "h3", "h4"] and peers["h3"].asked == 1
     finally:
         rr.close()
-
-
-@pytest.mark.parametrize("value", ["", "-1", "1e3", " 7", "７", "12345678901234567890", "none ", "None"])
-def test_a_malformed_published_storage_step_is_a_distributed_error(value: str) -> None:
-    """Process 0 publishes storage's latest step for a restore ("none" or digits); anything
-    else read back is refused, typed, rather than restoring some other step."""
-    from fastckpt.coordination.restore_agreement import published_step as _published_step
-
-    assert _published_step("none") is None and _published_step("0") == 0 and _published_step("42") == 42
-    with pytest.raises(DistributedError, match="malformed storage step"):
-        _published_step(value)

@@ -17,7 +17,7 @@ from fastckpt import CheckpointManager, ManagerOptions, RetentionOptions, SaveOp
 from fastckpt.errors import ChecksumMismatchError, StepAlreadyCommittedError
 from fastckpt.storage import GcsStore
 
-from .util import P, assert_bit_exact, assert_sharded_like, device_data, named, sds
+from tests.support.arrays import P, assert_bit_exact, assert_sharded_like, device_data, named, sds
 
 
 def test_gcs_reshard_round_trip_and_commit_rules(gcs_store: GcsStore) -> None:
@@ -70,7 +70,7 @@ def test_gcs_corruption_detected(gcs_store: GcsStore) -> None:
 def test_gcs_restore_scatter_reads_are_bit_exact(gcs_store: GcsStore) -> None:
     """Ranged GETs received straight into destination buffers (and scratch for zstd chunks),
     coalesced across leaves, on the same mesh and resharded."""
-    from .test_storage_reads import N_SMALL, OPTS, check, mixed_state
+    from tests.reader.test_storage_reads import N_SMALL, OPTS, check, mixed_state
 
     state, hosts, shardings = mixed_state()
     with CheckpointManager(gcs_store, options=OPTS) as mgr:

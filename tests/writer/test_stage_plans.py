@@ -17,7 +17,7 @@ from fastckpt.writer import stage
 from fastckpt.writer.stage import StagePlans, stage_state
 from jax._src.array import ArrayImpl
 
-from .util import P, assert_bit_exact, assert_sharded_like, device_data, named
+from tests.support.arrays import P, assert_bit_exact, assert_sharded_like, device_data, named
 
 
 def _stage(state: Any, plans: StagePlans | None) -> tuple[list[tuple[Any, ...]], bytes]:

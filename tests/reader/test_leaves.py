@@ -17,7 +17,7 @@ import fastckpt
 from fastckpt import CheckpointManager
 from fastckpt.storage import MemoryStore
 
-from .util import P, assert_bit_exact, assert_sharded_like, device_data, host_data, named, sds
+from tests.support.arrays import P, assert_bit_exact, assert_sharded_like, device_data, host_data, named, sds
 
 JAX_DTYPES = [
     "bool", "int2", "uint2", "int4", "uint4", "int8", "int16", "int32", "int64",

@@ -1,4 +1,4 @@
-"""Helpers for the in-process core tests: meshes, deterministic data, bit-exact checks."""
+"""Helpers for in-process jax tests: meshes, deterministic data, bit-exact checks."""
 
 from __future__ import annotations
 

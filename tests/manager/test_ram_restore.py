@@ -18,7 +18,7 @@ import pytest
 from fastckpt import CheckpointManager, ManagerOptions, RetentionOptions, SaveOptions
 from fastckpt.options import RamOptions
 
-from .util import P, named
+from tests.support.arrays import P, named
 
 MIB = 1 << 20
 

@@ -18,7 +18,7 @@ from fastckpt.errors import ConfigError
 from fastckpt.storage import LocalStore, MemoryStore, Store
 from tests.support.wrapping import ForwardingStore
 
-from .util import P, assert_bit_exact, assert_sharded_like, device_data, named, sds
+from tests.support.arrays import P, assert_bit_exact, assert_sharded_like, device_data, named, sds
 
 OPTS = ManagerOptions(save=SaveOptions(max_chunk_bytes=16 << 10, object_bytes=1 << 20))
 N_SMALL = 24

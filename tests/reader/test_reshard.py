@@ -12,7 +12,7 @@ import pytest
 import fastckpt
 from fastckpt import CheckpointManager, ManagerOptions, RestoreOptions, SaveOptions
 
-from .util import P, assert_bit_exact, assert_sharded_like, device_data, mesh, named, sds
+from tests.support.arrays import P, assert_bit_exact, assert_sharded_like, device_data, mesh, named, sds
 
 SHAPE = (48, 24)  # divisible by 1, 2, 3, 4, 6 and 8 in both dimensions
 

@@ -36,7 +36,7 @@ from fastckpt.format.layout import manifest_key, step_data_prefix
 from fastckpt.storage import ByteRange, LocalStore, MemoryStore, Store
 from fastckpt.storage._protocol import Buffer, Payload, PutMode
 
-from .util import P, assert_bit_exact, assert_sharded_like, device_data, named, sds
+from tests.support.arrays import P, assert_bit_exact, assert_sharded_like, device_data, named, sds
 
 
 def small_state(seed: int = 0) -> tuple[dict[str, Any], dict[str, np.ndarray]]:

@@ -22,7 +22,7 @@ from fastckpt.storage import LocalStore
 from fastckpt.storage._protocol import Buffer, Payload, PutMode
 from tests.support.wrapping import ForwardingStore
 
-from .util import P, named
+from tests.support.arrays import P, named
 
 
 class _Wrapped(ForwardingStore):
