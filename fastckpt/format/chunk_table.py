@@ -43,7 +43,7 @@ import numpy as np
 
 from fastckpt.format._checks import MAX_INT, check_tiling, fail, json_dict, json_list
 from fastckpt.format.manifest import Box, ChunkEntry, ChunkTable, box_volume
-from fastckpt.storage._protocol import validate_key
+from fastckpt.storage import validate_key
 
 __all__ = [
     "CODECS", "U32", "binary_array", "checked_uint", "codec_column", "decode_chunk_table",
