@@ -25,6 +25,7 @@ Nothing here imports jax at module import time (like :mod:`benchmarks._common`).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import gc
@@ -127,7 +128,7 @@ def _serve_peer(tier_root: str, store_root: str, member_id: str, budget_bytes: s
 
     store = open_store(store_root)
     with RamTier(tier_root, budget_bytes=int(budget_bytes)) as tier, PeerServer(tier, secret=PEER_SECRET) as server:
-        StoreDirectory(store).publish(make_record(member_id, server.address))
+        StoreDirectory(store, run=asyncio.run).publish(make_record(member_id, server.address))
         print(server.address[1], flush=True)
         sys.stdin.read()
 

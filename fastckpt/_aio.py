@@ -2,7 +2,12 @@
 
 A :class:`LoopThread` owns an asyncio loop on a daemon thread. ``run(coro)`` blocks the
 caller until the coroutine finishes; ``submit(coro)`` returns a ``concurrent.futures.Future``.
-Each manager owns one loop thread; nothing is global.
+
+Ownership: each manager owns one loop thread, uses its store from it only, and passes its
+``run`` to whatever drives that store from sync code (commit, peer discovery). One-shot
+callers (the CLI's commands, :func:`~fastckpt._gc.collect_garbage`) run one loop for the
+call with ``asyncio.run`` and close their store in it. Nothing makes a loop at import or
+behind a caller's back.
 """
 
 from __future__ import annotations

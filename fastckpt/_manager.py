@@ -21,8 +21,6 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from fastckpt._aio import LoopThread
 from fastckpt.coordination.distributed import Coordinator, default_coordinator
 from fastckpt._hostmem import BufferCache, StagingPool
@@ -38,7 +36,7 @@ from fastckpt.errors import (
     StepAlreadyCommittedError,
 )
 from fastckpt.format.codec import decode_manifest
-from fastckpt.format.layout import MANIFEST_PREFIX, MAX_STEP, manifest_key, step_data_prefix, step_from_manifest_key
+from fastckpt.format.layout import MANIFEST_PREFIX, check_step, manifest_key, step_data_prefix, step_from_manifest_key
 from fastckpt.format.dtypes import dtype_from_name
 from fastckpt.format.manifest import Manifest, box_volume
 from fastckpt.options import ManagerOptions
@@ -60,13 +58,6 @@ if TYPE_CHECKING:
 __all__ = ["CheckpointManager", "SaveStats"]
 
 log = logging.getLogger("fastckpt")
-
-
-def _checked_step(step: object) -> int:
-    """``step`` as an int, or ConfigError (a bool, a float, a str, out of range)."""
-    if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
-        raise ConfigError(f"step must be an int in [0, {MAX_STEP}], got {step!r}")
-    return int(step)
 
 
 def _open(root: str | Store) -> Store:
@@ -164,7 +155,7 @@ class CheckpointManager:
         that is already committed, :class:`ConfigError` for unsupported leaves.
         """
         self._check_open()
-        step = _checked_step(step)
+        step = check_step(step)
         persist = force or step % self.options.save_interval_steps == 0
         ram = self._ram is not None and (persist or self._ram.due(step))
         if not persist and not ram:
@@ -402,7 +393,7 @@ class CheckpointManager:
             CheckpointNotFoundError, TreeStructureError, ShapeMismatchError,
             DtypeMismatchError, ChecksumMismatchError, DistributedError.
         """
-        step = None if step is None else _checked_step(step)
+        step = None if step is None else check_step(step)
         reading = self._reading_step(step) if step is not None else contextlib.nullcontext()
         with paused_gc(self.options.pause_gc), reading:  # thousands of leaves: no full collections
             return self._restore(step, target, partial=partial)

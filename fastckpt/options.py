@@ -33,7 +33,7 @@ def default_threads(cpus: int | None = None) -> int:
     process may run on), at least 2 and at most 8.
 
     Staging copies, crc32c, zstd and placement copies release the GIL and scale with cores
-    until memory bandwidth binds (~8 threads); a quarter of the cores leaves the rest to the
+    until memory bandwidth binds (hence at most 8); a quarter of the cores leaves the rest to the
     training loop's own host work and to other processes on the host (one per accelerator).
     On a 2-core machine 2, a 16-core one 4, a pod host 8.
     """
@@ -62,7 +62,7 @@ class SaveOptions:
     """zstd level (1: the fastest; higher levels trade encode speed for size)."""
     min_compression_gain: float = 0.10
     """A chunk is stored zstd-compressed only if that saves at least this fraction of its
-    bytes (bf16/int/sparse data usually does; dense float32 weights, ~7%, usually do not and
+    bytes (bf16/int/sparse data usually does; dense float32 weights usually do not and
     are stored raw: faster restores, no encode buffers). Big chunks are judged by a 1 MiB
     trial compression first."""
     encode_threads: int = dataclasses.field(default_factory=default_threads)

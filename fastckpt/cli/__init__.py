@@ -10,12 +10,10 @@ every GCS client does), else Google; the CLI also points tensorstore (Orbax read
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import signal
 import sys
-from collections.abc import Coroutine, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 __all__ = ["build_parser", "main"]
 
@@ -96,21 +94,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _run(coro_fn: Any, root: str, gcs_endpoint: str | None, **kwargs: Any) -> int:
-    from fastckpt.cli._util import open_root
-
-    store = open_root(root, gcs_endpoint=gcs_endpoint)
-
-    async def go() -> int:
-        try:
-            coro: Coroutine[Any, Any, int] = coro_fn(store, **kwargs)
-            return await coro
-        finally:
-            await store.close()
-
-    return asyncio.run(go())
-
-
 def _missing_local_root(root: str) -> bool:
     import os
 
@@ -122,7 +105,7 @@ def _missing_local_root(root: str) -> bool:
 
 def _dispatch(args: argparse.Namespace) -> int:
     from fastckpt.cli import _inspect, _ops, _verify
-    from fastckpt.cli._util import parse_duration
+    from fastckpt.cli._util import parse_duration, run_on_root
 
     cmd = args.command
     if cmd == "convert":
@@ -133,17 +116,17 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 1
     ep = args.gcs_endpoint
     if cmd == "ls":
-        return _run(_inspect.cmd_ls, args.root, ep, as_json=args.json)
+        return run_on_root(_inspect.cmd_ls, args.root, ep, as_json=args.json)
     if cmd == "inspect":
-        return _run(_inspect.cmd_inspect, args.root, ep, step=args.step, as_json=args.json)
+        return run_on_root(_inspect.cmd_inspect, args.root, ep, step=args.step, as_json=args.json)
     if cmd == "verify":
-        return _run(_verify.cmd_verify, args.root, ep, step=args.step, all_steps=args.all, as_json=args.json,
-                    progress=not args.no_progress and not args.json, threads=args.threads)
+        return run_on_root(_verify.cmd_verify, args.root, ep, step=args.step, all_steps=args.all, as_json=args.json,
+                           progress=not args.no_progress and not args.json, threads=args.threads)
     if cmd == "gc":
         if args.keep_every is not None and args.keep_last is None:
             raise _UsageError("--keep-every needs --keep-last (retention keeps the newest N plus every K-th)")
-        return _run(_ops.cmd_gc, args.root, ep, grace_s=parse_duration(args.grace), dry_run=args.dry_run,
-                    keep_last=args.keep_last, keep_every=args.keep_every, as_json=args.json)
+        return run_on_root(_ops.cmd_gc, args.root, ep, grace_s=parse_duration(args.grace), dry_run=args.dry_run,
+                           keep_last=args.keep_last, keep_every=args.keep_every, as_json=args.json)
     raise _UsageError(f"unknown command {cmd!r}")
 
 

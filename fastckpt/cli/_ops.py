@@ -6,7 +6,7 @@ import sys
 from collections.abc import Sequence
 
 from fastckpt._gc import collect_garbage_async
-from fastckpt.cli._util import dump_json, fmt_age, fmt_bytes, open_root, plural
+from fastckpt.cli._util import dump_json, fmt_age, fmt_bytes, open_root, plural, run_on_root
 from fastckpt.errors import CheckpointNotFoundError
 from fastckpt.format.layout import MANIFEST_PREFIX
 from fastckpt.options import RetentionOptions
@@ -42,24 +42,21 @@ async def cmd_gc(store: Store, *, grace_s: float, dry_run: bool, keep_last: int 
     return 1 if report.errors else 0
 
 
+async def _has_steps(store: Store) -> bool:
+    return bool(await store.list(MANIFEST_PREFIX))
+
+
 def cmd_convert(src: str, dst: str, *, step: int | None, to_step: int | None, item: str | None,
                 layout: str, gcs_endpoint: str | None) -> int:
     """Convert between Orbax and fastckpt; the direction is detected from ``src``."""
-    from fastckpt._aio import LoopThread
     from fastckpt.integrations._orbax_layout import is_orbax_dir
     from fastckpt.integrations.orbax import convert_fastckpt_to_orbax, convert_orbax_to_fastckpt
 
-    src_store = open_root(src, gcs_endpoint=gcs_endpoint)
-    loop = LoopThread("fastckpt-cli")
-    try:
-        is_fastckpt = bool(loop.run(src_store.list(MANIFEST_PREFIX)))
-        if is_fastckpt:
-            written = convert_fastckpt_to_orbax(src_store, step, dst, layout=layout)  # type: ignore[arg-type]
-            sys.stdout.write(f"converted fastckpt step {written} of {src_store.url} -> Orbax at {dst} ({layout})\n")
-            return 0
-    finally:
-        loop.run(src_store.close())
-        loop.close()
+    if run_on_root(_has_steps, src, gcs_endpoint):
+        src_store = open_root(src, gcs_endpoint=gcs_endpoint)  # the reading manager owns it and its loop
+        written = convert_fastckpt_to_orbax(src_store, step, dst, layout=layout)  # type: ignore[arg-type]
+        sys.stdout.write(f"converted fastckpt step {written} of {src_store.url} -> Orbax at {dst} ({layout})\n")
+        return 0
     if not is_orbax_dir(src):
         raise CheckpointNotFoundError(f"{src} holds neither a committed fastckpt step nor an Orbax checkpoint")
     dst_store = open_root(dst, gcs_endpoint=gcs_endpoint)

@@ -1,8 +1,9 @@
-"""CLI plumbing: opening roots (pointing tensorstore at a GCS emulator), human-readable
-sizes and durations, a stderr progress line, JSON output."""
+"""CLI plumbing: opening roots (pointing tensorstore at a GCS emulator) and running a command
+on one, human-readable sizes and durations, a stderr progress line, JSON output."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
@@ -10,14 +11,17 @@ import re
 import sys
 import threading
 import time
-from typing import Any, TextIO
+from collections.abc import Callable, Coroutine
+from typing import Any, TextIO, TypeVar
 
 from fastckpt.errors import ConfigError
 from fastckpt.storage import Store, open_store
 
-__all__ = ["Progress", "dump_json", "fmt_bytes", "fmt_rate", "jsonable", "open_root", "parse_duration", "plural"]
+__all__ = ["Progress", "dump_json", "fmt_bytes", "fmt_rate", "jsonable", "open_root", "parse_duration", "plural",
+           "run_on_root"]
 
 _EMULATOR_ENV = "STORAGE_EMULATOR_HOST"
+_T = TypeVar("_T")
 
 
 def open_root(url: str, *, gcs_endpoint: str | None) -> Store:
@@ -34,6 +38,20 @@ def open_root(url: str, *, gcs_endpoint: str | None) -> Store:
             os.environ.setdefault("GOOGLE_AUTH_TOKEN_FOR_TESTING", "emulator")
         return open_store(url, gcs_endpoint=gcs_endpoint)
     return open_store(url)
+
+
+def run_on_root(fn: Callable[..., Coroutine[Any, Any, _T]], root: str, gcs_endpoint: str | None, **kwargs: Any) -> _T:
+    """Open ``root`` and run ``fn(store, **kwargs)`` on an event loop of its own, which also
+    closes the store; the command's one loop (the store is used from no other)."""
+    store = open_root(root, gcs_endpoint=gcs_endpoint)
+
+    async def go() -> _T:
+        try:
+            return await fn(store, **kwargs)
+        finally:
+            await store.close()
+
+    return asyncio.run(go())
 
 
 def fmt_bytes(n: float | None) -> str:

@@ -37,8 +37,8 @@ __all__ = ["build_parser", "main", "plot_loss", "run_demo"]
 
 CPU_FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 """XLA flags the demo gives its workers. On a couple of shared CPU cores compiling the train
-step dominates a restart; these cut its compile CPU time ~4x (10.8 s -> 2.3 s for the tiny
-model) for a ~2.5x slower step. ``--full-opt`` turns them off."""
+step dominates a restart; these trade a slower step for much less compile CPU time.
+``--full-opt`` turns them off."""
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -91,8 +91,8 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(),
     "small": ModelConfig(vocab_size=512, seq_len=64, d_model=128, n_layers=2, n_heads=4, d_ff=512),
     # ~0.5 GiB of params + AdamW moments (540 MiB), but short sequences (and a small global
-    # batch, see PRESET_GLOBAL_BATCH): recovery is about moving state, and one step of 3072
-    # tokens of a model this size takes ~25 s on a 2-core machine. Every sharded dimension
+    # batch, see PRESET_GLOBAL_BATCH): recovery is about moving state, and a step of long
+    # sequences of a model this size is slow on CPUs. Every sharded dimension
     # divides by 12, so the state is also split over a data axis of 2, 3, 4 or 6 (FSDP).
     "bench": ModelConfig(vocab_size=12288, seq_len=16, d_model=768, n_layers=4, n_heads=12, d_ff=3072, dropout=0.1),
 }

@@ -174,7 +174,7 @@ class TrainProgram:
         ``(state, batch) -> (state, loss)``. The input state is donated.
 
         ``compiler_options`` go to XLA (e.g. ``{"xla_backend_optimization_level": 0}``
-        roughly halves CPU compile time for a slower step)."""
+        trades a slower step for less CPU compile time)."""
         batch = jax.ShapeDtypeStruct(self.data.shape, jnp.int32, sharding=self.batch_sharding)
         return self._step_jit.lower(self.abstract_state, batch).compile(compiler_options)
 

@@ -43,7 +43,7 @@ import numpy as np
 
 from fastckpt.format._checks import MAX_INT, check_tiling, fail, json_dict, json_list
 from fastckpt.format.manifest import Box, ChunkEntry, ChunkTable, box_volume
-from fastckpt.storage._protocol import validate_key
+from fastckpt.storage import validate_key
 
 __all__ = [
     "CODECS", "U32", "binary_array", "checked_uint", "codec_column", "decode_chunk_table",
@@ -137,7 +137,7 @@ def encode_column(values: np.ndarray | Sequence[int]) -> str:
     """The binary column of ``values`` (ints in ``[0, 2**64)``): ``"<kind>:<base64>"``
     in the narrowest kind that holds them."""
     if not isinstance(values, np.ndarray) and values and 0 <= min(values):
-        top = max(values)  # a list of a few ints (a leaf's chunks): struct is ~4x numpy's cost
+        top = max(values)  # a list of a few ints (a leaf's chunks): struct, not numpy's per-call cost
         for kind, code, limit in _STRUCT_CODES:
             if top < limit:
                 return f"{kind}:" + base64.b64encode(struct.pack(f"<{len(values)}{code}", *values)).decode("ascii")

@@ -18,9 +18,14 @@ from __future__ import annotations
 import re
 from urllib.parse import quote, unquote
 
+import numpy as np
+
+from fastckpt.errors import ConfigError
+
 __all__ = [
     "MANIFEST_PREFIX",
     "STEPS_PREFIX",
+    "check_step",
     "data_key",
     "fragment_key",
     "manifest_key",
@@ -37,6 +42,13 @@ MAX_STEP = 10**18 - 1
 """The largest step a key can name (12 digits, zero-padded, up to 18: Unix-millisecond steps fit)."""
 _MANIFEST_RE = re.compile(r"^manifests/(\d{12,18})\.json$")
 _DATA_RE = re.compile(r"^steps/(\d{12,18})/")
+
+
+def check_step(step: object) -> int:
+    """``step`` as an int if a key can name it, else ConfigError (a bool, a float, a str, out of range)."""
+    if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
+        raise ConfigError(f"step must be an int in [0, {MAX_STEP}], got {step!r}")
+    return int(step)
 
 
 def manifest_key(step: int) -> str:

@@ -61,7 +61,7 @@ ValueType = Literal["none", "bool", "int", "float", "complex", "str"]
 
 def box_shape(box: Box) -> tuple[int, ...]:
     """Extent of a box per dimension."""
-    return tuple([stop - start for start, stop in box])  # a list comprehension: ~35% faster
+    return tuple([stop - start for start, stop in box])  # hot: a list comprehension, not a generator
 
 
 def box_volume(box: Box) -> int:

@@ -1,12 +1,13 @@
 """Read checkpoints written by orbax-checkpoint with tensorstore directly (no handler stack).
 
 Only ``tensorstore`` (the ``orbax`` extra) is used; orbax is not imported. The layout and
-metadata parsing live in :mod:`fastckpt.integrations._orbax_layout`.
+metadata parsing live in :mod:`fastckpt.integrations._orbax_layout`; sharding resolution,
+shard boxes, PRNG key checks and placement are the reader's (:mod:`fastckpt.reader.assemble`).
 
 Call order inside :func:`read_item`: match the target's leaves to ``_METADATA`` entries by
 their Orbax parameter names -> open every array's tensorstore (concurrently) -> check shapes
 and dtypes (typed errors) -> per leaf, read only the boxes this process's devices need ->
-``jax.make_array_from_single_device_arrays``. Host memory held at once is bounded by
+place them on the devices. Host memory held at once is bounded by
 ``max_inflight_bytes`` (plus one leaf's boxes).
 """
 
@@ -28,7 +29,7 @@ from fastckpt.errors import (
     ShapeMismatchError,
     TreeStructureError,
 )
-from fastckpt.reader.assemble import prng_key_info
+from fastckpt.reader.assemble import key_array_shape, place, resolve_sharding, shard_boxes
 from fastckpt.format.manifest import Box
 from fastckpt.integrations._orbax_layout import (
     EMPTY_TYPES,
@@ -38,7 +39,7 @@ from fastckpt.integrations._orbax_layout import (
     kv_spec,
     read_json,
 )
-from fastckpt.planning import box_from_index, box_to_slices, full_box
+from fastckpt.planning import box_to_slices, full_box
 
 __all__ = ["read_item"]
 
@@ -101,14 +102,6 @@ def _named_sharding(desc: dict[str, Any]) -> jax.sharding.Sharding | None:
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
 
 
-def _key_data_sharding(sharding: jax.sharding.Sharding, extra: int) -> jax.sharding.Sharding:
-    if isinstance(sharding, jax.sharding.NamedSharding):
-        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*tuple(sharding.spec), *(None,) * extra))
-    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
-        return sharding
-    raise ConfigError(f"PRNG key targets need a NamedSharding or SingleDeviceSharding, got {type(sharding).__name__}")
-
-
 @dataclasses.dataclass
 class _Leaf:
     entry: OrbaxEntry
@@ -120,29 +113,6 @@ class _Leaf:
     sharding: jax.sharding.Sharding | None = None
     key_impl: str | None = None
     device_boxes: list[tuple[jax.Device, Box]] = dataclasses.field(default_factory=list)
-
-
-def _stored_key_shape(leaf: _Leaf, impl: str, stored_shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The key array shape a stored key-data array holds; checks the target's key dtype and shape.
-
-    Raises:
-        DtypeMismatchError: the target's keys are of another implementation.
-        ShapeMismatchError: the target's key array has another shape.
-        CorruptionError: the stored data does not end in the implementation's key data shape.
-    """
-    where = leaf.entry.param_name
-    key_dtype, data_shape = prng_key_info(impl, where)
-    split = len(stored_shape) - len(data_shape)
-    if split < 0 or stored_shape[split:] != data_shape:
-        raise CorruptionError(f"{where}: stored key data of shape {stored_shape} does not end in {impl}'s "
-                              f"key data shape {data_shape}")
-    key_shape = stored_shape[:split]
-    tgt = leaf.target
-    if tgt is not None and tgt.dtype != key_dtype:
-        raise DtypeMismatchError(f"{where}: target keys are {tgt.dtype}, the checkpoint's {key_dtype}")
-    if tgt is not None and tuple(tgt.shape) != key_shape:
-        raise ShapeMismatchError(f"{where}: target key array shape {tuple(tgt.shape)} != stored {key_shape}")
-    return key_shape
 
 
 def _mode_of(entry: OrbaxEntry, tgt: Any, item: OrbaxItem) -> str:
@@ -191,12 +161,13 @@ def _plan(leaf: _Leaf, item: OrbaxItem, *, allow_cast: bool) -> None:
     stored_dtype = np.dtype(leaf.store.dtype.numpy_dtype)
     tgt = leaf.target
     leaf.shape, leaf.dtype = stored_shape, stored_dtype
+    key_extra = 0
     if leaf.mode == "key":
         impl = item.key_impls.get(where)
         if impl is None:
             raise DtypeMismatchError(f"{where}: target is a PRNG key array but the checkpoint holds plain {stored_dtype}")
         leaf.key_impl = impl
-        extra = len(stored_shape) - len(_stored_key_shape(leaf, impl, stored_shape))
+        key_extra = len(stored_shape) - len(key_array_shape(impl, stored_shape, tgt, where))
     elif tgt is not None and leaf.mode in ("jax", "numpy", "npscalar"):
         if tuple(tgt.shape) != stored_shape:
             raise ShapeMismatchError(f"{where}: target shape {tuple(tgt.shape)} != stored shape {stored_shape}")
@@ -210,25 +181,9 @@ def _plan(leaf: _Leaf, item: OrbaxItem, *, allow_cast: bool) -> None:
     if leaf.mode not in ("jax", "key"):
         leaf.device_boxes = [(None, full_box(stored_shape))]  # type: ignore[list-item]
         return
-    sharding = getattr(tgt, "sharding", None) if tgt is not None else None
-    if sharding is None:
-        sharding = _saved_sharding(item.shardings.get(where))
-    if sharding is None:
-        if jax.process_count() > 1:
-            raise ConfigError(f"{where}: cannot rebuild the saved sharding here; pass a target with .sharding")
-        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    if isinstance(getattr(sharding, "mesh", None), getattr(jax.sharding, "AbstractMesh", ())):
-        raise ConfigError(f"{where}: the target's sharding is over an AbstractMesh; pass concrete shardings "
-                          "(fastckpt.integrations.pytree.abstract_state(target, mesh=mesh))")
-    if leaf.mode == "key":
-        idx_shape = stored_shape[: len(stored_shape) - extra]
-        index_map = {d: tuple(idx) + (slice(None),) * extra
-                     for d, idx in sharding.addressable_devices_indices_map(idx_shape).items()}
-        leaf.sharding = _key_data_sharding(sharding, extra)
-    else:
-        index_map = sharding.addressable_devices_indices_map(stored_shape)
-        leaf.sharding = sharding
-    leaf.device_boxes = [(d, box_from_index(idx, stored_shape)) for d, idx in index_map.items()]
+    sharding = getattr(tgt, "sharding", None)
+    sharding = resolve_sharding(_saved_sharding(item.shardings.get(where)) if sharding is None else sharding, where)
+    leaf.sharding, leaf.device_boxes = shard_boxes(sharding, stored_shape, key_extra)
 
 
 def _translate(e: Exception, what: str) -> Exception:
@@ -270,11 +225,7 @@ def _finish(leaf: _Leaf, futures: dict[Box, Any], strings: dict[str, Any]) -> An
             return arr[()]
         return arr.item()  # the stored Python scalar, whatever scalar type the target holds
     assert leaf.sharding is not None
-    singles = [jax.device_put(bufs[box], d) for d, box in leaf.device_boxes]
-    out = jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, singles)
-    if leaf.mode == "key":
-        out = jax.random.wrap_key_data(out, impl=leaf.key_impl)
-    return out
+    return place(leaf.shape, leaf.sharding, bufs.__getitem__, leaf.key_impl)
 
 
 def _match(item: OrbaxItem, target: Any, *, partial: bool) -> tuple[list[tuple[OrbaxEntry, Any]], Any]:

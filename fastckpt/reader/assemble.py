@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -17,6 +18,7 @@ import numpy as np
 from fastckpt._tree import flatten, is_prng_key
 from fastckpt.errors import (
     ConfigError,
+    CorruptionError,
     DtypeMismatchError,
     ShapeMismatchError,
     TargetMismatchError,
@@ -27,7 +29,8 @@ from fastckpt.format.manifest import ArrayLeaf, Box, KeyPath, Manifest, Sharding
 from fastckpt.planning import box_from_index, full_box
 from fastckpt.reader.fetch import RestoreStats, Unit
 
-__all__ = ["LeafPlan", "RestorePlan", "build_leaves", "resolve_target"]
+__all__ = ["LeafPlan", "RestorePlan", "build_leaves", "key_array_shape", "place", "prng_key_info", "resolve_sharding",
+           "resolve_target", "shard_boxes"]
 
 
 @dataclasses.dataclass
@@ -84,22 +87,57 @@ def _key_data_sharding(sharding: jax.sharding.Sharding, extra_dims: int) -> jax.
     raise ConfigError(f"PRNG key targets need a NamedSharding or SingleDeviceSharding, got {type(sharding).__name__}")
 
 
+def resolve_sharding(sharding: jax.sharding.Sharding | None, where: str) -> jax.sharding.Sharding:
+    """The sharding a leaf restores to: ``sharding`` (the target's, else the checkpoint's
+    rebuilt on this job's devices), or one local device when there is none.
+
+    Raises:
+        TargetMismatchError: there is none in a multi-process job.
+        ConfigError: ``sharding`` is over an AbstractMesh (it names no devices).
+    """
+    if sharding is None:
+        if jax.process_count() > 1:
+            raise TargetMismatchError(f"{where}: cannot rebuild the saved sharding here; pass a target with .sharding")
+        return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    if isinstance(getattr(sharding, "mesh", None), getattr(jax.sharding, "AbstractMesh", ())):
+        raise ConfigError(f"{where}: the target's sharding is over an AbstractMesh (jax.eval_shape under "
+                          "jax.set_mesh?); pass concrete shardings, e.g. "
+                          "fastckpt.integrations.pytree.abstract_state(target, mesh=mesh)")
+    return sharding
+
+
 _DeviceBoxes = list[tuple[Any, Box]]
 
 
-def _device_boxes(sharding: Any, shape: tuple[int, ...], cache: dict[Any, _DeviceBoxes]) -> _DeviceBoxes:
-    """``(device, box)`` of every addressable shard of ``shape`` under ``sharding``, computed
-    once per distinct (sharding, shape) of a restore (a model's leaves share a few)."""
+def shard_boxes(sharding: jax.sharding.Sharding, shape: tuple[int, ...], key_extra: int = 0,
+                cache: dict[Any, _DeviceBoxes] | None = None) -> tuple[jax.sharding.Sharding, _DeviceBoxes]:
+    """The sharding of the array to build and ``(device, box)`` of each of its addressable
+    shards. With ``key_extra`` > 0, ``shape`` is PRNG key data: ``sharding`` (the key array's)
+    splits its leading dimensions and every box spans the trailing ``key_extra`` whole.
+    ``cache`` (one per restore) shares the boxes of leaves with the same sharding and shape."""
+    if key_extra:
+        index_map = sharding.addressable_devices_indices_map(shape[: len(shape) - key_extra])
+        return _key_data_sharding(sharding, key_extra), [
+            (d, box_from_index(tuple(idx) + (slice(None),) * key_extra, shape)) for d, idx in index_map.items()]
     key: Any = (sharding, shape)
     try:
-        hit = cache.get(key)
+        hit = None if cache is None else cache.get(key)
     except TypeError:  # an unhashable sharding: no caching
-        hit = key = None
+        hit = cache = None
     if hit is None:
         hit = [(d, box_from_index(idx, shape)) for d, idx in sharding.addressable_devices_indices_map(shape).items()]
-        if key is not None:
+        if cache is not None:
             cache[key] = hit
-    return hit
+    return sharding, hit
+
+
+def place(shape: tuple[int, ...], sharding: jax.sharding.Sharding, buffer_of: Callable[[Box], Any],
+          key_impl: str | None = None) -> jax.Array:
+    """The array of ``shape`` under ``sharding``, each addressable shard from the host buffer
+    ``buffer_of(box)`` (one batched placement); with ``key_impl``, the array is key data and
+    comes back as PRNG keys of that implementation."""
+    arr = jax.make_array_from_callback(shape, sharding, lambda idx: buffer_of(box_from_index(idx, shape)))
+    return arr if key_impl is None else jax.random.wrap_key_data(arr, impl=key_impl)
 
 
 @functools.lru_cache(maxsize=16)
@@ -111,7 +149,7 @@ def _key_info_of(impl: str) -> tuple[Any, tuple[int, ...]]:
 
 def prng_key_info(impl: str | None, where: str) -> tuple[Any, tuple[int, ...]]:
     """``(key dtype, key data shape of one key)`` of a stored PRNG implementation (e.g.
-    ``key<fry>`` and ``(2,)`` for threefry); shared by fastckpt's and the Orbax reader.
+    ``key<fry>`` and ``(2,)`` for threefry).
 
     Raises:
         DtypeMismatchError: the implementation is unknown to this JAX.
@@ -122,6 +160,27 @@ def prng_key_info(impl: str | None, where: str) -> tuple[Any, tuple[int, ...]]:
         raise DtypeMismatchError(f"{where}: the checkpoint's PRNG implementation {impl!r} is unknown here: {e}") from e
 
 
+def key_array_shape(impl: str | None, stored_shape: tuple[int, ...], tgt: Any, where: str) -> tuple[int, ...]:
+    """The shape of the PRNG key array whose key data of ``stored_shape`` is stored, checked
+    against the target leaf ``tgt`` (None: no target).
+
+    Raises:
+        DtypeMismatchError: the implementation is unknown here, or the target's keys are of another.
+        ShapeMismatchError: the target's key array has another shape.
+        CorruptionError: ``stored_shape`` does not end in the implementation's key data shape.
+    """
+    key_dtype, data_shape = prng_key_info(impl, where)
+    split = len(stored_shape) - len(data_shape)
+    if split < 0 or stored_shape[split:] != data_shape:
+        raise CorruptionError(f"{where}: stored key data of shape {stored_shape} does not end in {impl}'s "
+                              f"key data shape {data_shape}")
+    if tgt is not None and tgt.dtype != key_dtype:
+        raise DtypeMismatchError(f"{where}: target keys are {tgt.dtype}, the checkpoint's {key_dtype}")
+    if tgt is not None and tuple(tgt.shape) != stored_shape[:split]:
+        raise ShapeMismatchError(f"{where}: target key array shape {tuple(tgt.shape)} != stored {stored_shape[:split]}")
+    return stored_shape[:split]
+
+
 def _plan_array(path: KeyPath, stored: ArrayLeaf, tgt: Any, boxes_cache: dict[Any, _DeviceBoxes]) -> LeafPlan:
     where = keypath_str(path)
     shape = tuple(stored.shape)
@@ -129,14 +188,7 @@ def _plan_array(path: KeyPath, stored: ArrayLeaf, tgt: Any, boxes_cache: dict[An
     if stored.kind == "prng_key":
         if tgt is not None and not is_prng_key(tgt):
             raise DtypeMismatchError(f"{where}: checkpoint holds a PRNG key array, target is {getattr(tgt, 'dtype', type(tgt))}")
-        key_dtype, data_shape = prng_key_info(stored.key_impl, where)
-        if tgt is not None and tgt.dtype != key_dtype:
-            raise DtypeMismatchError(f"{where}: target keys are {tgt.dtype}, the checkpoint's {key_dtype}")
-        if tgt is not None:  # the stored key data: the key array's shape, then the implementation's
-            key_extra = len(data_shape)
-            if tuple(tgt.shape) != shape[: len(shape) - key_extra]:
-                raise ShapeMismatchError(f"{where}: target key array shape {tuple(tgt.shape)} != stored "
-                                         f"{shape[: len(shape) - key_extra]}")
+        key_extra = len(shape) - len(key_array_shape(stored.key_impl, shape, tgt, where))
     elif tgt is not None:
         if tuple(tgt.shape) != shape:
             raise ShapeMismatchError(f"{where}: target shape {tuple(tgt.shape)} != stored shape {shape}")
@@ -147,27 +199,9 @@ def _plan_array(path: KeyPath, stored: ArrayLeaf, tgt: Any, boxes_cache: dict[An
         box = full_box(shape)
         return LeafPlan(path, stored, as_numpy=True, scalar=isinstance(tgt, np.generic) or (tgt is None and not shape),
                         units={box: Unit(stored, box, lendable=False)})
-    sharding = getattr(tgt, "sharding", None) if tgt is not None else None
-    if sharding is None:
-        sharding = _saved_sharding(stored.sharding)
-    if sharding is None:
-        if jax.process_count() > 1:
-            raise TargetMismatchError(f"{where}: cannot rebuild the saved sharding here; pass a target with .sharding")
-        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    if isinstance(getattr(sharding, "mesh", None), getattr(jax.sharding, "AbstractMesh", ())):
-        raise ConfigError(f"{where}: the target's sharding is over an AbstractMesh (jax.eval_shape under "
-                          "jax.set_mesh?); pass concrete shardings, e.g. "
-                          "fastckpt.integrations.pytree.abstract_state(target, mesh=mesh)")
-    if stored.kind == "prng_key":
-        idx_shape = shape[: len(shape) - key_extra] if tgt is not None else shape[:-1]
-        key_extra = len(shape) - len(idx_shape)
-        index_map = sharding.addressable_devices_indices_map(idx_shape)
-        data_sharding = _key_data_sharding(sharding, key_extra)
-        device_boxes = [(d, box_from_index(tuple(idx) + (slice(None),) * key_extra, shape))
-                        for d, idx in index_map.items()]
-    else:
-        device_boxes = _device_boxes(sharding, shape, boxes_cache)
-        data_sharding = sharding
+    sharding = getattr(tgt, "sharding", None)
+    sharding = resolve_sharding(_saved_sharding(stored.sharding) if sharding is None else sharding, where)
+    data_sharding, device_boxes = shard_boxes(sharding, shape, key_extra, boxes_cache)
     plan = LeafPlan(path, stored, sharding=data_sharding, device_boxes=list(device_boxes))
     for _, box in device_boxes:
         if box not in plan.units:
@@ -246,11 +280,8 @@ def build_leaves(plan: RestorePlan, stats: RestoreStats) -> list[Any]:
             out.append(arr[()] if lp.scalar else arr)
             continue
         assert lp.sharding is not None
-        # One batched placement per leaf (a device_put per shard costs ~0.5 ms of dispatch).
-        units, shape = lp.units, tuple(s.shape)
-        arr = jax.make_array_from_callback(shape, lp.sharding, lambda idx: units[box_from_index(idx, shape)].buffer)
-        if s.kind == "prng_key":
-            arr = jax.random.wrap_key_data(arr, impl=s.key_impl)
-        out.append(arr)
+        units = lp.units
+        out.append(place(tuple(s.shape), lp.sharding, lambda box: units[box].buffer,
+                         s.key_impl if s.kind == "prng_key" else None))
     stats.device_put_s += time.perf_counter() - t0
     return out

@@ -288,7 +288,7 @@ def room_to_free(*, used: int, extra: int, budget: int, spares: Mapping[Path, in
 
 class SparePool:
     """Freed segment files kept for reuse (their pages stay allocated: a new segment of a
-    similar size is filled ~4x faster), with the writable mapping of each when it was kept.
+    similar size fills without faulting pages in), with the writable mapping of each when it was kept.
     Not thread-safe: the tier's lock guards it."""
 
     def __init__(self, files: dict[Path, int] | None = None) -> None:

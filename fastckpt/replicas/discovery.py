@@ -18,15 +18,13 @@ A :class:`PeerRecord` is a small JSON document. Three directories carry them:
 from __future__ import annotations
 
 import abc
-import asyncio
 import dataclasses
 import json
 import math
-import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterable
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from collections.abc import Callable, Coroutine, Iterable
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from fastckpt.coordination.distributed import time_left
@@ -45,7 +43,6 @@ __all__ = [
     "make_record",
 ]
 
-_T = TypeVar("_T")
 _RECORD_VERSION = 1
 
 
@@ -190,51 +187,23 @@ class CoordinatorDirectory(PeerDirectory):
         return _newest(_parse_all(blobs))
 
 
-def _default_run(coro: Awaitable[_T]) -> _T:
-    """Run a coroutine to completion from sync code, even if this thread runs a loop."""
-
-    async def main() -> _T:
-        return await coro
-
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(main())
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["v"] = asyncio.run(main())
-        except BaseException as e:  # re-raised in the caller
-            box["e"] = e
-
-    t = threading.Thread(target=target, name="fastckpt-discovery")
-    t.start()
-    t.join()
-    if "e" in box:
-        raise box["e"]
-    return cast(_T, box["v"])
-
-
 class StoreDirectory(PeerDirectory):
     """Records as objects ``<prefix><quoted member id>.json`` in a :class:`~fastckpt.storage.Store`.
 
     Args:
         store: Any store (the job's checkpoint store, a ``MemoryStore`` in tests).
         prefix: Key prefix, e.g. ``"_peers/"``.
-        run: Runs a store coroutine to completion from sync code. Pass the manager's
-            ``LoopThread.run`` when the store is bound to that loop; the default runs each
-            call on a fresh event loop (fine for loop-agnostic stores).
+        run: Runs a store coroutine to completion from sync code, on the loop that owns the
+            store: the manager's ``LoopThread.run``; ``asyncio.run`` only for a store that
+            no loop owns (each call then runs on a loop of its own).
     """
 
-    def __init__(
-        self, store: Store, *, prefix: str = "_peers/", run: Callable[[Awaitable[Any]], Any] | None = None
-    ) -> None:
+    def __init__(self, store: Store, *, run: Callable[[Coroutine[Any, Any, Any]], Any], prefix: str = "_peers/") -> None:
         if prefix and not prefix.endswith("/"):
             raise ConfigError(f"prefix must end with '/', got {prefix!r}")
         self._store = store
         self._prefix = prefix
-        self._run = run or _default_run
+        self._run = run
 
     def _key(self, member_id: str) -> str:
         return f"{self._prefix}{quote(member_id, safe='')}.json"

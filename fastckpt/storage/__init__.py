@@ -19,6 +19,7 @@ from fastckpt.storage._protocol import ObjectMeta as ObjectMeta
 from fastckpt.storage._protocol import Payload as Payload
 from fastckpt.storage._protocol import PutMode as PutMode
 from fastckpt.storage._protocol import Store as Store
+from fastckpt.storage._protocol import validate_key as validate_key
 from fastckpt.storage._retry import RetryingStore as RetryingStore
 from fastckpt.storage._retry import RetryPolicy as RetryPolicy
 
@@ -37,4 +38,5 @@ __all__ = [
     "RetryingStore",
     "Store",
     "open_store",
+    "validate_key",
 ]

@@ -2,8 +2,8 @@
 
 Control calls (list, delete, head) go through ``google-cloud-storage``'s client. The data
 path talks to the JSON API directly over the client's pooled, authorised session, because
-that is 1.5x (puts) to 3x (gets) faster than the library's media helpers on the same
-connection (see ``docs/storage.md``):
+that is faster than the library's media helpers on the same connection (see
+``docs/storage.md``):
 
 * ``put`` is one multipart upload (``uploadType=multipart``) whose body is streamed from the
   caller's buffers without concatenating them. It carries the payload's crc32c, so GCS

@@ -83,8 +83,8 @@ class LinkShape:
     """How a host's link is shaped; each direction separately gets the same shape.
 
     The rate is a token bucket (tbf) that counts whole Ethernet frames: TCP goodput through
-    it is 95-96% of ``rate_mbit`` (1448 payload bytes per 1514 on the wire; measured from
-    100 Mbit/s to 4 Gbit/s), as long as the machine's CPUs keep up.
+    it is a little under ``rate_mbit`` (1448 payload bytes per 1514 on the wire), as long as
+    the machine's CPUs keep up.
     """
 
     rate_mbit: float | None = None

@@ -119,7 +119,7 @@ class StagedSave:
 
     def chunk_views(self) -> Iterator[tuple[int, int, memoryview]]:
         """``(array index, item index, raw bytes)`` of every staged chunk, in order (views
-        into the staging buffer; slicing one memoryview is ~5x cheaper than numpy's)."""
+        into the staging buffer; slicing one memoryview costs less than slicing numpy arrays)."""
         buf = memoryview(self.buffer)
         for ai, arr in enumerate(self.arrays):
             for ii, (off, item) in enumerate(zip(arr.item_offsets, arr.items)):
@@ -205,7 +205,7 @@ def _transfer_mode(*, on_host: bool, local_shards: int, used: Sequence[int], pin
     ``jax.device_get`` into pageable memory (``docs/benchmarks.md``, accelerator).
     Without: None for shards on host-platform (CPU) devices: their memory is host memory,
     ``np.asarray`` views it without a copy and an asynchronous "transfer" is pure overhead
-    (~10 us of Python per shard). ``"all"`` when every local shard is used: the global
+    (Python per shard). ``"all"`` when every local shard is used: the global
     array's ``copy_to_host_async`` starts them all in one call (no per-shard Python).
     ``"shards"`` otherwise: each used shard's own call."""
     every = len(used) == local_shards

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from fastckpt.coordination.distributed import LocalCoordinator
@@ -35,7 +37,7 @@ def test_coordinator_directory() -> None:
 
 def test_store_directory_newest_record_wins() -> None:
     store = MemoryStore()
-    d = StoreDirectory(store, prefix="peers/")
+    d = StoreDirectory(store, prefix="peers/", run=asyncio.run)
     a0 = make_record("host/a:0", ("127.0.0.1", 1000))
     b0 = make_record("host/b:0", ("127.0.0.1", 2000))
     d.publish(a0)
