@@ -2,7 +2,8 @@
 
 Object semantics only (no directories, no rename): ranged ``get``, ``put`` with
 ``mode="create"`` (create-only; fails with :class:`~fastckpt.errors.AlreadyExistsError`
-if the key exists) or ``mode="overwrite"``, ``list`` by prefix and ``delete``.
+if the key exists) or ``mode="overwrite"``, ``list`` (and ``list_info``, with sizes and write times) by prefix and
+``delete``.
 
 Contracts every backend keeps (checked by :class:`fastckpt.testing.store_tests.StoreTests`):
 
@@ -11,7 +12,9 @@ Contracts every backend keeps (checked by :class:`fastckpt.testing.store_tests.S
   one caller.
 * ``get`` of a missing key raises ``NotFoundError``; a range past the end is clipped to the
   object (like HTTP ranges); a range starting past the end raises ``NotFoundError``.
-* ``list(prefix)`` returns every key starting with ``prefix`` (sorted, recursive).
+* ``list(prefix)`` returns every key starting with ``prefix`` (sorted, recursive);
+  ``list_info(prefix)`` returns the same objects as :class:`ObjectInfo` (exact size, write
+  time), from the listing itself (one request per page, not one per object).
 * ``delete`` of a missing key is not an error.
 * Keys are ``/``-separated relative paths without ``..``, leading ``/``, empty segments or
   NUL; backends reject others with ``ConfigError``.
@@ -36,6 +39,7 @@ from fastckpt.errors import ConfigError, NotFoundError
 __all__ = [
     "Buffer",
     "ByteRange",
+    "ObjectInfo",
     "ObjectMeta",
     "Payload",
     "PutMode",
@@ -154,6 +158,18 @@ class ObjectMeta:
     """crc32c (Castagnoli) of the object's bytes, as an unsigned 32-bit int."""
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    """One object as :meth:`Store.list_info` reports it."""
+
+    key: str
+    size: int
+    """Object size in bytes (exact)."""
+    mtime: float
+    """When the object was last written (its latest ``put``), as UNIX time in seconds
+    (``time.time()``'s scale). Remote stores report the server's clock."""
+
+
 class Store(abc.ABC):
     """Abstract async object store. Subclasses must be final (extend by wrapping)."""
 
@@ -171,6 +187,11 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def list(self, prefix: str = "") -> list[str]:
         """Return all keys starting with ``prefix``, sorted."""
+
+    @abc.abstractmethod
+    async def list_info(self, prefix: str = "") -> list[ObjectInfo]:
+        """The objects :meth:`list` reports for ``prefix``, with size and write time, sorted
+        by key. Answered by the listing itself (no request per object)."""
 
     @abc.abstractmethod
     async def delete(self, key: str) -> None:
@@ -216,6 +237,14 @@ class Store(abc.ABC):
         """
         data = await self.get(key)
         return ObjectMeta(size=memoryview(data).nbytes, crc32c=crc32c(data))
+
+    async def sweep(self, *, older_than: float, dry_run: bool = False) -> list[str]:
+        """Remove what interrupted writes left behind that is no object (never an object),
+        written before ``older_than`` (UNIX time); return what was (``dry_run``: would be)
+        removed, as paths relative to the store. Default: nothing, for backends whose puts
+        leave no debris. Wrappers forward it."""
+        del older_than, dry_run
+        return []
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections and threads. Idempotent."""

@@ -17,7 +17,16 @@ from fastckpt.errors import (
     TransientStorageError,
 )
 from fastckpt._checksum import crc32c_parts
-from fastckpt.storage._protocol import Buffer, ByteRange, ObjectMeta, Payload, PutMode, Store, payload_parts
+from fastckpt.storage._protocol import (
+    Buffer,
+    ByteRange,
+    ObjectInfo,
+    ObjectMeta,
+    Payload,
+    PutMode,
+    Store,
+    payload_parts,
+)
 
 __all__ = ["RetryPolicy", "RetryingStore"]
 
@@ -168,6 +177,10 @@ class RetryingStore(Store):
         # docstring inherited
         return await self._retry(f"list {self.url}/{prefix}", lambda: self.inner.list(prefix))
 
+    async def list_info(self, prefix: str = "") -> list[ObjectInfo]:
+        # docstring inherited
+        return await self._retry(f"list {self.url}/{prefix}", lambda: self.inner.list_info(prefix))
+
     async def delete(self, key: str) -> None:
         # docstring inherited
         await self._retry(f"delete {self.url}/{key}", lambda: self.inner.delete(key))
@@ -179,6 +192,10 @@ class RetryingStore(Store):
     async def head(self, key: str) -> ObjectMeta:
         # docstring inherited
         return await self._retry(f"head {self.url}/{key}", lambda: self.inner.head(key))
+
+    async def sweep(self, *, older_than: float, dry_run: bool = False) -> list[str]:
+        # docstring inherited
+        return await self._retry(f"sweep {self.url}", lambda: self.inner.sweep(older_than=older_than, dry_run=dry_run))
 
     async def close(self) -> None:
         # docstring inherited
