@@ -414,10 +414,9 @@ def test_save_is_async() -> None:
 
 def _flip_byte(root: Any, key: str, offset: int) -> None:
     if isinstance(root, MemoryStore):
-        objs = root._objects.data
-        blob = bytearray(objs[key])
+        blob = bytearray(asyncio.run(root.get(key)))
         blob[offset] ^= 0x40
-        objs[key] = bytes(blob)
+        asyncio.run(root.put(key, blob))
     else:
         path = Path(root) / key
         blob = bytearray(path.read_bytes())
