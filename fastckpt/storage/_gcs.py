@@ -441,13 +441,13 @@ class GcsStore(Store):
             raise ConfigError(f"unknown put mode {mode!r}")
         await self._call(self._put_sync, name, key, payload_parts(data), mode)
 
-    async def list(self, prefix: str = "") -> list[str]:
-        # docstring inherited
-        return await self._call(self._list_sync, prefix, "name", lambda key, _: key)
-
     async def list_info(self, prefix: str = "") -> list[ObjectInfo]:
         # docstring inherited
         return await self._call(self._list_sync, prefix, "name,size,updated", self._info)
+
+    async def list(self, prefix: str = "") -> list[str]:
+        # docstring inherited
+        return await self._call(self._list_sync, prefix, "name", lambda key, _: key)
 
     async def delete(self, key: str) -> None:
         # docstring inherited

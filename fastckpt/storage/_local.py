@@ -339,10 +339,6 @@ class LocalStore(Store):
             raise ConfigError(f"unknown put mode {mode!r}")
         await self._call(self._put_sync, path, key, payload_parts(data), mode)
 
-    async def list(self, prefix: str = "") -> list[str]:
-        # docstring inherited
-        return [key for key, _ in await self._call(self._scan, prefix)]
-
     async def list_info(self, prefix: str = "") -> list[ObjectInfo]:
         # docstring inherited
         return await self._call(self._list_info_sync, prefix)
@@ -352,6 +348,10 @@ class LocalStore(Store):
         (UNIX time) and, unless ``dry_run``, every empty directory below the root. Returns
         the temporary files' paths relative to the root."""
         return await self._call(self._sweep_sync, older_than, dry_run)
+
+    async def list(self, prefix: str = "") -> list[str]:
+        # docstring inherited
+        return [key for key, _ in await self._call(self._scan, prefix)]
 
     async def delete(self, key: str) -> None:
         # docstring inherited

@@ -93,17 +93,17 @@ class MemoryStore(Store):
                 raise AlreadyExistsError(f"{self.url}/{key}")
             self._objects.data[key] = (blob, time.time())
 
-    async def list(self, prefix: str = "") -> list[str]:
-        # docstring inherited
-        with self._objects.lock:
-            keys = [k for k in self._objects.data if k.startswith(prefix)]
-        return sorted(keys)
-
     async def list_info(self, prefix: str = "") -> list[ObjectInfo]:
         # docstring inherited
         with self._objects.lock:
             infos = [ObjectInfo(k, len(b), t) for k, (b, t) in self._objects.data.items() if k.startswith(prefix)]
         return sorted(infos, key=lambda i: i.key)
+
+    async def list(self, prefix: str = "") -> list[str]:
+        # docstring inherited
+        with self._objects.lock:
+            keys = [k for k in self._objects.data if k.startswith(prefix)]
+        return sorted(keys)
 
     async def delete(self, key: str) -> None:
         # docstring inherited

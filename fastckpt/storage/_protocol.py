@@ -184,14 +184,24 @@ class Store(abc.ABC):
     async def put(self, key: str, data: Payload, *, mode: PutMode = "overwrite") -> None:
         """Write an object atomically. ``mode="create"`` fails if the key exists."""
 
-    @abc.abstractmethod
-    async def list(self, prefix: str = "") -> list[str]:
-        """Return all keys starting with ``prefix``, sorted."""
+    # (Methods annotated ``-> list[...]`` precede ``list``: below it, the name is the method.)
+
+    async def sweep(self, *, older_than: float, dry_run: bool = False) -> list[str]:
+        """Remove what interrupted writes left behind that is no object (never an object),
+        written before ``older_than`` (UNIX time); return what was (``dry_run``: would be)
+        removed, as paths relative to the store. Default: nothing, for backends whose puts
+        leave no debris. Wrappers forward it."""
+        del older_than, dry_run
+        return []
 
     @abc.abstractmethod
     async def list_info(self, prefix: str = "") -> list[ObjectInfo]:
         """The objects :meth:`list` reports for ``prefix``, with size and write time, sorted
         by key. Answered by the listing itself (no request per object)."""
+
+    @abc.abstractmethod
+    async def list(self, prefix: str = "") -> list[str]:
+        """Return all keys starting with ``prefix``, sorted."""
 
     @abc.abstractmethod
     async def delete(self, key: str) -> None:
@@ -237,14 +247,6 @@ class Store(abc.ABC):
         """
         data = await self.get(key)
         return ObjectMeta(size=memoryview(data).nbytes, crc32c=crc32c(data))
-
-    async def sweep(self, *, older_than: float, dry_run: bool = False) -> list[str]:
-        """Remove what interrupted writes left behind that is no object (never an object),
-        written before ``older_than`` (UNIX time); return what was (``dry_run``: would be)
-        removed, as paths relative to the store. Default: nothing, for backends whose puts
-        leave no debris. Wrappers forward it."""
-        del older_than, dry_run
-        return []
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections and threads. Idempotent."""

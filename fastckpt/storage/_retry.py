@@ -17,16 +17,7 @@ from fastckpt.errors import (
     TransientStorageError,
 )
 from fastckpt._checksum import crc32c_parts
-from fastckpt.storage._protocol import (
-    Buffer,
-    ByteRange,
-    ObjectInfo,
-    ObjectMeta,
-    Payload,
-    PutMode,
-    Store,
-    payload_parts,
-)
+from fastckpt.storage._protocol import Buffer, ByteRange, ObjectInfo, ObjectMeta, Payload, PutMode, Store, payload_parts
 
 __all__ = ["RetryPolicy", "RetryingStore"]
 
@@ -173,13 +164,17 @@ class RetryingStore(Store):
 
         await self._retry(what, attempt)
 
-    async def list(self, prefix: str = "") -> list[str]:
+    async def sweep(self, *, older_than: float, dry_run: bool = False) -> list[str]:
         # docstring inherited
-        return await self._retry(f"list {self.url}/{prefix}", lambda: self.inner.list(prefix))
+        return await self._retry(f"sweep {self.url}", lambda: self.inner.sweep(older_than=older_than, dry_run=dry_run))
 
     async def list_info(self, prefix: str = "") -> list[ObjectInfo]:
         # docstring inherited
         return await self._retry(f"list {self.url}/{prefix}", lambda: self.inner.list_info(prefix))
+
+    async def list(self, prefix: str = "") -> list[str]:
+        # docstring inherited
+        return await self._retry(f"list {self.url}/{prefix}", lambda: self.inner.list(prefix))
 
     async def delete(self, key: str) -> None:
         # docstring inherited
@@ -192,10 +187,6 @@ class RetryingStore(Store):
     async def head(self, key: str) -> ObjectMeta:
         # docstring inherited
         return await self._retry(f"head {self.url}/{key}", lambda: self.inner.head(key))
-
-    async def sweep(self, *, older_than: float, dry_run: bool = False) -> list[str]:
-        # docstring inherited
-        return await self._retry(f"sweep {self.url}", lambda: self.inner.sweep(older_than=older_than, dry_run=dry_run))
 
     async def close(self) -> None:
         # docstring inherited

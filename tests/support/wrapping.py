@@ -27,14 +27,14 @@ class ForwardingStore(Store):
     async def put(self, key: str, data: Payload, *, mode: PutMode = "overwrite") -> None:
         await self.inner.put(key, data, mode=mode)
 
-    async def list(self, prefix: str = "") -> list[str]:
-        return await self.inner.list(prefix)
+    async def sweep(self, *, older_than: float, dry_run: bool = False) -> list[str]:
+        return await self.inner.sweep(older_than=older_than, dry_run=dry_run)
 
     async def list_info(self, prefix: str = "") -> list[ObjectInfo]:
         return await self.inner.list_info(prefix)
 
+    async def list(self, prefix: str = "") -> list[str]:
+        return await self.inner.list(prefix)
+
     async def delete(self, key: str) -> None:
         await self.inner.delete(key)
-
-    async def sweep(self, *, older_than: float, dry_run: bool = False) -> list[str]:
-        return await self.inner.sweep(older_than=older_than, dry_run=dry_run)
