@@ -35,6 +35,7 @@ from fastckpt.storage._protocol import (
     clip_range,
     consume,
     payload_parts,
+    validate_cutoff,
     validate_key,
 )
 
@@ -347,7 +348,7 @@ class LocalStore(Store):
         """Remove temporary files of interrupted puts last modified before ``older_than``
         (UNIX time) and, unless ``dry_run``, every empty directory below the root. Returns
         the temporary files' paths relative to the root."""
-        return await self._call(self._sweep_sync, older_than, dry_run)
+        return await self._call(self._sweep_sync, validate_cutoff(older_than), dry_run)
 
     async def list(self, prefix: str = "") -> list[str]:
         # docstring inherited

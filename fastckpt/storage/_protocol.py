@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Literal, Union
 
@@ -48,6 +49,7 @@ __all__ = [
     "consume",
     "payload_parts",
     "payload_size",
+    "validate_cutoff",
     "validate_key",
 ]
 
@@ -90,6 +92,13 @@ def validate_key(key: str) -> str:
     except UnicodeEncodeError:  # a lone surrogate: no store can name it
         raise ConfigError(f"object key {key!r} is not valid UTF-8") from None
     return key
+
+
+def validate_cutoff(older_than: float) -> float:
+    """Return ``older_than`` if it is a finite UNIX time, else raise ``ConfigError``."""
+    if not isinstance(older_than, (int, float)) or not math.isfinite(older_than):
+        raise ConfigError(f"older_than must be a finite UNIX time, got {older_than!r}")
+    return older_than
 
 
 def payload_parts(data: Payload) -> list[memoryview]:
@@ -190,8 +199,10 @@ class Store(abc.ABC):
         """Remove what interrupted writes left behind that is no object (never an object),
         written before ``older_than`` (UNIX time); return what was (``dry_run``: would be)
         removed, as paths relative to the store. Default: nothing, for backends whose puts
-        leave no debris. Wrappers forward it."""
-        del older_than, dry_run
+        leave no debris. Wrappers forward it. A cutoff that is no finite number raises
+        ``ConfigError``."""
+        del dry_run
+        validate_cutoff(older_than)
         return []
 
     @abc.abstractmethod

@@ -370,6 +370,9 @@ class StoreTests:
         assert run(store.list()) == ["t/done"] and run(_get(store, "t/done")) == b"ok"
         run(store.put("t/crashed", b"now", mode="create"))
         assert run(store.list("t/")) == ["t/crashed", "t/done"]
+        for bad in (float("nan"), float("inf")):
+            with pytest.raises(ConfigError):
+                run(store.sweep(older_than=bad))
 
     def test_delete(self, store: Store) -> None:
         run(store.put("d/x", b"1"))
