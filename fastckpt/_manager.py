@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 from fastckpt._aio import LoopThread
 from fastckpt.coordination.distributed import Coordinator, default_coordinator
 from fastckpt._hostmem import BufferCache, StagingPool
-from fastckpt._retention import steps_to_delete
 from fastckpt._tree import flatten
 from fastckpt.errors import (
     CheckpointNotFoundError,
@@ -37,6 +36,7 @@ from fastckpt.errors import (
 )
 from fastckpt.format.codec import decode_manifest
 from fastckpt.format.layout import MANIFEST_PREFIX, check_step, manifest_key, step_data_prefix, step_from_manifest_key
+from fastckpt.maintenance import collect_garbage_async, steps_to_delete
 from fastckpt.format.dtypes import dtype_from_name
 from fastckpt.format.manifest import Manifest, box_volume
 from fastckpt.options import ManagerOptions
@@ -508,11 +508,9 @@ class CheckpointManager:
     def gc(self, *, grace_s: float = 3600.0, dry_run: bool = False) -> Any:
         """Remove uncommitted leftovers older than ``grace_s`` (see ``fastckpt gc``).
 
-        Returns the :class:`fastckpt._gc.GcReport`. Safe while saves run elsewhere: data
-        younger than the grace period, or of a step newer than every committed one, is kept.
+        Returns the :class:`fastckpt.maintenance.GcReport`. Safe while saves run elsewhere:
+        uncommitted data younger than the grace period is kept.
         """
-        from fastckpt._gc import collect_garbage_async
-
         self._check_open()
         return self._io.run(collect_garbage_async(self.store, grace_s=grace_s, dry_run=dry_run))
 

@@ -6,7 +6,6 @@ import datetime
 import sys
 from typing import Any
 
-from fastckpt._gc import find_leftovers, read_manifests
 from fastckpt.cli._util import dump_json, fmt_age, fmt_bytes, plural
 from fastckpt.errors import CheckpointNotFoundError
 from fastckpt.format.layout import manifest_key
@@ -18,6 +17,7 @@ from fastckpt.format.manifest import (
     ValueLeaf,
     keypath_str,
 )
+from fastckpt.maintenance import find_leftovers, read_manifests
 from fastckpt.storage import Store
 
 __all__ = ["cmd_inspect", "cmd_ls", "load_manifest"]

@@ -5,10 +5,10 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from fastckpt._gc import collect_garbage_async
 from fastckpt.cli._util import dump_json, fmt_age, fmt_bytes, open_root, plural, run_on_root
 from fastckpt.errors import CheckpointNotFoundError
 from fastckpt.format.layout import MANIFEST_PREFIX
+from fastckpt.maintenance import collect_garbage_async
 from fastckpt.options import RetentionOptions
 from fastckpt.storage import Store
 

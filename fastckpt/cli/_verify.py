@@ -111,7 +111,7 @@ async def verify_manifest(
 async def cmd_verify(store: Store, step: int | None, *, all_steps: bool, as_json: bool, progress: bool,
                      threads: int = 4) -> int:
     """Verify one step (default: latest) or every committed step; 1 if anything is damaged."""
-    from fastckpt._gc import read_manifests
+    from fastckpt.maintenance import read_manifests
 
     if all_steps:
         manifests, errors = await read_manifests(store)

@@ -15,6 +15,7 @@ from fastckpt.storage._open import DEFAULT_RETRY as DEFAULT_RETRY
 from fastckpt.storage._open import open_store as open_store
 from fastckpt.storage._protocol import Buffer as Buffer
 from fastckpt.storage._protocol import ByteRange as ByteRange
+from fastckpt.storage._protocol import ObjectInfo as ObjectInfo
 from fastckpt.storage._protocol import ObjectMeta as ObjectMeta
 from fastckpt.storage._protocol import Payload as Payload
 from fastckpt.storage._protocol import PutMode as PutMode
@@ -31,6 +32,7 @@ __all__ = [
     "GcsStore",
     "LocalStore",
     "MemoryStore",
+    "ObjectInfo",
     "ObjectMeta",
     "Payload",
     "PutMode",

@@ -1,6 +1,6 @@
 """Google Cloud Storage backend.
 
-Control calls (list, delete, head) go through ``google-cloud-storage``'s client. The data
+Control calls (list, list_info, delete, head) go through ``google-cloud-storage``'s client. The data
 path talks to the JSON API directly over the client's pooled, authorised session, because
 that is faster than the library's media helpers on the same connection (see
 ``docs/storage.md``):
@@ -66,6 +66,7 @@ from fastckpt.storage._gcs_http import (
 from fastckpt.storage._protocol import (
     Buffer,
     ByteRange,
+    ObjectInfo,
     ObjectMeta,
     Payload,
     PutMode,
@@ -117,12 +118,16 @@ class GcsOptions:
     """Per-request connect timeout."""
     read_timeout_s: float = 60.0
     """Per-request timeout between bytes received (not for the whole transfer)."""
+    list_page_size: int = 1000
+    """Objects per list request (1000 is the JSON API's maximum); a listing pages on."""
 
     def __post_init__(self) -> None:
         if self.max_workers < 1:
             raise ConfigError(f"max_workers must be >= 1, got {self.max_workers}")
         if self.connect_timeout_s <= 0 or self.read_timeout_s <= 0:
             raise ConfigError("timeouts must be > 0")
+        if not 1 <= self.list_page_size <= 1000:
+            raise ConfigError(f"list_page_size must be in [1, 1000], got {self.list_page_size}")
         if self.endpoint is not None and not self.endpoint.startswith(("http://", "https://")):
             raise ConfigError(f"endpoint must be an http(s) URL, got {self.endpoint!r}")
 
@@ -384,21 +389,29 @@ class GcsStore(Store):
         if stored_crc != crc:
             raise ChecksumMismatchError(f"{what}: server stored crc32c {stored}, sent {b64_crc(crc)}")
 
-    def _list_sync(self, prefix: str) -> list[str]:
+    def _list_sync(self, prefix: str, fields: str, make: Callable[[str, Any], T]) -> list[T]:
+        """``make(key, blob)`` for every object under ``prefix``, sorted by key. ``fields``:
+        the per-item fields to ask for (the JSON API pages by ``list_page_size``)."""
         what = f"list {self.url}/{prefix}"
         client, _ = self._connect()
         base = f"{self.prefix}/" if self.prefix else ""
         try:
             blobs = client.list_blobs(
-                self.bucket, prefix=base + prefix, fields="items(name),nextPageToken",
-                page_size=1000, retry=None, timeout=self._timeout,
+                self.bucket, prefix=base + prefix, fields=f"items({fields}),nextPageToken",
+                page_size=self.options.list_page_size, retry=None, timeout=self._timeout,
             )  # fmt: skip
-            names = [blob.name for blob in blobs]
+            # Names ending in "/" are folder placeholders (Cloud Console, gcsfuse), not objects
+            # this store writes or can address: leaving them out keeps the listing to valid keys.
+            out = [(b.name[len(base) :], b) for b in blobs if not b.name.endswith("/")]
         except Exception as exc:
             translate(exc, what)
-        # Names ending in "/" are folder placeholders (Cloud Console, gcsfuse), not objects this
-        # store writes or can address: leaving them out keeps list() to valid keys.
-        return sorted(n[len(base) :] for n in names if not n.endswith("/"))
+        out.sort(key=lambda e: e[0])
+        return [make(key, blob) for key, blob in out]
+
+    def _info(self, key: str, blob: Any) -> ObjectInfo:
+        if blob.size is None or blob.updated is None:
+            raise StorageError(f"list {self.url}/{key}: the server reported no size/updated time")
+        return ObjectInfo(key, int(blob.size), blob.updated.timestamp())
 
     def _delete_sync(self, name: str, key: str) -> None:
         client, _ = self._connect()
@@ -428,9 +441,13 @@ class GcsStore(Store):
             raise ConfigError(f"unknown put mode {mode!r}")
         await self._call(self._put_sync, name, key, payload_parts(data), mode)
 
+    async def list_info(self, prefix: str = "") -> list[ObjectInfo]:
+        # docstring inherited
+        return await self._call(self._list_sync, prefix, "name,size,updated", self._info)
+
     async def list(self, prefix: str = "") -> list[str]:
         # docstring inherited
-        return await self._call(self._list_sync, prefix)
+        return await self._call(self._list_sync, prefix, "name", lambda key, _: key)
 
     async def delete(self, key: str) -> None:
         # docstring inherited

@@ -28,12 +28,14 @@ from fastckpt.errors import (
 from fastckpt.storage._protocol import (
     Buffer,
     ByteRange,
+    ObjectInfo,
     Payload,
     PutMode,
     Store,
     clip_range,
     consume,
     payload_parts,
+    validate_cutoff,
     validate_key,
 )
 
@@ -95,9 +97,13 @@ class LocalStore(Store):
     * ``get`` reads ranges with ``pread`` straight into one freshly allocated buffer.
     * Blocking calls run on the store's own thread pool.
 
+    * ``list_info`` reports ``stat``'s size and ``st_mtime``; :meth:`sweep` removes temporary
+      files older than its cutoff and the empty directories ``delete`` leaves behind (a put
+      that loses its new directory to it makes it again).
+
     Limitations: because keys are paths, a key cannot be both an object and a "directory"
     of other objects (``a`` and ``a/b``); such a put raises ``StorageError``. Empty
-    directories are left behind by ``delete``.
+    directories are left behind by ``delete`` (until a :meth:`sweep`).
 
     Args:
         root: Directory holding the objects; created on the first put.
@@ -249,14 +255,15 @@ class LocalStore(Store):
             with contextlib.suppress(OSError):  # (gone after a rename; never masks the put's own error)
                 os.unlink(tmp)
 
-    def _list_sync(self, prefix: str) -> list[str]:
+    def _scan(self, prefix: str) -> list[tuple[str, os.DirEntry[str]]]:
+        """``(key, entry)`` of every object file whose key starts with ``prefix``, sorted."""
         head, _, _ = prefix.rpartition("/")
         if head:
             try:
                 validate_key(head)
             except ConfigError:
                 return []  # no valid key can start with this prefix
-        out: list[str] = []
+        out: list[tuple[str, os.DirEntry[str]]] = []
         stack = [(self.root / head if head else self.root, f"{head}/" if head else "")]
         while stack:
             directory, rel = stack.pop()
@@ -272,9 +279,41 @@ class LocalStore(Store):
                     if name.startswith(prefix) or prefix.startswith(name + "/"):
                         stack.append((Path(entry.path), name + "/"))
                 elif name.startswith(prefix) and not entry.name.endswith(TEMP_SUFFIX):
-                    out.append(name)
-        out.sort()
+                    out.append((name, entry))
+        out.sort(key=lambda e: e[0])
         return out
+
+    def _list_info_sync(self, prefix: str) -> list[ObjectInfo]:
+        out = []
+        for key, entry in self._scan(prefix):
+            try:
+                st = entry.stat()
+            except FileNotFoundError:
+                continue  # deleted since the scan
+            except OSError as exc:
+                _translate(exc, f"list {self.url}/{prefix}")
+            out.append(ObjectInfo(key, st.st_size, st.st_mtime))
+        return out
+
+    def _sweep_sync(self, older_than: float, dry_run: bool) -> list[str]:
+        found = []
+        for dirpath, dirnames, files in os.walk(self.root, topdown=False):  # children before parents
+            for name in files:
+                path = os.path.join(dirpath, name)
+                try:
+                    if not name.endswith(TEMP_SUFFIX) or os.stat(path).st_mtime >= older_than:
+                        continue
+                    if not dry_run:
+                        os.unlink(path)
+                except FileNotFoundError:
+                    continue
+                except OSError as exc:
+                    _translate(exc, f"sweep {self.url}")
+                found.append(os.path.relpath(path, self.root))
+            if not dry_run and dirpath != str(self.root):
+                with contextlib.suppress(OSError):  # not empty (or already gone)
+                    os.rmdir(dirpath)
+        return sorted(found)
 
     def _delete_sync(self, path: Path, key: str) -> None:
         try:
@@ -301,9 +340,19 @@ class LocalStore(Store):
             raise ConfigError(f"unknown put mode {mode!r}")
         await self._call(self._put_sync, path, key, payload_parts(data), mode)
 
+    async def list_info(self, prefix: str = "") -> list[ObjectInfo]:
+        # docstring inherited
+        return await self._call(self._list_info_sync, prefix)
+
+    async def sweep(self, *, older_than: float, dry_run: bool = False) -> list[str]:
+        """Remove temporary files of interrupted puts last modified before ``older_than``
+        (UNIX time) and, unless ``dry_run``, every empty directory below the root. Returns
+        the temporary files' paths relative to the root."""
+        return await self._call(self._sweep_sync, validate_cutoff(older_than), dry_run)
+
     async def list(self, prefix: str = "") -> list[str]:
         # docstring inherited
-        return await self._call(self._list_sync, prefix)
+        return [key for key, _ in await self._call(self._scan, prefix)]
 
     async def delete(self, key: str) -> None:
         # docstring inherited

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from typing import ClassVar, final
 
@@ -10,6 +11,7 @@ from fastckpt.errors import AlreadyExistsError, ConfigError, NotFoundError
 from fastckpt.storage._protocol import (
     Buffer,
     ByteRange,
+    ObjectInfo,
     Payload,
     PutMode,
     Store,
@@ -27,7 +29,7 @@ class _Objects:
     __slots__ = ("__weakref__", "data", "lock")
 
     def __init__(self) -> None:
-        self.data: dict[str, bytes] = {}
+        self.data: dict[str, tuple[bytes, float]] = {}  # key -> (bytes, time of the put)
         self.lock = threading.Lock()
 
 
@@ -37,7 +39,7 @@ class MemoryStore(Store):
 
     Stored objects are immutable ``bytes``; :meth:`get` returns a read-only, zero-copy
     ``memoryview`` slice of them. ``put`` copies the payload once (the caller may reuse
-    its buffers afterwards).
+    its buffers afterwards) and records ``time.time()`` as the object's ``mtime``.
 
     Stores opened with the same ``name`` in one process share their objects for as long as
     at least one of them is alive (``mem://name`` URLs rely on this). Unnamed stores are
@@ -73,9 +75,10 @@ class MemoryStore(Store):
         # docstring inherited
         validate_key(key)
         with self._objects.lock:
-            blob = self._objects.data.get(key)
-        if blob is None:
+            entry = self._objects.data.get(key)
+        if entry is None:
             raise NotFoundError(f"{self.url}/{key}")
+        blob = entry[0]
         start, stop = clip_range(len(blob), byte_range, key)
         return memoryview(blob)[start:stop]
 
@@ -88,7 +91,13 @@ class MemoryStore(Store):
         with self._objects.lock:
             if mode == "create" and key in self._objects.data:
                 raise AlreadyExistsError(f"{self.url}/{key}")
-            self._objects.data[key] = blob
+            self._objects.data[key] = (blob, time.time())
+
+    async def list_info(self, prefix: str = "") -> list[ObjectInfo]:
+        # docstring inherited
+        with self._objects.lock:
+            infos = [ObjectInfo(k, len(b), t) for k, (b, t) in self._objects.data.items() if k.startswith(prefix)]
+        return sorted(infos, key=lambda i: i.key)
 
     async def list(self, prefix: str = "") -> list[str]:
         # docstring inherited

@@ -2,7 +2,8 @@
 
 Object semantics only (no directories, no rename): ranged ``get``, ``put`` with
 ``mode="create"`` (create-only; fails with :class:`~fastckpt.errors.AlreadyExistsError`
-if the key exists) or ``mode="overwrite"``, ``list`` by prefix and ``delete``.
+if the key exists) or ``mode="overwrite"``, ``list`` (and ``list_info``, with sizes and write times) by prefix and
+``delete``.
 
 Contracts every backend keeps (checked by :class:`fastckpt.testing.store_tests.StoreTests`):
 
@@ -11,7 +12,9 @@ Contracts every backend keeps (checked by :class:`fastckpt.testing.store_tests.S
   one caller.
 * ``get`` of a missing key raises ``NotFoundError``; a range past the end is clipped to the
   object (like HTTP ranges); a range starting past the end raises ``NotFoundError``.
-* ``list(prefix)`` returns every key starting with ``prefix`` (sorted, recursive).
+* ``list(prefix)`` returns every key starting with ``prefix`` (sorted, recursive);
+  ``list_info(prefix)`` returns the same objects as :class:`ObjectInfo` (exact size, write
+  time), from the listing itself (one request per page, not one per object).
 * ``delete`` of a missing key is not an error.
 * Keys are ``/``-separated relative paths without ``..``, leading ``/``, empty segments or
   NUL; backends reject others with ``ConfigError``.
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Literal, Union
 
@@ -36,6 +40,7 @@ from fastckpt.errors import ConfigError, NotFoundError
 __all__ = [
     "Buffer",
     "ByteRange",
+    "ObjectInfo",
     "ObjectMeta",
     "Payload",
     "PutMode",
@@ -44,6 +49,7 @@ __all__ = [
     "consume",
     "payload_parts",
     "payload_size",
+    "validate_cutoff",
     "validate_key",
 ]
 
@@ -86,6 +92,13 @@ def validate_key(key: str) -> str:
     except UnicodeEncodeError:  # a lone surrogate: no store can name it
         raise ConfigError(f"object key {key!r} is not valid UTF-8") from None
     return key
+
+
+def validate_cutoff(older_than: float) -> float:
+    """Return ``older_than`` if it is a finite UNIX time, else raise ``ConfigError``."""
+    if not isinstance(older_than, (int, float)) or not math.isfinite(older_than):
+        raise ConfigError(f"older_than must be a finite UNIX time, got {older_than!r}")
+    return older_than
 
 
 def payload_parts(data: Payload) -> list[memoryview]:
@@ -154,6 +167,18 @@ class ObjectMeta:
     """crc32c (Castagnoli) of the object's bytes, as an unsigned 32-bit int."""
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    """One object as :meth:`Store.list_info` reports it."""
+
+    key: str
+    size: int
+    """Object size in bytes (exact)."""
+    mtime: float
+    """When the object was last written (its latest ``put``), as UNIX time in seconds
+    (``time.time()``'s scale). Remote stores report the server's clock."""
+
+
 class Store(abc.ABC):
     """Abstract async object store. Subclasses must be final (extend by wrapping)."""
 
@@ -167,6 +192,23 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def put(self, key: str, data: Payload, *, mode: PutMode = "overwrite") -> None:
         """Write an object atomically. ``mode="create"`` fails if the key exists."""
+
+    # (Methods annotated ``-> list[...]`` precede ``list``: below it, the name is the method.)
+
+    async def sweep(self, *, older_than: float, dry_run: bool = False) -> list[str]:
+        """Remove what interrupted writes left behind that is no object (never an object),
+        written before ``older_than`` (UNIX time); return what was (``dry_run``: would be)
+        removed, as paths relative to the store. Default: nothing, for backends whose puts
+        leave no debris. Wrappers forward it. A cutoff that is no finite number raises
+        ``ConfigError``."""
+        del dry_run
+        validate_cutoff(older_than)
+        return []
+
+    @abc.abstractmethod
+    async def list_info(self, prefix: str = "") -> list[ObjectInfo]:
+        """The objects :meth:`list` reports for ``prefix``, with size and write time, sorted
+        by key. Answered by the listing itself (no request per object)."""
 
     @abc.abstractmethod
     async def list(self, prefix: str = "") -> list[str]:

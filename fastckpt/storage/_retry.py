@@ -17,7 +17,7 @@ from fastckpt.errors import (
     TransientStorageError,
 )
 from fastckpt._checksum import crc32c_parts
-from fastckpt.storage._protocol import Buffer, ByteRange, ObjectMeta, Payload, PutMode, Store, payload_parts
+from fastckpt.storage._protocol import Buffer, ByteRange, ObjectInfo, ObjectMeta, Payload, PutMode, Store, payload_parts
 
 __all__ = ["RetryPolicy", "RetryingStore"]
 
@@ -163,6 +163,14 @@ class RetryingStore(Store):
                 # An earlier attempt whose response was lost did write exactly our bytes.
 
         await self._retry(what, attempt)
+
+    async def sweep(self, *, older_than: float, dry_run: bool = False) -> list[str]:
+        # docstring inherited
+        return await self._retry(f"sweep {self.url}", lambda: self.inner.sweep(older_than=older_than, dry_run=dry_run))
+
+    async def list_info(self, prefix: str = "") -> list[ObjectInfo]:
+        # docstring inherited
+        return await self._retry(f"list {self.url}/{prefix}", lambda: self.inner.list_info(prefix))
 
     async def list(self, prefix: str = "") -> list[str]:
         # docstring inherited

@@ -15,13 +15,16 @@ The ``store`` fixture must return a fresh, empty store (or one whose keys are is
 under a fresh prefix). The suite closes it after each test. Tests are plain synchronous
 pytest tests that drive the async API with :func:`run` (no pytest-asyncio needed).
 Backends that write temporary objects next to the final ones override
-:meth:`StoreTests.write_stray_temp` so the suite can check that ``list`` hides them.
+:meth:`StoreTests.write_stray_temp` so the suite can check that ``list`` hides them and
+``sweep`` removes them. A backend that lists in pages should be given a small page size so
+that :attr:`StoreTests.list_page_objects` objects span several pages.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Awaitable, Iterator
 from typing import Any, TypeVar
 
@@ -29,7 +32,7 @@ import numpy as np
 import pytest
 
 from fastckpt.errors import AlreadyExistsError, ConfigError, CorruptionError, NotFoundError
-from fastckpt.storage._protocol import ByteRange, Store
+from fastckpt.storage import ByteRange, ObjectInfo, Store
 
 __all__ = ["UNSAFE_KEYS", "StoreTests", "run"]
 
@@ -80,6 +83,11 @@ class StoreTests:
     large_size: int = 20 * 1024 * 1024
     #: How many concurrent ``put(mode="create")`` calls race for one key.
     create_racers: int = 8
+    #: Objects :meth:`test_listing_spans_pages` writes (more than one page of the backend's).
+    list_page_objects: int = 12
+    #: How far a listed ``mtime`` may lie outside the interval of the put, in seconds
+    #: (file-system timestamp granularity, a remote server's clock).
+    clock_slack_s: float = 2.0
 
     @pytest.fixture(autouse=True)
     def _close_store(self, store: Store) -> Iterator[None]:
@@ -309,6 +317,62 @@ class StoreTests:
             run(store.get("t/crashed"))
         run(store.put("t/crashed", b"now", mode="create"))
         assert run(store.list("t/")) == ["t/crashed", "t/done"]
+
+    # -- listing with metadata (list_info) and sweep -----------------------------------
+
+    def test_list_info(self, store: Store) -> None:
+        objects = {"b/2": b"22", "a/1": b"1", "a/sub/deep/3": _blob(3000), "ab": b"", "c": _blob(70_000)}
+        t0 = time.time()
+        for k, v in objects.items():
+            run(store.put(k, v))
+        t1 = time.time()
+        infos = run(store.list_info())
+        assert [i.key for i in infos] == sorted(objects) == run(store.list())
+        for i in infos:
+            assert isinstance(i, ObjectInfo) and i.size == len(objects[i.key]), i
+            assert t0 - self.clock_slack_s <= i.mtime <= t1 + self.clock_slack_s, (i, t0, t1)
+        assert [i.key for i in run(store.list_info("a/"))] == ["a/1", "a/sub/deep/3"]
+        assert [i.key for i in run(store.list_info("a"))] == ["a/1", "a/sub/deep/3", "ab"]
+        assert [i.key for i in run(store.list_info("a/sub"))] == ["a/sub/deep/3"]
+        assert run(store.list_info("zzz")) == []
+
+    def test_list_info_follows_writes(self, store: Store) -> None:
+        run(store.put("m/first", b"1"))
+        run(store.put("m/second", b"22"))
+        first, second = run(store.list_info("m/"))
+        assert first.mtime <= second.mtime
+        run(store.put("m/first", b"rewritten"))
+        again = {i.key: i for i in run(store.list_info("m/"))}
+        assert again["m/first"].size == 9 and again["m/first"].mtime >= second.mtime
+        run(store.delete("m/second"))
+        assert [i.key for i in run(store.list_info("m/"))] == ["m/first"]
+
+    def test_listing_spans_pages(self, store: Store) -> None:
+        keys = [f"p/{i:04d}" for i in range(self.list_page_objects)]
+
+        async def put_all() -> None:
+            await asyncio.gather(*(store.put(k, k.encode()) for k in keys))
+
+        run(put_all())
+        run(store.put("q", b"outside the prefix"))
+        assert run(store.list("p/")) == keys
+        assert [(i.key, i.size) for i in run(store.list_info("p/"))] == [(k, 6) for k in keys]
+
+    def test_sweep(self, store: Store) -> None:
+        run(store.put("t/done", b"ok"))
+        stray = self.write_stray_temp(store, "t/crashed")
+        assert run(store.sweep(older_than=time.time() - 3600)) == []  # the stray is younger
+        later = time.time() + 3600
+        found = run(store.sweep(older_than=later, dry_run=True))
+        assert len(found) == int(stray), found
+        assert run(store.sweep(older_than=later)) == found
+        assert run(store.sweep(older_than=later)) == []
+        assert run(store.list()) == ["t/done"] and run(_get(store, "t/done")) == b"ok"
+        run(store.put("t/crashed", b"now", mode="create"))
+        assert run(store.list("t/")) == ["t/crashed", "t/done"]
+        for bad in (float("nan"), float("inf")):
+            with pytest.raises(ConfigError):
+                run(store.sweep(older_than=bad))
 
     def test_delete(self, store: Store) -> None:
         run(store.put("d/x", b"1"))

@@ -33,8 +33,10 @@ from fastckpt.errors import (
 )
 from fastckpt.format.codec import seal_document
 from fastckpt.format.layout import manifest_key, step_data_prefix
-from fastckpt.storage import ByteRange, LocalStore, MemoryStore, Store
-from fastckpt.storage._protocol import Buffer, Payload, PutMode
+from fastckpt.storage import LocalStore, MemoryStore, Store
+from fastckpt.storage._protocol import Payload, PutMode
+
+from tests.support.wrapping import ForwardingStore
 
 from tests.support.arrays import P, assert_bit_exact, assert_sharded_like, device_data, named, sds
 
@@ -257,12 +259,12 @@ def test_save_interval(root: Any) -> None:
 # ------------------------------------------------------------------ failures in the background
 
 
-class FlakyStore(Store):
+class FlakyStore(ForwardingStore):
     """Delegates to a MemoryStore; ``put`` of data objects fails while ``fail`` is set and
     sleeps ``delay_s`` first (to keep a save in flight)."""
 
     def __init__(self) -> None:
-        self.inner = MemoryStore()
+        super().__init__(MemoryStore())
         self.url = "flaky://" + self.inner.url
         self.fail = False
         self.fail_nth: int | None = None
@@ -271,9 +273,6 @@ class FlakyStore(Store):
         self.delay_s = 0.0
         self.gate = threading.Event()
         self.gate.set()
-
-    async def get(self, key: str, *, byte_range: ByteRange | None = None) -> Buffer:
-        return await self.inner.get(key, byte_range=byte_range)
 
     async def put(self, key: str, data: Payload, *, mode: PutMode = "overwrite") -> None:
         if key.startswith("steps/"):
@@ -285,12 +284,6 @@ class FlakyStore(Store):
             if self.fail or n == self.fail_nth:
                 raise StorageError(f"injected failure writing {key}")
         await self.inner.put(key, data, mode=mode)
-
-    async def list(self, prefix: str = "") -> list[str]:
-        return await self.inner.list(prefix)
-
-    async def delete(self, key: str) -> None:
-        await self.inner.delete(key)
 
 
 def _causes(e: BaseException | None) -> list[BaseException]:
@@ -421,10 +414,9 @@ def test_save_is_async() -> None:
 
 def _flip_byte(root: Any, key: str, offset: int) -> None:
     if isinstance(root, MemoryStore):
-        objs = root._objects.data
-        blob = bytearray(objs[key])
+        blob = bytearray(asyncio.run(root.get(key)))
         blob[offset] ^= 0x40
-        objs[key] = bytes(blob)
+        asyncio.run(root.put(key, blob))
     else:
         path = Path(root) / key
         blob = bytearray(path.read_bytes())

@@ -20,8 +20,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from fastckpt import CheckpointManager, DistributedOptions, ManagerOptions, RetentionOptions, SaveOptions
-from fastckpt.storage import ByteRange, LocalStore, Store
-from fastckpt.storage._protocol import Buffer, Payload, PutMode
+from fastckpt.storage import LocalStore
+from fastckpt.storage._protocol import Payload, PutMode
 from tests.support.wrapping import ForwardingStore
 
 
@@ -145,17 +145,13 @@ def check_restore(root: str, steps: list[int], mesh_shape: list[int], layout: st
 # ------------------------------------------------------------------ fault injection
 
 
-class FaultyStore(Store):
+class FaultyStore(ForwardingStore):
     """A LocalStore that, in chosen processes, fails or kills this process on a data put."""
 
     def __init__(self, root: str, *, fail_steps: dict[int, str]) -> None:
-        self.inner = LocalStore(root, durable=False)
-        self.url = self.inner.url
+        super().__init__(LocalStore(root, durable=False))
         self.fail_steps = fail_steps
         """step -> "raise" | "kill" for this process."""
-
-    async def get(self, key: str, *, byte_range: ByteRange | None = None) -> Buffer:
-        return await self.inner.get(key, byte_range=byte_range)
 
     async def put(self, key: str, data: Payload, *, mode: PutMode = "overwrite") -> None:
         if key.startswith("steps/") and not key.endswith(".fragment"):
@@ -166,12 +162,6 @@ class FaultyStore(Store):
                 await self.inner.put(key, data, mode=mode)  # one object lands, then we die
                 os.kill(os.getpid(), signal.SIGKILL)
         await self.inner.put(key, data, mode=mode)
-
-    async def list(self, prefix: str = "") -> list[str]:
-        return await self.inner.list(prefix)
-
-    async def delete(self, key: str) -> None:
-        await self.inner.delete(key)
 
     async def close(self) -> None:
         await self.inner.close()
@@ -216,26 +206,16 @@ def two_one_shot_saves(root: str) -> dict[str, Any]:
         return {"steps": mgr.all_steps()}
 
 
-class _SlowListStore(Store):
+class _SlowListStore(ForwardingStore):
     """LocalStore whose ``list`` is slow in process 0 (retention keeps its save busy)."""
 
     def __init__(self, root: str) -> None:
-        self.inner = LocalStore(root, durable=False)
-        self.url = self.inner.url
-
-    async def get(self, key: str, *, byte_range: ByteRange | None = None) -> Buffer:
-        return await self.inner.get(key, byte_range=byte_range)
-
-    async def put(self, key: str, data: Payload, *, mode: PutMode = "overwrite") -> None:
-        await self.inner.put(key, data, mode=mode)
+        super().__init__(LocalStore(root, durable=False))
 
     async def list(self, prefix: str = "") -> list[str]:
         if jax.process_index() == 0 and prefix == "manifests/":
             await asyncio.sleep(2.0)
         return await self.inner.list(prefix)
-
-    async def delete(self, key: str) -> None:
-        await self.inner.delete(key)
 
 
 def skip_when_busy(root: str) -> dict[str, Any]:

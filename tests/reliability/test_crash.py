@@ -9,7 +9,7 @@ parent kills it with SIGKILL at a uniformly random time and then checks, every t
   manifest may have landed just before the kill) is listed;
 * **complete**: every listed persistent step, and the latest step in any tier, restores
   bit-exact (a listed step is never a partial one);
-* **cleanable**: ``fastckpt._gc.collect_garbage(grace_s=0)`` removes every unreferenced and
+* **cleanable**: ``fastckpt.maintenance.collect_garbage(grace_s=0)`` removes every unreferenced and
   uncommitted object it may (on GCS, where object age is unknown, data of a step newer than
   the newest committed one is kept by design) and every temp file of a killed local put; the
   listing is unchanged and the latest step still restores bit-exact.
@@ -41,7 +41,7 @@ from typing import Any
 import pytest
 
 from fastckpt import CheckpointManager
-from fastckpt._gc import collect_garbage, find_leftovers
+from fastckpt.maintenance import collect_garbage, find_leftovers
 from fastckpt.storage import Store, open_store
 from fastckpt.storage._local import TEMP_SUFFIX
 from fastckpt.testing.gcs_emulator import GcsEmulator

@@ -276,10 +276,10 @@ def test_gcs_reuses_connections(gcs_store: GcsStore, caplog: pytest.LogCaptureFi
 
 def test_gcs_list_leaves_out_folder_placeholders(gcs_store: Any, gcs_emulator: Any) -> None:
     """An object named like a folder ("dir/", made by the Cloud Console or gcsfuse) is not a
-    key this store can address: ``list`` leaves it out, and gc works past it."""
+    key this store can address: ``list`` and ``list_info`` leave it out, and gc works past it."""
     import urllib.request
 
-    from fastckpt._gc import collect_garbage_async
+    from fastckpt.maintenance import collect_garbage_async
 
     run(gcs_store.put("steps/000000000001/abc/p00000-00000.fck", b"x"))
     name = f"{gcs_store.prefix}/steps/000000000001/"
@@ -288,15 +288,14 @@ def test_gcs_list_leaves_out_folder_placeholders(gcs_store: Any, gcs_emulator: A
                                  headers={"Content-Type": "application/octet-stream"})
     urllib.request.urlopen(req).read()
     assert run(gcs_store.list("steps/")) == ["steps/000000000001/abc/p00000-00000.fck"]
+    assert [i.key for i in run(gcs_store.list_info("steps/"))] == ["steps/000000000001/abc/p00000-00000.fck"]
     report = run(collect_garbage_async(gcs_store, grace_s=3600))
     assert [lo.key for lo in report.kept] == ["steps/000000000001/abc/p00000-00000.fck"]
 
 
 def test_local_put_survives_gc_pruning_its_new_directory(tmp_path: Path) -> None:
-    """gc (safe while saves run) prunes empty directories under steps/: a put that created its
+    """gc (safe while saves run) sweeps empty directories away: a put that created its
     directory and had not yet created its file in it makes it again."""
-    from fastckpt._gc import _prune_empty_dirs
-
     store = LocalStore(tmp_path)
     real, calls = store._makedirs, []
 
@@ -304,7 +303,7 @@ def test_local_put_survives_gc_pruning_its_new_directory(tmp_path: Path) -> None
         real(d)
         calls.append(d)
         if len(calls) == 1:
-            _prune_empty_dirs(store)  # what a collection ends with, at the worst moment
+            run(store.sweep(older_than=0.0))  # what a collection ends with, at the worst moment
 
     store._makedirs = makedirs_then_gc  # type: ignore[method-assign]
     run(store.put("steps/000000000005/save/p00000-00000.fck", b"data"))

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from fastckpt.storage import GcsStore, LocalStore, MemoryStore, RetryingStore, RetryPolicy, Store
 from fastckpt.storage._local import TEMP_SUFFIX
-from fastckpt.testing.store_tests import StoreTests
+from fastckpt.testing.store_tests import StoreTests, run
 
 
 class TestMemoryStore(StoreTests):
@@ -29,13 +30,24 @@ class TestLocalStore(StoreTests):
         (path.parent / f".{path.name}.deadbeef{TEMP_SUFFIX}").write_bytes(b"partial")
         return True
 
+    def test_sweep_prunes_empty_directories(self, store: Store) -> None:
+        assert isinstance(store, LocalStore)
+        run(store.put("steps/1/a/x", b"1"))
+        run(store.put("steps/2/y", b"2"))
+        run(store.delete("steps/1/a/x"))
+        assert (store.root / "steps/1/a").is_dir()  # delete leaves directories
+        assert run(store.sweep(older_than=0.0, dry_run=True)) == [] and (store.root / "steps/1/a").is_dir()
+        assert run(store.sweep(older_than=0.0)) == []
+        assert sorted(p.name for p in (store.root / "steps").iterdir()) == ["2"] and store.root.is_dir()
+
 
 class TestGcsStore(StoreTests):
-    """GcsStore against fake-gcs-server (memory backend)."""
+    """GcsStore against fake-gcs-server (memory backend), listing 5 objects per page."""
 
     @pytest.fixture
     def store(self, gcs_store: GcsStore) -> Store:
-        return gcs_store
+        return GcsStore(gcs_store.bucket, gcs_store.prefix,
+                        options=dataclasses.replace(gcs_store.options, list_page_size=5))
 
 
 class TestRetryingMemoryStore(StoreTests):

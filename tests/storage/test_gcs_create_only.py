@@ -16,7 +16,6 @@ import pytest
 
 from fastckpt.errors import AlreadyExistsError, TransientStorageError
 from fastckpt.storage import (
-    ByteRange,
     GcsOptions,
     GcsStore,
     ObjectMeta,
@@ -26,10 +25,10 @@ from fastckpt.storage import (
     RetryPolicy,
     Store,
 )
-from fastckpt.storage._protocol import Buffer
 from fastckpt._checksum import crc32c
 from fastckpt.testing.gcs_emulator import GcsEmulator
 from fastckpt.testing.store_tests import run
+from tests.support.wrapping import ForwardingStore
 
 
 def _metadata(emulator: GcsEmulator, store: GcsStore, key: str) -> dict[str, str]:
@@ -98,17 +97,13 @@ def test_emulator_ignores_preconditions_on_simple_uploads(gcs_emulator: GcsEmula
     assert bytes(run(gcs_store.get("gap"))) == b"overwritten by a simple upload"
 
 
-class _Faulty(Store):
+class _Faulty(ForwardingStore):
     """Wraps a store; the first put fails transiently, after (``lands``) or before writing."""
 
     def __init__(self, inner: Store, *, lands: bool) -> None:
-        self.inner = inner
-        self.url = inner.url
+        super().__init__(inner)
         self.lands = lands
         self.pending_failures = 1
-
-    async def get(self, key: str, *, byte_range: ByteRange | None = None) -> Buffer:
-        return await self.inner.get(key, byte_range=byte_range)
 
     async def put(self, key: str, data: Payload, *, mode: PutMode = "overwrite") -> None:
         if self.pending_failures and not self.lands:
@@ -118,12 +113,6 @@ class _Faulty(Store):
         if self.pending_failures:
             self.pending_failures -= 1
             raise TransientStorageError("response lost after the object was written")
-
-    async def list(self, prefix: str = "") -> list[str]:
-        return await self.inner.list(prefix)
-
-    async def delete(self, key: str) -> None:
-        await self.inner.delete(key)
 
     async def head(self, key: str) -> ObjectMeta:
         return await self.inner.head(key)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -15,8 +17,20 @@ from fastckpt.errors import (
     StorageError,
     TransientStorageError,
 )
-from fastckpt.storage import ByteRange, MemoryStore, ObjectMeta, Payload, PutMode, RetryingStore, RetryPolicy, Store
-from fastckpt.storage._protocol import Buffer
+from fastckpt.storage import (
+    Buffer,
+    ByteRange,
+    LocalStore,
+    MemoryStore,
+    ObjectInfo,
+    ObjectMeta,
+    Payload,
+    PutMode,
+    RetryingStore,
+    RetryPolicy,
+    Store,
+)
+from fastckpt.storage._local import TEMP_SUFFIX
 from fastckpt.testing.store_tests import run
 
 
@@ -61,6 +75,11 @@ class FlakyStore(Store):
             raise TransientStorageError("injected list failure")
         return await self.inner.list(prefix)
 
+    async def list_info(self, prefix: str = "") -> list[ObjectInfo]:
+        if self._tick("list_info"):
+            raise TransientStorageError("injected list_info failure")
+        return await self.inner.list_info(prefix)
+
     async def delete(self, key: str) -> None:
         if self._tick("delete"):
             raise TransientStorageError("injected delete failure")
@@ -70,6 +89,19 @@ class FlakyStore(Store):
         if self._tick("head"):
             raise TransientStorageError("injected head failure")
         return await self.inner.head(key)
+
+
+def test_sweep_reaches_the_wrapped_store(tmp_path: Path) -> None:
+    """A local store's temp files of killed puts are swept through the wrapper too."""
+    inner = LocalStore(tmp_path)
+    run(inner.put("a/k", b"v"))
+    stray = tmp_path / "a" / f".k.0123{TEMP_SUFFIX}"
+    stray.write_bytes(b"partial")
+    store = RetryingStore(inner)
+    assert run(store.sweep(older_than=time.time() + 60, dry_run=True)) == [f"a/.k.0123{TEMP_SUFFIX}"]
+    assert stray.exists()
+    assert run(store.sweep(older_than=time.time() + 60)) == [f"a/.k.0123{TEMP_SUFFIX}"]
+    assert not stray.exists() and run(store.list()) == ["a/k"]
 
 
 class FakeTime:
@@ -102,7 +134,7 @@ def _retrying(inner: Store, fake_time: FakeTime, **policy: object) -> RetryingSt
     )
 
 
-@pytest.mark.parametrize("op", ["get", "put", "list", "delete", "head"])
+@pytest.mark.parametrize("op", ["get", "put", "list", "list_info", "delete", "head"])
 def test_transient_failures_are_retried(op: str, fake_time: FakeTime) -> None:
     flaky = FlakyStore(MemoryStore())
     store = _retrying(flaky, fake_time, max_attempts=4)
@@ -115,6 +147,8 @@ def test_transient_failures_are_retried(op: str, fake_time: FakeTime) -> None:
         assert bytes(run(flaky.inner.get("k"))) == b"other"
     elif op == "list":
         assert run(store.list()) == ["k"]
+    elif op == "list_info":
+        assert [(i.key, i.size) for i in run(store.list_info())] == [("k", 5)]
     elif op == "delete":
         run(store.delete("k"))
         assert run(flaky.inner.list()) == []

@@ -8,10 +8,13 @@ manifest references. :func:`collect_garbage` finds them:
 * **unreferenced**: under a committed step, not referenced by its manifest. Always safe to
   remove (a committed step is immutable; a competing attempt can no longer commit).
 * **uncommitted**: under a step without a manifest. It may belong to a save in flight, so
-  it is removed only when it is older than ``grace_s``. When the store cannot tell an
-  object's age (memory and GCS stores: the Store protocol has no mtime), it is removed only
-  if a *newer* step is committed (saves of a step finish before later steps commit), or
-  when ``grace_s == 0`` (the caller asserts that nothing is writing).
+  it is removed only when it is at least ``grace_s`` old (``grace_s == 0``: the caller
+  asserts that nothing is writing).
+
+Ages and sizes come from the store's listing (:meth:`~fastckpt.storage.Store.list_info`;
+age = ``now`` - the listed ``mtime``, so keep ``grace_s`` well above the clock skew between
+this host and a remote store's servers); debris that is no object (a local store's temp files
+of killed puts, empty directories) goes through :meth:`~fastckpt.storage.Store.sweep`.
 
 Order of deletion: for retention, a step's manifest is deleted before its data (un-commit
 first, like :meth:`fastckpt.CheckpointManager.delete_step`). A manifest that cannot be read
@@ -25,15 +28,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 import time
 from collections.abc import Sequence
 from typing import Literal
 
-from fastckpt._retention import steps_to_delete
-from fastckpt.errors import FastckptError, NotFoundError
+from fastckpt.errors import ConfigError, FastckptError
 from fastckpt.format.codec import decode_manifest
-from fastckpt.format.manifest import Manifest
 from fastckpt.format.layout import (
     MANIFEST_PREFIX,
     STEPS_PREFIX,
@@ -42,16 +42,18 @@ from fastckpt.format.layout import (
     step_from_data_key,
     step_from_manifest_key,
 )
+from fastckpt.format.manifest import Manifest
+from fastckpt.maintenance.retention import steps_to_delete
 from fastckpt.options import RetentionOptions
-from fastckpt.storage._protocol import Store
+from fastckpt.storage import Store
 
 __all__ = [
+    "DEFAULT_GRACE_S",
     "GcReport",
     "Leftover",
     "collect_garbage",
     "collect_garbage_async",
     "find_leftovers",
-    "object_stats",
     "read_manifests",
 ]
 
@@ -68,10 +70,10 @@ class Leftover:
     step: int | None
     reason: Literal["unreferenced", "uncommitted"]
     """``unreferenced``: its step is committed; ``uncommitted``: its step has no manifest."""
-    age_s: float | None
-    """Seconds since it was written, when the store can tell."""
-    size: int | None
-    """Bytes, when the store can tell cheaply."""
+    age_s: float
+    """Seconds since it was written (``now`` - its listed ``mtime``, at least 0)."""
+    size: int
+    """Bytes, as listed."""
 
 
 @dataclasses.dataclass
@@ -90,12 +92,13 @@ class GcReport:
     """Objects (manifests + data) of ``retention_steps``."""
     errors: list[str] = dataclasses.field(default_factory=list)
     temp_files: list[str] = dataclasses.field(default_factory=list)
-    """Temp files of killed local puts removed (dry run: would be removed)."""
+    """What :meth:`~fastckpt.storage.Store.sweep` removed (dry run: would remove): temp files
+    of killed local puts."""
 
     @property
     def removed_bytes(self) -> int:
-        """Bytes of ``removed`` whose size is known."""
-        return sum(lo.size or 0 for lo in self.removed)
+        """Bytes of ``removed``."""
+        return sum(lo.size for lo in self.removed)
 
     def to_json(self) -> dict[str, object]:
         """A JSON-serialisable summary (the CLI's ``--json`` output)."""
@@ -110,49 +113,6 @@ class GcReport:
             "retention_objects": self.retention_objects,
             "errors": self.errors,
         }
-
-
-def _base_store(store: Store) -> Store:
-    inner = getattr(store, "inner", None)
-    return _base_store(inner) if isinstance(inner, Store) else store
-
-
-async def object_stats(store: Store, keys: Sequence[str]) -> dict[str, tuple[float | None, int | None]]:
-    """``key -> (mtime, size)`` where the store can tell; ``(None, None)`` where it cannot.
-
-    Local stores answer from ``os.stat``; stores that implement ``head`` answer the size;
-    a store may offer ``async list_with_mtime(prefix) -> list[tuple[key, mtime, size]]``.
-    """
-    base = _base_store(store)
-    out: dict[str, tuple[float | None, int | None]] = {k: (None, None) for k in keys}
-    root = getattr(base, "root", None)
-    if isinstance(root, os.PathLike):
-        for k in keys:
-            try:
-                st = os.stat(os.path.join(os.fspath(root), k))
-            except OSError:
-                continue
-            out[k] = (st.st_mtime, st.st_size)
-        return out
-    lister = getattr(base, "list_with_mtime", None)
-    if lister is not None:
-        wanted = set(keys)
-        for key, mtime, size in await lister(STEPS_PREFIX):
-            if key in wanted:
-                out[key] = (float(mtime), int(size))
-        return out
-    if type(base).head is not Store.head:  # cheap head (metadata request)
-        sem = asyncio.Semaphore(_CONCURRENCY)
-
-        async def one(k: str) -> None:
-            async with sem:
-                try:
-                    out[k] = (None, (await base.head(k)).size)
-                except NotFoundError:
-                    pass
-
-        await asyncio.gather(*(one(k) for k in keys))
-    return out
 
 
 async def read_manifests(store: Store) -> tuple[dict[int, Manifest | None], list[str]]:
@@ -186,27 +146,19 @@ async def find_leftovers(
         if m is not None:
             referenced.update(m.object_keys())
     protected = {s for s, m in manifests.items() if m is None}
-    candidates = [k for k in await store.list(STEPS_PREFIX)
-                  if k not in referenced and step_from_data_key(k) not in protected]
-    stats = await object_stats(store, candidates)
     now = time.time() if now is None else now
     leftovers = []
-    for k in candidates:
-        step = step_from_data_key(k)
-        mtime, size = stats[k]
-        leftovers.append(Leftover(k, step, "unreferenced" if step in manifests else "uncommitted",
-                                  None if mtime is None else max(0.0, now - mtime), size))
+    for info in await store.list_info(STEPS_PREFIX):
+        step = step_from_data_key(info.key)
+        if info.key in referenced or step in protected:
+            continue
+        reason: Literal["unreferenced", "uncommitted"] = "unreferenced" if step in manifests else "uncommitted"
+        leftovers.append(Leftover(info.key, step, reason, max(0.0, now - info.mtime), info.size))
     return leftovers
 
 
-def _collectable(lo: Leftover, *, grace_s: float, newest: int | None) -> bool:
-    if lo.reason == "unreferenced":
-        return True
-    if grace_s == 0:
-        return True
-    if lo.age_s is not None:
-        return lo.age_s >= grace_s
-    return newest is not None and lo.step is not None and lo.step < newest
+def _collectable(lo: Leftover, grace_s: float) -> bool:
+    return lo.reason == "unreferenced" or lo.age_s >= grace_s
 
 
 async def _committed_now(store: Store, steps: set[int | None]) -> set[int]:
@@ -228,49 +180,6 @@ async def _delete_all(store: Store, keys: Sequence[str]) -> None:
     await asyncio.gather(*(one(k) for k in keys))
 
 
-def _remove_local_temp_files(store: Store, *, grace_s: float, now: float, dry_run: bool) -> list[str]:
-    """Temp files of puts killed mid-write (``LocalStore`` hides them from ``list``).
-
-    Only files older than ``grace_s`` are touched (a younger one may be a put in flight).
-    Returns their paths relative to the root.
-    """
-    from fastckpt.storage._local import TEMP_SUFFIX
-
-    root = getattr(_base_store(store), "root", None)
-    if not isinstance(root, os.PathLike):
-        return []
-    base = os.fspath(root)
-    found = []
-    for dirpath, _, files in os.walk(base):
-        for name in files:
-            if not name.endswith(TEMP_SUFFIX):
-                continue
-            path = os.path.join(dirpath, name)
-            try:
-                if now - os.stat(path).st_mtime < grace_s:
-                    continue
-                if not dry_run:
-                    os.unlink(path)
-            except FileNotFoundError:
-                continue
-            found.append(os.path.relpath(path, base))
-    return found
-
-
-def _prune_empty_dirs(store: Store) -> None:
-    """Remove empty directories under ``steps/`` of a local store (delete leaves them)."""
-    root = getattr(_base_store(store), "root", None)
-    if not isinstance(root, os.PathLike):
-        return
-    top = os.path.join(os.fspath(root), STEPS_PREFIX.rstrip("/"))
-    for dirpath, _, _ in os.walk(top, topdown=False):  # children before parents
-        if dirpath != top:
-            try:
-                os.rmdir(dirpath)
-            except OSError:
-                pass  # not empty (or already gone)
-
-
 async def collect_garbage_async(
     store: Store,
     *,
@@ -280,16 +189,14 @@ async def collect_garbage_async(
     now: float | None = None,
 ) -> GcReport:
     """Async form of :func:`collect_garbage` (run it on the loop that owns ``store``)."""
-    if grace_s < 0:
-        from fastckpt.errors import ConfigError
-
+    if not grace_s >= 0:  # (NaN too)
         raise ConfigError(f"grace_s must be >= 0, got {grace_s}")
+    now = time.time() if now is None else now
     committed, errors = await read_manifests(store)
     leftovers = await find_leftovers(store, manifests=committed, now=now)
     report = GcReport(dry_run=dry_run, committed_steps=sorted(committed), errors=errors)
-    newest = max(committed) if committed else None
     for lo in leftovers:
-        (report.removed if _collectable(lo, grace_s=grace_s, newest=newest) else report.kept).append(lo)
+        (report.removed if _collectable(lo, grace_s) else report.kept).append(lo)
     # A step may have committed since the manifests were read (a save that ran longer than
     # grace_s): its data is no leftover. Checked again right before deleting.
     late = await _committed_now(store, {lo.step for lo in report.removed if lo.reason == "uncommitted"})
@@ -306,11 +213,7 @@ async def collect_garbage_async(
         if not dry_run:
             await store.delete(manifest_key(step))  # un-commit first
             await _delete_all(store, keys)
-    report.temp_files = _remove_local_temp_files(
-        store, grace_s=grace_s, now=time.time() if now is None else now, dry_run=dry_run
-    )
-    if not dry_run and (report.removed or report.retention_steps or report.temp_files):
-        _prune_empty_dirs(store)
+    report.temp_files = await store.sweep(older_than=now - grace_s, dry_run=dry_run)
     return report
 
 
