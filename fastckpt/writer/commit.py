@@ -159,7 +159,7 @@ class FragmentRoute(Protocol):
         """Tell process 0 that process ``idx`` failed its part of the save."""
         ...
 
-    def gather(self, deadline: float) -> list[Buffer]:
+    def gather(self, deadline: float) -> Sequence[bytes | memoryview]:
         """Process 0: every process's fragment; ``DistributedError`` naming one that failed,
         ``BarrierTimeoutError`` past ``deadline``."""
         ...
@@ -182,7 +182,7 @@ class StoreFragments:
     def fail(self, idx: int, message: str, deadline: float) -> None:
         self.round.coord.set(f"{self.round.ns}/done/{idx}", f"err {message}", timeout_s=time_left(deadline))
 
-    def gather(self, deadline: float) -> list[Buffer]:
+    def gather(self, deadline: float) -> Sequence[bytes | memoryview]:
         keys = _wait_all_done(self.round.coord, self.round.ns, deadline, self.round.step)
         return self.store_run(_read_all(self.store, keys))  # type: ignore[no-any-return]
 
@@ -201,8 +201,8 @@ class CoordinatorFragments:
         self.round.coord.set_bytes(f"{self.round.ns}/frag/{idx}", b"err " + message.encode(),
                                    timeout_s=time_left(deadline))
 
-    def gather(self, deadline: float) -> list[Buffer]:
-        out: list[Buffer] = []
+    def gather(self, deadline: float) -> Sequence[bytes | memoryview]:
+        out: list[bytes | memoryview] = []
         for i in range(self.round.coord.process_count):
             data = self.round.coord.get_bytes(f"{self.round.ns}/frag/{i}", timeout_s=time_left(deadline))
             if not data.startswith(b"ok "):
