@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fastckpt.errors import ManifestError, NotFoundError
+from fastckpt.errors import DistributedError, ManifestError, NotFoundError
 from fastckpt.format.chunk_table import encode_column, table_from_entries
 from fastckpt.format.codec import decode_manifest
 from fastckpt.format.layout import data_key, fragment_key
@@ -310,6 +311,31 @@ def _persistent_commit(parts: list[ProcessChunks], staged: StagedSave, store: Me
 
     with ThreadPoolExecutor(len(parts)) as pool:
         return list(pool.map(process, range(len(parts))))
+
+
+def test_a_failure_reported_through_the_coordinator_stops_the_round_at_once() -> None:
+    """A process that failed its part of a coordinator round (a fast tier's) says so: process 0
+    raises DistributedError naming it instead of waiting out the timeout, nothing is published."""
+    staged = _staged_of([_leaf(2, 2)])
+    coords = ThreadedJob.of(2)
+    parts = _parts(2, 2)
+    published: list[bytes] = []
+
+    def process(i: int) -> BaseException | None:
+        rnd = CommitRound(coord=coords[i], ns="ns", step=5, staged=staged, timeout_s=60, writer_version="test")
+        try:
+            rnd.commit(parts[i], route=CoordinatorFragments(round=rnd), publish=published.append, metadata={},
+                       error=OSError("disk gone") if i == 1 else None)
+        except BaseException as e:  # noqa: BLE001 - returned for the assertions
+            return e
+        return None
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(2) as pool:
+        errors = list(pool.map(process, range(2)))
+    assert time.monotonic() - t0 < 30 and not published
+    assert isinstance(errors[0], DistributedError) and "process 1" in str(errors[0]) and "disk gone" in str(errors[0])
+    assert isinstance(errors[1], OSError)
 
 
 def test_persistent_and_ram_fragments_decode_to_the_same_tables() -> None:
