@@ -74,7 +74,7 @@ def build_manifest(
     """Merge the processes' chunks (``writer.merge``) and encode the manifest of a step;
     returns the bytes to store. The merge proves the tiling and the ranges; ``validate``
     also decodes the encoding (a persistent step's manifest, written once and read for
-    years, is checked end to end; a RAM step's, built every few steps, is not: a bad one
+    years, is checked end to end; a fast tier's, built every few steps, is not: a bad one
     would be refused at restore and an older step used).
     Runs with the cyclic garbage collector paused (``fastckpt._pygc.paused_gc``): the merged
     tables are millions of fresh ints, which the collector would otherwise walk while the
