@@ -47,10 +47,11 @@ from fastckpt.coordination.restore_agreement import agree_on_outcome, agreed_sto
 from fastckpt._version import __version__
 from fastckpt.reader.fetch import ChunkSource, RestoreStats, Unit, fill_units
 from fastckpt.storage._protocol import Store
-from fastckpt.writer.commit import exchange_ram_manifest, publish_and_commit, ram_chunks
+from fastckpt.writer.commit import CommitRound, publish_and_commit
 from fastckpt.writer.pipeline import WriteStats, write_chunks
 from fastckpt.writer.stage import StagedSave, StagePlans, stage_state, staged_crc32c
 from fastckpt.writer.stats import SaveStats
+from fastckpt.writer.tier import Tier
 
 if TYPE_CHECKING:
     from fastckpt.replicas.replicator import ReplicationReport
@@ -119,13 +120,14 @@ class CheckpointManager:
         self._rseq = 0
         self._decisions = 0
         self._closed = False
-        self._ram = None
+        self._tier: Tier | None = None
+        """The fast tier saved to and restored from before storage (the one ``options`` configure)."""
         if self.options.ram is not None:
             from fastckpt.replicas.tiered import RamReplication
 
             try:
-                self._ram = RamReplication(self.options.ram, coordinator=self.coordinator, store=self.store,
-                                           namespace=self._ns, run=self._io.run)
+                self._tier = RamReplication(self.options.ram, coordinator=self.coordinator, store=self.store,
+                                            namespace=self._ns, run=self._io.run)
             except BaseException:  # nothing of a manager that was never made keeps running
                 self._background.shutdown(wait=True)
                 self._workers.shutdown(wait=True)
@@ -145,9 +147,9 @@ class CheckpointManager:
     def save(self, step: int, state: Any, *, metadata: dict[str, object] | None = None, force: bool = False) -> bool:
         """Stage ``state`` for ``step`` and commit it in the background.
 
-        Waits first for the previous save's background work and, for a RAM step, for this
-        host's push of the previous RAM step to its peers (backpressure that keeps a
-        complete RAM step across any single host loss; ``SaveStats.push_wait_s``).
+        Waits first for the previous save's background work and, for a step of the fast tier
+        (the RAM tier), for this host's push of its previous step to its peers (backpressure
+        that keeps a complete RAM step across any single host loss; ``SaveStats.push_wait_s``).
 
         Returns True if a save started, False if skipped (interval not reached, or another
         save in flight with ``if_busy="skip"``). Raises the previous save's error
@@ -157,14 +159,13 @@ class CheckpointManager:
         self._check_open()
         step = check_step(step)
         persist = force or step % self.options.save_interval_steps == 0
-        ram = self._ram is not None and (persist or self._ram.due(step))
-        if not persist and not ram:
+        tier = self._tier if self._tier is not None and (persist or self._tier.due(step)) else None
+        if not persist and tier is None:
             return False
-        if self.options.save.if_busy == "skip" and self._busy_agreed(ram):
+        if self.options.save.if_busy == "skip" and self._busy_agreed(tier):
             return False
         self.wait()
-        ram_tier = self._ram if ram else None
-        push_wait_s = ram_tier.wait_pushed() if ram_tier is not None else 0.0
+        push_wait_s = tier.wait_pushed() if tier is not None else 0.0
         t0 = time.perf_counter()
         with paused_gc(self.options.pause_gc):  # thousands of leaves: no full collections
             leaves, _ = flatten(state)
@@ -173,33 +174,32 @@ class CheckpointManager:
                     leaves,
                     process_index=self.coordinator.process_index,
                     max_chunk_bytes=self.options.save.max_chunk_bytes,
-                    allocate=(lambda n: ram_tier.allocate(step, n)) if ram_tier is not None else self._pool.take,
+                    allocate=(lambda n: tier.allocate(step, n)) if tier is not None else self._pool.take,
                     executor=self._workers,
                     copy_threads=self._threads,
                     plans=self._plans,
                     device_copy=self.options.save.device_copy,
                     defer_host_copies=True,
-                    allocate_unreserved=(lambda n: ram_tier.allocate_unreserved(step, n))
-                    if ram_tier is not None else None,
+                    allocate_unreserved=(lambda n: tier.allocate_unreserved(step, n)) if tier is not None else None,
                 )
             except BaseException:
-                if ram_tier is not None:
-                    ram_tier.abort()
+                if tier is not None:
+                    tier.abort()
                 raise
         stats = SaveStats(step=step, blocked_s=time.perf_counter() - t0, staged_bytes=staged.nbytes,
                           push_wait_s=push_wait_s)
         seq = f"s{step}.{self._attempts[step]}"
         self._attempts[step] += 1
         self._pending = self._background.submit(
-            self._finish_save, seq, step, staged, dict(metadata or {}), stats, t0, persist, ram_tier is not None
+            self._finish_save, seq, step, staged, dict(metadata or {}), stats, t0, persist, tier
         )
         return True
 
-    def _busy_agreed(self, ram: bool) -> bool:
-        """Whether a save is in flight; with several processes, process 0's view decides for
-        all (every process asks on every ``if_busy="skip"`` save, so their counters agree)."""
-        busy = (self._pending is not None and not self._pending.done()) or (
-            ram and self._ram is not None and self._ram.pushing())
+    def _busy_agreed(self, tier: Tier | None) -> bool:
+        """Whether a save is in flight (or ``tier`` still pushes an earlier step); with several
+        processes, process 0's view decides for all (every process asks on every
+        ``if_busy="skip"`` save, so their counters agree)."""
+        busy = (self._pending is not None and not self._pending.done()) or (tier is not None and tier.pushing())
         coord = self.coordinator
         if coord.process_count == 1:
             return busy
@@ -210,46 +210,41 @@ class CheckpointManager:
             return busy
         return coord.get(key, timeout_s=self.options.distributed.barrier_timeout_s) == "busy"
 
-    def _commit_ram(self, seq: str, step: int, staged: StagedSave, metadata: dict[str, object]) -> dict[int, list[int]]:
-        """Checksum, agree on the RAM manifest, seal the segment and start the peer push.
-        Returns the chunks' crc32c (``staged_crc32c``), which a persistent write reuses."""
-        assert self._ram is not None
+    def _round(self, ns: str, step: int, staged: StagedSave) -> CommitRound:
+        return CommitRound(coord=self.coordinator, ns=ns, step=step, staged=staged,
+                           timeout_s=self.options.distributed.barrier_timeout_s, writer_version=__version__)
+
+    def _commit_tier(self, tier: Tier, seq: str, step: int, staged: StagedSave,
+                     metadata: dict[str, object]) -> dict[int, list[int]]:
+        """Checksum the staged chunks and commit them to ``tier`` (``Tier.commit``). Returns
+        their crc32c (``staged_crc32c``), which a persistent write reuses."""
         try:
             staged.finish_copies(self._workers, jobs=self._threads)  # before reading the buffer
             raw_crcs = staged_crc32c(staged, self._workers, jobs=self._threads)
-            chunks = ram_chunks(staged, raw_crcs, step, writer=self._ram.member_id)
-            self._ram.seal(step, staged, raw_crcs)
-            ram = self._ram
-            manifest = exchange_ram_manifest(
-                coord=self.coordinator, ns=f"{self._ns}/{seq}", step=step, staged=staged, chunks=chunks,
-                timeout_s=self.options.distributed.barrier_timeout_s,
-                metadata={**metadata, "fastckpt_tier": "ram"}, writer_version=__version__,
-                hold=lambda data: ram.hold_manifest(step, data), broadcast=ram.broadcast_manifest,
-            )
-            ram.publish(step, manifest)
+            tier.commit(self._round(f"{self._ns}/{seq}/{tier.name}", step, staged), raw_crcs, metadata)
         except BaseException:
-            self._ram.abort()
+            tier.abort()
             raise
         return raw_crcs
 
     def _finish_save(self, seq: str, step: int, staged: StagedSave, metadata: dict[str, object],
-                     stats: SaveStats, t0: float, persist: bool, ram: bool) -> SaveStats:
+                     stats: SaveStats, t0: float, persist: bool, tier: Tier | None) -> SaveStats:
         raw_crcs = None  # a persistent-only save checksums while encoding
-        if ram:
-            raw_crcs = self._commit_ram(seq, step, staged, metadata)
+        if tier is not None:
+            raw_crcs = self._commit_tier(tier, seq, step, staged, metadata)
             stats.ram_commit_s = time.perf_counter() - t0
             stats.deferred_copy_s = staged.finish_copies(self._workers, jobs=self._threads)  # made already: their time
-            stats.tiers += ("ram",)
+            stats.tiers += (tier.name,)
             if not persist:
                 stats.total_s = stats.ram_commit_s
-                self._provision_ram(staged)
+                tier.prepare_next(staged.buffer.nbytes)
                 return stats
         wstats = WriteStats()
         save_id = secrets.token_hex(6)
         chunks = None
         error: BaseException | None = None
         try:
-            stats.deferred_copy_s = staged.finish_copies(self._workers, jobs=self._threads)  # no-op after a RAM commit
+            stats.deferred_copy_s = staged.finish_copies(self._workers, jobs=self._threads)  # no-op after a tier's
             chunks = self._io.run(write_chunks(
                 self.store, staged, step=step, save_id=save_id, process_index=self.coordinator.process_index,
                 options=self.options.save, executor=self._workers, stats=wstats, raw_crcs=raw_crcs,
@@ -258,13 +253,10 @@ class CheckpointManager:
             error = e
         t_commit = time.perf_counter()
         try:
-            publish_and_commit(
-                store_run=self._io.run, store=self.store, coord=self.coordinator, ns=f"{self._ns}/{seq}",
-                step=step, save_id=save_id, staged=staged, chunks=chunks, error=error,
-                timeout_s=self.options.distributed.barrier_timeout_s, metadata=metadata, writer_version=__version__,
-            )
+            publish_and_commit(self._round(f"{self._ns}/{seq}", step, staged), store_run=self._io.run,
+                               store=self.store, save_id=save_id, chunks=chunks, error=error, metadata=metadata)
         finally:
-            if not ram and error is None:  # (after a failed write, puts in threads may still read it)
+            if tier is None and error is None:  # (after a failed write, puts in threads may still read it)
                 self._pool.give(staged.buffer)
         stats.tiers += ("storage",)
         stats.raw_bytes, stats.stored_bytes, stats.objects = wstats.raw_bytes, wstats.stored_bytes, wstats.objects
@@ -277,18 +269,9 @@ class CheckpointManager:
                 self._apply_retention()
             except Exception as e:  # noqa: BLE001 - the step is committed: the next save retries retention
                 log.warning("fastckpt: retention after step %d failed: %s", step, e)
-        if ram:
-            self._provision_ram(staged)
+        if tier is not None:
+            tier.prepare_next(staged.buffer.nbytes)
         return stats
-
-    def _provision_ram(self, staged: StagedSave) -> None:
-        """After a RAM step is committed: a spare segment for the next one (``RamTier.provision``),
-        so that the next ``save()`` does not create its segment file while the step waits."""
-        assert self._ram is not None
-        try:
-            self._ram.tier.provision(staged.buffer.nbytes)
-        except Exception as e:  # noqa: BLE001 - only a lost optimisation: the next save creates its own
-            log.warning("fastckpt: could not provision a RAM segment: %s", e)
 
     def wait(self) -> None:
         """Block until the in-flight save (if any) is committed; re-raise its error as SaveError."""
@@ -315,7 +298,7 @@ class CheckpointManager:
         Raises:
             ReplicationTimeoutError: pushes still running after ``timeout_s``.
         """
-        return self._ram.wait_replication(timeout_s) if self._ram is not None else []
+        return self._tier.wait_replication(timeout_s) if self._tier is not None else []
 
     # ------------------------------------------------------------------ listing
     def persistent_steps(self) -> list[int]:
@@ -332,14 +315,14 @@ class CheckpointManager:
         """Every committed step and the tiers holding its manifest: ``"storage"``, ``"ram"``
         (this host's RAM tier), ``"peer"`` (some peer's RAM tier)."""
         out: dict[int, set[str]] = {s: {"storage"} for s in self.persistent_steps()}
-        if self._ram is not None:
-            for s, tiers in self._ram.steps_by_tier().items():
+        if self._tier is not None:
+            for s, tiers in self._tier.steps_by_tier().items():
                 out.setdefault(s, set()).update(tiers)
         return dict(sorted(out.items()))
 
     def all_steps(self) -> list[int]:
         """Committed steps in any tier, ascending (RAM steps only with a RAM tier configured)."""
-        if self._ram is None:
+        if self._tier is None:
             return self.persistent_steps()
         return sorted(self.steps_by_tier())
 
@@ -361,10 +344,10 @@ class CheckpointManager:
         try:
             data = self._io.run(self.store.get(manifest_key(step)))
         except NotFoundError:
-            ram = self._ram.ram_manifest(step) if self._ram is not None else None
-            if ram is None:
+            held = self._tier.manifest(step) if self._tier is not None else None
+            if held is None:
                 raise CheckpointNotFoundError(f"step {step} is not committed in {self.store.url}") from None
-            return ram
+            return held
         return decode_manifest(data)
 
     def metadata(self, step: int | None = None) -> dict[str, object]:
@@ -436,28 +419,29 @@ class CheckpointManager:
                     raise failure from None
                 raise
             if source is None:
-                source = self._ram.source() if self._ram is not None else self._chunk_source
+                source = self._tier.source() if self._tier is not None else self._chunk_source
                 fallbacks_before = dict(source.stats().fallbacks) if source is not None else {}
-            ram_only = manifest.metadata.get("fastckpt_tier") == "ram"
+            tier_only = self._tier is not None and self._tier.holds_alone(manifest)
             known = plans.get(manifest.step)
             plan = known[1] if known is not None and known[0] is manifest else resolve_target(manifest, target,
                                                                                                partial=partial)
             stats = RestoreStats(step=manifest.step, select_s=time.perf_counter() - t_select)
             failure = None
-            try:  # CheckpointNotFoundError here: a RAM-only step's chunk is in no reachable tier
+            try:  # CheckpointNotFoundError here: a tier-only step's chunk is in no reachable tier
                 with self._reading_step(manifest.step):
-                    self._fill(manifest, plan.units(), stats, source, storage_holds_step=not ram_only)
+                    self._fill(manifest, plan.units(), stats, source, storage_holds_step=not tier_only)
             except BaseException as e:  # reported to the other processes before re-raising
                 failure = e
-            retry = agree_on_outcome(self.coordinator if self._ram is not None else None, tag, failure,
-                                     may_retry=step is None and ram_only,
+            retry = agree_on_outcome(self.coordinator if self._tier is not None else None, tag, failure,
+                                     may_retry=step is None and tier_only,
                                      timeout_s=self.options.distributed.barrier_timeout_s)
             if not retry:
                 break
-            log.warning("fastckpt: RAM step %d is incomplete (%s); restoring an older step", manifest.step,
-                        failure or "on another process")
+            log.warning("fastckpt: step %d of the fast tier is incomplete (%s); restoring an older step",
+                        manifest.step, failure or "on another process")
             older_than = manifest.step
-            failure = failure or DistributedError(f"RAM step {manifest.step} is incomplete on another process")
+            failure = failure or DistributedError(f"step {manifest.step} of the fast tier is incomplete on another "
+                                                  "process")
         if source is not None:  # this restore's: a long-lived source counts since it was made
             stats.fallbacks = {str(k): int(v) - fallbacks_before.get(k, 0)
                                for k, v in source.stats().fallbacks.items() if int(v) > fallbacks_before.get(k, 0)}
@@ -470,14 +454,14 @@ class CheckpointManager:
     def _choose_manifest(self, step: int | None, *, key: str, older_than: int | None,
                          wanted: Callable[[Manifest], dict[str, str]]) -> Manifest:
         """The manifest to restore: ``step``'s, or (None) the newest step every process can
-        restore (``coordination.restore_agreement.choose_latest`` with a RAM tier, else storage's latest
-        as process 0 lists it: ``agreed_storage_latest``)."""
+        restore (``coordination.restore_agreement.choose_latest`` with a fast tier, else storage's
+        latest as process 0 lists it: ``agreed_storage_latest``)."""
         if step is not None:
             return self.manifest(step)
         list_manifests = lambda: self._io.submit(self._list_manifests())  # noqa: E731
         timeout_s = self.options.distributed.barrier_timeout_s
-        if self._ram is not None:
-            return choose_latest(self._ram, self.coordinator, key=key, older_than=older_than, wanted=wanted,
+        if self._tier is not None:
+            return choose_latest(self._tier, self.coordinator, key=key, older_than=older_than, wanted=wanted,
                                  timeout_s=timeout_s, list_manifests=list_manifests, load=self.manifest,
                                  url=self.store.url)
         if self.coordinator.process_count == 1:
@@ -535,8 +519,8 @@ class CheckpointManager:
             self._closed = True
             self._restore_buffers.clear()
             self._background.shutdown(wait=True)
-            if self._ram is not None:
-                self._ram.close()
+            if self._tier is not None:
+                self._tier.close()
             try:
                 self._io.run(self.store.close())
             finally:

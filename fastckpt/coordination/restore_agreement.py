@@ -1,6 +1,6 @@
 """How the processes of a job agree on what a restore of the latest step reads, and on its
-outcome. Pure coordination: the manager passes in what it owns (RAM tier, coordinator,
-storage listing, manifest loader).
+outcome. Pure coordination: the manager passes in what it owns (a fast tier as a
+:class:`StepSelector`, coordinator, storage listing, manifest loader).
 
 Call order (every process, SPMD): :func:`choose_latest` -> fill -> :func:`agree_on_outcome`
 (True: every process retries with an older step).
@@ -8,19 +8,38 @@ Call order (every process, SPMD): :func:`choose_latest` -> fill -> :func:`agree_
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from fastckpt.coordination.distributed import Coordinator
 from fastckpt.errors import CheckpointNotFoundError, DistributedError, NoCheckpointError
 from fastckpt.format.layout import step_from_manifest_key
 from fastckpt.format.manifest import Manifest
 
-if TYPE_CHECKING:
-    from fastckpt.replicas.tiered import RamReplication
+__all__ = ["SelectedStep", "StepSelector", "agree_on_outcome", "agreed_storage_latest", "choose_latest",
+           "published_step"]
 
-__all__ = ["agree_on_outcome", "agreed_storage_latest", "choose_latest", "published_step"]
+
+class SelectedStep(Protocol):
+    """A fast tier's choice of the step to restore."""
+
+    @property
+    def manifest(self) -> Manifest | None:
+        """Its manifest (None: storage holds the step)."""
+        ...
+
+
+class StepSelector(Protocol):
+    """What :func:`choose_latest` asks of a fast tier."""
+
+    def select_step(self, persistent_latest: Callable[[], int | None], *, key: str, timeout_s: float,
+                    older_than: int | None, wanted: Callable[[Manifest], Mapping[str, str]]) -> SelectedStep | None:
+        """Agree with every process (collective) on the newest step of the tier newer than
+        ``persistent_latest()`` (called on process 0 only) and older than ``older_than`` from
+        which each reaches the chunks it needs (``wanted``: chunk id -> object key); None:
+        storage's latest."""
+        ...
 
 
 def published_step(value: str) -> int | None:
@@ -49,24 +68,24 @@ def _publish_latest(coord: Coordinator, key: str, manifest_keys: list[str]) -> i
 def agreed_storage_latest(coord: Coordinator, *, key: str, list_manifests: Callable[[], Future[list[str]]],
                           timeout_s: float) -> int | None:
     """Storage's latest committed step as process 0 lists it; the others read what it
-    publishes (a restore without a RAM tier): one listing per restore instead of one per
+    publishes (a restore without a fast tier): one listing per restore instead of one per
     host, and every process restores the same step even if a commit lands meanwhile."""
     if coord.process_index == 0:
         return _publish_latest(coord, key, list_manifests().result())
     return _read_published(coord, key, timeout_s)
 
 
-def choose_latest(ram: RamReplication, coord: Coordinator, *, key: str, older_than: int | None,
+def choose_latest(tier: StepSelector, coord: Coordinator, *, key: str, older_than: int | None,
                   wanted: Callable[[Manifest], dict[str, str]], timeout_s: float,
                   list_manifests: Callable[[], Future[list[str]]], load: Callable[[int], Manifest],
                   url: str) -> Manifest:
-    """The newest RAM step newer than storage's latest (and older than ``older_than``) from
-    which every process reaches the chunks it needs (``wanted``), else storage's latest
-    (``load(step)``).
+    """The newest step of the fast ``tier`` newer than storage's latest (and older than
+    ``older_than``) from which every process reaches the chunks it needs (``wanted``), else
+    storage's latest (``load(step)``).
 
     Only process 0 lists storage (``list_manifests()``: the committed manifests' keys),
-    while it surveys its peers' RAM steps, and publishes its latest step for the others
-    (read only when no RAM step is chosen): one listing per restore instead of one per host,
+    while the tier surveys its steps, and publishes its latest step for the others
+    (read only when no step of the tier is chosen): one listing per restore instead of one per host,
     and every process falls back to the same step even if a commit landed between two
     listings. Raises :class:`NoCheckpointError` on every process when nothing is committed
     in any tier (and no ``older_than``), :class:`CheckpointNotFoundError` when nothing older
@@ -81,17 +100,17 @@ def choose_latest(ram: RamReplication, coord: Coordinator, *, key: str, older_th
         return listed[0]
 
     try:
-        choice = ram.select_step(storage_latest, key=key, timeout_s=timeout_s, older_than=older_than, wanted=wanted)
+        choice = tier.select_step(storage_latest, key=key, timeout_s=timeout_s, older_than=older_than, wanted=wanted)
     finally:
-        if listing is not None and not listing.done():  # select_step failed before asking
+        if listing is not None and not listing.done():  # the tier failed before asking
             listing.cancel()
     if choice is not None:
         return choice.manifest  # type: ignore[return-value]
     latest = listed[0] if coord.process_index == 0 else _read_published(coord, key, timeout_s)
     if latest is None:
         if older_than is None:
-            raise NoCheckpointError(f"no committed checkpoint in {url} or any RAM tier")
-        raise CheckpointNotFoundError(f"no committed checkpoint in {url} or any RAM tier older than RAM step {older_than}")
+            raise NoCheckpointError(f"no committed checkpoint in {url} or any fast tier")
+        raise CheckpointNotFoundError(f"no committed checkpoint in {url} or any fast tier older than step {older_than}")
     return load(latest)
 
 

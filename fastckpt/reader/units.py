@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -18,8 +18,8 @@ class SourceCounters(Protocol):
     """What the manager reads of a source's counters."""
 
     @property
-    def fallbacks(self) -> Mapping[str, int]:
-        """Fallbacks to the next tier so far, by reason."""
+    def fallbacks(self) -> Mapping[Any, int]:
+        """Fallbacks to the next tier so far, by reason (a str)."""
         ...
 
 

@@ -20,13 +20,11 @@ Guarantees:
   deletes temp files and data files without an index.
 * Bytes held (sealed segments, manifests, unsealed allocations, spares) never exceed
   ``budget_bytes``.
-* Retention: the newest ``keep_steps`` committed steps (those with a manifest or a commit
-  record) are kept, and
-  with ``replicated=True`` one more: every host commits step N together but pushes it to
-  its peers later, so a host lost in between leaves only N-1 complete across the survivors
-  (the manager waits for its previous push before staging a RAM step,
-  ``RamReplication.wait_pushed``, so N-1's pushes are always done; whether N's are is not
-  knowable locally). Steps newer than the floor (saves and replicas in progress) are kept.
+* Retention: the newest ``keep_steps`` committed steps (with a manifest or a commit record)
+  are kept, and with ``replicated=True`` one more: every host commits step N together but
+  pushes it later, so a host lost in between leaves only N-1 complete across the survivors
+  (``RamReplication.wait_pushed`` makes N-1's pushes done before N+1 is staged). Steps
+  newer than the floor (saves and replicas in progress) are kept.
   Under budget pressure an allocation for step S drops spares, then whole steps older than
   S, oldest first.
 

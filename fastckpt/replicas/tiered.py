@@ -1,23 +1,15 @@
-"""RAM replication as the manager uses it: one object composing tier, server, pusher, peers.
+"""RAM replication as the manager uses it (its ``writer.tier.Tier``): one object composing
+tier, server, pusher, peers.
 
 Call order on a RAM save (all processes, SPMD): :meth:`RamReplication.allocate` (the staging
-buffer *is* the shared-memory segment) -> stage -> :meth:`seal` (own chunks visible, step not
-yet committed) -> the manifest exchange (a barrier: process 0 builds the manifest only after
-every process sealed, stores it, :meth:`hold_manifest`, then tells the others) ->
-:meth:`publish` (commits the step — the manifest on process 0, and on every process when
-there is no peer service, else a commit record — and lets retention drop older RAM steps;
-push own chunks, and the manifest where held, to the ring successors in the background).
-On failure: :meth:`abort`. Because the manifest is stored only after every process sealed,
-a crash mid-save never leaves the job without a restorable RAM step. On restore:
-:meth:`select_step` (every process checks the chunks its own restore reads against its tier
-and the chunk lists of the peers that should hold them; all agree on the newest RAM step
-every one can restore; each host gets the manifest from its parent in a relay tree rooted at
-the hosts that hold it, see ``manifest_relay``) -> :meth:`source`
-(own RAM, then peers, per chunk; it takes the lists the selection fetched).
-
-A RAM-only step is restorable while the chunks each process reads are reachable from it; a
-chunk found corrupt in every copy while it is read still fails the step (the manager then
-falls back to an older one on every process).
+buffer *is* the shared-memory segment) -> stage -> :meth:`commit` (:meth:`seal`, the commit
+round, in which process 0 stores the manifest only after every process sealed, then
+:meth:`publish`: commit here, push to the ring successors in the background); on failure
+:meth:`abort`. So a crash mid-save never leaves the job without a restorable RAM step. On
+restore: :meth:`select_step` (all agree on the newest RAM step from which every process
+reaches the chunks it reads) -> :meth:`source` (own RAM, then peers, per chunk). A chunk
+found corrupt in every copy while it is read still fails the step (the manager then falls
+back to an older one on every process).
 """
 
 from __future__ import annotations
@@ -38,7 +30,7 @@ import numpy as np
 from fastckpt.coordination.distributed import Coordinator, time_left
 from fastckpt.errors import ConfigError, DistributedError, FastckptError, ManifestError, PeerError
 from fastckpt.format.codec import decode_manifest
-from fastckpt.format.layout import ram_writer
+from fastckpt.format.layout import ram_object_key, ram_writer
 from fastckpt.format.manifest import Manifest, chunk_id, chunk_id_prefix, chunk_ids
 from fastckpt.options import RamOptions
 from fastckpt.replicas._address import peer_address
@@ -58,6 +50,8 @@ from fastckpt.replicas.ram import ChunkLocation, RamTier, Segment
 from fastckpt.replicas.replicator import ReplicationReport, Replicator
 from fastckpt.replicas.sources import TieredChunkSource
 from fastckpt.storage._protocol import Store
+from fastckpt.writer.commit import CommitRound, CoordinatorFragments
+from fastckpt.writer.fragment import ChunkRows, ProcessChunks
 from fastckpt.writer.stage import StagedSave
 
 __all__ = ["RamReplication", "StepChoice"]
@@ -66,6 +60,7 @@ _T = TypeVar("_T")
 _MAX_PEER_QUERIES = 32  # concurrent step/chunk-list queries during step selection
 
 log = logging.getLogger("fastckpt")
+_TIER_KEY = "fastckpt_tier"  # in a RAM-only step's manifest metadata: "ram"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +73,8 @@ class StepChoice:
 
 class RamReplication:
     """The RAM tier of this host plus its peer server, pusher and peer clients."""
+
+    name = "ram"
 
     def __init__(self, options: RamOptions, *, coordinator: Coordinator, store: Store, namespace: str,
                  run: Callable[[Any], Any]) -> None:
@@ -98,7 +95,7 @@ class RamReplication:
         self._decoded: dict[int, tuple[bytes, Manifest]] = {}
         self._needed: tuple[Manifest, set[str]] | None = None  # chunk ids of a decoded manifest
         self._lists: dict[tuple[int, str], frozenset[str]] = {}  # (step, peer): its chunk ids, this restore
-        self._held: int | None = None  # the step whose manifest hold_manifest stored
+        self._held: int | None = None  # the step whose manifest commit() stored
         self._clients: dict[str, PeerClient] = {}
         self._server: PeerServer | None = None
         self._replicator: Replicator | None = None
@@ -157,12 +154,9 @@ class RamReplication:
         """A shared-memory staging buffer for ``step`` (becomes the replica once sealed); with
         ``reserve=False``, the segment's pages must be reserved before it is written.
 
-        Steps ``>= step`` this tier still holds belong to an abandoned timeline (the job went
-        back to an older step: a restore fell back, or restored an older one) and are dropped
-        first: a step is committed by every process together, so none of them can have a
-        newer one legitimately. Otherwise their copies (own chunks, peers' replicas, kept
-        manifests) would be served for the re-trained steps, and the retention floor they set
-        would refuse the re-trained saves (StaleStepError).
+        Steps ``>= step`` this tier still holds are of an abandoned timeline (the job went back
+        to an older step) and are dropped first: otherwise their copies would be served for
+        the re-trained steps, and their retention floor would refuse those saves (StaleStepError).
         """
         self.abort()
         abandoned = [s for s in self.tier.steps() if s >= step]
@@ -188,38 +182,45 @@ class RamReplication:
         if seg is not None:
             self.tier.discard(seg)
 
-    def seal(self, step: int, staged: StagedSave, raw_crcs: dict[int, list[int]]) -> None:
-        """Make this process's staged chunks of ``step`` visible (not yet committed);
-        ``raw_crcs[i][j]`` is the crc32c of item ``j`` of ``staged.arrays[i]``."""
+    def seal(self, step: int, staged: StagedSave, raw_crcs: dict[int, list[int]]) -> ProcessChunks:
+        """Make this process's staged chunks of ``step`` visible (not yet committed;
+        ``raw_crcs[i][j]``: crc32c of item ``j`` of ``staged.arrays[i]``). Returns their rows of
+        the manifest: raw, under :func:`ram_object_key` naming this member (their writer)."""
         seg = self._segment
         if seg is None:
             raise FastckptError(f"no RAM segment allocated for step {step}")
         index: dict[str, ChunkLocation] = {}
+        rows, key = ChunkRows(), ram_object_key(step, self.member_id)
         for ai, arr in enumerate(staged.arrays):
             prefix = chunk_id_prefix(arr.path)
             for off, item, crc in zip(arr.item_offsets, arr.items, raw_crcs[ai]):
-                cid = chunk_id(arr.path, item.box, prefix=prefix)
-                index[cid] = ChunkLocation(off, item.nbytes, crc)
+                index[chunk_id(arr.path, item.box, prefix=prefix)] = ChunkLocation(off, item.nbytes, crc)
+                rows.add(ai, item.box, key, off, item.nbytes, "raw", crc, crc)
         self.tier.seal(step, seg, index)  # refused or failed: the segment stays here for abort()
         self._segment = None
         self._sealed_ids = list(index)
+        return rows.build()
 
-    @property
-    def broadcast_manifest(self) -> bool:
-        """Whether every process must receive a RAM step's manifest at each checkpoint: only
-        without a peer service (no peer to fetch it from at restore). With one, process 0
-        holds it and pushes it to its ring successors; the others store a commit record."""
-        return self._server is None
+    def commit(self, commit_round: CommitRound, raw_crcs: dict[int, list[int]], metadata: dict[str, object]) -> None:
+        """:meth:`seal`, the commit round (fragments through the coordinator; process 0 stores the
+        manifest first, and sends it to the others only without a peer service, else it travels
+        with its push), then :meth:`publish`."""
+        step = commit_round.step
+        chunks = self.seal(step, commit_round.staged, raw_crcs)
 
-    def hold_manifest(self, step: int, manifest: bytes) -> None:
-        """Store the manifest this process built (process 0), before the others commit."""
-        self.tier.put_manifest(step, manifest)
-        self._held = step
+        def hold(manifest: bytes) -> None:
+            self.tier.put_manifest(step, manifest)
+            self._held = step
+
+        manifest = commit_round.commit(chunks, route=CoordinatorFragments(round=commit_round), publish=hold,
+                                       metadata={**metadata, _TIER_KEY: self.name}, validate=False,
+                                       share=self._server is None)
+        self.publish(step, manifest)
 
     def publish(self, step: int, manifest: bytes | None) -> None:
-        """Commit the RAM step here — store ``manifest`` (unless :meth:`hold_manifest` did),
-        or a commit record when it is None (held by other hosts) — and start the
-        background peer push (with the manifest, when this process has it)."""
+        """Commit the RAM step here — store ``manifest`` (unless the commit round did), or a
+        commit record when it is None (held by other hosts) — and start the background peer
+        push (with the manifest, when this process has it)."""
         if manifest is None:
             self.tier.mark_committed(step)  # with peers the tier also holds the previous step
         elif self._held != step:
@@ -232,15 +233,19 @@ class RamReplication:
         self._replicator.set_targets({m: peers[m] for m in targets if m in peers})
         self._replicator.submit(step, chunk_ids=self._sealed_ids, manifest=manifest)
 
-    def wait_pushed(self) -> float:
-        """Block until this host's pushes of earlier RAM steps finished; returns the seconds waited.
+    def prepare_next(self, nbytes: int) -> None:
+        """After a committed step: a spare segment for the next (``RamTier.provision``), so the
+        next save does not create its segment file while the step waits; failures are logged."""
+        try:
+            self.tier.provision(nbytes)
+        except Exception as e:  # noqa: BLE001 - only a lost optimisation: the next save creates its own
+            log.warning("fastckpt: could not provision a RAM segment: %s", e)
 
-        A RAM save calls this before staging the next step (backpressure): the next commit is
-        collective, so once any host commits step N+1 (and frees N-1), every host's push of
-        N has finished, and a host lost at any moment leaves a complete RAM step behind even
-        when pushes are slower than the RAM interval. Each push is bounded by the peer I/O
-        timeouts; a failed push counts as finished (its report says why).
-        """
+    def wait_pushed(self) -> float:
+        """Block until this host's pushes of earlier RAM steps finished (bounded by the peer I/O
+        timeouts; a failed one counts); returns the seconds waited. Called before staging the
+        next RAM step (backpressure): since commits are collective, once any host commits N+1
+        (and frees N-1) every push of N is done, so a host loss always leaves a complete step."""
         if self._replicator is None:
             return 0.0
         t0 = time.perf_counter()
@@ -257,7 +262,11 @@ class RamReplication:
         return self._replicator.wait(timeout_s) if self._replicator is not None else []
 
     # ------------------------------------------------------------------ restore
-    def ram_manifest(self, step: int, sources: ManifestSources | None = None) -> Manifest | None:
+    def holds_alone(self, manifest: Manifest) -> bool:
+        """Whether ``manifest`` is of a RAM-only step (storage does not hold it)."""
+        return manifest.metadata.get(_TIER_KEY) == self.name
+
+    def manifest(self, step: int, sources: ManifestSources | None = None) -> Manifest | None:
         """The manifest of RAM step ``step`` from the nearest copy that decodes and names that
         step (:meth:`_manifest_copies`; a bad copy is logged and the next one tried), kept in
         the own tier when it held only the step's commit record; None if no copy does."""
@@ -352,12 +361,10 @@ class RamReplication:
     def _reachable(self, step: int, need: set[str], own: list[str], *, keys: Mapping[str, str] | None = None,
                    manifest: Manifest | None = None) -> bool:
         """Whether every chunk id in ``need`` is in ``own`` (the own tier's) or a peer's chunk
-        list, asking as few peers as it can: the ring successors' lists first (one by one:
-        after a restart on the same mesh they hold the rest), then — when ``keys`` (chunk id
-        -> object key) name the members that wrote the missing chunks — each writer and its
-        ring successors on the ring of the step's writers (``placement.replica_holders``: where
-        the writer pushed them), then every other peer. The lists are kept for this
-        restore's :meth:`source`."""
+        list, asking as few peers as it can: the ring successors first (one by one), then the
+        writers of the missing chunks that ``keys`` (chunk id -> object key) name and their
+        ring successors (``placement.replica_holders``), then every other peer. The lists
+        are kept for this restore's :meth:`source`."""
         missing = need.difference(own)
         if not missing:
             return True
@@ -407,7 +414,7 @@ class RamReplication:
                     sources: ManifestSources | None) -> Manifest | None:
         """The manifest of RAM step ``step`` if every chunk this process needs from it
         (``wanted``: chunk id -> object key; default: all of them) is reachable, else None."""
-        manifest = self.ram_manifest(step, sources)
+        manifest = self.manifest(step, sources)
         if manifest is None:
             return None
         own = self.tier.chunk_ids(step)
@@ -445,28 +452,20 @@ class RamReplication:
     def select_step(self, persistent_latest: int | None | Callable[[], int | None], *, key: str, timeout_s: float,
                     older_than: int | None = None,
                     wanted: Callable[[Manifest], Mapping[str, str]] | None = None) -> StepChoice | None:
-        """Agree on the step to restore: the newest RAM step newer than storage's latest (and
-        older than ``older_than``, after a newer one failed) from which *every* process can
-        reach every chunk it needs; None when storage's latest should be used.
+        """Agree on the step to restore (collective): the newest RAM step newer than storage's
+        latest and older than ``older_than`` from which *every* process reaches every chunk it
+        needs; None when storage's latest should be used.
 
-        ``persistent_latest`` is storage's latest step, or a callable that returns it, which
-        only process 0 calls, once its peer survey is done (the caller's storage listing
-        then runs beside the survey). Process 0 lists the candidate RAM steps (its tier's and
-        its peers', one request per peer) and publishes them with the members that hold each one's manifest and those
-        that will relay it (``manifest_relay``): each process fetches a manifest from its
-        parent in that relay tree, not from every holder after asking every peer. Each process checks them, newest first, until one holds every chunk it needs —
-        ``wanted(manifest)``, the chunks its restore reads as chunk id -> object key (default:
-        every chunk of the step) — in its own tier or a peer's chunk list (:meth:`_reachable`:
-        the peers that should hold them first), then the processes exchange
-        the newest step each can restore (one round of the key-value store). If they differ,
-        those with a newer one check the oldest named, and so on; each round lowers the
-        newest step named, so it ends. Each process checks only its own share (on a pod, a
-        host's chunks, not the millions of the step), and the chunk lists it fetched serve
-        this restore's :meth:`source`. An error ``wanted`` raises (the target does not match)
-        is raised on that process and, as ``DistributedError`` naming it, on the others (a
-        process whose tier holds the whole step does not plan, so it would not see it
-        itself). Raises ``BarrierTimeoutError`` if a process does not take part within
-        ``timeout_s``.
+        ``persistent_latest`` is storage's latest step, or a callable only process 0 calls
+        once its survey is done (the caller's storage listing runs beside it). Process 0
+        publishes the candidate steps with their manifests' holders and relays
+        (``manifest_relay``); each process checks them, newest first, against ``wanted(manifest)``
+        (the chunks its restore reads, chunk id -> object key; default: all) in its own tier or
+        a peer's chunk list (:meth:`_reachable`), then all exchange the newest each can
+        restore, and those with a newer one check the oldest named, until they agree. The
+        chunk lists fetched serve this restore's :meth:`source`. An error of ``wanted`` is
+        raised on its process and as ``DistributedError`` on the others;
+        ``BarrierTimeoutError`` if a process does not take part within ``timeout_s``.
         """
         coord = self._coord
         deadline = time.monotonic() + timeout_s
@@ -526,11 +525,9 @@ class RamReplication:
                 + [peers[m] for m in rest if m not in listed])
 
     def source(self) -> TieredChunkSource:
-        """Per-chunk source: own RAM first, then every peer (listing-guided), this member's
-        ring successors first (:meth:`_ordered_peers`), so a replacement host finds its
-        chunks with one or two chunk lists, not one per peer. Call it after :meth:`select_step`:
-        the source takes the chunk lists the selection fetched (and the peers that sent them
-        come next in its order), which later restores then no longer see (they may be stale)."""
+        """Per-chunk source: own RAM first, then every peer (listing-guided) in
+        :meth:`_ordered_peers` order. Call it after :meth:`select_step`: the source takes the
+        chunk lists the selection fetched (later restores no longer see them: may be stale)."""
         peers = self._ordered_peers()
         known, self._lists = self._lists, {}
         return TieredChunkSource(self.tier, peers, known_listings=known)

@@ -15,14 +15,22 @@ Protocol for save number ``seq`` of a manager (all processes call save in the sa
 A process that dies makes the others time out with :class:`BarrierTimeoutError`; no commit
 happens. A step whose manifest already exists is never overwritten
 (:class:`StepAlreadyCommittedError`).
+
+One path for every tier: :meth:`CommitRound.commit` runs the protocol; the tier supplies
+where the fragments go (a :class:`FragmentRoute`: storage objects, or the coordinator for a
+fast tier, whose fragments are announced by being there) and the create-only ``publish``
+of the manifest (a storage put, or a RAM tier's store). Storage is not itself a
+``writer.tier.Tier``: it has no due steps, buffers or copies to abort, and every step
+goes to it through :func:`publish_and_commit`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from fastckpt.coordination.distributed import Coordinator, time_left
 from fastckpt.errors import (
@@ -33,18 +41,20 @@ from fastckpt.errors import (
 )
 from fastckpt._pygc import paused_gc
 from fastckpt.format.codec import decode_manifest, encode_manifest
-from fastckpt.format.layout import fragment_key, manifest_key, ram_object_key, step_from_data_key
+from fastckpt.format.layout import fragment_key, manifest_key, step_from_data_key
 from fastckpt.format.manifest import ArrayLeaf, KeyPath, Leaf, Manifest
 from fastckpt.storage._protocol import Buffer, Store
-from fastckpt.writer.fragment import ChunkRows, ProcessChunks, decode_fragments, encode_fragment
+from fastckpt.writer.fragment import ProcessChunks, decode_fragments, encode_fragment
 from fastckpt.writer.merge import merge_chunks
 from fastckpt.writer.stage import StagedSave
 
 __all__ = [
+    "CommitRound",
+    "CoordinatorFragments",
+    "FragmentRoute",
+    "StoreFragments",
     "build_manifest",
-    "exchange_ram_manifest",
     "publish_and_commit",
-    "ram_chunks",
 ]
 
 _POLL_S = 0.05
@@ -64,7 +74,7 @@ def build_manifest(
     """Merge the processes' chunks (``writer.merge``) and encode the manifest of a step;
     returns the bytes to store. The merge proves the tiling and the ranges; ``validate``
     also decodes the encoding (a persistent step's manifest, written once and read for
-    years, is checked end to end; a RAM step's, built every few steps, is not: a bad one
+    years, is checked end to end; a fast tier's, built every few steps, is not: a bad one
     would be refused at restore and an older step used).
     Runs with the cyclic garbage collector paused (``fastckpt._pygc.paused_gc``): the merged
     tables are millions of fresh ints, which the collector would otherwise walk while the
@@ -138,137 +148,140 @@ async def _read_all(store: Store, keys: Sequence[str]) -> list[Buffer]:
     return [t.result() for t in tasks]
 
 
-def publish_and_commit(
-    *,
-    store_run: Callable[[Coroutine[Any, Any, Any]], Any],
-    store: Store,
-    coord: Coordinator,
-    ns: str,
-    step: int,
-    save_id: str,
-    staged: StagedSave,
-    chunks: ProcessChunks | None,
-    error: BaseException | None,
-    timeout_s: float,
-    metadata: dict[str, object],
-    writer_version: str,
-) -> bytes | None:
-    """Run steps 1–3 of the protocol for this process (blocking; call off the train thread).
+class FragmentRoute(Protocol):
+    """How the processes' fragments (chunk lists) of one commit round reach process 0."""
 
-    ``store_run(coro)`` runs a storage coroutine to completion (the manager's loop).
-    Returns the encoded manifest on process 0, None elsewhere; raises on any failure.
-    """
-    deadline = time.monotonic() + timeout_s
-    idx, n = coord.process_index, coord.process_count
-    if n > 1:
-        if error is None:
-            try:
-                assert chunks is not None
-                fkey = fragment_key(step, save_id, idx)
-                store_run(store.put(fkey, encode_fragment(chunks, staged, idx), mode="overwrite"))
-                coord.set(f"{ns}/done/{idx}", f"ok {fkey}", timeout_s=time_left(deadline))
-            except BarrierTimeoutError:
-                raise  # the coordination service did not answer: a report would not get through either
-            except BaseException as e:
-                coord.set(f"{ns}/done/{idx}", f"err {type(e).__name__}: {e}", timeout_s=time_left(deadline))
-                raise
-        else:
-            coord.set(f"{ns}/done/{idx}", f"err {type(error).__name__}: {error}", timeout_s=time_left(deadline))
-    if error is not None and idx != 0:
-        raise error
-    if idx != 0:
-        verdict = coord.get(f"{ns}/commit", timeout_s=time_left(deadline))
-        if verdict != "ok":
-            raise DistributedError(f"step {step} was not committed: {verdict[4:]}")
-        return None
-    try:
-        if error is not None:
-            raise error
-        assert chunks is not None
+    def put(self, idx: int, fragment: bytes, deadline: float) -> None:
+        """Send process ``idx``'s fragment, and tell process 0 it is there."""
+        ...
+
+    def fail(self, idx: int, message: str, deadline: float) -> None:
+        """Tell process 0 that process ``idx`` failed its part of the save."""
+        ...
+
+    def gather(self, deadline: float) -> Sequence[bytes | memoryview]:
+        """Process 0: every process's fragment; ``DistributedError`` naming one that failed,
+        ``BarrierTimeoutError`` past ``deadline``."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StoreFragments:
+    """Fragments as storage objects (a persistent step), announced under ``<ns>/done/<i>``."""
+
+    round: CommitRound
+    store: Store
+    store_run: Callable[[Coroutine[Any, Any, Any]], Any]
+    save_id: str
+
+    def put(self, idx: int, fragment: bytes, deadline: float) -> None:
+        key = fragment_key(self.round.step, self.save_id, idx)
+        self.store_run(self.store.put(key, fragment, mode="overwrite"))
+        self.round.coord.set(f"{self.round.ns}/done/{idx}", f"ok {key}", timeout_s=time_left(deadline))
+
+    def fail(self, idx: int, message: str, deadline: float) -> None:
+        self.round.coord.set(f"{self.round.ns}/done/{idx}", f"err {message}", timeout_s=time_left(deadline))
+
+    def gather(self, deadline: float) -> Sequence[bytes | memoryview]:
+        keys = _wait_all_done(self.round.coord, self.round.ns, deadline, self.round.step)
+        return self.store_run(_read_all(self.store, keys))  # type: ignore[no-any-return]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CoordinatorFragments:
+    """Fragments through the coordinator's key-value store under ``<ns>/frag/<i>`` (a step
+    of a fast tier: no storage round trip), each prefixed ``ok `` or ``err ``."""
+
+    round: CommitRound
+
+    def put(self, idx: int, fragment: bytes, deadline: float) -> None:
+        self.round.coord.set_bytes(f"{self.round.ns}/frag/{idx}", b"ok " + fragment, timeout_s=time_left(deadline))
+
+    def fail(self, idx: int, message: str, deadline: float) -> None:
+        self.round.coord.set_bytes(f"{self.round.ns}/frag/{idx}", b"err " + message.encode(),
+                                   timeout_s=time_left(deadline))
+
+    def gather(self, deadline: float) -> Sequence[bytes | memoryview]:
+        out: list[bytes | memoryview] = []
+        for i in range(self.round.coord.process_count):
+            data = self.round.coord.get_bytes(f"{self.round.ns}/frag/{i}", timeout_s=time_left(deadline))
+            if not data.startswith(b"ok "):
+                raise DistributedError(f"process {i} failed its part of the save: {data[4:].decode(errors='replace')}")
+            out.append(memoryview(data)[3:])
+        return out
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CommitRound:
+    """One commit of ``step`` among the job's processes, meeting under ``ns``: the one commit
+    path of storage and of every fast tier (``writer.tier``)."""
+
+    coord: Coordinator
+    ns: str
+    step: int
+    staged: StagedSave
+    timeout_s: float
+    writer_version: str
+
+    def commit(self, chunks: ProcessChunks | None, *, route: FragmentRoute, publish: Callable[[bytes], None],
+               metadata: dict[str, object], error: BaseException | None = None, validate: bool = True,
+               share: bool = False) -> bytes | None:
+        """Run steps 1-3 of the protocol for this process (blocking; call off the train thread):
+        fragments through ``route``, the manifest built on process 0 (``build_manifest``)
+        and committed by ``publish(manifest)`` (create-only) before any other process learns
+        the outcome. Returns the manifest on process 0, and with ``share`` on every process
+        (it goes through the coordinator), else None; raises ``error`` or any failure."""
+        coord, step = self.coord, self.step
+        deadline = time.monotonic() + self.timeout_s
+        idx, n = coord.process_index, coord.process_count
         if n > 1:
-            keys = _wait_all_done(coord, ns, deadline, step)
-            parts = decode_fragments(store_run(_read_all(store, keys)), staged)
-        else:
-            parts = [chunks]
-        manifest_bytes = build_manifest(step=step, staged=staged, parts=parts, num_processes=n,
-                                        metadata=metadata, writer_version=writer_version)
+            if error is None:
+                try:
+                    assert chunks is not None
+                    route.put(idx, encode_fragment(chunks, self.staged, idx), deadline)
+                except BarrierTimeoutError:
+                    raise  # the coordination service did not answer: a report would not get through either
+                except BaseException as e:
+                    route.fail(idx, f"{type(e).__name__}: {e}", deadline)
+                    raise
+            else:
+                route.fail(idx, f"{type(error).__name__}: {error}", deadline)
+        if error is not None and idx != 0:
+            raise error
+        if idx != 0:
+            verdict = coord.get(f"{self.ns}/commit", timeout_s=time_left(deadline))
+            if not verdict.startswith("ok"):
+                raise DistributedError(f"step {step} was not committed: {verdict[4:]}")
+            return verdict[3:].encode() if share else None
         try:
-            store_run(store.put(manifest_key(step), manifest_bytes, mode="create"))
+            if error is not None:
+                raise error
+            assert chunks is not None
+            parts = decode_fragments(route.gather(deadline), self.staged) if n > 1 else [chunks]
+            manifest = build_manifest(step=step, staged=self.staged, parts=parts, num_processes=n,
+                                      metadata=metadata, writer_version=self.writer_version, validate=validate)
+            publish(manifest)
+        except BaseException as e:
+            if n > 1 and not isinstance(e, BarrierTimeoutError):
+                coord.set(f"{self.ns}/commit", f"err {type(e).__name__}: {e}", timeout_s=time_left(deadline))
+            raise
+        if n > 1:  # the step is committed: the others must learn it, however late
+            coord.set(f"{self.ns}/commit", "ok " + manifest.decode() if share else "ok")
+        return manifest
+
+
+def publish_and_commit(commit_round: CommitRound, *, store_run: Callable[[Coroutine[Any, Any, Any]], Any], store: Store,
+                       save_id: str, chunks: ProcessChunks | None, error: BaseException | None,
+                       metadata: dict[str, object]) -> bytes | None:
+    """The commit of a persistent step: fragments as storage objects, the manifest put
+    create-only (``StepAlreadyCommittedError`` if it exists). ``store_run(coro)`` runs a
+    storage coroutine to completion (the manager's loop). See :meth:`CommitRound.commit`."""
+
+    def put_manifest(data: bytes) -> None:
+        try:
+            store_run(store.put(manifest_key(commit_round.step), data, mode="create"))
         except AlreadyExistsError as e:
-            raise StepAlreadyCommittedError(f"step {step} is already committed in {store.url}") from e
-    except BaseException as e:
-        if n > 1 and not isinstance(e, BarrierTimeoutError):
-            coord.set(f"{ns}/commit", f"err {type(e).__name__}: {e}", timeout_s=time_left(deadline))
-        raise
-    if n > 1:
-        coord.set(f"{ns}/commit", "ok")  # the step is committed: the others must learn it, however late
-    return manifest_bytes
+            raise StepAlreadyCommittedError(f"step {commit_round.step} is already committed in {store.url}") from e
 
-
-def ram_chunks(staged: StagedSave, raw_crcs: dict[int, list[int]], step: int, *,
-               writer: str | None = None) -> ProcessChunks:
-    """This process's chunks of a RAM-only step: raw codec, located in the staging segment.
-
-    The key (:func:`ram_object_key`) names no persistent object: RAM tiers and peers find
-    chunks by ``chunk_id`` and verify against ``raw_crc32c``. It names the ``writer``
-    (this process's RAM member id), so that the manifest tells a restoring host which
-    member wrote each chunk, and so which peers hold it (the writer and its ring successors).
-    """
-    key = ram_object_key(step, writer)
-    rows = ChunkRows()
-    for ai, arr in enumerate(staged.arrays):
-        crcs = raw_crcs[ai]
-        for ii, it in enumerate(arr.items):
-            rows.add(ai, it.box, key, arr.item_offsets[ii], it.nbytes, "raw", crcs[ii], crcs[ii])
-    return rows.build()
-
-
-_HELD = "held by process 0"  # the RAM manifest record when it is not broadcast
-
-
-def exchange_ram_manifest(
-    *,
-    coord: Coordinator,
-    ns: str,
-    step: int,
-    staged: StagedSave,
-    chunks: ProcessChunks,
-    timeout_s: float,
-    metadata: dict[str, object],
-    writer_version: str,
-    hold: Callable[[bytes], None],
-    broadcast: bool = True,
-) -> bytes | None:
-    """Build the manifest of a RAM-only step through the coordinator; returns it (or None).
-
-    Each process publishes its fragment under ``<ns>/ramfrag/<i>`` (a single process merges
-    its own chunks, with no fragment); process 0 decodes and merges them,
-    calls ``hold(manifest)`` (stores it in its RAM tier) and only then tells the others
-    under ``<ns>/rammanifest``, so the manifest exists before any process counts the step
-    as committed. With ``broadcast`` the record is the manifest itself and every process
-    returns it (each must hold it: there is no peer to fetch it from); without, the record
-    is a few bytes, process 0 returns the manifest and the others None: the manifest then
-    reaches process 0's ring successors with its push, and a restore fetches it from any
-    peer holding it, instead of every RAM checkpoint moving (processes x manifest) bytes
-    through the coordinator. Bounded by ``timeout_s`` (``BarrierTimeoutError``).
-    """
-    idx, n = coord.process_index, coord.process_count
-    if n == 1:
-        data = build_manifest(step=step, staged=staged, parts=[chunks], num_processes=1,
-                              metadata=metadata, writer_version=writer_version, validate=False)
-        hold(data)
-        return data
-    deadline = time.monotonic() + timeout_s
-    coord.set_bytes(f"{ns}/ramfrag/{idx}", encode_fragment(chunks, staged, idx), timeout_s=time_left(deadline))
-    if idx == 0:
-        fragments = [coord.get_bytes(f"{ns}/ramfrag/{i}", timeout_s=time_left(deadline)) for i in range(n)]
-        data = build_manifest(step=step, staged=staged, parts=decode_fragments(fragments, staged),
-                              num_processes=n, metadata=metadata, writer_version=writer_version,
-                              validate=False)
-        hold(data)
-        coord.set(f"{ns}/rammanifest", data.decode() if broadcast else _HELD, timeout_s=time_left(deadline))
-        return data
-    record = coord.get(f"{ns}/rammanifest", timeout_s=time_left(deadline))
-    if record == _HELD:
-        return None
-    return record.encode()
+    route = StoreFragments(round=commit_round, store=store, store_run=store_run, save_id=save_id)
+    return commit_round.commit(chunks, route=route, publish=put_manifest, metadata=metadata, error=error)

@@ -145,8 +145,8 @@ def scripted(*, control: str, endpoint: str, prefix: str, ram_root: str, member:
         summary["start_error"] = {"type": type(e).__name__, "message": str(e), "t": time.time()}
         return summary
     with mgr:
-        assert mgr._ram is not None
-        summary["advertised"] = list(mgr._ram.advertised or ())
+        assert mgr._tier is not None
+        summary["advertised"] = list(mgr._tier.advertised or ())
         n = 0
         while True:
             cmd_path = ctl / f"cmd-{n}.json"
@@ -188,7 +188,7 @@ def scripted(*, control: str, endpoint: str, prefix: str, ram_root: str, member:
             res["t_end"] = time.time()
             _write_json(ctl / f"res-{n}-{me}.json", res)
             n += 1
-        summary["ram_steps"] = mgr._ram.tier.committed_steps()
+        summary["ram_steps"] = mgr._tier.tier.committed_steps()
         summary["persistent_steps"] = mgr.persistent_steps()
     return summary
 

@@ -107,7 +107,7 @@ def test_a_ram_save_waits_for_the_previous_steps_push(tmp_path: Path, shm_dir: P
     try:
         with CheckpointManager(str(tmp_path / "ckpt"), options=options) as mgr, \
                 PeerClient(server.address, secret=secret, name="peer") as client:
-            mgr._ram._peers = lambda: {"peer": _GatedPeer(client, gate)}  # type: ignore[method-assign,union-attr]  # noqa: SLF001
+            mgr._tier._peers = lambda: {"peer": _GatedPeer(client, gate)}  # type: ignore[method-assign,union-attr]  # noqa: SLF001
             mgr.save(1, _state(1))
             mgr.wait()  # committed here; the push of step 1 is held at the gate
             assert peer_tier.get_manifest(1) is None
@@ -122,7 +122,7 @@ def test_a_ram_save_waits_for_the_previous_steps_push(tmp_path: Path, shm_dir: P
             mgr.save(2, _state(2))
             # save(2) staged step 2 only after step 1 had fully reached the peer
             assert peer_tier.get_manifest(1) is not None
-            assert peer_tier.chunk_ids(1) == sorted(mgr._ram.tier.chunk_ids(1))  # type: ignore[union-attr]  # noqa: SLF001
+            assert peer_tier.chunk_ids(1) == sorted(mgr._tier.tier.chunk_ids(1))  # type: ignore[union-attr]  # noqa: SLF001
             mgr.wait()
             assert mgr.last_save_stats is not None
             assert (mgr.last_save_stats.push_wait_s > 0.3) == (if_busy == "wait")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fastckpt.errors import ManifestError, NotFoundError
+from fastckpt.errors import DistributedError, ManifestError, NotFoundError
 from fastckpt.format.chunk_table import encode_column, table_from_entries
 from fastckpt.format.codec import decode_manifest
 from fastckpt.format.layout import data_key, fragment_key
@@ -28,7 +29,7 @@ from fastckpt.testing.strategies import manifests
 from tests.support.threaded_job import ThreadedJob
 from tests.support.wrapping import ForwardingStore
 from fastckpt.writer import commit, fragment, merge
-from fastckpt.writer.commit import build_manifest, exchange_ram_manifest, publish_and_commit
+from fastckpt.writer.commit import CommitRound, CoordinatorFragments, build_manifest, publish_and_commit
 from fastckpt.writer.fragment import ChunkRows, ProcessChunks, decode_fragments, encode_fragment
 from fastckpt.writer.merge import merge_chunks
 from fastckpt.writer.stage import StagedArray, StagedSave
@@ -51,6 +52,18 @@ def _part(chunks: dict[int, list[ChunkEntry]]) -> ProcessChunks:
         for c in entries:
             rows.add(i, c.box, c.key, c.offset, c.length, c.codec, c.crc32c, c.raw_crc32c)
     return rows.build()
+
+
+def _round(coord: Any, staged: StagedSave) -> CommitRound:
+    return CommitRound(coord=coord, ns="ns", step=5, staged=staged, timeout_s=30, writer_version="test")
+
+
+def _via_coordinator(coord: Any, staged: StagedSave, chunks: ProcessChunks, publish: Callable[[bytes], None],
+                     share: bool = False) -> bytes | None:
+    """A fast tier's commit round: fragments through the coordinator, no codec round trip."""
+    rnd = _round(coord, staged)
+    return rnd.commit(chunks, route=CoordinatorFragments(round=rnd), publish=publish, metadata={}, validate=False,
+                      share=share)
 
 
 def _build(staged: StagedSave, parts: list[ProcessChunks]) -> Manifest:
@@ -263,10 +276,10 @@ def test_a_fragment_of_arrays_staged_in_another_order_maps_them_by_path() -> Non
 
 
 @pytest.mark.parametrize("broadcast", [True, False])
-def test_ram_manifest_exchange_holds_before_announcing_and_broadcasts_only_when_asked(broadcast: bool) -> None:
-    """Process 0 merges the fragments, holds the manifest (stores it) before the others
-    learn of it, and sends it through the coordinator only with ``broadcast``; otherwise
-    the record is a few bytes and the others get None (they fetch it from a peer later)."""
+def test_a_coordinator_round_publishes_before_announcing_and_shares_only_when_asked(broadcast: bool) -> None:
+    """Process 0 merges the fragments, publishes the manifest (a RAM tier stores it) before
+    the others learn of it, and sends it through the coordinator only with ``share``;
+    otherwise the record is ``ok`` and the others get None (they fetch it from a peer later)."""
     w = _leaf(4, 2)
     staged = _staged_of([w])
     coords = ThreadedJob.of(4)
@@ -274,10 +287,8 @@ def test_ram_manifest_exchange_holds_before_announcing_and_broadcasts_only_when_
     parts = _parts(4, 2)[::-1]
 
     def process(i: int) -> bytes | None:
-        return exchange_ram_manifest(
-            coord=coords[i], ns="ns", step=5, staged=staged, chunks=parts[i],
-            timeout_s=30, metadata={}, writer_version="test", broadcast=broadcast,
-            hold=lambda data: held.append((i, data, "ns/rammanifest" in coords[0].keys())))
+        return _via_coordinator(coords[i], staged, parts[i], share=broadcast,
+                                publish=lambda data: held.append((i, data, "ns/commit" in coords[0].keys())))
 
     with ThreadPoolExecutor(4) as pool:
         got = list(pool.map(process, range(4)))
@@ -285,9 +296,9 @@ def test_ram_manifest_exchange_holds_before_announcing_and_broadcasts_only_when_
     assert who == 0 and not announced and got[0] == data
     assert decode_manifest(data).arrays() == (w,)
     if broadcast:
-        assert got[1:] == [data] * 3 and coords[0].get("ns/rammanifest", timeout_s=1) == data.decode()
+        assert got[1:] == [data] * 3 and coords[0].get("ns/commit", timeout_s=1) == "ok " + data.decode()
     else:
-        assert got[1:] == [None] * 3 and len(coords[0].get("ns/rammanifest", timeout_s=1)) < 32
+        assert got[1:] == [None] * 3 and coords[0].get("ns/commit", timeout_s=1) == "ok"
 
 
 def _persistent_commit(parts: list[ProcessChunks], staged: StagedSave, store: MemoryStore) -> list[bytes | None]:
@@ -295,12 +306,36 @@ def _persistent_commit(parts: list[ProcessChunks], staged: StagedSave, store: Me
     coords = ThreadedJob.of(len(parts))
 
     def process(i: int) -> bytes | None:
-        return publish_and_commit(store_run=asyncio.run, store=store, coord=coords[i], ns="ns", step=5,
-                                  save_id="c0ffee", staged=staged, chunks=parts[i], error=None, timeout_s=30,
-                                  metadata={}, writer_version="test")
+        return publish_and_commit(_round(coords[i], staged), store_run=asyncio.run, store=store,
+                                  save_id="c0ffee", chunks=parts[i], error=None, metadata={})
 
     with ThreadPoolExecutor(len(parts)) as pool:
         return list(pool.map(process, range(len(parts))))
+
+
+def test_a_failure_reported_through_the_coordinator_stops_the_round_at_once() -> None:
+    """A process that failed its part of a coordinator round (a fast tier's) says so: process 0
+    raises DistributedError naming it instead of waiting out the timeout, nothing is published."""
+    staged = _staged_of([_leaf(2, 2)])
+    coords = ThreadedJob.of(2)
+    parts = _parts(2, 2)
+    published: list[bytes] = []
+
+    def process(i: int) -> BaseException | None:
+        rnd = CommitRound(coord=coords[i], ns="ns", step=5, staged=staged, timeout_s=60, writer_version="test")
+        try:
+            rnd.commit(parts[i], route=CoordinatorFragments(round=rnd), publish=published.append, metadata={},
+                       error=OSError("disk gone") if i == 1 else None)
+        except BaseException as e:  # noqa: BLE001 - returned for the assertions
+            return e
+        return None
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(2) as pool:
+        errors = list(pool.map(process, range(2)))
+    assert time.monotonic() - t0 < 30 and not published
+    assert isinstance(errors[0], DistributedError) and "process 1" in str(errors[0]) and "disk gone" in str(errors[0])
+    assert isinstance(errors[1], OSError)
 
 
 def test_persistent_and_ram_fragments_decode_to_the_same_tables() -> None:
@@ -318,12 +353,11 @@ def test_persistent_and_ram_fragments_decode_to_the_same_tables() -> None:
     coords = ThreadedJob.of(4)
 
     def ram(i: int) -> bytes | None:
-        return exchange_ram_manifest(coord=coords[i], ns="ns", step=5, staged=staged, chunks=parts[i], timeout_s=30,
-                                     metadata={}, writer_version="test", hold=lambda data: None)
+        return _via_coordinator(coords[i], staged, parts[i], publish=lambda data: None)
 
     with ThreadPoolExecutor(4) as pool:
         ram_manifests = list(pool.map(ram, range(4)))
-    assert [coords[0].get_bytes(f"ns/ramfrag/{i}", timeout_s=1) for i in range(4)] == frags  # one encoding
+    assert [coords[0].get_bytes(f"ns/frag/{i}", timeout_s=1) for i in range(4)] == [b"ok " + f for f in frags]
     tables = [decode_manifest(m).arrays()[0].chunks for m in (persistent[0], ram_manifests[0])]  # type: ignore[arg-type]
     assert tables[0] == tables[1] == merge_chunks(parts, staged)[W] == w.chunks
     assert persistent[1:] == [None] * 3
@@ -345,15 +379,13 @@ def test_a_single_process_save_encodes_no_fragment(monkeypatch: pytest.MonkeyPat
     staged = _staged_of([w])
     [part] = _parts(1, 2)
     store = _CountingPuts(MemoryStore())
-    manifest = publish_and_commit(store_run=asyncio.run, store=store, coord=LocalCoordinator(), ns="ns", step=5,
-                                  save_id="c0ffee", staged=staged, chunks=part, error=None, timeout_s=30,
-                                  metadata={}, writer_version="test")
+    manifest = publish_and_commit(_round(LocalCoordinator(), staged), store_run=asyncio.run, store=store,
+                                  save_id="c0ffee", chunks=part, error=None, metadata={})
     assert store.puts == ["manifests/000000000005.json"] and decode_manifest(manifest).arrays() == (w,)  # type: ignore[arg-type]
     coord = LocalCoordinator()
     coord.set_bytes = refuse  # type: ignore[method-assign]
     held: list[bytes] = []
-    data = exchange_ram_manifest(coord=coord, ns="ns", step=5, staged=staged, chunks=part, timeout_s=30,
-                                 metadata={}, writer_version="test", hold=held.append)
+    data = _via_coordinator(coord, staged, part, publish=held.append)
     assert held == [data] and decode_manifest(data).arrays() == (w,)  # type: ignore[arg-type]
 
 

@@ -163,7 +163,7 @@ def _train(ram_root: str, member: str, persist_root: str, signals: str) -> dict[
 
     report: dict[str, Any] = {"process": me, "member": member}
     with CheckpointManager(persist_root, options=_options(ram_root, member)) as mgr:
-        assert mgr._ram is not None
+        assert mgr._tier is not None
         step = 0
         while True:
             step += 1
@@ -183,7 +183,7 @@ def _train(ram_root: str, member: str, persist_root: str, signals: str) -> dict[
                 last = reports[-1]
                 assert last.step == LAST_RAM_STEP and last.ok and len(last.targets) == 1, last
                 report["pushed_to"] = list(last.targets)
-                report["ram_steps"] = mgr._ram.tier.committed_steps()
+                report["ram_steps"] = mgr._tier.tier.committed_steps()
                 _write_json(sig / f"replicated-{me}.json", {"pid": os.getpid(), **report})
             if step > LAST_RAM_STEP:
                 _write_json(sig / f"progress-{me}", {"step": step})
@@ -234,7 +234,7 @@ def _probe_wrong_secret(mgr: Any) -> dict[str, Any]:
     from fastckpt.errors import AuthenticationError
     from fastckpt.replicas import PeerClient, PeerOptions
 
-    ram = mgr._ram
+    ram = mgr._tier
     assert ram is not None and ram._directory is not None
     out = {}
     for member, rec in ram._directory.lookup().items():
@@ -275,7 +275,7 @@ def restore(ram_root: str, member: str, persist_root: str, layout: str,
     target["step"] = 0
     out: dict[str, Any] = {"process": jax.process_index(), "member": member}
     with CheckpointManager(persist_root, options=_options(ram_root, member)) as mgr:
-        ram = mgr._ram
+        ram = mgr._tier
         assert ram is not None
         out["own_ram_steps_before"] = ram.tier.committed_steps()
         sources: list[Any] = []
