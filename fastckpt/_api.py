@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from fastckpt.options import ManagerOptions
@@ -10,7 +11,7 @@ from fastckpt.storage._protocol import Store
 __all__ = ["restore", "save"]
 
 
-def save(root: str | Store, step: int, state: Any, *, metadata: dict[str, object] | None = None,
+def save(root: str | Store, step: int, state: Any, *, metadata: Mapping[str, object] | None = None,
          options: ManagerOptions | None = None) -> None:
     """Save ``state`` as ``step`` under ``root`` and wait until it is committed."""
     from fastckpt._manager import CheckpointManager

@@ -17,7 +17,7 @@ import secrets
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -144,7 +144,7 @@ class CheckpointManager:
         self._plans = StagePlans()
 
     # ------------------------------------------------------------------ save
-    def save(self, step: int, state: Any, *, metadata: dict[str, object] | None = None, force: bool = False) -> bool:
+    def save(self, step: int, state: Any, *, metadata: Mapping[str, object] | None = None, force: bool = False) -> bool:
         """Stage ``state`` for ``step`` and commit it in the background.
 
         Waits first for the previous save's background work and, for a step of the fast tier

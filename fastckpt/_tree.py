@@ -69,7 +69,7 @@ def flatten(tree: Any) -> tuple[list[FlatLeaf], Any]:
 def is_prng_key(x: Any) -> bool:
     """Whether ``x`` is a typed PRNG key array (``jax.random.key``)."""
     dtype = getattr(x, "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    return dtype is not None and jax.numpy.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def unflatten_from_paths(items: dict[KeyPath, Any]) -> Any:

@@ -59,13 +59,10 @@ async def cmd_ls(store: Store, *, as_json: bool) -> int:
     for lo in leftovers:
         if lo.reason == "uncommitted":
             by_step.setdefault(lo.step, []).append(lo)
-    for step, los in sorted(by_step.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
-        sizes = [lo.size for lo in los]
-        ages = [lo.age_s for lo in los if lo.age_s is not None]
+    for lstep, los in sorted(by_step.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
         rows.append({
-            "step": step, "state": "uncommitted", "objects": len(los),
-            "stored_bytes": sum(s for s in sizes if s is not None) if all(s is not None for s in sizes) else None,
-            "youngest_age_s": min(ages) if ages else None,
+            "step": lstep, "state": "uncommitted", "objects": len(los),
+            "stored_bytes": sum(lo.size for lo in los), "youngest_age_s": min(lo.age_s for lo in los),
         })
     rows.sort(key=lambda r: (r["step"] if r["step"] is not None else -1, r["state"]))
     if as_json:

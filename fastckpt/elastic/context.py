@@ -34,7 +34,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -165,7 +165,7 @@ class ElasticContext:
             jax.block_until_ready(state)
             self._report.update(restored_step=None, restore_kind="init")
         else:
-            assert stats.step is not None
+            assert stats is not None and stats.step is not None
             self.start_step = stats.step
             self._report.update(
                 restored_step=self.start_step,
@@ -209,7 +209,7 @@ class ElasticContext:
             self._step = step
         self._report["final_step"] = step
 
-    def maybe_save(self, step: int, state: Any, *, metadata: dict[str, object] | None = None) -> bool:
+    def maybe_save(self, step: int, state: Any, *, metadata: Mapping[str, object] | None = None) -> bool:
         """Hand ``state`` (the state after ``step`` completed steps) to the manager when due.
 
         Due: ``step % checkpoint_every == 0``; forced at an agreed stop step. Returns

@@ -37,12 +37,12 @@ import itertools
 import math
 import struct
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from fastckpt.format._checks import MAX_INT, check_tiling, fail, json_dict, json_list
-from fastckpt.format.manifest import Box, ChunkEntry, ChunkTable, box_volume
+from fastckpt.format.manifest import Box, ChunkEntry, ChunkTable, Codec, box_volume
 from fastckpt.storage import validate_key
 
 __all__ = [
@@ -52,7 +52,7 @@ __all__ = [
 ]
 
 #: The codec names, in the order of their codes in a commit's numpy codec column.
-CODECS = ("raw", "zstd")
+CODECS: tuple[Codec, ...] = ("raw", "zstd")
 U32 = 0xFFFFFFFF
 _COLUMNS = ("object", "offset", "length", "codec", "crc32c", "raw_crc32c")
 _KINDS = {f"u{n}": np.dtype(f"<u{n}") for n in (1, 2, 4, 8)}
@@ -145,7 +145,7 @@ def encode_column(values: np.ndarray | Sequence[int]) -> str:
     return f"u{arr.itemsize}:" + base64.b64encode(arr.tobytes()).decode("ascii")
 
 
-def codec_column(obj: Any, n: int, what: str) -> list[str]:
+def codec_column(obj: Any, n: int, what: str) -> list[Codec]:
     """A codec column: one codec name for all ``n`` chunks, or a list of ``n`` of them."""
     if type(obj) is list:
         if len(obj) != n or any(c not in CODECS for c in obj):
@@ -261,7 +261,7 @@ def decode_chunk_table(
         fail(f"{what}: an array of {math.prod(shape)} x {itemsize} bytes is too large")
     if codec == "raw" or type(codec) is list and "raw" in codec:
         if cuts is not None:  # the cells' volumes, C order
-            raw_lengths = functools.reduce(np.multiply.outer, [np.diff(np.asarray(c, np.int64)) for c in cuts],
+            raw_lengths = functools.reduce(cast(Any, np.multiply.outer), [np.diff(np.asarray(c, np.int64)) for c in cuts],
                                            np.int64(itemsize)).reshape(-1)
         else:
             raw_lengths = np.array([box_volume(b) * itemsize for b in listed or ()], np.int64)
@@ -273,5 +273,5 @@ def decode_chunk_table(
             fail(f"{what}.length[{i}]: raw chunk length {int(lengths[i])} != box volume x itemsize "
                  f"{int(raw_lengths[i])}")
     return ChunkTable(cuts=cuts, boxes=listed, keys=objects, object_index=index, offsets=offsets, lengths=lengths,
-                      codec=codec if type(codec) is str else tuple(codecs), crc32c=crcs, raw_crc32c=raw_crcs,
+                      codec=cast(Codec, codec) if type(codec) is str else tuple(codecs), crc32c=crcs, raw_crc32c=raw_crcs,
                       itemsize=itemsize)

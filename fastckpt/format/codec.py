@@ -92,9 +92,9 @@ def _leaf_to_json(leaf: Leaf, objects: dict[str, int] | None) -> dict[str, Any]:
     if isinstance(leaf, ValueLeaf):
         value: Any = leaf.value
         if leaf.vtype == "float":
-            value = _float_to_json(float(value))  # type: ignore[arg-type]
+            value = _float_to_json(float(value))
         elif leaf.vtype == "complex":
-            re, im = value  # type: ignore[misc]
+            re, im = value
             value = [_float_to_json(re), _float_to_json(im)]
         return {"path": path, "type": "value", "vtype": leaf.vtype, "value": value}
     sharding = None

@@ -199,7 +199,7 @@ class ChunkTable(Sequence[ChunkEntry]):
     @overload
     def __getitem__(self, i: slice) -> tuple[ChunkEntry, ...]: ...
     def __getitem__(self, i: int | slice) -> ChunkEntry | tuple[ChunkEntry, ...]:
-        hit = self._built.get(i) if type(i) is int else None  # type: ignore[arg-type]
+        hit = self._built.get(i) if type(i) is int else None
         if hit is not None:
             return hit
         if isinstance(i, slice):
@@ -237,9 +237,10 @@ class ChunkTable(Sequence[ChunkEntry]):
     @property
     def raw_bytes(self) -> int:
         """Sum of the chunks' raw lengths."""
-        if self._cells is not None:
-            return math.prod(c[-1] - c[0] for c in self._cuts) * self._itemsize  # type: ignore[union-attr]
-        return sum(box_volume(b) for b in self._boxes) * self._itemsize  # type: ignore[union-attr]
+        if self._cuts is not None:
+            return math.prod([c[-1] - c[0] for c in self._cuts]) * self._itemsize
+        assert self._boxes is not None
+        return sum(box_volume(b) for b in self._boxes) * self._itemsize
 
     def object_keys(self) -> set[str]:
         """The object keys the chunks name."""

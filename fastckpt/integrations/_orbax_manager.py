@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from collections.abc import Container, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from fastckpt._manager import CheckpointManager
@@ -85,12 +85,12 @@ class OrbaxStyleOptions:
         bad = [f for f in _UNSUPPORTED if getattr(options, f, None) is not None]
         if bad:
             raise ConfigError(f"Orbax options {bad} have no fastckpt equivalent")
-        steps: Container[int] | None = getattr(options, "save_on_steps", None)
+        steps: Iterable[int] | None = getattr(options, "save_on_steps", None)
         return cls(
             max_to_keep=options.max_to_keep,
             keep_period=options.keep_period,
             save_interval_steps=options.save_interval_steps,
-            save_on_steps=frozenset(steps) if steps is not None else None,  # type: ignore[arg-type]
+            save_on_steps=frozenset(steps) if steps is not None else None,
             enable_async_checkpointing=options.enable_async_checkpointing,
             read_only=options.read_only,
             manager_options=manager_options or ManagerOptions(),

@@ -179,7 +179,7 @@ def _plan(leaf: _Leaf, item: OrbaxItem, *, allow_cast: bool) -> None:
     elif leaf.mode == "pyscalar" and stored_shape != ():
         raise ShapeMismatchError(f"{where}: target is a scalar, stored shape is {stored_shape}")
     if leaf.mode not in ("jax", "key"):
-        leaf.device_boxes = [(None, full_box(stored_shape))]  # type: ignore[list-item]
+        leaf.device_boxes = [(None, full_box(stored_shape))]
         return
     sharding = getattr(tgt, "sharding", None)
     sharding = resolve_sharding(_saved_sharding(item.shardings.get(where)) if sharding is None else sharding, where)

@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from fastckpt.errors import (
@@ -132,7 +133,7 @@ def convert_orbax_to_fastckpt(
     orbax_step: int | None = None,
     item: str | None = None,
     target: Any = None,
-    metadata: dict[str, object] | None = None,
+    metadata: Mapping[str, object] | None = None,
     options: ManagerOptions | None = None,
 ) -> int:
     """Copy one Orbax checkpoint into a fastckpt root as a committed step.
@@ -165,7 +166,7 @@ def convert_orbax_to_fastckpt(
     if step is None:
         raise ConfigError(f"cannot tell the step of {src}; pass step=")
     tree = restore_orbax(item_url, target)
-    meta = {"converted_from": {"format": "orbax", "path": item_url}}
+    meta: dict[str, object] = {"converted_from": {"format": "orbax", "path": item_url}}
     meta.update(metadata or {})
     fastckpt.save(fastckpt_root, step, tree, metadata=meta, options=options)
     return step

@@ -33,8 +33,11 @@ def full_box(shape: Sequence[int]) -> Box:
     return tuple((0, int(n)) for n in shape)
 
 
-def box_from_index(index: Sequence[slice], shape: Sequence[int]) -> Box:
-    """Convert a tuple of unit-step slices (as in ``devices_indices_map``) into a box."""
+def box_from_index(index: Sequence[slice] | None, shape: Sequence[int]) -> Box:
+    """Convert a tuple of unit-step slices (as in ``devices_indices_map``; None: the whole
+    array) into a box."""
+    if index is None:
+        index = (slice(None),) * len(shape)
     if len(index) != len(shape):
         raise ConfigError(f"index rank {len(index)} != shape rank {len(shape)}")
     out = []

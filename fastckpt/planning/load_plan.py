@@ -90,7 +90,7 @@ class ChunkIndex:
             first = bisect.bisect_right(self._ends, lo)  # earlier chunks end at or before lo
             stop = bisect.bisect_left(self._starts, hi)  # later chunks start at or after hi
             hits = sorted((i, intersect(self._chunks[i].box, box)) for i in self._order[first:stop])
-        return [(self._chunks[i], o) for i, o in hits if o is not None]  # type: ignore[misc]
+        return [(self._chunks[i], o) for i, o in hits if o is not None]
 
 
 class GridIndex:

@@ -10,7 +10,7 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -61,7 +61,7 @@ class RestorePlan:
 
 def _value(leaf: ValueLeaf) -> Any:
     if leaf.vtype == "complex":
-        re, im = leaf.value  # type: ignore[misc]
+        re, im = cast(tuple[float, float], leaf.value)
         return complex(re, im)
     return leaf.value
 
@@ -118,7 +118,8 @@ def shard_boxes(sharding: jax.sharding.Sharding, shape: tuple[int, ...], key_ext
     if key_extra:
         index_map = sharding.addressable_devices_indices_map(shape[: len(shape) - key_extra])
         return _key_data_sharding(sharding, key_extra), [
-            (d, box_from_index(tuple(idx) + (slice(None),) * key_extra, shape)) for d, idx in index_map.items()]
+            (d, box_from_index(None if idx is None else (*idx, *(slice(None),) * key_extra), shape))
+            for d, idx in index_map.items()]
     key: Any = (sharding, shape)
     try:
         hit = None if cache is None else cache.get(key)

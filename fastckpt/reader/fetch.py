@@ -86,9 +86,9 @@ def _scatter(ordered: Sequence[tuple[LeafFiller, ChunkEntry]], direct: Sequence[
     where = lambda: f"a read of {length} bytes of object {ordered[0][1].key}"  # noqa: E731
     if cache is not None and scratch_bytes:
         grain = -(-scratch_bytes // _SCRATCH_GRAIN) * _SCRATCH_GRAIN
-        scratch = memoryview(allocate(grain, where, cache=cache))[:scratch_bytes]
+        scratch = allocate(grain, where, cache=cache).data[:scratch_bytes]
     else:
-        scratch = memoryview(allocate(scratch_bytes, where, aligned=False))
+        scratch = allocate(scratch_bytes, where, aligned=False).data
     if direct is None:
         return [scratch], [(f, c, scratch[c.offset - start : c.offset - start + c.length], False) for f, c in ordered]
     parts: list[memoryview] = []
@@ -264,7 +264,8 @@ async def fill_units(
         try:
             await _in_thread(executor, plan_all)
             for job in fetching:
-                left.extend(await asyncio.wrap_future(job))
+                done = await asyncio.wrap_future(job)
+                left.extend(done)
         except BaseException:  # wait for the fetches already running: none outlives the restore
             for job in fetching:
                 job.cancel()

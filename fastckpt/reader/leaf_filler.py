@@ -226,14 +226,14 @@ class LeafFiller:
             return None
         start, n = span
         isz = self.dtype.itemsize
-        return memoryview(self.flats[pos][start * isz : (start + n) * isz])
+        return self.flats[pos][start * isz : (start + n) * isz].data
 
     def target(self, chunk: ChunkEntry) -> tuple[memoryview, np.ndarray | None]:
         direct = self.direct_span(chunk)
         if direct is not None:
             return direct, None
         scratch = allocate(chunk.raw_length, lambda: where(self.leaf, chunk), aligned=False)
-        return memoryview(scratch), scratch
+        return scratch.data, scratch
 
     def needed_runs(self, chunk: ChunkEntry) -> list[tuple[int, int]]:
         """The byte ranges ``(start, n)`` of ``chunk`` its read items use (a resharding

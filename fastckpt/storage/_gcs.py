@@ -35,7 +35,7 @@ import secrets
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, TypeVar, final
+from typing import TYPE_CHECKING, Any, TypeVar, cast, final
 from urllib.parse import quote
 
 import numpy as np
@@ -310,11 +310,11 @@ class GcsStore(Store):
     def _read_body(resp: requests.Response, what: str) -> memoryview | bytes:
         length = resp.headers.get("Content-Length")
         if length is None:
-            return resp.raw.read(decode_content=False)
+            return cast(bytes, resp.raw.read(decode_content=False))
         n = int(length)
         if n == 0:
             return b""
-        view = memoryview(np.empty(n, dtype=np.uint8)).cast("B")
+        view = np.empty(n, dtype=np.uint8).data.cast("B")
         readinto_parts(resp, [view], what)
         return view
 
@@ -365,7 +365,7 @@ class GcsStore(Store):
         try:
             resp = session.post(
                 url,
-                data=StreamBody([head, *parts, tail]),
+                data=cast(Any, StreamBody([head, *parts, tail])),  # requests streams any iterable of buffers
                 headers={"Content-Type": f"multipart/related; boundary={boundary}"},
                 timeout=self._timeout,
             )

@@ -76,7 +76,7 @@ def readinto_parts(resp: requests.Response, into: list[memoryview], what: str) -
 
 def discard(resp: requests.Response, n: int, what: str) -> None:
     """Read and drop the next ``n`` bytes of the body."""
-    sink = memoryview(np.empty(min(n, _READ_BLOCK), np.uint8))
+    sink = np.empty(min(n, _READ_BLOCK), np.uint8).data
     while n:
         readinto_parts(resp, [sink[: min(n, sink.nbytes)]], what)
         n -= min(n, sink.nbytes)

@@ -178,7 +178,7 @@ class LocalStore(Store):
                 head = os.pread(fd, n, start) if n else b""
                 if len(head) == n:
                     return head  # (short reads, e.g. on network file systems, go on below)
-            view = memoryview(np.empty(n, dtype=np.uint8)).cast("B")
+            view = np.empty(n, dtype=np.uint8).data.cast("B")
             view[: len(head)] = head
             done = len(head)
             while done < n:

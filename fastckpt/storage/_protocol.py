@@ -32,7 +32,7 @@ import abc
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Literal, Union
+from typing import Literal, Union, cast
 
 from fastckpt._checksum import crc32c
 from fastckpt.errors import ConfigError, NotFoundError
@@ -109,10 +109,10 @@ def payload_parts(data: Payload) -> list[memoryview]:
     """
     if not isinstance(data, (list, tuple)):
         try:
-            return [_flat(data)]
+            return [_flat(cast(Buffer, data))]
         except TypeError:
             pass
-    return [_flat(p) for p in data]
+    return [_flat(p) for p in cast(Sequence[Buffer], data)]
 
 
 def _flat(buf: Buffer) -> memoryview:

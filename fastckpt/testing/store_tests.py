@@ -199,10 +199,10 @@ class StoreTests:
         data = _blob(10_000)
         run(store.put("s", data))
         a, b, c = bytearray(100), np.zeros(1000, np.uint8), bytearray(3)
-        run(store.get_into("s", 1234, [memoryview(a), memoryview(b), memoryview(c)]))
+        run(store.get_into("s", 1234, [memoryview(a), b.data, memoryview(c)]))
         assert bytes(a) + b.tobytes() + bytes(c) == data[1234:2337]
         whole = np.empty(10_000, np.uint8)
-        run(store.get_into("s", 0, [memoryview(whole)]))
+        run(store.get_into("s", 0, [whole.data]))
         assert whole.tobytes() == data
 
     def test_get_into_many_parts(self, store: Store) -> None:
@@ -217,7 +217,7 @@ class StoreTests:
         run(store.put("big", data))
         n = self.large_size // 2 + 17
         out = np.empty(n + 8, np.uint8)
-        run(store.get_into("big", 11, [memoryview(out)[3 : 3 + n // 3], memoryview(out)[3 + n // 3 : 3 + n]]))
+        run(store.get_into("big", 11, [out.data[3 : 3 + n // 3], out.data[3 + n // 3 : 3 + n]]))
         assert out[3 : 3 + n].tobytes() == data[11 : 11 + n]
 
     def test_get_into_short_object_is_corruption(self, store: Store) -> None:

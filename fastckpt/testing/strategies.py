@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import itertools
 import string
-from typing import Any
+from typing import Any, get_args
 
 from hypothesis import strategies as st
 
-from fastckpt.format.chunk_table import table_from_entries
+from fastckpt.format.chunk_table import CODECS, table_from_entries
 from fastckpt.format.dtypes import _BY_NAME
 from fastckpt.format.manifest import (
+    ArrayKind,
     ArrayLeaf,
     Box,
     ChunkEntry,
+    Codec,
     KeyPath,
     Leaf,
     Manifest,
@@ -152,9 +154,9 @@ def sharding_specs(draw: st.DrawFn, rank: int) -> ShardingSpec | None:
 
 
 _U32 = st.integers(0, 2**32 - 1)
-_CODECS = st.sampled_from(["raw", "zstd"])
+_CODECS: st.SearchStrategy[Codec] = st.sampled_from(CODECS)
 _OFFSETS = st.integers(0, 2**40)
-_KINDS = st.sampled_from(["jax", "numpy", "prng_key"])
+_KINDS: st.SearchStrategy[ArrayKind] = st.sampled_from(get_args(ArrayKind))
 _KEY_IMPLS = st.sampled_from(["threefry2x32", "rbg"])
 _DTYPES = st.sampled_from(DTYPE_NAMES)
 _SHAPES = shapes(max_rank=3, max_side=6)

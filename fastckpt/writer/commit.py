@@ -136,7 +136,7 @@ async def _read_all(store: Store, keys: Sequence[str]) -> list[Buffer]:
     The first failure cancels the rest and is raised as itself (not as an exception group)."""
     limit = asyncio.Semaphore(_FRAGMENT_READS)
 
-    async def one(key: str) -> bytes:
+    async def one(key: str) -> Buffer:
         async with limit:
             return await store.get(key)
 

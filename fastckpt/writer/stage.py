@@ -115,12 +115,12 @@ class StagedSave:
     def chunk_view(self, array: StagedArray, i: int) -> memoryview:
         """Raw bytes of ``array.items[i]`` (a view into the staging buffer)."""
         off = array.item_offsets[i]
-        return memoryview(self.buffer)[off : off + array.items[i].nbytes]
+        return self.buffer.data[off : off + array.items[i].nbytes]
 
     def chunk_views(self) -> Iterator[tuple[int, int, memoryview]]:
         """``(array index, item index, raw bytes)`` of every staged chunk, in order (views
         into the staging buffer; slicing one memoryview costs less than slicing numpy arrays)."""
-        buf = memoryview(self.buffer)
+        buf = self.buffer.data
         for ai, arr in enumerate(self.arrays):
             for ii, (off, item) in enumerate(zip(arr.item_offsets, arr.items)):
                 yield ai, ii, buf[off : off + item.nbytes]
@@ -427,7 +427,8 @@ def stage_state(
         buffer, prepare = allocate_unreserved(total)
     else:
         buffer = allocate(total)
-    copies, later = [], []
+    copies: list[tuple[np.ndarray, np.ndarray]] = []
+    later: list[tuple[np.ndarray, np.ndarray]] = []
     arrays = []
     for p, hosts, offs, defer in zip(pending, leaf_hosts, shard_offsets, deferrable):
         to = later if defer else copies
