@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fastckpt.options import ManagerOptions
-from fastckpt.storage._protocol import Store
+from fastckpt.storage import Store
 
 __all__ = ["restore", "save"]
 

@@ -46,7 +46,7 @@ from fastckpt._pygc import paused_gc
 from fastckpt.coordination.restore_agreement import agree_on_outcome, agreed_storage_latest, choose_latest
 from fastckpt._version import __version__
 from fastckpt.reader.fetch import ChunkSource, RestoreStats, Unit, fill_units
-from fastckpt.storage._protocol import Store
+from fastckpt.storage import Store
 from fastckpt.writer.commit import CommitRound, publish_and_commit
 from fastckpt.writer.pipeline import WriteStats, write_chunks
 from fastckpt.writer.stage import StagedSave, StagePlans, stage_state, staged_crc32c

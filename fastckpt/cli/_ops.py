@@ -49,7 +49,7 @@ async def _has_steps(store: Store) -> bool:
 def cmd_convert(src: str, dst: str, *, step: int | None, to_step: int | None, item: str | None,
                 layout: str, gcs_endpoint: str | None) -> int:
     """Convert between Orbax and fastckpt; the direction is detected from ``src``."""
-    from fastckpt.integrations._orbax_layout import is_orbax_dir
+    from fastckpt.integrations.orbax import is_orbax_dir
     from fastckpt.integrations.orbax import convert_fastckpt_to_orbax, convert_orbax_to_fastckpt
 
     if run_on_root(_has_steps, src, gcs_endpoint):

@@ -41,7 +41,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from fastckpt.format._checks import MAX_INT, check_tiling, fail, json_dict, json_list
+from fastckpt.format.checks import MAX_INT, check_tiling, fail, json_dict, json_list
 from fastckpt.format.manifest import Box, ChunkEntry, ChunkTable, Codec, box_volume
 from fastckpt.storage import validate_key
 

@@ -45,12 +45,12 @@ import numpy as np
 
 from fastckpt._checksum import crc32c
 from fastckpt.errors import ManifestError, UnsupportedFormatVersionError
-from fastckpt.format._checks import fail as _fail
-from fastckpt.format._checks import json_dict as _dict
-from fastckpt.format._checks import json_float as _float_from_json
-from fastckpt.format._checks import json_int as _int
-from fastckpt.format._checks import json_list as _list
-from fastckpt.format._checks import json_str as _str
+from fastckpt.format.checks import fail as _fail
+from fastckpt.format.checks import json_dict as _dict
+from fastckpt.format.checks import json_float as _float_from_json
+from fastckpt.format.checks import json_int as _int
+from fastckpt.format.checks import json_list as _list
+from fastckpt.format.checks import json_str as _str
 from fastckpt._pygc import paused_gc
 from fastckpt.format.chunk_table import decode_chunk_table, decode_object_keys, encode_table
 from fastckpt.format.dtypes import dtype_from_name

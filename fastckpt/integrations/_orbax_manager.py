@@ -31,7 +31,7 @@ from fastckpt.errors import (
 )
 from fastckpt.format.manifest import ArrayLeaf
 from fastckpt.options import ManagerOptions, RetentionOptions
-from fastckpt.storage._protocol import Store
+from fastckpt.storage import Store
 
 __all__ = ["OrbaxStyleCheckpointManager", "OrbaxStyleOptions", "OrbaxStyleStepMetadata"]
 

@@ -37,7 +37,7 @@ from fastckpt.integrations._orbax_manager import (
 )
 from fastckpt.integrations._orbax_layout import is_orbax_dir as is_orbax_dir
 from fastckpt.options import ManagerOptions
-from fastckpt.storage._protocol import Store
+from fastckpt.storage import Store
 
 __all__ = [
     "OrbaxStyleCheckpointManager",

@@ -33,7 +33,7 @@ from fastckpt.options import RestoreOptions
 from fastckpt.planning import FetchRange, coalesce_fetches
 from fastckpt.reader.leaf_filler import Decoder, LeafFiller, allocate, fetch_many_from_source, where
 from fastckpt.reader.units import ChunkSource, RestoreStats, SourceCounters, Unit
-from fastckpt.storage._protocol import Store
+from fastckpt.storage import Store
 
 __all__ = ["ChunkSource", "RestoreStats", "SourceCounters", "Unit", "fill_units"]
 

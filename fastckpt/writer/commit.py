@@ -43,7 +43,7 @@ from fastckpt._pygc import paused_gc
 from fastckpt.format.codec import decode_manifest, encode_manifest
 from fastckpt.format.layout import fragment_key, manifest_key, step_from_data_key
 from fastckpt.format.manifest import ArrayLeaf, KeyPath, Leaf, Manifest
-from fastckpt.storage._protocol import Buffer, Store
+from fastckpt.storage import Buffer, Store
 from fastckpt.writer.fragment import ProcessChunks, decode_fragments, encode_fragment
 from fastckpt.writer.merge import merge_chunks
 from fastckpt.writer.stage import StagedSave

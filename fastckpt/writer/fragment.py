@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from fastckpt._pygc import paused_gc
-from fastckpt.format._checks import MAX_INT, fail, json_dict, json_int, json_list
+from fastckpt.format.checks import MAX_INT, fail, json_dict, json_int, json_list
 from fastckpt.format.chunk_table import (
     CODECS,
     U32,

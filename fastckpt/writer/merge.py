@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from fastckpt._pygc import paused_gc
-from fastckpt.format._checks import check_tiling, fail
+from fastckpt.format.checks import check_tiling, fail
 from fastckpt.format.chunk_table import CODECS, grid_cuts
 from fastckpt.format.dtypes import dtype_from_name
 from fastckpt.format.manifest import ChunkTable, KeyPath, keypath_str

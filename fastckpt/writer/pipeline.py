@@ -25,7 +25,7 @@ from fastckpt._checksum import crc32c
 from fastckpt.format.layout import data_key
 from fastckpt.format.manifest import Box, Codec
 from fastckpt.options import SaveOptions
-from fastckpt.storage._protocol import Store
+from fastckpt.storage import Store
 from fastckpt.writer.fragment import ChunkRows, ProcessChunks
 from fastckpt.writer.stage import StagedSave
 
