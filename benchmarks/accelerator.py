@@ -67,6 +67,7 @@ from benchmarks._common import (
     markdown_table,
     measure_memcpy,
     median,
+    publish_docs,
     spec_for_bytes,
     tree_nbytes,
     write_json,
@@ -529,10 +530,16 @@ def report(doc: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
     return "\n".join(lines), panels
 
 
-def _render(doc: dict[str, Any], out_dir: Path) -> str:
+def render(doc: dict[str, Any]) -> str:
+    """The markdown report of a results JSON (also the body of its docs/benchmarks.md block)."""
+    return report(doc)[0] + "\n"
+
+
+def _render(doc: dict[str, Any], out_dir: Path, *, update_docs: bool = False) -> str:
     md, panels = report(doc)
     (out_dir / "accelerator.md").write_text(md + "\n")
     bar_chart(out_dir / "accelerator.png", panels=panels, title=f"fastckpt on {doc['env']['device_kind']}", ncols=1)
+    publish_docs("accelerator", doc, render=render, results_path=out_dir / "accelerator.json", force=update_docs)
     return md
 
 
@@ -551,9 +558,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shm-dir", default="/dev/shm")
     p.add_argument("--out-dir", default=str(RESULTS_DIR))
     p.add_argument("--from-json", help="re-render the markdown and plot from a results JSON, run nothing")
+    p.add_argument("--update-docs", action="store_true", help="rewrite the docs/benchmarks.md block even for another --out-dir")
     args = p.parse_args(argv)
     if args.from_json:
-        print(_render(json.loads(Path(args.from_json).read_text()), Path(args.out_dir)))
+        print(_render(json.loads(Path(args.from_json).read_text()), Path(args.out_dir), update_docs=args.update_docs))
         return 0
     args.threads = [int(t) for t in (args.threads or "2,4,8").split(",")]
 
@@ -594,7 +602,7 @@ def main(argv: list[str] | None = None) -> int:
         doc["finished"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         doc["wall_s"] = time.perf_counter() - run.t0
         write_json(out_dir / "accelerator.json", doc)
-    print(_render(doc, out_dir))
+    print(_render(doc, out_dir, update_docs=args.update_docs))
     return 1 if run.errors else 0
 
 

@@ -38,7 +38,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import REPO_ROOT, RESULTS_DIR, fmt_s, markdown_table, median, text_table, write_json
+from benchmarks._common import (
+    REPO_ROOT,
+    RESULTS_DIR,
+    fmt_s,
+    markdown_table,
+    median,
+    publish_docs,
+    text_table,
+    write_json,
+)
 
 TARGET_S = 10.0
 """Issue #4: SIGKILL -> first step on the resized mesh, for a ~0.5 GiB state."""
@@ -207,6 +216,9 @@ def render_markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+
+render = render_markdown  # the name benchmarks._common.render_block calls
+
 def plot(doc: dict[str, Any], path: Path) -> None:
     """Stacked bars of the parts per run and the median, the target as a line."""
     import matplotlib
@@ -268,6 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep", action="store_true", help="keep each run's workdir")
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     p.add_argument("--from-json", type=Path, default=None, help="re-render the .md and .png from a results JSON")
+    p.add_argument("--update-docs", action="store_true",
+                   help="rewrite the docs/benchmarks.md block even for --quick or another --results-dir")
     return p
 
 
@@ -295,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         write_json(args.results_dir / "elastic_recovery.json", doc)
     (args.results_dir / "elastic_recovery.md").write_text(render_markdown(doc))
     plot(doc, args.results_dir / "elastic_recovery.png")
+    publish_docs("elastic_recovery", doc, render=render, results_path=args.results_dir / "elastic_recovery.json",
+                 quick=doc["meta"]["preset"] != "bench", force=args.update_docs)
     s = doc["summary"]
     print(text_table(["figure", "value"], [
         ["kill -> first step (median s)", fmt_s(s["kill_to_first_step_s"])],

@@ -56,9 +56,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from benchmarks._common import RESULTS_DIR, MiB, median, write_json
+from benchmarks._common import RESULTS_DIR, MiB, median, publish_docs, write_json
 from benchmarks._hosts_job import BUCKET
 from benchmarks._hosts_report import plot, report, summarise
+
+render = report  # the markdown page of a results JSON (benchmarks._common.render_block calls it)
 
 if TYPE_CHECKING:
     from fastckpt.testing.gcs_emulator import GcsEmulator
@@ -377,7 +379,7 @@ class Bench:
         return {"total_bytes": total, "object_bytes": CHUNK, "delays": values[0]}
 
 
-def _parse(argv: list[str] | None) -> tuple[Config, Path]:
+def _parse(argv: list[str] | None) -> tuple[Config, Path, bool]:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -390,6 +392,8 @@ def _parse(argv: list[str] | None) -> tuple[Config, Path]:
     p.add_argument("--delays-ms", default="10,25", help="relay delay each way")
     p.add_argument("--repeats", type=int)
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    p.add_argument("--update-docs", action="store_true",
+                   help="rewrite the docs/benchmarks.md block even for --quick or another --out-dir")
     a = p.parse_args(argv)
 
     def ints(s: str) -> tuple[int, ...]:
@@ -411,7 +415,7 @@ def _parse(argv: list[str] | None) -> tuple[Config, Path]:
         or not 2 <= min(cfg.scale_hosts) <= max(cfg.scale_hosts) <= 64
     ):
         p.error("--rates and --scale-hosts must not be empty; cluster sizes are 2..64")
-    return cfg, a.out_dir
+    return cfg, a.out_dir, a.update_docs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -420,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     from fastckpt.testing.gcs_emulator import GcsEmulator
     from fastckpt.testing.hosts import LinkShape, SimulatedHosts
 
-    cfg, out_dir = _parse(argv)
+    cfg, out_dir, update_docs = _parse(argv)
     t0 = time.monotonic()
     git = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], check=False, capture_output=True, text=True
@@ -469,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     write_json(out_dir / f"{name}.json", doc)
     (out_dir / f"{name}.md").write_text(md)
     plot(doc, out_dir / f"{name}.png")
+    publish_docs("hosts", doc, render=render, results_path=out_dir / f"{name}.json", quick=cfg.quick, force=update_docs)
     print(md)
     return 0 if all(c["pass"] for c in doc["checks"]) else 1
 

@@ -295,6 +295,8 @@ def driver(args: argparse.Namespace) -> int:
     (args.results_dir / f"{name}.md").write_text(render(doc))
     if not args.no_plot:
         plot(doc, args.results_dir / f"{name}.png")
+    publish_docs("leaf_scaling", doc, render=render, results_path=args.results_dir / f"{name}.json", quick=args.quick,
+                 force=args.update_docs)
     print(text_table(HEADERS, rows(doc)))
     print(f"wrote {args.results_dir / name}.{{json,md{'' if args.no_plot else ',png'}}} in {meta['wall_s']:.0f}s",
           file=sys.stderr)
@@ -311,6 +313,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--name", help="output file stem (default leaf_scaling, or leaf_scaling_quick)")
     p.add_argument("--cell-timeout", type=float, default=900.0)
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--update-docs", action="store_true",
+                   help="rewrite the docs/benchmarks.md block even for --quick or another --results-dir")
     p.add_argument("--from-json", type=Path, metavar="PATH", help="only re-render the markdown and plot of a results JSON")
     p.add_argument("--cell", choices=("fastckpt", "orbax"), help=argparse.SUPPRESS)
     p.add_argument("--leaves", type=int, help=argparse.SUPPRESS)
@@ -327,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
         doc = json.loads(args.from_json.read_text())
         args.from_json.with_suffix(".md").write_text(render(doc))
         plot(doc, args.from_json.with_suffix(".png"))
+        publish_docs("leaf_scaling", doc, render=render, results_path=args.from_json, quick=doc["meta"]["quick"],
+                     force=args.update_docs)
         print(render(doc))
         return 0
     if args.cell:

@@ -51,7 +51,15 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
-from benchmarks._common import RESULTS_DIR, bar_chart, make_mesh, markdown_table, median, write_json  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    RESULTS_DIR,
+    bar_chart,
+    make_mesh,
+    markdown_table,
+    median,
+    publish_docs,
+    write_json,
+)
 
 MiB = 1 << 20
 ROWS, COLS = 8192, 1024
@@ -549,6 +557,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="smaller cases (about 20 s)")
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     p.add_argument("--shm-dir", type=Path, default=Path("/dev/shm"))
+    p.add_argument("--update-docs", action="store_true",
+                   help="rewrite the docs/benchmarks.md block even for --quick or another --results-dir")
     args = p.parse_args(argv)
     reps = 3 if args.quick else 5
     chunk_counts = [8, 64, 512] if args.quick else [8, 64, 512, 2048]
@@ -572,6 +582,8 @@ def main(argv: list[str] | None = None) -> int:
     write_json(args.results_dir / f"{name}.json", doc)
     (args.results_dir / f"{name}.md").write_text(render(doc))
     plot(doc, args.results_dir / f"{name}.png")
+    publish_docs("planning_scale", doc, render=render, results_path=args.results_dir / f"{name}.json", quick=args.quick,
+                 force=args.update_docs)
     print(render(doc))
     print(f"wrote {args.results_dir / name}.{{json,md,png}}", file=sys.stderr)
     return 0

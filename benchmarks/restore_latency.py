@@ -96,6 +96,7 @@ from benchmarks._common import (  # noqa: E402
     measure_crc32c,
     measure_memcpy,
     median,
+    publish_docs,
     rss_bytes,
     run_module_json,
     spec_for_bytes,
@@ -770,14 +771,19 @@ def tables(results: dict[str, Any]) -> dict[str, tuple[list[str], list[list[str]
     return out
 
 
-def write_outputs(results: dict[str, Any], results_dir: Path, name: str, *, plot: bool) -> str:
-    t = tables(results)
-    meta = results["meta"]
-    head = (f"{meta['mode']} run: states {', '.join(f'{s} MiB' for s in meta['sizes_mib'])} (params + Adam, "
+def _head(meta: dict[str, Any]) -> str:
+    return (f"{meta['mode']} run: states {', '.join(f'{s} MiB' for s in meta['sizes_mib'])} (params + Adam, "
             f"{meta.get('num_leaves', '?')} leaves at the first size), 8 CPU devices (2x4 mesh), "
             f"{meta['reps']} timed restores per tier after a first one. Load average "
             f"{meta['loadavg_start'][0]:.1f} -> {meta['loadavg_end'][0]:.1f} on {meta['cpus']} CPUs "
             f"(shared machine: wall times are inflated by contention; the CPU s column is less so).")
+
+
+def render(results: dict[str, Any]) -> str:
+    """The markdown report of a results JSON (also the body of its docs/benchmarks.md block)."""
+    t = tables(results)
+    meta = results["meta"]
+    head = _head(meta)
     legend = ("GB/s = state bytes / median restore time. `restore s` covers `restore` (manifest, "
               "step choice, fetch, checksum, device placement) until `block_until_ready`. own RAM: every byte "
               "from this process's tier; peer RAM: a replacement process with an empty tier pulls every byte "
@@ -807,10 +813,20 @@ def write_outputs(results: dict[str, Any], results_dir: Path, name: str, *, plot
                   markdown_table(*t["overhead"])]
     parts += ["## Targets", markdown_table(*t["checks"]),
               f"Versions: {', '.join(f'{k} {v}' for k, v in meta['versions'].items())}."]
-    (results_dir / f"{name}.md").write_text("\n\n".join(parts) + "\n")
+    return "\n\n".join(parts) + "\n"
+
+
+def write_outputs(results: dict[str, Any], results_dir: Path, name: str, *, plot: bool,
+                  update_docs: bool = False) -> str:
+    t = tables(results)
+    meta = results["meta"]
+    (results_dir / f"{name}.md").write_text(render(results))
     write_json(results_dir / f"{name}.json", results)
     if plot:
         plot_results(results, results_dir / f"{name}.png")
+    publish_docs("restore_latency", results, render=render, results_path=results_dir / f"{name}.json",
+                 quick=meta["mode"] == "quick", force=update_docs)
+    head = _head(meta)
     return "\n\n".join([head, text_table(*t["restore"]), text_table(*t["limits"])]
                        + ([text_table(*t["overhead"])] if "overhead" in t else []) + [text_table(*t["checks"])])
 
@@ -964,7 +980,7 @@ def finish(results: dict[str, Any], args: argparse.Namespace) -> int:
     results["checks"] = evaluate(results)
     results_dir = Path(args.results_dir)
     results_dir.mkdir(parents=True, exist_ok=True)
-    text = write_outputs(results, results_dir, args.name, plot=not args.no_plot)
+    text = write_outputs(results, results_dir, args.name, plot=not args.no_plot, update_docs=args.update_docs)
     print(text)
     print(f"\nwrote {results_dir}/{args.name}.{{json,md{',png' if not args.no_plot else ''}}} "
           f"in {results['meta']['wall_s']:.0f}s")
@@ -991,6 +1007,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--disk-dir", default=os.environ.get("FASTCKPT_BENCH_DISK", "/tmp"))
     p.add_argument("--shm-dir", default="/dev/shm")
     p.add_argument("--results-dir", default=str(RESULTS_DIR))
+    p.add_argument("--update-docs", action="store_true",
+                   help="rewrite the docs/benchmarks.md block even for --quick or another --results-dir")
     p.add_argument("--name", default=None, help="output file stem (default restore_latency; "
                                                  "restore_latency_root with --root-only)")
     p.add_argument("--limit-reps", type=int, default=None)

@@ -77,6 +77,7 @@ from benchmarks._common import (  # noqa: E402
     measure_memcpy,
     median,
     proc_io,
+    publish_docs,
     rss_bytes,
     run_module_json,
     spec_for_bytes,
@@ -479,15 +480,15 @@ def memory_table(results: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return headers, rows
 
 
-def write_outputs(results: dict[str, Any], results_dir: Path, *, plot: bool) -> str:
-    headers, rows, lheaders, lrows = tables(results)
-    vheaders, vrows = vs_limits(results)
-    mheaders, mrows = memory_table(results)
-    checks = results["checks"]
+def checks_table(results: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
     cheaders = ["target (fastckpt)", "destination", "measured", "bound", "result", "note"]
     crows = [[c["target"], DEST_LABEL.get(c["dest"], c["dest"]),
               "n/a" if c["value"] is None else f"{c['value']:.2f}", "" if c["bound"] is None else f"{c['bound']}",
-              "PASS" if c["pass"] else "FAIL", c["note"]] for c in checks]
+              "PASS" if c["pass"] else "FAIL", c["note"]] for c in results["checks"]]
+    return cheaders, crows
+
+
+def header(results: dict[str, Any]) -> str:
     meta = results["meta"]
     head = (f"State: {meta['state_bytes'] / MiB:.0f} MiB, {meta['num_leaves']} leaves, 8 CPU devices (2x4 mesh); "
             f"restore 4-dev = 2x2 mesh. {meta['saves']} saves, {meta['restores']} same-mesh restores, "
@@ -499,6 +500,17 @@ def write_outputs(results: dict[str, Any], results_dir: Path, *, plot: bool) -> 
         head += (f"\n\n**Ran under contention** (load average {load:.1f} on {meta['cpus']} CPUs): wall times "
                  "are noisy and the wall-time targets cannot be judged reliably; CPU seconds and memory figures "
                  "are the trustworthy comparison.")
+    return head
+
+
+def render(results: dict[str, Any]) -> str:
+    """The markdown report of a results JSON (also the body of its docs/benchmarks.md block)."""
+    headers, rows, lheaders, lrows = tables(results)
+    vheaders, vrows = vs_limits(results)
+    mheaders, mrows = memory_table(results)
+    cheaders, crows = checks_table(results)
+    meta = results["meta"]
+    head = header(results)
     legend = ("Times in seconds: steady-state median (first in a fresh process in parentheses). "
               "CPU s: user+system CPU seconds of the benchmark process per save (to committed) and per "
               "restore (median), plus the emulator's for GCS; it is much less affected than wall time by "
@@ -517,10 +529,21 @@ def write_outputs(results: dict[str, Any], results_dir: Path, *, plot: bool) -> 
         "## Targets", markdown_table(cheaders, crows),
         f"Versions: {', '.join(f'{k} {v}' for k, v in meta['versions'].items())}.",
     ]) + "\n"
-    (results_dir / "save_restore.md").write_text(md)
+    return md
+
+
+def write_outputs(results: dict[str, Any], results_dir: Path, *, plot: bool, update_docs: bool = False) -> str:
+    headers, rows, lheaders, lrows = tables(results)
+    vheaders, vrows = vs_limits(results)
+    mheaders, mrows = memory_table(results)
+    cheaders, crows = checks_table(results)
+    head = header(results)
+    (results_dir / "save_restore.md").write_text(render(results))
     write_json(results_dir / "save_restore.json", results)
     if plot:
         plot_results(results, results_dir / "save_restore.png")
+    publish_docs("save_restore", results, render=render, results_path=results_dir / "save_restore.json",
+                 quick=results["meta"]["mode"] == "quick", force=update_docs)
     text = "\n\n".join([head, text_table(headers, rows), text_table(mheaders, mrows), text_table(lheaders, lrows),
                         text_table(vheaders, vrows), text_table(cheaders, crows)])
     return text
@@ -649,7 +672,7 @@ def driver(args: argparse.Namespace) -> int:
         "unix_time": time.time(), "command": " ".join(["python -m", MODULE, *sys.argv[1:]]),
     }
     results["checks"] = evaluate(results)
-    text = write_outputs(results, results_dir, plot=not args.no_plot)
+    text = write_outputs(results, results_dir, plot=not args.no_plot, update_docs=args.update_docs)
     print(text)
     print(f"\nwrote {results_dir}/save_restore.{{json,md{',png' if not args.no_plot else ''}}} "
           f"in {results['meta']['wall_s']:.0f}s")
@@ -670,6 +693,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="directory on a real disk (not tmpfs) for the 'local disk' cells and the emulator")
     p.add_argument("--shm-dir", default="/dev/shm")
     p.add_argument("--results-dir", default=str(RESULTS_DIR))
+    p.add_argument("--update-docs", action="store_true",
+                   help="rewrite the docs/benchmarks.md block even for --quick or another --results-dir")
     p.add_argument("--limit-reps", type=int, default=None)
     p.add_argument("--cell-timeout", type=float, default=1200.0)
     p.add_argument("--no-plot", action="store_true")
@@ -710,7 +735,7 @@ def main(argv: list[str] | None = None) -> int:
         results["checks"] = evaluate(results)
         results_dir = Path(args.results_dir)
         results_dir.mkdir(parents=True, exist_ok=True)
-        print(write_outputs(results, results_dir, plot=not args.no_plot))
+        print(write_outputs(results, results_dir, plot=not args.no_plot, update_docs=args.update_docs))
         return 0 if all(c["pass"] for c in results["checks"]) else 1
     return driver(args)
 

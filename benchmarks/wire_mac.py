@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks._common import MiB, RESULTS_DIR, cpu_seconds, markdown_table, text_table, write_json
+from benchmarks._common import MiB, RESULTS_DIR, cpu_seconds, markdown_table, publish_docs, text_table, write_json
 
 SECRET = b"benchmark-secret-0123456789"
 WINDOW = 4 * MiB
@@ -258,7 +258,8 @@ def report(doc: dict[str, Any]) -> tuple[str, str]:
              f"{mib:.0f} MiB at the one-thread rate above takes {predicted:.3f} s per side. "
              f"Throughput with MACs: {on['gbps'] / off['gbps']:.0%} of frame_mac=False.")
     cmd = "python -m benchmarks.wire_mac" + (" --quick" if doc["quick"] else "")
-    head = (f"`{cmd}`, {doc['when']} (git {doc['git']}), {os.cpu_count()} CPUs. Part 2: "
+    cpus = f", {doc['cpus']} CPUs" if doc.get("cpus") else ""
+    head = (f"`{cmd}`, {doc['when']} (git {doc['git']}){cpus}. Part 2: "
             f"{mib:.0f} MiB in {doc['chunk'] / MiB:.0f} MiB chunks, median of {doc['repeats']} "
             "interleaved runs.")
     md = "\n\n".join([
@@ -267,6 +268,11 @@ def report(doc: dict[str, Any]) -> tuple[str, str]:
         "## Loopback transfer, client and server processes", markdown_table(*t3), where])
     text = "\n\n".join([text_table(*t1), text_table(*t2), text_table(*t3), where])
     return md + "\n", text
+
+
+def render(doc: dict[str, Any]) -> str:
+    """The markdown report of a results JSON (also the body of its docs/benchmarks.md block)."""
+    return report(doc)[0]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -278,6 +284,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reps", type=int, default=5, help="best-of for part 1")
     p.add_argument("--shm", default="/dev/shm")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--update-docs", action="store_true", help="rewrite the docs/benchmarks.md block even for --quick")
     a = p.parse_args(argv)
     if a.quick:
         a.mib, a.repeats, a.reps = 128, 3, 3
@@ -286,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
     doc: dict[str, Any] = {
         "when": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "git": git, "quick": a.quick, "nbytes": a.mib * MiB, "chunk": a.chunk_mib * MiB,
-        "repeats": a.repeats, "macs": measure_macs(a.reps),
+        "repeats": a.repeats, "cpus": os.cpu_count(), "macs": measure_macs(a.reps),
     }
     doc["transfer"] = measure_transfer(a.mib * MiB, a.chunk_mib * MiB, a.repeats, a.shm)
     md, text = report(doc)
@@ -294,6 +301,7 @@ def main(argv: list[str] | None = None) -> None:
     name = "wire_mac_quick" if a.quick else "wire_mac"
     write_json(RESULTS_DIR / f"{name}.json", doc)
     (RESULTS_DIR / f"{name}.md").write_text(md)
+    publish_docs("wire_mac", doc, render=render, results_path=RESULTS_DIR / f"{name}.json", quick=a.quick, force=a.update_docs)
 
 
 if __name__ == "__main__":
