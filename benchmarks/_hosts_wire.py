@@ -3,9 +3,9 @@
 Run inside the hosts by :mod:`benchmarks.hosts` (``python -m benchmarks._hosts_wire ROLE ...``):
 
 * ``serve ADDRESS NBYTES CHUNK_BYTES TIER_ROOT``: on the host a restore pulls from. Builds a
-  :class:`~fastckpt.replicas.RamTier` at ``TIER_ROOT`` (the host's own ``/dev/shm``) holding
+  :class:`~fastckpt.replicas.ram.RamTier` at ``TIER_ROOT`` (the host's own ``/dev/shm``) holding
   one step of ``NBYTES`` in chunks of ``CHUNK_BYTES`` (``benchmarks.peer_throughput``'s
-  tier), serves it with two :class:`~fastckpt.replicas.PeerServer` s bound to ``ADDRESS``
+  tier), serves it with two :class:`~fastckpt.replicas._server.PeerServer` s bound to ``ADDRESS``
   (``frame_mac=True`` and ``False``), and runs a raw TCP sender there (per connection, each
   8-byte length request is answered by a ``sendall`` of that many bytes from a warm buffer:
   no framing, no checks). Prints one JSON line (ports, chunk table), serves until its stdin
@@ -90,7 +90,9 @@ def serve(address: str, nbytes: int, chunk: int, tier_root: str) -> None:
     """The ``serve`` role (see the module docstring)."""
     import fastckpt
     from benchmarks.peer_throughput import _build_tier
-    from fastckpt.replicas import PeerOptions, PeerServer, RamTier
+    from fastckpt.replicas._connection import PeerOptions
+    from fastckpt.replicas._server import PeerServer
+    from fastckpt.replicas.ram import RamTier
 
     secret = fastckpt.peer_secret_from_env()
     root = Path(tier_root)
@@ -152,7 +154,8 @@ def client(address: str, server_pid: int) -> None:
     """The ``client`` role (see the module docstring)."""
     import fastckpt
     from fastckpt._hostmem import alloc_aligned
-    from fastckpt.replicas import PeerClient, PeerOptions
+    from fastckpt.replicas._client import PeerClient
+    from fastckpt.replicas._connection import PeerOptions
 
     secret = fastckpt.peer_secret_from_env()
     server_cpu = _cpu_clock(server_pid)

@@ -5,10 +5,10 @@ Nothing here imports jax at module import time (like :mod:`benchmarks._common`).
 * :class:`HelperProcess`: a child ``python -m benchmarks._tiers <role> ...`` that prints
   one line (its port) when ready and exits when its stdin closes. Roles:
 
-  - ``serve-peer``: a plain process serving a :class:`~fastckpt.replicas.RamTier` with a
-    :class:`~fastckpt.replicas.PeerServer` (accepts pushes) and publishing its address as a
-    peer record in a checkpoint store's ``_peers/`` directory, where a
-    :class:`~fastckpt.CheckpointManager` with RAM options finds it;
+  - ``serve-peer``: a plain process serving a ``RamTier`` with a ``PeerServer`` (accepts
+    pushes) and publishing its address as a peer record in a checkpoint store's ``_peers/``
+    directory, where a one-process :class:`~fastckpt.CheckpointManager` with RAM options
+    finds it;
   - ``serve-raw``: a raw loopback TCP sender (8-byte length request, then ``sendall`` of
     that many bytes from a warm buffer; no framing, no checks);
   - ``sink-raw``: a raw loopback TCP receiver (8-byte length, then that many bytes into a
@@ -123,12 +123,16 @@ def raw_tcp_process(nbytes: int) -> HelperProcess:
 
 
 def _serve_peer(tier_root: str, store_root: str, member_id: str, budget_bytes: str) -> None:
-    from fastckpt.replicas import PeerServer, RamTier, StoreDirectory, make_record
+    from fastckpt.coordination.distributed import LocalCoordinator
+    from fastckpt.replicas._server import PeerServer
+    from fastckpt.replicas._startup import PeerDirectory, make_record
+    from fastckpt.replicas.ram import RamTier
     from fastckpt.storage import open_store
 
     store = open_store(store_root)
     with RamTier(tier_root, budget_bytes=int(budget_bytes)) as tier, PeerServer(tier, secret=PEER_SECRET) as server:
-        StoreDirectory(store, run=asyncio.run).publish(make_record(member_id, server.address))
+        # a one-process "job": its record goes to the store's _peers/, where a manager finds it
+        PeerDirectory(LocalCoordinator(), store, run=asyncio.run).publish(make_record(member_id, server.address))
         print(server.address[1], flush=True)
         sys.stdin.read()
 

@@ -37,14 +37,11 @@ from pathlib import Path
 import numpy as np
 
 from fastckpt._checksum import crc32c
-from fastckpt.replicas import (
-    ChunkLocation,
-    PeerClient,
-    PeerOptions,
-    PeerServer,
-    RamTier,
-    TieredChunkSource,
-)
+from fastckpt.replicas._client import PeerClient
+from fastckpt.replicas._connection import PeerOptions
+from fastckpt.replicas._server import PeerServer
+from fastckpt.replicas._sources import TieredChunkSource
+from fastckpt.replicas.ram import ChunkLocation, RamTier
 
 MiB = 1 << 20
 SECRET = b"benchmark-secret-0123456789"
@@ -217,7 +214,9 @@ def _serve_peer(root: str, frame_macs: list[bool]) -> None:
 
 
 def _serve_raw(nbytes: int) -> None:
-    from benchmarks._tiers import _serve_raw as serve  # the same raw sender restore_latency measures
+    from benchmarks._tiers import (
+        _serve_raw as serve,  # the same raw sender restore_latency measures
+    )
 
     serve(str(nbytes))
 

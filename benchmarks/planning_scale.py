@@ -276,7 +276,7 @@ def _selection_case(leaves: int, n: int, reps: int) -> dict[str, Any]:
     from fastckpt.format.codec import decode_manifest, encode_manifest
     from fastckpt.format.manifest import Manifest, chunk_ids
     from fastckpt.planning import needed_chunks
-    from fastckpt.replicas.wire import decode_json_list
+    from fastckpt.replicas._wire import decode_json_list
 
     grid = _grid(n)
     hosts, per = grid
@@ -366,9 +366,9 @@ def run_merge(cases: list[tuple[int, int]], reps: int) -> list[dict[str, Any]]:
 def run_relay(host_counts: list[int], manifest_bytes: int, reps: int) -> list[dict[str, Any]]:
     """The manifest of a RAM step held by process 0 and its ring successor (k = 1), needed by
     every other host: holders only (before) vs the relay tree (now)."""
-    from fastckpt.replicas.manifest_relay import manifest_sources
-    from fastckpt.replicas.client import StepLists
-    from fastckpt.replicas.placement import relay_parent
+    from fastckpt.replicas._client import StepLists
+    from fastckpt.replicas._manifest_relay import manifest_sources
+    from fastckpt.replicas._placement import relay_parent
 
     out = []
     for hosts in host_counts:

@@ -79,9 +79,9 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 from benchmarks._common import (  # noqa: E402
+    RESULTS_DIR,
     GiB,
     MiB,
-    RESULTS_DIR,
     abstract_like,
     bar_chart,
     build_state,
@@ -91,9 +91,9 @@ from benchmarks._common import (  # noqa: E402
     is_tmpfs,
     make_mesh,
     markdown_table,
+    measure_crc32c,
     measure_file_io,
     measure_gcs_raw,
-    measure_crc32c,
     measure_memcpy,
     median,
     publish_docs,
@@ -107,8 +107,8 @@ from benchmarks._common import (  # noqa: E402
 from benchmarks._tiers import (  # noqa: E402
     PEER_SECRET,
     RawCheckpointFloor,
-    matmul_state,
     make_matmul_step,
+    matmul_state,
     measure_loopback_tcp,
     measure_placement,
     peer_process,
@@ -161,7 +161,7 @@ def _check_pushed(reports: list[Any]) -> None:
 
 def _wait_pushed(port: int, step: int, nchunks: int, timeout_s: float = 60.0) -> float:
     """Block until the peer on ``port`` holds ``nchunks`` chunks and the manifest of ``step``."""
-    from fastckpt.replicas import PeerClient
+    from fastckpt.replicas._client import PeerClient
 
     t0 = time.perf_counter()
     with PeerClient(("127.0.0.1", port), secret=PEER_SECRET) as client:
@@ -391,7 +391,7 @@ def run_overhead(args: argparse.Namespace) -> dict[str, Any]:
 
     import fastckpt
     from fastckpt.options import RamOptions
-    from fastckpt.replicas import PeerClient
+    from fastckpt.replicas._client import PeerClient
 
     load_start = os.getloadavg()
     work, shm = Path(args.work), Path(args.shm)

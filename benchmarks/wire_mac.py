@@ -62,11 +62,10 @@ def _best(fn: Callable[[], Any], reps: int) -> float:
 
 def _candidates(view: memoryview) -> dict[str, Callable[[], Any]]:
     """name -> a function that authenticates (or checksums) all of ``view`` once."""
+    import crc32c
     from cryptography.hazmat.primitives import poly1305
     from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
     from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
-
-    import crc32c
 
     key, nonce = os.urandom(32), os.urandom(12)
     windows = [view[off : off + WINDOW] for off in range(0, view.nbytes, WINDOW)]
@@ -172,7 +171,8 @@ def measure_macs(reps: int) -> dict[str, Any]:
 
 def measure_transfer(nbytes: int, chunk: int, repeats: int, shm: str) -> dict[str, Any]:
     from benchmarks.peer_throughput import _build_tier, _raw_reader, _spawn, _stop
-    from fastckpt.replicas import PeerClient, PeerOptions
+    from fastckpt.replicas._client import PeerClient
+    from fastckpt.replicas._connection import PeerOptions
 
     with tempfile.TemporaryDirectory(dir=shm, prefix="fastckpt-bench-") as d:
         root = Path(d) / "tier"

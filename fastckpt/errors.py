@@ -10,6 +10,7 @@ Tree::
 
     FastckptError
     ├── ConfigError (ValueError)               bad option, URL or argument
+    │   └── RamBudgetError                     a RAM-tier step does not fit its budget (or tmpfs)
     ├── StorageError
     │   ├── NotFoundError (FileNotFoundError)  object does not exist
     │   ├── AlreadyExistsError (FileExistsError) create-only put refused
@@ -33,6 +34,7 @@ Tree::
     └── PeerError
         ├── PeerUnavailableError               connect/transfer failure or timeout
         │   └── PeersUnreachableError          at start: hosts cannot reach their peers
+        ├── PeerRequestError                   a peer answered a request with an ERROR frame
         ├── AuthenticationError                HMAC handshake failed
         └── ProtocolError (ValueError)         malformed or oversized peer message
             └── FrameAuthenticationError       a frame failed its per-frame MAC
@@ -59,7 +61,9 @@ __all__ = [
     "PeerUnavailableError",
     "PeersUnreachableError",
     "PermissionDeniedError",
+    "PeerRequestError",
     "ProtocolError",
+    "RamBudgetError",
     "RetriesExhaustedError",
     "SaveError",
     "ShapeMismatchError",
@@ -78,6 +82,10 @@ class FastckptError(Exception):
 
 class ConfigError(FastckptError, ValueError):
     """An option, URL or argument is invalid."""
+
+
+class RamBudgetError(ConfigError):
+    """A RAM-tier allocation cannot fit in ``budget_bytes`` (or tmpfs is full)."""
 
 
 class StorageError(FastckptError):
@@ -174,6 +182,14 @@ class PeerUnavailableError(PeerError):
 class PeersUnreachableError(PeerUnavailableError):
     """At a job's start, some hosts could not reach (or authenticate to) the peers they
     replicate RAM steps to; the message names the members and addresses."""
+
+
+class PeerRequestError(PeerError):
+    """The peer answered a request with an ERROR frame (``code`` says which)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"peer error {code}: {message}")
+        self.code = code
 
 
 class AuthenticationError(PeerError):

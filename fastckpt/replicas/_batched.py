@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from fastckpt._checksum import crc32c_combine
 from fastckpt.errors import ConfigError, ProtocolError
-from fastckpt.replicas import wire
+from fastckpt.replicas import _wire as wire
 from fastckpt.replicas._channel import Channel
 
 __all__ = ["Outcome", "batches", "check_stream", "recv_chunks", "recv_ranges"]

@@ -1,7 +1,7 @@
 """One authenticated peer connection: frames sent and received through a :class:`Channel`
 that tags and verifies each of them (internal).
 
-Call order: the handshake (:mod:`~fastckpt.replicas._handshake`: ``client_handshake`` on
+Call order: the handshake (:mod:`~fastckpt.replicas._connection`: ``client_handshake`` on
 the client, ``server_handshake`` on the server) returns a :class:`Channel`. After that
 every frame of the connection goes through the channel, which counts frames per direction
 and tags and verifies them (``wire`` describes the layout).
@@ -39,8 +39,8 @@ from fastckpt.errors import (
     PeerUnavailableError,
     ProtocolError,
 )
-from fastckpt.replicas import wire
-from fastckpt.replicas.wire import MsgType
+from fastckpt.replicas import _wire as wire
+from fastckpt.replicas._wire import MsgType
 
 __all__ = ["Channel", "recv_exact", "recv_prefix", "send_all"]
 

@@ -16,16 +16,16 @@ import os
 import shutil
 import threading
 import uuid
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
 
-from fastckpt.errors import ConfigError
+from fastckpt.errors import ConfigError, RamBudgetError
 
-__all__ = ["ChunkLocation", "RamBudgetError", "Segment", "SparePool", "close_map", "create_segment_file", "load_index",
+__all__ = ["ChunkLocation", "Segment", "SparePool", "close_map", "create_segment_file", "load_index",
            "room_to_free", "scan_root"]
 
 _log = logging.getLogger(__name__)
@@ -35,10 +35,6 @@ DATA_SUFFIX = ".data"
 MANIFEST = "manifest.json"
 COMMIT = "commit.json"  # a step committed here whose manifest other hosts hold
 INDEX_VERSION = 1
-
-
-class RamBudgetError(ConfigError):
-    """A RAM-tier allocation cannot fit in ``budget_bytes`` (or tmpfs is full)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

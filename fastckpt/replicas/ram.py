@@ -52,14 +52,13 @@ from types import TracebackType
 import numpy as np
 
 from fastckpt._checksum import crc32c
-from fastckpt.errors import ChecksumMismatchError, ConfigError, FastckptError
+from fastckpt.errors import ChecksumMismatchError, ConfigError, FastckptError, RamBudgetError
 from fastckpt.replicas._shm import (
     DATA_SUFFIX,
     INDEX_SUFFIX,
     COMMIT,
     MANIFEST,
     ChunkLocation,
-    RamBudgetError,
     Sealed,
     Segment,
     SparePool,

@@ -28,7 +28,7 @@ from typing import Protocol, runtime_checkable
 
 from fastckpt.errors import ConfigError, PeerError
 from fastckpt.replicas.ram import RamTier
-from fastckpt.replicas.wire import MAX_BATCH_CHUNKS
+from fastckpt.replicas._wire import MAX_BATCH_CHUNKS
 
 _log = logging.getLogger(__name__)
 

@@ -33,22 +33,21 @@ from fastckpt.format.codec import decode_manifest
 from fastckpt.format.layout import ram_object_key, ram_writer
 from fastckpt.format.manifest import Manifest, chunk_id, chunk_id_prefix, chunk_ids
 from fastckpt.options import RamOptions
-from fastckpt.replicas._address import peer_address
-from fastckpt.replicas._reachability import check_push_targets
-from fastckpt.replicas.discovery import CoordinatorDirectory, PeerDirectory, StoreDirectory, make_record
-from fastckpt.replicas.client import StepLists
-from fastckpt.replicas.manifest_relay import (
+from fastckpt.replicas._client import PeerClient, StepLists
+from fastckpt.replicas._connection import PeerOptions
+from fastckpt.replicas._manifest_relay import (
     ManifestSources,
     decode_candidates,
     encode_candidates,
     manifest_sources,
     wait_for_manifest,
 )
-from fastckpt.replicas.peer import PeerClient, PeerOptions, PeerServer
-from fastckpt.replicas.placement import host_domain, push_targets, relay_parent, replica_holders
+from fastckpt.replicas._placement import host_domain, push_targets, relay_parent, replica_holders
+from fastckpt.replicas._server import PeerServer
+from fastckpt.replicas._sources import TieredChunkSource
+from fastckpt.replicas._startup import PeerDirectory, check_push_targets, make_record, peer_address
 from fastckpt.replicas.ram import ChunkLocation, RamTier, Segment
 from fastckpt.replicas.replicator import ReplicationReport, Replicator
-from fastckpt.replicas.sources import TieredChunkSource
 from fastckpt.storage._protocol import Store
 from fastckpt.writer.commit import CommitRound, CoordinatorFragments
 from fastckpt.writer.fragment import ChunkRows, ProcessChunks
@@ -118,11 +117,8 @@ class RamReplication:
                                process_count=coordinator.process_count)
         self._server = PeerServer(self.tier, secret=options.secret, host=address.bind, port=options.port,
                                   options=self._peer_options).start()
-        if multi:
-            self._directory = CoordinatorDirectory(coordinator, namespace=namespace.replace("/", "-"),
-                                                   timeout_s=options.discovery_timeout_s)
-        else:
-            self._directory = StoreDirectory(store, prefix="_peers/", run=run)
+        self._directory = PeerDirectory(coordinator, store, run=run, namespace=namespace.replace("/", "-"),
+                                        timeout_s=options.discovery_timeout_s)
         self.advertised = (address.advertise, self._server.address[1])
         self._directory.publish(make_record(self.member_id, self.advertised))
         self._replicator = Replicator(self.tier)

@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the checkout, for tests.support
 
 from fastckpt._checksum import crc32c  # noqa: E402
-from fastckpt.replicas.wire import MsgType  # noqa: E402
+from fastckpt.replicas._wire import MsgType  # noqa: E402
 from tests.support.peer_relay import PeerRelay, RelayedFrame, forge_crc32c  # noqa: E402
 
 _REPLIES = {MsgType.CHUNKS, MsgType.RANGES, MsgType.CHUNK, MsgType.MANIFEST}

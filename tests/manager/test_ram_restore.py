@@ -17,7 +17,6 @@ import pytest
 
 from fastckpt import CheckpointManager, ManagerOptions, RetentionOptions, SaveOptions
 from fastckpt.options import RamOptions
-
 from tests.support.arrays import P, named
 
 MIB = 1 << 20
@@ -25,7 +24,8 @@ MIB = 1 << 20
 
 def _state(step: int) -> dict[str, Any]:
     import jax
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     mesh = Mesh(np.asarray(jax.devices()).reshape(2, 4), ("d", "m"))
     rng = np.random.default_rng(step)
@@ -93,7 +93,9 @@ def test_a_ram_save_waits_for_the_previous_steps_push(tmp_path: Path, shm_dir: P
     """Backpressure: pushes slower than the RAM interval delay the next RAM save (or skip it,
     with ``if_busy="skip"``) instead of being superseded, which would leave a window where
     losing this host loses both RAM steps."""
-    from fastckpt.replicas import PeerClient, PeerServer, RamTier
+    from fastckpt.replicas._client import PeerClient
+    from fastckpt.replicas._server import PeerServer
+    from fastckpt.replicas.ram import RamTier
 
     secret = b"s" * 32
     peer_tier = RamTier(shm_dir / "peer", budget_bytes=256 * MIB, replicated=True)
@@ -212,7 +214,8 @@ def test_a_failure_while_planning_fails_the_restore_and_leaves_the_manager_usabl
     buffer mid-way fails the restore with a MemoryError naming it, after the fetches already
     started, and the next restore works."""
     import jax
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from fastckpt.reader import leaf_filler
 
@@ -297,8 +300,8 @@ def test_restore_stats_count_this_restores_fallbacks_only(tmp_path: Path, shm_di
     restore's stats report its own."""
     import jax
 
-    from fastckpt.replicas import RamTier
-    from fastckpt.replicas.sources import TieredChunkSource
+    from fastckpt.replicas._sources import TieredChunkSource
+    from fastckpt.replicas.ram import RamTier
 
     sharding = named((8,), ("x",), P("x"))
     w = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)

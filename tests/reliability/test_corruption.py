@@ -24,7 +24,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fastckpt import CheckpointManager, ManagerOptions, RestoreOptions, RetentionOptions, SaveOptions
+from fastckpt import (
+    CheckpointManager,
+    ManagerOptions,
+    RestoreOptions,
+    RetentionOptions,
+    SaveOptions,
+)
+from fastckpt._checksum import crc32c
 from fastckpt.errors import (
     CheckpointNotFoundError,
     ChecksumMismatchError,
@@ -36,12 +43,23 @@ from fastckpt.errors import (
     PeerUnavailableError,
 )
 from fastckpt.options import RamOptions
-from fastckpt._checksum import crc32c
-from fastckpt.replicas import PeerClient, PeerOptions, PeerServer, RamTier, TieredChunkSource
-from fastckpt.replicas.wire import MsgType
-from fastckpt.storage import GcsOptions, GcsStore, LocalStore, MemoryStore, RetryingStore, RetryPolicy, Store
-from tests.support.fault_proxy import FaultProxy
+from fastckpt.replicas._client import PeerClient
+from fastckpt.replicas._connection import PeerOptions
+from fastckpt.replicas._server import PeerServer
+from fastckpt.replicas._sources import TieredChunkSource
+from fastckpt.replicas._wire import MsgType
+from fastckpt.replicas.ram import RamTier
+from fastckpt.storage import (
+    GcsOptions,
+    GcsStore,
+    LocalStore,
+    MemoryStore,
+    RetryingStore,
+    RetryPolicy,
+    Store,
+)
 from fastckpt.testing.gcs_emulator import GcsEmulator
+from tests.support.fault_proxy import FaultProxy
 from tests.support.peer_relay import PeerRelay, RelayedFrame, forge_crc32c
 
 from ._util import BUCKET, Recorder, trial_count

@@ -37,6 +37,7 @@ from fastckpt.errors import (
     FrameAuthenticationError,
     ManifestError,
     PeerError,
+    PeerRequestError,
     PeerUnavailableError,
     ProtocolError,
 )
@@ -44,10 +45,18 @@ from fastckpt.format.chunk_table import table_from_entries
 from fastckpt.format.codec import decode_manifest, encode_manifest, seal_document
 from fastckpt.format.dtypes import dtype_from_name
 from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, Manifest
-from fastckpt.replicas import ChunkLocation, PeerClient, PeerOptions, PeerRequestError, PeerServer, RamTier, wire
+from fastckpt.replicas import _wire as wire
 from fastckpt.replicas._channel import Channel
-from fastckpt.replicas._handshake import recv_frame_head, send_frame, server_handshake
-from fastckpt.replicas.wire import ERROR_CODES, MsgType
+from fastckpt.replicas._client import PeerClient
+from fastckpt.replicas._connection import (
+    PeerOptions,
+    recv_frame_head,
+    send_frame,
+    server_handshake,
+)
+from fastckpt.replicas._server import PeerServer
+from fastckpt.replicas._wire import ERROR_CODES, MsgType
+from fastckpt.replicas.ram import ChunkLocation, RamTier
 from fastckpt.storage import LocalStore, MemoryStore
 from tests.support.wrapping import ForwardingStore
 

@@ -25,7 +25,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fastckpt import CheckpointManager, DistributedOptions, ManagerOptions, RetentionOptions, SaveOptions
+from fastckpt import (
+    CheckpointManager,
+    DistributedOptions,
+    ManagerOptions,
+    RetentionOptions,
+    SaveOptions,
+)
 from fastckpt.coordination.distributed import Coordinator
 from fastckpt.errors import (
     BarrierTimeoutError,
@@ -35,12 +41,21 @@ from fastckpt.errors import (
     TransientStorageError,
 )
 from fastckpt.options import RamOptions
-from fastckpt.replicas import PeerClient, PeerOptions, TieredChunkSource, wire
-from fastckpt.replicas._handshake import server_handshake
-from fastckpt.replicas.wire import MsgType
-from fastckpt.storage import ByteRange, GcsOptions, GcsStore, MemoryStore, RetryingStore, RetryPolicy
-from tests.support.fault_proxy import FaultProxy
+from fastckpt.replicas import _wire as wire
+from fastckpt.replicas._client import PeerClient
+from fastckpt.replicas._connection import PeerOptions, server_handshake
+from fastckpt.replicas._sources import TieredChunkSource
+from fastckpt.replicas._wire import MsgType
+from fastckpt.storage import (
+    ByteRange,
+    GcsOptions,
+    GcsStore,
+    MemoryStore,
+    RetryingStore,
+    RetryPolicy,
+)
 from fastckpt.testing.gcs_emulator import GcsEmulator
+from tests.support.fault_proxy import FaultProxy
 
 from ._util import BUCKET, Recorder, device_state, state_mismatches
 

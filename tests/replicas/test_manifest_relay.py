@@ -22,9 +22,14 @@ from fastckpt.format.codec import encode_manifest
 from fastckpt.format.layout import ram_object_key
 from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, KeyPath, Manifest, chunk_id
 from fastckpt.options import RamOptions
-from fastckpt.replicas import manifest_relay
-from fastckpt.replicas.client import PeerClient, StepLists
-from fastckpt.replicas.manifest_relay import ManifestSources, decode_candidates, encode_candidates, manifest_sources
+from fastckpt.replicas import _manifest_relay as manifest_relay
+from fastckpt.replicas._client import PeerClient, StepLists
+from fastckpt.replicas._manifest_relay import (
+    ManifestSources,
+    decode_candidates,
+    encode_candidates,
+    manifest_sources,
+)
 from fastckpt.replicas.tiered import RamReplication
 from fastckpt.storage import MemoryStore
 from tests.support.threaded_job import ThreadedJob

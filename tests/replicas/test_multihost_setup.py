@@ -15,8 +15,17 @@ import pytest
 import fastckpt
 from fastckpt.errors import ConfigError, PeersUnreachableError
 from fastckpt.options import RamOptions
-from fastckpt.replicas._address import peer_address, route_source_address, split_host_port
-from fastckpt.replicas._secret import SECRET_ENV, SECRET_FILE_ENV, new_peer_secret, peer_secret_from_env
+from fastckpt.replicas._secret import (
+    SECRET_ENV,
+    SECRET_FILE_ENV,
+    new_peer_secret,
+    peer_secret_from_env,
+)
+from fastckpt.replicas._startup import (
+    peer_address,
+    route_source_address,
+    split_host_port,
+)
 from fastckpt.replicas._tier_dir import claim_tier_dir
 from fastckpt.replicas.ram import RamTier
 from fastckpt.replicas.tiered import RamReplication

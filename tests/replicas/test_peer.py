@@ -16,10 +16,24 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastckpt._checksum import crc32c
-from fastckpt.errors import AuthenticationError, ChecksumMismatchError, ConfigError, PeerUnavailableError
-from fastckpt.replicas import PeerClient, PeerOptions, PeerRequestError, PeerServer, RamTier, wire
-from fastckpt.replicas._handshake import recv_frame_head, send_frame, server_handshake
-from fastckpt.replicas.wire import MsgType
+from fastckpt.errors import (
+    AuthenticationError,
+    ChecksumMismatchError,
+    ConfigError,
+    PeerRequestError,
+    PeerUnavailableError,
+)
+from fastckpt.replicas import _wire as wire
+from fastckpt.replicas._client import PeerClient
+from fastckpt.replicas._connection import (
+    PeerOptions,
+    recv_frame_head,
+    send_frame,
+    server_handshake,
+)
+from fastckpt.replicas._server import PeerServer
+from fastckpt.replicas._wire import MsgType
+from fastckpt.replicas.ram import RamTier
 
 from .conftest import SECRET, fill, raw_handshake, seal_chunks
 

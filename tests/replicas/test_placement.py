@@ -9,8 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastckpt.errors import ConfigError
-from fastckpt.replicas import host_domain, push_targets, replica_holders, ring_order, ring_successors
-from fastckpt.replicas.placement import relay_parent
+from fastckpt.replicas._placement import (
+    host_domain,
+    push_targets,
+    relay_parent,
+    replica_holders,
+    ring_order,
+    ring_successors,
+)
 
 member_ids = st.lists(st.text(st.characters(codec="utf-8", exclude_characters="/"), min_size=1, max_size=6), min_size=1, max_size=12, unique=True)
 

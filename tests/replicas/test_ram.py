@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from fastckpt._checksum import crc32c
-from fastckpt.errors import ChecksumMismatchError, ConfigError
-from fastckpt.replicas import ChunkLocation, RamBudgetError, RamTier, StaleStepError
+from fastckpt.errors import ChecksumMismatchError, ConfigError, RamBudgetError
+from fastckpt.replicas.ram import ChunkLocation, RamTier, StaleStepError
 
 from .conftest import fill, seal_chunks
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fastckpt.replicas import RamBudgetError
+from fastckpt.errors import RamBudgetError
 from fastckpt.replicas._shm import room_to_free
 
 _sizes = st.integers(0, 1000)

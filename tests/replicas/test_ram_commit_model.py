@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from fastckpt.replicas import RamTier, StaleStepError
+from fastckpt.replicas.ram import RamTier, StaleStepError
 
 from .conftest import fill, seal_chunks
 

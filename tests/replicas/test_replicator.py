@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from fastckpt.errors import ConfigError, PeerUnavailableError
-from fastckpt.replicas import (
-    PeerClient,
-    PeerOptions,
-    PeerServer,
-    RamTier,
+from fastckpt.replicas._client import PeerClient
+from fastckpt.replicas._connection import PeerOptions
+from fastckpt.replicas._server import PeerServer
+from fastckpt.replicas.ram import RamTier
+from fastckpt.replicas.replicator import (
     ReplicationError,
     ReplicationTimeoutError,
     Replicator,

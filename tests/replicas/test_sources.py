@@ -15,7 +15,11 @@ import pytest
 
 from fastckpt._checksum import crc32c
 from fastckpt.errors import ConfigError
-from fastckpt.replicas import PeerClient, PeerOptions, PeerServer, RamTier, TieredChunkSource
+from fastckpt.replicas._client import PeerClient
+from fastckpt.replicas._connection import PeerOptions
+from fastckpt.replicas._server import PeerServer
+from fastckpt.replicas._sources import TieredChunkSource
+from fastckpt.replicas.ram import RamTier
 
 from . import _proc
 from .conftest import SECRET, fill, seal_chunks

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from fastckpt.errors import BarrierTimeoutError, DistributedError, TreeStructureError
 from fastckpt.coordination.distributed import LocalCoordinator
+from fastckpt.errors import BarrierTimeoutError, DistributedError, TreeStructureError
 from fastckpt.format.chunk_table import table_from_entries
 from fastckpt.format.codec import encode_manifest
 from fastckpt.format.layout import ram_object_key
 from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, KeyPath, Manifest, chunk_id
 from fastckpt.options import RamOptions
-from fastckpt.replicas.client import StepLists
+from fastckpt.replicas._client import StepLists
 from fastckpt.replicas.tiered import RamReplication
 from fastckpt.storage import MemoryStore
 from tests.support.threaded_job import ThreadedJob

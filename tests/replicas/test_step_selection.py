@@ -12,7 +12,7 @@ import pytest
 from fastckpt.coordination.distributed import default_coordinator
 from fastckpt.errors import PeerUnavailableError
 from fastckpt.options import RamOptions
-from fastckpt.replicas.client import StepLists
+from fastckpt.replicas._client import StepLists
 from fastckpt.replicas.tiered import RamReplication
 from fastckpt.storage import MemoryStore
 

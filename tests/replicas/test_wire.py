@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastckpt.errors import ProtocolError
-from fastckpt.replicas import wire
-from fastckpt.replicas.wire import MsgType, WireLimits
+from fastckpt.replicas import _wire as wire
+from fastckpt.replicas._wire import MsgType, WireLimits
 
 LIMITS = WireLimits(max_header_bytes=4096, max_payload_bytes=1 << 16)
 NONCE = "ab" * 32

@@ -1,7 +1,7 @@
 """A frame-aware man in the middle for peer-wire tests, and a crc32c forger.
 
 :class:`PeerRelay` listens (on ``127.0.0.1`` by default) and relays every connection to an upstream
-:class:`~fastckpt.replicas.PeerServer`, frame by frame. It holds no secret: like an attacker
+:class:`~fastckpt.replicas._server.PeerServer`, frame by frame. It holds no secret: like an attacker
 on the network path, it can parse frames (prefix, header, tags, payload), and drop, delay,
 reorder, replay, rewrite or inject them, but cannot compute a tag. A ``tamper`` callback
 sees each :class:`RelayedFrame` and returns the bytes to forward instead::
@@ -38,8 +38,8 @@ from types import TracebackType
 from typing import Any, Literal
 
 from fastckpt._checksum import crc32c
-from fastckpt.replicas import wire
-from fastckpt.replicas.wire import MsgType
+from fastckpt.replicas import _wire as wire
+from fastckpt.replicas._wire import MsgType
 
 __all__ = ["PeerRelay", "RelayedFrame", "Tamper", "forge_crc32c"]
 

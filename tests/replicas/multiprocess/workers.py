@@ -77,7 +77,8 @@ def _mesh(shape: tuple[int, int]) -> Any:
 
 
 def _shardings(mesh: Any, layout: str) -> dict[str, Any]:
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     return {name: NamedSharding(mesh, P(*spec)) for name, spec in LAYOUTS[layout].items()}
 
@@ -201,10 +202,10 @@ def _train(ram_root: str, member: str, persist_root: str, signals: str) -> dict[
 def _impostor(address: tuple[str, int], chunk_id: str) -> dict[str, Any]:
     """Handshake by hand with a proof made from the wrong secret (ignoring the server's
     proof, as an attacker would), then ask for a chunk the server holds anyway."""
-    from fastckpt.replicas import wire
+    from fastckpt.replicas import _wire as wire
     from fastckpt.replicas._channel import Channel
-    from fastckpt.replicas._handshake import recv_frame_head, send_frame
-    from fastckpt.replicas.wire import MsgType
+    from fastckpt.replicas._connection import recv_frame_head, send_frame
+    from fastckpt.replicas._wire import MsgType
 
     with socket.create_connection(address, timeout=5) as s:
         cn = wire.new_nonce()
@@ -232,7 +233,8 @@ def _probe_wrong_secret(mgr: Any) -> dict[str, Any]:
     is refused at the handshake, and a hand-made wrong proof is refused by the server, which
     then sends nothing (not even for a chunk it holds)."""
     from fastckpt.errors import AuthenticationError
-    from fastckpt.replicas import PeerClient, PeerOptions
+    from fastckpt.replicas._client import PeerClient
+    from fastckpt.replicas._connection import PeerOptions
 
     ram = mgr._tier
     assert ram is not None and ram._directory is not None

@@ -1,4 +1,4 @@
-"""The peer client: reads chunks from and pushes chunks to one :class:`~fastckpt.replicas.PeerServer`.
+"""The peer client: reads chunks from and pushes chunks to one :class:`~fastckpt.replicas._server.PeerServer`.
 
 Synchronous and thread-safe, with a pool of authenticated connections; payloads arrive with
 ``recv_into`` straight into the caller's buffer and are checksummed (and fed to the frame's
@@ -23,14 +23,16 @@ from fastckpt.errors import (
     ChecksumMismatchError,
     ConfigError,
     PeerError,
+    PeerRequestError,
     PeerUnavailableError,
     ProtocolError,
 )
-from fastckpt.replicas import _batched, _handshake, wire
+from fastckpt.replicas import _batched, _connection
+from fastckpt.replicas import _wire as wire
 from fastckpt.replicas._batched import Outcome
 from fastckpt.replicas._channel import Channel
-from fastckpt.replicas._transport import PeerOptions, PeerRequestError, check_secret, tune
-from fastckpt.replicas.wire import MsgType
+from fastckpt.replicas._connection import PeerOptions, check_secret, tune
+from fastckpt.replicas._wire import MsgType
 
 __all__ = ["PeerClient", "StepLists"]
 
@@ -490,7 +492,7 @@ class PeerClient:
             raise PeerUnavailableError(f"cannot connect to peer {self.name}: {e}") from e
         try:
             tune(sock, o)
-            chan = _handshake.client_handshake(sock, secret=self._secret, frame_mac=o.frame_mac,
+            chan = _connection.client_handshake(sock, secret=self._secret, frame_mac=o.frame_mac,
                                              limits=self._limits, timeout_s=o.handshake_timeout_s,
                                              name=self.name)
             sock.settimeout(o.io_timeout_s)

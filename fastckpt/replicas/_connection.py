@@ -1,26 +1,132 @@
-"""The peer handshake, and the plain (untagged) frames it is made of (internal).
+"""Both ends of a peer connection: options, socket settings, and the handshake (internal).
 
-HELLO, CHALLENGE, AUTH, AUTH_OK (``wire.session_keys`` derives the proofs and the frame
-keys); each side's function returns the :class:`~fastckpt.replicas._channel.Channel` that
-carries every later frame. Only the handshake and a server's ``busy`` refusal use
-:func:`send_frame` and :func:`recv_frame_head`.
+Threads and blocking sockets, not asyncio: a payload leaves with ``sendall`` straight from
+the tier's mmap and arrives with ``recv_into`` straight into the caller's buffer (both release
+the GIL), which is what keeps a peer transfer near raw loopback TCP speed.
+
+Security (``docs/replicas.md``, "Security properties"): every connection starts with a
+mutual challenge/response over fresh nonces from both sides (HELLO, CHALLENGE, AUTH,
+AUTH_OK; ``_wire.session_keys`` derives the proofs and the connection's two frame keys, one
+per direction, as HMAC-SHA256 of the shared secret and a transcript of the whole handshake),
+so an altered or downgraded handshake fails. Until it succeeds the server accepts only tiny
+frames and reveals nothing. After it, every frame in both directions carries GMAC tags over
+its header and payload and its implicit sequence number (the
+:class:`~fastckpt.replicas._channel.Channel` each side's handshake returns): a frame
+injected, altered, replayed, reordered or dropped on the way is refused
+(:class:`~fastckpt.errors.FrameAuthenticationError` on the client, which then falls back to
+another source; an unanswered disconnect on the server, which stores nothing of it). Only
+the handshake and a server's ``busy`` refusal use the plain frames of :func:`send_frame`
+and :func:`recv_frame_head`.
+
+Not provided: confidentiality (traffic is authenticated, not encrypted: anyone on the path
+reads checkpoint contents, so bind to a trusted interface; loopback by default) and
+availability (anyone on the path can drop connections). A holder of the secret is a peer,
+and can serve or push data of its choosing. ``PeerOptions(frame_mac=False)`` (both sides)
+turns the frame tags off, to measure their cost only: such connections accept forged frames.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hmac
 import socket
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from fastckpt.errors import AuthenticationError
-from fastckpt.replicas import wire
-from fastckpt.replicas._channel import Channel, recv_prefix, send_all, recv_exact
-from fastckpt.replicas._transport import PeerRequestError
-from fastckpt.replicas.wire import MsgType
+from fastckpt.errors import AuthenticationError, ConfigError, PeerRequestError
+from fastckpt.replicas import _wire as wire
+from fastckpt.replicas._channel import Channel, recv_exact, recv_prefix, send_all
+from fastckpt.replicas._secret import MIN_SECRET_BYTES
+from fastckpt.replicas._wire import MsgType
 
-__all__ = ["client_handshake", "recv_frame_head", "send_frame", "server_handshake"]
+__all__ = ["PeerOptions", "check_secret", "client_handshake", "close_gracefully", "recv_frame_head", "send_frame",
+           "server_handshake", "tune"]
+
+_LINGER_S = 0.5  # how long a closing server connection waits for the client's EOF
+_LINGER_BYTES = 4 << 20
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PeerOptions:
+    """Timeouts, limits and socket settings shared by :class:`PeerServer` and :class:`PeerClient`."""
+
+    connect_timeout_s: float = 5.0
+    """Longest wait for a TCP connect."""
+    handshake_timeout_s: float = 5.0
+    """Longest the authentication handshake may take (each side)."""
+    io_timeout_s: float = 30.0
+    """Longest a started request or transfer may stall without progress."""
+    idle_timeout_s: float = 120.0
+    """Server: an authenticated connection idle this long is closed."""
+    max_header_bytes: int = 64 << 10
+    """Largest JSON header either side accepts."""
+    max_payload_bytes: int = 1 << 30
+    """Largest payload (chunk, manifest, chunk list) either side accepts."""
+    max_connections: int = 256
+    """Server: concurrent connections (one thread each; idle pooled client connections count
+    until ``idle_timeout_s``); more are refused with ``ERROR busy``."""
+    pool_size: int = 8
+    """Client: idle authenticated connections kept for reuse."""
+    socket_buffer_bytes: int | None = None
+    """SO_SNDBUF/SO_RCVBUF; None keeps the kernel's autotuning (fastest on loopback here)."""
+    accept_pushes: bool = True
+    """Server: accept PUT_CHUNK/PUT_MANIFEST (peers replicating into this tier)."""
+    frame_mac: bool = True
+    """Authenticate every frame after the handshake (GMAC per header and payload, see
+    :mod:`~fastckpt.replicas._wire`). Both sides must agree: the flag is part of the
+    authenticated handshake, and a mismatch fails it (``AuthenticationError``).
+
+    !!! warning
+        False exists only to measure what the MACs cost. Such a connection still starts
+        with a mutual handshake, but accepts forged, altered, replayed or injected frames
+        from anyone on the network path: a restore may then return bytes the attacker
+        chose (with crc32c that match: crc32c is no defence against a forger)."""
+
+    def __post_init__(self) -> None:
+        for name in ("connect_timeout_s", "handshake_timeout_s", "io_timeout_s", "idle_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("max_header_bytes", "max_payload_bytes", "max_connections", "pool_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.socket_buffer_bytes is not None and self.socket_buffer_bytes < 4096:
+            raise ConfigError(f"socket_buffer_bytes must be >= 4096 or None, got {self.socket_buffer_bytes}")
+
+    @property
+    def limits(self) -> wire.WireLimits:
+        """The frame limits these options imply."""
+        return wire.WireLimits(max_header_bytes=self.max_header_bytes, max_payload_bytes=self.max_payload_bytes)
+
+
+def check_secret(secret: bytes) -> bytes:
+    if not isinstance(secret, (bytes, bytearray)) or len(secret) < MIN_SECRET_BYTES:
+        raise ConfigError(f"the peer secret must be at least {MIN_SECRET_BYTES} bytes")
+    return bytes(secret)
+
+
+def tune(sock: socket.socket, options: PeerOptions) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if options.socket_buffer_bytes is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, options.socket_buffer_bytes)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, options.socket_buffer_bytes)
+
+
+def close_gracefully(sock: socket.socket) -> None:
+    """Close so that a last ERROR frame arrives: without reading what the client still sends,
+    ``close`` would answer with a reset that can destroy the frame in flight."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_WR)
+        deadline = time.monotonic() + _LINGER_S  # in total: a client trickling bytes cannot hold the thread
+        buf = bytearray(65536)
+        budget = _LINGER_BYTES
+        while budget > 0 and (left := deadline - time.monotonic()) > 0:
+            sock.settimeout(left)
+            if not (n := sock.recv_into(buf)):
+                break
+            budget -= n
+    sock.close()
 
 
 def recv_frame_head(

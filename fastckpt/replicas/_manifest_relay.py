@@ -10,7 +10,7 @@ and then all of them read the few holders.
 Instead, process 0 surveys the peers once — it does so anyway to list the candidate steps —
 and publishes, with the candidates, each step's holders and relays
 (:func:`encode_candidates`). Each host then fetches from its parent in a tree rooted at the
-holders (:func:`~fastckpt.replicas.placement.relay_parent`; a parent that does not hold it
+holders (:func:`~fastckpt.replicas._placement.relay_parent`; a parent that does not hold it
 yet is polled, :func:`wait_for_manifest`), falling back to the holders and then to asking
 every peer. No host serves more than a few copies, and the tree is a few levels deep.
 
@@ -25,7 +25,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from fastckpt.errors import DistributedError, PeerError
-from fastckpt.replicas.client import PeerClient, StepLists
+from fastckpt.replicas._client import PeerClient, StepLists
 
 __all__ = ["ManifestSources", "decode_candidates", "encode_candidates", "manifest_sources", "wait_for_manifest"]
 

@@ -3,7 +3,7 @@
 :meth:`TieredChunkSource.fetch` fills the caller's buffer with one chunk, verified against
 the manifest's ``raw_crc32c``, from the first source that has a good copy:
 
-1. this process's :class:`~fastckpt.replicas.RamTier` (no network);
+1. this process's :class:`~fastckpt.replicas.ram.RamTier` (no network);
 2. each peer in the given order (put same-host or nearest peers first). With
    ``use_listing`` each peer's chunk list for the step is fetched once, lazily, so peers
    that lack a chunk cost no round-trip;

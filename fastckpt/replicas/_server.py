@@ -1,4 +1,4 @@
-"""The peer server: serves a :class:`~fastckpt.replicas.RamTier` to authenticated peers over TCP.
+"""The peer server: serves a :class:`~fastckpt.replicas.ram.RamTier` to authenticated peers over TCP.
 
 One thread per connection with blocking sockets: a payload leaves with ``sendall`` straight
 from the tier's mmap (GIL released), which keeps a transfer near raw loopback speed. Every
@@ -25,12 +25,19 @@ from fastckpt.errors import (
     PeerError,
     PeerUnavailableError,
     ProtocolError,
+    RamBudgetError,
 )
-from fastckpt.replicas import _handshake, wire
+from fastckpt.replicas import _connection
+from fastckpt.replicas import _wire as wire
 from fastckpt.replicas._channel import Channel
-from fastckpt.replicas._transport import PeerOptions, check_secret, close_gracefully, tune
-from fastckpt.replicas.ram import ChunkLocation, RamBudgetError, RamTier, StaleStepError
-from fastckpt.replicas.wire import MsgType
+from fastckpt.replicas._connection import (
+    PeerOptions,
+    check_secret,
+    close_gracefully,
+    tune,
+)
+from fastckpt.replicas._wire import MsgType
+from fastckpt.replicas.ram import ChunkLocation, RamTier, StaleStepError
 
 __all__ = ["PeerServer"]
 
@@ -154,7 +161,7 @@ class PeerServer:
             if busy:
                 with contextlib.suppress(OSError, PeerError):
                     conn.settimeout(1.0)
-                    _handshake.send_frame(conn, MsgType.ERROR, {"code": "busy",
+                    _connection.send_frame(conn, MsgType.ERROR, {"code": "busy",
                                                               "message": "too many connections"})
                 conn.close()
                 continue
@@ -166,7 +173,7 @@ class PeerServer:
         try:
             tune(conn, o)
             try:
-                chan = _handshake.server_handshake(
+                chan = _connection.server_handshake(
                     conn, secret=self._secret, frame_mac=o.frame_mac, limits=self._limits,
                     timeout_s=o.handshake_timeout_s)
             except AuthenticationError:
@@ -196,7 +203,7 @@ class PeerServer:
         """An ERROR before the connection closes (tagged once the handshake is done)."""
         with contextlib.suppress(PeerError, OSError):
             if chan is None:
-                _handshake.send_frame(conn, MsgType.ERROR, {"code": code, "message": message})
+                _connection.send_frame(conn, MsgType.ERROR, {"code": code, "message": message})
             else:
                 chan.send(MsgType.ERROR, {"code": code, "message": message})
 
