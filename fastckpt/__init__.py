@@ -19,8 +19,7 @@ from fastckpt.options import (
 )
 
 if TYPE_CHECKING:
-    from fastckpt._api import restore as restore, save as save
-    from fastckpt._manager import CheckpointManager as CheckpointManager
+    from fastckpt.manager import CheckpointManager as CheckpointManager, restore as restore, save as save
     from fastckpt.writer.stats import SaveStats as SaveStats
     from fastckpt.reader.units import RestoreStats as RestoreStats
     from fastckpt.replicas import new_peer_secret as new_peer_secret
@@ -29,11 +28,11 @@ if TYPE_CHECKING:
 # Imported on first use: they pull in jax (over a second), which the CLI's inspect/gc/verify
 # and code that only builds options do not need.
 _LAZY = {
-    "CheckpointManager": "fastckpt._manager",
+    "CheckpointManager": "fastckpt.manager",
     "SaveStats": "fastckpt.writer.stats",
     "RestoreStats": "fastckpt.reader.units",
-    "save": "fastckpt._api",
-    "restore": "fastckpt._api",
+    "save": "fastckpt.manager",
+    "restore": "fastckpt.manager",
     "peer_secret_from_env": "fastckpt.replicas",
     "new_peer_secret": "fastckpt.replicas",
 }

@@ -16,7 +16,7 @@ def test_import_does_not_pull_in_jax_until_the_manager_is_used() -> None:
         "opts = fastckpt.ManagerOptions(); assert 'jax' not in sys.modules\n"
         "assert 'CheckpointManager' in dir(fastckpt)\n"
         "from fastckpt import CheckpointManager, RestoreStats, SaveStats, restore, save\n"
-        "from fastckpt._manager import CheckpointManager as M\n"
+        "from fastckpt.manager import CheckpointManager as M\n"
         "assert CheckpointManager is M and 'jax' in sys.modules\n"
         "assert all(hasattr(fastckpt, n) for n in fastckpt.__all__)\n"
     )

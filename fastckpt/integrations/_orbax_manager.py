@@ -20,7 +20,7 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from fastckpt._manager import CheckpointManager
+from fastckpt.manager import CheckpointManager
 from fastckpt._tree import unflatten_from_paths
 from fastckpt.errors import (
     CheckpointNotFoundError,

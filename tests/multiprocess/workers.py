@@ -233,9 +233,9 @@ def skip_when_busy(root: str) -> dict[str, Any]:
             while not os.path.exists(os.path.join(root, "manifests", "000000000001.json")):
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
-            assert mgr._pending is not None and not mgr._pending.done()
+            assert mgr._saver.pending is not None and not mgr._saver.pending.done()
         else:
-            while not (mgr._pending is None or mgr._pending.done()):
+            while not (mgr._saver.pending is None or mgr._saver.pending.done()):
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
         saved.append(mgr.save(2, _state(mesh, "flat", seed=2)))

@@ -81,7 +81,7 @@ def test_manager_saves_reuse_plans_and_restore_bit_exact(root: Any) -> None:
             for k, h in hosts.items():
                 assert_sharded_like(got[k], state[k].sharding, h)
             assert np.array_equal(got["n"], np.arange(6))
-        assert (mgr._plans.hits, mgr._plans.misses) == (5, 4)  # noqa: SLF001 - 3 + 3 (hits 3) + 3 (hits 2)
+        assert (mgr._saver.plans.hits, mgr._saver.plans.misses) == (5, 4)  # noqa: SLF001 - 3 + 3 (hits 3) + 3 (hits 2)
 
 
 def test_transfer_mode_is_none_on_host_devices_and_one_call_when_every_shard_is_used() -> None:

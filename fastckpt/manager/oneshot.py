@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from fastckpt.manager.checkpoint_manager import CheckpointManager
 from fastckpt.options import ManagerOptions
 from fastckpt.storage import Store
 
@@ -14,8 +15,6 @@ __all__ = ["restore", "save"]
 def save(root: str | Store, step: int, state: Any, *, metadata: Mapping[str, object] | None = None,
          options: ManagerOptions | None = None) -> None:
     """Save ``state`` as ``step`` under ``root`` and wait until it is committed."""
-    from fastckpt._manager import CheckpointManager
-
     with CheckpointManager(root, options=options) as mgr:
         mgr.save(step, state, metadata=metadata, force=True)
         mgr.wait()
@@ -30,7 +29,5 @@ def restore(root: str | Store, step: int | None = None, *, target: Any = None, p
     ``step`` are optional. For the restore's figures use a manager
     (:attr:`CheckpointManager.last_restore_stats`).
     """
-    from fastckpt._manager import CheckpointManager
-
     with CheckpointManager(root, options=options) as mgr:
         return mgr.restore(step, target=target, partial=partial)
