@@ -51,7 +51,11 @@ def configure_host_devices(n: int = 8) -> None:
     """Ask XLA for ``n`` virtual CPU devices. Must run before jax is imported."""
     if "jax" in sys.modules:
         raise RuntimeError("configure_host_devices() must be called before importing jax")
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    flags = [
+        f
+        for f in os.environ.get("XLA_FLAGS", "").split()
+        if "xla_force_host_platform_device_count" not in f
+    ]
     flags.append(f"--xla_force_host_platform_device_count={n}")
     os.environ["XLA_FLAGS"] = " ".join(flags)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -64,7 +68,9 @@ def make_mesh(shape: tuple[int, int], *, axis_names: tuple[str, str] = ("data", 
     n = int(np.prod(shape))
     devices = jax.devices()
     if len(devices) < n:
-        raise RuntimeError(f"need {n} devices, have {len(devices)} (call configure_host_devices first)")
+        raise RuntimeError(
+            f"need {n} devices, have {len(devices)} (call configure_host_devices first)"
+        )
     return jax.sharding.Mesh(np.asarray(devices[:n]).reshape(shape), axis_names)
 
 
@@ -162,7 +168,9 @@ def _fill(pool: np.ndarray, n: int, offset: int) -> np.ndarray:
     return out
 
 
-def build_state(spec: StateSpec, mesh: Any, *, seed: int = 0, pool_bytes: int = 32 * MiB) -> dict[str, Any]:
+def build_state(
+    spec: StateSpec, mesh: Any, *, seed: int = 0, pool_bytes: int = 32 * MiB
+) -> dict[str, Any]:
     """Build the state on ``mesh`` (deterministic in ``seed``).
 
     Array contents come from one random pool read at a different offset per leaf, so
@@ -176,7 +184,9 @@ def build_state(spec: StateSpec, mesh: Any, *, seed: int = 0, pool_bytes: int = 
     pool = _random_pool(pool_bytes, seed)
     rng = np.random.default_rng(seed + 1)
 
-    def leaf(shape: tuple[int, ...], dtype: str, pspec: tuple[Any, ...], *, positive: bool = False) -> Any:
+    def leaf(
+        shape: tuple[int, ...], dtype: str, pspec: tuple[Any, ...], *, positive: bool = False
+    ) -> Any:
         n = math.prod(shape)
         host = _fill(pool, n, int(rng.integers(0, pool.size)))
         if positive:
@@ -198,7 +208,11 @@ def build_state(spec: StateSpec, mesh: Any, *, seed: int = 0, pool_bytes: int = 
     replicated = NamedSharding(mesh, PartitionSpec())
     state = {
         "params": _nest(params),
-        "opt_state": {"mu": _nest(mu), "nu": _nest(nu), "count": jax.device_put(np.int32(0), replicated)},
+        "opt_state": {
+            "mu": _nest(mu),
+            "nu": _nest(nu),
+            "count": jax.device_put(np.int32(0), replicated),
+        },
         "rng": jax.device_put(np.array([seed, 42], np.uint32), replicated),
     }
     jax.block_until_ready(state)
@@ -249,7 +263,8 @@ def make_step_fn(*, donate: bool = True) -> Callable[[Any], Any]:
 
     def step(tree: Any) -> Any:
         return jax.tree_util.tree_map(
-            lambda x: -x if jnp.issubdtype(x.dtype, jnp.floating) else x + jnp.ones((), x.dtype), tree
+            lambda x: -x if jnp.issubdtype(x.dtype, jnp.floating) else x + jnp.ones((), x.dtype),
+            tree,
         )
 
     return jax.jit(step, donate_argnums=0 if donate else ())
@@ -275,7 +290,9 @@ def assert_trees_equal(a: Any, b: Any) -> None:
     for i, (x, y) in enumerate(zip(la, lb)):
         if x.shape != y.shape or x.dtype != y.dtype:
             raise AssertionError(f"leaf {i}: {x.shape}/{x.dtype} vs {y.shape}/{y.dtype}")
-        if not np.array_equal(host_value(x).reshape(-1).view(np.uint8), host_value(y).reshape(-1).view(np.uint8)):
+        if not np.array_equal(
+            host_value(x).reshape(-1).view(np.uint8), host_value(y).reshape(-1).view(np.uint8)
+        ):
             raise AssertionError(f"leaf {i} differs")
 
 
@@ -510,7 +527,9 @@ def _timeit(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
-def measure_file_io(directory: str | os.PathLike[str], nbytes: int, *, reps: int = 2, piece: int = 64 * MiB) -> dict[str, float]:
+def measure_file_io(
+    directory: str | os.PathLike[str], nbytes: int, *, reps: int = 2, piece: int = 64 * MiB
+) -> dict[str, float]:
     """Raw file bandwidth in ``directory`` (GB/s, best of ``reps``): ``os.write`` in 64 MiB
     pieces + fsync, then a read into touched memory after evicting the file (cold; on
     tmpfs eviction is a no-op, so that read is from RAM)."""
@@ -583,11 +602,17 @@ def measure_device_get(state: Any, *, reps: int = 4) -> dict[str, float]:
         host = jax.device_get(state)
         times.append(time.perf_counter() - t0)
         del host
-    return {"device_get_first_s": first, "device_get_s": statistics.median(times),
-            "device_get_min_s": min(times), "device_get_all_s": times}  # type: ignore[dict-item]
+    return {
+        "device_get_first_s": first,
+        "device_get_s": statistics.median(times),
+        "device_get_min_s": min(times),
+        "device_get_all_s": times,
+    }  # type: ignore[dict-item]
 
 
-def measure_gcs_raw(endpoint: str, bucket: str, nbytes: int, *, objects: int = 4, reps: int = 2) -> dict[str, float]:
+def measure_gcs_raw(
+    endpoint: str, bucket: str, nbytes: int, *, objects: int = 4, reps: int = 2
+) -> dict[str, float]:
     """Emulator throughput with google-cloud-storage (GB/s, best of ``reps``): ``objects``
     objects of ``nbytes / objects`` uploaded/downloaded concurrently (one thread each), and
     one object of the same size on a single stream."""
@@ -597,8 +622,11 @@ def measure_gcs_raw(endpoint: str, bucket: str, nbytes: int, *, objects: int = 4
     from google.auth.credentials import AnonymousCredentials
     from google.cloud import storage
 
-    client = storage.Client(project="bench", credentials=AnonymousCredentials(),
-                            client_options=ClientOptions(api_endpoint=endpoint))
+    client = storage.Client(
+        project="bench",
+        credentials=AnonymousCredentials(),
+        client_options=ClientOptions(api_endpoint=endpoint),
+    )
     bkt = client.bucket(bucket)
     size = nbytes // objects
     payload = np.random.default_rng(0).integers(0, 255, size=size, dtype=np.uint8).tobytes()
@@ -630,14 +658,27 @@ def measure_gcs_raw(endpoint: str, bucket: str, nbytes: int, *, objects: int = 4
 # --------------------------------------------------------------------------- plumbing
 
 
-def run_module_json(module: str, args: Sequence[str], *, out_path: Path, env: dict[str, str] | None = None,
-                    timeout_s: float = 1200.0) -> dict[str, Any]:
+def run_module_json(
+    module: str,
+    args: Sequence[str],
+    *,
+    out_path: Path,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 1200.0,
+) -> dict[str, Any]:
     """Run ``python -m module args... --out out_path`` in a fresh interpreter (repo root as
     cwd) and return the JSON it wrote. Raises with the child's stderr tail on failure."""
     cmd = [sys.executable, "-m", module, *args, "--out", str(out_path)]
     child_env = dict(os.environ if env is None else env)
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          timeout=timeout_s, text=True)
+    proc = subprocess.run(
+        cmd,
+        cwd=REPO_ROOT,
+        env=child_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        timeout=timeout_s,
+        text=True,
+    )
     if proc.returncode != 0 or not out_path.exists():
         tail = (proc.stdout[-2000:] + "\n" + proc.stderr[-4000:]).strip()
         raise RuntimeError(f"{' '.join(cmd[2:])} failed (exit {proc.returncode}):\n{tail}")
@@ -686,7 +727,9 @@ def text_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A fixed-width plain-text table for the terminal."""
     cells = [list(map(str, headers))] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    fmt = lambda r: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+    fmt = lambda r: "  ".join(
+        c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))
+    )
     return "\n".join([fmt(cells[0]), fmt(["-" * w for w in widths])] + [fmt(r) for r in cells[1:]])
 
 
@@ -723,19 +766,36 @@ def bar_chart(path: Path, *, panels: Sequence[dict[str, Any]], title: str, ncols
         x = np.arange(len(groups))
         for k, (name, values) in enumerate(series.items()):
             vals = [np.nan if v is None else v for v in values]
-            bars = ax.bar(x + (k - (len(series) - 1) / 2) * width, vals, width, label=name, color=colors[k % 4])
+            bars = ax.bar(
+                x + (k - (len(series) - 1) / 2) * width,
+                vals,
+                width,
+                label=name,
+                color=colors[k % 4],
+            )
             for b, v in zip(bars, vals):
                 if not np.isnan(v):
-                    ax.annotate(f"{v:.2f}", (b.get_x() + b.get_width() / 2, b.get_height()),
-                                ha="center", va="bottom", fontsize=7)
+                    ax.annotate(
+                        f"{v:.2f}",
+                        (b.get_x() + b.get_width() / 2, b.get_height()),
+                        ha="center",
+                        va="bottom",
+                        fontsize=7,
+                    )
         for j, (label, value) in enumerate(panel.get("lines", {}).items()):
             if value is not None and not np.isnan(value):
-                ax.axhline(value, color="gray", linestyle=["--", ":", "-."][j % 3], linewidth=1, label=label)
+                ax.axhline(
+                    value,
+                    color="gray",
+                    linestyle=["--", ":", "-."][j % 3],
+                    linewidth=1,
+                    label=label,
+                )
         ax.set_xticks(x, groups)
         ax.set_title(panel["title"], fontsize=10)
         ax.set_ylabel(panel.get("ylabel", ""))
         ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
@@ -768,13 +828,20 @@ class DocsBlockError(RuntimeError):
 
 def _markers(name: str) -> tuple[str, str]:
     module = DOCS_BLOCKS[name]
-    return (f"<!-- results: {name} (generated by python -m {module}; do not edit) -->", f"<!-- /results: {name} -->")
+    return (
+        f"<!-- results: {name} (generated by python -m {module}; do not edit) -->",
+        f"<!-- /results: {name} -->",
+    )
 
 
 def _provenance(doc: dict[str, Any]) -> str:
     """When, where and at which commit a results JSON was made, from whatever keys it has."""
     meta = {**doc, **(doc.get("meta") or {})}
-    runs = doc.get("runs") if isinstance(doc.get("runs"), list) and doc["runs"] and isinstance(doc["runs"][-1], dict) else [{}]
+    runs = (
+        doc.get("runs")
+        if isinstance(doc.get("runs"), list) and doc["runs"] and isinstance(doc["runs"][-1], dict)
+        else [{}]
+    )
     when = meta.get("time") or meta.get("date") or meta.get("when") or meta.get("finished")
     unix = meta.get("unix_time") or meta.get("updated_unix")
     if not when and unix:
@@ -782,10 +849,16 @@ def _provenance(doc: dict[str, Any]) -> str:
     git = meta.get("git") or meta.get("git_commit") or runs[-1].get("git_commit")
     machine = {**(doc.get("env") or {}), **(doc.get("machine") or {})}
     cpus = meta.get("cpus") or machine.get("cpus")
-    where = ", ".join(x for x in (machine.get("device_kind"), f"{cpus} CPUs" if cpus else None) if x)
+    where = ", ".join(
+        x for x in (machine.get("device_kind"), f"{cpus} CPUs" if cpus else None) if x
+    )
     command = meta.get("command") or runs[-1].get("command")
-    parts = [when or "date not recorded", f"git `{git}`" if git else "commit not recorded", where or None,
-             f"`{command}`" if command else None]
+    parts = [
+        when or "date not recorded",
+        f"git `{git}`" if git else "commit not recorded",
+        where or None,
+        f"`{command}`" if command else None,
+    ]
     return "Run: " + "; ".join(p for p in parts if p) + "."
 
 
@@ -805,7 +878,9 @@ def _demote(markdown: str) -> str:
     return "\n".join(out).strip("\n")
 
 
-def render_block(name: str, doc: dict[str, Any], render: Callable[[dict[str, Any]], str] | None = None) -> str:
+def render_block(
+    name: str, doc: dict[str, Any], render: Callable[[dict[str, Any]], str] | None = None
+) -> str:
     """The docs block of benchmark ``name`` for results ``doc``, markers included: the run's
     provenance, the benchmark's own markdown report (``render(doc)``, by default its module's
     ``render``; importing a benchmark module needs a process that has not imported jax yet)
@@ -814,8 +889,11 @@ def render_block(name: str, doc: dict[str, Any], render: Callable[[dict[str, Any
 
     begin, end = _markers(name)
     body = _demote((render or importlib.import_module(DOCS_BLOCKS[name]).render)(doc))
-    files = ", ".join(f"[{name}{ext}](../benchmarks/results/{name}{ext})" for ext in (".json", ".md", ".png")
-                      if (RESULTS_DIR / f"{name}{ext}").exists())
+    files = ", ".join(
+        f"[{name}{ext}](../benchmarks/results/{name}{ext})"
+        for ext in (".json", ".md", ".png")
+        if (RESULTS_DIR / f"{name}{ext}").exists()
+    )
     parts = [begin, f"{_provenance(doc)} Files: {files}.", body]
     if (RESULTS_DIR / f"{name}.png").exists():
         parts.append(f"![{name} results](../benchmarks/results/{name}.png)")
@@ -829,14 +907,22 @@ def replace_block(text: str, name: str, block: str) -> str:
     b, e = text.count(begin_prefix), text.count(end)
     if b != 1 or e != 1 or text.index(begin_prefix) > text.index(end):
         raise DocsBlockError(
-            f"docs/benchmarks.md must hold one '{_markers(name)[0]}' line and one '{end}' line after it "
-            f"(found {b} and {e}): add them to the {name} section, then run `python -m benchmarks._common --render-docs`")
+            f"docs/benchmarks.md must hold one '{_markers(name)[0]}' line and one '{end}' line "
+            "after it "
+            f"(found {b} and {e}): add them to the {name} section, then run `python -m "
+            "benchmarks._common --render-docs`"
+        )
     start, stop = text.index(begin_prefix), text.index(end) + len(end)
     return text[:start] + block + text[stop:]
 
 
-def update_docs(name: str, doc: dict[str, Any], docs: Path = DOCS_PATH, *,
-                render: Callable[[dict[str, Any]], str] | None = None) -> None:
+def update_docs(
+    name: str,
+    doc: dict[str, Any],
+    docs: Path = DOCS_PATH,
+    *,
+    render: Callable[[dict[str, Any]], str] | None = None,
+) -> None:
     """Rewrite benchmark ``name``'s block in ``docs`` from results ``doc``."""
     text = docs.read_text()
     new = replace_block(text, name, render_block(name, doc, render))
@@ -844,13 +930,22 @@ def update_docs(name: str, doc: dict[str, Any], docs: Path = DOCS_PATH, *,
         docs.write_text(new)
 
 
-def publish_docs(name: str, doc: dict[str, Any], *, render: Callable[[dict[str, Any]], str], results_path: Path,
-                 quick: bool = False, force: bool = False) -> bool:
+def publish_docs(
+    name: str,
+    doc: dict[str, Any],
+    *,
+    render: Callable[[dict[str, Any]], str],
+    results_path: Path,
+    quick: bool = False,
+    force: bool = False,
+) -> bool:
     """After a benchmark wrote ``results_path``: rewrite its docs block when these are the
     committed results (``benchmarks/results/<name>.json`` of a full run), or when ``force``
     (a script's ``--update-docs``). Returns whether it did; raises :class:`DocsBlockError`
     (after the results files are written) when the markers are missing."""
-    committed = Path(results_path).resolve() == (RESULTS_DIR / f"{name}.json").resolve() and not quick
+    committed = (
+        Path(results_path).resolve() == (RESULTS_DIR / f"{name}.json").resolve() and not quick
+    )
     if not (committed or force):
         return False
     update_docs(name, doc, render=render)
@@ -881,10 +976,19 @@ def render_docs(*, check: bool = False, docs: Path = DOCS_PATH) -> list[str]:
 def _main(argv: Sequence[str] | None = None) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m benchmarks._common", description="benchmark helpers")
-    p.add_argument("--render-docs", action="store_true",
-                   help="rewrite every results block of docs/benchmarks.md from benchmarks/results/*.json")
-    p.add_argument("--check", action="store_true", help="with --render-docs: write nothing, exit 1 if a block is stale")
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks._common", description="benchmark helpers"
+    )
+    p.add_argument(
+        "--render-docs",
+        action="store_true",
+        help="rewrite every results block of docs/benchmarks.md from benchmarks/results/*.json",
+    )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="with --render-docs: write nothing, exit 1 if a block is stale",
+    )
     args = p.parse_args(argv)
     if not args.render_docs:
         p.error("nothing to do (--render-docs)")

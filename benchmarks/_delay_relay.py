@@ -91,8 +91,11 @@ def main(argv: list[str]) -> None:
     print("listening", flush=True)
     while True:
         conn, _ = listener.accept()
-        threading.Thread(target=_serve, args=(conn, (target_host, int(target_port)), float(delay_ms) / 1000),
-                         daemon=True).start()
+        threading.Thread(
+            target=_serve,
+            args=(conn, (target_host, int(target_port)), float(delay_ms) / 1000),
+            daemon=True,
+        ).start()
 
 
 if __name__ == "__main__":

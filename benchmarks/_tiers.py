@@ -63,8 +63,11 @@ class HelperProcess:
         self._timeout_s = start_timeout_s
         self._port: int | None = None
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks._tiers", role, *args], cwd=REPO_ROOT,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            [sys.executable, "-m", "benchmarks._tiers", role, *args],
+            cwd=REPO_ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
         )
         self.pid = self._proc.pid
 
@@ -107,7 +110,9 @@ def _readline_timeout(proc: subprocess.Popen[str], timeout_s: float) -> str:
     return out[0] if out else ""
 
 
-def peer_process(tier_root: str | os.PathLike[str], store_root: str, *, member_id: str, budget_bytes: int) -> HelperProcess:
+def peer_process(
+    tier_root: str | os.PathLike[str], store_root: str, *, member_id: str, budget_bytes: int
+) -> HelperProcess:
     """Start a ``serve-peer`` helper (see the module docstring)."""
     return HelperProcess("serve-peer", [str(tier_root), store_root, member_id, str(budget_bytes)])
 
@@ -130,9 +135,14 @@ def _serve_peer(tier_root: str, store_root: str, member_id: str, budget_bytes: s
     from fastckpt.storage import open_store
 
     store = open_store(store_root)
-    with RamTier(tier_root, budget_bytes=int(budget_bytes)) as tier, PeerServer(tier, secret=PEER_SECRET) as server:
+    with (
+        RamTier(tier_root, budget_bytes=int(budget_bytes)) as tier,
+        PeerServer(tier, secret=PEER_SECRET) as server,
+    ):
         # a one-process "job": its record goes to the store's _peers/, where a manager finds it
-        PeerDirectory(LocalCoordinator(), store, run=asyncio.run).publish(make_record(member_id, server.address))
+        PeerDirectory(LocalCoordinator(), store, run=asyncio.run).publish(
+            make_record(member_id, server.address)
+        )
         print(server.address[1], flush=True)
         sys.stdin.read()
 
@@ -193,8 +203,9 @@ def _sink_raw() -> None:
 _CRC_WINDOW = 4 << 20  # as the peer client's receive (fastckpt.replicas._channel)
 
 
-def measure_loopback_tcp(port: int, nbytes: int, *, streams: int, reps: int, fresh: bool = False,
-                         checksum: bool = False) -> dict[str, Any]:
+def measure_loopback_tcp(
+    port: int, nbytes: int, *, streams: int, reps: int, fresh: bool = False, checksum: bool = False
+) -> dict[str, Any]:
     """Raw loopback TCP from a ``serve-raw`` helper: ``nbytes`` split over ``streams``
     connections (one thread each, one request per stream), received into a warm buffer, or
     with ``fresh`` into newly allocated page-aligned memory (allocation timed), as a restore
@@ -246,8 +257,12 @@ def measure_loopback_tcp(port: int, nbytes: int, *, streams: int, reps: int, fre
         for s in socks:
             s.close()
     moved = share * streams
-    return {"streams": streams, "gbps": moved / min(times) / 1e9,
-            "median_gbps": moved / float(np.median(times)) / 1e9, "all_s": times}
+    return {
+        "streams": streams,
+        "gbps": moved / min(times) / 1e9,
+        "median_gbps": moved / float(np.median(times)) / 1e9,
+        "all_s": times,
+    }
 
 
 class RawCheckpointFloor:
@@ -282,11 +297,16 @@ class RawCheckpointFloor:
         import jax
 
         self.wait()  # as fastckpt waits for the previous push before a new RAM step
-        shards = [np.asarray(s.data).reshape(-1).view(np.uint8)
-                  for leaf in jax.tree_util.tree_leaves(state) for s in leaf.addressable_shards]
+        shards = [
+            np.asarray(s.data).reshape(-1).view(np.uint8)
+            for leaf in jax.tree_util.tree_leaves(state)
+            for s in leaf.addressable_shards
+        ]
         offsets = np.cumsum([0] + [a.nbytes for a in shards])
         if offsets[-1] > self._buf.nbytes:
-            raise ValueError(f"state of {offsets[-1]} bytes exceeds the floor's {self._buf.nbytes}-byte buffer")
+            raise ValueError(
+                f"state of {offsets[-1]} bytes exceeds the floor's {self._buf.nbytes}-byte buffer"
+            )
 
         def copy(part: int) -> None:
             for i in range(part, len(shards), self._threads):
@@ -307,7 +327,11 @@ class RawCheckpointFloor:
         from fastckpt._checksum import crc32c  # the same crc32c library fastckpt calls
 
         piece = -(-n // self._threads)
-        self.crcs = list(self._pool.map(lambda a: crc32c(self._buf.data[a : min(n, a + piece)]), range(0, n, piece)))
+        self.crcs = list(
+            self._pool.map(
+                lambda a: crc32c(self._buf.data[a : min(n, a + piece)]), range(0, n, piece)
+            )
+        )
         self._sock.sendall(struct.pack(">Q", n))
         self._sock.sendall(self._buf.data[:n])
         if self._sock.recv(1) != b"k":
@@ -342,8 +366,16 @@ def tree_digest(tree: Any) -> list[int]:
     return out
 
 
-def time_restores(mgr: Any, target: Any, digest: list[int], reps: int, *, tag: str, expect_tier: str,
-                   before: Any = None) -> list[dict[str, Any]]:
+def time_restores(
+    mgr: Any,
+    target: Any,
+    digest: list[int],
+    reps: int,
+    *,
+    tag: str,
+    expect_tier: str,
+    before: Any = None,
+) -> list[dict[str, Any]]:
     """``reps + 1`` timed restores of ``target`` through ``mgr`` (the first one reported apart;
     ``before`` runs before each, untimed): each must read only from ``expect_tier`` (or its
     ``expect_tier:<member>`` sources), and the first must match ``digest`` (:func:`tree_digest`)."""
@@ -369,11 +401,25 @@ def time_restores(mgr: Any, target: Any, digest: list[int], reps: int, *, tag: s
         if i == 0 and tree_digest(restored) != digest:
             raise AssertionError(f"{tag}: restored state differs from the saved one")
         del restored
-        out.append({"seconds": t1 - t0, "cpu_s": cpu, "fetch_s": stats.fetch_s, "device_put_s": stats.device_put_s,
-                    "bytes_by_tier": tiers, "restored_bytes": stats.restored_bytes,
-                    "loadavg": os.getloadavg()[0], "verified": i == 0})
-        print(f"[fastckpt {tag}] restore {i}: {t1 - t0:.3f}s (cpu {cpu:.2f}s, fetch {stats.fetch_s:.2f}s, "
-              f"device_put {stats.device_put_s:.2f}s) {tiers}", file=sys.stderr, flush=True)
+        out.append(
+            {
+                "seconds": t1 - t0,
+                "cpu_s": cpu,
+                "fetch_s": stats.fetch_s,
+                "device_put_s": stats.device_put_s,
+                "bytes_by_tier": tiers,
+                "restored_bytes": stats.restored_bytes,
+                "loadavg": os.getloadavg()[0],
+                "verified": i == 0,
+            }
+        )
+        print(
+            f"[fastckpt {tag}] restore {i}: {t1 - t0:.3f}s (cpu {cpu:.2f}s, fetch "
+            f"{stats.fetch_s:.2f}s, "
+            f"device_put {stats.device_put_s:.2f}s) {tiers}",
+            file=sys.stderr,
+            flush=True,
+        )
     return out
 
 
@@ -396,16 +442,25 @@ def measure_placement(tree: Any, *, reps: int) -> float:
         by_index = {}
         for idx in x.sharding.addressable_devices_indices_map(x.shape).values():
             part = np.asarray(host[idx])
-            buf = alloc_aligned(max(part.nbytes, 1))[: part.nbytes].view(part.dtype).reshape(part.shape)
-            buf[...] = part  # page-aligned, as a restore's buffers: jax may alias them instead of copying
+            buf = (
+                alloc_aligned(max(part.nbytes, 1))[: part.nbytes]
+                .view(part.dtype)
+                .reshape(part.shape)
+            )
+            buf[...] = (
+                part  # page-aligned, as a restore's buffers: jax may alias them instead of copying
+            )
             by_index[key(idx, x.shape)] = buf
         shards.append(by_index)
 
     def once() -> float:
         t0 = time.perf_counter()
-        out = [jax.make_array_from_callback(
-            x.shape, x.sharding, lambda idx, x=x, s=s: s[key(idx, x.shape)])
-            for x, s in zip(leaves, shards)]
+        out = [
+            jax.make_array_from_callback(
+                x.shape, x.sharding, lambda idx, x=x, s=s: s[key(idx, x.shape)]
+            )
+            for x, s in zip(leaves, shards)
+        ]
         jax.block_until_ready(out)
         return time.perf_counter() - t0
 

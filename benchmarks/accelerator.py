@@ -57,9 +57,9 @@ from typing import Any
 import numpy as np
 
 from benchmarks._common import (
+    RESULTS_DIR,
     GiB,
     MiB,
-    RESULTS_DIR,
     abstract_like,
     bar_chart,
     build_state,
@@ -104,7 +104,7 @@ class Run:
         t0 = time.perf_counter()
         try:
             out[name] = fn()
-        except Exception as e:  # noqa: BLE001 - recorded, reported, and the run exits 1
+        except Exception as e:
             traceback.print_exc()
             out[name] = {"error": f"{type(e).__name__}: {e}"}
             self.errors.append(f"{name}: {type(e).__name__}: {e}")
@@ -121,8 +121,11 @@ def _fresh_step() -> Callable[[Any], Any]:
     import jax
     import jax.numpy as jnp
 
-    return jax.jit(lambda t: jax.tree_util.tree_map(
-        lambda x: -x if jnp.issubdtype(x.dtype, jnp.floating) else x + jnp.ones((), x.dtype), t))
+    return jax.jit(
+        lambda t: jax.tree_util.tree_map(
+            lambda x: -x if jnp.issubdtype(x.dtype, jnp.floating) else x + jnp.ones((), x.dtype), t
+        )
+    )
 
 
 def measure_limits(state: Any, reps: int) -> dict[str, Any]:
@@ -146,8 +149,12 @@ def measure_limits(state: Any, reps: int) -> dict[str, Any]:
         del back
     del host
     gc.collect()
-    out: dict[str, Any] = {"device_get_s": median(d2h), "device_get_all_s": d2h, "device_put_s": median(h2d),
-                           "device_put_all_s": h2d}
+    out: dict[str, Any] = {
+        "device_get_s": median(d2h),
+        "device_get_all_s": d2h,
+        "device_put_s": median(h2d),
+        "device_put_all_s": h2d,
+    }
     try:  # the copy into pinned host memory (where the backend has memory kinds), then its host view
         pinned = jax.tree_util.tree_map(lambda x: x.sharding.with_memory_kind("pinned_host"), state)
         times, views = [], []
@@ -160,8 +167,10 @@ def measure_limits(state: Any, reps: int) -> dict[str, Any]:
             views.append(time.perf_counter() - t1)
             times.append(t1 - t0)
             del fresh, on_host
-        out.update(pinned_host_s=median(times), pinned_host_all_s=times, pinned_view_s=median(views))
-    except Exception as e:  # noqa: BLE001 - optional: not every backend has pinned host memory
+        out.update(
+            pinned_host_s=median(times), pinned_host_all_s=times, pinned_view_s=median(views)
+        )
+    except Exception as e:
         out["pinned_host_error"] = f"{type(e).__name__}: {e}"
     out["device_get_gbps"] = _gbps(n, out["device_get_s"])
     out["device_put_gbps"] = _gbps(n, out["device_put_s"])
@@ -169,24 +178,44 @@ def measure_limits(state: Any, reps: int) -> dict[str, Any]:
     return out
 
 
-def _restores(mgr: Any, target: Any, digest: list[int], reps: int, *, tag: str, expect: str) -> dict[str, Any]:
+def _restores(
+    mgr: Any, target: Any, digest: list[int], reps: int, *, tag: str, expect: str
+) -> dict[str, Any]:
     """:func:`~benchmarks._tiers.time_restores`, with medians of the restores after the first."""
     runs = time_restores(mgr, target, digest, reps, tag=tag, expect_tier=expect)
     rest = runs[1:] or runs
-    return {"first_s": runs[0]["seconds"], "seconds": median([r["seconds"] for r in rest]),
-            "fetch_s": median([r["fetch_s"] for r in rest]),
-            "device_put_s": median([r["device_put_s"] for r in rest]), "runs": runs}
+    return {
+        "first_s": runs[0]["seconds"],
+        "seconds": median([r["seconds"] for r in rest]),
+        "fetch_s": median([r["fetch_s"] for r in rest]),
+        "device_put_s": median([r["device_put_s"] for r in rest]),
+        "runs": runs,
+    }
 
 
-def _ram_manager(store_root: Path, tier: Path, nbytes: int, *, decode_threads: int | None = None) -> Any:
+def _ram_manager(
+    store_root: Path, tier: Path, nbytes: int, *, decode_threads: int | None = None
+) -> Any:
     import fastckpt
     from fastckpt.options import RamOptions, RestoreOptions
 
-    ram = RamOptions(root=str(tier), member_id="accel-host", interval_steps=1, budget_bytes=3 * nbytes + 512 * MiB,
-                     replicas=1, secret=PEER_SECRET)
-    restore = RestoreOptions() if decode_threads is None else RestoreOptions(decode_threads=decode_threads)
-    return fastckpt.CheckpointManager(str(store_root), options=fastckpt.ManagerOptions(
-        save_interval_steps=1 << 40, ram=ram, restore=restore))
+    ram = RamOptions(
+        root=str(tier),
+        member_id="accel-host",
+        interval_steps=1,
+        budget_bytes=3 * nbytes + 512 * MiB,
+        replicas=1,
+        secret=PEER_SECRET,
+    )
+    restore = (
+        RestoreOptions()
+        if decode_threads is None
+        else RestoreOptions(decode_threads=decode_threads)
+    )
+    return fastckpt.CheckpointManager(
+        str(store_root),
+        options=fastckpt.ManagerOptions(save_interval_steps=1 << 40, ram=ram, restore=restore),
+    )
 
 
 def pageable_saves(state: Any, *, work: Path, shm: Path, reps: int) -> dict[str, Any]:
@@ -199,9 +228,16 @@ def pageable_saves(state: Any, *, work: Path, shm: Path, reps: int) -> dict[str,
 
     n = tree_nbytes(state)
     step = _fresh_step()
-    options = fastckpt.ManagerOptions(save_interval_steps=1 << 40, save=SaveOptions(device_copy="pageable"),
-                                      ram=RamOptions(root=str(shm / "pageable-tier"), interval_steps=1, replicas=0,
-                                                     budget_bytes=3 * n + 512 * MiB))
+    options = fastckpt.ManagerOptions(
+        save_interval_steps=1 << 40,
+        save=SaveOptions(device_copy="pageable"),
+        ram=RamOptions(
+            root=str(shm / "pageable-tier"),
+            interval_steps=1,
+            replicas=0,
+            budget_bytes=3 * n + 512 * MiB,
+        ),
+    )
     saves = []
     with fastckpt.CheckpointManager(str(work / "pageable-store"), options=options) as mgr:
         for i in range(max(reps, 2) + 1):
@@ -209,14 +245,26 @@ def pageable_saves(state: Any, *, work: Path, shm: Path, reps: int) -> dict[str,
             mgr.save(i + 1, fresh)
             mgr.wait()
             s = mgr.last_save_stats
-            saves.append({"blocked_s": s.blocked_s, "ram_commit_s": s.ram_commit_s, "deferred_copy_s": s.deferred_copy_s})
+            saves.append(
+                {
+                    "blocked_s": s.blocked_s,
+                    "ram_commit_s": s.ram_commit_s,
+                    "deferred_copy_s": s.deferred_copy_s,
+                }
+            )
             del fresh
-            print(f"[accel] pageable RAM save {i + 1}: blocked {s.blocked_s:.3f}s", file=sys.stderr, flush=True)
+            print(
+                f"[accel] pageable RAM save {i + 1}: blocked {s.blocked_s:.3f}s",
+                file=sys.stderr,
+                flush=True,
+            )
     shutil.rmtree(shm / "pageable-tier", ignore_errors=True)
     return {"saves": saves, "blocked_s": saves[-1]["blocked_s"]}
 
 
-def ram_and_peer(state: Any, *, work: Path, shm: Path, reps: int, threads: list[int]) -> dict[str, Any]:
+def ram_and_peer(
+    state: Any, *, work: Path, shm: Path, reps: int, threads: list[int]
+) -> dict[str, Any]:
     """RAM saves (pushed to a peer process), own-RAM restores per decode_threads, then peer restores.
 
     Every save is of fresh arrays (no cached host copy). Saves after the first reuse a
@@ -233,7 +281,9 @@ def ram_and_peer(state: Any, *, work: Path, shm: Path, reps: int, threads: list[
     store_root.mkdir(parents=True, exist_ok=True)
     out: dict[str, Any] = {"saves": [], "own_ram": {}}
     step = _fresh_step()
-    with peer_process(shm / "peer-tier", str(store_root), member_id="accel-peer", budget_bytes=3 * n + 512 * MiB) as peer:
+    with peer_process(
+        shm / "peer-tier", str(store_root), member_id="accel-peer", budget_bytes=3 * n + 512 * MiB
+    ) as peer:
         peer.port  # noqa: B018 - waits until the peer has published its address
         mgr = _ram_manager(store_root, shm / "tier", n)
         fresh = None
@@ -248,17 +298,31 @@ def ram_and_peer(state: Any, *, work: Path, shm: Path, reps: int, threads: list[
             s = mgr.last_save_stats
             if not reports or not all(r.ok and r.targets for r in reports):
                 raise AssertionError(f"push to the peer failed: {reports}")
-            out["saves"].append({"returned_s": returned, "blocked_s": s.blocked_s, "ram_commit_s": s.ram_commit_s,
-                                 "deferred_copy_s": s.deferred_copy_s,
-                                 "pushed_s": time.perf_counter() - t0, "bytes_pushed": sum(r.bytes_pushed for r in reports)})
-            print(f"[accel] RAM save {i + 1}: blocked {s.blocked_s:.3f}s, ram commit {s.ram_commit_s:.3f}s, "
-                  f"pushed {out['saves'][-1]['pushed_s']:.3f}s", file=sys.stderr, flush=True)
+            out["saves"].append(
+                {
+                    "returned_s": returned,
+                    "blocked_s": s.blocked_s,
+                    "ram_commit_s": s.ram_commit_s,
+                    "deferred_copy_s": s.deferred_copy_s,
+                    "pushed_s": time.perf_counter() - t0,
+                    "bytes_pushed": sum(r.bytes_pushed for r in reports),
+                }
+            )
+            print(
+                f"[accel] RAM save {i + 1}: blocked {s.blocked_s:.3f}s, ram commit "
+                f"{s.ram_commit_s:.3f}s, "
+                f"pushed {out['saves'][-1]['pushed_s']:.3f}s",
+                file=sys.stderr,
+                flush=True,
+            )
         digest = tree_digest(fresh)
         del fresh
         mgr.close()
         for t in threads:
             mgr = _ram_manager(store_root, shm / "tier", n, decode_threads=t)
-            out["own_ram"][str(t)] = _restores(mgr, target, digest, reps, tag=f"own RAM, {t} threads", expect="ram")
+            out["own_ram"][str(t)] = _restores(
+                mgr, target, digest, reps, tag=f"own RAM, {t} threads", expect="ram"
+            )
             mgr.close()
         shutil.rmtree(shm / "tier")  # the host slot loses its RAM: everything comes from the peer
         mgr = _ram_manager(store_root, shm / "tier-new", n)
@@ -271,7 +335,9 @@ def ram_and_peer(state: Any, *, work: Path, shm: Path, reps: int, threads: list[
 
 def raw_tcp(nbytes: int, streams: int, reps: int) -> dict[str, Any]:
     with raw_tcp_process(nbytes) as sender:
-        return measure_loopback_tcp(sender.port, nbytes, streams=streams, reps=reps, fresh=True, checksum=True)
+        return measure_loopback_tcp(
+            sender.port, nbytes, streams=streams, reps=reps, fresh=True, checksum=True
+        )
 
 
 def disk(state: Any, *, work: Path, reps: int, threads: list[int]) -> dict[str, Any]:
@@ -290,22 +356,44 @@ def disk(state: Any, *, work: Path, reps: int, threads: list[int]) -> dict[str, 
         shutil.rmtree(root, ignore_errors=True)
         del fresh
         fresh = jax.block_until_ready(step(state))
-        mgr = fastckpt.CheckpointManager(str(root), options=fastckpt.ManagerOptions(
-            save=SaveOptions(encode_threads=t), retention=fastckpt.RetentionOptions(keep_last=1)))
+        mgr = fastckpt.CheckpointManager(
+            str(root),
+            options=fastckpt.ManagerOptions(
+                save=SaveOptions(encode_threads=t), retention=fastckpt.RetentionOptions(keep_last=1)
+            ),
+        )
         t0 = time.perf_counter()
         mgr.save(1, fresh)
         mgr.wait()
         s = mgr.last_save_stats
-        out["saves"][str(t)] = {"committed_s": time.perf_counter() - t0, "blocked_s": s.blocked_s,
-                                "encode_s": s.encode_s, "stored_bytes": s.stored_bytes, "raw_bytes": s.raw_bytes}
-        print(f"[accel] disk save, {t} encode threads: {out['saves'][str(t)]['committed_s']:.2f}s",
-              file=sys.stderr, flush=True)
+        out["saves"][str(t)] = {
+            "committed_s": time.perf_counter() - t0,
+            "blocked_s": s.blocked_s,
+            "encode_s": s.encode_s,
+            "stored_bytes": s.stored_bytes,
+            "raw_bytes": s.raw_bytes,
+        }
+        print(
+            f"[accel] disk save, {t} encode threads: {out['saves'][str(t)]['committed_s']:.2f}s",
+            file=sys.stderr,
+            flush=True,
+        )
         if t != threads[-1]:
             mgr.close()
     digest = tree_digest(fresh)
     del fresh
-    runs = [time_restores(mgr, target, digest, 0, tag="disk", expect_tier="storage",  # each one checked
-                          before=lambda: evict_page_cache(root))[0] for _ in range(reps + 1)]
+    runs = [
+        time_restores(
+            mgr,
+            target,
+            digest,
+            0,
+            tag="disk",
+            expect_tier="storage",  # each one checked
+            before=lambda: evict_page_cache(root),
+        )[0]
+        for _ in range(reps + 1)
+    ]
     mgr.close()
     shutil.rmtree(root, ignore_errors=True)
     return {**out, "restore_s": median([r["seconds"] for r in runs[1:] or runs]), "restores": runs}
@@ -326,7 +414,11 @@ def orbax(state: Any, *, shm: Path, reps: int) -> dict[str, Any]:
     mgr.wait_until_finished()
     digest = tree_digest(fresh)
     del fresh
-    out: dict[str, Any] = {"save_returned_s": returned, "save_committed_s": time.perf_counter() - t0, "runs": []}
+    out: dict[str, Any] = {
+        "save_returned_s": returned,
+        "save_committed_s": time.perf_counter() - t0,
+        "runs": [],
+    }
     for i in range(reps + 1):
         gc.collect()
         t0 = time.perf_counter()
@@ -344,7 +436,9 @@ def orbax(state: Any, *, shm: Path, reps: int) -> dict[str, Any]:
     return out
 
 
-def step_overhead(*, work: Path, shm: Path, nbytes: int, d: int, batch: int, steps: int, rounds: int) -> dict[str, Any]:
+def step_overhead(
+    *, work: Path, shm: Path, nbytes: int, d: int, batch: int, steps: int, rounds: int
+) -> dict[str, Any]:
     """Segments of ``steps`` train steps: none / fastckpt RAM + push every 10 / device_get every 10."""
     import jax
     import jax.numpy as jnp
@@ -353,15 +447,23 @@ def step_overhead(*, work: Path, shm: Path, nbytes: int, d: int, batch: int, ste
     state = matmul_state(nbytes, mesh, d=d)
     n = tree_nbytes(state)
     step = make_matmul_step(batch=batch, d=d)
-    x = jax.device_put(jnp.ones((batch, d), jnp.float32) * 0.01,
-                       jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    x = jax.device_put(
+        jnp.ones((batch, d), jnp.float32) * 0.01,
+        jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),
+    )
     store_root = work / "overhead-store"
     store_root.mkdir(parents=True, exist_ok=True)
     times: dict[str, list[float]] = {"none": [], "fastckpt": [], "device_get": []}
-    undrained: dict[str, list[float]] = {m: [] for m in times}  # until the last step, before the drain
+    undrained: dict[str, list[float]] = {
+        m: [] for m in times
+    }  # until the last step, before the drain
     blocked: list[float] = []
-    with peer_process(shm / "overhead-peer", str(store_root), member_id="accel-peer-2",
-                      budget_bytes=3 * n + 512 * MiB) as peer:
+    with peer_process(
+        shm / "overhead-peer",
+        str(store_root),
+        member_id="accel-peer-2",
+        budget_bytes=3 * n + 512 * MiB,
+    ) as peer:
         peer.port  # noqa: B018
         mgr = _ram_manager(store_root, shm / "overhead-tier", n)
         counter = 0
@@ -376,7 +478,9 @@ def step_overhead(*, work: Path, shm: Path, nbytes: int, d: int, batch: int, ste
                 counter += 1
                 state = step(state, x)
                 if counter % RAM_EVERY == 0 and mode != "none":
-                    jax.block_until_ready(state)  # a checkpoint waits for the step anyway: keep it out of blocked_s
+                    jax.block_until_ready(
+                        state
+                    )  # a checkpoint waits for the step anyway: keep it out of blocked_s
                     if mode == "fastckpt":
                         mgr.save(counter, state)
                         if mgr.last_save_stats is not None:
@@ -398,24 +502,43 @@ def step_overhead(*, work: Path, shm: Path, nbytes: int, d: int, batch: int, ste
             mgr.wait_replication()
         for r in range(rounds):
             order = ["none", "fastckpt", "device_get"]
-            order = order[r % 3:] + order[:r % 3]
+            order = order[r % 3 :] + order[: r % 3]
             for mode in order:
                 times[mode].append(segment(mode))
-            print(f"[accel overhead] round {r}: " + ", ".join(f"{m} {times[m][-1]:.3f}s" for m in times),
-                  file=sys.stderr, flush=True)
+            print(
+                f"[accel overhead] round {r}: "
+                + ", ".join(f"{m} {times[m][-1]:.3f}s" for m in times),
+                file=sys.stderr,
+                flush=True,
+            )
         mgr.close()
     shutil.rmtree(shm / "overhead-tier", ignore_errors=True)
     shutil.rmtree(shm / "overhead-peer", ignore_errors=True)
+
     def ratios(t: dict[str, list[float]]) -> dict[str, float]:
-        return {m: median([a / b - 1 for a, b in zip(t[m], t["none"])]) for m in ("fastckpt", "device_get")}
+        return {
+            m: median([a / b - 1 for a, b in zip(t[m], t["none"])])
+            for m in ("fastckpt", "device_get")
+        }
 
-    return {"state_bytes": n, "d": d, "batch": batch, "steps_per_segment": steps, "rounds": rounds,
-            "step_s": median(times["none"]) / steps, "segments_s": times, "overhead": ratios(times),
-            "undrained_s": undrained, "overhead_undrained": ratios(undrained),
-            "blocked_s": median(blocked) if blocked else None}
+    return {
+        "state_bytes": n,
+        "d": d,
+        "batch": batch,
+        "steps_per_segment": steps,
+        "rounds": rounds,
+        "step_s": median(times["none"]) / steps,
+        "segments_s": times,
+        "overhead": ratios(times),
+        "undrained_s": undrained,
+        "overhead_undrained": ratios(undrained),
+        "blocked_s": median(blocked) if blocked else None,
+    }
 
 
-def per_size(run: Run, size_gib: float, args: argparse.Namespace, work: Path, shm: Path) -> dict[str, Any]:
+def per_size(
+    run: Run, size_gib: float, args: argparse.Namespace, work: Path, shm: Path
+) -> dict[str, Any]:
     import jax
 
     from fastckpt.options import RestoreOptions
@@ -424,12 +547,19 @@ def per_size(run: Run, size_gib: float, args: argparse.Namespace, work: Path, sh
     spec = spec_for_bytes(int(size_gib * GiB))
     t0 = time.perf_counter()
     state = build_state(spec, mesh, seed=0)
-    out: dict[str, Any] = {"state_bytes": tree_nbytes(state), "leaves": len(jax.tree_util.tree_leaves(state)),
-                           "build_s": time.perf_counter() - t0}
+    out: dict[str, Any] = {
+        "state_bytes": tree_nbytes(state),
+        "leaves": len(jax.tree_util.tree_leaves(state)),
+        "build_s": time.perf_counter() - t0,
+    }
     n = out["state_bytes"]
     run.section(out, "limits", lambda: measure_limits(state, args.reps))
     run.section(out, "raw_tcp", lambda: raw_tcp(n, RestoreOptions().decode_threads, args.reps))
-    run.section(out, "ram", lambda: ram_and_peer(state, work=work, shm=shm, reps=args.reps, threads=args.threads))
+    run.section(
+        out,
+        "ram",
+        lambda: ram_and_peer(state, work=work, shm=shm, reps=args.reps, threads=args.threads),
+    )
     run.section(out, "pageable", lambda: pageable_saves(state, work=work, shm=shm, reps=args.reps))
     run.section(out, "disk", lambda: disk(state, work=work, reps=args.reps, threads=args.threads))
     run.section(out, "orbax", lambda: orbax(state, shm=shm, reps=args.reps))
@@ -454,9 +584,13 @@ def _f(x: float | None, spec: str = ".2f") -> str:
 def report(doc: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
     """The markdown report and the plot's panels."""
     env = doc["env"]
-    lines = [f"# fastckpt on {env['device_kind']} ({env['backend']}, {env['devices']} device(s))", "",
-             f"jax {env['jax']}, {env['cpus']} CPUs, default_threads() = {env['default_threads']}, "
-             f"Orbax {env.get('orbax')}; {doc['finished']}", ""]
+    lines = [
+        f"# fastckpt on {env['device_kind']} ({env['backend']}, {env['devices']} device(s))",
+        "",
+        f"jax {env['jax']}, {env['cpus']} CPUs, default_threads() = {env['default_threads']}, "
+        f"Orbax {env.get('orbax')}; {doc['finished']}",
+        "",
+    ]
     saves, rows, groups, own, peer_, orb, h2d = [], [], [], [], [], [], []
     for r in doc["sizes"].values():
         n = r["state_bytes"]
@@ -464,69 +598,177 @@ def report(doc: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
         ram_saves = _get(ram, "saves") or []
         last = ram_saves[-1] if ram_saves else {}  # a reused segment (see ram_and_peer)
         d2h = lim.get("device_get_s")
-        saves.append([f"{n / GiB:.2f} GiB", _f(d2h, ".3f"), _f(lim.get("pinned_host_s"), ".3f"),
-                      _f(ram_saves[0]["blocked_s"] if ram_saves else None, ".3f"), _f(last.get("blocked_s"), ".3f"),
-                      _f(_get(r, "pageable", "blocked_s"), ".3f"),
-                      _f(last.get("deferred_copy_s"), ".3f"), _f(last.get("ram_commit_s"), ".3f"),
-                      _f(last.get("pushed_s"), ".3f"), _f(_get(r, "disk", "saves", str(env["default_threads"]),
-                                                               "blocked_s"), ".3f"),
-                      _f(_get(r, "orbax", "save_returned_s"), ".3f")])
+        saves.append(
+            [
+                f"{n / GiB:.2f} GiB",
+                _f(d2h, ".3f"),
+                _f(lim.get("pinned_host_s"), ".3f"),
+                _f(ram_saves[0]["blocked_s"] if ram_saves else None, ".3f"),
+                _f(last.get("blocked_s"), ".3f"),
+                _f(_get(r, "pageable", "blocked_s"), ".3f"),
+                _f(last.get("deferred_copy_s"), ".3f"),
+                _f(last.get("ram_commit_s"), ".3f"),
+                _f(last.get("pushed_s"), ".3f"),
+                _f(_get(r, "disk", "saves", str(env["default_threads"]), "blocked_s"), ".3f"),
+                _f(_get(r, "orbax", "save_returned_s"), ".3f"),
+            ]
+        )
         best_own = min((v["seconds"] for v in (_get(ram, "own_ram") or {}).values()), default=None)
         own_default = _get(ram, "own_ram", str(env["default_threads"]), "seconds")
         peer_s = _get(ram, "peer", "seconds")
         orbax_s = _get(r, "orbax", "restore_s")
         tcp = _get(r, "raw_tcp", "gbps")
-        rows.append([f"{n / GiB:.2f} GiB", _f(lim.get("device_put_s"), ".3f"), _f(own_default, ".3f"),
-                     _f(best_own, ".3f"), _f(peer_s, ".3f"), _f(_gbps(n, peer_s)), _f(tcp),
-                     _f(_gbps(n, peer_s) / tcp if peer_s and tcp else None),
-                     _f(_get(r, "disk", "restore_s"), ".3f"), _f(orbax_s, ".3f"),
-                     _f(orbax_s / own_default if orbax_s and own_default else None)])
+        rows.append(
+            [
+                f"{n / GiB:.2f} GiB",
+                _f(lim.get("device_put_s"), ".3f"),
+                _f(own_default, ".3f"),
+                _f(best_own, ".3f"),
+                _f(peer_s, ".3f"),
+                _f(_gbps(n, peer_s)),
+                _f(tcp),
+                _f(_gbps(n, peer_s) / tcp if peer_s and tcp else None),
+                _f(_get(r, "disk", "restore_s"), ".3f"),
+                _f(orbax_s, ".3f"),
+                _f(orbax_s / own_default if orbax_s and own_default else None),
+            ]
+        )
         groups.append(f"{n / GiB:.1f} GiB")
         own.append(_gbps(n, own_default))
         peer_.append(_gbps(n, peer_s))
         orb.append(_gbps(n, orbax_s))
         h2d.append(lim.get("device_put_gbps"))
-    lines += ["## Save: what the training thread waits for (seconds)", "",
-              "`device_get` and `to pinned_host` are the limits (fresh arrays, whole state); RAM saves "
-              "push to one peer; the first RAM save also creates its shared-memory segment (reserving and "
-              "pre-faulting its pages), later ones reuse a spare.", "",
-              markdown_table(["state", "device_get", "to pinned_host", "RAM save blocked (first)",
-                              "RAM save blocked", "same, device_copy=pageable", "deferred copy", "RAM commit",
-                              "pushed", "disk save blocked", "Orbax save blocked"], saves), ""]
-    lines += ["## Restore onto the device (seconds; medians)", "", markdown_table(
-        ["state", "device_put (limit)", "own RAM (default threads)", "own RAM (best threads)", "peer", "peer GB/s",
-         "raw TCP+crc GB/s", "peer / TCP", "disk (cold)", "Orbax /dev/shm", "Orbax / own RAM"], rows), ""]
+    lines += [
+        "## Save: what the training thread waits for (seconds)",
+        "",
+        "`device_get` and `to pinned_host` are the limits (fresh arrays, whole state); RAM saves "
+        "push to one peer; the first RAM save also creates its shared-memory segment (reserving "
+        "and "
+        "pre-faulting its pages), later ones reuse a spare.",
+        "",
+        markdown_table(
+            [
+                "state",
+                "device_get",
+                "to pinned_host",
+                "RAM save blocked (first)",
+                "RAM save blocked",
+                "same, device_copy=pageable",
+                "deferred copy",
+                "RAM commit",
+                "pushed",
+                "disk save blocked",
+                "Orbax save blocked",
+            ],
+            saves,
+        ),
+        "",
+    ]
+    lines += [
+        "## Restore onto the device (seconds; medians)",
+        "",
+        markdown_table(
+            [
+                "state",
+                "device_put (limit)",
+                "own RAM (default threads)",
+                "own RAM (best threads)",
+                "peer",
+                "peer GB/s",
+                "raw TCP+crc GB/s",
+                "peer / TCP",
+                "disk (cold)",
+                "Orbax /dev/shm",
+                "Orbax / own RAM",
+            ],
+            rows,
+        ),
+        "",
+    ]
     sweep = []
     for r in doc["sizes"].values():
         for t, v in (_get(r, "ram", "own_ram") or {}).items():
             enc = _get(r, "disk", "saves", t) or {}
-            sweep.append([f"{r['state_bytes'] / GiB:.2f} GiB", t, _f(v["seconds"], ".3f"), _f(v["fetch_s"], ".3f"),
-                          _f(enc.get("committed_s"), ".2f"), _f(enc.get("encode_s"), ".2f")])
-    lines += ["## Thread sweep (own-RAM restore by decode_threads; disk save by encode_threads)", "",
-              markdown_table(["state", "threads", "own RAM restore s", "fetch s", "disk save committed s",
-                              "encode s"], sweep), ""]
+            sweep.append(
+                [
+                    f"{r['state_bytes'] / GiB:.2f} GiB",
+                    t,
+                    _f(v["seconds"], ".3f"),
+                    _f(v["fetch_s"], ".3f"),
+                    _f(enc.get("committed_s"), ".2f"),
+                    _f(enc.get("encode_s"), ".2f"),
+                ]
+            )
+    lines += [
+        "## Thread sweep (own-RAM restore by decode_threads; disk save by encode_threads)",
+        "",
+        markdown_table(
+            [
+                "state",
+                "threads",
+                "own RAM restore s",
+                "fetch s",
+                "disk save committed s",
+                "encode s",
+            ],
+            sweep,
+        ),
+        "",
+    ]
     ov = doc.get("overhead", {})
     if "overhead" in ov:
         interval = RAM_EVERY * ov["step_s"]
         blocked = ov.get("blocked_s")
         und = ov.get("overhead_undrained", {})
         pct = lambda x: "n/a" if x is None else f"{x * 100:+.1f}%"  # noqa: E731
-        lines += ["## Step overhead (RAM checkpoint every 10 steps)", "",
-                  f"state {ov['state_bytes'] / GiB:.2f} GiB, step {ov['step_s'] * 1e3:.1f} ms, "
-                  f"{ov['steps_per_segment']} steps x {ov['rounds']} rounds. `segment overhead` includes draining "
-                  "the last checkpoint's background work (its push to the peer) after the segment's last step; "
-                  "`until last step` stops the clock at the last step (the steady state of a long run); "
-                  "`blocked share` is what `save()` itself takes of a 10-step interval.", "",
-                  markdown_table(["mode", "segment overhead", "until last step", "blocked per checkpoint s",
-                                  "blocked share"],
-                                 [["fastckpt RAM + push", pct(ov["overhead"]["fastckpt"]), pct(und.get("fastckpt")),
-                                   _f(blocked, ".3f"), f"{blocked / interval * 100:.1f}%" if blocked else "n/a"],
-                                  ["device_get alone", pct(ov["overhead"]["device_get"]), pct(und.get("device_get")),
-                                   "", ""]]), ""]
+        lines += [
+            "## Step overhead (RAM checkpoint every 10 steps)",
+            "",
+            f"state {ov['state_bytes'] / GiB:.2f} GiB, step {ov['step_s'] * 1e3:.1f} ms, "
+            f"{ov['steps_per_segment']} steps x {ov['rounds']} rounds. `segment overhead` includes "
+            "draining "
+            "the last checkpoint's background work (its push to the peer) after the segment's last "
+            "step; "
+            "`until last step` stops the clock at the last step (the steady state of a long run); "
+            "`blocked share` is what `save()` itself takes of a 10-step interval.",
+            "",
+            markdown_table(
+                [
+                    "mode",
+                    "segment overhead",
+                    "until last step",
+                    "blocked per checkpoint s",
+                    "blocked share",
+                ],
+                [
+                    [
+                        "fastckpt RAM + push",
+                        pct(ov["overhead"]["fastckpt"]),
+                        pct(und.get("fastckpt")),
+                        _f(blocked, ".3f"),
+                        f"{blocked / interval * 100:.1f}%" if blocked else "n/a",
+                    ],
+                    [
+                        "device_get alone",
+                        pct(ov["overhead"]["device_get"]),
+                        pct(und.get("device_get")),
+                        "",
+                        "",
+                    ],
+                ],
+            ),
+            "",
+        ]
     if doc.get("errors"):
         lines += ["## Errors", ""] + [f"- {e}" for e in doc["errors"]] + [""]
-    panels = [{"title": "restore GB/s", "ylabel": "GB/s", "groups": groups,
-               "series": {"own RAM": own, "peer": peer_, "Orbax /dev/shm": orb, "device_put": h2d}}]
+    panels = [
+        {
+            "title": "restore GB/s",
+            "ylabel": "GB/s",
+            "groups": groups,
+            "series": {"own RAM": own, "peer": peer_, "Orbax /dev/shm": orb, "device_put": h2d},
+        }
+    ]
     return "\n".join(lines), panels
 
 
@@ -538,8 +780,19 @@ def render(doc: dict[str, Any]) -> str:
 def _render(doc: dict[str, Any], out_dir: Path, *, update_docs: bool = False) -> str:
     md, panels = report(doc)
     (out_dir / "accelerator.md").write_text(md + "\n")
-    bar_chart(out_dir / "accelerator.png", panels=panels, title=f"fastckpt on {doc['env']['device_kind']}", ncols=1)
-    publish_docs("accelerator", doc, render=render, results_path=out_dir / "accelerator.json", force=update_docs)
+    bar_chart(
+        out_dir / "accelerator.png",
+        panels=panels,
+        title=f"fastckpt on {doc['env']['device_kind']}",
+        ncols=1,
+    )
+    publish_docs(
+        "accelerator",
+        doc,
+        render=render,
+        results_path=out_dir / "accelerator.json",
+        force=update_docs,
+    )
     return md
 
 
@@ -547,7 +800,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes-gib", default="2,6")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--threads", default=None, help="decode/encode thread counts to sweep (default: 2,4,8)")
+    p.add_argument(
+        "--threads", default=None, help="decode/encode thread counts to sweep (default: 2,4,8)"
+    )
     p.add_argument("--overhead-gib", type=float, default=1.5)
     p.add_argument("--overhead-d", type=int, default=8192)
     p.add_argument("--overhead-batch", type=int, default=65536)
@@ -557,11 +812,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-dir", default=None)
     p.add_argument("--shm-dir", default="/dev/shm")
     p.add_argument("--out-dir", default=str(RESULTS_DIR))
-    p.add_argument("--from-json", help="re-render the markdown and plot from a results JSON, run nothing")
-    p.add_argument("--update-docs", action="store_true", help="rewrite the docs/benchmarks.md block even for another --out-dir")
+    p.add_argument(
+        "--from-json", help="re-render the markdown and plot from a results JSON, run nothing"
+    )
+    p.add_argument(
+        "--update-docs",
+        action="store_true",
+        help="rewrite the docs/benchmarks.md block even for another --out-dir",
+    )
     args = p.parse_args(argv)
     if args.from_json:
-        print(_render(json.loads(Path(args.from_json).read_text()), Path(args.out_dir), update_docs=args.update_docs))
+        print(
+            _render(
+                json.loads(Path(args.from_json).read_text()),
+                Path(args.out_dir),
+                update_docs=args.update_docs,
+            )
+        )
         return 0
     args.threads = [int(t) for t in (args.threads or "2,4,8").split(",")]
 
@@ -571,9 +838,15 @@ def main(argv: list[str] | None = None) -> int:
 
     run = Run(args.deadline_s)
     dev = jax.devices()[0]
-    env = {"backend": jax.default_backend(), "device_kind": dev.device_kind, "devices": len(jax.devices()),
-           "jax": jax.__version__, "cpus": len(os.sched_getaffinity(0)), "default_threads": default_threads(),
-           "python": platform.python_version()}
+    env = {
+        "backend": jax.default_backend(),
+        "device_kind": dev.device_kind,
+        "devices": len(jax.devices()),
+        "jax": jax.__version__,
+        "cpus": len(os.sched_getaffinity(0)),
+        "default_threads": default_threads(),
+        "python": platform.python_version(),
+    }
     try:
         import orbax.checkpoint as ocp
 
@@ -586,12 +859,24 @@ def main(argv: list[str] | None = None) -> int:
     shm = Path(tempfile.mkdtemp(prefix="fastckpt-accel-", dir=args.shm_dir))
     out_dir = Path(args.out_dir)
     try:
-        run.section(doc, "overhead", lambda: step_overhead(
-            work=work, shm=shm, nbytes=int(args.overhead_gib * GiB), d=args.overhead_d, batch=args.overhead_batch,
-            steps=args.overhead_steps, rounds=args.overhead_rounds))
+        run.section(
+            doc,
+            "overhead",
+            lambda: step_overhead(
+                work=work,
+                shm=shm,
+                nbytes=int(args.overhead_gib * GiB),
+                d=args.overhead_d,
+                batch=args.overhead_batch,
+                steps=args.overhead_steps,
+                rounds=args.overhead_rounds,
+            ),
+        )
         write_json(out_dir / "accelerator.json", doc)
         for size in [float(s) for s in args.sizes_gib.split(",")]:
-            run.section(doc["sizes"], f"{size:g}", lambda size=size: per_size(run, size, args, work, shm))
+            run.section(
+                doc["sizes"], f"{size:g}", lambda size=size: per_size(run, size, args, work, shm)
+            )
             gc.collect()
             doc["errors"] = run.errors
             write_json(out_dir / "accelerator.json", doc)

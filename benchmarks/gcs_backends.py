@@ -63,7 +63,9 @@ class FastckptBackend:
         self.data = data
         self.size = data[0].nbytes
         self.concurrency = concurrency
-        self.store = GcsStore(BUCKET, "fastckpt", options=GcsOptions(endpoint=endpoint, max_workers=concurrency))
+        self.store = GcsStore(
+            BUCKET, "fastckpt", options=GcsOptions(endpoint=endpoint, max_workers=concurrency)
+        )
 
     def _run(self, make: Callable[[int], Any], n: int) -> float:
         async def go() -> None:
@@ -193,7 +195,11 @@ class TensorstoreBackend:
         pass
 
 
-BACKENDS = {"fastckpt": FastckptBackend, "gcs-lib": GcsLibBackend, "tensorstore": TensorstoreBackend}
+BACKENDS = {
+    "fastckpt": FastckptBackend,
+    "gcs-lib": GcsLibBackend,
+    "tensorstore": TensorstoreBackend,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,7 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     total = size * args.objects
     names = args.backends.split(",")
     # phase -> backend -> [(MB/s, client CPU seconds per GiB)] over reps
-    samples: dict[str, dict[str, list[tuple[float, float]]]] = {p: {n: [] for n in names} for p in PHASES}
+    samples: dict[str, dict[str, list[tuple[float, float]]]] = {
+        p: {n: [] for n in names} for p in PHASES
+    }
     labels: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="fastckpt-bench-") as tmp:
         with GcsEmulator(backend="filesystem", root=args.root or os.path.join(tmp, "gcs")) as emu:
@@ -226,33 +234,53 @@ def main(argv: list[str] | None = None) -> int:
                 # Interleave backends within each rep so load drift on a shared machine
                 # hits all of them alike.
                 for rep in range(args.reps):
-                    for phase, nbytes in (("put", total), ("get_range", total // 2), ("get_full", total)):
+                    for phase, nbytes in (
+                        ("put", total),
+                        ("get_range", total // 2),
+                        ("get_full", total),
+                    ):
                         for n, backend in backends.items():
                             cpu0 = time.process_time()
                             seconds = getattr(backend, phase)(rep, args.objects)
                             cpu = time.process_time() - cpu0
-                            samples[phase][n].append((_mbps(nbytes, seconds), cpu / (nbytes / 2**30)))
+                            samples[phase][n].append(
+                                (_mbps(nbytes, seconds), cpu / (nbytes / 2**30))
+                            )
             finally:
                 for backend in backends.values():
                     backend.close()
     results = {
         labels[n]: {
             **{p: statistics.median(x[0] for x in samples[p][n]) for p in PHASES},
-            **{f"{p}_cpu_s_per_gib": statistics.median(x[1] for x in samples[p][n]) for p in PHASES},
+            **{
+                f"{p}_cpu_s_per_gib": statistics.median(x[1] for x in samples[p][n]) for p in PHASES
+            },
         }
         for n in names
     }
     for n in names:
-        print(f"# {labels[n]}: " + ", ".join(f"{p} {[round(x[0]) for x in samples[p][n]]}" for p in PHASES), file=sys.stderr)
+        print(
+            f"# {labels[n]}: "
+            + ", ".join(f"{p} {[round(x[0]) for x in samples[p][n]]}" for p in PHASES),
+            file=sys.stderr,
+        )
     if args.json:
         print(json.dumps({"args": vars(args), "results_mb_per_s": results}, indent=2))
     else:
-        print(f"{args.objects} x {args.mib} MiB, concurrency {args.concurrency}, median of {args.reps} (MB/s)\n")
-        print("| backend | put MB/s | ranged get MB/s | full get MB/s | client CPU s/GiB (put / range / full) |")
+        print(
+            f"{args.objects} x {args.mib} MiB, concurrency {args.concurrency}, median of "
+            f"{args.reps} (MB/s)\n"
+        )
+        print(
+            "| backend | put MB/s | ranged get MB/s | full get MB/s | client CPU s/GiB (put / "
+            "range / full) |"
+        )
         print("|---|---|---|---|---|")
         for name, r in results.items():
             cpu = " / ".join(f"{r[p + '_cpu_s_per_gib']:.2f}" for p in PHASES)
-            print(f"| {name} | {r['put']:.0f} | {r['get_range']:.0f} | {r['get_full']:.0f} | {cpu} |")
+            print(
+                f"| {name} | {r['put']:.0f} | {r['get_range']:.0f} | {r['get_full']:.0f} | {cpu} |"
+            )
     return 0
 
 

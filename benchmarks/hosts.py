@@ -392,8 +392,11 @@ def _parse(argv: list[str] | None) -> tuple[Config, Path, bool]:
     p.add_argument("--delays-ms", default="10,25", help="relay delay each way")
     p.add_argument("--repeats", type=int)
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
-    p.add_argument("--update-docs", action="store_true",
-                   help="rewrite the docs/benchmarks.md block even for --quick or another --out-dir")
+    p.add_argument(
+        "--update-docs",
+        action="store_true",
+        help="rewrite the docs/benchmarks.md block even for --quick or another --out-dir",
+    )
     a = p.parse_args(argv)
 
     def ints(s: str) -> tuple[int, ...]:
@@ -473,7 +476,14 @@ def main(argv: list[str] | None = None) -> int:
     write_json(out_dir / f"{name}.json", doc)
     (out_dir / f"{name}.md").write_text(md)
     plot(doc, out_dir / f"{name}.png")
-    publish_docs("hosts", doc, render=render, results_path=out_dir / f"{name}.json", quick=cfg.quick, force=update_docs)
+    publish_docs(
+        "hosts",
+        doc,
+        render=render,
+        results_path=out_dir / f"{name}.json",
+        quick=cfg.quick,
+        force=update_docs,
+    )
     print(md)
     return 0 if all(c["pass"] for c in doc["checks"]) else 1
 

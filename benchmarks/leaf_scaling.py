@@ -55,8 +55,8 @@ from typing import Any  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks._common import (  # noqa: E402
-    MiB,
     RESULTS_DIR,
+    MiB,
     abstract_like,
     assert_trees_equal,
     bar_chart,
@@ -113,8 +113,10 @@ def _floor(state: dict[str, Any], step: Any, reps: int) -> tuple[Any, dict[str, 
             hosts.append(views)
         saves.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        placed = [jax.make_array_from_callback(x.shape, x.sharding, lambda idx, v=v: v[starts(idx)])
-                  for x, v in zip(leaves, hosts)]
+        placed = [
+            jax.make_array_from_callback(x.shape, x.sharding, lambda idx, v=v: v[starts(idx)])
+            for x, v in zip(leaves, hosts)
+        ]
         jax.block_until_ready(placed)
         places.append(time.perf_counter() - t0)
         del placed, hosts
@@ -137,20 +139,39 @@ def run_cell(args: argparse.Namespace) -> dict[str, Any]:
 
         state, out["floor"] = _floor(state, step, 3)
         ram_root = work / "fastckpt-ram"
-        options = fastckpt.ManagerOptions(save=fastckpt.SaveOptions(compression="none"),
-                                          retention=fastckpt.RetentionOptions(keep_last=2))
-        ram_options = fastckpt.ManagerOptions(save_interval_steps=1 << 40, ram=RamOptions(
-            root=str(ram_root), member_id="host-a", interval_steps=1, budget_bytes=4 * nbytes + 256 * MiB))
-        libs = {"storage": fastckpt.CheckpointManager(str(work / "fastckpt"), options=options),
-                "own RAM": fastckpt.CheckpointManager(f"mem://leaf-scaling-{args.leaves}", options=ram_options)}
+        options = fastckpt.ManagerOptions(
+            save=fastckpt.SaveOptions(compression="none"),
+            retention=fastckpt.RetentionOptions(keep_last=2),
+        )
+        ram_options = fastckpt.ManagerOptions(
+            save_interval_steps=1 << 40,
+            ram=RamOptions(
+                root=str(ram_root),
+                member_id="host-a",
+                interval_steps=1,
+                budget_bytes=4 * nbytes + 256 * MiB,
+            ),
+        )
+        libs = {
+            "storage": fastckpt.CheckpointManager(str(work / "fastckpt"), options=options),
+            "own RAM": fastckpt.CheckpointManager(
+                f"mem://leaf-scaling-{args.leaves}", options=ram_options
+            ),
+        }
         save = lambda m, k, s: m.save(k, s)  # noqa: E731
         wait = lambda m: m.wait()  # noqa: E731
         restore = lambda m, k, t: m.restore(k, target=t)  # noqa: E731
     else:
         import orbax.checkpoint as ocp
 
-        libs = {"storage": ocp.CheckpointManager(str(work / "orbax"), options=ocp.CheckpointManagerOptions(
-            max_to_keep=2, enable_async_checkpointing=True))}
+        libs = {
+            "storage": ocp.CheckpointManager(
+                str(work / "orbax"),
+                options=ocp.CheckpointManagerOptions(
+                    max_to_keep=2, enable_async_checkpointing=True
+                ),
+            )
+        }
         save = lambda m, k, s: m.save(k, args=ocp.args.StandardSave(s))  # noqa: E731
         wait = lambda m: m.wait_until_finished()  # noqa: E731
         restore = lambda m, k, t: m.restore(k, args=ocp.args.StandardRestore(t))  # noqa: E731
@@ -165,7 +186,13 @@ def run_cell(args: argparse.Namespace) -> dict[str, Any]:
             save(mgr, k, state)
             t1 = time.perf_counter()
             wait(mgr)
-            saves.append({"blocked_s": t1 - t0, "committed_s": time.perf_counter() - t0, "cpu_s": cpu_seconds() - c0})
+            saves.append(
+                {
+                    "blocked_s": t1 - t0,
+                    "committed_s": time.perf_counter() - t0,
+                    "cpu_s": cpu_seconds() - c0,
+                }
+            )
         restores = []
         for i in range(args.reps + 1):
             gc.collect()
@@ -176,14 +203,21 @@ def run_cell(args: argparse.Namespace) -> dict[str, Any]:
             if i == 0:
                 assert_trees_equal(restored, state)
             del restored
-        out[tier] = {"saves": saves, "restores": restores,
-                     "save_blocked_s": median([s["blocked_s"] for s in saves[1:]]),
-                     "committed_s": median([s["committed_s"] for s in saves[1:]]),
-                     "restore_first_s": restores[0]["seconds"],
-                     "restore_s": median([r["seconds"] for r in restores[1:]])}
-        print(f"[{args.cell} {tier} {args.leaves} leaves] save blocks {out[tier]['save_blocked_s']:.3f} s, "
-              f"committed {out[tier]['committed_s']:.3f} s, restore {out[tier]['restore_s']:.3f} s",
-              file=sys.stderr, flush=True)
+        out[tier] = {
+            "saves": saves,
+            "restores": restores,
+            "save_blocked_s": median([s["blocked_s"] for s in saves[1:]]),
+            "committed_s": median([s["committed_s"] for s in saves[1:]]),
+            "restore_first_s": restores[0]["seconds"],
+            "restore_s": median([r["seconds"] for r in restores[1:]]),
+        }
+        print(
+            f"[{args.cell} {tier} {args.leaves} leaves] save blocks "
+            f"{out[tier]['save_blocked_s']:.3f} s, "
+            f"committed {out[tier]['committed_s']:.3f} s, restore {out[tier]['restore_s']:.3f} s",
+            file=sys.stderr,
+            flush=True,
+        )
         mgr.close()
     out["loadavg"] = [load_start[0], os.getloadavg()[0]]
     return out
@@ -205,37 +239,76 @@ def rows(doc: dict[str, Any]) -> list[list[str]]:
     for case in doc["cases"]:
         n = case["leaves"]
         fc, ob = case.get("fastckpt", {}), case.get("orbax", {})
-        floor, st, ram, ost = fc.get("floor", {}), fc.get("storage", {}), fc.get("own RAM", {}), ob.get("storage", {})
-        out.append([str(n), f"{case['bytes'] / MiB:.0f}",
-                    _ms_per_leaf(floor.get("save_floor_s"), n), _ms_per_leaf(st.get("save_blocked_s"), n),
-                    _ms_per_leaf(ost.get("save_blocked_s"), n), _ratio(st.get("save_blocked_s"), ost.get("save_blocked_s")),
-                    _ms_per_leaf(st.get("committed_s"), n), _ms_per_leaf(ost.get("committed_s"), n),
-                    _ms_per_leaf(floor.get("restore_floor_s"), n), _ms_per_leaf(ram.get("restore_s"), n),
-                    _ms_per_leaf(st.get("restore_s"), n), _ms_per_leaf(ost.get("restore_s"), n),
-                    _ratio(st.get("restore_s"), ost.get("restore_s"))])
+        floor, st, ram, ost = (
+            fc.get("floor", {}),
+            fc.get("storage", {}),
+            fc.get("own RAM", {}),
+            ob.get("storage", {}),
+        )
+        out.append(
+            [
+                str(n),
+                f"{case['bytes'] / MiB:.0f}",
+                _ms_per_leaf(floor.get("save_floor_s"), n),
+                _ms_per_leaf(st.get("save_blocked_s"), n),
+                _ms_per_leaf(ost.get("save_blocked_s"), n),
+                _ratio(st.get("save_blocked_s"), ost.get("save_blocked_s")),
+                _ms_per_leaf(st.get("committed_s"), n),
+                _ms_per_leaf(ost.get("committed_s"), n),
+                _ms_per_leaf(floor.get("restore_floor_s"), n),
+                _ms_per_leaf(ram.get("restore_s"), n),
+                _ms_per_leaf(st.get("restore_s"), n),
+                _ms_per_leaf(ost.get("restore_s"), n),
+                _ratio(st.get("restore_s"), ost.get("restore_s")),
+            ]
+        )
     return out
 
 
-HEADERS = ["leaves", "MiB", "save floor (jax)", "fastckpt save() blocks", "Orbax save() blocks", "fastckpt/Orbax",
-           "fastckpt committed", "Orbax committed", "placement floor (jax)", "fastckpt own-RAM restore",
-           "fastckpt /dev/shm restore", "Orbax /dev/shm restore", "fastckpt/Orbax"]
+HEADERS = [
+    "leaves",
+    "MiB",
+    "save floor (jax)",
+    "fastckpt save() blocks",
+    "Orbax save() blocks",
+    "fastckpt/Orbax",
+    "fastckpt committed",
+    "Orbax committed",
+    "placement floor (jax)",
+    "fastckpt own-RAM restore",
+    "fastckpt /dev/shm restore",
+    "Orbax /dev/shm restore",
+    "fastckpt/Orbax",
+]
 
 
 def render(doc: dict[str, Any]) -> str:
     m = doc["meta"]
-    return "\n\n".join([
-        "# Save blocking and restore time vs leaf count: fastckpt vs Orbax",
-        f"Leaves of 64 x 512 float32 (128 KiB, 8 shards of 16 KiB on a 2 x 4 mesh of 8 CPU devices); "
-        f"{m['saves']} saves (median of all but the first) and {m['reps']} restores after a first one (median) "
-        f"per cell, each library in a fresh process; /dev/shm for both; fastckpt uncompressed, Orbax its "
-        f"defaults. git `{m['git']}`, {m['date']}, load average {m['loadavg'][0]:.1f} -> {m['loadavg'][1]:.1f} "
-        "on 2 CPUs (shared machine).",
-        "Times in ms, per leaf in parentheses. *Floor (jax)*: the public jax calls any library must make "
-        "per shard, on the same arrays and nothing else (host views of every shard copied into one buffer; "
-        "`make_array_from_callback` of every leaf from ready host buffers). *Committed*: `save()` until "
-        "the checkpoint is durable (`wait()` / `wait_until_finished()`).",
-        markdown_table(HEADERS, rows(doc)),
-    ]) + "\n"
+    return (
+        "\n\n".join(
+            [
+                "# Save blocking and restore time vs leaf count: fastckpt vs Orbax",
+                "Leaves of 64 x 512 float32 (128 KiB, 8 shards of 16 KiB on a 2 x 4 mesh of 8 CPU "
+                "devices); "
+                f"{m['saves']} saves (median of all but the first) and {m['reps']} restores after "
+                "a first one (median) "
+                "per cell, each library in a fresh process; /dev/shm for both; fastckpt "
+                "uncompressed, Orbax its "
+                f"defaults. git `{m['git']}`, {m['date']}, load average {m['loadavg'][0]:.1f} -> "
+                f"{m['loadavg'][1]:.1f} "
+                "on 2 CPUs (shared machine).",
+                "Times in ms, per leaf in parentheses. *Floor (jax)*: the public jax calls any "
+                "library must make "
+                "per shard, on the same arrays and nothing else (host views of every shard copied "
+                "into one buffer; "
+                "`make_array_from_callback` of every leaf from ready host buffers). *Committed*: "
+                "`save()` until "
+                "the checkpoint is durable (`wait()` / `wait_until_finished()`).",
+                markdown_table(HEADERS, rows(doc)),
+            ]
+        )
+        + "\n"
+    )
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:
@@ -246,28 +319,62 @@ def plot(doc: dict[str, Any], path: Path) -> None:
         vals = [c.get(lib, {}).get(tier, {}).get(key) for c in cases]
         return [None if v is None else 1e3 * v / c["leaves"] for v, c in zip(vals, cases)]
 
-    bar_chart(path, title="Per-leaf cost vs leaf count (8 shards per leaf, /dev/shm)", ncols=3, panels=[
-        {"title": "save() blocks (ms per leaf)", "ylabel": "ms", "groups": groups,
-         "series": {"jax floor": per_leaf("fastckpt", "floor", "save_floor_s"),
+    bar_chart(
+        path,
+        title="Per-leaf cost vs leaf count (8 shards per leaf, /dev/shm)",
+        ncols=3,
+        panels=[
+            {
+                "title": "save() blocks (ms per leaf)",
+                "ylabel": "ms",
+                "groups": groups,
+                "series": {
+                    "jax floor": per_leaf("fastckpt", "floor", "save_floor_s"),
                     "fastckpt": per_leaf("fastckpt", "storage", "save_blocked_s"),
-                    "Orbax": per_leaf("orbax", "storage", "save_blocked_s")}},
-        {"title": "save() to committed (ms per leaf)", "ylabel": "ms", "groups": groups,
-         "series": {"fastckpt": per_leaf("fastckpt", "storage", "committed_s"),
-                    "Orbax": per_leaf("orbax", "storage", "committed_s")}},
-        {"title": "restore (ms per leaf)", "ylabel": "ms", "groups": groups,
-         "series": {"jax floor": per_leaf("fastckpt", "floor", "restore_floor_s"),
+                    "Orbax": per_leaf("orbax", "storage", "save_blocked_s"),
+                },
+            },
+            {
+                "title": "save() to committed (ms per leaf)",
+                "ylabel": "ms",
+                "groups": groups,
+                "series": {
+                    "fastckpt": per_leaf("fastckpt", "storage", "committed_s"),
+                    "Orbax": per_leaf("orbax", "storage", "committed_s"),
+                },
+            },
+            {
+                "title": "restore (ms per leaf)",
+                "ylabel": "ms",
+                "groups": groups,
+                "series": {
+                    "jax floor": per_leaf("fastckpt", "floor", "restore_floor_s"),
                     "fastckpt own RAM": per_leaf("fastckpt", "own RAM", "restore_s"),
                     "fastckpt /dev/shm": per_leaf("fastckpt", "storage", "restore_s"),
-                    "Orbax /dev/shm": per_leaf("orbax", "storage", "restore_s")}},
-    ])
+                    "Orbax /dev/shm": per_leaf("orbax", "storage", "restore_s"),
+                },
+            },
+        ],
+    )
 
 
 def driver(args: argparse.Namespace) -> int:
-    counts = [int(c) for c in args.leaves_list.split(",")] if args.leaves_list else (
-        [100, 500] if args.quick else [100, 1000, 3000])
+    counts = (
+        [int(c) for c in args.leaves_list.split(",")]
+        if args.leaves_list
+        else ([100, 500] if args.quick else [100, 1000, 3000])
+    )
     saves, reps = (3, 1) if args.quick else (4, 2)
-    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parent, check=False).stdout.strip() or "unknown"
+    git = (
+        subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).resolve().parent,
+            check=False,
+        ).stdout.strip()
+        or "unknown"
+    )
     load_start = os.getloadavg()[0]
     cases = []
     t_start = time.perf_counter()
@@ -278,44 +385,83 @@ def driver(args: argparse.Namespace) -> int:
                 work = Path(tmp) / f"{cell}-{n}"
                 work.mkdir()
                 try:
-                    case[cell] = run_module_json(MODULE, ["--cell", cell, "--leaves", str(n), "--saves", str(saves),
-                                                          "--reps", str(reps), "--work", str(work)],
-                                                 out_path=Path(tmp) / f"{cell}-{n}.json", timeout_s=args.cell_timeout)
-                except Exception as e:  # noqa: BLE001 - reported in the results, the run goes on
+                    case[cell] = run_module_json(
+                        MODULE,
+                        [
+                            "--cell",
+                            cell,
+                            "--leaves",
+                            str(n),
+                            "--saves",
+                            str(saves),
+                            "--reps",
+                            str(reps),
+                            "--work",
+                            str(work),
+                        ],
+                        out_path=Path(tmp) / f"{cell}-{n}.json",
+                        timeout_s=args.cell_timeout,
+                    )
+                except Exception as e:
                     print(f"[{cell} {n} leaves] failed: {e}", file=sys.stderr, flush=True)
                     case[cell] = {"error": str(e)[-2000:]}
                 shutil.rmtree(work, ignore_errors=True)
             cases.append(case)
-    meta = {"quick": args.quick, "saves": saves, "reps": reps, "git": git, "wall_s": time.perf_counter() - t_start,
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "loadavg": [load_start, os.getloadavg()[0]]}
+    meta = {
+        "quick": args.quick,
+        "saves": saves,
+        "reps": reps,
+        "git": git,
+        "wall_s": time.perf_counter() - t_start,
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "loadavg": [load_start, os.getloadavg()[0]],
+    }
     doc = {"meta": meta, "cases": cases}
     name = args.name or ("leaf_scaling_quick" if args.quick else "leaf_scaling")
     write_json(args.results_dir / f"{name}.json", doc)
     (args.results_dir / f"{name}.md").write_text(render(doc))
     if not args.no_plot:
         plot(doc, args.results_dir / f"{name}.png")
-    publish_docs("leaf_scaling", doc, render=render, results_path=args.results_dir / f"{name}.json", quick=args.quick,
-                 force=args.update_docs)
+    publish_docs(
+        "leaf_scaling",
+        doc,
+        render=render,
+        results_path=args.results_dir / f"{name}.json",
+        quick=args.quick,
+        force=args.update_docs,
+    )
     print(text_table(HEADERS, rows(doc)))
-    print(f"wrote {args.results_dir / name}.{{json,md{'' if args.no_plot else ',png'}}} in {meta['wall_s']:.0f}s",
-          file=sys.stderr)
+    print(
+        f"wrote {args.results_dir / name}.{{json,md{'' if args.no_plot else ',png'}}} in "
+        f"{meta['wall_s']:.0f}s",
+        file=sys.stderr,
+    )
     failed = [c for c in cases for cell in ("fastckpt", "orbax") if "error" in c.get(cell, {})]
     return 1 if failed else 0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="100 and 500 leaves, fewer repetitions (< 2 min)")
+    p.add_argument(
+        "--quick", action="store_true", help="100 and 500 leaves, fewer repetitions (< 2 min)"
+    )
     p.add_argument("--leaves-list", help="comma-separated leaf counts (overrides the preset)")
     p.add_argument("--shm-dir", type=Path, default=Path("/dev/shm"))
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     p.add_argument("--name", help="output file stem (default leaf_scaling, or leaf_scaling_quick)")
     p.add_argument("--cell-timeout", type=float, default=900.0)
     p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--update-docs", action="store_true",
-                   help="rewrite the docs/benchmarks.md block even for --quick or another --results-dir")
-    p.add_argument("--from-json", type=Path, metavar="PATH", help="only re-render the markdown and plot of a results JSON")
+    p.add_argument(
+        "--update-docs",
+        action="store_true",
+        help="rewrite the docs/benchmarks.md block even for --quick or another --results-dir",
+    )
+    p.add_argument(
+        "--from-json",
+        type=Path,
+        metavar="PATH",
+        help="only re-render the markdown and plot of a results JSON",
+    )
     p.add_argument("--cell", choices=("fastckpt", "orbax"), help=argparse.SUPPRESS)
     p.add_argument("--leaves", type=int, help=argparse.SUPPRESS)
     p.add_argument("--saves", type=int, help=argparse.SUPPRESS)
@@ -331,8 +477,14 @@ def main(argv: list[str] | None = None) -> int:
         doc = json.loads(args.from_json.read_text())
         args.from_json.with_suffix(".md").write_text(render(doc))
         plot(doc, args.from_json.with_suffix(".png"))
-        publish_docs("leaf_scaling", doc, render=render, results_path=args.from_json, quick=doc["meta"]["quick"],
-                     force=args.update_docs)
+        publish_docs(
+            "leaf_scaling",
+            doc,
+            render=render,
+            results_path=args.from_json,
+            quick=doc["meta"]["quick"],
+            force=args.update_docs,
+        )
         print(render(doc))
         return 0
     if args.cell:

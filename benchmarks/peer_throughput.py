@@ -53,7 +53,9 @@ def _timed(fn: Callable[[], None]) -> float:
     return time.perf_counter() - t0
 
 
-def _paired(nbytes: int, base: Callable[[], None], cand: Callable[[], None], repeats: int) -> tuple[float, float, float]:
+def _paired(
+    nbytes: int, base: Callable[[], None], cand: Callable[[], None], repeats: int
+) -> tuple[float, float, float]:
     """(baseline GB/s, candidate GB/s, median of per-pair candidate/baseline ratios)."""
     base()
     cand()
@@ -75,7 +77,7 @@ def _build_tier(root: Path, nbytes: int, chunk: int) -> dict[str, tuple[int, int
     with RamTier(root, budget_bytes=2 * nbytes + MiB) as tier:
         seg = tier.allocate(1, nbytes)
         buf = seg.buffer
-        buf[:] = np.frombuffer(np.arange(nbytes // 8, dtype=np.uint64).tobytes(), np.uint8)[: nbytes]
+        buf[:] = np.frombuffer(np.arange(nbytes // 8, dtype=np.uint64).tobytes(), np.uint8)[:nbytes]
         for i, off in enumerate(range(0, nbytes, chunk)):
             n = min(chunk, nbytes - off)
             chunks[f"x['w']@{i}"] = (off, n, crc32c(buf[off : off + n]))
@@ -113,8 +115,12 @@ def bench_own(
             return run
 
         out = {
-            "fetch (crc32c + copy)": _paired(nbytes, memcpy, fetch(TieredChunkSource(tier)), repeats),
-            "fetch, verify=False": _paired(nbytes, memcpy, fetch(TieredChunkSource(tier, verify=False)), repeats),
+            "fetch (crc32c + copy)": _paired(
+                nbytes, memcpy, fetch(TieredChunkSource(tier)), repeats
+            ),
+            "fetch, verify=False": _paired(
+                nbytes, memcpy, fetch(TieredChunkSource(tier, verify=False)), repeats
+            ),
         }
         del views
     return out
@@ -122,7 +128,10 @@ def bench_own(
 
 def _spawn(args: list[str]) -> tuple[subprocess.Popen[str], list[int]]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.peer_throughput", *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-m", "benchmarks.peer_throughput", *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert proc.stdout is not None
     return proc, [int(p) for p in proc.stdout.readline().split()]
@@ -134,7 +143,9 @@ def _stop(proc: subprocess.Popen[str]) -> None:
     proc.wait(timeout=30)
 
 
-def _raw_reader(port: int, nbytes: int, dst: np.ndarray, streams: int) -> tuple[Callable[[], None], Callable[[], None]]:
+def _raw_reader(
+    port: int, nbytes: int, dst: np.ndarray, streams: int
+) -> tuple[Callable[[], None], Callable[[], None]]:
     share = nbytes // streams
     socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(streams)]
     for s in socks:
@@ -174,8 +185,13 @@ def _peer_reader(
 
 
 def bench_peers(
-    root: Path, nbytes: int, chunks: dict[str, tuple[int, int, int]], dst: np.ndarray,
-    streams_list: list[int], repeats: int, frame_macs: list[bool],
+    root: Path,
+    nbytes: int,
+    chunks: dict[str, tuple[int, int, int]],
+    dst: np.ndarray,
+    streams_list: list[int],
+    repeats: int,
+    frame_macs: list[bool],
 ) -> dict[tuple[bool, int], tuple[float, float, float]]:
     """Peer GET vs raw TCP, servers in separate processes, per frame_mac setting and stream
     count."""
@@ -203,8 +219,10 @@ def _serve_peer(root: str, frame_macs: list[bool]) -> None:
     """Serve the tier at ``root`` once per frame_mac setting (one tier, one server each);
     print their ports on one line, serve until stdin closes."""
     with RamTier(root, budget_bytes=1 << 40) as tier:
-        servers = [PeerServer(tier, secret=SECRET, options=PeerOptions(frame_mac=m)).start()
-                   for m in frame_macs]
+        servers = [
+            PeerServer(tier, secret=SECRET, options=PeerOptions(frame_mac=m)).start()
+            for m in frame_macs
+        ]
         try:
             print(" ".join(str(s.address[1]) for s in servers), flush=True)
             sys.stdin.read()
@@ -222,14 +240,19 @@ def _serve_raw(nbytes: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--sizes-mib", default="256,1024")
     p.add_argument("--streams", default="1,2")
     p.add_argument("--chunk-mib", type=int, default=16)
     p.add_argument("--repeats", type=int, default=6)
     p.add_argument("--shm", default="/dev/shm")
-    p.add_argument("--frame-mac", default="on,off",
-                   help="on, off or both (on,off): frame MACs of the peer runs")
+    p.add_argument(
+        "--frame-mac",
+        default="on,off",
+        help="on, off or both (on,off): frame MACs of the peer runs",
+    )
     p.add_argument("--serve-peer", help=argparse.SUPPRESS)
     p.add_argument("--serve-raw", type=int, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -246,16 +269,23 @@ def main(argv: list[str] | None = None) -> None:
             chunks = _build_tier(root, nbytes, a.chunk_mib * MiB)
             dst = np.empty(nbytes, np.uint8)
             dst[:] = 0  # pre-fault: measure bandwidth, not first-touch page faults
-            for what, (base, cand, ratio) in bench_own(root, nbytes, chunks, dst, a.repeats).items():
-                print(f"{size_mib:>6}Mi {'own RAM ' + what:<40} {cand:7.2f} {base:9.2f} "
-                      f"{ratio:6.2f}  (vs numpy copy)")
+            for what, (base, cand, ratio) in bench_own(
+                root, nbytes, chunks, dst, a.repeats
+            ).items():
+                print(
+                    f"{size_mib:>6}Mi {'own RAM ' + what:<40} {cand:7.2f} {base:9.2f} "
+                    f"{ratio:6.2f}  (vs numpy copy)"
+                )
             streams_list = [int(x) for x in a.streams.split(",")]
             peers = bench_peers(root, nbytes, chunks, dst, streams_list, a.repeats, frame_macs)
-            for (frame_mac, streams), (base, cand, ratio) in sorted(peers.items(),
-                                                                    key=lambda kv: kv[0][1]):
+            for (frame_mac, streams), (base, cand, ratio) in sorted(
+                peers.items(), key=lambda kv: kv[0][1]
+            ):
                 what = f"peer get, {streams} stream(s), mac {'on' if frame_mac else 'off'}"
-                print(f"{size_mib:>6}Mi {what:<40} {cand:7.2f} {base:9.2f} {ratio:6.2f}"
-                      "  (vs raw TCP)")
+                print(
+                    f"{size_mib:>6}Mi {what:<40} {cand:7.2f} {base:9.2f} {ratio:6.2f}  (vs raw TCP)"
+                )
+
 
 if __name__ == "__main__":
     main()

@@ -41,7 +41,15 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks._common import MiB, RESULTS_DIR, cpu_seconds, markdown_table, publish_docs, text_table, write_json
+from benchmarks._common import (
+    RESULTS_DIR,
+    MiB,
+    cpu_seconds,
+    markdown_table,
+    publish_docs,
+    text_table,
+    write_json,
+)
 
 SECRET = b"benchmark-secret-0123456789"
 WINDOW = 4 * MiB
@@ -134,8 +142,9 @@ def _per_frame_us(n: int = 20000) -> dict[str, float]:
         ctx.finalize()
 
     fns: dict[str, Callable[[], Any]] = {
-        "AESGCM(key).encrypt(nonce, b'', header), key reused":
-            lambda: aesgcm.encrypt(nonce, b"", header),
+        "AESGCM(key).encrypt(nonce, b'', header), key reused": lambda: aesgcm.encrypt(
+            nonce, b"", header
+        ),
         "fresh Cipher(AES, GCM) context + tag": fresh,
         "HMAC-SHA256 of the header": lambda: hmac.new(key, header, hashlib.sha256).digest(),
     }
@@ -162,8 +171,11 @@ def measure_macs(reps: int) -> dict[str, Any]:
             t.join()
 
     two_threads = 2 * view.nbytes / _best(two, reps) / 1e9
-    return {"gbps_one_thread": rows, "gmac_two_threads_gbps": two_threads,
-            "per_frame_us": _per_frame_us()}
+    return {
+        "gbps_one_thread": rows,
+        "gmac_two_threads_gbps": two_threads,
+        "per_frame_us": _per_frame_us(),
+    }
 
 
 # =========================================================================== part 2
@@ -179,11 +191,15 @@ def measure_transfer(nbytes: int, chunk: int, repeats: int, shm: str) -> dict[st
         chunks = _build_tier(root, nbytes, chunk)
         dst = np.empty(nbytes, np.uint8)
         dst[:] = 0  # pre-fault: measure bandwidth, not first-touch page faults
-        peer_proc, (port_off, port_on) = _spawn(["--serve-peer", str(root),
-                                                 "--frame-mac", "off,on"])
+        peer_proc, (port_off, port_on) = _spawn(
+            ["--serve-peer", str(root), "--frame-mac", "off,on"]
+        )
         raw_proc, (port_raw,) = _spawn(["--serve-raw", str(nbytes)])
-        procs = {MODES[0]: (raw_proc, port_raw), MODES[1]: (peer_proc, port_off),
-                 MODES[2]: (peer_proc, port_on)}
+        procs = {
+            MODES[0]: (raw_proc, port_raw),
+            MODES[1]: (peer_proc, port_off),
+            MODES[2]: (peer_proc, port_on),
+        }
         runs: dict[str, Callable[[], None]] = {}
         closers = []
         for mode in MODES[1:]:
@@ -200,7 +216,8 @@ def measure_transfer(nbytes: int, chunk: int, repeats: int, shm: str) -> dict[st
         runs[MODES[0]] = raw
         closers.append(close_raw)
         samples: dict[str, dict[str, list[float]]] = {
-            m: {"s": [], "client_cpu": [], "server_cpu": []} for m in MODES}
+            m: {"s": [], "client_cpu": [], "server_cpu": []} for m in MODES
+        }
         try:
             for mode in MODES:  # warm-up
                 runs[mode]()
@@ -223,9 +240,13 @@ def measure_transfer(nbytes: int, chunk: int, repeats: int, shm: str) -> dict[st
     out: dict[str, Any] = {}
     for mode, s in samples.items():
         med = {k: statistics.median(v) for k, v in s.items()}
-        out[mode] = {"gbps": nbytes / med["s"] / 1e9, "seconds": med["s"],
-                     "client_cpu_s": med["client_cpu"], "server_cpu_s": med["server_cpu"],
-                     "samples_s": s["s"]}
+        out[mode] = {
+            "gbps": nbytes / med["s"] / 1e9,
+            "seconds": med["s"],
+            "client_cpu_s": med["client_cpu"],
+            "server_cpu_s": med["server_cpu"],
+            "samples_s": s["s"],
+        }
     return out
 
 
@@ -237,35 +258,56 @@ def report(doc: dict[str, Any]) -> tuple[str, str]:
     rows = [[k, f"{v:.2f}"] for k, v in macs["gbps_one_thread"].items()]
     rows.append(["GMAC, 2 threads at once (aggregate)", f"{macs['gmac_two_threads_gbps']:.2f}"])
     t1 = (["candidate (64 MiB in 4 MiB windows, 1 thread)", "GB/s"], rows)
-    t2 = (["per small frame (200-byte header)", "us"],
-          [[k, f"{v:.2f}"] for k, v in macs["per_frame_us"].items()])
+    t2 = (
+        ["per small frame (200-byte header)", "us"],
+        [[k, f"{v:.2f}"] for k, v in macs["per_frame_us"].items()],
+    )
     tr = doc["transfer"]
     gmac = macs["gbps_one_thread"]["GMAC (AES-256-GCM, data as AAD)"]
     predicted = doc["nbytes"] / gmac / 1e9
     rows3 = []
     for mode in MODES:
         r = tr[mode]
-        rows3.append([mode, f"{r['gbps']:.2f}", f"{r['gbps'] / tr[MODES[0]]['gbps']:.0%}",
-                      f"{r['seconds']:.3f}", f"{r['client_cpu_s']:.3f}",
-                      f"{r['server_cpu_s']:.3f}"])
+        rows3.append(
+            [
+                mode,
+                f"{r['gbps']:.2f}",
+                f"{r['gbps'] / tr[MODES[0]]['gbps']:.0%}",
+                f"{r['seconds']:.3f}",
+                f"{r['client_cpu_s']:.3f}",
+                f"{r['server_cpu_s']:.3f}",
+            ]
+        )
     t3 = (["get_chunks", "GB/s", "of raw", "s", "client CPU s", "server CPU s"], rows3)
     on, off = tr["frame_mac=True"], tr["frame_mac=False"]
     dc, ds = on["client_cpu_s"] - off["client_cpu_s"], on["server_cpu_s"] - off["server_cpu_s"]
     mib = doc["nbytes"] / MiB
-    where = (f"Where the CPU goes: with MACs the client used {dc:+.3f} CPU s "
-             f"({dc / on['client_cpu_s']:.0%} of its CPU) and the server {ds:+.3f} CPU s "
-             f"({ds / on['server_cpu_s']:.0%} of its CPU) more than without; GMAC over "
-             f"{mib:.0f} MiB at the one-thread rate above takes {predicted:.3f} s per side. "
-             f"Throughput with MACs: {on['gbps'] / off['gbps']:.0%} of frame_mac=False.")
+    where = (
+        f"Where the CPU goes: with MACs the client used {dc:+.3f} CPU s "
+        f"({dc / on['client_cpu_s']:.0%} of its CPU) and the server {ds:+.3f} CPU s "
+        f"({ds / on['server_cpu_s']:.0%} of its CPU) more than without; GMAC over "
+        f"{mib:.0f} MiB at the one-thread rate above takes {predicted:.3f} s per side. "
+        f"Throughput with MACs: {on['gbps'] / off['gbps']:.0%} of frame_mac=False."
+    )
     cmd = "python -m benchmarks.wire_mac" + (" --quick" if doc["quick"] else "")
     cpus = f", {doc['cpus']} CPUs" if doc.get("cpus") else ""
-    head = (f"`{cmd}`, {doc['when']} (git {doc['git']}){cpus}. Part 2: "
-            f"{mib:.0f} MiB in {doc['chunk'] / MiB:.0f} MiB chunks, median of {doc['repeats']} "
-            "interleaved runs.")
-    md = "\n\n".join([
-        "# Peer wire authentication: what it costs", head, "## Candidate MACs",
-        markdown_table(*t1), markdown_table(*t2),
-        "## Loopback transfer, client and server processes", markdown_table(*t3), where])
+    head = (
+        f"`{cmd}`, {doc['when']} (git {doc['git']}){cpus}. Part 2: "
+        f"{mib:.0f} MiB in {doc['chunk'] / MiB:.0f} MiB chunks, median of {doc['repeats']} "
+        "interleaved runs."
+    )
+    md = "\n\n".join(
+        [
+            "# Peer wire authentication: what it costs",
+            head,
+            "## Candidate MACs",
+            markdown_table(*t1),
+            markdown_table(*t2),
+            "## Loopback transfer, client and server processes",
+            markdown_table(*t3),
+            where,
+        ]
+    )
     text = "\n\n".join([text_table(*t1), text_table(*t2), text_table(*t3), where])
     return md + "\n", text
 
@@ -276,24 +318,35 @@ def render(doc: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--mib", type=int, default=512)
     p.add_argument("--chunk-mib", type=int, default=16)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--reps", type=int, default=5, help="best-of for part 1")
     p.add_argument("--shm", default="/dev/shm")
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--update-docs", action="store_true", help="rewrite the docs/benchmarks.md block even for --quick")
+    p.add_argument(
+        "--update-docs",
+        action="store_true",
+        help="rewrite the docs/benchmarks.md block even for --quick",
+    )
     a = p.parse_args(argv)
     if a.quick:
         a.mib, a.repeats, a.reps = 128, 3, 3
-    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                         text=True).stdout.strip()
+    git = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     doc: dict[str, Any] = {
-        "when": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "git": git, "quick": a.quick, "nbytes": a.mib * MiB, "chunk": a.chunk_mib * MiB,
-        "repeats": a.repeats, "cpus": os.cpu_count(), "macs": measure_macs(a.reps),
+        "when": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "git": git,
+        "quick": a.quick,
+        "nbytes": a.mib * MiB,
+        "chunk": a.chunk_mib * MiB,
+        "repeats": a.repeats,
+        "cpus": os.cpu_count(),
+        "macs": measure_macs(a.reps),
     }
     doc["transfer"] = measure_transfer(a.mib * MiB, a.chunk_mib * MiB, a.repeats, a.shm)
     md, text = report(doc)
@@ -301,7 +354,14 @@ def main(argv: list[str] | None = None) -> None:
     name = "wire_mac_quick" if a.quick else "wire_mac"
     write_json(RESULTS_DIR / f"{name}.json", doc)
     (RESULTS_DIR / f"{name}.md").write_text(md)
-    publish_docs("wire_mac", doc, render=render, results_path=RESULTS_DIR / f"{name}.json", quick=a.quick, force=a.update_docs)
+    publish_docs(
+        "wire_mac",
+        doc,
+        render=render,
+        results_path=RESULTS_DIR / f"{name}.json",
+        quick=a.quick,
+        force=a.update_docs,
+    )
 
 
 if __name__ == "__main__":

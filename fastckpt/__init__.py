@@ -11,19 +11,37 @@ from fastckpt import errors as errors
 from fastckpt.errors import FastckptError as FastckptError
 from fastckpt.options import (
     DistributedOptions as DistributedOptions,
+)
+from fastckpt.options import (
     ManagerOptions as ManagerOptions,
+)
+from fastckpt.options import (
     RamOptions as RamOptions,
+)
+from fastckpt.options import (
     RestoreOptions as RestoreOptions,
+)
+from fastckpt.options import (
     RetentionOptions as RetentionOptions,
+)
+from fastckpt.options import (
     SaveOptions as SaveOptions,
 )
 
 if TYPE_CHECKING:
-    from fastckpt.manager import CheckpointManager as CheckpointManager, restore as restore, save as save
-    from fastckpt.writer.stats import SaveStats as SaveStats
+    from fastckpt.manager import (
+        CheckpointManager as CheckpointManager,
+    )
+    from fastckpt.manager import (
+        restore as restore,
+    )
+    from fastckpt.manager import (
+        save as save,
+    )
     from fastckpt.reader.units import RestoreStats as RestoreStats
     from fastckpt.replicas import new_peer_secret as new_peer_secret
     from fastckpt.replicas import peer_secret_from_env as peer_secret_from_env
+    from fastckpt.writer.stats import SaveStats as SaveStats
 
 # Imported on first use: they pull in jax (over a second), which the CLI's inspect/gc/verify
 # and code that only builds options do not need.
@@ -51,6 +69,7 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *_LAZY})
+
 
 from fastckpt._version import __version__ as __version__
 

@@ -21,8 +21,18 @@ from fastckpt._checksum import crc32c
 
 _T = TypeVar("_T")
 
-__all__ = ["BufferCache", "StagingPool", "aligned_offsets", "alloc_aligned", "as_bytes", "balanced_groups", "carve",
-           "parallel_copy", "parallel_crc32c", "slab_bytes"]
+__all__ = [
+    "BufferCache",
+    "StagingPool",
+    "aligned_offsets",
+    "alloc_aligned",
+    "as_bytes",
+    "balanced_groups",
+    "carve",
+    "parallel_copy",
+    "parallel_crc32c",
+    "slab_bytes",
+]
 
 _HUGE = 2 << 20
 _SLAB_ALIGN = 64
@@ -141,7 +151,9 @@ def balanced_groups(sizes: Sequence[int], groups: int) -> list[list[int]]:
     return [sorted(g) for g in out if g]
 
 
-def _run_grouped(sizes: Sequence[int], job: Callable[[int], _T], executor: Executor | None, jobs: int) -> list[_T]:
+def _run_grouped(
+    sizes: Sequence[int], job: Callable[[int], _T], executor: Executor | None, jobs: int
+) -> list[_T]:
     """``[job(i) for i in range(len(sizes))]``, run as at most ``jobs`` tasks of similar size
     on ``executor`` (one task per thread, not one per item: per-task overhead matters for
     the thousands of sub-MiB shards of a large sharded state)."""
@@ -158,16 +170,22 @@ def _run_grouped(sizes: Sequence[int], job: Callable[[int], _T], executor: Execu
     return out  # type: ignore[return-value]
 
 
-def parallel_copy(pairs: Sequence[tuple[np.ndarray, np.ndarray]], executor: Executor | None, *, jobs: int) -> None:
+def parallel_copy(
+    pairs: Sequence[tuple[np.ndarray, np.ndarray]], executor: Executor | None, *, jobs: int
+) -> None:
     """Copy each ``src`` into ``dst`` (flat uint8 views of equal size), in ``jobs`` parallel
     tasks of similar byte counts on ``executor`` (numpy releases the GIL while copying)."""
     for dst, src in pairs:
         if dst.nbytes != src.nbytes:
             raise ValueError(f"copy size mismatch {dst.nbytes} != {src.nbytes}")
-    _run_grouped([d.nbytes for d, _ in pairs], lambda i: np.copyto(pairs[i][0], pairs[i][1]), executor, jobs)
+    _run_grouped(
+        [d.nbytes for d, _ in pairs], lambda i: np.copyto(pairs[i][0], pairs[i][1]), executor, jobs
+    )
 
 
-def parallel_crc32c(views: Sequence[np.ndarray | memoryview], executor: Executor | None, *, jobs: int) -> list[int]:
+def parallel_crc32c(
+    views: Sequence[np.ndarray | memoryview], executor: Executor | None, *, jobs: int
+) -> list[int]:
     """crc32c of each buffer, in ``jobs`` parallel tasks of similar byte counts (GIL released)."""
     return _run_grouped([v.nbytes for v in views], lambda i: crc32c(views[i]), executor, jobs)
 

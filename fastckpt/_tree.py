@@ -105,4 +105,6 @@ def unflatten_from_paths(items: dict[KeyPath, Any]) -> Any:
 
 def map_with_path(fn: Callable[[KeyPath, Any], Any], tree: Any) -> Any:
     """``tree_map`` with manifest key paths (``None`` leaves included)."""
-    return jax.tree_util.tree_map_with_path(lambda p, x: fn(keypath_of(p), x), tree, is_leaf=_is_none)
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: fn(keypath_of(p), x), tree, is_leaf=_is_none
+    )

@@ -94,14 +94,24 @@ class SaveOptions:
         if self.compression not in ("zstd", "none"):
             raise ConfigError(f"compression must be 'zstd' or 'none', got {self.compression!r}")
         if self.device_copy not in ("auto", "pinned_host", "pageable"):
-            raise ConfigError(f"device_copy must be 'auto', 'pinned_host' or 'pageable', got {self.device_copy!r}")
+            raise ConfigError(
+                f"device_copy must be 'auto', 'pinned_host' or 'pageable', got {self.device_copy!r}"
+            )
         if self.if_busy not in ("wait", "skip"):
             raise ConfigError(f"if_busy must be 'wait' or 'skip', got {self.if_busy!r}")
         if not 0.0 <= self.min_compression_gain < 1.0:
-            raise ConfigError(f"min_compression_gain must be in [0, 1), got {self.min_compression_gain}")
+            raise ConfigError(
+                f"min_compression_gain must be in [0, 1), got {self.min_compression_gain}"
+            )
         if not -7 <= self.zstd_level <= 22:
             raise ConfigError(f"zstd_level must be in [-7, 22], got {self.zstd_level}")
-        for name in ("encode_threads", "max_chunk_bytes", "object_bytes", "max_inflight_bytes", "upload_concurrency"):
+        for name in (
+            "encode_threads",
+            "max_chunk_bytes",
+            "object_bytes",
+            "max_inflight_bytes",
+            "upload_concurrency",
+        ):
             _positive(name, getattr(self, name))
 
 
@@ -136,7 +146,12 @@ class RestoreOptions:
     chunks (its checksums cover whole stored chunks)."""
 
     def __post_init__(self) -> None:
-        for name in ("read_concurrency", "decode_threads", "max_request_bytes", "max_scratch_bytes"):
+        for name in (
+            "read_concurrency",
+            "decode_threads",
+            "max_request_bytes",
+            "max_scratch_bytes",
+        ):
             _positive(name, getattr(self, name))
         for name in ("max_gap_bytes", "min_range_saving_bytes"):
             if getattr(self, name) < 0:
@@ -243,7 +258,13 @@ class RamOptions:
     def __post_init__(self) -> None:
         if not self.root:
             raise ConfigError("RamOptions.root is required")
-        for name in ("interval_steps", "budget_bytes", "keep_steps", "manifest_fanout", "manifest_relay_wait_s"):
+        for name in (
+            "interval_steps",
+            "budget_bytes",
+            "keep_steps",
+            "manifest_fanout",
+            "manifest_relay_wait_s",
+        ):
             _positive(name, getattr(self, name))
         if self.replicas < 0:
             raise ConfigError("replicas must be >= 0")

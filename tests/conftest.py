@@ -62,13 +62,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     config.stash[_HOSTS_DESELECTED] = deselected
 
 
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int,
-                            config: pytest.Config) -> None:
+def pytest_terminal_summary(
+    terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config
+) -> None:
     """One line per reason tests marked ``hosts`` were deselected."""
     for reason, count in config.stash.get(_HOSTS_DESELECTED, {}).items():
         terminalreporter.write_line(
             f"{count} test(s) marked 'hosts' deselected: simulated hosts unavailable: {reason}",
-            yellow=True)
+            yellow=True,
+        )
 
 
 @pytest.fixture(scope="session")
@@ -99,7 +101,8 @@ def eight_devices() -> None:
     n = len(jax.devices())
     if n != N_DEVICES:
         pytest.fail(
-            f"in-process tests need {N_DEVICES} CPU devices but the backend has {n}: something initialised "
+            f"in-process tests need {N_DEVICES} CPU devices but the backend has {n}: something "
+            "initialised "
             "jax before tests/conftest.py set XLA_FLAGS"
         )
 

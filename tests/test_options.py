@@ -10,12 +10,16 @@ from fastckpt.errors import ConfigError
 from fastckpt.options import RestoreOptions, SaveOptions, default_threads
 
 
-@pytest.mark.parametrize(("cpus", "threads"), [(1, 2), (2, 2), (8, 2), (12, 3), (16, 4), (31, 7), (32, 8), (224, 8)])
+@pytest.mark.parametrize(
+    ("cpus", "threads"), [(1, 2), (2, 2), (8, 2), (12, 3), (16, 4), (31, 7), (32, 8), (224, 8)]
+)
 def test_default_threads_is_a_quarter_of_the_cpus_within_2_to_8(cpus: int, threads: int) -> None:
     assert default_threads(cpus) == threads
 
 
-def test_thread_options_default_to_the_cpus_this_process_may_use(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_thread_options_default_to_the_cpus_this_process_may_use(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     expected = default_threads(len(os.sched_getaffinity(0)))
     assert SaveOptions().encode_threads == expected
     assert RestoreOptions().decode_threads == expected

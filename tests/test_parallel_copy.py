@@ -9,7 +9,14 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from fastckpt._checksum import crc32c
-from fastckpt._hostmem import alloc_aligned, balanced_groups, carve, parallel_copy, parallel_crc32c, slab_bytes
+from fastckpt._hostmem import (
+    alloc_aligned,
+    balanced_groups,
+    carve,
+    parallel_copy,
+    parallel_crc32c,
+    slab_bytes,
+)
 
 
 @given(st.lists(st.integers(0, 1 << 30), max_size=60), st.integers(1, 9))
@@ -51,14 +58,18 @@ def test_parallel_copy_rejects_size_mismatch() -> None:
 @example([1, 0])
 @example([0, 0, 5])
 @example([])
-def test_carved_views_are_disjoint_exact_and_64_byte_aligned_inside_the_slab(sizes: list[int]) -> None:
+def test_carved_views_are_disjoint_exact_and_64_byte_aligned_inside_the_slab(
+    sizes: list[int],
+) -> None:
     total = slab_bytes(sizes)
     assert sum(sizes) <= total < sum(sizes) + 64 * max(1, len(sizes))
     slab = alloc_aligned(max(total, 1))
     views = carve(slab, sizes)
     assert [v.nbytes for v in views] == sizes
     base = slab.ctypes.data
-    held = [(v.ctypes.data - base, v.nbytes) for v in views if v.nbytes]  # (an empty view has no place)
+    held = [
+        (v.ctypes.data - base, v.nbytes) for v in views if v.nbytes
+    ]  # (an empty view has no place)
     assert all(s % 64 == 0 and s + n <= total for s, n in held)
     assert all(a + n <= b for (a, n), (b, _) in zip(held, held[1:]))  # in order, no overlap
     for i, v in enumerate(views):  # writes through one view land in no other

@@ -23,8 +23,12 @@ _EXIT_BROKEN_PIPE = 128 + int(getattr(signal, "SIGPIPE", 13))
 
 
 def _common(p: argparse.ArgumentParser, *, json_flag: bool = True, progress: bool = False) -> None:
-    p.add_argument("--gcs-endpoint", metavar="URL", default=None,
-                   help="GCS endpoint for gs:// roots (default: $STORAGE_EMULATOR_HOST, else Google)")
+    p.add_argument(
+        "--gcs-endpoint",
+        metavar="URL",
+        default=None,
+        help="GCS endpoint for gs:// roots (default: $STORAGE_EMULATOR_HOST, else Google)",
+    )
     if json_flag:
         p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     if progress:
@@ -35,7 +39,9 @@ def _step(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"step must be a non-negative integer, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"step must be a non-negative integer, got {text!r}"
+        ) from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"step must be a non-negative integer, got {text!r}")
     return value
@@ -62,35 +68,70 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("step", nargs="?", type=_step, help="step (default: latest committed)")
     _common(p)
 
-    p = sub.add_parser("verify", help="re-read every chunk; check crc32c and decode (exit 1 on damage)")
+    p = sub.add_parser(
+        "verify", help="re-read every chunk; check crc32c and decode (exit 1 on damage)"
+    )
     p.add_argument("root")
     p.add_argument("step", nargs="?", type=_step, help="step (default: latest committed)")
     p.add_argument("--all", action="store_true", help="verify every committed step")
-    p.add_argument("--threads", type=_positive, default=4, help="checksum/decode threads (default 4)")
+    p.add_argument(
+        "--threads", type=_positive, default=4, help="checksum/decode threads (default 4)"
+    )
     _common(p, progress=True)
 
     p = sub.add_parser("gc", help="remove uncommitted leftovers; optionally apply retention")
     p.add_argument("root")
     p.add_argument("--dry-run", action="store_true", help="only report what would be removed")
-    p.add_argument("--grace", default="1h", metavar="DURATION",
-                   help="keep uncommitted data younger than this (e.g. 30m, 2h; default 1h)")
-    p.add_argument("--keep-last", type=_positive, default=None, metavar="N",
-                   help="also delete committed steps except the newest N (and --keep-every ones)")
-    p.add_argument("--keep-every", type=_positive, default=None, metavar="K",
-                   help="with retention: keep every step divisible by K")
+    p.add_argument(
+        "--grace",
+        default="1h",
+        metavar="DURATION",
+        help="keep uncommitted data younger than this (e.g. 30m, 2h; default 1h)",
+    )
+    p.add_argument(
+        "--keep-last",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="also delete committed steps except the newest N (and --keep-every ones)",
+    )
+    p.add_argument(
+        "--keep-every",
+        type=_positive,
+        default=None,
+        metavar="K",
+        help="with retention: keep every step divisible by K",
+    )
     _common(p)
 
     p = sub.add_parser("convert", help="convert Orbax <-> fastckpt (direction detected from SRC)")
-    p.add_argument("src", help="an Orbax checkpoint (item dir, step dir or manager root) or a fastckpt root")
+    p.add_argument(
+        "src", help="an Orbax checkpoint (item dir, step dir or manager root) or a fastckpt root"
+    )
     p.add_argument("dst", help="the fastckpt root or Orbax directory to write")
     p.add_argument("--step", type=_step, default=None, help="source step (default: latest)")
-    p.add_argument("--to-step", type=_step, default=None, help="Orbax->fastckpt: step to write (default: source step)")
-    p.add_argument("--item", default=None, help="Orbax item name in a step dir (default: 'default' or the only one)")
-    p.add_argument("--layout", choices=("manager", "item"), default="manager",
-                   help="fastckpt->Orbax: write a CheckpointManager dir (DST/<step>/default) or a bare item dir")
+    p.add_argument(
+        "--to-step",
+        type=_step,
+        default=None,
+        help="Orbax->fastckpt: step to write (default: source step)",
+    )
+    p.add_argument(
+        "--item",
+        default=None,
+        help="Orbax item name in a step dir (default: 'default' or the only one)",
+    )
+    p.add_argument(
+        "--layout",
+        choices=("manager", "item"),
+        default="manager",
+        help="fastckpt->Orbax: write a CheckpointManager dir (DST/<step>/default) or a bare item dir",
+    )
     _common(p, json_flag=False)
 
-    sub.add_parser("demo", help="run the elastic training demo (arguments pass through)", add_help=False)
+    sub.add_parser(
+        "demo", help="run the elastic training demo (arguments pass through)", add_help=False
+    )
     return parser
 
 
@@ -99,7 +140,7 @@ def _missing_local_root(root: str) -> bool:
 
     if "://" in root and not root.startswith("file://"):
         return False
-    path = root[len("file://"):] if root.startswith("file://") else root
+    path = root[len("file://") :] if root.startswith("file://") else root
     return not os.path.isdir(path)
 
 
@@ -109,8 +150,15 @@ def _dispatch(args: argparse.Namespace) -> int:
 
     cmd = args.command
     if cmd == "convert":
-        return _ops.cmd_convert(args.src, args.dst, step=args.step, to_step=args.to_step, item=args.item,
-                                layout=args.layout, gcs_endpoint=args.gcs_endpoint)
+        return _ops.cmd_convert(
+            args.src,
+            args.dst,
+            step=args.step,
+            to_step=args.to_step,
+            item=args.item,
+            layout=args.layout,
+            gcs_endpoint=args.gcs_endpoint,
+        )
     if _missing_local_root(args.root):
         sys.stderr.write(f"fastckpt {cmd}: no such directory: {args.root}\n")
         return 1
@@ -120,13 +168,31 @@ def _dispatch(args: argparse.Namespace) -> int:
     if cmd == "inspect":
         return run_on_root(_inspect.cmd_inspect, args.root, ep, step=args.step, as_json=args.json)
     if cmd == "verify":
-        return run_on_root(_verify.cmd_verify, args.root, ep, step=args.step, all_steps=args.all, as_json=args.json,
-                           progress=not args.no_progress and not args.json, threads=args.threads)
+        return run_on_root(
+            _verify.cmd_verify,
+            args.root,
+            ep,
+            step=args.step,
+            all_steps=args.all,
+            as_json=args.json,
+            progress=not args.no_progress and not args.json,
+            threads=args.threads,
+        )
     if cmd == "gc":
         if args.keep_every is not None and args.keep_last is None:
-            raise _UsageError("--keep-every needs --keep-last (retention keeps the newest N plus every K-th)")
-        return run_on_root(_ops.cmd_gc, args.root, ep, grace_s=parse_duration(args.grace), dry_run=args.dry_run,
-                           keep_last=args.keep_last, keep_every=args.keep_every, as_json=args.json)
+            raise _UsageError(
+                "--keep-every needs --keep-last (retention keeps the newest N plus every K-th)"
+            )
+        return run_on_root(
+            _ops.cmd_gc,
+            args.root,
+            ep,
+            grace_s=parse_duration(args.grace),
+            dry_run=args.dry_run,
+            keep_last=args.keep_last,
+            keep_every=args.keep_every,
+            as_json=args.json,
+        )
     raise _UsageError(f"unknown command {cmd!r}")
 
 

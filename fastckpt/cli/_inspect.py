@@ -49,21 +49,35 @@ async def cmd_ls(store: Store, *, as_json: bool) -> int:
         if m is None:
             rows.append({"step": step, "state": "unreadable", "leftover_objects": len(extra)})
             continue
-        rows.append({
-            "step": step, "state": "committed", "stored_bytes": m.stored_bytes, "logical_bytes": m.nbytes,
-            "ratio": _ratio(m.stored_bytes, m.nbytes), "leaves": len(m.leaves), "arrays": len(m.arrays()),
-            "objects": len(m.object_keys()), "num_processes": m.num_processes, "created_unix": m.created_unix,
-            "leftover_objects": len(extra),
-        })
+        rows.append(
+            {
+                "step": step,
+                "state": "committed",
+                "stored_bytes": m.stored_bytes,
+                "logical_bytes": m.nbytes,
+                "ratio": _ratio(m.stored_bytes, m.nbytes),
+                "leaves": len(m.leaves),
+                "arrays": len(m.arrays()),
+                "objects": len(m.object_keys()),
+                "num_processes": m.num_processes,
+                "created_unix": m.created_unix,
+                "leftover_objects": len(extra),
+            }
+        )
     by_step: dict[int | None, list[Any]] = {}
     for lo in leftovers:
         if lo.reason == "uncommitted":
             by_step.setdefault(lo.step, []).append(lo)
     for lstep, los in sorted(by_step.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
-        rows.append({
-            "step": lstep, "state": "uncommitted", "objects": len(los),
-            "stored_bytes": sum(lo.size for lo in los), "youngest_age_s": min(lo.age_s for lo in los),
-        })
+        rows.append(
+            {
+                "step": lstep,
+                "state": "uncommitted",
+                "objects": len(los),
+                "stored_bytes": sum(lo.size for lo in los),
+                "youngest_age_s": min(lo.age_s for lo in los),
+            }
+        )
     rows.sort(key=lambda r: (r["step"] if r["step"] is not None else -1, r["state"]))
     if as_json:
         dump_json({"root": store.url, "steps": rows, "errors": errors})
@@ -71,18 +85,57 @@ async def cmd_ls(store: Store, *, as_json: bool) -> int:
     if not rows:
         sys.stdout.write(f"{store.url}: no checkpoints\n")
         return 0
-    table = [["STEP", "STATE", "STORED", "LOGICAL", "RATIO", "LEAVES", "PROCS", "CREATED / AGE", "NOTE"]]
+    table = [
+        ["STEP", "STATE", "STORED", "LOGICAL", "RATIO", "LEAVES", "PROCS", "CREATED / AGE", "NOTE"]
+    ]
     for r in rows:
         if r["state"] == "committed":
-            note = f"+{plural(r['leftover_objects'], 'unreferenced object')}" if r["leftover_objects"] else ""
-            table.append([str(r["step"]), "committed", fmt_bytes(r["stored_bytes"]), fmt_bytes(r["logical_bytes"]),
-                          f"{r['ratio']:.2f}" if r["ratio"] is not None else "-", str(r["leaves"]),
-                          str(r["num_processes"]), _when(r["created_unix"]), note])
+            note = (
+                f"+{plural(r['leftover_objects'], 'unreferenced object')}"
+                if r["leftover_objects"]
+                else ""
+            )
+            table.append(
+                [
+                    str(r["step"]),
+                    "committed",
+                    fmt_bytes(r["stored_bytes"]),
+                    fmt_bytes(r["logical_bytes"]),
+                    f"{r['ratio']:.2f}" if r["ratio"] is not None else "-",
+                    str(r["leaves"]),
+                    str(r["num_processes"]),
+                    _when(r["created_unix"]),
+                    note,
+                ]
+            )
         elif r["state"] == "uncommitted":
-            table.append([str(r["step"]), "uncommitted", fmt_bytes(r["stored_bytes"]), "-", "-", "-", "-",
-                          fmt_age(r["youngest_age_s"]), f"{plural(r['objects'], 'object')} (gc removes them)"])
+            table.append(
+                [
+                    str(r["step"]),
+                    "uncommitted",
+                    fmt_bytes(r["stored_bytes"]),
+                    "-",
+                    "-",
+                    "-",
+                    "-",
+                    fmt_age(r["youngest_age_s"]),
+                    f"{plural(r['objects'], 'object')} (gc removes them)",
+                ]
+            )
         else:
-            table.append([str(r["step"]), "unreadable", "-", "-", "-", "-", "-", "-", "manifest cannot be decoded"])
+            table.append(
+                [
+                    str(r["step"]),
+                    "unreadable",
+                    "-",
+                    "-",
+                    "-",
+                    "-",
+                    "-",
+                    "-",
+                    "manifest cannot be decoded",
+                ]
+            )
     sys.stdout.write(f"{store.url}\n")
     _table(table, sys.stdout)
     for e in errors:
@@ -97,7 +150,11 @@ async def load_manifest(store: Store, step: int | None) -> Manifest:
     from fastckpt.format.layout import MANIFEST_PREFIX, step_from_manifest_key
 
     if step is None:
-        steps = [s for s in (step_from_manifest_key(k) for k in await store.list(MANIFEST_PREFIX)) if s is not None]
+        steps = [
+            s
+            for s in (step_from_manifest_key(k) for k in await store.list(MANIFEST_PREFIX))
+            if s is not None
+        ]
         if not steps:
             raise CheckpointNotFoundError(f"no committed checkpoint in {store.url}")
         step = max(steps)
@@ -111,8 +168,14 @@ def _sharding_str(s: ShardingSpec | None) -> str:
     if s is None:
         return "-"
     mesh = ",".join(f"{n}={k}" for n, k in zip(s.mesh_axis_names, s.mesh_shape))
-    spec = ", ".join("None" if p is None else repr(p) if isinstance(p, str) else "(" + ",".join(map(repr, p)) + ")"
-                     for p in s.partition_spec)
+    spec = ", ".join(
+        "None"
+        if p is None
+        else repr(p)
+        if isinstance(p, str)
+        else "(" + ",".join(map(repr, p)) + ")"
+        for p in s.partition_spec
+    )
     return f"mesh({mesh}) P({spec})"
 
 
@@ -122,12 +185,27 @@ def _leaf_json(leaf: ArrayLeaf | ValueLeaf) -> dict[str, Any]:
         return {**path, "type": "value", "vtype": leaf.vtype, "value": leaf.value}
     sharding = None
     if leaf.sharding is not None:
-        sharding = {"mesh_axis_names": list(leaf.sharding.mesh_axis_names), "mesh_shape": list(leaf.sharding.mesh_shape),
-                    "partition_spec": [list(p) if isinstance(p, tuple) else p for p in leaf.sharding.partition_spec]}
-    return {**path, "type": "array", "kind": leaf.kind, "shape": list(leaf.shape), "dtype": leaf.dtype,
-            "key_impl": leaf.key_impl, "sharding": sharding, "logical_bytes": leaf.nbytes,
-            "stored_bytes": leaf.stored_bytes, "ratio": _ratio(leaf.stored_bytes, leaf.nbytes),
-            "chunks": len(leaf.chunks), "objects": len(leaf.chunks.object_keys())}
+        sharding = {
+            "mesh_axis_names": list(leaf.sharding.mesh_axis_names),
+            "mesh_shape": list(leaf.sharding.mesh_shape),
+            "partition_spec": [
+                list(p) if isinstance(p, tuple) else p for p in leaf.sharding.partition_spec
+            ],
+        }
+    return {
+        **path,
+        "type": "array",
+        "kind": leaf.kind,
+        "shape": list(leaf.shape),
+        "dtype": leaf.dtype,
+        "key_impl": leaf.key_impl,
+        "sharding": sharding,
+        "logical_bytes": leaf.nbytes,
+        "stored_bytes": leaf.stored_bytes,
+        "ratio": _ratio(leaf.stored_bytes, leaf.nbytes),
+        "chunks": len(leaf.chunks),
+        "objects": len(leaf.chunks.object_keys()),
+    }
 
 
 def _dtype_str(leaf: ArrayLeaf) -> str:
@@ -140,18 +218,30 @@ async def cmd_inspect(store: Store, step: int | None, *, as_json: bool) -> int:
     """Print one step's tree: shapes, dtypes, shardings, stored vs logical size."""
     m = await load_manifest(store, step)
     if as_json:
-        dump_json({
-            "root": store.url, "step": m.step, "format_version": FORMAT_VERSION,
-            "created_unix": m.created_unix,
-            "writer_version": m.writer_version, "num_processes": m.num_processes, "metadata": m.metadata,
-            "logical_bytes": m.nbytes, "stored_bytes": m.stored_bytes, "ratio": _ratio(m.stored_bytes, m.nbytes),
-            "objects": len(m.object_keys()), "leaves": [_leaf_json(leaf) for leaf in m.leaves],
-        })
+        dump_json(
+            {
+                "root": store.url,
+                "step": m.step,
+                "format_version": FORMAT_VERSION,
+                "created_unix": m.created_unix,
+                "writer_version": m.writer_version,
+                "num_processes": m.num_processes,
+                "metadata": m.metadata,
+                "logical_bytes": m.nbytes,
+                "stored_bytes": m.stored_bytes,
+                "ratio": _ratio(m.stored_bytes, m.nbytes),
+                "objects": len(m.object_keys()),
+                "leaves": [_leaf_json(leaf) for leaf in m.leaves],
+            }
+        )
         return 0
     out = sys.stdout
-    out.write(f"{store.url}  step {m.step}  (format {FORMAT_VERSION}, "
-              f"written by fastckpt {m.writer_version or '?'}, "
-              f"{m.num_processes} process{'es' if m.num_processes != 1 else ''}, {_when(m.created_unix)})\n")
+    out.write(
+        f"{store.url}  step {m.step}  (format {FORMAT_VERSION}, "
+        f"written by fastckpt {m.writer_version or '?'}, "
+        f"{m.num_processes} process{'es' if m.num_processes != 1 else ''}, "
+        f"{_when(m.created_unix)})\n"
+    )
     if m.metadata:
         import json
 
@@ -165,13 +255,26 @@ async def cmd_inspect(store: Store, step: int | None, *, as_json: bool) -> int:
             table.append([name, "-", leaf.vtype, "-", "-", "-", "-", f"= {leaf.value!r:.40}"])
             continue
         r = _ratio(leaf.stored_bytes, leaf.nbytes)
-        table.append([name, str(tuple(leaf.shape)), _dtype_str(leaf), _sharding_str(leaf.sharding),
-                      fmt_bytes(leaf.stored_bytes), fmt_bytes(leaf.nbytes), f"{r:.2f}" if r is not None else "-",
-                      str(len(leaf.chunks))])
+        table.append(
+            [
+                name,
+                str(tuple(leaf.shape)),
+                _dtype_str(leaf),
+                _sharding_str(leaf.sharding),
+                fmt_bytes(leaf.stored_bytes),
+                fmt_bytes(leaf.nbytes),
+                f"{r:.2f}" if r is not None else "-",
+                str(len(leaf.chunks)),
+            ]
+        )
     _table(table, out)
     r = _ratio(m.stored_bytes, m.nbytes)
     ratio = f" (ratio {r:.2f})" if r is not None else ""
-    out.write(f"total: {plural(len(m.arrays()), 'array')}, {plural(len(m.leaves) - len(m.arrays()), 'value')}, "
-              f"{plural(len(m.object_keys()), 'object')}; stored {fmt_bytes(m.stored_bytes)} of {fmt_bytes(m.nbytes)} "
-              f"logical{ratio}\n")
+    out.write(
+        f"total: {plural(len(m.arrays()), 'array')}, "
+        f"{plural(len(m.leaves) - len(m.arrays()), 'value')}, "
+        f"{plural(len(m.object_keys()), 'object')}; stored {fmt_bytes(m.stored_bytes)} of "
+        f"{fmt_bytes(m.nbytes)} "
+        f"logical{ratio}\n"
+    )
     return 0

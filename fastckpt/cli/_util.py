@@ -17,8 +17,17 @@ from typing import Any, TextIO, TypeVar
 from fastckpt.errors import ConfigError
 from fastckpt.storage import Store, open_store
 
-__all__ = ["Progress", "dump_json", "fmt_bytes", "fmt_rate", "jsonable", "open_root", "parse_duration", "plural",
-           "run_on_root"]
+__all__ = [
+    "Progress",
+    "dump_json",
+    "fmt_bytes",
+    "fmt_rate",
+    "jsonable",
+    "open_root",
+    "parse_duration",
+    "plural",
+    "run_on_root",
+]
 
 _EMULATOR_ENV = "STORAGE_EMULATOR_HOST"
 _T = TypeVar("_T")
@@ -40,7 +49,9 @@ def open_root(url: str, *, gcs_endpoint: str | None) -> Store:
     return open_store(url)
 
 
-def run_on_root(fn: Callable[..., Coroutine[Any, Any, _T]], root: str, gcs_endpoint: str | None, **kwargs: Any) -> _T:
+def run_on_root(
+    fn: Callable[..., Coroutine[Any, Any, _T]], root: str, gcs_endpoint: str | None, **kwargs: Any
+) -> _T:
     """Open ``root`` and run ``fn(store, **kwargs)`` on an event loop of its own, which also
     closes the store; the command's one loop (the store is used from no other)."""
     store = open_root(root, gcs_endpoint=gcs_endpoint)
@@ -125,7 +136,9 @@ class Progress:
     is printed at most every 5 seconds. Thread-safe. Disabled: does nothing.
     """
 
-    def __init__(self, label: str, total_bytes: int, *, enabled: bool, stream: TextIO | None = None) -> None:
+    def __init__(
+        self, label: str, total_bytes: int, *, enabled: bool, stream: TextIO | None = None
+    ) -> None:
         self.label = label
         self.total = total_bytes
         self.done_bytes = 0
@@ -144,8 +157,10 @@ class Progress:
 
     def _line(self) -> str:
         pct = 100.0 * self.done_bytes / self.total if self.total else 100.0
-        return (f"{self.label}: {fmt_bytes(self.done_bytes)} / {fmt_bytes(self.total)} ({pct:.0f}%)  "
-                f"{fmt_rate(self.done_bytes, self.elapsed)}")
+        return (
+            f"{self.label}: {fmt_bytes(self.done_bytes)} / {fmt_bytes(self.total)} ({pct:.0f}%)  "
+            f"{fmt_rate(self.done_bytes, self.elapsed)}"
+        )
 
     def add(self, nbytes: int) -> None:
         """Record ``nbytes`` more done; redraw if due."""
@@ -157,7 +172,9 @@ class Progress:
             if now - self._last < (0.2 if self._tty else 5.0):
                 return
             self._last = now
-            self._stream.write(("\r" + self._line() + "\x1b[K") if self._tty else self._line() + "\n")
+            self._stream.write(
+                ("\r" + self._line() + "\x1b[K") if self._tty else self._line() + "\n"
+            )
             self._stream.flush()
             self._drawn = True
 
@@ -165,5 +182,7 @@ class Progress:
         """Finish the line (only if something was drawn)."""
         with self._lock:
             if self.enabled and self._drawn:
-                self._stream.write(("\r" + self._line() + "\x1b[K\n") if self._tty else self._line() + "\n")
+                self._stream.write(
+                    ("\r" + self._line() + "\x1b[K\n") if self._tty else self._line() + "\n"
+                )
                 self._stream.flush()

@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import sys
 from concurrent.futures import ThreadPoolExecutor
+
 import zstandard
 
 from fastckpt._checksum import crc32c
@@ -60,12 +61,19 @@ def _check(chunk: ChunkEntry, stored: memoryview) -> str | None:
             return None  # a manifest without raw checksums: nothing more to compare
         raw_crc = crc32c(raw)
     if raw_crc != chunk.raw_crc32c:
-        return f"raw crc32c mismatch after decode ({raw_crc:#010x}, manifest {chunk.raw_crc32c:#010x})"
+        return (
+            f"raw crc32c mismatch after decode ({raw_crc:#010x}, manifest {chunk.raw_crc32c:#010x})"
+        )
     return None
 
 
 async def verify_manifest(
-    store: Store, m: Manifest, *, executor: ThreadPoolExecutor, progress: Progress, concurrency: int = 8
+    store: Store,
+    m: Manifest,
+    *,
+    executor: ThreadPoolExecutor,
+    progress: Progress,
+    concurrency: int = 8,
 ) -> tuple[list[Damage], int]:
     """Verify every chunk of ``m``; returns ``(damages, chunks checked)``."""
     owner: dict[tuple[str, int], tuple[ArrayLeaf, ChunkEntry]] = {}
@@ -79,12 +87,18 @@ async def verify_manifest(
 
     def damage(c: ChunkEntry, problem: str) -> None:
         leaf, _ = owner[(c.key, c.offset)]
-        damages.append(Damage(m.step, keypath_str(leaf.path), [list(iv) for iv in c.box], c.key, c.offset, problem))
+        damages.append(
+            Damage(
+                m.step, keypath_str(leaf.path), [list(iv) for iv in c.box], c.key, c.offset, problem
+            )
+        )
 
     async def one(key: str, start: int, length: int, chunks: tuple[ChunkEntry, ...]) -> None:
         async with sem:
             try:
-                data = memoryview(await store.get(key, byte_range=ByteRange(start, length))).cast("B")
+                data = memoryview(await store.get(key, byte_range=ByteRange(start, length))).cast(
+                    "B"
+                )
             except NotFoundError:
                 data = None
             except FastckptError as e:
@@ -108,8 +122,15 @@ async def verify_manifest(
     return damages, len(owner)
 
 
-async def cmd_verify(store: Store, step: int | None, *, all_steps: bool, as_json: bool, progress: bool,
-                     threads: int = 4) -> int:
+async def cmd_verify(
+    store: Store,
+    step: int | None,
+    *,
+    all_steps: bool,
+    as_json: bool,
+    progress: bool,
+    threads: int = 4,
+) -> int:
     """Verify one step (default: latest) or every committed step; 1 if anything is damaged."""
     from fastckpt.maintenance import read_manifests
 
@@ -129,14 +150,24 @@ async def cmd_verify(store: Store, step: int | None, *, all_steps: bool, as_json
             damages, nchunks = await verify_manifest(store, m, executor=executor, progress=p)
             p.close()
             all_damages.extend(damages)
-            results.append({"step": m.step, "ok": not damages, "chunks": nchunks, "stored_bytes": m.stored_bytes,
-                            "logical_bytes": m.nbytes, "seconds": round(p.elapsed, 3),
-                            "damaged": [dataclasses.asdict(d) for d in damages]})
+            results.append(
+                {
+                    "step": m.step,
+                    "ok": not damages,
+                    "chunks": nchunks,
+                    "stored_bytes": m.stored_bytes,
+                    "logical_bytes": m.nbytes,
+                    "seconds": round(p.elapsed, 3),
+                    "damaged": [dataclasses.asdict(d) for d in damages],
+                }
+            )
             if not as_json:
                 verdict = "OK" if not damages else f"DAMAGED ({len(damages)} of {nchunks} chunks)"
-                sys.stdout.write(f"step {m.step}: {nchunks} chunks, {fmt_bytes(m.stored_bytes)} stored "
-                                 f"({fmt_bytes(m.nbytes)} logical) in {p.elapsed:.2f}s "
-                                 f"({fmt_rate(m.stored_bytes, p.elapsed)}): {verdict}\n")
+                sys.stdout.write(
+                    f"step {m.step}: {nchunks} chunks, {fmt_bytes(m.stored_bytes)} stored "
+                    f"({fmt_bytes(m.nbytes)} logical) in {p.elapsed:.2f}s "
+                    f"({fmt_rate(m.stored_bytes, p.elapsed)}): {verdict}\n"
+                )
                 for d in damages:
                     sys.stdout.write(f"  {d}\n")
     ok = not all_damages and not bad_manifests

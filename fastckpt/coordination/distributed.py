@@ -64,7 +64,9 @@ class Coordinator(abc.ABC):
         except BarrierTimeoutError:
             return None
 
-    def try_get_all(self, directory: str, count: int, *, timeout_s: float | None = None) -> list[str | None]:
+    def try_get_all(
+        self, directory: str, count: int, *, timeout_s: float | None = None
+    ) -> list[str | None]:
         """The values of ``<directory>/<i>`` for ``i < count``, None where not set (default:
         one ``try_get`` per key; ``JaxCoordinator`` reads the directory in one request, so a
         poll over hundreds of processes is one round trip, not hundreds)."""
@@ -87,8 +89,10 @@ class Coordinator(abc.ABC):
             return [value]
         deadline = time.monotonic() + timeout_s
         self.set(f"{name}/{self.process_index}", value, timeout_s=timeout_s)
-        return [self.get(f"{name}/{i}", timeout_s=time_left(deadline))
-                for i in range(self.process_count)]
+        return [
+            self.get(f"{name}/{i}", timeout_s=time_left(deadline))
+            for i in range(self.process_count)
+        ]
 
     def barrier(self, name: str, *, timeout_s: float) -> None:
         """Wait until every process reached ``name`` (each name used once per job)."""
@@ -139,8 +143,15 @@ class JaxCoordinator(Coordinator):
     once per save attempt, so a late write changes no decision already taken).
     """
 
-    def __init__(self, client: Any, *, process_index: int, process_count: int, timeout_s: float = 300.0,
-                 service_address: str | None = None) -> None:
+    def __init__(
+        self,
+        client: Any,
+        *,
+        process_index: int,
+        process_count: int,
+        timeout_s: float = 300.0,
+        service_address: str | None = None,
+    ) -> None:
         if not 0 < timeout_s < math.inf:
             raise ConfigError(f"timeout_s must be > 0 and finite, got {timeout_s!r}")
         self._client = client
@@ -153,13 +164,23 @@ class JaxCoordinator(Coordinator):
         return self._client
 
     def set(self, key: str, value: str, *, timeout_s: float | None = None) -> None:
-        _bounded(self._client.key_value_set, (key, value), self._bound(timeout_s), f"key-value set {key!r}")
+        _bounded(
+            self._client.key_value_set,
+            (key, value),
+            self._bound(timeout_s),
+            f"key-value set {key!r}",
+        )
 
     def get(self, key: str, *, timeout_s: float) -> str:
         return str(self._blocking(self._client.blocking_key_value_get, key, timeout_s))
 
     def set_bytes(self, key: str, value: bytes, *, timeout_s: float | None = None) -> None:
-        _bounded(self._client.key_value_set_bytes, (key, value), self._bound(timeout_s), f"key-value set {key!r}")
+        _bounded(
+            self._client.key_value_set_bytes,
+            (key, value),
+            self._bound(timeout_s),
+            f"key-value set {key!r}",
+        )
 
     def _bound(self, timeout_s: float | None) -> float:
         return self.timeout_s if timeout_s is None else max(0.001, min(timeout_s, self.timeout_s))
@@ -167,9 +188,15 @@ class JaxCoordinator(Coordinator):
     def get_bytes(self, key: str, *, timeout_s: float) -> bytes:
         return bytes(self._blocking(self._client.blocking_key_value_get_bytes, key, timeout_s))
 
-    def try_get_all(self, directory: str, count: int, *, timeout_s: float | None = None) -> list[str | None]:
-        pairs = _bounded(self._client.key_value_dir_get, (directory,), self._bound(timeout_s),
-                         f"key-value directory get {directory!r}")
+    def try_get_all(
+        self, directory: str, count: int, *, timeout_s: float | None = None
+    ) -> list[str | None]:
+        pairs = _bounded(
+            self._client.key_value_dir_get,
+            (directory,),
+            self._bound(timeout_s),
+            f"key-value directory get {directory!r}",
+        )
         found: dict[int, str] = {}
         for key, value in pairs:  # full keys; deeper ones (<directory>/<i>/...) are not ours
             head, _, tail = str(key).rpartition("/")
@@ -181,12 +208,19 @@ class JaxCoordinator(Coordinator):
         # The client's own timeout ends the wait for a key that is not there; the deadline
         # (a little later) ends a call that cannot reach the service at all.
         wait_s = min(timeout_s, self.timeout_s)
-        return _bounded(get, (key, max(1, int(wait_s * 1000))), wait_s + _DEADLINE_SLACK_S,
-                        f"waiting for {key!r}", waited_s=wait_s)
+        return _bounded(
+            get,
+            (key, max(1, int(wait_s * 1000))),
+            wait_s + _DEADLINE_SLACK_S,
+            f"waiting for {key!r}",
+            waited_s=wait_s,
+        )
 
     def try_get(self, key: str) -> str | None:
         try:
-            value = _bounded(self._client.key_value_try_get, (key,), self.timeout_s, f"key-value get {key!r}")
+            value = _bounded(
+                self._client.key_value_try_get, (key,), self.timeout_s, f"key-value get {key!r}"
+            )
         except BarrierTimeoutError:
             raise
         except DistributedError:  # not set (the client raises NOT_FOUND)
@@ -198,8 +232,9 @@ _DEADLINE_SLACK_S = 1.0
 """How much longer than its own timeout a blocking get may take before its deadline ends it."""
 
 
-def _bounded(call: Any, args: tuple[Any, ...], deadline_s: float, what: str, *,
-             waited_s: float | None = None) -> Any:
+def _bounded(
+    call: Any, args: tuple[Any, ...], deadline_s: float, what: str, *, waited_s: float | None = None
+) -> Any:
     """``call(*args)`` on a daemon thread, waited for at most ``deadline_s``.
 
     Raises:
@@ -220,8 +255,10 @@ def _bounded(call: Any, args: tuple[Any, ...], deadline_s: float, what: str, *,
 
     threading.Thread(target=run, name="fastckpt-kv", daemon=True).start()
     if not done.wait(deadline_s):
-        raise BarrierTimeoutError(f"{what}: no answer from the coordination service within {deadline_s:.1f}s "
-                                  "(unreachable: partitioned or down?)")
+        raise BarrierTimeoutError(
+            f"{what}: no answer from the coordination service within {deadline_s:.1f}s "
+            "(unreachable: partitioned or down?)"
+        )
     ok, value = box[0]
     if ok:
         return value
@@ -243,5 +280,10 @@ def default_coordinator(*, timeout_s: float = 300.0) -> Coordinator:
     if client is None or jax.process_count() == 1:
         return LocalCoordinator()
     address = distributed.global_state.coordinator_address
-    return JaxCoordinator(client, process_index=jax.process_index(), process_count=jax.process_count(),
-                          timeout_s=timeout_s, service_address=str(address) if address else None)
+    return JaxCoordinator(
+        client,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        timeout_s=timeout_s,
+        service_address=str(address) if address else None,
+    )

@@ -17,8 +17,14 @@ from fastckpt.errors import CheckpointNotFoundError, DistributedError, NoCheckpo
 from fastckpt.format.layout import step_from_manifest_key
 from fastckpt.format.manifest import Manifest
 
-__all__ = ["SelectedStep", "StepSelector", "agree_on_outcome", "agreed_storage_latest", "choose_latest",
-           "published_step"]
+__all__ = [
+    "SelectedStep",
+    "StepSelector",
+    "agree_on_outcome",
+    "agreed_storage_latest",
+    "choose_latest",
+    "published_step",
+]
 
 
 class SelectedStep(Protocol):
@@ -33,8 +39,15 @@ class SelectedStep(Protocol):
 class StepSelector(Protocol):
     """What :func:`choose_latest` asks of a fast tier."""
 
-    def select_step(self, persistent_latest: Callable[[], int | None], *, key: str, timeout_s: float,
-                    older_than: int | None, wanted: Callable[[Manifest], Mapping[str, str]]) -> SelectedStep | None:
+    def select_step(
+        self,
+        persistent_latest: Callable[[], int | None],
+        *,
+        key: str,
+        timeout_s: float,
+        older_than: int | None,
+        wanted: Callable[[Manifest], Mapping[str, str]],
+    ) -> SelectedStep | None:
         """Agree with every process (collective) on the newest step of the tier newer than
         ``persistent_latest()`` (called on process 0 only) and older than ``older_than`` from
         which each reaches the chunks it needs (``wanted``: chunk id -> object key); None:
@@ -65,8 +78,13 @@ def _publish_latest(coord: Coordinator, key: str, manifest_keys: list[str]) -> i
     return latest
 
 
-def agreed_storage_latest(coord: Coordinator, *, key: str, list_manifests: Callable[[], Future[list[str]]],
-                          timeout_s: float) -> int | None:
+def agreed_storage_latest(
+    coord: Coordinator,
+    *,
+    key: str,
+    list_manifests: Callable[[], Future[list[str]]],
+    timeout_s: float,
+) -> int | None:
     """Storage's latest committed step as process 0 lists it; the others read what it
     publishes (a restore without a fast tier): one listing per restore instead of one per
     host, and every process restores the same step even if a commit lands meanwhile."""
@@ -75,10 +93,18 @@ def agreed_storage_latest(coord: Coordinator, *, key: str, list_manifests: Calla
     return _read_published(coord, key, timeout_s)
 
 
-def choose_latest(tier: StepSelector, coord: Coordinator, *, key: str, older_than: int | None,
-                  wanted: Callable[[Manifest], dict[str, str]], timeout_s: float,
-                  list_manifests: Callable[[], Future[list[str]]], load: Callable[[int], Manifest],
-                  url: str) -> Manifest:
+def choose_latest(
+    tier: StepSelector,
+    coord: Coordinator,
+    *,
+    key: str,
+    older_than: int | None,
+    wanted: Callable[[Manifest], dict[str, str]],
+    timeout_s: float,
+    list_manifests: Callable[[], Future[list[str]]],
+    load: Callable[[int], Manifest],
+    url: str,
+) -> Manifest:
     """The newest step of the fast ``tier`` newer than storage's latest (and older than
     ``older_than``) from which every process reaches the chunks it needs (``wanted``), else
     storage's latest (``load(step)``).
@@ -94,13 +120,17 @@ def choose_latest(tier: StepSelector, coord: Coordinator, *, key: str, older_tha
     listed: list[int | None] = []
     listing = list_manifests() if coord.process_index == 0 else None
 
-    def storage_latest() -> int | None:  # process 0, after its peer survey: the listing ran meanwhile
+    def storage_latest() -> (
+        int | None
+    ):  # process 0, after its peer survey: the listing ran meanwhile
         assert listing is not None
         listed.append(_publish_latest(coord, key, listing.result()))
         return listed[0]
 
     try:
-        choice = tier.select_step(storage_latest, key=key, timeout_s=timeout_s, older_than=older_than, wanted=wanted)
+        choice = tier.select_step(
+            storage_latest, key=key, timeout_s=timeout_s, older_than=older_than, wanted=wanted
+        )
     finally:
         if listing is not None and not listing.done():  # the tier failed before asking
             listing.cancel()
@@ -110,19 +140,29 @@ def choose_latest(tier: StepSelector, coord: Coordinator, *, key: str, older_tha
     if latest is None:
         if older_than is None:
             raise NoCheckpointError(f"no committed checkpoint in {url} or any fast tier")
-        raise CheckpointNotFoundError(f"no committed checkpoint in {url} or any fast tier older than step {older_than}")
+        raise CheckpointNotFoundError(
+            f"no committed checkpoint in {url} or any fast tier older than step {older_than}"
+        )
     return load(latest)
 
 
-def agree_on_outcome(coord: Coordinator | None, tag: str, failure: BaseException | None, *, may_retry: bool,
-                     timeout_s: float) -> bool:
+def agree_on_outcome(
+    coord: Coordinator | None,
+    tag: str,
+    failure: BaseException | None,
+    *,
+    may_retry: bool,
+    timeout_s: float,
+) -> bool:
     """Exchange every process's fill outcome through ``coord`` (None: this process alone;
     the exchange is also the barrier that keeps peers serving until everyone has read).
     Returns True if all should retry an older step; raises this process's error, or
     :class:`DistributedError` naming another process's."""
     missing = isinstance(failure, CheckpointNotFoundError)
     mine = "ok" if failure is None else ("missing " if missing else "error ") + str(failure)[:500]
-    outcomes = [mine] if coord is None else coord.exchange(f"{tag}/outcome", mine, timeout_s=timeout_s)
+    outcomes = (
+        [mine] if coord is None else coord.exchange(f"{tag}/outcome", mine, timeout_s=timeout_s)
+    )
     if all(o == "ok" for o in outcomes):
         return False
     if may_retry and all(o == "ok" or o.startswith("missing ") for o in outcomes):
@@ -130,4 +170,6 @@ def agree_on_outcome(coord: Coordinator | None, tag: str, failure: BaseException
     if failure is not None:
         raise failure
     bad = next(i for i, o in enumerate(outcomes) if o != "ok")
-    raise DistributedError(f"process {bad} failed its part of the restore: {outcomes[bad].split(' ', 1)[1]}")
+    raise DistributedError(
+        f"process {bad} failed its part of the restore: {outcomes[bad].split(' ', 1)[1]}"
+    )

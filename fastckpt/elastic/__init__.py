@@ -26,11 +26,11 @@ from fastckpt.elastic.context import ElasticContext as ElasticContext
 from fastckpt.elastic.context import ElasticOptions as ElasticOptions
 from fastckpt.elastic.supervisor import ChaosEvent as ChaosEvent
 from fastckpt.elastic.supervisor import ElasticRunError as ElasticRunError
-from fastckpt.elastic.supervisor import SupervisorTerminated as SupervisorTerminated
 from fastckpt.elastic.supervisor import GenerationResult as GenerationResult
 from fastckpt.elastic.supervisor import Supervisor as Supervisor
 from fastckpt.elastic.supervisor import SupervisorOptions as SupervisorOptions
 from fastckpt.elastic.supervisor import SupervisorResult as SupervisorResult
+from fastckpt.elastic.supervisor import SupervisorTerminated as SupervisorTerminated
 from fastckpt.elastic.timeline import summarize as summarize
 
 __all__ = [
@@ -40,11 +40,11 @@ __all__ = [
     "ElasticContext",
     "ElasticOptions",
     "ElasticRunError",
-    "SupervisorTerminated",
     "GenerationResult",
     "Supervisor",
     "SupervisorOptions",
     "SupervisorResult",
+    "SupervisorTerminated",
     "WorkerEnv",
     "summarize",
 ]

@@ -47,30 +47,51 @@ def _run(argv: Sequence[str]) -> int:
     p.add_argument("--startup-timeout-s", type=float, default=180.0)
     p.add_argument("--run-dir", default=None)
     p.add_argument("--local-root", default=None)
-    p.add_argument("--kill", action="append", default=[], metavar="HOST@STEP", help="SIGKILL a host at a step")
-    p.add_argument("--rejoin", action="append", default=[], metavar="HOST@STEP", help="bring a host back")
+    p.add_argument(
+        "--kill", action="append", default=[], metavar="HOST@STEP", help="SIGKILL a host at a step"
+    )
+    p.add_argument(
+        "--rejoin", action="append", default=[], metavar="HOST@STEP", help="bring a host back"
+    )
     p.add_argument("--no-standby", action="store_true", help="no warm standby workers")
-    p.add_argument("--preload", default=None,
-                   help="comma-separated modules standbys import early (default: jax + the example worker's)")
+    p.add_argument(
+        "--preload",
+        default=None,
+        help="comma-separated modules standbys import early (default: jax + the example worker's)",
+    )
     args = p.parse_args(argv[:split])
-    worker = argv[split + 1:]
+    worker = argv[split + 1 :]
     if not worker:
         p.error("no worker command after --")
     events = tuple(ChaosEvent.parse("kill", s) for s in args.kill) + tuple(
-        ChaosEvent.parse("rejoin", s) for s in args.rejoin)
+        ChaosEvent.parse("rejoin", s) for s in args.rejoin
+    )
     options = SupervisorOptions(
-        num_hosts=args.hosts, devices_per_host=args.devices_per_host, min_hosts=args.min_hosts,
-        max_restarts=args.max_restarts, heartbeat_timeout_s=args.heartbeat_timeout_s,
-        progress_timeout_s=args.progress_timeout_s, startup_timeout_s=args.startup_timeout_s, events=events,
+        num_hosts=args.hosts,
+        devices_per_host=args.devices_per_host,
+        min_hosts=args.min_hosts,
+        max_restarts=args.max_restarts,
+        heartbeat_timeout_s=args.heartbeat_timeout_s,
+        progress_timeout_s=args.progress_timeout_s,
+        startup_timeout_s=args.startup_timeout_s,
+        events=events,
         warm_standby=not args.no_standby,
-        preload=tuple(filter(None, args.preload.split(","))) if args.preload is not None else EXAMPLE_WORKER_PRELOAD,
+        preload=tuple(filter(None, args.preload.split(",")))
+        if args.preload is not None
+        else EXAMPLE_WORKER_PRELOAD,
     )
     run_dir = args.run_dir or tempfile.mkdtemp(prefix="fastckpt-run-")
     # the hosts' RAM tiers: tmpfs (memory until removed), removed after the run unless given
-    local_root = args.local_root or tempfile.mkdtemp(prefix="fastckpt-local-",
-                                                     dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    sup = Supervisor(worker, run_dir=run_dir, local_root=local_root, options=options,
-                     on_event=lambda ev: print(json.dumps(ev), flush=True))
+    local_root = args.local_root or tempfile.mkdtemp(
+        prefix="fastckpt-local-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
+    )
+    sup = Supervisor(
+        worker,
+        run_dir=run_dir,
+        local_root=local_root,
+        options=options,
+        on_event=lambda ev: print(json.dumps(ev), flush=True),
+    )
     try:
         sup.run()
     except ElasticRunError as e:

@@ -78,7 +78,10 @@ class WorkerEnv:
 
     def to_environ(self) -> dict[str, str]:
         """The environment variables that encode this identity."""
-        return {ENV_PREFIX + f.name.upper(): str(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        return {
+            ENV_PREFIX + f.name.upper(): str(getattr(self, f.name))
+            for f in dataclasses.fields(self)
+        }
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> WorkerEnv:
@@ -88,14 +91,24 @@ class WorkerEnv:
             if ENV_PREFIX + f.name.upper() not in environ and f.default is not dataclasses.MISSING:
                 continue
             raw = environ[ENV_PREFIX + f.name.upper()]
-            kwargs[f.name] = int(raw) if f.type == "int" else float(raw) if f.type == "float" else raw
+            kwargs[f.name] = (
+                int(raw) if f.type == "int" else float(raw) if f.type == "float" else raw
+            )
         return cls(**kwargs)
 
     @classmethod
     def standalone(cls, run_dir: str, *, local_dir: str | None = None) -> WorkerEnv:
         """A one-process identity for running a worker without a supervisor (debugging)."""
-        return cls(coordinator="", num_processes=1, process_id=0, host_id=0, generation=0, run_dir=run_dir,
-                   local_dir=local_dir or os.path.join(run_dir, "local"), launch_time=now())
+        return cls(
+            coordinator="",
+            num_processes=1,
+            process_id=0,
+            host_id=0,
+            generation=0,
+            run_dir=run_dir,
+            local_dir=local_dir or os.path.join(run_dir, "local"),
+            launch_time=now(),
+        )
 
     @property
     def paths(self) -> RunPaths:

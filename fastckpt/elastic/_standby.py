@@ -30,7 +30,10 @@ def main(argv: Sequence[str]) -> int:
     """Preload, wait for the identity, run the worker. Returns the worker's exit code."""
     argv = list(argv)
     if "--" not in argv or argv.index("--") != 1 or len(argv) < 3:
-        print("usage: python -m fastckpt.elastic._standby MODULES -- python [-m mod | script] args", file=sys.stderr)
+        print(
+            "usage: python -m fastckpt.elastic._standby MODULES -- python [-m mod | script] args",
+            file=sys.stderr,
+        )
         return 2
     for name in filter(None, argv[0].split(",")):
         importlib.import_module(name)

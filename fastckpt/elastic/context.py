@@ -101,8 +101,11 @@ class ElasticContext:
         self._step = 0
         self._phase = "launch"
         self._report: dict[str, Any] = {
-            "generation": env.generation, "host": env.host_id, "process": env.process_id,
-            "num_processes": env.num_processes, "t_launch": env.launch_time,
+            "generation": env.generation,
+            "host": env.host_id,
+            "process": env.process_id,
+            "num_processes": env.num_processes,
+            "t_launch": env.launch_time,
         }
         self._beat_stop = threading.Event()
         self._beat_thread: threading.Thread | None = None
@@ -111,7 +114,9 @@ class ElasticContext:
     def __enter__(self) -> ElasticContext:
         self._report["t_enter"] = now()
         self.paths.make_dirs()
-        self._beat_thread = threading.Thread(target=self._beat_loop, name="fastckpt-heartbeat", daemon=True)
+        self._beat_thread = threading.Thread(
+            target=self._beat_loop, name="fastckpt-heartbeat", daemon=True
+        )
         self._beat_thread.start()
         self._set_phase("init")
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -126,9 +131,13 @@ class ElasticContext:
                 heartbeat_timeout_seconds=max(10, self.options.distributed_timeout_s // 4),
                 shutdown_timeout_seconds=self.options.distributed_timeout_s,
             )
-        self._report["t_distributed"] = now()  # jax.distributed is up (diagnostics: init = distributed + manager)
+        self._report["t_distributed"] = (
+            now()
+        )  # jax.distributed is up (diagnostics: init = distributed + manager)
         self._coord = default_coordinator(timeout_s=self.options.kv_timeout_s)
-        self.manager = fastckpt.CheckpointManager(self.root, options=self.options.manager, coordinator=self._coord)
+        self.manager = fastckpt.CheckpointManager(
+            self.root, options=self.options.manager, coordinator=self._coord
+        )
         self.mark("init")
         return self
 
@@ -209,14 +218,20 @@ class ElasticContext:
             self._step = step
         self._report["final_step"] = step
 
-    def maybe_save(self, step: int, state: Any, *, metadata: Mapping[str, object] | None = None) -> bool:
+    def maybe_save(
+        self, step: int, state: Any, *, metadata: Mapping[str, object] | None = None
+    ) -> bool:
         """Hand ``state`` (the state after ``step`` completed steps) to the manager when due.
 
         Due: ``step % checkpoint_every == 0``; forced at an agreed stop step. Returns
         whether a save started. Returns as soon as the device-to-host copy is done.
         """
         mgr = self._require_manager()
-        meta = {"generation": self.env.generation, "num_processes": self.env.num_processes, **(metadata or {})}
+        meta = {
+            "generation": self.env.generation,
+            "num_processes": self.env.num_processes,
+            **(metadata or {}),
+        }
         forced = self._stop_at is not None and step == self._stop_at
         if step % self.options.checkpoint_every and not forced:
             return False
@@ -231,15 +246,28 @@ class ElasticContext:
         """
         mgr = self._require_manager()
         mgr.wait()
-        if self._agree(f"final/{step}", lambda: "skip" if mgr.latest_step() == step else "save") == "save":
-            mgr.save(step, state, metadata={"generation": self.env.generation, "final": True}, force=True)
+        if (
+            self._agree(f"final/{step}", lambda: "skip" if mgr.latest_step() == step else "save")
+            == "save"
+        ):
+            mgr.save(
+                step, state, metadata={"generation": self.env.generation, "final": True}, force=True
+            )
         mgr.wait()
 
     def log(self, step: int, **metrics: float) -> None:
         """Record metrics of ``step`` (process 0 appends a line to ``metrics.jsonl``)."""
         if self.env.process_id == 0:
-            append_jsonl(self.paths.metrics, {"step": step, "t": now(), "generation": self.env.generation,
-                                              "num_processes": self.env.num_processes, **metrics})
+            append_jsonl(
+                self.paths.metrics,
+                {
+                    "step": step,
+                    "t": now(),
+                    "generation": self.env.generation,
+                    "num_processes": self.env.num_processes,
+                    **metrics,
+                },
+            )
 
     def mark(self, name: str) -> None:
         """Timestamp a phase (``t_<name>`` in this worker's report); e.g. ``mark("compiled")``."""
@@ -334,4 +362,3 @@ def _wait_for_listener(address: str, timeout_s: float) -> None:
             if time.monotonic() >= deadline:
                 return
             time.sleep(0.005)
-

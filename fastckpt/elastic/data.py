@@ -57,7 +57,9 @@ class SyntheticData:
         self.vocab_size = vocab_size
         self.seq_len = seq_len
         table_rng = np.random.default_rng([cfg.seed, _TABLE_STREAM])
-        self._successors = table_rng.integers(0, vocab_size, size=(vocab_size, cfg.branching), dtype=np.int32)
+        self._successors = table_rng.integers(
+            0, vocab_size, size=(vocab_size, cfg.branching), dtype=np.int32
+        )
 
     @property
     def shape(self) -> tuple[int, int]:

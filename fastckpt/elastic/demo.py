@@ -43,9 +43,13 @@ step dominates a restart; these trade a slower step for much less compile CPU ti
 
 def build_parser() -> argparse.ArgumentParser:
     """Flags of the demo."""
-    p = argparse.ArgumentParser(prog="python -m fastckpt.elastic demo", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m fastckpt.elastic demo", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--root", default=None, help="checkpoint root (default: a new temp dir)")
-    p.add_argument("--workdir", default=None, help="run dir, local dirs, PNG (default: a new temp dir)")
+    p.add_argument(
+        "--workdir", default=None, help="run dir, local dirs, PNG (default: a new temp dir)"
+    )
     p.add_argument("--hosts", type=int, default=4)
     p.add_argument("--devices-per-host", type=int, default=2)
     p.add_argument("--preset", default="small", help="model preset (tiny, small, bench)")
@@ -53,8 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kill-step", type=int, default=25)
     p.add_argument("--kill-host", type=int, default=None, help="default: the last host")
     p.add_argument("--rejoin-step", type=int, default=50)
-    p.add_argument("--checkpoint-every", type=int, default=20, help="persistent checkpoint cadence (steps)")
-    p.add_argument("--ram-every", type=int, default=2, help="RAM-tier + peer replica cadence (0: off)")
+    p.add_argument(
+        "--checkpoint-every", type=int, default=20, help="persistent checkpoint cadence (steps)"
+    )
+    p.add_argument(
+        "--ram-every", type=int, default=2, help="RAM-tier + peer replica cadence (0: off)"
+    )
     p.add_argument("--step-delay-s", type=float, default=0.0)
     p.add_argument("--png", default=None, help="loss plot path (default: <workdir>/loss.png)")
     p.add_argument("--full-opt", action="store_true", help="do not pass the fast-compile XLA flags")
@@ -74,7 +82,9 @@ def plot_loss(run_dir: Path, summary: dict[str, Any], png: Path) -> None:
     metrics = read_jsonl(RunPaths(run_dir).metrics)
     fig, ax = plt.subplots(figsize=(9, 4.5))
     for gen in summary["generations"]:
-        pts = sorted((m["step"], m["loss"]) for m in metrics if m["generation"] == gen["generation"])
+        pts = sorted(
+            (m["step"], m["loss"]) for m in metrics if m["generation"] == gen["generation"]
+        )
         if pts:
             xs, ys = zip(*pts, strict=True)
             ax.plot(xs, ys, lw=1.2, label=f"gen {gen['generation']}: {len(gen['hosts'])} hosts")
@@ -84,13 +94,27 @@ def plot_loss(run_dir: Path, summary: dict[str, Any], png: Path) -> None:
             label = f"SIGKILL host {rec['killed_host']}"
             if "total_s" in rec:
                 label += f"\nfirst step after {rec['total_s']:.1f}s"
-            ax.annotate(label, (rec["last_step_before_kill"], 0.95), xycoords=("data", "axes fraction"),
-                        color="red", fontsize=8, ha="left", va="top")
+            ax.annotate(
+                label,
+                (rec["last_step_before_kill"], 0.95),
+                xycoords=("data", "axes fraction"),
+                color="red",
+                fontsize=8,
+                ha="left",
+                va="top",
+            )
     for rs in summary["resizes"]:
         if rs.get("restored_step") is not None:
             ax.axvline(rs["restored_step"], color="green", ls=":", lw=1)
-            ax.annotate(f"host back: resize at step {rs['restored_step']}", (rs["restored_step"], 0.75),
-                        xycoords=("data", "axes fraction"), color="green", fontsize=8, ha="left", va="top")
+            ax.annotate(
+                f"host back: resize at step {rs['restored_step']}",
+                (rs["restored_step"], 0.75),
+                xycoords=("data", "axes fraction"),
+                color="green",
+                fontsize=8,
+                ha="left",
+                va="top",
+            )
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.set_title("fastckpt elastic: loss through host loss and rejoin")
@@ -135,7 +159,9 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     workdir.mkdir(parents=True, exist_ok=True)
     root = args.root or str(workdir / "ckpt")
     shm = Path("/dev/shm")
-    local_root = Path(tempfile.mkdtemp(prefix="fastckpt-demo-local-", dir=shm if shm.is_dir() else None))
+    local_root = Path(
+        tempfile.mkdtemp(prefix="fastckpt-demo-local-", dir=shm if shm.is_dir() else None)
+    )
     kill_host = args.hosts - 1 if args.kill_host is None else args.kill_host
     options = SupervisorOptions(
         num_hosts=args.hosts,
@@ -148,19 +174,39 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
             ChaosEvent(kind="rejoin", host=kill_host, at_step=args.rejoin_step),
         ),
     )
-    worker = default_worker_cmd([
-        "--root", root, "--steps", str(args.steps), "--preset", args.preset,
-        "--checkpoint-every", str(args.checkpoint_every), "--ram-every", str(args.ram_every),
-        "--model-axis", str(args.devices_per_host),
-        "--step-delay-s", str(args.step_delay_s),
-    ])
+    worker = default_worker_cmd(
+        [
+            "--root",
+            root,
+            "--steps",
+            str(args.steps),
+            "--preset",
+            args.preset,
+            "--checkpoint-every",
+            str(args.checkpoint_every),
+            "--ram-every",
+            str(args.ram_every),
+            "--model-axis",
+            str(args.devices_per_host),
+            "--step-delay-s",
+            str(args.step_delay_s),
+        ]
+    )
     env = dict(os.environ)
     if not args.full_opt:
-        env["XLA_FLAGS"] = " ".join(f for f in (env.get("XLA_FLAGS", ""), CPU_FAST_COMPILE_FLAGS) if f)
+        env["XLA_FLAGS"] = " ".join(
+            f for f in (env.get("XLA_FLAGS", ""), CPU_FAST_COMPILE_FLAGS) if f
+        )
     run_dir = workdir / "run"
     t0: list[float] = []
-    sup = Supervisor(worker, run_dir=run_dir, local_root=local_root, options=options, env=env,
-                     on_event=None if args.quiet else _printer(t0))
+    sup = Supervisor(
+        worker,
+        run_dir=run_dir,
+        local_root=local_root,
+        options=options,
+        env=env,
+        on_event=None if args.quiet else _printer(t0),
+    )
     try:
         result = sup.run()
     finally:  # the hosts' RAM tiers live in /dev/shm: memory until removed
@@ -181,7 +227,9 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         "steps_lost": rec.get("steps_lost"),
         "recovered_generation": rec.get("recovered_generation"),
         "failed_relaunches": rec.get("failed_relaunches", []),
-        "rejoin_stop_to_first_step_s": summary["resizes"][0]["stop_to_first_step_s"] if summary["resizes"] else None,
+        "rejoin_stop_to_first_step_s": summary["resizes"][0]["stop_to_first_step_s"]
+        if summary["resizes"]
+        else None,
         "hosts_per_generation": [len(g["hosts"]) for g in summary["generations"]],
         "restarts": result.restarts,
         "final_step": summary["final_step"],
@@ -198,16 +246,27 @@ def _print_recoveries(summary: dict[str, Any], t0: float) -> None:
     for rec in summary["recoveries"]:
         if "total_s" not in rec:
             continue
-        tiers = ", ".join(f"{k}={v / 2**20:.1f} MiB" for k, v in rec["restore_bytes_by_tier"].items())
+        tiers = ", ".join(
+            f"{k}={v / 2**20:.1f} MiB" for k, v in rec["restore_bytes_by_tier"].items()
+        )
         parts = ", ".join(f"{k[:-2]} {v:.2f}s" for k, v in rec["parts"].items())
-        print(f"[{rec['t_first_step'] - t0:7.2f}s] first step done on {rec['num_processes']} hosts: "
-              f"restored step {rec['restored_step']} ({tiers}); kill -> first step {rec['total_s']:.2f}s "
-              f"({parts}); steps lost {rec.get('steps_lost')}"
-              + "".join(f"; relaunch (generation {f['generation']}) failed first: {f['reason']}"
-                        for f in rec.get("failed_relaunches", [])), flush=True)
+        print(
+            f"[{rec['t_first_step'] - t0:7.2f}s] first step done on {rec['num_processes']} hosts: "
+            f"restored step {rec['restored_step']} ({tiers}); kill -> first step "
+            f"{rec['total_s']:.2f}s "
+            f"({parts}); steps lost {rec.get('steps_lost')}"
+            + "".join(
+                f"; relaunch (generation {f['generation']}) failed first: {f['reason']}"
+                for f in rec.get("failed_relaunches", [])
+            ),
+            flush=True,
+        )
     for rs in summary["resizes"]:
-        print(f"[{rs['t_first_step'] - t0:7.2f}s] resized to {rs['num_processes']} hosts at step "
-              f"{rs['restored_step']}: stop request -> first step {rs['stop_to_first_step_s']:.2f}s", flush=True)
+        print(
+            f"[{rs['t_first_step'] - t0:7.2f}s] resized to {rs['num_processes']} hosts at step "
+            f"{rs['restored_step']}: stop request -> first step {rs['stop_to_first_step_s']:.2f}s",
+            flush=True,
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

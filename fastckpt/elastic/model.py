@@ -84,7 +84,10 @@ class ModelConfig:
         """Raise ``ConfigError`` unless every sharded dimension divides by ``model_axis``."""
         for name in ("vocab_size", "n_heads", "d_ff"):
             if getattr(self, name) % model_axis:
-                raise ConfigError(f"{name}={getattr(self, name)} is not divisible by the model axis ({model_axis})")
+                raise ConfigError(
+                    f"{name}={getattr(self, name)} is not divisible by the model axis "
+                    f"({model_axis})"
+                )
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -94,7 +97,9 @@ PRESETS: dict[str, ModelConfig] = {
     # batch, see PRESET_GLOBAL_BATCH): recovery is about moving state, and a step of long
     # sequences of a model this size is slow on CPUs. Every sharded dimension
     # divides by 12, so the state is also split over a data axis of 2, 3, 4 or 6 (FSDP).
-    "bench": ModelConfig(vocab_size=12288, seq_len=16, d_model=768, n_layers=4, n_heads=12, d_ff=3072, dropout=0.1),
+    "bench": ModelConfig(
+        vocab_size=12288, seq_len=16, d_model=768, n_layers=4, n_heads=12, d_ff=3072, dropout=0.1
+    ),
 }
 """Named model sizes: ``tiny`` (CI), ``small`` (demo), ``bench`` (~0.5 GiB train state)."""
 
@@ -130,7 +135,11 @@ def param_specs(cfg: ModelConfig, *, data_axis: int = 1) -> Params:
         return megatron
 
     def add_data(spec: P, shape: jax.ShapeDtypeStruct, first: int) -> P:
-        free = [i for i in range(first, len(spec)) if spec[i] is None and shape.shape[i] % data_axis == 0]
+        free = [
+            i
+            for i in range(first, len(spec))
+            if spec[i] is None and shape.shape[i] % data_axis == 0
+        ]
         if not free:
             return spec
         best = max(free, key=lambda i: (shape.shape[i], -i))
@@ -138,15 +147,27 @@ def param_specs(cfg: ModelConfig, *, data_axis: int = 1) -> Params:
 
     shapes = param_shapes(cfg)
     return {  # dimension 0 of the stacked "layers" is what the scan walks: never split
-        name: jax.tree.map(functools.partial(add_data, first=int(name == "layers")),
-                           spec_tree, shapes[name], is_leaf=lambda x: isinstance(x, P))
+        name: jax.tree.map(
+            functools.partial(add_data, first=int(name == "layers")),
+            spec_tree,
+            shapes[name],
+            is_leaf=lambda x: isinstance(x, P),
+        )
         for name, spec_tree in megatron.items()
     }
 
 
 def _init_rules(cfg: ModelConfig) -> Params:
     """``(shape, std)`` of every parameter; ``std == 0`` means "ones" (norm scales)."""
-    v, t, d, n, h, dh, f = cfg.vocab_size, cfg.seq_len, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.head_dim, cfg.d_ff
+    v, t, d, n, h, dh, f = (
+        cfg.vocab_size,
+        cfg.seq_len,
+        cfg.d_model,
+        cfg.n_layers,
+        cfg.n_heads,
+        cfg.head_dim,
+        cfg.d_ff,
+    )
     out_std = 0.02 / math.sqrt(2 * n)
     return {
         "embed": ((v, d), 0.02),
@@ -176,7 +197,9 @@ def param_shapes(cfg: ModelConfig) -> Params:
     ``layers/w2 [L, F, D]``, ``ln_f [D]``, ``unembed [D, V]``.
     """
     dt = jnp.dtype(cfg.dtype)
-    shapes: Params = jax.tree.map(lambda r: jax.ShapeDtypeStruct(r[0], dt), _init_rules(cfg), is_leaf=_is_rule)
+    shapes: Params = jax.tree.map(
+        lambda r: jax.ShapeDtypeStruct(r[0], dt), _init_rules(cfg), is_leaf=_is_rule
+    )
     return shapes
 
 
@@ -195,7 +218,9 @@ def init_params(cfg: ModelConfig, seed: int) -> Params:
             leaves.append(np.ones(shape, dt))
         else:
             rng = np.random.default_rng([seed, i])
-            leaves.append((rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(dt))
+            leaves.append(
+                (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(dt)
+            )
     params: Params = jax.tree.unflatten(treedef, leaves)
     return params
 
@@ -217,7 +242,9 @@ def _dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
     return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
 
 
-def forward(cfg: ModelConfig, params: Params, tokens: jax.Array, key: jax.Array | None) -> jax.Array:
+def forward(
+    cfg: ModelConfig, params: Params, tokens: jax.Array, key: jax.Array | None
+) -> jax.Array:
     """Logits ``[B, T, V]`` for int tokens ``[B, T]``. ``key=None`` disables dropout."""
     t = tokens.shape[1]
     x = params["embed"][tokens] + params["pos"][:t]

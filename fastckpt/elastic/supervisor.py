@@ -42,7 +42,15 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Literal
 
-from fastckpt.elastic._protocol import EXIT_DONE, EXIT_STOPPED, RunPaths, WorkerEnv, append_jsonl, now, read_json
+from fastckpt.elastic._protocol import (
+    EXIT_DONE,
+    EXIT_STOPPED,
+    RunPaths,
+    WorkerEnv,
+    append_jsonl,
+    now,
+    read_json,
+)
 from fastckpt.errors import ConfigError, FastckptError
 from fastckpt.replicas import SECRET_ENV, new_peer_secret
 
@@ -122,7 +130,9 @@ class SupervisorOptions:
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_hosts <= self.num_hosts:
-            raise ConfigError(f"need 1 <= min_hosts <= num_hosts, got {self.min_hosts}, {self.num_hosts}")
+            raise ConfigError(
+                f"need 1 <= min_hosts <= num_hosts, got {self.min_hosts}, {self.num_hosts}"
+            )
         if self.devices_per_host <= 0 or self.max_restarts < 0:
             raise ConfigError("devices_per_host must be > 0 and max_restarts >= 0")
         for ev in self.events:
@@ -172,7 +182,9 @@ def _free_port() -> int:
 
 
 def _xla_flags(existing: str, devices: int) -> str:
-    kept = [f for f in existing.split() if not f.startswith("--xla_force_host_platform_device_count")]
+    kept = [
+        f for f in existing.split() if not f.startswith("--xla_force_host_platform_device_count")
+    ]
     return " ".join([*kept, f"--xla_force_host_platform_device_count={devices}"])
 
 
@@ -187,9 +199,16 @@ class Supervisor:
     workers; ``on_event`` sees every timeline record as it is written.
     """
 
-    def __init__(self, worker_cmd: Sequence[str], *, run_dir: str | Path, local_root: str | Path,
-                 options: SupervisorOptions | None = None, env: Mapping[str, str] | None = None,
-                 on_event: Callable[[dict[str, object]], None] | None = None) -> None:
+    def __init__(
+        self,
+        worker_cmd: Sequence[str],
+        *,
+        run_dir: str | Path,
+        local_root: str | Path,
+        options: SupervisorOptions | None = None,
+        env: Mapping[str, str] | None = None,
+        on_event: Callable[[dict[str, object]], None] | None = None,
+    ) -> None:
         self.on_event = on_event
         self.worker_cmd = list(worker_cmd)
         self.paths = RunPaths(Path(run_dir))
@@ -218,7 +237,9 @@ class Supervisor:
     def _run(self) -> SupervisorResult:
         self.paths.reset()
         self.paths.make_dirs()
-        self._secret = new_peer_secret()  # a new one per run, handed to workers in their environment
+        self._secret = (
+            new_peer_secret()
+        )  # a new one per run, handed to workers in their environment
         for h in range(self.options.num_hosts):
             self._local_dir(h).mkdir(parents=True, exist_ok=True)
         try:
@@ -233,18 +254,29 @@ class Supervisor:
         while True:
             hosts = tuple(sorted(self._available))
             if len(hosts) < self.options.min_hosts:
-                self._event("give_up", reason=f"{len(hosts)} hosts < min_hosts {self.options.min_hosts}")
-                raise ElasticRunError(f"only {len(hosts)} hosts available, min_hosts={self.options.min_hosts}")
+                self._event(
+                    "give_up", reason=f"{len(hosts)} hosts < min_hosts {self.options.min_hosts}"
+                )
+                raise ElasticRunError(
+                    f"only {len(hosts)} hosts available, min_hosts={self.options.min_hosts}"
+                )
             result = self._run_generation(generation, hosts)
             results.append(result)
             if result.outcome == "done":
                 self._event("done", generation=generation)
-                return SupervisorResult(generations=tuple(results), restarts=restarts, run_dir=self.paths.root)
+                return SupervisorResult(
+                    generations=tuple(results), restarts=restarts, run_dir=self.paths.root
+                )
             if result.outcome == "failed":
                 restarts += 1
                 if restarts > self.options.max_restarts:
-                    self._event("give_up", reason=f"{restarts} failures > max_restarts {self.options.max_restarts}")
-                    raise ElasticRunError(f"generation {generation} failed ({result.reason}); restarts exhausted")
+                    self._event(
+                        "give_up",
+                        reason=f"{restarts} failures > max_restarts {self.options.max_restarts}",
+                    )
+                    raise ElasticRunError(
+                        f"generation {generation} failed ({result.reason}); restarts exhausted"
+                    )
             generation += 1
 
     # ------------------------------------------------------------------ one generation
@@ -255,22 +287,49 @@ class Supervisor:
         try:  # (spawning inside: a failure part-way kills those already started)
             for rank, host in enumerate(hosts):
                 workers.append(self._spawn(generation, rank, host, hosts, coordinator, t_launch))
-            self._event("launch", generation=generation, hosts=list(hosts), coordinator=coordinator, t=t_launch)
+            self._event(
+                "launch",
+                generation=generation,
+                hosts=list(hosts),
+                coordinator=coordinator,
+                t=t_launch,
+            )
             outcome, reason = self._watch(generation, workers)
         finally:
             self._kill(workers)
             for w in workers:
                 w.log.close()
-        result = GenerationResult(generation=generation, hosts=hosts, outcome=outcome, reason=reason,
-                                  t_launch=t_launch, t_end=now())
+        result = GenerationResult(
+            generation=generation,
+            hosts=hosts,
+            outcome=outcome,
+            reason=reason,
+            t_launch=t_launch,
+            t_end=now(),
+        )
         self._event("generation_end", generation=generation, outcome=outcome, reason=reason)
         return result
 
-    def _spawn(self, generation: int, rank: int, host: int, hosts: tuple[int, ...], coordinator: str,
-               t_launch: float) -> _Worker:
-        ident = WorkerEnv(coordinator=coordinator, num_processes=len(hosts), process_id=rank, host_id=host,
-                          generation=generation, run_dir=str(self.paths.root), local_dir=str(self._local_dir(host)),
-                          launch_time=t_launch, supervisor_pid=os.getpid())
+    def _spawn(
+        self,
+        generation: int,
+        rank: int,
+        host: int,
+        hosts: tuple[int, ...],
+        coordinator: str,
+        t_launch: float,
+    ) -> _Worker:
+        ident = WorkerEnv(
+            coordinator=coordinator,
+            num_processes=len(hosts),
+            process_id=rank,
+            host_id=host,
+            generation=generation,
+            run_dir=str(self.paths.root),
+            local_dir=str(self._local_dir(host)),
+            launch_time=t_launch,
+            supervisor_pid=os.getpid(),
+        )
         while self._pool:
             standby = self._pool.pop(0)
             try:
@@ -292,9 +351,15 @@ class Supervisor:
             return worker
         env = self._child_env()
         env.update(ident.to_environ())
-        log = open(self.paths.log(generation, host), "wb")  # noqa: SIM115 (closed by _run_generation)
-        proc = subprocess.Popen(self.worker_cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        log = open(self.paths.log(generation, host), "wb")
+        proc = subprocess.Popen(
+            self.worker_cmd,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         return _Worker(host=host, proc=proc, log=log)
 
     def _child_env(self) -> dict[str, str]:
@@ -308,14 +373,26 @@ class Supervisor:
 
     def _fill_pool(self) -> None:
         """Start standbys until there is one per host (for the next generation)."""
-        cmd = [sys.executable, "-m", "fastckpt.elastic._standby", ",".join(self.options.preload), "--",
-               *self.worker_cmd]
+        cmd = [
+            sys.executable,
+            "-m",
+            "fastckpt.elastic._standby",
+            ",".join(self.options.preload),
+            "--",
+            *self.worker_cmd,
+        ]
         while len(self._pool) < self.options.num_hosts:
             path = self.paths.root / "logs" / f"standby-{self._standbys_started}.log"
             self._standbys_started += 1
-            log = open(path, "wb")  # noqa: SIM115 (closed when the standby's generation ends)
-            proc = subprocess.Popen(cmd, env=self._child_env(), stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.PIPE, start_new_session=True)
+            log = open(path, "wb")
+            proc = subprocess.Popen(
+                cmd,
+                env=self._child_env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.PIPE,
+                start_new_session=True,
+            )
             self._pool.append(_Standby(proc=proc, log_path=path, log=log))
 
     def _drain_pool(self) -> None:
@@ -325,7 +402,9 @@ class Supervisor:
             standby.log.close()
         self._pool.clear()
 
-    def _watch(self, generation: int, workers: list[_Worker]) -> tuple[Literal["done", "stopped", "failed"], str]:
+    def _watch(
+        self, generation: int, workers: list[_Worker]
+    ) -> tuple[Literal["done", "stopped", "failed"], str]:
         opts = self.options
         t_start = now()
         progress: dict[int, tuple[int, float]] = {}
@@ -341,21 +420,42 @@ class Supervisor:
                 rc = w.proc.poll()
                 if rc is None:
                     running.append(w)
-                elif rc == EXIT_STOPPED and not (stop_requested or self.paths.stop_request(generation).exists()):
-                    self._event("failure_detected", generation=generation, host=w.host, rc=rc, reason="unrequested_stop")
-                    return "failed", f"host {w.host} exited {rc} (stopped) though no stop was requested"
+                elif rc == EXIT_STOPPED and not (
+                    stop_requested or self.paths.stop_request(generation).exists()
+                ):
+                    self._event(
+                        "failure_detected",
+                        generation=generation,
+                        host=w.host,
+                        rc=rc,
+                        reason="unrequested_stop",
+                    )
+                    return (
+                        "failed",
+                        f"host {w.host} exited {rc} (stopped) though no stop was requested",
+                    )
                 elif rc in (EXIT_DONE, EXIT_STOPPED):
                     first_exit = first_exit or t
                     clean = clean or ("done" if rc == EXIT_DONE else "stopped")
                 else:
-                    self._event("failure_detected", generation=generation, host=w.host, rc=rc,
-                                reason="signal" if rc < 0 else "exit")
+                    self._event(
+                        "failure_detected",
+                        generation=generation,
+                        host=w.host,
+                        rc=rc,
+                        reason="signal" if rc < 0 else "exit",
+                    )
                     return "failed", f"host {w.host} exited with {rc}"
             if not running:
                 assert clean is not None
                 return clean, "all workers exited cleanly"
             if first_exit is not None and t - first_exit > opts.exit_timeout_s:
-                self._event("failure_detected", generation=generation, host=running[0].host, reason="exit_timeout")
+                self._event(
+                    "failure_detected",
+                    generation=generation,
+                    host=running[0].host,
+                    reason="exit_timeout",
+                )
                 return "failed", "workers did not exit after the first clean exit"
             max_step = 0
             stepped = 0  # workers past their first step of this generation
@@ -366,22 +466,39 @@ class Supervisor:
                     stepped += int(hb["step"]) > first
                 problem = self._check_heartbeat(hb, t, t_start, progress, w.host)
                 if problem:
-                    self._event("failure_detected", generation=generation, host=w.host, reason=problem)
+                    self._event(
+                        "failure_detected", generation=generation, host=w.host, reason=problem
+                    )
                     return "failed", f"host {w.host}: {problem}"
                 if hb is not None:
                     max_step = max(max_step, int(hb["step"]))
-            if opts.warm_standby and self._standby_ok and first_exit is None and stepped == len(workers):
+            if (
+                opts.warm_standby
+                and self._standby_ok
+                and first_exit is None
+                and stepped == len(workers)
+            ):
                 # Only now: standbys importing jax during the restore, the compile or the
                 # first step would slow this restart down. Tops up what the relaunch used.
                 self._fill_pool()
             if first_exit is None:
                 stop_requested = self._fire_events(generation, workers, max_step, stop_requested)
 
-    def _check_heartbeat(self, hb: dict[str, object] | None, t: float, t_start: float,
-                         progress: dict[int, tuple[int, float]], host: int) -> str | None:
+    def _check_heartbeat(
+        self,
+        hb: dict[str, object] | None,
+        t: float,
+        t_start: float,
+        progress: dict[int, tuple[int, float]],
+        host: int,
+    ) -> str | None:
         opts = self.options
         if hb is None:
-            return "no heartbeat after startup_timeout_s" if t - t_start > opts.startup_timeout_s else None
+            return (
+                "no heartbeat after startup_timeout_s"
+                if t - t_start > opts.startup_timeout_s
+                else None
+            )
         if t - float(hb["t"]) > opts.heartbeat_timeout_s:  # type: ignore[arg-type]
             return f"heartbeat stale for {t - float(hb['t']):.1f}s"  # type: ignore[arg-type]
         phase, step = str(hb["phase"]), int(hb["step"])  # type: ignore[call-overload]
@@ -395,15 +512,21 @@ class Supervisor:
                 return f"no progress past step {step} for {t - last[1]:.0f}s"
         return None
 
-    def _fire_events(self, generation: int, workers: list[_Worker], max_step: int, stop_requested: bool) -> bool:
+    def _fire_events(
+        self, generation: int, workers: list[_Worker], max_step: int, stop_requested: bool
+    ) -> bool:
         while self._pending_events and self._pending_events[0].at_step <= max_step:
             ev = self._pending_events.pop(0)
             if ev.kind == "kill":
-                victim = next((w for w in workers if w.host == ev.host and w.proc.poll() is None), None)
+                victim = next(
+                    (w for w in workers if w.host == ev.host and w.proc.poll() is None), None
+                )
                 if victim is None:
                     continue
                 os.kill(victim.proc.pid, signal.SIGKILL)
-                self._event("kill", generation=generation, host=ev.host, step=max_step, pid=victim.proc.pid)
+                self._event(
+                    "kill", generation=generation, host=ev.host, step=max_step, pid=victim.proc.pid
+                )
                 shutil.rmtree(self._local_dir(ev.host), ignore_errors=True)
                 self._local_dir(ev.host).mkdir(parents=True)
                 self._available.discard(ev.host)
@@ -444,9 +567,13 @@ class Supervisor:
         if self.on_event is not None:
             try:
                 self.on_event(record)
-            except Exception as e:  # e.g. printing to a closed pipe: the run must go on (or clean up)
+            except (
+                Exception
+            ) as e:  # e.g. printing to a closed pipe: the run must go on (or clean up)
                 self.on_event = None
-                append_jsonl(self.paths.events, {"t": now(), "event": "on_event_failed", "error": repr(e)})
+                append_jsonl(
+                    self.paths.events, {"t": now(), "event": "on_event_failed", "error": repr(e)}
+                )
 
 
 class SupervisorTerminated(BaseException):
@@ -480,7 +607,7 @@ def runs_in_process(cmd: Sequence[str]) -> bool:
     if not cmd or not (cmd[0] == sys.executable or os.path.basename(cmd[0]).startswith("python")):
         return False
     rest = cmd[1:]
-    return bool(rest) and (rest[0] == "-m" and len(rest) >= 2 or not rest[0].startswith("-"))
+    return bool(rest) and ((rest[0] == "-m" and len(rest) >= 2) or not rest[0].startswith("-"))
 
 
 def _signal_group(pid: int, sig: int) -> None:

@@ -36,14 +36,22 @@ def _reports(paths: RunPaths, generation: int) -> list[dict[str, Any]]:
     return out
 
 
-def recovery_breakdown(paths: RunPaths, *, t_event: float, t_detect: float | None, generation: int,
-                       events: list[dict[str, Any]]) -> dict[str, Any] | None:
+def recovery_breakdown(
+    paths: RunPaths,
+    *,
+    t_event: float,
+    t_detect: float | None,
+    generation: int,
+    events: list[dict[str, Any]],
+) -> dict[str, Any] | None:
     """Parts of the path from ``t_event`` to the first step of ``generation`` (None if it
     never got there)."""
     reps = _reports(paths, generation)
     if not reps or any("t_first_step" not in r for r in reps):
         return None
-    launch = next((e for e in events if e["event"] == "launch" and e["generation"] == generation), None)
+    launch = next(
+        (e for e in events if e["event"] == "launch" and e["generation"] == generation), None
+    )
     t_launch = float(launch["t"]) if launch else min(float(r["t_launch"]) for r in reps)
     c_detect = t_detect if t_detect is not None else t_event
     c_init = max(c_detect, max(float(r["t_init"]) for r in reps))
@@ -63,9 +71,14 @@ def recovery_breakdown(paths: RunPaths, *, t_event: float, t_detect: float | Non
             "compile_s": c_compiled - c_restored,
             "first_step_s": c_first - c_compiled,
         },
-        "relaunch_detail": {"kill_rest_s": max(0.0, t_launch - c_detect), "start_s": c_init - max(c_detect, t_launch)},
+        "relaunch_detail": {
+            "kill_rest_s": max(0.0, t_launch - c_detect),
+            "start_s": c_init - max(c_detect, t_launch),
+        },
         "restore_bytes_by_tier": tiers,
-        "restore_bytes_read_storage": sum(int(r.get("restore_bytes_read_storage", 0)) for r in reps),
+        "restore_bytes_read_storage": sum(
+            int(r.get("restore_bytes_read_storage", 0)) for r in reps
+        ),
         "restored_step": reps[0].get("restored_step"),
         "num_processes": len(reps),
         "t_first_step": c_first,
@@ -85,9 +98,13 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
     events = read_jsonl(paths.events)
     metrics = read_jsonl(paths.metrics)
     generations = [
-        {"generation": e["generation"], "hosts": e["hosts"], "t": e["t"]} for e in events if e["event"] == "launch"
+        {"generation": e["generation"], "hosts": e["hosts"], "t": e["t"]}
+        for e in events
+        if e["event"] == "launch"
     ]
-    ends = {int(e["generation"]): e for e in reversed(events) if e["event"] == "generation_end"}  # first wins
+    ends = {
+        int(e["generation"]): e for e in reversed(events) if e["event"] == "generation_end"
+    }  # first wins
     for g in generations:
         end = ends.get(int(g["generation"]))
         g["outcome"] = end["outcome"] if end else "running"
@@ -95,21 +112,36 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
     recoveries = []
     for kill in (e for e in events if e["event"] == "kill"):
         gen = int(kill["generation"])
-        detect = next((e for e in events if e["event"] == "failure_detected" and e["generation"] == gen), None)
+        detect = next(
+            (e for e in events if e["event"] == "failure_detected" and e["generation"] == gen), None
+        )
         # The recovery ends at the first step of the first generation after the kill that got
         # there; relaunches that failed before their first step count towards it.
         failed: list[dict[str, Any]] = []
         rec = None
         for later in range(gen + 1, max(outcomes, default=gen) + 1):
-            rec = recovery_breakdown(paths, t_event=float(kill["t"]),
-                                     t_detect=float(detect["t"]) if detect else None, generation=later, events=events)
+            rec = recovery_breakdown(
+                paths,
+                t_event=float(kill["t"]),
+                t_detect=float(detect["t"]) if detect else None,
+                generation=later,
+                events=events,
+            )
             if rec is not None or outcomes.get(later) != "failed":
                 break
             failed.append({"generation": later, "reason": ends.get(later, {}).get("reason")})
-        done = [int(m["step"]) for m in metrics if m["generation"] == gen and float(m["t"]) <= float(kill["t"])]
+        done = [
+            int(m["step"])
+            for m in metrics
+            if m["generation"] == gen and float(m["t"]) <= float(kill["t"])
+        ]
         last = max(done) if done else None
-        entry: dict[str, Any] = {"killed_host": kill["host"], "generation": gen, "last_step_before_kill": last,
-                                 "failed_relaunches": failed}
+        entry: dict[str, Any] = {
+            "killed_host": kill["host"],
+            "generation": gen,
+            "last_step_before_kill": last,
+            "failed_relaunches": failed,
+        }
         if rec is not None:
             entry.update(rec, recovered_generation=later)
             restored = rec["restored_step"] or 0
@@ -118,7 +150,9 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
     resizes = []
     for stop in (e for e in events if e["event"] == "stop_requested"):
         gen = int(stop["generation"])
-        rec = recovery_breakdown(paths, t_event=float(stop["t"]), t_detect=None, generation=gen + 1, events=events)
+        rec = recovery_breakdown(
+            paths, t_event=float(stop["t"]), t_detect=None, generation=gen + 1, events=events
+        )
         if rec is not None:
             rec["parts"].pop("detect_s")
             detail = rec["relaunch_detail"]

@@ -75,7 +75,9 @@ def make_mesh(devices: Sequence[jax.Device] | None = None, *, model_axis: int) -
     devices per host, each mesh row is one host: model-parallel traffic stays inside a
     host, data-parallel all-reduces cross hosts.
     """
-    devs = sorted(jax.devices() if devices is None else devices, key=lambda d: (d.process_index, d.id))
+    devs = sorted(
+        jax.devices() if devices is None else devices, key=lambda d: (d.process_index, d.id)
+    )
     if len(devs) % model_axis:
         raise ConfigError(f"{len(devs)} devices do not divide into a model axis of {model_axis}")
     grid = np.array(devs, dtype=object).reshape(len(devs) // model_axis, model_axis)
@@ -93,16 +95,25 @@ class TrainProgram:
     def __init__(self, cfg: TrainConfig, mesh: Mesh) -> None:
         data_size = mesh.shape["data"]
         if cfg.data.global_batch % data_size:
-            raise ConfigError(f"global_batch={cfg.data.global_batch} does not divide over {data_size} data shards")
+            raise ConfigError(
+                f"global_batch={cfg.data.global_batch} does not divide over {data_size} data shards"
+            )
         if mesh.shape["model"] != cfg.model_axis:
-            raise ConfigError(f"mesh model axis {mesh.shape['model']} != TrainConfig.model_axis {cfg.model_axis}")
+            raise ConfigError(
+                f"mesh model axis {mesh.shape['model']} != TrainConfig.model_axis {cfg.model_axis}"
+            )
         self.cfg = cfg
         self.mesh = mesh
-        self.data = SyntheticData(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len)
+        self.data = SyntheticData(
+            cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len
+        )
         warmup = optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps)
-        schedule = optax.join_schedules([warmup, optax.constant_schedule(cfg.learning_rate)], [cfg.warmup_steps])
+        schedule = optax.join_schedules(
+            [warmup, optax.constant_schedule(cfg.learning_rate)], [cfg.warmup_steps]
+        )
         self.optimizer = optax.chain(
-            optax.clip_by_global_norm(cfg.clip_norm), optax.adamw(schedule, weight_decay=cfg.weight_decay)
+            optax.clip_by_global_norm(cfg.clip_norm),
+            optax.adamw(schedule, weight_decay=cfg.weight_decay),
         )
         self.replicated = NamedSharding(mesh, P())
         self.batch_sharding = NamedSharding(mesh, P("data", None))
@@ -115,9 +126,13 @@ class TrainProgram:
             "data_pos": jax.ShapeDtypeStruct((), jnp.int32),
         }
         self.abstract_state: TrainState = jax.tree.map(
-            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, self.state_shardings
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+            shapes,
+            self.state_shardings,
         )
-        self._opt_init = jax.jit(self.optimizer.init, out_shardings=self.state_shardings["opt_state"])
+        self._opt_init = jax.jit(
+            self.optimizer.init, out_shardings=self.state_shardings["opt_state"]
+        )
         self._step_jit = jax.jit(
             self._step,
             in_shardings=(self.state_shardings, self.batch_sharding),
@@ -144,7 +159,9 @@ class TrainProgram:
 
     def _step(self, state: TrainState, batch: jax.Array) -> tuple[TrainState, jax.Array]:
         key, dropout_key = jax.random.split(state["key"])
-        loss, grads = jax.value_and_grad(lambda p: loss_fn(self.cfg.model, p, batch, dropout_key))(state["params"])
+        loss, grads = jax.value_and_grad(lambda p: loss_fn(self.cfg.model, p, batch, dropout_key))(
+            state["params"]
+        )
         updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
         new_state = {
             "params": optax.apply_updates(state["params"], updates),
@@ -164,7 +181,9 @@ class TrainProgram:
         return {
             "params": params,
             "opt_state": self._opt_init(params),
-            "key": jax.random.wrap_key_data(_place(np.asarray(jax.random.key_data(run_key)), self.replicated)),
+            "key": jax.random.wrap_key_data(
+                _place(np.asarray(jax.random.key_data(run_key)), self.replicated)
+            ),
             "step": _place(np.zeros((), np.int32), self.replicated),
             "data_pos": _place(np.zeros((), np.int32), self.replicated),
         }

@@ -37,25 +37,45 @@ __all__ = ["build_parser", "main", "train_config_from_args"]
 
 def build_parser() -> argparse.ArgumentParser:
     """Flags of the example worker (shared with the demo, which forwards them)."""
-    p = argparse.ArgumentParser(prog="python -m fastckpt.elastic.worker", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m fastckpt.elastic.worker", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--root", required=True, help="checkpoint root: path, file://, gs://")
     p.add_argument("--steps", type=int, default=100, help="train until this many steps are done")
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model size")
-    p.add_argument("--global-batch", type=int, default=None,
-                   help="sequences per step, whatever the mesh (default: the preset's, else 24)")
+    p.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        help="sequences per step, whatever the mesh (default: the preset's, else 24)",
+    )
     p.add_argument("--data-seed", type=int, default=0)
     p.add_argument("--init-seed", type=int, default=0)
     p.add_argument("--learning-rate", type=float, default=3e-3)
     p.add_argument("--dropout", type=float, default=None, help="override the preset's dropout")
     p.add_argument("--model-axis", type=int, default=2, help="size of the 'model' mesh axis")
-    p.add_argument("--checkpoint-every", type=int, default=10,
-                   help="persistent checkpoint every N steps (ManagerOptions.save_interval_steps)")
-    p.add_argument("--ram-every", type=int, default=0,
-                   help="RAM-tier checkpoint (own RAM + peer replica) every N steps; 0: no RAM tier")
-    p.add_argument("--ram-replicas", type=int, default=1, help="peers each host replicates its RAM chunks to")
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=10,
+        help="persistent checkpoint every N steps (ManagerOptions.save_interval_steps)",
+    )
+    p.add_argument(
+        "--ram-every",
+        type=int,
+        default=0,
+        help="RAM-tier checkpoint (own RAM + peer replica) every N steps; 0: no RAM tier",
+    )
+    p.add_argument(
+        "--ram-replicas", type=int, default=1, help="peers each host replicates its RAM chunks to"
+    )
     p.add_argument("--keep-last", type=int, default=3, help="committed steps kept by retention")
-    p.add_argument("--step-delay-s", type=float, default=0.0, help="sleep after each step (demo pacing)")
-    p.add_argument("--no-overlap-compile", action="store_true", help="compile after the restore, not during it")
+    p.add_argument(
+        "--step-delay-s", type=float, default=0.0, help="sleep after each step (demo pacing)"
+    )
+    p.add_argument(
+        "--no-overlap-compile", action="store_true", help="compile after the restore, not during it"
+    )
     return p
 
 
@@ -68,8 +88,10 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
         model = dataclasses.replace(model, dropout=args.dropout)
     return TrainConfig(
         model=model,
-        data=DataConfig(seed=args.data_seed,
-                        global_batch=args.global_batch or PRESET_GLOBAL_BATCH.get(args.preset, 24)),
+        data=DataConfig(
+            seed=args.data_seed,
+            global_batch=args.global_batch or PRESET_GLOBAL_BATCH.get(args.preset, 24),
+        ),
         learning_rate=args.learning_rate,
         init_seed=args.init_seed,
         model_axis=args.model_axis,
@@ -82,8 +104,11 @@ def run(args: argparse.Namespace, env: WorkerEnv) -> int:
     ram = None
     if args.ram_every:
         ram = fastckpt.RamOptions(
-            root=env.local_dir, member_id=f"host{env.host_id}", interval_steps=args.ram_every,
-            replicas=args.ram_replicas, secret=fastckpt.peer_secret_from_env(),
+            root=env.local_dir,
+            member_id=f"host{env.host_id}",
+            interval_steps=args.ram_every,
+            replicas=args.ram_replicas,
+            secret=fastckpt.peer_secret_from_env(),
         )
     options = ElasticOptions(
         checkpoint_every=math.gcd(args.checkpoint_every, args.ram_every or args.checkpoint_every),
@@ -103,7 +128,9 @@ def run(args: argparse.Namespace, env: WorkerEnv) -> int:
         ctx.mark("compiled")
         data_pos = int(state["data_pos"])
         if data_pos != ctx.start_step * batch:
-            raise RuntimeError(f"restored data_pos {data_pos} != step {ctx.start_step} x global batch {batch}")
+            raise RuntimeError(
+                f"restored data_pos {data_pos} != step {ctx.start_step} x global batch {batch}"
+            )
         for step in ctx.steps(args.steps):
             state, loss = step_fn(state, prog.batch(step * batch))
             ctx.log(step + 1, loss=float(loss))

@@ -14,7 +14,15 @@ from fastckpt.errors import ManifestError
 from fastckpt.format.manifest import Box, box_volume
 
 __all__ = [
-    "MAX_INT", "check_disjoint", "check_tiling", "fail", "json_dict", "json_float", "json_int", "json_list", "json_str",
+    "MAX_INT",
+    "check_disjoint",
+    "check_tiling",
+    "fail",
+    "json_dict",
+    "json_float",
+    "json_int",
+    "json_list",
+    "json_str",
 ]
 
 MAX_INT = 2**63 - 1
@@ -91,5 +99,3 @@ def check_disjoint(boxes: list[Box], what: str) -> None:
             if all(a0 < b1 and b0 < a1 for (a0, a1), (b0, b1) in zip(a, b)):
                 fail(f"{what}: chunks {list(a)} and {list(b)} overlap")
         active.append(b)
-
-

@@ -46,8 +46,17 @@ from fastckpt.format.manifest import Box, ChunkEntry, ChunkTable, Codec, box_vol
 from fastckpt.storage import validate_key
 
 __all__ = [
-    "CODECS", "U32", "binary_array", "checked_uint", "codec_column", "decode_chunk_table",
-    "decode_object_keys", "encode_column", "encode_table", "grid_cuts", "narrow_uint",
+    "CODECS",
+    "U32",
+    "binary_array",
+    "checked_uint",
+    "codec_column",
+    "decode_chunk_table",
+    "decode_object_keys",
+    "encode_column",
+    "encode_table",
+    "grid_cuts",
+    "narrow_uint",
     "table_from_entries",
 ]
 
@@ -56,7 +65,12 @@ CODECS: tuple[Codec, ...] = ("raw", "zstd")
 U32 = 0xFFFFFFFF
 _COLUMNS = ("object", "offset", "length", "codec", "crc32c", "raw_crc32c")
 _KINDS = {f"u{n}": np.dtype(f"<u{n}") for n in (1, 2, 4, 8)}
-_STRUCT_CODES = (("u1", "B", 1 << 8), ("u2", "H", 1 << 16), ("u4", "I", 1 << 32), ("u8", "Q", 1 << 64))
+_STRUCT_CODES = (
+    ("u1", "B", 1 << 8),
+    ("u2", "H", 1 << 16),
+    ("u4", "I", 1 << 32),
+    ("u8", "Q", 1 << 64),
+)
 
 
 def grid_cuts(boxes: Sequence[Box], shape: tuple[int, ...]) -> list[list[int]] | None:
@@ -79,32 +93,41 @@ def grid_cuts(boxes: Sequence[Box], shape: tuple[int, ...]) -> list[list[int]] |
     return cuts
 
 
-def table_from_entries(chunks: Sequence[ChunkEntry], *, shape: tuple[int, ...], itemsize: int
-                       ) -> ChunkTable:
+def table_from_entries(
+    chunks: Sequence[ChunkEntry], *, shape: tuple[int, ...], itemsize: int
+) -> ChunkTable:
     """The :class:`ChunkTable` of ``chunks``, in their order: a grid when their boxes are a
     grid's cells in C order, else listed boxes. ``ManifestError`` if a chunk's ``raw_length``
     is not its box volume x ``itemsize`` (a table does not store it, so it could not come
     back). Checks nothing else: the manifest codec validates a table when it decodes one."""
     for c in chunks:
         if c.raw_length != box_volume(c.box) * itemsize:
-            fail(f"chunk {list(c.box)}: raw_length {c.raw_length} != box volume x itemsize "
-                 f"{itemsize}")
+            fail(
+                f"chunk {list(c.box)}: raw_length {c.raw_length} != box volume x itemsize "
+                f"{itemsize}"
+            )
     boxes = [c.box for c in chunks]
     cuts = grid_cuts(boxes, shape)
     keys: dict[str, int] = {}
     index = np.array([keys.setdefault(c.key, len(keys)) for c in chunks], np.int32)
     codecs = {c.codec for c in chunks}
     return ChunkTable(
-        cuts=cuts, boxes=None if cuts is not None else boxes, keys=list(keys), object_index=index,
+        cuts=cuts,
+        boxes=None if cuts is not None else boxes,
+        keys=list(keys),
+        object_index=index,
         offsets=np.array([c.offset for c in chunks], np.int64),
         lengths=np.array([c.length for c in chunks], np.int64),
         codec=next(iter(codecs)) if len(codecs) == 1 else tuple(c.codec for c in chunks),
         crc32c=np.array([c.crc32c for c in chunks], np.uint32),
-        raw_crc32c=np.array([c.raw_crc32c for c in chunks], np.uint32), itemsize=itemsize)
+        raw_crc32c=np.array([c.raw_crc32c for c in chunks], np.uint32),
+        itemsize=itemsize,
+    )
 
 
-def encode_table(table: ChunkTable, *, shape: tuple[int, ...], remap: np.ndarray | None = None
-                 ) -> dict[str, Any]:
+def encode_table(
+    table: ChunkTable, *, shape: tuple[int, ...], remap: np.ndarray | None = None
+) -> dict[str, Any]:
     """JSON object of a leaf's chunk table (of an array of ``shape``), from its columns: its
     boxes as a grid whenever they are one (a table listing a grid's cells in C order is
     written as the grid). ``remap[i]`` is the index in the manifest's ``"objects"`` of the
@@ -113,7 +136,8 @@ def encode_table(table: ChunkTable, *, shape: tuple[int, ...], remap: np.ndarray
     cols = table.columns()
     cuts = cols.cuts if cols.cuts is not None else grid_cuts(cols.boxes or (), shape)
     out: dict[str, Any] = (
-        {"grid": [list(c) for c in cuts]} if cuts is not None
+        {"grid": [list(c) for c in cuts]}
+        if cuts is not None
         else {"boxes": [[v for iv in box for v in iv] for box in cols.boxes or ()]}
     )
     out["object"] = encode_column(cols.object_index if remap is None else remap[cols.object_index])
@@ -137,10 +161,14 @@ def encode_column(values: np.ndarray | Sequence[int]) -> str:
     """The binary column of ``values`` (ints in ``[0, 2**64)``): ``"<kind>:<base64>"``
     in the narrowest kind that holds them."""
     if not isinstance(values, np.ndarray) and values and 0 <= min(values):
-        top = max(values)  # a list of a few ints (a leaf's chunks): struct, not numpy's per-call cost
+        top = max(
+            values
+        )  # a list of a few ints (a leaf's chunks): struct, not numpy's per-call cost
         for kind, code, limit in _STRUCT_CODES:
             if top < limit:
-                return f"{kind}:" + base64.b64encode(struct.pack(f"<{len(values)}{code}", *values)).decode("ascii")
+                return f"{kind}:" + base64.b64encode(
+                    struct.pack(f"<{len(values)}{code}", *values)
+                ).decode("ascii")
     arr = narrow_uint(values)
     return f"u{arr.itemsize}:" + base64.b64encode(arr.tobytes()).decode("ascii")
 
@@ -188,7 +216,10 @@ def _listed_boxes(obj: Any, shape: tuple[int, ...], what: str) -> list[Box]:
     out: list[Box] = []
     for i, row in enumerate(rows):
         if type(row) is not list or len(row) != 2 * ndim or any(type(v) is not int for v in row):
-            fail(f"{what}[{i}]: expected {2 * ndim} ints (start, stop per dimension), got {row!r:.80}")
+            fail(
+                f"{what}[{i}]: expected {2 * ndim} ints (start, stop per dimension), got "
+                f"{row!r:.80}"
+            )
         box = tuple(zip(row[::2], row[1::2]))
         for d, ((a, b), n) in enumerate(zip(box, shape)):
             if not 0 <= a <= b <= n:
@@ -198,8 +229,9 @@ def _listed_boxes(obj: Any, shape: tuple[int, ...], what: str) -> list[Box]:
     return out
 
 
-def binary_array(obj: Any, n: int | None, what: str, hi: int,
-                 dtype: type[np.integer[Any]] = np.int64) -> np.ndarray:
+def binary_array(
+    obj: Any, n: int | None, what: str, hi: int, dtype: type[np.integer[Any]] = np.int64
+) -> np.ndarray:
     """A binary column of ``n`` ints (as many as it holds when ``n`` is None) in ``[0, hi]``
     as a numpy array of ``dtype`` (which must hold ``hi``); the first value out of range is
     named. With ``n`` given, the string's length is checked before it is decoded."""
@@ -221,7 +253,9 @@ def binary_array(obj: Any, n: int | None, what: str, hi: int,
     return checked_uint(np.frombuffer(raw, _KINDS[kind]), count, what, hi, dtype)
 
 
-def checked_uint(col: np.ndarray, n: int, what: str, hi: int, dtype: type[np.integer[Any]] = np.int64) -> np.ndarray:
+def checked_uint(
+    col: np.ndarray, n: int, what: str, hi: int, dtype: type[np.integer[Any]] = np.int64
+) -> np.ndarray:
     """An unsigned numpy column (a decoded binary column) as ``dtype`` (which must
     hold ``hi``) after checking it has ``n`` values in ``[0, hi]``; the first bad one named."""
     if len(col) != n:
@@ -233,7 +267,12 @@ def checked_uint(col: np.ndarray, n: int, what: str, hi: int, dtype: type[np.int
 
 
 def decode_chunk_table(
-    obj: Any, *, shape: tuple[int, ...], itemsize: int, objects: Sequence[str], what: str,
+    obj: Any,
+    *,
+    shape: tuple[int, ...],
+    itemsize: int,
+    objects: Sequence[str],
+    what: str,
 ) -> ChunkTable:
     """Validate a leaf's chunk table and return it as a :class:`ChunkTable` (entries are
     built on access); ``ManifestError`` on any flaw. ``objects`` is the (validated,
@@ -259,10 +298,13 @@ def decode_chunk_table(
     codecs = codec_column(codec, n, f"{what}.codec")
     if math.prod(shape) * itemsize > MAX_INT:  # (any codec: a chunk's raw_length is bounded by it)
         fail(f"{what}: an array of {math.prod(shape)} x {itemsize} bytes is too large")
-    if codec == "raw" or type(codec) is list and "raw" in codec:
+    if codec == "raw" or (type(codec) is list and "raw" in codec):
         if cuts is not None:  # the cells' volumes, C order
-            raw_lengths = functools.reduce(cast(Any, np.multiply.outer), [np.diff(np.asarray(c, np.int64)) for c in cuts],
-                                           np.int64(itemsize)).reshape(-1)
+            raw_lengths = functools.reduce(
+                cast(Any, np.multiply.outer),
+                [np.diff(np.asarray(c, np.int64)) for c in cuts],
+                np.int64(itemsize),
+            ).reshape(-1)
         else:
             raw_lengths = np.array([box_volume(b) * itemsize for b in listed or ()], np.int64)
         bad = lengths != raw_lengths
@@ -270,8 +312,19 @@ def decode_chunk_table(
             bad &= np.array([c == "raw" for c in codecs], bool)
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
-            fail(f"{what}.length[{i}]: raw chunk length {int(lengths[i])} != box volume x itemsize "
-                 f"{int(raw_lengths[i])}")
-    return ChunkTable(cuts=cuts, boxes=listed, keys=objects, object_index=index, offsets=offsets, lengths=lengths,
-                      codec=cast(Codec, codec) if type(codec) is str else tuple(codecs), crc32c=crcs, raw_crc32c=raw_crcs,
-                      itemsize=itemsize)
+            fail(
+                f"{what}.length[{i}]: raw chunk length {int(lengths[i])} != box volume x itemsize "
+                f"{int(raw_lengths[i])}"
+            )
+    return ChunkTable(
+        cuts=cuts,
+        boxes=listed,
+        keys=objects,
+        object_index=index,
+        offsets=offsets,
+        lengths=lengths,
+        codec=cast(Codec, codec) if type(codec) is str else tuple(codecs),
+        crc32c=crcs,
+        raw_crc32c=raw_crcs,
+        itemsize=itemsize,
+    )

@@ -44,6 +44,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from fastckpt._checksum import crc32c
+from fastckpt._pygc import paused_gc
 from fastckpt.errors import ManifestError, UnsupportedFormatVersionError
 from fastckpt.format.checks import fail as _fail
 from fastckpt.format.checks import json_dict as _dict
@@ -51,7 +52,6 @@ from fastckpt.format.checks import json_float as _float_from_json
 from fastckpt.format.checks import json_int as _int
 from fastckpt.format.checks import json_list as _list
 from fastckpt.format.checks import json_str as _str
-from fastckpt._pygc import paused_gc
 from fastckpt.format.chunk_table import decode_chunk_table, decode_object_keys, encode_table
 from fastckpt.format.dtypes import dtype_from_name
 from fastckpt.format.manifest import (
@@ -65,7 +65,11 @@ from fastckpt.format.manifest import (
 )
 
 __all__ = [
-    "CHECKSUM_FIELD", "MAX_MANIFEST_BYTES", "decode_manifest", "encode_manifest", "seal_document",
+    "CHECKSUM_FIELD",
+    "MAX_MANIFEST_BYTES",
+    "decode_manifest",
+    "encode_manifest",
+    "seal_document",
 ]
 
 #: Manifests larger than this are refused before parsing (hostile-input guard).
@@ -114,8 +118,9 @@ def _leaf_to_json(leaf: Leaf, objects: dict[str, int] | None) -> dict[str, Any]:
         "dtype": leaf.dtype,
         "key_impl": leaf.key_impl,
         "sharding": sharding,
-        "chunks": encode_table(leaf.chunks, shape=leaf.shape,
-                               remap=None if objects is None else _remap(leaf, objects)),
+        "chunks": encode_table(
+            leaf.chunks, shape=leaf.shape, remap=None if objects is None else _remap(leaf, objects)
+        ),
     }
 
 
@@ -172,8 +177,10 @@ def _canonical(doc: Mapping[str, Any]) -> bytes:
 def _check_integrity(data: bytes, doc: dict[str, Any]) -> None:
     """Verify ``manifest_crc32c`` (popped from ``doc``); ``ManifestError`` if absent or wrong."""
     if CHECKSUM_FIELD not in doc:
-        _fail(f"manifest has no {CHECKSUM_FIELD}: refused (every manifest fastckpt writes carries "
-              "it; without it a corrupted manifest could restore wrong state)")
+        _fail(
+            f"manifest has no {CHECKSUM_FIELD}: refused (every manifest fastckpt writes carries "
+            "it; without it a corrupted manifest could restore wrong state)"
+        )
     stored = doc.pop(CHECKSUM_FIELD)
     if type(stored) is not int or not 0 <= stored <= 0xFFFFFFFF:
         _fail(f"{CHECKSUM_FIELD}: expected a u32, got {stored!r:.40}")
@@ -215,7 +222,7 @@ def _sharding(obj: Any, rank: int, what: str) -> ShardingSpec | None:
         _fail(f"{what}: {len(names)} axis names but mesh rank {len(mshape)}")
     if len(set(names)) != len(names):
         _fail(f"{what}: duplicate mesh axis names")
-    spec: list[None | str | tuple[str, ...]] = []
+    spec: list[str | tuple[str, ...] | None] = []
     used: list[str] = []
     for p in _list(d["partition_spec"], f"{what}.partition_spec"):
         if p is None:
@@ -275,8 +282,9 @@ def _array_leaf(d: Mapping[str, Any], path: KeyPath, what: str, objects: list[st
     if kind == "prng_key" and key_impl is None:
         _fail(f"{what}: prng_key leaf without key_impl")
     # validated (tiling included) column by column
-    chunks = decode_chunk_table(d["chunks"], shape=shape, itemsize=dtype.itemsize, objects=objects,
-                                what=f"{what}.chunks")
+    chunks = decode_chunk_table(
+        d["chunks"], shape=shape, itemsize=dtype.itemsize, objects=objects, what=f"{what}.chunks"
+    )
     return ArrayLeaf(
         path=path,
         shape=shape,

@@ -32,8 +32,8 @@ __all__ = [
     "ram_object_key",
     "ram_writer",
     "step_data_prefix",
-    "step_from_manifest_key",
     "step_from_data_key",
+    "step_from_manifest_key",
 ]
 
 MANIFEST_PREFIX = "manifests/"
@@ -46,7 +46,11 @@ _DATA_RE = re.compile(r"^steps/(\d{12,18})/")
 
 def check_step(step: object) -> int:
     """``step`` as an int if a key can name it, else ConfigError (a bool, a float, a str, out of range)."""
-    if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
+    if (
+        not isinstance(step, (int, np.integer))
+        or isinstance(step, bool)
+        or not 0 <= step <= MAX_STEP
+    ):
         raise ConfigError(f"step must be an int in [0, {MAX_STEP}], got {step!r}")
     return int(step)
 
@@ -74,13 +78,17 @@ def fragment_key(step: int, save_id: str, process: int) -> str:
 def step_from_manifest_key(key: str) -> int | None:
     """The step a manifest key names, or None if ``key`` is not a manifest key."""
     m = _MANIFEST_RE.match(key)
-    return int(m.group(1)) if m and m.group(1) == f"{int(m.group(1)):012d}" else None  # canonical only
+    return (
+        int(m.group(1)) if m and m.group(1) == f"{int(m.group(1)):012d}" else None
+    )  # canonical only
 
 
 def step_from_data_key(key: str) -> int | None:
     """The step a data/fragment key belongs to, or None."""
     m = _DATA_RE.match(key)
-    return int(m.group(1)) if m and m.group(1) == f"{int(m.group(1)):012d}" else None  # canonical only
+    return (
+        int(m.group(1)) if m and m.group(1) == f"{int(m.group(1)):012d}" else None
+    )  # canonical only
 
 
 def ram_object_key(step: int, writer: str | None) -> str:
@@ -91,4 +99,4 @@ def ram_object_key(step: int, writer: str | None) -> str:
 def ram_writer(step: int, key: str) -> str | None:
     """The writer :func:`ram_object_key` put in ``key`` for ``step``, else None."""
     prefix = f"ram/{step:012d}/w-"
-    return unquote(key[len(prefix):]) if key.startswith(prefix) else None
+    return unquote(key[len(prefix) :]) if key.startswith(prefix) else None

@@ -51,7 +51,7 @@ Box = tuple[tuple[int, int], ...]
 
 #: One step of a pytree key path: ``("d", key)`` dict key, ``("i", n)`` sequence index,
 #: ``("a", name)`` attribute, ``("f", n)`` flattened index of a custom node.
-KeyEntry = tuple[Literal["d", "i", "a", "f"], Union[str, int]]
+KeyEntry = tuple[Literal["d", "i", "a", "f"], str | int]
 KeyPath = tuple[KeyEntry, ...]
 
 Codec = Literal["raw", "zstd"]
@@ -61,7 +61,9 @@ ValueType = Literal["none", "bool", "int", "float", "complex", "str"]
 
 def box_shape(box: Box) -> tuple[int, ...]:
     """Extent of a box per dimension."""
-    return tuple([stop - start for start, stop in box])  # hot: a list comprehension, not a generator
+    return tuple(
+        [stop - start for start, stop in box]
+    )  # hot: a list comprehension, not a generator
 
 
 def box_volume(box: Box) -> int:
@@ -89,7 +91,9 @@ def chunk_id(path: KeyPath, box: Box, *, prefix: str | None = None) -> str:
     """Content key of a chunk: array path + box. Independent of which process wrote it.
 
     ``prefix`` (``chunk_id_prefix(path)``) saves formatting the path again for each chunk."""
-    return (prefix if prefix is not None else chunk_id_prefix(path)) + ",".join([f"{a}:{b}" for a, b in box])
+    return (prefix if prefix is not None else chunk_id_prefix(path)) + ",".join(
+        [f"{a}:{b}" for a, b in box]
+    )
 
 
 def chunk_id_prefix(path: KeyPath) -> str:
@@ -152,18 +156,44 @@ class ChunkTable(Sequence[ChunkEntry]):
     the codec's checks. Thread-safe to read.
     """
 
-    __slots__ = ("_boxes", "_built", "_cells", "_codec", "_crc", "_cuts", "_itemsize", "_keys", "_length", "_n",
-                 "_object", "_offset", "_raw_crc")
+    __slots__ = (
+        "_boxes",
+        "_built",
+        "_cells",
+        "_codec",
+        "_crc",
+        "_cuts",
+        "_itemsize",
+        "_keys",
+        "_length",
+        "_n",
+        "_object",
+        "_offset",
+        "_raw_crc",
+    )
 
-    def __init__(self, *, cuts: Sequence[Sequence[int]] | None, boxes: Sequence[Box] | None, keys: Sequence[str],
-                 object_index: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, codec: Codec | Sequence[Codec],
-                 crc32c: np.ndarray, raw_crc32c: np.ndarray, itemsize: int) -> None:
+    def __init__(
+        self,
+        *,
+        cuts: Sequence[Sequence[int]] | None,
+        boxes: Sequence[Box] | None,
+        keys: Sequence[str],
+        object_index: np.ndarray,
+        offsets: np.ndarray,
+        lengths: np.ndarray,
+        codec: Codec | Sequence[Codec],
+        crc32c: np.ndarray,
+        raw_crc32c: np.ndarray,
+        itemsize: int,
+    ) -> None:
         """``cuts`` xor ``boxes`` gives the boxes; ``keys[object_index[i]]`` is chunk i's
         object; ``codec`` is one codec for all chunks or one per chunk."""
         if (cuts is None) == (boxes is None):
             raise ValueError("ChunkTable needs exactly one of cuts and boxes")
         self._cuts = None if cuts is None else tuple([tuple(map(int, c)) for c in cuts])
-        self._cells = None if self._cuts is None else tuple(tuple(zip(c[:-1], c[1:])) for c in self._cuts)
+        self._cells = (
+            None if self._cuts is None else tuple(tuple(zip(c[:-1], c[1:])) for c in self._cuts)
+        )
         self._boxes = None if boxes is None else tuple(boxes)
         if self._cells is not None:
             self._n = math.prod(len(c) for c in self._cells)
@@ -171,9 +201,12 @@ class ChunkTable(Sequence[ChunkEntry]):
             self._n = len(self._boxes)  # type: ignore[arg-type]
         self._keys, self._object, self._offset, self._length = keys, object_index, offsets, lengths
         self._codec, self._crc, self._raw_crc, self._itemsize = codec, crc32c, raw_crc32c, itemsize
-        self._built: dict[int, ChunkEntry] = {}  # entries handed out by index, kept for the next restore
-        if not all(len(col) == self._n for col in (object_index, offsets, lengths, crc32c, raw_crc32c)) or (
-                type(codec) is not str and len(codec) != self._n):
+        self._built: dict[
+            int, ChunkEntry
+        ] = {}  # entries handed out by index, kept for the next restore
+        if not all(
+            len(col) == self._n for col in (object_index, offsets, lengths, crc32c, raw_crc32c)
+        ) or (type(codec) is not str and len(codec) != self._n):
             raise ValueError(f"ChunkTable columns must have {self._n} entries")
 
     @property
@@ -211,8 +244,16 @@ class ChunkTable(Sequence[ChunkEntry]):
             raise IndexError(f"chunk {i} of {self._n}")
         box = self.box(i)
         codec = self._codec if type(self._codec) is str else self._codec[i]
-        entry = ChunkEntry(box, self._keys[self._object.item(i)], self._offset.item(i), self._length.item(i),
-                           box_volume(box) * self._itemsize, codec, self._crc.item(i), self._raw_crc.item(i))  # type: ignore[arg-type]
+        entry = ChunkEntry(
+            box,
+            self._keys[self._object.item(i)],
+            self._offset.item(i),
+            self._length.item(i),
+            box_volume(box) * self._itemsize,
+            codec,
+            self._crc.item(i),
+            self._raw_crc.item(i),
+        )  # type: ignore[arg-type]
         if len(self._built) < _MAX_BUILT:
             self._built[i] = entry
         return entry
@@ -224,10 +265,20 @@ class ChunkTable(Sequence[ChunkEntry]):
     def __iter__(self) -> Iterator[ChunkEntry]:
         boxes = self.boxes()
         keys, isz = self._keys, self._itemsize
-        codecs: Any = itertools.repeat(self._codec, self._n) if type(self._codec) is str else self._codec
-        return map(ChunkEntry, boxes, [keys[k] for k in self._object.tolist()], self._offset.tolist(),
-                   self._length.tolist(), [box_volume(b) * isz for b in boxes], codecs, self._crc.tolist(),
-                   self._raw_crc.tolist())
+        codecs: Any = (
+            itertools.repeat(self._codec, self._n) if type(self._codec) is str else self._codec
+        )
+        return map(
+            ChunkEntry,
+            boxes,
+            [keys[k] for k in self._object.tolist()],
+            self._offset.tolist(),
+            self._length.tolist(),
+            [box_volume(b) * isz for b in boxes],
+            codecs,
+            self._crc.tolist(),
+            self._raw_crc.tolist(),
+        )
 
     @property
     def stored_bytes(self) -> int:
@@ -248,9 +299,17 @@ class ChunkTable(Sequence[ChunkEntry]):
 
     def columns(self) -> TableColumns:
         """The table's columns as stored (read-only; what the manifest encoder writes)."""
-        return TableColumns(cuts=self._cuts, boxes=self._boxes, keys=self._keys,
-                            object_index=self._object, offsets=self._offset, lengths=self._length,
-                            codec=self._codec, crc32c=self._crc, raw_crc32c=self._raw_crc)
+        return TableColumns(
+            cuts=self._cuts,
+            boxes=self._boxes,
+            keys=self._keys,
+            object_index=self._object,
+            offsets=self._offset,
+            lengths=self._length,
+            codec=self._codec,
+            crc32c=self._crc,
+            raw_crc32c=self._raw_crc,
+        )
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, ChunkTable):
@@ -289,7 +348,7 @@ class ShardingSpec:
 
     mesh_axis_names: tuple[str, ...]
     mesh_shape: tuple[int, ...]
-    partition_spec: tuple[Union[None, str, tuple[str, ...]], ...]
+    partition_spec: tuple[str | tuple[str, ...] | None, ...]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -310,7 +369,8 @@ class ArrayLeaf:
     def __post_init__(self) -> None:
         if not isinstance(self.chunks, ChunkTable):
             raise TypeError(
-                f"ArrayLeaf.chunks must be a ChunkTable, got {type(self.chunks).__name__}")
+                f"ArrayLeaf.chunks must be a ChunkTable, got {type(self.chunks).__name__}"
+            )
 
     @property
     def nbytes(self) -> int:
@@ -329,7 +389,7 @@ class ValueLeaf:
 
     path: KeyPath
     vtype: ValueType
-    value: Union[None, bool, int, float, str, tuple[float, float]]
+    value: bool | int | float | str | tuple[float, float] | None
 
 
 Leaf = Union[ArrayLeaf, ValueLeaf]

@@ -23,11 +23,26 @@ from typing import Any
 from fastckpt.errors import CheckpointNotFoundError, ConfigError, ManifestError
 from fastckpt.format.manifest import KeyPath
 
-__all__ = ["EMPTY_TYPES", "OrbaxEntry", "OrbaxItem", "is_orbax_dir", "kv_spec", "load_item", "read_json",
-           "resolve_item_dir"]
+__all__ = [
+    "EMPTY_TYPES",
+    "OrbaxEntry",
+    "OrbaxItem",
+    "is_orbax_dir",
+    "kv_spec",
+    "load_item",
+    "read_json",
+    "resolve_item_dir",
+]
 
 #: Orbax value types that carry no data (empty containers, None) and what they restore as.
-EMPTY_TYPES: dict[str, Any] = {"None": None, "Dict": {}, "List": [], "Tuple": (), "NamedTuple": (), "Unknown": None}
+EMPTY_TYPES: dict[str, Any] = {
+    "None": None,
+    "Dict": {},
+    "List": [],
+    "Tuple": (),
+    "NamedTuple": (),
+    "Unknown": None,
+}
 _STEP_DIR = re.compile(r"^(?:.*_)?(\d+)$")
 
 
@@ -40,8 +55,9 @@ def import_tensorstore() -> Any:
     try:
         import tensorstore
     except ImportError as e:
-        raise ConfigError("reading an Orbax checkpoint needs tensorstore: "
-                          "pip install 'fastckpt[orbax]'") from e
+        raise ConfigError(
+            "reading an Orbax checkpoint needs tensorstore: pip install 'fastckpt[orbax]'"
+        ) from e
     return tensorstore
 
 
@@ -59,7 +75,9 @@ def kv_spec(url: str) -> dict[str, Any]:
     if url.startswith("file://"):
         url = url[len("file://") :]
     elif re.match(r"^[A-Za-z][A-Za-z0-9+.\-]*://", url):
-        raise ConfigError(f"unsupported Orbax checkpoint URL {url!r} (use a path, file:// or gs://)")
+        raise ConfigError(
+            f"unsupported Orbax checkpoint URL {url!r} (use a path, file:// or gs://)"
+        )
     return {"driver": "file", "path": os.path.abspath(url).rstrip("/") + "/"}
 
 
@@ -160,7 +178,9 @@ def _pick_item(d: _Dir, item: str | None) -> _Dir | None:
     raise ConfigError(f"{d.url} holds several items {names}; pass item=")
 
 
-def resolve_item_dir(url: str, *, step: int | None = None, item: str | None = None) -> tuple[str, int | None]:
+def resolve_item_dir(
+    url: str, *, step: int | None = None, item: str | None = None
+) -> tuple[str, int | None]:
     """Find the item directory in an Orbax item dir, step dir or manager root.
 
     Returns ``(item_url, step)``; ``step`` is parsed from the step directory name when
@@ -183,10 +203,14 @@ def resolve_item_dir(url: str, *, step: int | None = None, item: str | None = No
     if step is None:
         step = max(steps)
     if step not in steps:
-        raise CheckpointNotFoundError(f"no finalized Orbax step {step} in {url} (steps: {sorted(steps)})")
+        raise CheckpointNotFoundError(
+            f"no finalized Orbax step {step} in {url} (steps: {sorted(steps)})"
+        )
     picked = _pick_item(d.child(steps[step]), item)
     if picked is None:
-        raise CheckpointNotFoundError(f"Orbax step dir {_join(url, steps[step])} holds no PyTree item")
+        raise CheckpointNotFoundError(
+            f"Orbax step dir {_join(url, steps[step])} holds no PyTree item"
+        )
     return picked.url, step
 
 
@@ -258,8 +282,14 @@ def load_item(url: str) -> OrbaxItem:
     amd = d.child("array_metadatas")
     for name in sorted(amd.children()):
         key_impls.update(_key_impls(_load_json(amd, name), _join(amd.url, name)))
-    return OrbaxItem(url, entries, bool(meta.get("use_ocdbt", True)), bool(meta.get("use_zarr3", False)),
-                     key_impls, _shardings(_load_json(d, "_sharding"), _join(url, "_sharding")))
+    return OrbaxItem(
+        url,
+        entries,
+        bool(meta.get("use_ocdbt", True)),
+        bool(meta.get("use_zarr3", False)),
+        key_impls,
+        _shardings(_load_json(d, "_sharding"), _join(url, "_sharding")),
+    )
 
 
 def _key_impls(doc: Any, where: str) -> dict[str, str]:
@@ -281,7 +311,9 @@ def _key_impls(doc: Any, where: str) -> dict[str, str]:
             raise ManifestError(f"{where}: array_metadatas[{i}] is malformed: {record!r:.80}")
         if ext.get("random_key_impl"):
             if "param_name" not in a:  # type: ignore[operator]
-                raise ManifestError(f"{where}: array_metadatas[{i}] has a key implementation but no param_name")
+                raise ManifestError(
+                    f"{where}: array_metadatas[{i}] has a key implementation but no param_name"
+                )
             out[str(a["param_name"])] = str(ext["random_key_impl"])  # type: ignore[index]
     return out
 

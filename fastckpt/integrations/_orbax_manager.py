@@ -20,7 +20,6 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from fastckpt.manager import CheckpointManager
 from fastckpt._tree import unflatten_from_paths
 from fastckpt.errors import (
     CheckpointNotFoundError,
@@ -30,6 +29,7 @@ from fastckpt.errors import (
     TreeStructureError,
 )
 from fastckpt.format.manifest import ArrayLeaf
+from fastckpt.manager import CheckpointManager
 from fastckpt.options import ManagerOptions, RetentionOptions
 from fastckpt.storage import Store
 
@@ -37,7 +37,13 @@ __all__ = ["OrbaxStyleCheckpointManager", "OrbaxStyleOptions", "OrbaxStyleStepMe
 
 _META_KEY = "orbax_style"
 #: Orbax ``CheckpointManagerOptions`` fields that change behaviour fastckpt does not offer.
-_UNSUPPORTED = ("best_fn", "keep_time_interval", "should_save_fn", "save_decision_policy", "preservation_policy")
+_UNSUPPORTED = (
+    "best_fn",
+    "keep_time_interval",
+    "should_save_fn",
+    "save_decision_policy",
+    "preservation_policy",
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -61,7 +67,9 @@ class OrbaxStyleOptions:
 
     def __post_init__(self) -> None:
         if not isinstance(self.save_interval_steps, int) or self.save_interval_steps <= 0:
-            raise ConfigError(f"save_interval_steps must be a positive int, got {self.save_interval_steps!r}")
+            raise ConfigError(
+                f"save_interval_steps must be a positive int, got {self.save_interval_steps!r}"
+            )
         if self.save_on_steps is not None and not isinstance(self.save_on_steps, frozenset):
             object.__setattr__(self, "save_on_steps", frozenset(int(s) for s in self.save_on_steps))
         RetentionOptions(keep_last=self.max_to_keep, keep_every=self.keep_period)  # validates
@@ -75,7 +83,9 @@ class OrbaxStyleOptions:
         )
 
     @classmethod
-    def from_orbax(cls, options: Any, *, manager_options: ManagerOptions | None = None) -> OrbaxStyleOptions:
+    def from_orbax(
+        cls, options: Any, *, manager_options: ManagerOptions | None = None
+    ) -> OrbaxStyleOptions:
         """Translate an ``orbax.checkpoint.CheckpointManagerOptions``.
 
         Raises:
@@ -132,9 +142,14 @@ def _unpack_save(obj: Any) -> tuple[Any, list[str] | None, dict[str, Any]]:
             elif isinstance(sub, a.JsonSave):
                 json_items[name] = sub.item
             else:
-                raise ConfigError(f"Composite item {name!r}: unsupported Orbax args {type(sub).__name__}")
+                raise ConfigError(
+                    f"Composite item {name!r}: unsupported Orbax args {type(sub).__name__}"
+                )
         return trees, sorted(trees), json_items
-    raise ConfigError(f"unsupported Orbax save args {type(obj).__name__} (use StandardSave, PyTreeSave, Composite)")
+    raise ConfigError(
+        f"unsupported Orbax save args {type(obj).__name__} (use StandardSave, PyTreeSave, "
+        "Composite)"
+    )
 
 
 def _restore_target(obj: Any) -> Any:
@@ -174,8 +189,10 @@ class OrbaxStyleCheckpointManager:
             options = OrbaxStyleOptions(manager_options=manager_options or ManagerOptions())
         elif not isinstance(options, OrbaxStyleOptions):
             if not _is_orbax(options):
-                raise ConfigError(f"options must be OrbaxStyleOptions or Orbax CheckpointManagerOptions, "
-                                  f"got {type(options).__name__}")
+                raise ConfigError(
+                    f"options must be OrbaxStyleOptions or Orbax CheckpointManagerOptions, "
+                    f"got {type(options).__name__}"
+                )
             options = OrbaxStyleOptions.from_orbax(options, manager_options=manager_options)
         self.options: OrbaxStyleOptions = options
         root = directory if isinstance(directory, Store) else os.fspath(directory)
@@ -251,8 +268,14 @@ class OrbaxStyleCheckpointManager:
         if step == self._inflight or step in self._mgr.all_steps():
             raise StepAlreadyCommittedError(f"step {step} already exists in {self.directory}")
         tree, names, json_items = _unpack_save(args if args is not None else items)
-        meta = {_META_KEY: {"items": names, "json": json_items, "metrics": metrics,
-                            "custom_metadata": dict(custom_metadata or {})}}
+        meta = {
+            _META_KEY: {
+                "items": names,
+                "json": json_items,
+                "metrics": metrics,
+                "custom_metadata": dict(custom_metadata or {}),
+            }
+        }
         try:
             started = self._mgr.save(step, tree, metadata=meta, force=True)
         except BaseException:
@@ -309,8 +332,12 @@ class OrbaxStyleCheckpointManager:
         step = self._resolve(step)
         m = self._style_meta(step)
         names = m.get("items")
-        return OrbaxStyleStepMetadata(step, dict(m.get("custom_metadata") or {}), m.get("metrics"),
-                                      tuple(names) if names is not None else None)
+        return OrbaxStyleStepMetadata(
+            step,
+            dict(m.get("custom_metadata") or {}),
+            m.get("metrics"),
+            tuple(names) if names is not None else None,
+        )
 
     def item_metadata(self, step: int | None = None) -> Any:
         """The saved tree as nested dicts/lists of ``jax.ShapeDtypeStruct`` (no shardings) and values."""
@@ -324,7 +351,8 @@ class OrbaxStyleCheckpointManager:
                 if leaf.kind == "prng_key":
                     shape, dtype, impl = leaf.shape, leaf.dtype, leaf.key_impl
                     items[leaf.path] = jax.eval_shape(
-                        lambda: jax.random.wrap_key_data(jnp.zeros(shape, dtype), impl=impl))  # noqa: B023
+                        lambda: jax.random.wrap_key_data(jnp.zeros(shape, dtype), impl=impl)
+                    )
                 else:
                     items[leaf.path] = jax.ShapeDtypeStruct(leaf.shape, jnp.dtype(leaf.dtype))
             else:
@@ -364,10 +392,13 @@ class OrbaxStyleCheckpointManager:
             return self._mgr.restore(step, target={"default": spec}, partial=True)["default"]
         if spec is None:
             return self._mgr.restore(step)
-        raise TreeStructureError(f"step {step} holds items {saved_items}; restore it with a Composite")
+        raise TreeStructureError(
+            f"step {step} holds items {saved_items}; restore it with a Composite"
+        )
 
-    def _restore_composite(self, step: int, spec: Any, saved_items: list[str] | None,
-                           json_items: dict[str, Any]) -> Any:
+    def _restore_composite(
+        self, step: int, spec: Any, saved_items: list[str] | None, json_items: dict[str, Any]
+    ) -> Any:
         import orbax.checkpoint as ocp
 
         results: dict[str, Any] = {}
@@ -381,12 +412,16 @@ class OrbaxStyleCheckpointManager:
                 trees[name] = _restore_target(sub)
         if trees and saved_items is None:
             if set(trees) != {"default"}:
-                raise TreeStructureError(f"step {step} holds one unnamed tree; restore it as 'default'")
+                raise TreeStructureError(
+                    f"step {step} holds one unnamed tree; restore it as 'default'"
+                )
             results["default"] = self._mgr.restore(step, target=trees["default"])
         elif trees:
             unknown = sorted(set(trees) - set(saved_items or ()))
             if unknown:
-                raise TreeStructureError(f"step {step} has no items {unknown} (items: {saved_items})")
+                raise TreeStructureError(
+                    f"step {step} has no items {unknown} (items: {saved_items})"
+                )
             if any(t is None for t in trees.values()):
                 full = self._mgr.restore(step)
                 results.update({n: full[n] for n in trees})

@@ -29,7 +29,6 @@ from fastckpt.errors import (
     ShapeMismatchError,
     TreeStructureError,
 )
-from fastckpt.reader.assemble import key_array_shape, place, resolve_sharding, shard_boxes
 from fastckpt.format.manifest import Box
 from fastckpt.integrations._orbax_layout import (
     EMPTY_TYPES,
@@ -40,6 +39,7 @@ from fastckpt.integrations._orbax_layout import (
     read_json,
 )
 from fastckpt.planning import box_to_slices, full_box
+from fastckpt.reader.assemble import key_array_shape, place, resolve_sharding, shard_boxes
 
 __all__ = ["read_item"]
 
@@ -121,7 +121,9 @@ def _mode_of(entry: OrbaxEntry, tgt: Any, item: OrbaxItem) -> str:
         return "empty"
     if entry.value_type == "string":
         if tgt is not None and not isinstance(tgt, str):
-            raise TreeStructureError(f"{where}: checkpoint holds a string, target is {type(tgt).__name__}")
+            raise TreeStructureError(
+                f"{where}: checkpoint holds a string, target is {type(tgt).__name__}"
+            )
         return "string"
     if entry.value_type not in _ARRAY_TYPES:
         raise ConfigError(f"{where}: unsupported Orbax value type {entry.value_type!r}")
@@ -147,11 +149,20 @@ def _mode_of(entry: OrbaxEntry, tgt: Any, item: OrbaxItem) -> str:
 def _spec(item: OrbaxItem, name: str) -> dict[str, Any]:
     base = kv_spec(item.url)
     if item.use_ocdbt:
-        kv: dict[str, Any] = {"driver": "ocdbt", "base": base, "path": name, "cache_pool": "cache_pool#ocdbt"}
+        kv: dict[str, Any] = {
+            "driver": "ocdbt",
+            "base": base,
+            "path": name,
+            "cache_pool": "cache_pool#ocdbt",
+        }
     else:
         kv = dict(base, path=base["path"] + name + "/")
-    return {"driver": "zarr3" if item.use_zarr3 else "zarr", "kvstore": kv,
-            "recheck_cached_data": False, "recheck_cached_metadata": False}
+    return {
+        "driver": "zarr3" if item.use_zarr3 else "zarr",
+        "kvstore": kv,
+        "recheck_cached_data": False,
+        "recheck_cached_metadata": False,
+    }
 
 
 def _plan(leaf: _Leaf, item: OrbaxItem, *, allow_cast: bool) -> None:
@@ -165,16 +176,22 @@ def _plan(leaf: _Leaf, item: OrbaxItem, *, allow_cast: bool) -> None:
     if leaf.mode == "key":
         impl = item.key_impls.get(where)
         if impl is None:
-            raise DtypeMismatchError(f"{where}: target is a PRNG key array but the checkpoint holds plain {stored_dtype}")
+            raise DtypeMismatchError(
+                f"{where}: target is a PRNG key array but the checkpoint holds plain {stored_dtype}"
+            )
         leaf.key_impl = impl
         key_extra = len(stored_shape) - len(key_array_shape(impl, stored_shape, tgt, where))
     elif tgt is not None and leaf.mode in ("jax", "numpy", "npscalar"):
         if tuple(tgt.shape) != stored_shape:
-            raise ShapeMismatchError(f"{where}: target shape {tuple(tgt.shape)} != stored shape {stored_shape}")
+            raise ShapeMismatchError(
+                f"{where}: target shape {tuple(tgt.shape)} != stored shape {stored_shape}"
+            )
         if np.dtype(tgt.dtype) != stored_dtype:
             if not allow_cast:
-                raise DtypeMismatchError(f"{where}: target dtype {tgt.dtype} != stored dtype {stored_dtype} "
-                                         "(pass allow_dtype_cast=True to convert)")
+                raise DtypeMismatchError(
+                    f"{where}: target dtype {tgt.dtype} != stored dtype {stored_dtype} "
+                    "(pass allow_dtype_cast=True to convert)"
+                )
             leaf.dtype = np.dtype(tgt.dtype)
     elif leaf.mode == "pyscalar" and stored_shape != ():
         raise ShapeMismatchError(f"{where}: target is a scalar, stored shape is {stored_shape}")
@@ -182,7 +199,9 @@ def _plan(leaf: _Leaf, item: OrbaxItem, *, allow_cast: bool) -> None:
         leaf.device_boxes = [(None, full_box(stored_shape))]
         return
     sharding = getattr(tgt, "sharding", None)
-    sharding = resolve_sharding(_saved_sharding(item.shardings.get(where)) if sharding is None else sharding, where)
+    sharding = resolve_sharding(
+        _saved_sharding(item.shardings.get(where)) if sharding is None else sharding, where
+    )
     leaf.sharding, leaf.device_boxes = shard_boxes(sharding, stored_shape, key_extra)
 
 
@@ -228,7 +247,9 @@ def _finish(leaf: _Leaf, futures: dict[Box, Any], strings: dict[str, Any]) -> An
     return place(leaf.shape, leaf.sharding, bufs.__getitem__, leaf.key_impl)
 
 
-def _match(item: OrbaxItem, target: Any, *, partial: bool) -> tuple[list[tuple[OrbaxEntry, Any]], Any]:
+def _match(
+    item: OrbaxItem, target: Any, *, partial: bool
+) -> tuple[list[tuple[OrbaxEntry, Any]], Any]:
     """Pair target leaves with entries; returns ``([(entry, target_leaf)], treedef)``."""
     if target is None:
         return [(e, None) for e in item.entries.values()], None
@@ -245,11 +266,19 @@ def _match(item: OrbaxItem, target: Any, *, partial: bool) -> tuple[list[tuple[O
         seen.add(names)
         out.append((entry, leaf))
     if missing:
-        raise TreeStructureError(f"target leaves not in the Orbax checkpoint {item.url}: {sorted(missing)[:10]}")
-    extra = [e.param_name for n, e in item.entries.items() if n not in seen and e.value_type not in EMPTY_TYPES]
+        raise TreeStructureError(
+            f"target leaves not in the Orbax checkpoint {item.url}: {sorted(missing)[:10]}"
+        )
+    extra = [
+        e.param_name
+        for n, e in item.entries.items()
+        if n not in seen and e.value_type not in EMPTY_TYPES
+    ]
     if extra and not partial:
-        raise TreeStructureError(f"the Orbax checkpoint has leaves the target lacks: {sorted(extra)[:10]} "
-                                 "(pass partial=True to restore a subtree)")
+        raise TreeStructureError(
+            f"the Orbax checkpoint has leaves the target lacks: {sorted(extra)[:10]} "
+            "(pass partial=True to restore a subtree)"
+        )
     return out, treedef
 
 
@@ -267,8 +296,11 @@ def read_item(
     matched, treedef = _match(item, target, partial=partial)
     leaves = [_Leaf(e, t, _mode_of(e, t, item)) for e, t in matched]
     context = ts.Context({"cache_pool#ocdbt": {"total_bytes_limit": 100_000_000}})
-    opens = {id(lf): ts.open(_spec(item, lf.entry.param_name), open=True, read=True, context=context)
-             for lf in leaves if lf.mode not in ("empty", "string")}
+    opens = {
+        id(lf): ts.open(_spec(item, lf.entry.param_name), open=True, read=True, context=context)
+        for lf in leaves
+        if lf.mode not in ("empty", "string")
+    }
     for lf in leaves:
         if id(lf) in opens:
             try:
@@ -280,7 +312,9 @@ def read_item(
     if any(lf.mode == "string" for lf in leaves):
         strings = read_json(item.url, "_strings.json") or {}
         if not isinstance(strings, dict):
-            raise ManifestError(f"{item.url}/_strings.json: expected a JSON object, got {type(strings).__name__}")
+            raise ManifestError(
+                f"{item.url}/_strings.json: expected a JSON object, got {type(strings).__name__}"
+            )
     results: list[Any] = [None] * len(leaves)
     pending: list[tuple[int, dict[Box, Any]]] = []
     inflight = 0
@@ -297,7 +331,10 @@ def read_item(
         for _, box in lf.device_boxes:
             if box not in futs:
                 futs[box] = (lf.store[box_to_slices(box)] if box else lf.store).read()
-                inflight += int(np.prod([b - a for a, b in box], dtype=np.int64)) * lf.store.dtype.numpy_dtype.itemsize
+                inflight += (
+                    int(np.prod([b - a for a, b in box], dtype=np.int64))
+                    * lf.store.dtype.numpy_dtype.itemsize
+                )
         pending.append((i, futs))
         if inflight >= max_inflight_bytes:
             drain()
@@ -305,4 +342,3 @@ def read_item(
     if treedef is None:
         return unflatten_from_paths({lf.entry.keypath: r for lf, r in zip(leaves, results)})
     return jax.tree_util.tree_unflatten(treedef, results)
-

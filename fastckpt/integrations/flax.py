@@ -24,7 +24,9 @@ from fastckpt.integrations.pytree import abstract_state
 __all__ = ["abstract_train_state", "nnx_abstract_state", "restore_nnx", "save_nnx"]
 
 
-def nnx_abstract_state(factory: Callable[[], Any], *, mesh: jax.sharding.Mesh | None = None) -> tuple[Any, Any]:
+def nnx_abstract_state(
+    factory: Callable[[], Any], *, mesh: jax.sharding.Mesh | None = None
+) -> tuple[Any, Any]:
     """``(graphdef, abstract_state)`` of the NNX module ``factory()`` builds, without allocating it.
 
     Args:
@@ -44,7 +46,9 @@ def nnx_abstract_state(factory: Callable[[], Any], *, mesh: jax.sharding.Mesh | 
     with jax.set_mesh(mesh):
         graphdef, state = nnx.split(nnx.eval_shape(factory))
     shardings = nnx.get_named_sharding(state, mesh)
-    state = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
+    state = jax.tree_util.tree_map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings
+    )
     return graphdef, state
 
 

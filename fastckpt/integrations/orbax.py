@@ -30,12 +30,16 @@ from fastckpt.errors import (
     StepAlreadyCommittedError,
     StorageError,
 )
+from fastckpt.integrations._orbax_layout import is_orbax_dir as is_orbax_dir
 from fastckpt.integrations._orbax_manager import (
     OrbaxStyleCheckpointManager as OrbaxStyleCheckpointManager,
+)
+from fastckpt.integrations._orbax_manager import (
     OrbaxStyleOptions as OrbaxStyleOptions,
+)
+from fastckpt.integrations._orbax_manager import (
     OrbaxStyleStepMetadata as OrbaxStyleStepMetadata,
 )
-from fastckpt.integrations._orbax_layout import is_orbax_dir as is_orbax_dir
 from fastckpt.options import ManagerOptions
 from fastckpt.storage import Store
 
@@ -106,8 +110,13 @@ def restore_orbax(
         parsed = load_item(item_url)
     except CheckpointNotFoundError:
         return _restore_legacy_with_orbax(item_url, target)
-    return read_item(parsed, target, partial=partial, allow_dtype_cast=allow_dtype_cast,
-                     max_inflight_bytes=max_inflight_bytes)
+    return read_item(
+        parsed,
+        target,
+        partial=partial,
+        allow_dtype_cast=allow_dtype_cast,
+        max_inflight_bytes=max_inflight_bytes,
+    )
 
 
 def _restore_legacy_with_orbax(item_url: str, target: Any) -> Any:
@@ -122,7 +131,9 @@ def _restore_legacy_with_orbax(item_url: str, target: Any) -> Any:
         if target is None:
             return ckptr.restore(item_url)
         restore_args = ocp.checkpoint_utils.construct_restore_args(target)
-        return ckptr.restore(item_url, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args))
+        return ckptr.restore(
+            item_url, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args)
+        )
 
 
 def convert_orbax_to_fastckpt(
@@ -210,10 +221,16 @@ def convert_fastckpt_to_orbax(
     try:
         import orbax.checkpoint as ocp
     except ImportError as e:  # pragma: no cover - exercised only without the extra
-        raise ConfigError("writing Orbax checkpoints needs orbax-checkpoint (pip install fastckpt[orbax])") from e
+        raise ConfigError(
+            "writing Orbax checkpoints needs orbax-checkpoint (pip install fastckpt[orbax])"
+        ) from e
     if layout not in ("manager", "item"):
         raise ConfigError(f"layout must be 'manager' or 'item', got {layout!r}")
-    dst = os.path.abspath(_path(orbax_path)) if not _path(orbax_path).startswith("gs://") else _path(orbax_path)
+    dst = (
+        os.path.abspath(_path(orbax_path))
+        if not _path(orbax_path).startswith("gs://")
+        else _path(orbax_path)
+    )
     with fastckpt.CheckpointManager(fastckpt_root, options=options) as mgr:
         if step is None:
             step = mgr.latest_step()
@@ -245,13 +262,19 @@ def _check_orbax_destination(dst: str, step: int, layout: str) -> None:
     while parent and not os.path.lexists(parent):
         parent = os.path.dirname(parent)
     if parent and not os.path.isdir(parent):
-        raise StorageError(f"cannot write the Orbax checkpoint at {dst}: {parent} is not a directory")
+        raise StorageError(
+            f"cannot write the Orbax checkpoint at {dst}: {parent} is not a directory"
+        )
     if not os.path.lexists(dst):
         return
     if not os.path.isdir(dst):
-        raise AlreadyExistsError(f"cannot write the Orbax checkpoint at {dst}: it exists and is not a directory")
+        raise AlreadyExistsError(
+            f"cannot write the Orbax checkpoint at {dst}: it exists and is not a directory"
+        )
     if layout == "item":
-        raise AlreadyExistsError(f"Orbax item directory {dst} already exists (layout='item' needs a new path)")
+        raise AlreadyExistsError(
+            f"Orbax item directory {dst} already exists (layout='item' needs a new path)"
+        )
     if os.path.lexists(os.path.join(dst, str(step))):
         raise StepAlreadyCommittedError(f"Orbax step {step} already exists in {dst}")
 
@@ -283,11 +306,19 @@ def _write_orbax(ocp: Any, tree: Any, dst: str, step: int, layout: str) -> None:
     # StandardSave refuses str leaves; PyTreeSave writes them (to _strings.json).
     has_str = any(isinstance(x, str) for x in jax.tree_util.tree_leaves(tree))
     if layout == "item":
-        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler() if has_str else ocp.StandardCheckpointHandler()) as ckptr:
-            ckptr.save(dst, args=ocp.args.PyTreeSave(tree) if has_str else ocp.args.StandardSave(tree))
+        with ocp.Checkpointer(
+            ocp.PyTreeCheckpointHandler() if has_str else ocp.StandardCheckpointHandler()
+        ) as ckptr:
+            ckptr.save(
+                dst, args=ocp.args.PyTreeSave(tree) if has_str else ocp.args.StandardSave(tree)
+            )
     else:
         with ocp.CheckpointManager(dst) as omgr:
-            omgr.save(step, args=ocp.args.PyTreeSave(tree) if has_str else ocp.args.StandardSave(tree), force=True)
+            omgr.save(
+                step,
+                args=ocp.args.PyTreeSave(tree) if has_str else ocp.args.StandardSave(tree),
+                force=True,
+            )
             omgr.wait_until_finished()
 
 

@@ -33,10 +33,14 @@ def _is_none(x: Any) -> bool:
 
 def is_savable_leaf(x: Any) -> bool:
     """Whether fastckpt can store ``x`` as a leaf (arrays, abstract arrays, simple values)."""
-    return x is None or isinstance(x, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic, *_VALUE_TYPES))
+    return x is None or isinstance(
+        x, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic, *_VALUE_TYPES)
+    )
 
 
-def partition_savable(tree: Any, is_savable: Callable[[Any], bool] = is_savable_leaf) -> tuple[Any, Any]:
+def partition_savable(
+    tree: Any, is_savable: Callable[[Any], bool] = is_savable_leaf
+) -> tuple[Any, Any]:
     """Split ``tree`` into ``(savable, static)`` trees of the same structure.
 
     ``savable`` holds the leaves ``is_savable`` accepts and ``None`` elsewhere; ``static``
@@ -50,7 +54,9 @@ def partition_savable(tree: Any, is_savable: Callable[[Any], bool] = is_savable_
 
 def combine(savable: Any, static: Any) -> Any:
     """Inverse of :func:`partition_savable`: take each leaf from whichever tree has it."""
-    return jax.tree_util.tree_map(lambda a, b: b if a is None else a, savable, static, is_leaf=_is_none)
+    return jax.tree_util.tree_map(
+        lambda a, b: b if a is None else a, savable, static, is_leaf=_is_none
+    )
 
 
 def abstract_state(
@@ -85,7 +91,9 @@ def abstract_state(
             s = sharding
         else:
             s = sharding(x)
-        if mesh is not None and isinstance(getattr(s, "mesh", None), getattr(jax.sharding, "AbstractMesh", ())):
+        if mesh is not None and isinstance(
+            getattr(s, "mesh", None), getattr(jax.sharding, "AbstractMesh", ())
+        ):
             s = _concrete(s, mesh)
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
 
@@ -94,8 +102,12 @@ def abstract_state(
 
 def _concrete(s: Any, mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
     abstract = s.mesh
-    if tuple(abstract.axis_names) != tuple(mesh.axis_names) or tuple(abstract.axis_sizes) != tuple(mesh.axis_sizes):
+    if tuple(abstract.axis_names) != tuple(mesh.axis_names) or tuple(abstract.axis_sizes) != tuple(
+        mesh.axis_sizes
+    ):
         from fastckpt.errors import ConfigError
 
-        raise ConfigError(f"mesh {dict(mesh.shape)} does not match the abstract mesh {dict(abstract.shape)}")
+        raise ConfigError(
+            f"mesh {dict(mesh.shape)} does not match the abstract mesh {dict(abstract.shape)}"
+        )
     return jax.sharding.NamedSharding(mesh, s.spec)

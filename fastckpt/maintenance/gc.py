@@ -152,7 +152,9 @@ async def find_leftovers(
         step = step_from_data_key(info.key)
         if info.key in referenced or step in protected:
             continue
-        reason: Literal["unreferenced", "uncommitted"] = "unreferenced" if step in manifests else "uncommitted"
+        reason: Literal["unreferenced", "uncommitted"] = (
+            "unreferenced" if step in manifests else "uncommitted"
+        )
         leftovers.append(Leftover(info.key, step, reason, max(0.0, now - info.mtime), info.size))
     return leftovers
 
@@ -199,10 +201,16 @@ async def collect_garbage_async(
         (report.removed if _collectable(lo, grace_s) else report.kept).append(lo)
     # A step may have committed since the manifests were read (a save that ran longer than
     # grace_s): its data is no leftover. Checked again right before deleting.
-    late = await _committed_now(store, {lo.step for lo in report.removed if lo.reason == "uncommitted"})
+    late = await _committed_now(
+        store, {lo.step for lo in report.removed if lo.reason == "uncommitted"}
+    )
     if late:
-        report.kept += [lo for lo in report.removed if lo.reason == "uncommitted" and lo.step in late]
-        report.removed = [lo for lo in report.removed if not (lo.reason == "uncommitted" and lo.step in late)]
+        report.kept += [
+            lo for lo in report.removed if lo.reason == "uncommitted" and lo.step in late
+        ]
+        report.removed = [
+            lo for lo in report.removed if not (lo.reason == "uncommitted" and lo.step in late)
+        ]
     if retention is not None:
         report.retention_steps = steps_to_delete(committed, retention)
     if not dry_run:
@@ -240,4 +248,6 @@ def collect_garbage(
     Returns:
         A :class:`GcReport`.
     """
-    return asyncio.run(collect_garbage_async(store, grace_s=grace_s, dry_run=dry_run, retention=retention, now=now))
+    return asyncio.run(
+        collect_garbage_async(store, grace_s=grace_s, dry_run=dry_run, retention=retention, now=now)
+    )

@@ -78,7 +78,9 @@ class CheckpointManager:
     ) -> None:
         self.options = options or ManagerOptions()
         self.store = _open(root)
-        self.coordinator = coordinator or default_coordinator(timeout_s=self.options.distributed.barrier_timeout_s)
+        self.coordinator = coordinator or default_coordinator(
+            timeout_s=self.options.distributed.barrier_timeout_s
+        )
         self._io = LoopThread()
         threads = max(self.options.save.encode_threads, self.options.restore.decode_threads)
         self._workers = ThreadPoolExecutor(threads, thread_name_prefix="fastckpt-work")
@@ -94,19 +96,40 @@ class CheckpointManager:
             from fastckpt.replicas.tiered import RamReplication
 
             try:
-                self._tier = RamReplication(self.options.ram, coordinator=self.coordinator, store=self.store,
-                                            namespace=self._ns, run=self._io.run)
+                self._tier = RamReplication(
+                    self.options.ram,
+                    coordinator=self.coordinator,
+                    store=self.store,
+                    namespace=self._ns,
+                    run=self._io.run,
+                )
             except BaseException:  # nothing of a manager that was never made keeps running
                 self._workers.shutdown(wait=True)
                 with contextlib.suppress(Exception):
                     self._io.run(self.store.close())
                 self._io.close()
                 raise
-        self._saver = Saver(store=self.store, coordinator=self.coordinator, options=self.options, io=self._io,
-                            workers=self._workers, threads=threads, namespace=self._ns, retain=self._apply_retention)
-        self._restorer = Restorer(store=self.store, coordinator=self.coordinator, options=self.options, io=self._io,
-                                  workers=self._workers, namespace=self._ns, reading=self._reading,
-                                  buffers=self._restore_buffers, chunk_source=chunk_source)
+        self._saver = Saver(
+            store=self.store,
+            coordinator=self.coordinator,
+            options=self.options,
+            io=self._io,
+            workers=self._workers,
+            threads=threads,
+            namespace=self._ns,
+            retain=self._apply_retention,
+        )
+        self._restorer = Restorer(
+            store=self.store,
+            coordinator=self.coordinator,
+            options=self.options,
+            io=self._io,
+            workers=self._workers,
+            namespace=self._ns,
+            reading=self._reading,
+            buffers=self._restore_buffers,
+            chunk_source=chunk_source,
+        )
         self.last_save_stats: SaveStats | None = None
         """This process's figures of the newest save joined here (by :meth:`wait`, :meth:`close`
         or the next :meth:`save`); None before the first. The one way to get save figures."""
@@ -115,7 +138,14 @@ class CheckpointManager:
         first. The one way to get restore figures."""
 
     # ------------------------------------------------------------------ save
-    def save(self, step: int, state: Any, *, metadata: Mapping[str, object] | None = None, force: bool = False) -> bool:
+    def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        metadata: Mapping[str, object] | None = None,
+        force: bool = False,
+    ) -> bool:
         """Stage ``state`` for ``step`` and commit it in the background.
 
         Waits first for the previous save's background work and, for a step of the fast tier
@@ -210,13 +240,16 @@ class CheckpointManager:
         """
         step = None if step is None else check_step(step)
         self._check_open()
-        tree, self.last_restore_stats = self._restorer.restore(step, target, partial=partial, tier=self._tier)
+        tree, self.last_restore_stats = self._restorer.restore(
+            step, target, partial=partial, tier=self._tier
+        )
         return tree
 
     # ------------------------------------------------------------------ retention / gc
     def _apply_retention(self) -> None:
-        self._reading.delete_unread(steps_to_delete(self.persistent_steps(), self.options.retention),
-                                    self.delete_step)
+        self._reading.delete_unread(
+            steps_to_delete(self.persistent_steps(), self.options.retention), self.delete_step
+        )
 
     def gc(self, *, grace_s: float = 3600.0, dry_run: bool = False) -> Any:
         """Remove uncommitted leftovers older than ``grace_s`` (see ``fastckpt gc``).

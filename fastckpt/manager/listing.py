@@ -22,8 +22,15 @@ from fastckpt.format.manifest import Manifest
 from fastckpt.storage import Store
 from fastckpt.writer.tier import Tier
 
-__all__ = ["Run", "delete_step", "latest_step", "list_manifests", "load_manifest", "persistent_steps",
-           "steps_by_tier"]
+__all__ = [
+    "Run",
+    "delete_step",
+    "latest_step",
+    "list_manifests",
+    "load_manifest",
+    "persistent_steps",
+    "steps_by_tier",
+]
 
 T = TypeVar("T")
 
@@ -56,7 +63,9 @@ def steps_by_tier(store: Store, run: Run, tier: Tier | None) -> dict[int, set[st
 
 def latest_step(store: Store, run: Run, tier: Tier | None) -> int | None:
     """The newest committed step in any tier, or None."""
-    steps = persistent_steps(store, run) if tier is None else sorted(steps_by_tier(store, run, tier))
+    steps = (
+        persistent_steps(store, run) if tier is None else sorted(steps_by_tier(store, run, tier))
+    )
     return steps[-1] if steps else None
 
 

@@ -12,16 +12,28 @@ from fastckpt.storage import Store
 __all__ = ["restore", "save"]
 
 
-def save(root: str | Store, step: int, state: Any, *, metadata: Mapping[str, object] | None = None,
-         options: ManagerOptions | None = None) -> None:
+def save(
+    root: str | Store,
+    step: int,
+    state: Any,
+    *,
+    metadata: Mapping[str, object] | None = None,
+    options: ManagerOptions | None = None,
+) -> None:
     """Save ``state`` as ``step`` under ``root`` and wait until it is committed."""
     with CheckpointManager(root, options=options) as mgr:
         mgr.save(step, state, metadata=metadata, force=True)
         mgr.wait()
 
 
-def restore(root: str | Store, step: int | None = None, *, target: Any = None, partial: bool = False,
-            options: ManagerOptions | None = None) -> Any:
+def restore(
+    root: str | Store,
+    step: int | None = None,
+    *,
+    target: Any = None,
+    partial: bool = False,
+    options: ManagerOptions | None = None,
+) -> Any:
     """Restore ``step`` (default: latest committed) from ``root`` laid out as ``target``.
 
     The arguments are :meth:`CheckpointManager.restore`'s, after ``root``: the order of

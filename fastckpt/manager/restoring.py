@@ -77,9 +77,19 @@ class ReadingSteps:
 class Restorer:
     """Restores the steps of one root; every process must restore in the same order (SPMD)."""
 
-    def __init__(self, *, store: Store, coordinator: Coordinator, options: ManagerOptions, io: LoopThread,
-                 workers: Executor, namespace: str, reading: ReadingSteps, buffers: BufferCache,
-                 chunk_source: ChunkSource | None) -> None:
+    def __init__(
+        self,
+        *,
+        store: Store,
+        coordinator: Coordinator,
+        options: ManagerOptions,
+        io: LoopThread,
+        workers: Executor,
+        namespace: str,
+        reading: ReadingSteps,
+        buffers: BufferCache,
+        chunk_source: ChunkSource | None,
+    ) -> None:
         self._store = store
         self._coordinator = coordinator
         self._options = options
@@ -92,19 +102,25 @@ class Restorer:
         """Where chunks come from without a fast tier (None: storage alone)."""
         self._rseq = 0
 
-    def restore(self, step: int | None, target: Any, *, partial: bool, tier: Tier | None) -> tuple[Any, RestoreStats]:
+    def restore(
+        self, step: int | None, target: Any, *, partial: bool, tier: Tier | None
+    ) -> tuple[Any, RestoreStats]:
         """``step`` (None: the newest every process can restore) laid out as ``target``, and
         this process's figures (``CheckpointManager.restore``)."""
         reading = self._reading.reading(step) if step is not None else contextlib.nullcontext()
         with paused_gc(self._options.pause_gc), reading:  # thousands of leaves: no full collections
             return self._restore(step, target, partial=partial, tier=tier)
 
-    def _restore(self, step: int | None, target: Any, *, partial: bool, tier: Tier | None) -> tuple[Any, RestoreStats]:
+    def _restore(
+        self, step: int | None, target: Any, *, partial: bool, tier: Tier | None
+    ) -> tuple[Any, RestoreStats]:
         import jax
 
         t0 = time.perf_counter()
         rseq, self._rseq = self._rseq, self._rseq + 1
-        source: ChunkSource | None = None  # made after the first step choice: it orders peers by the lists fetched
+        source: ChunkSource | None = (
+            None  # made after the first step choice: it orders peers by the lists fetched
+        )
         fallbacks_before: dict[str, int] = {}
         older_than: int | None = None
         failure: BaseException | None = None
@@ -118,7 +134,9 @@ class Restorer:
             tag = f"{self._ns}/restore/{rseq}/{attempt}"
             t_select = time.perf_counter()
             try:
-                manifest = self._choose_manifest(step, tier, key=tag, older_than=older_than, wanted=wanted)
+                manifest = self._choose_manifest(
+                    step, tier, key=tag, older_than=older_than, wanted=wanted
+                )
             except CheckpointNotFoundError:
                 if failure is not None:  # nothing older to fall back to: the last failure says why
                     raise failure from None
@@ -128,28 +146,44 @@ class Restorer:
                 fallbacks_before = dict(source.stats().fallbacks) if source is not None else {}
             tier_only = tier is not None and tier.holds_alone(manifest)
             known = plans.get(manifest.step)
-            plan = known[1] if known is not None and known[0] is manifest else resolve_target(manifest, target,
-                                                                                               partial=partial)
+            plan = (
+                known[1]
+                if known is not None and known[0] is manifest
+                else resolve_target(manifest, target, partial=partial)
+            )
             stats = RestoreStats(step=manifest.step, select_s=time.perf_counter() - t_select)
             failure = None
             try:  # CheckpointNotFoundError here: a tier-only step's chunk is in no reachable tier
                 with self._reading.reading(manifest.step):
-                    self._fill(manifest, plan.units(), stats, source, storage_holds_step=not tier_only)
+                    self._fill(
+                        manifest, plan.units(), stats, source, storage_holds_step=not tier_only
+                    )
             except BaseException as e:  # reported to the other processes before re-raising
                 failure = e
-            retry = agree_on_outcome(self._coordinator if tier is not None else None, tag, failure,
-                                     may_retry=step is None and tier_only,
-                                     timeout_s=self._options.distributed.barrier_timeout_s)
+            retry = agree_on_outcome(
+                self._coordinator if tier is not None else None,
+                tag,
+                failure,
+                may_retry=step is None and tier_only,
+                timeout_s=self._options.distributed.barrier_timeout_s,
+            )
             if not retry:
                 break
-            log.warning("fastckpt: step %d of the fast tier is incomplete (%s); restoring an older step",
-                        manifest.step, failure or "on another process")
+            log.warning(
+                "fastckpt: step %d of the fast tier is incomplete (%s); restoring an older step",
+                manifest.step,
+                failure or "on another process",
+            )
             older_than = manifest.step
-            failure = failure or DistributedError(f"step {manifest.step} of the fast tier is incomplete on another "
-                                                  "process")
+            failure = failure or DistributedError(
+                f"step {manifest.step} of the fast tier is incomplete on another process"
+            )
         if source is not None:  # this restore's: a long-lived source counts since it was made
-            stats.fallbacks = {str(k): int(v) - fallbacks_before.get(k, 0)
-                               for k, v in source.stats().fallbacks.items() if int(v) > fallbacks_before.get(k, 0)}
+            stats.fallbacks = {
+                str(k): int(v) - fallbacks_before.get(k, 0)
+                for k, v in source.stats().fallbacks.items()
+                if int(v) > fallbacks_before.get(k, 0)
+            }
         leaves = build_leaves(plan, stats)
         stats.seconds = time.perf_counter() - t0
         log.info("fastckpt: restored step %d (%s)", manifest.step, stats.bytes_by_tier)
@@ -158,8 +192,15 @@ class Restorer:
     def _load(self, tier: Tier | None, step: int | None) -> Manifest:
         return load_manifest(self._store, self._io.run, tier, step)
 
-    def _choose_manifest(self, step: int | None, tier: Tier | None, *, key: str, older_than: int | None,
-                         wanted: Callable[[Manifest], dict[str, str]]) -> Manifest:
+    def _choose_manifest(
+        self,
+        step: int | None,
+        tier: Tier | None,
+        *,
+        key: str,
+        older_than: int | None,
+        wanted: Callable[[Manifest], dict[str, str]],
+    ) -> Manifest:
         """The manifest to restore: ``step``'s, or (None) the newest step every process can
         restore (``coordination.restore_agreement.choose_latest`` with a fast tier, else storage's
         latest as process 0 lists it: ``agreed_storage_latest``)."""
@@ -168,23 +209,52 @@ class Restorer:
         list_keys = lambda: self._io.submit(list_manifests(self._store))  # noqa: E731
         timeout_s = self._options.distributed.barrier_timeout_s
         if tier is not None:
-            return choose_latest(tier, self._coordinator, key=key, older_than=older_than, wanted=wanted,
-                                 timeout_s=timeout_s, list_manifests=list_keys, load=lambda s: self._load(tier, s),
-                                 url=self._store.url)
+            return choose_latest(
+                tier,
+                self._coordinator,
+                key=key,
+                older_than=older_than,
+                wanted=wanted,
+                timeout_s=timeout_s,
+                list_manifests=list_keys,
+                load=lambda s: self._load(tier, s),
+                url=self._store.url,
+            )
         if self._coordinator.process_count == 1:
             return self._load(None, None)
-        latest = agreed_storage_latest(self._coordinator, key=key, list_manifests=list_keys, timeout_s=timeout_s)
+        latest = agreed_storage_latest(
+            self._coordinator, key=key, list_manifests=list_keys, timeout_s=timeout_s
+        )
         if latest is None:
             raise NoCheckpointError(f"no committed checkpoint in {self._store.url}")
         return self._load(None, latest)
 
-    def _fill(self, manifest: Manifest, units: Sequence[Unit], stats: RestoreStats, source: ChunkSource | None, *,
-              storage_holds_step: bool) -> None:
+    def _fill(
+        self,
+        manifest: Manifest,
+        units: Sequence[Unit],
+        stats: RestoreStats,
+        source: ChunkSource | None,
+        *,
+        storage_holds_step: bool,
+    ) -> None:
         buffers = None
         if self._options.restore.reuse_host_buffers:
             buffers = self._buffers
             need = sum(box_volume(u.box) * dtype_from_name(u.leaf.dtype).itemsize for u in units)
-            buffers.max_bytes = max(buffers.max_bytes, need + self._options.restore.max_scratch_bytes)
-        self._io.run(fill_units(self._store, manifest.step, units, options=self._options.restore,
-                                executor=self._workers, stats=stats, source=source,
-                                storage_holds_step=storage_holds_step, buffers=buffers))
+            buffers.max_bytes = max(
+                buffers.max_bytes, need + self._options.restore.max_scratch_bytes
+            )
+        self._io.run(
+            fill_units(
+                self._store,
+                manifest.step,
+                units,
+                options=self._options.restore,
+                executor=self._workers,
+                stats=stats,
+                source=source,
+                storage_holds_step=storage_holds_step,
+                buffers=buffers,
+            )
+        )

@@ -51,8 +51,18 @@ class SaveTarget:
 class Saver:
     """Saves to one root; every process must save in the same order (SPMD)."""
 
-    def __init__(self, *, store: Store, coordinator: Coordinator, options: ManagerOptions, io: LoopThread,
-                 workers: Executor, threads: int, namespace: str, retain: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        *,
+        store: Store,
+        coordinator: Coordinator,
+        options: ManagerOptions,
+        io: LoopThread,
+        workers: Executor,
+        threads: int,
+        namespace: str,
+        retain: Callable[[], None],
+    ) -> None:
         self._store = store
         self._coordinator = coordinator
         self._options = options
@@ -87,7 +97,9 @@ class Saver:
         """Whether a save is in flight (or ``tier`` still pushes an earlier step); with several
         processes, process 0's view decides for all (every process asks on every
         ``if_busy="skip"`` save, so their counters agree)."""
-        busy = (self.pending is not None and not self.pending.done()) or (tier is not None and tier.pushing())
+        busy = (self.pending is not None and not self.pending.done()) or (
+            tier is not None and tier.pushing()
+        )
         coord = self._coordinator
         if coord.process_count == 1:
             return busy
@@ -110,20 +122,28 @@ class Saver:
                     leaves,
                     process_index=self._coordinator.process_index,
                     max_chunk_bytes=self._options.save.max_chunk_bytes,
-                    allocate=(lambda n: tier.allocate(step, n)) if tier is not None else self.pool.take,
+                    allocate=(lambda n: tier.allocate(step, n))
+                    if tier is not None
+                    else self.pool.take,
                     executor=self._workers,
                     copy_threads=self._threads,
                     plans=self.plans,
                     device_copy=self._options.save.device_copy,
                     defer_host_copies=True,
-                    allocate_unreserved=(lambda n: tier.allocate_unreserved(step, n)) if tier is not None else None,
+                    allocate_unreserved=(lambda n: tier.allocate_unreserved(step, n))
+                    if tier is not None
+                    else None,
                 )
             except BaseException:
                 if tier is not None:
                     tier.abort()
                 raise
-        stats = SaveStats(step=step, blocked_s=time.perf_counter() - t0, staged_bytes=staged.nbytes,
-                          push_wait_s=push_wait_s)
+        stats = SaveStats(
+            step=step,
+            blocked_s=time.perf_counter() - t0,
+            staged_bytes=staged.nbytes,
+            push_wait_s=push_wait_s,
+        )
         seq = f"s{step}.{self._attempts[step]}"
         self._attempts[step] += 1
         self.pending = self._background.submit(
@@ -131,29 +151,49 @@ class Saver:
         )
 
     def _round(self, ns: str, step: int, staged: StagedSave) -> CommitRound:
-        return CommitRound(coord=self._coordinator, ns=ns, step=step, staged=staged,
-                           timeout_s=self._options.distributed.barrier_timeout_s, writer_version=__version__)
+        return CommitRound(
+            coord=self._coordinator,
+            ns=ns,
+            step=step,
+            staged=staged,
+            timeout_s=self._options.distributed.barrier_timeout_s,
+            writer_version=__version__,
+        )
 
-    def _commit_tier(self, tier: Tier, seq: str, step: int, staged: StagedSave,
-                     metadata: dict[str, object]) -> dict[int, list[int]]:
+    def _commit_tier(
+        self, tier: Tier, seq: str, step: int, staged: StagedSave, metadata: dict[str, object]
+    ) -> dict[int, list[int]]:
         """Checksum the staged chunks and commit them to ``tier`` (``Tier.commit``). Returns
         their crc32c (``staged_crc32c``), which a persistent write reuses."""
         try:
             staged.finish_copies(self._workers, jobs=self._threads)  # before reading the buffer
             raw_crcs = staged_crc32c(staged, self._workers, jobs=self._threads)
-            tier.commit(self._round(f"{self._ns}/{seq}/{tier.name}", step, staged), raw_crcs, metadata)
+            tier.commit(
+                self._round(f"{self._ns}/{seq}/{tier.name}", step, staged), raw_crcs, metadata
+            )
         except BaseException:
             tier.abort()
             raise
         return raw_crcs
 
-    def _finish(self, seq: str, step: int, staged: StagedSave, metadata: dict[str, object],
-                stats: SaveStats, t0: float, persist: bool, tier: Tier | None) -> SaveStats:
+    def _finish(
+        self,
+        seq: str,
+        step: int,
+        staged: StagedSave,
+        metadata: dict[str, object],
+        stats: SaveStats,
+        t0: float,
+        persist: bool,
+        tier: Tier | None,
+    ) -> SaveStats:
         raw_crcs = None  # a persistent-only save checksums while encoding
         if tier is not None:
             raw_crcs = self._commit_tier(tier, seq, step, staged, metadata)
             stats.ram_commit_s = time.perf_counter() - t0
-            stats.deferred_copy_s = staged.finish_copies(self._workers, jobs=self._threads)  # made already: their time
+            stats.deferred_copy_s = staged.finish_copies(
+                self._workers, jobs=self._threads
+            )  # made already: their time
             stats.tiers += (tier.name,)
             if not persist:
                 stats.total_s = stats.ram_commit_s
@@ -164,30 +204,59 @@ class Saver:
         chunks = None
         error: BaseException | None = None
         try:
-            stats.deferred_copy_s = staged.finish_copies(self._workers, jobs=self._threads)  # no-op after a tier's
-            chunks = self._io.run(write_chunks(
-                self._store, staged, step=step, save_id=save_id, process_index=self._coordinator.process_index,
-                options=self._options.save, executor=self._workers, stats=wstats, raw_crcs=raw_crcs,
-            ))
+            stats.deferred_copy_s = staged.finish_copies(
+                self._workers, jobs=self._threads
+            )  # no-op after a tier's
+            chunks = self._io.run(
+                write_chunks(
+                    self._store,
+                    staged,
+                    step=step,
+                    save_id=save_id,
+                    process_index=self._coordinator.process_index,
+                    options=self._options.save,
+                    executor=self._workers,
+                    stats=wstats,
+                    raw_crcs=raw_crcs,
+                )
+            )
         except BaseException as e:  # reported to the other processes before re-raising
             error = e
         t_commit = time.perf_counter()
         try:
-            publish_and_commit(self._round(f"{self._ns}/{seq}", step, staged), store_run=self._io.run,
-                               store=self._store, save_id=save_id, chunks=chunks, error=error, metadata=metadata)
+            publish_and_commit(
+                self._round(f"{self._ns}/{seq}", step, staged),
+                store_run=self._io.run,
+                store=self._store,
+                save_id=save_id,
+                chunks=chunks,
+                error=error,
+                metadata=metadata,
+            )
         finally:
-            if tier is None and error is None:  # (after a failed write, puts in threads may still read it)
+            if (
+                tier is None and error is None
+            ):  # (after a failed write, puts in threads may still read it)
                 self.pool.give(staged.buffer)
         stats.tiers += ("storage",)
-        stats.raw_bytes, stats.stored_bytes, stats.objects = wstats.raw_bytes, wstats.stored_bytes, wstats.objects
+        stats.raw_bytes, stats.stored_bytes, stats.objects = (
+            wstats.raw_bytes,
+            wstats.stored_bytes,
+            wstats.objects,
+        )
         stats.encode_s, stats.upload_s = wstats.encode_s, wstats.upload_s
         stats.commit_s = time.perf_counter() - t_commit
         stats.total_s = time.perf_counter() - t0
-        log.info("fastckpt: committed step %d (%d bytes stored, %.2fs)", step, stats.stored_bytes, stats.total_s)
+        log.info(
+            "fastckpt: committed step %d (%d bytes stored, %.2fs)",
+            step,
+            stats.stored_bytes,
+            stats.total_s,
+        )
         if self._coordinator.process_index == 0:
             try:
                 self._retain()
-            except Exception as e:  # noqa: BLE001 - the step is committed: the next save retries retention
+            except Exception as e:
                 log.warning("fastckpt: retention after step %d failed: %s", step, e)
         if tier is not None:
             tier.prepare_next(staged.buffer.nbytes)

@@ -148,8 +148,9 @@ def contiguous_span(region: Box, shape: Sequence[int]) -> tuple[int, int] | None
     return (start, math.prod(ext))
 
 
-def element_runs(regions: Sequence[Box], shape: Sequence[int], *, min_gap: int = 0,
-                 max_runs: int | None = None) -> list[tuple[int, int]]:
+def element_runs(
+    regions: Sequence[Box], shape: Sequence[int], *, min_gap: int = 0, max_runs: int | None = None
+) -> list[tuple[int, int]]:
     """The runs ``(first_element, n_elements)`` of a C-order array of ``shape`` that hold
     every element of ``regions`` (local coordinates), ascending and disjoint: what a ranged
     read of a stored chunk fetches to fill them.
@@ -177,7 +178,9 @@ def element_runs(regions: Sequence[Box], shape: Sequence[int], *, min_gap: int =
     return merged
 
 
-def _region_runs(region: Box, shape: Sequence[int], min_gap: int, max_runs: int | None) -> list[tuple[int, int]]:
+def _region_runs(
+    region: Box, shape: Sequence[int], min_gap: int, max_runs: int | None
+) -> list[tuple[int, int]]:
     """:func:`element_runs` of one region: at most ``max_runs`` runs, or else the one run
     bounding the region (the caller then falls back to a bounding run anyway)."""
     ext = [b - a for a, b in region]

@@ -14,11 +14,26 @@ import itertools
 from collections.abc import Iterable, Sequence
 
 from fastckpt.errors import ConfigError, CorruptionError
-from fastckpt.format.manifest import ArrayLeaf, Box, ChunkEntry, ChunkTable, box_volume, chunk_id, chunk_id_prefix, keypath_str
+from fastckpt.format.manifest import (
+    ArrayLeaf,
+    Box,
+    ChunkEntry,
+    ChunkTable,
+    box_volume,
+    chunk_id,
+    chunk_id_prefix,
+    keypath_str,
+)
 from fastckpt.planning.boxes import intersect, relative_to
 
 __all__ = [
-    "ChunkIndex", "FetchRange", "GridIndex", "ReadItem", "coalesce_fetches", "leaf_index", "needed_chunks",
+    "ChunkIndex",
+    "FetchRange",
+    "GridIndex",
+    "ReadItem",
+    "coalesce_fetches",
+    "leaf_index",
+    "needed_chunks",
     "plan_leaf_reads",
 ]
 
@@ -83,7 +98,9 @@ class ChunkIndex:
         exact = self._by_box.get(box) if self._by_box is not None else None
         if exact is not None:
             return [(exact, box)]
-        if self._dim is None or len(box) != len(self._chunks[0].box):  # (intersect raises on a rank mismatch)
+        if self._dim is None or len(box) != len(
+            self._chunks[0].box
+        ):  # (intersect raises on a rank mismatch)
             hits = [(i, intersect(c.box, box)) for i, c in enumerate(self._chunks)]
         else:
             lo, hi = box[self._dim]
@@ -114,7 +131,9 @@ class GridIndex:
         if len(box) != len(self._cuts):
             raise ConfigError(f"rank mismatch: box {box} for a rank-{len(self._cuts)} grid")
         i = 0
-        for (lo, hi), cuts, count in zip(box, self._cuts, self._counts):  # one whole cell (same mesh)?
+        for (lo, hi), cuts, count in zip(
+            box, self._cuts, self._counts
+        ):  # one whole cell (same mesh)?
             k = bisect.bisect_left(cuts, lo)
             if hi <= lo or k >= count or cuts[k] != lo or cuts[k + 1] != hi:
                 break
@@ -152,8 +171,9 @@ def leaf_index(leaf: ArrayLeaf, *, disjoint: bool = True) -> GridIndex | ChunkIn
     return ChunkIndex(chunks, disjoint=disjoint)
 
 
-def plan_leaf_reads(leaf: ArrayLeaf, dst_box: Box, *, index: ChunkIndex | GridIndex | None = None
-                    ) -> tuple[ReadItem, ...]:
+def plan_leaf_reads(
+    leaf: ArrayLeaf, dst_box: Box, *, index: ChunkIndex | GridIndex | None = None
+) -> tuple[ReadItem, ...]:
     """Read items that fill ``dst_box`` (global coordinates) of ``leaf``.
 
     ``index`` (:func:`leaf_index`, or a :class:`ChunkIndex` of ``leaf.chunks``) makes
@@ -168,7 +188,11 @@ def plan_leaf_reads(leaf: ArrayLeaf, dst_box: Box, *, index: ChunkIndex | GridIn
     covered = 0
     if index is None and leaf.chunks.grid is not None:
         index = GridIndex(leaf.chunks)
-    pairs = index.overlapping(dst_box) if index is not None else [(c, intersect(c.box, dst_box)) for c in leaf.chunks]
+    pairs = (
+        index.overlapping(dst_box)
+        if index is not None
+        else [(c, intersect(c.box, dst_box)) for c in leaf.chunks]
+    )
     if len(pairs) == 1 and pairs[0][1] == pairs[0][0].box == dst_box and box_volume(dst_box):
         whole = tuple([(0, b - a) for a, b in dst_box])  # the chunk is the box (same mesh)
         return (ReadItem(pairs[0][0], whole, whole),)
@@ -176,7 +200,9 @@ def plan_leaf_reads(leaf: ArrayLeaf, dst_box: Box, *, index: ChunkIndex | GridIn
         if overlap is None:
             continue
         covered += box_volume(overlap)
-        items.append(ReadItem(chunk, relative_to(overlap, chunk.box), relative_to(overlap, dst_box)))
+        items.append(
+            ReadItem(chunk, relative_to(overlap, chunk.box), relative_to(overlap, dst_box))
+        )
     if covered != box_volume(dst_box):
         raise CorruptionError(
             f"{keypath_str(leaf.path)}: stored chunks cover {covered} of {box_volume(dst_box)} "
@@ -194,9 +220,14 @@ def needed_chunks(wants: Iterable[tuple[ArrayLeaf, Box]]) -> dict[str, str]:
     for leaf, box in wants:
         hit = indexes.get(id(leaf))
         if hit is None:
-            hit = indexes[id(leaf)] = (leaf, leaf_index(leaf))  # the leaf is kept: its id stays unique
+            hit = indexes[id(leaf)] = (
+                leaf,
+                leaf_index(leaf),
+            )  # the leaf is kept: its id stays unique
         prefix = chunk_id_prefix(leaf.path)  # the overlaps alone: no read items, no coverage check
-        out.update([(chunk_id(leaf.path, c.box, prefix=prefix), c.key) for c, _ in hit[1].overlapping(box)])
+        out.update(
+            [(chunk_id(leaf.path, c.box, prefix=prefix), c.key) for c, _ in hit[1].overlapping(box)]
+        )
     return out
 
 

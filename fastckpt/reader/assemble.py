@@ -25,12 +25,29 @@ from fastckpt.errors import (
     TreeStructureError,
 )
 from fastckpt.format.dtypes import dtype_from_name
-from fastckpt.format.manifest import ArrayLeaf, Box, KeyPath, Manifest, ShardingSpec, ValueLeaf, keypath_str
+from fastckpt.format.manifest import (
+    ArrayLeaf,
+    Box,
+    KeyPath,
+    Manifest,
+    ShardingSpec,
+    ValueLeaf,
+    keypath_str,
+)
 from fastckpt.planning import box_from_index, full_box
 from fastckpt.reader.fetch import RestoreStats, Unit
 
-__all__ = ["LeafPlan", "RestorePlan", "build_leaves", "key_array_shape", "place", "prng_key_info", "resolve_sharding",
-           "resolve_target", "shard_boxes"]
+__all__ = [
+    "LeafPlan",
+    "RestorePlan",
+    "build_leaves",
+    "key_array_shape",
+    "place",
+    "prng_key_info",
+    "resolve_sharding",
+    "resolve_target",
+    "shard_boxes",
+]
 
 
 @dataclasses.dataclass
@@ -84,7 +101,10 @@ def _key_data_sharding(sharding: jax.sharding.Sharding, extra_dims: int) -> jax.
         return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
     if isinstance(sharding, jax.sharding.SingleDeviceSharding):
         return sharding
-    raise ConfigError(f"PRNG key targets need a NamedSharding or SingleDeviceSharding, got {type(sharding).__name__}")
+    raise ConfigError(
+        "PRNG key targets need a NamedSharding or SingleDeviceSharding, got "
+        f"{type(sharding).__name__}"
+    )
 
 
 def resolve_sharding(sharding: jax.sharding.Sharding | None, where: str) -> jax.sharding.Sharding:
@@ -97,20 +117,28 @@ def resolve_sharding(sharding: jax.sharding.Sharding | None, where: str) -> jax.
     """
     if sharding is None:
         if jax.process_count() > 1:
-            raise TargetMismatchError(f"{where}: cannot rebuild the saved sharding here; pass a target with .sharding")
+            raise TargetMismatchError(
+                f"{where}: cannot rebuild the saved sharding here; pass a target with .sharding"
+            )
         return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     if isinstance(getattr(sharding, "mesh", None), getattr(jax.sharding, "AbstractMesh", ())):
-        raise ConfigError(f"{where}: the target's sharding is over an AbstractMesh (jax.eval_shape under "
-                          "jax.set_mesh?); pass concrete shardings, e.g. "
-                          "fastckpt.integrations.pytree.abstract_state(target, mesh=mesh)")
+        raise ConfigError(
+            f"{where}: the target's sharding is over an AbstractMesh (jax.eval_shape under "
+            "jax.set_mesh?); pass concrete shardings, e.g. "
+            "fastckpt.integrations.pytree.abstract_state(target, mesh=mesh)"
+        )
     return sharding
 
 
 _DeviceBoxes = list[tuple[Any, Box]]
 
 
-def shard_boxes(sharding: jax.sharding.Sharding, shape: tuple[int, ...], key_extra: int = 0,
-                cache: dict[Any, _DeviceBoxes] | None = None) -> tuple[jax.sharding.Sharding, _DeviceBoxes]:
+def shard_boxes(
+    sharding: jax.sharding.Sharding,
+    shape: tuple[int, ...],
+    key_extra: int = 0,
+    cache: dict[Any, _DeviceBoxes] | None = None,
+) -> tuple[jax.sharding.Sharding, _DeviceBoxes]:
     """The sharding of the array to build and ``(device, box)`` of each of its addressable
     shards. With ``key_extra`` > 0, ``shape`` is PRNG key data: ``sharding`` (the key array's)
     splits its leading dimensions and every box spans the trailing ``key_extra`` whole.
@@ -119,25 +147,35 @@ def shard_boxes(sharding: jax.sharding.Sharding, shape: tuple[int, ...], key_ext
         index_map = sharding.addressable_devices_indices_map(shape[: len(shape) - key_extra])
         return _key_data_sharding(sharding, key_extra), [
             (d, box_from_index(None if idx is None else (*idx, *(slice(None),) * key_extra), shape))
-            for d, idx in index_map.items()]
+            for d, idx in index_map.items()
+        ]
     key: Any = (sharding, shape)
     try:
         hit = None if cache is None else cache.get(key)
     except TypeError:  # an unhashable sharding: no caching
         hit = cache = None
     if hit is None:
-        hit = [(d, box_from_index(idx, shape)) for d, idx in sharding.addressable_devices_indices_map(shape).items()]
+        hit = [
+            (d, box_from_index(idx, shape))
+            for d, idx in sharding.addressable_devices_indices_map(shape).items()
+        ]
         if cache is not None:
             cache[key] = hit
     return sharding, hit
 
 
-def place(shape: tuple[int, ...], sharding: jax.sharding.Sharding, buffer_of: Callable[[Box], Any],
-          key_impl: str | None = None) -> jax.Array:
+def place(
+    shape: tuple[int, ...],
+    sharding: jax.sharding.Sharding,
+    buffer_of: Callable[[Box], Any],
+    key_impl: str | None = None,
+) -> jax.Array:
     """The array of ``shape`` under ``sharding``, each addressable shard from the host buffer
     ``buffer_of(box)`` (one batched placement); with ``key_impl``, the array is key data and
     comes back as PRNG keys of that implementation."""
-    arr = jax.make_array_from_callback(shape, sharding, lambda idx: buffer_of(box_from_index(idx, shape)))
+    arr = jax.make_array_from_callback(
+        shape, sharding, lambda idx: buffer_of(box_from_index(idx, shape))
+    )
     return arr if key_impl is None else jax.random.wrap_key_data(arr, impl=key_impl)
 
 
@@ -158,10 +196,14 @@ def prng_key_info(impl: str | None, where: str) -> tuple[Any, tuple[int, ...]]:
     try:
         return _key_info_of(str(impl))
     except (ValueError, TypeError, KeyError) as e:
-        raise DtypeMismatchError(f"{where}: the checkpoint's PRNG implementation {impl!r} is unknown here: {e}") from e
+        raise DtypeMismatchError(
+            f"{where}: the checkpoint's PRNG implementation {impl!r} is unknown here: {e}"
+        ) from e
 
 
-def key_array_shape(impl: str | None, stored_shape: tuple[int, ...], tgt: Any, where: str) -> tuple[int, ...]:
+def key_array_shape(
+    impl: str | None, stored_shape: tuple[int, ...], tgt: Any, where: str
+) -> tuple[int, ...]:
     """The shape of the PRNG key array whose key data of ``stored_shape`` is stored, checked
     against the target leaf ``tgt`` (None: no target).
 
@@ -173,35 +215,57 @@ def key_array_shape(impl: str | None, stored_shape: tuple[int, ...], tgt: Any, w
     key_dtype, data_shape = prng_key_info(impl, where)
     split = len(stored_shape) - len(data_shape)
     if split < 0 or stored_shape[split:] != data_shape:
-        raise CorruptionError(f"{where}: stored key data of shape {stored_shape} does not end in {impl}'s "
-                              f"key data shape {data_shape}")
+        raise CorruptionError(
+            f"{where}: stored key data of shape {stored_shape} does not end in {impl}'s "
+            f"key data shape {data_shape}"
+        )
     if tgt is not None and tgt.dtype != key_dtype:
-        raise DtypeMismatchError(f"{where}: target keys are {tgt.dtype}, the checkpoint's {key_dtype}")
+        raise DtypeMismatchError(
+            f"{where}: target keys are {tgt.dtype}, the checkpoint's {key_dtype}"
+        )
     if tgt is not None and tuple(tgt.shape) != stored_shape[:split]:
-        raise ShapeMismatchError(f"{where}: target key array shape {tuple(tgt.shape)} != stored {stored_shape[:split]}")
+        raise ShapeMismatchError(
+            f"{where}: target key array shape {tuple(tgt.shape)} != stored {stored_shape[:split]}"
+        )
     return stored_shape[:split]
 
 
-def _plan_array(path: KeyPath, stored: ArrayLeaf, tgt: Any, boxes_cache: dict[Any, _DeviceBoxes]) -> LeafPlan:
+def _plan_array(
+    path: KeyPath, stored: ArrayLeaf, tgt: Any, boxes_cache: dict[Any, _DeviceBoxes]
+) -> LeafPlan:
     where = keypath_str(path)
     shape = tuple(stored.shape)
     key_extra = 0
     if stored.kind == "prng_key":
         if tgt is not None and not is_prng_key(tgt):
-            raise DtypeMismatchError(f"{where}: checkpoint holds a PRNG key array, target is {getattr(tgt, 'dtype', type(tgt))}")
+            raise DtypeMismatchError(
+                f"{where}: checkpoint holds a PRNG key array, target is "
+                f"{getattr(tgt, 'dtype', type(tgt))}"
+            )
         key_extra = len(shape) - len(key_array_shape(stored.key_impl, shape, tgt, where))
     elif tgt is not None:
         if tuple(tgt.shape) != shape:
-            raise ShapeMismatchError(f"{where}: target shape {tuple(tgt.shape)} != stored shape {shape}")
+            raise ShapeMismatchError(
+                f"{where}: target shape {tuple(tgt.shape)} != stored shape {shape}"
+            )
         if is_prng_key(tgt) or np.dtype(tgt.dtype) != dtype_from_name(stored.dtype):
-            raise DtypeMismatchError(f"{where}: target dtype {tgt.dtype} != stored dtype {stored.dtype}")
+            raise DtypeMismatchError(
+                f"{where}: target dtype {tgt.dtype} != stored dtype {stored.dtype}"
+            )
     as_numpy = isinstance(tgt, (np.ndarray, np.generic)) or (tgt is None and stored.kind == "numpy")
     if as_numpy:
         box = full_box(shape)
-        return LeafPlan(path, stored, as_numpy=True, scalar=isinstance(tgt, np.generic) or (tgt is None and not shape),
-                        units={box: Unit(stored, box, lendable=False)})
+        return LeafPlan(
+            path,
+            stored,
+            as_numpy=True,
+            scalar=isinstance(tgt, np.generic) or (tgt is None and not shape),
+            units={box: Unit(stored, box, lendable=False)},
+        )
     sharding = getattr(tgt, "sharding", None)
-    sharding = resolve_sharding(_saved_sharding(stored.sharding) if sharding is None else sharding, where)
+    sharding = resolve_sharding(
+        _saved_sharding(stored.sharding) if sharding is None else sharding, where
+    )
     data_sharding, device_boxes = shard_boxes(sharding, shape, key_extra, boxes_cache)
     plan = LeafPlan(path, stored, sharding=data_sharding, device_boxes=list(device_boxes))
     for _, box in device_boxes:
@@ -231,7 +295,9 @@ def resolve_target(manifest: Manifest, target: Any, *, partial: bool) -> Restore
 
         # The skeleton's own paths differ from the stored ones where attributes or
         # flattened indices became dict keys and list positions: carry the stored path.
-        skeleton = unflatten_from_paths({leaf.path: _StoredPath(leaf.path) for leaf in manifest.leaves})
+        skeleton = unflatten_from_paths(
+            {leaf.path: _StoredPath(leaf.path) for leaf in manifest.leaves}
+        )
         leaves_t, treedef = flatten(skeleton)
         targets: list[tuple[KeyPath, Any]] = [(lf.value.path, None) for lf in leaves_t]
     else:
@@ -240,11 +306,14 @@ def resolve_target(manifest: Manifest, target: Any, *, partial: bool) -> Restore
         paths = {p for p, _ in targets}
         missing = [keypath_str(p) for p in paths if p not in stored]
         if missing:
-            raise TreeStructureError(f"target leaves not in checkpoint step {manifest.step}: {sorted(missing)[:10]}")
+            raise TreeStructureError(
+                f"target leaves not in checkpoint step {manifest.step}: {sorted(missing)[:10]}"
+            )
         extra = [keypath_str(p) for p in stored if p not in paths]
         if extra and not partial:
             raise TreeStructureError(
-                f"checkpoint step {manifest.step} has leaves the target lacks: {sorted(extra)[:10]} "
+                f"checkpoint step {manifest.step} has leaves the target lacks: "
+                f"{sorted(extra)[:10]} "
                 "(pass partial=True to restore a subtree)"
             )
     plans = []
@@ -254,14 +323,26 @@ def resolve_target(manifest: Manifest, target: Any, *, partial: bool) -> Restore
         if isinstance(s, ValueLeaf):
             # A 0-d ShapeDtypeStruct is what jax.eval_shape makes of a Python scalar (e.g.
             # TrainState.step): restore the stored value, as saved.
-            abstract_scalar = isinstance(tgt, jax.ShapeDtypeStruct) and tgt.shape == () and s.vtype in (
-                "bool", "int", "float", "complex")
-            if tgt is not None and not abstract_scalar and isinstance(tgt, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
-                raise TreeStructureError(f"{keypath_str(path)}: checkpoint holds a {s.vtype} value, target an array")
+            abstract_scalar = (
+                isinstance(tgt, jax.ShapeDtypeStruct)
+                and tgt.shape == ()
+                and s.vtype in ("bool", "int", "float", "complex")
+            )
+            if (
+                tgt is not None
+                and not abstract_scalar
+                and isinstance(tgt, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
+            ):
+                raise TreeStructureError(
+                    f"{keypath_str(path)}: checkpoint holds a {s.vtype} value, target an array"
+                )
             plans.append(LeafPlan(path, s))
         else:
             if tgt is not None and not hasattr(tgt, "shape"):
-                raise TreeStructureError(f"{keypath_str(path)}: checkpoint holds an array, target is {type(tgt).__name__}")
+                raise TreeStructureError(
+                    f"{keypath_str(path)}: checkpoint holds an array, target is "
+                    f"{type(tgt).__name__}"
+                )
             plans.append(_plan_array(path, s, tgt, boxes_cache))
     return RestorePlan(plans, treedef)
 
@@ -282,7 +363,13 @@ def build_leaves(plan: RestorePlan, stats: RestoreStats) -> list[Any]:
             continue
         assert lp.sharding is not None
         units = lp.units
-        out.append(place(tuple(s.shape), lp.sharding, lambda box: units[box].buffer,
-                         s.key_impl if s.kind == "prng_key" else None))
+        out.append(
+            place(
+                tuple(s.shape),
+                lp.sharding,
+                lambda box: units[box].buffer,
+                s.key_impl if s.kind == "prng_key" else None,
+            )
+        )
     stats.device_put_s += time.perf_counter() - t0
     return out

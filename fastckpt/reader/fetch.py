@@ -39,7 +39,9 @@ __all__ = ["ChunkSource", "RestoreStats", "SourceCounters", "Unit", "fill_units"
 
 _T = TypeVar("_T")
 _SCRATCH_GRAIN = 4 << 20
-_ONE_PLANNER_UNIT_BYTES = 1 << 20  # units smaller than this on average: plan on one thread (see prepare_all)
+_ONE_PLANNER_UNIT_BYTES = (
+    1 << 20
+)  # units smaller than this on average: plan on one thread (see prepare_all)
 _PREPARE_JOBS_PER_THREAD = 4  # a few jobs per thread: a slow leaf does not leave a thread idle
 
 
@@ -54,8 +56,9 @@ def _lands_in_place(filler: LeafFiller, c: ChunkEntry) -> bool:
     return span is not None and span.nbytes == c.length
 
 
-def _placement(pairs: Sequence[tuple[LeafFiller, ChunkEntry]], start: int, length: int
-               ) -> tuple[list[tuple[LeafFiller, ChunkEntry]], list[memoryview | None] | None, int]:
+def _placement(
+    pairs: Sequence[tuple[LeafFiller, ChunkEntry]], start: int, length: int
+) -> tuple[list[tuple[LeafFiller, ChunkEntry]], list[memoryview | None] | None, int]:
     """Chunks of a stored range ``[start, start + length)`` in offset order, the destination
     span each is received into (None: via scratch) and the scratch bytes the read needs.
 
@@ -76,9 +79,14 @@ def _placement(pairs: Sequence[tuple[LeafFiller, ChunkEntry]], start: int, lengt
     return ordered, direct, length - sum(v.nbytes for v in direct if v is not None)
 
 
-def _scatter(ordered: Sequence[tuple[LeafFiller, ChunkEntry]], direct: Sequence[memoryview | None] | None,
-             start: int, length: int, scratch_bytes: int,
-             cache: BufferCache | None = None) -> tuple[list[memoryview], list[_Received]]:
+def _scatter(
+    ordered: Sequence[tuple[LeafFiller, ChunkEntry]],
+    direct: Sequence[memoryview | None] | None,
+    start: int,
+    length: int,
+    scratch_bytes: int,
+    cache: BufferCache | None = None,
+) -> tuple[list[memoryview], list[_Received]]:
     """The buffers to read the range into, back to back, and what each chunk receives.
 
     Scratch comes from ``cache`` when given, in sizes rounded up to ``_SCRATCH_GRAIN`` so
@@ -90,7 +98,10 @@ def _scatter(ordered: Sequence[tuple[LeafFiller, ChunkEntry]], direct: Sequence[
     else:
         scratch = allocate(scratch_bytes, where, aligned=False).data
     if direct is None:
-        return [scratch], [(f, c, scratch[c.offset - start : c.offset - start + c.length], False) for f, c in ordered]
+        return [scratch], [
+            (f, c, scratch[c.offset - start : c.offset - start + c.length], False)
+            for f, c in ordered
+        ]
     parts: list[memoryview] = []
     got: list[_Received] = []
     used = 0
@@ -177,7 +188,10 @@ async def fill_units(
     def plan(group: Sequence[Sequence[Unit]]) -> list[LeafFiller]:
         # Plan, borrow (own RAM, unverified) and allocate a group of leaves: Python under
         # the GIL (see prepare_all).
-        return [LeafFiller(us, step, decoder, source, stats, options.verify_checksums, lock, buffers) for us in group]
+        return [
+            LeafFiller(us, step, decoder, source, stats, options.verify_checksums, lock, buffers)
+            for us in group
+        ]
 
     def fetch(fillers: Sequence[LeafFiller]) -> list[_Pair]:
         # The fast tiers' fetch of what was not borrowed (peers: mostly socket receives,
@@ -189,10 +203,14 @@ async def fill_units(
         if source is None:
             left = pairs
         else:
-            left = fetch_many_from_source(pairs, source, step, min_range_saving=options.min_range_saving_bytes)
+            left = fetch_many_from_source(
+                pairs, source, step, min_range_saving=options.min_range_saving_bytes
+            )
         if left and not storage_holds_step:
             f, c = left[0]
-            raise CheckpointNotFoundError(f"RAM-only step {step}: {where(f.leaf, c)} is held by no reachable RAM tier")
+            raise CheckpointNotFoundError(
+                f"RAM-only step {step}: {where(f.leaf, c)} is held by no reachable RAM tier"
+            )
         return left
 
     def verify_lent(fillers: Sequence[LeafFiller]) -> list[_Pair]:
@@ -211,8 +229,12 @@ async def fill_units(
         finally:
             await scratch_budget.release(charged)
 
-    async def read_range(r: FetchRange, ordered: Sequence[tuple[LeafFiller, ChunkEntry]],
-                         direct: Sequence[memoryview | None] | None, need: int) -> None:
+    async def read_range(
+        r: FetchRange,
+        ordered: Sequence[tuple[LeafFiller, ChunkEntry]],
+        direct: Sequence[memoryview | None] | None,
+        need: int,
+    ) -> None:
         parts, got = _scatter(ordered, direct, r.start, r.length, need, buffers)
         try:
             await store.get_into(r.key, r.start, parts)
@@ -250,6 +272,7 @@ async def fill_units(
             return out
 
         if not one_planner:
+
             async def both(group: Sequence[int]) -> None:  # one worker job: plan, then fetch
                 left.extend(await _in_thread(executor, lambda: fetch(planned(group))))
 
@@ -269,19 +292,29 @@ async def fill_units(
         except BaseException:  # wait for the fetches already running: none outlives the restore
             for job in fetching:
                 job.cancel()
-            await asyncio.gather(*(asyncio.wrap_future(j) for j in fetching), return_exceptions=True)
+            await asyncio.gather(
+                *(asyncio.wrap_future(j) for j in fetching), return_exceptions=True
+            )
             raise
 
-    sizes = [sum(box_volume(u.box) for u in us) * dtype_from_name(us[0].leaf.dtype).itemsize for us in leaf_units]
-    await prepare_all(balanced_groups(sizes, _PREPARE_JOBS_PER_THREAD * options.decode_threads),
-                      one_planner=sum(sizes) < _ONE_PLANNER_UNIT_BYTES * len(units))
+    sizes = [
+        sum(box_volume(u.box) for u in us) * dtype_from_name(us[0].leaf.dtype).itemsize
+        for us in leaf_units
+    ]
+    await prepare_all(
+        balanced_groups(sizes, _PREPARE_JOBS_PER_THREAD * options.decode_threads),
+        one_planner=sum(sizes) < _ONE_PLANNER_UNIT_BYTES * len(units),
+    )
     # The borrowed units' checksums, once all planning is done (see LeafFiller): a job per thread.
     lent = [f for f in fillers if f.lent]
     if lent:
+
         async def check(group: Sequence[int]) -> None:
             left.extend(await _in_thread(executor, verify_lent, [lent[i] for i in group]))
 
-        await _all_or_nothing(check(g) for g in balanced_groups([f.lent_bytes for f in lent], options.decode_threads))
+        await _all_or_nothing(
+            check(g) for g in balanced_groups([f.lent_bytes for f in lent], options.decode_threads)
+        )
     # Coalesce across leaves: small leaves packed next to each other in one object are read
     # with one request instead of one each (per-request cost dominates small reads). A stored
     # location named by several chunks (only a malformed manifest does that) is read once
@@ -296,11 +329,19 @@ async def fill_units(
     while pending:
         first = {(c.key, c.offset): (f, c) for f, c in (p[0] for p in pending)}
         lands = {k for k, (f, c) in first.items() if c.codec == "raw" and _lands_in_place(f, c)}
-        ranges = coalesce_fetches((first[k][1] for k in lands), max_gap=options.max_gap_bytes,
-                                  max_bytes=options.max_request_bytes)
-        ranges += coalesce_fetches((c for k, (_, c) in first.items() if k not in lands), max_gap=options.max_gap_bytes,
-                                   max_bytes=min(options.max_request_bytes, scratch_read))
-        await _all_or_nothing(do_range(r, [first[(c.key, c.offset)] for c in r.chunks]) for r in ranges)
+        ranges = coalesce_fetches(
+            (first[k][1] for k in lands),
+            max_gap=options.max_gap_bytes,
+            max_bytes=options.max_request_bytes,
+        )
+        ranges += coalesce_fetches(
+            (c for k, (_, c) in first.items() if k not in lands),
+            max_gap=options.max_gap_bytes,
+            max_bytes=min(options.max_request_bytes, scratch_read),
+        )
+        await _all_or_nothing(
+            do_range(r, [first[(c.key, c.offset)] for c in r.chunks]) for r in ranges
+        )
         pending = [p[1:] for p in pending if len(p) > 1]
     for filler in fillers:
         filler.done()

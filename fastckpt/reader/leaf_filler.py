@@ -18,15 +18,32 @@ from fastckpt._checksum import crc32c
 from fastckpt._hostmem import BufferCache, alloc_aligned, carve, slab_bytes
 from fastckpt.errors import ChecksumMismatchError, CorruptionError
 from fastckpt.format.dtypes import dtype_from_name
-from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, box_shape, box_volume, chunk_id, chunk_id_prefix, keypath_str
-from fastckpt.planning import ReadItem, box_to_slices, contiguous_span, element_runs, leaf_index, plan_leaf_reads
+from fastckpt.format.manifest import (
+    ArrayLeaf,
+    ChunkEntry,
+    box_shape,
+    box_volume,
+    chunk_id,
+    chunk_id_prefix,
+    keypath_str,
+)
+from fastckpt.planning import (
+    ReadItem,
+    box_to_slices,
+    contiguous_span,
+    element_runs,
+    leaf_index,
+    plan_leaf_reads,
+)
 from fastckpt.reader.units import ChunkSource, RestoreStats, Unit
 
 __all__ = ["Decoder", "LeafFiller", "allocate", "fetch_many_from_source", "where"]
 
 _GROUP_BYTES = 64 << 20  # RAM-tier fetches of one group: scratch held at once (resharding)
 _GROUP_CHUNKS = 64  # chunks per RAM-tier fetch group (one pipelined stream per peer)
-_SCAN_CHUNKS = 4  # a leaf with more chunks (and several units) is planned through leaf_index's index
+_SCAN_CHUNKS = (
+    4  # a leaf with more chunks (and several units) is planned through leaf_index's index
+)
 _RANGE_MIN_GAP = 16 << 10  # byte ranges of a chunk closer than this are read as one
 _RANGE_MAX_RUNS = 64  # more ranges in one chunk: the one range holding them all
 
@@ -49,8 +66,9 @@ def where(leaf: ArrayLeaf, chunk: ChunkEntry) -> str:
     return f"array {keypath_str(leaf.path)} chunk {list(chunk.box)} (object {chunk.key} @ {chunk.offset})"
 
 
-def allocate(nbytes: int, what: Callable[[], str], *, aligned: bool = True,
-              cache: BufferCache | None = None) -> np.ndarray:
+def allocate(
+    nbytes: int, what: Callable[[], str], *, aligned: bool = True, cache: BufferCache | None = None
+) -> np.ndarray:
     """A host buffer of ``nbytes`` (page-aligned ones from ``cache`` when given); an
     allocation the host refuses (a manifest may declare any size) raises ``MemoryError``
     naming what it was for, not a bare ``OSError``."""
@@ -59,7 +77,9 @@ def allocate(nbytes: int, what: Callable[[], str], *, aligned: bool = True,
             return cache.alloc(nbytes)
         return alloc_aligned(nbytes) if aligned else np.empty(nbytes, np.uint8)
     except (OSError, MemoryError, ValueError, OverflowError) as e:
-        raise MemoryError(f"restore cannot allocate {nbytes} bytes of host memory for {what()}: {e}") from e
+        raise MemoryError(
+            f"restore cannot allocate {nbytes} bytes of host memory for {what()}: {e}"
+        ) from e
 
 
 class LeafFiller:
@@ -76,8 +96,17 @@ class LeafFiller:
     waits for the GIL while another runs Python (up to the 5 ms switch interval each time).
     """
 
-    def __init__(self, units: Sequence[Unit], step: int, decoder: Decoder, source: ChunkSource | None,
-                 stats: RestoreStats, verify: bool, lock: threading.Lock, buffers: BufferCache | None = None) -> None:
+    def __init__(
+        self,
+        units: Sequence[Unit],
+        step: int,
+        decoder: Decoder,
+        source: ChunkSource | None,
+        stats: RestoreStats,
+        verify: bool,
+        lock: threading.Lock,
+        buffers: BufferCache | None = None,
+    ) -> None:
         self.leaf = units[0].leaf
         self.units = units
         self.step = step
@@ -95,13 +124,19 @@ class LeafFiller:
         #: chunk -> [(unit position, read item)]
         self.items: dict[ChunkEntry, list[tuple[int, ReadItem]]] = {}
         # A decoded manifest's chunks never overlap (the codec checks): exact boxes are looked up.
-        index = leaf_index(self.leaf) if len(units) > 1 and len(self.leaf.chunks) > _SCAN_CHUNKS else None
+        index = (
+            leaf_index(self.leaf)
+            if len(units) > 1 and len(self.leaf.chunks) > _SCAN_CHUNKS
+            else None
+        )
         for pos, unit in enumerate(units):
             for it in plan_leaf_reads(self.leaf, unit.box, index=index):
                 self.items.setdefault(it.chunk, []).append((pos, it))
         # Every unit's destination: a view the own RAM tier lends, else a fresh host buffer.
         lent = self._lend_units() if self.source is not None else {}
-        fresh = iter(self._fresh_buffers([u for pos, u in enumerate(self.units) if pos not in lent]))
+        fresh = iter(
+            self._fresh_buffers([u for pos, u in enumerate(self.units) if pos not in lent])
+        )
         for pos, unit in enumerate(self.units):
             flat = lent[pos] if pos in lent else next(fresh)
             self.flats.append(flat)
@@ -115,15 +150,20 @@ class LeafFiller:
         if len(units) < 2 or not all(u.lendable for u in units):
             return [self._fresh_buffer(u) for u in units]
         sizes = [box_volume(u.box) * self.dtype.itemsize for u in units]
-        slab = allocate(slab_bytes(sizes), lambda: f"array {keypath_str(self.leaf.path)} ({len(units)} boxes)",
-                        cache=self.buffers)
+        slab = allocate(
+            slab_bytes(sizes),
+            lambda: f"array {keypath_str(self.leaf.path)} ({len(units)} boxes)",
+            cache=self.buffers,
+        )
         return carve(slab, sizes)
 
     def _fresh_buffer(self, unit: Unit) -> np.ndarray:
         """A new host buffer for ``unit`` (from the restore's cache when it may be lent)."""
-        return allocate(box_volume(unit.box) * self.dtype.itemsize,
-                        lambda: f"array {keypath_str(self.leaf.path)} box {list(unit.box)}",
-                        cache=self.buffers if unit.lendable else None)
+        return allocate(
+            box_volume(unit.box) * self.dtype.itemsize,
+            lambda: f"array {keypath_str(self.leaf.path)} box {list(unit.box)}",
+            cache=self.buffers if unit.lendable else None,
+        )
 
     @property
     def lent_bytes(self) -> int:
@@ -141,7 +181,9 @@ class LeafFiller:
         shared: set[int] = set()
         for chunk, its in self.items.items():
             pos, item = its[0]
-            if len(its) == 1 and chunk.box == self.units[pos].box:  # the unit is this chunk (same mesh)
+            if (
+                len(its) == 1 and chunk.box == self.units[pos].box
+            ):  # the unit is this chunk (same mesh)
                 by_unit.setdefault(pos, []).append((0, chunk))
                 continue
             span = contiguous_span(item.dst_box, box_shape(self.units[pos].box))
@@ -167,10 +209,20 @@ class LeafFiller:
             return lent
         prefix = chunk_id_prefix(self.leaf.path)
         assert self.source is not None
-        views = self.source.lend_many(self.step, [
-            [(chunk_id(self.leaf.path, c.box, prefix=prefix), c.raw_length, c.raw_crc32c) for c in chunks]
-            for _, chunks in candidates], verify=False)
-        for cand, view in zip(candidates, views):  # (few new objects: a restore of many leaves is GC-bound)
+        views = self.source.lend_many(
+            self.step,
+            [
+                [
+                    (chunk_id(self.leaf.path, c.box, prefix=prefix), c.raw_length, c.raw_crc32c)
+                    for c in chunks
+                ]
+                for _, chunks in candidates
+            ],
+            verify=False,
+        )
+        for cand, view in zip(
+            candidates, views
+        ):  # (few new objects: a restore of many leaves is GC-bound)
             if view is None:
                 continue
             lent[cand[0]] = np.frombuffer(view, np.uint8)
@@ -240,8 +292,12 @@ class LeafFiller:
         restore uses part of a chunk; :meth:`finish` reads only these), ascending; ranges
         closer than ``_RANGE_MIN_GAP`` merged, at most ``_RANGE_MAX_RUNS`` of them."""
         isz = self.dtype.itemsize
-        runs = element_runs([it.src_box for _, it in self.items[chunk]], box_shape(chunk.box),
-                            min_gap=-(-_RANGE_MIN_GAP // isz), max_runs=_RANGE_MAX_RUNS)
+        runs = element_runs(
+            [it.src_box for _, it in self.items[chunk]],
+            box_shape(chunk.box),
+            min_gap=-(-_RANGE_MIN_GAP // isz),
+            max_runs=_RANGE_MAX_RUNS,
+        )
         return [(a * isz, n * isz) for a, n in runs]
 
     def finish(self, chunk: ChunkEntry, scratch: np.ndarray | None) -> None:
@@ -259,8 +315,10 @@ class LeafFiller:
         if not in_place:
             if chunk.codec == "raw":
                 if stored.nbytes != chunk.raw_length:
-                    raise CorruptionError(f"{where(self.leaf, chunk)}: raw chunk of {stored.nbytes} bytes, "
-                                          f"expected {chunk.raw_length}")
+                    raise CorruptionError(
+                        f"{where(self.leaf, chunk)}: raw chunk of {stored.nbytes} bytes, "
+                        f"expected {chunk.raw_length}"
+                    )
                 arr = np.frombuffer(stored, np.uint8).view(self.dtype).reshape(box_shape(chunk.box))
                 for pos, it in self.items[chunk]:
                     self.dsts[pos][box_to_slices(it.dst_box)] = arr[box_to_slices(it.src_box)]
@@ -271,7 +329,9 @@ class LeafFiller:
                 except zstandard.ZstdError as e:
                     raise CorruptionError(f"{where(self.leaf, chunk)}: zstd: {e}") from e
                 if n != chunk.raw_length:
-                    raise CorruptionError(f"{where(self.leaf, chunk)}: decoded {n} of {chunk.raw_length} bytes")
+                    raise CorruptionError(
+                        f"{where(self.leaf, chunk)}: decoded {n} of {chunk.raw_length} bytes"
+                    )
                 self.finish(chunk, scratch)
         with self.lock:
             self.stats.add("storage", chunk.raw_length)
@@ -283,8 +343,13 @@ class LeafFiller:
             self.stats.restored_bytes += sum(f.nbytes for f in self.flats)
 
 
-def fetch_many_from_source(pairs: Sequence[tuple[LeafFiller, ChunkEntry]], source: ChunkSource,
-                           step: int, *, min_range_saving: int) -> list[tuple[LeafFiller, ChunkEntry]]:
+def fetch_many_from_source(
+    pairs: Sequence[tuple[LeafFiller, ChunkEntry]],
+    source: ChunkSource,
+    step: int,
+    *,
+    min_range_saving: int,
+) -> list[tuple[LeafFiller, ChunkEntry]]:
     """Ask the RAM tiers (``source.fetch_many``) for chunks of any number of leaves, in
     groups: one pipelined stream per peer and group, so that small leaves do not drain the
     stream at every leaf boundary. A chunk the restore uses only part of (resharding) is
@@ -293,11 +358,18 @@ def fetch_many_from_source(pairs: Sequence[tuple[LeafFiller, ChunkEntry]], sourc
     Scratch buffers of a group stay under ``_GROUP_BYTES`` (counting the bytes received)."""
     left: list[tuple[LeafFiller, ChunkEntry]] = []
     # (filler, chunk, into, scratch, runs asked for or None: whole, bytes asked for)
-    group: list[tuple[LeafFiller, ChunkEntry, memoryview, np.ndarray | None, list[tuple[int, int]] | None, int]] = []
+    group: list[
+        tuple[
+            LeafFiller, ChunkEntry, memoryview, np.ndarray | None, list[tuple[int, int]] | None, int
+        ]
+    ] = []
     scratch_bytes = 0
 
     def flush() -> None:
-        items = [(chunk_id(f.leaf.path, c.box), c.raw_length, c.raw_crc32c, into) for f, c, into, *_ in group]
+        items = [
+            (chunk_id(f.leaf.path, c.box), c.raw_length, c.raw_crc32c, into)
+            for f, c, into, *_ in group
+        ]
         tiers = source.fetch_many(step, items, runs=[g[4] for g in group])
         for (f, c, _, scratch, _, nbytes), tier in zip(group, tiers):
             if tier is None:

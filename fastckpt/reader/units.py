@@ -33,16 +33,22 @@ class ChunkSource(Protocol):
     for whole destination buffers, then :meth:`fetch_many` for the rest.
     """
 
-    def fetch_many(self, step: int, items: Sequence[tuple[str, int, int, memoryview | np.ndarray]], *,
-                   runs: Sequence[Sequence[tuple[int, int]] | None] | None = None) -> list[str | None]:
+    def fetch_many(
+        self,
+        step: int,
+        items: Sequence[tuple[str, int, int, memoryview | np.ndarray]],
+        *,
+        runs: Sequence[Sequence[tuple[int, int]] | None] | None = None,
+    ) -> list[str | None]:
         """Several chunks, ``(chunk_id, raw_length, raw_crc32c, into)`` each, in one call
         (of several leaves, so a peer can stream them). Where ``runs[i]`` is not None, only
         those byte ranges ``(start, n)`` of chunk ``i`` are filled into its ``into`` (a
         resharding restore asks for the parts of a chunk it uses)."""
         ...
 
-    def lend_many(self, step: int, groups: Sequence[Sequence[tuple[str, int, int]]], *,
-                  verify: bool = True) -> list[memoryview | None]:
+    def lend_many(
+        self, step: int, groups: Sequence[Sequence[tuple[str, int, int]]], *, verify: bool = True
+    ) -> list[memoryview | None]:
         """Per destination buffer, given the ``(chunk_id, raw_length, raw_crc32c)`` of the
         chunks that tile it in order, one read-only view of all their bytes in the source's
         own memory (the caller may keep it indefinitely), or None (then the chunks are

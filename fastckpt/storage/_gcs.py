@@ -40,6 +40,7 @@ from urllib.parse import quote
 
 import numpy as np
 
+from fastckpt._checksum import crc32c_parts
 from fastckpt.errors import (
     AlreadyExistsError,
     ChecksumMismatchError,
@@ -50,7 +51,6 @@ from fastckpt.errors import (
     StorageError,
     TransientStorageError,
 )
-from fastckpt._checksum import crc32c_parts
 from fastckpt.storage._gcs_http import (
     StreamBody,
     b64_crc,
@@ -189,9 +189,13 @@ class GcsStore(Store):
     async def _call(self, fn: Callable[..., T], *args: object) -> T:
         with self._lock:
             if self._executor is None:
-                self._executor = ThreadPoolExecutor(self.options.max_workers, thread_name_prefix="fastckpt-gcs")
+                self._executor = ThreadPoolExecutor(
+                    self.options.max_workers, thread_name_prefix="fastckpt-gcs"
+                )
             executor = self._executor
-        return await asyncio.get_running_loop().run_in_executor(executor, functools.partial(fn, *args))
+        return await asyncio.get_running_loop().run_in_executor(
+            executor, functools.partial(fn, *args)
+        )
 
     def _warm_up(self) -> None:
         try:
@@ -225,7 +229,9 @@ class GcsStore(Store):
                     credentials, default_project = google.auth.default(scopes=list(_SCOPES))
                     project = project or default_project
             except Exception as exc:
-                raise PermissionDeniedError(f"{self.url}: no usable Google credentials: {exc}") from exc
+                raise PermissionDeniedError(
+                    f"{self.url}: no usable Google credentials: {exc}"
+                ) from exc
             session = AuthorizedSession(credentials)
             adapter = requests.adapters.HTTPAdapter(
                 pool_connections=4, pool_maxsize=opts.max_workers + 2, max_retries=0
@@ -234,7 +240,10 @@ class GcsStore(Store):
             session.mount("http://", adapter)
             client_options = ClientOptions(api_endpoint=opts.endpoint) if opts.endpoint else None
             client = storage.Client(
-                project=project, credentials=credentials, _http=session, client_options=client_options
+                project=project,
+                credentials=credentials,
+                _http=session,
+                client_options=client_options,
             )
             # google-cloud-storage >= 3.x starts a background thread per bucket (tracing
             # metadata) that calls get_bucket with the library's default retries (random
@@ -299,10 +308,14 @@ class GcsStore(Store):
         finally:
             end_response(resp, reuse=complete)
 
-    def _media_get(self, session: requests.Session, name: str, headers: dict[str, str], what: str) -> requests.Response:
+    def _media_get(
+        self, session: requests.Session, name: str, headers: dict[str, str], what: str
+    ) -> requests.Response:
         """Start a streamed GET of the object's bytes; errors translated."""
         try:
-            return session.get(self._media_url(name), headers=headers, stream=True, timeout=self._timeout)
+            return session.get(
+                self._media_url(name), headers=headers, stream=True, timeout=self._timeout
+            )
         except Exception as exc:
             translate(exc, what)
 
@@ -337,7 +350,9 @@ class GcsStore(Store):
             length = resp.headers.get("Content-Length")
             skip = start if resp.status_code == 200 else 0  # 200: the server ignored the Range
             if length is not None and int(length) < skip + total:
-                raise CorruptionError(f"{what}: object ends {skip + total - int(length)} bytes before {start + total}")
+                raise CorruptionError(
+                    f"{what}: object ends {skip + total - int(length)} bytes before {start + total}"
+                )
             if skip:
                 discard(resp, skip, what)
             readinto_parts(resp, into, what)
@@ -359,13 +374,17 @@ class GcsStore(Store):
             f"--{boundary}\r\nContent-Type: application/octet-stream\r\n\r\n"
         ).encode()
         tail = f"\r\n--{boundary}--\r\n".encode()
-        url = f"{self._base}/upload/storage/v1/b/{quote(self.bucket, safe='')}/o?uploadType=multipart"
+        url = (
+            f"{self._base}/upload/storage/v1/b/{quote(self.bucket, safe='')}/o?uploadType=multipart"
+        )
         if mode == "create":
             url += "&ifGenerationMatch=0"
         try:
             resp = session.post(
                 url,
-                data=cast(Any, StreamBody([head, *parts, tail])),  # requests streams any iterable of buffers
+                data=cast(
+                    Any, StreamBody([head, *parts, tail])
+                ),  # requests streams any iterable of buffers
                 headers={"Content-Type": f"multipart/related; boundary={boundary}"},
                 timeout=self._timeout,
             )
@@ -384,10 +403,14 @@ class GcsStore(Store):
             return
         try:
             stored_crc = crc_from_b64(stored)
-        except CorruptionError as e:  # a mangled response: retried (a create-only retry checks the object)
+        except (
+            CorruptionError
+        ) as e:  # a mangled response: retried (a create-only retry checks the object)
             raise TransientStorageError(f"{what}: unreadable upload response: {e}") from e
         if stored_crc != crc:
-            raise ChecksumMismatchError(f"{what}: server stored crc32c {stored}, sent {b64_crc(crc)}")
+            raise ChecksumMismatchError(
+                f"{what}: server stored crc32c {stored}, sent {b64_crc(crc)}"
+            )
 
     def _list_sync(self, prefix: str, fields: str, make: Callable[[str, Any], T]) -> list[T]:
         """``make(key, blob)`` for every object under ``prefix``, sorted by key. ``fields``:

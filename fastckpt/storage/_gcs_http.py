@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 
+from fastckpt._checksum import crc32c_parts
 from fastckpt.errors import (
     AlreadyExistsError,
     CorruptionError,
@@ -23,7 +24,6 @@ from fastckpt.errors import (
     StorageError,
     TransientStorageError,
 )
-from fastckpt._checksum import crc32c_parts
 from fastckpt.storage._protocol import Buffer
 
 if TYPE_CHECKING:
@@ -131,7 +131,9 @@ def translate(exc: BaseException, what: str) -> NoReturn:
     if isinstance(exc, http.client.HTTPException | ConnectionError | TimeoutError):
         raise TransientStorageError(f"{what}: {type(exc).__name__}: {exc}") from exc
     if isinstance(exc, aexc.GoogleAuthError):  # refresh failed, anonymous asked to refresh, ...
-        raise PermissionDeniedError(f"{what}: authentication failed: {type(exc).__name__}: {exc}") from exc
+        raise PermissionDeniedError(
+            f"{what}: authentication failed: {type(exc).__name__}: {exc}"
+        ) from exc
     if isinstance(exc, requests.RequestException | OSError):
         raise StorageError(f"{what}: {type(exc).__name__}: {exc}") from exc
     raise exc
@@ -153,7 +155,9 @@ def check_whole_object(goog_hash: str | None, body: Buffer, what: str) -> None:
             except ValueError:
                 return
             if crc32c_parts([body]) != want:
-                raise TransientStorageError(f"{what}: body does not match the object's crc32c (corrupted in transit)")
+                raise TransientStorageError(
+                    f"{what}: body does not match the object's crc32c (corrupted in transit)"
+                )
             return
 
 
@@ -170,7 +174,9 @@ def crc_from_b64(text: object) -> int:
     try:
         raw = base64.b64decode(text, validate=True)  # type: ignore[arg-type]
     except (binascii.Error, TypeError, ValueError) as e:
-        raise CorruptionError(f"GCS reported a crc32c that is not base64: {str(text)[:40]!r}") from e
+        raise CorruptionError(
+            f"GCS reported a crc32c that is not base64: {str(text)[:40]!r}"
+        ) from e
     if len(raw) != 4:
         raise CorruptionError(f"GCS reported a crc32c of {len(raw)} bytes, not 4")
     return int.from_bytes(raw, "big")

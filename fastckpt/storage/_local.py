@@ -49,7 +49,9 @@ _IOV_MAX = 1024  # buffers per preadv call (Linux UIO_MAXIOV)
 TEMP_SUFFIX = ".fastckpt-tmp"
 
 _TRANSIENT_ERRNOS = frozenset(
-    e for e in (errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT, getattr(errno, "ESTALE", None)) if e is not None
+    e
+    for e in (errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT, getattr(errno, "ESTALE", None))
+    if e is not None
 )
 _WRITE_CHUNK = 64 * 1024 * 1024
 
@@ -111,7 +113,9 @@ class LocalStore(Store):
         durable: fsync files and directories (turn off only for scratch data on tmpfs).
     """
 
-    def __init__(self, root: str | os.PathLike[str], *, max_workers: int = 8, durable: bool = True) -> None:
+    def __init__(
+        self, root: str | os.PathLike[str], *, max_workers: int = 8, durable: bool = True
+    ) -> None:
         if max_workers < 1:
             raise ConfigError(f"max_workers must be >= 1, got {max_workers}")
         self.root = Path(os.path.abspath(os.fspath(root)))
@@ -129,9 +133,13 @@ class LocalStore(Store):
     async def _call(self, fn: Callable[..., T], *args: object) -> T:
         with self._executor_lock:
             if self._executor is None:
-                self._executor = ThreadPoolExecutor(self._max_workers, thread_name_prefix="fastckpt-local")
+                self._executor = ThreadPoolExecutor(
+                    self._max_workers, thread_name_prefix="fastckpt-local"
+                )
             executor = self._executor
-        return await asyncio.get_running_loop().run_in_executor(executor, functools.partial(fn, *args))
+        return await asyncio.get_running_loop().run_in_executor(
+            executor, functools.partial(fn, *args)
+        )
 
     def _path(self, key: str) -> Path:
         validate_key(key)
@@ -158,7 +166,9 @@ class LocalStore(Store):
                     ) from None
                 continue
             except NotADirectoryError as exc:
-                raise StorageError(f"{self.url}: cannot create directory {d}: a parent is an object") from exc
+                raise StorageError(
+                    f"{self.url}: cannot create directory {d}: a parent is an object"
+                ) from exc
             if self._durable:
                 _fsync_dir(d.parent)
 
@@ -252,7 +262,9 @@ class LocalStore(Store):
         except OSError as exc:
             _translate(exc, what)
         finally:
-            with contextlib.suppress(OSError):  # (gone after a rename; never masks the put's own error)
+            with contextlib.suppress(
+                OSError
+            ):  # (gone after a rename; never masks the put's own error)
                 os.unlink(tmp)
 
     def _scan(self, prefix: str) -> list[tuple[str, os.DirEntry[str]]]:
@@ -297,7 +309,9 @@ class LocalStore(Store):
 
     def _sweep_sync(self, older_than: float, dry_run: bool) -> list[str]:
         found = []
-        for dirpath, dirnames, files in os.walk(self.root, topdown=False):  # children before parents
+        for dirpath, dirnames, files in os.walk(
+            self.root, topdown=False
+        ):  # children before parents
             for name in files:
                 path = os.path.join(dirpath, name)
                 try:
@@ -331,7 +345,13 @@ class LocalStore(Store):
 
     async def get_into(self, key: str, start: int, into: Sequence[memoryview]) -> None:
         # docstring inherited
-        await self._call(self._get_into_sync, self._path(key), key, start, [memoryview(b).cast("B") for b in into])
+        await self._call(
+            self._get_into_sync,
+            self._path(key),
+            key,
+            start,
+            [memoryview(b).cast("B") for b in into],
+        )
 
     async def put(self, key: str, data: Payload, *, mode: PutMode = "overwrite") -> None:
         # docstring inherited

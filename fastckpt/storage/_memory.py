@@ -58,7 +58,9 @@ class MemoryStore(Store):
             self.url = f"mem://anonymous-{id(self._objects):x}"
         else:
             if not isinstance(name, str) or not name or "/" in name:
-                raise ConfigError(f"memory store name must be a non-empty str without '/', got {name!r}")
+                raise ConfigError(
+                    f"memory store name must be a non-empty str without '/', got {name!r}"
+                )
             with MemoryStore._named_lock:
                 objects = MemoryStore._named.get(name)
                 if objects is None:
@@ -96,7 +98,11 @@ class MemoryStore(Store):
     async def list_info(self, prefix: str = "") -> list[ObjectInfo]:
         # docstring inherited
         with self._objects.lock:
-            infos = [ObjectInfo(k, len(b), t) for k, (b, t) in self._objects.data.items() if k.startswith(prefix)]
+            infos = [
+                ObjectInfo(k, len(b), t)
+                for k, (b, t) in self._objects.data.items()
+                if k.startswith(prefix)
+            ]
         return sorted(infos, key=lambda i: i.key)
 
     async def list(self, prefix: str = "") -> list[str]:

@@ -80,7 +80,10 @@ def open_store(
             raise ConfigError(f"file URL needs an absolute path: {url!r}")
         store = LocalStore(path, durable=local_durable)
     elif scheme:
-        raise ConfigError(f"unsupported store URL scheme {scheme!r} in {url!r} (use gs://, file://, mem:// or a path)")
+        raise ConfigError(
+            f"unsupported store URL scheme {scheme!r} in {url!r} (use gs://, file://, mem:// or a "
+            "path)"
+        )
     else:
         store = LocalStore(url, durable=local_durable)
     return store if retry is None else RetryingStore(store, policy=retry)

@@ -153,7 +153,9 @@ def clip_range(size: int, byte_range: ByteRange | None, key: str) -> tuple[int, 
     if byte_range is None:
         return 0, size
     if byte_range.start > size:
-        raise NotFoundError(f"range start {byte_range.start} is past the end ({size} bytes) of {key!r}")
+        raise NotFoundError(
+            f"range start {byte_range.start} is past the end ({size} bytes) of {key!r}"
+        )
     return byte_range.start, min(byte_range.stop, size)
 
 
@@ -233,7 +235,9 @@ class Store(abc.ABC):
         total = sum(b.nbytes for b in into)
         data = memoryview(await self.get(key, byte_range=ByteRange(start, total))).cast("B")
         if data.nbytes != total:
-            raise CorruptionError(f"{self.url}/{key}: object ends {total - data.nbytes} bytes before {start + total}")
+            raise CorruptionError(
+                f"{self.url}/{key}: object ends {total - data.nbytes} bytes before {start + total}"
+            )
         pos = 0
         for b in into:
             b[:] = data[pos : pos + b.nbytes]

@@ -9,6 +9,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar, final
 
+from fastckpt._checksum import crc32c_parts
 from fastckpt.errors import (
     AlreadyExistsError,
     ConfigError,
@@ -16,8 +17,16 @@ from fastckpt.errors import (
     RetriesExhaustedError,
     TransientStorageError,
 )
-from fastckpt._checksum import crc32c_parts
-from fastckpt.storage._protocol import Buffer, ByteRange, ObjectInfo, ObjectMeta, Payload, PutMode, Store, payload_parts
+from fastckpt.storage._protocol import (
+    Buffer,
+    ByteRange,
+    ObjectInfo,
+    ObjectMeta,
+    Payload,
+    PutMode,
+    Store,
+    payload_parts,
+)
 
 __all__ = ["RetryPolicy", "RetryingStore"]
 
@@ -61,7 +70,7 @@ class RetryPolicy:
         """The backoff ceiling before retry number ``retry`` (1-based)."""
         exponent = min(retry - 1, 1023)  # (a float power of a long retry series overflows)
         try:
-            return min(self.max_backoff_s, self.initial_backoff_s * self.multiplier ** exponent)
+            return min(self.max_backoff_s, self.initial_backoff_s * self.multiplier**exponent)
         except OverflowError:
             return self.max_backoff_s
 
@@ -119,18 +128,26 @@ class RetryingStore(Store):
             except TransientStorageError as exc:
                 last = exc
             if attempt >= policy.max_attempts:
-                raise RetriesExhaustedError(f"{what}: gave up after {attempt} attempts: {last}") from last
+                raise RetriesExhaustedError(
+                    f"{what}: gave up after {attempt} attempts: {last}"
+                ) from last
             ceiling = policy.backoff_ceiling(attempt)
             delay = self._rng.uniform(0.0, ceiling) if policy.jitter else ceiling
-            if policy.deadline_s is not None and self._clock() - started + delay > policy.deadline_s:
+            if (
+                policy.deadline_s is not None
+                and self._clock() - started + delay > policy.deadline_s
+            ):
                 raise RetriesExhaustedError(
-                    f"{what}: gave up after {attempt} attempts ({policy.deadline_s} s deadline): {last}"
+                    f"{what}: gave up after {attempt} attempts ({policy.deadline_s} s deadline): "
+                    f"{last}"
                 ) from last
             await self._sleep(delay)
 
     async def get(self, key: str, *, byte_range: ByteRange | None = None) -> Buffer:
         # docstring inherited
-        return await self._retry(f"get {self.url}/{key}", lambda: self.inner.get(key, byte_range=byte_range))
+        return await self._retry(
+            f"get {self.url}/{key}", lambda: self.inner.get(key, byte_range=byte_range)
+        )
 
     async def get_into(self, key: str, start: int, into: Sequence[memoryview]) -> None:
         # docstring inherited
@@ -157,8 +174,12 @@ class RetryingStore(Store):
                 try:
                     meta = await self.inner.head(key)
                 except NotFoundError:
-                    raise TransientStorageError(f"{what}: object vanished after a create conflict") from None
-                if meta != ObjectMeta(size=sum(p.nbytes for p in parts), crc32c=crc32c_parts(parts)):
+                    raise TransientStorageError(
+                        f"{what}: object vanished after a create conflict"
+                    ) from None
+                if meta != ObjectMeta(
+                    size=sum(p.nbytes for p in parts), crc32c=crc32c_parts(parts)
+                ):
                     raise
                 # An earlier attempt whose response was lost did write exactly our bytes.
 
@@ -166,7 +187,9 @@ class RetryingStore(Store):
 
     async def sweep(self, *, older_than: float, dry_run: bool = False) -> list[str]:
         # docstring inherited
-        return await self._retry(f"sweep {self.url}", lambda: self.inner.sweep(older_than=older_than, dry_run=dry_run))
+        return await self._retry(
+            f"sweep {self.url}", lambda: self.inner.sweep(older_than=older_than, dry_run=dry_run)
+        )
 
     async def list_info(self, prefix: str = "") -> list[ObjectInfo]:
         # docstring inherited

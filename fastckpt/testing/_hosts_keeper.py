@@ -80,8 +80,10 @@ def _enter(libc: ctypes.CDLL, cfg: dict[str, Any]) -> None:
                 if path.startswith(where + "/"):
                     os.makedirs(path, exist_ok=True)
                     source = f"/proc/self/fd/{below}/{os.path.relpath(path, where)}".encode()
-                    _check(libc.mount(source, path.encode(), None, MS_BIND | MS_REC, None),
-                           f"bind {path}")
+                    _check(
+                        libc.mount(source, path.encode(), None, MS_BIND | MS_REC, None),
+                        f"bind {path}",
+                    )
             os.close(below)
         hosts_file = cfg["hosts_file"].encode()
         _check(libc.mount(hosts_file, b"/etc/hosts", None, MS_BIND, None), "bind /etc/hosts")

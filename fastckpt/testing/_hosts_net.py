@@ -84,8 +84,14 @@ def probe(tools: Tools, *, delay: bool) -> str | None:
     user = [] if privileged() else ["--user", "--map-root-user"]
     argv = [tools.unshare, *user, "--net", "--mount", "--uts", "sh", "-c", script]
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=_PROBE_TIMEOUT_S,
-                              stdin=subprocess.DEVNULL, env={**os.environ, "PATH": _search_path()})
+        done = subprocess.run(
+            argv,
+            capture_output=True,
+            text=True,
+            timeout=_PROBE_TIMEOUT_S,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "PATH": _search_path()},
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"probe failed: {exc}"
     if done.returncode == 0:
@@ -116,8 +122,9 @@ def hosts_unavailable_reason(*, delay: bool = False) -> str | None:
     return probe(tools, delay=delay)
 
 
-def ns_argv(tools: Tools, pid: int, *, userns: bool, host: bool,
-            cwd: str | None = None) -> list[str]:
+def ns_argv(
+    tools: Tools, pid: int, *, userns: bool, host: bool, cwd: str | None = None
+) -> list[str]:
     """``nsenter`` arguments that run a program in process ``pid``'s namespaces (it execs)."""
     argv = [tools.nsenter, f"--target={pid}", "--net"]
     if host:
@@ -129,16 +136,31 @@ def ns_argv(tools: Tools, pid: int, *, userns: bool, host: bool,
     return [*argv, "--"]
 
 
-def ns_batch(tools: Tools, pid: int, tool: str, commands: Sequence[str], *, userns: bool,
-             timeout_s: float = 20.0) -> None:
+def ns_batch(
+    tools: Tools,
+    pid: int,
+    tool: str,
+    commands: Sequence[str],
+    *,
+    userns: bool,
+    timeout_s: float = 20.0,
+) -> None:
     """Run ``ip``/``tc``/``bridge`` commands in ``pid``'s network namespace (one batch)."""
     program = {"ip": tools.ip, "tc": tools.tc, "bridge": tools.bridge}[tool]
     argv = [*ns_argv(tools, pid, userns=userns, host=False), program, "-batch", "-"]
-    done = subprocess.run(argv, input="\n".join(commands) + "\n", capture_output=True, text=True,
-                          timeout=timeout_s, start_new_session=True)
+    done = subprocess.run(
+        argv,
+        input="\n".join(commands) + "\n",
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        start_new_session=True,
+    )
     if done.returncode != 0:
-        raise OSError(f"{tool} failed ({done.returncode}): {done.stderr.strip()[-2000:]}\n"
-                      f"commands: {list(commands)}")
+        raise OSError(
+            f"{tool} failed ({done.returncode}): {done.stderr.strip()[-2000:]}\n"
+            f"commands: {list(commands)}"
+        )
 
 
 def tc_commands(dev: str, *, rate_mbit: float | None, delay_ms: float) -> list[str]:
@@ -149,14 +171,17 @@ def tc_commands(dev: str, *, rate_mbit: float | None, delay_ms: float) -> list[s
         # netem holds rate x delay in its queue: size the limit (packets) for it.
         pps = (rate_mbit or 10_000) * 1e6 / 8 / 1500
         limit = max(1000, int(pps * delay_ms / 1000 * 2))
-        commands.append(f"qdisc add dev {dev} root handle 1: netem delay {delay_ms:g}ms"
-                        f" limit {limit}")
+        commands.append(
+            f"qdisc add dev {dev} root handle 1: netem delay {delay_ms:g}ms limit {limit}"
+        )
         parent = "parent 1:1 handle 10:"
     if rate_mbit is not None:
         rate_bytes = rate_mbit * 1e6 / 8
         burst = max(32 << 10, int(rate_bytes / 1000))  # ~1 ms of traffic, at least 32 KiB
-        commands.append(f"qdisc add dev {dev} {parent} tbf rate {rate_mbit * 1000:.0f}kbit"
-                        f" burst {burst} latency 20ms")
+        commands.append(
+            f"qdisc add dev {dev} {parent} tbf rate {rate_mbit * 1000:.0f}kbit"
+            f" burst {burst} latency 20ms"
+        )
     return commands
 
 
@@ -169,17 +194,29 @@ def caller_paths() -> list[str]:
     interpreter and its prefixes, and ``sys.path`` (a checkout or virtualenv under /tmp).
     Outermost directories only, each existing."""
     found = {os.getcwd(), sys.prefix, sys.base_prefix, os.path.dirname(sys.executable), *sys.path}
-    paths = sorted({os.path.realpath(p) for p in found if p} | {os.path.abspath(p) for p in found if p})
-    inside = [p for p in paths if os.path.isdir(p)
-              and any(p == r or p.startswith(r + "/") for r in _PRIVATE) and p not in _PRIVATE]
+    paths = sorted(
+        {os.path.realpath(p) for p in found if p} | {os.path.abspath(p) for p in found if p}
+    )
+    inside = [
+        p
+        for p in paths
+        if os.path.isdir(p)
+        and any(p == r or p.startswith(r + "/") for r in _PRIVATE)
+        and p not in _PRIVATE
+    ]
     return [p for p in inside if not any(p.startswith(q + "/") for q in inside)]
 
 
 def spawn_keeper(config: dict[str, object]) -> subprocess.Popen[bytes]:
     """Start a keeper (see ``_hosts_keeper``); its stdin is the lifeline: closing it ends it."""
     argv = [sys.executable, "-I", "-S", str(KEEPER), json.dumps(config)]
-    return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    return subprocess.Popen(
+        argv,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
 
 
 def await_ready(keepers: Sequence[subprocess.Popen[bytes]], timeout_s: float) -> list[str]:
@@ -289,8 +326,13 @@ def interface_bytes(pid: int, dev: str) -> tuple[int, int]:
 
 def local_networks(tools: Tools) -> list[ipaddress.IPv4Network]:
     """The IPv4 networks of this process's own namespace (to keep clear of)."""
-    done = subprocess.run([tools.ip, "-o", "-4", "addr", "show"], capture_output=True, text=True,
-                          timeout=10, check=True)
+    done = subprocess.run(
+        [tools.ip, "-o", "-4", "addr", "show"],
+        capture_output=True,
+        text=True,
+        timeout=10,
+        check=True,
+    )
     nets = []
     for line in done.stdout.splitlines():
         fields = line.split()
@@ -299,8 +341,9 @@ def local_networks(tools: Tools) -> list[ipaddress.IPv4Network]:
     return nets
 
 
-def choose_subnet(subnet: str | None,
-                  avoid: Sequence[ipaddress.IPv4Network]) -> ipaddress.IPv4Network:
+def choose_subnet(
+    subnet: str | None, avoid: Sequence[ipaddress.IPv4Network]
+) -> ipaddress.IPv4Network:
     """The given private IPv4 network, or a random 10.213.x.0/24 clear of ``avoid``."""
     if subnet is not None:
         net = ipaddress.ip_network(subnet)
@@ -344,15 +387,28 @@ class Fabric:
 
     BRIDGE = "br0"
 
-    def __init__(self, tools: Tools, *, userns: bool, shared_dir: Path, hosts_file: Path,
-                 start_timeout_s: float, keep: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        tools: Tools,
+        *,
+        userns: bool,
+        shared_dir: Path,
+        hosts_file: Path,
+        start_timeout_s: float,
+        keep: Sequence[str] = (),
+    ) -> None:
         self.tools = tools
         self.userns = userns
         self._keep = list(keep)
         self._hosts_file = hosts_file
         self._timeout_s = start_timeout_s
-        switch = spawn_keeper({"kind": "switch", "userns": "create" if userns else None,
-                               "remove_on_exit": str(shared_dir)})
+        switch = spawn_keeper(
+            {
+                "kind": "switch",
+                "userns": "create" if userns else None,
+                "remove_on_exit": str(shared_dir),
+            }
+        )
         try:
             await_ready([switch], start_timeout_s)
         except (OSError, TimeoutError) as exc:
@@ -361,8 +417,9 @@ class Fabric:
             raise HostsError(f"the switch did not start: {exc}") from exc
         self._switch: subprocess.Popen[bytes] | None = switch
         try:
-            self.batch(None, "ip", [f"link add {self.BRIDGE} type bridge",
-                                    f"link set {self.BRIDGE} up"])
+            self.batch(
+                None, "ip", [f"link add {self.BRIDGE} type bridge", f"link set {self.BRIDGE} up"]
+            )
         except BaseException:
             self.close()
             raise
@@ -387,17 +444,22 @@ class Fabric:
             what = "the switch" if pid is None else f"host keeper {pid}"
             raise HostsError(f"configuring {what} failed: {exc}") from exc
 
-    def start(self, ports: Sequence[Port],
-              prefixlen: int) -> list[tuple[subprocess.Popen[bytes], str]]:
+    def start(
+        self, ports: Sequence[Port], prefixlen: int
+    ) -> list[tuple[subprocess.Popen[bytes], str]]:
         """Start a keeper per port, plug it into the switch, address and shape it.
 
         Returns each keeper and its network namespace id. On failure the new keepers are
         killed (their namespaces and veths go with them) and :class:`HostsError` is raised.
         """
         assert self._switch is not None
-        config = {"kind": "host", "userns": "join" if self.userns else None,
-                  "userns_pid": self._switch.pid, "hosts_file": str(self._hosts_file),
-                  "keep": self._keep}
+        config = {
+            "kind": "host",
+            "userns": "join" if self.userns else None,
+            "userns_pid": self._switch.pid,
+            "hosts_file": str(self._hosts_file),
+            "keep": self._keep,
+        }
         keepers = [spawn_keeper({**config, "hostname": p.hostname}) for p in ports]
         try:
             try:
@@ -406,13 +468,23 @@ class Fabric:
                 raise HostsError(f"a host did not start: {exc}") from exc
             plug = []
             for p, keeper in zip(ports, keepers, strict=True):
-                plug += [f"link add {p.port} type veth peer name eth0 address {p.mac} netns"
-                         f" {keeper.pid}", f"link set {p.port} master {self.BRIDGE}",
-                         f"link set {p.port} up"]
+                plug += [
+                    f"link add {p.port} type veth peer name eth0 address {p.mac} netns"
+                    f" {keeper.pid}",
+                    f"link set {p.port} master {self.BRIDGE}",
+                    f"link set {p.port} up",
+                ]
             self.batch(None, "ip", plug)
             for p, keeper in zip(ports, keepers, strict=True):
-                self.batch(keeper.pid, "ip", ["link set lo up", "link set eth0 up",
-                                              f"addr add {p.address}/{prefixlen} dev eth0"])
+                self.batch(
+                    keeper.pid,
+                    "ip",
+                    [
+                        "link set lo up",
+                        "link set eth0 up",
+                        f"addr add {p.address}/{prefixlen} dev eth0",
+                    ],
+                )
             self.shape([(k.pid, p) for p, k in zip(ports, keepers, strict=True)], replace=False)
         except BaseException:
             for keeper in keepers:

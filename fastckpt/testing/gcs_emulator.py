@@ -83,10 +83,18 @@ def find_emulator_binary() -> Path:
     system = platform.system().lower()
     suffix = ".exe" if system == "windows" else ""
     for location in spec.submodule_search_locations:
-        binary = Path(location) / "vendor" / "fake-gcs-server" / "bin" / f"fake-gcs-server-{system}-{arch}{suffix}"
+        binary = (
+            Path(location)
+            / "vendor"
+            / "fake-gcs-server"
+            / "bin"
+            / f"fake-gcs-server-{system}-{arch}{suffix}"
+        )
         if binary.is_file():
             return binary
-    raise EmulatorError(f"no fake-gcs-server binary for {system}/{platform.machine()} in {spec.origin}")
+    raise EmulatorError(
+        f"no fake-gcs-server binary for {system}/{platform.machine()} in {spec.origin}"
+    )
 
 
 def _free_port() -> int:
@@ -117,8 +125,12 @@ class GcsEmulator:
     """
 
     def __init__(
-        self, *, backend: Backend = "memory", root: str | os.PathLike[str] | None = None,
-        start_timeout_s: float = 20.0, host: Host | None = None,
+        self,
+        *,
+        backend: Backend = "memory",
+        root: str | os.PathLike[str] | None = None,
+        start_timeout_s: float = 20.0,
+        host: Host | None = None,
     ) -> None:
         if backend not in ("memory", "filesystem"):
             raise ValueError(f"backend must be 'memory' or 'filesystem', got {backend!r}")
@@ -146,7 +158,10 @@ class GcsEmulator:
         return self
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         self.stop()
 
@@ -170,8 +185,9 @@ class GcsEmulator:
             if self.backend == "filesystem":
                 cmd += ["-filesystem-root", str(self._root or self._own_root)]
             launch = subprocess.Popen if self._host is None else self._host.popen
-            self._process = launch(cmd, stdin=subprocess.DEVNULL, stdout=self._log,
-                                   stderr=self._log)
+            self._process = launch(
+                cmd, stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log
+            )
             try:
                 self._wait_ready()
                 return
@@ -199,7 +215,9 @@ class GcsEmulator:
                 except (urllib.error.URLError, OSError):
                     pass
             if time.monotonic() > deadline:
-                raise EmulatorError(f"no answer within {self._start_timeout_s} s: {self._log_tail()}")
+                raise EmulatorError(
+                    f"no answer within {self._start_timeout_s} s: {self._log_tail()}"
+                )
             time.sleep(0.05)
 
     def _log_tail(self) -> str:
@@ -212,8 +230,13 @@ class GcsEmulator:
         """``(status, body)`` of a request made inside the emulator's host; status 0 if
         nothing answered."""
         assert self._host is not None
-        done = self._host.run([sys.executable, "-I", "-S", "-c", _REQUEST_IN_HOST, method, url],
-                              input=body or b"", capture_output=True, check=False, timeout=30)
+        done = self._host.run(
+            [sys.executable, "-I", "-S", "-c", _REQUEST_IN_HOST, method, url],
+            input=body or b"",
+            capture_output=True,
+            check=False,
+            timeout=30,
+        )
         if done.returncode == 2:
             return 0, b""
         if done.returncode != 0:
@@ -227,8 +250,9 @@ class GcsEmulator:
             return
         body = json.dumps({"name": name}).encode()
         if self._host is not None:
-            code, data = self._request_in_host("POST", f"{self.endpoint}/storage/v1/b?project=test",
-                                               body)
+            code, data = self._request_in_host(
+                "POST", f"{self.endpoint}/storage/v1/b?project=test", body
+            )
             if code not in (200, 409):  # 409: it exists already
                 raise EmulatorError(f"creating bucket {name!r} failed: HTTP {code} {data[:200]!r}")
             self._buckets.add(name)
@@ -244,7 +268,9 @@ class GcsEmulator:
                 resp.read()
         except urllib.error.HTTPError as exc:
             if exc.code != 409:  # 409: it exists already
-                raise EmulatorError(f"creating bucket {name!r} failed: HTTP {exc.code} {exc.read()[:200]!r}") from exc
+                raise EmulatorError(
+                    f"creating bucket {name!r} failed: HTTP {exc.code} {exc.read()[:200]!r}"
+                ) from exc
         self._buckets.add(name)
 
     def _kill(self) -> None:

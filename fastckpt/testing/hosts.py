@@ -71,8 +71,14 @@ from fastckpt.testing._hosts_net import HostDownError as HostDownError
 from fastckpt.testing._hosts_net import HostsError as HostsError
 from fastckpt.testing._hosts_net import hosts_unavailable_reason as hosts_unavailable_reason
 
-__all__ = ["Host", "HostDownError", "HostsError", "LinkShape", "SimulatedHosts",
-           "hosts_unavailable_reason"]
+__all__ = [
+    "Host",
+    "HostDownError",
+    "HostsError",
+    "LinkShape",
+    "SimulatedHosts",
+    "hosts_unavailable_reason",
+]
 
 _NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,30}[a-z0-9])?")
 _KILL_TIMEOUT_S = 10.0
@@ -115,8 +121,16 @@ class Host:
     it is down. The cluster's :meth:`SimulatedHosts.close` brings every host down for good.
     """
 
-    def __init__(self, cluster: SimulatedHosts, *, name: str, index: int, address: str,
-                 hostname: str, link: LinkShape) -> None:
+    def __init__(
+        self,
+        cluster: SimulatedHosts,
+        *,
+        name: str,
+        index: int,
+        address: str,
+        hostname: str,
+        link: LinkShape,
+    ) -> None:
         self.name = name
         """Name in the cluster: ``host0``..., or as given to :meth:`SimulatedHosts.add_host`."""
         self.index = index
@@ -183,9 +197,16 @@ class Host:
                 raise HostsError(f"{argv[0]!r} did not enter {self.hostname} in time")
             return process
 
-    def run(self, argv: Sequence[str], *, timeout: float, check: bool = True,
-            input: bytes | str | None = None, capture_output: bool = False,
-            **popen_kwargs: Any) -> subprocess.CompletedProcess[Any]:
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        timeout: float,
+        check: bool = True,
+        input: bytes | str | None = None,
+        capture_output: bool = False,
+        **popen_kwargs: Any,
+    ) -> subprocess.CompletedProcess[Any]:
         """Run ``argv`` inside this host to completion, like :func:`subprocess.run`.
 
         At ``timeout`` seconds its whole process group is SIGKILLed and
@@ -210,8 +231,9 @@ class Host:
     def free_port(self) -> int:
         """A TCP port that was free on this host's address a moment ago (asks inside it)."""
         code = "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"
-        done = self.run([sys.executable, "-I", "-S", "-c", code], timeout=30,
-                        capture_output=True, text=True)
+        done = self.run(
+            [sys.executable, "-I", "-S", "-c", code], timeout=30, capture_output=True, text=True
+        )
         return int(done.stdout)
 
     def pids(self) -> list[int]:
@@ -291,8 +313,9 @@ class Host:
         with self._cluster._lock:
             self._cluster._require_open()
             if self._keeper is not None:
-                port = dataclasses.replace(self._plug(), rate_mbit=link.rate_mbit,
-                                           delay_ms=link.delay_ms)
+                port = dataclasses.replace(
+                    self._plug(), rate_mbit=link.rate_mbit, delay_ms=link.delay_ms
+                )
                 self._cluster._switch().shape([(self._keeper.pid, port)], replace=self._link.shaped)
             self._link = link
 
@@ -321,14 +344,21 @@ class Host:
             why = "the cluster is closed" if self._cluster.closed else "it was killed"
             raise HostDownError(f"{self.hostname} is down ({why})")
         if self._keeper.poll() is not None:  # someone else killed it: do not trust its pid
-            raise HostsError(f"{self.hostname}'s keeper died (status {self._keeper.returncode});"
-                             " kill() and revive() the host")
+            raise HostsError(
+                f"{self.hostname}'s keeper died (status {self._keeper.returncode});"
+                " kill() and revive() the host"
+            )
         return self._keeper
 
     def _plug(self) -> _net.Port:
-        return _net.Port(hostname=self.hostname, port=self._port, mac=self._mac,
-                         address=self.address, rate_mbit=self._link.rate_mbit,
-                         delay_ms=self._link.delay_ms)
+        return _net.Port(
+            hostname=self.hostname,
+            port=self._port,
+            mac=self._mac,
+            address=self.address,
+            rate_mbit=self._link.rate_mbit,
+            delay_ms=self._link.delay_ms,
+        )
 
     def _set_port(self, *, partitioned: bool) -> None:
         with self._cluster._lock:
@@ -359,8 +389,15 @@ class SimulatedHosts:
             message includes :func:`hosts_unavailable_reason` when it has one.
     """
 
-    def __init__(self, count: int, *, link: LinkShape = LinkShape(), name: str = "fc",
-                 subnet: str | None = None, start_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        count: int,
+        *,
+        link: LinkShape = LinkShape(),
+        name: str = "fc",
+        subnet: str | None = None,
+        start_timeout_s: float = 30.0,
+    ) -> None:
         if count < 0:
             raise ValueError(f"count must be >= 0, got {count}")
         if not _NAME.fullmatch(name):
@@ -385,9 +422,14 @@ class SimulatedHosts:
         self._hosts_file = self.shared_dir / ".etc-hosts"
         try:
             self._hosts_file.write_text("")
-            self._fabric = _net.Fabric(tools, userns=self.userns, shared_dir=self.shared_dir,
-                                       hosts_file=self._hosts_file,
-                                       start_timeout_s=start_timeout_s, keep=_net.caller_paths())
+            self._fabric = _net.Fabric(
+                tools,
+                userns=self.userns,
+                shared_dir=self.shared_dir,
+                hosts_file=self._hosts_file,
+                start_timeout_s=start_timeout_s,
+                keep=_net.caller_paths(),
+            )
             new = [self._new_host(f"host{i}", link) for i in range(count)]
             self._write_hosts_file()
             self._start(new)
@@ -414,8 +456,12 @@ class SimulatedHosts:
     def __enter__(self) -> SimulatedHosts:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.close()
 
     @property

@@ -95,7 +95,9 @@ def free_port() -> int:
 
 def _child_env(devices: int, extra: Mapping[str, str] | None) -> dict[str, str]:
     env = dict(os.environ)
-    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")).strip()
+    flags = re.sub(
+        r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")
+    ).strip()
     env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONUNBUFFERED"] = "1"
@@ -116,7 +118,9 @@ def _tail(path: Path) -> str:
 def _report(outcomes: Sequence[ProcessOutcome], why: str) -> str:
     lines = [why]
     for o in outcomes:
-        lines.append(f"--- process {o.process_id}: returncode={o.returncode} after {o.seconds:.1f}s")
+        lines.append(
+            f"--- process {o.process_id}: returncode={o.returncode} after {o.seconds:.1f}s"
+        )
         if o.error:
             lines.append(f"raised {o.error['type']}: {o.error['message']}\n{o.error['traceback']}")
         if o.stderr.strip():
@@ -165,7 +169,11 @@ def run_processes(
     """
     if num_processes < 1 or devices_per_process < 1:
         raise ValueError("num_processes and devices_per_process must be >= 1")
-    per_process = [dict(kwargs or {})] * num_processes if not isinstance(kwargs, Sequence) else [dict(k) for k in kwargs]
+    per_process = (
+        [dict(kwargs or {})] * num_processes
+        if not isinstance(kwargs, Sequence)
+        else [dict(k) for k in kwargs]
+    )
     if len(per_process) != num_processes:
         raise ValueError(f"{len(per_process)} kwargs mappings for {num_processes} processes")
     placed = None if hosts is None else list(hosts)[:num_processes]
@@ -188,19 +196,33 @@ def run_processes(
         try:
             for i in range(num_processes):
                 spec = {
-                    "target": target, "process_id": i, "num_processes": num_processes, "coordinator": coordinator,
-                    "kwargs": per_process[i], "result": str(work / f"result{i}.json"), "init_timeout_s": init_timeout_s,
-                    "exit_wait_s": exit_wait_s, "cwd": os.getcwd(), "release": str(work / "release"),
+                    "target": target,
+                    "process_id": i,
+                    "num_processes": num_processes,
+                    "coordinator": coordinator,
+                    "kwargs": per_process[i],
+                    "result": str(work / f"result{i}.json"),
+                    "init_timeout_s": init_timeout_s,
+                    "exit_wait_s": exit_wait_s,
+                    "cwd": os.getcwd(),
+                    "release": str(work / "release"),
                 }
                 spec_path = work / f"spec{i}.json"
                 spec_path.write_text(json.dumps(spec))
-                out, err = open(work / f"out{i}", "wb"), open(work / f"err{i}", "wb")  # noqa: SIM115
+                out, err = open(work / f"out{i}", "wb"), open(work / f"err{i}", "wb")
                 files += [out, err]
                 argv = [sys.executable, "-m", "fastckpt.testing.multiprocess", str(spec_path)]
                 popen = subprocess.Popen if placed is None else placed[i].popen
-                procs.append(popen(
-                    argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=child_env, start_new_session=True,
-                ))
+                procs.append(
+                    popen(
+                        argv,
+                        stdout=out,
+                        stderr=err,
+                        stdin=subprocess.DEVNULL,
+                        env=child_env,
+                        start_new_session=True,
+                    )
+                )
             ended: dict[int, float] = {}
             timed_out = False
             kill_at: float | None = None
@@ -235,10 +257,21 @@ def run_processes(
                 doc = json.loads(result_path.read_text())
                 value, error = doc.get("value"), doc.get("error")
             rc = p.returncode if i in ended else None
-            outcomes.append(ProcessOutcome(i, rc, value, error, _tail(work / f"out{i}"), _tail(work / f"err{i}"),
-                                           ended.get(i, time.monotonic() - t0)))
+            outcomes.append(
+                ProcessOutcome(
+                    i,
+                    rc,
+                    value,
+                    error,
+                    _tail(work / f"out{i}"),
+                    _tail(work / f"err{i}"),
+                    ended.get(i, time.monotonic() - t0),
+                )
+            )
     if timed_out:
-        raise MultiprocessError(_report(outcomes, f"{target}: timed out after {timeout_s:.0f}s; killed"))
+        raise MultiprocessError(
+            _report(outcomes, f"{target}: timed out after {timeout_s:.0f}s; killed")
+        )
     if check and not all(o.ok for o in outcomes):
         raise MultiprocessError(_report(outcomes, f"{target}: a process failed"))
     return outcomes
@@ -289,7 +322,9 @@ def _child_main(spec_path: str) -> None:
 
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(
-            coordinator_address=spec["coordinator"], num_processes=n, process_id=pid,
+            coordinator_address=spec["coordinator"],
+            num_processes=n,
+            process_id=pid,
             initialization_timeout=spec["init_timeout_s"],
         )
         fn = _load(spec["target"])
@@ -298,7 +333,13 @@ def _child_main(spec_path: str) -> None:
             doc: dict[str, Any] = {"value": value}
             code = 0
         except BaseException as e:  # reported to the parent
-            doc = {"error": {"type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc()}}
+            doc = {
+                "error": {
+                    "type": type(e).__name__,
+                    "message": str(e),
+                    "traceback": traceback.format_exc(),
+                }
+            }
             traceback.print_exc()
         _write_result(spec["result"], doc)
     except BaseException:

@@ -321,7 +321,13 @@ class StoreTests:
     # -- listing with metadata (list_info) and sweep -----------------------------------
 
     def test_list_info(self, store: Store) -> None:
-        objects = {"b/2": b"22", "a/1": b"1", "a/sub/deep/3": _blob(3000), "ab": b"", "c": _blob(70_000)}
+        objects = {
+            "b/2": b"22",
+            "a/1": b"1",
+            "a/sub/deep/3": _blob(3000),
+            "ab": b"",
+            "c": _blob(70_000),
+        }
         t0 = time.time()
         for k, v in objects.items():
             run(store.put(k, v))
@@ -409,7 +415,15 @@ class StoreTests:
 
     def test_large_object(self, store: Store) -> None:
         data = os.urandom(self.large_size)
-        run(store.put("big/obj", [memoryview(data)[: self.large_size // 3], memoryview(data)[self.large_size // 3 :]]))
+        run(
+            store.put(
+                "big/obj",
+                [
+                    memoryview(data)[: self.large_size // 3],
+                    memoryview(data)[self.large_size // 3 :],
+                ],
+            )
+        )
         assert run(_get(store, "big/obj")) == data
         mid = ByteRange(self.large_size // 2 - 12345, 3 * 1024 * 1024 + 7)
         assert run(_get(store, "big/obj", mid)) == data[mid.start : mid.stop]

@@ -45,7 +45,9 @@ __all__ = [
 DTYPE_NAMES: tuple[str, ...] = tuple(sorted(_BY_NAME))
 
 
-def shapes(*, max_rank: int = 4, max_side: int = 7, min_side: int = 0) -> st.SearchStrategy[tuple[int, ...]]:
+def shapes(
+    *, max_rank: int = 4, max_side: int = 7, min_side: int = 0
+) -> st.SearchStrategy[tuple[int, ...]]:
     """Array shapes (rank 0 included)."""
     return st.lists(st.integers(min_side, max_side), max_size=max_rank).map(tuple)
 
@@ -127,7 +129,9 @@ def json_values(*, max_leaves: int = 10) -> st.SearchStrategy[Any]:
     )
     return st.recursive(
         scalars,
-        lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=6), inner, max_size=4)),
+        lambda inner: st.one_of(
+            st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=6), inner, max_size=4)
+        ),
         max_leaves=max_leaves,
     )
 
@@ -140,7 +144,7 @@ def sharding_specs(draw: st.DrawFn, rank: int) -> ShardingSpec | None:
     names = tuple(draw(st.lists(st.sampled_from("xyzw"), min_size=1, max_size=3, unique=True)))
     mesh_shape = tuple(draw(st.integers(1, 4)) for _ in names)
     free = list(names)
-    spec: list[None | str | tuple[str, ...]] = []
+    spec: list[str | tuple[str, ...] | None] = []
     for _ in range(draw(st.integers(0, rank))):
         choice = draw(st.integers(0, 2)) if free else 0
         if choice == 0:
@@ -171,7 +175,9 @@ def grid_tilings(draw: st.DrawFn, shape: tuple[int, ...], *, max_cuts: int = 3) 
 
 
 @st.composite
-def _chunk_entries(draw: st.DrawFn, shape: tuple[int, ...], itemsize: int) -> tuple[ChunkEntry, ...]:
+def _chunk_entries(
+    draw: st.DrawFn, shape: tuple[int, ...], itemsize: int
+) -> tuple[ChunkEntry, ...]:
     out = []
     for box in draw(st.one_of(tilings(shape, max_pieces=6), grid_tilings(shape, max_cuts=2))):
         raw_length = box_volume(box) * itemsize
@@ -203,7 +209,15 @@ def _array_leaf(draw: st.DrawFn, path: KeyPath) -> ArrayLeaf:
     entries = draw(_chunk_entries(shape, itemsize))
     chunks = table_from_entries(entries, shape=shape, itemsize=itemsize)
     sharding = None if kind == "numpy" else draw(sharding_specs(len(shape)))
-    return ArrayLeaf(path=path, shape=shape, dtype=dtype, chunks=chunks, kind=kind, sharding=sharding, key_impl=key_impl)
+    return ArrayLeaf(
+        path=path,
+        shape=shape,
+        dtype=dtype,
+        chunks=chunks,
+        kind=kind,
+        sharding=sharding,
+        key_impl=key_impl,
+    )
 
 
 _FLOATS = st.floats(allow_nan=True, allow_infinity=True)

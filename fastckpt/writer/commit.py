@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Protocol
 
+from fastckpt._pygc import paused_gc
 from fastckpt.coordination.distributed import Coordinator, time_left
 from fastckpt.errors import (
     AlreadyExistsError,
@@ -39,7 +40,6 @@ from fastckpt.errors import (
     DistributedError,
     StepAlreadyCommittedError,
 )
-from fastckpt._pygc import paused_gc
 from fastckpt.format.codec import decode_manifest, encode_manifest
 from fastckpt.format.layout import fragment_key, manifest_key, step_from_data_key
 from fastckpt.format.manifest import ArrayLeaf, KeyPath, Leaf, Manifest
@@ -83,14 +83,26 @@ def build_manifest(
         return _build(step, staged, parts, num_processes, metadata, writer_version, validate)
 
 
-def _build(step: int, staged: StagedSave, parts: Sequence[ProcessChunks], num_processes: int,
-           metadata: dict[str, object], writer_version: str, validate: bool) -> bytes:
+def _build(
+    step: int,
+    staged: StagedSave,
+    parts: Sequence[ProcessChunks],
+    num_processes: int,
+    metadata: dict[str, object],
+    writer_version: str,
+    validate: bool,
+) -> bytes:
     tables = merge_chunks(parts, staged)
     by_path: dict[KeyPath, Leaf] = {v.path: v for v in staged.values}
     for arr in staged.arrays:
         by_path[arr.path] = ArrayLeaf(
-            path=arr.path, shape=arr.shape, dtype=arr.dtype, chunks=tables[arr.path],
-            kind=arr.kind, sharding=arr.sharding, key_impl=arr.key_impl,  # type: ignore[arg-type]
+            path=arr.path,
+            shape=arr.shape,
+            dtype=arr.dtype,
+            chunks=tables[arr.path],
+            kind=arr.kind,
+            sharding=arr.sharding,
+            key_impl=arr.key_impl,  # type: ignore[arg-type]
         )
     manifest = Manifest(
         step=step,
@@ -112,7 +124,9 @@ def _wait_all_done(coord: Coordinator, ns: str, deadline: float, step: int) -> l
     n = coord.process_count
     values: list[str | None] = [None] * n
     while True:
-        for i, value in enumerate(coord.try_get_all(f"{ns}/done", n, timeout_s=time_left(deadline))):  # one request per poll
+        for i, value in enumerate(
+            coord.try_get_all(f"{ns}/done", n, timeout_s=time_left(deadline))
+        ):  # one request per poll
             if values[i] is None and value is not None:
                 values[i] = value
                 if value.startswith("err"):
@@ -121,12 +135,16 @@ def _wait_all_done(coord: Coordinator, ns: str, deadline: float, step: int) -> l
             keys = [v[3:] for v in values]  # type: ignore[index]
             wrong = [(i, k) for i, k in enumerate(keys) if step_from_data_key(k) != step]
             if wrong:
-                raise DistributedError(f"process {wrong[0][0]} published {wrong[0][1]!r} for the commit of step "
-                                       f"{step}: the processes' saves are out of step")
+                raise DistributedError(
+                    f"process {wrong[0][0]} published {wrong[0][1]!r} for the commit of step "
+                    f"{step}: the processes' saves are out of step"
+                )
             return keys
         if time.monotonic() > deadline:
             missing = [i for i, v in enumerate(values) if v is None]
-            raise BarrierTimeoutError(f"processes {missing} did not finish their part of the save in time")
+            raise BarrierTimeoutError(
+                f"processes {missing} did not finish their part of the save in time"
+            )
         time.sleep(_POLL_S)
 
 
@@ -177,10 +195,14 @@ class StoreFragments:
     def put(self, idx: int, fragment: bytes, deadline: float) -> None:
         key = fragment_key(self.round.step, self.save_id, idx)
         self.store_run(self.store.put(key, fragment, mode="overwrite"))
-        self.round.coord.set(f"{self.round.ns}/done/{idx}", f"ok {key}", timeout_s=time_left(deadline))
+        self.round.coord.set(
+            f"{self.round.ns}/done/{idx}", f"ok {key}", timeout_s=time_left(deadline)
+        )
 
     def fail(self, idx: int, message: str, deadline: float) -> None:
-        self.round.coord.set(f"{self.round.ns}/done/{idx}", f"err {message}", timeout_s=time_left(deadline))
+        self.round.coord.set(
+            f"{self.round.ns}/done/{idx}", f"err {message}", timeout_s=time_left(deadline)
+        )
 
     def gather(self, deadline: float) -> Sequence[bytes | memoryview]:
         keys = _wait_all_done(self.round.coord, self.round.ns, deadline, self.round.step)
@@ -195,18 +217,25 @@ class CoordinatorFragments:
     round: CommitRound
 
     def put(self, idx: int, fragment: bytes, deadline: float) -> None:
-        self.round.coord.set_bytes(f"{self.round.ns}/frag/{idx}", b"ok " + fragment, timeout_s=time_left(deadline))
+        self.round.coord.set_bytes(
+            f"{self.round.ns}/frag/{idx}", b"ok " + fragment, timeout_s=time_left(deadline)
+        )
 
     def fail(self, idx: int, message: str, deadline: float) -> None:
-        self.round.coord.set_bytes(f"{self.round.ns}/frag/{idx}", b"err " + message.encode(),
-                                   timeout_s=time_left(deadline))
+        self.round.coord.set_bytes(
+            f"{self.round.ns}/frag/{idx}", b"err " + message.encode(), timeout_s=time_left(deadline)
+        )
 
     def gather(self, deadline: float) -> Sequence[bytes | memoryview]:
         out: list[bytes | memoryview] = []
         for i in range(self.round.coord.process_count):
-            data = self.round.coord.get_bytes(f"{self.round.ns}/frag/{i}", timeout_s=time_left(deadline))
+            data = self.round.coord.get_bytes(
+                f"{self.round.ns}/frag/{i}", timeout_s=time_left(deadline)
+            )
             if not data.startswith(b"ok "):
-                raise DistributedError(f"process {i} failed its part of the save: {data[4:].decode(errors='replace')}")
+                raise DistributedError(
+                    f"process {i} failed its part of the save: {data[4:].decode(errors='replace')}"
+                )
             out.append(memoryview(data)[3:])
         return out
 
@@ -223,9 +252,17 @@ class CommitRound:
     timeout_s: float
     writer_version: str
 
-    def commit(self, chunks: ProcessChunks | None, *, route: FragmentRoute, publish: Callable[[bytes], None],
-               metadata: dict[str, object], error: BaseException | None = None, validate: bool = True,
-               share: bool = False) -> bytes | None:
+    def commit(
+        self,
+        chunks: ProcessChunks | None,
+        *,
+        route: FragmentRoute,
+        publish: Callable[[bytes], None],
+        metadata: dict[str, object],
+        error: BaseException | None = None,
+        validate: bool = True,
+        share: bool = False,
+    ) -> bytes | None:
         """Run steps 1-3 of the protocol for this process (blocking; call off the train thread):
         fragments through ``route``, the manifest built on process 0 (``build_manifest``)
         and committed by ``publish(manifest)`` (create-only) before any other process learns
@@ -258,21 +295,39 @@ class CommitRound:
                 raise error
             assert chunks is not None
             parts = decode_fragments(route.gather(deadline), self.staged) if n > 1 else [chunks]
-            manifest = build_manifest(step=step, staged=self.staged, parts=parts, num_processes=n,
-                                      metadata=metadata, writer_version=self.writer_version, validate=validate)
+            manifest = build_manifest(
+                step=step,
+                staged=self.staged,
+                parts=parts,
+                num_processes=n,
+                metadata=metadata,
+                writer_version=self.writer_version,
+                validate=validate,
+            )
             publish(manifest)
         except BaseException as e:
             if n > 1 and not isinstance(e, BarrierTimeoutError):
-                coord.set(f"{self.ns}/commit", f"err {type(e).__name__}: {e}", timeout_s=time_left(deadline))
+                coord.set(
+                    f"{self.ns}/commit",
+                    f"err {type(e).__name__}: {e}",
+                    timeout_s=time_left(deadline),
+                )
             raise
         if n > 1:  # the step is committed: the others must learn it, however late
             coord.set(f"{self.ns}/commit", "ok " + manifest.decode() if share else "ok")
         return manifest
 
 
-def publish_and_commit(commit_round: CommitRound, *, store_run: Callable[[Coroutine[Any, Any, Any]], Any], store: Store,
-                       save_id: str, chunks: ProcessChunks | None, error: BaseException | None,
-                       metadata: dict[str, object]) -> bytes | None:
+def publish_and_commit(
+    commit_round: CommitRound,
+    *,
+    store_run: Callable[[Coroutine[Any, Any, Any]], Any],
+    store: Store,
+    save_id: str,
+    chunks: ProcessChunks | None,
+    error: BaseException | None,
+    metadata: dict[str, object],
+) -> bytes | None:
     """The commit of a persistent step: fragments as storage objects, the manifest put
     create-only (``StepAlreadyCommittedError`` if it exists). ``store_run(coro)`` runs a
     storage coroutine to completion (the manager's loop). See :meth:`CommitRound.commit`."""
@@ -281,7 +336,11 @@ def publish_and_commit(commit_round: CommitRound, *, store_run: Callable[[Corout
         try:
             store_run(store.put(manifest_key(commit_round.step), data, mode="create"))
         except AlreadyExistsError as e:
-            raise StepAlreadyCommittedError(f"step {commit_round.step} is already committed in {store.url}") from e
+            raise StepAlreadyCommittedError(
+                f"step {commit_round.step} is already committed in {store.url}"
+            ) from e
 
     route = StoreFragments(round=commit_round, store=store, store_run=store_run, save_id=save_id)
-    return commit_round.commit(chunks, route=route, publish=put_manifest, metadata=metadata, error=error)
+    return commit_round.commit(
+        chunks, route=route, publish=put_manifest, metadata=metadata, error=error
+    )

@@ -46,7 +46,12 @@ from fastckpt.format.manifest import FORMAT_VERSION, Box, Codec
 from fastckpt.writer.stage import StagedSave
 
 __all__ = [
-    "CODE", "ChunkRows", "ProcessChunks", "decode_fragment", "decode_fragments", "encode_fragment",
+    "CODE",
+    "ChunkRows",
+    "ProcessChunks",
+    "decode_fragment",
+    "decode_fragments",
+    "encode_fragment",
     "fragment_paths",
 ]
 
@@ -84,8 +89,17 @@ class ChunkRows:
         self._boxes: list[int] = []
         self._cols: tuple[list[int], ...] = ([], [], [], [], [], [], [])
 
-    def add(self, array: int, box: Box, key: str, offset: int, length: int, codec: Codec,
-            crc32c: int, raw_crc32c: int) -> None:
+    def add(
+        self,
+        array: int,
+        box: Box,
+        key: str,
+        offset: int,
+        length: int,
+        codec: Codec,
+        crc32c: int,
+        raw_crc32c: int,
+    ) -> None:
         """One chunk of staged array ``array``, stored at ``key[offset:offset + length]``."""
         for a, b in box:
             self._boxes += (a, b)
@@ -96,11 +110,20 @@ class ChunkRows:
 
     def build(self) -> ProcessChunks:
         """The chunks added so far."""
-        array, obj, offset, length, codec, crc, raw_crc = (np.array(c, np.int64)
-                                                           for c in self._cols)
-        return ProcessChunks(objects=list(self._objects), array=array,
-                             boxes=np.array(self._boxes, np.int64), object=obj, offset=offset,
-                             length=length, codec=codec, crc32c=crc, raw_crc32c=raw_crc)
+        array, obj, offset, length, codec, crc, raw_crc = (
+            np.array(c, np.int64) for c in self._cols
+        )
+        return ProcessChunks(
+            objects=list(self._objects),
+            array=array,
+            boxes=np.array(self._boxes, np.int64),
+            object=obj,
+            offset=offset,
+            length=length,
+            codec=codec,
+            crc32c=crc,
+            raw_crc32c=raw_crc,
+        )
 
 
 def fragment_paths(staged: StagedSave) -> list[list[list[Any]]]:
@@ -115,14 +138,19 @@ def encode_fragment(chunks: ProcessChunks, staged: StagedSave, process_index: in
         CODECS[codes[0]] if len(codes) == 1 else [CODECS[c] for c in chunks.codec.tolist()]
     )
     columns = {k: encode_column(getattr(chunks, k)) for k in _COLUMNS if k != "codec"}
-    doc = {"format_version": FORMAT_VERSION, "process": process_index,
-           "paths": fragment_paths(staged), "objects": chunks.objects,
-           "chunks": {**columns, "codec": codec}}
+    doc = {
+        "format_version": FORMAT_VERSION,
+        "process": process_index,
+        "paths": fragment_paths(staged),
+        "objects": chunks.objects,
+        "chunks": {**columns, "codec": codec},
+    }
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
-def decode_fragments(fragments: Sequence[bytes | memoryview], staged: StagedSave
-                     ) -> list[ProcessChunks]:
+def decode_fragments(
+    fragments: Sequence[bytes | memoryview], staged: StagedSave
+) -> list[ProcessChunks]:
     """Every process's fragment decoded (:func:`decode_fragment`) against ``staged``'s arrays,
     with the cyclic garbage collector paused (``fastckpt._pygc.paused_gc``)."""
     paths = fragment_paths(staged)
@@ -131,8 +159,9 @@ def decode_fragments(fragments: Sequence[bytes | memoryview], staged: StagedSave
         return [_decode(f, staged, paths, ranks, f"fragment {i}") for i, f in enumerate(fragments)]
 
 
-def decode_fragment(data: bytes | memoryview, staged: StagedSave, what: str = "fragment"
-                    ) -> ProcessChunks:
+def decode_fragment(
+    data: bytes | memoryview, staged: StagedSave, what: str = "fragment"
+) -> ProcessChunks:
     """A fragment's validated chunks, ``array`` as indices into ``staged.arrays``.
     ``ManifestError`` (naming ``what``) on any flaw: not JSON, another format version, a
     missing field or column, a column of the wrong length, an index out of range, a path this
@@ -142,8 +171,13 @@ def decode_fragment(data: bytes | memoryview, staged: StagedSave, what: str = "f
     return _decode(data, staged, fragment_paths(staged), ranks, what)
 
 
-def _decode(data: bytes | memoryview, staged: StagedSave, paths: list[list[list[Any]]],
-            ranks: np.ndarray, what: str) -> ProcessChunks:
+def _decode(
+    data: bytes | memoryview,
+    staged: StagedSave,
+    paths: list[list[list[Any]]],
+    ranks: np.ndarray,
+    what: str,
+) -> ProcessChunks:
     try:
         doc = json.loads(bytes(data))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -167,9 +201,16 @@ def _decode(data: bytes | memoryview, staged: StagedSave, paths: list[list[list[
     c = json_dict(d["chunks"], f"{what}.chunks", _COLUMNS)
     array = binary_array(c["array"], None, f"{what}.chunks.array", len(listed) - 1)
     n = len(array)
-    cols = {name: binary_array(c[name], n, f"{what}.chunks.{name}", hi) for name, hi in (
-        ("object", len(objects) - 1), ("offset", MAX_INT), ("length", MAX_INT), ("crc32c", U32),
-        ("raw_crc32c", U32))}
+    cols = {
+        name: binary_array(c[name], n, f"{what}.chunks.{name}", hi)
+        for name, hi in (
+            ("object", len(objects) - 1),
+            ("offset", MAX_INT),
+            ("length", MAX_INT),
+            ("crc32c", U32),
+            ("raw_crc32c", U32),
+        )
+    }
     codec = c["codec"]
     if type(codec) is str and codec in CODE:
         codes = np.full(n, CODE[codec], np.int64)

@@ -47,12 +47,15 @@ def _merge(parts: Sequence[ProcessChunks], staged: StagedSave) -> dict[KeyPath, 
     objects: dict[str, int] = {}
     index = []
     for part in parts:  # each part's object indices -> manifest object indices
-        remap = np.asarray([objects.setdefault(k, len(objects)) for k in part.objects] or [0],
-                           np.int64)
+        remap = np.asarray(
+            [objects.setdefault(k, len(objects)) for k in part.objects] or [0], np.int64
+        )
         index.append(remap[part.object])
     names = ("array", "offset", "length", "crc32c", "raw_crc32c", "codec")
-    col = {k: np.concatenate([getattr(p, k) for p in parts]) if parts else np.zeros(0, np.int64)
-           for k in names}
+    col = {
+        k: np.concatenate([getattr(p, k) for p in parts]) if parts else np.zeros(0, np.int64)
+        for k in names
+    }
     col["object"] = np.concatenate(index) if parts else np.zeros(0, np.int64)
     # Every chunk's box: where it starts in the concatenation of all parts' flat lists.
     flat = np.concatenate([p.boxes for p in parts]) if parts else np.zeros(0, np.int64)
@@ -67,8 +70,14 @@ def _merge(parts: Sequence[ProcessChunks], staged: StagedSave) -> dict[KeyPath, 
     return tables
 
 
-def _rank_group(staged: StagedSave, r: int, col: dict[str, np.ndarray], flat: np.ndarray,
-                box_at: np.ndarray, keys: list[str]) -> dict[KeyPath, ChunkTable]:
+def _rank_group(
+    staged: StagedSave,
+    r: int,
+    col: dict[str, np.ndarray],
+    flat: np.ndarray,
+    box_at: np.ndarray,
+    keys: list[str],
+) -> dict[KeyPath, ChunkTable]:
     """Tables of the leaves of rank ``r``: checks and C-order sort over all their chunks at
     once, then per leaf the grid and list slices."""
     members = [i for i, a in enumerate(staged.arrays) if len(a.shape) == r]
@@ -79,22 +88,30 @@ def _rank_group(staged: StagedSave, r: int, col: dict[str, np.ndarray], flat: np
     order = np.lexsort((*boxes.T[::-1], array))
     mine, array, boxes = mine[order], array[order], boxes[order]
     starts, stops = boxes[:, 0::2], boxes[:, 1::2]
-    shapes = np.asarray([staged.arrays[i].shape for i in members], np.int64).reshape(len(members), r)
+    shapes = np.asarray([staged.arrays[i].shape for i in members], np.int64).reshape(
+        len(members), r
+    )
     shape_of = np.zeros((len(staged.arrays), r), np.int64)
     shape_of[members] = shapes
     itemsize = np.asarray([dtype_from_name(a.dtype).itemsize for a in staged.arrays], np.int64)
     bad = ((starts > stops) | (stops > shape_of[array])).any(axis=1)
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
-        fail(f"array {keypath_str(staged.arrays[array[i]].path)}: chunk box {boxes[i].tolist()} outside the "
-             f"array's shape {list(staged.arrays[array[i]].shape)}")
+        fail(
+            f"array {keypath_str(staged.arrays[array[i]].path)}: chunk box {boxes[i].tolist()} "
+            "outside the "
+            f"array's shape {list(staged.arrays[array[i]].shape)}"
+        )
     nbytes = np.prod(stops - starts, axis=1) * itemsize[array]
     length, codec = col["length"][mine], col["codec"][mine]
     bad = (codec == CODE["raw"]) & (length != nbytes)
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
-        fail(f"array {keypath_str(staged.arrays[array[i]].path)}: raw chunk {boxes[i].tolist()} has length "
-             f"{int(length[i])}, not box volume x itemsize")
+        fail(
+            f"array {keypath_str(staged.arrays[array[i]].path)}: raw chunk {boxes[i].tolist()} has "
+            "length "
+            f"{int(length[i])}, not box volume x itemsize"
+        )
     obj, offset, crc, raw_crc = (col[k][mine] for k in ("object", "offset", "crc32c", "raw_crc32c"))
     codes = codec.tolist()
     bounds = np.searchsorted(array, np.asarray(members + [len(staged.arrays)], np.int64)).tolist()
@@ -104,16 +121,25 @@ def _rank_group(staged: StagedSave, r: int, col: dict[str, np.ndarray], flat: np
         arr = staged.arrays[ai]
         cuts = _grid(boxes[a:b], arr.shape)
         listed = None
-        if cuts is None:  # not a grid: prove the tiling the slow way (never the case for a sharding)
+        if (
+            cuts is None
+        ):  # not a grid: prove the tiling the slow way (never the case for a sharding)
             listed = [tuple(zip(row[0::2], row[1::2])) for row in boxes[a:b].tolist()]
             check_tiling(listed, arr.shape, f"array {keypath_str(arr.path)}")
         leaf_codes = codes[a:b]
         one = len(set(leaf_codes)) == 1
         out[arr.path] = ChunkTable(
-            cuts=cuts, boxes=listed, keys=keys, object_index=obj[a:b], offsets=offset[a:b],
-            lengths=length[a:b], crc32c=crc[a:b], raw_crc32c=raw_crc[a:b],
+            cuts=cuts,
+            boxes=listed,
+            keys=keys,
+            object_index=obj[a:b],
+            offsets=offset[a:b],
+            lengths=length[a:b],
+            crc32c=crc[a:b],
+            raw_crc32c=raw_crc[a:b],
             itemsize=int(itemsize[ai]),
-            codec=CODECS[leaf_codes[0]] if one else tuple(CODECS[c] for c in leaf_codes))
+            codec=CODECS[leaf_codes[0]] if one else tuple(CODECS[c] for c in leaf_codes),
+        )
     return out
 
 

@@ -72,7 +72,9 @@ class _Encoder:
         self._options = options
         self._local = threading.local()
 
-    def __call__(self, array_index: int, item_index: int, raw: memoryview, raw_crc: int | None = None) -> EncodedChunk:
+    def __call__(
+        self, array_index: int, item_index: int, raw: memoryview, raw_crc: int | None = None
+    ) -> EncodedChunk:
         if raw_crc is None:
             raw_crc = crc32c(raw)
         if self._options.compression == "zstd" and raw.nbytes > 0:
@@ -80,12 +82,24 @@ class _Encoder:
             if cctx is None:
                 cctx = self._local.cctx = zstandard.ZstdCompressor(level=self._options.zstd_level)
             keep = 1.0 - self._options.min_compression_gain
-            if raw.nbytes > 4 * _TRIAL_BYTES and len(cctx.compress(raw[:_TRIAL_BYTES])) > keep * _TRIAL_BYTES:
-                return EncodedChunk(array_index, item_index, raw, "raw", raw_crc, raw_crc, raw.nbytes)
+            if (
+                raw.nbytes > 4 * _TRIAL_BYTES
+                and len(cctx.compress(raw[:_TRIAL_BYTES])) > keep * _TRIAL_BYTES
+            ):
+                return EncodedChunk(
+                    array_index, item_index, raw, "raw", raw_crc, raw_crc, raw.nbytes
+                )
             packed = cctx.compress(raw)
             if len(packed) <= keep * raw.nbytes:
-                return EncodedChunk(array_index, item_index, memoryview(packed), "zstd",
-                                    crc32c(packed), raw_crc, raw.nbytes)
+                return EncodedChunk(
+                    array_index,
+                    item_index,
+                    memoryview(packed),
+                    "zstd",
+                    crc32c(packed),
+                    raw_crc,
+                    raw.nbytes,
+                )
         return EncodedChunk(array_index, item_index, raw, "raw", raw_crc, raw_crc, raw.nbytes)
 
 
@@ -184,7 +198,7 @@ async def write_chunks(
                 flush()
             try:
                 got = await asyncio.wait_for(queue.get(), timeout=0.02)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 continue  # re-check: the producer may be waiting for budget we hold
             if got is None:
                 break
@@ -199,8 +213,17 @@ async def write_chunks(
             charged_total += keep
             for enc in encoded:
                 item = staged.arrays[enc.array_index].items[enc.item_index]
-                rows.append((enc.array_index, item.box, size, enc.stored.nbytes, enc.codec,
-                             enc.crc32c, enc.raw_crc32c))
+                rows.append(
+                    (
+                        enc.array_index,
+                        item.box,
+                        size,
+                        enc.stored.nbytes,
+                        enc.codec,
+                        enc.crc32c,
+                        enc.raw_crc32c,
+                    )
+                )
                 parts.append(enc.stored)
                 size += enc.stored.nbytes
                 stats.raw_bytes += enc.raw_length

@@ -35,7 +35,17 @@ from fastckpt.planning import ShardInfo, WriteItem, box_from_index, full_box, pl
 
 log = logging.getLogger("fastckpt")
 
-__all__ = ["DeferredCopies", "StagePlans", "StagedArray", "StagedSave", "stage_state", "staged_crc32c", "sharding_spec_of", "value_leaf_of"]
+__all__ = [
+    "DeferredCopies",
+    "StagePlans",
+    "StagedArray",
+    "StagedSave",
+    "sharding_spec_of",
+    "stage_state",
+    "staged_crc32c",
+    "value_leaf_of",
+]
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StagedArray:
@@ -57,8 +67,12 @@ class DeferredCopies:
     a view of a private ``pinned_host`` copy of a shard (held here until copied), so nothing
     the caller does to its arrays can change them. :meth:`run` is idempotent."""
 
-    def __init__(self, pairs: list[tuple[np.ndarray, np.ndarray]], keep: list[Any],
-                 before: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        pairs: list[tuple[np.ndarray, np.ndarray]],
+        keep: list[Any],
+        before: Callable[[], None] | None = None,
+    ) -> None:
         self._pairs: list[tuple[np.ndarray, np.ndarray]] | None = pairs
         self._keep: list[Any] | None = keep
         self._before = before
@@ -155,13 +169,15 @@ def sharding_spec_of(sharding: Any) -> ShardingSpec | None:
     if not isinstance(sharding, jax.sharding.NamedSharding):
         return None
     mesh = sharding.mesh
-    spec: list[None | str | tuple[str, ...]] = []
+    spec: list[str | tuple[str, ...] | None] = []
     for p in sharding.spec:
         if p is None or isinstance(p, str):
             spec.append(p)
         else:
             spec.append(tuple(str(a) for a in p))
-    return ShardingSpec(tuple(str(n) for n in mesh.axis_names), tuple(mesh.devices.shape), tuple(spec))
+    return ShardingSpec(
+        tuple(str(n) for n in mesh.axis_names), tuple(mesh.devices.shape), tuple(spec)
+    )
 
 
 @dataclasses.dataclass
@@ -194,7 +210,9 @@ class _LeafPlan:
     :func:`_transfer_mode`."""
 
 
-def _transfer_mode(*, on_host: bool, local_shards: int, used: Sequence[int], pinned: bool) -> str | None:
+def _transfer_mode(
+    *, on_host: bool, local_shards: int, used: Sequence[int], pinned: bool
+) -> str | None:
     """How to start a leaf's device-to-host copies (pure).
 
     With ``pinned`` (the devices have ``pinned_host`` memory and the options allow it):
@@ -216,16 +234,22 @@ def _transfer_mode(*, on_host: bool, local_shards: int, used: Sequence[int], pin
     return "all" if every else "shards"
 
 
-def _pinned_ok(devices: Sequence[Any], device_copy: str, probed: dict[Any, bool] | None = None) -> bool:
+def _pinned_ok(
+    devices: Sequence[Any], device_copy: str, probed: dict[Any, bool] | None = None
+) -> bool:
     """Whether to copy shards on ``devices`` (this process's: only addressable devices can be
     asked for their memories) through ``pinned_host`` memory: ``"auto"`` on accelerators
     that have it and pass :func:`_pinned_round_trip` (each device's answer kept in
     ``probed``), ``"pinned_host"`` wherever it exists (else ConfigError), ``"pageable"`` never."""
-    if device_copy == "pageable" or (device_copy == "auto" and all(d.platform == "cpu" for d in devices)):
+    if device_copy == "pageable" or (
+        device_copy == "auto" and all(d.platform == "cpu" for d in devices)
+    ):
         return False
     if device_copy == "pinned_host":
         if not all(_has_pinned(d) for d in devices):
-            raise ConfigError("SaveOptions.device_copy='pinned_host' but a device has no pinned_host memory")
+            raise ConfigError(
+                "SaveOptions.device_copy='pinned_host' but a device has no pinned_host memory"
+            )
         return True
     probed = {} if probed is None else probed
     for d in devices:
@@ -248,10 +272,14 @@ def _pinned_round_trip(device: Any) -> bool:
         if int(np.asarray(y)[0]) == 7:
             return True
         problem = "read back a wrong value"
-    except Exception as e:  # noqa: BLE001 - any failure means: do not use it
+    except Exception as e:
         problem = f"{type(e).__name__}: {e}"
-    log.warning("fastckpt: copies through pinned host memory do not work on %s (%s): saving through "
-                "pageable memory (slower device-to-host copies)", device, problem)
+    log.warning(
+        "fastckpt: copies through pinned host memory do not work on %s (%s): saving through "
+        "pageable memory (slower device-to-host copies)",
+        device,
+        problem,
+    )
     return False
 
 
@@ -302,8 +330,14 @@ def _check_live(x: jax.Array, where: str) -> None:
         raise ConfigError(f"{where}: the array was deleted (donated?) before save")
 
 
-def _plan_array(leaf: FlatLeaf, *, process_index: int, max_chunk_bytes: int,
-                plans: StagePlans | None = None, device_copy: str = "auto") -> _Pending:
+def _plan_array(
+    leaf: FlatLeaf,
+    *,
+    process_index: int,
+    max_chunk_bytes: int,
+    plans: StagePlans | None = None,
+    device_copy: str = "auto",
+) -> _Pending:
     x = leaf.value
     where = keypath_str(leaf.path)
     key = None
@@ -312,8 +346,18 @@ def _plan_array(leaf: FlatLeaf, *, process_index: int, max_chunk_bytes: int,
         plan = plans.get(key) if key is not None else None
         if plan is not None:
             _check_live(x, where)
-            return _Pending(leaf.path, tuple(x.shape), plan.dtype, "jax", plan.sharding, None, plan.items,
-                            {i: x.addressable_data(i) for i in plan.used}, plan.transfer, x)
+            return _Pending(
+                leaf.path,
+                tuple(x.shape),
+                plan.dtype,
+                "jax",
+                plan.sharding,
+                None,
+                plan.items,
+                {i: x.addressable_data(i) for i in plan.used},
+                plan.transfer,
+                x,
+            )
     if isinstance(x, (np.ndarray, np.generic)):
         arr = np.asarray(x)
         try:
@@ -321,8 +365,12 @@ def _plan_array(leaf: FlatLeaf, *, process_index: int, max_chunk_bytes: int,
         except Exception as e:
             raise ConfigError(f"{where}: {e}") from e
         shards = [ShardInfo(full_box(arr.shape), 0 if process_index == 0 else 1, 0)]
-        items = plan_leaf_writes(shards, itemsize=arr.dtype.itemsize, max_chunk_bytes=max_chunk_bytes)
-        return _Pending(leaf.path, arr.shape, name, "numpy", None, None, items, {0: arr} if items else {})
+        items = plan_leaf_writes(
+            shards, itemsize=arr.dtype.itemsize, max_chunk_bytes=max_chunk_bytes
+        )
+        return _Pending(
+            leaf.path, arr.shape, name, "numpy", None, None, items, {0: arr} if items else {}
+        )
     if not isinstance(x, jax.Array):
         raise ConfigError(f"{where}: unsupported leaf type {type(x).__name__}")
     kind, key_impl = "jax", None
@@ -342,15 +390,31 @@ def _plan_array(leaf: FlatLeaf, *, process_index: int, max_chunk_bytes: int,
         shards.append(ShardInfo(box_from_index(s.index, x.shape), s.replica_id, i))
         sources[i] = s.data
         local.append(s.device)
-    items = plan_leaf_writes(shards, itemsize=np.dtype(x.dtype).itemsize, max_chunk_bytes=max_chunk_bytes)
+    items = plan_leaf_writes(
+        shards, itemsize=np.dtype(x.dtype).itemsize, max_chunk_bytes=max_chunk_bytes
+    )
     used = sorted({it.shard_index for it in items})
-    transfer = _transfer_mode(on_host=all(d.platform == "cpu" for d in local), local_shards=len(shards),
-                              used=used, pinned=bool(used) and _pinned_ok(local, device_copy,
-                                                                          plans.pinned if plans is not None else None))
+    transfer = _transfer_mode(
+        on_host=all(d.platform == "cpu" for d in local),
+        local_shards=len(shards),
+        used=used,
+        pinned=bool(used)
+        and _pinned_ok(local, device_copy, plans.pinned if plans is not None else None),
+    )
     if key is not None:
         plans.put(key, _LeafPlan(name, sharding, items, tuple(used), transfer))  # type: ignore[union-attr]
-    return _Pending(leaf.path, tuple(x.shape), name, kind, sharding, key_impl, items,
-                    {i: sources[i] for i in used}, transfer, x)
+    return _Pending(
+        leaf.path,
+        tuple(x.shape),
+        name,
+        kind,
+        sharding,
+        key_impl,
+        items,
+        {i: sources[i] for i in used},
+        transfer,
+        x,
+    )
 
 
 def stage_state(
@@ -395,8 +459,15 @@ def stage_state(
         if v is not None:
             values.append(v)
         else:
-            pending.append(_plan_array(leaf, process_index=process_index, max_chunk_bytes=max_chunk_bytes,
-                                       plans=plans, device_copy=device_copy))
+            pending.append(
+                _plan_array(
+                    leaf,
+                    process_index=process_index,
+                    max_chunk_bytes=max_chunk_bytes,
+                    plans=plans,
+                    device_copy=device_copy,
+                )
+            )
     # (2) start every transfer before waiting on any (device_put is asynchronous).
     keep: list[Any] = []
     for p in pending:
@@ -406,22 +477,32 @@ def stage_state(
             for src in p.sources.values():
                 src.copy_to_host_async()
         elif p.transfer == "pinned_all":
-            host = jax.device_put(p.array, p.array.sharding.with_memory_kind("pinned_host"), may_alias=False)
+            host = jax.device_put(
+                p.array, p.array.sharding.with_memory_kind("pinned_host"), may_alias=False
+            )
             keep.append(host)
             p.sources = {i: host.addressable_data(i) for i in p.sources}
         elif p.transfer == "pinned_shards":
-            p.sources = {i: jax.device_put(src, src.sharding.with_memory_kind("pinned_host"), may_alias=False)
-                         for i, src in p.sources.items()}  # (may_alias: a shard already pinned is copied too)
+            p.sources = {
+                i: jax.device_put(
+                    src, src.sharding.with_memory_kind("pinned_host"), may_alias=False
+                )
+                for i, src in p.sources.items()
+            }  # (may_alias: a shard already pinned is copied too)
             keep.extend(p.sources.values())
     # (3) host views of the shards (waits for the transfers), laid out in one buffer,
     # 64-byte aligned; then copy.
-    leaf_hosts = [{idx: as_bytes(np.asarray(src)) for idx, src in p.sources.items()} for p in pending]
+    leaf_hosts = [
+        {idx: as_bytes(np.asarray(src)) for idx, src in p.sources.items()} for p in pending
+    ]
     flat = [h.nbytes for hosts in leaf_hosts for h in hosts.values()]
     starts, total = aligned_offsets(flat)
     staged_bytes = sum(flat)
     next_start = iter(starts)
     shard_offsets = [{idx: next(next_start) for idx in hosts} for hosts in leaf_hosts]
-    deferrable = [defer_host_copies and p.transfer in ("pinned_all", "pinned_shards") for p in pending]
+    deferrable = [
+        defer_host_copies and p.transfer in ("pinned_all", "pinned_shards") for p in pending
+    ]
     prepare = None
     if allocate_unreserved is not None and pending and all(deferrable):
         buffer, prepare = allocate_unreserved(total)
@@ -434,7 +515,12 @@ def stage_state(
         to = later if defer else copies
         for it in p.items:  # items tile their shards: copying them copies every shard
             dst = offs[it.shard_index] + it.byte_offset
-            to.append((buffer[dst : dst + it.nbytes], hosts[it.shard_index][it.byte_offset : it.byte_offset + it.nbytes]))
+            to.append(
+                (
+                    buffer[dst : dst + it.nbytes],
+                    hosts[it.shard_index][it.byte_offset : it.byte_offset + it.nbytes],
+                )
+            )
         arrays.append(
             StagedArray(
                 path=p.path,
@@ -449,10 +535,14 @@ def stage_state(
         )
     parallel_copy(copies, executor, jobs=copy_threads)
     deferred = DeferredCopies(later, keep, prepare) if later or prepare is not None else None
-    return StagedSave(tuple(arrays), tuple(values), buffer, staged_bytes, tuple(l.path for l in leaves), deferred)
+    return StagedSave(
+        tuple(arrays), tuple(values), buffer, staged_bytes, tuple(l.path for l in leaves), deferred
+    )
 
 
-def staged_crc32c(staged: StagedSave, executor: Executor | None, *, jobs: int = 2) -> dict[int, list[int]]:
+def staged_crc32c(
+    staged: StagedSave, executor: Executor | None, *, jobs: int = 2
+) -> dict[int, list[int]]:
     """crc32c of every staged chunk's raw bytes: array index -> one per item, in order.
 
     A pass over the staging buffer in ``jobs`` parallel tasks; run it off the training

@@ -54,7 +54,9 @@ class Tier(StepSelector, Protocol):
         """:meth:`allocate`, and the function reserving its memory, to call before writing it."""
         ...
 
-    def commit(self, commit_round: CommitRound, raw_crcs: dict[int, list[int]], metadata: dict[str, object]) -> None:
+    def commit(
+        self, commit_round: CommitRound, raw_crcs: dict[int, list[int]], metadata: dict[str, object]
+    ) -> None:
         """Seal this process's staged chunks (``raw_crcs[i][j]``: crc32c of item ``j`` of
         array ``i``) and commit the step through ``commit_round.commit``; raises on failure."""
         ...

@@ -22,19 +22,46 @@ REPO = Path(__file__).resolve().parents[2]
 def test_accelerator_benchmark_runs_every_section_and_writes_its_results(tmp_path: Path) -> None:
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
     env.pop("XLA_FLAGS", None)  # one CPU device, as one accelerator
-    cmd = [sys.executable, "-m", "benchmarks.accelerator", "--sizes-gib", "0.02", "--reps", "1", "--threads", "2",
-           "--overhead-gib", "0.02", "--overhead-d", "256", "--overhead-batch", "64", "--overhead-steps", "10",
-           "--overhead-rounds", "1", "--out-dir", str(tmp_path), "--work-dir", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.accelerator",
+        "--sizes-gib",
+        "0.02",
+        "--reps",
+        "1",
+        "--threads",
+        "2",
+        "--overhead-gib",
+        "0.02",
+        "--overhead-d",
+        "256",
+        "--overhead-batch",
+        "64",
+        "--overhead-steps",
+        "10",
+        "--overhead-rounds",
+        "1",
+        "--out-dir",
+        str(tmp_path),
+        "--work-dir",
+        str(tmp_path),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     doc = json.loads((tmp_path / "accelerator.json").read_text())
     assert doc["errors"] == [] and doc["env"]["backend"] == "cpu"
     size = doc["sizes"]["0.02"]
     for section in ("limits", "raw_tcp", "ram", "pageable", "disk", "orbax"):
-        assert section in size and "error" not in size[section] and "skipped" not in size[section], section
+        assert (
+            section in size and "error" not in size[section] and "skipped" not in size[section]
+        ), section
     assert set(size["ram"]["own_ram"]) == {"2"} and size["ram"]["peer"]["seconds"] > 0
     assert all(s["bytes_pushed"] > 0 for s in size["ram"]["saves"])
-    assert doc["overhead"]["steps_per_segment"] == 10 and set(doc["overhead"]["overhead"]) == {"fastckpt", "device_get"}
+    assert doc["overhead"]["steps_per_segment"] == 10 and set(doc["overhead"]["overhead"]) == {
+        "fastckpt",
+        "device_get",
+    }
     md = (tmp_path / "accelerator.md").read_text()
     assert "## Save: what the training thread waits for" in md and "## Step overhead" in md
     assert (tmp_path / "accelerator.png").stat().st_size > 0

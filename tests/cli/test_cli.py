@@ -29,8 +29,10 @@ _STEPS_DIR = "steps"
 def _state(seed: int) -> dict[str, Any]:
     rng = np.random.default_rng(seed)
     return {
-        "params": {"w": jnp.asarray(rng.standard_normal((256, 64), dtype=np.float32)),
-                   "b": jnp.zeros((64,), jnp.bfloat16)},
+        "params": {
+            "w": jnp.asarray(rng.standard_normal((256, 64), dtype=np.float32)),
+            "b": jnp.zeros((64,), jnp.bfloat16),
+        },
         "key": jax.random.key(seed),
         "count": np.arange(10, dtype=np.int32),
         "step": seed,
@@ -90,8 +92,16 @@ def test_ls(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "+1 unreferenced object" in out and "KiB" in out
     doc = _json(["ls", str(root)], capsys)
     by_step = {(r["step"], r["state"]): r for r in doc["steps"]}
-    assert set(by_step) == {(1, "committed"), (2, "committed"), (3, "committed"), (4, "uncommitted")}
-    assert by_step[(4, "uncommitted")]["objects"] == 1 and by_step[(4, "uncommitted")]["stored_bytes"] == 300
+    assert set(by_step) == {
+        (1, "committed"),
+        (2, "committed"),
+        (3, "committed"),
+        (4, "uncommitted"),
+    }
+    assert (
+        by_step[(4, "uncommitted")]["objects"] == 1
+        and by_step[(4, "uncommitted")]["stored_bytes"] == 300
+    )
     c3 = by_step[(3, "committed")]
     assert c3["logical_bytes"] == 256 * 64 * 4 + 64 * 2 + 8 + 40 and 0 < c3["stored_bytes"]
     assert by_step[(1, "committed")]["leftover_objects"] == 1
@@ -100,13 +110,20 @@ def test_ls(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
 def test_inspect(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, _ = _run(["inspect", str(root)], capsys)
     assert rc == 0
-    assert "step 3" in out and "['params']['w']" in out and "(256, 64)" in out and "key<threefry2x32>" in out
+    assert (
+        "step 3" in out
+        and "['params']['w']" in out
+        and "(256, 64)" in out
+        and "key<threefry2x32>" in out
+    )
     assert "bfloat16" in out and "ratio" in out and '"loader": 30' in out
     doc = _json(["inspect", str(root), "2"], capsys)
     assert doc["step"] == 2 and doc["metadata"] == {"loader": 20}
     leaves = {leaf["path"]: leaf for leaf in doc["leaves"]}
     w = leaves["['params']['w']"]
-    assert w["shape"] == [256, 64] and w["dtype"] == "float32" and w["logical_bytes"] == 256 * 64 * 4
+    assert (
+        w["shape"] == [256, 64] and w["dtype"] == "float32" and w["logical_bytes"] == 256 * 64 * 4
+    )
     assert 0 < w["ratio"] <= 1.0 and w["chunks"] >= 1
     assert leaves["['key']"]["kind"] == "prng_key" and leaves["['step']"]["value"] == 2
     rc, _, err = _run(["inspect", str(root), "9"], capsys)
@@ -128,7 +145,12 @@ def test_verify_names_the_damaged_chunk(root: Path, capsys: pytest.CaptureFixtur
     obj.write_bytes(bytes(data))
     rc, out, _ = _run(["verify", str(root), "2"], capsys)
     assert rc == 1
-    assert "DAMAGED" in out and "['params']['w']" in out and chunk.key in out and "crc32c mismatch" in out
+    assert (
+        "DAMAGED" in out
+        and "['params']['w']" in out
+        and chunk.key in out
+        and "crc32c mismatch" in out
+    )
     rc, out, _ = _run(["verify", str(root), "3"], capsys)
     assert rc == 0  # other steps are intact
     doc = json.loads(_run(["verify", str(root), "--all", "--json"], capsys)[1])
@@ -145,7 +167,9 @@ def test_gc(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     unref = root / _STEPS_DIR / f"{1:012d}" / "deadbeef0000" / "p00000.fragment"
     doc = _json(["gc", str(root), "--dry-run"], capsys)
     assert [lo["key"] for lo in doc["removed"]] == [str(unref.relative_to(root))]
-    assert [lo["key"] for lo in doc["kept"]] == [str(fresh.relative_to(root))]  # young: may be in flight
+    assert [lo["key"] for lo in doc["kept"]] == [
+        str(fresh.relative_to(root))
+    ]  # young: may be in flight
     assert unref.exists() and fresh.exists()
     rc, out, _ = _run(["gc", str(root)], capsys)
     assert rc == 0 and "removed" in out and not unref.exists() and fresh.exists()
@@ -182,22 +206,29 @@ def test_exit_codes(argv: list[str], code: int, capsys: pytest.CaptureFixture[st
 
 def test_subprocess_entry_points(root: Path) -> None:
     """``python -m fastckpt`` and the ``fastckpt`` console script, with real exit codes."""
-    r = subprocess.run([sys.executable, "-m", "fastckpt", "ls", str(root), "--json"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "fastckpt", "ls", str(root), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert {s["step"] for s in json.loads(r.stdout)["steps"]} == {1, 2, 3, 4}
     _, chunk = _first_chunk(root, 3)
     with open(root / chunk.key, "r+b") as f:
         f.seek(chunk.offset)
         f.write(b"\0\0\0\0")
-    script = shutil.which("fastckpt", path=os.path.dirname(sys.executable)) or shutil.which("fastckpt")
+    script = shutil.which("fastckpt", path=os.path.dirname(sys.executable)) or shutil.which(
+        "fastckpt"
+    )
     assert script, "the fastckpt console script is not installed"
     r = subprocess.run([script, "verify", str(root)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "DAMAGED" in r.stdout, r.stdout + r.stderr
 
 
-def test_gcs_root_from_env_and_flag(gcs_emulator: Any, monkeypatch: pytest.MonkeyPatch,
-                                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_gcs_root_from_env_and_flag(
+    gcs_emulator: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     from fastckpt.storage import open_store
 
     url = f"gs://fastckpt-test/cli-{os.getpid()}-{time.monotonic_ns()}"
@@ -209,14 +240,20 @@ def test_gcs_root_from_env_and_flag(gcs_emulator: Any, monkeypatch: pytest.Monke
     assert rc == 0 and "OK" in out, err
 
 
-def test_convert_both_ways(saved_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_convert_both_ways(
+    saved_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     ocp = pytest.importorskip("orbax.checkpoint")
     from fastckpt.integrations.orbax import restore_orbax
 
-    rc, out, err = _run(["convert", str(saved_root), str(tmp_path / "orbax"), "--step", "2"], capsys)
+    rc, out, err = _run(
+        ["convert", str(saved_root), str(tmp_path / "orbax"), "--step", "2"], capsys
+    )
     assert rc == 0, err
     back = restore_orbax(tmp_path / "orbax")
-    assert np.asarray(back["params"]["w"]).tobytes() == np.asarray(_state(2)["params"]["w"]).tobytes()
+    assert (
+        np.asarray(back["params"]["w"]).tobytes() == np.asarray(_state(2)["params"]["w"]).tobytes()
+    )
     state = {"w": jnp.arange(12.0).reshape(3, 4), "n": 5}
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(tmp_path / "std" / "40", state)
@@ -228,7 +265,9 @@ def test_convert_both_ways(saved_root: Path, tmp_path: Path, capsys: pytest.Capt
     assert rc == 1 and "neither" in err
 
 
-def test_no_bench_verb_and_demo(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_no_bench_verb_and_demo(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["bench"]) == 2  # gone: it only worked from a source checkout
     assert "invalid choice: 'bench'" in capsys.readouterr().err
     calls: list[list[str]] = []
@@ -239,7 +278,9 @@ def test_no_bench_verb_and_demo(monkeypatch: pytest.MonkeyPatch, capsys: pytest.
     assert calls == [["--hosts", "2", "-h"]]
 
 
-def test_convert_orbax_checkpoint_on_gcs(gcs_emulator: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_convert_orbax_checkpoint_on_gcs(
+    gcs_emulator: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """An Orbax checkpoint in a bucket (read by tensorstore's gcs driver) -> fastckpt, via the CLI."""
     import asyncio
 
@@ -262,21 +303,40 @@ def test_convert_orbax_checkpoint_on_gcs(gcs_emulator: Any, tmp_path: Path, caps
     asyncio.run(upload())
     env = dict(os.environ, STORAGE_EMULATOR_HOST=gcs_emulator.endpoint)
     env.pop("TENSORSTORE_GCS_HTTP_URL", None)  # the CLI derives it from the emulator host
-    r = subprocess.run([sys.executable, "-m", "fastckpt", "convert", f"gs://fastckpt-test/{prefix}",
-                        f"gs://fastckpt-test/{prefix}-fck"], env=env, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fastckpt",
+            "convert",
+            f"gs://fastckpt-test/{prefix}",
+            f"gs://fastckpt-test/{prefix}-fck",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "fastckpt step 12" in r.stdout
-    doc = _json(["inspect", f"gs://fastckpt-test/{prefix}-fck", "--gcs-endpoint", gcs_emulator.endpoint], capsys)
+    doc = _json(
+        ["inspect", f"gs://fastckpt-test/{prefix}-fck", "--gcs-endpoint", gcs_emulator.endpoint],
+        capsys,
+    )
     assert doc["step"] == 12 and {leaf["path"] for leaf in doc["leaves"]} == {"['w']", "['n']"}
 
 
-def test_convert_failures_are_one_line_errors(saved_root: Path, tmp_path: Path,
-                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_convert_failures_are_one_line_errors(
+    saved_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Orbax/OS failures of ``convert`` exit 1 with one typed line, never a traceback."""
     ocp = pytest.importorskip("orbax.checkpoint")
     src = str(saved_root)
     assert _run(["convert", src, str(tmp_path / "mgr"), "--step", "1"], capsys)[0] == 0
-    assert _run(["convert", src, str(tmp_path / "item"), "--step", "1", "--layout", "item"], capsys)[0] == 0
+    assert (
+        _run(["convert", src, str(tmp_path / "item"), "--step", "1", "--layout", "item"], capsys)[0]
+        == 0
+    )
     (tmp_path / "afile").write_text("x")
     with ocp.CheckpointManager(tmp_path / "orbax") as mngr:
         mngr.save(5, args=ocp.args.StandardSave({"w": jnp.arange(4.0)}))
@@ -287,12 +347,17 @@ def test_convert_failures_are_one_line_errors(saved_root: Path, tmp_path: Path,
         (["convert", src, str(tmp_path / "item"), "--layout", "item"], "AlreadyExistsError"),
         (["convert", src, str(tmp_path / "afile" / "sub")], "StorageError"),
         (["convert", src, str(tmp_path / "afile"), "--layout", "item"], "AlreadyExistsError"),
-        (["convert", str(tmp_path / "orbax"), str(tmp_path / "back")], "ManifestError: .*_sharding"),
+        (
+            ["convert", str(tmp_path / "orbax"), str(tmp_path / "back")],
+            "ManifestError: .*_sharding",
+        ),
     ]
     for argv, expected in cases:
         rc, _, err = _run(argv, capsys)
         assert rc == 1, (argv, err)
-        assert len(err.strip().splitlines()) == 1 and re.match(f"fastckpt convert: {expected}", err), (argv, err)
+        assert len(err.strip().splitlines()) == 1 and re.match(
+            f"fastckpt convert: {expected}", err
+        ), (argv, err)
 
 
 class _ClosedPipe:
@@ -305,8 +370,9 @@ class _ClosedPipe:
         raise BrokenPipeError(32, "Broken pipe")
 
 
-def test_broken_pipe_exits_quietly(saved_root: Path, monkeypatch: pytest.MonkeyPatch,
-                                   capsys: pytest.CaptureFixture[str]) -> None:
+def test_broken_pipe_exits_quietly(
+    saved_root: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setattr(sys, "stdout", _ClosedPipe())
     assert main(["inspect", str(saved_root)]) == 141
     assert capsys.readouterr().err == ""
@@ -314,9 +380,16 @@ def test_broken_pipe_exits_quietly(saved_root: Path, monkeypatch: pytest.MonkeyP
 
 def test_broken_pipe_subprocess(tmp_path: Path) -> None:
     """``fastckpt inspect BIG | head -1``: no traceback, the shell's SIGPIPE status."""
-    fastckpt.save(str(tmp_path / "big"), 1, {f"leaf{i:05d}": np.full((2,), i, np.float32) for i in range(3000)})
-    proc = subprocess.Popen([sys.executable, "-m", "fastckpt", "inspect", str(tmp_path / "big")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    fastckpt.save(
+        str(tmp_path / "big"),
+        1,
+        {f"leaf{i:05d}": np.full((2,), i, np.float32) for i in range(3000)},
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fastckpt", "inspect", str(tmp_path / "big")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     assert proc.stdout is not None and proc.stderr is not None
     assert proc.stdout.readline()
     proc.stdout.close()  # like `head -1` exiting

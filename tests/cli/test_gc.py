@@ -59,8 +59,13 @@ def test_grace_period_counts_from_the_listed_mtime(store: Store) -> None:
         assert lo.size == 4 and lo.age_s == pytest.approx(written + 599 - listed[lo.key].mtime)
     late = max(i.mtime for i in listed.values()) + 600
     report = collect_garbage(store, grace_s=600, dry_run=True, now=late)
-    assert sorted(lo.key for lo in report.removed) == [_LOSER_10, _DEAD_15, _NEW_40] and not report.kept
-    assert report.removed_bytes == 12 and len(_keys(store, "steps/")) == 6  # dry run deleted nothing
+    assert (
+        sorted(lo.key for lo in report.removed) == [_LOSER_10, _DEAD_15, _NEW_40]
+        and not report.kept
+    )
+    assert (
+        report.removed_bytes == 12 and len(_keys(store, "steps/")) == 6
+    )  # dry run deleted nothing
     report = collect_garbage(store, grace_s=600, now=written + 599)
     assert [lo.key for lo in report.removed] == [_LOSER_10] and not report.errors
     assert _DEAD_15 in _keys(store, "steps/")

@@ -53,15 +53,19 @@ class _CutOffClient:
         return None
 
 
-@pytest.mark.parametrize("call", [
-    lambda c: c.set("k", "v"),
-    lambda c: c.set_bytes("k", b"v"),
-    lambda c: c.get("k", timeout_s=60),
-    lambda c: c.get_bytes("k", timeout_s=60),
-    lambda c: c.try_get_all("d", 4),
-    lambda c: c.try_get("k"),
-    lambda c: c.exchange("x", "1", timeout_s=60),
-], ids=["set", "set_bytes", "get", "get_bytes", "try_get_all", "try_get", "exchange"])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda c: c.set("k", "v"),
+        lambda c: c.set_bytes("k", b"v"),
+        lambda c: c.get("k", timeout_s=60),
+        lambda c: c.get_bytes("k", timeout_s=60),
+        lambda c: c.try_get_all("d", 4),
+        lambda c: c.try_get("k"),
+        lambda c: c.exchange("x", "1", timeout_s=60),
+    ],
+    ids=["set", "set_bytes", "get", "get_bytes", "try_get_all", "try_get", "exchange"],
+)
 def test_a_call_to_an_unreachable_service_ends_at_its_deadline(call: Any) -> None:
     client = _CutOffClient()
     coord = JaxCoordinator(client, process_index=0, process_count=2, timeout_s=TIMEOUT_S)

@@ -36,7 +36,17 @@ def test_doc_code_blocks_run(doc: Path, tmp_path: Path) -> None:
     blocks = python_blocks(doc)
     script = "\n\n".join(f"# --- block {i} of {doc.name}\n{b}" for i, b in enumerate(blocks))
     (tmp_path / "doc_blocks.py").write_text(script)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "doc_blocks.py"], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=240)
-    assert proc.returncode == 0, f"{doc.name} code blocks failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    env = dict(
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu"
+    )
+    proc = subprocess.run(
+        [sys.executable, "doc_blocks.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, (
+        f"{doc.name} code blocks failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    )

@@ -13,7 +13,9 @@ from fastckpt.elastic.data import DataConfig
 from fastckpt.elastic.model import PRESETS
 from fastckpt.elastic.trainer import TrainConfig, TrainProgram, TrainState, make_mesh
 
-CFG = TrainConfig(model=dataclasses.replace(PRESETS["tiny"], dropout=0.1), data=DataConfig(global_batch=24))
+CFG = TrainConfig(
+    model=dataclasses.replace(PRESETS["tiny"], dropout=0.1), data=DataConfig(global_batch=24)
+)
 """What ``python -m fastckpt.elastic.worker --preset tiny --dropout 0.1`` trains."""
 EVERY = 4
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
@@ -40,12 +42,21 @@ class Runner:
 
     def program(self, n_devices: int) -> tuple[TrainProgram, Any]:
         if n_devices not in self._cache:
-            prog = TrainProgram(CFG, make_mesh(jax.devices()[:n_devices], model_axis=CFG.model_axis))
+            prog = TrainProgram(
+                CFG, make_mesh(jax.devices()[:n_devices], model_axis=CFG.model_axis)
+            )
             self._cache[n_devices] = (prog, prog.compile_step(FAST_COMPILE))
         return self._cache[n_devices]
 
-    def train(self, n_devices: int, state: TrainState, start: int, stop: int,
-              mgr: fastckpt.CheckpointManager | None = None, every: int = EVERY) -> tuple[TrainState, list[float]]:
+    def train(
+        self,
+        n_devices: int,
+        state: TrainState,
+        start: int,
+        stop: int,
+        mgr: fastckpt.CheckpointManager | None = None,
+        every: int = EVERY,
+    ) -> tuple[TrainState, list[float]]:
         prog, step_fn = self.program(n_devices)
         losses = []
         for step in range(start, stop):

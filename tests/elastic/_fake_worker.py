@@ -33,7 +33,10 @@ def main() -> int:
     gen, host, rank = int(env("GENERATION")), int(env("HOST_ID")), int(env("PROCESS_ID"))
     run, local = Path(env("RUN_DIR")), Path(env("LOCAL_DIR"))
     with open(run / "local_seen", "a") as f:
-        f.write(json.dumps({"generation": gen, "host": host, "marker": (local / "marker").exists()}) + "\n")
+        f.write(
+            json.dumps({"generation": gen, "host": host, "marker": (local / "marker").exists()})
+            + "\n"
+        )
     (local / "marker").write_text(str(gen))
     ckpt = run / "fake_ckpt"
     start = int(ckpt.read_text()) if ckpt.exists() else 0
@@ -52,7 +55,11 @@ def main() -> int:
     threading.Thread(target=beat, daemon=True).start()
     for step in range(start, spec["total"]):
         for fault in spec.get("faults", []):
-            if fault["host"] == host and fault["step"] == step and fault.get("generation") in (None, gen):
+            if (
+                fault["host"] == host
+                and fault["step"] == step
+                and fault.get("generation") in (None, gen)
+            ):
                 if fault["kind"] == "crash":
                     return 3
                 live["beating"] = fault["kind"] != "freeze"

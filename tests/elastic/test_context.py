@@ -30,14 +30,23 @@ def init() -> dict[str, Any]:
 @jax.jit
 def train_step(state: dict[str, Any]) -> dict[str, Any]:
     key, sub = jax.random.split(state["key"])
-    return {"w": state["w"] * 0.5 + jax.random.normal(sub, (8,)), "key": key, "step": state["step"] + 1}
+    return {
+        "w": state["w"] * 0.5 + jax.random.normal(sub, (8,)),
+        "key": key,
+        "step": state["step"] + 1,
+    }
 
 
-def run(tmp_path: Path, total: int, *, generation: int = 0, every: int = 2) -> tuple[ElasticContext, Any, list[int]]:
+def run(
+    tmp_path: Path, total: int, *, generation: int = 0, every: int = 2
+) -> tuple[ElasticContext, Any, list[int]]:
     target = jax.eval_shape(init)
     seen = []
-    with ElasticContext(env(tmp_path, generation), root=str(tmp_path / "ckpt"),
-                        options=ElasticOptions(checkpoint_every=every)) as ctx:
+    with ElasticContext(
+        env(tmp_path, generation),
+        root=str(tmp_path / "ckpt"),
+        options=ElasticOptions(checkpoint_every=every),
+    ) as ctx:
         state = ctx.restore_or_init(init, target=target)
         ctx.mark("compiled")
         for step in ctx.steps(total):
@@ -83,7 +92,9 @@ def test_stop_request_stops_at_a_checkpoint(tmp_path: Path) -> None:
 
 
 def test_worker_env_round_trips_through_the_environment(tmp_path: Path) -> None:
-    ident = dataclasses.replace(env(tmp_path, 3), coordinator="127.0.0.1:1234", num_processes=4, process_id=2)
+    ident = dataclasses.replace(
+        env(tmp_path, 3), coordinator="127.0.0.1:1234", num_processes=4, process_id=2
+    )
     assert WorkerEnv.from_environ(ident.to_environ()) == ident
     with pytest.raises(KeyError, match="FASTCKPT_ELASTIC_"):
         WorkerEnv.from_environ({})

@@ -17,10 +17,14 @@ pytestmark = pytest.mark.usefixtures("eight_devices")
 
 
 def _data(seed: int = 0, global_batch: int = 24) -> SyntheticData:
-    return SyntheticData(DataConfig(seed=seed, global_batch=global_batch), vocab_size=64, seq_len=16)
+    return SyntheticData(
+        DataConfig(seed=seed, global_batch=global_batch), vocab_size=64, seq_len=16
+    )
 
 
-@pytest.mark.parametrize(("n_devices", "model_axis"), [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (6, 2), (8, 1), (8, 2)])
+@pytest.mark.parametrize(
+    ("n_devices", "model_axis"), [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (6, 2), (8, 1), (8, 2)]
+)
 def test_global_batch_identical_on_every_mesh(n_devices: int, model_axis: int) -> None:
     data = _data()
     mesh = make_mesh(jax.devices()[:n_devices], model_axis=model_axis)
@@ -62,7 +66,12 @@ def test_each_row_range_is_generated_once(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(data, "samples", lambda lo, hi: calls.append((lo, hi)) or real(lo, hi))
     mesh = make_mesh(jax.devices()[:8], model_axis=2)
     data.device_batch(48, NamedSharding(mesh, P("data", None)))
-    assert sorted(calls) == [(48, 54), (54, 60), (60, 66), (66, 72)]  # 4 data shards, 2 replicas each
+    assert sorted(calls) == [
+        (48, 54),
+        (54, 60),
+        (60, 66),
+        (66, 72),
+    ]  # 4 data shards, 2 replicas each
 
 
 def test_global_batch_must_divide_over_data_axis() -> None:

@@ -11,8 +11,9 @@ from fastckpt.elastic import demo
 from fastckpt.elastic.supervisor import ElasticRunError
 
 
-def test_run_demo_removes_host_local_dirs_even_when_the_run_fails(tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_run_demo_removes_host_local_dirs_even_when_the_run_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     seen: list[Path] = []
 
     class FailingSupervisor:

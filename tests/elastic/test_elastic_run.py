@@ -27,22 +27,47 @@ TOTAL, PERSIST_EVERY, RAM_EVERY, KILL_AT, REJOIN_AT = 18, 6, 2, 7, 12
 
 def test_sigkill_shrink_rejoin_matches_uninterrupted_run(tmp_path: Path, runner: Runner) -> None:
     root = str(tmp_path / "ckpt")
-    worker = default_worker_cmd([
-        "--root", root, "--steps", str(TOTAL), "--preset", "tiny", "--dropout", str(CFG.model.dropout),
-        "--global-batch", str(CFG.data.global_batch), "--checkpoint-every", str(PERSIST_EVERY),
-        "--ram-every", str(RAM_EVERY), "--keep-last", "100",
-    ])
+    worker = default_worker_cmd(
+        [
+            "--root",
+            root,
+            "--steps",
+            str(TOTAL),
+            "--preset",
+            "tiny",
+            "--dropout",
+            str(CFG.model.dropout),
+            "--global-batch",
+            str(CFG.data.global_batch),
+            "--checkpoint-every",
+            str(PERSIST_EVERY),
+            "--ram-every",
+            str(RAM_EVERY),
+            "--keep-last",
+            "100",
+        ]
+    )
     env = dict(os.environ, XLA_FLAGS=CPU_FAST_COMPILE_FLAGS)  # compile dominates on 2 cores
     options = SupervisorOptions(
-        num_hosts=3, devices_per_host=2, max_restarts=1,
-        events=(ChaosEvent(kind="kill", host=2, at_step=KILL_AT), ChaosEvent(kind="rejoin", host=2, at_step=REJOIN_AT)),
+        num_hosts=3,
+        devices_per_host=2,
+        max_restarts=1,
+        events=(
+            ChaosEvent(kind="kill", host=2, at_step=KILL_AT),
+            ChaosEvent(kind="rejoin", host=2, at_step=REJOIN_AT),
+        ),
     )
     run_dir = tmp_path / "run"
-    result = Supervisor(worker, run_dir=run_dir, local_root=tmp_path / "local", options=options, env=env).run()
+    result = Supervisor(
+        worker, run_dir=run_dir, local_root=tmp_path / "local", options=options, env=env
+    ).run()
 
     logs = "\n".join(p.read_text()[-2000:] for p in sorted((run_dir / "logs").glob("*.log")))
     assert [(g.hosts, g.outcome) for g in result.generations] == [
-        ((0, 1, 2), "failed"), ((0, 1), "stopped"), ((0, 1, 2), "done")], logs
+        ((0, 1, 2), "failed"),
+        ((0, 1), "stopped"),
+        ((0, 1, 2), "done"),
+    ], logs
 
     summary = summarize(run_dir)
     [rec] = summary["recoveries"]
@@ -66,7 +91,9 @@ def test_sigkill_shrink_rejoin_matches_uninterrupted_run(tmp_path: Path, runner:
     prog6, _ = runner.program(6)
     ref_state, ref_losses = runner.train(6, prog6.init_state(), 0, TOTAL)
     latest: dict[int, float] = {}
-    for m in sorted(read_jsonl(run_dir / "metrics.jsonl"), key=lambda m: (m["generation"], m["step"])):
+    for m in sorted(
+        read_jsonl(run_dir / "metrics.jsonl"), key=lambda m: (m["generation"], m["step"])
+    ):
         latest[m["step"]] = m["loss"]
     assert sorted(latest) == list(range(1, TOTAL + 1))
     np.testing.assert_allclose([latest[s] for s in range(1, TOTAL + 1)], ref_losses, rtol=1e-4)
@@ -88,6 +115,8 @@ def jax_leaves(tree: object) -> list[np.ndarray]:
 def test_worker_cli_help() -> None:
     import subprocess
 
-    out = subprocess.run([sys.executable, "-m", "fastckpt.elastic", "nope"], capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "fastckpt.elastic", "nope"], capture_output=True, text=True
+    )
     assert out.returncode == 2
     assert "run" in out.stderr

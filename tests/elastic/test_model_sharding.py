@@ -24,8 +24,10 @@ def _triples(preset: str, data_axis: int) -> list[tuple[P, tuple[int, ...], bool
     out = []
     for name in specs:
         leaves = jax.tree.leaves(specs[name], is_leaf=lambda x: isinstance(x, P))
-        out += [(spec, s.shape, name == "layers")
-                for spec, s in zip(leaves, jax.tree.leaves(shapes[name]), strict=True)]
+        out += [
+            (spec, s.shape, name == "layers")
+            for spec, s in zip(leaves, jax.tree.leaves(shapes[name]), strict=True)
+        ]
     return out
 
 
@@ -33,7 +35,9 @@ def _triples(preset: str, data_axis: int) -> list[tuple[P, tuple[int, ...], bool
 def test_bench_preset_is_sharded_over_every_data_axis_size(data_axis: int) -> None:
     """Each host of a 2..6-host job holds only its share of every parameter (so restores
     and checkpoints per host shrink with the host count); the Megatron split is kept."""
-    for (spec, shape), (base, _) in zip(_pairs("bench", data_axis), _pairs("bench", 1), strict=True):
+    for (spec, shape), (base, _) in zip(
+        _pairs("bench", data_axis), _pairs("bench", 1), strict=True
+    ):
         assert spec.count("data") == 1, (spec, shape)
         assert shape[spec.index("data")] % data_axis == 0
         assert all(a == b or (b is None and a == "data") for a, b in zip(spec, base, strict=True))
@@ -41,13 +45,23 @@ def test_bench_preset_is_sharded_over_every_data_axis_size(data_axis: int) -> No
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 @pytest.mark.parametrize("data_axis", [2, 3, 4, 5, 8])
-def test_data_goes_on_the_largest_dividing_dimension_or_nowhere(preset: str, data_axis: int) -> None:
-    for (spec, shape, stacked), (base, _) in zip(_triples(preset, data_axis), _pairs(preset, 1), strict=True):
-        free = [i for i in range(int(stacked), len(shape)) if base[i] is None and shape[i] % data_axis == 0]
+def test_data_goes_on_the_largest_dividing_dimension_or_nowhere(
+    preset: str, data_axis: int
+) -> None:
+    for (spec, shape, stacked), (base, _) in zip(
+        _triples(preset, data_axis), _pairs(preset, 1), strict=True
+    ):
+        free = [
+            i
+            for i in range(int(stacked), len(shape))
+            if base[i] is None and shape[i] % data_axis == 0
+        ]
         if not free:
             assert spec == base
         else:
-            assert spec.count("data") == 1 and shape[spec.index("data")] == max(shape[i] for i in free)
+            assert spec.count("data") == 1 and shape[spec.index("data")] == max(
+                shape[i] for i in free
+            )
 
 
 def test_dimensions_that_do_not_divide_stay_replicated() -> None:
@@ -64,7 +78,11 @@ def test_fsdp_state_is_split_across_data_shards() -> None:
     mu = prog.abstract_state["opt_state"][1][0].mu["layers"]["w1"]
     shard = mu.sharding.shard_shape(mu.shape)
     assert math.prod(shard) * 8 == math.prod(mu.shape)  # 4 data x 2 model shards, no replica
-    off = TrainProgram(TrainConfig(model=PRESETS["tiny"], data=DataConfig(global_batch=24), model_axis=2,
-                                   fsdp=False), make_mesh(jax.devices()[:8], model_axis=2))
+    off = TrainProgram(
+        TrainConfig(
+            model=PRESETS["tiny"], data=DataConfig(global_batch=24), model_axis=2, fsdp=False
+        ),
+        make_mesh(jax.devices()[:8], model_axis=2),
+    )
     mu = off.abstract_state["opt_state"][1][0].mu["layers"]["w1"]
     assert math.prod(mu.sharding.shard_shape(mu.shape)) * 2 == math.prod(mu.shape)

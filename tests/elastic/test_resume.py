@@ -42,8 +42,9 @@ def _fail_and_restore(runner: Runner, root: Path, restore_devices: int) -> Train
     return restored
 
 
-def test_resume_on_same_mesh_is_bit_exact(runner: Runner, reference: tuple[Any, list[float]],
-                                          tmp_path: Path) -> None:
+def test_resume_on_same_mesh_is_bit_exact(
+    runner: Runner, reference: tuple[Any, list[float]], tmp_path: Path
+) -> None:
     ref_state, ref_losses = reference
     restored = _fail_and_restore(runner, tmp_path, 8)
     start = int(restored["step"])
@@ -52,8 +53,9 @@ def test_resume_on_same_mesh_is_bit_exact(runner: Runner, reference: tuple[Any, 
     jax.tree.map(np.testing.assert_array_equal, host(state), ref_state)
 
 
-def test_resume_on_resized_mesh_matches_within_tolerance(runner: Runner, reference: tuple[Any, list[float]],
-                                                         tmp_path: Path) -> None:
+def test_resume_on_resized_mesh_matches_within_tolerance(
+    runner: Runner, reference: tuple[Any, list[float]], tmp_path: Path
+) -> None:
     ref_state, ref_losses = reference
     restored = _fail_and_restore(runner, tmp_path, 6)  # 4x2 -> 3x2, same global batch
     assert restored["params"]["layers"]["w1"].sharding.mesh.shape == {"data": 3, "model": 2}
@@ -64,7 +66,13 @@ def test_resume_on_resized_mesh_matches_within_tolerance(runner: Runner, referen
     np.testing.assert_array_equal(got["key"], ref_state["key"])
     assert int(got["step"]) == TOTAL
     assert int(got["data_pos"]) == TOTAL * CFG.data.global_batch
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), got["params"],
-                 ref_state["params"])
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), got["opt_state"],
-                 ref_state["opt_state"])
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
+        got["params"],
+        ref_state["params"],
+    )
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+        got["opt_state"],
+        ref_state["opt_state"],
+    )

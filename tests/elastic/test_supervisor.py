@@ -12,19 +12,36 @@ from typing import Any
 
 import pytest
 
-from fastckpt.elastic import ChaosEvent, ElasticRunError, Supervisor, SupervisorOptions, SupervisorResult
+from fastckpt.elastic import (
+    ChaosEvent,
+    ElasticRunError,
+    Supervisor,
+    SupervisorOptions,
+    SupervisorResult,
+)
 from fastckpt.elastic._protocol import read_jsonl
 from fastckpt.errors import ConfigError
 
 FAKE = str(Path(__file__).with_name("_fake_worker.py"))
-FAST = {"poll_interval_s": 0.02, "heartbeat_timeout_s": 1.0, "progress_timeout_s": 1.0, "startup_timeout_s": 20.0,
-        "warm_standby": False}
+FAST = {
+    "poll_interval_s": 0.02,
+    "heartbeat_timeout_s": 1.0,
+    "progress_timeout_s": 1.0,
+    "startup_timeout_s": 20.0,
+    "warm_standby": False,
+}
 
 
-def supervise(tmp_path: Path, spec: dict[str, Any], **options: Any) -> tuple[Supervisor, SupervisorResult | None]:
+def supervise(
+    tmp_path: Path, spec: dict[str, Any], **options: Any
+) -> tuple[Supervisor, SupervisorResult | None]:
     opts = SupervisorOptions(**{"num_hosts": 3, **FAST, **options})
-    sup = Supervisor([sys.executable, FAKE, json.dumps(spec)], run_dir=tmp_path / "run",
-                     local_root=tmp_path / "local", options=opts)
+    sup = Supervisor(
+        [sys.executable, FAKE, json.dumps(spec)],
+        run_dir=tmp_path / "run",
+        local_root=tmp_path / "local",
+        options=opts,
+    )
     return sup, sup.run()
 
 
@@ -56,10 +73,21 @@ def test_crash_kills_the_rest_and_relaunches(tmp_path: Path) -> None:
 
 
 def test_relaunch_uses_warm_standbys(tmp_path: Path) -> None:
-    spec = {"total": 60, "step_s": 0.02, "faults": [{"kind": "crash", "host": 1, "step": 20, "generation": 0}]}
+    spec = {
+        "total": 60,
+        "step_s": 0.02,
+        "faults": [{"kind": "crash", "host": 1, "step": 20, "generation": 0}],
+    }
     # standbys import jax while the fake workers run: generous timeouts on a loaded machine
-    _, result = supervise(tmp_path, spec, num_hosts=2, warm_standby=True, preload=("json",),
-                          heartbeat_timeout_s=15.0, progress_timeout_s=15.0)
+    _, result = supervise(
+        tmp_path,
+        spec,
+        num_hosts=2,
+        warm_standby=True,
+        preload=("json",),
+        heartbeat_timeout_s=15.0,
+        progress_timeout_s=15.0,
+    )
     assert result is not None
     assert shape(result) == [((0, 1), "failed"), ((0, 1), "done")]
     logs = tmp_path / "run" / "logs"
@@ -79,7 +107,9 @@ def test_restarts_are_bounded(tmp_path: Path) -> None:
     assert events(tmp_path, "give_up")
 
 
-@pytest.mark.parametrize(("kind", "reason"), [("freeze", "heartbeat stale"), ("stall", "no progress")])
+@pytest.mark.parametrize(
+    ("kind", "reason"), [("freeze", "heartbeat stale"), ("stall", "no progress")]
+)
 def test_hung_worker_is_detected_and_killed(tmp_path: Path, kind: str, reason: str) -> None:
     spec = {"total": 10, "faults": [{"kind": kind, "host": 2, "step": 3, "generation": 0}]}
     t0 = time.monotonic()
@@ -96,7 +126,10 @@ def test_hung_worker_is_detected_and_killed(tmp_path: Path, kind: str, reason: s
 
 
 def test_host_loss_shrinks_then_rejoin_grows_back(tmp_path: Path) -> None:
-    events_ = (ChaosEvent(kind="kill", host=2, at_step=4), ChaosEvent(kind="rejoin", host=2, at_step=10))
+    events_ = (
+        ChaosEvent(kind="kill", host=2, at_step=4),
+        ChaosEvent(kind="rejoin", host=2, at_step=10),
+    )
     _, result = supervise(tmp_path, {"total": 16, "step_s": 0.05}, events=events_)
     assert result is not None
     assert shape(result) == [((0, 1, 2), "failed"), ((0, 1), "stopped"), ((0, 1, 2), "done")]
@@ -107,7 +140,10 @@ def test_host_loss_shrinks_then_rejoin_grows_back(tmp_path: Path) -> None:
     assert fail["rc"] == -9
     assert fail["t"] - kill["t"] < 1.0
     assert events(tmp_path, "stop_requested")[0]["generation"] == 1
-    seen = {(r["generation"], r["host"]): r["marker"] for r in read_jsonl(tmp_path / "run" / "local_seen")}
+    seen = {
+        (r["generation"], r["host"]): r["marker"]
+        for r in read_jsonl(tmp_path / "run" / "local_seen")
+    }
     assert seen[(1, 0)]
     assert seen[(2, 1)]
     assert not seen[(2, 2)]  # the killed host's local dir was wiped
@@ -116,8 +152,12 @@ def test_host_loss_shrinks_then_rejoin_grows_back(tmp_path: Path) -> None:
 
 def test_below_min_hosts_gives_up(tmp_path: Path) -> None:
     with pytest.raises(ElasticRunError, match="min_hosts"):
-        supervise(tmp_path, {"total": 50, "step_s": 0.05}, min_hosts=3,
-                  events=(ChaosEvent(kind="kill", host=0, at_step=2),))
+        supervise(
+            tmp_path,
+            {"total": 50, "step_s": 0.05},
+            min_hosts=3,
+            events=(ChaosEvent(kind="kill", host=0, at_step=2),),
+        )
 
 
 def test_options_and_event_parsing() -> None:
@@ -138,19 +178,44 @@ def test_standby_runs_a_preloaded_module_as_main_without_warnings() -> None:
     import sys
 
     proc = subprocess.run(
-        [sys.executable, "-W", "always", "-m", "fastckpt.elastic._standby", "json.tool", "--",
-         sys.executable, "-m", "json.tool", "--sort-keys"],
-        input='{"FASTCKPT_TEST_IDENTITY": "7"}\n{"b": 1, "a": 2}\n', capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-W",
+            "always",
+            "-m",
+            "fastckpt.elastic._standby",
+            "json.tool",
+            "--",
+            sys.executable,
+            "-m",
+            "json.tool",
+            "--sort-keys",
+        ],
+        input='{"FASTCKPT_TEST_IDENTITY": "7"}\n{"b": 1, "a": 2}\n',
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["{", '"a":', "2,", '"b":', "1", "}"]  # json.tool ran, on the rest of stdin
+    assert proc.stdout.split() == [
+        "{",
+        '"a":',
+        "2,",
+        '"b":',
+        "1",
+        "}",
+    ]  # json.tool ran, on the rest of stdin
     assert "Warning" not in proc.stderr, proc.stderr
 
 
 def test_a_reused_run_directory_starts_clean(tmp_path: Path) -> None:
     """A second run in the same run directory does not read the first one's heartbeats, stop
     requests or logs as its own (generation numbers restart at 0)."""
-    spec = {"total": 10, "step_s": 0.02, "faults": [{"kind": "crash", "host": 1, "step": 4, "generation": 0}]}
+    spec = {
+        "total": 10,
+        "step_s": 0.02,
+        "faults": [{"kind": "crash", "host": 1, "step": 4, "generation": 0}],
+    }
     _, first = supervise(tmp_path, spec)
     assert first is not None and first.restarts == 1
     (tmp_path / "run" / "control" / "stop-g0").touch()  # as an interrupted resize would leave it
@@ -164,8 +229,12 @@ def test_a_stop_nobody_asked_for_is_a_failure(tmp_path: Path) -> None:
     """Workers exiting 75 (stopped) with no stop request count as failures, so a trainer that
     keeps doing it exhausts max_restarts instead of relaunching forever."""
     opts = SupervisorOptions(num_hosts=2, **FAST, max_restarts=1)
-    sup = Supervisor([sys.executable, "-c", "import sys; sys.exit(75)"], run_dir=tmp_path / "run",
-                     local_root=tmp_path / "local", options=opts)
+    sup = Supervisor(
+        [sys.executable, "-c", "import sys; sys.exit(75)"],
+        run_dir=tmp_path / "run",
+        local_root=tmp_path / "local",
+        options=opts,
+    )
     t0 = time.monotonic()
     with pytest.raises(ElasticRunError, match="restarts exhausted"):
         sup.run()
@@ -178,13 +247,28 @@ def test_standbys_are_not_used_for_commands_they_cannot_run(tmp_path: Path) -> N
     the one crash, not one more per failed activation)."""
     from fastckpt.elastic.supervisor import runs_in_process
 
-    assert runs_in_process([sys.executable, "-m", "mod", "a"]) and runs_in_process([sys.executable, "x.py"])
-    assert not runs_in_process([sys.executable, "-u", "x.py"]) and not runs_in_process(["env", "python", "x.py"])
-    spec = {"total": 30, "step_s": 0.02, "faults": [{"kind": "crash", "host": 1, "step": 10, "generation": 0}]}
-    opts = SupervisorOptions(num_hosts=2, **{**FAST, "warm_standby": True, "heartbeat_timeout_s": 5.0,
-                                              "progress_timeout_s": 5.0}, max_restarts=3)
-    sup = Supervisor([sys.executable, "-u", FAKE, json.dumps(spec)], run_dir=tmp_path / "run",
-                     local_root=tmp_path / "local", options=opts)
+    assert runs_in_process([sys.executable, "-m", "mod", "a"]) and runs_in_process(
+        [sys.executable, "x.py"]
+    )
+    assert not runs_in_process([sys.executable, "-u", "x.py"]) and not runs_in_process(
+        ["env", "python", "x.py"]
+    )
+    spec = {
+        "total": 30,
+        "step_s": 0.02,
+        "faults": [{"kind": "crash", "host": 1, "step": 10, "generation": 0}],
+    }
+    opts = SupervisorOptions(
+        num_hosts=2,
+        **{**FAST, "warm_standby": True, "heartbeat_timeout_s": 5.0, "progress_timeout_s": 5.0},
+        max_restarts=3,
+    )
+    sup = Supervisor(
+        [sys.executable, "-u", FAKE, json.dumps(spec)],
+        run_dir=tmp_path / "run",
+        local_root=tmp_path / "local",
+        options=opts,
+    )
     result = sup.run()
     assert [g.outcome for g in result.generations] == ["failed", "done"] and result.restarts == 1
     assert not list((tmp_path / "run" / "logs").glob("standby-*"))
@@ -193,12 +277,18 @@ def test_standbys_are_not_used_for_commands_they_cannot_run(tmp_path: Path) -> N
 def test_a_failing_event_printer_does_not_orphan_the_workers(tmp_path: Path) -> None:
     """``on_event`` raising (printing to a closed pipe) does not kill the supervisor between
     spawning workers and watching them: the run completes."""
+
     def broken(event: dict[str, Any]) -> None:
         raise BrokenPipeError(32, "Broken pipe")
 
     opts = SupervisorOptions(num_hosts=2, **FAST)
-    sup = Supervisor([sys.executable, FAKE, json.dumps({"total": 5})], run_dir=tmp_path / "run",
-                     local_root=tmp_path / "local", options=opts, on_event=broken)
+    sup = Supervisor(
+        [sys.executable, FAKE, json.dumps({"total": 5})],
+        run_dir=tmp_path / "run",
+        local_root=tmp_path / "local",
+        options=opts,
+        on_event=broken,
+    )
     assert shape(sup.run()) == [((0, 1), "done")]
     assert events(tmp_path, "on_event_failed")
 
@@ -211,8 +301,12 @@ def test_sigterm_ends_the_run_and_kills_every_worker(tmp_path: Path) -> None:
     from fastckpt.elastic import SupervisorTerminated
 
     opts = SupervisorOptions(num_hosts=2, **FAST)
-    sup = Supervisor([sys.executable, FAKE, json.dumps({"total": 100000, "step_s": 0.05})], run_dir=tmp_path / "run",
-                     local_root=tmp_path / "local", options=opts)
+    sup = Supervisor(
+        [sys.executable, FAKE, json.dumps({"total": 100000, "step_s": 0.05})],
+        run_dir=tmp_path / "run",
+        local_root=tmp_path / "local",
+        options=opts,
+    )
     hb = tmp_path / "run" / "hb"
     pids: list[int] = []
 
@@ -230,4 +324,6 @@ def test_sigterm_ends_the_run_and_kills_every_worker(tmp_path: Path) -> None:
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL or callable(signal.getsignal(signal.SIGTERM))
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL or callable(
+        signal.getsignal(signal.SIGTERM)
+    )

@@ -22,9 +22,23 @@ from fastckpt.errors import ManifestError, UnsupportedFormatVersionError
 from fastckpt.format.chunk_table import binary_array, encode_column, grid_cuts, table_from_entries
 from fastckpt.format.codec import decode_manifest, encode_manifest
 from fastckpt.format.dtypes import dtype_from_name
-from fastckpt.format.manifest import FORMAT_VERSION, ArrayLeaf, ChunkEntry, ChunkTable, Manifest, box_volume
+from fastckpt.format.manifest import (
+    FORMAT_VERSION,
+    ArrayLeaf,
+    ChunkEntry,
+    ChunkTable,
+    Manifest,
+    box_volume,
+)
 from fastckpt.testing.strategies import grid_tilings, manifests, shapes, tilings
-from tests.format.test_codec import _DELETE, W_CHUNKS, _set, base_doc, base_manifest, decode_doc, seal
+from tests.format.test_codec import (
+    _DELETE,
+    W_CHUNKS,
+    _set,
+    base_doc,
+    decode_doc,
+    seal,
+)
 
 T = ("leaves", 0, "chunks")
 
@@ -33,7 +47,9 @@ def _entries(boxes: list[Any], *, codec: str = "raw") -> list[ChunkEntry]:
     out = []
     for i, box in enumerate(boxes):
         n = box_volume(box) * 4
-        out.append(ChunkEntry(box, f"steps/s/p{i % 3}.fck", 64 * i, n, n, codec, 1000 + i, 1000 + i))
+        out.append(
+            ChunkEntry(box, f"steps/s/p{i % 3}.fck", 64 * i, n, n, codec, 1000 + i, 1000 + i)
+        )
     return out
 
 
@@ -52,18 +68,32 @@ def test_writes_a_grid_and_binary_columns_for_a_sharded_leaf() -> None:
     assert FORMAT_VERSION == 3 and doc["format_version"] == 3
     assert doc["objects"] == ["steps/s/p0.fck", "steps/s/p1.fck", "steps/s/p2.fck"]
     table = doc["leaves"][0]["chunks"]
-    assert table["grid"] == [[0, 16, 32, 48, 64], [0, 4, 8]] and "boxes" not in table and table["codec"] == "raw"
+    assert (
+        table["grid"] == [[0, 16, 32, 48, 64], [0, 4, 8]]
+        and "boxes" not in table
+        and table["codec"] == "raw"
+    )
     assert table["object"] == "u1:" + base64.b64encode(bytes([0, 1, 2, 0, 1, 2, 0, 1])).decode()
-    assert table["offset"] == "u2:" + base64.b64encode(np.arange(0, 512, 64, dtype="<u2").tobytes()).decode()
-    assert table["crc32c"] == "u2:" + base64.b64encode(np.arange(1000, 1008, dtype="<u2").tobytes()).decode()
+    assert (
+        table["offset"]
+        == "u2:" + base64.b64encode(np.arange(0, 512, 64, dtype="<u2").tobytes()).decode()
+    )
+    assert (
+        table["crc32c"]
+        == "u2:" + base64.b64encode(np.arange(1000, 1008, dtype="<u2").tobytes()).decode()
+    )
     shuffled = boxes[1:] + boxes[:1]  # not C order: listed, in the given order
     listed = _encoded_leaf(_leaf(shuffled, (64, 8)))
-    assert "grid" not in listed and listed["boxes"][-1] == [0, 16, 0, 4] and len(listed["boxes"]) == 8
+    assert (
+        "grid" not in listed and listed["boxes"][-1] == [0, 16, 0, 4] and len(listed["boxes"]) == 8
+    )
 
 
 @settings(max_examples=200, deadline=None)
 @given(values=st.lists(st.integers(0, 2**63 - 1), max_size=40), hi=st.integers(0, 2**63 - 1))
-def test_a_binary_column_holds_exactly_its_values_in_the_narrowest_kind(values: list[int], hi: int) -> None:
+def test_a_binary_column_holds_exactly_its_values_in_the_narrowest_kind(
+    values: list[int], hi: int
+) -> None:
     text = encode_column(values)
     assert text == encode_column(np.asarray(values, np.uint64))  # a list's struct path = numpy's
     kind = text.split(":")[0]
@@ -87,21 +117,31 @@ def test_grid_cuts_describe_exactly_the_boxes(data: st.DataObject) -> None:
         boxes = sorted(boxes)
     cuts = grid_cuts(boxes, shape)
     if cuts is not None:  # a grid is only ever a faithful description
-        assert [tuple(c) for c in itertools.product(*[list(zip(c[:-1], c[1:])) for c in cuts])] == boxes
+        assert [
+            tuple(c) for c in itertools.product(*[list(zip(c[:-1], c[1:])) for c in cuts])
+        ] == boxes
     strict = all(a < b for box in boxes for a, b in box)  # no empty cell: sorted cells are a grid
-    if strict and boxes == list(itertools.product(*[sorted({b[d] for b in boxes}) for d in range(len(shape))])):
+    if strict and boxes == list(
+        itertools.product(*[sorted({b[d] for b in boxes}) for d in range(len(shape))])
+    ):
         assert cuts is not None
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
-def test_a_table_built_from_entries_holds_them_in_order_through_the_codec(data: st.DataObject) -> None:
+def test_a_table_built_from_entries_holds_them_in_order_through_the_codec(
+    data: st.DataObject,
+) -> None:
     shape = data.draw(shapes(max_rank=3, max_side=6))
     boxes = data.draw(st.one_of(grid_tilings(shape), tilings(shape, max_pieces=6)))
-    codecs = data.draw(st.lists(st.sampled_from(["raw", "zstd"]), min_size=len(boxes), max_size=len(boxes)))
+    codecs = data.draw(
+        st.lists(st.sampled_from(["raw", "zstd"]), min_size=len(boxes), max_size=len(boxes))
+    )
     entries = [dataclasses.replace(e, codec=c) for e, c in zip(_entries(boxes), codecs)]
     table = table_from_entries(entries, shape=shape, itemsize=4)
-    assert list(table) == entries and (table.grid is not None) == (grid_cuts(boxes, shape) is not None)
+    assert list(table) == entries and (table.grid is not None) == (
+        grid_cuts(boxes, shape) is not None
+    )
     leaf = ArrayLeaf(path=(("d", "w"),), shape=shape, dtype="float32", chunks=table)
     [back] = decode_manifest(encode_manifest(Manifest(step=1, leaves=(leaf,)))).arrays()
     assert list(back.chunks) == entries and back == leaf
@@ -110,10 +150,16 @@ def test_a_table_built_from_entries_holds_them_in_order_through_the_codec(data: 
 def test_a_large_grid_leaf_is_small_and_exact() -> None:
     rng = random.Random(0)
     boxes = [((i * 8, i * 8 + 8), (j * 16, j * 16 + 16)) for i in range(64) for j in range(8)]
-    entries = [dataclasses.replace(c, length=rng.randrange(1, 512), crc32c=rng.getrandbits(32))
-               for c in _entries(boxes, codec="zstd")]
-    leaf = ArrayLeaf(path=(("d", "w"),), shape=(512, 128), dtype="float32",
-                     chunks=table_from_entries(entries, shape=(512, 128), itemsize=4))
+    entries = [
+        dataclasses.replace(c, length=rng.randrange(1, 512), crc32c=rng.getrandbits(32))
+        for c in _entries(boxes, codec="zstd")
+    ]
+    leaf = ArrayLeaf(
+        path=(("d", "w"),),
+        shape=(512, 128),
+        dtype="float32",
+        chunks=table_from_entries(entries, shape=(512, 128), itemsize=4),
+    )
     m = Manifest(step=3, leaves=(leaf,))
     data = encode_manifest(m)
     assert decode_manifest(data) == m and list(decode_manifest(data).arrays()[0].chunks) == entries
@@ -135,6 +181,7 @@ def _boxes(rows: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
         doc = _set(doc, (*T, "grid"), _DELETE)
         doc["leaves"][0]["chunks"]["boxes"] = rows
         return doc
+
     return edit
 
 
@@ -148,9 +195,21 @@ MALFORMED: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "object key unsafe": _put(("objects", 0), "../x"),
     "object key absolute": _put(("objects", 1), "/abs"),
     "object key not str": _put(("objects", 1), 5),
-    "table is a list of chunk objects": _put(T, [{"box": [[0, 4], [0, 2]], "key": "steps/a/p0.fck", "offset": 0,
-                                                  "length": 32, "raw_length": 32, "codec": "raw", "crc32c": 1,
-                                                  "raw_crc32c": 1}]),
+    "table is a list of chunk objects": _put(
+        T,
+        [
+            {
+                "box": [[0, 4], [0, 2]],
+                "key": "steps/a/p0.fck",
+                "offset": 0,
+                "length": 32,
+                "raw_length": 32,
+                "codec": "raw",
+                "crc32c": 1,
+                "raw_crc32c": 1,
+            }
+        ],
+    ),
     "table not an object": _put(T, None),
     "grid and boxes": _put((*T, "boxes"), [[0, 2, 0, 2], [2, 4, 0, 2]]),
     "neither grid nor boxes": _put((*T, "grid"), _DELETE),
@@ -224,7 +283,9 @@ def test_malformed_table_raises_manifest_error(case: str) -> None:
 
 def test_table_errors_name_the_leaf_and_the_field() -> None:
     doc = _put((*T, "offset"), _b64("u8", [0, 2**63]))(base_doc())
-    with pytest.raises(ManifestError, match=r"leaves\[0\]\.chunks\.offset\[1\]: expected an int in \[0, "):
+    with pytest.raises(
+        ManifestError, match=r"leaves\[0\]\.chunks\.offset\[1\]: expected an int in \[0, "
+    ):
         decode_doc(doc)
 
 
@@ -256,10 +317,18 @@ def test_a_decoded_table_is_the_sequence_of_its_entries(m: Manifest, data: st.Da
     for a1, a2 in zip(m.arrays(), back.arrays()):
         entries, table = tuple(a1.chunks), a2.chunks
         assert isinstance(table, ChunkTable)
-        assert len(table) == len(entries) and tuple(table) == entries and list(iter(table)) == list(entries)
+        assert (
+            len(table) == len(entries)
+            and tuple(table) == entries
+            and list(iter(table)) == list(entries)
+        )
         assert table == a1.chunks and a1.chunks == table and hash(table) == hash(a1.chunks)
         assert [table[i] for i in range(len(table))] == list(entries)
-        assert [table.box(i) for i in range(len(table))] == list(table.boxes()) == [c.box for c in entries]
+        assert (
+            [table.box(i) for i in range(len(table))]
+            == list(table.boxes())
+            == [c.box for c in entries]
+        )
         if entries:
             i = data.draw(st.integers(-len(entries), len(entries) - 1))
             assert table[i] == entries[i]
@@ -270,17 +339,37 @@ def test_a_decoded_table_is_the_sequence_of_its_entries(m: Manifest, data: st.Da
         assert table[start:stop:step] == entries[start:stop:step]
         with pytest.raises(IndexError):
             table[len(entries)]
-        assert (a2.nbytes, a2.stored_bytes) == (sum(c.raw_length for c in entries), sum(c.length for c in entries))
+        assert (a2.nbytes, a2.stored_bytes) == (
+            sum(c.raw_length for c in entries),
+            sum(c.length for c in entries),
+        )
         assert table.object_keys() == {c.key for c in entries}
-        assert (table.grid is not None) == (grid_cuts([c.box for c in entries], a1.shape) is not None)
-    assert back.object_keys() == m.object_keys() and (back.nbytes, back.stored_bytes) == (m.nbytes, m.stored_bytes)
+        assert (table.grid is not None) == (
+            grid_cuts([c.box for c in entries], a1.shape) is not None
+        )
+    assert back.object_keys() == m.object_keys() and (back.nbytes, back.stored_bytes) == (
+        m.nbytes,
+        m.stored_bytes,
+    )
 
 
 def test_a_table_checks_its_columns_and_names_its_grid() -> None:
-    cols = {"keys": ["o"], "object_index": np.zeros(4, np.int32), "offsets": np.arange(4), "lengths": np.full(4, 8),
-            "codec": "raw", "crc32c": np.zeros(4, np.uint32), "raw_crc32c": np.zeros(4, np.uint32), "itemsize": 4}
+    cols = {
+        "keys": ["o"],
+        "object_index": np.zeros(4, np.int32),
+        "offsets": np.arange(4),
+        "lengths": np.full(4, 8),
+        "codec": "raw",
+        "crc32c": np.zeros(4, np.uint32),
+        "raw_crc32c": np.zeros(4, np.uint32),
+        "itemsize": 4,
+    }
     table = ChunkTable(cuts=[[0, 2, 4], [0, 1, 2]], boxes=None, **cols)
-    assert table.grid == ((0, 2, 4), (0, 1, 2)) and table.box(3) == ((2, 4), (1, 2)) and table[3].offset == 3
+    assert (
+        table.grid == ((0, 2, 4), (0, 1, 2))
+        and table.box(3) == ((2, 4), (1, 2))
+        and table[3].offset == 3
+    )
     assert "grid" in repr(table) and table.raw_bytes == 32 and table.stored_bytes == 32
     with pytest.raises(ValueError, match="exactly one"):
         ChunkTable(cuts=None, boxes=None, **cols)

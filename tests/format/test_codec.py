@@ -12,9 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fastckpt._checksum import crc32c
 from fastckpt.errors import ManifestError, UnsupportedFormatVersionError
 from fastckpt.format import codec
-from fastckpt._checksum import crc32c
 from fastckpt.format.chunk_table import table_from_entries
 from fastckpt.format.codec import decode_manifest, encode_manifest, seal_document
 from fastckpt.format.dtypes import dtype_from_name, dtype_name
@@ -26,7 +26,14 @@ from fastckpt.format.layout import (
     step_from_data_key,
     step_from_manifest_key,
 )
-from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, ChunkTable, Manifest, ShardingSpec, ValueLeaf
+from fastckpt.format.manifest import (
+    ArrayLeaf,
+    ChunkEntry,
+    ChunkTable,
+    Manifest,
+    ShardingSpec,
+    ValueLeaf,
+)
 from fastckpt.storage._protocol import validate_key
 from fastckpt.testing.strategies import DTYPE_NAMES, json_values, manifests
 
@@ -34,7 +41,10 @@ from fastckpt.testing.strategies import DTYPE_NAMES, json_values, manifests
 def norm(x: Any) -> Any:
     """A comparable form that tells nan, -0.0 and int/float apart."""
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return (type(x).__name__, tuple((f.name, norm(getattr(x, f.name))) for f in dataclasses.fields(x)))
+        return (
+            type(x).__name__,
+            tuple((f.name, norm(getattr(x, f.name))) for f in dataclasses.fields(x)),
+        )
     if isinstance(x, float):
         return ("float", repr(x))
     if isinstance(x, ChunkTable):  # compared by its entries
@@ -76,7 +86,10 @@ def base_manifest() -> Manifest:
         step=7,
         leaves=(
             ArrayLeaf(
-                path=(("d", "w"),), shape=(4, 2), dtype="float32", kind="jax",
+                path=(("d", "w"),),
+                shape=(4, 2),
+                dtype="float32",
+                kind="jax",
                 sharding=ShardingSpec(("x",), (2,), ("x", None)),
                 chunks=table_from_entries(W_CHUNKS, shape=(4, 2), itemsize=4),
             ),
@@ -157,9 +170,21 @@ MALFORMED: dict[str, tuple[tuple[Any, ...], Any]] = {
     "key_impl not str": ((*W, "key_impl"), 3),
     "chunks not an object": ((*W, "chunks"), None),
     "chunks missing": ((*W, "chunks"), _DELETE),
-    "chunks as one object per chunk": ((*W, "chunks"), [{"box": [[0, 4], [0, 2]], "key": "steps/a/p0.fck",
-                                                        "offset": 0, "length": 32, "raw_length": 32,
-                                                        "codec": "raw", "crc32c": 1, "raw_crc32c": 1}]),
+    "chunks as one object per chunk": (
+        (*W, "chunks"),
+        [
+            {
+                "box": [[0, 4], [0, 2]],
+                "key": "steps/a/p0.fck",
+                "offset": 0,
+                "length": 32,
+                "raw_length": 32,
+                "codec": "raw",
+                "crc32c": 1,
+                "raw_crc32c": 1,
+            }
+        ],
+    ),
     "objects missing": (("objects",), _DELETE),
     "key parent": (K0, "../x"),
     "key absolute": (K0, "/abs"),
@@ -175,13 +200,24 @@ MALFORMED: dict[str, tuple[tuple[Any, ...], Any]] = {
     "sharding unknown axis": ((*W, "sharding", "partition_spec"), ["y", None]),
     "sharding axis twice": ((*W, "sharding", "partition_spec"), ["x", "x"]),
     "sharding spec longer than rank": ((*W, "sharding", "partition_spec"), [None, None, "x"]),
-    "sharding duplicate names": ((*W, "sharding"), {"mesh_axis_names": ["x", "x"], "mesh_shape": [1, 2],
-                                                    "partition_spec": []}),
+    "sharding duplicate names": (
+        (*W, "sharding"),
+        {"mesh_axis_names": ["x", "x"], "mesh_shape": [1, 2], "partition_spec": []},
+    ),
     "value vtype unknown": (("leaves", 1, "vtype"), "bytes"),
     "value int is str": (("leaves", 1, "value"), "7"),
-    "value float garbage": (("leaves", 1), {"path": [["d", "s"]], "type": "value", "vtype": "float", "value": "x"}),
-    "value complex arity": (("leaves", 1), {"path": [["d", "s"]], "type": "value", "vtype": "complex", "value": [1]}),
-    "value none with value": (("leaves", 1), {"path": [["d", "s"]], "type": "value", "vtype": "none", "value": 1}),
+    "value float garbage": (
+        ("leaves", 1),
+        {"path": [["d", "s"]], "type": "value", "vtype": "float", "value": "x"},
+    ),
+    "value complex arity": (
+        ("leaves", 1),
+        {"path": [["d", "s"]], "type": "value", "vtype": "complex", "value": [1]},
+    ),
+    "value none with value": (
+        ("leaves", 1),
+        {"path": [["d", "s"]], "type": "value", "vtype": "none", "value": 1},
+    ),
     "duplicate path": (("leaves", 1, "path"), [["d", "w"]]),
     "metadata not object": (("metadata",), [1]),
     "created not number": (("created_unix",), "now"),
@@ -204,35 +240,88 @@ def test_malformed_field_raises_manifest_error(case: str) -> None:
 
 @pytest.mark.parametrize("version", [0, 1, 2, 4, 99, 2**40])
 def test_any_other_format_version_is_refused(version: int) -> None:
-    with pytest.raises(UnsupportedFormatVersionError, match=rf"format_version {version} is not supported.*3 only"):
+    with pytest.raises(
+        UnsupportedFormatVersionError, match=rf"format_version {version} is not supported.*3 only"
+    ):
         decode_doc(_set(base_doc(), ("format_version",), version))
 
 
 # What the formats this fastckpt no longer reads looked like, as their writer stored them
 # (checksum first): format 1 (an object per chunk, no "objects"), format 2 (the table with
 # JSON int columns).
-_OLD_LEAF = {"path": [["d", "w"]], "type": "array", "kind": "jax", "shape": [4], "dtype": "uint8",
-             "key_impl": None, "sharding": None}
+_OLD_LEAF = {
+    "path": [["d", "w"]],
+    "type": "array",
+    "kind": "jax",
+    "shape": [4],
+    "dtype": "uint8",
+    "key_impl": None,
+    "sharding": None,
+}
 OLD_FORMATS = {
-    1: {"format_version": 1, "step": 7, "num_processes": 1, "created_unix": 0.0, "writer_version": "0.1.0",
-        "metadata": {}, "leaves": [{**_OLD_LEAF, "chunks": [
-            {"box": [[0, 4]], "key": "steps/a/p0.fck", "offset": 0, "length": 4, "raw_length": 4, "codec": "raw",
-             "crc32c": 1, "raw_crc32c": 1}]}]},
-    2: {"format_version": 2, "step": 7, "num_processes": 1, "created_unix": 0.0, "writer_version": "0.1.0",
-        "metadata": {}, "objects": ["steps/a/p0.fck"], "leaves": [{**_OLD_LEAF, "chunks": {
-            "grid": [[0, 4]], "object": [0], "offset": [0], "length": [4], "codec": "raw", "crc32c": [1],
-            "raw_crc32c": [1]}}]},
+    1: {
+        "format_version": 1,
+        "step": 7,
+        "num_processes": 1,
+        "created_unix": 0.0,
+        "writer_version": "0.1.0",
+        "metadata": {},
+        "leaves": [
+            {
+                **_OLD_LEAF,
+                "chunks": [
+                    {
+                        "box": [[0, 4]],
+                        "key": "steps/a/p0.fck",
+                        "offset": 0,
+                        "length": 4,
+                        "raw_length": 4,
+                        "codec": "raw",
+                        "crc32c": 1,
+                        "raw_crc32c": 1,
+                    }
+                ],
+            }
+        ],
+    },
+    2: {
+        "format_version": 2,
+        "step": 7,
+        "num_processes": 1,
+        "created_unix": 0.0,
+        "writer_version": "0.1.0",
+        "metadata": {},
+        "objects": ["steps/a/p0.fck"],
+        "leaves": [
+            {
+                **_OLD_LEAF,
+                "chunks": {
+                    "grid": [[0, 4]],
+                    "object": [0],
+                    "offset": [0],
+                    "length": [4],
+                    "codec": "raw",
+                    "crc32c": [1],
+                    "raw_crc32c": [1],
+                },
+            }
+        ],
+    },
 }
 
 
 @pytest.mark.parametrize("version", sorted(OLD_FORMATS))
 @pytest.mark.parametrize("sealed", [True, False])
-def test_a_manifest_of_an_earlier_format_is_refused_by_its_version(version: int, sealed: bool) -> None:
+def test_a_manifest_of_an_earlier_format_is_refused_by_its_version(
+    version: int, sealed: bool
+) -> None:
     """Formats 1 and 2, checksummed as their writer stored them or not: the version is
     refused before anything else is read."""
     doc = OLD_FORMATS[version]
     data = seal_document(doc) if sealed else json.dumps(doc).encode()
-    with pytest.raises(UnsupportedFormatVersionError, match=f"format_version {version} is not supported"):
+    with pytest.raises(
+        UnsupportedFormatVersionError, match=f"format_version {version} is not supported"
+    ):
         decode_manifest(data)
 
 
@@ -241,7 +330,7 @@ def test_a_manifest_without_its_checksum_is_refused() -> None:
     it (no manifest is taken on trust)."""
     data = encode_manifest(base_manifest())
     assert data.startswith(b'{"manifest_crc32c":') and decode_manifest(data) == base_manifest()
-    for unsealed in (json.dumps(base_doc()).encode(), b"{" + data[data.index(b",") + 1:]):
+    for unsealed in (json.dumps(base_doc()).encode(), b"{" + data[data.index(b",") + 1 :]):
         with pytest.raises(ManifestError, match="no manifest_crc32c") as info:
             decode_manifest(unsealed)
         assert not isinstance(info.value, UnsupportedFormatVersionError)
@@ -266,12 +355,21 @@ def test_a_wrong_checksum_is_refused_wherever_the_field_stands() -> None:
 
 @pytest.mark.parametrize(
     "data",
-    [b"", b"{", b"[]", b"null", b"42", b'"x"', b"\xff\xfe", b'{"format_version": 3}',
-     b'{"format_version": 3, "step": NaN, "leaves": []}',
-     b'{"format_version": 3, "step": 1, "leaves": [], "created_unix": Infinity}',
-     b'{"format_version": 3, "step": 1, "leaves": [], "metadata": {"x": -Infinity}}',
-     b"[" * 100_000 + b"]" * 100_000,
-     b'{"format_version": 3, "step": ' + b"[" * 5000 + b"]" * 5000 + b', "leaves": []}'],
+    [
+        b"",
+        b"{",
+        b"[]",
+        b"null",
+        b"42",
+        b'"x"',
+        b"\xff\xfe",
+        b'{"format_version": 3}',
+        b'{"format_version": 3, "step": NaN, "leaves": []}',
+        b'{"format_version": 3, "step": 1, "leaves": [], "created_unix": Infinity}',
+        b'{"format_version": 3, "step": 1, "leaves": [], "metadata": {"x": -Infinity}}',
+        b"[" * 100_000 + b"]" * 100_000,
+        b'{"format_version": 3, "step": ' + b"[" * 5000 + b"]" * 5000 + b', "leaves": []}',
+    ],
     ids=lambda d: repr(d[:24]),
 )
 def test_non_manifest_bytes(data: bytes) -> None:
@@ -313,7 +411,9 @@ def _locations(doc: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
 _NASTY = st.one_of(
     json_values(max_leaves=4),
     st.integers(-(2**70), 2**70),
-    st.sampled_from(["../x", "/abs", "", "nan", "inf", "raw", "zstd", "prng_key", "value", "array", "float32"]),
+    st.sampled_from(
+        ["../x", "/abs", "", "nan", "inf", "raw", "zstd", "prng_key", "value", "array", "float32"]
+    ),
     st.lists(st.lists(st.integers(-3, 10), max_size=3), max_size=3),
 )
 
@@ -372,7 +472,9 @@ def test_fuzz_bytes(data: st.DataObject) -> None:
         i = data.draw(st.integers(0, len(raw)))
         raw[i:i] = data.draw(st.binary(min_size=1, max_size=8))
     if bytes(raw) != original and _check_decode(bytes(raw)):
-        assert decode_manifest(bytes(raw)) == base_manifest()  # only a change JSON ignores (whitespace)
+        assert (
+            decode_manifest(bytes(raw)) == base_manifest()
+        )  # only a change JSON ignores (whitespace)
     try:
         doc = json.loads(bytes(raw))
     except (ValueError, RecursionError):
@@ -416,8 +518,12 @@ def test_unsupported_dtypes_refused() -> None:
             dtype_name(dt)
 
 
-@given(st.integers(0, 10**12 - 1), st.text("0123456789abcdef", min_size=1, max_size=12), st.integers(0, 99999),
-       st.integers(0, 99999))
+@given(
+    st.integers(0, 10**12 - 1),
+    st.text("0123456789abcdef", min_size=1, max_size=12),
+    st.integers(0, 99999),
+    st.integers(0, 99999),
+)
 def test_layout_keys(step: int, save_id: str, process: int, n: int) -> None:
     assert step_from_manifest_key(manifest_key(step)) == step
     for key in (data_key(step, save_id, process, n), fragment_key(step, save_id, process)):

@@ -7,8 +7,8 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from fastckpt.testing import _hosts_net
@@ -19,19 +19,29 @@ NETCAT = str(Path(__file__).with_name("_netcat.py"))
 
 def listen(host: Host, mode: str, port: int) -> subprocess.Popen[str]:
     """Start ``_netcat.py MODE PORT`` in ``host``; returns once it listens."""
-    proc = host.popen([sys.executable, "-I", NETCAT, mode, str(port)], stdout=subprocess.PIPE,
-                      stderr=subprocess.PIPE, text=True)
+    proc = host.popen(
+        [sys.executable, "-I", NETCAT, mode, str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout is not None
     line = proc.stdout.readline()
-    assert line == "listening\n", (line, proc.communicate(timeout=5) if proc.poll() is not None
-                                    else "")
+    assert line == "listening\n", (
+        line,
+        proc.communicate(timeout=5) if proc.poll() is not None else "",
+    )
     return proc
 
 
 def netcat(host: Host, *args: object, timeout: float = 60) -> str:
     """Run ``_netcat.py ARGS`` in ``host`` to completion; its stdout."""
-    done = host.run([sys.executable, "-I", NETCAT, *map(str, args)], timeout=timeout,
-                    capture_output=True, text=True)
+    done = host.run(
+        [sys.executable, "-I", NETCAT, *map(str, args)],
+        timeout=timeout,
+        capture_output=True,
+        text=True,
+    )
     return str(done.stdout)
 
 
@@ -57,8 +67,12 @@ def root_state() -> dict[str, Any]:
     links = sorted(line.split(":")[1].strip() for line in ip("link", "show"))
     with open("/proc/self/mountinfo") as f:
         mounts = sorted(f.read().splitlines())
-    return {"links": links, "addrs": ip("addr", "show"), "routes": ip("route", "show"),
-            "mounts": mounts}
+    return {
+        "links": links,
+        "addrs": ip("addr", "show"),
+        "routes": ip("route", "show"),
+        "mounts": mounts,
+    }
 
 
 def alive(pid: int) -> bool:

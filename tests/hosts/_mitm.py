@@ -19,11 +19,13 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the checkout, for tests.support
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[2])
+)  # run as a script: the checkout, for tests.support
 
-from fastckpt._checksum import crc32c  # noqa: E402
-from fastckpt.replicas._wire import MsgType  # noqa: E402
-from tests.support.peer_relay import PeerRelay, RelayedFrame, forge_crc32c  # noqa: E402
+from fastckpt._checksum import crc32c
+from fastckpt.replicas._wire import MsgType
+from tests.support.peer_relay import PeerRelay, RelayedFrame, forge_crc32c
 
 _REPLIES = {MsgType.CHUNKS, MsgType.RANGES, MsgType.CHUNK, MsgType.MANIFEST}
 
@@ -49,9 +51,13 @@ def main(bind: str, port: str, upstream_host: str, upstream_port: str, control: 
     def tamper(f: RelayedFrame) -> list[bytes]:
         forged = None
         if f.payload:
-            if f.direction == "up" and f.type is MsgType.PUT_CHUNKS and (ctl / "tamper-pushes").exists():
+            if (
+                f.direction == "up"
+                and f.type is MsgType.PUT_CHUNKS
+                and (ctl / "tamper-pushes").exists()
+            ):
                 h = f.json()
-                forged = _forged(f.payload[h["ids_len"]:], h["lengths"][0])
+                forged = _forged(f.payload[h["ids_len"] :], h["lengths"][0])
                 forged = None if forged is None else f.payload[: h["ids_len"]] + forged
                 kind = "forged_pushes"
             elif f.direction == "down" and f.type in _REPLIES and (ctl / "tamper-replies").exists():

@@ -17,9 +17,16 @@ def main() -> None:
     for host in hosts:
         host.popen(["sh", "-c", "echo x > /dev/shm/ram-tier; sleep 600 & sleep 600"])
     time.sleep(0.2)  # the background sleeps start
-    print(json.dumps({"shared_dir": str(hosts.shared_dir),
-                      "netns": [h._netns for h in hosts],
-                      "pids": [p for h in hosts for p in h.pids()]}), flush=True)
+    print(
+        json.dumps(
+            {
+                "shared_dir": str(hosts.shared_dir),
+                "netns": [h._netns for h in hosts],
+                "pids": [p for h in hosts for p in h.pids()],
+            }
+        ),
+        flush=True,
+    )
     time.sleep(600)
 
 

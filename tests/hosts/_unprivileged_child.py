@@ -28,8 +28,16 @@ def main(repo: str, mode: str) -> None:
         for host in hosts:
             host.popen(["sh", "-c", "echo x > /dev/shm/tier; sleep 600 & sleep 600"])
         time.sleep(0.2)
-        print(json.dumps({"netns": [h._netns for h in hosts], "shared_dir": str(hosts.shared_dir),
-                          "pids": [p for h in hosts for p in h.pids()]}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "netns": [h._netns for h in hosts],
+                    "shared_dir": str(hosts.shared_dir),
+                    "pids": [p for h in hosts for p in h.pids()],
+                }
+            ),
+            flush=True,
+        )
         time.sleep(600)
 
     report: dict[str, object] = {"uid": os.getuid(), "reason": hosts_unavailable_reason()}
@@ -38,19 +46,28 @@ def main(repo: str, mode: str) -> None:
         report["start_s"] = time.monotonic() - t0
         report["userns"] = hosts.userns
         a, b = hosts
-        server = ("import socket; s = socket.socket(); s.bind(('', 7201)); s.listen(); print('up',"
-                  " flush=True); c, _ = s.accept(); c.sendall(c.recv(64).upper())")
+        server = (
+            "import socket; s = socket.socket(); s.bind(('', 7201)); s.listen(); print('up',"
+            " flush=True); c, _ = s.accept(); c.sendall(c.recv(64).upper())"
+        )
         proc = b.popen([sys.executable, "-I", "-c", server], stdout=-1, text=True)
         assert proc.stdout is not None and proc.stdout.readline() == "up\n"
-        client = ("import socket, sys; c = socket.create_connection((sys.argv[1], 7201));"
-                  " c.sendall(b'ping'); print(c.recv(64).decode(), socket.gethostname())")
-        out = a.run([sys.executable, "-I", "-c", client, b.hostname], timeout=30,
-                    capture_output=True, text=True).stdout.split()
+        client = (
+            "import socket, sys; c = socket.create_connection((sys.argv[1], 7201));"
+            " c.sendall(b'ping'); print(c.recv(64).decode(), socket.gethostname())"
+        )
+        out = a.run(
+            [sys.executable, "-I", "-c", client, b.hostname],
+            timeout=30,
+            capture_output=True,
+            text=True,
+        ).stdout.split()
         proc.wait(timeout=30)
         report["reply"], report["hostname"] = out
         a.run(["sh", "-c", "echo x > /dev/shm/tier"], timeout=30)
-        report["shm_apart"] = b.run(["test", "-e", "/dev/shm/tier"], timeout=30,
-                                    check=False).returncode == 1
+        report["shm_apart"] = (
+            b.run(["test", "-e", "/dev/shm/tier"], timeout=30, check=False).returncode == 1
+        )
         report["netns"] = [h._netns for h in hosts]
         report["pids"] = [p for h in hosts for p in h.pids()]
         report["shared_dir"] = str(hosts.shared_dir)

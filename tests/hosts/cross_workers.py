@@ -65,8 +65,15 @@ def _causes(e: BaseException | None) -> list[str]:
     return out
 
 
-def _options(ram_root: str, member: str, barrier_s: float, secret: bytes, host: str | None, port: int,
-             replicas: int) -> Any:
+def _options(
+    ram_root: str,
+    member: str,
+    barrier_s: float,
+    secret: bytes,
+    host: str | None,
+    port: int,
+    replicas: int,
+) -> Any:
     from fastckpt.options import (
         DistributedOptions,
         ManagerOptions,
@@ -82,9 +89,19 @@ def _options(ram_root: str, member: str, barrier_s: float, secret: bytes, host: 
         restore=RestoreOptions(min_range_saving_bytes=1),
         retention=RetentionOptions(keep_last=None),
         distributed=DistributedOptions(barrier_timeout_s=barrier_s),
-        ram=RamOptions(root=ram_root, member_id=member, interval_steps=10, budget_bytes=64 << 20, replicas=replicas,
-                       secret=secret, host=host, port=port, discovery_timeout_s=30, peer_connect_timeout_s=3,
-                       peer_io_timeout_s=5),
+        ram=RamOptions(
+            root=ram_root,
+            member_id=member,
+            interval_steps=10,
+            budget_bytes=64 << 20,
+            replicas=replicas,
+            secret=secret,
+            host=host,
+            port=port,
+            discovery_timeout_s=30,
+            peer_connect_timeout_s=3,
+            peer_io_timeout_s=5,
+        ),
     )
 
 
@@ -94,7 +111,9 @@ def _store(endpoint: str, prefix: str, control: Path, hold_process: int | None) 
     from fastckpt.storage import GcsOptions, GcsStore
     from tests.support.wrapping import ForwardingStore
 
-    store = GcsStore(BUCKET, prefix, options=GcsOptions(endpoint=endpoint, connect_timeout_s=3, read_timeout_s=5))
+    store = GcsStore(
+        BUCKET, prefix, options=GcsOptions(endpoint=endpoint, connect_timeout_s=3, read_timeout_s=5)
+    )
     if hold_process != jax.process_index():
         return store
 
@@ -112,9 +131,21 @@ def _store(endpoint: str, prefix: str, control: Path, hold_process: int | None) 
     return Holding(store)
 
 
-def scripted(*, control: str, endpoint: str, prefix: str, ram_root: str, member: str, barrier_s: float = 30.0,
-             secret_hex: str | None = None, host: str | None = None, port: int = 0, replicas: int = 1,
-             hold_process: int | None = None, advertise_via: str | None = None) -> dict[str, Any]:
+def scripted(
+    *,
+    control: str,
+    endpoint: str,
+    prefix: str,
+    ram_root: str,
+    member: str,
+    barrier_s: float = 30.0,
+    secret_hex: str | None = None,
+    host: str | None = None,
+    port: int = 0,
+    replicas: int = 1,
+    hold_process: int | None = None,
+    advertise_via: str | None = None,
+) -> dict[str, Any]:
     """Run the test's commands (see the module docstring) until ``exit``; returns a summary.
 
     ``advertise_via``: publish this host's peer address as that host instead of its own (the
@@ -140,7 +171,9 @@ def scripted(*, control: str, endpoint: str, prefix: str, ram_root: str, member:
     make = mp._generator(mp._shardings(mesh, layout))
     store = _store(endpoint, prefix, ctl, hold_process)
     try:
-        mgr = CheckpointManager(store, options=_options(ram_root, member, barrier_s, secret, host, port, replicas))
+        mgr = CheckpointManager(
+            store, options=_options(ram_root, member, barrier_s, secret, host, port, replicas)
+        )
     except FastckptError as e:
         summary["start_error"] = {"type": type(e).__name__, "message": str(e), "t": time.time()}
         return summary
@@ -154,7 +187,9 @@ def scripted(*, control: str, endpoint: str, prefix: str, ram_root: str, member:
                 time.sleep(0.01)
             cmd = json.loads(cmd_path.read_text())
             res: dict[str, Any] = {"op": cmd["op"], "t_start": time.time()}
-            faulthandler.dump_traceback_later(75)  # a command stuck this long shows every thread's stack
+            faulthandler.dump_traceback_later(
+                75
+            )  # a command stuck this long shows every thread's stack
             try:
                 if cmd["op"] == "exit":
                     faulthandler.cancel_dump_traceback_later()
@@ -169,21 +204,37 @@ def scripted(*, control: str, endpoint: str, prefix: str, ram_root: str, member:
                     res["tiers"] = list(mgr.last_save_stats.tiers)
                 elif cmd["op"] == "replicated":
                     reports = mgr.wait_replication(30)
-                    res["reports"] = [{"step": r.step, "ok": r.ok, "targets": list(r.targets),
-                                       "errors": {k: str(v)[:300] for k, v in r.errors.items()}} for r in reports]
-                elif cmd["op"] == "sync":  # after a partition heals: wait until the coordinator answers again
+                    res["reports"] = [
+                        {
+                            "step": r.step,
+                            "ok": r.ok,
+                            "targets": list(r.targets),
+                            "errors": {k: str(v)[:300] for k, v in r.errors.items()},
+                        }
+                        for r in reports
+                    ]
+                elif (
+                    cmd["op"] == "sync"
+                ):  # after a partition heals: wait until the coordinator answers again
                     from jax._src import distributed
 
                     assert distributed.global_state.client is not None
-                    distributed.global_state.client.wait_at_barrier(f"test-sync-{n}", int(cmd["wait_s"] * 1000))
+                    distributed.global_state.client.wait_at_barrier(
+                        f"test-sync-{n}", int(cmd["wait_s"] * 1000)
+                    )
                 elif cmd["op"] == "restore":
                     res.update(_restore(mgr, mp))
                 else:
                     raise ValueError(f"unknown op {cmd['op']!r}")
                 res["ok"] = True
             except Exception as e:  # reported to the test, which judges it
-                res.update(ok=False, error=type(e).__name__, causes=_causes(e), message=str(e)[:2000],
-                           traceback=traceback.format_exc()[-3000:])
+                res.update(
+                    ok=False,
+                    error=type(e).__name__,
+                    causes=_causes(e),
+                    message=str(e)[:2000],
+                    traceback=traceback.format_exc()[-3000:],
+                )
             faulthandler.cancel_dump_traceback_later()
             res["t_end"] = time.time()
             _write_json(ctl / f"res-{n}-{me}.json", res)
@@ -200,8 +251,10 @@ def _restore(mgr: Any, mp: Any) -> dict[str, Any]:
     mesh = mp._mesh((jax.process_count(), jax.local_device_count()))
     layout = "save4x2" if jax.process_count() == 4 else "resize3x2"
     shardings = mp._shardings(mesh, layout)
-    target: dict[str, Any] = {name: jax.ShapeDtypeStruct(shape, dtype, sharding=shardings[name])
-                              for name, (shape, dtype) in mp.ARRAYS.items()}
+    target: dict[str, Any] = {
+        name: jax.ShapeDtypeStruct(shape, dtype, sharding=shardings[name])
+        for name, (shape, dtype) in mp.ARRAYS.items()
+    }
     target["step"] = 0
     t0 = time.perf_counter()
     got = mgr.restore(target=target)
@@ -214,8 +267,15 @@ def _restore(mgr: Any, mp: Any) -> dict[str, Any]:
         for shard in got[name].addressable_shards:
             data = np.asarray(shard.data)
             want = full[shard.index]
-            assert data.tobytes() == want.tobytes(), f"step {step}: {name} shard {shard.index} differs"
+            assert data.tobytes() == want.tobytes(), (
+                f"step {step}: {name} shard {shard.index} differs"
+            )
             checked += 1
-    return {"step": step, "checked_shards": checked, "bytes_by_tier": dict(stats.bytes_by_tier),
-            "bytes_read_storage": stats.bytes_read_storage, "restored_bytes": stats.restored_bytes,
-            "seconds": seconds}
+    return {
+        "step": step,
+        "checked_shards": checked,
+        "bytes_by_tier": dict(stats.bytes_by_tier),
+        "bytes_read_storage": stats.bytes_read_storage,
+        "restored_bytes": stats.restored_bytes,
+        "seconds": seconds,
+    }

@@ -52,20 +52,45 @@ def cluster() -> Iterator[tuple[SimulatedHosts, GcsEmulator]]:
 class Job:
     """A scripted job (``cross_workers.scripted``) on some hosts, driven command by command."""
 
-    def __init__(self, hosts: SimulatedHosts, on: list[Host], name: str, emulator: GcsEmulator, *,
-                 prefix: str, barrier_s: float = 30.0, per_process: list[dict[str, Any]] | None = None,
-                 timeout_s: float = 240) -> None:
+    def __init__(
+        self,
+        hosts: SimulatedHosts,
+        on: list[Host],
+        name: str,
+        emulator: GcsEmulator,
+        *,
+        prefix: str,
+        barrier_s: float = 30.0,
+        per_process: list[dict[str, Any]] | None = None,
+        timeout_s: float = 240,
+    ) -> None:
         self.control = hosts.shared_dir / name
         self.control.mkdir()
         self.n = 0
         self.size = len(on)
-        kwargs = [{"control": str(self.control), "endpoint": emulator.endpoint, "prefix": prefix,
-                   "ram_root": f"/dev/shm/fastckpt/{prefix}", "member": h.name, "barrier_s": barrier_s,
-                   **(per_process[i] if per_process else {})} for i, h in enumerate(on)]
+        kwargs = [
+            {
+                "control": str(self.control),
+                "endpoint": emulator.endpoint,
+                "prefix": prefix,
+                "ram_root": f"/dev/shm/fastckpt/{prefix}",
+                "member": h.name,
+                "barrier_s": barrier_s,
+                **(per_process[i] if per_process else {}),
+            }
+            for i, h in enumerate(on)
+        ]
         self._pool = ThreadPoolExecutor(1)
         self.future: Future[list[ProcessOutcome]] = self._pool.submit(
-            run_processes, f"{WORKERS}:scripted", num_processes=len(on), devices_per_process=2, kwargs=kwargs,
-            hosts=on, timeout_s=timeout_s, check=False)
+            run_processes,
+            f"{WORKERS}:scripted",
+            num_processes=len(on),
+            devices_per_process=2,
+            kwargs=kwargs,
+            hosts=on,
+            timeout_s=timeout_s,
+            check=False,
+        )
 
     def send(self, op: str, **args: Any) -> int:
         n, self.n = self.n, self.n + 1
@@ -77,8 +102,10 @@ class Job:
         paths = [self.control / f"res-{n}-{i}.json" for i in range(self.size)]
         while not all(p.exists() for p in paths):
             if self.future.done() or time.monotonic() > deadline:
-                raise AssertionError(f"command {n}: results {[p.exists() for p in paths]}\n{self._describe()}"
-                                     f"{self._stderr_tails()}")
+                raise AssertionError(
+                    f"command {n}: results {[p.exists() for p in paths]}\n{self._describe()}"
+                    f"{self._stderr_tails()}"
+                )
             time.sleep(0.02)
         return [json.loads(p.read_text()) for p in paths]
 
@@ -104,13 +131,18 @@ class Job:
     def _describe(self, outcomes: list[ProcessOutcome] | None = None) -> str:
         if outcomes is None and self.future.done():
             outcomes = self.future.result()
-        return "\n".join(f"p{o.process_id} rc={o.returncode} error={o.error}\n{o.stderr[-3000:]}"
-                         for o in outcomes or [])
+        return "\n".join(
+            f"p{o.process_id} rc={o.returncode} error={o.error}\n{o.stderr[-3000:]}"
+            for o in outcomes or []
+        )
 
 
 def _ok(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    bad = [(i, r.get("error"), r.get("message"), r.get("traceback", "")[-1500:])
-           for i, r in enumerate(results) if not r.get("ok")]
+    bad = [
+        (i, r.get("error"), r.get("message"), r.get("traceback", "")[-1500:])
+        for i, r in enumerate(results)
+        if not r.get("ok")
+    ]
     assert not bad, "\n".join(map(str, bad))
     return results
 
@@ -119,7 +151,9 @@ def _gcs_sent(hosts: SimulatedHosts) -> int:
     return hosts[4].link_bytes()[1]  # what the emulator's host sent on its link
 
 
-def test_a_lost_host_is_restored_from_peers_with_zero_gcs_bytes(cluster: tuple[SimulatedHosts, GcsEmulator]) -> None:
+def test_a_lost_host_is_restored_from_peers_with_zero_gcs_bytes(
+    cluster: tuple[SimulatedHosts, GcsEmulator],
+) -> None:
     hosts, emulator = cluster
     job = Job(hosts, hosts.hosts[:4], "loss-train", emulator, prefix="loss")
     _ok(job.do("save", step=5, force=True))
@@ -128,7 +162,9 @@ def test_a_lost_host_is_restored_from_peers_with_zero_gcs_bytes(cluster: tuple[S
     pushed = _ok(job.do("replicated"))
     assert all(r["reports"][-1]["step"] == 20 and r["reports"][-1]["ok"] for r in pushed), pushed
     summaries = [o.value for o in job.finish()]
-    for i, s in enumerate(summaries):  # each host advertised its own switch address, found by default
+    for i, s in enumerate(
+        summaries
+    ):  # each host advertised its own switch address, found by default
         assert s["advertised"][0] == hosts[i].address, s
         assert s["hostname"] == hosts[i].hostname
     hosts[3].kill()  # the machine is lost with its tmpfs
@@ -142,16 +178,23 @@ def test_a_lost_host_is_restored_from_peers_with_zero_gcs_bytes(cluster: tuple[S
     for r in restored:
         assert r["step"] == 20 and r["checked_shards"] == 10 and r["bytes_read_storage"] == 0, r
     replaced = restored[3]["bytes_by_tier"]
-    assert "ram" not in replaced and replaced.get("peer:host0", 0) > 0, replaced  # from its ring successor
+    assert "ram" not in replaced and replaced.get("peer:host0", 0) > 0, (
+        replaced
+    )  # from its ring successor
     assert all("ram" in r["bytes_by_tier"] for r in restored[:3]), restored
     assert gcs_bytes < GCS_CONTROL_BYTES, gcs_bytes  # listings only: no chunk came from GCS
 
     before = _gcs_sent(hosts)
-    job = Job(hosts, hosts.hosts[:3], "loss-restore3", emulator, prefix="loss")  # resized: 3 x 2 devices
+    job = Job(
+        hosts, hosts.hosts[:3], "loss-restore3", emulator, prefix="loss"
+    )  # resized: 3 x 2 devices
     restored = _ok(job.do("restore"))
     job.finish()
     gcs_bytes = _gcs_sent(hosts) - before
-    assert all(r["step"] == 20 and r["bytes_read_storage"] == 0 and r["checked_shards"] == 10 for r in restored)
+    assert all(
+        r["step"] == 20 and r["bytes_read_storage"] == 0 and r["checked_shards"] == 10
+        for r in restored
+    )
     assert gcs_bytes < GCS_CONTROL_BYTES, gcs_bytes
     print(f"GCS bytes sent during the restores: {gcs_bytes} (state {STATE_BYTES})")
 
@@ -166,8 +209,9 @@ def _failed_in_time(results: list[dict[str, Any]], t_cut: float) -> list[float]:
     took = []
     for i, r in enumerate(results):
         assert not r["ok"], (i, r)
-        assert r["error"] == "SaveError" and any(c in ("BarrierTimeoutError", "DistributedError")
-                                                 for c in r["causes"]), (i, r)
+        assert r["error"] == "SaveError" and any(
+            c in ("BarrierTimeoutError", "DistributedError") for c in r["causes"]
+        ), (i, r)
         took.append(r["t_end"] - max(t_cut, r["t_start"]))
     assert max(took) < BARRIER_S + MARGIN_S, took
     return took
@@ -182,11 +226,19 @@ def _sync(job: Job) -> float:
 
 
 def test_a_partitioned_host_fails_every_save_in_time_and_the_job_goes_on(
-        cluster: tuple[SimulatedHosts, GcsEmulator]) -> None:
+    cluster: tuple[SimulatedHosts, GcsEmulator],
+) -> None:
     hosts, emulator = cluster
     victim = hosts[2]
-    job = Job(hosts, hosts.hosts[:4], "partition", emulator, prefix="partition", barrier_s=BARRIER_S,
-              per_process=[{"hold_process": 2}] * 4)
+    job = Job(
+        hosts,
+        hosts.hosts[:4],
+        "partition",
+        emulator,
+        prefix="partition",
+        barrier_s=BARRIER_S,
+        per_process=[{"hold_process": 2}] * 4,
+    )
     _ok(job.do("save", step=5, force=True))
     _ok(job.do("save", step=10))
     _ok(job.do("replicated"))
@@ -227,13 +279,18 @@ def test_a_partitioned_host_fails_every_save_in_time_and_the_job_goes_on(
     summaries = [o.value for o in job.finish()]  # every process exited 0: none hung or was aborted
     assert all(s["persistent_steps"] == [5, 35] for s in summaries), summaries
     assert all(20 not in s["ram_steps"] and 30 in s["ram_steps"] for s in summaries), summaries
-    print(f"partitioned RAM save failed after {[round(t, 2) for t in ram_took]} s; commit round after "
-          f"{[round(t, 2) for t in commit_took]} s (barrier_timeout_s {BARRIER_S}); the coordinator answered "
-          f"the healed host again after {[round(t, 2) for t in recovered]} s")
+    print(
+        f"partitioned RAM save failed after {[round(t, 2) for t in ram_took]} s; commit round "
+        "after "
+        f"{[round(t, 2) for t in commit_took]} s (barrier_timeout_s {BARRIER_S}); the coordinator "
+        "answered "
+        f"the healed host again after {[round(t, 2) for t in recovered]} s"
+    )
 
 
 def test_a_host_advertising_loopback_fails_the_start_on_every_process(
-        cluster: tuple[SimulatedHosts, GcsEmulator]) -> None:
+    cluster: tuple[SimulatedHosts, GcsEmulator],
+) -> None:
     hosts, emulator = cluster
     per = [{"host": "127.0.0.1"} if i == 2 else {} for i in range(4)]
     t0 = time.monotonic()
@@ -252,7 +309,8 @@ VICTIM_PORT = 47101
 
 
 def test_a_man_in_the_middle_on_the_switch_never_changes_restored_state(
-        cluster: tuple[SimulatedHosts, GcsEmulator]) -> None:
+    cluster: tuple[SimulatedHosts, GcsEmulator],
+) -> None:
     """Every peer's connection to host1 goes through a man-in-the-middle host (host1's record
     names the mitm's address; the mitm relays to host1). It rewrites pushed chunks, then
     chunk and manifest replies, keeping every crc32c valid. With k=2, host0's chunks also
@@ -262,12 +320,28 @@ def test_a_man_in_the_middle_on_the_switch_never_changes_restored_state(
     mitm = hosts.add_host("mitm")
     control = hosts.shared_dir / "mitm"
     control.mkdir()
-    relay = mitm.popen([sys.executable, MITM, mitm.address, str(VICTIM_PORT), hosts[1].address, str(VICTIM_PORT),
-                        str(control)], stdout=subprocess.PIPE, text=True)
+    relay = mitm.popen(
+        [
+            sys.executable,
+            MITM,
+            mitm.address,
+            str(VICTIM_PORT),
+            hosts[1].address,
+            str(VICTIM_PORT),
+            str(control),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert relay.stdout is not None and relay.stdout.readline() == "listening\n"
-        per = [{"replicas": 2, **({"port": VICTIM_PORT, "advertise_via": mitm.address} if i == 1 else {})}
-               for i in range(4)]
+        per = [
+            {
+                "replicas": 2,
+                **({"port": VICTIM_PORT, "advertise_via": mitm.address} if i == 1 else {}),
+            }
+            for i in range(4)
+        ]
         job = Job(hosts, hosts.hosts[:4], "mitm-train", emulator, prefix="mitm", per_process=per)
         _ok(job.do("save", step=5, force=True))
         _ok(job.do("save", step=10))
@@ -292,7 +366,9 @@ def test_a_man_in_the_middle_on_the_switch_never_changes_restored_state(
         restored = _ok(job.do("restore"))
         job.finish()
         counts = json.loads((control / "mitm.json").read_text())
-        assert counts["forged_replies"] >= 1, counts  # host0 asked host1 (its first successor) first
+        assert counts["forged_replies"] >= 1, (
+            counts
+        )  # host0 asked host1 (its first successor) first
         for r in restored:
             assert r["step"] == 30 and r["checked_shards"] == 10 and r["bytes_read_storage"] == 0, r
         assert restored[0]["bytes_by_tier"].get("peer:host2", 0) > 0, restored[0]

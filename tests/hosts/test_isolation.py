@@ -39,11 +39,14 @@ def test_hosts_talk_by_address_and_by_name_and_know_their_own() -> None:
             netcat(hosts[0], "send", target, 7001, 100_000)
             out, _ = server.communicate(timeout=30)
             assert '"bytes": 100000' in out, (target, out)
-        code = ("import socket; n = socket.gethostname(); "
-                "print(n, socket.gethostbyname(n), socket.getfqdn())")
+        code = (
+            "import socket; n = socket.gethostname(); "
+            "print(n, socket.gethostbyname(n), socket.getfqdn())"
+        )
         for host in hosts:
-            out = host.run([sys.executable, "-I", "-c", code], timeout=30, capture_output=True,
-                           text=True).stdout.split()
+            out = host.run(
+                [sys.executable, "-I", "-c", code], timeout=30, capture_output=True, text=True
+            ).stdout.split()
             assert out[:2] == [host.hostname, host.address], out  # what gloo advertises
 
 
@@ -54,8 +57,11 @@ def test_hosts_reach_nothing_outside_and_the_caller_gets_no_interface() -> None:
     listener.listen(8)
     listener.setblocking(False)
     port = listener.getsockname()[1]
-    machine = [a.split()[3].split("/")[0] for a in before["addrs"]
-               if " inet " in a and not a.split()[3].startswith("127.")]
+    machine = [
+        a.split()[3].split("/")[0]
+        for a in before["addrs"]
+        if " inet " in a and not a.split()[3].startswith("127.")
+    ]
     assert machine, before["addrs"]  # the machine's own addresses, reachable from here
     try:
         with SimulatedHosts(2) as hosts:
@@ -66,15 +72,34 @@ def test_hosts_reach_nothing_outside_and_the_caller_gets_no_interface() -> None:
             assert sorted(line.split()[1] for line in addrs.splitlines()) == ["eth0", "lo"]
             assert "inet6" not in addrs and " inet " in addrs
             assert [line.split() for line in routes.splitlines()] == [  # no default route
-                [str(hosts.subnet), "dev", "eth0", "proto", "kernel", "scope", "link", "src",
-                 hosts[0].address]
+                [
+                    str(hosts.subnet),
+                    "dev",
+                    "eth0",
+                    "proto",
+                    "kernel",
+                    "scope",
+                    "link",
+                    "src",
+                    hosts[0].address,
+                ]
             ], routes
             assert hosts.subnet.is_private
             for address in ["127.0.0.1", *machine]:
-                code = (f"import socket\ntry:\n socket.create_connection(({address!r}, {port}),"
-                        f" timeout=3)\n print('connected')\nexcept OSError as e:\n print(e)")
-                out = hosts[0].run([sys.executable, "-I", "-c", code], timeout=30,
-                                   capture_output=True, text=True).stdout
+                code = (
+                    f"import socket\ntry:\n socket.create_connection(({address!r}, {port}),"
+                    f" timeout=3)\n print('connected')\nexcept OSError as e:\n print(e)"
+                )
+                out = (
+                    hosts[0]
+                    .run(
+                        [sys.executable, "-I", "-c", code],
+                        timeout=30,
+                        capture_output=True,
+                        text=True,
+                    )
+                    .stdout
+                )
                 assert "connected" not in out, (address, out)
             with pytest.raises(BlockingIOError):
                 listener.accept()  # nothing ever arrived here
@@ -86,9 +111,13 @@ def test_hosts_reach_nothing_outside_and_the_caller_gets_no_interface() -> None:
 def test_a_process_runs_in_its_host_with_the_given_environment_and_cwd() -> None:
     with SimulatedHosts(1) as hosts:
         (hosts.shared_dir / "work").mkdir()
-        proc = hosts[0].popen(["sh", "-c", 'echo "$FC_X $(pwd) $(hostname)"; sleep 0.2'],
-                              env={"FC_X": "42", "PATH": "/usr/bin:/bin"},
-                              cwd=hosts.shared_dir / "work", stdout=subprocess.PIPE, text=True)
+        proc = hosts[0].popen(
+            ["sh", "-c", 'echo "$FC_X $(pwd) $(hostname)"; sleep 0.2'],
+            env={"FC_X": "42", "PATH": "/usr/bin:/bin"},
+            cwd=hosts.shared_dir / "work",
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert proc.pid in hosts[0].pids()  # nsenter exec'd: the pid is the program's
         out, _ = proc.communicate(timeout=30)
         assert out.split() == ["42", str(hosts.shared_dir / "work"), hosts[0].hostname]

@@ -21,18 +21,29 @@ WORKERS = str(Path(__file__).with_name("workers.py"))
 def test_a_jax_job_spans_hosts_and_reruns_on_the_survivors() -> None:
     with SimulatedHosts(3) as hosts:
         t0 = time.monotonic()
-        outcomes = run_processes(f"{WORKERS}:global_sum", num_processes=2, devices_per_process=2,
-                                 hosts=hosts, timeout_s=90)
+        outcomes = run_processes(
+            f"{WORKERS}:global_sum",
+            num_processes=2,
+            devices_per_process=2,
+            hosts=hosts,
+            timeout_s=90,
+        )
         first_job_s = time.monotonic() - t0
         values = [o.value for o in outcomes]
         assert [(v["hostname"], v["address"]) for v in values] == [
-            (h.hostname, h.address) for h in hosts.hosts[:2]]
+            (h.hostname, h.address) for h in hosts.hosts[:2]
+        ]
         for v in values:
             assert v["sum"] == v["expected"] and v["devices"] == 4 and v["local_devices"] == 2
         assert [v["process"] for v in values] == [0, 1]
         hosts[1].kill()  # lost; the job restarts on an explicit list of the hosts left
-        outcomes = run_processes(f"{WORKERS}:global_sum", num_processes=2, devices_per_process=2,
-                                 hosts=[hosts[0], hosts[2]], timeout_s=90)
+        outcomes = run_processes(
+            f"{WORKERS}:global_sum",
+            num_processes=2,
+            devices_per_process=2,
+            hosts=[hosts[0], hosts[2]],
+            timeout_s=90,
+        )
         assert [o.value["hostname"] for o in outcomes] == ["fc-host0", "fc-host2"]
         assert all(o.value["sum"] == o.value["expected"] for o in outcomes)
         assert [p.name for p in hosts.shared_dir.iterdir()] == [".etc-hosts"]  # jobs cleaned up
@@ -60,10 +71,15 @@ async def main():
 
 asyncio.run(main())
 """
-        put = hosts[0].run([sys.executable, "-c", code, "put", hosts[0].hostname], timeout=60,
-                           capture_output=True, text=True)
-        got = hosts[1].run([sys.executable, "-c", code, "get"], timeout=60, capture_output=True,
-                           text=True)
+        put = hosts[0].run(
+            [sys.executable, "-c", code, "put", hosts[0].hostname],
+            timeout=60,
+            capture_output=True,
+            text=True,
+        )
+        got = hosts[1].run(
+            [sys.executable, "-c", code, "get"], timeout=60, capture_output=True, text=True
+        )
         assert put.stdout.strip() == got.stdout.strip() == "from fc-host0", (put, got)
         port = int(emulator.endpoint.rsplit(":", 1)[1])
         with pytest.raises(OSError):  # this namespace has no route to the hosts

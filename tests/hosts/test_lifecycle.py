@@ -79,8 +79,10 @@ def test_an_exception_or_ctrl_c_inside_with_leaves_nothing_behind() -> None:
                 for host in hosts:
                     host.popen(["sh", "-c", "echo x > /dev/shm/x; sleep 600 & sleep 600"])
                 hosts[1].partition()
-                seen: dict[str, Any] = {"netns": [h._netns for h in hosts],
-                                        "shared_dir": str(hosts.shared_dir)}
+                seen: dict[str, Any] = {
+                    "netns": [h._netns for h in hosts],
+                    "shared_dir": str(hosts.shared_dir),
+                }
                 assert eventually(lambda: all(len(h.pids()) == 4 for h in hosts))
                 seen["pids"] = [p for h in hosts for p in h.pids()]
                 raise error()
@@ -94,9 +96,13 @@ def test_an_exception_or_ctrl_c_inside_with_leaves_nothing_behind() -> None:
 
 def test_a_sigkilled_controller_leaves_nothing_behind() -> None:
     before = root_state()
-    child = subprocess.Popen([sys.executable, str(HERE / "_sigkill_child.py")], cwd=REPO,
-                             stdout=subprocess.PIPE, text=True, env=dict(os.environ,
-                             PYTHONPATH=str(REPO)))
+    child = subprocess.Popen(
+        [sys.executable, str(HERE / "_sigkill_child.py")],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
     try:
         assert child.stdout is not None
         seen = json.loads(child.stdout.readline())
@@ -112,19 +118,27 @@ def test_a_sigkilled_controller_leaves_nothing_behind() -> None:
 def _python_for(user: list[str]) -> str:
     """A Python 3.11+ that ``user`` can run, and that can run itself again (the harness starts
     keepers with ``sys.executable``). The project's venv may live in root's home."""
-    probe = ("import subprocess, sys; assert sys.version_info >= (3, 11);"
-             " subprocess.run([sys.executable, '-I', '-S', '-c', ''], check=True)")
+    probe = (
+        "import subprocess, sys; assert sys.version_info >= (3, 11);"
+        " subprocess.run([sys.executable, '-I', '-S', '-c', ''], check=True)"
+    )
     candidates = [sys.executable, "/usr/bin/python3", shutil.which("python3") or ""]
     for python in candidates:
-        if python and subprocess.run([*user, python, "-I", "-c", probe], capture_output=True,
-                                     timeout=60, cwd="/").returncode == 0:
+        if (
+            python
+            and subprocess.run(
+                [*user, python, "-I", "-c", probe], capture_output=True, timeout=60, cwd="/"
+            ).returncode
+            == 0
+        ):
             return python
     pytest.fail(f"no Python 3.11+ that an unprivileged user can run among {candidates}")
 
 
 def test_an_unprivileged_user_gets_hosts_through_a_user_namespace() -> None:
-    nobody = [] if os.geteuid() != 0 else ["setpriv", "--reuid=65534", "--regid=65534",
-                                           "--clear-groups"]
+    nobody = (
+        [] if os.geteuid() != 0 else ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    )
     python = _python_for(nobody)
     child = [*nobody, python, "-I", "-B", str(HERE / "_unprivileged_child.py"), str(REPO)]
     before = root_state()
@@ -134,8 +148,12 @@ def test_an_unprivileged_user_gets_hosts_through_a_user_namespace() -> None:
     assert report["uid"] != 0 and report["reason"] is None and report["userns"] is True
     assert report["reply"] == "PING" and report["hostname"] == "fc-host0"
     assert report["shm_apart"] and report["closed"]
-    assert wait_for_nothing_left(5.0, netns=report["netns"], pids=report["pids"],
-                                 shared_dir=report["shared_dir"]) == []
+    assert (
+        wait_for_nothing_left(
+            5.0, netns=report["netns"], pids=report["pids"], shared_dir=report["shared_dir"]
+        )
+        == []
+    )
     # Its controller SIGKILLed: the keepers (uid nobody) still sweep their hosts.
     held = subprocess.Popen([*child, "hold"], stdout=subprocess.PIPE, text=True, cwd="/")
     try:

@@ -11,7 +11,8 @@ def global_sum() -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     mesh = Mesh(np.asarray(jax.devices()), ("x",))
     n = 8 * len(jax.devices())
@@ -19,6 +20,12 @@ def global_sum() -> dict[str, Any]:
     array = jax.make_array_from_callback((n,), NamedSharding(mesh, P("x")), lambda i: values[i])
     total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))(array)
     hostname = socket.gethostname()
-    return {"sum": float(total), "expected": float(values.sum()), "devices": len(jax.devices()),
-            "local_devices": jax.local_device_count(), "process": jax.process_index(),
-            "hostname": hostname, "address": socket.gethostbyname(hostname)}
+    return {
+        "sum": float(total),
+        "expected": float(values.sum()),
+        "devices": len(jax.devices()),
+        "local_devices": jax.local_device_count(),
+        "process": jax.process_index(),
+        "hostname": hostname,
+        "address": socket.gethostbyname(hostname),
+    }

@@ -32,15 +32,23 @@ def assert_bit_exact(expected: Any, actual: Any) -> None:
             re, ra = re[2], ra[2]
         if isinstance(re, np.ndarray):
             assert isinstance(ra, np.ndarray), f"{where}: {type(a).__name__}"
-            assert re.dtype == ra.dtype and re.shape == ra.shape, f"{where}: {re.dtype}{re.shape} vs {ra.dtype}{ra.shape}"
+            assert re.dtype == ra.dtype and re.shape == ra.shape, (
+                f"{where}: {re.dtype}{re.shape} vs {ra.dtype}{ra.shape}"
+            )
             assert re.tobytes() == ra.tobytes(), f"{where}: bytes differ"
         else:
-            assert type(re) is type(ra) and (re == ra or (re != re and ra != ra)), f"{where}: {re!r} vs {ra!r}"
+            assert type(re) is type(ra) and (re == ra or (re != re and ra != ra)), (
+                f"{where}: {re!r} vs {ra!r}"
+            )
 
 
 def assert_shardings(target: Any, actual: Any) -> None:
     """Every array leaf of ``actual`` has the sharding its ``target`` leaf asked for."""
-    for (path, t), a in zip(jax.tree_util.tree_flatten_with_path(target)[0], jax.tree_util.tree_leaves(actual)):
+    for (path, t), a in zip(
+        jax.tree_util.tree_flatten_with_path(target)[0], jax.tree_util.tree_leaves(actual)
+    ):
         s = getattr(t, "sharding", None)
         if s is not None and isinstance(a, jax.Array):
-            assert a.sharding.is_equivalent_to(s, a.ndim), f"{jax.tree_util.keystr(path)}: {a.sharding} != {s}"
+            assert a.sharding.is_equivalent_to(s, a.ndim), (
+                f"{jax.tree_util.keystr(path)}: {a.sharding} != {s}"
+            )

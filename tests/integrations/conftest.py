@@ -21,6 +21,8 @@ def devices8() -> list[jax.Device]:
     """Exactly eight devices; fails loudly if the backend started with fewer."""
     devices = jax.devices()
     if len(devices) < 8:
-        pytest.fail(f"integration tests need 8 devices, the backend has {len(devices)}: "
-                    "something initialised JAX before tests/integrations/conftest.py set XLA_FLAGS")
+        pytest.fail(
+            f"integration tests need 8 devices, the backend has {len(devices)}: "
+            "something initialised JAX before tests/integrations/conftest.py set XLA_FLAGS"
+        )
     return devices[:8]

@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import fastckpt
 from fastckpt.errors import (
@@ -22,8 +23,13 @@ from fastckpt.errors import (
     ShapeMismatchError,
     TreeStructureError,
 )
-from fastckpt.integrations.orbax import convert_fastckpt_to_orbax, convert_orbax_to_fastckpt, restore_orbax
+from fastckpt.integrations.orbax import (
+    convert_fastckpt_to_orbax,
+    convert_orbax_to_fastckpt,
+    restore_orbax,
+)
 from fastckpt.integrations.pytree import abstract_state
+
 from ._helpers import assert_bit_exact, assert_shardings
 
 ocp = pytest.importorskip("orbax.checkpoint")
@@ -40,11 +46,15 @@ def _state(devices: list[jax.Device], seed: int) -> dict[str, Any]:
     return {
         "params": {
             "w": jax.device_put(w, NamedSharding(mesh, P("data", "model"))),
-            "b": jax.device_put(jnp.asarray(rng.standard_normal(24), jnp.bfloat16), NamedSharding(mesh, P("model"))),
+            "b": jax.device_put(
+                jnp.asarray(rng.standard_normal(24), jnp.bfloat16), NamedSharding(mesh, P("model"))
+            ),
             "layers": [jnp.full((4, 4), seed, jnp.int32), jnp.arange(6, dtype=jnp.float16)],
         },
         "key": jax.random.key(seed),
-        "keys": jax.device_put(jax.random.split(jax.random.key(seed + 1), 8), NamedSharding(mesh, P(("data", "model")))),
+        "keys": jax.device_put(
+            jax.random.split(jax.random.key(seed + 1), 8), NamedSharding(mesh, P(("data", "model")))
+        ),
         "count": np.arange(5, dtype=np.int64) + seed,
         "step": 100 * seed,
         "lr": 0.5 * seed,
@@ -52,7 +62,9 @@ def _state(devices: list[jax.Device], seed: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def orbax_root(tmp_path_factory: pytest.TempPathFactory, devices8: list[jax.Device]) -> tuple[Path, dict[int, Any]]:
+def orbax_root(
+    tmp_path_factory: pytest.TempPathFactory, devices8: list[jax.Device]
+) -> tuple[Path, dict[int, Any]]:
     """An Orbax CheckpointManager root (its default format) with steps 1 and 2."""
     root = tmp_path_factory.mktemp("orbax") / "run"
     states = {1: _state(devices8, 1), 2: _state(devices8, 2)}
@@ -87,8 +99,9 @@ def _target(state: dict[str, Any], mesh: Mesh | None, spec: P) -> Any:
     ],
     ids=["8dev-rows", "4x2-transposed", "2dev-cols", "3dev-uneven-count", "single-device"],
 )
-def test_restore_onto_other_shardings(orbax_root: Any, devices8: list[jax.Device], mesh_shape: Any,
-                                      names: Any, spec: P) -> None:
+def test_restore_onto_other_shardings(
+    orbax_root: Any, devices8: list[jax.Device], mesh_shape: Any, names: Any, spec: P
+) -> None:
     root, states = orbax_root
     mesh = _mesh(devices8, mesh_shape, names) if mesh_shape else None
     target = _target(states[2], mesh, spec)
@@ -103,7 +116,9 @@ def test_path_forms_and_steps(orbax_root: Any) -> None:
     assert_bit_exact(states[1], restore_orbax(root, target, step=1))
     assert_bit_exact(states[1], restore_orbax(root / "1", target))
     assert_bit_exact(states[1], restore_orbax(str(root / "1" / "default"), target, item=None))
-    assert_bit_exact(states[2], restore_orbax(f"file://{root}", _target(states[2], None, P())))  # latest
+    assert_bit_exact(
+        states[2], restore_orbax(f"file://{root}", _target(states[2], None, P()))
+    )  # latest
     with pytest.raises(CheckpointNotFoundError):
         restore_orbax(root, target, step=7)
     with pytest.raises(CheckpointNotFoundError):
@@ -132,7 +147,9 @@ def test_target_mismatches_are_typed(orbax_root: Any) -> None:
     with pytest.raises(TreeStructureError, match="partial=True"):
         restore_orbax(root, {"params": target["params"]})
     sub = restore_orbax(root, {"params": {"w": target["params"]["w"]}}, partial=True)
-    assert np.asarray(sub["params"]["w"]).tobytes() == np.asarray(states[2]["params"]["w"]).tobytes()
+    assert (
+        np.asarray(sub["params"]["w"]).tobytes() == np.asarray(states[2]["params"]["w"]).tobytes()
+    )
     bad_shape = dict(target, count=np.zeros(6, np.int64))
     with pytest.raises(ShapeMismatchError, match="count"):
         restore_orbax(root, bad_shape)
@@ -149,12 +166,19 @@ def test_zarr3_strings_and_trainstate_names(tmp_path: Path, devices8: list[jax.D
     from flax.training import train_state
 
     mesh = _mesh(devices8, (8,), ("x",))
-    params = {"dense": {"kernel": jax.device_put(jnp.arange(64.0).reshape(16, 4), NamedSharding(mesh, P("x")))}}
+    params = {
+        "dense": {
+            "kernel": jax.device_put(jnp.arange(64.0).reshape(16, 4), NamedSharding(mesh, P("x")))
+        }
+    }
     ts = train_state.TrainState.create(apply_fn=lambda *a: None, params=params, tx=optax.adam(1e-3))
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_zarr3=True)) as ckptr:
         ckptr.save(tmp_path / "z3", args=ocp.args.PyTreeSave({"state": ts, "name": "run-7"}))
     assert (tmp_path / "z3" / "_strings.json").exists()
-    target = {"state": abstract_state(ts, NamedSharding(_mesh(devices8, (2,), ("y",)), P())), "name": ""}
+    target = {
+        "state": abstract_state(ts, NamedSharding(_mesh(devices8, (2,), ("y",)), P())),
+        "name": "",
+    }
     restored = restore_orbax(tmp_path / "z3", target)
     assert restored["name"] == "run-7"
     assert isinstance(restored["state"], train_state.TrainState)
@@ -180,12 +204,16 @@ def test_restore_needs_no_orbax(orbax_root: Any) -> None:
         print("ok")
     """)
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().endswith("ok")
 
 
-def test_convert_orbax_to_fastckpt(orbax_root: Any, tmp_path: Path, devices8: list[jax.Device]) -> None:
+def test_convert_orbax_to_fastckpt(
+    orbax_root: Any, tmp_path: Path, devices8: list[jax.Device]
+) -> None:
     root, states = orbax_root
     dst = tmp_path / "fck"
     assert convert_orbax_to_fastckpt(root, str(dst), orbax_step=1) == 1
@@ -208,8 +236,12 @@ def test_convert_fastckpt_to_orbax_and_back(tmp_path: Path, devices8: list[jax.D
     target = _target(state, _mesh(devices8, (2, 2), ("a", "b")), P("a", "b"))
     with ocp.CheckpointManager(tmp_path / "orbax") as mngr:  # Orbax itself reads what we wrote
         assert mngr.all_steps() == [5]
-        by_orbax = mngr.restore(5, args=ocp.args.PyTreeRestore(
-            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
+        by_orbax = mngr.restore(
+            5,
+            args=ocp.args.PyTreeRestore(
+                item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)
+            ),
+        )
     assert_bit_exact(state, by_orbax)
     assert_bit_exact(state, restore_orbax(tmp_path / "item", target))
     # and back again: orbax -> fastckpt, with the real target's key paths
@@ -224,11 +256,15 @@ def _bump(state: Any) -> Any:
     return jax.tree_util.tree_map(lambda x: x + 1 if isinstance(x, jax.Array) else x, state)
 
 
-def _trainer(make_manager: Any, directory: Path, state0: Any, abstract: Any, until: int) -> tuple[Any, list[int]]:
+def _trainer(
+    make_manager: Any, directory: Path, state0: Any, abstract: Any, until: int
+) -> tuple[Any, list[int]]:
     """A trainer written against Orbax's CheckpointManager API; resumes from the latest step."""
     mngr = make_manager(directory)
     start = mngr.latest_step()
-    state = state0 if start is None else mngr.restore(start, args=ocp.args.StandardRestore(abstract))
+    state = (
+        state0 if start is None else mngr.restore(start, args=ocp.args.StandardRestore(abstract))
+    )
     for step in range(0 if start is None else start + 1, until):
         state = _bump(state)
         mngr.save(step, args=ocp.args.StandardSave(state))
@@ -238,7 +274,9 @@ def _trainer(make_manager: Any, directory: Path, state0: Any, abstract: Any, unt
     return state, steps
 
 
-def test_trainer_migrates_by_swapping_the_manager(tmp_path: Path, devices8: list[jax.Device]) -> None:
+def test_trainer_migrates_by_swapping_the_manager(
+    tmp_path: Path, devices8: list[jax.Device]
+) -> None:
     from fastckpt.integrations.orbax import OrbaxStyleCheckpointManager
 
     mesh = _mesh(devices8, (4, 2), ("d", "m"))
@@ -247,7 +285,9 @@ def test_trainer_migrates_by_swapping_the_manager(tmp_path: Path, devices8: list
     options = ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=2)
     makers = {
         "orbax": lambda d: ocp.CheckpointManager(d, options=options),
-        "fastckpt": lambda d: OrbaxStyleCheckpointManager(d, options=options),  # the only changed line
+        "fastckpt": lambda d: OrbaxStyleCheckpointManager(
+            d, options=options
+        ),  # the only changed line
     }
     results = {}
     for name, make in makers.items():
@@ -263,12 +303,24 @@ def test_manager_composite_json_metrics(tmp_path: Path) -> None:
     from fastckpt.integrations.orbax import OrbaxStyleCheckpointManager, OrbaxStyleOptions
 
     state = {"w": jnp.arange(6.0), "b": np.ones(2, np.float32)}
-    with OrbaxStyleCheckpointManager(tmp_path / "c", options=OrbaxStyleOptions(enable_async_checkpointing=False)) as m:
-        m.save(3, args=ocp.args.Composite(state=ocp.args.StandardSave(state), extra=ocp.args.JsonSave({"epoch": 2})),
-               metrics={"loss": 0.25}, custom_metadata={"run": "a"})
+    with OrbaxStyleCheckpointManager(
+        tmp_path / "c", options=OrbaxStyleOptions(enable_async_checkpointing=False)
+    ) as m:
+        m.save(
+            3,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), extra=ocp.args.JsonSave({"epoch": 2})
+            ),
+            metrics={"loss": 0.25},
+            custom_metadata={"run": "a"},
+        )
         assert m.fastckpt_manager.all_steps() == [3]  # synchronous: committed on return
-        out = m.restore(3, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state(state)),
-                                                    extra=ocp.args.JsonRestore()))
+        out = m.restore(
+            3,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state(state)), extra=ocp.args.JsonRestore()
+            ),
+        )
         assert_bit_exact(state, out.state)
         assert out["extra"] == {"epoch": 2}
         meta = m.metadata(3)
@@ -278,7 +330,9 @@ def test_manager_composite_json_metrics(tmp_path: Path) -> None:
         with pytest.raises(TreeStructureError):
             m.restore(3, args=ocp.args.StandardRestore(abstract_state(state)))
         m.save(4, args=ocp.args.StandardSave(state))
-        composite = m.restore(4, args=ocp.args.Composite(default=ocp.args.StandardRestore(abstract_state(state))))
+        composite = m.restore(
+            4, args=ocp.args.Composite(default=ocp.args.StandardRestore(abstract_state(state)))
+        )
         assert_bit_exact(state, composite.default)
 
 
@@ -301,9 +355,13 @@ def test_manager_decisions_and_retention(tmp_path: Path) -> None:
         m.delete(12)
         assert m.latest_step() == 9
         assert_bit_exact(state, m.restore(None, abstract_state(state)))
-    with OrbaxStyleCheckpointManager(str(tmp_path / "r"), options=OrbaxStyleOptions(read_only=True)) as ro:
+    with OrbaxStyleCheckpointManager(
+        str(tmp_path / "r"), options=OrbaxStyleOptions(read_only=True)
+    ) as ro:
         assert not ro.save(100, state) and ro.all_steps() == [0, 9]
     with pytest.raises(ConfigError, match="best_fn"):
-        OrbaxStyleCheckpointManager(tmp_path / "x", options=ocp.CheckpointManagerOptions(best_fn=lambda m: m["l"]))
+        OrbaxStyleCheckpointManager(
+            tmp_path / "x", options=ocp.CheckpointManagerOptions(best_fn=lambda m: m["l"])
+        )
     with pytest.raises(ConfigError):
         OrbaxStyleOptions(max_to_keep=0)

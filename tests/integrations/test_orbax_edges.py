@@ -54,7 +54,9 @@ def test_python_scalars_restore_as_stored(tmp_path: Path) -> None:
     assert type(out["f"]) is float and type(out["s"]) is int
 
 
-def test_reading_without_tensorstore_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_reading_without_tensorstore_names_the_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """tensorstore comes with the ``orbax`` extra: without it, reading an Orbax checkpoint is a
     ConfigError that says which extra to install."""
     import sys
@@ -64,7 +66,9 @@ def test_reading_without_tensorstore_names_the_extra(tmp_path: Path, monkeypatch
     with pytest.raises(ConfigError, match=r"fastckpt\[orbax\]"):
         restore_orbax(root, {"w": jax.ShapeDtypeStruct((4,), jnp.float64)})
     with pytest.raises(ConfigError, match=r"fastckpt\[orbax\]"):
-        restore_orbax(f"gs://no-bucket/{root.name}")  # a remote directory is listed through tensorstore
+        restore_orbax(
+            f"gs://no-bucket/{root.name}"
+        )  # a remote directory is listed through tensorstore
 
 
 def test_key_targets_check_implementation_and_shape(tmp_path: Path) -> None:
@@ -75,12 +79,22 @@ def test_key_targets_check_implementation_and_shape(tmp_path: Path) -> None:
         restore_orbax(root, {"k": _key_struct((), "rbg")}, partial=True)
     with pytest.raises(DtypeMismatchError, match="kr"):
         restore_orbax(root, {"kr": _key_struct((), "threefry2x32")}, partial=True)
-    for name, shape, impl in [("k", (2,), "threefry2x32"), ("kr", (4,), "rbg"), ("ks", (4,), "threefry2x32"),
-                              ("ks", (8, 2), "threefry2x32")]:
+    for name, shape, impl in [
+        ("k", (2,), "threefry2x32"),
+        ("kr", (4,), "rbg"),
+        ("ks", (4,), "threefry2x32"),
+        ("ks", (8, 2), "threefry2x32"),
+    ]:
         with pytest.raises(ShapeMismatchError, match=name):
             restore_orbax(root, {name: _key_struct(shape, impl)}, partial=True)
-    ok = restore_orbax(root, {"k": _key_struct((), "threefry2x32"), "kr": _key_struct((), "rbg"),
-                              "ks": _key_struct((8,), "threefry2x32")})
+    ok = restore_orbax(
+        root,
+        {
+            "k": _key_struct((), "threefry2x32"),
+            "kr": _key_struct((), "rbg"),
+            "ks": _key_struct((8,), "threefry2x32"),
+        },
+    )
     for name, value in state.items():
         assert ok[name].dtype == value.dtype and ok[name].shape == value.shape
         assert np.array_equal(jax.random.key_data(ok[name]), jax.random.key_data(value))
@@ -88,8 +102,11 @@ def test_key_targets_check_implementation_and_shape(tmp_path: Path) -> None:
 
 def test_empty_values_restore_as_saved_not_as_the_target_placeholder(tmp_path: Path) -> None:
     root = _orbax_save(tmp_path / "e", {"x": None, "y": jnp.ones(3), "z": {}})
-    target = {"x": jax.ShapeDtypeStruct((4,), jnp.float32), "y": jax.ShapeDtypeStruct((3,), jnp.float32),
-              "z": jax.ShapeDtypeStruct((2,), jnp.float32)}
+    target = {
+        "x": jax.ShapeDtypeStruct((4,), jnp.float32),
+        "y": jax.ShapeDtypeStruct((3,), jnp.float32),
+        "z": jax.ShapeDtypeStruct((2,), jnp.float32),
+    }
     out = restore_orbax(root, target)
     assert out["x"] is None and out["z"] == {}
     out["z"]["mutated"] = 1  # a restored empty container is not shared with later restores
@@ -105,18 +122,36 @@ def _write(path: Path, text: str) -> None:
     [
         ("_sharding", lambda d: _write(d / "_sharding", "[1, 2]")),
         ("process_0", lambda d: [_write(p, "[1]") for p in (d / "array_metadatas").iterdir()]),
-        ("process_0", lambda d: [_write(p, json.dumps({"array_metadatas": [1]}))
-                                 for p in (d / "array_metadatas").iterdir()]),
-        ("process_0", lambda d: [_write(p, json.dumps({"array_metadatas": 5}))
-                                 for p in (d / "array_metadatas").iterdir()]),
+        (
+            "process_0",
+            lambda d: [
+                _write(p, json.dumps({"array_metadatas": [1]}))
+                for p in (d / "array_metadatas").iterdir()
+            ],
+        ),
+        (
+            "process_0",
+            lambda d: [
+                _write(p, json.dumps({"array_metadatas": 5}))
+                for p in (d / "array_metadatas").iterdir()
+            ],
+        ),
         ("_strings.json", lambda d: _write(d / "_strings.json", "[1]")),
     ],
-    ids=["sharding-list", "array-metadatas-list", "array-metadatas-int-entries", "array-metadatas-int",
-         "strings-list"],
+    ids=[
+        "sharding-list",
+        "array-metadatas-list",
+        "array-metadatas-int-entries",
+        "array-metadatas-int",
+        "strings-list",
+    ],
 )
-def test_malformed_orbax_metadata_is_a_manifest_error(tmp_path: Path, name: str,
-                                                      mutate: Callable[[Path], Any]) -> None:
-    root = _orbax_save(tmp_path / "m", {"w": jnp.arange(16.0), "k": jax.random.key(0), "name": "abc"})
+def test_malformed_orbax_metadata_is_a_manifest_error(
+    tmp_path: Path, name: str, mutate: Callable[[Path], Any]
+) -> None:
+    root = _orbax_save(
+        tmp_path / "m", {"w": jnp.arange(16.0), "k": jax.random.key(0), "name": "abc"}
+    )
     mutate(root / "1" / "default")
     with pytest.raises(ManifestError, match=name):
         restore_orbax(root)
@@ -147,8 +182,9 @@ def test_convert_to_orbax_destination_errors_are_typed(fck_root: str, tmp_path: 
             convert_fastckpt_to_orbax(fck_root, 1, tmp_path / "afile", layout=layout)  # type: ignore[arg-type]
 
 
-def test_convert_to_orbax_translates_orbax_exceptions(fck_root: str, tmp_path: Path,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_convert_to_orbax_translates_orbax_exceptions(
+    fck_root: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Where the up-front checks cannot see a problem (gs://), Orbax's own exceptions are typed."""
     import fastckpt.integrations.orbax as integ
 
@@ -171,8 +207,12 @@ def test_convert_to_orbax_translates_orbax_exceptions(fck_root: str, tmp_path: P
         convert_fastckpt_to_orbax(fck_root, 1, tmp_path / "other")
 
 
-@pytest.mark.parametrize("value, why", [(1 + 2j, "complex"), (2**70, "int64"), (np.zeros((0, 3)), "zero-size")])
-def test_convert_to_orbax_refuses_leaves_orbax_cannot_save(tmp_path: Path, value: Any, why: str) -> None:
+@pytest.mark.parametrize(
+    "value, why", [(1 + 2j, "complex"), (2**70, "int64"), (np.zeros((0, 3)), "zero-size")]
+)
+def test_convert_to_orbax_refuses_leaves_orbax_cannot_save(
+    tmp_path: Path, value: Any, why: str
+) -> None:
     fastckpt.save(str(tmp_path / "fck"), 1, {"w": jnp.arange(4.0), "v": value})
     with pytest.raises(ConfigError, match=why):
         convert_fastckpt_to_orbax(str(tmp_path / "fck"), 1, tmp_path / "orbax")
@@ -183,7 +223,9 @@ def test_convert_to_orbax_refuses_leaves_orbax_cannot_save(tmp_path: Path, value
 
 
 @pytest.mark.parametrize("housekeeping", ["delete", "reload"])
-def test_manager_delete_and_reload_keep_the_inflight_save(tmp_path: Path, housekeeping: str) -> None:
+def test_manager_delete_and_reload_keep_the_inflight_save(
+    tmp_path: Path, housekeeping: str
+) -> None:
     from fastckpt.integrations.orbax import OrbaxStyleCheckpointManager
 
     state = {"w": jnp.ones((256, 1024))}
@@ -228,7 +270,9 @@ def test_manager_never_reports_a_failed_save(surfaced_by: str) -> None:
         m.wait_until_finished()
         m.save(2, args=ocp.args.StandardSave(state))  # its background write fails
         with pytest.raises(FastckptError, match="simulated outage"):
-            m.save(3, args=ocp.args.StandardSave(state)) if surfaced_by == "save" else m.wait_until_finished()
+            m.save(
+                3, args=ocp.args.StandardSave(state)
+            ) if surfaced_by == "save" else m.wait_until_finished()
         m.wait_until_finished()
         assert m.fastckpt_manager.all_steps() == [1]
         assert m.latest_step() == 1 and m.all_steps() == [1]

@@ -10,11 +10,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import fastckpt
 from fastckpt.errors import ConfigError
-from fastckpt.integrations.flax import abstract_train_state, nnx_abstract_state, restore_nnx, save_nnx
+from fastckpt.integrations.flax import (
+    abstract_train_state,
+    nnx_abstract_state,
+    restore_nnx,
+    save_nnx,
+)
 from fastckpt.integrations.pytree import abstract_state, combine, partition_savable
 from fastckpt.storage import MemoryStore
 
@@ -73,7 +79,9 @@ def test_nnx_state_split_merge_onto_other_mesh(devices8: list[jax.Device]) -> No
         def train_step(model: Model, optimizer: nnx.Optimizer) -> None:
             optimizer.update(model, nnx.grad(lambda m: jnp.mean(m(x) ** 2))(model))
 
-        train_step(model, optimizer)  # non-trivial params, Adam moments, BatchNorm stats, RNG counts
+        train_step(
+            model, optimizer
+        )  # non-trivial params, Adam moments, BatchNorm stats, RNG counts
     with fastckpt.CheckpointManager(MemoryStore()) as mgr:
         save_nnx(mgr, 1, model)
         mgr.save(2, nnx.state(optimizer))
@@ -94,9 +102,13 @@ def test_nnx_state_split_merge_onto_other_mesh(devices8: list[jax.Device]) -> No
         assert_bit_exact(state2, nnx.split(merged)[1])
         # optimizer state (Adam moments are Variables too)
         with jax.set_mesh(save_mesh):
-            abstract_opt = nnx.state(nnx.eval_shape(lambda: nnx.Optimizer(factory(), optax.adamw(1e-2), wrt=nnx.Param)))
+            abstract_opt = nnx.state(
+                nnx.eval_shape(lambda: nnx.Optimizer(factory(), optax.adamw(1e-2), wrt=nnx.Param))
+            )
         with pytest.raises(ConfigError, match="AbstractMesh"):
-            mgr.restore(2, target=abstract_opt)  # eval_shape under set_mesh: shardings over an AbstractMesh
+            mgr.restore(
+                2, target=abstract_opt
+            )  # eval_shape under set_mesh: shardings over an AbstractMesh
         abstract_opt = abstract_state(abstract_opt, mesh=save_mesh)
         assert_bit_exact(nnx.state(optimizer), mgr.restore(2, target=abstract_opt))
         assert_shardings(abstract_opt, mgr.restore(2, target=abstract_opt))
@@ -119,11 +131,15 @@ def test_linen_train_state(devices8: list[jax.Device]) -> None:
     @jax.jit
     def create() -> train_state.TrainState:
         params = model.init(jax.random.key(0), jnp.ones((1, 8)))["params"]
-        return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adamw(1e-3))
+        return train_state.TrainState.create(
+            apply_fn=model.apply, params=params, tx=optax.adamw(1e-3)
+        )
 
     mesh = _mesh(devices8, (8,), ("x",))
     pick = _spread(mesh, "x")
-    state = jax.tree_util.tree_map(lambda x: jax.device_put(x, pick(x)) if isinstance(x, jax.Array) else x, create())
+    state = jax.tree_util.tree_map(
+        lambda x: jax.device_put(x, pick(x)) if isinstance(x, jax.Array) else x, create()
+    )
     grads = jax.tree_util.tree_map(jnp.ones_like, state.params)
     state = jax.jit(lambda s, g: s.apply_gradients(grads=g))(state, grads)
     target = abstract_train_state(create, _spread(_mesh(devices8, (2,), ("y",)), "y"))
@@ -136,7 +152,9 @@ def test_linen_train_state(devices8: list[jax.Device]) -> None:
     assert_bit_exact(state, restored)
     assert_shardings(target, restored)
     out = restored.apply_fn({"params": restored.params}, jnp.ones((2, 8)))
-    np.testing.assert_allclose(out, state.apply_fn({"params": state.params}, jnp.ones((2, 8))), rtol=1e-5)
+    np.testing.assert_allclose(
+        out, state.apply_fn({"params": state.params}, jnp.ones((2, 8))), rtol=1e-5
+    )
 
 
 # ---------------------------------------------------------------- Optax
@@ -151,7 +169,9 @@ _PARAMS_LABELS = {"w": "adam", "b": "sgd", "emb": "adam"}
         optax.adamw(1e-3),
         optax.chain(optax.clip_by_global_norm(1.0), optax.scale_by_adam(), optax.scale(-1e-3)),
         optax.masked(optax.adam(1e-3), {"w": True, "b": False, "emb": True}),
-        optax.multi_transform({"adam": optax.adam(1e-3), "sgd": optax.sgd(1e-2, momentum=0.9)}, _PARAMS_LABELS),
+        optax.multi_transform(
+            {"adam": optax.adam(1e-3), "sgd": optax.sgd(1e-2, momentum=0.9)}, _PARAMS_LABELS
+        ),
         optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3),
     ],
     ids=["adamw", "chain", "masked", "multi_transform", "inject_hyperparams"],
@@ -161,10 +181,14 @@ def test_optax_states(tx: optax.GradientTransformation, devices8: list[jax.Devic
     params = {
         "w": jax.device_put(jnp.arange(64.0).reshape(8, 8), NamedSharding(mesh, P("a", "b"))),
         "b": jax.device_put(jnp.ones(8), NamedSharding(mesh, P())),
-        "emb": jax.device_put(jnp.arange(32, dtype=jnp.bfloat16).reshape(16, 2), NamedSharding(mesh, P("a"))),
+        "emb": jax.device_put(
+            jnp.arange(32, dtype=jnp.bfloat16).reshape(16, 2), NamedSharding(mesh, P("a"))
+        ),
     }
     opt_state = jax.jit(tx.init)(params)
-    _, opt_state = jax.jit(tx.update)(jax.tree_util.tree_map(jnp.ones_like, params), opt_state, params)
+    _, opt_state = jax.jit(tx.update)(
+        jax.tree_util.tree_map(jnp.ones_like, params), opt_state, params
+    )
     target = abstract_state(opt_state, _spread(_mesh(devices8, (8,), ("x",)), "x"))
     restored = _roundtrip(opt_state, target)
     assert_bit_exact(opt_state, restored)  # same NamedTuple/dict/MaskedNode structure, same bytes
@@ -178,7 +202,13 @@ class Linear:
     """An Equinox-style module: every field is a leaf, arrays or not."""
 
     def __init__(self, weight: Any, bias: Any, activation: Any, name: str, features: int) -> None:
-        self.weight, self.bias, self.activation, self.name, self.features = weight, bias, activation, name, features
+        self.weight, self.bias, self.activation, self.name, self.features = (
+            weight,
+            bias,
+            activation,
+            name,
+            features,
+        )
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.activation(x @ self.weight + self.bias)
@@ -196,17 +226,35 @@ def test_equinox_style_module(devices8: list[jax.Device]) -> None:
     mesh = _mesh(devices8, (2, 4), ("d", "m"))
     rng = np.random.default_rng(0)
     model = [
-        Linear(jax.device_put(rng.standard_normal((8, 16), np.float32), NamedSharding(mesh, P(None, "m"))),
-               jnp.zeros(16), jax.nn.relu, "hidden", 16),
-        Linear(jax.device_put(rng.standard_normal((16, 4), np.float32), NamedSharding(mesh, P("m"))),
-               jnp.ones(4), jnp.tanh, "out", 4),
+        Linear(
+            jax.device_put(
+                rng.standard_normal((8, 16), np.float32), NamedSharding(mesh, P(None, "m"))
+            ),
+            jnp.zeros(16),
+            jax.nn.relu,
+            "hidden",
+            16,
+        ),
+        Linear(
+            jax.device_put(rng.standard_normal((16, 4), np.float32), NamedSharding(mesh, P("m"))),
+            jnp.ones(4),
+            jnp.tanh,
+            "out",
+            4,
+        ),
     ]
     with pytest.raises(ConfigError, match=r"\[0\]\.activation"):
         _roundtrip(model, None)  # callables cannot be stored: split them off
     saved, static = partition_savable(model)
-    abstract_saved, _ = partition_savable(abstract_state(model, NamedSharding(_mesh(devices8, (4,), ("x",)), P())))
+    abstract_saved, _ = partition_savable(
+        abstract_state(model, NamedSharding(_mesh(devices8, (4,), ("x",)), P()))
+    )
     restored = combine(_roundtrip(saved, abstract_saved), static)
-    assert restored[0].activation is jax.nn.relu and restored[1].name == "out" and restored[1].features == 4
+    assert (
+        restored[0].activation is jax.nn.relu
+        and restored[1].name == "out"
+        and restored[1].features == 4
+    )
     assert_bit_exact(saved, partition_savable(restored)[0])
     x = jnp.ones((2, 8))
     np.testing.assert_allclose(restored[1](restored[0](x)), model[1](model[0](x)), rtol=1e-5)
@@ -221,16 +269,26 @@ def test_typed_prng_keys(devices8: list[jax.Device]) -> None:
     state = {
         "key": jax.random.key(0),
         "rbg": jax.random.key(1, impl="rbg"),
-        "split": jax.device_put(jax.random.split(jax.random.key(2), 8), NamedSharding(mesh8, P("x"))),
-        "grid": jax.device_put(jax.random.split(jax.random.key(3), 8).reshape(4, 2), NamedSharding(mesh22, P("a", "b"))),
+        "split": jax.device_put(
+            jax.random.split(jax.random.key(2), 8), NamedSharding(mesh8, P("x"))
+        ),
+        "grid": jax.device_put(
+            jax.random.split(jax.random.key(3), 8).reshape(4, 2), NamedSharding(mesh22, P("a", "b"))
+        ),
         "legacy": jax.random.PRNGKey(4),  # raw uint32 key data
     }
     other = _mesh(devices8, (4,), ("y",))
     target = {
         "key": jax.ShapeDtypeStruct((), state["key"].dtype, sharding=NamedSharding(other, P())),
-        "rbg": jax.ShapeDtypeStruct((), state["rbg"].dtype, sharding=jax.sharding.SingleDeviceSharding(devices8[5])),
-        "split": jax.ShapeDtypeStruct((8,), state["split"].dtype, sharding=NamedSharding(other, P("y"))),
-        "grid": jax.ShapeDtypeStruct((4, 2), state["grid"].dtype, sharding=NamedSharding(other, P(None, None))),
+        "rbg": jax.ShapeDtypeStruct(
+            (), state["rbg"].dtype, sharding=jax.sharding.SingleDeviceSharding(devices8[5])
+        ),
+        "split": jax.ShapeDtypeStruct(
+            (8,), state["split"].dtype, sharding=NamedSharding(other, P("y"))
+        ),
+        "grid": jax.ShapeDtypeStruct(
+            (4, 2), state["grid"].dtype, sharding=NamedSharding(other, P(None, None))
+        ),
         "legacy": jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(other, P())),
     }
     restored = _roundtrip(state, target)
@@ -267,9 +325,14 @@ class Stats(NamedTuple):
 def test_custom_pytree_nodes(devices8: list[jax.Device]) -> None:
     mesh = _mesh(devices8, (8,), ("x",))
     state = {
-        "pair": Pair(jax.device_put(jnp.arange(16.0), NamedSharding(mesh, P("x"))), Pair(jnp.int8(3), None)),
+        "pair": Pair(
+            jax.device_put(jnp.arange(16.0), NamedSharding(mesh, P("x"))), Pair(jnp.int8(3), None)
+        ),
         "block": Block(jnp.full((4, 4), 2.0, jnp.float16), 0.5, "b0"),
-        "stats": Stats(jnp.int64(10) if jax.config.jax_enable_x64 else jnp.int32(10), jnp.zeros((3,), jnp.float32)),
+        "stats": Stats(
+            jnp.int64(10) if jax.config.jax_enable_x64 else jnp.int32(10),
+            jnp.zeros((3,), jnp.float32),
+        ),
         "ints": {7: (np.arange(3, dtype=np.uint16), [1.5, "s", None, 2j]), 3: jnp.zeros((8, 2))},
     }
     target = abstract_state(state, _spread(_mesh(devices8, (2,), ("y",)), "y"))

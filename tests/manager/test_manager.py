@@ -35,10 +35,8 @@ from fastckpt.format.codec import seal_document
 from fastckpt.format.layout import manifest_key, step_data_prefix
 from fastckpt.storage import LocalStore, MemoryStore, Store
 from fastckpt.storage._protocol import Payload, PutMode
-
-from tests.support.wrapping import ForwardingStore
-
 from tests.support.arrays import P, assert_bit_exact, assert_sharded_like, device_data, named, sds
+from tests.support.wrapping import ForwardingStore
 
 
 def small_state(seed: int = 0) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
@@ -59,7 +57,11 @@ def test_target_mismatch_errors(root: Any) -> None:
     state, hosts = small_state()
     fastckpt.save(root, 1, state)
     with CheckpointManager(root) as mgr:
-        ok = {"w": sds(hosts["w"], state["w"].sharding), "v": sds(hosts["v"], state["v"].sharding), "step": 0}
+        ok = {
+            "w": sds(hosts["w"], state["w"].sharding),
+            "v": sds(hosts["v"], state["v"].sharding),
+            "step": 0,
+        }
         mgr.restore(1, target=ok)
         with pytest.raises(TreeStructureError, match="not in checkpoint"):
             mgr.restore(1, target={**ok, "extra": jnp.zeros(2)})
@@ -105,7 +107,9 @@ def test_restore_argument_order_and_stats() -> None:
         assert mgr.last_restore_stats.step == 2
         assert not hasattr(mgr, "restore_with_stats")
     assert_bit_exact(fastckpt.restore(store, 1)["x"], np.arange(8, dtype=np.float32))
-    assert_bit_exact(fastckpt.restore(store, target={"x": x})["x"], np.arange(8, dtype=np.float32) + 1)
+    assert_bit_exact(
+        fastckpt.restore(store, target={"x": x})["x"], np.arange(8, dtype=np.float32) + 1
+    )
     with pytest.raises(TypeError):
         fastckpt.restore(store, 1, {"x": x})  # type: ignore[misc]
     with pytest.raises(TypeError):
@@ -132,7 +136,9 @@ def test_unknown_format_version_and_malformed_manifest(root: Any, tmp_path: Path
     doc = json.loads(bytes(asyncio.run(store.get(manifest_key(1)))))
     doc["format_version"] = 4
     asyncio.run(store.put(manifest_key(1), json.dumps(doc).encode()))
-    asyncio.run(store.put(manifest_key(2), b'{"format_version": 3, "step": 2, "leaves": [{"path": 3}]}'))
+    asyncio.run(
+        store.put(manifest_key(2), b'{"format_version": 3, "step": 2, "leaves": [{"path": 3}]}')
+    )
     with CheckpointManager(root) as mgr:
         assert mgr.all_steps() == [1, 2]
         with pytest.raises(UnsupportedFormatVersionError, match="format_version 4"):
@@ -305,8 +311,9 @@ def test_save_error_surfaces_on_wait() -> None:
         with pytest.raises(SaveError) as info:
             mgr.wait()
         # The cause is the store's error, not a symptom further down the protocol.
-        assert any(isinstance(c, StorageError) and "injected" in str(c) for c in _causes(info.value)), \
-            [repr(c) for c in _causes(info.value)]
+        assert any(
+            isinstance(c, StorageError) and "injected" in str(c) for c in _causes(info.value)
+        ), [repr(c) for c in _causes(info.value)]
         assert mgr.all_steps() == [1]
         store.fail = False
         mgr.save(3, state)
@@ -322,14 +329,19 @@ def test_early_upload_failure_among_many_objects_is_reported() -> None:
     store.fail_nth = 0
     s = named((8,), ("x",), P("x"))
     x, xh = device_data((256, 256), np.float32, s)
-    opts = ManagerOptions(save=SaveOptions(compression="none", max_chunk_bytes=4096, object_bytes=8192,
-                                           upload_concurrency=1))
+    opts = ManagerOptions(
+        save=SaveOptions(
+            compression="none", max_chunk_bytes=4096, object_bytes=8192, upload_concurrency=1
+        )
+    )
     with CheckpointManager(store, options=opts) as mgr:
         mgr.save(1, {"x": x})
         with pytest.raises(SaveError) as info:
             mgr.wait()
         causes = _causes(info.value)
-        assert any(isinstance(c, StorageError) and "injected" in str(c) for c in causes), [repr(c) for c in causes]
+        assert any(isinstance(c, StorageError) and "injected" in str(c) for c in causes), [
+            repr(c) for c in causes
+        ]
         assert not any(isinstance(c, ManifestError) for c in causes), [repr(c) for c in causes]
         assert mgr.all_steps() == []
         mgr.save(2, {"x": x})
@@ -425,10 +437,14 @@ def _flip_byte(root: Any, key: str, offset: int) -> None:
 
 
 @pytest.mark.parametrize("compression", ["none", "zstd"])
-def test_corrupted_byte_raises_checksum_mismatch_naming_the_array(root: Any, compression: str) -> None:
+def test_corrupted_byte_raises_checksum_mismatch_naming_the_array(
+    root: Any, compression: str
+) -> None:
     s = named((8,), ("x",), P("x"))
-    state = {"good": jax.device_put(jnp.arange(1024.0), s),
-             "params": {"bad": jax.device_put(jnp.arange(4096, dtype=jnp.int32) % 13, s)}}
+    state = {
+        "good": jax.device_put(jnp.arange(1024.0), s),
+        "params": {"bad": jax.device_put(jnp.arange(4096, dtype=jnp.int32) % 13, s)},
+    }
     opts = ManagerOptions(save=SaveOptions(compression=compression))  # type: ignore[arg-type]
     fastckpt.save(root, 1, state, options=opts)
     with CheckpointManager(root) as mgr:
@@ -454,7 +470,9 @@ def test_same_mesh_restore_after_many_saves_is_exact(root: Any) -> None:
             mgr.save(step, {"x": x})
         mgr.wait()
         for step in range(4):
-            assert_sharded_like(mgr.restore(step, target={"x": sds(hosts[step], s)})["x"], s, hosts[step])
+            assert_sharded_like(
+                mgr.restore(step, target={"x": sds(hosts[step], s)})["x"], s, hosts[step]
+            )
 
 
 def test_one_manifest_format_and_nothing_else_is_restored(root: Any, tmp_path: Path) -> None:
@@ -471,17 +489,29 @@ def test_one_manifest_format_and_nothing_else_is_restored(root: Any, tmp_path: P
     tables = [leaf["chunks"] for leaf in doc["leaves"] if leaf["type"] == "array"]
     assert all("grid" in t and t["crc32c"][:3] in ("u1:", "u2:", "u4:") for t in tables)
     asyncio.run(store.put(manifest_key(1), seal_document({**doc, "format_version": 2})))
-    asyncio.run(store.put(manifest_key(2), json.dumps({k: v for k, v in doc.items() if k != "manifest_crc32c"})
-                          .encode()))
+    asyncio.run(
+        store.put(
+            manifest_key(2),
+            json.dumps({k: v for k, v in doc.items() if k != "manifest_crc32c"}).encode(),
+        )
+    )
     with CheckpointManager(root) as mgr:
         assert mgr.all_steps() == [1, 2, 3]
-        with pytest.raises(UnsupportedFormatVersionError, match="format_version 2 is not supported"):
+        with pytest.raises(
+            UnsupportedFormatVersionError, match="format_version 2 is not supported"
+        ):
             mgr.restore(1)
         with pytest.raises(ManifestError, match="no manifest_crc32c") as info:
             mgr.restore(2)
         assert not isinstance(info.value, UnsupportedFormatVersionError)
-        out = mgr.restore(3, target={"w": sds(hosts["w"], state["w"].sharding), "v": sds(hosts["v"], state["v"].sharding),
-                              "step": 0})
+        out = mgr.restore(
+            3,
+            target={
+                "w": sds(hosts["w"], state["w"].sharding),
+                "v": sds(hosts["v"], state["v"].sharding),
+                "step": 0,
+            },
+        )
         assert_bit_exact(out["w"], hosts["w"])
     with pytest.raises(TypeError, match="manifest_format"):
         SaveOptions(manifest_format=3)  # type: ignore[call-arg]

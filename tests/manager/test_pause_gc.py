@@ -36,7 +36,7 @@ class Probe:
 
 jax.tree_util.register_pytree_node(
     Probe,
-    lambda p: (Probe.seen.append(gc.isenabled()) or ((p.x,), None)),  # type: ignore[func-returns-value]
+    lambda p: Probe.seen.append(gc.isenabled()) or ((p.x,), None),  # type: ignore[func-returns-value]
     lambda _, children: Probe(children[0]),
 )
 

@@ -14,15 +14,20 @@ import jax
 import numpy as np
 import pytest
 
-from fastckpt import CheckpointManager, DistributedOptions, ManagerOptions, RetentionOptions, SaveOptions
+from fastckpt import (
+    CheckpointManager,
+    DistributedOptions,
+    ManagerOptions,
+    RetentionOptions,
+    SaveOptions,
+)
 from fastckpt._checksum import crc32c
 from fastckpt.errors import ConfigError, SaveError
 from fastckpt.options import RamOptions
 from fastckpt.storage import LocalStore
 from fastckpt.storage._protocol import Buffer, Payload, PutMode
-from tests.support.wrapping import ForwardingStore
-
 from tests.support.arrays import P, named
+from tests.support.wrapping import ForwardingStore
 
 
 class _Wrapped(ForwardingStore):
@@ -53,15 +58,20 @@ def test_retention_leaves_a_step_that_is_being_restored(tmp_path: Path) -> None:
                 await asyncio.sleep(0.2)
             await super().put(key, data, mode=mode)
 
-    opts = ManagerOptions(save=SaveOptions(max_chunk_bytes=64 << 10, object_bytes=128 << 10),
-                          retention=RetentionOptions(keep_last=1))
+    opts = ManagerOptions(
+        save=SaveOptions(max_chunk_bytes=64 << 10, object_bytes=128 << 10),
+        retention=RetentionOptions(keep_last=1),
+    )
     with CheckpointManager(SlowReads(tmp_path), options=opts) as mgr:
         s1, h1 = _state(1)
         mgr.save(1, s1)
         mgr.wait()
         s2, _ = _state(2)
         mgr.save(2, s2)  # commits 2, then retention: step 1 goes, unless it is being read
-        target = {"w": jax.ShapeDtypeStruct(h1.shape, h1.dtype, sharding=s1["w"].sharding), "seed": 0}
+        target = {
+            "w": jax.ShapeDtypeStruct(h1.shape, h1.dtype, sharding=s1["w"].sharding),
+            "seed": 0,
+        }
         got = mgr.restore(1, target=target)
         np.testing.assert_array_equal(np.asarray(got["w"]), h1)
         mgr.wait()
@@ -92,7 +102,9 @@ def test_a_failed_writes_buffer_is_not_staged_into_while_its_uploads_run(tmp_pat
                 await asyncio.get_running_loop().run_in_executor(None, slow_put)
             await super().put(key, data, mode=mode)
 
-    opts = ManagerOptions(save=SaveOptions(compression="none", max_chunk_bytes=256 << 10, object_bytes=512 << 10))
+    opts = ManagerOptions(
+        save=SaveOptions(compression="none", max_chunk_bytes=256 << 10, object_bytes=512 << 10)
+    )
     with CheckpointManager(FailOneSlowOther(tmp_path), options=opts) as mgr:
         mgr.save(1, _state(1, (1024, 1024))[0])
         mgr.wait()
@@ -116,8 +128,12 @@ def test_a_failed_construction_leaves_no_thread_behind(tmp_path: Path, shm_dir: 
     try:
         for i in range(3):
             with pytest.raises(Exception):  # the RAM tier's peer server cannot bind its port
-                CheckpointManager(str(tmp_path / "ck"), options=ManagerOptions(
-                    ram=RamOptions(root=str(shm_dir / f"t{i}"), secret=b"x" * 32, port=port)))
+                CheckpointManager(
+                    str(tmp_path / "ck"),
+                    options=ManagerOptions(
+                        ram=RamOptions(root=str(shm_dir / f"t{i}"), secret=b"x" * 32, port=port)
+                    ),
+                )
     finally:
         busy.close()
     leftover = [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()]

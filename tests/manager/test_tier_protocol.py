@@ -57,17 +57,23 @@ class DictTier:
     def allocate_unreserved(self, step: int, nbytes: int) -> tuple[np.ndarray, Callable[[], None]]:
         return self.allocate(step, nbytes), lambda: None
 
-    def commit(self, commit_round: CommitRound, raw_crcs: dict[int, list[int]], metadata: dict[str, object]) -> None:
+    def commit(
+        self, commit_round: CommitRound, raw_crcs: dict[int, list[int]], metadata: dict[str, object]
+    ) -> None:
         step, staged = commit_round.step, commit_round.staged
         buf, rows, copies = self.staging.pop(step), ChunkRows(), {}
         for ai, arr in enumerate(staged.arrays):
             for off, item, crc in zip(arr.item_offsets, arr.items, raw_crcs[ai]):
-                copies[chunk_id(arr.path, item.box)] = bytes(buf[off:off + item.nbytes])
+                copies[chunk_id(arr.path, item.box)] = bytes(buf[off : off + item.nbytes])
                 rows.add(ai, item.box, f"dict/{step}", off, item.nbytes, "raw", crc, crc)
         self.chunks[step] = copies
-        commit_round.commit(rows.build(), route=CoordinatorFragments(round=commit_round), validate=False,
-                            publish=lambda data: self.manifests.__setitem__(step, data),
-                            metadata={**metadata, "dict_only": True})
+        commit_round.commit(
+            rows.build(),
+            route=CoordinatorFragments(round=commit_round),
+            validate=False,
+            publish=lambda data: self.manifests.__setitem__(step, data),
+            metadata={**metadata, "dict_only": True},
+        )
 
     def abort(self) -> None:
         self.aborts += 1
@@ -88,8 +94,15 @@ class DictTier:
     def holds_alone(self, manifest: Manifest) -> bool:
         return manifest.metadata.get("dict_only") is True
 
-    def select_step(self, persistent_latest: Callable[[], int | None], *, key: str, timeout_s: float,
-                    older_than: int | None, wanted: Callable[[Manifest], Mapping[str, str]]) -> _Choice | None:
+    def select_step(
+        self,
+        persistent_latest: Callable[[], int | None],
+        *,
+        key: str,
+        timeout_s: float,
+        older_than: int | None,
+        wanted: Callable[[Manifest], Mapping[str, str]],
+    ) -> _Choice | None:
         latest = persistent_latest()
         for s in sorted(self.manifests, reverse=True):  # one process: no agreement to reach
             if (older_than is None or s < older_than) and (latest is None or s > latest):
@@ -99,8 +112,13 @@ class DictTier:
     def source(self) -> DictTier:
         return self
 
-    def fetch_many(self, step: int, items: Sequence[tuple[str, int, int, memoryview | np.ndarray]], *,
-                   runs: Sequence[Sequence[tuple[int, int]] | None] | None = None) -> list[str | None]:
+    def fetch_many(
+        self,
+        step: int,
+        items: Sequence[tuple[str, int, int, memoryview | np.ndarray]],
+        *,
+        runs: Sequence[Sequence[tuple[int, int]] | None] | None = None,
+    ) -> list[str | None]:
         out: list[str | None] = []
         for cid, n, _, into in items:
             data = self.chunks.get(step, {}).get(cid)
@@ -109,8 +127,9 @@ class DictTier:
             out.append(None if data is None else self.name)
         return out
 
-    def lend_many(self, step: int, groups: Sequence[Sequence[tuple[str, int, int]]], *,
-                  verify: bool = True) -> list[memoryview | None]:
+    def lend_many(
+        self, step: int, groups: Sequence[Sequence[tuple[str, int, int]]], *, verify: bool = True
+    ) -> list[memoryview | None]:
         return [None] * len(groups)
 
     def stats(self) -> _Counters:
@@ -127,8 +146,10 @@ def test_the_manager_saves_to_and_restores_from_any_tier(tmp_path: Path) -> None
     checked: Tier = tier  # the protocol, statically
     options = ManagerOptions(save_interval_steps=2, retention=RetentionOptions(keep_last=None))
     mgr = CheckpointManager(str(tmp_path / "ck"), options=options)
-    mgr._tier = checked  # noqa: SLF001 - the tier options would configure (a RAM tier), replaced
-    states = {s: {"w": jax.device_put(np.arange(64, dtype=np.float32) * s), "n": s} for s in (1, 2, 3)}
+    mgr._tier = checked
+    states = {
+        s: {"w": jax.device_put(np.arange(64, dtype=np.float32) * s), "n": s} for s in (1, 2, 3)
+    }
     with mgr:
         for s, state in states.items():  # 1, 3: the tier's only; 2: the tier's and storage's
             assert mgr.save(s, state)

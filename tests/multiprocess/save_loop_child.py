@@ -26,7 +26,8 @@ def expected(step: int) -> dict[str, np.ndarray]:
 def main(root: str) -> None:
     import jax
     import jax.numpy as jnp
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from fastckpt import CheckpointManager, ManagerOptions, RetentionOptions, SaveOptions
 
@@ -40,8 +41,10 @@ def main(root: str) -> None:
         b = ((w_base[:, : N_COLS // 4] + step * 3) % 251).astype(jnp.int8)
         return {"w": w, "b": b}
 
-    opts = ManagerOptions(save=SaveOptions(max_chunk_bytes=256 << 10, object_bytes=1 << 20),
-                          retention=RetentionOptions(keep_last=2))
+    opts = ManagerOptions(
+        save=SaveOptions(max_chunk_bytes=256 << 10, object_bytes=1 << 20),
+        retention=RetentionOptions(keep_last=2),
+    )
     with CheckpointManager(root, options=opts) as mgr:
         step = 0
         while True:

@@ -19,8 +19,16 @@ WORKERS = str(Path(__file__).with_name("workers.py"))
 
 
 def run(fn: str, n: int, m: int, timeout_s: float = 60, **kwargs: Any) -> list[Any]:
-    return [o.value for o in run_processes(f"{WORKERS}:{fn}", num_processes=n, devices_per_process=m,
-                                           kwargs=kwargs, timeout_s=timeout_s)]
+    return [
+        o.value
+        for o in run_processes(
+            f"{WORKERS}:{fn}",
+            num_processes=n,
+            devices_per_process=m,
+            kwargs=kwargs,
+            timeout_s=timeout_s,
+        )
+    ]
 
 
 def load_workers() -> Any:
@@ -46,7 +54,10 @@ def test_save_4x2_restore_2x4_and_1x8(tmp_path: Path) -> None:
         assert r["checked_shards"] == 16 and r["local_devices"] == 4
         # Each process reads what its shards need, not the whole checkpoint.
         assert r["bytes_read_storage"] < r["total_bytes"]
-    assert [r["latest_listings"] for r in got] == [1, 0]  # restore(): process 0 lists, the other follows
+    assert [r["latest_listings"] for r in got] == [
+        1,
+        0,
+    ]  # restore(): process 0 lists, the other follows
     (one,) = run("check_restore", 1, 8, root=root, steps=[1], mesh_shape=[8], layout="flat")
     assert one["checked_shards"] == 32 and one["latest_listings"] == 1
 
@@ -64,7 +75,16 @@ def test_save_through_pinned_host_memory_across_processes(tmp_path: Path) -> Non
     to pinned host memory (one device_put per leaf; per written shard for replicated
     leaves), staged in the background, and restore bit for bit onto another topology."""
     root = str(tmp_path / "ckpt")
-    saved = run("save", 2, 4, root=root, steps=[3, 4], mesh_shape=[2, 4], layout="cols", device_copy="pinned_host")
+    saved = run(
+        "save",
+        2,
+        4,
+        root=root,
+        steps=[3, 4],
+        mesh_shape=[2, 4],
+        layout="cols",
+        device_copy="pinned_host",
+    )
     assert all(s["deferred_copy_s"] > 0 for s in saved)
     got = run("check_restore", 4, 2, root=root, steps=[3, 4], mesh_shape=[4, 2], layout="rows")
     assert all(r["checked_shards"] == 16 and r["steps"] == [3, 4] for r in got)
@@ -84,8 +104,17 @@ def test_faults_commit_nothing_and_every_process_errors(tmp_path: Path) -> None:
     barrier_s = 5.0
     plan = {"1": {"2": "raise"}, "0": {"3": "raise"}, "2": {"5": "kill"}}
     outcomes = run_processes(
-        f"{WORKERS}:faulty_saves", num_processes=3, devices_per_process=1, timeout_s=90, check=False,
-        kwargs={"root": root, "plan": plan, "steps": [1, 2, 3, 4, 5], "barrier_timeout_s": barrier_s},
+        f"{WORKERS}:faulty_saves",
+        num_processes=3,
+        devices_per_process=1,
+        timeout_s=90,
+        check=False,
+        kwargs={
+            "root": root,
+            "plan": plan,
+            "steps": [1, 2, 3, 4, 5],
+            "barrier_timeout_s": barrier_s,
+        },
     )
     assert outcomes[2].returncode == -9, _describe(outcomes)
     for o in outcomes[:2]:
@@ -96,21 +125,32 @@ def test_faults_commit_nothing_and_every_process_errors(tmp_path: Path) -> None:
             r = rep[step]
             assert not r["ok"], (o.process_id, step, r)
             text = " | ".join(r["chain"])
-            assert f"injected upload failure in process {culprit}" in text, (o.process_id, step, text)
+            assert f"injected upload failure in process {culprit}" in text, (
+                o.process_id,
+                step,
+                text,
+            )
             assert "Timeout" not in text and r["seconds"] < barrier_s, (o.process_id, step, r)
         r = rep["5"]
         assert not r["ok"] and r["seconds"] < barrier_s + 5, r
         assert any("Timeout" in c for c in r["chain"]), r
         assert rep["steps"] == [1, 4]
     ckpt = tmp_path / "ckpt"
-    assert sorted(p.name for p in (ckpt / "manifests").iterdir()) == ["000000000001.json", "000000000004.json"]
-    assert list((ckpt / "steps" / "000000000005").rglob("p00002-*.fck"))  # the victim's data landed...
+    assert sorted(p.name for p in (ckpt / "manifests").iterdir()) == [
+        "000000000001.json",
+        "000000000004.json",
+    ]
+    assert list(
+        (ckpt / "steps" / "000000000005").rglob("p00002-*.fck")
+    )  # the victim's data landed...
     from fastckpt import CheckpointManager
 
     w = load_workers()
     with CheckpointManager(root) as mgr:
         assert mgr.all_steps() == [1, 4]  # ...but step 5 is not committed
-        target: dict[str, Any] = {name: np.zeros(shape, dtype) for name, (shape, dtype) in w.ARRAYS.items()}
+        target: dict[str, Any] = {
+            name: np.zeros(shape, dtype) for name, (shape, dtype) in w.ARRAYS.items()
+        }
         target.update(host=np.zeros(10, int), seed=0)
         for step in (1, 4):
             got = mgr.restore(step, target=target)
@@ -119,16 +159,27 @@ def test_faults_commit_nothing_and_every_process_errors(tmp_path: Path) -> None:
 
 
 def _describe(outcomes: list[ProcessOutcome]) -> str:
-    return "\n".join(f"p{o.process_id} rc={o.returncode} value={o.value} error={o.error}\n{o.stderr[-1500:]}"
-                     for o in outcomes)
+    return "\n".join(
+        f"p{o.process_id} rc={o.returncode} value={o.value} error={o.error}\n{o.stderr[-1500:]}"
+        for o in outcomes
+    )
 
 
 def test_launcher_reports_child_errors_loudly_and_kills_the_rest() -> None:
     """Process 1 raises, process 0 would hang: the launcher kills it and reports both."""
-    with pytest.raises(MultiprocessError, match=r"(?s)process 0: returncode=None.*process 1: returncode=1"
-                                                r".*raised ZeroDivisionError.*stderr") as info:
-        run_processes(f"{WORKERS}:fail_in_process", num_processes=2, devices_per_process=1,
-                      kwargs={"which": 1}, timeout_s=60, fail_fast_s=0.5)
+    with pytest.raises(
+        MultiprocessError,
+        match=r"(?s)process 0: returncode=None.*process 1: returncode=1"
+        r".*raised ZeroDivisionError.*stderr",
+    ) as info:
+        run_processes(
+            f"{WORKERS}:fail_in_process",
+            num_processes=2,
+            devices_per_process=1,
+            kwargs={"which": 1},
+            timeout_s=60,
+            fail_fast_s=0.5,
+        )
     assert "a process failed" in str(info.value)
 
 
@@ -156,7 +207,9 @@ def test_a_failure_seen_by_one_process_does_not_pair_different_steps(tmp_path: P
     step: a per-process counter drifted after such a failure and paired process 0's step 5
     with process 1's step 4)."""
     root = str(tmp_path / "ckpt")
-    saved = run("saves_past_a_retention_failure", 2, 4, timeout_s=120, root=root, steps=[1, 2, 3, 4, 5])
+    saved = run(
+        "saves_past_a_retention_failure", 2, 4, timeout_s=120, root=root, steps=[1, 2, 3, 4, 5]
+    )
     steps = saved[0]["steps"]  # (process 0 lists after its retention; process 1 may list before it)
     assert steps[-2:] == [4, 5] and set(steps) <= set(saved[1]["steps"])
     checked = run("check_restore", 1, 8, root=root, steps=steps, mesh_shape=[8], layout="flat")

@@ -34,21 +34,30 @@ def kill_during_save(tmp_path: Path, seed: int) -> None:
     root = tmp_path / "ckpt"
     log = tmp_path / "child.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, str(CHILD), str(root)], stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, str(CHILD), str(root)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         try:
             # Wait for the first commit, then kill at a random moment of the following saves.
             deadline = time.monotonic() + 60
             while not (root / "manifests").is_dir() or not any((root / "manifests").iterdir()):
                 assert proc.poll() is None, log.read_text()
-                assert time.monotonic() < deadline, "child never committed a step:\n" + log.read_text()
+                assert time.monotonic() < deadline, (
+                    "child never committed a step:\n" + log.read_text()
+                )
                 time.sleep(0.01)
             time.sleep(rng.uniform(0.0, 1.5))
         finally:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode == -signal.SIGKILL
-    started = [int(line.split()[1]) for line in log.read_text().splitlines() if line.startswith("start ")]
+    started = [
+        int(line.split()[1]) for line in log.read_text().splitlines() if line.startswith("start ")
+    ]
     child = _child_module()
     with CheckpointManager(str(root)) as mgr:
         steps = mgr.all_steps()
@@ -59,7 +68,13 @@ def kill_during_save(tmp_path: Path, seed: int) -> None:
         assert set(steps) <= on_disk
         for step in steps:
             want = child.expected(step)
-            got = mgr.restore(step, target={"state": {k: np.zeros(v.shape, v.dtype) for k, v in want.items()}, "step": 0})
+            got = mgr.restore(
+                step,
+                target={
+                    "state": {k: np.zeros(v.shape, v.dtype) for k, v in want.items()},
+                    "step": 0,
+                },
+            )
             assert got["step"] == step
             for k, v in want.items():
                 assert got["state"][k].tobytes() == v.tobytes(), f"step {step} array {k} differs"

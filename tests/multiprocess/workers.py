@@ -17,9 +17,16 @@ from typing import Any
 import jax
 import ml_dtypes
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from fastckpt import CheckpointManager, DistributedOptions, ManagerOptions, RetentionOptions, SaveOptions
+from fastckpt import (
+    CheckpointManager,
+    DistributedOptions,
+    ManagerOptions,
+    RetentionOptions,
+    SaveOptions,
+)
 from fastckpt.storage import LocalStore
 from fastckpt.storage._protocol import Payload, PutMode
 from tests.support.wrapping import ForwardingStore
@@ -29,6 +36,7 @@ def _in_child() -> None:
     """Per-job setup; only ever called inside launched children (the parent imports this
     module for :func:`expected` and must not have its jax config changed)."""
     jax.config.update("jax_enable_x64", True)  # 64-bit dtypes are part of what is checked
+
 
 ARRAYS: dict[str, tuple[tuple[int, ...], Any]] = {
     "w": ((64, 48), np.float32),
@@ -67,7 +75,9 @@ def _state(mesh: Mesh, layout: str, seed: int) -> dict[str, Any]:
     state: dict[str, Any] = {}
     for name, spec in specs.items():
         host = expected(name, seed)
-        state[name] = jax.make_array_from_callback(host.shape, NamedSharding(mesh, spec), lambda i, h=host: h[i])
+        state[name] = jax.make_array_from_callback(
+            host.shape, NamedSharding(mesh, spec), lambda i, h=host: h[i]
+        )
     state["host"] = np.arange(10) * (seed + 1)
     state["seed"] = seed
     return state
@@ -81,7 +91,9 @@ def _options(barrier_timeout_s: float = 30.0, **save: Any) -> ManagerOptions:
     )
 
 
-def save(root: str, steps: list[int], mesh_shape: list[int], layout: str, device_copy: str = "auto") -> dict[str, Any]:
+def save(
+    root: str, steps: list[int], mesh_shape: list[int], layout: str, device_copy: str = "auto"
+) -> dict[str, Any]:
     """Save ``steps`` (seed = step) from this job's topology."""
     _in_child()
     mesh = global_mesh(tuple(mesh_shape))
@@ -90,17 +102,25 @@ def save(root: str, steps: list[int], mesh_shape: list[int], layout: str, device
             assert mgr.save(step, _state(mesh, layout, seed=step))
         mgr.wait()
         stats = mgr.last_save_stats
-        return {"steps": mgr.all_steps(), "process": jax.process_index(), "stats": stats.staged_bytes,
-                "deferred_copy_s": stats.deferred_copy_s}
+        return {
+            "steps": mgr.all_steps(),
+            "process": jax.process_index(),
+            "stats": stats.staged_bytes,
+            "deferred_copy_s": stats.deferred_copy_s,
+        }
 
 
-def check_restore(root: str, steps: list[int], mesh_shape: list[int], layout: str) -> dict[str, Any]:
+def check_restore(
+    root: str, steps: list[int], mesh_shape: list[int], layout: str
+) -> dict[str, Any]:
     """Restore each of ``steps`` onto this job's topology; check every local shard bit for bit."""
     _in_child()
     mesh = global_mesh(tuple(mesh_shape))
     specs = _specs(layout)
     target: dict[str, Any] = {
-        name: jax.ShapeDtypeStruct(ARRAYS[name][0], ARRAYS[name][1], sharding=NamedSharding(mesh, spec))
+        name: jax.ShapeDtypeStruct(
+            ARRAYS[name][0], ARRAYS[name][1], sharding=NamedSharding(mesh, spec)
+        )
         for name, spec in specs.items()
     }
     target["host"] = np.zeros(10, int)
@@ -119,7 +139,9 @@ def check_restore(root: str, steps: list[int], mesh_shape: list[int], layout: st
                     data = np.asarray(shard.data)
                     want = full[shard.index]
                     assert data.dtype == want.dtype and data.shape == want.shape
-                    assert data.tobytes() == want.tobytes(), f"step {step}: {name} shard {shard.index} differs"
+                    assert data.tobytes() == want.tobytes(), (
+                        f"step {step}: {name} shard {shard.index} differs"
+                    )
                     checked += 1
             np.testing.assert_array_equal(got["host"], np.arange(10) * (step + 1))
             assert got["seed"] == step
@@ -137,9 +159,14 @@ def check_restore(root: str, steps: list[int], mesh_shape: list[int], layout: st
         mgr.store.list = store_list  # type: ignore[method-assign]
         assert got["seed"] == stats.step == max(steps)
         total = sum(expected(n, s).nbytes for n in specs for s in steps)
-        return {"checked_shards": checked, "bytes_read_storage": read, "total_bytes": total,
-                "steps": mgr.all_steps(), "local_devices": jax.local_device_count(),
-                "latest_listings": len(listings)}
+        return {
+            "checked_shards": checked,
+            "bytes_read_storage": read,
+            "total_bytes": total,
+            "steps": mgr.all_steps(),
+            "local_devices": jax.local_device_count(),
+            "latest_listings": len(listings),
+        }
 
 
 # ------------------------------------------------------------------ fault injection
@@ -167,7 +194,9 @@ class FaultyStore(ForwardingStore):
         await self.inner.close()
 
 
-def faulty_saves(root: str, plan: dict[str, dict[str, str]], steps: list[int], barrier_timeout_s: float) -> dict[str, Any]:
+def faulty_saves(
+    root: str, plan: dict[str, dict[str, str]], steps: list[int], barrier_timeout_s: float
+) -> dict[str, Any]:
     """Save ``steps`` in order; ``plan[str(process)][str(step)]`` injects a fault. Report, per
     step, what ``save``+``wait`` raised here and how long it took."""
     _in_child()
@@ -222,7 +251,9 @@ def skip_when_busy(root: str) -> dict[str, Any]:
     """``if_busy="skip"`` where process 0's save is still busy (retention) but process 1's is done."""
     _in_child()
     mesh = global_mesh((jax.device_count(),))
-    opts = ManagerOptions(save=SaveOptions(if_busy="skip"), distributed=DistributedOptions(barrier_timeout_s=10))
+    opts = ManagerOptions(
+        save=SaveOptions(if_busy="skip"), distributed=DistributedOptions(barrier_timeout_s=10)
+    )
     saved = []
     with CheckpointManager(_SlowListStore(root), options=opts) as mgr:
         saved.append(mgr.save(1, _state(mesh, "flat", seed=1)))
@@ -266,9 +297,12 @@ def coordinator_values() -> dict[str, Any]:
     coord.set(f"t/dirx/{i}", "a sibling directory")
     coord.set_bytes(f"t/bin/{i}", bytes([i, 0, 255, 128]) * 1000)
     coord.barrier("t/all-set", timeout_s=30)
-    return {"dir": coord.try_get_all("t/dir", n + 1), "missing": coord.try_get_all("t/none", n),
-            "bin": [list(coord.get_bytes(f"t/bin/{j}", timeout_s=30)[:4]) for j in range(n)],
-            "bin_len": [len(coord.get_bytes(f"t/bin/{j}", timeout_s=30)) for j in range(n)]}
+    return {
+        "dir": coord.try_get_all("t/dir", n + 1),
+        "missing": coord.try_get_all("t/none", n),
+        "bin": [list(coord.get_bytes(f"t/bin/{j}", timeout_s=30)[:4]) for j in range(n)],
+        "bin_len": [len(coord.get_bytes(f"t/bin/{j}", timeout_s=30)) for j in range(n)],
+    }
 
 
 class _FirstDeleteFails(ForwardingStore):
@@ -293,8 +327,11 @@ def saves_past_a_retention_failure(root: str, steps: list[int]) -> dict[str, Any
     must still commit, each with its own step's shards from every process."""
     _in_child()
     mesh = global_mesh((jax.device_count(),))
-    opts = ManagerOptions(save=SaveOptions(max_chunk_bytes=512, object_bytes=4096),
-                          retention=RetentionOptions(keep_last=2), distributed=DistributedOptions(barrier_timeout_s=20))
+    opts = ManagerOptions(
+        save=SaveOptions(max_chunk_bytes=512, object_bytes=4096),
+        retention=RetentionOptions(keep_last=2),
+        distributed=DistributedOptions(barrier_timeout_s=20),
+    )
     with CheckpointManager(_FirstDeleteFails(root), options=opts) as mgr:
         for step in steps:
             mgr.save(step, _state(mesh, "flat", seed=step))

@@ -68,7 +68,9 @@ def test_relative_to_selects_same_elements(case: tuple[tuple[int, ...], Box, Box
     if inner is not None:
         g = np.arange(math.prod(shape)).reshape(shape)
         local = relative_to(inner, outer)
-        np.testing.assert_array_equal(g[box_to_slices(outer)][box_to_slices(local)], g[box_to_slices(inner)])
+        np.testing.assert_array_equal(
+            g[box_to_slices(outer)][box_to_slices(local)], g[box_to_slices(inner)]
+        )
     if not is_inside(other, outer):
         with pytest.raises(ConfigError):
             relative_to(other, outer)
@@ -107,7 +109,9 @@ def split_cases(draw: st.DrawFn) -> tuple[tuple[int, ...], Box, int, int]:
 
 @settings(max_examples=200, deadline=None)
 @given(split_cases())
-def test_split_box_tiles_contiguously_in_byte_order(case: tuple[tuple[int, ...], Box, int, int]) -> None:
+def test_split_box_tiles_contiguously_in_byte_order(
+    case: tuple[tuple[int, ...], Box, int, int],
+) -> None:
     shape, box, itemsize, max_bytes = case
     subs = split_box(box, itemsize=itemsize, max_bytes=max_bytes)
     assert subs, "at least one sub-box"
@@ -137,8 +141,16 @@ def test_split_box_tiles_contiguously_in_byte_order(case: tuple[tuple[int, ...],
 
 def test_split_box_one_huge_row_splits_last_dim() -> None:
     subs = split_box(((0, 2), (0, 10)), itemsize=4, max_bytes=12)
-    assert subs == [((0, 1), (0, 3)), ((0, 1), (3, 6)), ((0, 1), (6, 9)), ((0, 1), (9, 10)),
-                    ((1, 2), (0, 3)), ((1, 2), (3, 6)), ((1, 2), (6, 9)), ((1, 2), (9, 10))]
+    assert subs == [
+        ((0, 1), (0, 3)),
+        ((0, 1), (3, 6)),
+        ((0, 1), (6, 9)),
+        ((0, 1), (9, 10)),
+        ((1, 2), (0, 3)),
+        ((1, 2), (3, 6)),
+        ((1, 2), (6, 9)),
+        ((1, 2), (9, 10)),
+    ]
 
 
 def test_split_box_rejects_bad_sizes() -> None:
@@ -189,7 +201,6 @@ def test_contiguous_span_rank_mismatch() -> None:
         contiguous_span(((0, 1),), (2, 2))
 
 
-
 @st.composite
 def regions_in_one_shape(draw: st.DrawFn) -> tuple[list[Box], tuple[int, ...]]:
     shape = draw(shapes(max_rank=4, max_side=6))
@@ -198,8 +209,9 @@ def regions_in_one_shape(draw: st.DrawFn) -> tuple[list[Box], tuple[int, ...]]:
 
 @settings(max_examples=300, deadline=None)
 @given(regions_in_one_shape(), st.integers(0, 12), st.none() | st.integers(1, 6))
-def test_element_runs_cover_the_regions_sparingly(case: tuple[list[Box], tuple[int, ...]], min_gap: int,
-                                                  max_runs: int | None) -> None:
+def test_element_runs_cover_the_regions_sparingly(
+    case: tuple[list[Box], tuple[int, ...]], min_gap: int, max_runs: int | None
+) -> None:
     regions, shape = case
     runs = element_runs(regions, shape, min_gap=min_gap, max_runs=max_runs)
     wanted = np.zeros(math.prod(shape), bool)
@@ -217,7 +229,9 @@ def test_element_runs_cover_the_regions_sparingly(case: tuple[list[Box], tuple[i
     bounding = (int(idx[0]), int(idx[-1] - idx[0] + 1))
     if max_runs is not None and len(runs) == 1:
         assert runs[0][0] == bounding[0]
-    assert runs[0][0] == idx[0] and runs[-1][0] + runs[-1][1] == idx[-1] + 1  # no run starts or ends idle
+    assert (
+        runs[0][0] == idx[0] and runs[-1][0] + runs[-1][1] == idx[-1] + 1
+    )  # no run starts or ends idle
     for (a, n), (b, _) in zip(runs, runs[1:]):
         assert b - (a + n) >= max(min_gap, 1)  # ascending, disjoint, gaps at least min_gap
     assert max_runs is None or len(runs) <= max_runs

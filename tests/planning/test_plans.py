@@ -56,7 +56,9 @@ def shard_lists(draw: st.DrawFn) -> tuple[tuple[int, ...], list[ShardInfo], int,
 
 @SETTINGS
 @given(shard_lists())
-def test_plan_leaf_writes_dedupes_replicas_and_tiles(case: tuple[tuple[int, ...], list[ShardInfo], int, int]) -> None:
+def test_plan_leaf_writes_dedupes_replicas_and_tiles(
+    case: tuple[tuple[int, ...], list[ShardInfo], int, int],
+) -> None:
     shape, shards, itemsize, max_chunk = case
     items = plan_leaf_writes(shards, itemsize=itemsize, max_chunk_bytes=max_chunk)
     # Every element of the array is written exactly once (each box once, replicas deduped).
@@ -82,7 +84,9 @@ def test_plan_leaf_writes_dedupes_replicas_and_tiles(case: tuple[tuple[int, ...]
         for it in its:
             assert it.byte_offset == offset
             elems = local[box_to_slices(relative_to(it.box, shard_box))].reshape(-1)
-            np.testing.assert_array_equal(elems, np.arange(offset // itemsize, offset // itemsize + elems.size))
+            np.testing.assert_array_equal(
+                elems, np.arange(offset // itemsize, offset // itemsize + elems.size)
+            )
             offset += it.nbytes
         assert offset == box_volume(shard_box) * itemsize
 
@@ -98,21 +102,37 @@ def test_plan_leaf_writes_no_replica_zero_writes_nothing() -> None:
 def listed_table(entries: list[ChunkEntry], itemsize: int) -> ChunkTable:
     """A table listing the entries' boxes (never a grid: planning scans or indexes it)."""
     keys = sorted({c.key for c in entries})
-    return ChunkTable(cuts=None, boxes=[c.box for c in entries], keys=keys,
-                      object_index=np.array([keys.index(c.key) for c in entries], np.int32),
-                      offsets=np.array([c.offset for c in entries], np.int64),
-                      lengths=np.array([c.length for c in entries], np.int64),
-                      codec=tuple(c.codec for c in entries), crc32c=np.array([c.crc32c for c in entries], np.uint32),
-                      raw_crc32c=np.array([c.raw_crc32c for c in entries], np.uint32), itemsize=itemsize)
+    return ChunkTable(
+        cuts=None,
+        boxes=[c.box for c in entries],
+        keys=keys,
+        object_index=np.array([keys.index(c.key) for c in entries], np.int32),
+        offsets=np.array([c.offset for c in entries], np.int64),
+        lengths=np.array([c.length for c in entries], np.int64),
+        codec=tuple(c.codec for c in entries),
+        crc32c=np.array([c.crc32c for c in entries], np.uint32),
+        raw_crc32c=np.array([c.raw_crc32c for c in entries], np.uint32),
+        itemsize=itemsize,
+    )
 
 
 def make_leaf(shape: tuple[int, ...], boxes: list[Box], itemsize: int = 8) -> ArrayLeaf:
     chunks = [
-        ChunkEntry(box=b, key=f"obj/{i % 3}", offset=1000 * i, length=box_volume(b) * itemsize,
-                   raw_length=box_volume(b) * itemsize, codec="raw", crc32c=0, raw_crc32c=0)
+        ChunkEntry(
+            box=b,
+            key=f"obj/{i % 3}",
+            offset=1000 * i,
+            length=box_volume(b) * itemsize,
+            raw_length=box_volume(b) * itemsize,
+            codec="raw",
+            crc32c=0,
+            raw_crc32c=0,
+        )
         for i, b in enumerate(boxes)
     ]
-    return ArrayLeaf(path=(("d", "w"),), shape=shape, dtype="int64", chunks=listed_table(chunks, itemsize))
+    return ArrayLeaf(
+        path=(("d", "w"),), shape=shape, dtype="int64", chunks=listed_table(chunks, itemsize)
+    )
 
 
 @st.composite
@@ -123,7 +143,9 @@ def read_cases(draw: st.DrawFn) -> tuple[tuple[int, ...], list[Box], Box]:
 
 @settings(max_examples=250, deadline=None)
 @given(read_cases())
-def test_plan_leaf_reads_copies_exactly_the_right_elements(case: tuple[tuple[int, ...], list[Box], Box]) -> None:
+def test_plan_leaf_reads_copies_exactly_the_right_elements(
+    case: tuple[tuple[int, ...], list[Box], Box],
+) -> None:
     shape, boxes, dst_box = case
     leaf = make_leaf(shape, boxes)
     global_arr = np.arange(math.prod(shape), dtype=np.int64).reshape(shape)
@@ -169,13 +191,17 @@ def test_chunk_index_finds_exactly_the_overlapping_chunks(data: st.DataObject) -
     boxes += extra
     leaf = make_leaf(shape, data.draw(st.permutations(boxes)))
     index = ChunkIndex(leaf.chunks)
-    tiling = make_leaf(shape, boxes[: len(boxes) - len(extra)])  # disjoint: the exact-box lookup may answer
+    tiling = make_leaf(
+        shape, boxes[: len(boxes) - len(extra)]
+    )  # disjoint: the exact-box lookup may answer
     disjoint = ChunkIndex(tiling.chunks, disjoint=True)
     for _ in range(4):
         box = data.draw(st.one_of(boxes_in(shape, allow_empty=True), st.sampled_from(boxes)))
         scan = [(c, o) for c in leaf.chunks if (o := intersect(c.box, box)) is not None]
         assert index.overlapping(box) == scan
-        assert disjoint.overlapping(box) == [(c, o) for c in tiling.chunks if (o := intersect(c.box, box)) is not None]
+        assert disjoint.overlapping(box) == [
+            (c, o) for c in tiling.chunks if (o := intersect(c.box, box)) is not None
+        ]
         try:
             expected = plan_leaf_reads(leaf, box)
         except CorruptionError:
@@ -185,7 +211,9 @@ def test_chunk_index_finds_exactly_the_overlapping_chunks(data: st.DataObject) -
             assert plan_leaf_reads(leaf, box, index=index) == expected
 
 
-def test_chunk_index_of_a_grid_tests_only_the_band_it_overlaps(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_chunk_index_of_a_grid_tests_only_the_band_it_overlaps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A 64 x 8 grid queried with one chunk's box: the band along the most-split dimension
     holds that row's 8 chunks, and only those are intersected (not all 512)."""
     import fastckpt.planning.load_plan as load_plan
@@ -204,7 +232,9 @@ def test_chunk_index_of_mixed_ranks_scans_and_refuses_like_the_scan() -> None:
     from fastckpt.errors import ConfigError
 
     leaf = make_leaf((4, 4), [((0, 4), (0, 4))])
-    odd = ChunkEntry(box=(), key="obj/x", offset=0, length=8, raw_length=8, codec="raw", crc32c=0, raw_crc32c=0)
+    odd = ChunkEntry(
+        box=(), key="obj/x", offset=0, length=8, raw_length=8, codec="raw", crc32c=0, raw_crc32c=0
+    )
     index = ChunkIndex((*leaf.chunks, odd))
     with pytest.raises(ConfigError, match="rank"):
         index.overlapping(((0, 2), (0, 2)))
@@ -223,13 +253,25 @@ def test_plan_leaf_reads_zero_d() -> None:
 @st.composite
 def fetch_cases(draw: st.DrawFn) -> tuple[list[ChunkEntry], int, int]:
     chunks = []
-    for key in draw(st.lists(st.sampled_from(["a", "b/c", "d/e/f"]), min_size=1, max_size=3, unique=True)):
+    for key in draw(
+        st.lists(st.sampled_from(["a", "b/c", "d/e/f"]), min_size=1, max_size=3, unique=True)
+    ):
         pos = 0
         for _ in range(draw(st.integers(1, 12))):
             pos += draw(st.integers(0, 50))  # gap before the chunk
             length = draw(st.integers(0, 80))
-            chunks.append(ChunkEntry(box=((0, length),), key=key, offset=pos, length=length,
-                                     raw_length=length, codec="raw", crc32c=0, raw_crc32c=0))
+            chunks.append(
+                ChunkEntry(
+                    box=((0, length),),
+                    key=key,
+                    offset=pos,
+                    length=length,
+                    raw_length=length,
+                    codec="raw",
+                    crc32c=0,
+                    raw_crc32c=0,
+                )
+            )
             pos += length
     # Ask for a random subset, some chunks twice, in random order.
     wanted = draw(st.lists(st.sampled_from(chunks), min_size=1, max_size=2 * len(chunks)))
@@ -238,7 +280,9 @@ def fetch_cases(draw: st.DrawFn) -> tuple[list[ChunkEntry], int, int]:
 
 @settings(max_examples=200, deadline=None)
 @given(fetch_cases())
-def test_coalesce_fetches_each_chunk_once_within_bounds(case: tuple[list[ChunkEntry], int, int]) -> None:
+def test_coalesce_fetches_each_chunk_once_within_bounds(
+    case: tuple[list[ChunkEntry], int, int],
+) -> None:
     wanted, max_gap, max_bytes = case
     ranges = coalesce_fetches(wanted, max_gap=max_gap, max_bytes=max_bytes)
     seen = [(c.key, c.offset) for r in ranges for c in r.chunks]
@@ -262,8 +306,10 @@ def test_coalesce_fetches_each_chunk_once_within_bounds(case: tuple[list[ChunkEn
             assert prev.start + prev.length <= nxt.start  # ranges of one object never overlap
             # Greedy maximality: the next range was not merged for a reason.
             first = min(nxt.chunks, key=lambda c: c.offset)
-            assert (first.offset - (prev.start + prev.length) > max_gap
-                    or first.offset + first.length - prev.start > max_bytes)
+            assert (
+                first.offset - (prev.start + prev.length) > max_gap
+                or first.offset + first.length - prev.start > max_bytes
+            )
 
 
 @settings(max_examples=300, deadline=None)
@@ -281,20 +327,37 @@ def test_grid_index_answers_like_the_scan(data: st.DataObject) -> None:
     shape = data.draw(shapes(max_rank=3, max_side=7))
     cuts = [[0, *sorted(data.draw(st.lists(st.integers(0, n), max_size=3))), n] for n in shape]
     n = math.prod(len(c) - 1 for c in cuts)
-    table = ChunkTable(cuts=cuts, boxes=None, keys=["obj/0", "obj/1"], object_index=np.arange(n) % 2,
-                       offsets=np.arange(n) * 1000, lengths=np.zeros(n, np.int64), codec="zstd",
-                       crc32c=np.arange(n, dtype=np.uint32), raw_crc32c=np.zeros(n, np.uint32), itemsize=8)
+    table = ChunkTable(
+        cuts=cuts,
+        boxes=None,
+        keys=["obj/0", "obj/1"],
+        object_index=np.arange(n) % 2,
+        offsets=np.arange(n) * 1000,
+        lengths=np.zeros(n, np.int64),
+        codec="zstd",
+        crc32c=np.arange(n, dtype=np.uint32),
+        raw_crc32c=np.zeros(n, np.uint32),
+        itemsize=8,
+    )
     entries = tuple(table)
     leaf = ArrayLeaf(path=(("d", "w"),), shape=shape, dtype="int64", chunks=table)
     index = leaf_index(leaf)
     assert isinstance(index, GridIndex)
     wide = st.tuples(*[st.tuples(st.integers(-2, n + 2), st.integers(-2, n + 2)) for n in shape])
     for _ in range(4):
-        box = data.draw(st.one_of(boxes_in(shape, allow_empty=True), st.sampled_from([c.box for c in entries]), wide))
-        assert index.overlapping(box) == [(c, o) for c in entries if (o := intersect(c.box, box)) is not None]
+        box = data.draw(
+            st.one_of(
+                boxes_in(shape, allow_empty=True), st.sampled_from([c.box for c in entries]), wide
+            )
+        )
+        assert index.overlapping(box) == [
+            (c, o) for c in entries if (o := intersect(c.box, box)) is not None
+        ]
         if not all(0 <= a <= b <= n for (a, b), n in zip(box, shape)):
             continue
-        expected = plan_leaf_reads(dataclasses.replace(leaf, chunks=listed_table(list(entries), 8)), box)
+        expected = plan_leaf_reads(
+            dataclasses.replace(leaf, chunks=listed_table(list(entries), 8)), box
+        )
         assert plan_leaf_reads(leaf, box) == expected == plan_leaf_reads(leaf, box, index=index)
 
 
@@ -307,7 +370,9 @@ def test_grid_index_builds_only_the_entries_it_returns(monkeypatch: pytest.Monke
     from fastckpt.planning import GridIndex, leaf_index
 
     boxes = [((8 * i, 8 * i + 8), (4 * j, 4 * j + 4)) for i in range(64) for j in range(8)]
-    [leaf] = decode_manifest(encode_manifest(Manifest(step=1, leaves=(make_leaf((512, 32), boxes),)))).arrays()
+    [leaf] = decode_manifest(
+        encode_manifest(Manifest(step=1, leaves=(make_leaf((512, 32), boxes),)))
+    ).arrays()
     built: list[int] = []
     real = ChunkTable.__getitem__
     monkeypatch.setattr(ChunkTable, "__getitem__", lambda self, i: built.append(i) or real(self, i))
@@ -317,8 +382,13 @@ def test_grid_index_builds_only_the_entries_it_returns(monkeypatch: pytest.Monke
     with pytest.raises(ConfigError, match="rank"):
         GridIndex(leaf.chunks).overlapping(((0, 2),))
     with pytest.raises(ConfigError, match="grid"):
-        GridIndex(decode_manifest(encode_manifest(Manifest(step=1, leaves=(make_leaf((512, 32), boxes[::-1]),))))
-                  .arrays()[0].chunks)  # type: ignore[arg-type]
+        GridIndex(
+            decode_manifest(
+                encode_manifest(Manifest(step=1, leaves=(make_leaf((512, 32), boxes[::-1]),)))
+            )
+            .arrays()[0]
+            .chunks
+        )  # type: ignore[arg-type]
     assert isinstance(leaf_index(make_leaf((512, 32), boxes)), ChunkIndex)
 
 
@@ -335,13 +405,25 @@ def test_needed_chunks_are_the_chunks_each_box_overlaps(data: st.DataObject) -> 
     for k in range(data.draw(st.integers(1, 3))):
         shape = data.draw(shapes(max_rank=3, max_side=6))
         boxes = data.draw(tilings(shape, max_pieces=6))
-        leaf = ArrayLeaf(path=(("d", f"w{k}"),), shape=shape, dtype="uint8",
-                         chunks=listed_table([ChunkEntry(b, f"obj/{k}/{i}", 0, box_volume(b), box_volume(b), "raw",
-                                                         0, 0) for i, b in enumerate(boxes)], 1))
+        leaf = ArrayLeaf(
+            path=(("d", f"w{k}"),),
+            shape=shape,
+            dtype="uint8",
+            chunks=listed_table(
+                [
+                    ChunkEntry(b, f"obj/{k}/{i}", 0, box_volume(b), box_volume(b), "raw", 0, 0)
+                    for i, b in enumerate(boxes)
+                ],
+                1,
+            ),
+        )
         leaves.append(leaf)
         for _ in range(data.draw(st.integers(0, 3))):
             box = data.draw(boxes_in(shape, allow_empty=True))
             wants.append((leaf, box))
-            expected |= {(chunk_id(leaf.path, c.box), c.key) for c in leaf.chunks
-                         if (o := intersect(c.box, box)) is not None and box_volume(o) > 0}
+            expected |= {
+                (chunk_id(leaf.path, c.box), c.key)
+                for c in leaf.chunks
+                if (o := intersect(c.box, box)) is not None and box_volume(o) > 0
+            }
     assert needed_chunks(wants).items() == expected

@@ -16,22 +16,33 @@ from fastckpt._hostmem import BufferCache
 
 def _state() -> dict[str, object]:
     import jax
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     mesh = Mesh(np.asarray(jax.devices()).reshape(2, 4), ("d", "m"))
     rng = np.random.default_rng(0)
-    return {"w": jax.device_put(rng.standard_normal((256, 1024), dtype=np.float32), NamedSharding(mesh, P("d", "m"))),
-            "b": jax.device_put(rng.standard_normal((4096,), dtype=np.float32), NamedSharding(mesh, P()))}
+    return {
+        "w": jax.device_put(
+            rng.standard_normal((256, 1024), dtype=np.float32), NamedSharding(mesh, P("d", "m"))
+        ),
+        "b": jax.device_put(
+            rng.standard_normal((4096,), dtype=np.float32), NamedSharding(mesh, P())
+        ),
+    }
 
 
 @contextlib.contextmanager
-def _saved(root: Path, options: ManagerOptions | None = None) -> Iterator[tuple[CheckpointManager, dict[str, np.ndarray], Any]]:
+def _saved(
+    root: Path, options: ManagerOptions | None = None
+) -> Iterator[tuple[CheckpointManager, dict[str, np.ndarray], Any]]:
     """A manager holding ``_state()`` as step 1, the state's host values and a restore target."""
     import jax
 
     state = _state()
     expected = {k: np.asarray(v) for k, v in state.items()}
-    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
+    target = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state
+    )
     with CheckpointManager(str(root), options=options) as mgr:
         mgr.save(1, state)
         mgr.wait()
@@ -52,7 +63,8 @@ def test_second_restore_reuses_freed_buffers_and_is_exact(tmp_path: Path) -> Non
             np.testing.assert_array_equal(np.asarray(second[k]), expected[k])
         np.testing.assert_array_equal(np.asarray(kept), expected["w"])
         assert not set(s.data.unsafe_buffer_pointer() for s in kept.addressable_shards) & set(
-            s.data.unsafe_buffer_pointer() for s in second["w"].addressable_shards)
+            s.data.unsafe_buffer_pointer() for s in second["w"].addressable_shards
+        )
     assert cache.held_bytes() == 0  # close released them
 
 
@@ -66,7 +78,9 @@ def test_reuse_can_be_turned_off(tmp_path: Path) -> None:
         assert mgr._restore_buffers.reused == 0 and mgr._restore_buffers.held_bytes() == 0
 
 
-def test_a_leafs_shards_share_one_mapping_aliased_by_its_array_and_come_back_together(tmp_path: Path) -> None:
+def test_a_leafs_shards_share_one_mapping_aliased_by_its_array_and_come_back_together(
+    tmp_path: Path,
+) -> None:
     """A storage restore allocates one mapping per leaf (its 8 boxes 64-byte aligned in it),
     the restored shards alias it (no copy into jax), and it returns to the cache as one."""
     with _saved(tmp_path) as (mgr, expected, target):
@@ -74,7 +88,9 @@ def test_a_leafs_shards_share_one_mapping_aliased_by_its_array_and_come_back_tog
         ptrs = sorted(s.data.unsafe_buffer_pointer() for s in got["w"].addressable_shards)
         shard_bytes = got["w"].addressable_shards[0].data.nbytes
         assert [p % 64 for p in ptrs] == [0] * 8
-        assert ptrs[-1] - ptrs[0] == 7 * shard_bytes  # back to back in one slab (128 KiB each: no padding)
+        assert (
+            ptrs[-1] - ptrs[0] == 7 * shard_bytes
+        )  # back to back in one slab (128 KiB each: no padding)
         np.testing.assert_array_equal(np.asarray(got["w"]), expected["w"])
         cache: BufferCache = mgr._restore_buffers
         held, reused = cache.held_bytes(), cache.reused

@@ -16,14 +16,45 @@ import pytest
 import fastckpt
 from fastckpt import CheckpointManager
 from fastckpt.storage import MemoryStore
-
-from tests.support.arrays import P, assert_bit_exact, assert_sharded_like, device_data, host_data, named, sds
+from tests.support.arrays import (
+    P,
+    assert_bit_exact,
+    assert_sharded_like,
+    device_data,
+    host_data,
+    named,
+    sds,
+)
 
 JAX_DTYPES = [
-    "bool", "int2", "uint2", "int4", "uint4", "int8", "int16", "int32", "int64",
-    "uint8", "uint16", "uint32", "uint64", "float16", "bfloat16", "float32", "float64",
-    "complex64", "complex128", "float8_e3m4", "float8_e4m3", "float8_e4m3b11fnuz", "float8_e4m3fn",
-    "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn",
+    "bool",
+    "int2",
+    "uint2",
+    "int4",
+    "uint4",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "complex64",
+    "complex128",
+    "float8_e3m4",
+    "float8_e4m3",
+    "float8_e4m3b11fnuz",
+    "float8_e4m3fn",
+    "float8_e4m3fnuz",
+    "float8_e5m2",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+    "float4_e2m1fn",
 ]
 
 
@@ -39,14 +70,19 @@ def test_every_jax_dtype_round_trips_bit_exact(root: Any) -> None:
         for i, name in enumerate(JAX_DTYPES):
             state[name], hosts[name] = device_data((8, 16), np_dtype(name), src, seed=i)
             assert state[name].dtype == np_dtype(name)
-        state["scalar_f64"], hosts["scalar_f64"] = device_data((), np.float64, named((8,), ("x",), P()), seed=99)
+        state["scalar_f64"], hosts["scalar_f64"] = device_data(
+            (), np.float64, named((8,), ("x",), P()), seed=99
+        )
         state["empty"], hosts["empty"] = device_data((0, 16), np.float32, src)
         with CheckpointManager(root) as mgr:
             mgr.save(3, state)
             mgr.wait()
             stored = {leaf.path[0][1]: leaf.dtype for leaf in mgr.manifest(3).arrays()}
             assert stored == {k: str(np.dtype(v.dtype).name) for k, v in state.items()}
-            target = {k: sds(h, dst if h.ndim == 2 else named((8,), ("x",), P())) for k, h in hosts.items()}
+            target = {
+                k: sds(h, dst if h.ndim == 2 else named((8,), ("x",), P()))
+                for k, h in hosts.items()
+            }
             got = mgr.restore(3, target=target)
             for k, h in hosts.items():
                 assert_sharded_like(got[k], target[k].sharding, h)
@@ -55,21 +91,35 @@ def test_every_jax_dtype_round_trips_bit_exact(root: Any) -> None:
                 assert_sharded_like(got[k], state[k].sharding, h)
 
 
-@pytest.mark.parametrize(("impl", "where"), [("threefry2x32", "memory"), ("threefry2x32", "local"),
-                                             ("rbg", "memory"), ("unsafe_rbg", "local")])
+@pytest.mark.parametrize(
+    ("impl", "where"),
+    [
+        ("threefry2x32", "memory"),
+        ("threefry2x32", "local"),
+        ("rbg", "memory"),
+        ("unsafe_rbg", "local"),
+    ],
+)
 def test_typed_prng_keys(impl: str, where: str, tmp_path: Path) -> None:
     root: Any = MemoryStore() if where == "memory" else str(tmp_path / "ckpt")
     src = named((8,), ("x",), P("x"))
     keys = jax.device_put(jax.random.split(jax.random.key(7, impl=impl), 16), src)
     scalar = jax.random.key(3, impl=impl)
-    grid = jax.device_put(jax.random.split(jax.random.key(1, impl=impl), 8).reshape(2, 4),
-                          named((2, 4), ("a", "b"), P("a", "b")))
+    grid = jax.device_put(
+        jax.random.split(jax.random.key(1, impl=impl), 8).reshape(2, 4),
+        named((2, 4), ("a", "b"), P("a", "b")),
+    )
     with CheckpointManager(root) as mgr:
         mgr.save(1, {"keys": keys, "scalar": scalar, "grid": grid})
         mgr.wait()
         dst = named((2,), ("x",), P("x"))
-        target = {"keys": jax.ShapeDtypeStruct(keys.shape, keys.dtype, sharding=dst),
-                  "scalar": scalar, "grid": jax.ShapeDtypeStruct(grid.shape, grid.dtype, sharding=named((4,), ("x",), P(None, "x")))}
+        target = {
+            "keys": jax.ShapeDtypeStruct(keys.shape, keys.dtype, sharding=dst),
+            "scalar": scalar,
+            "grid": jax.ShapeDtypeStruct(
+                grid.shape, grid.dtype, sharding=named((4,), ("x",), P(None, "x"))
+            ),
+        }
         for got in (mgr.restore(1, target=target), mgr.restore(1)):
             for k, orig in (("keys", keys), ("scalar", scalar), ("grid", grid)):
                 assert jax.dtypes.issubdtype(got[k].dtype, jax.dtypes.prng_key)
@@ -79,7 +129,9 @@ def test_typed_prng_keys(impl: str, where: str, tmp_path: Path) -> None:
         got = mgr.restore(1, target=target)
         assert got["keys"].sharding == dst
         # The restored keys are usable keys that draw the same numbers.
-        np.testing.assert_array_equal(jax.random.uniform(got["scalar"], (4,)), jax.random.uniform(scalar, (4,)))
+        np.testing.assert_array_equal(
+            jax.random.uniform(got["scalar"], (4,)), jax.random.uniform(scalar, (4,))
+        )
         with pytest.raises(fastckpt.errors.DtypeMismatchError):
             mgr.restore(1, target={**target, "keys": jax.ShapeDtypeStruct((16, 2), jnp.uint32)})
 
@@ -88,10 +140,18 @@ NUMPY_DTYPES = JAX_DTYPES + ["float6_e2m3fn", "float6_e3m2fn"]
 
 
 def test_numpy_arrays_and_scalars(root: Any) -> None:
-    arrays = {name: host_data((3, 5), np_dtype(name), seed=i) for i, name in enumerate(NUMPY_DTYPES)}
+    arrays = {
+        name: host_data((3, 5), np_dtype(name), seed=i) for i, name in enumerate(NUMPY_DTYPES)
+    }
     scalars = {
-        "f32": np.float32(1.5), "f64": np.float64(-0.0), "f64nan": np.float64("nan"), "i64": np.int64(-2**62),
-        "u8": np.uint8(255), "b": np.bool_(True), "c128": np.complex128(1 - 2j), "bf16": ml_dtypes.bfloat16(3.0),
+        "f32": np.float32(1.5),
+        "f64": np.float64(-0.0),
+        "f64nan": np.float64("nan"),
+        "i64": np.int64(-(2**62)),
+        "u8": np.uint8(255),
+        "b": np.bool_(True),
+        "c128": np.complex128(1 - 2j),
+        "bf16": ml_dtypes.bfloat16(3.0),
         "zero_d": np.array(7, np.int16),
     }
     state = {"arrays": arrays, "scalars": scalars, "empty": np.zeros((2, 0, 3), np.float32)}
@@ -114,9 +174,19 @@ def test_numpy_arrays_and_scalars(root: Any) -> None:
 
 def test_python_values(root: Any) -> None:
     state = {
-        "int": 3, "big": 2**100, "neg": -(2**70), "float": 0.1, "nan": math.nan, "inf": -math.inf,
-        "negzero": -0.0, "complex": complex(math.nan, -1.5), "str": "héllo \x00 ✓", "empty_str": "",
-        "none": None, "true": True, "false": False,
+        "int": 3,
+        "big": 2**100,
+        "neg": -(2**70),
+        "float": 0.1,
+        "nan": math.nan,
+        "inf": -math.inf,
+        "negzero": -0.0,
+        "complex": complex(math.nan, -1.5),
+        "str": "héllo \x00 ✓",
+        "empty_str": "",
+        "none": None,
+        "true": True,
+        "false": False,
     }
     fastckpt.save(root, 1, state)
     for got in (fastckpt.restore(root), fastckpt.restore(root, target=state)):
@@ -173,8 +243,9 @@ def test_nested_containers_round_trip_with_target(root: Any) -> None:
     state, hosts = nested_state()
     fastckpt.save(root, 4, state)
     got = fastckpt.restore(root, target=state)
-    assert jax.tree_util.tree_structure(got, is_leaf=lambda x: x is None) == \
-        jax.tree_util.tree_structure(state, is_leaf=lambda x: x is None)
+    assert jax.tree_util.tree_structure(
+        got, is_leaf=lambda x: x is None
+    ) == jax.tree_util.tree_structure(state, is_leaf=lambda x: x is None)
     assert isinstance(got["opt"], Opt) and isinstance(got["pair"], Pair)
     assert isinstance(got["params"]["layers"][0], Layer)
     assert_bit_exact(got["params"]["layers"][0].kernel, hosts["w"])
@@ -191,7 +262,9 @@ def test_nested_containers_target_none(root: Any) -> None:
     fastckpt.save(root, 4, state)
     got = fastckpt.restore(root)
     assert_bit_exact(got["params"]["layers"][0]["kernel"], hosts["w"])
-    np.testing.assert_array_equal(np.asarray(got["params"]["layers"][0]["bias"]), np.arange(4.0, dtype=np.float32))
+    np.testing.assert_array_equal(
+        np.asarray(got["params"]["layers"][0]["bias"]), np.arange(4.0, dtype=np.float32)
+    )
     assert got["params"]["layers"][1]["bias"] is None
     assert got["by_int"][0] == "zero" and float(got["by_int"][7]) == 2.5
     assert_bit_exact(got["opt"]["mu"], hosts["m"])
@@ -205,14 +278,22 @@ def test_partial_restore_of_subtrees(root: Any) -> None:
     state, hosts = nested_state()
     fastckpt.save(root, 4, state)
     dst = named((2,), ("x",), P(None, "x"))
-    sub = {"opt": Opt(mu=jax.ShapeDtypeStruct((16, 4), jnp.float32, sharding=dst), nu=(jnp.zeros(3), np.zeros(3, int)), count=0)}
+    sub = {
+        "opt": Opt(
+            mu=jax.ShapeDtypeStruct((16, 4), jnp.float32, sharding=dst),
+            nu=(jnp.zeros(3), np.zeros(3, int)),
+            count=0,
+        )
+    }
     got = fastckpt.restore(root, target=sub, partial=True)
     assert set(got) == {"opt"}
     assert_sharded_like(got["opt"].mu, dst, hosts["m"])
     with pytest.raises(fastckpt.errors.TreeStructureError, match="partial=True"):
         fastckpt.restore(root, target=sub)
     # A single deep leaf.
-    got = fastckpt.restore(root, target={"params": {"layers": [Layer(kernel=None, bias=None)]}}, partial=True)
+    got = fastckpt.restore(
+        root, target={"params": {"layers": [Layer(kernel=None, bias=None)]}}, partial=True
+    )
     # A None target leaf restores the stored array with its saved sharding.
     kernel = got["params"]["layers"][0].kernel
     assert_bit_exact(kernel, hosts["w"])

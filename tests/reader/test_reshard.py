@@ -11,8 +11,15 @@ import pytest
 
 import fastckpt
 from fastckpt import CheckpointManager, ManagerOptions, RestoreOptions, SaveOptions
-
-from tests.support.arrays import P, assert_bit_exact, assert_sharded_like, device_data, mesh, named, sds
+from tests.support.arrays import (
+    P,
+    assert_bit_exact,
+    assert_sharded_like,
+    device_data,
+    mesh,
+    named,
+    sds,
+)
 
 SHAPE = (48, 24)  # divisible by 1, 2, 3, 4, 6 and 8 in both dimensions
 
@@ -176,9 +183,16 @@ def test_tight_memory_budget_and_tiny_reads(root: Any) -> None:
     x, xh = device_data((128, 64), np.float32, src, seed=9)
     y = jax.device_put(jnp.arange(128 * 64, dtype=jnp.int32).reshape(128, 64) % 7, src)
     opts = ManagerOptions(
-        save=SaveOptions(max_chunk_bytes=2048, max_inflight_bytes=1024, object_bytes=512, upload_concurrency=1,
-                         encode_threads=1),
-        restore=RestoreOptions(read_concurrency=1, max_request_bytes=1, max_gap_bytes=0, decode_threads=1),
+        save=SaveOptions(
+            max_chunk_bytes=2048,
+            max_inflight_bytes=1024,
+            object_bytes=512,
+            upload_concurrency=1,
+            encode_threads=1,
+        ),
+        restore=RestoreOptions(
+            read_concurrency=1, max_request_bytes=1, max_gap_bytes=0, decode_threads=1
+        ),
     )
     with CheckpointManager(root, options=opts) as mgr:
         mgr.save(1, {"x": x, "y": y})
@@ -204,13 +218,19 @@ def test_restore_checks_its_step_and_prng_key_implementations(tmp_path: Any) -> 
             with pytest.raises(ConfigError, match="step must be"):
                 mgr.restore(bad)  # type: ignore[arg-type]
         for impl in ("rbg", "unsafe_rbg"):
-            target = {"k": jax.eval_shape(lambda impl=impl: jax.random.split(jax.random.key(0, impl=impl), 8))}
+            target = {
+                "k": jax.eval_shape(
+                    lambda impl=impl: jax.random.split(jax.random.key(0, impl=impl), 8)
+                )
+            }
             with pytest.raises(DtypeMismatchError, match="target keys are"):
                 mgr.restore(1, target=target)
         same = {"k": jax.eval_shape(lambda: jax.random.split(jax.random.key(0), 8))}
         got = mgr.restore(1, target=same)["k"]
         assert got.dtype == same["k"].dtype
-        np.testing.assert_array_equal(jax.random.key_data(got), jax.random.key_data(jax.random.split(jax.random.key(0), 8)))
+        np.testing.assert_array_equal(
+            jax.random.key_data(got), jax.random.key_data(jax.random.split(jax.random.key(0), 8))
+        )
 
 
 def test_a_key_target_of_another_key_shape_is_refused(tmp_path: Any) -> None:
@@ -227,10 +247,24 @@ def test_a_key_target_of_another_key_shape_is_refused(tmp_path: Any) -> None:
         key = jax.eval_shape(lambda: jax.random.key(0))
         two = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), 2))
         with pytest.raises(ShapeMismatchError, match="target key array shape"):
-            mgr.restore(1, target={"one": two, "many": jax.eval_shape(lambda: jax.random.split(jax.random.key(1), 4))})
+            mgr.restore(
+                1,
+                target={
+                    "one": two,
+                    "many": jax.eval_shape(lambda: jax.random.split(jax.random.key(1), 4)),
+                },
+            )
         with pytest.raises(ShapeMismatchError, match="target key array shape"):
             mgr.restore(1, target={"one": key, "many": key})
-        got = mgr.restore(1, target={"one": key, "many": jax.eval_shape(lambda: jax.random.split(jax.random.key(1), 4))})
+        got = mgr.restore(
+            1,
+            target={
+                "one": key,
+                "many": jax.eval_shape(lambda: jax.random.split(jax.random.key(1), 4)),
+            },
+        )
         assert got["one"].shape == () and got["many"].shape == (4,)
-        np.testing.assert_array_equal(jax.random.key_data(got["many"]),
-                                      jax.random.key_data(jax.random.split(jax.random.key(1), 4)))
+        np.testing.assert_array_equal(
+            jax.random.key_data(got["many"]),
+            jax.random.key_data(jax.random.split(jax.random.key(1), 4)),
+        )

@@ -16,9 +16,8 @@ import pytest
 from fastckpt import CheckpointManager, ManagerOptions, RestoreOptions, SaveOptions
 from fastckpt.errors import ConfigError
 from fastckpt.storage import LocalStore, MemoryStore, Store
-from tests.support.wrapping import ForwardingStore
-
 from tests.support.arrays import P, assert_bit_exact, assert_sharded_like, device_data, named, sds
+from tests.support.wrapping import ForwardingStore
 
 OPTS = ManagerOptions(save=SaveOptions(max_chunk_bytes=16 << 10, object_bytes=1 << 20))
 N_SMALL = 24
@@ -45,14 +44,18 @@ def mixed_state() -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, jax.
     return state, hosts, shardings
 
 
-def check(got: dict[str, Any], hosts: dict[str, np.ndarray], shardings: dict[str, jax.sharding.Sharding]) -> None:
+def check(
+    got: dict[str, Any], hosts: dict[str, np.ndarray], shardings: dict[str, jax.sharding.Sharding]
+) -> None:
     for k, h in hosts.items():
         assert_sharded_like(got[k], shardings[k], h)
 
 
 @pytest.fixture(params=["memory", "local"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Store:
-    return MemoryStore() if request.param == "memory" else LocalStore(tmp_path / "ckpt", durable=False)
+    return (
+        MemoryStore() if request.param == "memory" else LocalStore(tmp_path / "ckpt", durable=False)
+    )
 
 
 def test_same_mesh_restore_reads_in_place_and_coalesced(store: Store) -> None:
@@ -65,15 +68,21 @@ def test_same_mesh_restore_reads_in_place_and_coalesced(store: Store) -> None:
         stats = mgr.last_restore_stats
         check(got, hosts, shardings)
         # Every raw chunk maps onto one contiguous destination span: received in place.
-        assert stats.bytes_in_place >= hosts["big"].nbytes + sum(hosts[f"s{i:02d}"].nbytes for i in range(N_SMALL))
+        assert stats.bytes_in_place >= hosts["big"].nbytes + sum(
+            hosts[f"s{i:02d}"].nbytes for i in range(N_SMALL)
+        )
         assert stats.bytes_in_place < stats.bytes_read_storage  # the zstd leaf went via scratch
         n_objects = len({c.key for a in mgr.manifest(1).arrays() for c in a.chunks})
         assert stats.reads_storage <= n_objects + 2 < len(hosts)  # not one read per leaf
 
 
-@pytest.mark.parametrize(("shape", "names", "spec"), [((4, 2), ("a", "b"), P("b", "a")), ((8,), ("x",), P(None, "x")),
-                                                      ((1,), ("x",), P())])
-def test_resharded_restore_is_bit_exact(store: Store, shape: tuple[int, ...], names: tuple[str, ...], spec: Any) -> None:
+@pytest.mark.parametrize(
+    ("shape", "names", "spec"),
+    [((4, 2), ("a", "b"), P("b", "a")), ((8,), ("x",), P(None, "x")), ((1,), ("x",), P())],
+)
+def test_resharded_restore_is_bit_exact(
+    store: Store, shape: tuple[int, ...], names: tuple[str, ...], spec: Any
+) -> None:
     state, hosts, _ = mixed_state()
     with CheckpointManager(store, options=OPTS) as mgr:
         mgr.save(1, state)
@@ -99,7 +108,6 @@ class _FlipOnce(ForwardingStore):
             part = max(into, key=lambda b: b.nbytes)
             part[part.nbytes // 2] ^= 0x10
             self.flipped += 1
-
 
 
 def test_chunk_corrupted_on_the_wire_is_reread() -> None:
@@ -133,12 +141,16 @@ def test_zero_size_leaves_next_to_data(store: Store) -> None:
 def test_tiny_scratch_budget_still_restores(store: Store) -> None:
     """Reads needing more scratch than the budget run one at a time, and still complete."""
     state, hosts, _ = mixed_state()
-    opts = ManagerOptions(save=OPTS.save, restore=RestoreOptions(max_scratch_bytes=1, read_concurrency=3))
+    opts = ManagerOptions(
+        save=OPTS.save, restore=RestoreOptions(max_scratch_bytes=1, read_concurrency=3)
+    )
     with CheckpointManager(store, options=opts) as mgr:
         mgr.save(1, state)
         mgr.wait()
         dst = named((4, 2), ("a", "b"), P("b", "a"))
-        shardings = {k: (named((4, 2), ("a", "b"), P()) if k.startswith("s") else dst) for k in hosts}
+        shardings = {
+            k: (named((4, 2), ("a", "b"), P()) if k.startswith("s") else dst) for k in hosts
+        }
         got = mgr.restore(1, target={k: sds(h, shardings[k]) for k, h in hosts.items()})
         check(got, hosts, shardings)
     with pytest.raises(ConfigError):

@@ -32,7 +32,9 @@ def expected(step: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, (shape, dtype) in ARRAYS.items():
         dt = np.dtype(dtype)
-        out[name] = np.frombuffer(rng.bytes(int(np.prod(shape)) * dt.itemsize), dt).reshape(shape).copy()
+        out[name] = (
+            np.frombuffer(rng.bytes(int(np.prod(shape)) * dt.itemsize), dt).reshape(shape).copy()
+        )
     out["step"] = step
     out["tag"] = f"step-{step}"
     return out
@@ -42,10 +44,17 @@ def options(ram_root: str | None) -> Any:
     from fastckpt import ManagerOptions, RetentionOptions, SaveOptions
     from fastckpt.options import RamOptions
 
-    ram = None if ram_root is None else RamOptions(root=ram_root, interval_steps=1, keep_steps=1,
-                                                  budget_bytes=64 << 20, secret=None)
+    ram = (
+        None
+        if ram_root is None
+        else RamOptions(
+            root=ram_root, interval_steps=1, keep_steps=1, budget_bytes=64 << 20, secret=None
+        )
+    )
     return ManagerOptions(
-        save=SaveOptions(max_chunk_bytes=64 << 10, object_bytes=192 << 10, max_inflight_bytes=1 << 20),
+        save=SaveOptions(
+            max_chunk_bytes=64 << 10, object_bytes=192 << 10, max_inflight_bytes=1 << 20
+        ),
         retention=RetentionOptions(keep_last=2),
         save_interval_steps=2 if ram_root is not None else 1,
         ram=ram,
@@ -61,13 +70,19 @@ def main(spec: dict[str, Any]) -> None:
 
     devices = np.asarray(jax.devices()[:2])
     mesh = Mesh(devices, ("x",))
-    shardings = {"w": NamedSharding(mesh, PartitionSpec("x", None)), "b": NamedSharding(mesh, PartitionSpec("x"))}
+    shardings = {
+        "w": NamedSharding(mesh, PartitionSpec("x", None)),
+        "b": NamedSharding(mesh, PartitionSpec("x")),
+    }
     store = open_store(spec["root"], gcs_endpoint=spec.get("endpoint"))
     with CheckpointManager(store, options=options(spec.get("ram_root"))) as mgr:
         print("ready", flush=True)
         for step in range(1, spec["max_steps"] + 1):
             host = expected(step)
-            state = {k: (jax.device_put(v, shardings[k]) if k in shardings else v) for k, v in host.items()}
+            state = {
+                k: (jax.device_put(v, shardings[k]) if k in shardings else v)
+                for k, v in host.items()
+            }
             mgr.save(step, state)
             mgr.wait()
             print(f"committed {step}", flush=True)

@@ -58,7 +58,13 @@ def main(spec: dict[str, Any]) -> None:
     import jax
     import jax.numpy as jnp
 
-    from fastckpt import CheckpointManager, ManagerOptions, RestoreOptions, RetentionOptions, SaveOptions
+    from fastckpt import (
+        CheckpointManager,
+        ManagerOptions,
+        RestoreOptions,
+        RetentionOptions,
+        SaveOptions,
+    )
     from fastckpt.storage import open_store
 
     mib = 1 << 20
@@ -67,20 +73,28 @@ def main(spec: dict[str, Any]) -> None:
 
     rng = np.random.default_rng(0)
     state = {}
-    for name, host in (("w", rng.standard_normal(n, dtype=np.float32)),
-                       ("z", (np.arange(n, dtype=np.int32) * 7) % 13)):
+    for name, host in (
+        ("w", rng.standard_normal(n, dtype=np.float32)),
+        ("z", (np.arange(n, dtype=np.int32) * 7) % 13),
+    ):
         state[name] = jax.device_put(host)  # no compilation; the host copy is dropped below
         del host
     jax.block_until_ready(state)
     total = sum(int(x.nbytes) for x in state.values())
     opts = ManagerOptions(
-        save=SaveOptions(max_inflight_bytes=spec["inflight_mib"] * mib, max_chunk_bytes=4 * mib,
-                         object_bytes=8 * mib, encode_threads=2, upload_concurrency=2),
+        save=SaveOptions(
+            max_inflight_bytes=spec["inflight_mib"] * mib,
+            max_chunk_bytes=4 * mib,
+            object_bytes=8 * mib,
+            encode_threads=2,
+            upload_concurrency=2,
+        ),
         restore=RestoreOptions(read_concurrency=2, max_request_bytes=4 * mib, decode_threads=2),
         retention=RetentionOptions(keep_last=1, keep_every=1000),  # step 0 (warm-up) stays
     )
     sampler = Sampler()
     out: dict[str, Any] = {"state": total}
+
     def store() -> Any:  # page cache, not fsync: the figures are about this process's memory
         return open_store(spec["root"], local_durable=False)
 

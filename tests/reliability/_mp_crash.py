@@ -19,17 +19,28 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from fastckpt import CheckpointManager, DistributedOptions, ManagerOptions, RetentionOptions, SaveOptions
+from fastckpt import (
+    CheckpointManager,
+    DistributedOptions,
+    ManagerOptions,
+    RetentionOptions,
+    SaveOptions,
+)
 
-_spec = importlib.util.spec_from_file_location("_crash_worker_mp", Path(__file__).with_name("_crash_worker.py"))
+_spec = importlib.util.spec_from_file_location(
+    "_crash_worker_mp", Path(__file__).with_name("_crash_worker.py")
+)
 assert _spec is not None and _spec.loader is not None
 _worker = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_worker)
 
 
-def save_until_killed(root: str, progress_dir: str, victim: int, kill_after_s: float, barrier_timeout_s: float) -> dict[str, Any]:
+def save_until_killed(
+    root: str, progress_dir: str, victim: int, kill_after_s: float, barrier_timeout_s: float
+) -> dict[str, Any]:
     me = jax.process_index()
     mesh = Mesh(np.asarray(jax.devices()).reshape(-1), ("x",))
     shardings = {"w": NamedSharding(mesh, P("x", None)), "b": NamedSharding(mesh, P("x"))}
@@ -51,7 +62,11 @@ def save_until_killed(root: str, progress_dir: str, victim: int, kill_after_s: f
             for step in range(1, 10_000):
                 host = _worker.expected(step)
                 state = {
-                    k: (jax.make_array_from_callback(v.shape, shardings[k], lambda i, v=v: v[i]) if k in shardings else v)
+                    k: (
+                        jax.make_array_from_callback(v.shape, shardings[k], lambda i, v=v: v[i])
+                        if k in shardings
+                        else v
+                    )
                     for k, v in host.items()
                 }
                 mgr.save(step, state)

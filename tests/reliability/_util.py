@@ -27,7 +27,9 @@ def trial_count(ci: int, *, scale: float = 1.0) -> int:
 
 
 def _load_worker() -> Any:
-    spec = importlib.util.spec_from_file_location("_fastckpt_crash_worker", HERE / "_crash_worker.py")
+    spec = importlib.util.spec_from_file_location(
+        "_fastckpt_crash_worker", HERE / "_crash_worker.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -84,7 +86,11 @@ class Recorder:
         if path.exists():
             doc = json.loads(path.read_text())
         doc.setdefault("scenarios", {}).update(self.scenarios)
-        doc["machine"] = {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()}
+        doc["machine"] = {
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+        }
         doc["updated_unix"] = time.time()
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")

@@ -84,12 +84,20 @@ def make_state(step: int) -> tuple[dict[str, Any], dict[str, Any]]:
     z = (np.arange(96 << 10, dtype=np.int32) * (step + 3)) % 11
     m = rng.random(5000) < 0.5
     host = {"params": {"w": w, "z": z}, "mask": m, "step": step}
-    return {"params": {"w": jax.device_put(w), "z": z}, "mask": jax.device_put(m), "step": step}, host
+    return {
+        "params": {"w": jax.device_put(w), "z": z},
+        "mask": jax.device_put(m),
+        "step": step,
+    }, host
 
 
 def wrong_leaves(got: Any, host: dict[str, Any]) -> list[str]:
     bad = []
-    for name, want in (("w", host["params"]["w"]), ("z", host["params"]["z"]), ("mask", host["mask"])):
+    for name, want in (
+        ("w", host["params"]["w"]),
+        ("z", host["params"]["z"]),
+        ("mask", host["mask"]),
+    ):
         g = np.asarray(got["params"][name] if name != "mask" else got["mask"])
         if g.dtype != want.dtype or g.shape != want.shape or g.tobytes() != want.tobytes():
             bad.append(name)
@@ -98,7 +106,9 @@ def wrong_leaves(got: Any, host: dict[str, Any]) -> list[str]:
     return bad
 
 
-def restore_outcome(mgr: CheckpointManager, step: int, host: dict[str, Any]) -> tuple[str, BaseException | None]:
+def restore_outcome(
+    mgr: CheckpointManager, step: int, host: dict[str, Any]
+) -> tuple[str, BaseException | None]:
     """``"exact"``, ``"wrong"`` (must never happen) or the fastckpt error class name."""
     try:
         got = mgr.restore(step)
@@ -117,7 +127,9 @@ class _Objects:
         self.store, self.raw, self.root = store, raw, root
 
     def keys(self) -> list[str]:
-        return asyncio.run(self.store.list("")) if self.raw is None else self._gcs(self.raw.list(""))
+        return (
+            asyncio.run(self.store.list("")) if self.raw is None else self._gcs(self.raw.list(""))
+        )
 
     def read(self, key: str) -> bytes:
         if self.root is not None:
@@ -137,17 +149,23 @@ class _Objects:
 
 
 @pytest.fixture(params=["local", "gcs"])
-def objects(request: pytest.FixtureRequest, tmp_path: Path, gcs_emulator: GcsEmulator) -> Iterator[_Objects]:
+def objects(
+    request: pytest.FixtureRequest, tmp_path: Path, gcs_emulator: GcsEmulator
+) -> Iterator[_Objects]:
     if request.param == "local":
         root = tmp_path / "ckpt"
         yield _Objects(LocalStore(root), None, root)
     else:
         prefix = f"corrupt{next(_names):04d}"
         opts = GcsOptions(endpoint=gcs_emulator.endpoint, max_workers=4)
-        yield _Objects(GcsStore(BUCKET, prefix, options=opts), GcsStore(BUCKET, prefix, options=opts), None)
+        yield _Objects(
+            GcsStore(BUCKET, prefix, options=opts), GcsStore(BUCKET, prefix, options=opts), None
+        )
 
 
-def test_random_byte_flips_at_rest_are_always_detected(objects: _Objects, recorder: Recorder) -> None:
+def test_random_byte_flips_at_rest_are_always_detected(
+    objects: _Objects, recorder: Recorder
+) -> None:
     kind = "local" if objects.root is not None else "gcs"
     state, host = make_state(1)
     with CheckpointManager(objects.store, options=OPTIONS) as mgr:
@@ -156,7 +174,9 @@ def test_random_byte_flips_at_rest_are_always_detected(objects: _Objects, record
         keys = [k for k in objects.keys() if k.startswith(("steps/", "manifests/"))]
         rng = random.Random(7 if kind == "local" else 8)
         outcomes: dict[str, int] = {}
-        for _ in range(trial_count(20 if kind == "local" else 8, scale=0.6 if kind == "local" else 0.2)):
+        for _ in range(
+            trial_count(20 if kind == "local" else 8, scale=0.6 if kind == "local" else 0.2)
+        ):
             key = rng.choice(keys)
             orig = objects.read(key)
             pos = rng.randrange(len(orig))
@@ -175,10 +195,19 @@ def test_random_byte_flips_at_rest_are_always_detected(objects: _Objects, record
                 assert isinstance(err, ChecksumMismatchError), (key, pos, outcome, err)
                 assert key in str(err) and "array ['" in str(err) and "chunk [" in str(err), err
             else:
-                assert outcome == "exact" or isinstance(err, ManifestError), (key, pos, outcome, err)
+                assert outcome == "exact" or isinstance(err, ManifestError), (
+                    key,
+                    pos,
+                    outcome,
+                    err,
+                )
         assert restore_outcome(mgr, 1, host)[0] == "exact"  # every flip was undone
-    recorder.add(f"corruption_at_rest_{kind}", trials=sum(outcomes.values()), outcomes=outcomes,
-                 wrong_data=outcomes.get("data:wrong", 0) + outcomes.get("manifest:wrong", 0))
+    recorder.add(
+        f"corruption_at_rest_{kind}",
+        trials=sum(outcomes.values()),
+        outcomes=outcomes,
+        wrong_data=outcomes.get("data:wrong", 0) + outcomes.get("manifest:wrong", 0),
+    )
 
 
 def test_manifest_checksum_catches_what_chunk_checksums_cannot(recorder: Recorder) -> None:
@@ -215,17 +244,26 @@ def test_manifest_checksum_catches_what_chunk_checksums_cannot(recorder: Recorde
             except FastckptError as e:
                 outcome = type(e).__name__
             if trial == 0:
-                assert outcome == ("exact" if original is with_crc else "ManifestError"), (name, outcome)
+                assert outcome == ("exact" if original is with_crc else "ManifestError"), (
+                    name,
+                    outcome,
+                )
                 continue
             counts[outcome] = counts.get(outcome, 0) + 1
         figures[name] = counts
     assert figures["with_manifest_crc32c"].get("wrong", 0) == 0, figures
     assert set(figures["without_it"]) <= {"ManifestError", "UnsupportedFormatVersionError"}, figures
-    recorder.add("corruption_manifest_bytes", trials_each=n, outcomes=figures,
-                 wrong_data=sum(c.get("wrong", 0) for c in figures.values()))
+    recorder.add(
+        "corruption_manifest_bytes",
+        trials_each=n,
+        outcomes=figures,
+        wrong_data=sum(c.get("wrong", 0) for c in figures.values()),
+    )
 
 
-def test_gcs_responses_corrupted_in_transit_are_reread(gcs_emulator: GcsEmulator, recorder: Recorder) -> None:
+def test_gcs_responses_corrupted_in_transit_are_reread(
+    gcs_emulator: GcsEmulator, recorder: Recorder
+) -> None:
     """The proxy flips a bit in 15% of object downloads. A corrupted chunk read fails its
     crc32c and is re-read once; a corrupted manifest download fails the object's crc32c
     (``x-goog-hash``) in GcsStore and is retried. Only two corrupted reads of the same chunk
@@ -234,9 +272,15 @@ def test_gcs_responses_corrupted_in_transit_are_reread(gcs_emulator: GcsEmulator
     state, host = make_state(2)
     outcomes: dict[str, int] = {}
     policy = RetryPolicy(max_attempts=5, initial_backoff_s=0.01, deadline_s=10)
-    with FaultProxy(gcs_emulator.endpoint, seed=3, kinds=("corrupt",),
-                    eligible=lambda method, path, body: method == "GET" and "alt=media" in path) as proxy:
-        store = RetryingStore(GcsStore(BUCKET, prefix, options=GcsOptions(endpoint=proxy.endpoint)), policy=policy)
+    with FaultProxy(
+        gcs_emulator.endpoint,
+        seed=3,
+        kinds=("corrupt",),
+        eligible=lambda method, path, body: method == "GET" and "alt=media" in path,
+    ) as proxy:
+        store = RetryingStore(
+            GcsStore(BUCKET, prefix, options=GcsOptions(endpoint=proxy.endpoint)), policy=policy
+        )
         with CheckpointManager(store, options=OPTIONS) as mgr:
             mgr.save(2, state)
             mgr.wait()
@@ -249,8 +293,14 @@ def test_gcs_responses_corrupted_in_transit_are_reread(gcs_emulator: GcsEmulator
                 retries += mgr.last_restore_stats.retries if outcome == "exact" else 0  # type: ignore[union-attr]
         corrupted = proxy.faults().get("corrupt", 0)
     assert corrupted > 0 and outcomes.get("exact", 0) > 0
-    recorder.add("corruption_gcs_in_transit", trials=sum(outcomes.values()), responses_corrupted=corrupted,
-                 outcomes=outcomes, chunk_rereads=retries, wrong_data=outcomes.get("wrong", 0))
+    recorder.add(
+        "corruption_gcs_in_transit",
+        trials=sum(outcomes.values()),
+        responses_corrupted=corrupted,
+        outcomes=outcomes,
+        chunk_rereads=retries,
+        wrong_data=outcomes.get("wrong", 0),
+    )
 
 
 # ----------------------------------------------------------------------------- RAM tier
@@ -284,8 +334,12 @@ def _flip_file(path: Path, pos: int, rng: random.Random) -> None:
         f.write(bytes([b[0] ^ rng.randrange(1, 256)]))
 
 
-def test_corrupt_ram_tier_falls_back_to_storage(tmp_path: Path, shm: Path, recorder: Recorder) -> None:
-    ram_opts = dataclasses.replace(OPTIONS, ram=RamOptions(root=str(shm / "host0"), interval_steps=1))
+def test_corrupt_ram_tier_falls_back_to_storage(
+    tmp_path: Path, shm: Path, recorder: Recorder
+) -> None:
+    ram_opts = dataclasses.replace(
+        OPTIONS, ram=RamOptions(root=str(shm / "host0"), interval_steps=1)
+    )
     rng = random.Random(11)
     outcomes: dict[str, int] = {}
     for t in range(trial_count(4, scale=0.4)):
@@ -302,15 +356,25 @@ def test_corrupt_ram_tier_falls_back_to_storage(tmp_path: Path, shm: Path, recor
             got = mgr.restore()
             stats = mgr.last_restore_stats
         assert wrong_leaves(got, host) == []
-        assert stats.chunks_by_tier.get("storage", 0) >= len({cid for _, cid, _, _ in hit}), stats.chunks_by_tier
-        assert stats.chunks_by_tier.get("ram", 0) == len(chunks) - stats.chunks_by_tier["storage"], stats
+        assert stats.chunks_by_tier.get("storage", 0) >= len({cid for _, cid, _, _ in hit}), (
+            stats.chunks_by_tier
+        )
+        assert (
+            stats.chunks_by_tier.get("ram", 0) == len(chunks) - stats.chunks_by_tier["storage"]
+        ), stats
         outcomes["exact"] = outcomes.get("exact", 0) + 1
-    recorder.add("corruption_ram_tier_with_storage_copy", trials=sum(outcomes.values()), outcomes=outcomes,
-                 fallback="storage", wrong_data=0)
+    recorder.add(
+        "corruption_ram_tier_with_storage_copy",
+        trials=sum(outcomes.values()),
+        outcomes=outcomes,
+        fallback="storage",
+        wrong_data=0,
+    )
 
 
-def _save_then_flip_a_ram_chunk(root: str, opts: ManagerOptions, tier: Path, *, flip_step: int,
-                                rng: random.Random) -> tuple[dict[int, set[str]], str]:
+def _save_then_flip_a_ram_chunk(
+    root: str, opts: ManagerOptions, tier: Path, *, flip_step: int, rng: random.Random
+) -> tuple[dict[int, set[str]], str]:
     """Save steps 2 and 3, then flip a byte of a random RAM chunk of ``flip_step``; returns
     ``steps_by_tier()`` before the flip and the chunk id."""
     with CheckpointManager(root, options=opts) as mgr:
@@ -323,32 +387,47 @@ def _save_then_flip_a_ram_chunk(root: str, opts: ManagerOptions, tier: Path, *, 
     return tiers, cid
 
 
-def test_corrupt_ram_only_step_fails_naming_the_chunk(tmp_path: Path, shm: Path, recorder: Recorder) -> None:
+def test_corrupt_ram_only_step_fails_naming_the_chunk(
+    tmp_path: Path, shm: Path, recorder: Recorder
+) -> None:
     """No other tier holds a RAM-only step's chunks: restoring that step fails, typed, naming
     the array and the chunk (never wrong data); ``restore()`` of the latest falls back to the
     older persistent step."""
-    opts = dataclasses.replace(OPTIONS, ram=RamOptions(root=str(shm / "host0"), interval_steps=1), save_interval_steps=2)
+    opts = dataclasses.replace(
+        OPTIONS, ram=RamOptions(root=str(shm / "host0"), interval_steps=1), save_interval_steps=2
+    )
     root = str(tmp_path / "ckpt")
-    tiers, cid = _save_then_flip_a_ram_chunk(root, opts, shm / "host0", flip_step=3, rng=random.Random(12))
+    tiers, cid = _save_then_flip_a_ram_chunk(
+        root, opts, shm / "host0", flip_step=3, rng=random.Random(12)
+    )
     assert tiers == {2: {"storage"}, 3: {"ram"}}
     with CheckpointManager(root, options=opts) as mgr:
         with pytest.raises((CheckpointNotFoundError, CorruptionError)) as info:
             mgr.restore(3)
         leaf = cid.split("@")[0]
-        assert "array " in str(info.value) and leaf in str(info.value) and "chunk [" in str(info.value), info.value
+        assert (
+            "array " in str(info.value) and leaf in str(info.value) and "chunk [" in str(info.value)
+        ), info.value
         restored = mgr.restore()  # the latest: step 3 is incomplete, step 2 is used
         stats = mgr.last_restore_stats
         assert stats.step == 2 and wrong_leaves(restored, make_state(2)[1]) == []
         assert wrong_leaves(mgr.restore(2), make_state(2)[1]) == []
-    recorder.add("corruption_ram_only_step", trials=1, outcomes={type(info.value).__name__: 1}, wrong_data=0)
+    recorder.add(
+        "corruption_ram_only_step", trials=1, outcomes={type(info.value).__name__: 1}, wrong_data=0
+    )
 
 
-def test_latest_ram_step_corrupt_falls_back_to_the_previous_ram_step(tmp_path: Path, shm: Path) -> None:
+def test_latest_ram_step_corrupt_falls_back_to_the_previous_ram_step(
+    tmp_path: Path, shm: Path
+) -> None:
     """RAM-only steps 2 and 3 (no storage step): a corrupt chunk of step 3 makes ``restore()``
     use step 2, exact; with step 2 corrupt too there is nothing left, and the error names the
     chunk. An explicit step never falls back."""
-    opts = dataclasses.replace(OPTIONS, ram=RamOptions(root=str(shm / "host0"), interval_steps=1, keep_steps=2),
-                               save_interval_steps=1000)
+    opts = dataclasses.replace(
+        OPTIONS,
+        ram=RamOptions(root=str(shm / "host0"), interval_steps=1, keep_steps=2),
+        save_interval_steps=1000,
+    )
     root = str(tmp_path / "ckpt")
     rng = random.Random(5)
     tiers, _ = _save_then_flip_a_ram_chunk(root, opts, shm / "host0", flip_step=3, rng=rng)
@@ -365,7 +444,9 @@ def test_latest_ram_step_corrupt_falls_back_to_the_previous_ram_step(tmp_path: P
         with pytest.raises(CheckpointNotFoundError, match="RAM-only step 2") as info:
             mgr.restore()
         assert cid2.split("@")[0] in str(info.value), info.value
-        assert not isinstance(info.value, NoCheckpointError)  # a checkpoint exists: never "start afresh"
+        assert not isinstance(
+            info.value, NoCheckpointError
+        )  # a checkpoint exists: never "start afresh"
 
 
 # ----------------------------------------------------------------------------- peer wire
@@ -381,11 +462,25 @@ class FlippingRelay(PeerRelay):
     its crc32c still matches the header's (only the frame's MAC can tell).
     """
 
-    def __init__(self, upstream: tuple[str, int], *, seed: int, direction: str = "down",
-                 types: frozenset[MsgType] = frozenset({MsgType.CHUNK, MsgType.CHUNKS}), probability: float = 1.0,
-                 where: str = "payload", forge: bool = False) -> None:
+    def __init__(
+        self,
+        upstream: tuple[str, int],
+        *,
+        seed: int,
+        direction: str = "down",
+        types: frozenset[MsgType] = frozenset({MsgType.CHUNK, MsgType.CHUNKS}),
+        probability: float = 1.0,
+        where: str = "payload",
+        forge: bool = False,
+    ) -> None:
         self.rng = random.Random(seed)
-        self.direction, self.types, self.probability, self.where, self.forge = direction, types, probability, where, forge
+        self.direction, self.types, self.probability, self.where, self.forge = (
+            direction,
+            types,
+            probability,
+            where,
+            forge,
+        )
         self.flips: dict[str, int] = {"prefix": 0, "header": 0, "tag": 0, "payload": 0, "forged": 0}
         self._flip_lock = threading.Lock()
         super().__init__(upstream, tamper=self._flip)
@@ -403,8 +498,15 @@ class FlippingRelay(PeerRelay):
             else:
                 pos = self.rng.randrange(0, len(frame))
             frame[pos] ^= self.rng.randrange(1, 256)
-            part = ("prefix" if pos < len(f.prefix) else "header" if pos < len(f.prefix) + len(f.header)
-                    else "payload" if lo <= pos < lo + len(f.payload) else "tag")
+            part = (
+                "prefix"
+                if pos < len(f.prefix)
+                else "header"
+                if pos < len(f.prefix) + len(f.header)
+                else "payload"
+                if lo <= pos < lo + len(f.payload)
+                else "tag"
+            )
             self.flips[part] += 1
             if part == "payload" and self.forge:
                 self._forge(f, frame, lo, pos - lo)
@@ -426,12 +528,16 @@ class FlippingRelay(PeerRelay):
 
 
 @pytest.fixture
-def served_step(tmp_path: Path, shm: Path) -> Iterator[tuple[str, dict[str, Any], PeerServer, RamTier]]:
+def served_step(
+    tmp_path: Path, shm: Path
+) -> Iterator[tuple[str, dict[str, Any], PeerServer, RamTier]]:
     """Step 1 saved to local storage and to a RAM tier that a PeerServer serves."""
     root = str(tmp_path / "ckpt")
     tier_root = shm / "peer"
     state, host = make_state(1)
-    with CheckpointManager(root, options=dataclasses.replace(OPTIONS, ram=RamOptions(root=str(tier_root)))) as mgr:
+    with CheckpointManager(
+        root, options=dataclasses.replace(OPTIONS, ram=RamOptions(root=str(tier_root)))
+    ) as mgr:
         mgr.save(1, state)
         mgr.wait()
     tier = RamTier(tier_root, budget_bytes=64 << 20)
@@ -448,9 +554,13 @@ def test_peer_wire_corruption_falls_back_to_storage(served_step: Any, recorder: 
     fallbacks: dict[str, int] = {}
     for t in range(trial_count(12, scale=0.5)):
         where = "payload" if t % 3 else "anywhere"
-        relay = FlippingRelay(server.address, seed=t, probability=0.3, where=where, forge=t % 2 == 1)
+        relay = FlippingRelay(
+            server.address, seed=t, probability=0.3, where=where, forge=t % 2 == 1
+        )
         try:
-            source = TieredChunkSource(None, [PeerClient(relay.address, secret=SECRET, options=FAST, name="mitm")])
+            source = TieredChunkSource(
+                None, [PeerClient(relay.address, secret=SECRET, options=FAST, name="mitm")]
+            )
             with CheckpointManager(root, options=OPTIONS, chunk_source=source) as mgr:
                 got = mgr.restore(1)
                 stats = mgr.last_restore_stats
@@ -462,11 +572,22 @@ def test_peer_wire_corruption_falls_back_to_storage(served_step: Any, recorder: 
             flips[k] += v
         for reason, n in source.stats().fallbacks.items():
             fallbacks[reason] = fallbacks.get(reason, 0) + n
-        if relay.flips["payload"]:  # the frame's MAC refuses it (crc32c may have been forged to match)
-            assert source.stats().fallbacks.get("protocol", 0) >= 1 and stats.chunks_by_tier.get("storage", 0) >= 1
+        if relay.flips[
+            "payload"
+        ]:  # the frame's MAC refuses it (crc32c may have been forged to match)
+            assert (
+                source.stats().fallbacks.get("protocol", 0) >= 1
+                and stats.chunks_by_tier.get("storage", 0) >= 1
+            )
     assert flips["payload"] > 0 and flips["forged"] > 0 and fallbacks.get("protocol", 0) > 0
-    recorder.add("corruption_peer_wire", trials=sum(outcomes.values()), bytes_flipped_by_part=flips,
-                 source_fallbacks=fallbacks, outcomes=outcomes, wrong_data=0)
+    recorder.add(
+        "corruption_peer_wire",
+        trials=sum(outcomes.values()),
+        bytes_flipped_by_part=flips,
+        source_fallbacks=fallbacks,
+        outcomes=outcomes,
+        wrong_data=0,
+    )
 
 
 def test_peer_wire_corruption_without_fallback_is_a_typed_error(served_step: Any) -> None:
@@ -502,7 +623,9 @@ def test_peer_wire_corruption_without_fallback_is_a_typed_error(served_step: Any
 
 def test_pushed_chunk_corrupted_on_the_wire_is_refused(served_step: Any) -> None:
     _, _, server, tier = served_step
-    relay = FlippingRelay(server.address, seed=6, direction="up", types=frozenset({MsgType.PUT_CHUNK}))
+    relay = FlippingRelay(
+        server.address, seed=6, direction="up", types=frozenset({MsgType.PUT_CHUNK})
+    )
     data = np.random.default_rng(0).bytes(50_000)
     try:
         with PeerClient(relay.address, secret=SECRET, options=FAST) as client:
@@ -515,4 +638,3 @@ def test_pushed_chunk_corrupted_on_the_wire_is_refused(served_step: Any) -> None
     with PeerClient(server.address, secret=SECRET, options=FAST) as client:  # the direct path works
         assert client.push_chunk(1, "pushed@0:1", data) is True
         assert bytes(client.get_chunk(1, "pushed@0:1")) == data  # type: ignore[arg-type]
-

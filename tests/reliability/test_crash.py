@@ -56,7 +56,9 @@ BACKENDS = ("local", "gcs", "ram")
 
 def _child_env(devices: int) -> dict[str, str]:
     env = dict(os.environ)
-    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")).strip()
+    flags = re.sub(
+        r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")
+    ).strip()
     env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
     env["JAX_PLATFORMS"] = "cpu"
     return env
@@ -96,8 +98,13 @@ def verify_after_crash(spec: dict[str, Any], acknowledged: list[int]) -> dict[st
     finally:
         asyncio.run(store.close())
     newest = max(persistent, default=None)
-    removable = [lo.key for lo in left if lo.reason == "unreferenced" or lo.age_s is not None
-                 or (newest is not None and lo.step is not None and lo.step < newest)]
+    removable = [
+        lo.key
+        for lo in left
+        if lo.reason == "unreferenced"
+        or lo.age_s is not None
+        or (newest is not None and lo.step is not None and lo.step < newest)
+    ]
     if removable:
         problems.append(f"gc left removable objects {removable[:5]}")
     temp_files = 0
@@ -111,17 +118,29 @@ def verify_after_crash(spec: dict[str, Any], acknowledged: list[int]) -> dict[st
         if latest is not None and state_mismatches(mgr.restore(), latest):
             problems.append("latest step differs after gc")
     return {
-        "problems": problems, "acknowledged": last_ack, "listed": listed, "restored_steps": restored,
-        "gc_removed": len(report.removed), "gc_kept": len(report.kept), "temp_files_left": temp_files,
+        "problems": problems,
+        "acknowledged": last_ack,
+        "listed": listed,
+        "restored_steps": restored,
+        "gc_removed": len(report.removed),
+        "gc_kept": len(report.kept),
+        "temp_files_left": temp_files,
         "gc_temp_files_removed": len(report.temp_files),
     }
 
 
-def crash_trial(tmp: Path, *, backend: str, seed: int, emulator: GcsEmulator | None) -> dict[str, Any]:
+def crash_trial(
+    tmp: Path, *, backend: str, seed: int, emulator: GcsEmulator | None
+) -> dict[str, Any]:
     """One single-process trial: start a writer, SIGKILL it at a random time, verify."""
     rng = random.Random(seed)
     name = f"crash-{seed}-{uuid.uuid4().hex[:6]}"
-    spec: dict[str, Any] = {"root": str(tmp / name), "endpoint": None, "ram_root": None, "max_steps": 100_000}
+    spec: dict[str, Any] = {
+        "root": str(tmp / name),
+        "endpoint": None,
+        "ram_root": None,
+        "max_steps": 100_000,
+    }
     if backend == "gcs":
         assert emulator is not None
         spec.update(root=f"gs://{BUCKET}/{name}", endpoint=emulator.endpoint)
@@ -130,8 +149,13 @@ def crash_trial(tmp: Path, *, backend: str, seed: int, emulator: GcsEmulator | N
         spec["ram_root"] = str(shm / f"fastckpt-{name}")
     err = (tmp / f"{name}.stderr").open("wb")
     proc = subprocess.Popen(
-        [sys.executable, "-u", str(HERE / "_crash_worker.py"), json.dumps(spec)], stdout=subprocess.PIPE,
-        stderr=err, stdin=subprocess.DEVNULL, env=_child_env(2), text=True, start_new_session=True,
+        [sys.executable, "-u", str(HERE / "_crash_worker.py"), json.dumps(spec)],
+        stdout=subprocess.PIPE,
+        stderr=err,
+        stdin=subprocess.DEVNULL,
+        env=_child_env(2),
+        text=True,
+        start_new_session=True,
     )
     lines: queue.Queue[str | None] = queue.Queue()
 
@@ -154,7 +178,9 @@ def crash_trial(tmp: Path, *, backend: str, seed: int, emulator: GcsEmulator | N
         while wait_for not in out:
             line = lines.get(timeout=max(0.01, deadline - time.monotonic()))
             if line is None:
-                raise AssertionError(f"writer exited early: {(tmp / f'{name}.stderr').read_text()[-2000:]}")
+                raise AssertionError(
+                    f"writer exited early: {(tmp / f'{name}.stderr').read_text()[-2000:]}"
+                )
             out.append(line)
         time.sleep(delay)
         os.killpg(proc.pid, signal.SIGKILL)
@@ -184,11 +210,15 @@ def _record(recorder: Recorder, scenario: str, results: list[dict[str, Any]]) ->
     recorder.add(
         scenario,
         trials=len(results),
-        trials_by_backend={b: sum(r["backend"] == b for r in results) for b in {r["backend"] for r in results}},
+        trials_by_backend={
+            b: sum(r["backend"] == b for r in results) for b in {r["backend"] for r in results}
+        },
         acknowledged_steps=sum(r["acknowledged"] for r in results),
         trials_killed_before_first_commit=sum(r["acknowledged"] == 0 for r in results),
         trials_killed_in_first_save_window=sum(bool(r.get("early")) for r in results),
-        trials_listing_an_unacknowledged_step=sum(any(s > r["acknowledged"] for s in r["listed"]) for r in results),
+        trials_listing_an_unacknowledged_step=sum(
+            any(s > r["acknowledged"] for s in r["listed"]) for r in results
+        ),
         restored_steps_checked=sum(r["restored_steps"] for r in results),
         gc_objects_removed=sum(r["gc_removed"] for r in results),
         gc_objects_kept_in_flight=sum(r["gc_kept"] for r in results),
@@ -200,18 +230,27 @@ def _record(recorder: Recorder, scenario: str, results: list[dict[str, Any]]) ->
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_sigkilled_writer_leaves_a_consistent_root(tmp_path: Path, gcs_emulator: GcsEmulator, recorder: Recorder, backend: str) -> None:
-    result = crash_trial(tmp_path, backend=backend, seed=BACKENDS.index(backend), emulator=gcs_emulator)
+def test_sigkilled_writer_leaves_a_consistent_root(
+    tmp_path: Path, gcs_emulator: GcsEmulator, recorder: Recorder, backend: str
+) -> None:
+    result = crash_trial(
+        tmp_path, backend=backend, seed=BACKENDS.index(backend), emulator=gcs_emulator
+    )
     _record(recorder, "crash_single_process_ci", [result])
     assert result["problems"] == [], result
 
 
 @pytest.mark.nightly
-def test_sigkill_trials_nightly(tmp_path: Path, gcs_emulator: GcsEmulator, recorder: Recorder) -> None:
+def test_sigkill_trials_nightly(
+    tmp_path: Path, gcs_emulator: GcsEmulator, recorder: Recorder
+) -> None:
     """``FASTCKPT_NIGHTLY_TRIALS`` trials (default 1) over random backends and kill times."""
     n = trial_count(1)
     rng = random.Random(12345)
-    results = [crash_trial(tmp_path, backend=rng.choice(BACKENDS), seed=100 + i, emulator=gcs_emulator) for i in range(n)]
+    results = [
+        crash_trial(tmp_path, backend=rng.choice(BACKENDS), seed=100 + i, emulator=gcs_emulator)
+        for i in range(n)
+    ]
     _record(recorder, "crash_single_process", results)
     bad = [r for r in results if r["problems"]]
     assert not bad, bad
@@ -225,19 +264,35 @@ def mp_crash_trial(tmp: Path, *, seed: int) -> dict[str, Any]:
     trial_dir.mkdir()
     spec = {"root": str(trial_dir / "ckpt"), "endpoint": None, "ram_root": None}
     outcomes = run_processes(
-        f"{HERE / '_mp_crash.py'}:save_until_killed", num_processes=2, devices_per_process=2, check=False,
-        kwargs={"root": spec["root"], "progress_dir": str(trial_dir), "victim": victim, "kill_after_s": kill_after,
-                "barrier_timeout_s": 3.0},
-        timeout_s=120, exit_wait_s=2.0,
+        f"{HERE / '_mp_crash.py'}:save_until_killed",
+        num_processes=2,
+        devices_per_process=2,
+        check=False,
+        kwargs={
+            "root": spec["root"],
+            "progress_dir": str(trial_dir),
+            "victim": victim,
+            "kill_after_s": kill_after,
+            "barrier_timeout_s": 3.0,
+        },
+        timeout_s=120,
+        exit_wait_s=2.0,
     )
     assert outcomes[victim].returncode == -signal.SIGKILL, outcomes[victim]
     acknowledged = []
     for p in trial_dir.glob("progress*.txt"):
-        acknowledged += [int(x.split()[1]) for x in p.read_text().split("\n") if x.startswith("committed ")]
+        acknowledged += [
+            int(x.split()[1]) for x in p.read_text().split("\n") if x.startswith("committed ")
+        ]
     result = verify_after_crash(spec, acknowledged)
     survivor = outcomes[1 - victim]
-    result.update(backend="local-2proc", seed=seed, kill_after_s=round(kill_after, 3), victim=victim,
-                  survivor=(survivor.value or {}).get("error") or f"returncode {survivor.returncode}")
+    result.update(
+        backend="local-2proc",
+        seed=seed,
+        kill_after_s=round(kill_after, 3),
+        victim=victim,
+        survivor=(survivor.value or {}).get("error") or f"returncode {survivor.returncode}",
+    )
     return result
 
 
@@ -256,8 +311,14 @@ def test_gc_removes_temp_files_of_a_killed_put(tmp_path: Path) -> None:
     found 14 of them over 60 trials)."""
     root = tmp_path / "ckpt"
     fastckpt_save(root)
-    debris = [root / "steps" / "000000000002" / "abc" / f".p00000-00000.fck.0123456789abcdef{TEMP_SUFFIX}",
-              root / "manifests" / f".000000000002.json.0123456789abcdef{TEMP_SUFFIX}"]
+    debris = [
+        root
+        / "steps"
+        / "000000000002"
+        / "abc"
+        / f".p00000-00000.fck.0123456789abcdef{TEMP_SUFFIX}",
+        root / "manifests" / f".000000000002.json.0123456789abcdef{TEMP_SUFFIX}",
+    ]
     for d in debris:
         d.parent.mkdir(parents=True, exist_ok=True)
         d.write_bytes(b"x" * 1000)

@@ -63,19 +63,44 @@ from tests.support.wrapping import ForwardingStore
 from ._util import Recorder
 
 SECRET = b"hostile-test-secret-0123456789"
-FAST = PeerOptions(connect_timeout_s=2, handshake_timeout_s=1.0, io_timeout_s=1.0, max_payload_bytes=1 << 20)
+FAST = PeerOptions(
+    connect_timeout_s=2, handshake_timeout_s=1.0, io_timeout_s=1.0, max_payload_bytes=1 << 20
+)
 
 # ============================================================================ manifests
 
 
 def _real_manifest(*, listed: bool = False) -> bytes:
     """A real manifest of one 2-chunk leaf (its table a grid, or ``listed`` boxes)."""
-    chunk = ChunkEntry(box=((0, 4), (0, 8)), key="steps/000000000007/ab12/p00000-00000.fck", offset=0, length=128,
-                       raw_length=128, codec="raw", crc32c=1, raw_crc32c=1)
-    chunks = [chunk, ChunkEntry(box=((4, 8), (0, 8)), key=chunk.key, offset=128, length=128, raw_length=128,
-                                codec="raw", crc32c=2, raw_crc32c=2)]
-    leaf = ArrayLeaf(path=(("d", "params"), ("d", "w")), shape=(8, 8), dtype="float32",
-                     chunks=table_from_entries(chunks[::-1] if listed else chunks, shape=(8, 8), itemsize=4))
+    chunk = ChunkEntry(
+        box=((0, 4), (0, 8)),
+        key="steps/000000000007/ab12/p00000-00000.fck",
+        offset=0,
+        length=128,
+        raw_length=128,
+        codec="raw",
+        crc32c=1,
+        raw_crc32c=1,
+    )
+    chunks = [
+        chunk,
+        ChunkEntry(
+            box=((4, 8), (0, 8)),
+            key=chunk.key,
+            offset=128,
+            length=128,
+            raw_length=128,
+            codec="raw",
+            crc32c=2,
+            raw_crc32c=2,
+        ),
+    ]
+    leaf = ArrayLeaf(
+        path=(("d", "params"), ("d", "w")),
+        shape=(8, 8),
+        dtype="float32",
+        chunks=table_from_entries(chunks[::-1] if listed else chunks, shape=(8, 8), itemsize=4),
+    )
     return encode_manifest(Manifest(step=7, leaves=(leaf,), metadata={"note": "x", "n": 1.5}))
 
 
@@ -83,8 +108,14 @@ def _real_manifest(*, listed: bool = False) -> bytes:
 # checksum of the result put back in front (``_sealed``), so that the structural checks after
 # parsing are what these tests are after, not the checksum. A leaf's table with a grid (as
 # fastckpt writes a sharding) and with listed boxes.
-_BASES = {name: {k: x for k, x in json.loads(_real_manifest(listed=name == "listed")).items()
-                 if k != "manifest_crc32c"} for name in ("grid", "listed")}
+_BASES = {
+    name: {
+        k: x
+        for k, x in json.loads(_real_manifest(listed=name == "listed")).items()
+        if k != "manifest_crc32c"
+    }
+    for name in ("grid", "listed")
+}
 
 
 def _slots(doc: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
@@ -102,11 +133,49 @@ _SLOTS = [(v, s) for v, base in _BASES.items() for s in _slots(base)]
 # Where an object key is written: an "objects" entry.
 _KEYS = [(v, s) for v, s in _SLOTS if len(s) == 2 and s[0] == "objects"]
 assert _KEYS
-_SEGMENT = st.sampled_from(["..", ".", "", "steps", "a", "\\", "C:", "~", "%2e%2e", "\u2024\u2024", "．．", "\u202e",
-                            "\x00", "/", "\U0001f4a5", "con", "a b", "\n"])
+_SEGMENT = st.sampled_from(
+    [
+        "..",
+        ".",
+        "",
+        "steps",
+        "a",
+        "\\",
+        "C:",
+        "~",
+        "%2e%2e",
+        "\u2024\u2024",
+        "．．",
+        "\u202e",
+        "\x00",
+        "/",
+        "\U0001f4a5",
+        "con",
+        "a b",
+        "\n",
+    ]
+)
 _TRAVERSAL = st.one_of(
-    st.sampled_from(["../x", "a/../../etc/passwd", "/etc/passwd", "//host/share", "C:\\x", "a//b", "./a", "a/.",
-                     "\\\\srv\\s", "a/\x00b", "..", ".", "", "a/", "/", "steps/../../../x"]),
+    st.sampled_from(
+        [
+            "../x",
+            "a/../../etc/passwd",
+            "/etc/passwd",
+            "//host/share",
+            "C:\\x",
+            "a//b",
+            "./a",
+            "a/.",
+            "\\\\srv\\s",
+            "a/\x00b",
+            "..",
+            ".",
+            "",
+            "a/",
+            "/",
+            "steps/../../../x",
+        ]
+    ),
     st.lists(_SEGMENT, min_size=1, max_size=6).map("/".join),
 )
 
@@ -119,8 +188,26 @@ _INJECT = st.one_of(
     st.integers(1, 100_000).map(lambda d: "[" * d + "]" * d),
     st.integers(1, 100_000).map(lambda d: '{"a":' * d + "1" + "}" * d),
     st.integers(19, 10_000).map(lambda n: "9" * n),
-    st.sampled_from(["1e400", "-1e400", "1e-400", "NaN", "Infinity", "-Infinity", "-0", "1.0", "-1",
-                     "18446744073709551616", "9223372036854775808", "true", "null", '""', "{}", "[]"]),
+    st.sampled_from(
+        [
+            "1e400",
+            "-1e400",
+            "1e-400",
+            "NaN",
+            "Infinity",
+            "-Infinity",
+            "-0",
+            "1.0",
+            "-1",
+            "18446744073709551616",
+            "9223372036854775808",
+            "true",
+            "null",
+            '""',
+            "{}",
+            "[]",
+        ]
+    ),
     _TRAVERSAL.map(_raw_json),
     st.text(max_size=30).map(_raw_json),
 )
@@ -166,23 +253,36 @@ def _decode_is_safe(data: bytes, root: Path) -> Manifest | None:
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(slot=st.sampled_from(_SLOTS), raw=_INJECT)
-def test_manifest_parser_survives_injected_values(slot: tuple[str, tuple[Any, ...]], raw: str, tmp_path_factory: Any,
-                                                  recorder: Recorder) -> None:
+def test_manifest_parser_survives_injected_values(
+    slot: tuple[str, tuple[Any, ...]], raw: str, tmp_path_factory: Any, recorder: Recorder
+) -> None:
     """Only ManifestError ever escapes (no RecursionError, ValueError, OverflowError...)."""
     m = _decode_is_safe(_inject(slot, raw), tmp_path_factory.getbasetemp())
-    recorder.add("hostile_manifests_injected", examples=1,
-                 outcomes={"ManifestError": int(m is None), "accepted_valid": int(m is not None)})
+    recorder.add(
+        "hostile_manifests_injected",
+        examples=1,
+        outcomes={"ManifestError": int(m is None), "accepted_valid": int(m is not None)},
+    )
 
 
 @settings(max_examples=150, deadline=None)
 @given(slot=st.sampled_from(_KEYS), key=_TRAVERSAL)
-def test_manifest_object_keys_cannot_escape_the_root(slot: tuple[str, tuple[Any, ...]], key: str, tmp_path_factory: Any,
-                                                     recorder: Recorder) -> None:
+def test_manifest_object_keys_cannot_escape_the_root(
+    slot: tuple[str, tuple[Any, ...]], key: str, tmp_path_factory: Any, recorder: Recorder
+) -> None:
     m = _decode_is_safe(_inject(slot, _raw_json(key)), tmp_path_factory.getbasetemp())
-    recorder.add("hostile_manifest_keys", examples=1,
-                 outcomes={"ManifestError": int(m is None), "accepted_inside_root": int(m is not None)})
+    recorder.add(
+        "hostile_manifest_keys",
+        examples=1,
+        outcomes={"ManifestError": int(m is None), "accepted_inside_root": int(m is not None)},
+    )
     if m is not None:  # only keys that are plain relative paths got through
-        assert ".." not in key.split("/") and not key.startswith("/") and "\\" not in key and "\x00" not in key
+        assert (
+            ".." not in key.split("/")
+            and not key.startswith("/")
+            and "\\" not in key
+            and "\x00" not in key
+        )
 
 
 def test_edited_manifest_is_refused_by_its_checksum() -> None:
@@ -190,7 +290,12 @@ def test_edited_manifest_is_refused_by_its_checksum() -> None:
     matches its ``manifest_crc32c``; without one it is refused, edited or not."""
     data = _real_manifest()
     assert decode_manifest(data).step == 7
-    for a, b in ((b'"w"', b'"v"'), (b'"float32"', b'"uint32"'), (b'"n":1.5', b'"n":2.5'), (b'"step":7', b'"step":8')):
+    for a, b in (
+        (b'"w"', b'"v"'),
+        (b'"float32"', b'"uint32"'),
+        (b'"n":1.5', b'"n":2.5'),
+        (b'"step":7', b'"step":8'),
+    ):
         assert a in data
         with pytest.raises(ManifestError, match="checksum"):
             decode_manifest(data.replace(a, b, 1))
@@ -205,12 +310,20 @@ def test_edited_manifest_is_refused_by_its_checksum() -> None:
 
 def _hostile(leaf: ArrayLeaf, step: int = 9) -> MemoryStore:
     store = MemoryStore()
-    asyncio.run(store.put("steps/000000000009/aa/p00000-00000.fck", np.arange(64, dtype=np.uint8).tobytes()))
-    asyncio.run(store.put(f"manifests/{step:012d}.json", encode_manifest(Manifest(step=step, leaves=(leaf,)))))
+    asyncio.run(
+        store.put("steps/000000000009/aa/p00000-00000.fck", np.arange(64, dtype=np.uint8).tobytes())
+    )
+    asyncio.run(
+        store.put(
+            f"manifests/{step:012d}.json", encode_manifest(Manifest(step=step, leaves=(leaf,)))
+        )
+    )
     return store
 
 
-def _leaf(shape: tuple[int, ...], *chunks: ChunkEntry, dtype: str = "uint8", kind: str = "numpy") -> ArrayLeaf:
+def _leaf(
+    shape: tuple[int, ...], *chunks: ChunkEntry, dtype: str = "uint8", kind: str = "numpy"
+) -> ArrayLeaf:
     table = table_from_entries(chunks, shape=shape, itemsize=dtype_from_name(dtype).itemsize)
     return ArrayLeaf(path=(("d", "x"),), shape=shape, dtype=dtype, chunks=table, kind=kind)  # type: ignore[arg-type]
 
@@ -219,21 +332,41 @@ _OBJ = "steps/000000000009/aa/p00000-00000.fck"
 _GOOD_CRC = crc32c(np.arange(64, dtype=np.uint8).tobytes())
 HOSTILE_RESTORES: dict[str, tuple[ArrayLeaf, type[BaseException]]] = {
     # 4 TiB declared for a tiny object: refused at allocation, typed and named.
-    "huge_array": (_leaf((1 << 42,), ChunkEntry(((0, 1 << 42),), _OBJ, 0, 64, 1 << 42, "zstd", 0, 0)), MemoryError),
+    "huge_array": (
+        _leaf((1 << 42,), ChunkEntry(((0, 1 << 42),), _OBJ, 0, 64, 1 << 42, "zstd", 0, 0)),
+        MemoryError,
+    ),
     # 8 GiB declared (the host may map it lazily): the short read is caught before any use.
     # The stored object is shorter than the chunk: a typed CorruptionError naming the array.
-    "lazy_huge_array": (_leaf((1 << 33,), ChunkEntry(((0, 1 << 33),), _OBJ, 0, 1 << 33, 1 << 33, "raw", 0, 0)),
-                        CorruptionError),
-    "range_past_end": (_leaf((100,), ChunkEntry(((0, 100),), _OBJ, 10, 100, 100, "raw", 0, 0)), CorruptionError),
-    "offset_past_end": (_leaf((8,), ChunkEntry(((0, 8),), _OBJ, 10_000, 8, 8, "raw", 0, 0)), FastckptError),
-    "missing_object": (_leaf((8,), ChunkEntry(((0, 8),), "steps/000000000009/zz/none.fck", 0, 8, 8, "raw", 0, 0)),
-                       FastckptError),
-    "manifest_as_data": (_leaf((8,), ChunkEntry(((0, 8),), "manifests/000000000009.json", 0, 8, 8, "raw", 0, 0)),
-                         ChecksumMismatchError),
+    "lazy_huge_array": (
+        _leaf((1 << 33,), ChunkEntry(((0, 1 << 33),), _OBJ, 0, 1 << 33, 1 << 33, "raw", 0, 0)),
+        CorruptionError,
+    ),
+    "range_past_end": (
+        _leaf((100,), ChunkEntry(((0, 100),), _OBJ, 10, 100, 100, "raw", 0, 0)),
+        CorruptionError,
+    ),
+    "offset_past_end": (
+        _leaf((8,), ChunkEntry(((0, 8),), _OBJ, 10_000, 8, 8, "raw", 0, 0)),
+        FastckptError,
+    ),
+    "missing_object": (
+        _leaf((8,), ChunkEntry(((0, 8),), "steps/000000000009/zz/none.fck", 0, 8, 8, "raw", 0, 0)),
+        FastckptError,
+    ),
+    "manifest_as_data": (
+        _leaf((8,), ChunkEntry(((0, 8),), "manifests/000000000009.json", 0, 8, 8, "raw", 0, 0)),
+        ChecksumMismatchError,
+    ),
     # Valid crc32c of the stored bytes, but they are not zstd: the decoder error is typed.
-    "not_zstd": (_leaf((1000,), ChunkEntry(((0, 1000),), _OBJ, 0, 64, 1000, "zstd", _GOOD_CRC, 0)), FastckptError),
-    "wrong_crc": (_leaf((64,), ChunkEntry(((0, 64),), _OBJ, 0, 64, 64, "raw", _GOOD_CRC ^ 1, _GOOD_CRC ^ 1)),
-                  ChecksumMismatchError),
+    "not_zstd": (
+        _leaf((1000,), ChunkEntry(((0, 1000),), _OBJ, 0, 64, 1000, "zstd", _GOOD_CRC, 0)),
+        FastckptError,
+    ),
+    "wrong_crc": (
+        _leaf((64,), ChunkEntry(((0, 64),), _OBJ, 0, 64, 64, "raw", _GOOD_CRC ^ 1, _GOOD_CRC ^ 1)),
+        ChecksumMismatchError,
+    ),
 }
 
 
@@ -261,8 +394,14 @@ def tier(tmp_path: Path) -> Iterator[RamTier]:
     data = np.frombuffer(np.random.default_rng(0).bytes(100_000), np.uint8)
     seg = t.allocate(1, data.nbytes)
     seg.buffer[:] = data
-    t.seal(1, seg, {"a": ChunkLocation(0, 60_000, crc32c(data[:60_000])),
-                    "b": ChunkLocation(60_000, 40_000, crc32c(data[60_000:]))})
+    t.seal(
+        1,
+        seg,
+        {
+            "a": ChunkLocation(0, 60_000, crc32c(data[:60_000])),
+            "b": ChunkLocation(60_000, 40_000, crc32c(data[60_000:])),
+        },
+    )
     t.put_manifest(1, b'{"m": 1}')
     yield t
     t.close()
@@ -300,12 +439,19 @@ def _raw_auth(address: tuple[str, int], secret: bytes = SECRET) -> Channel:
     cn = wire.new_nonce()
     send_frame(s, MsgType.HELLO, {"nonce": cn.hex(), "frame_mac": True})
     _, h, _ = recv_frame_head(s, wire.AUTH_LIMITS)
-    keys = wire.session_keys(secret, client_nonce=cn, server_nonce=bytes.fromhex(h["nonce"]), frame_mac=True)
+    keys = wire.session_keys(
+        secret, client_nonce=cn, server_nonce=bytes.fromhex(h["nonce"]), frame_mac=True
+    )
     send_frame(s, MsgType.AUTH, {"mac": keys.client_proof.hex()})
     t, _, _ = recv_frame_head(s, wire.AUTH_LIMITS)
     assert t is MsgType.AUTH_OK
-    return Channel(s, limits=wire.WireLimits(max_payload_bytes=1 << 30), role="client", send_key=keys.client_key,
-                   recv_key=keys.server_key)
+    return Channel(
+        s,
+        limits=wire.WireLimits(max_payload_bytes=1 << 30),
+        role="client",
+        send_key=keys.client_key,
+        recv_key=keys.server_key,
+    )
 
 
 def _answer(s: socket.socket | Channel, timeout_s: float = 5.0) -> tuple[str, Any]:
@@ -329,17 +475,44 @@ def _answer(s: socket.socket | Channel, timeout_s: float = 5.0) -> tuple[str, An
 def _frame_strategy() -> st.SearchStrategy[bytes]:
     """Frames a hostile authenticated client might send: valid-schema requests with hostile
     values, lying prefixes, junk JSON headers, and truncations of all of these."""
-    request_types = [MsgType.GET_CHUNK, MsgType.PUT_CHUNK, MsgType.LIST, MsgType.GET_MANIFEST, MsgType.PUT_MANIFEST,
-                     MsgType.STEPS, MsgType.GET_CHUNKS, MsgType.PUT_CHUNKS]
-    ints = st.one_of(st.integers(0, 3), st.integers(-5, 2**64 + 5), st.sampled_from([2**63 - 1, 2**63, 2**32]))
-    values = st.one_of(ints, st.text(max_size=20), st.none(), st.booleans(), st.floats(allow_nan=False),
-                       st.sampled_from(["a", "b", "x" * 20000]))
+    request_types = [
+        MsgType.GET_CHUNK,
+        MsgType.PUT_CHUNK,
+        MsgType.LIST,
+        MsgType.GET_MANIFEST,
+        MsgType.PUT_MANIFEST,
+        MsgType.STEPS,
+        MsgType.GET_CHUNKS,
+        MsgType.PUT_CHUNKS,
+    ]
+    ints = st.one_of(
+        st.integers(0, 3), st.integers(-5, 2**64 + 5), st.sampled_from([2**63 - 1, 2**63, 2**32])
+    )
+    values = st.one_of(
+        ints,
+        st.text(max_size=20),
+        st.none(),
+        st.booleans(),
+        st.floats(allow_nan=False),
+        st.sampled_from(["a", "b", "x" * 20000]),
+    )
     header = st.one_of(
-        st.dictionaries(st.sampled_from(["step", "chunk_id", "offset", "length", "raw_crc32c", "count", "x"]), values,
-                        max_size=5)
-        .map(lambda d: json.dumps(d).encode()),
+        st.dictionaries(
+            st.sampled_from(["step", "chunk_id", "offset", "length", "raw_crc32c", "count", "x"]),
+            values,
+            max_size=5,
+        ).map(lambda d: json.dumps(d).encode()),
         st.integers(1, 50_000).map(lambda d: b"[" * d + b"]" * d),
-        st.sampled_from([b'{"step": NaN}', b'{"step": 1, "step": 2}', b"\xff\xfe", b"", b"{", b'{"step": 1e400}']),
+        st.sampled_from(
+            [
+                b'{"step": NaN}',
+                b'{"step": 1, "step": 2}',
+                b"\xff\xfe",
+                b"",
+                b"{",
+                b'{"step": 1e400}',
+            ]
+        ),
         st.binary(max_size=64),
     )
 
@@ -360,14 +533,29 @@ def _frame_strategy() -> st.SearchStrategy[bytes]:
     return frames()
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=80,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(frame=_frame_strategy(), authenticated=st.booleans())
 def test_generated_frames_get_typed_answers_and_the_server_keeps_serving(
-    server: PeerServer, tier: RamTier, good: PeerClient, frame: bytes, authenticated: bool, recorder: Recorder
+    server: PeerServer,
+    tier: RamTier,
+    good: PeerClient,
+    frame: bytes,
+    authenticated: bool,
+    recorder: Recorder,
 ) -> None:
-    s = _raw_auth(server.address) if authenticated else socket.create_connection(server.address, timeout=5)
+    s = (
+        _raw_auth(server.address)
+        if authenticated
+        else socket.create_connection(server.address, timeout=5)
+    )
     try:
-        if isinstance(s, Channel):  # tagged as from a client with the secret: the parser is under test
+        if isinstance(
+            s, Channel
+        ):  # tagged as from a client with the secret: the parser is under test
             s.sock.sendall(s.tag_raw(frame))
             s.sock.shutdown(socket.SHUT_WR)  # a truncated frame ends here
         else:
@@ -379,7 +567,9 @@ def test_generated_frames_get_typed_answers_and_the_server_keeps_serving(
     assert what in ("error", "reply", "closed")
     if what == "error":
         assert detail in ERROR_CODES
-    recorder.add("hostile_peer_frames", examples=1, answers={f"{what}:{detail}" if detail else what: 1})
+    recorder.add(
+        "hostile_peer_frames", examples=1, answers={f"{what}:{detail}" if detail else what: 1}
+    )
     # The well-behaved client keeps its pooled connection and still gets exact bytes.
     assert bytes(good.get_chunk(1, "b")) == _expected(tier, "b")  # type: ignore[arg-type]
     with PeerClient(server.address, secret=SECRET, options=FAST) as fresh:
@@ -388,7 +578,11 @@ def test_generated_frames_get_typed_answers_and_the_server_keeps_serving(
 
 def _frame(t: MsgType, h: dict[str, Any], payload: bytes = b"") -> bytes:
     raw = json.dumps(h).encode()
-    return wire.PREFIX.pack(wire.MAGIC, wire.VERSION, int(t), 0, len(raw), len(payload)) + raw + payload
+    return (
+        wire.PREFIX.pack(wire.MAGIC, wire.VERSION, int(t), 0, len(raw), len(payload))
+        + raw
+        + payload
+    )
 
 
 def _nonce_hex() -> str:
@@ -397,46 +591,124 @@ def _nonce_hex() -> str:
 
 #: name -> (authenticate first?, bytes to send, expected answer)
 SCRIPTED: dict[str, tuple[bool, Callable[[], bytes], tuple[str, Any]]] = {
-    "unknown_version": (True, lambda: wire.PREFIX.pack(wire.MAGIC, 9, MsgType.STEPS, 0, 2, 0) + b"{}",
-                        ("error", "bad_request")),
-    "unknown_type": (True, lambda: wire.PREFIX.pack(wire.MAGIC, wire.VERSION, 99, 0, 2, 0) + b"{}",
-                     ("error", "bad_request")),
-    "server_only_type": (True, lambda: _frame(MsgType.CHUNK, {"raw_crc32c": 0, "chunk_length": 0, "offset": 0}),
-                         ("error", "bad_request")),
-    "second_auth_replayed": (True, lambda: _frame(MsgType.AUTH, {"mac": "0" * 64}), ("error", "bad_request")),
-    "hello_again": (True, lambda: _frame(MsgType.HELLO, {"nonce": _nonce_hex(), "frame_mac": True}),
-                    ("error", "bad_request")),
-    "range_outside_chunk": (True, lambda: _frame(MsgType.GET_CHUNK, {"step": 1, "chunk_id": "a", "offset": 59_999,
-                                                                     "length": 2}), ("error", "bad_request")),
-    "chunk_id_too_long": (True, lambda: _frame(MsgType.GET_CHUNK, {"step": 1, "chunk_id": "x" * (wire.MAX_CHUNK_ID_CHARS + 1),
-                                                                   "offset": 0, "length": None}), ("error", "bad_request")),
-    "batch_duplicate_ids": (True, lambda: _frame(MsgType.GET_CHUNKS, {"step": 1, "count": 2}, b'["a","a"]'),
-                            ("error", "bad_request")),
-    "batch_too_many_ids": (True, lambda: _frame(MsgType.GET_CHUNKS, {"step": 1, "count": wire.MAX_BATCH_CHUNKS + 1},
-                                                json.dumps([str(i) for i in range(wire.MAX_BATCH_CHUNKS + 1)]).encode()),
-                           ("error", "bad_request")),
-    "batch_ids_not_a_list": (True, lambda: _frame(MsgType.GET_CHUNKS, {"step": 1, "count": 1}, b'{"a":1}'),
-                             ("error", "bad_request")),
-    "batch_of_absent_chunks": (True, lambda: _frame(MsgType.GET_CHUNKS, {"step": 9, "count": 1}, b'["a"]'),
-                               ("reply", MsgType.CHUNKS)),
-    "header_over_limit": (True, lambda: wire.PREFIX.pack(wire.MAGIC, wire.VERSION, MsgType.LIST, 0, FAST.max_header_bytes + 1, 0),
-                          ("error", "too_large")),
-    "payload_over_limit": (True, lambda: wire.PREFIX.pack(wire.MAGIC, wire.VERSION, MsgType.PUT_CHUNK, 0, 2,
-                                                          FAST.max_payload_bytes + 1) + b"{}", ("error", "too_large")),
-    "missing_secret": (False, lambda: _frame(MsgType.HELLO, {"nonce": _nonce_hex(), "frame_mac": True})
-                       + _frame(MsgType.AUTH, {"mac": ""}), ("reply", MsgType.CHALLENGE)),
+    "unknown_version": (
+        True,
+        lambda: wire.PREFIX.pack(wire.MAGIC, 9, MsgType.STEPS, 0, 2, 0) + b"{}",
+        ("error", "bad_request"),
+    ),
+    "unknown_type": (
+        True,
+        lambda: wire.PREFIX.pack(wire.MAGIC, wire.VERSION, 99, 0, 2, 0) + b"{}",
+        ("error", "bad_request"),
+    ),
+    "server_only_type": (
+        True,
+        lambda: _frame(MsgType.CHUNK, {"raw_crc32c": 0, "chunk_length": 0, "offset": 0}),
+        ("error", "bad_request"),
+    ),
+    "second_auth_replayed": (
+        True,
+        lambda: _frame(MsgType.AUTH, {"mac": "0" * 64}),
+        ("error", "bad_request"),
+    ),
+    "hello_again": (
+        True,
+        lambda: _frame(MsgType.HELLO, {"nonce": _nonce_hex(), "frame_mac": True}),
+        ("error", "bad_request"),
+    ),
+    "range_outside_chunk": (
+        True,
+        lambda: _frame(
+            MsgType.GET_CHUNK, {"step": 1, "chunk_id": "a", "offset": 59_999, "length": 2}
+        ),
+        ("error", "bad_request"),
+    ),
+    "chunk_id_too_long": (
+        True,
+        lambda: _frame(
+            MsgType.GET_CHUNK,
+            {
+                "step": 1,
+                "chunk_id": "x" * (wire.MAX_CHUNK_ID_CHARS + 1),
+                "offset": 0,
+                "length": None,
+            },
+        ),
+        ("error", "bad_request"),
+    ),
+    "batch_duplicate_ids": (
+        True,
+        lambda: _frame(MsgType.GET_CHUNKS, {"step": 1, "count": 2}, b'["a","a"]'),
+        ("error", "bad_request"),
+    ),
+    "batch_too_many_ids": (
+        True,
+        lambda: _frame(
+            MsgType.GET_CHUNKS,
+            {"step": 1, "count": wire.MAX_BATCH_CHUNKS + 1},
+            json.dumps([str(i) for i in range(wire.MAX_BATCH_CHUNKS + 1)]).encode(),
+        ),
+        ("error", "bad_request"),
+    ),
+    "batch_ids_not_a_list": (
+        True,
+        lambda: _frame(MsgType.GET_CHUNKS, {"step": 1, "count": 1}, b'{"a":1}'),
+        ("error", "bad_request"),
+    ),
+    "batch_of_absent_chunks": (
+        True,
+        lambda: _frame(MsgType.GET_CHUNKS, {"step": 9, "count": 1}, b'["a"]'),
+        ("reply", MsgType.CHUNKS),
+    ),
+    "header_over_limit": (
+        True,
+        lambda: wire.PREFIX.pack(
+            wire.MAGIC, wire.VERSION, MsgType.LIST, 0, FAST.max_header_bytes + 1, 0
+        ),
+        ("error", "too_large"),
+    ),
+    "payload_over_limit": (
+        True,
+        lambda: (
+            wire.PREFIX.pack(
+                wire.MAGIC, wire.VERSION, MsgType.PUT_CHUNK, 0, 2, FAST.max_payload_bytes + 1
+            )
+            + b"{}"
+        ),
+        ("error", "too_large"),
+    ),
+    "missing_secret": (
+        False,
+        lambda: (
+            _frame(MsgType.HELLO, {"nonce": _nonce_hex(), "frame_mac": True})
+            + _frame(MsgType.AUTH, {"mac": ""})
+        ),
+        ("reply", MsgType.CHALLENGE),
+    ),
     "request_before_auth": (False, lambda: _frame(MsgType.STEPS, {}), ("error", "bad_request")),
-    "deep_json_header": (True, lambda: wire.PREFIX.pack(wire.MAGIC, wire.VERSION, MsgType.LIST, 0, 60_000, 0)
-                         + b"[" * 30_000 + b"]" * 30_000, ("error", "bad_request")),
+    "deep_json_header": (
+        True,
+        lambda: (
+            wire.PREFIX.pack(wire.MAGIC, wire.VERSION, MsgType.LIST, 0, 60_000, 0)
+            + b"[" * 30_000
+            + b"]" * 30_000
+        ),
+        ("error", "bad_request"),
+    ),
 }
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTED))
-def test_scripted_hostile_requests(server: PeerServer, tier: RamTier, good: PeerClient, name: str,
-                                   recorder: Recorder) -> None:
+def test_scripted_hostile_requests(
+    server: PeerServer, tier: RamTier, good: PeerClient, name: str, recorder: Recorder
+) -> None:
     authenticate, make, want = SCRIPTED[name]
     handshakes = good.handshakes
-    s = _raw_auth(server.address) if authenticate else socket.create_connection(server.address, timeout=5)
+    s = (
+        _raw_auth(server.address)
+        if authenticate
+        else socket.create_connection(server.address, timeout=5)
+    )
     try:
         if isinstance(s, Channel):
             s.sock.sendall(s.tag_raw(make()))
@@ -454,25 +726,35 @@ def test_scripted_hostile_requests(server: PeerServer, tier: RamTier, good: Peer
     recorder.add("hostile_peer_requests", cases=1, typed_answers=1)
 
 
-def test_wrong_secret_and_over_budget_push_are_refused_typed(server: PeerServer, tmp_path: Path) -> None:
+def test_wrong_secret_and_over_budget_push_are_refused_typed(
+    server: PeerServer, tmp_path: Path
+) -> None:
     with pytest.raises(AuthenticationError):
         PeerClient(server.address, secret=b"not-the-secret-0123456789", options=FAST).steps()
     small = RamTier(tmp_path / "small", budget_bytes=256 << 10)
     try:
-        with PeerServer(small, secret=SECRET, options=FAST).start() as srv, \
-                PeerClient(srv.address, secret=SECRET, options=FAST) as c:
+        with (
+            PeerServer(small, secret=SECRET, options=FAST).start() as srv,
+            PeerClient(srv.address, secret=SECRET, options=FAST) as c,
+        ):
             with pytest.raises(PeerRequestError) as info:
                 c.push_chunk(2, "big", np.zeros(512 << 10, np.uint8))
             assert info.value.code == "budget"
-            assert c.push_chunk(2, "fits", np.ones(1000, np.uint8)) is True  # same connection, still in sync
+            assert (
+                c.push_chunk(2, "fits", np.ones(1000, np.uint8)) is True
+            )  # same connection, still in sync
     finally:
         small.close()
 
 
 def test_slowloris_connections_are_dropped_and_service_resumes(tier: RamTier) -> None:
-    opts = PeerOptions(connect_timeout_s=2, handshake_timeout_s=0.5, io_timeout_s=1.0, max_connections=4)
+    opts = PeerOptions(
+        connect_timeout_s=2, handshake_timeout_s=0.5, io_timeout_s=1.0, max_connections=4
+    )
     with PeerServer(tier, secret=SECRET, options=opts).start() as srv:
-        idle = [socket.create_connection(srv.address, timeout=5) for _ in range(4)]  # never say HELLO
+        idle = [
+            socket.create_connection(srv.address, timeout=5) for _ in range(4)
+        ]  # never say HELLO
         try:
             time.sleep(0.1)
             with pytest.raises(PeerRequestError) as info:
@@ -494,8 +776,13 @@ class LyingServer:
     with ``reply(request_type, header) -> bytes`` (tagged as from a server with the secret,
     unless ``tag`` is False: a forger on the path) and hangs up (or, for None, says nothing)."""
 
-    def __init__(self, reply: Callable[[MsgType, dict[str, Any]], bytes | None], *, secret: bytes = SECRET,
-                 tag: bool = True) -> None:
+    def __init__(
+        self,
+        reply: Callable[[MsgType, dict[str, Any]], bytes | None],
+        *,
+        secret: bytes = SECRET,
+        tag: bool = True,
+    ) -> None:
         self.reply, self.secret, self.tag = reply, secret, tag
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.address = self.listener.getsockname()[:2]
@@ -514,7 +801,9 @@ class LyingServer:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
-            chan = server_handshake(conn, secret=self.secret, frame_mac=True, limits=wire.WireLimits(), timeout_s=10)
+            chan = server_handshake(
+                conn, secret=self.secret, frame_mac=True, limits=wire.WireLimits(), timeout_s=10
+            )
             t, h, plen = chan.recv_head()
             if plen:
                 chan.recv_payload()
@@ -522,7 +811,9 @@ class LyingServer:
             if out is None:
                 self._stop.wait(30)  # say nothing (until closed)
                 return
-            conn.sendall(chan.tag_raw(out) if self.tag else out)  # one answer per connection, then hang up
+            conn.sendall(
+                chan.tag_raw(out) if self.tag else out
+            )  # one answer per connection, then hang up
         except (PeerError, OSError):
             pass
         finally:
@@ -547,24 +838,54 @@ def _chunk(header: dict[str, Any], payload: bytes, declared: int | None = None) 
 _GOOD_HEADER = {"raw_crc32c": crc32c(_DATA), "chunk_length": _DATA.nbytes, "offset": 0}
 LIES: dict[str, tuple[Callable[[MsgType, dict[str, Any]], bytes | None], type[BaseException]]] = {
     # a frame right in every way but its tags, which the liar leaves out (run untagged below)
-    "untagged_forgery": (lambda t, h: _chunk(_GOOD_HEADER, _DATA.tobytes()), FrameAuthenticationError),
+    "untagged_forgery": (
+        lambda t, h: _chunk(_GOOD_HEADER, _DATA.tobytes()),
+        FrameAuthenticationError,
+    ),
     "garbage": (lambda t, h: os.urandom(64), ProtocolError),
-    "wrong_crc": (lambda t, h: _chunk({**_GOOD_HEADER, "raw_crc32c": 1}, _DATA.tobytes()), ChecksumMismatchError),
-    "length_mismatch": (lambda t, h: _chunk({**_GOOD_HEADER, "chunk_length": 10}, _DATA.tobytes()), ProtocolError),
-    "partial_range": (lambda t, h: _chunk({**_GOOD_HEADER, "offset": 5}, _DATA.tobytes()), ProtocolError),
-    "payload_over_limit": (lambda t, h: _chunk(_GOOD_HEADER, b"", declared=FAST.max_payload_bytes + 1), ProtocolError),
-    "closes_mid_payload": (lambda t, h: _chunk(_GOOD_HEADER, _DATA.tobytes()[:100], declared=_DATA.nbytes),
-                           PeerUnavailableError),
+    "wrong_crc": (
+        lambda t, h: _chunk({**_GOOD_HEADER, "raw_crc32c": 1}, _DATA.tobytes()),
+        ChecksumMismatchError,
+    ),
+    "length_mismatch": (
+        lambda t, h: _chunk({**_GOOD_HEADER, "chunk_length": 10}, _DATA.tobytes()),
+        ProtocolError,
+    ),
+    "partial_range": (
+        lambda t, h: _chunk({**_GOOD_HEADER, "offset": 5}, _DATA.tobytes()),
+        ProtocolError,
+    ),
+    "payload_over_limit": (
+        lambda t, h: _chunk(_GOOD_HEADER, b"", declared=FAST.max_payload_bytes + 1),
+        ProtocolError,
+    ),
+    "closes_mid_payload": (
+        lambda t, h: _chunk(_GOOD_HEADER, _DATA.tobytes()[:100], declared=_DATA.nbytes),
+        PeerUnavailableError,
+    ),
     "never_answers": (lambda t, h: None, PeerUnavailableError),
-    "unexpected_type": (lambda t, h: _frame(MsgType.STEP_LIST, {"steps": [1], "committed": [1]}), ProtocolError),
-    "error_with_unknown_code": (lambda t, h: _frame(MsgType.ERROR, {"code": "\u2603" * 10, "message": "x"}), PeerError),
-    "wrong_size_for_buffer": (lambda t, h: _chunk({**_GOOD_HEADER, "chunk_length": 4095, "raw_crc32c": crc32c(_DATA[:4095])},
-                                                  _DATA.tobytes()[:4095]), ChecksumMismatchError),
+    "unexpected_type": (
+        lambda t, h: _frame(MsgType.STEP_LIST, {"steps": [1], "committed": [1]}),
+        ProtocolError,
+    ),
+    "error_with_unknown_code": (
+        lambda t, h: _frame(MsgType.ERROR, {"code": "\u2603" * 10, "message": "x"}),
+        PeerError,
+    ),
+    "wrong_size_for_buffer": (
+        lambda t, h: _chunk(
+            {**_GOOD_HEADER, "chunk_length": 4095, "raw_crc32c": crc32c(_DATA[:4095])},
+            _DATA.tobytes()[:4095],
+        ),
+        ChecksumMismatchError,
+    ),
 }
 
 
 @pytest.mark.parametrize("lie", sorted(LIES))
-def test_client_against_a_lying_server_fails_typed_and_bounded(lie: str, recorder: Recorder) -> None:
+def test_client_against_a_lying_server_fails_typed_and_bounded(
+    lie: str, recorder: Recorder
+) -> None:
     reply, error = LIES[lie]
     srv = LyingServer(reply, tag=lie != "untagged_forgery")
     try:
@@ -606,7 +927,6 @@ class _SlowExceptOne(ForwardingStore):
         return await self.inner.get(key, byte_range=byte_range)
 
 
-
 def test_a_failed_restore_leaves_no_read_running() -> None:
     """When one range fails, the reader cancels the others and waits for them: nothing keeps
     reading after ``restore`` raised, and closing the manager right away is clean (before,
@@ -615,14 +935,28 @@ def test_a_failed_restore_leaves_no_read_running() -> None:
 
     good, bad = "steps/000000000009/aa/p00000-00000.fck", "steps/000000000009/aa/p00000-00001.fck"
     leaves = tuple(
-        ArrayLeaf(path=(("d", f"x{i}"),), shape=(64,), dtype="uint8", kind="numpy",
-                  chunks=table_from_entries([ChunkEntry(((0, 64),), good if i else bad, 0, 64, 64, "raw", _GOOD_CRC,
-                                                        _GOOD_CRC)], shape=(64,), itemsize=1))
+        ArrayLeaf(
+            path=(("d", f"x{i}"),),
+            shape=(64,),
+            dtype="uint8",
+            kind="numpy",
+            chunks=table_from_entries(
+                [
+                    ChunkEntry(
+                        ((0, 64),), good if i else bad, 0, 64, 64, "raw", _GOOD_CRC, _GOOD_CRC
+                    )
+                ],
+                shape=(64,),
+                itemsize=1,
+            ),
+        )
         for i in range(6)
     )
     inner = MemoryStore()
     asyncio.run(inner.put(good, np.arange(64, dtype=np.uint8).tobytes()))
-    asyncio.run(inner.put("manifests/000000000009.json", encode_manifest(Manifest(step=9, leaves=leaves))))
+    asyncio.run(
+        inner.put("manifests/000000000009.json", encode_manifest(Manifest(step=9, leaves=leaves)))
+    )
     store = _SlowExceptOne(inner, bad, delay_s=5.0)
     t0 = time.monotonic()
     with CheckpointManager(store) as mgr:

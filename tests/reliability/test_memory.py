@@ -43,11 +43,23 @@ GROWTH_SLACK = 16 * MiB
 
 def _run(root: Path, repeats: int) -> dict[str, Any]:
     env = dict(os.environ)
-    env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")).strip()
+    env["XLA_FLAGS"] = re.sub(
+        r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")
+    ).strip()
     env["JAX_PLATFORMS"] = "cpu"
-    spec = {"root": str(root), "state_mib": STATE_MIB, "inflight_mib": INFLIGHT_MIB, "repeats": repeats}
-    proc = subprocess.run([sys.executable, str(HERE / "_memory_worker.py"), json.dumps(spec)],
-                          capture_output=True, text=True, timeout=240, env=env)
+    spec = {
+        "root": str(root),
+        "state_mib": STATE_MIB,
+        "inflight_mib": INFLIGHT_MIB,
+        "repeats": repeats,
+    }
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "_memory_worker.py"), json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -62,9 +74,12 @@ def test_save_and_restore_stay_under_the_memory_bound(tmp_path: Path, recorder: 
     restore_bound = state + READ_BYTES + SLACK
     growth = r["after_save"][-1] - r["after_save"][1]
     figures = {
-        "state_mib": STATE_MIB, "max_inflight_mib": INFLIGHT_MIB,
-        "save_peak_over_base_mib": round(save_extra / MiB, 1), "save_bound_mib": round(save_bound / MiB, 1),
-        "restore_peak_over_base_mib": round(restore_extra / MiB, 1), "restore_bound_mib": round(restore_bound / MiB, 1),
+        "state_mib": STATE_MIB,
+        "max_inflight_mib": INFLIGHT_MIB,
+        "save_peak_over_base_mib": round(save_extra / MiB, 1),
+        "save_bound_mib": round(save_bound / MiB, 1),
+        "restore_peak_over_base_mib": round(restore_extra / MiB, 1),
+        "restore_bound_mib": round(restore_bound / MiB, 1),
         "rss_after_saves_mib": [round(x / MiB, 1) for x in r["after_save"]],
         "growth_save2_to_save10_mib": round(growth / MiB, 1),
     }
@@ -88,13 +103,14 @@ class LiveBytesStore(ForwardingStore):
             self.live -= n
 
     async def get(self, key: str, *, byte_range: ByteRange | None = None) -> Buffer:
-        data = np.frombuffer(bytes(await self.inner.get(key, byte_range=byte_range)), np.uint8).copy()
+        data = np.frombuffer(
+            bytes(await self.inner.get(key, byte_range=byte_range)), np.uint8
+        ).copy()
         with self._lock:
             self.live += data.nbytes
             self.peak = max(self.peak, self.live)
         weakref.finalize(data, self._free, data.nbytes)
         return memoryview(data)
-
 
 
 def test_restore_keeps_at_most_read_concurrency_ranges_in_memory(recorder: Recorder) -> None:
@@ -103,8 +119,10 @@ def test_restore_keeps_at_most_read_concurrency_ranges_in_memory(recorder: Recor
     fix, the whole 32 MiB state was in fetched buffers at once)."""
     store = LiveBytesStore()
     w = np.frombuffer(np.random.default_rng(0).bytes(32 * MiB), np.float32)
-    opts = ManagerOptions(save=SaveOptions(max_chunk_bytes=1 * MiB, object_bytes=8 * MiB, compression="none"),
-                          restore=RestoreOptions(read_concurrency=2, max_request_bytes=1 * MiB, max_gap_bytes=0))
+    opts = ManagerOptions(
+        save=SaveOptions(max_chunk_bytes=1 * MiB, object_bytes=8 * MiB, compression="none"),
+        restore=RestoreOptions(read_concurrency=2, max_request_bytes=1 * MiB, max_gap_bytes=0),
+    )
     with CheckpointManager(store, options=opts) as mgr:
         mgr.save(1, {"w": w})
         mgr.wait()
@@ -114,6 +132,12 @@ def test_restore_keeps_at_most_read_concurrency_ranges_in_memory(recorder: Recor
     # Two read slots; a decode thread may still hold its finished range for an instant after
     # the slot is free (2 threads); plus the manifest read or one re-read.
     bound = (2 + 2) * MiB + 1 * MiB
-    recorder.add("memory_restore_read_buffers", state_mib=32, read_concurrency=2, max_request_mib=1,
-                 peak_live_read_mib=round(store.peak / MiB, 2), bound_mib=bound / MiB)
+    recorder.add(
+        "memory_restore_read_buffers",
+        state_mib=32,
+        read_concurrency=2,
+        max_request_mib=1,
+        peak_live_read_mib=round(store.peak / MiB, 2),
+        bound_mib=bound / MiB,
+    )
     assert store.peak <= bound, store.peak / MiB

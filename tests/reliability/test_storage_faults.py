@@ -19,12 +19,18 @@ from typing import Any
 
 import pytest
 
-from fastckpt import CheckpointManager, ManagerOptions, RestoreOptions, RetentionOptions, SaveOptions
+from fastckpt import (
+    CheckpointManager,
+    ManagerOptions,
+    RestoreOptions,
+    RetentionOptions,
+    SaveOptions,
+)
 from fastckpt.errors import RetriesExhaustedError, SaveError
 from fastckpt.format.layout import MANIFEST_PREFIX
 from fastckpt.storage import GcsOptions, GcsStore, RetryingStore, RetryPolicy
-from tests.support.fault_proxy import DEFAULT_KINDS, FaultProxy
 from fastckpt.testing.gcs_emulator import GcsEmulator
+from tests.support.fault_proxy import DEFAULT_KINDS, FaultProxy
 
 from ._util import BUCKET, Recorder, device_state, state_mismatches, trial_count
 
@@ -42,8 +48,13 @@ OPTIONS = ManagerOptions(
 
 
 def _store(endpoint: str, prefix: str, policy: RetryPolicy | None) -> Any:
-    gcs = GcsStore(BUCKET, prefix, options=GcsOptions(endpoint=endpoint, max_workers=8, connect_timeout_s=1.0,
-                                                       read_timeout_s=READ_TIMEOUT_S))
+    gcs = GcsStore(
+        BUCKET,
+        prefix,
+        options=GcsOptions(
+            endpoint=endpoint, max_workers=8, connect_timeout_s=1.0, read_timeout_s=READ_TIMEOUT_S
+        ),
+    )
     return gcs if policy is None else RetryingStore(gcs, policy=policy)
 
 
@@ -66,12 +77,16 @@ def proxy(gcs_emulator: GcsEmulator) -> Iterator[FaultProxy]:
         yield p
 
 
-def fault_trial(emulator: GcsEmulator, *, rate: float, kinds: Any, seed: int, steps: tuple[int, ...] = (1, 2)) -> dict[str, Any]:
+def fault_trial(
+    emulator: GcsEmulator, *, rate: float, kinds: Any, seed: int, steps: tuple[int, ...] = (1, 2)
+) -> dict[str, Any]:
     """Save ``steps`` and restore each through a proxy at ``rate``; returns the figures."""
     prefix = f"faults{next(_prefixes):04d}"
     t0 = time.monotonic()
     outcome, mismatched = "ok", []
-    with FaultProxy(emulator.endpoint, rate=rate, kinds=kinds, seed=seed, stall_s=2.5 * READ_TIMEOUT_S) as proxy:
+    with FaultProxy(
+        emulator.endpoint, rate=rate, kinds=kinds, seed=seed, stall_s=2.5 * READ_TIMEOUT_S
+    ) as proxy:
         try:
             with CheckpointManager(_store(proxy.endpoint, prefix, PATIENT), options=OPTIONS) as mgr:
                 for step in steps:
@@ -87,7 +102,9 @@ def fault_trial(emulator: GcsEmulator, *, rate: float, kinds: Any, seed: int, st
         counts = proxy.counts()
     manifests = _committed(emulator, prefix)
     return {
-        "outcome": outcome, "mismatched": mismatched, "manifests": len(manifests),
+        "outcome": outcome,
+        "mismatched": mismatched,
+        "manifests": len(manifests),
         "requests": counts.get("requests", 0),
         "faults": {k[6:]: v for k, v in counts.items() if k.startswith("fault:")},
         "seconds": time.monotonic() - t0,
@@ -99,16 +116,27 @@ def _record(recorder: Recorder, scenario: str, results: list[dict[str, Any]], **
         scenario,
         trials=len(results),
         requests=sum(r["requests"] for r in results),
-        faults_injected={k: sum(r["faults"].get(k, 0) for r in results) for k in {k for r in results for k in r["faults"]}},
-        outcomes={"ok": sum(r["outcome"] == "ok" for r in results), "failed": sum(r["outcome"] != "ok" for r in results)},
+        faults_injected={
+            k: sum(r["faults"].get(k, 0) for r in results)
+            for k in {k for r in results for k in r["faults"]}
+        },
+        outcomes={
+            "ok": sum(r["outcome"] == "ok" for r in results),
+            "failed": sum(r["outcome"] != "ok" for r in results),
+        },
         wrong_data=sum(len(r["mismatched"]) for r in results),
         seconds=round(sum(r["seconds"] for r in results), 2),
         **extra,
     )
 
 
-def test_mixed_faults_at_10_percent_lose_nothing(gcs_emulator: GcsEmulator, recorder: Recorder) -> None:
-    results = [fault_trial(gcs_emulator, rate=0.10, kinds=DEFAULT_KINDS, seed=1000 + t) for t in range(trial_count(3))]
+def test_mixed_faults_at_10_percent_lose_nothing(
+    gcs_emulator: GcsEmulator, recorder: Recorder
+) -> None:
+    results = [
+        fault_trial(gcs_emulator, rate=0.10, kinds=DEFAULT_KINDS, seed=1000 + t)
+        for t in range(trial_count(3))
+    ]
     _record(recorder, "gcs_faults_10pct_mixed", results, rate=0.10, kinds=list(DEFAULT_KINDS))
     for r in results:
         assert r["outcome"] == "ok", r
@@ -117,9 +145,13 @@ def test_mixed_faults_at_10_percent_lose_nothing(gcs_emulator: GcsEmulator, reco
 
 
 @pytest.mark.parametrize("kind", DEFAULT_KINDS)
-def test_each_fault_kind_alone_is_survived(gcs_emulator: GcsEmulator, recorder: Recorder, kind: str) -> None:
-    results = [fault_trial(gcs_emulator, rate=0.25, kinds=(kind,), seed=2000 + t, steps=(1,))
-               for t in range(trial_count(1, scale=0.2))]
+def test_each_fault_kind_alone_is_survived(
+    gcs_emulator: GcsEmulator, recorder: Recorder, kind: str
+) -> None:
+    results = [
+        fault_trial(gcs_emulator, rate=0.25, kinds=(kind,), seed=2000 + t, steps=(1,))
+        for t in range(trial_count(1, scale=0.2))
+    ]
     _record(recorder, f"gcs_faults_25pct_{kind}", results, rate=0.25, kinds=[kind])
     for r in results:
         assert r["outcome"] == "ok" and r["mismatched"] == [] and r["manifests"] == 1, r
@@ -140,7 +172,9 @@ def _causes(e: BaseException | None) -> list[type[BaseException]]:
 FAIL_BOUND_S = 20.0
 
 
-def test_total_outage_fails_save_fast_and_commits_nothing(gcs_emulator: GcsEmulator, proxy: FaultProxy, recorder: Recorder) -> None:
+def test_total_outage_fails_save_fast_and_commits_nothing(
+    gcs_emulator: GcsEmulator, proxy: FaultProxy, recorder: Recorder
+) -> None:
     prefix = f"outage{next(_prefixes):04d}"
     proxy.configure(rate=1.0, kinds=FAILING_KINDS)
     with CheckpointManager(_store(proxy.endpoint, prefix, IMPATIENT), options=OPTIONS) as mgr:
@@ -159,18 +193,32 @@ def test_total_outage_fails_save_fast_and_commits_nothing(gcs_emulator: GcsEmula
         mgr.wait()
         assert mgr.persistent_steps() == [1]
         assert state_mismatches(mgr.restore(1), 1) == []
-    recorder.add("gcs_outage_100pct_save", trials=1, faults_injected=faults, outcome="SaveError(RetriesExhaustedError)",
-                 max_seconds_to_error=round(elapsed, 2), bound_s=FAIL_BOUND_S, partial_commits=0)
+    recorder.add(
+        "gcs_outage_100pct_save",
+        trials=1,
+        faults_injected=faults,
+        outcome="SaveError(RetriesExhaustedError)",
+        max_seconds_to_error=round(elapsed, 2),
+        bound_s=FAIL_BOUND_S,
+        partial_commits=0,
+    )
 
 
-def test_total_outage_fails_restore_and_listing_fast(gcs_emulator: GcsEmulator, proxy: FaultProxy, recorder: Recorder) -> None:
+def test_total_outage_fails_restore_and_listing_fast(
+    gcs_emulator: GcsEmulator, proxy: FaultProxy, recorder: Recorder
+) -> None:
     prefix = f"outage{next(_prefixes):04d}"
     with CheckpointManager(_store(proxy.endpoint, prefix, IMPATIENT), options=OPTIONS) as mgr:
         mgr.save(1, device_state(1))
         mgr.wait()
         proxy.configure(rate=1.0, kinds=FAILING_KINDS)
         worst = 0.0
-        for call in (lambda: mgr.restore(1), mgr.persistent_steps, mgr.latest_step, lambda: mgr.restore()):
+        for call in (
+            lambda: mgr.restore(1),
+            mgr.persistent_steps,
+            mgr.latest_step,
+            lambda: mgr.restore(),
+        ):
             t0 = time.monotonic()
             with pytest.raises(RetriesExhaustedError):
                 call()
@@ -179,17 +227,30 @@ def test_total_outage_fails_restore_and_listing_fast(gcs_emulator: GcsEmulator, 
         faults = proxy.faults()
         proxy.configure(rate=0.0)
         assert state_mismatches(mgr.restore(), 1) == []
-    recorder.add("gcs_outage_100pct_restore", trials=1, faults_injected=faults, outcome="RetriesExhaustedError",
-                 max_seconds_to_error=round(worst, 2), bound_s=FAIL_BOUND_S)
+    recorder.add(
+        "gcs_outage_100pct_restore",
+        trials=1,
+        faults_injected=faults,
+        outcome="RetriesExhaustedError",
+        max_seconds_to_error=round(worst, 2),
+        bound_s=FAIL_BOUND_S,
+    )
 
 
-def test_lost_response_to_the_manifest_upload_commits_once(gcs_emulator: GcsEmulator, proxy: FaultProxy) -> None:
+def test_lost_response_to_the_manifest_upload_commits_once(
+    gcs_emulator: GcsEmulator, proxy: FaultProxy
+) -> None:
     """The manifest's create-only upload lands but its response is lost; the retry gets a
     412, sees identical bytes under the key, and reports success."""
     hit = []
 
     def first_manifest_upload(method: str, path: str, body: bytes) -> bool:
-        if method == "POST" and b'"name": "' in body[:400] and b"/manifests/" in body[:400] and not hit:
+        if (
+            method == "POST"
+            and b'"name": "' in body[:400]
+            and b"/manifests/" in body[:400]
+            and not hit
+        ):
             hit.append(path)
             return True
         return False
@@ -205,14 +266,21 @@ def test_lost_response_to_the_manifest_upload_commits_once(gcs_emulator: GcsEmul
     assert _committed(gcs_emulator, prefix) == ["manifests/000000000003.json"]
 
 
-def _http(endpoint: str, method: str, path: str, body: bytes | None = None, timeout: float = 1.0) -> tuple[int, bytes]:
+def _http(
+    endpoint: str, method: str, path: str, body: bytes | None = None, timeout: float = 1.0
+) -> tuple[int, bytes]:
     import http.client
     from urllib.parse import urlsplit
 
     u = urlsplit(endpoint)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
     try:
-        conn.request(method, path, body=body, headers={"Content-Type": "application/octet-stream"} if body else {})
+        conn.request(
+            method,
+            path,
+            body=body,
+            headers={"Content-Type": "application/octet-stream"} if body else {},
+        )
         resp = conn.getresponse()
         return resp.status, resp.read()
     finally:
@@ -234,7 +302,9 @@ def test_the_proxy_injects_what_it_says(gcs_emulator: GcsEmulator, proxy: FaultP
     with pytest.raises((ConnectionError, http.client.HTTPException)):
         _http(proxy.endpoint, "POST", upload, b"payload")
     proxy.configure(rate=0.0)
-    assert b'"name": "' + prefix.encode() + b'/k"' in _http(proxy.endpoint, "GET", listing)[1].replace(b'":"', b'": "')
+    assert b'"name": "' + prefix.encode() + b'/k"' in _http(proxy.endpoint, "GET", listing)[
+        1
+    ].replace(b'":"', b'": "')
     proxy.configure(rate=1.0, kinds=("reset",))
     with pytest.raises((ConnectionError, http.client.HTTPException)):
         _http(proxy.endpoint, "GET", listing)
@@ -248,5 +318,13 @@ def test_the_proxy_injects_what_it_says(gcs_emulator: GcsEmulator, proxy: FaultP
     assert time.monotonic() - t0 < 1.0
     proxy.configure(rate=1.0, kinds=("slow",))
     assert _http(proxy.endpoint, "GET", listing)[0] == 200
-    assert proxy.faults() == {"429": 1, "500": 1, "503": 1, "lost_response": 1, "reset": 1, "truncate": 1,
-                              "stall": 1, "slow": 1}
+    assert proxy.faults() == {
+        "429": 1,
+        "500": 1,
+        "503": 1,
+        "lost_response": 1,
+        "reset": 1,
+        "truncate": 1,
+        "stall": 1,
+        "slow": 1,
+    }

@@ -98,7 +98,9 @@ _OPS: dict[str, Callable[[Any], Any]] = {
 
 
 @pytest.mark.parametrize("kind", ["stall", "stall_body"])
-def test_stalled_gcs_calls_fail_in_bounded_time(stalled: tuple[FaultProxy, str], kind: str, recorder: Recorder) -> None:
+def test_stalled_gcs_calls_fail_in_bounded_time(
+    stalled: tuple[FaultProxy, str], kind: str, recorder: Recorder
+) -> None:
     proxy, prefix = stalled
     proxy.configure(rate=1.0, kinds=(kind,))
     opts = GcsOptions(endpoint=proxy.endpoint, connect_timeout_s=1.0, read_timeout_s=READ_TIMEOUT_S)
@@ -106,8 +108,10 @@ def test_stalled_gcs_calls_fail_in_bounded_time(stalled: tuple[FaultProxy, str],
     worst = {}
     for name, op in ops.items():
         bare = GcsStore(BUCKET, prefix, options=opts)
-        retrying = RetryingStore(GcsStore(BUCKET, prefix, options=opts),
-                                 policy=RetryPolicy(max_attempts=3, initial_backoff_s=0.01, deadline_s=5.0))
+        retrying = RetryingStore(
+            GcsStore(BUCKET, prefix, options=opts),
+            policy=RetryPolicy(max_attempts=3, initial_backoff_s=0.01, deadline_s=5.0),
+        )
         cases = [(bare, TransientStorageError, 4 * READ_TIMEOUT_S + 2)]
         if name in ("get_range", "put_create"):  # the retry loop ends too (3 attempts)
             cases.append((retrying, RetriesExhaustedError, 3 * (4 * READ_TIMEOUT_S) + 2))
@@ -117,7 +121,9 @@ def test_stalled_gcs_calls_fail_in_bounded_time(stalled: tuple[FaultProxy, str],
                 asyncio.run(op(store))
             took = time.monotonic() - t0
             assert took < bound, (name, took)
-            assert "timed out" in str(info.value).lower() or "timeout" in str(info.value).lower(), info.value
+            assert "timed out" in str(info.value).lower() or "timeout" in str(info.value).lower(), (
+                info.value
+            )
             worst[name] = max(worst.get(name, 0.0), round(took, 2))
         for store in (bare, retrying):
             asyncio.run(store.close())
@@ -126,8 +132,12 @@ def test_stalled_gcs_calls_fail_in_bounded_time(stalled: tuple[FaultProxy, str],
     # metadata thread did, with its own retries, for up to 120 s after close()).
     lingering = [t.name for t in threading.enumerate() if "_background" in t.name]
     assert lingering == [], lingering
-    recorder.add(f"timeout_gcs_{kind}", calls=sum(1 for _ in worst), read_timeout_s=READ_TIMEOUT_S,
-                 max_seconds_by_op=worst)
+    recorder.add(
+        f"timeout_gcs_{kind}",
+        calls=sum(1 for _ in worst),
+        read_timeout_s=READ_TIMEOUT_S,
+        max_seconds_by_op=worst,
+    )
 
 
 def test_manager_save_and_restore_over_a_stalled_gcs_fail_in_bounded_time(
@@ -136,7 +146,11 @@ def test_manager_save_and_restore_over_a_stalled_gcs_fail_in_bounded_time(
     prefix = f"stallmgr{next(_prefixes):04d}"
     policy = RetryPolicy(max_attempts=2, initial_backoff_s=0.01, deadline_s=3.0)
     with FaultProxy(gcs_emulator.endpoint, stall_s=30.0) as proxy:
-        gcs = GcsStore(BUCKET, prefix, options=GcsOptions(endpoint=proxy.endpoint, read_timeout_s=READ_TIMEOUT_S))
+        gcs = GcsStore(
+            BUCKET,
+            prefix,
+            options=GcsOptions(endpoint=proxy.endpoint, read_timeout_s=READ_TIMEOUT_S),
+        )
         opts = ManagerOptions(save=SaveOptions(max_chunk_bytes=64 << 10, object_bytes=128 << 10))
         with CheckpointManager(RetryingStore(gcs, policy=policy), options=opts) as mgr:
             mgr.save(1, device_state(1))
@@ -154,7 +168,9 @@ def test_manager_save_and_restore_over_a_stalled_gcs_fail_in_bounded_time(
             proxy.configure(rate=0.0)
             assert mgr.persistent_steps() == [1]
     assert save_s < 15 and restore_s < 10
-    recorder.add("timeout_gcs_manager", save_error_s=round(save_s, 2), restore_error_s=round(restore_s, 2))
+    recorder.add(
+        "timeout_gcs_manager", save_error_s=round(save_s, 2), restore_error_s=round(restore_s, 2)
+    )
 
 
 # ============================================================================ peers
@@ -189,16 +205,26 @@ class StallingPeer:
         try:
             conn.settimeout(10)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            chan = server_handshake(conn, secret=SECRET, frame_mac=True, limits=wire.WireLimits(), timeout_s=10)
+            chan = server_handshake(
+                conn, secret=SECRET, frame_mac=True, limits=wire.WireLimits(), timeout_s=10
+            )
             if self.mode != "read":
                 t, h, plen = chan.recv_head()
                 if plen:
                     chan.recv_payload()
-                if self.mode == "payload" and t is MsgType.GET_CHUNK:  # half the payload, then nothing
-                    head = wire.encode_frame(MsgType.CHUNK, {"raw_crc32c": 0, "chunk_length": 1 << 20, "offset": 0}, 1 << 20)
+                if (
+                    self.mode == "payload" and t is MsgType.GET_CHUNK
+                ):  # half the payload, then nothing
+                    head = wire.encode_frame(
+                        MsgType.CHUNK,
+                        {"raw_crc32c": 0, "chunk_length": 1 << 20, "offset": 0},
+                        1 << 20,
+                    )
                     conn.sendall(chan.tag_raw(head + b"\0" * (1 << 19)))
                 elif self.mode == "payload" and t is MsgType.GET_CHUNKS:
-                    head = wire.encode_frame(MsgType.CHUNKS, {"lengths": [1 << 20], "crcs": [0], "missing": []}, 1 << 20)
+                    head = wire.encode_frame(
+                        MsgType.CHUNKS, {"lengths": [1 << 20], "crcs": [0], "missing": []}, 1 << 20
+                    )
                     conn.sendall(chan.tag_raw(head + b"\0" * (1 << 19)))
             self.stop.wait(60)
         except Exception:
@@ -225,21 +251,34 @@ PEER_OPTS = PeerOptions(connect_timeout_s=1.0, handshake_timeout_s=1.0, io_timeo
 
 
 @pytest.mark.parametrize("stalling_peer", ["reply", "payload"], indirect=True)
-def test_stalled_peer_transfer_fails_in_bounded_time(stalling_peer: StallingPeer, recorder: Recorder) -> None:
+def test_stalled_peer_transfer_fails_in_bounded_time(
+    stalling_peer: StallingPeer, recorder: Recorder
+) -> None:
     with PeerClient(stalling_peer.address, secret=SECRET, options=PEER_OPTS) as client:
         into = np.zeros(1 << 20, np.uint8)
-        for call in (lambda: client.get_chunk(1, "a"), lambda: client.get_chunks(1, [("a", into, None)]),
-                     lambda: client.list_chunks(1), client.steps):
+        for call in (
+            lambda: client.get_chunk(1, "a"),
+            lambda: client.get_chunks(1, [("a", into, None)]),
+            lambda: client.list_chunks(1),
+            client.steps,
+        ):
             t0 = time.monotonic()
             with pytest.raises(PeerUnavailableError):
                 call()
             took = time.monotonic() - t0
             assert took < 2 * IO_TIMEOUT_S + 1.5, took
-    recorder.add(f"timeout_peer_{stalling_peer.mode}", calls=4, io_timeout_s=IO_TIMEOUT_S, max_seconds=round(took, 2))
+    recorder.add(
+        f"timeout_peer_{stalling_peer.mode}",
+        calls=4,
+        io_timeout_s=IO_TIMEOUT_S,
+        max_seconds=round(took, 2),
+    )
 
 
 @pytest.mark.parametrize("stalling_peer", ["read"], indirect=True)
-def test_push_to_a_peer_that_stops_reading_fails_in_bounded_time(stalling_peer: StallingPeer) -> None:
+def test_push_to_a_peer_that_stops_reading_fails_in_bounded_time(
+    stalling_peer: StallingPeer,
+) -> None:
     data = np.zeros(64 << 20, np.uint8)  # far more than the socket buffers hold
     with PeerClient(stalling_peer.address, secret=SECRET, options=PEER_OPTS) as client:
         t0 = time.monotonic()
@@ -249,7 +288,9 @@ def test_push_to_a_peer_that_stops_reading_fails_in_bounded_time(stalling_peer: 
 
 
 @pytest.mark.parametrize("stalling_peer", ["payload"], indirect=True)
-def test_restore_with_a_stalling_peer_falls_back_to_storage(stalling_peer: StallingPeer, recorder: Recorder) -> None:
+def test_restore_with_a_stalling_peer_falls_back_to_storage(
+    stalling_peer: StallingPeer, recorder: Recorder
+) -> None:
     store = MemoryStore()
     opts = ManagerOptions(save=SaveOptions(max_chunk_bytes=64 << 10))
     with CheckpointManager(store, options=opts) as mgr:
@@ -264,9 +305,13 @@ def test_restore_with_a_stalling_peer_falls_back_to_storage(stalling_peer: Stall
     took = time.monotonic() - t0
     assert state_mismatches(got, 1) == []
     assert stats.chunks_by_tier.get("storage", 0) == sum(stats.chunks_by_tier.values())
-    assert source.stats().fallbacks.get("unavailable", 0) >= 1 and source.stats().dead_peers == ["stalling"]
+    assert source.stats().fallbacks.get("unavailable", 0) >= 1 and source.stats().dead_peers == [
+        "stalling"
+    ]
     assert took < 4 * IO_TIMEOUT_S + 5, took
-    recorder.add("timeout_peer_restore_fallback", restore_s=round(took, 2), fallback="storage", wrong_data=0)
+    recorder.add(
+        "timeout_peer_restore_fallback", restore_s=round(took, 2), fallback="storage", wrong_data=0
+    )
     peer.close()
 
 
@@ -304,8 +349,11 @@ BARRIER_S = 0.6
 
 
 def _options(**kw: Any) -> ManagerOptions:
-    return ManagerOptions(distributed=DistributedOptions(barrier_timeout_s=BARRIER_S),
-                          retention=RetentionOptions(keep_last=None), **kw)
+    return ManagerOptions(
+        distributed=DistributedOptions(barrier_timeout_s=BARRIER_S),
+        retention=RetentionOptions(keep_last=None),
+        **kw,
+    )
 
 
 @pytest.fixture
@@ -318,7 +366,9 @@ def shm() -> Iterator[Path]:
 
 @pytest.mark.parametrize("me", [0, 1])
 @pytest.mark.parametrize("ram", [False, True], ids=["storage", "ram"])
-def test_save_waiting_for_a_missing_process_times_out(me: int, ram: bool, shm: Path, recorder: Recorder) -> None:
+def test_save_waiting_for_a_missing_process_times_out(
+    me: int, ram: bool, shm: Path, recorder: Recorder
+) -> None:
     store = MemoryStore()
     coord = HalfJob(me)
     opts = _options(ram=RamOptions(root=str(shm), interval_steps=1, replicas=0) if ram else None)
@@ -332,8 +382,13 @@ def test_save_waiting_for_a_missing_process_times_out(me: int, ram: bool, shm: P
         assert took < BARRIER_S + 3, took
         assert mgr.persistent_steps() == []  # nothing committed
     assert took >= 0.9 * BARRIER_S  # it did wait for the other process
-    recorder.add("timeout_barrier_save", cases=1, barrier_timeout_s=BARRIER_S, max_seconds_to_error=round(took, 2),
-                 waits=[k.split("/", 2)[-1] for k, _ in coord.waits])
+    recorder.add(
+        "timeout_barrier_save",
+        cases=1,
+        barrier_timeout_s=BARRIER_S,
+        max_seconds_to_error=round(took, 2),
+        waits=[k.split("/", 2)[-1] for k, _ in coord.waits],
+    )
 
 
 def test_restore_waiting_for_a_missing_process_times_out(shm: Path, recorder: Recorder) -> None:
@@ -350,5 +405,9 @@ def test_restore_waiting_for_a_missing_process_times_out(shm: Path, recorder: Re
                 mgr.restore()  # process 1 waits for process 0's choice; process 0 for the end barrier
             took = time.monotonic() - t0
             assert took < BARRIER_S + 3, took
-        recorder.add("timeout_barrier_restore", cases=1, max_seconds_to_error=round(took, 2),
-                     waits=[k.split("/", 2)[-1] for k, _ in coord.waits])
+        recorder.add(
+            "timeout_barrier_restore",
+            cases=1,
+            max_seconds_to_error=round(took, 2),
+            waits=[k.split("/", 2)[-1] for k, _ in coord.waits],
+        )

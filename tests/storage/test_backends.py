@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from fastckpt._checksum import crc32c
 from fastckpt.errors import (
     AlreadyExistsError,
     ConfigError,
@@ -30,7 +31,6 @@ from fastckpt.storage import (
     RetryPolicy,
     open_store,
 )
-from fastckpt._checksum import crc32c
 from fastckpt.storage._local import TEMP_SUFFIX, _translate
 from fastckpt.testing.gcs_emulator import EmulatorError, GcsEmulator
 from fastckpt.testing.store_tests import run
@@ -189,7 +189,11 @@ def test_open_store_urls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
     s = open_store("gs://bkt/some/prefix/", gcs_endpoint="http://127.0.0.1:1")
     assert isinstance(s, RetryingStore) and isinstance(s.inner, GcsStore)
-    assert (s.inner.bucket, s.inner.prefix, s.inner.options.endpoint) == ("bkt", "some/prefix", "http://127.0.0.1:1")
+    assert (s.inner.bucket, s.inner.prefix, s.inner.options.endpoint) == (
+        "bkt",
+        "some/prefix",
+        "http://127.0.0.1:1",
+    )
     assert s.url == "gs://bkt/some/prefix"
 
     bare = open_store("gs://bkt", retry=None)
@@ -199,7 +203,9 @@ def test_open_store_urls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     env = open_store("gs://bkt", retry=None)
     assert isinstance(env, GcsStore) and env.options.endpoint == "http://127.0.0.1:2"
     # An explicit endpoint wins over the variable, whichever way it is given.
-    assert open_store("gs://bkt", retry=None, gcs_endpoint="http://x").options.endpoint == "http://x"  # type: ignore[attr-defined]
+    assert (
+        open_store("gs://bkt", retry=None, gcs_endpoint="http://x").options.endpoint == "http://x"
+    )  # type: ignore[attr-defined]
     explicit = GcsStore("bkt", options=GcsOptions(endpoint="http://127.0.0.1:3"))
     assert explicit.options.endpoint == "http://127.0.0.1:3"
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", "127.0.0.1:4")  # a bare host:port, as gcsfs accepts
@@ -223,7 +229,17 @@ def test_open_store_urls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 @pytest.mark.parametrize(
-    "url", ["s3://bucket/x", "http://host/x", "gs://", "gs:///path", "file://otherhost/x", "file://rel", "mem://a/b", ""]
+    "url",
+    [
+        "s3://bucket/x",
+        "http://host/x",
+        "gs://",
+        "gs:///path",
+        "file://otherhost/x",
+        "file://rel",
+        "mem://a/b",
+        "",
+    ],
 )
 def test_open_store_rejects(url: str) -> None:
     with pytest.raises(ConfigError):
@@ -263,7 +279,9 @@ def test_gcs_reuses_connections(gcs_store: GcsStore, caplog: pytest.LogCaptureFi
 
     async def sequential() -> None:
         for i in range(6):
-            assert bytes(await gcs_store.get("k", byte_range=ByteRange(i, 1000))) == data[i : i + 1000]
+            assert (
+                bytes(await gcs_store.get("k", byte_range=ByteRange(i, 1000))) == data[i : i + 1000]
+            )
             assert bytes(await gcs_store.get("k")) == data
             await gcs_store.put(f"k{i}", data)
 
@@ -283,12 +301,18 @@ def test_gcs_list_leaves_out_folder_placeholders(gcs_store: Any, gcs_emulator: A
 
     run(gcs_store.put("steps/000000000001/abc/p00000-00000.fck", b"x"))
     name = f"{gcs_store.prefix}/steps/000000000001/"
-    req = urllib.request.Request(f"{gcs_emulator.endpoint}/upload/storage/v1/b/{gcs_store.bucket}/o?uploadType=media"
-                                 f"&name={name}", data=b"", method="POST",
-                                 headers={"Content-Type": "application/octet-stream"})
+    req = urllib.request.Request(
+        f"{gcs_emulator.endpoint}/upload/storage/v1/b/{gcs_store.bucket}/o?uploadType=media"
+        f"&name={name}",
+        data=b"",
+        method="POST",
+        headers={"Content-Type": "application/octet-stream"},
+    )
     urllib.request.urlopen(req).read()
     assert run(gcs_store.list("steps/")) == ["steps/000000000001/abc/p00000-00000.fck"]
-    assert [i.key for i in run(gcs_store.list_info("steps/"))] == ["steps/000000000001/abc/p00000-00000.fck"]
+    assert [i.key for i in run(gcs_store.list_info("steps/"))] == [
+        "steps/000000000001/abc/p00000-00000.fck"
+    ]
     report = run(collect_garbage_async(gcs_store, grace_s=3600))
     assert [lo.key for lo in report.kept] == ["steps/000000000001/abc/p00000-00000.fck"]
 
@@ -312,5 +336,7 @@ def test_local_put_survives_gc_pruning_its_new_directory(tmp_path: Path) -> None
 
 
 def test_retry_backoff_of_a_long_series_does_not_overflow() -> None:
-    policy = RetryPolicy(max_attempts=5000, initial_backoff_s=0.01, max_backoff_s=1.0, deadline_s=None)
+    policy = RetryPolicy(
+        max_attempts=5000, initial_backoff_s=0.01, max_backoff_s=1.0, deadline_s=None
+    )
     assert policy.backoff_ceiling(2000) == 1.0

@@ -36,9 +36,15 @@ class TestLocalStore(StoreTests):
         run(store.put("steps/2/y", b"2"))
         run(store.delete("steps/1/a/x"))
         assert (store.root / "steps/1/a").is_dir()  # delete leaves directories
-        assert run(store.sweep(older_than=0.0, dry_run=True)) == [] and (store.root / "steps/1/a").is_dir()
+        assert (
+            run(store.sweep(older_than=0.0, dry_run=True)) == []
+            and (store.root / "steps/1/a").is_dir()
+        )
         assert run(store.sweep(older_than=0.0)) == []
-        assert sorted(p.name for p in (store.root / "steps").iterdir()) == ["2"] and store.root.is_dir()
+        assert (
+            sorted(p.name for p in (store.root / "steps").iterdir()) == ["2"]
+            and store.root.is_dir()
+        )
 
 
 class TestGcsStore(StoreTests):
@@ -46,8 +52,11 @@ class TestGcsStore(StoreTests):
 
     @pytest.fixture
     def store(self, gcs_store: GcsStore) -> Store:
-        return GcsStore(gcs_store.bucket, gcs_store.prefix,
-                        options=dataclasses.replace(gcs_store.options, list_page_size=5))
+        return GcsStore(
+            gcs_store.bucket,
+            gcs_store.prefix,
+            options=dataclasses.replace(gcs_store.options, list_page_size=5),
+        )
 
 
 class TestRetryingMemoryStore(StoreTests):
@@ -55,4 +64,6 @@ class TestRetryingMemoryStore(StoreTests):
 
     @pytest.fixture
     def store(self) -> Store:
-        return RetryingStore(MemoryStore(), policy=RetryPolicy(max_attempts=3, initial_backoff_s=0.001))
+        return RetryingStore(
+            MemoryStore(), policy=RetryPolicy(max_attempts=3, initial_backoff_s=0.001)
+        )

@@ -16,7 +16,6 @@ import fastckpt
 from fastckpt import CheckpointManager, ManagerOptions, RetentionOptions, SaveOptions
 from fastckpt.errors import ChecksumMismatchError, StepAlreadyCommittedError
 from fastckpt.storage import GcsStore
-
 from tests.support.arrays import P, assert_bit_exact, assert_sharded_like, device_data, named, sds
 
 
@@ -25,11 +24,17 @@ def test_gcs_reshard_round_trip_and_commit_rules(gcs_store: GcsStore) -> None:
     w, wh = device_data((48, 24), np.float32, src, seed=1)
     b, bh = device_data((48,), ml_dtypes.bfloat16, named((8,), ("x",), P("x")), seed=2)
     key = jax.random.key(5)
-    opts = ManagerOptions(save=SaveOptions(max_chunk_bytes=1024, object_bytes=4096),
-                          retention=RetentionOptions(keep_last=2))
+    opts = ManagerOptions(
+        save=SaveOptions(max_chunk_bytes=1024, object_bytes=4096),
+        retention=RetentionOptions(keep_last=2),
+    )
     with CheckpointManager(gcs_store, options=opts) as mgr:
         for step in (1, 2, 3):
-            mgr.save(step, {"w": w, "b": b, "key": key, "n": np.arange(5), "s": "x"}, metadata={"step": step})
+            mgr.save(
+                step,
+                {"w": w, "b": b, "key": key, "n": np.arange(5), "s": "x"},
+                metadata={"step": step},
+            )
         mgr.wait()
         assert mgr.all_steps() == [2, 3]
         assert asyncio_list(mgr, "steps/000000000001/") == []
@@ -37,10 +42,22 @@ def test_gcs_reshard_round_trip_and_commit_rules(gcs_store: GcsStore) -> None:
             mgr.save(3, {"w": w})
             mgr.wait()
         assert mgr.metadata(3) == {"step": 3}
-        for rshape, rnames, rspec in [((6,), ("x",), P("x", None)), ((1,), ("x",), P()), ((4, 2), ("a", "b"), P("b", "a"))]:
+        for rshape, rnames, rspec in [
+            ((6,), ("x",), P("x", None)),
+            ((1,), ("x",), P()),
+            ((4, 2), ("a", "b"), P("b", "a")),
+        ]:
             dst = named(rshape, rnames, rspec)
-            got = mgr.restore(3, target={"w": sds(wh, dst), "b": sds(bh, named(rshape, rnames, P(rspec[0] if rspec else None))),
-                                  "key": key, "n": np.zeros(5, int), "s": ""})
+            got = mgr.restore(
+                3,
+                target={
+                    "w": sds(wh, dst),
+                    "b": sds(bh, named(rshape, rnames, P(rspec[0] if rspec else None))),
+                    "key": key,
+                    "n": np.zeros(5, int),
+                    "s": "",
+                },
+            )
             assert_sharded_like(got["w"], dst, wh)
             assert_bit_exact(got["b"], bh)
             assert_bit_exact(jax.random.key_data(got["key"]), np.asarray(jax.random.key_data(key)))
@@ -56,7 +73,9 @@ def asyncio_list(mgr: CheckpointManager, prefix: str) -> list[str]:
 
 def test_gcs_corruption_detected(gcs_store: GcsStore) -> None:
     x = jax.device_put(jnp.arange(2048, dtype=jnp.int32), named((8,), ("x",), P("x")))
-    with CheckpointManager(gcs_store, options=ManagerOptions(save=SaveOptions(compression="none"))) as mgr:
+    with CheckpointManager(
+        gcs_store, options=ManagerOptions(save=SaveOptions(compression="none"))
+    ) as mgr:
         mgr.save(1, {"x": x})
         mgr.wait()
         chunk = mgr.manifest(1).arrays()[0].chunks[2]
@@ -79,15 +98,23 @@ def test_gcs_restore_scatter_reads_are_bit_exact(gcs_store: GcsStore) -> None:
         got = mgr.restore(1, target={k: sds(h, shardings[k]) for k, h in hosts.items()})
         stats = mgr.last_restore_stats
         check(got, hosts, shardings)
-        assert stats.bytes_in_place >= hosts["big"].nbytes + sum(hosts[f"s{i:02d}"].nbytes for i in range(N_SMALL))
+        assert stats.bytes_in_place >= hosts["big"].nbytes + sum(
+            hosts[f"s{i:02d}"].nbytes for i in range(N_SMALL)
+        )
         assert stats.reads_storage < len(hosts)
         dst = named((4, 2), ("a", "b"), P("b", "a"))
         small = named((4, 2), ("a", "b"), P())
         shardings = {k: (small if k.startswith("s") else dst) for k in hosts}
-        check(mgr.restore(1, target={k: sds(h, shardings[k]) for k, h in hosts.items()}), hosts, shardings)
+        check(
+            mgr.restore(1, target={k: sds(h, shardings[k]) for k, h in hosts.items()}),
+            hosts,
+            shardings,
+        )
 
 
-def test_gs_root_honours_storage_emulator_host(gcs_emulator: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gs_root_honours_storage_emulator_host(
+    gcs_emulator: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A plain ``gs://`` root, with ``STORAGE_EMULATOR_HOST`` set as for google-cloud-storage
     and no credentials anywhere, saves to and restores from the emulator bit-exact."""
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_emulator.endpoint)

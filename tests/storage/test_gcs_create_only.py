@@ -14,6 +14,7 @@ from urllib.parse import quote
 
 import pytest
 
+from fastckpt._checksum import crc32c
 from fastckpt.errors import AlreadyExistsError, TransientStorageError
 from fastckpt.storage import (
     GcsOptions,
@@ -25,7 +26,6 @@ from fastckpt.storage import (
     RetryPolicy,
     Store,
 )
-from fastckpt._checksum import crc32c
 from fastckpt.testing.gcs_emulator import GcsEmulator
 from fastckpt.testing.store_tests import run
 from tests.support.wrapping import ForwardingStore
@@ -33,11 +33,15 @@ from tests.support.wrapping import ForwardingStore
 
 def _metadata(emulator: GcsEmulator, store: GcsStore, key: str) -> dict[str, str]:
     name = quote(f"{store.prefix}/{key}", safe="")
-    with urllib.request.urlopen(f"{emulator.endpoint}/storage/v1/b/{store.bucket}/o/{name}") as resp:
+    with urllib.request.urlopen(
+        f"{emulator.endpoint}/storage/v1/b/{store.bucket}/o/{name}"
+    ) as resp:
         return dict(json.load(resp))
 
 
-def test_second_create_is_refused_and_first_is_intact(gcs_emulator: GcsEmulator, gcs_store: GcsStore) -> None:
+def test_second_create_is_refused_and_first_is_intact(
+    gcs_emulator: GcsEmulator, gcs_store: GcsStore
+) -> None:
     first = b"manifest of step 100" * 1000
     run(gcs_store.put("step-100/MANIFEST", first, mode="create"))
     before = _metadata(gcs_emulator, gcs_store, "step-100/MANIFEST")
@@ -53,14 +57,17 @@ def test_second_create_is_refused_and_first_is_intact(gcs_emulator: GcsEmulator,
 
 def test_create_race_between_two_clients(gcs_emulator: GcsEmulator, gcs_store: GcsStore) -> None:
     """Two independent stores (two "hosts") race to commit one key: exactly one wins."""
-    other = GcsStore(gcs_store.bucket, gcs_store.prefix, options=GcsOptions(endpoint=gcs_emulator.endpoint))
+    other = GcsStore(
+        gcs_store.bucket, gcs_store.prefix, options=GcsOptions(endpoint=gcs_emulator.endpoint)
+    )
     payloads = [bytes([i]) * (100_000 + i) for i in range(6)]
 
     async def race() -> list[BaseException | None]:
         stores = [gcs_store, other] * 3
         return list(
             await asyncio.gather(
-                *(s.put("commit", p, mode="create") for s, p in zip(stores, payloads)), return_exceptions=True
+                *(s.put("commit", p, mode="create") for s, p in zip(stores, payloads)),
+                return_exceptions=True,
             )
         )
 
@@ -82,7 +89,9 @@ def test_overwrite_replaces_and_create_still_refused(gcs_store: GcsStore) -> Non
     assert bytes(run(gcs_store.get("k"))) == b"two"
 
 
-def test_emulator_ignores_preconditions_on_simple_uploads(gcs_emulator: GcsEmulator, gcs_store: GcsStore) -> None:
+def test_emulator_ignores_preconditions_on_simple_uploads(
+    gcs_emulator: GcsEmulator, gcs_store: GcsStore
+) -> None:
     """The fidelity gap that makes the upload path matter (see docs/storage.md)."""
     run(gcs_store.put("gap", b"committed", mode="create"))
     name = quote(f"{gcs_store.prefix}/gap", safe="")
@@ -119,14 +128,18 @@ class _Faulty(ForwardingStore):
 
 
 def test_retried_create_after_lost_response_succeeds(gcs_store: GcsStore) -> None:
-    store = RetryingStore(_Faulty(gcs_store, lands=True), policy=RetryPolicy(initial_backoff_s=0.001))
+    store = RetryingStore(
+        _Faulty(gcs_store, lands=True), policy=RetryPolicy(initial_backoff_s=0.001)
+    )
     run(store.put("manifest", [b"part one|", b"part two"], mode="create"))
     assert bytes(run(gcs_store.get("manifest"))) == b"part one|part two"
 
 
 def test_retried_create_after_lost_response_detects_other_writer(gcs_store: GcsStore) -> None:
     run(gcs_store.put("manifest", b"someone else's", mode="create"))
-    store = RetryingStore(_Faulty(gcs_store, lands=False), policy=RetryPolicy(initial_backoff_s=0.001))
+    store = RetryingStore(
+        _Faulty(gcs_store, lands=False), policy=RetryPolicy(initial_backoff_s=0.001)
+    )
     with pytest.raises(AlreadyExistsError):
         run(store.put("manifest", b"ours!!!!!!!!!!", mode="create"))
     assert bytes(run(gcs_store.get("manifest"))) == b"someone else's"

@@ -66,9 +66,13 @@ class _Server(ThreadingHTTPServer):
 @pytest.fixture
 def stub() -> Iterator[tuple[_Server, GcsStore]]:
     server = _Server(("127.0.0.1", 0), _Handler)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
+    thread = threading.Thread(
+        target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
+    )
     thread.start()
-    options = GcsOptions(endpoint=f"http://127.0.0.1:{server.server_address[1]}", read_timeout_s=5.0)
+    options = GcsOptions(
+        endpoint=f"http://127.0.0.1:{server.server_address[1]}", read_timeout_s=5.0
+    )
     store = GcsStore("bkt", "p", options=options)
     yield server, store
     run(store.close())
@@ -89,9 +93,13 @@ def stub() -> Iterator[tuple[_Server, GcsStore]]:
         (400, StorageError),
     ],
 )
-def test_status_mapping(stub: tuple[_Server, GcsStore], status: int, error: type[Exception]) -> None:
+def test_status_mapping(
+    stub: tuple[_Server, GcsStore], status: int, error: type[Exception]
+) -> None:
     server, store = stub
-    server.reply = Reply(status=status, body=b'{"error": {"message": "scripted"}}', content_type="application/json")
+    server.reply = Reply(
+        status=status, body=b'{"error": {"message": "scripted"}}', content_type="application/json"
+    )
     with pytest.raises(error):
         run(store.get("k", byte_range=ByteRange(0, 10)))
     with pytest.raises(error):
@@ -116,7 +124,9 @@ def test_truncated_body_is_transient(stub: tuple[_Server, GcsStore]) -> None:
 
 def test_server_stored_wrong_bytes(stub: tuple[_Server, GcsStore]) -> None:
     server, store = stub
-    server.reply = Reply(status=200, body=b'{"crc32c": "AAAAAA=="}', content_type="application/json")
+    server.reply = Reply(
+        status=200, body=b'{"crc32c": "AAAAAA=="}', content_type="application/json"
+    )
     with pytest.raises(ChecksumMismatchError):
         run(store.put("k", b"data"))
 
@@ -129,13 +139,17 @@ def test_server_ignoring_range_is_sliced(stub: tuple[_Server, GcsStore]) -> None
 
 def test_get_into_status_mapping_and_truncation(stub: tuple[_Server, GcsStore]) -> None:
     server, store = stub
-    server.reply = Reply(status=503, body=b'{"error": {"message": "scripted"}}', content_type="application/json")
+    server.reply = Reply(
+        status=503, body=b'{"error": {"message": "scripted"}}', content_type="application/json"
+    )
     with pytest.raises(TransientStorageError):
         run(store.get_into("k", 0, [memoryview(bytearray(10))]))
     server.reply = Reply(status=404, body=b"{}", content_type="application/json")
     with pytest.raises(NotFoundError):
         run(store.get_into("k", 0, [memoryview(bytearray(10))]))
-    server.reply = Reply(status=206, body=b"x" * 1000, content_length=4000)  # connection drops mid-body
+    server.reply = Reply(
+        status=206, body=b"x" * 1000, content_length=4000
+    )  # connection drops mid-body
     with pytest.raises(TransientStorageError):
         run(store.get_into("k", 0, [memoryview(bytearray(1000)), memoryview(bytearray(3000))]))
 
@@ -164,7 +178,9 @@ def test_get_into_oversized_partial_answer_does_not_poison_the_connection(
     assert bytes(out) == b"XYZ"
 
 
-def test_an_unreadable_crc_in_an_upload_response_is_transient(stub: tuple[_Server, GcsStore]) -> None:
+def test_an_unreadable_crc_in_an_upload_response_is_transient(
+    stub: tuple[_Server, GcsStore],
+) -> None:
     """A 200 whose crc32c field is not base64 (mangled in transit): a typed, retryable error —
     a create-only retry then checks the object itself — never a bare binascii.Error."""
     server, store = stub

@@ -98,7 +98,9 @@ def test_sweep_reaches_the_wrapped_store(tmp_path: Path) -> None:
     stray = tmp_path / "a" / f".k.0123{TEMP_SUFFIX}"
     stray.write_bytes(b"partial")
     store = RetryingStore(inner)
-    assert run(store.sweep(older_than=time.time() + 60, dry_run=True)) == [f"a/.k.0123{TEMP_SUFFIX}"]
+    assert run(store.sweep(older_than=time.time() + 60, dry_run=True)) == [
+        f"a/.k.0123{TEMP_SUFFIX}"
+    ]
     assert stray.exists()
     assert run(store.sweep(older_than=time.time() + 60)) == [f"a/.k.0123{TEMP_SUFFIX}"]
     assert not stray.exists() and run(store.list()) == ["a/k"]
@@ -161,7 +163,9 @@ def test_transient_failures_are_retried(op: str, fake_time: FakeTime) -> None:
 def test_backoff_is_bounded_exponential_full_jitter(fake_time: FakeTime) -> None:
     flaky = FlakyStore(MemoryStore())
     flaky.fail("list", 7)
-    policy = dict(max_attempts=8, initial_backoff_s=0.5, max_backoff_s=3.0, multiplier=2.0, deadline_s=None)
+    policy = dict(
+        max_attempts=8, initial_backoff_s=0.5, max_backoff_s=3.0, multiplier=2.0, deadline_s=None
+    )
     run(_retrying(flaky, fake_time, **policy).list())
     ceilings = [0.5, 1.0, 2.0, 3.0, 3.0, 3.0, 3.0]
     assert len(fake_time.sleeps) == len(ceilings)
@@ -189,7 +193,15 @@ def test_exhaustion_raises_from_last_error(fake_time: FakeTime) -> None:
 def test_deadline_stops_retrying(fake_time: FakeTime) -> None:
     flaky = FlakyStore(MemoryStore())
     flaky.fail("get", 100)
-    store = _retrying(flaky, fake_time, max_attempts=1000, initial_backoff_s=1.0, max_backoff_s=1.0, jitter=False, deadline_s=5.5)
+    store = _retrying(
+        flaky,
+        fake_time,
+        max_attempts=1000,
+        initial_backoff_s=1.0,
+        max_backoff_s=1.0,
+        jitter=False,
+        deadline_s=5.5,
+    )
     with pytest.raises(RetriesExhaustedError, match="deadline"):
         run(store.get("k"))
     assert fake_time.now <= 5.5

@@ -10,7 +10,6 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-
 P = PartitionSpec
 
 
@@ -42,7 +41,9 @@ def host_data(shape: tuple[int, ...], dtype: Any, seed: int = 0) -> np.ndarray:
     return np.frombuffer(rng.bytes(n * dt.itemsize), dt).reshape(shape).copy()
 
 
-def device_data(shape: tuple[int, ...], dtype: Any, sharding: jax.sharding.Sharding, seed: int = 0) -> tuple[jax.Array, np.ndarray]:
+def device_data(
+    shape: tuple[int, ...], dtype: Any, sharding: jax.sharding.Sharding, seed: int = 0
+) -> tuple[jax.Array, np.ndarray]:
     host = host_data(shape, dtype, seed)
     return jax.make_array_from_callback(shape, sharding, lambda idx: host[idx]), host
 
@@ -60,7 +61,9 @@ def assert_bit_exact(got: Any, expected: np.ndarray) -> None:
     np.testing.assert_array_equal(bits(a), bits(expected))
 
 
-def assert_sharded_like(got: jax.Array, sharding: jax.sharding.Sharding, expected: np.ndarray) -> None:
+def assert_sharded_like(
+    got: jax.Array, sharding: jax.sharding.Sharding, expected: np.ndarray
+) -> None:
     """Bit-exact, on exactly the requested devices, every shard holding its own box."""
     assert isinstance(got, jax.Array)
     assert got.sharding.is_equivalent_to(sharding, expected.ndim), (got.sharding, sharding)

@@ -55,19 +55,42 @@ from urllib.parse import urlsplit
 __all__ = ["ALL_KINDS", "DEFAULT_KINDS", "FAULT_KINDS", "FaultProxy", "InjectedFault"]
 
 FAULT_KINDS: Final = (
-    "429", "500", "503", "reset", "lost_response", "truncate", "stall", "slow", "stall_body", "corrupt",
+    "429",
+    "500",
+    "503",
+    "reset",
+    "lost_response",
+    "truncate",
+    "stall",
+    "slow",
+    "stall_body",
+    "corrupt",
 )
 #: The network faults a correct client must survive by retrying (``"slow"`` is not even a failure).
 DEFAULT_KINDS: Final = ("429", "500", "503", "reset", "lost_response", "truncate", "stall", "slow")
 ALL_KINDS: Final = FAULT_KINDS
 
 _HOP_BY_HOP = frozenset(
-    {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade", "content-length"}
+    {
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "transfer-encoding",
+        "te",
+        "trailer",
+        "upgrade",
+        "content-length",
+    }
 )
 _MAX_HEAD = 64 << 10
 _POLL_S = 0.2
 _UNSET = object()
-_REASONS = {429: "Too Many Requests", 500: "Internal Server Error", 502: "Bad Gateway", 503: "Service Unavailable"}
+_REASONS = {
+    429: "Too Many Requests",
+    500: "Internal Server Error",
+    502: "Bad Gateway",
+    503: "Service Unavailable",
+}
 
 
 class InjectedFault(Exception):
@@ -81,7 +104,9 @@ class _Closed(Exception):
 class _Request:
     __slots__ = ("body", "headers", "method", "target", "version")
 
-    def __init__(self, method: str, target: str, version: str, headers: list[tuple[str, str]], body: bytes) -> None:
+    def __init__(
+        self, method: str, target: str, version: str, headers: list[tuple[str, str]], body: bytes
+    ) -> None:
         self.method = method
         self.target = target
         self.version = version
@@ -212,7 +237,7 @@ class FaultProxy:
         *,
         rate: float | None = None,
         kinds: Iterable[str] | Mapping[str, float] | None = None,
-        eligible: Callable[[str, str, bytes], bool] | None | object = _UNSET,
+        eligible: Callable[[str, str, bytes], bool] | object | None = _UNSET,
     ) -> None:
         """Change the fault rate, kinds or eligibility while running (thread-safe)."""
         with self._lock:
@@ -224,7 +249,9 @@ class FaultProxy:
                 weights = dict(kinds) if isinstance(kinds, Mapping) else {k: 1.0 for k in kinds}
                 unknown = set(weights) - set(FAULT_KINDS)
                 if unknown or not weights or any(w < 0 for w in weights.values()):
-                    raise ValueError(f"kinds must be a non-empty subset of {FAULT_KINDS}, got {sorted(weights)}")
+                    raise ValueError(
+                        f"kinds must be a non-empty subset of {FAULT_KINDS}, got {sorted(weights)}"
+                    )
                 self._kinds, self._weights = list(weights), [float(w) for w in weights.values()]
             if eligible is not _UNSET:
                 self._eligible = eligible  # type: ignore[assignment]
@@ -285,7 +312,9 @@ class FaultProxy:
     def __enter__(self) -> FaultProxy:
         return self.start()
 
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
     # ------------------------------------------------------------------ internals
@@ -418,9 +447,13 @@ class FaultProxy:
     ) -> tuple[http.client.HTTPConnection, int, str, list[tuple[str, str]], bytes]:
         for attempt in (0, 1):
             if upstream is None:
-                upstream = http.client.HTTPConnection(*self._upstream, timeout=self.upstream_timeout_s)
+                upstream = http.client.HTTPConnection(
+                    *self._upstream, timeout=self.upstream_timeout_s
+                )
             try:
-                upstream.putrequest(req.method, req.target, skip_host=True, skip_accept_encoding=True)
+                upstream.putrequest(
+                    req.method, req.target, skip_host=True, skip_accept_encoding=True
+                )
                 for k, v in req.headers:
                     if k.lower() not in _HOP_BY_HOP:
                         upstream.putheader(k, v)
@@ -437,7 +470,9 @@ class FaultProxy:
                 if resp.will_close:
                     upstream.close()
                     upstream = None
-                    conn_out = http.client.HTTPConnection(*self._upstream, timeout=self.upstream_timeout_s)
+                    conn_out = http.client.HTTPConnection(
+                        *self._upstream, timeout=self.upstream_timeout_s
+                    )
                 else:
                     conn_out = upstream
                 return conn_out, resp.status, resp.reason, headers, body
@@ -452,7 +487,8 @@ class FaultProxy:
     def _send_status(self, conn: socket.socket, status: int, *, head_only: bool = False) -> None:
         body = f'{{"error": {{"code": {status}, "message": "injected by FaultProxy"}}}}'.encode()
         head = (
-            f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\nContent-Type: application/json\r\n"
+            f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\nContent-Type: "
+            "application/json\r\n"
             f"Content-Length: {len(body)}\r\nConnection: keep-alive\r\n\r\n"
         ).encode()
         conn.sendall(head if head_only else head + body)

@@ -122,8 +122,13 @@ class PeerRelay:
             on a simulated host listens on that host's address).
     """
 
-    def __init__(self, upstream: tuple[str, int], *, tamper: Tamper | None = None,
-                 bind: tuple[str, int] = ("127.0.0.1", 0)) -> None:
+    def __init__(
+        self,
+        upstream: tuple[str, int],
+        *,
+        tamper: Tamper | None = None,
+        bind: tuple[str, int] = ("127.0.0.1", 0),
+    ) -> None:
         self.upstream = upstream
         self.tamper: Tamper = tamper or (lambda f: [f.raw])
         self.frames: list[RelayedFrame] = []
@@ -148,8 +153,9 @@ class PeerRelay:
     def __enter__(self) -> PeerRelay:
         return self
 
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
     def close(self) -> None:
@@ -179,8 +185,12 @@ class PeerRelay:
                 conn = _Conn(self._conns)
                 self._conns += 1
             for src, dst, direction in ((client, server, "up"), (server, client, "down")):
-                threading.Thread(target=self._pump, args=(conn, src, dst, direction),
-                                 name="peer-relay-pump", daemon=True).start()
+                threading.Thread(
+                    target=self._pump,
+                    args=(conn, src, dst, direction),
+                    name="peer-relay-pump",
+                    daemon=True,
+                ).start()
 
     def _pump(self, conn: _Conn, src: socket.socket, dst: socket.socket, direction: str) -> None:
         try:
@@ -207,10 +217,16 @@ class PeerRelay:
                 ptag = _recv(src, tag_n) if tag_n and plen else b""
                 if htag is None or payload is None or ptag is None:
                     break
-                frame = RelayedFrame(conn=conn.number,
-                                     direction=direction,  # type: ignore[arg-type]
-                                     index=index, prefix=prefix, header=header, header_tag=htag,
-                                     payload=payload, payload_tag=ptag)
+                frame = RelayedFrame(
+                    conn=conn.number,
+                    direction=direction,  # type: ignore[arg-type]
+                    index=index,
+                    prefix=prefix,
+                    header=header,
+                    header_tag=htag,
+                    payload=payload,
+                    payload_tag=ptag,
+                )
                 with self._lock:
                     self.frames.append(frame)
                 index += 1

@@ -16,7 +16,9 @@ class ThreadedJob(Coordinator):
     """Process ``index`` of ``count``; every instance given the same ``kv`` and ``cond`` is
     the same job. Keys are written once, as in ``jax.distributed``'s store."""
 
-    def __init__(self, kv: dict[str, str], cond: threading.Condition, index: int, count: int) -> None:
+    def __init__(
+        self, kv: dict[str, str], cond: threading.Condition, index: int, count: int
+    ) -> None:
         self._kv, self._cond = kv, cond
         self.process_index, self.process_count = index, count
 

@@ -23,26 +23,54 @@ from fastckpt.errors import DistributedError, ManifestError, NotFoundError
 from fastckpt.format.chunk_table import encode_column, table_from_entries
 from fastckpt.format.codec import decode_manifest
 from fastckpt.format.layout import data_key, fragment_key
-from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, ChunkTable, KeyPath, Manifest, box_volume
+from fastckpt.format.manifest import (
+    ArrayLeaf,
+    ChunkEntry,
+    ChunkTable,
+    KeyPath,
+    Manifest,
+    box_volume,
+)
 from fastckpt.storage import MemoryStore
 from fastckpt.testing.strategies import manifests
-from tests.support.threaded_job import ThreadedJob
-from tests.support.wrapping import ForwardingStore
 from fastckpt.writer import commit, fragment, merge
-from fastckpt.writer.commit import CommitRound, CoordinatorFragments, build_manifest, publish_and_commit
+from fastckpt.writer.commit import (
+    CommitRound,
+    CoordinatorFragments,
+    build_manifest,
+    publish_and_commit,
+)
 from fastckpt.writer.fragment import ChunkRows, ProcessChunks, decode_fragments, encode_fragment
 from fastckpt.writer.merge import merge_chunks
 from fastckpt.writer.stage import StagedArray, StagedSave
+from tests.support.threaded_job import ThreadedJob
+from tests.support.wrapping import ForwardingStore
 
 W: KeyPath = (("d", "params"), ("d", "w"))
 B: KeyPath = (("d", "params"), ("d", "b"))
 
 
 def _staged_of(arrays: list[ArrayLeaf]) -> StagedSave:
-    staged = tuple(StagedArray(path=a.path, shape=a.shape, dtype=a.dtype, kind=a.kind, sharding=a.sharding,
-                               key_impl=a.key_impl, items=(), item_offsets=()) for a in arrays)
-    return StagedSave(arrays=staged, values=(), buffer=np.zeros(0, np.uint8), nbytes=0,
-                      order=tuple(a.path for a in arrays))
+    staged = tuple(
+        StagedArray(
+            path=a.path,
+            shape=a.shape,
+            dtype=a.dtype,
+            kind=a.kind,
+            sharding=a.sharding,
+            key_impl=a.key_impl,
+            items=(),
+            item_offsets=(),
+        )
+        for a in arrays
+    )
+    return StagedSave(
+        arrays=staged,
+        values=(),
+        buffer=np.zeros(0, np.uint8),
+        nbytes=0,
+        order=tuple(a.path for a in arrays),
+    )
 
 
 def _part(chunks: dict[int, list[ChunkEntry]]) -> ProcessChunks:
@@ -55,20 +83,41 @@ def _part(chunks: dict[int, list[ChunkEntry]]) -> ProcessChunks:
 
 
 def _round(coord: Any, staged: StagedSave) -> CommitRound:
-    return CommitRound(coord=coord, ns="ns", step=5, staged=staged, timeout_s=30, writer_version="test")
+    return CommitRound(
+        coord=coord, ns="ns", step=5, staged=staged, timeout_s=30, writer_version="test"
+    )
 
 
-def _via_coordinator(coord: Any, staged: StagedSave, chunks: ProcessChunks, publish: Callable[[bytes], None],
-                     share: bool = False) -> bytes | None:
+def _via_coordinator(
+    coord: Any,
+    staged: StagedSave,
+    chunks: ProcessChunks,
+    publish: Callable[[bytes], None],
+    share: bool = False,
+) -> bytes | None:
     """A fast tier's commit round: fragments through the coordinator, no codec round trip."""
     rnd = _round(coord, staged)
-    return rnd.commit(chunks, route=CoordinatorFragments(round=rnd), publish=publish, metadata={}, validate=False,
-                      share=share)
+    return rnd.commit(
+        chunks,
+        route=CoordinatorFragments(round=rnd),
+        publish=publish,
+        metadata={},
+        validate=False,
+        share=share,
+    )
 
 
 def _build(staged: StagedSave, parts: list[ProcessChunks]) -> Manifest:
-    return decode_manifest(build_manifest(step=5, staged=staged, parts=parts, num_processes=len(parts),
-                                          metadata={}, writer_version="test"))
+    return decode_manifest(
+        build_manifest(
+            step=5,
+            staged=staged,
+            parts=parts,
+            num_processes=len(parts),
+            metadata={},
+            writer_version="test",
+        )
+    )
 
 
 def _merge(fragments: list[bytes], staged: StagedSave) -> dict[KeyPath, ChunkTable]:
@@ -82,8 +131,9 @@ def _full(c: ChunkEntry) -> tuple[Any, ...]:
 @pytest.mark.parametrize("small", [merge._SMALL, 0])  # grids recognised on tuples / with numpy
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(m=manifests(max_leaves=4), data=st.data())
-def test_any_split_among_processes_merges_to_the_entry_by_entry_manifest(small: int, m: Manifest,
-                                                                          data: st.DataObject) -> None:
+def test_any_split_among_processes_merges_to_the_entry_by_entry_manifest(
+    small: int, m: Manifest, data: st.DataObject
+) -> None:
     """Each leaf's chunks, dealt to 1-4 processes in any order: merged directly or through
     every process's fragment, the manifest holds each leaf's chunks sorted by box."""
     arrays = list(m.arrays())
@@ -102,9 +152,12 @@ def test_any_split_among_processes_merges_to_the_entry_by_entry_manifest(small: 
     want = [sorted(a.chunks, key=lambda c: c.box) for a in arrays]
     assert [[c.box for c in a.chunks] for a in direct] == [[c.box for c in w] for w in want]
     # Equal boxes (empty ones: allowed) may come in either order; the entries are the same.
-    assert [sorted(a.chunks, key=_full) for a in direct] == [sorted(a.chunks, key=_full) for a in arrays]
+    assert [sorted(a.chunks, key=_full) for a in direct] == [
+        sorted(a.chunks, key=_full) for a in arrays
+    ]
     assert [(a.path, a.shape, a.dtype, a.kind, a.sharding, a.key_impl) for a in direct] == [
-        (a.path, a.shape, a.dtype, a.kind, a.sharding, a.key_impl) for a in arrays]
+        (a.path, a.shape, a.dtype, a.kind, a.sharding, a.key_impl) for a in arrays
+    ]
 
 
 def _entries(rows: int, cols: int) -> list[ChunkEntry]:
@@ -114,19 +167,27 @@ def _entries(rows: int, cols: int) -> list[ChunkEntry]:
         for j in range(cols):
             box = ((i * 8 // rows, (i + 1) * 8 // rows), (j * 6 // cols, (j + 1) * 6 // cols))
             n = box_volume(box) * 4
-            chunks.append(ChunkEntry(box, data_key(5, "c0ffee", i, 0), n * j, n, n, "raw", 7 * i + j, 7 * i + j))
+            chunks.append(
+                ChunkEntry(
+                    box, data_key(5, "c0ffee", i, 0), n * j, n, n, "raw", 7 * i + j, 7 * i + j
+                )
+            )
     return chunks
 
 
 def _leaf(rows: int, cols: int) -> ArrayLeaf:
-    return ArrayLeaf(path=W, shape=(8, 6), dtype="float32",
-                     chunks=table_from_entries(_entries(rows, cols), shape=(8, 6), itemsize=4))
+    return ArrayLeaf(
+        path=W,
+        shape=(8, 6),
+        dtype="float32",
+        chunks=table_from_entries(_entries(rows, cols), shape=(8, 6), itemsize=4),
+    )
 
 
 def _parts(rows: int, cols: int) -> list[ProcessChunks]:
     """Process ``i``'s part of :func:`_leaf`, processes in reverse order."""
     entries = _entries(rows, cols)
-    return [_part({0: entries[i * cols:(i + 1) * cols]}) for i in reversed(range(rows))]
+    return [_part({0: entries[i * cols : (i + 1) * cols]}) for i in reversed(range(rows))]
 
 
 def _fragments(staged: StagedSave, rows: int, cols: int) -> list[bytes]:
@@ -136,7 +197,12 @@ def _fragments(staged: StagedSave, rows: int, cols: int) -> list[bytes]:
 def test_a_sharded_leaf_becomes_a_grid_and_a_zero_d_leaf_one_cell() -> None:
     w = _leaf(4, 2)
     b_entry = ChunkEntry((), "steps/x/p0.fck", 96, 2, 2, "raw", 1, 1)
-    b = ArrayLeaf(path=B, shape=(), dtype="bfloat16", chunks=table_from_entries([b_entry], shape=(), itemsize=2))
+    b = ArrayLeaf(
+        path=B,
+        shape=(),
+        dtype="bfloat16",
+        chunks=table_from_entries([b_entry], shape=(), itemsize=2),
+    )
     staged = _staged_of([w, b])
     fragments = _fragments(staged, 4, 2)
     fragments[-1] = encode_fragment(_part({0: _entries(4, 2)[:2], 1: [b_entry]}), staged, 0)
@@ -146,10 +212,16 @@ def test_a_sharded_leaf_becomes_a_grid_and_a_zero_d_leaf_one_cell() -> None:
     assert _build(staged, decode_fragments(fragments, staged)).arrays() == (w, b)
 
 
-@pytest.mark.parametrize("change, match", [
-    (lambda parts: parts.append(parts[1]), "tile"),  # a process's chunks twice (volumes too large)
-    (lambda parts: parts.pop(2), "tile"),  # a process's chunks missing
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (
+            lambda parts: parts.append(parts[1]),
+            "tile",
+        ),  # a process's chunks twice (volumes too large)
+        (lambda parts: parts.pop(2), "tile"),  # a process's chunks missing
+    ],
+)
 def test_overlapping_or_missing_parts_fail(change: Callable[[list[Any]], Any], match: str) -> None:
     staged = _staged_of([_leaf(4, 2)])
     for parts in (_parts(4, 2), _fragments(staged, 4, 2)):
@@ -157,7 +229,9 @@ def test_overlapping_or_missing_parts_fail(change: Callable[[list[Any]], Any], m
         if isinstance(parts[0], bytes):
             parts = decode_fragments(parts, staged)
         with pytest.raises(ManifestError, match=match):
-            build_manifest(step=5, staged=staged, parts=parts, num_processes=4, metadata={}, writer_version="")
+            build_manifest(
+                step=5, staged=staged, parts=parts, num_processes=4, metadata={}, writer_version=""
+            )
 
 
 def _good_part() -> bytes:
@@ -178,43 +252,52 @@ def _col(name: str, values: Any) -> bytes:
     return _edit(lambda d: d["chunks"].__setitem__(name, value))
 
 
-@pytest.mark.parametrize("data", [
-    b"", b"{", b"[]", b"null", b"\xff\xfe", b"FCKFRAG\x01" + bytes(8) + b"{}",
-    _good_part()[:-1],  # cut short
-    _good_part() + b"\0",
-    _edit(lambda d: d.pop("objects")),
-    _edit(lambda d: d.pop("format_version")),
-    _edit(lambda d: d.update(format_version=2)),
-    _edit(lambda d: d.update(format_version="3")),
-    _edit(lambda d: d.update(format_version=True)),
-    _edit(lambda d: d.update(process=-1)),
-    _edit(lambda d: d.update(objects=["../escape"])),
-    _edit(lambda d: d.update(objects="steps/x")),
-    _edit(lambda d: d.update(paths=[[["d", "params"], ["d", "v"]]])),
-    _edit(lambda d: d.update(paths=[[["d"]]])),
-    _edit(lambda d: d.update(paths=[[[["d"], "params"]]])),
-    _edit(lambda d: d.update(paths=7)),
-    _edit(lambda d: d.update(chunks=[])),
-    _edit(lambda d: d["chunks"].pop("crc32c")),  # a column missing
-    _col("array", [0, 1]),  # an array index past "paths"
-    _col("array", [0]),  # fewer array indices than chunks
-    _col("codec", "lz4"),
-    _col("codec", ["raw"]),  # a codec list of the wrong length
-    _col("codec", ["raw", "lz4"]),
-    _col("codec", None),
-    _col("boxes", [4, 8, 0, 3, 4, 8, 3]),  # one bound short
-    _col("boxes", [4, 8, 0, 3, 4, 8, 3, 7]),  # past the edge
-    _col("boxes", [8, 4, 0, 3, 4, 8, 3, 6]),  # reversed
-    _col("object", [0, 1]),  # past "objects"
-    _col("offset", [0]),
-    _col("offset", [0, 2**63]),  # beyond int64
-    _col("length", [48, 47]),  # a raw chunk's length is its box's bytes
-    _col("crc32c", [0, 2**32]),
-    _col("offset", "[0, 48]"),  # not a binary column
-    _col("offset", "i8:" + encode_column([0, 48]).split(":")[1]),  # a signed kind
-    _col("offset", "u1:A!A="),  # not base64
-    _col("offset", "u2:AAAA"),  # 3 bytes: not a whole number of u2 values
-], ids=lambda d: repr(d[:60]))
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"{",
+        b"[]",
+        b"null",
+        b"\xff\xfe",
+        b"FCKFRAG\x01" + bytes(8) + b"{}",
+        _good_part()[:-1],  # cut short
+        _good_part() + b"\0",
+        _edit(lambda d: d.pop("objects")),
+        _edit(lambda d: d.pop("format_version")),
+        _edit(lambda d: d.update(format_version=2)),
+        _edit(lambda d: d.update(format_version="3")),
+        _edit(lambda d: d.update(format_version=True)),
+        _edit(lambda d: d.update(process=-1)),
+        _edit(lambda d: d.update(objects=["../escape"])),
+        _edit(lambda d: d.update(objects="steps/x")),
+        _edit(lambda d: d.update(paths=[[["d", "params"], ["d", "v"]]])),
+        _edit(lambda d: d.update(paths=[[["d"]]])),
+        _edit(lambda d: d.update(paths=[[[["d"], "params"]]])),
+        _edit(lambda d: d.update(paths=7)),
+        _edit(lambda d: d.update(chunks=[])),
+        _edit(lambda d: d["chunks"].pop("crc32c")),  # a column missing
+        _col("array", [0, 1]),  # an array index past "paths"
+        _col("array", [0]),  # fewer array indices than chunks
+        _col("codec", "lz4"),
+        _col("codec", ["raw"]),  # a codec list of the wrong length
+        _col("codec", ["raw", "lz4"]),
+        _col("codec", None),
+        _col("boxes", [4, 8, 0, 3, 4, 8, 3]),  # one bound short
+        _col("boxes", [4, 8, 0, 3, 4, 8, 3, 7]),  # past the edge
+        _col("boxes", [8, 4, 0, 3, 4, 8, 3, 6]),  # reversed
+        _col("object", [0, 1]),  # past "objects"
+        _col("offset", [0]),
+        _col("offset", [0, 2**63]),  # beyond int64
+        _col("length", [48, 47]),  # a raw chunk's length is its box's bytes
+        _col("crc32c", [0, 2**32]),
+        _col("offset", "[0, 48]"),  # not a binary column
+        _col("offset", "i8:" + encode_column([0, 48]).split(":")[1]),  # a signed kind
+        _col("offset", "u1:A!A="),  # not base64
+        _col("offset", "u2:AAAA"),  # 3 bytes: not a whole number of u2 values
+    ],
+    ids=lambda d: repr(d[:60]),
+)
 def test_malformed_fragments_raise_manifest_error(data: bytes) -> None:
     staged = _staged_of([_leaf(2, 2)])
     good = _fragments(staged, 2, 2)[1]  # process 0's half
@@ -225,16 +308,18 @@ def test_malformed_fragments_raise_manifest_error(data: bytes) -> None:
 
 @settings(max_examples=200, deadline=None)
 @given(cut=st.integers(0, 10_000), junk=st.binary(max_size=64), at=st.integers(0, 10_000))
-def test_truncated_or_overwritten_fragments_raise_only_manifest_error(cut: int, junk: bytes, at: int) -> None:
+def test_truncated_or_overwritten_fragments_raise_only_manifest_error(
+    cut: int, junk: bytes, at: int
+) -> None:
     """No byte string, however broken, gets past the decoder as anything but ManifestError:
     every prefix is refused; junk written over any part is refused or decodes to columns the
     merge then checks (a changed crc is a valid fragment)."""
     staged = _staged_of([_leaf(2, 2)])
     first, good = _fragments(staged, 2, 2)[1], _good_part()
     with pytest.raises(ManifestError):
-        _merge([first, good[:cut % len(good)]], staged)
+        _merge([first, good[: cut % len(good)]], staged)
     at %= len(good)
-    bad = good[:at] + junk + good[at + len(junk):]
+    bad = good[:at] + junk + good[at + len(junk) :]
     try:
         _merge([first, bad], staged)
     except ManifestError:
@@ -245,17 +330,38 @@ def test_a_fragment_is_the_chunk_table_encoding() -> None:
     """The document the module docstring describes: the manifest table's binary columns
     (narrowest kind: one byte for these values) and codec, listed boxes in one column."""
     doc = json.loads(_good_part())
-    assert doc["format_version"] == 3 and doc["process"] == 1 and doc["paths"] == [[["d", "params"], ["d", "w"]]]
+    assert (
+        doc["format_version"] == 3
+        and doc["process"] == 1
+        and doc["paths"] == [[["d", "params"], ["d", "w"]]]
+    )
     assert doc["objects"] == [data_key(5, "c0ffee", 1, 0)]
-    assert doc["chunks"] == {"array": encode_column([0, 0]), "boxes": encode_column([4, 8, 0, 3, 4, 8, 3, 6]),
-                             "object": encode_column([0, 0]), "offset": encode_column([0, 48]),
-                             "length": encode_column([48, 48]), "codec": "raw", "crc32c": encode_column([7, 8]),
-                             "raw_crc32c": encode_column([7, 8])}
+    assert doc["chunks"] == {
+        "array": encode_column([0, 0]),
+        "boxes": encode_column([4, 8, 0, 3, 4, 8, 3, 6]),
+        "object": encode_column([0, 0]),
+        "offset": encode_column([0, 48]),
+        "length": encode_column([48, 48]),
+        "codec": "raw",
+        "crc32c": encode_column([7, 8]),
+        "raw_crc32c": encode_column([7, 8]),
+    }
     assert all(v.startswith("u1:") for k, v in doc["chunks"].items() if k != "codec")
-    mixed = _part({0: [ChunkEntry(((0, 4),), "k/a", 0, 4, 16, "zstd", 1, 2),
-                       ChunkEntry(((4, 8),), "k/a", 4, 16, 16, "raw", 3, 3)]})
-    leaf = ArrayLeaf(path=W, shape=(8,), dtype="float32", chunks=table_from_entries([], shape=(8,), itemsize=4))
-    assert json.loads(encode_fragment(mixed, _staged_of([leaf]), 0))["chunks"]["codec"] == ["zstd", "raw"]
+    mixed = _part(
+        {
+            0: [
+                ChunkEntry(((0, 4),), "k/a", 0, 4, 16, "zstd", 1, 2),
+                ChunkEntry(((4, 8),), "k/a", 4, 16, 16, "raw", 3, 3),
+            ]
+        }
+    )
+    leaf = ArrayLeaf(
+        path=W, shape=(8,), dtype="float32", chunks=table_from_entries([], shape=(8,), itemsize=4)
+    )
+    assert json.loads(encode_fragment(mixed, _staged_of([leaf]), 0))["chunks"]["codec"] == [
+        "zstd",
+        "raw",
+    ]
 
 
 def test_overlapping_boxes_of_the_same_total_volume_fail() -> None:
@@ -266,8 +372,17 @@ def test_overlapping_boxes_of_the_same_total_volume_fail() -> None:
 
 
 def test_a_fragment_of_arrays_staged_in_another_order_maps_them_by_path() -> None:
-    w, b = _leaf(1, 1), ArrayLeaf(path=B, shape=(2,), dtype="uint8", chunks=table_from_entries(
-        [ChunkEntry(((0, 2),), "k/b", 0, 2, 2, "raw", 5, 5)], shape=(2,), itemsize=1))
+    w, b = (
+        _leaf(1, 1),
+        ArrayLeaf(
+            path=B,
+            shape=(2,),
+            dtype="uint8",
+            chunks=table_from_entries(
+                [ChunkEntry(((0, 2),), "k/b", 0, 2, 2, "raw", 5, 5)], shape=(2,), itemsize=1
+            ),
+        ),
+    )
     ours, theirs = _staged_of([w, b]), _staged_of([b, w])
     frag = encode_fragment(_part({0: list(b.chunks), 1: list(w.chunks)}), theirs, 1)
     [part] = decode_fragments([frag], ours)
@@ -276,7 +391,9 @@ def test_a_fragment_of_arrays_staged_in_another_order_maps_them_by_path() -> Non
 
 
 @pytest.mark.parametrize("broadcast", [True, False])
-def test_a_coordinator_round_publishes_before_announcing_and_shares_only_when_asked(broadcast: bool) -> None:
+def test_a_coordinator_round_publishes_before_announcing_and_shares_only_when_asked(
+    broadcast: bool,
+) -> None:
     """Process 0 merges the fragments, publishes the manifest (a RAM tier stores it) before
     the others learn of it, and sends it through the coordinator only with ``share``;
     otherwise the record is ``ok`` and the others get None (they fetch it from a peer later)."""
@@ -287,8 +404,13 @@ def test_a_coordinator_round_publishes_before_announcing_and_shares_only_when_as
     parts = _parts(4, 2)[::-1]
 
     def process(i: int) -> bytes | None:
-        return _via_coordinator(coords[i], staged, parts[i], share=broadcast,
-                                publish=lambda data: held.append((i, data, "ns/commit" in coords[0].keys())))
+        return _via_coordinator(
+            coords[i],
+            staged,
+            parts[i],
+            share=broadcast,
+            publish=lambda data: held.append((i, data, "ns/commit" in coords[0].keys())),
+        )
 
     with ThreadPoolExecutor(4) as pool:
         got = list(pool.map(process, range(4)))
@@ -296,18 +418,30 @@ def test_a_coordinator_round_publishes_before_announcing_and_shares_only_when_as
     assert who == 0 and not announced and got[0] == data
     assert decode_manifest(data).arrays() == (w,)
     if broadcast:
-        assert got[1:] == [data] * 3 and coords[0].get("ns/commit", timeout_s=1) == "ok " + data.decode()
+        assert (
+            got[1:] == [data] * 3
+            and coords[0].get("ns/commit", timeout_s=1) == "ok " + data.decode()
+        )
     else:
         assert got[1:] == [None] * 3 and coords[0].get("ns/commit", timeout_s=1) == "ok"
 
 
-def _persistent_commit(parts: list[ProcessChunks], staged: StagedSave, store: MemoryStore) -> list[bytes | None]:
+def _persistent_commit(
+    parts: list[ProcessChunks], staged: StagedSave, store: MemoryStore
+) -> list[bytes | None]:
     """Steps 1-3 of the commit protocol, each process in a thread (its chunks already stored)."""
     coords = ThreadedJob.of(len(parts))
 
     def process(i: int) -> bytes | None:
-        return publish_and_commit(_round(coords[i], staged), store_run=asyncio.run, store=store,
-                                  save_id="c0ffee", chunks=parts[i], error=None, metadata={})
+        return publish_and_commit(
+            _round(coords[i], staged),
+            store_run=asyncio.run,
+            store=store,
+            save_id="c0ffee",
+            chunks=parts[i],
+            error=None,
+            metadata={},
+        )
 
     with ThreadPoolExecutor(len(parts)) as pool:
         return list(pool.map(process, range(len(parts))))
@@ -322,11 +456,18 @@ def test_a_failure_reported_through_the_coordinator_stops_the_round_at_once() ->
     published: list[bytes] = []
 
     def process(i: int) -> BaseException | None:
-        rnd = CommitRound(coord=coords[i], ns="ns", step=5, staged=staged, timeout_s=60, writer_version="test")
+        rnd = CommitRound(
+            coord=coords[i], ns="ns", step=5, staged=staged, timeout_s=60, writer_version="test"
+        )
         try:
-            rnd.commit(parts[i], route=CoordinatorFragments(round=rnd), publish=published.append, metadata={},
-                       error=OSError("disk gone") if i == 1 else None)
-        except BaseException as e:  # noqa: BLE001 - returned for the assertions
+            rnd.commit(
+                parts[i],
+                route=CoordinatorFragments(round=rnd),
+                publish=published.append,
+                metadata={},
+                error=OSError("disk gone") if i == 1 else None,
+            )
+        except BaseException as e:
             return e
         return None
 
@@ -334,7 +475,11 @@ def test_a_failure_reported_through_the_coordinator_stops_the_round_at_once() ->
     with ThreadPoolExecutor(2) as pool:
         errors = list(pool.map(process, range(2)))
     assert time.monotonic() - t0 < 30 and not published
-    assert isinstance(errors[0], DistributedError) and "process 1" in str(errors[0]) and "disk gone" in str(errors[0])
+    assert (
+        isinstance(errors[0], DistributedError)
+        and "process 1" in str(errors[0])
+        and "disk gone" in str(errors[0])
+    )
     assert isinstance(errors[1], OSError)
 
 
@@ -348,7 +493,9 @@ def test_persistent_and_ram_fragments_decode_to_the_same_tables() -> None:
     store = MemoryStore()
     persistent = _persistent_commit(parts, staged, store)
     keys = asyncio.run(store.list(""))
-    assert sorted(keys) == sorted([fragment_key(5, "c0ffee", i) for i in range(4)] + ["manifests/000000000005.json"])
+    assert sorted(keys) == sorted(
+        [fragment_key(5, "c0ffee", i) for i in range(4)] + ["manifests/000000000005.json"]
+    )
     frags = [bytes(asyncio.run(store.get(fragment_key(5, "c0ffee", i)))) for i in range(4)]
     coords = ThreadedJob.of(4)
 
@@ -357,7 +504,9 @@ def test_persistent_and_ram_fragments_decode_to_the_same_tables() -> None:
 
     with ThreadPoolExecutor(4) as pool:
         ram_manifests = list(pool.map(ram, range(4)))
-    assert [coords[0].get_bytes(f"ns/frag/{i}", timeout_s=1) for i in range(4)] == [b"ok " + f for f in frags]
+    assert [coords[0].get_bytes(f"ns/frag/{i}", timeout_s=1) for i in range(4)] == [
+        b"ok " + f for f in frags
+    ]
     tables = [decode_manifest(m).arrays()[0].chunks for m in (persistent[0], ram_manifests[0])]  # type: ignore[arg-type]
     assert tables[0] == tables[1] == merge_chunks(parts, staged)[W] == w.chunks
     assert persistent[1:] == [None] * 3
@@ -379,9 +528,18 @@ def test_a_single_process_save_encodes_no_fragment(monkeypatch: pytest.MonkeyPat
     staged = _staged_of([w])
     [part] = _parts(1, 2)
     store = _CountingPuts(MemoryStore())
-    manifest = publish_and_commit(_round(LocalCoordinator(), staged), store_run=asyncio.run, store=store,
-                                  save_id="c0ffee", chunks=part, error=None, metadata={})
-    assert store.puts == ["manifests/000000000005.json"] and decode_manifest(manifest).arrays() == (w,)  # type: ignore[arg-type]
+    manifest = publish_and_commit(
+        _round(LocalCoordinator(), staged),
+        store_run=asyncio.run,
+        store=store,
+        save_id="c0ffee",
+        chunks=part,
+        error=None,
+        metadata={},
+    )
+    assert store.puts == ["manifests/000000000005.json"] and decode_manifest(manifest).arrays() == (
+        w,
+    )  # type: ignore[arg-type]
     coord = LocalCoordinator()
     coord.set_bytes = refuse  # type: ignore[method-assign]
     held: list[bytes] = []
@@ -402,10 +560,17 @@ def test_a_single_process_manager_save_stores_no_fragment(tmp_path: Path, shm_di
 
     store = _CountingPuts(MemoryStore())
     state = {"w": jax.device_put(np.arange(64, dtype=np.float32).reshape(8, 8)), "n": 3}
-    options = ManagerOptions(save_interval_steps=2, retention=RetentionOptions(keep_last=None),
-                             ram=RamOptions(root=str(shm_dir / "h0"), interval_steps=1, replicas=0,
-                                            budget_bytes=64 << 20))
-    with mock.patch.object(commit, "encode_fragment", refuse), CheckpointManager(store, options=options) as mgr:
+    options = ManagerOptions(
+        save_interval_steps=2,
+        retention=RetentionOptions(keep_last=None),
+        ram=RamOptions(
+            root=str(shm_dir / "h0"), interval_steps=1, replicas=0, budget_bytes=64 << 20
+        ),
+    )
+    with (
+        mock.patch.object(commit, "encode_fragment", refuse),
+        CheckpointManager(store, options=options) as mgr,
+    ):
         for step in (1, 2):  # 1: RAM only; 2: RAM and storage
             mgr.save(step, state)
             mgr.wait()
@@ -444,7 +609,9 @@ class _CountingReads(ForwardingStore):
             self.now -= 1
 
 
-def test_process_0_reads_the_fragments_concurrently_in_order_and_raises_a_failed_read_as_itself() -> None:
+def test_process_0_reads_the_fragments_concurrently_in_order_and_raises_a_failed_read_as_itself() -> (
+    None
+):
     store = _CountingReads(MemoryStore(), delay_s=0.01)
     keys = [fragment_key(5, "c0ffee", i) for i in range(100)]
 
@@ -456,4 +623,6 @@ def test_process_0_reads_the_fragments_concurrently_in_order_and_raises_a_failed
     assert asyncio.run(commit._read_all(store, keys)) == [b"fragment %d" % i for i in range(100)]
     assert store.peak == commit._FRAGMENT_READS  # not one at a time, and bounded
     with pytest.raises(NotFoundError):
-        asyncio.run(commit._read_all(store, [*keys[:50], fragment_key(5, "c0ffee", 999), *keys[50:]]))
+        asyncio.run(
+            commit._read_all(store, [*keys[:50], fragment_key(5, "c0ffee", 999), *keys[50:]])
+        )

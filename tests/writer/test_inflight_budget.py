@@ -18,9 +18,9 @@ import pytest
 from fastckpt._tree import flatten
 from fastckpt.options import SaveOptions
 from fastckpt.storage import MemoryStore
-from tests.support.wrapping import ForwardingStore
 from fastckpt.writer.pipeline import WriteStats, write_chunks
 from fastckpt.writer.stage import stage_state
+from tests.support.wrapping import ForwardingStore
 
 MiB = 1 << 20
 THREADS = 2
@@ -48,8 +48,13 @@ class _SlowSink(ForwardingStore):
 def test_a_save_holds_at_most_max_inflight_bytes_of_encoded_data(budget_mib: int) -> None:
     rng = np.random.default_rng(0)
     state = {f"a{i}": rng.integers(0, 64, 8 * MiB, dtype=np.uint8) for i in range(4)}  # zstd: ~75%
-    staged = stage_state(flatten(state)[0], process_index=0, max_chunk_bytes=CHUNK,
-                         allocate=lambda n: np.zeros(n, np.uint8), executor=None)
+    staged = stage_state(
+        flatten(state)[0],
+        process_index=0,
+        max_chunk_bytes=CHUNK,
+        allocate=lambda n: np.zeros(n, np.uint8),
+        executor=None,
+    )
     store = _SlowSink()
     options = SaveOptions(max_inflight_bytes=budget_mib * MiB, object_bytes=1 * MiB)
     tracemalloc.start()
@@ -57,8 +62,18 @@ def test_a_save_holds_at_most_max_inflight_bytes_of_encoded_data(budget_mib: int
         tracemalloc.reset_peak()
         base = tracemalloc.get_traced_memory()[0]
         with ThreadPoolExecutor(THREADS) as ex:
-            asyncio.run(write_chunks(store, staged, step=1, save_id="s", process_index=0, options=options,
-                                     executor=ex, stats=WriteStats()))
+            asyncio.run(
+                write_chunks(
+                    store,
+                    staged,
+                    step=1,
+                    save_id="s",
+                    process_index=0,
+                    options=options,
+                    executor=ex,
+                    stats=WriteStats(),
+                )
+            )
         peak = tracemalloc.get_traced_memory()[1] - base
     finally:
         tracemalloc.stop()

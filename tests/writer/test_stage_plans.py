@@ -8,31 +8,42 @@ from typing import Any
 
 import numpy as np
 import pytest
-
-from fastckpt import CheckpointManager, ManagerOptions, SaveOptions
-from fastckpt.errors import ConfigError
-from fastckpt.options import RamOptions
-from fastckpt._tree import flatten
-from fastckpt.writer import stage
-from fastckpt.writer.stage import StagePlans, stage_state
 from jax._src.array import ArrayImpl
 
+from fastckpt import CheckpointManager, ManagerOptions, SaveOptions
+from fastckpt._tree import flatten
+from fastckpt.errors import ConfigError
+from fastckpt.options import RamOptions
+from fastckpt.writer import stage
+from fastckpt.writer.stage import StagePlans, stage_state
 from tests.support.arrays import P, assert_bit_exact, assert_sharded_like, device_data, named
 
 
 def _stage(state: Any, plans: StagePlans | None) -> tuple[list[tuple[Any, ...]], bytes]:
     """What staging decided (per array: path, dtype, sharding, items) and the staged bytes."""
-    staged = stage_state(flatten(state)[0], process_index=0, max_chunk_bytes=1 << 10,
-                         allocate=lambda n: np.zeros(n, np.uint8), executor=None, plans=plans)
+    staged = stage_state(
+        flatten(state)[0],
+        process_index=0,
+        max_chunk_bytes=1 << 10,
+        allocate=lambda n: np.zeros(n, np.uint8),
+        executor=None,
+        plans=plans,
+    )
     meta = [(a.path, a.dtype, a.kind, a.sharding, a.items) for a in staged.arrays]
-    data = b"".join(bytes(staged.chunk_view(a, i)) for a in staged.arrays for i in range(len(a.items)))
+    data = b"".join(
+        bytes(staged.chunk_view(a, i)) for a in staged.arrays for i in range(len(a.items))
+    )
     return meta, data
 
 
 def _state(seed: int, spec_b: Any = None) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     a, ha = device_data((16, 32), np.float32, named((2, 4), ("x", "y"), P("x", "y")), seed=seed)
-    b, hb = device_data((16, 32), np.float32, named((2, 4), ("x", "y"), spec_b or P("y", None)), seed=seed + 1)
-    r, hr = device_data((8, 8), np.int32, named((8,), ("x",), P()), seed=seed + 2)  # replicated: written once
+    b, hb = device_data(
+        (16, 32), np.float32, named((2, 4), ("x", "y"), spec_b or P("y", None)), seed=seed + 1
+    )
+    r, hr = device_data(
+        (8, 8), np.int32, named((8,), ("x",), P()), seed=seed + 2
+    )  # replicated: written once
     return {"a": a, "b": b, "r": r, "n": np.arange(6)}, {"a": ha, "b": hb, "r": hr}
 
 
@@ -81,24 +92,36 @@ def test_manager_saves_reuse_plans_and_restore_bit_exact(root: Any) -> None:
             for k, h in hosts.items():
                 assert_sharded_like(got[k], state[k].sharding, h)
             assert np.array_equal(got["n"], np.arange(6))
-        assert (mgr._saver.plans.hits, mgr._saver.plans.misses) == (5, 4)  # noqa: SLF001 - 3 + 3 (hits 3) + 3 (hits 2)
+        assert (mgr._saver.plans.hits, mgr._saver.plans.misses) == (5, 4)
 
 
 def test_transfer_mode_is_none_on_host_devices_and_one_call_when_every_shard_is_used() -> None:
     assert stage._transfer_mode(on_host=True, local_shards=8, used=range(8), pinned=False) is None
     assert stage._transfer_mode(on_host=False, local_shards=8, used=range(8), pinned=False) == "all"
-    assert stage._transfer_mode(on_host=False, local_shards=8, used=[0, 4], pinned=False) == "shards"
+    assert (
+        stage._transfer_mode(on_host=False, local_shards=8, used=[0, 4], pinned=False) == "shards"
+    )
     for on_host in (False, True):
-        assert stage._transfer_mode(on_host=on_host, local_shards=8, used=range(8), pinned=True) == "pinned_all"
-        assert stage._transfer_mode(on_host=on_host, local_shards=8, used=[0, 4], pinned=True) == "pinned_shards"
+        assert (
+            stage._transfer_mode(on_host=on_host, local_shards=8, used=range(8), pinned=True)
+            == "pinned_all"
+        )
+        assert (
+            stage._transfer_mode(on_host=on_host, local_shards=8, used=[0, 4], pinned=True)
+            == "pinned_shards"
+        )
 
 
 def test_pinned_host_is_automatic_on_accelerators_only_and_refused_where_missing() -> None:
     import jax
 
     cpu = jax.devices()
-    assert stage._pinned_ok(cpu, "auto") is False  # host-platform devices: their memory is host memory
-    assert stage._pinned_ok(cpu, "pinned_host") is True  # forced (jax's CPU client has the memory kind)
+    assert (
+        stage._pinned_ok(cpu, "auto") is False
+    )  # host-platform devices: their memory is host memory
+    assert (
+        stage._pinned_ok(cpu, "pinned_host") is True
+    )  # forced (jax's CPU client has the memory kind)
     assert stage._pinned_ok(cpu, "pageable") is False
 
     class NoPinned:
@@ -114,7 +137,9 @@ def test_pinned_host_is_automatic_on_accelerators_only_and_refused_where_missing
         SaveOptions(device_copy="pinned")  # type: ignore[arg-type]
 
 
-def test_auto_falls_back_to_pageable_where_a_pinned_round_trip_fails(caplog: pytest.LogCaptureFixture) -> None:
+def test_auto_falls_back_to_pageable_where_a_pinned_round_trip_fails(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """A device that lists pinned_host memory but cannot round-trip through it (a backend or
     jax version without the support) gets pageable copies in "auto", probed once per device,
     with a warning; a working device passes the probe."""
@@ -137,7 +162,9 @@ def test_auto_falls_back_to_pageable_where_a_pinned_round_trip_fails(caplog: pyt
         assert stage._pinned_ok([broken], "auto", probed) is False
         assert stage._pinned_ok([broken], "auto", probed) is False
     assert probed == {broken: False}
-    assert len([r for r in caplog.records if "pinned host memory do not work" in r.getMessage()]) == 1
+    assert (
+        len([r for r in caplog.records if "pinned host memory do not work" in r.getMessage()]) == 1
+    )
     assert stage._pinned_ok([broken], "pinned_host") is True  # forced: no probe, errors surface
 
 
@@ -147,17 +174,26 @@ def test_deferred_pinned_copies_are_independent_of_the_device_arrays() -> None:
     the device arrays in between changes nothing."""
     state = _state(4)[0]
     expected = _stage(state, None)
-    staged = stage_state(flatten(state)[0], process_index=0, max_chunk_bytes=1 << 10,
-                         allocate=lambda n: np.zeros(n, np.uint8), executor=None, device_copy="pinned_host",
-                         defer_host_copies=True)
+    staged = stage_state(
+        flatten(state)[0],
+        process_index=0,
+        max_chunk_bytes=1 << 10,
+        allocate=lambda n: np.zeros(n, np.uint8),
+        executor=None,
+        device_copy="pinned_host",
+        defer_host_copies=True,
+    )
     assert staged.deferred is not None and staged.deferred.nbytes == sum(
-        it.nbytes for a in staged.arrays if a.kind == "jax" for it in a.items)
+        it.nbytes for a in staged.arrays if a.kind == "jax" for it in a.items
+    )
     for k in ("a", "b", "r"):
         state[k].delete()
     assert staged.finish_copies(None, jobs=2) >= 0.0
     staged.finish_copies(None, jobs=2)  # idempotent
     meta = [(a.path, a.dtype, a.kind, a.sharding, a.items) for a in staged.arrays]
-    data = b"".join(bytes(staged.chunk_view(a, i)) for a in staged.arrays for i in range(len(a.items)))
+    data = b"".join(
+        bytes(staged.chunk_view(a, i)) for a in staged.arrays for i in range(len(a.items))
+    )
     assert (meta, data) == expected
 
 
@@ -167,21 +203,42 @@ def test_arrays_already_in_pinned_host_memory_get_a_private_copy_too() -> None:
     reuse before the deferred copy reads them. Staging must copy them."""
     import jax
 
-    for spec in (P("x", "y"), P("y", None)):  # every shard written (one put), some replicated (per shard)
+    for spec in (
+        P("x", "y"),
+        P("y", None),
+    ):  # every shard written (one put), some replicated (per shard)
         sharding = named((2, 4), ("x", "y"), spec).with_memory_kind("pinned_host")
         host = np.arange(16 * 32, dtype=np.float32).reshape(16, 32)
         x = jax.device_put(host, sharding)
-        staged = stage_state(flatten({"x": x})[0], process_index=0, max_chunk_bytes=1 << 10,
-                             allocate=lambda n: np.zeros(n, np.uint8), executor=None, device_copy="pinned_host",
-                             defer_host_copies=True)
+        staged = stage_state(
+            flatten({"x": x})[0],
+            process_index=0,
+            max_chunk_bytes=1 << 10,
+            allocate=lambda n: np.zeros(n, np.uint8),
+            executor=None,
+            device_copy="pinned_host",
+            defer_host_copies=True,
+        )
         assert staged.deferred is not None
         src = {s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
-        kept = {a.unsafe_buffer_pointer() for k in staged.deferred._keep for a in
-                ([k] if not hasattr(k, "addressable_shards") else [s.data for s in k.addressable_shards])}
+        kept = {
+            a.unsafe_buffer_pointer()
+            for k in staged.deferred._keep
+            for a in (
+                [k]
+                if not hasattr(k, "addressable_shards")
+                else [s.data for s in k.addressable_shards]
+            )
+        }
         assert kept and not kept & src  # private copies, not the caller's buffers
         staged.finish_copies(None, jobs=2)
-        data = b"".join(bytes(staged.chunk_view(a, i)) for a in staged.arrays for i in range(len(a.items)))
-        assert data == _stage({"x": jax.device_put(host, sharding.with_memory_kind("device"))}, None)[1]
+        data = b"".join(
+            bytes(staged.chunk_view(a, i)) for a in staged.arrays for i in range(len(a.items))
+        )
+        assert (
+            data
+            == _stage({"x": jax.device_put(host, sharding.with_memory_kind("device"))}, None)[1]
+        )
 
 
 def test_a_failed_deferred_copy_releases_the_pinned_copies_and_stays_failed() -> None:
@@ -194,12 +251,20 @@ def test_a_failed_deferred_copy_releases_the_pinned_copies_and_stays_failed() ->
     def unreserved(n: int) -> tuple[np.ndarray, Any]:
         def prepare() -> None:
             raise Full("tmpfs is full")
+
         return np.zeros(n, np.uint8), prepare
 
     state = {k: v for k, v in _state(7)[0].items() if k != "n"}
-    staged = stage_state(flatten(state)[0], process_index=0, max_chunk_bytes=1 << 10,
-                         allocate=lambda n: np.zeros(n, np.uint8), executor=None, device_copy="pinned_host",
-                         defer_host_copies=True, allocate_unreserved=unreserved)
+    staged = stage_state(
+        flatten(state)[0],
+        process_index=0,
+        max_chunk_bytes=1 << 10,
+        allocate=lambda n: np.zeros(n, np.uint8),
+        executor=None,
+        device_copy="pinned_host",
+        defer_host_copies=True,
+        allocate_unreserved=unreserved,
+    )
     deferred = staged.deferred
     assert deferred is not None and deferred._keep
     for _ in range(2):
@@ -223,9 +288,16 @@ def test_an_unreserved_buffer_is_asked_for_only_when_every_copy_is_deferred() ->
         return np.zeros(n, np.uint8)
 
     def run(state: dict[str, Any]) -> Any:
-        return stage_state(flatten(state)[0], process_index=0, max_chunk_bytes=1 << 10, allocate=ready,
-                           executor=None, device_copy="pinned_host", defer_host_copies=True,
-                           allocate_unreserved=unreserved)
+        return stage_state(
+            flatten(state)[0],
+            process_index=0,
+            max_chunk_bytes=1 << 10,
+            allocate=ready,
+            executor=None,
+            device_copy="pinned_host",
+            defer_host_copies=True,
+            allocate_unreserved=unreserved,
+        )
 
     state = _state(6)[0]
     jax_only = {k: state[k] for k in ("a", "b", "r")}
@@ -234,22 +306,30 @@ def test_an_unreserved_buffer_is_asked_for_only_when_every_copy_is_deferred() ->
     assert events == ["unreserved"]
     staged.finish_copies(None, jobs=2)
     assert events == ["unreserved", "prepare"]
-    data = b"".join(bytes(staged.chunk_view(a, i)) for a in staged.arrays for i in range(len(a.items)))
+    data = b"".join(
+        bytes(staged.chunk_view(a, i)) for a in staged.arrays for i in range(len(a.items))
+    )
     assert data == expected[1]
     events.clear()
     run(state)  # "n" is a numpy leaf: copied at once, into a ready buffer
     assert events == ["ready"]
 
 
-def test_manager_saves_through_pinned_host_and_the_step_may_donate_at_once(tmp_path: Path, shm_dir: Path) -> None:
+def test_manager_saves_through_pinned_host_and_the_step_may_donate_at_once(
+    tmp_path: Path, shm_dir: Path
+) -> None:
     """RAM and persistent saves with ``device_copy="pinned_host"``: a donating step right after
     ``save()`` returns does not reach the checkpoint; both tiers restore bit-exact."""
     import jax
 
     step_fn = jax.jit(lambda t: jax.tree.map(lambda x: x + 1, t), donate_argnums=0)
-    options = ManagerOptions(save=SaveOptions(device_copy="pinned_host"), save_interval_steps=2,
-                             ram=RamOptions(root=str(shm_dir / "h0"), interval_steps=1, replicas=0,
-                                            budget_bytes=64 << 20))
+    options = ManagerOptions(
+        save=SaveOptions(device_copy="pinned_host"),
+        save_interval_steps=2,
+        ram=RamOptions(
+            root=str(shm_dir / "h0"), interval_steps=1, replicas=0, budget_bytes=64 << 20
+        ),
+    )
     with CheckpointManager(str(tmp_path / "ckpt"), options=options) as mgr:
         for step in (1, 2):  # 1: RAM only; 2: RAM and storage
             state, hosts = _state(step)
@@ -260,8 +340,16 @@ def test_manager_saves_through_pinned_host_and_the_step_may_donate_at_once(tmp_p
             stats = mgr.last_save_stats
             assert stats is not None and stats.deferred_copy_s > 0.0
             assert stats.tiers == (("ram",) if step == 1 else ("ram", "storage"))
-            for tier_restore in (mgr.restore(step), mgr.restore(step, target={
-                    k: jax.ShapeDtypeStruct(h.shape, h.dtype, sharding=state[k].sharding) for k, h in hosts.items()})):
+            for tier_restore in (
+                mgr.restore(step),
+                mgr.restore(
+                    step,
+                    target={
+                        k: jax.ShapeDtypeStruct(h.shape, h.dtype, sharding=state[k].sharding)
+                        for k, h in hosts.items()
+                    },
+                ),
+            ):
                 for k, h in hosts.items():
                     assert_sharded_like(tier_restore[k], state[k].sharding, h)
             assert all(state[k].is_deleted() for k in hosts)  # the step did take the saved buffers
@@ -274,7 +362,8 @@ def test_manager_saves_through_pinned_host_and_the_step_may_donate_at_once(tmp_p
 @pytest.mark.parametrize("mode", [None, "all", "shards", "pinned_all", "pinned_shards"])
 @pytest.mark.parametrize("cached", [False, True])
 def test_each_transfer_mode_starts_the_copies_it_says_and_stages_the_same_bytes(
-        mode: str | None, cached: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    mode: str | None, cached: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     state = _state(3)[0]
     expected = _stage(state, None)  # CPU devices: no asynchronous transfer at all
     calls: list[tuple[int, ...]] = []

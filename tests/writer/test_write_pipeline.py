@@ -32,10 +32,21 @@ class _CountingExecutor(ThreadPoolExecutor):
 
 def _staged(arrays: int, nbytes: int, max_chunk_bytes: int) -> Any:
     rng = np.random.default_rng(7)
-    state = {f"a{i}": (rng.integers(0, 4, nbytes, dtype=np.uint8) if i % 2 else rng.integers(0, 256, nbytes, dtype=np.uint8))
-             for i in range(arrays)}  # even leaves incompressible (stored raw), odd ones zstd
-    return stage_state(flatten(state)[0], process_index=0, max_chunk_bytes=max_chunk_bytes,
-                       allocate=lambda n: np.zeros(n, np.uint8), executor=None)
+    state = {
+        f"a{i}": (
+            rng.integers(0, 4, nbytes, dtype=np.uint8)
+            if i % 2
+            else rng.integers(0, 256, nbytes, dtype=np.uint8)
+        )
+        for i in range(arrays)
+    }  # even leaves incompressible (stored raw), odd ones zstd
+    return stage_state(
+        flatten(state)[0],
+        process_index=0,
+        max_chunk_bytes=max_chunk_bytes,
+        allocate=lambda n: np.zeros(n, np.uint8),
+        executor=None,
+    )
 
 
 @pytest.mark.parametrize(("inflight", "jobs"), [(96 << 20, 3), (64 << 10, 75)])
@@ -44,21 +55,36 @@ def test_small_chunks_are_encoded_in_batches_and_stored_exactly(inflight: int, j
     store, stats = MemoryStore(), WriteStats()
     options = SaveOptions(compression="zstd", max_inflight_bytes=inflight, object_bytes=128 << 10)
     with _CountingExecutor() as ex:
-        chunks = asyncio.run(write_chunks(store, staged, step=1, save_id="s", process_index=0, options=options,
-                                          executor=ex, stats=stats))
+        chunks = asyncio.run(
+            write_chunks(
+                store,
+                staged,
+                step=1,
+                save_id="s",
+                process_index=0,
+                options=options,
+                executor=ex,
+                stats=stats,
+            )
+        )
         # 256 chunks a job by default (3 jobs for 600); under a 64 KiB budget 8 KiB a job (75)
         assert ex.jobs == jobs
     tables = merge_chunks([chunks], staged)  # what the commit makes of them (C order)
     assert stats.raw_bytes == 600 << 10 and stats.objects == len(chunks.objects)
     codecs = set()
     for ai, arr in enumerate(staged.arrays):
-        assert [c.box for c in tables[arr.path]] == [it.box for it in arr.items]  # every chunk, once
+        assert [c.box for c in tables[arr.path]] == [
+            it.box for it in arr.items
+        ]  # every chunk, once
         for i, c in enumerate(tables[arr.path]):
             stored = bytearray(c.length)
             asyncio.run(store.get_into(c.key, c.offset, [memoryview(stored)]))
             assert crc32c(stored) == c.crc32c
-            raw = zstandard.ZstdDecompressor().decompress(bytes(stored), max_output_size=c.raw_length) \
-                if c.codec == "zstd" else bytes(stored)
+            raw = (
+                zstandard.ZstdDecompressor().decompress(bytes(stored), max_output_size=c.raw_length)
+                if c.codec == "zstd"
+                else bytes(stored)
+            )
             assert raw == bytes(staged.chunk_view(arr, i)) and crc32c(raw) == c.raw_crc32c
             codecs.add(c.codec)
     assert codecs == {"raw", "zstd"}
