@@ -71,7 +71,7 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_LAZY})
 
 
-from fastckpt._version import __version__ as __version__
+from fastckpt._version import __version__ as __version__  # noqa: E402 (after the lazy table it sits beside)
 
 __all__ = [
     "CheckpointManager",

@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--layout",
         choices=("manager", "item"),
         default="manager",
-        help="fastckpt->Orbax: write a CheckpointManager dir (DST/<step>/default) or a bare item dir",
+        help="fastckpt->Orbax: a CheckpointManager dir (DST/<step>/default) or a bare item dir",
     )
     _common(p, json_flag=False)
 

@@ -39,7 +39,8 @@ class Damage:
     problem: str
 
     def __str__(self) -> str:
-        return f"step {self.step}: array {self.array} chunk {self.box} (object {self.key} @ {self.offset}): {self.problem}"
+        where = f"array {self.array} chunk {self.box} (object {self.key} @ {self.offset})"
+        return f"step {self.step}: {where}: {self.problem}"
 
 
 def _check(chunk: ChunkEntry, stored: memoryview) -> str | None:

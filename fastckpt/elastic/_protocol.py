@@ -173,7 +173,8 @@ def read_json(path: Path) -> dict[str, Any] | None:
 
 
 def append_jsonl(path: Path, obj: object) -> None:
-    """Append one JSON line (a single ``write`` on an ``O_APPEND`` fd, so lines never interleave)."""
+    """Append one JSON line (a single ``write`` on an ``O_APPEND`` fd, so lines never
+    interleave)."""
     line = (json.dumps(obj) + "\n").encode()
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:

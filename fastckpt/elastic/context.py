@@ -350,7 +350,8 @@ def _wait_for_listener(address: str, timeout_s: float) -> None:
 
     Processes of a new generation start together; a client whose first connect reaches the
     coordinator before process 0 has started the service is refused, and gRPC then backs off
-    for about a second before it retries. Probing every 5 ms first avoids that. Gives up silently at ``timeout_s``: ``initialize`` then reports the failure.
+    for about a second before it retries. Probing every 5 ms first avoids that. Gives up
+    silently at ``timeout_s``: ``initialize`` then reports the failure.
     """
     host, _, port = address.rpartition(":")
     deadline = time.monotonic() + timeout_s

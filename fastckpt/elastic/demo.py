@@ -131,15 +131,22 @@ def _printer(t0: list[float]) -> Any:
         rel = float(ev["t"]) - t0[0]
         name = ev["event"]
         if name == "launch":
-            msg = f"generation {ev['generation']}: launched {len(ev['hosts'])} workers on hosts {ev['hosts']}"
+            hosts = ev["hosts"]
+            msg = f"generation {ev['generation']}: launched {len(hosts)} workers on hosts {hosts}"
         elif name == "kill":
-            msg = f"SIGKILL host {ev['host']} (pid {ev['pid']}) at step ~{ev['step']}; wiped its local dir"
+            msg = (
+                f"SIGKILL host {ev['host']} (pid {ev['pid']}) at step ~{ev['step']}; "
+                "wiped its local dir"
+            )
         elif name == "failure_detected":
             msg = f"failure detected: host {ev['host']} ({ev.get('reason')}, rc={ev.get('rc')})"
         elif name == "killed_rest":
             msg = f"killed the remaining workers on hosts {ev['hosts']}"
         elif name == "host_back":
-            msg = f"host {ev['host']} is back (step ~{ev['step']}): asking workers to stop at a checkpoint"
+            msg = (
+                f"host {ev['host']} is back (step ~{ev['step']}): "
+                "asking workers to stop at a checkpoint"
+            )
         elif name == "generation_end":
             msg = f"generation {ev['generation']} ended: {ev['outcome']}"
         else:

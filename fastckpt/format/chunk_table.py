@@ -87,7 +87,7 @@ def grid_cuts(boxes: Sequence[Box], shape: tuple[int, ...]) -> list[list[int]] |
         cuts.append([*starts, n])
     if math.prod(len(c) - 1 for c in cuts) != len(boxes):
         return None
-    cells = itertools.product(*[list(zip(c[:-1], c[1:])) for c in cuts])
+    cells = itertools.product(*[list(itertools.pairwise(c)) for c in cuts])
     if any(cell != box for cell, box in zip(cells, boxes)):
         return None
     return cuts
@@ -192,13 +192,14 @@ def _grid(obj: Any, shape: tuple[int, ...], what: str) -> list[list[int]]:
         c = json_list(c, f"{what}[{d}]")
         if len(c) < 2 or any(type(v) is not int for v in c) or c[0] != 0 or c[-1] != n:
             fail(f"{what}[{d}]: expected ints from 0 to {n}, got {c!r:.80}")
-        if any(a > b for a, b in zip(c, c[1:])):
+        if any(a > b for a, b in itertools.pairwise(c)):
             fail(f"{what}[{d}]: cuts must not decrease, got {c!r:.80}")
     return cuts
 
 
 def decode_object_keys(obj: Any, what: str) -> list[str]:
-    """A list of object keys (a manifest's ``"objects"``), each checked to be a safe relative key."""
+    """A list of object keys (a manifest's ``"objects"``), each checked to be a safe relative
+    key."""
     keys = json_list(obj, what)
     for i, key in enumerate(keys):
         if type(key) is not str:

@@ -39,13 +39,15 @@ __all__ = [
 MANIFEST_PREFIX = "manifests/"
 STEPS_PREFIX = "steps/"
 MAX_STEP = 10**18 - 1
-"""The largest step a key can name (12 digits, zero-padded, up to 18: Unix-millisecond steps fit)."""
+"""The largest step a key can name (12 digits, zero-padded, up to 18: Unix-millisecond steps
+fit)."""
 _MANIFEST_RE = re.compile(r"^manifests/(\d{12,18})\.json$")
 _DATA_RE = re.compile(r"^steps/(\d{12,18})/")
 
 
 def check_step(step: object) -> int:
-    """``step`` as an int if a key can name it, else ConfigError (a bool, a float, a str, out of range)."""
+    """``step`` as an int if a key can name it, else ConfigError (a bool, a float, a str, out of
+    range)."""
     if (
         not isinstance(step, (int, np.integer))
         or isinstance(step, bool)

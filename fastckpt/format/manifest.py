@@ -18,7 +18,7 @@ import itertools
 import math
 import operator
 from collections.abc import Iterator, Sequence
-from typing import Any, Literal, Union, overload
+from typing import Any, Literal, overload
 
 import numpy as np
 
@@ -109,7 +109,7 @@ def chunk_ids(leaf: ArrayLeaf) -> list[str]:
     grid = leaf.chunks.grid
     if grid is None:
         return [chunk_id(leaf.path, box, prefix=prefix) for box in leaf.chunks.boxes()]
-    dims = [[f"{a}:{b}" for a, b in zip(cuts[:-1], cuts[1:])] for cuts in grid]
+    dims = [[f"{a}:{b}" for a, b in itertools.pairwise(cuts)] for cuts in grid]
     return [prefix + ",".join(cell) for cell in itertools.product(*dims)]
 
 
@@ -192,7 +192,7 @@ class ChunkTable(Sequence[ChunkEntry]):
             raise ValueError("ChunkTable needs exactly one of cuts and boxes")
         self._cuts = None if cuts is None else tuple([tuple(map(int, c)) for c in cuts])
         self._cells = (
-            None if self._cuts is None else tuple(tuple(zip(c[:-1], c[1:])) for c in self._cuts)
+            None if self._cuts is None else tuple(tuple(itertools.pairwise(c)) for c in self._cuts)
         )
         self._boxes = None if boxes is None else tuple(boxes)
         if self._cells is not None:
@@ -243,7 +243,7 @@ class ChunkTable(Sequence[ChunkEntry]):
         if not 0 <= i < self._n:
             raise IndexError(f"chunk {i} of {self._n}")
         box = self.box(i)
-        codec = self._codec if type(self._codec) is str else self._codec[i]
+        codec: Codec = self._codec if isinstance(self._codec, str) else self._codec[i]
         entry = ChunkEntry(
             box,
             self._keys[self._object.item(i)],
@@ -253,7 +253,7 @@ class ChunkTable(Sequence[ChunkEntry]):
             codec,
             self._crc.item(i),
             self._raw_crc.item(i),
-        )  # type: ignore[arg-type]
+        )
         if len(self._built) < _MAX_BUILT:
             self._built[i] = entry
         return entry
@@ -392,7 +392,7 @@ class ValueLeaf:
     value: bool | int | float | str | tuple[float, float] | None
 
 
-Leaf = Union[ArrayLeaf, ValueLeaf]
+Leaf = ArrayLeaf | ValueLeaf
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -226,7 +226,8 @@ class OrbaxEntry:
     sequence: tuple[bool, ...]
     """Per key: a sequence index (True) or a dict key / attribute (False)."""
     value_type: str
-    """``jax.Array``, ``np.ndarray``, ``scalar``, ``string`` or an empty type (``None``, ``Dict``...)."""
+    """``jax.Array``, ``np.ndarray``, ``scalar``, ``string`` or an empty type (``None``,
+    ``Dict``...)."""
 
     @property
     def param_name(self) -> str:

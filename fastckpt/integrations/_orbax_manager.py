@@ -232,7 +232,8 @@ class OrbaxStyleCheckpointManager:
 
     # ------------------------------------------------------------------ save
     def should_save(self, step: int) -> bool:
-        """Orbax's default decision: a new step on the interval or in ``save_on_steps``, or the first save."""
+        """Orbax's default decision: a new step on the interval or in ``save_on_steps``, or the
+        first save."""
         if self.options.read_only:
             return False
         if self._last is not None and self._last >= step:
@@ -319,7 +320,8 @@ class OrbaxStyleCheckpointManager:
         self._committed = steps[-1] if steps else None
 
     def reached_preemption(self, step: int) -> bool:
-        """Always False: fastckpt has no preemption sync point (kept for signature compatibility)."""
+        """Always False: fastckpt has no preemption sync point (kept for signature
+        compatibility)."""
         del step
         return False
 
@@ -340,7 +342,8 @@ class OrbaxStyleCheckpointManager:
         )
 
     def item_metadata(self, step: int | None = None) -> Any:
-        """The saved tree as nested dicts/lists of ``jax.ShapeDtypeStruct`` (no shardings) and values."""
+        """The saved tree as nested dicts/lists of ``jax.ShapeDtypeStruct`` (no shardings) and
+        values."""
         import jax
         import jax.numpy as jnp
 
@@ -351,7 +354,9 @@ class OrbaxStyleCheckpointManager:
                 if leaf.kind == "prng_key":
                     shape, dtype, impl = leaf.shape, leaf.dtype, leaf.key_impl
                     items[leaf.path] = jax.eval_shape(
-                        lambda: jax.random.wrap_key_data(jnp.zeros(shape, dtype), impl=impl)
+                        lambda shape=shape, dtype=dtype, impl=impl: jax.random.wrap_key_data(
+                            jnp.zeros(shape, dtype), impl=impl
+                        )
                     )
                 else:
                     items[leaf.path] = jax.ShapeDtypeStruct(leaf.shape, jnp.dtype(leaf.dtype))

@@ -290,7 +290,8 @@ def read_item(
     allow_dtype_cast: bool = False,
     max_inflight_bytes: int = 1 << 30,
 ) -> Any:
-    """Restore an Orbax item laid out as ``target`` (see :func:`fastckpt.integrations.orbax.restore_orbax`)."""
+    """Restore an Orbax item laid out as ``target`` (see
+    :func:`fastckpt.integrations.orbax.restore_orbax`)."""
     ts = import_tensorstore()
 
     matched, treedef = _match(item, target, partial=partial)

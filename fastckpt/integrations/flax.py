@@ -60,7 +60,8 @@ def save_nnx(manager: Any, step: int, model: Any, **kwargs: Any) -> bool:
 
 
 def restore_nnx(manager: Any, graphdef: Any, abstract: Any, *, step: int | None = None) -> Any:
-    """Restore ``step`` (default: latest) into ``abstract`` and ``nnx.merge`` it with ``graphdef``."""
+    """Restore ``step`` (default: latest) into ``abstract`` and ``nnx.merge`` it with
+    ``graphdef``."""
     from flax import nnx
 
     return nnx.merge(graphdef, manager.restore(step, target=abstract))

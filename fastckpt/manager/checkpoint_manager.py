@@ -91,7 +91,8 @@ class CheckpointManager:
         self._ns = self.coordinator.namespace(f"fastckpt/{zlib.crc32(self.store.url.encode()):08x}")
         self._closed = False
         self._tier: Tier | None = None
-        """The fast tier saved to and restored from before storage (the one ``options`` configure)."""
+        """The fast tier saved to and restored from before storage (the one ``options``
+        configure)."""
         if self.options.ram is not None:
             from fastckpt.replicas.tiered import RamReplication
 

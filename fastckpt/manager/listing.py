@@ -53,7 +53,8 @@ def persistent_steps(store: Store, run: Run) -> list[int]:
 
 
 def steps_by_tier(store: Store, run: Run, tier: Tier | None) -> dict[int, set[str]]:
-    """Every committed step and the tiers holding its manifest: ``"storage"`` and those ``tier`` names."""
+    """Every committed step and the tiers holding its manifest: ``"storage"`` and those ``tier``
+    names."""
     out: dict[int, set[str]] = {s: {"storage"} for s in persistent_steps(store, run)}
     if tier is not None:
         for s, tiers in tier.steps_by_tier().items():

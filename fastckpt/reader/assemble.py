@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import jax
@@ -162,6 +162,11 @@ def shard_boxes(
         if cache is not None:
             cache[key] = hit
     return sharding, hit
+
+
+def _buffers_of(units: Mapping[Box, Unit]) -> Callable[[Box], Any]:
+    """``box -> host buffer`` of one leaf's units (bound now, not to a loop variable)."""
+    return lambda box: units[box].buffer
 
 
 def place(
@@ -362,12 +367,11 @@ def build_leaves(plan: RestorePlan, stats: RestoreStats) -> list[Any]:
             out.append(arr[()] if lp.scalar else arr)
             continue
         assert lp.sharding is not None
-        units = lp.units
         out.append(
             place(
                 tuple(s.shape),
                 lp.sharding,
-                lambda box: units[box].buffer,
+                _buffers_of(lp.units),
                 s.key_impl if s.kind == "prng_key" else None,
             )
         )

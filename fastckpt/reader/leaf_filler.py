@@ -63,7 +63,8 @@ class Decoder:
 
 def where(leaf: ArrayLeaf, chunk: ChunkEntry) -> str:
     """Names a chunk in errors: array, box and stored location."""
-    return f"array {keypath_str(leaf.path)} chunk {list(chunk.box)} (object {chunk.key} @ {chunk.offset})"
+    stored = f"(object {chunk.key} @ {chunk.offset})"
+    return f"array {keypath_str(leaf.path)} chunk {list(chunk.box)} {stored}"
 
 
 def allocate(

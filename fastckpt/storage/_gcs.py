@@ -259,7 +259,8 @@ class GcsStore(Store):
         return f"{self.prefix}/{key}" if self.prefix else key
 
     def _media_url(self, name: str) -> str:
-        return f"{self._base}/download/storage/v1/b/{quote(self.bucket, safe='')}/o/{quote(name, safe='')}?alt=media"
+        bucket, obj = quote(self.bucket, safe=""), quote(name, safe="")
+        return f"{self._base}/download/storage/v1/b/{bucket}/o/{obj}?alt=media"
 
     # -- blocking implementations ------------------------------------------------------
 

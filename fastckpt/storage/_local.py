@@ -309,9 +309,7 @@ class LocalStore(Store):
 
     def _sweep_sync(self, older_than: float, dry_run: bool) -> list[str]:
         found = []
-        for dirpath, dirnames, files in os.walk(
-            self.root, topdown=False
-        ):  # children before parents
+        for dirpath, _, files in os.walk(self.root, topdown=False):  # children before parents
             for name in files:
                 path = os.path.join(dirpath, name)
                 try:

@@ -2,8 +2,8 @@
 
 Object semantics only (no directories, no rename): ranged ``get``, ``put`` with
 ``mode="create"`` (create-only; fails with :class:`~fastckpt.errors.AlreadyExistsError`
-if the key exists) or ``mode="overwrite"``, ``list`` (and ``list_info``, with sizes and write times) by prefix and
-``delete``.
+if the key exists) or ``mode="overwrite"``, ``list`` (and ``list_info``, with sizes and write
+times) by prefix and ``delete``.
 
 Contracts every backend keeps (checked by :class:`fastckpt.testing.store_tests.StoreTests`):
 
@@ -32,7 +32,7 @@ import abc
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Literal, Union, cast
+from typing import Literal, cast
 
 from fastckpt._checksum import crc32c
 from fastckpt.errors import ConfigError, NotFoundError
@@ -54,9 +54,9 @@ __all__ = [
 ]
 
 PutMode = Literal["create", "overwrite"]
-Buffer = Union[bytes, bytearray, memoryview]
+Buffer = bytes | bytearray | memoryview
 #: What ``put`` accepts: one buffer or a sequence of parts written back to back (no concat).
-Payload = Union[Buffer, Sequence[Buffer]]
+Payload = Buffer | Sequence[Buffer]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -171,7 +171,7 @@ def grid_tilings(draw: st.DrawFn, shape: tuple[int, ...], *, max_cuts: int = 3) 
     """The cells, in C order, of a random grid over ``shape`` (what a sharding saves; cells
     may be empty where cuts repeat)."""
     cuts = [[0, *sorted(draw(st.lists(st.integers(0, n), max_size=max_cuts))), n] for n in shape]
-    return [tuple(cell) for cell in itertools.product(*[list(zip(c[:-1], c[1:])) for c in cuts])]
+    return [tuple(cell) for cell in itertools.product(*[list(itertools.pairwise(c)) for c in cuts])]
 
 
 @st.composite

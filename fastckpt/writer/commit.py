@@ -102,7 +102,7 @@ def _build(
             chunks=tables[arr.path],
             kind=arr.kind,
             sharding=arr.sharding,
-            key_impl=arr.key_impl,  # type: ignore[arg-type]
+            key_impl=arr.key_impl,
         )
     manifest = Manifest(
         step=step,
@@ -277,7 +277,7 @@ class CommitRound:
                     assert chunks is not None
                     route.put(idx, encode_fragment(chunks, self.staged, idx), deadline)
                 except BarrierTimeoutError:
-                    raise  # the coordination service did not answer: a report would not get through either
+                    raise  # no answer from the coordination service: no report would get through
                 except BaseException as e:
                     route.fail(idx, f"{type(e).__name__}: {e}", deadline)
                     raise

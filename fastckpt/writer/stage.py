@@ -30,7 +30,7 @@ from fastckpt._hostmem import aligned_offsets, as_bytes, parallel_copy, parallel
 from fastckpt._tree import FlatLeaf, is_prng_key
 from fastckpt.errors import ConfigError
 from fastckpt.format.dtypes import dtype_name
-from fastckpt.format.manifest import KeyPath, ShardingSpec, ValueLeaf, keypath_str
+from fastckpt.format.manifest import ArrayKind, KeyPath, ShardingSpec, ValueLeaf, keypath_str
 from fastckpt.planning import ShardInfo, WriteItem, box_from_index, full_box, plan_leaf_writes
 
 log = logging.getLogger("fastckpt")
@@ -54,7 +54,7 @@ class StagedArray:
     path: KeyPath
     shape: tuple[int, ...]
     dtype: str
-    kind: str
+    kind: ArrayKind
     sharding: ShardingSpec | None
     key_impl: str | None
     items: tuple[WriteItem, ...]
@@ -185,7 +185,7 @@ class _Pending:
     path: KeyPath
     shape: tuple[int, ...]
     dtype: str
-    kind: str
+    kind: ArrayKind
     sharding: ShardingSpec | None
     key_impl: str | None
     items: tuple[WriteItem, ...]
@@ -373,7 +373,8 @@ def _plan_array(
         )
     if not isinstance(x, jax.Array):
         raise ConfigError(f"{where}: unsupported leaf type {type(x).__name__}")
-    kind, key_impl = "jax", None
+    kind: ArrayKind = "jax"
+    key_impl: str | None = None
     if is_prng_key(x):
         kind, key_impl = "prng_key", str(jax.random.key_impl(x))
         sharding = sharding_spec_of(x.sharding)
@@ -536,7 +537,12 @@ def stage_state(
     parallel_copy(copies, executor, jobs=copy_threads)
     deferred = DeferredCopies(later, keep, prepare) if later or prepare is not None else None
     return StagedSave(
-        tuple(arrays), tuple(values), buffer, staged_bytes, tuple(l.path for l in leaves), deferred
+        tuple(arrays),
+        tuple(values),
+        buffer,
+        staged_bytes,
+        tuple(leaf.path for leaf in leaves),
+        deferred,
     )
 
 

@@ -66,7 +66,8 @@ class Tier(StepSelector, Protocol):
         ...
 
     def prepare_next(self, nbytes: int) -> None:
-        """After a committed step: get ready for the next of ``nbytes`` (best effort, never raises)."""
+        """After a committed step: get ready for the next of ``nbytes`` (best effort, never
+        raises)."""
         ...
 
     def wait_replication(self, timeout_s: float | None = None) -> list[Any]:
