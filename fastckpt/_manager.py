@@ -54,7 +54,7 @@ from fastckpt.writer.stats import SaveStats
 from fastckpt.writer.tier import Tier
 
 if TYPE_CHECKING:
-    from fastckpt.replicas.replicator import ReplicationReport
+    from fastckpt.replicas import ReplicationReport
 
 __all__ = ["CheckpointManager", "SaveStats"]
 
@@ -123,7 +123,7 @@ class CheckpointManager:
         self._tier: Tier | None = None
         """The fast tier saved to and restored from before storage (the one ``options`` configure)."""
         if self.options.ram is not None:
-            from fastckpt.replicas.tiered import RamReplication
+            from fastckpt.replicas import RamReplication
 
             try:
                 self._tier = RamReplication(self.options.ram, coordinator=self.coordinator, store=self.store,
