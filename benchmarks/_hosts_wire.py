@@ -3,7 +3,7 @@
 Run inside the hosts by :mod:`benchmarks.hosts` (``python -m benchmarks._hosts_wire ROLE ...``):
 
 * ``serve ADDRESS NBYTES CHUNK_BYTES TIER_ROOT``: on the host a restore pulls from. Builds a
-  :class:`~fastckpt.replicas.ram.RamTier` at ``TIER_ROOT`` (the host's own ``/dev/shm``) holding
+  :class:`~fastckpt.replicas._ram.RamTier` at ``TIER_ROOT`` (the host's own ``/dev/shm``) holding
   one step of ``NBYTES`` in chunks of ``CHUNK_BYTES`` (``benchmarks.peer_throughput``'s
   tier), serves it with two :class:`~fastckpt.replicas._server.PeerServer` s bound to ``ADDRESS``
   (``frame_mac=True`` and ``False``), and runs a raw TCP sender there (per connection, each
@@ -91,8 +91,8 @@ def serve(address: str, nbytes: int, chunk: int, tier_root: str) -> None:
     import fastckpt
     from benchmarks.peer_throughput import _build_tier
     from fastckpt.replicas._connection import PeerOptions
+    from fastckpt.replicas._ram import RamTier
     from fastckpt.replicas._server import PeerServer
-    from fastckpt.replicas.ram import RamTier
 
     secret = fastckpt.peer_secret_from_env()
     root = Path(tier_root)

@@ -129,9 +129,9 @@ def raw_tcp_process(nbytes: int) -> HelperProcess:
 
 def _serve_peer(tier_root: str, store_root: str, member_id: str, budget_bytes: str) -> None:
     from fastckpt.coordination.distributed import LocalCoordinator
+    from fastckpt.replicas._ram import RamTier
     from fastckpt.replicas._server import PeerServer
     from fastckpt.replicas._startup import PeerDirectory, make_record
-    from fastckpt.replicas.ram import RamTier
     from fastckpt.storage import open_store
 
     store = open_store(store_root)

@@ -39,9 +39,9 @@ import numpy as np
 from fastckpt._checksum import crc32c
 from fastckpt.replicas._client import PeerClient
 from fastckpt.replicas._connection import PeerOptions
+from fastckpt.replicas._ram import ChunkLocation, RamTier
 from fastckpt.replicas._server import PeerServer
 from fastckpt.replicas._sources import TieredChunkSource
-from fastckpt.replicas.ram import ChunkLocation, RamTier
 
 MiB = 1 << 20
 SECRET = b"benchmark-secret-0123456789"

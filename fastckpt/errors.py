@@ -24,6 +24,7 @@ Tree::
     ├── CheckpointNotFoundError (LookupError)  no such committed step
     │   └── NoCheckpointError                  no committed step at all (a job starting afresh)
     ├── StepAlreadyCommittedError              a step that is already committed
+    ├── StaleStepError                         RAM-tier data for a step older than every one it retains
     ├── TargetMismatchError (ValueError)       restore target disagrees with the checkpoint
     │   ├── TreeStructureError
     │   ├── ShapeMismatchError
@@ -35,12 +36,20 @@ Tree::
         ├── PeerUnavailableError               connect/transfer failure or timeout
         │   └── PeersUnreachableError          at start: hosts cannot reach their peers
         ├── PeerRequestError                   a peer answered a request with an ERROR frame
+        ├── ReplicationError                   pushes of a RAM step to its peers failed (``reports``)
+        ├── ReplicationTimeoutError (TimeoutError) pushes still running when a wait timed out
         ├── AuthenticationError                HMAC handshake failed
         └── ProtocolError (ValueError)         malformed or oversized peer message
             └── FrameAuthenticationError       a frame failed its per-frame MAC
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fastckpt.replicas import ReplicationReport
 
 __all__ = [
     "AlreadyExistsError",
@@ -64,9 +73,12 @@ __all__ = [
     "PermissionDeniedError",
     "ProtocolError",
     "RamBudgetError",
+    "ReplicationError",
+    "ReplicationTimeoutError",
     "RetriesExhaustedError",
     "SaveError",
     "ShapeMismatchError",
+    "StaleStepError",
     "StepAlreadyCommittedError",
     "StorageError",
     "TargetMismatchError",
@@ -143,6 +155,11 @@ class StepAlreadyCommittedError(FastckptError):
     """The step is already committed; checkpoints are immutable once committed."""
 
 
+class StaleStepError(FastckptError):
+    """RAM-tier data for a step older than every retained committed step: it would be
+    dropped at once, so the tier refuses it (a peer answers ``stale_step``)."""
+
+
 class TargetMismatchError(FastckptError, ValueError):
     """The restore target does not match what the checkpoint holds."""
 
@@ -190,6 +207,19 @@ class PeerRequestError(PeerError):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"peer error {code}: {message}")
         self.code = code
+
+
+class ReplicationError(PeerError):
+    """Pushes of a RAM step to its peers failed (raised only when a wait asks for it:
+    ``Replicator.wait(raise_on_error=True)``); ``reports`` holds every step's report."""
+
+    def __init__(self, message: str, reports: Sequence[ReplicationReport]) -> None:
+        super().__init__(message)
+        self.reports = list(reports)
+
+
+class ReplicationTimeoutError(PeerError, TimeoutError):
+    """A wait for pushes of RAM steps timed out with pushes still running."""
 
 
 class AuthenticationError(PeerError):

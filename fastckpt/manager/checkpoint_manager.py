@@ -35,7 +35,7 @@ from fastckpt.writer.stats import SaveStats
 from fastckpt.writer.tier import Tier
 
 if TYPE_CHECKING:
-    from fastckpt.replicas.replicator import ReplicationReport
+    from fastckpt.replicas import ReplicationReport
 
 __all__ = ["CheckpointManager"]
 
@@ -94,7 +94,7 @@ class CheckpointManager:
         """The fast tier saved to and restored from before storage (the one ``options``
         configure)."""
         if self.options.ram is not None:
-            from fastckpt.replicas.tiered import RamReplication
+            from fastckpt.replicas import RamReplication
 
             try:
                 self._tier = RamReplication(

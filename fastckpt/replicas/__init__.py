@@ -7,35 +7,26 @@ What a user or another layer needs (the rest is internal; see ``docs/replicas.md
 * :class:`ReplicationReport`: what ``CheckpointManager.wait_replication`` returns.
 * :class:`RamReplication`: the RAM tier as the manager builds it (``RamOptions``).
 
-Errors are in :mod:`fastckpt.errors` (``RamBudgetError``, ``PeerRequestError``, the
-``PeerError`` tree); :class:`StaleStepError`, :class:`ReplicationError` and
-:class:`ReplicationTimeoutError` are named here until they move there too.
+Errors are in :mod:`fastckpt.errors` (``RamBudgetError``, ``StaleStepError``, and the
+``PeerError`` tree: ``PeerRequestError``, ``ReplicationError``, ``ReplicationTimeoutError``).
 
 Importing this package has no side effects.
 """
 
 from __future__ import annotations
 
+from fastckpt.replicas._replicator import ReplicationReport as ReplicationReport
 from fastckpt.replicas._secret import SECRET_ENV as SECRET_ENV
 from fastckpt.replicas._secret import SECRET_FILE_ENV as SECRET_FILE_ENV
 from fastckpt.replicas._secret import new_peer_secret as new_peer_secret
 from fastckpt.replicas._secret import peer_secret_from_env as peer_secret_from_env
-from fastckpt.replicas.ram import StaleStepError as StaleStepError
-from fastckpt.replicas.replicator import ReplicationError as ReplicationError
-from fastckpt.replicas.replicator import ReplicationReport as ReplicationReport
-from fastckpt.replicas.replicator import (
-    ReplicationTimeoutError as ReplicationTimeoutError,
-)
-from fastckpt.replicas.tiered import RamReplication as RamReplication
+from fastckpt.replicas._tiered import RamReplication as RamReplication
 
 __all__ = [
     "SECRET_ENV",
     "SECRET_FILE_ENV",
     "RamReplication",
-    "ReplicationError",
     "ReplicationReport",
-    "ReplicationTimeoutError",
-    "StaleStepError",
     "new_peer_secret",
     "peer_secret_from_env",
 ]

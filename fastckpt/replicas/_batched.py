@@ -32,7 +32,8 @@ def batches(ids: Sequence[str], sizes: Sequence[int], batch_chunks: int, max_pay
     most ``max_payload_bytes`` (an item larger than that gets a batch of its own) and, with
     ``runs`` (per item), at most ``wire.MAX_BATCH_RUNS`` runs."""
     out: list[tuple[int, int]] = []
-    lo, nbytes, nruns, seen = 0, 0, 0, set()
+    seen: set[str] = set()
+    lo, nbytes, nruns = 0, 0, 0
     for i, (cid, n) in enumerate(zip(ids, sizes)):
         r = runs[i] if runs is not None else 0
         if i > lo and (i - lo >= batch_chunks or nbytes + n > max_payload_bytes or cid in seen

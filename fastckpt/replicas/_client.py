@@ -1,6 +1,6 @@
 """The peer client: reads chunks from and pushes chunks to one :class:`~fastckpt.replicas._server.PeerServer`.
 
-Synchronous and thread-safe, with a pool of authenticated connections; payloads arrive with
+Synchronous and thread-safe, with a pool of authenticated connections (:mod:`~fastckpt.replicas._pool`); payloads arrive with
 ``recv_into`` straight into the caller's buffer and are checksummed (and fed to the frame's
 MAC) window by window. A call reports a chunk ``"ok"`` or returns bytes only after the
 payload's tag verified (see :mod:`~fastckpt.replicas._channel`).
@@ -9,35 +9,20 @@ payload's tag verified (see :mod:`~fastckpt.replicas._channel`).
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
-from collections.abc import Callable, Sequence
-from types import TracebackType
-from typing import Any, NamedTuple, TypeVar
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import crc32c as _crc32c
 import numpy as np
 
-from fastckpt.errors import (
-    ChecksumMismatchError,
-    ConfigError,
-    PeerError,
-    PeerRequestError,
-    PeerUnavailableError,
-    ProtocolError,
-)
-from fastckpt.replicas import _batched, _connection
+from fastckpt.errors import ChecksumMismatchError, ConfigError, ProtocolError
+from fastckpt.replicas import _batched
 from fastckpt.replicas import _wire as wire
 from fastckpt.replicas._batched import Outcome
-from fastckpt.replicas._channel import Channel
-from fastckpt.replicas._connection import PeerOptions, check_secret, tune
+from fastckpt.replicas._pool import Conn, ConnectionPool, Request
 from fastckpt.replicas._wire import MsgType
 
 __all__ = ["PeerClient", "StepLists"]
-
-_T = TypeVar("_T")
-_Request = tuple[MsgType, dict[str, Any], bytes]
 
 
 class StepLists(NamedTuple):
@@ -48,31 +33,7 @@ class StepLists(NamedTuple):
     manifests: list[int]
 
 
-class _Conn:
-    __slots__ = ("chan", "replied")
-
-    def __init__(self, chan: Channel) -> None:
-        self.chan = chan
-        self.replied = False
-        """Whether the current request got any reply (then it must not be retried)."""
-
-
-_CLOSING_CODES = frozenset({"too_large", "bad_request", "internal", "auth_failed"})
-"""ERROR codes after which a server may have closed the connection (a malformed or oversized
-request, or a server fault): such a connection is not reused."""
-
-
-def _early_refusal(chan: Channel) -> PeerRequestError | None:
-    """The ERROR frame a peer sent before closing, if one is readable now (None otherwise)."""
-    try:
-        chan.sock.settimeout(0.5)
-        mtype, h, _ = chan.recv_head(allowed=[MsgType.ERROR], deadline=time.monotonic() + 0.5)
-    except (PeerError, OSError):
-        return None
-    return PeerRequestError(h["code"], h["message"])
-
-
-class PeerClient:
+class PeerClient(ConnectionPool):
     """Synchronous, thread-safe client of one :class:`PeerServer`, with a connection pool.
 
     Every call borrows an authenticated connection (or opens one: connect + handshake), so a
@@ -93,30 +54,6 @@ class PeerClient:
         options: Timeouts and limits.
         name: Label used in messages and stats (default ``host:port``).
     """
-
-    def __init__(
-        self,
-        address: tuple[str, int],
-        *,
-        secret: bytes,
-        options: PeerOptions | None = None,
-        name: str | None = None,
-    ) -> None:
-        self.address = (str(address[0]), int(address[1]))
-        self._secret = check_secret(secret)
-        self.options = options or PeerOptions()
-        self._limits = self.options.limits
-        self.name = name or f"{self.address[0]}:{self.address[1]}"
-        self._idle: list[_Conn] = []
-        self._lock = threading.Lock()
-        self._closed = False
-        self.handshakes = 0
-        """Connections opened (and authenticated) so far."""
-
-    def __repr__(self) -> str:
-        return f"PeerClient({self.name!r})"
-
-    # ---------------------------------------------------------------- public API
 
     def get_chunk(
         self,
@@ -144,7 +81,7 @@ class PeerClient:
         """
         wire.check_chunk_id(chunk_id)
 
-        def op(c: _Conn) -> memoryview | None:
+        def op(c: Conn) -> memoryview | None:
             req = {"step": step, "chunk_id": chunk_id, "offset": 0, "length": None}
             c.chan.send(MsgType.GET_CHUNK, req)
             mtype, h, plen = self._reply(c, MsgType.CHUNK)
@@ -203,11 +140,11 @@ class PeerClient:
         ids = [wire.check_chunk_id(cid) for cid, _, _ in items]
         dsts = [(i.data if isinstance(i, np.ndarray) else memoryview(i)).cast("B") for _, i, _ in items]
 
-        def request(lo: int, hi: int) -> _Request:
+        def request(lo: int, hi: int) -> Request:
             payload = json.dumps(ids[lo:hi], separators=(",", ":")).encode()
             return MsgType.GET_CHUNKS, {"step": step, "count": hi - lo}, payload
 
-        def receive(c: _Conn, lo: int, hi: int) -> list[Outcome]:
+        def receive(c: Conn, lo: int, hi: int) -> list[Outcome]:
             _, h, plen = self._reply(c, MsgType.CHUNKS, missing_ok=False)
             expected = [e for _, _, e in items[lo:hi]]
             return _batched.recv_chunks(c.chan, h, plen, dsts[lo:hi], expected)
@@ -257,13 +194,13 @@ class PeerClient:
                 raise ConfigError(f"runs {rs[:4]}... of chunk {cid!r} ({dst.nbytes} bytes) are not ascending, "
                                   f"disjoint and inside it (1..{wire.MAX_BATCH_RUNS} of them)")
 
-        def request(lo: int, hi: int) -> _Request:
+        def request(lo: int, hi: int) -> Request:
             payload = json.dumps(ids[lo:hi], separators=(",", ":")).encode()
             header = {"step": step, "count": hi - lo, "runs": [len(r) for r in runs[lo:hi]],
                       "starts": [a for r in runs[lo:hi] for a, _ in r], "stops": [a + n for r in runs[lo:hi] for a, n in r]}
             return MsgType.GET_RANGES, header, payload
 
-        def receive(c: _Conn, lo: int, hi: int) -> list[Outcome]:
+        def receive(c: Conn, lo: int, hi: int) -> list[Outcome]:
             _, h, plen = self._reply(c, MsgType.RANGES, missing_ok=False)
             expected = [e for _, _, e, _ in items[lo:hi]]
             return _batched.recv_ranges(c.chan, h, plen, dsts[lo:hi], runs[lo:hi], expected)
@@ -271,30 +208,6 @@ class PeerClient:
         sizes = [sum(n for _, n in r) for r in runs]
         return self._stream(_batched.batches(ids, sizes, batch_chunks, self._limits.max_payload_bytes,
                                              runs=[len(r) for r in runs]), request, receive, window)
-
-    def _stream(self, batches: Sequence[tuple[int, int]], request: Callable[[int, int], _Request],
-                receive: Callable[[_Conn, int, int], list[Outcome]],
-                window: int) -> list[Outcome]:
-        """Send the batch requests ``request(lo, hi)`` over one connection, up to ``window``
-        ahead of the replies (several frames in one send; they are numbered in that order),
-        and collect ``receive(conn, lo, hi)`` of each in order."""
-
-        def op(c: _Conn) -> list[Outcome]:
-            out: list[Outcome] = []
-            sent = 0
-            try:
-                for b, (lo, hi) in enumerate(batches):
-                    if sent <= b:
-                        upto = min(len(batches), b + window)
-                        c.chan.send_frames(request(*batches[k]) for k in range(sent, upto))
-                        sent = upto
-                    out.extend(receive(c, lo, hi))
-            except (PeerRequestError, ChecksumMismatchError) as e:  # replies still in flight: out of sync
-                c.chan.close()
-                raise PeerUnavailableError(f"peer {self.name} refused mid-stream: {e}") from e
-            return out
-
-        return self._call(op)
 
     def push_chunk(
         self, step: int, chunk_id: str, data: memoryview | bytes | np.ndarray, *, raw_crc32c: int | None = None
@@ -312,7 +225,7 @@ class PeerClient:
         crc = _crc32c.crc32c(view) if raw_crc32c is None else raw_crc32c
         wire.check_chunk_id(chunk_id)
 
-        def op(c: _Conn) -> bool:
+        def op(c: Conn) -> bool:
             self._send_push(c, MsgType.PUT_CHUNK, {"step": step, "chunk_id": chunk_id, "raw_crc32c": crc}, [view])
             _, h, _ = self._reply(c, MsgType.OK, missing_ok=False)
             return bool(h["stored"])
@@ -339,7 +252,7 @@ class PeerClient:
         header = {"step": step, "count": len(ids), "ids_len": len(id_bytes),
                   "lengths": [v.nbytes for v in views], "crcs": [crc for _, _, crc in chunks]}
 
-        def op(c: _Conn) -> None:
+        def op(c: Conn) -> None:
             self._send_push(c, MsgType.PUT_CHUNKS, header, [id_bytes, *views])
             self._reply(c, MsgType.OK, missing_ok=False)
 
@@ -348,7 +261,7 @@ class PeerClient:
     def list_chunks(self, step: int) -> list[str]:
         """Sorted ids of the chunks the peer holds for ``step``."""
 
-        def op(c: _Conn) -> list[str]:
+        def op(c: Conn) -> list[str]:
             c.chan.send(MsgType.LIST, {"step": step})
             _, h, _ = self._reply(c, MsgType.CHUNK_LIST, missing_ok=False)
             return wire.decode_json_list(c.chan.recv_payload(), count=h["count"])
@@ -358,7 +271,7 @@ class PeerClient:
     def get_manifest(self, step: int) -> bytes | None:
         """The manifest the peer holds for ``step``, or None."""
 
-        def op(c: _Conn) -> bytes | None:
+        def op(c: Conn) -> bytes | None:
             c.chan.send(MsgType.GET_MANIFEST, {"step": step})
             mtype, _, _ = self._reply(c, MsgType.MANIFEST)
             if mtype is MsgType.ERROR:
@@ -370,7 +283,7 @@ class PeerClient:
     def put_manifest(self, step: int, data: bytes | memoryview) -> None:
         """Store ``data`` as the manifest of ``step`` in the peer's tier."""
 
-        def op(c: _Conn) -> None:
+        def op(c: Conn) -> None:
             c.chan.send(MsgType.PUT_MANIFEST, {"step": step}, [memoryview(data)])
             self._reply(c, MsgType.OK, missing_ok=False)
 
@@ -391,114 +304,10 @@ class PeerClient:
     def step_lists(self) -> StepLists:
         """All three step lists of the peer, in one request."""
 
-        def op(c: _Conn) -> StepLists:
+        def op(c: Conn) -> StepLists:
             c.chan.send(MsgType.STEPS, {})
             _, h, _ = self._reply(c, MsgType.STEP_LIST, missing_ok=False)
             return StepLists(sorted(h["steps"]), sorted(h["committed"]), sorted(h["manifests"]))
 
         return self._call(op)
 
-    def close(self) -> None:
-        """Close pooled connections; later calls raise ``PeerUnavailableError``. Idempotent."""
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, []
-        for c in idle:
-            c.chan.close()
-
-    def __enter__(self) -> PeerClient:
-        return self
-
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
-        self.close()
-
-    # ---------------------------------------------------------------- internals
-
-    def _reply(self, c: _Conn, want: MsgType, *, missing_ok: bool = True) -> tuple[MsgType, dict[str, Any], int]:
-        try:  # wait for the reply to start: a stale pooled connection fails here, retryably
-            started = c.chan.sock.recv(1, socket.MSG_PEEK)
-        except OSError as e:
-            raise PeerUnavailableError(f"peer {self.name} did not answer: {e!r}") from e
-        if not started:
-            raise PeerUnavailableError(f"peer {self.name} closed the connection")
-        c.replied = True
-        mtype, h, plen = c.chan.recv_head(allowed=[want, MsgType.ERROR])
-        if mtype is MsgType.ERROR:
-            if h["code"] == "not_found" and missing_ok:
-                return mtype, h, plen
-            if h["code"] == "checksum_mismatch":
-                raise ChecksumMismatchError(f"peer {self.name}: {h['message']}")
-            raise PeerRequestError(h["code"], h["message"])
-        return mtype, h, plen
-
-    def _send_push(self, c: _Conn, msg_type: MsgType, header: dict[str, Any], payload: list[Any]) -> None:
-        """Send a push; if the send fails because the peer refused it early (e.g. ``too_large``
-        right after the header) and closed, raise that refusal instead of a lost connection
-        (and do not retry it)."""
-        try:
-            c.chan.send(msg_type, header, payload)
-        except PeerUnavailableError:
-            refusal = _early_refusal(c.chan)
-            if refusal is None:
-                raise
-            c.replied = True
-            raise refusal from None
-
-    def _call(self, op: Callable[[_Conn], _T]) -> _T:
-        for attempt in (0, 1):
-            conn, reused = self._acquire()
-            try:
-                result = op(conn)
-            except PeerUnavailableError:
-                conn.chan.close()
-                if reused and attempt == 0 and not conn.replied:
-                    continue  # the pooled connection had gone stale (e.g. server idle timeout)
-                raise
-            except PeerRequestError as e:
-                if e.code in _CLOSING_CODES:  # the server ends the connection after these
-                    conn.chan.close()
-                else:
-                    self._release(conn)  # a well-formed refusal: the connection is still in sync
-                raise
-            except BaseException:
-                conn.chan.close()
-                raise
-            self._release(conn)
-            return result
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    def _acquire(self) -> tuple[_Conn, bool]:
-        with self._lock:
-            if self._closed:
-                raise PeerUnavailableError(f"client for {self.name} is closed")
-            if self._idle:
-                conn = self._idle.pop()
-                conn.replied = False
-                return conn, True
-        return self._connect(), False
-
-    def _release(self, conn: _Conn) -> None:
-        with self._lock:
-            if not self._closed and len(self._idle) < self.options.pool_size:
-                self._idle.append(conn)
-                return
-        conn.chan.close()
-
-    def _connect(self) -> _Conn:
-        o = self.options
-        try:
-            sock = socket.create_connection(self.address, timeout=o.connect_timeout_s)
-        except OSError as e:
-            raise PeerUnavailableError(f"cannot connect to peer {self.name}: {e}") from e
-        try:
-            tune(sock, o)
-            chan = _connection.client_handshake(sock, secret=self._secret, frame_mac=o.frame_mac,
-                                             limits=self._limits, timeout_s=o.handshake_timeout_s,
-                                             name=self.name)
-            sock.settimeout(o.io_timeout_s)
-        except BaseException:
-            sock.close()
-            raise
-        with self._lock:
-            self.handshakes += 1
-        return _Conn(chan)

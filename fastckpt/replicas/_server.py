@@ -1,4 +1,4 @@
-"""The peer server: serves a :class:`~fastckpt.replicas.ram.RamTier` to authenticated peers over TCP.
+"""The peer server: serves a :class:`~fastckpt.replicas._ram.RamTier` to authenticated peers over TCP.
 
 One thread per connection with blocking sockets: a payload leaves with ``sendall`` straight
 from the tier's mmap (GIL released), which keeps a transfer near raw loopback speed. Every
@@ -26,6 +26,7 @@ from fastckpt.errors import (
     PeerUnavailableError,
     ProtocolError,
     RamBudgetError,
+    StaleStepError,
 )
 from fastckpt.replicas import _connection
 from fastckpt.replicas import _wire as wire
@@ -36,8 +37,8 @@ from fastckpt.replicas._connection import (
     close_gracefully,
     tune,
 )
+from fastckpt.replicas._ram import ChunkLocation, RamTier
 from fastckpt.replicas._wire import MsgType
-from fastckpt.replicas.ram import ChunkLocation, RamTier, StaleStepError
 
 __all__ = ["PeerServer"]
 
@@ -301,7 +302,7 @@ class PeerServer:
                                 f"{len(stops)} stops in a {plen}-byte id list")
         ids = self._recv_ids(chan, plen, count, "GET_RANGES")
         views: list[memoryview] = []
-        lengths, gaps, missing = [0] * count, [], []
+        lengths, gaps, missing = [0] * count, list[int](), list[int]()
         j = 0
         for i, (cid, n) in enumerate(zip(ids, runs)):
             spans = list(zip(starts[j : j + n], stops[j : j + n]))

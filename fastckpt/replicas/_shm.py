@@ -1,22 +1,20 @@
-"""Files and mappings behind :class:`~fastckpt.replicas.ram.RamTier` (internal).
+"""Shared-memory segment files and their mappings behind :class:`~fastckpt.replicas._ram.RamTier` (internal).
 
-Naming, index parsing, atomic writes and the mmap life cycle of sealed segments. Nothing
-here takes the tier's lock (callers do); a sealed segment guards its mapping with its own.
+A :class:`Segment` is written through a writable mapping until sealed; a :class:`Sealed`
+segment is read through a lazily created read-only one, lent out or detached for reuse; a
+:class:`SparePool` keeps freed files (and mappings) for the next allocation. Nothing here
+takes the tier's lock (callers do); a sealed segment guards its mapping with its own.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
-import json
 import logging
 import mmap
 import os
-import shutil
 import threading
-import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Protocol
@@ -24,29 +22,11 @@ from typing import Protocol
 import numpy as np
 
 from fastckpt.errors import ConfigError, RamBudgetError
+from fastckpt.replicas._tier_dir import unlink
 
-__all__ = ["ChunkLocation", "Segment", "SparePool", "close_map", "create_segment_file", "load_index",
-           "room_to_free", "scan_root"]
+__all__ = ["Sealed", "Segment", "SparePool", "close_map", "create_segment_file"]
 
 _log = logging.getLogger(__name__)
-
-INDEX_SUFFIX = ".index.json"
-DATA_SUFFIX = ".data"
-MANIFEST = "manifest.json"
-COMMIT = "commit.json"  # a step committed here whose manifest other hosts hold
-INDEX_VERSION = 1
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ChunkLocation:
-    """Where one chunk lies in a segment."""
-
-    offset: int
-    """Byte offset of the chunk in the segment."""
-    length: int
-    """Raw length of the chunk in bytes."""
-    raw_crc32c: int
-    """crc32c of the chunk's raw bytes (``ChunkEntry.raw_crc32c``)."""
 
 
 def close_map(mm: mmap.mmap | None) -> None:
@@ -62,10 +42,10 @@ class _Discarding(Protocol):
 
 class Segment:
     """A writable region of the tier, invisible until sealed. Returned by
-    :meth:`~fastckpt.replicas.ram.RamTier.allocate`.
+    :meth:`~fastckpt.replicas._ram.RamTier.allocate`.
 
     Use as a context manager to discard it if the block raises before
-    :meth:`~fastckpt.replicas.ram.RamTier.seal`.
+    :meth:`~fastckpt.replicas._ram.RamTier.seal`.
     """
 
     def __init__(self, tier: _Discarding, step: int, path: Path, mm: mmap.mmap | None, nbytes: int,
@@ -236,52 +216,6 @@ class Sealed:
             return True
 
 
-@dataclasses.dataclass
-class StepState:
-    """What a tier holds for one step: sealed segments, chunk index, manifest size, and
-    whether the step is committed (a manifest or a commit record is stored)."""
-
-    segments: dict[str, Sealed] = dataclasses.field(default_factory=dict)
-    chunks: dict[str, tuple[Sealed, ChunkLocation]] = dataclasses.field(default_factory=dict)
-    manifest_bytes: int | None = None
-    committed: bool = False
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held for the step (segments + manifest)."""
-        return sum(s.nbytes for s in self.segments.values()) + (self.manifest_bytes or 0)
-
-
-def room_to_free(*, used: int, extra: int, budget: int, spares: Mapping[Path, int], steps: Mapping[int, int],
-                 for_step: int | None, keep_spare: Path | None = None) -> tuple[list[Path], list[int]]:
-    """What a tier holding ``used`` bytes of ``budget`` frees so that ``extra`` more fit:
-    spares (all but ``keep_spare``, in the pool's order) first, then whole steps older than
-    ``for_step`` (any step when None), oldest first, stopping as soon as they fit. Pure.
-
-    Raises:
-        RamBudgetError: freeing all of them would not be enough (nothing is to be freed then).
-    """
-    spare_paths = [p for p in spares if p != keep_spare]
-    older = sorted(s for s in steps if for_step is None or s < for_step)
-    freeable = sum(spares[p] for p in spare_paths) + sum(steps[s] for s in older)
-    if used + extra - freeable > budget:
-        raise RamBudgetError(f"{extra} more bytes do not fit the RAM tier budget of {budget} "
-                             f"({used} held, {freeable} freeable)")
-    free_spares: list[Path] = []
-    free_steps: list[int] = []
-    for p in spare_paths:
-        if used + extra <= budget:
-            break
-        free_spares.append(p)
-        used -= spares[p]
-    for s in older:
-        if used + extra <= budget:
-            break
-        free_steps.append(s)
-        used -= steps[s]
-    return free_spares, free_steps
-
-
 class SparePool:
     """Freed segment files kept for reuse (their pages stay allocated: a new segment of a
     similar size fills without faulting pages in), with the writable mapping of each when it was kept.
@@ -387,133 +321,3 @@ def create_segment_file(path: Path, nbytes: int, *, spare: Path | None, prefault
         raise
     finally:
         os.close(fd)
-
-
-def load_index(st: StepState, index_path: Path) -> None:
-    """Add a sealed segment's index to ``st``; delete an index that is unreadable or whose
-    data file is missing or of the wrong size (the segment was never validly sealed)."""
-    try:
-        doc = json.loads(index_path.read_text())
-        data_name = doc["data"]
-        nbytes = doc["nbytes"]
-        if doc.get("version") != INDEX_VERSION or "/" in data_name or not data_name.endswith(DATA_SUFFIX):
-            raise ValueError("bad index")
-        data_path = index_path.parent / data_name
-        if data_path.stat().st_size != nbytes:
-            raise ValueError("size mismatch")
-        sealed = Sealed(data_path, index_path, nbytes)
-        locs = {}
-        for cid, off, length, crc in doc["chunks"]:
-            if not (isinstance(cid, str) and 0 <= off and 0 <= length and off + length <= nbytes):
-                raise ValueError("bad chunk location")
-            locs[cid] = (sealed, ChunkLocation(off, length, crc))
-    except (OSError, ValueError, KeyError, TypeError):
-        unlink(index_path)
-        return
-    st.segments[data_name] = sealed
-    st.chunks.update(locs)
-
-
-def scan_root(root: Path, *, recycle: bool) -> tuple[dict[Path, int], dict[int, StepState]]:
-    """Recover a tier directory after its previous owner died: delete ``tmp/`` and crash
-    debris (data files without an index, empty step directories), and return the spares
-    (path -> size; all deleted unless ``recycle``) and every step's sealed segments and
-    manifest size."""
-    tmp, spare = root / "tmp", root / "spare"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(mode=0o700)
-    spare.mkdir(mode=0o700, exist_ok=True)
-    spares: dict[Path, int] = {}
-    for p in spare.iterdir():
-        if recycle and p.suffix == DATA_SUFFIX and p.is_file():
-            spares[p] = p.stat().st_size
-        else:
-            unlink(p)
-    steps: dict[int, StepState] = {}
-    for d in root.iterdir():
-        step = parse_step_dir(d.name)
-        if step is None or not d.is_dir():
-            continue
-        st = StepState()
-        # Oldest index first: a chunk sealed again later in the same step (a re-push) must win,
-        # as it does in the live tier.
-        for p in sorted(d.iterdir(), key=_mtime_ns):
-            if p.name.endswith(INDEX_SUFFIX):
-                load_index(st, p)
-            elif p.name == MANIFEST:
-                st.manifest_bytes = p.stat().st_size
-                st.committed = True
-            elif p.name == COMMIT:
-                st.committed = True
-        for p in d.iterdir():  # data without index, partial temp files: crash debris
-            if p.name not in (MANIFEST, COMMIT) and not p.name.endswith(INDEX_SUFFIX) and p.name not in st.segments:
-                unlink(p)
-        if st.segments or st.committed:
-            steps[step] = st
-        else:
-            shutil.rmtree(d, ignore_errors=True)
-    return spares, steps
-
-
-def _mtime_ns(path: Path) -> int:
-    try:
-        return path.stat().st_mtime_ns
-    except OSError:
-        return 0
-
-
-def index_document(step: int, data_name: str, nbytes: int, index: dict[str, ChunkLocation]) -> bytes:
-    """The JSON index of a segment."""
-    doc = {
-        "version": INDEX_VERSION,
-        "step": step,
-        "data": data_name,
-        "nbytes": nbytes,
-        "chunks": [[cid, loc.offset, loc.length, loc.raw_crc32c] for cid, loc in index.items()],
-    }
-    return json.dumps(doc, separators=(",", ":")).encode()
-
-
-def new_name() -> str:
-    """A fresh, collision-free data file name."""
-    return f"{uuid.uuid4().hex}{DATA_SUFFIX}"
-
-
-def parse_step_dir(name: str) -> int | None:
-    if not name.startswith("step-"):
-        return None
-    digits = name[5:]
-    return int(digits) if digits.isdigit() and digits == str(int(digits)) else None
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-    finally:
-        os.close(fd)
-    os.rename(tmp, path)
-
-
-def unlink(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        if path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink()
-
-
-def contiguous_segment(hits: Sequence[tuple[Sealed, ChunkLocation] | None]) -> Sealed | None:
-    """The segment holding ``hits`` back to back in order; None if any is missing or they
-    are not contiguous in one segment."""
-    if not hits or hits[0] is None:
-        return None
-    seg, prev = hits[0]
-    for h in hits[1:]:
-        if h is None or h[0] is not seg or prev.offset + prev.length != h[1].offset:
-            return None
-        prev = h[1]
-    return seg

@@ -3,7 +3,7 @@
 :meth:`TieredChunkSource.fetch` fills the caller's buffer with one chunk, verified against
 the manifest's ``raw_crc32c``, from the first source that has a good copy:
 
-1. this process's :class:`~fastckpt.replicas.ram.RamTier` (no network);
+1. this process's :class:`~fastckpt.replicas._ram.RamTier` (no network);
 2. each peer in the given order (put same-host or nearest peers first). With
    ``use_listing`` each peer's chunk list for the step is fetched once, lazily, so peers
    that lack a chunk cost no round-trip;
@@ -23,7 +23,7 @@ import collections
 import dataclasses
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -37,7 +37,7 @@ from fastckpt.errors import (
     PeerUnavailableError,
     ProtocolError,
 )
-from fastckpt.replicas.ram import RamTier
+from fastckpt.replicas._ram import RamTier
 
 __all__ = ["ChunkPeer", "Fallback", "FallbackReason", "SourceStats", "TierStats", "TieredChunkSource"]
 
@@ -245,9 +245,10 @@ class TieredChunkSource:
             tier = f"peer:{peer.name}"
             t0 = time.perf_counter()
             results: dict[int, str] = {}
-            for ks, ask in ((whole, lambda ks: peer.get_chunks(step, [(items[k][0], dsts[k], items[k][2]) for k in ks])),
-                            (ranged, lambda ks: peer.get_ranges(
-                                step, [(items[k][0], dsts[k], items[k][2], spans[k]) for k in ks]))):
+            asks: tuple[tuple[list[int], Callable[[list[int]], list[Any]]], ...] = (
+                (whole, lambda ks: peer.get_chunks(step, [(items[k][0], dsts[k], items[k][2]) for k in ks])),
+                (ranged, lambda ks: peer.get_ranges(step, [(items[k][0], dsts[k], items[k][2], spans[k] or ()) for k in ks])))
+            for ks, ask in asks:
                 if not ks:
                     continue
                 try:

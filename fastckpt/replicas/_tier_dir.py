@@ -1,4 +1,14 @@
-"""Claiming a RAM tier's directory so that no other user can plant or swap its files (internal).
+"""A RAM tier's directory (internal): claiming it so that no other user can plant or swap its
+files, and its layout::
+
+    <root>/.lock                        flock held by the one live owner
+    <root>/tmp/<uuid>.data              allocated, not yet sealed (deleted on open)
+    <root>/spare/<uuid>.data            freed segments kept for reuse (pages already allocated)
+    <root>/step-<N>/<seg>.data          a sealed segment: raw chunk bytes
+    <root>/step-<N>/<seg>.index.json    its index; written last, its existence is the seal
+    <root>/step-<N>/manifest.json       the step's global manifest (marks it committed)
+    <root>/step-<N>/commit.json         or only a commit record: the step is committed, its
+                                        manifest is held by other hosts (a multi-host RAM step)
 
 A tier's files are checkpoint bytes that a restore trusts once their crc32c matches, and
 crc32c protects against accidents, not against someone who writes the files. So the
@@ -11,13 +21,36 @@ in its place.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import json
 import os
+import shutil
 import stat
+import uuid
 from pathlib import Path
 
 from fastckpt.errors import ConfigError
 
-__all__ = ["claim_tier_dir"]
+__all__ = ["ChunkLocation", "atomic_write", "claim_tier_dir", "index_document", "new_name", "parse_step_dir", "unlink"]
+
+INDEX_SUFFIX = ".index.json"
+DATA_SUFFIX = ".data"
+MANIFEST = "manifest.json"
+COMMIT = "commit.json"  # a step committed here whose manifest other hosts hold
+INDEX_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChunkLocation:
+    """Where one chunk lies in a segment."""
+
+    offset: int
+    """Byte offset of the chunk in the segment."""
+    length: int
+    """Raw length of the chunk in bytes."""
+    raw_crc32c: int
+    """crc32c of the chunk's raw bytes (``ChunkEntry.raw_crc32c``)."""
 
 
 def claim_tier_dir(root: str | Path) -> Path:
@@ -56,3 +89,47 @@ def claim_tier_dir(root: str | Path) -> Path:
         raise ConfigError(f"RAM tier {path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}): "
                           "others could plant chunks in it; it must be 0700")
     return path
+
+
+def index_document(step: int, data_name: str, nbytes: int, index: dict[str, ChunkLocation]) -> bytes:
+    """The JSON index of a segment."""
+    doc = {
+        "version": INDEX_VERSION,
+        "step": step,
+        "data": data_name,
+        "nbytes": nbytes,
+        "chunks": [[cid, loc.offset, loc.length, loc.raw_crc32c] for cid, loc in index.items()],
+    }
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def new_name() -> str:
+    """A fresh, collision-free data file name."""
+    return f"{uuid.uuid4().hex}{DATA_SUFFIX}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    if not name.startswith("step-"):
+        return None
+    digits = name[5:]
+    return int(digits) if digits.isdigit() and digits == str(int(digits)) else None
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
+    os.rename(tmp, path)
+
+
+def unlink(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink()

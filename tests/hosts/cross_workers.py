@@ -161,10 +161,10 @@ def scripted(
     mp = _mp()
     secret = bytes.fromhex(secret_hex) if secret_hex else SECRET
     if advertise_via is not None:
-        from fastckpt.replicas import tiered
+        from fastckpt.replicas import _tiered
 
-        real = tiered.make_record
-        tiered.make_record = lambda member_id, address: real(member_id, (advertise_via, address[1]))  # type: ignore[assignment]
+        real = _tiered.make_record
+        _tiered.make_record = lambda member_id, address: real(member_id, (advertise_via, address[1]))  # type: ignore[assignment]
     summary: dict[str, Any] = {"process": me, "member": member, "hostname": os.uname().nodename}
     layout = "save4x2" if jax.process_count() == 4 else "resize3x2"
     mesh = mp._mesh((jax.process_count(), jax.local_device_count()))

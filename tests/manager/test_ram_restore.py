@@ -110,8 +110,8 @@ def test_a_ram_save_waits_for_the_previous_steps_push(
     with ``if_busy="skip"``) instead of being superseded, which would leave a window where
     losing this host loses both RAM steps."""
     from fastckpt.replicas._client import PeerClient
+    from fastckpt.replicas._ram import RamTier
     from fastckpt.replicas._server import PeerServer
-    from fastckpt.replicas.ram import RamTier
 
     secret = b"s" * 32
     peer_tier = RamTier(shm_dir / "peer", budget_bytes=256 * MIB, replicated=True)
@@ -386,8 +386,8 @@ def test_restore_stats_count_this_restores_fallbacks_only(tmp_path: Path, shm_di
     restore's stats report its own."""
     import jax
 
+    from fastckpt.replicas._ram import RamTier
     from fastckpt.replicas._sources import TieredChunkSource
-    from fastckpt.replicas.ram import RamTier
 
     sharding = named((8,), ("x",), P("x"))
     w = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)

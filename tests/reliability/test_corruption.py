@@ -45,10 +45,10 @@ from fastckpt.errors import (
 from fastckpt.options import RamOptions
 from fastckpt.replicas._client import PeerClient
 from fastckpt.replicas._connection import PeerOptions
+from fastckpt.replicas._ram import RamTier
 from fastckpt.replicas._server import PeerServer
 from fastckpt.replicas._sources import TieredChunkSource
 from fastckpt.replicas._wire import MsgType
-from fastckpt.replicas.ram import RamTier
 from fastckpt.storage import (
     GcsOptions,
     GcsStore,

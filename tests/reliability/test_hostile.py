@@ -54,9 +54,9 @@ from fastckpt.replicas._connection import (
     send_frame,
     server_handshake,
 )
+from fastckpt.replicas._ram import ChunkLocation, RamTier
 from fastckpt.replicas._server import PeerServer
 from fastckpt.replicas._wire import ERROR_CODES, MsgType
-from fastckpt.replicas.ram import ChunkLocation, RamTier
 from fastckpt.storage import LocalStore, MemoryStore
 from tests.support.wrapping import ForwardingStore
 

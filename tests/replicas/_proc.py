@@ -39,8 +39,8 @@ def _light_fastckpt() -> None:
 def main() -> None:
     _light_fastckpt()
     from fastckpt._checksum import crc32c
+    from fastckpt.replicas._ram import ChunkLocation, RamTier
     from fastckpt.replicas._server import PeerServer
-    from fastckpt.replicas.ram import ChunkLocation, RamTier
 
     mode, root = sys.argv[1], sys.argv[2]
     if mode == "write":

@@ -16,9 +16,9 @@ from fastckpt._checksum import crc32c
 from fastckpt.replicas import _wire as wire
 from fastckpt.replicas._channel import Channel
 from fastckpt.replicas._connection import PeerOptions, recv_frame_head, send_frame
+from fastckpt.replicas._ram import ChunkLocation, RamTier
 from fastckpt.replicas._server import PeerServer
 from fastckpt.replicas._wire import MsgType
-from fastckpt.replicas.ram import ChunkLocation, RamTier
 
 SECRET = b"test-secret-0123456789abcdef"
 

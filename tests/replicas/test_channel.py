@@ -35,10 +35,10 @@ from fastckpt.replicas import _wire as wire
 from fastckpt.replicas._channel import Channel
 from fastckpt.replicas._client import PeerClient
 from fastckpt.replicas._connection import PeerOptions
+from fastckpt.replicas._ram import RamTier
 from fastckpt.replicas._server import PeerServer
 from fastckpt.replicas._sources import TieredChunkSource
 from fastckpt.replicas._wire import MsgType
-from fastckpt.replicas.ram import RamTier
 from tests.support.peer_relay import PeerRelay, RelayedFrame, forge_crc32c
 
 from .conftest import SECRET, fill, seal_chunks

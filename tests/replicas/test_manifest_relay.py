@@ -22,6 +22,7 @@ from fastckpt.format.codec import encode_manifest
 from fastckpt.format.layout import ram_object_key
 from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, KeyPath, Manifest, chunk_id
 from fastckpt.options import RamOptions
+from fastckpt.replicas import RamReplication
 from fastckpt.replicas import _manifest_relay as manifest_relay
 from fastckpt.replicas._client import PeerClient, StepLists
 from fastckpt.replicas._manifest_relay import (
@@ -30,7 +31,6 @@ from fastckpt.replicas._manifest_relay import (
     encode_candidates,
     manifest_sources,
 )
-from fastckpt.replicas.tiered import RamReplication
 from fastckpt.storage import MemoryStore
 from tests.support.threaded_job import ThreadedJob
 

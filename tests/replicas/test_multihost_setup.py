@@ -15,6 +15,8 @@ import pytest
 import fastckpt
 from fastckpt.errors import ConfigError, PeersUnreachableError
 from fastckpt.options import RamOptions
+from fastckpt.replicas import RamReplication
+from fastckpt.replicas._ram import RamTier
 from fastckpt.replicas._secret import (
     SECRET_ENV,
     SECRET_FILE_ENV,
@@ -27,8 +29,6 @@ from fastckpt.replicas._startup import (
     split_host_port,
 )
 from fastckpt.replicas._tier_dir import claim_tier_dir
-from fastckpt.replicas.ram import RamTier
-from fastckpt.replicas.tiered import RamReplication
 from fastckpt.storage import MemoryStore
 from tests.support.threaded_job import ThreadedJob
 

@@ -31,9 +31,9 @@ from fastckpt.replicas._connection import (
     send_frame,
     server_handshake,
 )
+from fastckpt.replicas._ram import RamTier
 from fastckpt.replicas._server import PeerServer
 from fastckpt.replicas._wire import MsgType
-from fastckpt.replicas.ram import RamTier
 
 from .conftest import SECRET, fill, raw_handshake, seal_chunks
 

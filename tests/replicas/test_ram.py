@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from fastckpt._checksum import crc32c
-from fastckpt.errors import ChecksumMismatchError, ConfigError, RamBudgetError
-from fastckpt.replicas.ram import ChunkLocation, RamTier, StaleStepError
+from fastckpt.errors import ChecksumMismatchError, ConfigError, RamBudgetError, StaleStepError
+from fastckpt.replicas._ram import ChunkLocation, RamTier
 
 from .conftest import fill, seal_chunks
 
@@ -476,7 +476,7 @@ def test_a_failed_seal_leaves_nothing_behind(make_tier: MakeTier, shm_dir: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """The index write fails (e.g. a full tmpfs): the data file goes back, the segment stays
     open for ``discard``, and after it the budget and the folder are as before."""
-    from fastckpt.replicas import ram
+    from fastckpt.replicas import _ram as ram
 
     mib = 1 << 20
     tier = make_tier(budget_bytes=8 * mib)

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fastckpt.errors import RamBudgetError
-from fastckpt.replicas._shm import room_to_free
+from fastckpt.replicas._ram import room_to_free
 
 _sizes = st.integers(0, 1000)
 

@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from fastckpt.replicas.ram import RamTier, StaleStepError
+from fastckpt.errors import StaleStepError
+from fastckpt.replicas._ram import RamTier
 
 from .conftest import fill, seal_chunks
 

@@ -19,9 +19,9 @@ from fastckpt.format.manifest import ArrayLeaf
 from fastckpt.options import RamOptions, RestoreOptions
 from fastckpt.reader.fetch import RestoreStats, Unit, fill_units
 from fastckpt.replicas._client import PeerClient
+from fastckpt.replicas._ram import RamTier
 from fastckpt.replicas._server import PeerServer
 from fastckpt.replicas._sources import TieredChunkSource
-from fastckpt.replicas.ram import RamTier
 from fastckpt.storage import open_store
 
 from .conftest import SECRET, sent_bytes

@@ -9,17 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from fastckpt.errors import ConfigError, PeerUnavailableError
+from fastckpt.errors import ConfigError, PeerUnavailableError, ReplicationError, ReplicationTimeoutError
 from fastckpt.replicas._client import PeerClient
 from fastckpt.replicas._connection import PeerOptions
+from fastckpt.replicas._ram import RamTier
+from fastckpt.replicas._replicator import Replicator, ReplicatorOptions
 from fastckpt.replicas._server import PeerServer
-from fastckpt.replicas.ram import RamTier
-from fastckpt.replicas.replicator import (
-    ReplicationError,
-    ReplicationTimeoutError,
-    Replicator,
-    ReplicatorOptions,
-)
 
 from .conftest import SECRET, fill, seal_chunks
 

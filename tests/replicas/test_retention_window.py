@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastckpt._checksum import crc32c
-from fastckpt.replicas.ram import RamTier
+from fastckpt.replicas._ram import RamTier
 
 from .conftest import fill, seal_chunks
 

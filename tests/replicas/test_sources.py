@@ -17,9 +17,9 @@ from fastckpt._checksum import crc32c
 from fastckpt.errors import ConfigError
 from fastckpt.replicas._client import PeerClient
 from fastckpt.replicas._connection import PeerOptions
+from fastckpt.replicas._ram import RamTier
 from fastckpt.replicas._server import PeerServer
 from fastckpt.replicas._sources import TieredChunkSource
-from fastckpt.replicas.ram import RamTier
 
 from . import _proc
 from .conftest import SECRET, fill, seal_chunks

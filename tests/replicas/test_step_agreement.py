@@ -18,8 +18,8 @@ from fastckpt.format.codec import encode_manifest
 from fastckpt.format.layout import ram_object_key
 from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, KeyPath, Manifest, chunk_id
 from fastckpt.options import RamOptions
+from fastckpt.replicas import RamReplication
 from fastckpt.replicas._client import StepLists
-from fastckpt.replicas.tiered import RamReplication
 from fastckpt.storage import MemoryStore
 from tests.support.threaded_job import ThreadedJob
 

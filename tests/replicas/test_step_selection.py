@@ -12,8 +12,8 @@ import pytest
 from fastckpt.coordination.distributed import default_coordinator
 from fastckpt.errors import PeerUnavailableError
 from fastckpt.options import RamOptions
+from fastckpt.replicas import RamReplication
 from fastckpt.replicas._client import StepLists
-from fastckpt.replicas.tiered import RamReplication
 from fastckpt.storage import MemoryStore
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fastckpt.replicas._ram import RamTier
 from fastckpt.replicas._sources import TieredChunkSource
-from fastckpt.replicas.ram import RamTier
 
 from .conftest import fill, seal_chunks
 

@@ -1,6 +1,6 @@
 """Subprocess: serve an existing RAM tier to authenticated peers until stdin closes.
 
-Usage: ``python _serve.py ROOT``. Opens the :class:`~fastckpt.replicas.ram.RamTier` at ``ROOT``
+Usage: ``python _serve.py ROOT``. Opens the :class:`~fastckpt.replicas._ram.RamTier` at ``ROOT``
 (sealed by the parent), serves it with a :class:`~fastckpt.replicas._server.PeerServer` under
 :data:`workers.SECRET`, prints the port, then waits for stdin EOF (or its SIGKILL).
 """
@@ -26,8 +26,8 @@ def _light_fastckpt() -> None:
 
 def main(root: str) -> None:
     _light_fastckpt()
+    from fastckpt.replicas._ram import RamTier
     from fastckpt.replicas._server import PeerServer
-    from fastckpt.replicas.ram import RamTier
 
     with RamTier(root, budget_bytes=1 << 30) as tier, PeerServer(tier, secret=SECRET) as server:
         print(server.address[1], flush=True)

@@ -24,8 +24,8 @@ from fastckpt import CheckpointManager, ManagerOptions, SaveOptions
 from fastckpt.format.manifest import chunk_id
 from fastckpt.replicas._client import PeerClient
 from fastckpt.replicas._connection import PeerOptions
+from fastckpt.replicas._ram import ChunkLocation, RamTier
 from fastckpt.replicas._sources import TieredChunkSource
-from fastckpt.replicas.ram import ChunkLocation, RamTier
 
 from . import workers as w
 

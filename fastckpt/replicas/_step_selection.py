@@ -1,13 +1,10 @@
-"""RAM replication as the manager uses it (its ``writer.tier.Tier``): one object composing
-tier, server, pusher, peers.
+"""The restore side of :class:`~fastckpt.replicas._tiered.RamReplication` (internal): which RAM
+step a restore uses, its manifest, and where each chunk is read from.
 
-Call order on a RAM save (all processes, SPMD): :meth:`RamReplication.allocate` (the staging
-buffer *is* the shared-memory segment) -> stage -> :meth:`commit` (:meth:`seal`, the commit
-round, in which process 0 stores the manifest only after every process sealed, then
-:meth:`publish`: commit here, push to the ring successors in the background); on failure
-:meth:`abort`. So a crash mid-save never leaves the job without a restorable RAM step. On
-restore: :meth:`select_step` (all agree on the newest RAM step from which every process
-reaches the chunks it reads) -> :meth:`source` (own RAM, then peers, per chunk). A chunk
+:meth:`StepSelection.select_step` is collective: all processes agree on the newest RAM step
+from which every process reaches the chunks it reads (own tier, or a peer's chunk list).
+Its manifest comes from the nearest copy (:mod:`~fastckpt.replicas._manifest_relay`); then
+:meth:`StepSelection.source` reads each chunk from the own RAM, then the peers. A chunk
 found corrupt in every copy while it is read still fails the step (the manager then falls
 back to an older one on every process).
 """
@@ -18,23 +15,19 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-import os
 import random
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
-
-import numpy as np
+from typing import TypeVar
 
 from fastckpt.coordination.distributed import Coordinator, time_left
-from fastckpt.errors import ConfigError, DistributedError, FastckptError, ManifestError, PeerError
+from fastckpt.errors import DistributedError, FastckptError, ManifestError, PeerError
 from fastckpt.format.codec import decode_manifest
-from fastckpt.format.layout import ram_object_key, ram_writer
-from fastckpt.format.manifest import Manifest, chunk_id, chunk_id_prefix, chunk_ids
+from fastckpt.format.layout import ram_writer
+from fastckpt.format.manifest import Manifest, chunk_ids
 from fastckpt.options import RamOptions
 from fastckpt.replicas._client import PeerClient, StepLists
-from fastckpt.replicas._connection import PeerOptions
 from fastckpt.replicas._manifest_relay import (
     ManifestSources,
     decode_candidates,
@@ -43,23 +36,15 @@ from fastckpt.replicas._manifest_relay import (
     wait_for_manifest,
 )
 from fastckpt.replicas._placement import host_domain, push_targets, relay_parent, replica_holders
-from fastckpt.replicas._server import PeerServer
+from fastckpt.replicas._ram import RamTier
 from fastckpt.replicas._sources import TieredChunkSource
-from fastckpt.replicas._startup import PeerDirectory, check_push_targets, make_record, peer_address
-from fastckpt.replicas.ram import ChunkLocation, RamTier, Segment
-from fastckpt.replicas.replicator import ReplicationReport, Replicator
-from fastckpt.storage._protocol import Store
-from fastckpt.writer.commit import CommitRound, CoordinatorFragments
-from fastckpt.writer.fragment import ChunkRows, ProcessChunks
-from fastckpt.writer.stage import StagedSave
 
-__all__ = ["RamReplication", "StepChoice"]
+__all__ = ["StepChoice", "StepSelection"]
 
 _T = TypeVar("_T")
 _MAX_PEER_QUERIES = 32  # concurrent step/chunk-list queries during step selection
 
 log = logging.getLogger("fastckpt")
-_TIER_KEY = "fastckpt_tier"  # in a RAM-only step's manifest metadata: "ram"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,197 +55,21 @@ class StepChoice:
     manifest: Manifest | None
 
 
-class RamReplication:
-    """The RAM tier of this host plus its peer server, pusher and peer clients."""
+class StepSelection:
+    """Step selection, manifest fetching and the chunk source of a restore: the base class of
+    :class:`~fastckpt.replicas._tiered.RamReplication`, which owns the state below."""
 
-    name = "ram"
+    options: RamOptions
+    member_id: str
+    tier: RamTier
+    _coord: Coordinator
+    _decoded: dict[int, tuple[bytes, Manifest]]  # step -> its manifest's bytes, decoded (the latest only)
+    _needed: tuple[Manifest, set[str]] | None  # chunk ids of a decoded manifest
+    _lists: dict[tuple[int, str], frozenset[str]]  # (step, peer): its chunk ids, this restore
 
-    def __init__(self, options: RamOptions, *, coordinator: Coordinator, store: Store, namespace: str,
-                 run: Callable[[Any], Any]) -> None:
-        self.options = options
-        self.member_id = options.member_id or os.path.basename(os.path.normpath(options.root))
-        self._coord = coordinator
-        multi = coordinator.process_count > 1
-        if options.secret is None and multi and options.replicas > 0:
-            raise ConfigError(f"RamOptions(replicas={options.replicas}) needs the job's peer secret in a multi-process "
-                              "job: RamOptions(secret=fastckpt.peer_secret_from_env(), ...) with FASTCKPT_PEER_SECRET "
-                              "set by the launcher, or replicas=0 (each host keeps only its own RAM copy)")
-        self.tier = RamTier(options.root, budget_bytes=options.budget_bytes, keep_steps=options.keep_steps,
-                            replicated=options.secret is not None and options.replicas > 0)
-        self._peer_options = PeerOptions(connect_timeout_s=options.peer_connect_timeout_s,
-                                         io_timeout_s=options.peer_io_timeout_s)
-        self._segment: Segment | None = None
-        self._sealed_ids: list[str] = []
-        self._decoded: dict[int, tuple[bytes, Manifest]] = {}
-        self._needed: tuple[Manifest, set[str]] | None = None  # chunk ids of a decoded manifest
-        self._lists: dict[tuple[int, str], frozenset[str]] = {}  # (step, peer): its chunk ids, this restore
-        self._held: int | None = None  # the step whose manifest commit() stored
-        self._clients: dict[str, PeerClient] = {}
-        self._server: PeerServer | None = None
-        self._replicator: Replicator | None = None
-        self._directory: PeerDirectory | None = None
-        self.advertised: tuple[str, int] | None = None
-        """Where the other hosts reach this host's peer server (None: no peer service)."""
-        try:
-            self._start_peers(options, coordinator, store, namespace, run)
-        except BaseException:  # nothing of a replication that was never made keeps running
-            self.close()
-            raise
-
-    def _start_peers(self, options: RamOptions, coordinator: Coordinator, store: Store, namespace: str,
-                     run: Callable[[Any], Any]) -> None:
-        """With a secret: serve the tier, publish where, and check the push targets."""
-        if options.secret is None:
-            return
-        multi = coordinator.process_count > 1
-        address = peer_address(options.host, service_address=coordinator.service_address,
-                               process_count=coordinator.process_count)
-        self._server = PeerServer(self.tier, secret=options.secret, host=address.bind, port=options.port,
-                                  options=self._peer_options).start()
-        self._directory = PeerDirectory(coordinator, store, run=run, namespace=namespace.replace("/", "-"),
-                                        timeout_s=options.discovery_timeout_s)
-        self.advertised = (address.advertise, self._server.address[1])
-        self._directory.publish(make_record(self.member_id, self.advertised))
-        self._replicator = Replicator(self.tier)
-        if multi and options.replicas > 0:
-            peers = self._peers()
-            targets = push_targets([self.member_id, *peers], options.replicas, domain_of=host_domain)
-            check_push_targets(coordinator, key=f"{namespace}/peercheck", clients=peers,
-                               targets=targets.get(self.member_id, []), timeout_s=options.discovery_timeout_s,
-                               me=f"{self.member_id} ({self.advertised[0]}:{self.advertised[1]})")
-
-    # ------------------------------------------------------------------ peers
     def _peers(self) -> dict[str, PeerClient]:
-        """Clients of every other published member (looked up once, then cached)."""
-        if self._directory is None or self.options.secret is None:
-            return {}
-        if not self._clients:
-            for member, rec in self._directory.lookup().items():
-                if member != self.member_id:
-                    self._clients[member] = PeerClient(rec.address, secret=self.options.secret,
-                                                       options=self._peer_options, name=member)
-        return self._clients
-
-    # ------------------------------------------------------------------ save
-    def due(self, step: int) -> bool:
-        """Whether ``step`` is a RAM checkpoint step."""
-        return step % self.options.interval_steps == 0
-
-    def allocate(self, step: int, nbytes: int, *, reserve: bool = True) -> np.ndarray:
-        """A shared-memory staging buffer for ``step`` (becomes the replica once sealed); with
-        ``reserve=False``, the segment's pages must be reserved before it is written.
-
-        Steps ``>= step`` this tier still holds are of an abandoned timeline (the job went back
-        to an older step) and are dropped first: otherwise their copies would be served for
-        the re-trained steps, and their retention floor would refuse those saves (StaleStepError).
-        """
-        self.abort()
-        abandoned = [s for s in self.tier.steps() if s >= step]
-        if abandoned:
-            log.warning("fastckpt: dropping RAM steps %s of an abandoned timeline before saving step %d",
-                        abandoned, step)
-            for s in abandoned:
-                self.tier.drop_step(s)
-            self._decoded = {}
-        self._segment = self.tier.allocate(step, nbytes, reserve=reserve)
-        return self._segment.buffer
-
-    def allocate_unreserved(self, step: int, nbytes: int) -> tuple[np.ndarray, Callable[[], None]]:
-        """:meth:`allocate` with ``reserve=False``, and the function that reserves that segment's
-        pages (``Segment.reserve``: RamBudgetError on a full tmpfs), to call before writing it."""
-        buffer = self.allocate(step, nbytes, reserve=False)
-        assert self._segment is not None
-        return buffer, self._segment.reserve
-
-    def abort(self) -> None:
-        """Discard an unsealed segment (a failed save)."""
-        seg, self._segment = self._segment, None
-        if seg is not None:
-            self.tier.discard(seg)
-
-    def seal(self, step: int, staged: StagedSave, raw_crcs: dict[int, list[int]]) -> ProcessChunks:
-        """Make this process's staged chunks of ``step`` visible (not yet committed;
-        ``raw_crcs[i][j]``: crc32c of item ``j`` of ``staged.arrays[i]``). Returns their rows of
-        the manifest: raw, under :func:`ram_object_key` naming this member (their writer)."""
-        seg = self._segment
-        if seg is None:
-            raise FastckptError(f"no RAM segment allocated for step {step}")
-        index: dict[str, ChunkLocation] = {}
-        rows, key = ChunkRows(), ram_object_key(step, self.member_id)
-        for ai, arr in enumerate(staged.arrays):
-            prefix = chunk_id_prefix(arr.path)
-            for off, item, crc in zip(arr.item_offsets, arr.items, raw_crcs[ai]):
-                index[chunk_id(arr.path, item.box, prefix=prefix)] = ChunkLocation(off, item.nbytes, crc)
-                rows.add(ai, item.box, key, off, item.nbytes, "raw", crc, crc)
-        self.tier.seal(step, seg, index)  # refused or failed: the segment stays here for abort()
-        self._segment = None
-        self._sealed_ids = list(index)
-        return rows.build()
-
-    def commit(self, commit_round: CommitRound, raw_crcs: dict[int, list[int]], metadata: dict[str, object]) -> None:
-        """:meth:`seal`, the commit round (fragments through the coordinator; process 0 stores the
-        manifest first, and sends it to the others only without a peer service, else it travels
-        with its push), then :meth:`publish`."""
-        step = commit_round.step
-        chunks = self.seal(step, commit_round.staged, raw_crcs)
-
-        def hold(manifest: bytes) -> None:
-            self.tier.put_manifest(step, manifest)
-            self._held = step
-
-        manifest = commit_round.commit(chunks, route=CoordinatorFragments(round=commit_round), publish=hold,
-                                       metadata={**metadata, _TIER_KEY: self.name}, validate=False,
-                                       share=self._server is None)
-        self.publish(step, manifest)
-
-    def publish(self, step: int, manifest: bytes | None) -> None:
-        """Commit the RAM step here — store ``manifest`` (unless the commit round did), or a
-        commit record when it is None (held by other hosts) — and start the background peer
-        push (with the manifest, when this process has it)."""
-        if manifest is None:
-            self.tier.mark_committed(step)  # with peers the tier also holds the previous step
-        elif self._held != step:
-            self.tier.put_manifest(step, manifest)
-        if self._replicator is None or self.options.replicas == 0:
-            return
-        peers = self._peers()
-        targets = push_targets([self.member_id, *peers], self.options.replicas, domain_of=host_domain).get(
-            self.member_id, [])
-        self._replicator.set_targets({m: peers[m] for m in targets if m in peers})
-        self._replicator.submit(step, chunk_ids=self._sealed_ids, manifest=manifest)
-
-    def prepare_next(self, nbytes: int) -> None:
-        """After a committed step: a spare segment for the next (``RamTier.provision``), so the
-        next save does not create its segment file while the step waits; failures are logged."""
-        try:
-            self.tier.provision(nbytes)
-        except Exception as e:  # noqa: BLE001 - only a lost optimisation: the next save creates its own
-            log.warning("fastckpt: could not provision a RAM segment: %s", e)
-
-    def wait_pushed(self) -> float:
-        """Block until this host's pushes of earlier RAM steps finished (bounded by the peer I/O
-        timeouts; a failed one counts); returns the seconds waited. Called before staging the
-        next RAM step (backpressure): since commits are collective, once any host commits N+1
-        (and frees N-1) every push of N is done, so a host loss always leaves a complete step."""
-        if self._replicator is None:
-            return 0.0
-        t0 = time.perf_counter()
-        self._replicator.wait_idle()
-        return time.perf_counter() - t0
-
-    def pushing(self) -> bool:
-        """Whether a push of an earlier RAM step is still running (``wait_pushed`` would wait)."""
-        return self._replicator is not None and not self._replicator.wait_idle(0)
-
-    def wait_replication(self, timeout_s: float | None = None) -> list[ReplicationReport]:
-        """Block until pushes of submitted steps finished; return (and forget) their reports,
-        oldest first (errors are in them and logged, not raised)."""
-        return self._replicator.wait(timeout_s) if self._replicator is not None else []
-
-    # ------------------------------------------------------------------ restore
-    def holds_alone(self, manifest: Manifest) -> bool:
-        """Whether ``manifest`` is of a RAM-only step (storage does not hold it)."""
-        return manifest.metadata.get(_TIER_KEY) == self.name
+        """Clients of the other members (``RamReplication._peers``)."""
+        raise NotImplementedError
 
     def manifest(self, step: int, sources: ManifestSources | None = None) -> Manifest | None:
         """The manifest of RAM step ``step`` from the nearest copy that decodes and names that
@@ -276,7 +85,7 @@ class RamReplication:
     def _manifest_copies(self, step: int, sources: ManifestSources | None) -> Iterator[bytes]:
         """Copies of RAM step ``step``'s manifest, nearest first (fetched lazily): the own
         tier's; with ``sources`` (from process 0's survey) the relay parent's
-        (``placement.relay_parent``, waited for while it fetches its own), then each holder's
+        (``_placement.relay_parent``, waited for while it fetches its own), then each holder's
         in random order; last any other peer that says it holds one (all asked at once)."""
         data = self.tier.get_manifest(step)
         if data is not None:
@@ -359,7 +168,7 @@ class RamReplication:
         """Whether every chunk id in ``need`` is in ``own`` (the own tier's) or a peer's chunk
         list, asking as few peers as it can: the ring successors first (one by one), then the
         writers of the missing chunks that ``keys`` (chunk id -> object key) name and their
-        ring successors (``placement.replica_holders``), then every other peer. The lists
+        ring successors (``_placement.replica_holders``), then every other peer. The lists
         are kept for this restore's :meth:`source`."""
         missing = need.difference(own)
         if not missing:
@@ -455,7 +264,7 @@ class RamReplication:
         ``persistent_latest`` is storage's latest step, or a callable only process 0 calls
         once its survey is done (the caller's storage listing runs beside it). Process 0
         publishes the candidate steps with their manifests' holders and relays
-        (``manifest_relay``); each process checks them, newest first, against ``wanted(manifest)``
+        (``_manifest_relay``); each process checks them, newest first, against ``wanted(manifest)``
         (the chunks its restore reads, chunk id -> object key; default: all) in its own tier or
         a peer's chunk list (:meth:`_reachable`), then all exchange the newest each can
         restore, and those with a newer one check the oldest named, until they agree. The
@@ -527,22 +336,6 @@ class RamReplication:
         peers = self._ordered_peers()
         known, self._lists = self._lists, {}
         return TieredChunkSource(self.tier, peers, known_listings=known)
-
-    def forget_peers(self) -> None:
-        """Drop cached peer clients (after membership changes)."""
-        for c in self._clients.values():
-            c.close()
-        self._clients.clear()
-
-    def close(self) -> None:
-        """Stop pushing and serving; close the tier (its files stay for a restarted process)."""
-        self.abort()
-        if self._replicator is not None:
-            self._replicator.close(wait=True)
-        self.forget_peers()
-        if self._server is not None:
-            self._server.close()
-        self.tier.close()
 
 
 def _manifest_of(client: PeerClient, step: int) -> bytes | None:

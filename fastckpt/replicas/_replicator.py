@@ -26,18 +26,16 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
-from fastckpt.errors import ConfigError, PeerError
-from fastckpt.replicas.ram import RamTier
+from fastckpt.errors import ConfigError, ReplicationError, ReplicationTimeoutError
+from fastckpt.replicas._ram import RamTier
 from fastckpt.replicas._wire import MAX_BATCH_CHUNKS
 
 _log = logging.getLogger(__name__)
 
 __all__ = [
     "ChunkPusher",
-    "ReplicationError",
     "ReplicationHandle",
     "ReplicationReport",
-    "ReplicationTimeoutError",
     "Replicator",
     "ReplicatorOptions",
 ]
@@ -59,18 +57,6 @@ class _Lister(Protocol):
 @runtime_checkable
 class _BatchPusher(Protocol):
     def push_chunks(self, step: int, chunks: Sequence[tuple[str, memoryview, int]]) -> None: ...
-
-
-class ReplicationError(PeerError):
-    """Some pushes failed (raised only by ``wait(raise_on_error=True)``); see ``reports``."""
-
-    def __init__(self, message: str, reports: Sequence[ReplicationReport]) -> None:
-        super().__init__(message)
-        self.reports = list(reports)
-
-
-class ReplicationTimeoutError(PeerError, TimeoutError):
-    """``wait`` timed out with pushes still running."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -189,8 +175,8 @@ class Replicator:
 
     Args:
         tier: This process's tier (chunks are read zero-copy from it).
-        targets: Member id → pusher (e.g. ``PeerClient``); usually the ring successors from
-            :func:`~fastckpt.replicas.placement.ring_successors`. Replace with :meth:`set_targets`.
+        targets: Member id → pusher (e.g. ``PeerClient``); usually this member's ring successors
+            (its entry of :func:`~fastckpt.replicas._placement.push_targets`). Replace with :meth:`set_targets`.
         options: Concurrency and in-flight bound.
     """
 

@@ -2,16 +2,9 @@
 
 Files live under a tmpfs directory (e.g. ``/dev/shm/fastckpt/<namespace>/<slot>``), so they
 outlive the process that wrote them (a restarted process on the same host finds them) but
-not the host. Layout (see ``docs/replicas.md``)::
-
-    <root>/.lock                        flock held by the one live owner
-    <root>/tmp/<uuid>.data              allocated, not yet sealed (deleted on open)
-    <root>/spare/<uuid>.data            freed segments kept for reuse (pages already allocated)
-    <root>/step-<N>/<seg>.data          a sealed segment: raw chunk bytes
-    <root>/step-<N>/<seg>.index.json    its index; written last, its existence is the seal
-    <root>/step-<N>/manifest.json       the step's global manifest (marks it committed)
-    <root>/step-<N>/commit.json         or only a commit record: the step is committed, its
-                                        manifest is held by other hosts (a multi-host RAM step)
+not the host. Layout: :mod:`~fastckpt.replicas._tier_dir` (and ``docs/replicas.md``). This
+module is the write side (allocation and budget, sealing, commits, retention);
+:class:`~fastckpt.replicas._step_table.StepTable` the read side.
 
 Guarantees:
 
@@ -39,53 +32,41 @@ step before it is sealed itself.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import mmap
 import os
 import shutil
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 
 import numpy as np
 
 from fastckpt._checksum import crc32c
-from fastckpt.errors import ChecksumMismatchError, ConfigError, FastckptError, RamBudgetError
-from fastckpt.replicas._shm import (
+from fastckpt.errors import ChecksumMismatchError, ConfigError, RamBudgetError, StaleStepError
+from fastckpt.replicas._shm import Sealed, Segment, SparePool, close_map, create_segment_file
+from fastckpt.replicas._step_table import StepState, StepTable, scan_root
+from fastckpt.replicas._tier_dir import (
+    COMMIT,
     DATA_SUFFIX,
     INDEX_SUFFIX,
-    COMMIT,
     MANIFEST,
     ChunkLocation,
-    Sealed,
-    Segment,
-    SparePool,
-    StepState,
     atomic_write,
-    close_map,
-    contiguous_segment,
-    create_segment_file,
+    claim_tier_dir,
     index_document,
     new_name,
-    room_to_free,
-    scan_root,
     unlink,
 )
-from fastckpt.replicas._tier_dir import claim_tier_dir
 
-__all__ = ["ChunkLocation", "RamBudgetError", "RamTier", "Segment", "StaleStepError"]
+__all__ = ["ChunkLocation", "RamTier", "Segment", "room_to_free"]
 
 _MIN_RECYCLE_BYTES = 1 << 20
 _MAX_SPARES = 1024
 
 
-class StaleStepError(FastckptError):
-    """Data for a step older than every retained committed step; it would be dropped at once."""
-
-
-class RamTier:
+class RamTier(StepTable):
     """Per-process store of raw chunk bytes per step in shared-memory files. Thread-safe.
 
     Opening takes an exclusive ``flock`` on the directory (released when the process dies),
@@ -190,10 +171,7 @@ class RamTier:
         if nbytes < 0 or step < 0:
             raise ConfigError(f"step and nbytes must be >= 0, got {step}, {nbytes}")
         with self._lock:
-            self._check_open()
-            floor = self._retention_floor()
-            if floor is not None and step < floor:
-                raise StaleStepError(f"step {step} is older than the retained committed step {floor}")
+            self._check_fresh(step)
             spare = self._spares.pick(nbytes)
             self._make_room(nbytes - (self._spares.sizes[spare] if spare else 0), for_step=step, keep_spare=spare)
             spare_mm = self._spares.take(spare) if spare is not None else None
@@ -301,9 +279,7 @@ class RamTier:
             seg.state, seg._buffer = "discarded", None
             self._reserved -= seg.nbytes
             mm, seg._mm = seg._mm, None
-        with contextlib.suppress(BufferError):
-            if mm is not None:
-                mm.close()
+        close_map(mm)
         unlink(seg._path)
 
     def put_chunk(self, step: int, chunk_id: str, data: memoryview | bytes | np.ndarray, raw_crc32c: int) -> bool:
@@ -344,10 +320,7 @@ class RamTier:
 
     def _commit(self, step: int, name: str, data: bytes) -> None:
         with self._lock:
-            self._check_open()
-            floor = self._retention_floor()
-            if floor is not None and step < floor:
-                raise StaleStepError(f"step {step} is older than the retained committed step {floor}")
+            self._check_fresh(step)
             st = self._steps.get(step)
             is_manifest = name == MANIFEST
             if st is not None and st.committed and not is_manifest:
@@ -394,135 +367,6 @@ class RamTier:
                     unlink(seg.path)
             shutil.rmtree(self.root / f"step-{step}", ignore_errors=True)
 
-    # ------------------------------------------------------------------ reading
-
-    def read_chunk(self, step: int, chunk_id: str) -> tuple[memoryview, ChunkLocation] | None:
-        """A read-only, zero-copy view of a sealed chunk and its location, or None (atomic pair).
-
-        The view stays valid (and its bytes unchanged) even if the step is dropped meanwhile.
-        """
-        with self._lock:
-            st = self._steps.get(step)
-            hit = st.chunks.get(chunk_id) if st else None
-        if hit is None:
-            return None
-        seg, loc = hit
-        view = seg.slice(loc.offset, loc.length, self._prefault)
-        return None if view is None else (view, loc)  # None: dropped meanwhile
-
-    def lend_span(self, step: int, chunk_ids: Sequence[str]) -> tuple[memoryview, list[ChunkLocation]] | None:
-        """A read-only view spanning ``chunk_ids``, which must lie back to back in one segment.
-
-        For zero-copy restores: the caller may keep the view (e.g. a host platform's
-        ``device_put`` aliases it) for as long as it likes. The segment is marked lent (its
-        file turns read-only), so neither this tier nor one reopened over the same directory
-        ever recycles the file for new data: once the step is dropped the file is unlinked
-        and its pages are freed when the last view is collected. Those pages no longer
-        count against ``budget_bytes``.
-
-        Returns None if a chunk is missing, the chunks are not contiguous in one segment,
-        or the step was dropped meanwhile. Does not verify checksums (the caller does,
-        against the locations returned, in order).
-        """
-        return self.lend_spans(step, [chunk_ids])[0]
-
-    def lend_spans(self, step: int, groups: Sequence[Sequence[str]]
-                   ) -> list[tuple[memoryview, list[ChunkLocation]] | None]:
-        """:meth:`lend_span` for several groups of chunks at once: one acquisition of the
-        tier's lock and one of each segment's (a restore lends thousands of groups from
-        one segment; a lock per group made its threads queue on it)."""
-        with self._lock:
-            st = self._steps.get(step)
-            hits = [[st.chunks.get(cid) for cid in ids] if st and ids else [None] for ids in groups]
-        out: list[tuple[memoryview, list[ChunkLocation]] | None] = [None] * len(groups)
-        by_segment: dict[int, tuple[Sealed, list[int]]] = {}
-        for i, h in enumerate(hits):
-            seg = contiguous_segment(h)
-            if seg is not None:
-                by_segment.setdefault(id(seg), (seg, []))[1].append(i)
-        for seg, members in by_segment.values():
-            spans = []
-            for i in members:
-                first, last = hits[i][0][1], hits[i][-1][1]  # type: ignore[index]
-                spans.append((first.offset, last.offset + last.length - first.offset))
-            views = seg.lend(spans, self._prefault)
-            if views is None:  # dropped meanwhile
-                continue
-            for i, view in zip(members, views):
-                out[i] = (view, [h[1] for h in hits[i]])  # type: ignore[index]
-        return out
-
-    def get_chunk(self, step: int, chunk_id: str, *, verify: bool = False) -> memoryview | None:
-        """A read-only, zero-copy view of a sealed chunk, or None if this tier lacks it.
-
-        The view stays valid (and its bytes unchanged) even if the step is dropped meanwhile.
-
-        Raises:
-            ChecksumMismatchError: ``verify`` and the bytes do not match the stored crc32c.
-        """
-        hit = self.read_chunk(step, chunk_id)
-        if hit is None:
-            return None
-        view, loc = hit
-        if verify and crc32c(view) != loc.raw_crc32c:
-            raise ChecksumMismatchError(f"RAM copy of chunk {chunk_id!r} of step {step} is corrupt")
-        return view
-
-    def chunk_location(self, step: int, chunk_id: str) -> ChunkLocation | None:
-        """Length and crc32c (and offset in its segment) of a sealed chunk, or None."""
-        with self._lock:
-            st = self._steps.get(step)
-            hit = st.chunks.get(chunk_id) if st else None
-        return hit[1] if hit else None
-
-    def has_chunk(self, step: int, chunk_id: str, *, length: int | None = None, raw_crc32c: int | None = None) -> bool:
-        """Whether a sealed chunk exists (and, if given, has this length and crc32c)."""
-        loc = self.chunk_location(step, chunk_id)
-        return (
-            loc is not None
-            and (length is None or loc.length == length)
-            and (raw_crc32c is None or loc.raw_crc32c == raw_crc32c)
-        )
-
-    def chunk_ids(self, step: int) -> list[str]:
-        """Sorted ids of the sealed chunks of ``step`` (empty if none)."""
-        with self._lock:
-            st = self._steps.get(step)
-            return sorted(st.chunks) if st else []
-
-    def iter_chunks(self, step: int) -> Iterator[tuple[str, ChunkLocation]]:
-        """A snapshot of ``(chunk_id, location)`` for the sealed chunks of ``step``."""
-        with self._lock:
-            st = self._steps.get(step)
-            items = [(cid, loc) for cid, (_, loc) in st.chunks.items()] if st else []
-        return iter(items)
-
-    def steps(self) -> list[int]:
-        """Steps with any sealed chunk or a manifest, sorted."""
-        with self._lock:
-            return sorted(self._steps)
-
-    def committed_steps(self) -> list[int]:
-        """Committed steps (holding a manifest or a commit record), sorted."""
-        with self._lock:
-            return sorted(s for s, st in self._steps.items() if st.committed)
-
-    def manifest_steps(self) -> list[int]:
-        """Steps whose manifest this tier holds, sorted."""
-        with self._lock:
-            return sorted(s for s, st in self._steps.items() if st.manifest_bytes is not None)
-
-    def get_manifest(self, step: int) -> bytes | None:
-        """The manifest stored for ``step``, or None."""
-        with self._lock:
-            st = self._steps.get(step)
-            if st is None or st.manifest_bytes is None:
-                return None
-            try:
-                return (self.root / f"step-{step}" / MANIFEST).read_bytes()
-            except FileNotFoundError:
-                return None
-
     def nbytes(self) -> int:
         """Bytes held: sealed segments, manifests, unsealed allocations and spares."""
         with self._lock:
@@ -533,6 +377,13 @@ class RamTier:
     def _check_open(self) -> None:
         if self._closed:
             raise ConfigError(f"RAM tier {self.root} is closed")
+
+    def _check_fresh(self, step: int) -> None:
+        """Raise unless the tier is open and ``step`` is not older than the retention floor."""
+        self._check_open()
+        floor = self._retention_floor()
+        if floor is not None and step < floor:
+            raise StaleStepError(f"step {step} is older than the retained committed step {floor}")
 
     def _used(self) -> int:
         return sum(st.nbytes for st in self._steps.values()) + self._reserved + self._spares.nbytes
@@ -557,3 +408,33 @@ class RamTier:
             self._spares.free(p)
         for s in steps:
             self._drop(s, recycle=False)  # freed for room: not kept as a spare
+
+
+def room_to_free(*, used: int, extra: int, budget: int, spares: Mapping[Path, int], steps: Mapping[int, int],
+                 for_step: int | None, keep_spare: Path | None = None) -> tuple[list[Path], list[int]]:
+    """What a tier holding ``used`` bytes of ``budget`` frees so that ``extra`` more fit:
+    spares (all but ``keep_spare``, in the pool's order) first, then whole steps older than
+    ``for_step`` (any step when None), oldest first, stopping as soon as they fit. Pure.
+
+    Raises:
+        RamBudgetError: freeing all of them would not be enough (nothing is to be freed then).
+    """
+    spare_paths = [p for p in spares if p != keep_spare]
+    older = sorted(s for s in steps if for_step is None or s < for_step)
+    freeable = sum(spares[p] for p in spare_paths) + sum(steps[s] for s in older)
+    if used + extra - freeable > budget:
+        raise RamBudgetError(f"{extra} more bytes do not fit the RAM tier budget of {budget} "
+                             f"({used} held, {freeable} freeable)")
+    free_spares: list[Path] = []
+    free_steps: list[int] = []
+    for p in spare_paths:
+        if used + extra <= budget:
+            break
+        free_spares.append(p)
+        used -= spares[p]
+    for s in older:
+        if used + extra <= budget:
+            break
+        free_steps.append(s)
+        used -= steps[s]
+    return free_spares, free_steps
