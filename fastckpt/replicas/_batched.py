@@ -26,8 +26,13 @@ def check_stream(batch_chunks: int, window: int) -> None:
         raise ConfigError(f"batch_chunks must be in 1..{wire.MAX_BATCH_CHUNKS}, got {batch_chunks}")
 
 
-def batches(ids: Sequence[str], sizes: Sequence[int], batch_chunks: int, max_payload_bytes: int,
-            runs: Sequence[int] | None = None) -> list[tuple[int, int]]:
+def batches(
+    ids: Sequence[str],
+    sizes: Sequence[int],
+    batch_chunks: int,
+    max_payload_bytes: int,
+    runs: Sequence[int] | None = None,
+) -> list[tuple[int, int]]:
     """Consecutive ``[lo, hi)`` index ranges of at most ``batch_chunks`` distinct ids, at
     most ``max_payload_bytes`` (an item larger than that gets a batch of its own) and, with
     ``runs`` (per item), at most ``wire.MAX_BATCH_RUNS`` runs."""
@@ -36,8 +41,12 @@ def batches(ids: Sequence[str], sizes: Sequence[int], batch_chunks: int, max_pay
     lo, nbytes, nruns = 0, 0, 0
     for i, (cid, n) in enumerate(zip(ids, sizes)):
         r = runs[i] if runs is not None else 0
-        if i > lo and (i - lo >= batch_chunks or nbytes + n > max_payload_bytes or cid in seen
-                       or nruns + r > wire.MAX_BATCH_RUNS):
+        if i > lo and (
+            i - lo >= batch_chunks
+            or nbytes + n > max_payload_bytes
+            or cid in seen
+            or nruns + r > wire.MAX_BATCH_RUNS
+        ):
             out.append((lo, i))
             lo, nbytes, nruns, seen = i, 0, 0, set()
         nbytes += n
@@ -48,17 +57,29 @@ def batches(ids: Sequence[str], sizes: Sequence[int], batch_chunks: int, max_pay
     return out
 
 
-def recv_chunks(chan: Channel, h: dict[str, Any], plen: int, dsts: Sequence[memoryview],
-                expected: Sequence[int | None]) -> list[Outcome]:
+def recv_chunks(
+    chan: Channel,
+    h: dict[str, Any],
+    plen: int,
+    dsts: Sequence[memoryview],
+    expected: Sequence[int | None],
+) -> list[Outcome]:
     """Receive one CHUNKS payload into ``dsts``, checksumming each chunk as it arrives; the
     outcomes are returned once the payload's tag verified."""
     lengths, crcs, missing = h["lengths"], h["crcs"], h["missing"]
     n = len(dsts)
     absent = set(missing)
-    if (len(lengths) != n or len(crcs) != n or sum(lengths) != plen or len(absent) != len(missing)
-            or any(i >= n or lengths[i] for i in absent)):
-        raise ProtocolError(f"CHUNKS reply for {n} chunks is inconsistent: {len(lengths)} lengths, "
-                            f"{len(crcs)} crcs, {len(missing)} missing, {sum(lengths)} of {plen} payload bytes")
+    if (
+        len(lengths) != n
+        or len(crcs) != n
+        or sum(lengths) != plen
+        or len(absent) != len(missing)
+        or any(i >= n or lengths[i] for i in absent)
+    ):
+        raise ProtocolError(
+            f"CHUNKS reply for {n} chunks is inconsistent: {len(lengths)} lengths, "
+            f"{len(crcs)} crcs, {len(missing)} missing, {sum(lengths)} of {plen} payload bytes"
+        )
     out: list[Outcome] = []
     for i, dst in enumerate(dsts):
         if i in absent:
@@ -73,8 +94,14 @@ def recv_chunks(chan: Channel, h: dict[str, Any], plen: int, dsts: Sequence[memo
     return out
 
 
-def recv_ranges(chan: Channel, h: dict[str, Any], plen: int, dsts: Sequence[memoryview],
-                runs: Sequence[Sequence[tuple[int, int]]], expected: Sequence[int]) -> list[Outcome]:
+def recv_ranges(
+    chan: Channel,
+    h: dict[str, Any],
+    plen: int,
+    dsts: Sequence[memoryview],
+    runs: Sequence[Sequence[tuple[int, int]]],
+    expected: Sequence[int],
+) -> list[Outcome]:
     """Receive one RANGES payload into ``dsts``' runs; each chunk's runs must combine with
     the checksums around them into its expected crc32c; the outcomes are returned once the
     payload's tag verified."""
@@ -82,12 +109,18 @@ def recv_ranges(chan: Channel, h: dict[str, Any], plen: int, dsts: Sequence[memo
     n = len(dsts)
     absent = set(missing)
     held = [i for i in range(n) if i not in absent]
-    if (len(lengths) != n or len(absent) != len(missing) or any(i >= n or lengths[i] for i in absent)
-            or len(gaps) != sum(len(runs[i]) + 1 for i in held)
-            or plen != sum(k for i in held for _, k in runs[i])
-            or any(lengths[i] < runs[i][-1][0] + runs[i][-1][1] for i in held)):
-        raise ProtocolError(f"RANGES reply for {n} chunks is inconsistent: {len(lengths)} lengths, "
-                            f"{len(gaps)} checksums, {len(missing)} missing, {plen} payload bytes")
+    if (
+        len(lengths) != n
+        or len(absent) != len(missing)
+        or any(i >= n or lengths[i] for i in absent)
+        or len(gaps) != sum(len(runs[i]) + 1 for i in held)
+        or plen != sum(k for i in held for _, k in runs[i])
+        or any(lengths[i] < runs[i][-1][0] + runs[i][-1][1] for i in held)
+    ):
+        raise ProtocolError(
+            f"RANGES reply for {n} chunks is inconsistent: {len(lengths)} lengths, "
+            f"{len(gaps)} checksums, {len(missing)} missing, {plen} payload bytes"
+        )
     out: list[Outcome] = []
     g = 0
     for i, (dst, rs) in enumerate(zip(dsts, runs)):

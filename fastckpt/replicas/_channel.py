@@ -69,7 +69,8 @@ def recv_exact(sock: socket.socket, view: memoryview, *, deadline: float | None 
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise PeerUnavailableError(
-                        f"receive timed out after {pos} of {n} bytes (deadline)")
+                        f"receive timed out after {pos} of {n} bytes (deadline)"
+                    )
                 sock.settimeout(left)
             got = sock.recv_into(view[pos:], n - pos)
             if not got:
@@ -79,9 +80,14 @@ def recv_exact(sock: socket.socket, view: memoryview, *, deadline: float | None 
         raise PeerUnavailableError(f"receive failed after {pos} of {n} bytes: {e!r}") from e
 
 
-def recv_prefix(sock: socket.socket, limits: wire.WireLimits, allowed: Iterable[MsgType] | None,
-                 first_byte_timeout_s: float | None, timeout_s: float | None,
-                 deadline: float | None) -> tuple[bytearray, wire.FramePrefix]:
+def recv_prefix(
+    sock: socket.socket,
+    limits: wire.WireLimits,
+    allowed: Iterable[MsgType] | None,
+    first_byte_timeout_s: float | None,
+    timeout_s: float | None,
+    deadline: float | None,
+) -> tuple[bytearray, wire.FramePrefix]:
     prefix = bytearray(wire.PREFIX.size)
     view = memoryview(prefix)
     if first_byte_timeout_s is not None:
@@ -205,9 +211,15 @@ class Channel:
             (``wire.session_keys``), or both None (``frame_mac=False``: frames untagged).
     """
 
-    def __init__(self, sock: socket.socket, *, limits: wire.WireLimits,
-                 role: Literal["client", "server"], send_key: bytes | None,
-                 recv_key: bytes | None) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        *,
+        limits: wire.WireLimits,
+        role: Literal["client", "server"],
+        send_key: bytes | None,
+        recv_key: bytes | None,
+    ) -> None:
         if (send_key is None) != (recv_key is None):
             raise ConfigError("both frame keys, or neither")
         self.sock = sock
@@ -252,8 +264,12 @@ class Channel:
         """Send small frames ``(type, header, payload)`` in one ``sendall`` (pipelining)."""
         send_all(self.sock, b"".join(self.encode(*f) for f in frames), "requests")
 
-    def send(self, msg_type: MsgType, header: Mapping[str, Any],
-             payload: Sequence[memoryview | bytes] = ()) -> None:
+    def send(
+        self,
+        msg_type: MsgType,
+        header: Mapping[str, Any],
+        payload: Sequence[memoryview | bytes] = (),
+    ) -> None:
         """Send one frame; ``payload`` parts are sent straight from their buffers (no joins
         past 64 KiB), in pieces, each fed to the payload tag right before it is sent.
 
@@ -331,8 +347,9 @@ class Channel:
         if self._pending is not None:
             raise ProtocolError("a frame was received before the previous payload was finished")
         try:
-            prefix, head = recv_prefix(self.sock, self.limits, allowed, first_byte_timeout_s,
-                                        timeout_s, deadline)
+            prefix, head = recv_prefix(
+                self.sock, self.limits, allowed, first_byte_timeout_s, timeout_s, deadline
+            )
             tag_len = wire.TAG_BYTES if self._in is not None else 0
             raw = bytearray(head.header_len + tag_len)
             recv_exact(self.sock, memoryview(raw), deadline=deadline)
@@ -343,7 +360,8 @@ class Channel:
                 if not hmac.compare_digest(want, htag):
                     raise FrameAuthenticationError(
                         f"{head.type.name} frame {self._in.seq} failed its header tag (forged, "
-                        f"altered, replayed, reordered or after a dropped frame)")
+                        f"altered, replayed, reordered or after a dropped frame)"
+                    )
             header = wire.decode_header(head.type, memoryview(raw)[: head.header_len])
         except BaseException:
             self._failed = True
@@ -402,7 +420,8 @@ class Channel:
                 recv_exact(self.sock, memoryview(got))
                 if not hmac.compare_digest(_final_tag(self._pmac), got):
                     raise FrameAuthenticationError(
-                        f"the {self._what} payload failed its tag (forged or altered)")
+                        f"the {self._what} payload failed its tag (forged or altered)"
+                    )
         except BaseException:
             self._failed = True
             raise

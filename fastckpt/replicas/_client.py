@@ -1,6 +1,8 @@
-"""The peer client: reads chunks from and pushes chunks to one :class:`~fastckpt.replicas._server.PeerServer`.
+"""The peer client: reads chunks from and pushes chunks to one
+:class:`~fastckpt.replicas._server.PeerServer`.
 
-Synchronous and thread-safe, with a pool of authenticated connections (:mod:`~fastckpt.replicas._pool`); payloads arrive with
+Synchronous and thread-safe, with a pool of authenticated connections
+(:mod:`~fastckpt.replicas._pool`); payloads arrive with
 ``recv_into`` straight into the caller's buffer and are checksummed (and fed to the frame's
 MAC) window by window. A call reports a chunk ``"ok"`` or returns bytes only after the
 payload's tag verified (see :mod:`~fastckpt.replicas._channel`).
@@ -26,7 +28,8 @@ __all__ = ["PeerClient", "StepLists"]
 
 
 class StepLists(NamedTuple):
-    """A peer's steps, sorted: with any data, committed (manifest or commit record), with a manifest."""
+    """A peer's steps, sorted: with any data, committed (manifest or commit record), with a
+    manifest."""
 
     steps: list[int]
     committed: list[int]
@@ -63,7 +66,8 @@ class PeerClient(ConnectionPool):
         into: memoryview | np.ndarray | None = None,
         expected_crc32c: int | None = None,
     ) -> memoryview | None:
-        """Fetch a whole chunk, verified against the crc32c the peer reports (and ``expected_crc32c``).
+        """Fetch a whole chunk, verified against the crc32c the peer reports (and
+        ``expected_crc32c``).
 
         Args:
             step: Step number.
@@ -88,19 +92,24 @@ class PeerClient(ConnectionPool):
             if mtype is MsgType.ERROR:
                 return None
             if h["offset"] != 0 or plen != h["chunk_length"]:
-                raise ProtocolError(f"CHUNK reply covers {h['offset']}+{plen} of {h['chunk_length']}, asked for all")
+                raise ProtocolError(
+                    f"CHUNK reply covers {h['offset']}+{plen} of {h['chunk_length']}, asked for all"
+                )
             buf = np.empty(plen, np.uint8) if into is None else into
             dst = (buf.data if isinstance(buf, np.ndarray) else memoryview(buf)).cast("B")
             if dst.nbytes != plen:
                 c.chan.drain(plen)
                 c.chan.end_payload()
                 raise ChecksumMismatchError(
-                    f"peer {self.name} holds chunk {chunk_id!r} with {plen} bytes, expected {dst.nbytes}"
+                    f"peer {self.name} holds chunk {chunk_id!r} with {plen} bytes, expected "
+                    f"{dst.nbytes}"
                 )
             got = c.chan.recv_into(dst)
             c.chan.end_payload()  # the bytes are authentic from here on
             if got != h["raw_crc32c"] or (expected_crc32c is not None and got != expected_crc32c):
-                raise ChecksumMismatchError(f"chunk {chunk_id!r} of step {step} from peer {self.name} is corrupt")
+                raise ChecksumMismatchError(
+                    f"chunk {chunk_id!r} of step {step} from peer {self.name} is corrupt"
+                )
             return dst
 
         return self._call(op)
@@ -138,7 +147,9 @@ class PeerClient(ConnectionPool):
         """
         _batched.check_stream(batch_chunks, window)
         ids = [wire.check_chunk_id(cid) for cid, _, _ in items]
-        dsts = [(i.data if isinstance(i, np.ndarray) else memoryview(i)).cast("B") for _, i, _ in items]
+        dsts = [
+            (i.data if isinstance(i, np.ndarray) else memoryview(i)).cast("B") for _, i, _ in items
+        ]
 
         def request(lo: int, hi: int) -> Request:
             payload = json.dumps(ids[lo:hi], separators=(",", ":")).encode()
@@ -149,8 +160,14 @@ class PeerClient(ConnectionPool):
             expected = [e for _, _, e in items[lo:hi]]
             return _batched.recv_chunks(c.chan, h, plen, dsts[lo:hi], expected)
 
-        return self._stream(_batched.batches(ids, [d.nbytes for d in dsts], batch_chunks, self._limits.max_payload_bytes),
-                            request, receive, window)
+        return self._stream(
+            _batched.batches(
+                ids, [d.nbytes for d in dsts], batch_chunks, self._limits.max_payload_bytes
+            ),
+            request,
+            receive,
+            window,
+        )
 
     def get_ranges(
         self,
@@ -187,17 +204,30 @@ class PeerClient(ConnectionPool):
         """
         _batched.check_stream(batch_chunks, window)
         ids = [wire.check_chunk_id(cid) for cid, *_ in items]
-        dsts = [(i.data if isinstance(i, np.ndarray) else memoryview(i)).cast("B") for _, i, *_ in items]
+        dsts = [
+            (i.data if isinstance(i, np.ndarray) else memoryview(i)).cast("B") for _, i, *_ in items
+        ]
         runs = [list(r) for *_, r in items]
         for cid, dst, rs in zip(ids, dsts, runs):
-            if not rs or len(rs) > wire.MAX_BATCH_RUNS or not wire.spans_fit(((a, a + n) for a, n in rs), dst.nbytes):
-                raise ConfigError(f"runs {rs[:4]}... of chunk {cid!r} ({dst.nbytes} bytes) are not ascending, "
-                                  f"disjoint and inside it (1..{wire.MAX_BATCH_RUNS} of them)")
+            if (
+                not rs
+                or len(rs) > wire.MAX_BATCH_RUNS
+                or not wire.spans_fit(((a, a + n) for a, n in rs), dst.nbytes)
+            ):
+                raise ConfigError(
+                    f"runs {rs[:4]}... of chunk {cid!r} ({dst.nbytes} bytes) are not ascending, "
+                    f"disjoint and inside it (1..{wire.MAX_BATCH_RUNS} of them)"
+                )
 
         def request(lo: int, hi: int) -> Request:
             payload = json.dumps(ids[lo:hi], separators=(",", ":")).encode()
-            header = {"step": step, "count": hi - lo, "runs": [len(r) for r in runs[lo:hi]],
-                      "starts": [a for r in runs[lo:hi] for a, _ in r], "stops": [a + n for r in runs[lo:hi] for a, n in r]}
+            header = {
+                "step": step,
+                "count": hi - lo,
+                "runs": [len(r) for r in runs[lo:hi]],
+                "starts": [a for r in runs[lo:hi] for a, _ in r],
+                "stops": [a + n for r in runs[lo:hi] for a, n in r],
+            }
             return MsgType.GET_RANGES, header, payload
 
         def receive(c: Conn, lo: int, hi: int) -> list[Outcome]:
@@ -206,11 +236,26 @@ class PeerClient(ConnectionPool):
             return _batched.recv_ranges(c.chan, h, plen, dsts[lo:hi], runs[lo:hi], expected)
 
         sizes = [sum(n for _, n in r) for r in runs]
-        return self._stream(_batched.batches(ids, sizes, batch_chunks, self._limits.max_payload_bytes,
-                                             runs=[len(r) for r in runs]), request, receive, window)
+        return self._stream(
+            _batched.batches(
+                ids,
+                sizes,
+                batch_chunks,
+                self._limits.max_payload_bytes,
+                runs=[len(r) for r in runs],
+            ),
+            request,
+            receive,
+            window,
+        )
 
     def push_chunk(
-        self, step: int, chunk_id: str, data: memoryview | bytes | np.ndarray, *, raw_crc32c: int | None = None
+        self,
+        step: int,
+        chunk_id: str,
+        data: memoryview | bytes | np.ndarray,
+        *,
+        raw_crc32c: int | None = None,
     ) -> bool:
         """Store a chunk in the peer's tier (sent straight from ``data``).
 
@@ -221,18 +266,29 @@ class PeerClient(ConnectionPool):
             PeerRequestError: refused (``code``: ``stale_step``, ``budget``,
                 ``checksum_mismatch``, ``bad_request``).
         """
-        view = data.reshape(-1).view(np.uint8).data if isinstance(data, np.ndarray) else memoryview(data).cast("B")
+        view = (
+            data.reshape(-1).view(np.uint8).data
+            if isinstance(data, np.ndarray)
+            else memoryview(data).cast("B")
+        )
         crc = _crc32c.crc32c(view) if raw_crc32c is None else raw_crc32c
         wire.check_chunk_id(chunk_id)
 
         def op(c: Conn) -> bool:
-            self._send_push(c, MsgType.PUT_CHUNK, {"step": step, "chunk_id": chunk_id, "raw_crc32c": crc}, [view])
+            self._send_push(
+                c,
+                MsgType.PUT_CHUNK,
+                {"step": step, "chunk_id": chunk_id, "raw_crc32c": crc},
+                [view],
+            )
             _, h, _ = self._reply(c, MsgType.OK, missing_ok=False)
             return bool(h["stored"])
 
         return self._call(op)
 
-    def push_chunks(self, step: int, chunks: Sequence[tuple[str, memoryview | bytes | np.ndarray, int]]) -> None:
+    def push_chunks(
+        self, step: int, chunks: Sequence[tuple[str, memoryview | bytes | np.ndarray, int]]
+    ) -> None:
         """Store several chunks of ``step`` in the peer's tier as one segment, all or none.
 
         ``chunks`` are ``(chunk_id, data, raw_crc32c)``; the bytes are sent straight from
@@ -246,11 +302,20 @@ class PeerClient(ConnectionPool):
         if not chunks:
             return
         ids = [wire.check_chunk_id(cid) for cid, _, _ in chunks]
-        views = [d.reshape(-1).view(np.uint8).data if isinstance(d, np.ndarray) else memoryview(d).cast("B")
-                 for _, d, _ in chunks]
+        views = [
+            d.reshape(-1).view(np.uint8).data
+            if isinstance(d, np.ndarray)
+            else memoryview(d).cast("B")
+            for _, d, _ in chunks
+        ]
         id_bytes = json.dumps(ids, separators=(",", ":")).encode()
-        header = {"step": step, "count": len(ids), "ids_len": len(id_bytes),
-                  "lengths": [v.nbytes for v in views], "crcs": [crc for _, _, crc in chunks]}
+        header = {
+            "step": step,
+            "count": len(ids),
+            "ids_len": len(id_bytes),
+            "lengths": [v.nbytes for v in views],
+            "crcs": [crc for _, _, crc in chunks],
+        }
 
         def op(c: Conn) -> None:
             self._send_push(c, MsgType.PUT_CHUNKS, header, [id_bytes, *views])
@@ -310,4 +375,3 @@ class PeerClient(ConnectionPool):
             return StepLists(sorted(h["steps"]), sorted(h["committed"]), sorted(h["manifests"]))
 
         return self._call(op)
-

@@ -41,8 +41,16 @@ from fastckpt.replicas._channel import Channel, recv_exact, recv_prefix, send_al
 from fastckpt.replicas._secret import MIN_SECRET_BYTES
 from fastckpt.replicas._wire import MsgType
 
-__all__ = ["PeerOptions", "check_secret", "client_handshake", "close_gracefully", "recv_frame_head", "send_frame",
-           "server_handshake", "tune"]
+__all__ = [
+    "PeerOptions",
+    "check_secret",
+    "client_handshake",
+    "close_gracefully",
+    "recv_frame_head",
+    "send_frame",
+    "server_handshake",
+    "tune",
+]
 
 _LINGER_S = 0.5  # how long a closing server connection waits for the client's EOF
 _LINGER_BYTES = 4 << 20
@@ -50,7 +58,8 @@ _LINGER_BYTES = 4 << 20
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PeerOptions:
-    """Timeouts, limits and socket settings shared by :class:`PeerServer` and :class:`PeerClient`."""
+    """Timeouts, limits and socket settings shared by :class:`PeerServer` and
+    :class:`PeerClient`."""
 
     connect_timeout_s: float = 5.0
     """Longest wait for a TCP connect."""
@@ -92,12 +101,16 @@ class PeerOptions:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.socket_buffer_bytes is not None and self.socket_buffer_bytes < 4096:
-            raise ConfigError(f"socket_buffer_bytes must be >= 4096 or None, got {self.socket_buffer_bytes}")
+            raise ConfigError(
+                f"socket_buffer_bytes must be >= 4096 or None, got {self.socket_buffer_bytes}"
+            )
 
     @property
     def limits(self) -> wire.WireLimits:
         """The frame limits these options imply."""
-        return wire.WireLimits(max_header_bytes=self.max_header_bytes, max_payload_bytes=self.max_payload_bytes)
+        return wire.WireLimits(
+            max_header_bytes=self.max_header_bytes, max_payload_bytes=self.max_payload_bytes
+        )
 
 
 def check_secret(secret: bytes) -> bytes:
@@ -118,7 +131,9 @@ def close_gracefully(sock: socket.socket) -> None:
     ``close`` would answer with a reset that can destroy the frame in flight."""
     with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_WR)
-        deadline = time.monotonic() + _LINGER_S  # in total: a client trickling bytes cannot hold the thread
+        deadline = (
+            time.monotonic() + _LINGER_S
+        )  # in total: a client trickling bytes cannot hold the thread
         buf = bytearray(65536)
         budget = _LINGER_BYTES
         while budget > 0 and (left := deadline - time.monotonic()) > 0:
@@ -168,8 +183,15 @@ def send_frame(sock: socket.socket, msg_type: MsgType, header: Mapping[str, Any]
     send_all(sock, wire.encode_frame(msg_type, header), msg_type.name)
 
 
-def client_handshake(sock: socket.socket, *, secret: bytes, frame_mac: bool,
-                     limits: wire.WireLimits, timeout_s: float, name: str) -> Channel:
+def client_handshake(
+    sock: socket.socket,
+    *,
+    secret: bytes,
+    frame_mac: bool,
+    limits: wire.WireLimits,
+    timeout_s: float,
+    name: str,
+) -> Channel:
     """Authenticate ``sock`` as a client (HELLO, CHALLENGE, AUTH, AUTH_OK) within ``timeout_s``.
 
     Raises:
@@ -182,35 +204,56 @@ def client_handshake(sock: socket.socket, *, secret: bytes, frame_mac: bool,
     deadline = time.monotonic() + timeout_s  # for the whole handshake
     client_nonce = wire.new_nonce()
     send_frame(sock, MsgType.HELLO, {"nonce": client_nonce.hex(), "frame_mac": frame_mac})
-    mtype, h, _ = recv_frame_head(sock, wire.AUTH_LIMITS,
-                                  allowed=[MsgType.CHALLENGE, MsgType.ERROR], deadline=deadline)
+    mtype, h, _ = recv_frame_head(
+        sock, wire.AUTH_LIMITS, allowed=[MsgType.CHALLENGE, MsgType.ERROR], deadline=deadline
+    )
     if mtype is MsgType.ERROR:
         if h["code"] == "auth_failed":
             raise AuthenticationError(f"peer {name} refused the handshake: {h['message']}")
         raise PeerRequestError(h["code"], h["message"])
     if h["frame_mac"] != frame_mac:
-        raise AuthenticationError(f"peer {name} runs with frame_mac={h['frame_mac']}, this "
-                                  f"client with frame_mac={frame_mac}: set PeerOptions alike")
-    keys = wire.session_keys(secret, client_nonce=client_nonce,
-                             server_nonce=bytes.fromhex(h["nonce"]), frame_mac=frame_mac)
+        raise AuthenticationError(
+            f"peer {name} runs with frame_mac={h['frame_mac']}, this "
+            f"client with frame_mac={frame_mac}: set PeerOptions alike"
+        )
+    keys = wire.session_keys(
+        secret,
+        client_nonce=client_nonce,
+        server_nonce=bytes.fromhex(h["nonce"]),
+        frame_mac=frame_mac,
+    )
     if not hmac.compare_digest(keys.server_proof, bytes.fromhex(h["mac"])):
-        raise AuthenticationError(f"peer {name} failed to prove it knows our secret for this "
-                                  "handshake (secrets differ, or the handshake was altered)")
+        raise AuthenticationError(
+            f"peer {name} failed to prove it knows our secret for this "
+            "handshake (secrets differ, or the handshake was altered)"
+        )
     send_frame(sock, MsgType.AUTH, {"mac": keys.client_proof.hex()})
-    mtype, h, _ = recv_frame_head(sock, wire.AUTH_LIMITS,
-                                  allowed=[MsgType.AUTH_OK, MsgType.ERROR], deadline=deadline)
+    mtype, h, _ = recv_frame_head(
+        sock, wire.AUTH_LIMITS, allowed=[MsgType.AUTH_OK, MsgType.ERROR], deadline=deadline
+    )
     if mtype is MsgType.ERROR:
         if h["code"] == "auth_failed":
-            raise AuthenticationError(f"peer {name} refused our proof (secrets differ?): "
-                                      f"{h['message']}")
+            raise AuthenticationError(
+                f"peer {name} refused our proof (secrets differ?): {h['message']}"
+            )
         raise PeerRequestError(h["code"], h["message"])
-    return Channel(sock, limits=limits, role="client",
-                   send_key=keys.client_key if frame_mac else None,
-                   recv_key=keys.server_key if frame_mac else None)
+    return Channel(
+        sock,
+        limits=limits,
+        role="client",
+        send_key=keys.client_key if frame_mac else None,
+        recv_key=keys.server_key if frame_mac else None,
+    )
 
 
-def server_handshake(sock: socket.socket, *, secret: bytes, frame_mac: bool,
-                     limits: wire.WireLimits, timeout_s: float) -> Channel:
+def server_handshake(
+    sock: socket.socket,
+    *,
+    secret: bytes,
+    frame_mac: bool,
+    limits: wire.WireLimits,
+    timeout_s: float,
+) -> Channel:
     """Authenticate the client on ``sock`` (the server's side) within ``timeout_s``.
 
     Before it succeeds only HELLO and AUTH frames of at most ``AUTH_LIMITS`` are accepted.
@@ -222,23 +265,34 @@ def server_handshake(sock: socket.socket, *, secret: bytes, frame_mac: bool,
     """
     sock.settimeout(timeout_s)
     deadline = time.monotonic() + timeout_s  # for the whole handshake, not each receive
-    _, hello, _ = recv_frame_head(sock, wire.AUTH_LIMITS, allowed=[MsgType.HELLO],
-                                  deadline=deadline)
+    _, hello, _ = recv_frame_head(
+        sock, wire.AUTH_LIMITS, allowed=[MsgType.HELLO], deadline=deadline
+    )
     if hello["frame_mac"] != frame_mac:
-        message = (f"frame_mac mismatch: this server runs with frame_mac={frame_mac}, the "
-                   f"client asked for frame_mac={hello['frame_mac']}")
+        message = (
+            f"frame_mac mismatch: this server runs with frame_mac={frame_mac}, the "
+            f"client asked for frame_mac={hello['frame_mac']}"
+        )
         send_frame(sock, MsgType.ERROR, {"code": "auth_failed", "message": message})
         raise AuthenticationError(message)
     client_nonce, server_nonce = bytes.fromhex(hello["nonce"]), wire.new_nonce()
-    keys = wire.session_keys(secret, client_nonce=client_nonce, server_nonce=server_nonce,
-                             frame_mac=frame_mac)
-    send_frame(sock, MsgType.CHALLENGE, {"nonce": server_nonce.hex(), "frame_mac": frame_mac,
-                                         "mac": keys.server_proof.hex()})
+    keys = wire.session_keys(
+        secret, client_nonce=client_nonce, server_nonce=server_nonce, frame_mac=frame_mac
+    )
+    send_frame(
+        sock,
+        MsgType.CHALLENGE,
+        {"nonce": server_nonce.hex(), "frame_mac": frame_mac, "mac": keys.server_proof.hex()},
+    )
     _, auth, _ = recv_frame_head(sock, wire.AUTH_LIMITS, allowed=[MsgType.AUTH], deadline=deadline)
     if not hmac.compare_digest(keys.client_proof, bytes.fromhex(auth["mac"])):
         send_frame(sock, MsgType.ERROR, {"code": "auth_failed", "message": "authentication failed"})
         raise AuthenticationError("a client failed to prove it knows the secret")
     send_frame(sock, MsgType.AUTH_OK, {})
-    return Channel(sock, limits=limits, role="server",
-                   send_key=keys.server_key if frame_mac else None,
-                   recv_key=keys.client_key if frame_mac else None)
+    return Channel(
+        sock,
+        limits=limits,
+        role="server",
+        send_key=keys.server_key if frame_mac else None,
+        recv_key=keys.client_key if frame_mac else None,
+    )

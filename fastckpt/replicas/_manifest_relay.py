@@ -27,7 +27,13 @@ from collections.abc import Mapping, Sequence
 from fastckpt.errors import DistributedError, PeerError
 from fastckpt.replicas._client import PeerClient, StepLists
 
-__all__ = ["ManifestSources", "decode_candidates", "encode_candidates", "manifest_sources", "wait_for_manifest"]
+__all__ = [
+    "ManifestSources",
+    "decode_candidates",
+    "encode_candidates",
+    "manifest_sources",
+    "wait_for_manifest",
+]
 
 _POLL_FIRST_S = 0.002
 _POLL_MAX_S = 0.05
@@ -54,9 +60,17 @@ def manifest_sources(lists: Mapping[str, StepLists]) -> dict[int, ManifestSource
 
 def encode_candidates(steps: Sequence[int], sources: Mapping[int, ManifestSources]) -> str:
     """Process 0's message: the candidate steps (newest first) and their manifest sources."""
-    return json.dumps({"steps": list(steps),
-                       "sources": {str(s): [list(sources[s].holders), list(sources[s].relays)]
-                                   for s in steps if s in sources}}, separators=(",", ":"))
+    return json.dumps(
+        {
+            "steps": list(steps),
+            "sources": {
+                str(s): [list(sources[s].holders), list(sources[s].relays)]
+                for s in steps
+                if s in sources
+            },
+        },
+        separators=(",", ":"),
+    )
 
 
 def decode_candidates(text: str) -> tuple[list[int], dict[int, ManifestSources]]:
@@ -65,6 +79,7 @@ def decode_candidates(text: str) -> tuple[list[int], dict[int, ManifestSources]]
     Raises:
         DistributedError: ``text`` is not such a message.
     """
+
     def bad(why: str) -> DistributedError:
         return DistributedError(f"RAM step candidates: {why}, got {text[:80]!r}")
 
@@ -72,7 +87,11 @@ def decode_candidates(text: str) -> tuple[list[int], dict[int, ManifestSources]]
         doc = json.loads(text)
     except ValueError:
         raise bad("not JSON") from None
-    if type(doc) is not dict or set(doc) != {"steps", "sources"} or type(doc["sources"]) is not dict:
+    if (
+        type(doc) is not dict
+        or set(doc) != {"steps", "sources"}
+        or type(doc["sources"]) is not dict
+    ):
         raise bad('expected {"steps": [...], "sources": {...}}')
     steps = doc["steps"]
     if type(steps) is not list or any(type(v) is not int or v < 0 for v in steps):
@@ -81,8 +100,13 @@ def decode_candidates(text: str) -> tuple[list[int], dict[int, ManifestSources]]
     for key, value in doc["sources"].items():
         if not (key.isascii() and key.isdigit()) or int(key) not in steps:
             raise bad(f"sources of {key!r}, which is not a candidate")
-        if (type(value) is not list or len(value) != 2
-                or any(type(ms) is not list or any(type(m) is not str or not m for m in ms) for ms in value)):
+        if (
+            type(value) is not list
+            or len(value) != 2
+            or any(
+                type(ms) is not list or any(type(m) is not str or not m for m in ms) for ms in value
+            )
+        ):
             raise bad(f"sources of step {key}: expected [[holders], [relays]] of member ids")
         sources[int(key)] = ManifestSources(tuple(value[0]), tuple(value[1]))
     return steps, sources

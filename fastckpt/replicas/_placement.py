@@ -20,7 +20,14 @@ from collections.abc import Callable, Iterable, Sequence
 
 from fastckpt.errors import ConfigError
 
-__all__ = ["host_domain", "push_targets", "relay_parent", "replica_holders", "ring_order", "ring_successors"]
+__all__ = [
+    "host_domain",
+    "push_targets",
+    "relay_parent",
+    "replica_holders",
+    "ring_order",
+    "ring_successors",
+]
 
 DomainOf = Callable[[str], str]
 
@@ -38,7 +45,8 @@ def _members(members: Iterable[str]) -> list[str]:
 
 
 def ring_order(members: Iterable[str], *, domain_of: DomainOf | None = None) -> list[str]:
-    """The ring: members dealt round-robin across their sorted domains. Input order is irrelevant."""
+    """The ring: members dealt round-robin across their sorted domains. Input order is
+    irrelevant."""
     ms = _members(members)
     if domain_of is None:
         return ms
@@ -50,7 +58,9 @@ def ring_order(members: Iterable[str], *, domain_of: DomainOf | None = None) -> 
     return [g[r] for r in range(depth) for g in ordered if r < len(g)]
 
 
-def _successors_on(ring: Sequence[str], member: str, k: int, domain_of: DomainOf | None) -> list[str]:
+def _successors_on(
+    ring: Sequence[str], member: str, k: int, domain_of: DomainOf | None
+) -> list[str]:
     if k < 0:
         raise ConfigError(f"k must be >= 0, got {k}")
     if member not in ring:
@@ -93,7 +103,9 @@ def ring_successors(
     return _successors_on(ring_order(members, domain_of=domain_of), member, k, domain_of)
 
 
-def push_targets(members: Iterable[str], k: int, *, domain_of: DomainOf | None = None) -> dict[str, list[str]]:
+def push_targets(
+    members: Iterable[str], k: int, *, domain_of: DomainOf | None = None
+) -> dict[str, list[str]]:
     """:func:`ring_successors` for every member at once."""
     ring = ring_order(members, domain_of=domain_of)
     return {m: _successors_on(ring, m, k, domain_of) for m in ring}
@@ -111,7 +123,9 @@ def replica_holders(
     return [writer, *ring_successors(members, writer, k, domain_of=domain_of)]
 
 
-def relay_parent(member: str, holders: Iterable[str], relays: Iterable[str], *, fanout: int) -> str | None:
+def relay_parent(
+    member: str, holders: Iterable[str], relays: Iterable[str], *, fanout: int
+) -> str | None:
     """Where ``member`` fetches a copy that ``holders`` hold and ``relays`` serve once they
     fetched theirs (e.g. a RAM step's manifest at a restore); None for a holder.
 

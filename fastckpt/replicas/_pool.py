@@ -48,7 +48,7 @@ def _early_refusal(chan: Channel) -> PeerRequestError | None:
     """The ERROR frame a peer sent before closing, if one is readable now (None otherwise)."""
     try:
         chan.sock.settimeout(0.5)
-        mtype, h, _ = chan.recv_head(allowed=[MsgType.ERROR], deadline=time.monotonic() + 0.5)
+        _mtype, h, _ = chan.recv_head(allowed=[MsgType.ERROR], deadline=time.monotonic() + 0.5)
     except (PeerError, OSError):
         return None
     return PeerRequestError(h["code"], h["message"])
@@ -91,12 +91,18 @@ class ConnectionPool:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
-    def _stream(self, batches: Sequence[tuple[int, int]], request: Callable[[int, int], Request],
-                receive: Callable[[Conn, int, int], list[Outcome]],
-                window: int) -> list[Outcome]:
+    def _stream(
+        self,
+        batches: Sequence[tuple[int, int]],
+        request: Callable[[int, int], Request],
+        receive: Callable[[Conn, int, int], list[Outcome]],
+        window: int,
+    ) -> list[Outcome]:
         """Send the batch requests ``request(lo, hi)`` over one connection, up to ``window``
         ahead of the replies (several frames in one send; they are numbered in that order),
         and collect ``receive(conn, lo, hi)`` of each in order."""
@@ -111,14 +117,19 @@ class ConnectionPool:
                         c.chan.send_frames(request(*batches[k]) for k in range(sent, upto))
                         sent = upto
                     out.extend(receive(c, lo, hi))
-            except (PeerRequestError, ChecksumMismatchError) as e:  # replies still in flight: out of sync
+            except (
+                PeerRequestError,
+                ChecksumMismatchError,
+            ) as e:  # replies still in flight: out of sync
                 c.chan.close()
                 raise PeerUnavailableError(f"peer {self.name} refused mid-stream: {e}") from e
             return out
 
         return self._call(op)
 
-    def _reply(self, c: Conn, want: MsgType, *, missing_ok: bool = True) -> tuple[MsgType, dict[str, Any], int]:
+    def _reply(
+        self, c: Conn, want: MsgType, *, missing_ok: bool = True
+    ) -> tuple[MsgType, dict[str, Any], int]:
         try:  # wait for the reply to start: a stale pooled connection fails here, retryably
             started = c.chan.sock.recv(1, socket.MSG_PEEK)
         except OSError as e:
@@ -135,7 +146,9 @@ class ConnectionPool:
             raise PeerRequestError(h["code"], h["message"])
         return mtype, h, plen
 
-    def _send_push(self, c: Conn, msg_type: MsgType, header: dict[str, Any], payload: list[Any]) -> None:
+    def _send_push(
+        self, c: Conn, msg_type: MsgType, header: dict[str, Any], payload: list[Any]
+    ) -> None:
         """Send a push; if the send fails because the peer refused it early (e.g. ``too_large``
         right after the header) and closed, raise that refusal instead of a lost connection
         (and do not retry it)."""
@@ -196,9 +209,14 @@ class ConnectionPool:
             raise PeerUnavailableError(f"cannot connect to peer {self.name}: {e}") from e
         try:
             tune(sock, o)
-            chan = _connection.client_handshake(sock, secret=self._secret, frame_mac=o.frame_mac,
-                                             limits=self._limits, timeout_s=o.handshake_timeout_s,
-                                             name=self.name)
+            chan = _connection.client_handshake(
+                sock,
+                secret=self._secret,
+                frame_mac=o.frame_mac,
+                limits=self._limits,
+                timeout_s=o.handshake_timeout_s,
+                name=self.name,
+            )
             sock.settimeout(o.io_timeout_s)
         except BaseException:
             sock.close()

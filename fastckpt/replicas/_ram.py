@@ -101,7 +101,9 @@ class RamTier(StepTable):
         recycle: bool = True,
     ) -> None:
         if budget_bytes <= 0 or keep_steps <= 0:
-            raise ConfigError(f"budget_bytes and keep_steps must be > 0, got {budget_bytes}, {keep_steps}")
+            raise ConfigError(
+                f"budget_bytes and keep_steps must be > 0, got {budget_bytes}, {keep_steps}"
+            )
         self.root = claim_tier_dir(root)
         self.budget_bytes = budget_bytes
         self.keep_steps = keep_steps
@@ -150,7 +152,9 @@ class RamTier(StepTable):
     def __enter__(self) -> RamTier:
         return self
 
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
     # ------------------------------------------------------------------ writing
@@ -173,7 +177,11 @@ class RamTier(StepTable):
         with self._lock:
             self._check_fresh(step)
             spare = self._spares.pick(nbytes)
-            self._make_room(nbytes - (self._spares.sizes[spare] if spare else 0), for_step=step, keep_spare=spare)
+            self._make_room(
+                nbytes - (self._spares.sizes[spare] if spare else 0),
+                for_step=step,
+                keep_spare=spare,
+            )
             spare_mm = self._spares.take(spare) if spare is not None else None
             self._reserved += nbytes
         path = self.root / "tmp" / new_name()
@@ -184,7 +192,9 @@ class RamTier(StepTable):
                 reserve = True  # its pages are allocated already
             else:
                 close_map(spare_mm)
-                mm = create_segment_file(path, nbytes, spare=spare, prefault=self._prefault, reserve=reserve)
+                mm = create_segment_file(
+                    path, nbytes, spare=spare, prefault=self._prefault, reserve=reserve
+                )
         except BaseException:
             with self._lock:
                 self._reserved -= nbytes
@@ -200,8 +210,13 @@ class RamTier(StepTable):
         budget pressure. Returns whether one was created."""
         with self._lock:
             self._check_open()
-            if (not self._recycle or nbytes < _MIN_RECYCLE_BYTES or len(self._spares) >= _MAX_SPARES
-                    or self._spares.pick(nbytes) is not None or self._used() + nbytes > self.budget_bytes):
+            if (
+                not self._recycle
+                or nbytes < _MIN_RECYCLE_BYTES
+                or len(self._spares) >= _MAX_SPARES
+                or self._spares.pick(nbytes) is not None
+                or self._used() + nbytes > self.budget_bytes
+            ):
                 return False
             self._reserved += nbytes
         path = self.root / "spare" / new_name()
@@ -222,7 +237,9 @@ class RamTier(StepTable):
         unlink(path)
         return False
 
-    def seal(self, step: int, seg: Segment, index: Mapping[str, ChunkLocation], *, verify: bool = False) -> None:
+    def seal(
+        self, step: int, seg: Segment, index: Mapping[str, ChunkLocation], *, verify: bool = False
+    ) -> None:
         """Make ``seg``'s chunks visible under ``step``. The segment's buffer stays the replica.
 
         The data file is moved into the step directory, then the index is written (atomic
@@ -240,16 +257,27 @@ class RamTier(StepTable):
             ChecksumMismatchError: ``verify`` found a chunk whose crc32c differs.
         """
         if seg.state != "open" or seg._tier is not self or seg.step != step:
-            raise ConfigError(f"cannot seal a {seg.state} segment of step {seg.step} as step {step}")
+            raise ConfigError(
+                f"cannot seal a {seg.state} segment of step {seg.step} as step {step}"
+            )
         if not seg.reserved:
-            raise ConfigError(f"segment of step {step} was never reserved (Segment.reserve before writing)")
+            raise ConfigError(
+                f"segment of step {step} was never reserved (Segment.reserve before writing)"
+            )
         for cid, loc in index.items():
             if not isinstance(cid, str) or not cid:
                 raise ConfigError(f"chunk ids must be non-empty str, got {cid!r}")
             if loc.offset < 0 or loc.length < 0 or loc.offset + loc.length > seg.nbytes:
-                raise ConfigError(f"chunk {cid!r} at {loc} lies outside the {seg.nbytes}-byte segment")
-            if verify and crc32c(seg.buffer[loc.offset : loc.offset + loc.length]) != loc.raw_crc32c:
-                raise ChecksumMismatchError(f"chunk {cid!r} of step {step} does not match its crc32c")
+                raise ConfigError(
+                    f"chunk {cid!r} at {loc} lies outside the {seg.nbytes}-byte segment"
+                )
+            if (
+                verify
+                and crc32c(seg.buffer[loc.offset : loc.offset + loc.length]) != loc.raw_crc32c
+            ):
+                raise ChecksumMismatchError(
+                    f"chunk {cid!r} of step {step} does not match its crc32c"
+                )
         with self._lock:
             self._check_open()
             d = self.root / f"step-{step}"
@@ -259,7 +287,9 @@ class RamTier(StepTable):
             os.rename(seg._path, data_path)
             try:
                 atomic_write(index_path, index_document(step, name, seg.nbytes, dict(index)))
-            except BaseException:  # not sealed: the segment stays open (discard frees it), no debris
+            except (
+                BaseException
+            ):  # not sealed: the segment stays open (discard frees it), no debris
                 unlink(index_path)
                 os.rename(data_path, seg._path)
                 raise
@@ -282,7 +312,9 @@ class RamTier(StepTable):
         close_map(mm)
         unlink(seg._path)
 
-    def put_chunk(self, step: int, chunk_id: str, data: memoryview | bytes | np.ndarray, raw_crc32c: int) -> bool:
+    def put_chunk(
+        self, step: int, chunk_id: str, data: memoryview | bytes | np.ndarray, raw_crc32c: int
+    ) -> bool:
         """Store one chunk (e.g. pushed by a peer) after verifying its crc32c; atomic.
 
         Returns:
@@ -293,11 +325,17 @@ class RamTier(StepTable):
             ChecksumMismatchError: ``data`` does not match ``raw_crc32c`` (nothing stored).
             RamBudgetError, StaleStepError: as :meth:`allocate`.
         """
-        src = np.frombuffer(data, np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1).view(np.uint8)
+        src = (
+            np.frombuffer(data, np.uint8)
+            if not isinstance(data, np.ndarray)
+            else data.reshape(-1).view(np.uint8)
+        )
         if self.has_chunk(step, chunk_id, length=src.nbytes, raw_crc32c=raw_crc32c):
             return False
         if crc32c(src) != raw_crc32c:
-            raise ChecksumMismatchError(f"pushed chunk {chunk_id!r} of step {step} does not match its crc32c")
+            raise ChecksumMismatchError(
+                f"pushed chunk {chunk_id!r} of step {step} does not match its crc32c"
+            )
         with self.allocate(step, src.nbytes) as seg:
             seg.buffer[:] = src
             self.seal(step, seg, {chunk_id: ChunkLocation(0, src.nbytes, raw_crc32c)})
@@ -355,7 +393,9 @@ class RamTier(StepTable):
             unlink(self.root / f"step-{step}" / MANIFEST)
             unlink(self.root / f"step-{step}" / COMMIT)
             for seg in st.segments.values():
-                keep = recycle and seg.nbytes >= _MIN_RECYCLE_BYTES and len(self._spares) < _MAX_SPARES
+                keep = (
+                    recycle and seg.nbytes >= _MIN_RECYCLE_BYTES and len(self._spares) < _MAX_SPARES
+                )
                 mm = seg.detach_writable() if keep else None
                 unmapped = seg.unmap(dropped=True)
                 if keep and unmapped and not seg.is_lent():
@@ -398,20 +438,36 @@ class RamTier(StepTable):
             for s in [s for s in self._steps if s < floor]:
                 self._drop(s, recycle=self._recycle)
 
-    def _make_room(self, extra: int, *, for_step: int | None, keep_spare: Path | None = None) -> None:
+    def _make_room(
+        self, extra: int, *, for_step: int | None, keep_spare: Path | None = None
+    ) -> None:
         """Free spares, then steps older than ``for_step``, until ``extra`` more bytes fit
         (:func:`room_to_free`; raises ``RamBudgetError`` if they cannot)."""
-        spares, steps = room_to_free(used=self._used(), extra=extra, budget=self.budget_bytes, spares=self._spares.sizes,
-                                     steps={s: st.nbytes for s, st in self._steps.items()}, for_step=for_step,
-                                     keep_spare=keep_spare)
+        spares, steps = room_to_free(
+            used=self._used(),
+            extra=extra,
+            budget=self.budget_bytes,
+            spares=self._spares.sizes,
+            steps={s: st.nbytes for s, st in self._steps.items()},
+            for_step=for_step,
+            keep_spare=keep_spare,
+        )
         for p in spares:
             self._spares.free(p)
         for s in steps:
             self._drop(s, recycle=False)  # freed for room: not kept as a spare
 
 
-def room_to_free(*, used: int, extra: int, budget: int, spares: Mapping[Path, int], steps: Mapping[int, int],
-                 for_step: int | None, keep_spare: Path | None = None) -> tuple[list[Path], list[int]]:
+def room_to_free(
+    *,
+    used: int,
+    extra: int,
+    budget: int,
+    spares: Mapping[Path, int],
+    steps: Mapping[int, int],
+    for_step: int | None,
+    keep_spare: Path | None = None,
+) -> tuple[list[Path], list[int]]:
     """What a tier holding ``used`` bytes of ``budget`` frees so that ``extra`` more fit:
     spares (all but ``keep_spare``, in the pool's order) first, then whole steps older than
     ``for_step`` (any step when None), oldest first, stopping as soon as they fit. Pure.
@@ -423,8 +479,10 @@ def room_to_free(*, used: int, extra: int, budget: int, spares: Mapping[Path, in
     older = sorted(s for s in steps if for_step is None or s < for_step)
     freeable = sum(spares[p] for p in spare_paths) + sum(steps[s] for s in older)
     if used + extra - freeable > budget:
-        raise RamBudgetError(f"{extra} more bytes do not fit the RAM tier budget of {budget} "
-                             f"({used} held, {freeable} freeable)")
+        raise RamBudgetError(
+            f"{extra} more bytes do not fit the RAM tier budget of {budget} "
+            f"({used} held, {freeable} freeable)"
+        )
     free_spares: list[Path] = []
     free_steps: list[int] = []
     for p in spare_paths:

@@ -11,7 +11,8 @@ another over one pooled connection; up to ``concurrency`` targets are served at 
 ``max_inflight_bytes`` bounds the bytes being sent at any moment. A failing target stops
 receiving this step (its error is recorded in the report) without affecting the others;
 submitting a newer step cancels the pushes of older ones (they are superseded; the manager
-never lets that happen: it waits with :meth:`Replicator.wait_idle` before the next RAM step). Nothing
+never lets that happen: it waits with :meth:`Replicator.wait_idle` before the next RAM step).
+Nothing
 here ever raises into the training loop unless ``wait(raise_on_error=True)`` asks for it.
 """
 
@@ -44,7 +45,9 @@ __all__ = [
 class ChunkPusher(Protocol):
     """What the replicator needs of a peer (``PeerClient`` is one)."""
 
-    def push_chunk(self, step: int, chunk_id: str, data: memoryview, *, raw_crc32c: int | None = None) -> bool: ...
+    def push_chunk(
+        self, step: int, chunk_id: str, data: memoryview, *, raw_crc32c: int | None = None
+    ) -> bool: ...
 
     def put_manifest(self, step: int, data: bytes | memoryview) -> None: ...
 
@@ -80,11 +83,19 @@ class ReplicatorOptions:
     forgotten. Bounds the memory and the per-save wait of a run that never calls ``wait``."""
 
     def __post_init__(self) -> None:
-        for name in ("max_inflight_bytes", "concurrency", "batch_bytes", "batch_chunks", "max_reports"):
+        for name in (
+            "max_inflight_bytes",
+            "concurrency",
+            "batch_bytes",
+            "batch_chunks",
+            "max_reports",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
         if self.batch_chunks > MAX_BATCH_CHUNKS:
-            raise ConfigError(f"batch_chunks must be <= {MAX_BATCH_CHUNKS} (what a peer accepts in one request)")
+            raise ConfigError(
+                f"batch_chunks must be <= {MAX_BATCH_CHUNKS} (what a peer accepts in one request)"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -114,7 +125,9 @@ class ReplicationReport:
 class ReplicationHandle:
     """Tracks one :meth:`Replicator.submit`."""
 
-    def __init__(self, step: int, chunk_ids: list[str], manifest: bytes | None, targets: tuple[str, ...]) -> None:
+    def __init__(
+        self, step: int, chunk_ids: list[str], manifest: bytes | None, targets: tuple[str, ...]
+    ) -> None:
         self.step = step
         self._chunk_ids = chunk_ids
         self._manifest = manifest
@@ -176,7 +189,8 @@ class Replicator:
     Args:
         tier: This process's tier (chunks are read zero-copy from it).
         targets: Member id → pusher (e.g. ``PeerClient``); usually this member's ring successors
-            (its entry of :func:`~fastckpt.replicas._placement.push_targets`). Replace with :meth:`set_targets`.
+            (its entry of :func:`~fastckpt.replicas._placement.push_targets`). Replace with
+            :meth:`set_targets`.
         options: Concurrency and in-flight bound.
     """
 
@@ -197,7 +211,13 @@ class Replicator:
         self._inflight = 0
         self._threads: list[threading.Thread] = []
         self._closed = False
-        self._totals = {"steps": 0, "chunks_pushed": 0, "bytes_pushed": 0, "failures": 0, "reports_forgotten": 0}
+        self._totals = {
+            "steps": 0,
+            "chunks_pushed": 0,
+            "bytes_pushed": 0,
+            "failures": 0,
+            "reports_forgotten": 0,
+        }
 
     def set_targets(self, targets: Mapping[str, ChunkPusher]) -> None:
         """Targets for later submits (e.g. after a membership change)."""
@@ -207,7 +227,8 @@ class Replicator:
     def submit(
         self, step: int, *, chunk_ids: Sequence[str] | None = None, manifest: bytes | None = None
     ) -> ReplicationHandle:
-        """Queue pushing ``step``'s chunks (all of them by default), then ``manifest``, to every target.
+        """Queue pushing ``step``'s chunks (all of them by default), then ``manifest``, to every
+        target.
 
         Never blocks on I/O. Older steps still being pushed are cancelled.
         """
@@ -220,9 +241,16 @@ class Replicator:
             for old in self._handles:
                 if old.step < step and not old.done():
                     old._cancelled = True
-                    _log.warning("fastckpt: push of RAM step %d superseded by step %d before it finished; until "
-                                 "%d is pushed, losing a host may leave no complete RAM step (pushes take longer "
-                                 "than the RAM checkpoint interval)", old.step, step, step)
+                    _log.warning(
+                        "fastckpt: push of RAM step %d superseded by step %d before it finished; "
+                        "until "
+                        "%d is pushed, losing a host may leave no complete RAM step (pushes take "
+                        "longer "
+                        "than the RAM checkpoint interval)",
+                        old.step,
+                        step,
+                        step,
+                    )
             self._handles.append(handle)
             self._forget_old_reports()
             self._totals["steps"] += 1
@@ -234,7 +262,9 @@ class Replicator:
             self._queue.put((handle, name, targets[name]))
         return handle
 
-    def wait(self, timeout_s: float | None = None, *, raise_on_error: bool = False) -> list[ReplicationReport]:
+    def wait(
+        self, timeout_s: float | None = None, *, raise_on_error: bool = False
+    ) -> list[ReplicationReport]:
         """Wait for every submitted step; return (and forget) their reports, oldest first
         (of finished steps only the newest ``options.max_reports`` are kept).
 
@@ -244,7 +274,9 @@ class Replicator:
         """
         handles, running = self._wait_handles(timeout_s)
         if running is not None:
-            raise ReplicationTimeoutError(f"replication of step {running.step} still running after {timeout_s}s")
+            raise ReplicationTimeoutError(
+                f"replication of step {running.step} still running after {timeout_s}s"
+            )
         with self._lock:  # a submit meanwhile may have forgotten some of them already
             taken = {id(h) for h in handles}
             self._handles = collections.deque(h for h in self._handles if id(h) not in taken)
@@ -260,8 +292,11 @@ class Replicator:
         consuming the reports (:meth:`wait` still returns them). False on timeout."""
         return self._wait_handles(timeout_s)[1] is None
 
-    def _wait_handles(self, timeout_s: float | None) -> tuple[list[ReplicationHandle], ReplicationHandle | None]:
-        """Wait for the handles submitted so far: (them, the first still running at the deadline)."""
+    def _wait_handles(
+        self, timeout_s: float | None
+    ) -> tuple[list[ReplicationHandle], ReplicationHandle | None]:
+        """Wait for the handles submitted so far: (them, the first still running at the
+        deadline)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._lock:
             handles = list(self._handles)
@@ -292,7 +327,8 @@ class Replicator:
             return dict(self._totals)
 
     def close(self, *, wait: bool = True) -> None:
-        """Stop the workers (after finishing queued work if ``wait``, else cancelling it). Idempotent."""
+        """Stop the workers (after finishing queued work if ``wait``, else cancelling it).
+        Idempotent."""
         with self._lock:
             if self._closed:
                 return
@@ -319,7 +355,9 @@ class Replicator:
                 self._push_all(handle, target)
             except Exception as e:  # reported, never raised into the caller
                 error = f"{type(e).__name__}: {e}"
-                _log.warning("fastckpt: push of RAM step %d to %s failed: %s", handle.step, name, error)
+                _log.warning(
+                    "fastckpt: push of RAM step %d to %s failed: %s", handle.step, name, error
+                )
             handle._target_done(name, error)
             with self._lock:
                 self._totals["failures"] += error is not None
@@ -340,14 +378,21 @@ class Replicator:
                 continue
             hit = self._tier.read_chunk(step, cid)
             if hit is None:
-                raise ConfigError(f"chunk {cid!r} of step {step} is not (or no longer) in the RAM tier")
+                raise ConfigError(
+                    f"chunk {cid!r} of step {step} is not (or no longer) in the RAM tier"
+                )
             view, loc = hit
             if not batched:
-                self._send(handle, [(cid, view, loc.raw_crc32c)], lambda b: target.push_chunk(
-                    step, b[0][0], b[0][1], raw_crc32c=b[0][2]))
+                self._send(
+                    handle,
+                    [(cid, view, loc.raw_crc32c)],
+                    lambda b: target.push_chunk(step, b[0][0], b[0][1], raw_crc32c=b[0][2]),
+                )
                 continue
             o = self.options
-            if batch and (batch_bytes + view.nbytes > o.batch_bytes or len(batch) >= o.batch_chunks):
+            if batch and (
+                batch_bytes + view.nbytes > o.batch_bytes or len(batch) >= o.batch_chunks
+            ):
                 self._send(handle, batch, lambda b: target.push_chunks(step, b) or True)  # type: ignore[attr-defined]
                 batch, batch_bytes = [], 0
             batch.append((cid, view, loc.raw_crc32c))
@@ -357,8 +402,12 @@ class Replicator:
         if handle._manifest is not None and not handle._cancelled:
             target.put_manifest(step, handle._manifest)
 
-    def _send(self, handle: ReplicationHandle, batch: list[tuple[str, memoryview, int]],
-              push: Callable[[list[tuple[str, memoryview, int]]], bool]) -> None:
+    def _send(
+        self,
+        handle: ReplicationHandle,
+        batch: list[tuple[str, memoryview, int]],
+        push: Callable[[list[tuple[str, memoryview, int]]], bool],
+    ) -> None:
         """Push one batch under the in-flight budget and record it (``push`` → stored?)."""
         n = sum(v.nbytes for _, v, _ in batch)
         self._acquire(n)
@@ -367,7 +416,9 @@ class Replicator:
         finally:
             self._release(n)
         k = len(batch)
-        handle._record(pushed=k if stored else 0, present=0 if stored else k, nbytes=n if stored else 0)
+        handle._record(
+            pushed=k if stored else 0, present=0 if stored else k, nbytes=n if stored else 0
+        )
         if stored:
             with self._lock:
                 self._totals["chunks_pushed"] += k

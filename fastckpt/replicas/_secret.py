@@ -18,7 +18,13 @@ from collections.abc import Mapping
 
 from fastckpt.errors import ConfigError
 
-__all__ = ["MIN_SECRET_BYTES", "SECRET_ENV", "SECRET_FILE_ENV", "new_peer_secret", "peer_secret_from_env"]
+__all__ = [
+    "MIN_SECRET_BYTES",
+    "SECRET_ENV",
+    "SECRET_FILE_ENV",
+    "new_peer_secret",
+    "peer_secret_from_env",
+]
 
 SECRET_ENV = "FASTCKPT_PEER_SECRET"
 SECRET_FILE_ENV = "FASTCKPT_PEER_SECRET_FILE"
@@ -54,15 +60,22 @@ def peer_secret_from_env(environ: Mapping[str, str] | None = None) -> bytes:
             with open(path, "rb") as f:
                 secret = f.read(_MAX_SECRET_FILE_BYTES + 1)
         except OSError as e:
-            raise ConfigError(f"cannot read the peer secret file {SECRET_FILE_ENV}={path!r}: "
-                              f"{e.strerror or e}") from None
+            raise ConfigError(
+                f"cannot read the peer secret file {SECRET_FILE_ENV}={path!r}: {e.strerror or e}"
+            ) from None
         if len(secret) > _MAX_SECRET_FILE_BYTES:
-            raise ConfigError(f"the peer secret file {path!r} is over {_MAX_SECRET_FILE_BYTES} bytes")
+            raise ConfigError(
+                f"the peer secret file {path!r} is over {_MAX_SECRET_FILE_BYTES} bytes"
+            )
         secret, where = secret.rstrip(b" \t\r\n"), f"the file {path!r}"
     else:
-        raise ConfigError(f"no peer secret: the launcher must set {SECRET_ENV} (e.g. to "
-                          f"fastckpt.new_peer_secret()) or {SECRET_FILE_ENV} on every process of the job")
+        raise ConfigError(
+            f"no peer secret: the launcher must set {SECRET_ENV} (e.g. to "
+            f"fastckpt.new_peer_secret()) or {SECRET_FILE_ENV} on every process of the job"
+        )
     if len(secret) < MIN_SECRET_BYTES:
-        raise ConfigError(f"the peer secret in {where} has {len(secret)} bytes; at least {MIN_SECRET_BYTES} "
-                          "are needed (use fastckpt.new_peer_secret())")
+        raise ConfigError(
+            f"the peer secret in {where} has {len(secret)} bytes; at least {MIN_SECRET_BYTES} "
+            "are needed (use fastckpt.new_peer_secret())"
+        )
     return secret

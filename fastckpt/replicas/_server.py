@@ -1,4 +1,5 @@
-"""The peer server: serves a :class:`~fastckpt.replicas._ram.RamTier` to authenticated peers over TCP.
+"""The peer server: serves a :class:`~fastckpt.replicas._ram.RamTier` to authenticated peers over
+TCP.
 
 One thread per connection with blocking sockets: a payload leaves with ``sendall`` straight
 from the tier's mmap (GIL released), which keeps a transfer near raw loopback speed. Every
@@ -110,10 +111,14 @@ class PeerServer:
             return self
         try:  # an IPv6 address (or a name that resolves to one only) needs an IPv6 socket
             family = socket.getaddrinfo(self._host, self._port, type=socket.SOCK_STREAM)[0][0]
-            self._listener = socket.create_server((self._host, self._port), family=family, backlog=128)
+            self._listener = socket.create_server(
+                (self._host, self._port), family=family, backlog=128
+            )
         except OSError as e:  # (socket.gaierror is an OSError)
             raise PeerError(f"cannot listen on {self._host}:{self._port}: {e}") from e
-        self._accept_thread = threading.Thread(target=self._accept_loop, name="fastckpt-peer-accept", daemon=True)
+        self._accept_thread = threading.Thread(
+            target=self._accept_loop, name="fastckpt-peer-accept", daemon=True
+        )
         self._accept_thread.start()
         return self
 
@@ -136,7 +141,9 @@ class PeerServer:
     def __enter__(self) -> PeerServer:
         return self.start()
 
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
     def _count(self, key: str, n: int = 1) -> None:
@@ -162,11 +169,14 @@ class PeerServer:
             if busy:
                 with contextlib.suppress(OSError, PeerError):
                     conn.settimeout(1.0)
-                    _connection.send_frame(conn, MsgType.ERROR, {"code": "busy",
-                                                              "message": "too many connections"})
+                    _connection.send_frame(
+                        conn, MsgType.ERROR, {"code": "busy", "message": "too many connections"}
+                    )
                 conn.close()
                 continue
-            threading.Thread(target=self._serve, args=(conn,), name="fastckpt-peer-conn", daemon=True).start()
+            threading.Thread(
+                target=self._serve, args=(conn,), name="fastckpt-peer-conn", daemon=True
+            ).start()
 
     def _serve(self, conn: socket.socket) -> None:
         chan: Channel | None = None
@@ -175,8 +185,12 @@ class PeerServer:
             tune(conn, o)
             try:
                 chan = _connection.server_handshake(
-                    conn, secret=self._secret, frame_mac=o.frame_mac, limits=self._limits,
-                    timeout_s=o.handshake_timeout_s)
+                    conn,
+                    secret=self._secret,
+                    frame_mac=o.frame_mac,
+                    limits=self._limits,
+                    timeout_s=o.handshake_timeout_s,
+                )
             except AuthenticationError:
                 self._count("auth_failures")
                 return
@@ -216,8 +230,9 @@ class PeerServer:
         """Serve one request; False ends the connection (the client closed it)."""
         o = self.options
         try:
-            mtype, h, plen = chan.recv_head(first_byte_timeout_s=o.idle_timeout_s,
-                                            timeout_s=o.io_timeout_s)
+            mtype, h, plen = chan.recv_head(
+                first_byte_timeout_s=o.idle_timeout_s, timeout_s=o.io_timeout_s
+            )
         except PeerUnavailableError:
             return False
         self._count("requests")
@@ -225,14 +240,16 @@ class PeerServer:
         if mtype is MsgType.GET_CHUNK:
             hit = tier.read_chunk(h["step"], h["chunk_id"])
             if hit is None:
-                return self._error(chan, "not_found",
-                                   f"no chunk {h['chunk_id']!r} of step {h['step']}")
+                return self._error(
+                    chan, "not_found", f"no chunk {h['chunk_id']!r} of step {h['step']}"
+                )
             view, loc = hit
             start = h["offset"]
             stop = loc.length if h["length"] is None else start + h["length"]
             if start > loc.length or stop > loc.length:
-                return self._error(chan, "bad_request",
-                                   f"range {start}:{stop} outside a {loc.length}-byte chunk")
+                return self._error(
+                    chan, "bad_request", f"range {start}:{stop} outside a {loc.length}-byte chunk"
+                )
             header = {"raw_crc32c": loc.raw_crc32c, "chunk_length": loc.length, "offset": start}
             chan.send(MsgType.CHUNK, header, [view[start:stop]])
             self._count("bytes_sent", stop - start)
@@ -265,8 +282,14 @@ class PeerServer:
                 return self._error(chan, "budget", str(e))
             chan.send(MsgType.OK, {"stored": True})
         elif mtype is MsgType.STEPS:
-            chan.send(MsgType.STEP_LIST, {"steps": tier.steps(), "committed": tier.committed_steps(),
-                                          "manifests": tier.manifest_steps()})
+            chan.send(
+                MsgType.STEP_LIST,
+                {
+                    "steps": tier.steps(),
+                    "committed": tier.committed_steps(),
+                    "manifests": tier.manifest_steps(),
+                },
+            )
         else:
             raise ProtocolError(f"{mtype.name} is not a request")
         return True
@@ -296,10 +319,19 @@ class PeerServer:
         receives against the whole chunk's checksum (``crc32c_combine``) while only the
         ranges cross the wire."""
         count, runs, starts, stops = h["count"], h["runs"], h["starts"], h["stops"]
-        if (not 0 < count <= wire.MAX_BATCH_CHUNKS or plen > wire.max_id_list_bytes(count) or len(runs) != count
-                or 0 in runs or len(starts) > wire.MAX_BATCH_RUNS or sum(runs) != len(starts) or len(stops) != len(starts)):
-            raise ProtocolError(f"GET_RANGES: {count} chunks, {sum(runs)} runs, {len(starts)} starts, "
-                                f"{len(stops)} stops in a {plen}-byte id list")
+        if (
+            not 0 < count <= wire.MAX_BATCH_CHUNKS
+            or plen > wire.max_id_list_bytes(count)
+            or len(runs) != count
+            or 0 in runs
+            or len(starts) > wire.MAX_BATCH_RUNS
+            or sum(runs) != len(starts)
+            or len(stops) != len(starts)
+        ):
+            raise ProtocolError(
+                f"GET_RANGES: {count} chunks, {sum(runs)} runs, {len(starts)} starts, "
+                f"{len(stops)} stops in a {plen}-byte id list"
+            )
         ids = self._recv_ids(chan, plen, count, "GET_RANGES")
         views: list[memoryview] = []
         lengths, gaps, missing = [0] * count, list[int](), list[int]()
@@ -309,12 +341,16 @@ class PeerServer:
             j += n
             hit = self._tier.read_chunk(h["step"], cid)
             if hit is None or not wire.spans_fit(spans, hit[1].length):
-                missing.append(i)  # not held, or the ranges are not ascending, disjoint and inside it
+                missing.append(
+                    i
+                )  # not held, or the ranges are not ascending, disjoint and inside it
                 continue
             view, loc = hit
             lengths[i] = loc.length
             bounds = [0, *(x for span in spans for x in span), loc.length]
-            gaps.extend(crc32c(view[a:b]) for a, b in zip(bounds[::2], bounds[1::2]))  # before, between, after
+            gaps.extend(
+                crc32c(view[a:b]) for a, b in zip(bounds[::2], bounds[1::2])
+            )  # before, between, after
             views.extend(view[a:b] for a, b in spans)
         header = {"lengths": lengths, "gaps": gaps, "missing": missing}
         return self._send_batch(chan, MsgType.RANGES, header, views)
@@ -324,14 +360,19 @@ class PeerServer:
         """The id list of a batch request (``count`` distinct chunk ids in ``plen`` bytes)."""
         return wire.decode_id_batch(chan.recv_payload(), count=count, what=what)
 
-    def _send_batch(self, chan: Channel, msg_type: MsgType, header: dict[str, Any],
-                    views: list[memoryview]) -> bool:
+    def _send_batch(
+        self, chan: Channel, msg_type: MsgType, header: dict[str, Any], views: list[memoryview]
+    ) -> bool:
         """Send a batch reply carrying ``views`` back to back, or ``too_large`` when they
         exceed the payload limit (the client then asks for fewer at a time)."""
         total = sum(v.nbytes for v in views)
         if total > self._limits.max_payload_bytes:
-            return self._error(chan, "too_large", f"a {msg_type.name} reply of {total} bytes exceeds "
-                                                  f"the payload limit of {self._limits.max_payload_bytes}")
+            return self._error(
+                chan,
+                "too_large",
+                f"a {msg_type.name} reply of {total} bytes exceeds "
+                f"the payload limit of {self._limits.max_payload_bytes}",
+            )
         chan.send(msg_type, header, views)
         self._count("bytes_sent", total)
         return True
@@ -363,10 +404,21 @@ class PeerServer:
 
     def _put_chunks(self, chan: Channel, h: dict[str, Any], plen: int) -> bool:
         """Receive several chunks into one new segment; all are sealed together, or none."""
-        step, count, ids_len, lengths, crcs = h["step"], h["count"], h["ids_len"], h["lengths"], h["crcs"]
-        if not 0 < count == len(lengths) == len(crcs) <= wire.MAX_BATCH_CHUNKS or ids_len + sum(lengths) != plen:
-            raise ProtocolError(f"PUT_CHUNKS: {count} chunks, {len(lengths)} lengths, {len(crcs)} crcs, "
-                                f"{ids_len} + {sum(lengths)} bytes != payload {plen}")
+        step, count, ids_len, lengths, crcs = (
+            h["step"],
+            h["count"],
+            h["ids_len"],
+            h["lengths"],
+            h["crcs"],
+        )
+        if (
+            not 0 < count == len(lengths) == len(crcs) <= wire.MAX_BATCH_CHUNKS
+            or ids_len + sum(lengths) != plen
+        ):
+            raise ProtocolError(
+                f"PUT_CHUNKS: {count} chunks, {len(lengths)} lengths, {len(crcs)} crcs, "
+                f"{ids_len} + {sum(lengths)} bytes != payload {plen}"
+            )
         if ids_len > wire.max_id_list_bytes(count):
             raise ProtocolError(f"PUT_CHUNKS: {ids_len}-byte id list for {count} chunks")
         raw = chan.recv_bytes(ids_len)  # the id list: decoded once the payload verified
@@ -396,8 +448,9 @@ class PeerServer:
                 off += n
             self._count("bytes_received", total)
             if bad:
-                return self._error(chan, "checksum_mismatch",
-                                   f"{len(bad)} chunks arrived corrupt, e.g. {bad[0]!r}")
+                return self._error(
+                    chan, "checksum_mismatch", f"{len(bad)} chunks arrived corrupt, e.g. {bad[0]!r}"
+                )
             self._tier.seal(step, seg, index)
         chan.send(MsgType.OK, {"stored": True})
         return True

@@ -1,4 +1,5 @@
-"""Shared-memory segment files and their mappings behind :class:`~fastckpt.replicas._ram.RamTier` (internal).
+"""Shared-memory segment files and their mappings behind :class:`~fastckpt.replicas._ram.RamTier`
+(internal).
 
 A :class:`Segment` is written through a writable mapping until sealed; a :class:`Sealed`
 segment is read through a lazily created read-only one, lent out or detached for reuse; a
@@ -48,8 +49,17 @@ class Segment:
     :meth:`~fastckpt.replicas._ram.RamTier.seal`.
     """
 
-    def __init__(self, tier: _Discarding, step: int, path: Path, mm: mmap.mmap | None, nbytes: int,
-                 *, reserved: bool = True, prefault: bool = False) -> None:
+    def __init__(
+        self,
+        tier: _Discarding,
+        step: int,
+        path: Path,
+        mm: mmap.mmap | None,
+        nbytes: int,
+        *,
+        reserved: bool = True,
+        prefault: bool = False,
+    ) -> None:
         self._tier = tier
         self.step = step
         """The step this segment was allocated for."""
@@ -60,7 +70,9 @@ class Segment:
         self._prefault = prefault
         self._path = path
         self._mm = mm
-        self._buffer: np.ndarray | None = np.frombuffer(mm, np.uint8) if mm is not None else np.empty(0, np.uint8)
+        self._buffer: np.ndarray | None = (
+            np.frombuffer(mm, np.uint8) if mm is not None else np.empty(0, np.uint8)
+        )
         self.state = "open"
         """``"open"``, ``"sealed"`` or ``"discarded"``."""
 
@@ -92,7 +104,9 @@ class Segment:
     def __enter__(self) -> Segment:
         return self
 
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if self.state == "open":
             self._tier.discard(self)
 
@@ -100,9 +114,21 @@ class Segment:
 class Sealed:
     """A sealed segment file and its lazily created read mapping."""
 
-    __slots__ = ("dropped", "index_path", "lent", "lock", "mm", "nbytes", "path", "view", "writable")
+    __slots__ = (
+        "dropped",
+        "index_path",
+        "lent",
+        "lock",
+        "mm",
+        "nbytes",
+        "path",
+        "view",
+        "writable",
+    )
 
-    def __init__(self, path: Path, index_path: Path, nbytes: int, mm: mmap.mmap | None = None) -> None:
+    def __init__(
+        self, path: Path, index_path: Path, nbytes: int, mm: mmap.mmap | None = None
+    ) -> None:
         self.path = path
         self.index_path = index_path
         self.nbytes = nbytes
@@ -143,13 +169,19 @@ class Sealed:
                     fd = os.open(self.path, os.O_RDONLY)
                     try:
                         if os.fstat(fd).st_size != self.nbytes:
-                            raise ValueError(f"{os.fstat(fd).st_size} bytes, its index says {self.nbytes}")
+                            raise ValueError(
+                                f"{os.fstat(fd).st_size} bytes, its index says {self.nbytes}"
+                            )
                         self.mm = mmap.mmap(fd, self.nbytes, flags=flags, prot=mmap.PROT_READ)
                     finally:
                         os.close(fd)
                 except (OSError, ValueError) as e:  # deleted or truncated behind the tier's back
-                    _log.warning("fastckpt: RAM segment %s is unreadable (%s); its chunks are no longer served",
-                                 self.path, e)
+                    _log.warning(
+                        "fastckpt: RAM segment %s is unreadable (%s); its chunks are no longer "
+                        "served",
+                        self.path,
+                        e,
+                    )
                     self.dropped = True
                     return None
                 self.view = memoryview(self.mm)
@@ -218,7 +250,8 @@ class Sealed:
 
 class SparePool:
     """Freed segment files kept for reuse (their pages stay allocated: a new segment of a
-    similar size fills without faulting pages in), with the writable mapping of each when it was kept.
+    similar size fills without faulting pages in), with the writable mapping of each when it was
+    kept.
     Not thread-safe: the tier's lock guards it."""
 
     def __init__(self, files: dict[Path, int] | None = None) -> None:
@@ -235,7 +268,11 @@ class SparePool:
 
     def pick(self, nbytes: int) -> Path | None:
         """The spare closest in size to ``nbytes`` within a factor of 2 (None if there is none)."""
-        fits = [(abs(size - nbytes), p) for p, size in self.sizes.items() if nbytes <= 2 * size and size <= 2 * nbytes]
+        fits = [
+            (abs(size - nbytes), p)
+            for p, size in self.sizes.items()
+            if nbytes <= 2 * size and size <= 2 * nbytes
+        ]
         return min(fits)[1] if fits and nbytes else None
 
     def take(self, path: Path) -> mmap.mmap | None:
@@ -265,10 +302,8 @@ _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
 
 def populate_writable(mm: mmap.mmap) -> bool:
     """Pre-fault a writable shared mapping (``MADV_POPULATE_WRITE``) so that filling it runs at
-    memcpy speed; False (nothing done) where the kernel lacks it. Measured on this VM for
-    256 MiB on tmpfs: fallocate + this 0.13 s, then the copy 0.03 s; fallocate +
-    ``MAP_POPULATE`` 0.14–0.26 s, then 0.03–0.04 s; fallocate alone, then a copy that faults
-    every page in: 0.23 s."""
+    memcpy speed (no page faults during the copy); False (nothing done) where the kernel
+    lacks it."""
     try:
         mm.madvise(_MADV_POPULATE_WRITE)
     except (OSError, ValueError):
@@ -283,13 +318,16 @@ def reserve_pages(fd: int, nbytes: int, path: Path) -> None:
         os.posix_fallocate(fd, 0, nbytes)
     except OSError as e:
         if e.errno == errno.ENOSPC:
-            raise RamBudgetError(f"no room on {path.parent.parent} for {nbytes} bytes (tmpfs full)") from None
+            raise RamBudgetError(
+                f"no room on {path.parent.parent} for {nbytes} bytes (tmpfs full)"
+            ) from None
         if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
             raise
 
 
-def create_segment_file(path: Path, nbytes: int, *, spare: Path | None, prefault: bool,
-                        reserve: bool = True) -> mmap.mmap | None:
+def create_segment_file(
+    path: Path, nbytes: int, *, spare: Path | None, prefault: bool, reserve: bool = True
+) -> mmap.mmap | None:
     """Create (or take over ``spare``) ``path`` of ``nbytes``, reserve its pages, map it writable.
 
     With ``reserve=False`` the pages are neither reserved nor pre-faulted (microseconds, for

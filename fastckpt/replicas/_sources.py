@@ -23,7 +23,7 @@ import collections
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -39,7 +39,14 @@ from fastckpt.errors import (
 )
 from fastckpt.replicas._ram import RamTier
 
-__all__ = ["ChunkPeer", "Fallback", "FallbackReason", "SourceStats", "TierStats", "TieredChunkSource"]
+__all__ = [
+    "ChunkPeer",
+    "Fallback",
+    "FallbackReason",
+    "SourceStats",
+    "TierStats",
+    "TieredChunkSource",
+]
 
 FallbackReason = Literal["miss", "corrupt", "unavailable", "protocol", "error"]
 _MAX_LOG = 256
@@ -51,15 +58,25 @@ class ChunkPeer(Protocol):
     name: str
 
     def get_chunk(
-        self, step: int, chunk_id: str, *, into: memoryview | np.ndarray | None = None, expected_crc32c: int | None = None
+        self,
+        step: int,
+        chunk_id: str,
+        *,
+        into: memoryview | np.ndarray | None = None,
+        expected_crc32c: int | None = None,
     ) -> memoryview | None: ...
 
-    def get_chunks(self, step: int, items: Sequence[tuple[str, memoryview | np.ndarray, int | None]]) -> list[Any]:
+    def get_chunks(
+        self, step: int, items: Sequence[tuple[str, memoryview | np.ndarray, int | None]]
+    ) -> list[Any]:
         """Several whole chunks in one stream: per item ``"ok"``, ``"missing"`` or ``"corrupt"``."""
         ...
 
-    def get_ranges(self, step: int,
-                   items: Sequence[tuple[str, memoryview | np.ndarray, int, Sequence[tuple[int, int]]]]) -> list[Any]:
+    def get_ranges(
+        self,
+        step: int,
+        items: Sequence[tuple[str, memoryview | np.ndarray, int, Sequence[tuple[int, int]]]],
+    ) -> list[Any]:
         """Byte ranges of several chunks, each checked against the whole chunk's crc32c."""
         ...
 
@@ -148,7 +165,13 @@ class TieredChunkSource:
         self._not_found = 0
 
     def fetch(
-        self, step: int, chunk_id: str, raw_length: int, raw_crc32c: int, *, into: memoryview | np.ndarray
+        self,
+        step: int,
+        chunk_id: str,
+        raw_length: int,
+        raw_crc32c: int,
+        *,
+        into: memoryview | np.ndarray,
     ) -> str | None:
         """Fill ``into`` with the chunk's verified raw bytes from the first source that has them.
 
@@ -163,7 +186,11 @@ class TieredChunkSource:
             ``"ram"`` or ``"peer:<name>"``: where the bytes came from. None: no RAM source
             had a good copy (``into`` may hold garbage from a failed attempt).
         """
-        dst = np.frombuffer(into, np.uint8) if not isinstance(into, np.ndarray) else into.reshape(-1).view(np.uint8)
+        dst = (
+            np.frombuffer(into, np.uint8)
+            if not isinstance(into, np.ndarray)
+            else into.reshape(-1).view(np.uint8)
+        )
         if dst.nbytes != raw_length:
             raise ConfigError(f"into has {dst.nbytes} bytes, chunk {chunk_id!r} has {raw_length}")
         if self._own is not None and self._fetch_own(step, chunk_id, raw_length, raw_crc32c, dst):
@@ -178,7 +205,9 @@ class TieredChunkSource:
             self._not_found += 1
         return None
 
-    def _fetch_peer(self, i: int, step: int, chunk_id: str, raw_length: int, raw_crc32c: int, dst: np.ndarray) -> str | None:
+    def _fetch_peer(
+        self, i: int, step: int, chunk_id: str, raw_length: int, raw_crc32c: int, dst: np.ndarray
+    ) -> str | None:
         """One chunk from peer ``i`` into ``dst``: its tier name, or None (fallback recorded)."""
         peer = self._peers[i]
         tier = f"peer:{peer.name}"
@@ -204,8 +233,11 @@ class TieredChunkSource:
         return tier
 
     def fetch_many(
-        self, step: int, items: Sequence[tuple[str, int, int, memoryview | np.ndarray]],
-        *, runs: Sequence[Sequence[tuple[int, int]] | None] | None = None,
+        self,
+        step: int,
+        items: Sequence[tuple[str, int, int, memoryview | np.ndarray]],
+        *,
+        runs: Sequence[Sequence[tuple[int, int]] | None] | None = None,
     ) -> list[str | None]:
         """:meth:`fetch` for several chunks: ``(chunk_id, raw_length, raw_crc32c, into)`` each.
 
@@ -222,7 +254,11 @@ class TieredChunkSource:
         if len(spans) != len(items):
             raise ConfigError(f"{len(spans)} run lists for {len(items)} items")
         for cid, n, _, into in items:
-            dst = np.frombuffer(into, np.uint8) if not isinstance(into, np.ndarray) else into.reshape(-1).view(np.uint8)
+            dst = (
+                np.frombuffer(into, np.uint8)
+                if not isinstance(into, np.ndarray)
+                else into.reshape(-1).view(np.uint8)
+            )
             if dst.nbytes != n:
                 raise ConfigError(f"into has {dst.nbytes} bytes, chunk {cid!r} has {n}")
             dsts.append(dst)
@@ -245,14 +281,19 @@ class TieredChunkSource:
             tier = f"peer:{peer.name}"
             t0 = time.perf_counter()
             results: dict[int, str] = {}
-            asks: tuple[tuple[list[int], Callable[[list[int]], list[Any]]], ...] = (
-                (whole, lambda ks: peer.get_chunks(step, [(items[k][0], dsts[k], items[k][2]) for k in ks])),
-                (ranged, lambda ks: peer.get_ranges(step, [(items[k][0], dsts[k], items[k][2], spans[k] or ()) for k in ks])))
-            for ks, ask in asks:
+            for ks, by_range in ((whole, False), (ranged, True)):
                 if not ks:
                     continue
                 try:
-                    results.update(zip(ks, ask(ks)))
+                    if by_range:
+                        answers = peer.get_ranges(
+                            step, [(items[k][0], dsts[k], items[k][2], spans[k] or ()) for k in ks]
+                        )
+                    else:
+                        answers = peer.get_chunks(
+                            step, [(items[k][0], dsts[k], items[k][2]) for k in ks]
+                        )
+                    results.update(zip(ks, answers))
                 except PeerUnavailableError as e:
                     self._fallback(tier, items[ks[0]][0], "unavailable", e, dead=i)
                     break
@@ -291,8 +332,9 @@ class TieredChunkSource:
         """
         return self.lend_many(step, [chunks])[0]
 
-    def lend_many(self, step: int, groups: Sequence[Sequence[tuple[str, int, int]]], *,
-                  verify: bool = True) -> list[memoryview | None]:
+    def lend_many(
+        self, step: int, groups: Sequence[Sequence[tuple[str, int, int]]], *, verify: bool = True
+    ) -> list[memoryview | None]:
         """:meth:`lend` for several destination buffers at once (one tier lookup, one stats update).
 
         ``verify=False`` skips the checksums (the tier's record of each chunk must still
@@ -306,18 +348,28 @@ class TieredChunkSource:
         t0 = time.perf_counter()
         out: list[memoryview | None] = []
         nchunks = nbytes = 0
-        for chunks, hit in zip(groups, self._own.lend_spans(step, [[c[0] for c in g] for g in groups])):
+        for chunks, hit in zip(
+            groups, self._own.lend_spans(step, [[c[0] for c in g] for g in groups])
+        ):
             if hit is None:  # (an empty group gets None from lend_spans)
                 out.append(None)
                 continue
             view, locs = hit
             base = locs[0].offset
             if verify and self._verify:
-                ok = all(loc.length == length and crc32c(view[loc.offset - base : loc.offset - base + loc.length]) == crc
-                         for (_, length, crc), loc in zip(chunks, locs))
+                ok = all(
+                    loc.length == length
+                    and crc32c(view[loc.offset - base : loc.offset - base + loc.length]) == crc
+                    for (_, length, crc), loc in zip(chunks, locs)
+                )
             else:  # the tier's record must at least name the same bytes
-                ok = all(loc.length == length and loc.raw_crc32c == crc for (_, length, crc), loc in zip(chunks, locs))
-            out.append(view if ok else None)  # a bad copy: the per-chunk fetch that follows finds and records it
+                ok = all(
+                    loc.length == length and loc.raw_crc32c == crc
+                    for (_, length, crc), loc in zip(chunks, locs)
+                )
+            out.append(
+                view if ok else None
+            )  # a bad copy: the per-chunk fetch that follows finds and records it
             if ok:
                 nchunks += len(chunks)
                 nbytes += sum(c[1] for c in chunks)
@@ -349,8 +401,16 @@ class TieredChunkSource:
 
     # ---------------------------------------------------------------- internals
 
-    def _fetch_own(self, step: int, chunk_id: str, raw_length: int, raw_crc32c: int, dst: np.ndarray, *,
-                   runs: Sequence[tuple[int, int]] | None = None) -> bool:
+    def _fetch_own(
+        self,
+        step: int,
+        chunk_id: str,
+        raw_length: int,
+        raw_crc32c: int,
+        dst: np.ndarray,
+        *,
+        runs: Sequence[tuple[int, int]] | None = None,
+    ) -> bool:
         """The own tier's copy of the chunk into ``dst``: whole, or only the byte ranges
         ``runs`` (the whole copy is verified either way)."""
         assert self._own is not None
@@ -360,7 +420,9 @@ class TieredChunkSource:
             self._fallback("ram", chunk_id, "miss", None)
             return False
         if view.nbytes != raw_length or (self._verify and crc32c(view) != raw_crc32c):
-            self._fallback("ram", chunk_id, "corrupt", f"{view.nbytes} bytes, crc32c mismatch or wrong length")
+            self._fallback(
+                "ram", chunk_id, "corrupt", f"{view.nbytes} bytes, crc32c mismatch or wrong length"
+            )
             return False
         src = np.frombuffer(view, np.uint8)
         if runs is None:
@@ -404,11 +466,19 @@ class TieredChunkSource:
             st.seconds += seconds
 
     def _fallback(
-        self, tier: str, chunk_id: str, reason: FallbackReason, err: object, *, dead: int | None = None
+        self,
+        tier: str,
+        chunk_id: str,
+        reason: FallbackReason,
+        err: object,
+        *,
+        dead: int | None = None,
     ) -> None:
         with self._lock:
             self._fallbacks[reason] += 1
-            self._log.append(Fallback(tier, chunk_id, reason, "" if err is None else str(err)[:300]))
+            self._log.append(
+                Fallback(tier, chunk_id, reason, "" if err is None else str(err)[:300])
+            )
             if dead is not None:
                 self._dead.add(dead)
 

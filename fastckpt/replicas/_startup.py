@@ -41,8 +41,16 @@ if TYPE_CHECKING:
     from fastckpt.replicas._client import PeerClient
     from fastckpt.storage._protocol import Store
 
-__all__ = ["PeerAddress", "PeerDirectory", "PeerRecord", "check_push_targets", "make_record", "peer_address",
-           "route_source_address", "split_host_port"]
+__all__ = [
+    "PeerAddress",
+    "PeerDirectory",
+    "PeerRecord",
+    "check_push_targets",
+    "make_record",
+    "peer_address",
+    "route_source_address",
+    "split_host_port",
+]
 
 _WILDCARDS = frozenset({"0.0.0.0", "::", ""})
 _RECORD_VERSION = 1
@@ -52,6 +60,7 @@ _SHOWN = 8
 
 
 # ------------------------------------------------------------------ address
+
 
 def split_host_port(address: str) -> tuple[str, int]:
     """``"host:port"`` or ``"[v6]:port"`` -> ``(host, port)``.
@@ -98,7 +107,9 @@ class PeerAddress(NamedTuple):
     advertise: str
 
 
-def peer_address(host: str | None, *, service_address: str | None, process_count: int) -> PeerAddress:
+def peer_address(
+    host: str | None, *, service_address: str | None, process_count: int
+) -> PeerAddress:
     """Where this host's peer server listens and what it advertises.
 
     * ``host`` set to an address or name: bind and advertise it (an explicit choice wins).
@@ -116,8 +127,10 @@ def peer_address(host: str | None, *, service_address: str | None, process_count
     if process_count <= 1 and service_address is None:
         default = "127.0.0.1"
     elif service_address is None:
-        raise ConfigError("RamOptions.host is needed: this multi-process job has no coordination service "
-                          "address to find a reachable peer address from")
+        raise ConfigError(
+            "RamOptions.host is needed: this multi-process job has no coordination service "
+            "address to find a reachable peer address from"
+        )
     else:
         default = route_source_address(*split_host_port(service_address))
     if host is None:
@@ -158,7 +171,9 @@ class PeerRecord:
 
     def to_json(self) -> str:
         """The record as compact JSON."""
-        return json.dumps({"version": _RECORD_VERSION, **dataclasses.asdict(self)}, separators=(",", ":"))
+        return json.dumps(
+            {"version": _RECORD_VERSION, **dataclasses.asdict(self)}, separators=(",", ":")
+        )
 
     @classmethod
     def from_json(cls, text: str | bytes) -> PeerRecord:
@@ -186,7 +201,9 @@ class PeerRecord:
             if not ok:
                 raise ValueError("bad field")
         except (ValueError, TypeError, RecursionError) as e:
-            raise ProtocolError(f"malformed peer record: {type(e).__name__}: {str(e)[:200]}") from None
+            raise ProtocolError(
+                f"malformed peer record: {type(e).__name__}: {str(e)[:200]}"
+            ) from None
         return rec
 
 
@@ -247,8 +264,15 @@ class PeerDirectory:
         timeout_s: How long :meth:`lookup` waits for every process to publish.
     """
 
-    def __init__(self, coordinator: Coordinator, store: Store, *, run: Callable[[Coroutine[Any, Any, Any]], Any],
-                 namespace: str = "default", timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        store: Store,
+        *,
+        run: Callable[[Coroutine[Any, Any, Any]], Any],
+        namespace: str = "default",
+        timeout_s: float = 60.0,
+    ) -> None:
         self._multi = coordinator.process_count > 1
         if self._multi and ("/" in namespace or not namespace):
             raise ConfigError(f"namespace must be a non-empty str without '/', got {namespace!r}")
@@ -261,7 +285,9 @@ class PeerDirectory:
     def publish(self, record: PeerRecord) -> None:
         """Publish this member's record (under this process's index, or replacing its object)."""
         if self._multi:
-            self._coordinator.set(f"{self._directory}/{self._coordinator.process_index}", record.to_json())
+            self._coordinator.set(
+                f"{self._directory}/{self._coordinator.process_index}", record.to_json()
+            )
         else:
             key = f"{_STORE_PREFIX}{quote(record.member_id, safe='')}.json"
             self._run(self._store.put(key, record.to_json().encode(), mode="overwrite"))
@@ -278,14 +304,24 @@ class PeerDirectory:
         deadline = time.monotonic() + self._timeout_s
         count = self._coordinator.process_count
         if not wait:  # one request for all processes' records
-            return _newest(_parse_all([v for v in self._coordinator.try_get_all(self._directory, count) if v is not None]))
+            return _newest(
+                _parse_all(
+                    [
+                        v
+                        for v in self._coordinator.try_get_all(self._directory, count)
+                        if v is not None
+                    ]
+                )
+            )
         blobs = []
         for i in range(count):
             remaining = time_left(deadline)
             try:
                 blobs.append(self._coordinator.get(f"{self._directory}/{i}", timeout_s=remaining))
             except BarrierTimeoutError as e:
-                raise BarrierTimeoutError(f"process {i} did not publish its peer address: {e}") from e
+                raise BarrierTimeoutError(
+                    f"process {i} did not publish its peer address: {e}"
+                ) from e
         return _newest(_parse_all(blobs))
 
     async def _read_store(self) -> list[bytes]:
@@ -302,8 +338,15 @@ class PeerDirectory:
 # ------------------------------------------------------------------ start-up check
 
 
-def check_push_targets(coord: Coordinator, *, key: str, me: str, clients: Mapping[str, PeerClient],
-                       targets: Sequence[str], timeout_s: float) -> None:
+def check_push_targets(
+    coord: Coordinator,
+    *,
+    key: str,
+    me: str,
+    clients: Mapping[str, PeerClient],
+    targets: Sequence[str],
+    timeout_s: float,
+) -> None:
     """Fail the job's start on every process, loudly, when any host cannot reach (or
     authenticate to) a peer it pushes to: otherwise its RAM steps would silently lack their
     replicas, and a lost host would be restored from storage, an older step.
@@ -327,20 +370,31 @@ def check_push_targets(coord: Coordinator, *, key: str, me: str, clients: Mappin
         return None
 
     known = [t for t in targets if t in clients]
-    with ThreadPoolExecutor(max(1, min(_MAX_PROBES, len(known))), thread_name_prefix="fastckpt-probe") as pool:
+    with ThreadPoolExecutor(
+        max(1, min(_MAX_PROBES, len(known))), thread_name_prefix="fastckpt-probe"
+    ) as pool:
         problems = [p for p in pool.map(probe, known) if p is not None]
-    problems += [f"{me} found no published address of its peer {t}" for t in targets if t not in clients]
+    problems += [
+        f"{me} found no published address of its peer {t}" for t in targets if t not in clients
+    ]
     coord.set(f"{key}/{coord.process_index}", json.dumps(problems))
     if coord.process_index == 0:
         deadline = time.monotonic() + timeout_s
-        found = [p for i in range(coord.process_count)
-                 for p in json.loads(coord.get(f"{key}/{i}", timeout_s=time_left(deadline)))]
+        found = [
+            p
+            for i in range(coord.process_count)
+            for p in json.loads(coord.get(f"{key}/{i}", timeout_s=time_left(deadline)))
+        ]
         coord.set(f"{key}/verdict", json.dumps(found))
     found = json.loads(coord.get(f"{key}/verdict", timeout_s=timeout_s))
     if found:
         more = f" (and {len(found) - _SHOWN} more)" if len(found) > _SHOWN else ""
         raise PeersUnreachableError(
             "RAM replicas cannot work: hosts cannot reach the peers they replicate to: "
-            + "; ".join(found[:_SHOWN]) + more + ". Check RamOptions.host (default: this host's address on the "
-            "route to the jax.distributed coordinator), firewalls between the hosts, and that every process "
-            "has the same secret")
+            + "; ".join(found[:_SHOWN])
+            + more
+            + ". Check RamOptions.host (default: this host's address on the "
+            "route to the jax.distributed coordinator), firewalls between the hosts, and that "
+            "every process "
+            "has the same secret"
+        )

@@ -63,7 +63,9 @@ class StepSelection:
     member_id: str
     tier: RamTier
     _coord: Coordinator
-    _decoded: dict[int, tuple[bytes, Manifest]]  # step -> its manifest's bytes, decoded (the latest only)
+    _decoded: dict[
+        int, tuple[bytes, Manifest]
+    ]  # step -> its manifest's bytes, decoded (the latest only)
     _needed: tuple[Manifest, set[str]] | None  # chunk ids of a decoded manifest
     _lists: dict[tuple[int, str], frozenset[str]]  # (step, peer): its chunk ids, this restore
 
@@ -79,7 +81,11 @@ class StepSelection:
             try:
                 return self._decode(step, data)
             except FastckptError as e:
-                log.warning("fastckpt: a copy of RAM step %d's manifest is unusable (%s); trying the next", step, e)
+                log.warning(
+                    "fastckpt: a copy of RAM step %d's manifest is unusable (%s); trying the next",
+                    step,
+                    e,
+                )
         return None
 
     def _manifest_copies(self, step: int, sources: ManifestSources | None) -> Iterator[bytes]:
@@ -93,10 +99,14 @@ class StepSelection:
         peers = self._peers()
         asked: set[str] = set()
         if sources is not None and sources.holders:
-            parent = relay_parent(self.member_id, sources.holders, sources.relays, fanout=self.options.manifest_fanout)
+            parent = relay_parent(
+                self.member_id, sources.holders, sources.relays, fanout=self.options.manifest_fanout
+            )
             if parent is not None and parent in peers:
                 asked.add(parent)
-                data = wait_for_manifest(peers[parent], step, wait_s=self.options.manifest_relay_wait_s)
+                data = wait_for_manifest(
+                    peers[parent], step, wait_s=self.options.manifest_relay_wait_s
+                )
                 if data is not None:
                     yield data
             holders = [m for m in sources.holders if m in peers and m not in asked]
@@ -106,7 +116,9 @@ class StepSelection:
                 if (data := _manifest_of(peers[member], step)) is not None:
                     yield data
         rest = [c for m, c in peers.items() if m not in asked]
-        held = [c for c, has in self._ask_peers(lambda c: (c, step in c.manifest_steps()), rest) if has]
+        held = [
+            c for c, has in self._ask_peers(lambda c: (c, step in c.manifest_steps()), rest) if has
+        ]
         random.shuffle(held)
         for client in held:
             if (data := _manifest_of(client, step)) is not None:
@@ -116,7 +128,9 @@ class StepSelection:
         """This member's and every reachable peer's step lists (one request per peer)."""
         lists = dict(self._ask_peers(lambda c: (c.name, c.step_lists())))
         tier = self.tier
-        lists[self.member_id] = StepLists(tier.steps(), tier.committed_steps(), tier.manifest_steps())
+        lists[self.member_id] = StepLists(
+            tier.steps(), tier.committed_steps(), tier.manifest_steps()
+        )
         return lists
 
     def _survey(self) -> dict[int, ManifestSources]:
@@ -124,7 +138,9 @@ class StepSelection:
         that hold its manifest and those that hold only its commit record."""
         return manifest_sources(self._step_lists())
 
-    def _ask_peers(self, ask: Callable[[PeerClient], _T], clients: list[PeerClient] | None = None) -> list[_T]:
+    def _ask_peers(
+        self, ask: Callable[[PeerClient], _T], clients: list[PeerClient] | None = None
+    ) -> list[_T]:
         """``ask(client)`` for every peer (or ``clients``), concurrently (a job of hundreds of
         hosts, or a dead peer's connect timeout, costs one round trip, not one per peer);
         peers that fail (``PeerError``) are left out."""
@@ -139,7 +155,9 @@ class StepSelection:
         if len(clients) <= 1:
             answers = [one(c) for c in clients]
         else:
-            with ThreadPoolExecutor(min(_MAX_PEER_QUERIES, len(clients)), thread_name_prefix="fastckpt-ask") as pool:
+            with ThreadPoolExecutor(
+                min(_MAX_PEER_QUERIES, len(clients)), thread_name_prefix="fastckpt-ask"
+            ) as pool:
                 answers = list(pool.map(one, clients))
         return [a for ok, a in answers if ok]  # type: ignore[misc]
 
@@ -163,8 +181,15 @@ class StepSelection:
         self._needed = (manifest, need)
         return need
 
-    def _reachable(self, step: int, need: set[str], own: list[str], *, keys: Mapping[str, str] | None = None,
-                   manifest: Manifest | None = None) -> bool:
+    def _reachable(
+        self,
+        step: int,
+        need: set[str],
+        own: list[str],
+        *,
+        keys: Mapping[str, str] | None = None,
+        manifest: Manifest | None = None,
+    ) -> bool:
         """Whether every chunk id in ``need`` is in ``own`` (the own tier's) or a peer's chunk
         list, asking as few peers as it can: the ring successors first (one by one), then the
         writers of the missing chunks that ``keys`` (chunk id -> object key) name and their
@@ -215,20 +240,31 @@ class StepSelection:
             self._lists[key] = ids
         return ids
 
-    def _restorable(self, step: int, wanted: Callable[[Manifest], Mapping[str, str]] | None,
-                    sources: ManifestSources | None) -> Manifest | None:
+    def _restorable(
+        self,
+        step: int,
+        wanted: Callable[[Manifest], Mapping[str, str]] | None,
+        sources: ManifestSources | None,
+    ) -> Manifest | None:
         """The manifest of RAM step ``step`` if every chunk this process needs from it
         (``wanted``: chunk id -> object key; default: all of them) is reachable, else None."""
         manifest = self.manifest(step, sources)
         if manifest is None:
             return None
         own = self.tier.chunk_ids(step)
-        if len(own) >= sum(len(a.chunks) for a in manifest.arrays()) and self._chunk_ids(manifest).issubset(own):
-            return manifest  # this tier holds the whole step (one host, or a restart in place): no planning
+        if len(own) >= sum(len(a.chunks) for a in manifest.arrays()) and self._chunk_ids(
+            manifest
+        ).issubset(own):
+            # this tier holds the whole step (one host, or a restart in place): no planning
+            return manifest
         if wanted is None:
             return manifest if self._reachable(step, self._chunk_ids(manifest), own) else None
         keys = wanted(manifest)
-        return manifest if self._reachable(step, set(keys), own, keys=keys, manifest=manifest) else None
+        return (
+            manifest
+            if self._reachable(step, set(keys), own, keys=keys, manifest=manifest)
+            else None
+        )
 
     def _decode(self, step: int, data: bytes) -> Manifest:
         """``decode_manifest(data)``, reusing the last result for the same bytes: a
@@ -254,9 +290,15 @@ class StepSelection:
             with contextlib.suppress(FastckptError):  # stale (retention moved on), budget, closed
                 tier.put_manifest(step, data)
 
-    def select_step(self, persistent_latest: int | None | Callable[[], int | None], *, key: str, timeout_s: float,
-                    older_than: int | None = None,
-                    wanted: Callable[[Manifest], Mapping[str, str]] | None = None) -> StepChoice | None:
+    def select_step(
+        self,
+        persistent_latest: int | Callable[[], int | None] | None,
+        *,
+        key: str,
+        timeout_s: float,
+        older_than: int | None = None,
+        wanted: Callable[[Manifest], Mapping[str, str]] | None = None,
+    ) -> StepChoice | None:
         """Agree on the step to restore (collective): the newest RAM step newer than storage's
         latest and older than ``older_than`` from which *every* process reaches every chunk it
         needs; None when storage's latest should be used.
@@ -279,12 +321,18 @@ class StepSelection:
             sources = self._survey()
             if callable(persistent_latest):
                 persistent_latest = persistent_latest()
-            candidates = [s for s in sorted(sources, reverse=True)
-                          if (older_than is None or s < older_than) and (persistent_latest is None or s > persistent_latest)]
+            candidates = [
+                s
+                for s in sorted(sources, reverse=True)
+                if (older_than is None or s < older_than)
+                and (persistent_latest is None or s > persistent_latest)
+            ]
             if coord.process_count > 1:
                 coord.set(f"{key}/candidates", encode_candidates(candidates, sources))
         else:
-            candidates, sources = decode_candidates(coord.get(f"{key}/candidates", timeout_s=timeout_s))
+            candidates, sources = decode_candidates(
+                coord.get(f"{key}/candidates", timeout_s=timeout_s)
+            )
         verdicts: dict[int, Manifest | None] = {}
         bound: int | None = None
         for round_ in itertools.count():
@@ -299,7 +347,9 @@ class StepSelection:
                     if verdicts[step] is not None:
                         mine = str(step)
                         break
-            except Exception as e:  # ``wanted`` failed (e.g. the target does not match): tell the others
+            except (
+                Exception
+            ) as e:  # ``wanted`` failed (e.g. the target does not match): tell the others
                 error, mine = e, f"error {type(e).__name__}: {e}"[:500]
             named = coord.exchange(f"{key}/round{round_}", mine, timeout_s=time_left(deadline))
             if error is not None:
@@ -307,7 +357,9 @@ class StepSelection:
             failed = [(i, v) for i, v in enumerate(named) if v.startswith("error ")]
             if failed:
                 i, v = failed[0]
-                raise DistributedError(f"process {i} could not check the RAM steps for its restore: {v[6:]}")
+                raise DistributedError(
+                    f"process {i} could not check the RAM steps for its restore: {v[6:]}"
+                )
             if "none" in named:
                 return None
             steps = [int(v) for v in named]
@@ -322,12 +374,20 @@ class StepSelection:
         selection fetched (the holders of what this host needs), then the rest in directory
         order."""
         peers = self._peers()
-        first = push_targets([self.member_id, *peers], max(1, self.options.replicas), domain_of=host_domain).get(
-            self.member_id, []) if peers else []
+        first = (
+            push_targets(
+                [self.member_id, *peers], max(1, self.options.replicas), domain_of=host_domain
+            ).get(self.member_id, [])
+            if peers
+            else []
+        )
         listed = {name for _, name in self._lists}
         rest = [m for m in peers if m not in first]
-        return ([peers[m] for m in first if m in peers] + [peers[m] for m in rest if m in listed]
-                + [peers[m] for m in rest if m not in listed])
+        return (
+            [peers[m] for m in first if m in peers]
+            + [peers[m] for m in rest if m in listed]
+            + [peers[m] for m in rest if m not in listed]
+        )
 
     def source(self) -> TieredChunkSource:
         """Per-chunk source: own RAM first, then every peer (listing-guided) in

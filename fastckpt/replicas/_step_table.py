@@ -56,7 +56,11 @@ def load_index(st: StepState, index_path: Path) -> None:
         doc = json.loads(index_path.read_text())
         data_name = doc["data"]
         nbytes = doc["nbytes"]
-        if doc.get("version") != INDEX_VERSION or "/" in data_name or not data_name.endswith(DATA_SUFFIX):
+        if (
+            doc.get("version") != INDEX_VERSION
+            or "/" in data_name
+            or not data_name.endswith(DATA_SUFFIX)
+        ):
             raise ValueError("bad index")
         data_path = index_path.parent / data_name
         if data_path.stat().st_size != nbytes:
@@ -106,7 +110,11 @@ def scan_root(root: Path, *, recycle: bool) -> tuple[dict[Path, int], dict[int, 
             elif p.name == COMMIT:
                 st.committed = True
         for p in d.iterdir():  # data without index, partial temp files: crash debris
-            if p.name not in (MANIFEST, COMMIT) and not p.name.endswith(INDEX_SUFFIX) and p.name not in st.segments:
+            if (
+                p.name not in (MANIFEST, COMMIT)
+                and not p.name.endswith(INDEX_SUFFIX)
+                and p.name not in st.segments
+            ):
                 unlink(p)
         if st.segments or st.committed:
             steps[step] = st
@@ -158,7 +166,9 @@ class StepTable:
         view = seg.slice(loc.offset, loc.length, self._prefault)
         return None if view is None else (view, loc)  # None: dropped meanwhile
 
-    def lend_span(self, step: int, chunk_ids: Sequence[str]) -> tuple[memoryview, list[ChunkLocation]] | None:
+    def lend_span(
+        self, step: int, chunk_ids: Sequence[str]
+    ) -> tuple[memoryview, list[ChunkLocation]] | None:
         """A read-only view spanning ``chunk_ids``, which must lie back to back in one segment.
 
         For zero-copy restores: the caller may keep the view (e.g. a host platform's
@@ -174,8 +184,9 @@ class StepTable:
         """
         return self.lend_spans(step, [chunk_ids])[0]
 
-    def lend_spans(self, step: int, groups: Sequence[Sequence[str]]
-                   ) -> list[tuple[memoryview, list[ChunkLocation]] | None]:
+    def lend_spans(
+        self, step: int, groups: Sequence[Sequence[str]]
+    ) -> list[tuple[memoryview, list[ChunkLocation]] | None]:
         """:meth:`lend_span` for several groups of chunks at once: one acquisition of the
         tier's lock and one of each segment's (a restore lends thousands of groups from
         one segment; a lock per group made its threads queue on it)."""
@@ -223,7 +234,9 @@ class StepTable:
             hit = st.chunks.get(chunk_id) if st else None
         return hit[1] if hit else None
 
-    def has_chunk(self, step: int, chunk_id: str, *, length: int | None = None, raw_crc32c: int | None = None) -> bool:
+    def has_chunk(
+        self, step: int, chunk_id: str, *, length: int | None = None, raw_crc32c: int | None = None
+    ) -> bool:
         """Whether a sealed chunk exists (and, if given, has this length and crc32c)."""
         loc = self.chunk_location(step, chunk_id)
         return (

@@ -32,7 +32,15 @@ from pathlib import Path
 
 from fastckpt.errors import ConfigError
 
-__all__ = ["ChunkLocation", "atomic_write", "claim_tier_dir", "index_document", "new_name", "parse_step_dir", "unlink"]
+__all__ = [
+    "ChunkLocation",
+    "atomic_write",
+    "claim_tier_dir",
+    "index_document",
+    "new_name",
+    "parse_step_dir",
+    "unlink",
+]
 
 INDEX_SUFFIX = ".index.json"
 DATA_SUFFIX = ".data"
@@ -68,11 +76,15 @@ def claim_tier_dir(root: str | Path) -> Path:
         except FileNotFoundError:
             break
         if st.st_uid not in (0, euid):
-            raise ConfigError(f"RAM tier {path}: its ancestor {ancestor} belongs to uid {st.st_uid}, who could "
-                              "replace the tier's directory; use a directory of your own")
+            raise ConfigError(
+                f"RAM tier {path}: its ancestor {ancestor} belongs to uid {st.st_uid}, who could "
+                "replace the tier's directory; use a directory of your own"
+            )
         if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
-            raise ConfigError(f"RAM tier {path}: its ancestor {ancestor} is writable by others and not sticky "
-                              f"(mode {stat.S_IMODE(st.st_mode):o}), so others could replace the tier's directory")
+            raise ConfigError(
+                f"RAM tier {path}: its ancestor {ancestor} is writable by others and not sticky "
+                f"(mode {stat.S_IMODE(st.st_mode):o}), so others could replace the tier's directory"
+            )
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         os.mkdir(path, 0o700)
@@ -80,18 +92,26 @@ def claim_tier_dir(root: str | Path) -> Path:
         pass
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode):
-        raise ConfigError(f"RAM tier {path} is a symlink; a tier directory must be a real directory")
+        raise ConfigError(
+            f"RAM tier {path} is a symlink; a tier directory must be a real directory"
+        )
     if not stat.S_ISDIR(st.st_mode):
         raise ConfigError(f"RAM tier {path} exists and is not a directory")
     if st.st_uid != euid:
-        raise ConfigError(f"RAM tier {path} belongs to uid {st.st_uid}, not to this process's uid {euid}")
+        raise ConfigError(
+            f"RAM tier {path} belongs to uid {st.st_uid}, not to this process's uid {euid}"
+        )
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise ConfigError(f"RAM tier {path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}): "
-                          "others could plant chunks in it; it must be 0700")
+        raise ConfigError(
+            f"RAM tier {path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}): "
+            "others could plant chunks in it; it must be 0700"
+        )
     return path
 
 
-def index_document(step: int, data_name: str, nbytes: int, index: dict[str, ChunkLocation]) -> bytes:
+def index_document(
+    step: int, data_name: str, nbytes: int, index: dict[str, ChunkLocation]
+) -> bytes:
     """The JSON index of a segment."""
     doc = {
         "version": INDEX_VERSION,

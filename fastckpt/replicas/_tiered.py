@@ -33,7 +33,7 @@ from fastckpt.replicas._replicator import ReplicationReport, Replicator
 from fastckpt.replicas._server import PeerServer
 from fastckpt.replicas._startup import PeerDirectory, check_push_targets, make_record, peer_address
 from fastckpt.replicas._step_selection import StepSelection
-from fastckpt.storage._protocol import Store
+from fastckpt.storage import Store
 from fastckpt.writer.commit import CommitRound, CoordinatorFragments
 from fastckpt.writer.fragment import ChunkRows, ProcessChunks
 from fastckpt.writer.stage import StagedSave
@@ -49,23 +49,43 @@ class RamReplication(StepSelection):
 
     name = "ram"
 
-    def __init__(self, options: RamOptions, *, coordinator: Coordinator, store: Store, namespace: str,
-                 run: Callable[[Any], Any]) -> None:
+    def __init__(
+        self,
+        options: RamOptions,
+        *,
+        coordinator: Coordinator,
+        store: Store,
+        namespace: str,
+        run: Callable[[Any], Any],
+    ) -> None:
         self.options = options
         self.member_id = options.member_id or os.path.basename(os.path.normpath(options.root))
         self._coord = coordinator
         multi = coordinator.process_count > 1
         if options.secret is None and multi and options.replicas > 0:
-            raise ConfigError(f"RamOptions(replicas={options.replicas}) needs the job's peer secret in a multi-process "
-                              "job: RamOptions(secret=fastckpt.peer_secret_from_env(), ...) with FASTCKPT_PEER_SECRET "
-                              "set by the launcher, or replicas=0 (each host keeps only its own RAM copy)")
-        self.tier = RamTier(options.root, budget_bytes=options.budget_bytes, keep_steps=options.keep_steps,
-                            replicated=options.secret is not None and options.replicas > 0)
-        self._peer_options = PeerOptions(connect_timeout_s=options.peer_connect_timeout_s,
-                                         io_timeout_s=options.peer_io_timeout_s)
+            raise ConfigError(
+                f"RamOptions(replicas={options.replicas}) needs the job's peer secret in a "
+                "multi-process "
+                "job: RamOptions(secret=fastckpt.peer_secret_from_env(), ...) with "
+                "FASTCKPT_PEER_SECRET "
+                "set by the launcher, or replicas=0 (each host keeps only its own RAM copy)"
+            )
+        self.tier = RamTier(
+            options.root,
+            budget_bytes=options.budget_bytes,
+            keep_steps=options.keep_steps,
+            replicated=options.secret is not None and options.replicas > 0,
+        )
+        self._peer_options = PeerOptions(
+            connect_timeout_s=options.peer_connect_timeout_s, io_timeout_s=options.peer_io_timeout_s
+        )
         self._segment: Segment | None = None
         self._sealed_ids: list[str] = []
-        self._decoded, self._needed, self._lists = {}, None, {}  # the restore side's (StepSelection)
+        self._decoded, self._needed, self._lists = (
+            {},
+            None,
+            {},
+        )  # the restore side's (StepSelection)
         self._held: int | None = None  # the step whose manifest commit() stored
         self._clients: dict[str, PeerClient] = {}
         self._server: PeerServer | None = None
@@ -79,27 +99,53 @@ class RamReplication(StepSelection):
             self.close()
             raise
 
-    def _start_peers(self, options: RamOptions, coordinator: Coordinator, store: Store, namespace: str,
-                     run: Callable[[Any], Any]) -> None:
+    def _start_peers(
+        self,
+        options: RamOptions,
+        coordinator: Coordinator,
+        store: Store,
+        namespace: str,
+        run: Callable[[Any], Any],
+    ) -> None:
         """With a secret: serve the tier, publish where, and check the push targets."""
         if options.secret is None:
             return
         multi = coordinator.process_count > 1
-        address = peer_address(options.host, service_address=coordinator.service_address,
-                               process_count=coordinator.process_count)
-        self._server = PeerServer(self.tier, secret=options.secret, host=address.bind, port=options.port,
-                                  options=self._peer_options).start()
-        self._directory = PeerDirectory(coordinator, store, run=run, namespace=namespace.replace("/", "-"),
-                                        timeout_s=options.discovery_timeout_s)
+        address = peer_address(
+            options.host,
+            service_address=coordinator.service_address,
+            process_count=coordinator.process_count,
+        )
+        self._server = PeerServer(
+            self.tier,
+            secret=options.secret,
+            host=address.bind,
+            port=options.port,
+            options=self._peer_options,
+        ).start()
+        self._directory = PeerDirectory(
+            coordinator,
+            store,
+            run=run,
+            namespace=namespace.replace("/", "-"),
+            timeout_s=options.discovery_timeout_s,
+        )
         self.advertised = (address.advertise, self._server.address[1])
         self._directory.publish(make_record(self.member_id, self.advertised))
         self._replicator = Replicator(self.tier)
         if multi and options.replicas > 0:
             peers = self._peers()
-            targets = push_targets([self.member_id, *peers], options.replicas, domain_of=host_domain)
-            check_push_targets(coordinator, key=f"{namespace}/peercheck", clients=peers,
-                               targets=targets.get(self.member_id, []), timeout_s=options.discovery_timeout_s,
-                               me=f"{self.member_id} ({self.advertised[0]}:{self.advertised[1]})")
+            targets = push_targets(
+                [self.member_id, *peers], options.replicas, domain_of=host_domain
+            )
+            check_push_targets(
+                coordinator,
+                key=f"{namespace}/peercheck",
+                clients=peers,
+                targets=targets.get(self.member_id, []),
+                timeout_s=options.discovery_timeout_s,
+                me=f"{self.member_id} ({self.advertised[0]}:{self.advertised[1]})",
+            )
 
     # ------------------------------------------------------------------ peers
     def _peers(self) -> dict[str, PeerClient]:
@@ -109,8 +155,12 @@ class RamReplication(StepSelection):
         if not self._clients:
             for member, rec in self._directory.lookup().items():
                 if member != self.member_id:
-                    self._clients[member] = PeerClient(rec.address, secret=self.options.secret,
-                                                       options=self._peer_options, name=member)
+                    self._clients[member] = PeerClient(
+                        rec.address,
+                        secret=self.options.secret,
+                        options=self._peer_options,
+                        name=member,
+                    )
         return self._clients
 
     def forget_peers(self) -> None:
@@ -135,8 +185,11 @@ class RamReplication(StepSelection):
         self.abort()
         abandoned = [s for s in self.tier.steps() if s >= step]
         if abandoned:
-            log.warning("fastckpt: dropping RAM steps %s of an abandoned timeline before saving step %d",
-                        abandoned, step)
+            log.warning(
+                "fastckpt: dropping RAM steps %s of an abandoned timeline before saving step %d",
+                abandoned,
+                step,
+            )
             for s in abandoned:
                 self.tier.drop_step(s)
             self._decoded = {}
@@ -168,14 +221,18 @@ class RamReplication(StepSelection):
         for ai, arr in enumerate(staged.arrays):
             prefix = chunk_id_prefix(arr.path)
             for off, item, crc in zip(arr.item_offsets, arr.items, raw_crcs[ai]):
-                index[chunk_id(arr.path, item.box, prefix=prefix)] = ChunkLocation(off, item.nbytes, crc)
+                index[chunk_id(arr.path, item.box, prefix=prefix)] = ChunkLocation(
+                    off, item.nbytes, crc
+                )
                 rows.add(ai, item.box, key, off, item.nbytes, "raw", crc, crc)
         self.tier.seal(step, seg, index)  # refused or failed: the segment stays here for abort()
         self._segment = None
         self._sealed_ids = list(index)
         return rows.build()
 
-    def commit(self, commit_round: CommitRound, raw_crcs: dict[int, list[int]], metadata: dict[str, object]) -> None:
+    def commit(
+        self, commit_round: CommitRound, raw_crcs: dict[int, list[int]], metadata: dict[str, object]
+    ) -> None:
         """:meth:`seal`, the commit round (fragments through the coordinator; process 0 stores the
         manifest first, and sends it to the others only without a peer service, else it travels
         with its push), then :meth:`publish`."""
@@ -186,9 +243,14 @@ class RamReplication(StepSelection):
             self.tier.put_manifest(step, manifest)
             self._held = step
 
-        manifest = commit_round.commit(chunks, route=CoordinatorFragments(round=commit_round), publish=hold,
-                                       metadata={**metadata, _TIER_KEY: self.name}, validate=False,
-                                       share=self._server is None)
+        manifest = commit_round.commit(
+            chunks,
+            route=CoordinatorFragments(round=commit_round),
+            publish=hold,
+            metadata={**metadata, _TIER_KEY: self.name},
+            validate=False,
+            share=self._server is None,
+        )
         self.publish(step, manifest)
 
     def publish(self, step: int, manifest: bytes | None) -> None:
@@ -202,8 +264,9 @@ class RamReplication(StepSelection):
         if self._replicator is None or self.options.replicas == 0:
             return
         peers = self._peers()
-        targets = push_targets([self.member_id, *peers], self.options.replicas, domain_of=host_domain).get(
-            self.member_id, [])
+        targets = push_targets(
+            [self.member_id, *peers], self.options.replicas, domain_of=host_domain
+        ).get(self.member_id, [])
         self._replicator.set_targets({m: peers[m] for m in targets if m in peers})
         self._replicator.submit(step, chunk_ids=self._sealed_ids, manifest=manifest)
 
@@ -212,7 +275,7 @@ class RamReplication(StepSelection):
         next save does not create its segment file while the step waits; failures are logged."""
         try:
             self.tier.provision(nbytes)
-        except Exception as e:  # noqa: BLE001 - only a lost optimisation: the next save creates its own
+        except Exception as e:
             log.warning("fastckpt: could not provision a RAM segment: %s", e)
 
     def wait_pushed(self) -> float:
@@ -235,7 +298,8 @@ class RamReplication(StepSelection):
         oldest first (errors are in them and logged, not raised)."""
         return self._replicator.wait(timeout_s) if self._replicator is not None else []
 
-    # ------------------------------------------------------------------ restore (more in StepSelection)
+    # ------------------------------------------------------------------ restore (more in
+    # StepSelection)
     def holds_alone(self, manifest: Manifest) -> bool:
         """Whether ``manifest`` is of a RAM-only step (storage does not hold it)."""
         return manifest.metadata.get(_TIER_KEY) == self.name
@@ -249,4 +313,3 @@ class RamReplication(StepSelection):
         if self._server is not None:
             self._server.close()
         self.tier.close()
-

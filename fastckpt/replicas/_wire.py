@@ -57,17 +57,17 @@ __all__ = [
     "PAYLOAD_TYPES",
     "PREFIX",
     "SCHEMAS",
+    "TAG_BYTES",
     "VERSION",
     "Frame",
     "FramePrefix",
     "FrameTooLargeError",
     "MsgType",
     "SessionKeys",
-    "TAG_BYTES",
     "WireLimits",
     "check_chunk_id",
-    "decode_frame",
     "decode_distinct_ids",
+    "decode_frame",
     "decode_header",
     "decode_id_batch",
     "decode_json_list",
@@ -165,7 +165,13 @@ SCHEMAS: Mapping[MsgType, Mapping[str, str]] = {
     MsgType.OK: {"stored": "bool"},
     # Payload: a JSON array of ``count`` chunk ids (``ids_len`` bytes), then the chunks'
     # bytes back to back in that order; ``lengths[i]``/``crcs[i]`` describe chunk ``i``.
-    MsgType.PUT_CHUNKS: {"step": "u63", "count": "u63", "ids_len": "u63", "lengths": "u63[]", "crcs": "u32[]"},
+    MsgType.PUT_CHUNKS: {
+        "step": "u63",
+        "count": "u63",
+        "ids_len": "u63",
+        "lengths": "u63[]",
+        "crcs": "u32[]",
+    },
     # Payload: a JSON array of ``count`` (<= MAX_BATCH_CHUNKS) distinct chunk ids.
     MsgType.GET_CHUNKS: {"step": "u63", "count": "u63"},
     # One entry per requested id, in request order; ``missing`` lists the indexes the server
@@ -175,7 +181,13 @@ SCHEMAS: Mapping[MsgType, Mapping[str, str]] = {
     # Payload: a JSON array of ``count`` (<= MAX_BATCH_CHUNKS) distinct chunk ids. Chunk ``i``
     # asks for ``runs[i]`` (>= 1) byte ranges ``[starts[j], stops[j])``, ascending and disjoint;
     # ``starts``/``stops`` hold every chunk's in turn (at most MAX_BATCH_RUNS in all).
-    MsgType.GET_RANGES: {"step": "u63", "count": "u63", "runs": "u63[]", "starts": "u63[]", "stops": "u63[]"},
+    MsgType.GET_RANGES: {
+        "step": "u63",
+        "count": "u63",
+        "runs": "u63[]",
+        "starts": "u63[]",
+        "stops": "u63[]",
+    },
     # One ``lengths`` entry per requested id, in request order (the held chunk's length);
     # ``gaps``: for each held chunk in turn, the crc32c of its bytes before, between and after
     # its ranges (runs + 1 values); ``missing`` lists the indexes the server does not hold or
@@ -185,13 +197,34 @@ SCHEMAS: Mapping[MsgType, Mapping[str, str]] = {
 }
 
 #: Message types that may carry a payload; every other type must have ``payload_len == 0``.
-PAYLOAD_TYPES = frozenset({MsgType.CHUNK, MsgType.PUT_CHUNK, MsgType.PUT_CHUNKS, MsgType.CHUNK_LIST, MsgType.MANIFEST,
-                           MsgType.PUT_MANIFEST, MsgType.GET_CHUNKS, MsgType.CHUNKS, MsgType.GET_RANGES,
-                           MsgType.RANGES})
+PAYLOAD_TYPES = frozenset(
+    {
+        MsgType.CHUNK,
+        MsgType.PUT_CHUNK,
+        MsgType.PUT_CHUNKS,
+        MsgType.CHUNK_LIST,
+        MsgType.MANIFEST,
+        MsgType.PUT_MANIFEST,
+        MsgType.GET_CHUNKS,
+        MsgType.CHUNKS,
+        MsgType.GET_RANGES,
+        MsgType.RANGES,
+    }
+)
 
 #: ERROR codes a server sends. Clients map them onto the :mod:`fastckpt.errors` tree.
 ERROR_CODES = frozenset(
-    {"not_found", "bad_request", "too_large", "auth_failed", "stale_step", "budget", "checksum_mismatch", "busy", "internal"}
+    {
+        "not_found",
+        "bad_request",
+        "too_large",
+        "auth_failed",
+        "stale_step",
+        "budget",
+        "checksum_mismatch",
+        "busy",
+        "internal",
+    }
 )
 
 
@@ -250,8 +283,9 @@ class SessionKeys:
     """AES-256 key of the server → client frame tags."""
 
 
-def session_keys(secret: bytes, *, client_nonce: bytes, server_nonce: bytes,
-                 frame_mac: bool) -> SessionKeys:
+def session_keys(
+    secret: bytes, *, client_nonce: bytes, server_nonce: bytes, frame_mac: bool
+) -> SessionKeys:
     """The handshake proofs and frame keys of one connection (HMAC-SHA256, distinct labels)::
 
         transcript = "fastckpt-peer-v2" 0x00 | VERSION u8 | frame_mac u8 | Nc (32) | Ns (32)
@@ -275,9 +309,12 @@ def session_keys(secret: bytes, *, client_nonce: bytes, server_nonce: bytes,
     def label(name: bytes) -> bytes:
         return hmac.new(master, name, hashlib.sha256).digest()
 
-    return SessionKeys(server_proof=label(b"server proof"), client_proof=label(b"client proof"),
-                       client_key=label(b"client->server frame key"),
-                       server_key=label(b"server->client frame key"))
+    return SessionKeys(
+        server_proof=label(b"server proof"),
+        client_proof=label(b"client proof"),
+        client_key=label(b"client->server frame key"),
+        server_key=label(b"server->client frame key"),
+    )
 
 
 def tag_nonce(part: int, seq: int) -> bytes:
@@ -309,9 +346,12 @@ def spans_fit(spans: Iterable[tuple[int, int]], length: int) -> bool:
 
 
 def check_chunk_id(chunk_id: str) -> str:
-    """Return ``chunk_id`` if the protocol can carry it, else raise ``ConfigError`` (a caller bug)."""
+    """Return ``chunk_id`` if the protocol can carry it, else raise ``ConfigError`` (a caller
+    bug)."""
     if not _check_value("str", chunk_id):
-        raise ConfigError(f"chunk id must be a non-empty str of <= {MAX_CHUNK_ID_CHARS} chars without NUL")
+        raise ConfigError(
+            f"chunk id must be a non-empty str of <= {MAX_CHUNK_ID_CHARS} chars without NUL"
+        )
     return chunk_id
 
 
@@ -337,7 +377,9 @@ def decode_prefix(data: bytes | bytearray | memoryview, limits: WireLimits) -> F
     if magic != MAGIC:
         raise ProtocolError("bad frame magic (not a fastckpt peer)")
     if version != VERSION:
-        raise ProtocolError(f"unsupported peer protocol version {version} (this side speaks {VERSION})")
+        raise ProtocolError(
+            f"unsupported peer protocol version {version} (this side speaks {VERSION})"
+        )
     try:
         msg_type = MsgType(mtype)
     except ValueError:
@@ -345,11 +387,15 @@ def decode_prefix(data: bytes | bytearray | memoryview, limits: WireLimits) -> F
     if flags:
         raise ProtocolError(f"unknown frame flags {flags:#x}")
     if header_len > limits.max_header_bytes:
-        raise FrameTooLargeError(f"header of {header_len} bytes exceeds the limit of {limits.max_header_bytes}")
+        raise FrameTooLargeError(
+            f"header of {header_len} bytes exceeds the limit of {limits.max_header_bytes}"
+        )
     if payload_len and msg_type not in PAYLOAD_TYPES:
         raise ProtocolError(f"{msg_type.name} must not carry a payload")
     if payload_len > limits.max_payload_bytes:
-        raise FrameTooLargeError(f"payload of {payload_len} bytes exceeds the limit of {limits.max_payload_bytes}")
+        raise FrameTooLargeError(
+            f"payload of {payload_len} bytes exceeds the limit of {limits.max_payload_bytes}"
+        )
     return FramePrefix(msg_type, header_len, payload_len)
 
 
@@ -406,7 +452,9 @@ def _check_fields(msg_type: MsgType, header: dict[str, Any]) -> None:
         raise ProtocolError(f"{msg_type.name} header fields: missing {missing}, unexpected {extra}")
     for name, kind in schema.items():
         if not _check_value(kind, header[name]):
-            raise ProtocolError(f"{msg_type.name}.{name} is not a valid {kind}: {header[name]!r:.80}")
+            raise ProtocolError(
+                f"{msg_type.name}.{name} is not a valid {kind}: {header[name]!r:.80}"
+            )
 
 
 def decode_header(msg_type: MsgType, raw: bytes | bytearray | memoryview) -> dict[str, Any]:
@@ -421,13 +469,20 @@ def decode_header(msg_type: MsgType, raw: bytes | bytearray | memoryview) -> dic
 def decode_json_list(raw: bytes | bytearray | memoryview, *, count: int) -> list[str]:
     """Decode a CHUNK_LIST payload: a JSON array of exactly ``count`` non-empty strings."""
     value = _loads(raw, "chunk list")
-    if type(value) is not list or len(value) != count or not all(_check_value("str", v) for v in value):
+    if (
+        type(value) is not list
+        or len(value) != count
+        or not all(_check_value("str", v) for v in value)
+    ):
         raise ProtocolError(f"chunk list must be a JSON array of {count} chunk ids")
     return value
 
 
-def decode_id_batch(raw: bytes | bytearray | memoryview, *, count: int, what: str = "GET_CHUNKS") -> list[str]:
-    """Decode a GET_CHUNKS (or GET_RANGES) payload: ``count`` (1..MAX_BATCH_CHUNKS) distinct chunk ids."""
+def decode_id_batch(
+    raw: bytes | bytearray | memoryview, *, count: int, what: str = "GET_CHUNKS"
+) -> list[str]:
+    """Decode a GET_CHUNKS (or GET_RANGES) payload: ``count`` (1..MAX_BATCH_CHUNKS) distinct
+    chunk ids."""
     if not 0 < count <= MAX_BATCH_CHUNKS:
         raise ProtocolError(f"{what} asks for {count} chunks (1..{MAX_BATCH_CHUNKS} allowed)")
     return decode_distinct_ids(raw, count=count, what=what)
@@ -451,7 +506,9 @@ def decode_frame(data: bytes | bytearray | memoryview, limits: WireLimits) -> Fr
     """Decode exactly one whole frame from ``data`` (no bytes missing, none left over)."""
     data = bytes(data)
     if len(data) < PREFIX.size:
-        raise ProtocolError(f"truncated frame: {len(data)} bytes, the prefix alone is {PREFIX.size}")
+        raise ProtocolError(
+            f"truncated frame: {len(data)} bytes, the prefix alone is {PREFIX.size}"
+        )
     prefix = decode_prefix(data[: PREFIX.size], limits)
     end = PREFIX.size + prefix.header_len + prefix.payload_len
     if len(data) != end:

@@ -23,8 +23,13 @@ from fastckpt.replicas._wire import MsgType
 SECRET = b"test-secret-0123456789abcdef"
 
 
-def raw_handshake(addr: tuple[str, int], secret: bytes = SECRET, nonce: bytes | None = None, *,
-                  frame_mac: bool = True) -> tuple[Channel, MsgType, dict, bytes]:  # type: ignore[type-arg]
+def raw_handshake(
+    addr: tuple[str, int],
+    secret: bytes = SECRET,
+    nonce: bytes | None = None,
+    *,
+    frame_mac: bool = True,
+) -> tuple[Channel, MsgType, dict, bytes]:  # type: ignore[type-arg]
     """Handshake by hand, sending AUTH whatever the server proved (a client with ``secret``):
     returns (a channel with the keys ``secret`` derives, reply type, reply header, server
     nonce). Send raw bytes with ``chan.sock``, tagged frames with ``chan.encode``/``tag_raw``."""
@@ -36,8 +41,13 @@ def raw_handshake(addr: tuple[str, int], secret: bytes = SECRET, nonce: bytes | 
     keys = wire.session_keys(secret, client_nonce=cn, server_nonce=sn, frame_mac=frame_mac)
     send_frame(s, MsgType.AUTH, {"mac": keys.client_proof.hex()})
     t, h, _ = recv_frame_head(s, wire.AUTH_LIMITS)
-    chan = Channel(s, limits=wire.WireLimits(), role="client", send_key=keys.client_key if frame_mac else None,
-                   recv_key=keys.server_key if frame_mac else None)
+    chan = Channel(
+        s,
+        limits=wire.WireLimits(),
+        role="client",
+        send_key=keys.client_key if frame_mac else None,
+        recv_key=keys.server_key if frame_mac else None,
+    )
     return chan, t, h, sn
 
 
@@ -67,7 +77,9 @@ def fill(step: int, sizes: dict[str, int], seed: int = 0) -> dict[str, np.ndarra
     return {cid: np.frombuffer(rng.bytes(n), np.uint8).copy() for cid, n in sizes.items()}
 
 
-def seal_chunks(tier: RamTier, step: int, chunks: dict[str, np.ndarray]) -> dict[str, ChunkLocation]:
+def seal_chunks(
+    tier: RamTier, step: int, chunks: dict[str, np.ndarray]
+) -> dict[str, ChunkLocation]:
     """Stage ``chunks`` into one segment of ``tier`` and seal it; returns the index."""
     total = sum(a.nbytes for a in chunks.values())
     seg = tier.allocate(step, total)
@@ -100,7 +112,9 @@ def make_server() -> Iterator[Callable[..., PeerServer]]:
     """``make_server(tier, secret=SECRET, options=...)``: started servers, closed after the test."""
     servers: list[PeerServer] = []
 
-    def make(tier: RamTier, *, secret: bytes = SECRET, options: PeerOptions | None = None) -> PeerServer:
+    def make(
+        tier: RamTier, *, secret: bytes = SECRET, options: PeerOptions | None = None
+    ) -> PeerServer:
         server = PeerServer(tier, secret=secret, options=options).start()
         servers.append(server)
         return server

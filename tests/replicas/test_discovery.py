@@ -16,7 +16,13 @@ from fastckpt.storage import MemoryStore
 def test_record_round_trip_and_validation() -> None:
     r = make_record("host-a/0", ("10.0.0.1", 4242))
     assert PeerRecord.from_json(r.to_json()) == r and r.address == ("10.0.0.1", 4242)
-    for bad in ("", "[]", '{"version": 2}', r.to_json().replace("4242", '"x"'), r.to_json().replace("4242", "0")):
+    for bad in (
+        "",
+        "[]",
+        '{"version": 2}',
+        r.to_json().replace("4242", '"x"'),
+        r.to_json().replace("4242", "0"),
+    ):
         with pytest.raises(ProtocolError):
             PeerRecord.from_json(bad)
     with pytest.raises(ConfigError):
@@ -28,7 +34,7 @@ def _two_processes(index: int, kv: LocalCoordinator | None = None) -> LocalCoord
     coord = LocalCoordinator()
     coord.process_index, coord.process_count = index, 2
     if kv is not None:
-        coord._kv = kv._kv  # noqa: SLF001
+        coord._kv = kv._kv
     return coord
 
 
@@ -57,7 +63,10 @@ def test_one_process_publishes_in_the_store_and_the_newest_record_wins() -> None
     b0 = make_record("host/b:0", ("127.0.0.1", 2000))
     d.publish(a0)
     d.publish(b0)
-    assert sorted(asyncio.run(store.list("_peers/"))) == ["_peers/host%2Fa%3A0.json", "_peers/host%2Fb%3A0.json"]
+    assert sorted(asyncio.run(store.list("_peers/"))) == [
+        "_peers/host%2Fa%3A0.json",
+        "_peers/host%2Fb%3A0.json",
+    ]
     # another one-process job (or a restarted member) sharing the store finds them
     other = PeerDirectory(LocalCoordinator(), store, run=asyncio.run)
     assert other.lookup() == {"host/a:0": a0, "host/b:0": b0}
@@ -72,18 +81,27 @@ def test_unparsable_records_are_skipped_and_the_newest_wins() -> None:
     old = PeerRecord(member_id="m", host="h", port=1, incarnation="a", published_unix=1.0)
     new = PeerRecord(member_id="m", host="h", port=2, incarnation="b", published_unix=2.0)
     d.publish(new)
-    asyncio.run(store.put("_peers/stale.json", old.to_json().encode()))  # e.g. left by an earlier incarnation
+    asyncio.run(
+        store.put("_peers/stale.json", old.to_json().encode())
+    )  # e.g. left by an earlier incarnation
     asyncio.run(store.put("_peers/garbage.json", b"garbage"))
     assert d.lookup() == {"m": new}
 
 
-@pytest.mark.parametrize("text", [
-    "[" * 100000 + "]" * 100000,  # nesting beyond the parser's recursion limit
-    '{"version": 1, "member_id": "m", "host": "h", "port": 1, "incarnation": "i", "published_unix": Infinity}',
-    '{"version": 1, "member_id": "m", "host": "h", "port": 1, "incarnation": "i", "published_unix": NaN}',
-    '{"version": 1, "member_id": "m", "host": "h", "port": 1, "incarnation": "i", "published_unix": 1e400}',
-    '{"version": 1, "member_id": "m", "host": "h", "port": 1, "incarnation": "i", "published_unix": true}',
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[" * 100000 + "]" * 100000,  # nesting beyond the parser's recursion limit
+        '{"version": 1, "member_id": "m", "host": "h", "port": 1, "incarnation": "i", '
+        '"published_unix": Infinity}',
+        '{"version": 1, "member_id": "m", "host": "h", "port": 1, "incarnation": "i", '
+        '"published_unix": NaN}',
+        '{"version": 1, "member_id": "m", "host": "h", "port": 1, "incarnation": "i", '
+        '"published_unix": 1e400}',
+        '{"version": 1, "member_id": "m", "host": "h", "port": 1, "incarnation": "i", '
+        '"published_unix": true}',
+    ],
+)
 def test_malformed_records_are_protocol_errors(text: str) -> None:
     """Every malformed record is a ProtocolError (skipped by the directory), and a record
     stamped with a non-finite time cannot outrank every later republish."""

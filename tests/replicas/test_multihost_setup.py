@@ -52,20 +52,29 @@ def test_the_default_address_is_the_route_to_the_coordinator() -> None:
     assert route_source_address("127.0.0.1", 9) == "127.0.0.1"
     assert route_source_address("::1", 9) == "::1"
     # A coordinator on loopback: the job runs on one host, so loopback is reachable by all.
-    assert peer_address(None, service_address="127.0.0.1:9", process_count=4) == ("127.0.0.1", "127.0.0.1")
+    assert peer_address(None, service_address="127.0.0.1:9", process_count=4) == (
+        "127.0.0.1",
+        "127.0.0.1",
+    )
     assert peer_address(None, service_address="[::1]:9", process_count=4) == ("::1", "::1")
     # Alone and without a coordination service: loopback.
     assert peer_address(None, service_address=None, process_count=1) == ("127.0.0.1", "127.0.0.1")
 
 
 def test_an_explicit_address_wins_and_a_wildcard_binds_all_but_advertises_the_route() -> None:
-    assert peer_address("10.9.8.7", service_address="127.0.0.1:9", process_count=4) == ("10.9.8.7", "10.9.8.7")
-    assert peer_address("0.0.0.0", service_address="127.0.0.1:9", process_count=4) == ("0.0.0.0", "127.0.0.1")
+    assert peer_address("10.9.8.7", service_address="127.0.0.1:9", process_count=4) == (
+        "10.9.8.7",
+        "10.9.8.7",
+    )
+    assert peer_address("0.0.0.0", service_address="127.0.0.1:9", process_count=4) == (
+        "0.0.0.0",
+        "127.0.0.1",
+    )
     assert peer_address("::", service_address="[::1]:9", process_count=4) == ("::", "::1")
 
 
 def test_a_multi_process_job_without_a_coordinator_address_must_say_where() -> None:
-    with pytest.raises(ConfigError, match="RamOptions.host"):
+    with pytest.raises(ConfigError, match=r"RamOptions\.host"):
         peer_address(None, service_address=None, process_count=2)
     with pytest.raises(ConfigError, match="resolve"):
         peer_address(None, service_address="no-such-host.invalid:9", process_count=2)
@@ -84,13 +93,18 @@ def test_the_secret_comes_from_the_environment_or_a_file(tmp_path: Path) -> None
     assert fastckpt.peer_secret_from_env is peer_secret_from_env  # the documented top-level name
 
 
-@pytest.mark.parametrize("env, match", [
-    ({}, "no peer secret"),
-    ({SECRET_ENV: "too-short"}, "9 bytes"),
-    ({SECRET_ENV: "x" * 32, SECRET_FILE_ENV: "/nonexistent"}, "both"),
-    ({SECRET_FILE_ENV: "/nonexistent/secret"}, "cannot read"),
-])
-def test_a_missing_or_short_secret_is_refused_without_showing_it(env: dict[str, str], match: str) -> None:
+@pytest.mark.parametrize(
+    "env, match",
+    [
+        ({}, "no peer secret"),
+        ({SECRET_ENV: "too-short"}, "9 bytes"),
+        ({SECRET_ENV: "x" * 32, SECRET_FILE_ENV: "/nonexistent"}, "both"),
+        ({SECRET_FILE_ENV: "/nonexistent/secret"}, "cannot read"),
+    ],
+)
+def test_a_missing_or_short_secret_is_refused_without_showing_it(
+    env: dict[str, str], match: str
+) -> None:
     with pytest.raises(ConfigError, match=match) as info:
         peer_secret_from_env(env)
     assert "too-short" not in str(info.value) and "x" * 16 not in str(info.value)
@@ -105,13 +119,20 @@ def test_a_short_secret_file_is_refused(tmp_path: Path) -> None:
 
 def test_the_secret_never_shows_in_the_options_repr() -> None:
     options = RamOptions(root="/dev/shm/x", secret=b"do-not-print-this-secret")
-    assert "do-not-print" not in repr(options) and "do-not-print" not in repr(fastckpt.ManagerOptions(ram=options))
+    assert "do-not-print" not in repr(options) and "do-not-print" not in repr(
+        fastckpt.ManagerOptions(ram=options)
+    )
 
 
 def test_a_multi_process_job_with_replicas_needs_a_secret(shm_dir: Path) -> None:
     with pytest.raises(ConfigError, match="peer_secret_from_env"):
-        RamReplication(RamOptions(root=str(shm_dir / "h0")), coordinator=ThreadedJob.of(2)[0], store=MemoryStore(),
-                       namespace="t", run=lambda c: None)
+        RamReplication(
+            RamOptions(root=str(shm_dir / "h0")),
+            coordinator=ThreadedJob.of(2)[0],
+            store=MemoryStore(),
+            namespace="t",
+            run=lambda c: None,
+        )
     assert not (shm_dir / "h0").exists()  # refused before the tier was made
 
 
@@ -169,9 +190,17 @@ def _start(shm_dir: Path, secrets: list[bytes], host: str = "127.0.0.1") -> list
     coords = ThreadedJob.of(len(secrets))
 
     def start(i: int) -> RamReplication:
-        options = RamOptions(root=str(shm_dir / f"h{i}"), member_id=f"h{i}", secret=secrets[i], host=host,
-                             peer_connect_timeout_s=2.0, discovery_timeout_s=10.0)
-        return RamReplication(options, coordinator=coords[i], store=MemoryStore(), namespace="t", run=lambda c: None)
+        options = RamOptions(
+            root=str(shm_dir / f"h{i}"),
+            member_id=f"h{i}",
+            secret=secrets[i],
+            host=host,
+            peer_connect_timeout_s=2.0,
+            discovery_timeout_s=10.0,
+        )
+        return RamReplication(
+            options, coordinator=coords[i], store=MemoryStore(), namespace="t", run=lambda c: None
+        )
 
     with ThreadPoolExecutor(len(secrets)) as pool:
         futures = [pool.submit(start, i) for i in range(len(secrets))]
@@ -192,13 +221,27 @@ def test_every_process_fails_at_start_when_a_host_cannot_be_reached(shm_dir: Pat
     raises the same typed error naming the members and addresses, and keeps nothing running."""
     wrong = b"another-secret-0123456789abcdef"
     coords = ThreadedJob.of(3)
-    options = [RamOptions(root=str(shm_dir / f"h{i}"), member_id=f"h{i}", secret=wrong if i == 1 else SECRET,
-                          host="127.0.0.1", peer_connect_timeout_s=2.0, discovery_timeout_s=10.0) for i in range(3)]
+    options = [
+        RamOptions(
+            root=str(shm_dir / f"h{i}"),
+            member_id=f"h{i}",
+            secret=wrong if i == 1 else SECRET,
+            host="127.0.0.1",
+            peer_connect_timeout_s=2.0,
+            discovery_timeout_s=10.0,
+        )
+        for i in range(3)
+    ]
 
     def start(i: int) -> BaseException | None:
         try:
-            RamReplication(options[i], coordinator=coords[i], store=MemoryStore(), namespace="t",
-                           run=lambda c: None).close()
+            RamReplication(
+                options[i],
+                coordinator=coords[i],
+                store=MemoryStore(),
+                namespace="t",
+                run=lambda c: None,
+            ).close()
         except BaseException as e:
             return e
         return None

@@ -62,7 +62,9 @@ def assert_refused(server: PeerServer, msg_type: MsgType, cases: list[tuple[dict
 
 
 @pytest.fixture
-def served(make_tier: MakeTier, make_server: MakeServer) -> tuple[RamTier, PeerServer, dict[str, np.ndarray]]:
+def served(
+    make_tier: MakeTier, make_server: MakeServer
+) -> tuple[RamTier, PeerServer, dict[str, np.ndarray]]:
     tier = make_tier("server")
     data = fill(1, {"a": 1, "b": 3 << 20, "params['w']@0:2,0:8": 64, "empty": 0})
     seal_chunks(tier, 1, data)
@@ -84,7 +86,9 @@ def test_get_list_manifest_steps_bit_exact(served) -> None:  # type: ignore[no-u
         assert c.steps() == [1] and c.committed_steps() == [1]
         seal_chunks(tier, 2, fill(2, {"x": 10}))  # sealed, not committed
         assert c.steps() == [1, 2] and c.committed_steps() == [1] and c.manifest_steps() == [1]
-        tier.mark_committed(2)  # committed here, its manifest held elsewhere (retention drops step 1)
+        tier.mark_committed(
+            2
+        )  # committed here, its manifest held elsewhere (retention drops step 1)
         assert c.committed_steps() == [2] and c.manifest_steps() == [] and c.get_manifest(2) is None
         assert c.handshakes == 1  # one pooled connection served every call
         with pytest.raises(ConfigError):  # a caller bug, not a peer failure
@@ -148,17 +152,23 @@ def test_concurrent_clients(served) -> None:  # type: ignore[no-untyped-def]
 def test_wrong_secret_gets_nothing(served) -> None:  # type: ignore[no-untyped-def]
     _, server, _ = served
     with pytest.raises(AuthenticationError):
-        PeerClient(server.address, secret=b"wrong-secret-0123456789", options=FAST).get_chunk(1, "a")
+        PeerClient(server.address, secret=b"wrong-secret-0123456789", options=FAST).get_chunk(
+            1, "a"
+        )
     chan, t, h, _ = raw_handshake(server.address, secret=b"wrong-secret-0123456789")
     assert (t, h["code"]) == (MsgType.ERROR, "auth_failed")
-    chan.sock.sendall(chan.encode(MsgType.GET_CHUNK, {"step": 1, "chunk_id": "a", "offset": 0, "length": None}))
+    chan.sock.sendall(
+        chan.encode(MsgType.GET_CHUNK, {"step": 1, "chunk_id": "a", "offset": 0, "length": None})
+    )
     assert read_to_eof(chan.sock) == b""  # disconnected; the request was never served
     chan.close()
     # The PeerClient gave up on the server's proof before answering; the raw one was refused.
     assert server.stats["auth_failures"] == 1 and server.stats["bytes_sent"] == 0
 
 
-def test_client_refuses_server_without_the_secret(make_tier: MakeTier, make_server: MakeServer) -> None:
+def test_client_refuses_server_without_the_secret(
+    make_tier: MakeTier, make_server: MakeServer
+) -> None:
     server = make_server(make_tier(), secret=b"other-secret-0123456789")
     with pytest.raises(AuthenticationError, match="secret"):
         PeerClient(server.address, secret=SECRET, options=FAST).steps()
@@ -167,7 +177,11 @@ def test_client_refuses_server_without_the_secret(make_tier: MakeTier, make_serv
 def test_request_before_auth_is_refused(served) -> None:  # type: ignore[no-untyped-def]
     _, server, _ = served
     s = socket.create_connection(server.address, timeout=5)
-    s.sendall(wire.encode_frame(MsgType.GET_CHUNK, {"step": 1, "chunk_id": "a", "offset": 0, "length": None}))
+    s.sendall(
+        wire.encode_frame(
+            MsgType.GET_CHUNK, {"step": 1, "chunk_id": "a", "offset": 0, "length": None}
+        )
+    )
     t, h, _ = recv_frame_head(s, wire.AUTH_LIMITS)
     assert (t, h["code"]) == (MsgType.ERROR, "bad_request")
     assert read_to_eof(s) == b""
@@ -209,7 +223,9 @@ def test_oversized_requests_are_refused_and_others_served(served) -> None:  # ty
     assert good.get_chunk(1, "a") is not None
     chan, t, _, _ = raw_handshake(server.address)
     assert t is MsgType.AUTH_OK
-    huge = wire.PREFIX.pack(wire.MAGIC, wire.VERSION, MsgType.PUT_CHUNK, 0, 40, FAST.max_payload_bytes + 1)
+    huge = wire.PREFIX.pack(
+        wire.MAGIC, wire.VERSION, MsgType.PUT_CHUNK, 0, 40, FAST.max_payload_bytes + 1
+    )
     chan.sock.sendall(huge)  # refused from the prefix alone, before any tag is read
     t, h, _ = chan.recv_head()
     assert (t, h["code"]) == (MsgType.ERROR, "too_large")
@@ -260,8 +276,14 @@ def test_busy_server_refuses_extra_connections(served, make_server: MakeServer) 
     holder.close()
 
 
-def _serve_corrupted(make_tier: MakeTier, make_server: MakeServer, shm_dir: Path, sizes: dict[str, int],
-                     offset: int, garbage: bytes) -> tuple[PeerServer, dict[str, np.ndarray]]:
+def _serve_corrupted(
+    make_tier: MakeTier,
+    make_server: MakeServer,
+    shm_dir: Path,
+    sizes: dict[str, int],
+    offset: int,
+    garbage: bytes,
+) -> tuple[PeerServer, dict[str, np.ndarray]]:
     """A server over a tier whose step-1 segment (``sizes``' chunks, in order) has ``garbage``
     written at ``offset`` after it was sealed (as a scribbling process or bad memory would)."""
     tier = make_tier("srv")
@@ -275,8 +297,12 @@ def _serve_corrupted(make_tier: MakeTier, make_server: MakeServer, shm_dir: Path
     return make_server(make_tier("srv"), options=FAST), data
 
 
-def test_corrupt_server_copy_and_wrong_size_buffer(make_tier: MakeTier, make_server: MakeServer, shm_dir: Path) -> None:
-    server, data = _serve_corrupted(make_tier, make_server, shm_dir, {"a": 1 << 20, "b": 100}, 12345, b"\x00\x01\x02")
+def test_corrupt_server_copy_and_wrong_size_buffer(
+    make_tier: MakeTier, make_server: MakeServer, shm_dir: Path
+) -> None:
+    server, data = _serve_corrupted(
+        make_tier, make_server, shm_dir, {"a": 1 << 20, "b": 100}, 12345, b"\x00\x01\x02"
+    )
     with PeerClient(server.address, secret=SECRET, options=FAST) as c:
         with pytest.raises(ChecksumMismatchError):
             c.get_chunk(1, "a")
@@ -287,11 +313,17 @@ def test_corrupt_server_copy_and_wrong_size_buffer(make_tier: MakeTier, make_ser
         assert bytes(c.get_chunk(1, "b")) == data["b"].tobytes()  # type: ignore[arg-type]
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(garbage=st.binary(min_size=1, max_size=300), authenticate=st.booleans())
 def test_fuzz_live_server_survives_garbage(served, garbage: bytes, authenticate: bool) -> None:  # type: ignore[no-untyped-def]
     _, server, data = served
-    if authenticate:  # garbage from a client with the secret: tagged where the server looks for tags
+    if (
+        authenticate
+    ):  # garbage from a client with the secret: tagged where the server looks for tags
         chan = raw_handshake(server.address)[0]
         s, garbage = chan.sock, chan.tag_raw(garbage)
     else:
@@ -311,7 +343,9 @@ def test_fuzz_live_server_survives_garbage(served, garbage: bytes, authenticate:
         assert bytes(c.get_chunk(1, "a")) == data["a"].tobytes()  # type: ignore[arg-type]
 
 
-def test_large_chunks_use_pipelined_verification(make_tier: MakeTier, make_server: MakeServer, shm_dir: Path) -> None:
+def test_large_chunks_use_pipelined_verification(
+    make_tier: MakeTier, make_server: MakeServer, shm_dir: Path
+) -> None:
     """Chunks over two crc windows (> 8 MiB) are checksummed on a helper thread: still exact."""
     big = fill(1, {"big": (12 << 20) + 5})["big"]
     tier = make_tier("big")
@@ -335,8 +369,9 @@ def _segments(tier_dir: Path, step: int) -> list[Path]:
     return sorted((tier_dir / f"step-{step}").glob("*.data"))
 
 
-def test_push_chunks_stores_one_segment_all_or_nothing(make_tier: MakeTier, make_server: MakeServer,
-                                                       shm_dir: Path) -> None:
+def test_push_chunks_stores_one_segment_all_or_nothing(
+    make_tier: MakeTier, make_server: MakeServer, shm_dir: Path
+) -> None:
     tier = make_tier("dst")
     server = make_server(tier, options=FAST)
     data = fill(3, {"p@0:4": 1 << 20, "p@4:8": (1 << 20) + 5, "q": 1, "z": 0})
@@ -348,11 +383,15 @@ def test_push_chunks_stores_one_segment_all_or_nothing(make_tier: MakeTier, make
         for cid, a in data.items():
             assert bytes(tier.get_chunk(3, cid, verify=True)) == a.tobytes()  # type: ignore[arg-type]
         hit = tier.lend_span(3, ["p@0:4", "p@4:8"])  # back to back, in the order sent
-        assert hit is not None and bytes(hit[0]) == data["p@0:4"].tobytes() + data["p@4:8"].tobytes()
+        assert (
+            hit is not None and bytes(hit[0]) == data["p@0:4"].tobytes() + data["p@4:8"].tobytes()
+        )
         bad = [(cid, a, crc ^ (cid == "q")) for cid, a, crc in batch]
         with pytest.raises(ChecksumMismatchError):
             c.push_chunks(4, bad)
-        assert tier.chunk_ids(4) == [] and c.steps() == [3]  # nothing of the corrupt batch; still in sync
+        assert tier.chunk_ids(4) == [] and c.steps() == [
+            3
+        ]  # nothing of the corrupt batch; still in sync
         tier.put_manifest(5, b"m")
         with pytest.raises(PeerRequestError) as e:
             c.push_chunks(4, batch)
@@ -361,7 +400,9 @@ def test_push_chunks_stores_one_segment_all_or_nothing(make_tier: MakeTier, make
         assert tier.chunk_ids(6) == ["p@0:4"]
 
 
-def test_get_chunks_sends_one_request_per_batch(make_tier: MakeTier, make_server: MakeServer) -> None:
+def test_get_chunks_sends_one_request_per_batch(
+    make_tier: MakeTier, make_server: MakeServer
+) -> None:
     tier = make_tier("batches")
     sizes = {f"c{i}": (i * 7919) % 5000 for i in range(11)}
     data = fill(1, sizes)
@@ -375,8 +416,12 @@ def test_get_chunks_sends_one_request_per_batch(make_tier: MakeTier, make_server
         for want_ids, batch, window, requests in cases:
             intos = [np.zeros(sizes.get(cid, 1), np.uint8) for cid in want_ids]
             before = server.stats["requests"]
-            got = c.get_chunks(1, [(cid, into, None) for cid, into in zip(want_ids, intos)],
-                               batch_chunks=batch, window=window)
+            got = c.get_chunks(
+                1,
+                [(cid, into, None) for cid, into in zip(want_ids, intos)],
+                batch_chunks=batch,
+                window=window,
+            )
             assert server.stats["requests"] - before == requests
             assert got == ["missing" if cid == "nope" else "ok" for cid in want_ids]
             for cid, into in zip(want_ids, intos):
@@ -384,31 +429,50 @@ def test_get_chunks_sends_one_request_per_batch(make_tier: MakeTier, make_server
                     assert into.tobytes() == data[cid].tobytes()
         assert c.handshakes == 1
         with pytest.raises(ConfigError):
-            c.get_chunks(1, [("c1", np.zeros(1, np.uint8), None)], batch_chunks=wire.MAX_BATCH_CHUNKS + 1)
+            c.get_chunks(
+                1, [("c1", np.zeros(1, np.uint8), None)], batch_chunks=wire.MAX_BATCH_CHUNKS + 1
+            )
 
 
-def test_get_chunks_reply_over_the_servers_payload_limit_is_refused(make_tier: MakeTier,
-                                                                    make_server: MakeServer) -> None:
+def test_get_chunks_reply_over_the_servers_payload_limit_is_refused(
+    make_tier: MakeTier, make_server: MakeServer
+) -> None:
     tier = make_tier("limit")
     data = fill(1, {"x": 3000, "y": 3000})
     seal_chunks(tier, 1, data)
     server = make_server(tier, options=dataclasses.replace(FAST, max_payload_bytes=4096))
     with PeerClient(server.address, secret=SECRET, options=FAST) as c:
-        with pytest.raises(PeerUnavailableError, match="too_large"):  # the client's own limit is larger
+        with pytest.raises(
+            PeerUnavailableError, match="too_large"
+        ):  # the client's own limit is larger
             c.get_chunks(1, [(cid, np.zeros(3000, np.uint8), None) for cid in ("x", "y")])
     small = dataclasses.replace(FAST, max_payload_bytes=4096)
-    with PeerClient(server.address, secret=SECRET, options=small) as c:  # splits its requests by its limit
+    with PeerClient(
+        server.address, secret=SECRET, options=small
+    ) as c:  # splits its requests by its limit
         intos = [np.zeros(3000, np.uint8) for _ in range(2)]
-        assert c.get_chunks(1, [(cid, into, None) for cid, into in zip("xy", intos)]) == ["ok", "ok"]
+        assert c.get_chunks(1, [(cid, into, None) for cid, into in zip("xy", intos)]) == [
+            "ok",
+            "ok",
+        ]
         assert [i.tobytes() for i in intos] == [data["x"].tobytes(), data["y"].tobytes()]
 
 
 def test_malformed_push_chunks_is_refused(served) -> None:  # type: ignore[no-untyped-def]
     tier, server, _ = served
     cases = [
-        ({"step": 7, "count": 2, "ids_len": 9, "lengths": [1], "crcs": [0, 0]}, b'["a","b"]' + b"xy"),
-        ({"step": 7, "count": 1, "ids_len": 5, "lengths": [1], "crcs": [0]}, b'["a"]' + b"x" + b"extra"),
-        ({"step": 7, "count": 2, "ids_len": 9, "lengths": [1, 1], "crcs": [0, 0]}, b'["a","a"]' + b"xy"),
+        (
+            {"step": 7, "count": 2, "ids_len": 9, "lengths": [1], "crcs": [0, 0]},
+            b'["a","b"]' + b"xy",
+        ),
+        (
+            {"step": 7, "count": 1, "ids_len": 5, "lengths": [1], "crcs": [0]},
+            b'["a"]' + b"x" + b"extra",
+        ),
+        (
+            {"step": 7, "count": 2, "ids_len": 9, "lengths": [1, 1], "crcs": [0, 0]},
+            b'["a","a"]' + b"xy",
+        ),
         ({"step": 7, "count": 1, "ids_len": 5, "lengths": [1], "crcs": [0]}, b'["a",' + b"x"),
         ({"step": 7, "count": 0, "ids_len": 2, "lengths": [], "crcs": []}, b"[]"),
     ]
@@ -419,10 +483,12 @@ def test_malformed_push_chunks_is_refused(served) -> None:  # type: ignore[no-un
 
 
 def test_get_chunks_pipelined_with_misses_and_bad_sizes(served) -> None:  # type: ignore[no-untyped-def]
-    tier, server, data = served
+    _tier, server, data = served
     ids = ["b", "missing", "a", "params['w']@0:2,0:8", "empty", "b"]
     intos = [np.zeros(data[c].nbytes if c in data else 7, np.uint8) for c in ids]
-    intos[2] = np.zeros(2, np.uint8)  # "a" has 1 byte: a wrong-size buffer is "corrupt", stream stays in sync
+    intos[2] = np.zeros(
+        2, np.uint8
+    )  # "a" has 1 byte: a wrong-size buffer is "corrupt", stream stays in sync
     expected = [crc32c(data[c]) if c in data else None for c in ids]
     expected[5] = expected[5] ^ 1  # the caller's checksum disagrees: "corrupt"
     with PeerClient(server.address, secret=SECRET, options=FAST) as c:
@@ -437,34 +503,44 @@ def test_get_chunks_pipelined_with_misses_and_bad_sizes(served) -> None:  # type
             c.get_chunks(1, [("", np.zeros(1, np.uint8), None)])
 
 
-
 def test_get_ranges_sends_only_the_ranges_and_checks_the_whole_chunk(served) -> None:  # type: ignore[no-untyped-def]
-    tier, server, data = served
+    _tier, server, data = served
     b = data["b"].tobytes()
     crc_b = crc32c(data["b"])
     w = "params['w']@0:2,0:8"
     cases = [  # (chunk id, runs, expected crc, chunk length)
-        ("b", [(1000, 1 << 20)], crc_b, len(b)),                         # one middle range
-        ("b", [(0, 10), (100, 5000), (len(b) - 7, 7)], crc_b, len(b)),   # head, middle, tail
-        ("b", [(0, len(b))], crc_b, len(b)),                            # the whole chunk
-        ("b", [(7, 0)], crc_b, len(b)),                                 # nothing received, still checked
+        ("b", [(1000, 1 << 20)], crc_b, len(b)),  # one middle range
+        ("b", [(0, 10), (100, 5000), (len(b) - 7, 7)], crc_b, len(b)),  # head, middle, tail
+        ("b", [(0, len(b))], crc_b, len(b)),  # the whole chunk
+        ("b", [(7, 0)], crc_b, len(b)),  # nothing received, still checked
         ("missing", [(0, 3)], 0, 3),
-        ("a", [(0, 1)], crc32c(data["a"]) ^ 1, 1),                      # the caller's checksum disagrees
-        (w, [(10, 10)], crc32c(data[w]), 99),                           # another length
+        ("a", [(0, 1)], crc32c(data["a"]) ^ 1, 1),  # the caller's checksum disagrees
+        (w, [(10, 10)], crc32c(data[w]), 99),  # another length
     ]
     intos = [np.zeros(n, np.uint8) for _, _, _, n in cases]
     sent0 = server.stats["bytes_sent"]
     with PeerClient(server.address, secret=SECRET, options=FAST) as c:
-        got = c.get_ranges(1, [(cid, into, crc, runs) for (cid, runs, crc, _), into in zip(cases, intos)],
-                           batch_chunks=3, window=2)
+        got = c.get_ranges(
+            1,
+            [(cid, into, crc, runs) for (cid, runs, crc, _), into in zip(cases, intos)],
+            batch_chunks=3,
+            window=2,
+        )
         assert got == ["ok", "ok", "ok", "ok", "missing", "corrupt", "corrupt"]
         for (_, runs, _, _), into in list(zip(cases, intos))[:4]:
             for a, n in runs:
                 assert into[a : a + n].tobytes() == b[a : a + n]
-        assert not intos[0][:1000].any() and not intos[0][1000 + (1 << 20):].any()  # only the runs were written
+        assert (
+            not intos[0][:1000].any() and not intos[0][1000 + (1 << 20) :].any()
+        )  # only the runs were written
         # runs reaching past the peer's (shorter) copy are missing there; the stream stays in sync
         assert c.get_ranges(1, [("a", np.zeros(2, np.uint8), 0, [(0, 2)])]) == ["missing"]
-        for bad in ([], [(5, 3), (4, 1)], [(0, 3), (2, 1)], [(len(b) - 2, 4)]):  # empty, descending, overlapping, outside
+        for bad in (
+            [],
+            [(5, 3), (4, 1)],
+            [(0, 3), (2, 1)],
+            [(len(b) - 2, 4)],
+        ):  # empty, descending, overlapping, outside
             with pytest.raises(ConfigError):
                 c.get_ranges(1, [("b", np.zeros(len(b), np.uint8), crc_b, bad)])
         assert c.handshakes == 1
@@ -473,7 +549,7 @@ def test_get_ranges_sends_only_the_ranges_and_checks_the_whole_chunk(served) -> 
 
 
 def test_get_ranges_batches_respect_the_run_limit(served) -> None:  # type: ignore[no-untyped-def]
-    tier, server, data = served
+    _tier, server, data = served
     b = data["b"]
     runs = [(2 * i, 1) for i in range(600)]  # 600 runs per item: two items never share a request
     intos = [np.zeros(b.nbytes, np.uint8) for _ in range(3)]
@@ -485,9 +561,12 @@ def test_get_ranges_batches_respect_the_run_limit(served) -> None:  # type: igno
         assert into[0:1200:2].tobytes() == b[0:1200:2].tobytes()
 
 
-def test_get_ranges_detects_corruption_inside_and_outside_the_ranges(make_tier: MakeTier, make_server: MakeServer,
-                                                                     shm_dir: Path) -> None:
-    server, data = _serve_corrupted(make_tier, make_server, shm_dir, {"a": 1 << 20}, 5000, b"\xff\x00")
+def test_get_ranges_detects_corruption_inside_and_outside_the_ranges(
+    make_tier: MakeTier, make_server: MakeServer, shm_dir: Path
+) -> None:
+    server, data = _serve_corrupted(
+        make_tier, make_server, shm_dir, {"a": 1 << 20}, 5000, b"\xff\x00"
+    )
     crc = crc32c(data["a"])
     with PeerClient(server.address, secret=SECRET, options=FAST) as c:
         # the bad bytes inside a run, before the runs, between two, after them
@@ -497,19 +576,47 @@ def test_get_ranges_detects_corruption_inside_and_outside_the_ranges(make_tier: 
 
 
 def test_malformed_get_ranges_is_refused_and_bad_runs_are_missing(served) -> None:  # type: ignore[no-untyped-def]
-    tier, server, data = served
+    _tier, server, _data = served
     many = wire.MAX_BATCH_RUNS + 1
     cases = [
-        ({"step": 1, "count": 2, "runs": [1], "starts": [0], "stops": [1]}, b'["a","b"]'),  # runs per id missing
-        ({"step": 1, "count": 1, "runs": [0], "starts": [], "stops": []}, b'["a"]'),  # an id without runs
-        ({"step": 1, "count": 1, "runs": [1], "starts": [0], "stops": []}, b'["a"]'),  # a run without its stop
-        ({"step": 1, "count": 1, "runs": [many], "starts": list(range(many)), "stops": list(range(many))}, b'["b"]'),
-        ({"step": 1, "count": 2, "runs": [1, 1], "starts": [0, 0], "stops": [1, 1]}, b'["a","a"]'),  # duplicate ids
+        (
+            {"step": 1, "count": 2, "runs": [1], "starts": [0], "stops": [1]},
+            b'["a","b"]',
+        ),  # runs per id missing
+        (
+            {"step": 1, "count": 1, "runs": [0], "starts": [], "stops": []},
+            b'["a"]',
+        ),  # an id without runs
+        (
+            {"step": 1, "count": 1, "runs": [1], "starts": [0], "stops": []},
+            b'["a"]',
+        ),  # a run without its stop
+        (
+            {
+                "step": 1,
+                "count": 1,
+                "runs": [many],
+                "starts": list(range(many)),
+                "stops": list(range(many)),
+            },
+            b'["b"]',
+        ),
+        (
+            {"step": 1, "count": 2, "runs": [1, 1], "starts": [0, 0], "stops": [1, 1]},
+            b'["a","a"]',
+        ),  # duplicate ids
     ]
     assert_refused(server, MsgType.GET_RANGES, cases)
-    # Well-formed, but the runs are descending, overlapping or outside the chunk: those ids are missing.
+    # Well-formed, but the runs are descending, overlapping or outside the chunk: those ids are
+    # missing.
     chan, t, _, _ = raw_handshake(server.address)
-    header = {"step": 1, "count": 3, "runs": [2, 2, 1], "starts": [10, 0, 0, 5, 0], "stops": [20, 5, 10, 15, 2]}
+    header = {
+        "step": 1,
+        "count": 3,
+        "runs": [2, 2, 1],
+        "starts": [10, 0, 0, 5, 0],
+        "stops": [20, 5, 10, 15, 2],
+    }
     ids = b'["b","empty","a"]'
     chan.send_frames([(MsgType.GET_RANGES, header, ids)])
     t, h, plen = chan.recv_head()
@@ -520,12 +627,15 @@ def test_malformed_get_ranges_is_refused_and_bad_runs_are_missing(served) -> Non
 
 
 def test_a_trickling_client_cannot_hold_a_connection_past_the_handshake_deadline(
-        make_tier: MakeTier, make_server: MakeServer) -> None:
+    make_tier: MakeTier, make_server: MakeServer
+) -> None:
     """The handshake timeout bounds the whole handshake, not each receive: unauthenticated
     clients sending a byte at a time (each within the timeout) lose their slots, and an
     honest client gets in."""
-    server = make_server(make_tier("slow"), options=dataclasses.replace(FAST, handshake_timeout_s=0.5,
-                                                                        max_connections=3))
+    server = make_server(
+        make_tier("slow"),
+        options=dataclasses.replace(FAST, handshake_timeout_s=0.5, max_connections=3),
+    )
     hello = wire.encode_frame(MsgType.HELLO, {"nonce": "00" * 32, "frame_mac": True}, 0)
     stop = threading.Event()
     dropped: list[bool] = []
@@ -556,7 +666,9 @@ def test_a_trickling_client_cannot_hold_a_connection_past_the_handshake_deadline
             s.close()
 
 
-def test_a_refused_connection_lingers_for_a_bounded_time(make_tier: MakeTier, make_server: MakeServer) -> None:
+def test_a_refused_connection_lingers_for_a_bounded_time(
+    make_tier: MakeTier, make_server: MakeServer
+) -> None:
     """After an error reply the server waits a little for the client's EOF (so the reply is
     not destroyed by a reset), but a client that keeps trickling bytes cannot keep the
     connection's thread alive."""
@@ -576,7 +688,9 @@ def test_a_refused_connection_lingers_for_a_bounded_time(make_tier: MakeTier, ma
         t.start()
     try:
         deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and any(t.name == "fastckpt-peer-conn" for t in threading.enumerate()):
+        while time.monotonic() < deadline and any(
+            t.name == "fastckpt-peer-conn" for t in threading.enumerate()
+        ):
             time.sleep(0.1)
         assert not [t for t in threading.enumerate() if t.name == "fastckpt-peer-conn"]
         assert server.stats["protocol_errors"] == 8
@@ -587,11 +701,15 @@ def test_a_refused_connection_lingers_for_a_bounded_time(make_tier: MakeTier, ma
 
 
 @pytest.mark.parametrize("size", [2 << 20, 64 << 20])
-def test_an_oversized_push_is_refused_as_too_large_once(make_tier: MakeTier, make_server: MakeServer, size: int) -> None:
+def test_an_oversized_push_is_refused_as_too_large_once(
+    make_tier: MakeTier, make_server: MakeServer, size: int
+) -> None:
     """A push over the server's payload limit gets ``PeerRequestError("too_large")`` whether the
     refusal arrives before the client finished sending or after, with no retry, and the
     connection (which the server closed) is not reused."""
-    server = make_server(make_tier("big"), options=dataclasses.replace(FAST, max_payload_bytes=1 << 20))
+    server = make_server(
+        make_tier("big"), options=dataclasses.replace(FAST, max_payload_bytes=1 << 20)
+    )
     with PeerClient(server.address, secret=SECRET, options=FAST) as client:
         client.steps()  # a pooled connection: the retry path
         with pytest.raises(PeerRequestError) as e:
@@ -612,10 +730,14 @@ def test_a_ranges_reply_shorter_than_its_runs_is_a_protocol_error() -> None:
     def fake_peer() -> None:
         s, _ = listener.accept()
         with s:
-            chan = server_handshake(s, secret=SECRET, frame_mac=True, limits=wire.WireLimits(), timeout_s=5)
+            chan = server_handshake(
+                s, secret=SECRET, frame_mac=True, limits=wire.WireLimits(), timeout_s=5
+            )
             chan.recv_head()
             chan.recv_payload()
-            chan.send(MsgType.RANGES, {"lengths": [50], "gaps": [0, 0], "missing": []}, [b"\0" * 100])
+            chan.send(
+                MsgType.RANGES, {"lengths": [50], "gaps": [0, 0], "missing": []}, [b"\0" * 100]
+            )
             with contextlib.suppress(OSError):  # the client drops the connection it cannot trust
                 read_to_eof(s)
 

@@ -18,7 +18,12 @@ from fastckpt.replicas._placement import (
     ring_successors,
 )
 
-member_ids = st.lists(st.text(st.characters(codec="utf-8", exclude_characters="/"), min_size=1, max_size=6), min_size=1, max_size=12, unique=True)
+member_ids = st.lists(
+    st.text(st.characters(codec="utf-8", exclude_characters="/"), min_size=1, max_size=6),
+    min_size=1,
+    max_size=12,
+    unique=True,
+)
 
 
 @st.composite
@@ -30,7 +35,9 @@ def hosts_and_slots(draw: st.DrawFn) -> list[str]:
 
 @settings(max_examples=80, deadline=None)
 @given(member_ids, st.integers(0, 5), st.randoms(use_true_random=False))
-def test_successors_are_distinct_others_and_order_independent(members: list[str], k: int, rnd) -> None:  # type: ignore[no-untyped-def]
+def test_successors_are_distinct_others_and_order_independent(
+    members: list[str], k: int, rnd
+) -> None:  # type: ignore[no-untyped-def]
     targets = push_targets(members, k)
     shuffled = list(members)
     rnd.shuffle(shuffled)
@@ -97,10 +104,17 @@ def test_replica_holders_and_errors() -> None:
 @settings(max_examples=120, deadline=None)
 @given(member_ids, st.integers(1, 4), st.integers(1, 5), st.data())
 def test_relay_tree_reaches_a_holder_and_no_member_serves_more_than_fanout(
-        members: list[str], n_holders: int, fanout: int, data: st.DataObject) -> None:
+    members: list[str], n_holders: int, fanout: int, data: st.DataObject
+) -> None:
     holders = members[:n_holders]
-    relays = data.draw(st.lists(st.sampled_from(members), unique=True)) if len(members) > n_holders else []
-    outside = data.draw(st.lists(st.text(min_size=1, max_size=4).filter(lambda m: m not in members), max_size=3))
+    relays = (
+        data.draw(st.lists(st.sampled_from(members), unique=True))
+        if len(members) > n_holders
+        else []
+    )
+    outside = data.draw(
+        st.lists(st.text(min_size=1, max_size=4).filter(lambda m: m not in members), max_size=3)
+    )
     tree = [m for m in sorted(set(holders) | set(relays))]
     parents = {m: relay_parent(m, holders, relays, fanout=fanout) for m in tree + outside}
     for h in holders:
@@ -108,17 +122,24 @@ def test_relay_tree_reaches_a_holder_and_no_member_serves_more_than_fanout(
     served = collections.Counter(parents[m] for m in tree if m not in holders)
     assert max(served.values(), default=0) <= fanout
     depth_bound = 1
-    while len(holders) * sum(fanout ** d for d in range(1, depth_bound + 1)) < len(tree) - len(holders):
+    while len(holders) * sum(fanout**d for d in range(1, depth_bound + 1)) < len(tree) - len(
+        holders
+    ):
         depth_bound += 1
     for m in tree + outside:
         chain, node = [], m
         while parents.get(node) is not None:
             node = parents[node]
             chain.append(node)
-            assert node in tree and len(chain) <= depth_bound + (m in outside)  # no cycle, logarithmic depth
+            assert node in tree and len(chain) <= depth_bound + (
+                m in outside
+            )  # no cycle, logarithmic depth
         assert node in holders
     for m in outside:  # a member that cannot serve hangs below one that can, stably
-        assert parents[m] in tree and relay_parent(m, list(reversed(holders)), relays, fanout=fanout) == parents[m]
+        assert (
+            parents[m] in tree
+            and relay_parent(m, list(reversed(holders)), relays, fanout=fanout) == parents[m]
+        )
 
 
 def test_relay_parent_refuses_no_holder_and_a_zero_fanout() -> None:

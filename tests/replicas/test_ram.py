@@ -108,14 +108,18 @@ def test_sigkilled_writer_leaves_only_sealed_data(shm_dir: Path) -> None:
         assert tier.nbytes() == 1000
 
 
-def test_open_cleans_debris_of_a_crash_between_rename_and_index(make_tier: MakeTier, shm_dir: Path) -> None:
+def test_open_cleans_debris_of_a_crash_between_rename_and_index(
+    make_tier: MakeTier, shm_dir: Path
+) -> None:
     tier = make_tier()
     seal_chunks(tier, 1, fill(1, {"a": 10}))
     tier.close()
     step_dir = shm_dir / "t0" / "step-1"
     (step_dir / "deadbeef.data").write_bytes(b"x" * 50)  # renamed, index never written
     (step_dir / ".x.index.json.1234.tmp").write_bytes(b"{")  # half-written index temp
-    (step_dir / "bad.index.json").write_text('{"version": 1, "data": "missing.data", "nbytes": 5, "chunks": []}')
+    (step_dir / "bad.index.json").write_text(
+        '{"version": 1, "data": "missing.data", "nbytes": 5, "chunks": []}'
+    )
     (shm_dir / "t0" / "step-9").mkdir()  # empty step dir
     with RamTier(shm_dir / "t0", budget_bytes=1 << 20) as again:
         assert again.steps() == [1] and again.chunk_ids(1) == ["a"]
@@ -141,7 +145,9 @@ def test_retention_keeps_newest_committed_steps_and_newer(make_tier: MakeTier) -
     assert tier.steps() == [4] and tier.get_chunk(3, "a") is None
 
 
-def test_replicated_tier_holds_the_previous_step_across_commits_and_reopen(make_tier: MakeTier, shm_dir: Path) -> None:
+def test_replicated_tier_holds_the_previous_step_across_commits_and_reopen(
+    make_tier: MakeTier, shm_dir: Path
+) -> None:
     """Host loss between the commit of step N and the end of the lost host's push of N must
     leave step N-1 complete on the survivors (own chunks + the replica of N-1 pushed earlier):
     a replicated tier keeps keep_steps + 1 committed steps, also after reopening."""
@@ -287,7 +293,9 @@ def test_concurrent_reads_while_steps_are_replaced(make_tier: MakeTier) -> None:
     assert not errors and tier.steps() == [39]
 
 
-def test_full_tmpfs_fails_cleanly(make_tier: MakeTier, shm_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_full_tmpfs_fails_cleanly(
+    make_tier: MakeTier, shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import errno
     import os
 
@@ -340,18 +348,25 @@ def test_a_commit_record_commits_without_a_manifest(make_tier: MakeTier, shm_dir
     tier.mark_committed(2)  # idempotent
     assert tier.steps() == [2] and tier.committed_steps() == [2] and tier.get_manifest(2) is None
     d = shm_dir / "t0" / "step-2"
-    assert sorted(p.name for p in d.iterdir() if not p.name.endswith((".data", ".index.json"))) == ["commit.json"]
+    assert sorted(p.name for p in d.iterdir() if not p.name.endswith((".data", ".index.json"))) == [
+        "commit.json"
+    ]
     with pytest.raises(StaleStepError):
         tier.mark_committed(1)
     seal_chunks(tier, 3, fill(3, {"a": 100}))
     tier.put_manifest(3, b'{"step": 3}')  # the manifest came with the push
     tier.mark_committed(3)  # the record after it changes nothing
-    assert (d.parent / "step-3" / "manifest.json").exists() and not (d.parent / "step-3" / "commit.json").exists()
+    assert (d.parent / "step-3" / "manifest.json").exists() and not (
+        d.parent / "step-3" / "commit.json"
+    ).exists()
     assert tier.committed_steps() == [3] and not d.exists()
     seal_chunks(tier, 4, fill(4, {"a": 100}))
     tier.mark_committed(4)
     tier.put_manifest(4, b'{"step": 4}')
-    assert not (d.parent / "step-4" / "commit.json").exists() and tier.get_manifest(4) == b'{"step": 4}'
+    assert (
+        not (d.parent / "step-4" / "commit.json").exists()
+        and tier.get_manifest(4) == b'{"step": 4}'
+    )
     seal_chunks(tier, 5, fill(5, {"a": 100}))
     tier.mark_committed(5)
     tier.close()
@@ -365,7 +380,9 @@ def test_a_commit_record_commits_without_a_manifest(make_tier: MakeTier, shm_dir
         again.close()
 
 
-def test_provision_creates_a_spare_that_the_next_allocation_takes_as_is(make_tier: MakeTier, shm_dir: Path) -> None:
+def test_provision_creates_a_spare_that_the_next_allocation_takes_as_is(
+    make_tier: MakeTier, shm_dir: Path
+) -> None:
     """A provisioned spare is reserved and mapped; an allocation of its size renames it into
     place with its mapping (no new file); no second spare is made while one fits."""
     mib = 1 << 20
@@ -388,7 +405,9 @@ def test_provision_creates_a_spare_that_the_next_allocation_takes_as_is(make_tie
     assert view is not None and bytes(view) == data.tobytes()
 
 
-def test_provision_stays_inside_the_budget_and_frees_nothing(make_tier: MakeTier, shm_dir: Path) -> None:
+def test_provision_stays_inside_the_budget_and_frees_nothing(
+    make_tier: MakeTier, shm_dir: Path
+) -> None:
     mib = 1 << 20
     tier = make_tier(budget_bytes=10 * mib)
     seal_chunks(tier, 1, fill(1, {"a": 4 * mib}))
@@ -402,8 +421,9 @@ def test_provision_stays_inside_the_budget_and_frees_nothing(make_tier: MakeTier
     assert tier.steps() == [1, 2] and tier.nbytes() <= 10 * mib
 
 
-def test_an_unreserved_segment_gets_its_pages_only_when_reserved(make_tier: MakeTier, shm_dir: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_unreserved_segment_gets_its_pages_only_when_reserved(
+    make_tier: MakeTier, shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``allocate(reserve=False)`` (a save whose copies run in the background) creates the file
     with no pages; ``reserve`` allocates them (a full tmpfs fails there, cleanly); sealing an
     unreserved segment is refused."""
@@ -414,7 +434,9 @@ def test_an_unreserved_segment_gets_its_pages_only_when_reserved(make_tier: Make
     tier = make_tier(budget_bytes=64 * mib)
     seg = tier.allocate(1, 4 * mib, reserve=False)
     (path,) = (shm_dir / "t0" / "tmp").iterdir()
-    assert path.stat().st_blocks == 0 and tier.nbytes() == 4 * mib  # charged to the budget all the same
+    assert (
+        path.stat().st_blocks == 0 and tier.nbytes() == 4 * mib
+    )  # charged to the budget all the same
     with pytest.raises(ConfigError, match="reserve"):
         tier.seal(1, seg, {})
 
@@ -447,7 +469,8 @@ def test_provision_never_leaves_its_spare_uncounted(make_tier: MakeTier, shm_dir
     tier.put_manifest(5, b"m")
     real, others = tier._lock, []
 
-    class Hook:  # the tier's lock; after a release, once the spare file exists: another thread allocates
+    # the tier's lock; after a release, once the spare file exists: another thread allocates
+    class Hook:
         fired = False
 
         def __enter__(self) -> object:
@@ -472,8 +495,9 @@ def test_provision_never_leaves_its_spare_uncounted(make_tier: MakeTier, shm_dir
     tier.discard(others[0])
 
 
-def test_a_failed_seal_leaves_nothing_behind(make_tier: MakeTier, shm_dir: Path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_seal_leaves_nothing_behind(
+    make_tier: MakeTier, shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The index write fails (e.g. a full tmpfs): the data file goes back, the segment stays
     open for ``discard``, and after it the budget and the folder are as before."""
     from fastckpt.replicas import _ram as ram

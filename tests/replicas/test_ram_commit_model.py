@@ -127,5 +127,9 @@ class TierModel(RuleBasedStateMachine):
 
 
 TestTierModel = TierModel.TestCase
-TestTierModel.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
-                                  suppress_health_check=[HealthCheck.too_slow])
+TestTierModel.settings = settings(
+    max_examples=60,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)

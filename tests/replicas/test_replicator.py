@@ -9,7 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from fastckpt.errors import ConfigError, PeerUnavailableError, ReplicationError, ReplicationTimeoutError
+from fastckpt.errors import (
+    ConfigError,
+    PeerUnavailableError,
+    ReplicationError,
+    ReplicationTimeoutError,
+)
 from fastckpt.replicas._client import PeerClient
 from fastckpt.replicas._connection import PeerOptions
 from fastckpt.replicas._ram import RamTier
@@ -30,7 +35,9 @@ class SlowPusher:
         self.release, self.entered = threading.Event(), threading.Event()
         self.pushed: list[tuple[int, str]] = []
 
-    def push_chunk(self, step: int, chunk_id: str, data: memoryview, *, raw_crc32c: int | None = None) -> bool:
+    def push_chunk(
+        self, step: int, chunk_id: str, data: memoryview, *, raw_crc32c: int | None = None
+    ) -> bool:
         self.entered.set()
         self.release.wait(10)
         self.pushed.append((step, chunk_id))
@@ -40,17 +47,23 @@ class SlowPusher:
         self.pushed.append((step, "<manifest>"))
 
 
-def test_pushes_every_chunk_and_manifest_to_every_target(make_tier: MakeTier, make_server: MakeServer) -> None:
+def test_pushes_every_chunk_and_manifest_to_every_target(
+    make_tier: MakeTier, make_server: MakeServer
+) -> None:
     own = make_tier("own")
     data = fill(1, {"a": 3 << 20, "b": 10, "c": 1 << 20})
     seal_chunks(own, 1, data)
     peers = {n: make_tier(n) for n in ("m1", "m2")}
-    targets = {n: PeerClient(make_server(t).address, secret=SECRET, options=FAST) for n, t in peers.items()}
+    targets = {
+        n: PeerClient(make_server(t).address, secret=SECRET, options=FAST) for n, t in peers.items()
+    }
     rep = Replicator(own, targets=targets, options=ReplicatorOptions(max_inflight_bytes=2 << 20))
     handle = rep.submit(1, manifest=b'{"step":1}')
     report = handle.wait(30)
     assert report is not None and report.ok
-    assert report.chunks_pushed == 6 and report.bytes_pushed == 2 * sum(a.nbytes for a in data.values())
+    assert report.chunks_pushed == 6 and report.bytes_pushed == 2 * sum(
+        a.nbytes for a in data.values()
+    )
     for t in peers.values():
         assert t.chunk_ids(1) == sorted(data) and t.get_manifest(1) == b'{"step":1}'
         for cid, a in data.items():
@@ -62,7 +75,9 @@ def test_pushes_every_chunk_and_manifest_to_every_target(make_tier: MakeTier, ma
     rep.close()
 
 
-def test_dead_target_is_reported_and_others_still_served(make_tier: MakeTier, make_server: MakeServer) -> None:
+def test_dead_target_is_reported_and_others_still_served(
+    make_tier: MakeTier, make_server: MakeServer
+) -> None:
     own = make_tier("own")
     seal_chunks(own, 1, fill(1, {"a": 100, "b": 200}))
     alive = make_tier("alive")
@@ -75,13 +90,17 @@ def test_dead_target_is_reported_and_others_still_served(make_tier: MakeTier, ma
     with pytest.raises(ReplicationError) as e:
         rep.wait(30, raise_on_error=True)
     (report,) = e.value.reports
-    assert list(report.errors) == ["dead"] and PeerUnavailableError.__name__ in report.errors["dead"]
+    assert (
+        list(report.errors) == ["dead"] and PeerUnavailableError.__name__ in report.errors["dead"]
+    )
     assert alive.chunk_ids(1) == ["a", "b"]
     assert rep.stats()["failures"] == 1
     rep.close()
 
 
-def test_submit_never_blocks_and_newer_steps_supersede(make_tier: MakeTier, caplog: pytest.LogCaptureFixture) -> None:
+def test_submit_never_blocks_and_newer_steps_supersede(
+    make_tier: MakeTier, caplog: pytest.LogCaptureFixture
+) -> None:
     own = make_tier("own", keep_steps=5)
     for step in (1, 2):
         seal_chunks(own, step, fill(step, {f"c{i}": 10 for i in range(5)}))
@@ -103,7 +122,9 @@ def test_submit_never_blocks_and_newer_steps_supersede(make_tier: MakeTier, capl
     reports = rep.wait(30)
     assert [r.step for r in reports] == [1, 2]
     assert reports[0].superseded and not reports[0].ok
-    assert any("push of RAM step 1 superseded by step 2" in r.getMessage() for r in caplog.records), caplog.text
+    assert any(
+        "push of RAM step 1 superseded by step 2" in r.getMessage() for r in caplog.records
+    ), caplog.text
     assert reports[1].ok and reports[1].chunks_pushed == 5
     assert sum(1 for s, _ in slow.pushed if s == 1) <= 1  # step 1 stopped after its first chunk
     assert h2.done()
@@ -120,7 +141,9 @@ def test_no_targets_is_a_noop(make_tier: MakeTier) -> None:
     rep.close()
 
 
-def test_chunks_go_in_batches_one_segment_each(make_tier: MakeTier, make_server: MakeServer, shm_dir: Path) -> None:
+def test_chunks_go_in_batches_one_segment_each(
+    make_tier: MakeTier, make_server: MakeServer, shm_dir: Path
+) -> None:
     own = make_tier("own")
     data = fill(1, {"a": 3 << 20, "b": 10, "c": 1 << 20, "d": 5, "e": 7})
     seal_chunks(own, 1, data)
@@ -145,7 +168,9 @@ class CountingPusher:
         self.hold, self.release, self.holding = hold, threading.Event(), threading.Event()
         self.pushed: list[tuple[int, str]] = []
 
-    def push_chunk(self, step: int, chunk_id: str, data: memoryview, *, raw_crc32c: int | None = None) -> bool:
+    def push_chunk(
+        self, step: int, chunk_id: str, data: memoryview, *, raw_crc32c: int | None = None
+    ) -> bool:
         if step in self.hold:
             self.holding.set()
             self.release.wait(10)
@@ -164,20 +189,27 @@ def test_reports_are_bounded_and_running_pushes_are_kept(make_tier: MakeTier) ->
     rep = Replicator(own, targets={"p": pusher}, options=ReplicatorOptions(max_reports=4))
     for step in range(1, 21):
         assert rep.submit(step).wait(10) is not None
-    assert len(rep._handles) == 4  # noqa: SLF001 - the bound is the point of the test
-    assert rep.stats() == {"steps": 20, "chunks_pushed": 20, "bytes_pushed": 200, "failures": 0,
-                           "reports_forgotten": 16}
+    assert len(rep._handles) == 4
+    assert rep.stats() == {
+        "steps": 20,
+        "chunks_pushed": 20,
+        "bytes_pushed": 200,
+        "failures": 0,
+        "reports_forgotten": 16,
+    }
     assert [r.step for r in rep.wait(5)] == [17, 18, 19, 20]
     assert rep.wait(5) == []
     # A push still running is never forgotten, however many newer steps finish meanwhile
     # (those go to no target: done at once; each still supersedes the held push).
     pusher.hold = {21}
     held = rep.submit(21)
-    assert pusher.holding.wait(10)  # the push of 21 is running (a newer submit before it starts skips it)
+    assert pusher.holding.wait(
+        10
+    )  # the push of 21 is running (a newer submit before it starts skips it)
     rep.set_targets({})
     for step in range(22, 31):
         rep.submit(step)
-    assert not held.done() and held in rep._handles and len(rep._handles) == 4  # noqa: SLF001
+    assert not held.done() and held in rep._handles and len(rep._handles) == 4
     pusher.release.set()
     reports = rep.wait(10)
     assert [r.step for r in reports] == [21, 28, 29, 30]

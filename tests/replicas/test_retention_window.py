@@ -38,8 +38,9 @@ def _complete_steps(tiers: dict[int, RamTier], hosts: int) -> list[int]:
     victim=st.integers(0, 4),
     data=st.data(),
 )
-def test_survivors_hold_a_complete_step_wherever_a_host_dies(hosts: int, ram_steps: int, victim: int,
-                                                            data: st.DataObject) -> None:
+def test_survivors_hold_a_complete_step_wherever_a_host_dies(
+    hosts: int, ram_steps: int, victim: int, data: st.DataObject
+) -> None:
     victim %= hosts
     # Events of the whole run; the host dies right before event number `death`. Everything
     # is drawn before any tier exists (a draw may abort the example).
@@ -47,8 +48,12 @@ def test_survivors_hold_a_complete_step_wherever_a_host_dies(hosts: int, ram_ste
     for k in range(ram_steps):
         step = 10 * (k + 1)
         events += [("commit", step, h) for h in range(hosts)]
-        events += data.draw(st.permutations([("push", step, h) for h in range(hosts)]), label=f"pushes of {step}")
-    death = data.draw(st.integers(2 * hosts, len(events)), label="death")  # once the first step is replicated
+        events += data.draw(
+            st.permutations([("push", step, h) for h in range(hosts)]), label=f"pushes of {step}"
+        )
+    death = data.draw(
+        st.integers(2 * hosts, len(events)), label="death"
+    )  # once the first step is replicated
     root = Path("/dev/shm") / f"fastckpt-window-{uuid.uuid4().hex[:12]}"
     tiers: dict[int, RamTier] = {}
     try:

@@ -45,7 +45,10 @@ def test_own_ram_then_peers_then_none(make_tier: MakeTier, make_server: MakeServ
     p1, p2 = make_tier("p1"), make_tier("p2")
     seal_chunks(p1, 1, {"both": data["both"]})
     seal_chunks(p2, 1, {"theirs": data["theirs"]})
-    peers = [PeerClient(make_server(p).address, secret=SECRET, options=FAST, name=n) for p, n in ((p1, "p1"), (p2, "p2"))]
+    peers = [
+        PeerClient(make_server(p).address, secret=SECRET, options=FAST, name=n)
+        for p, n in ((p1, "p1"), (p2, "p2"))
+    ]
     src = TieredChunkSource(own, peers)
     for cid, expect in (("mine", "ram"), ("both", "ram"), ("theirs", "peer:p2")):
         a = data[cid]
@@ -81,31 +84,50 @@ def test_corrupt_copies_fall_back(shm_dir: Path, make_server: MakeServer) -> Non
         assert into.tobytes() == a.tobytes()
         stats = src.stats()
         assert stats.fallbacks == {"corrupt": 2}
-        assert [(f.tier, f.reason) for f in stats.recent_fallbacks] == [("ram", "corrupt"), ("peer:p1", "corrupt")]
+        assert [(f.tier, f.reason) for f in stats.recent_fallbacks] == [
+            ("ram", "corrupt"),
+            ("peer:p1", "corrupt"),
+        ]
         assert stats.dead_peers == []  # corruption does not make a peer dead
     finally:
         for t in (own, p1, p2):
             t.close()
 
 
-def test_unreachable_peer_is_skipped_after_first_failure(make_tier: MakeTier, make_server: MakeServer) -> None:
+def test_unreachable_peer_is_skipped_after_first_failure(
+    make_tier: MakeTier, make_server: MakeServer
+) -> None:
     a = fill(1, {"a": 1000})["a"]
     good = make_tier("good")
     seal_chunks(good, 1, {"a": a})
     dead = PeerClient(("127.0.0.1", 1), secret=SECRET, options=FAST, name="dead")
-    src = TieredChunkSource(None, [dead, PeerClient(make_server(good).address, secret=SECRET, name="good")], use_listing=False)
+    src = TieredChunkSource(
+        None,
+        [dead, PeerClient(make_server(good).address, secret=SECRET, name="good")],
+        use_listing=False,
+    )
     for _ in range(3):
-        assert src.fetch(1, "a", a.nbytes, crc32c(a), into=np.zeros(a.nbytes, np.uint8)) == "peer:good"
+        assert (
+            src.fetch(1, "a", a.nbytes, crc32c(a), into=np.zeros(a.nbytes, np.uint8)) == "peer:good"
+        )
     stats = src.stats()
     assert stats.fallbacks == {"unavailable": 1} and stats.dead_peers == ["dead"]
     src.reset_peers()
     assert src.stats().dead_peers == []
 
 
-def test_peer_sigkilled_mid_transfer_falls_back_to_next_peer(make_tier: MakeTier, make_server: MakeServer, shm_dir: Path) -> None:
+def test_peer_sigkilled_mid_transfer_falls_back_to_next_peer(
+    make_tier: MakeTier, make_server: MakeServer, shm_dir: Path
+) -> None:
     nbytes = 64 << 20
     proc = subprocess.Popen(
-        [sys.executable, str(Path(__file__).with_name("_proc.py")), "serve", str(shm_dir / "victim"), str(nbytes)],
+        [
+            sys.executable,
+            str(Path(__file__).with_name("_proc.py")),
+            "serve",
+            str(shm_dir / "victim"),
+            str(nbytes),
+        ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -117,10 +139,14 @@ def test_peer_sigkilled_mid_transfer_falls_back_to_next_peer(make_tier: MakeTier
         backup = make_tier("backup", budget_bytes=2 * nbytes)
         seal_chunks(backup, 1, {"big": data})
         victim = PeerClient(("127.0.0.1", port), secret=SECRET, options=FAST, name="victim")
-        src = TieredChunkSource(None, [victim, PeerClient(make_server(backup).address, secret=SECRET, name="backup")])
+        src = TieredChunkSource(
+            None, [victim, PeerClient(make_server(backup).address, secret=SECRET, name="backup")]
+        )
         into = np.full(nbytes, 0xAA, np.uint8)
         result: list[str | None] = []
-        fetcher = threading.Thread(target=lambda: result.append(src.fetch(1, "big", nbytes, crc32c(data), into=into)))
+        fetcher = threading.Thread(
+            target=lambda: result.append(src.fetch(1, "big", nbytes, crc32c(data), into=into))
+        )
         fetcher.start()
         deadline = time.monotonic() + 30
         while into[0] == 0xAA and into[1] == 0xAA and into[2] == 0xAA:  # wait for the first bytes
@@ -140,17 +166,28 @@ def test_peer_sigkilled_mid_transfer_falls_back_to_next_peer(make_tier: MakeTier
         proc.wait()
 
 
-def test_fetch_many_streams_from_peers_and_falls_back(make_tier: MakeTier, make_server: MakeServer) -> None:
+def test_fetch_many_streams_from_peers_and_falls_back(
+    make_tier: MakeTier, make_server: MakeServer
+) -> None:
     own, p1, p2 = make_tier("own"), make_tier("p1"), make_tier("p2")
     data = fill(1, {f"c{i}": 1000 + i for i in range(6)})
     seal_chunks(own, 1, {k: data[k] for k in ("c0",)})
     seal_chunks(p1, 1, {k: data[k] for k in ("c1", "c2", "c3")})
     seal_chunks(p2, 1, {k: data[k] for k in ("c3", "c4")})
-    peers = [PeerClient(make_server(t).address, secret=SECRET, options=PeerOptions(io_timeout_s=2), name=n)
-             for n, t in (("p1", p1), ("p2", p2))]
+    peers = [
+        PeerClient(
+            make_server(t).address, secret=SECRET, options=PeerOptions(io_timeout_s=2), name=n
+        )
+        for n, t in (("p1", p1), ("p2", p2))
+    ]
     src = TieredChunkSource(own, peers)
     items = [(k, a.nbytes, crc32c(a), np.zeros(a.nbytes, np.uint8)) for k, a in data.items()]
-    items[2] = ("c2", 1002, crc32c(data["c2"]) ^ 1, items[2][3])  # p1's copy "disagrees": nobody has a good one
+    items[2] = (
+        "c2",
+        1002,
+        crc32c(data["c2"]) ^ 1,
+        items[2][3],
+    )  # p1's copy "disagrees": nobody has a good one
     assert src.fetch_many(1, items) == ["ram", "peer:p1", None, "peer:p1", "peer:p2", None]
     for (k, _, _, into), tier in zip(items, ["ram", 1, None, 1, 2, None]):
         if tier is not None:
@@ -195,6 +232,10 @@ def test_a_broken_ranged_stream_keeps_the_whole_chunks_already_received() -> Non
     assert src.fetch_many(1, items, runs=[None, [(100, 50)]]) == ["peer:flaky", None]
     assert intos["whole"].tobytes() == data["whole"].tobytes()
     st = src.stats()
-    assert st.fallbacks == {"unavailable": 1} and st.dead_peers == ["flaky"] and st.tiers["peer:flaky"].chunks == 1
+    assert (
+        st.fallbacks == {"unavailable": 1}
+        and st.dead_peers == ["flaky"]
+        and st.tiers["peer:flaky"].chunks == 1
+    )
     with pytest.raises(ConfigError):
         src.fetch_many(1, items, runs=[None])

@@ -21,7 +21,9 @@ class _Peer:
     """Answers only once every peer has been asked (a barrier): sequential queries would
     break the barrier (after its timeout) instead of answering."""
 
-    def __init__(self, name: str, barrier: threading.Barrier, steps: list[int], *, dead: bool = False) -> None:
+    def __init__(
+        self, name: str, barrier: threading.Barrier, steps: list[int], *, dead: bool = False
+    ) -> None:
         self.name, self.barrier, self.steps, self.dead = name, barrier, steps, dead
 
     def step_lists(self) -> StepLists:
@@ -35,12 +37,19 @@ class _Peer:
 
 
 def test_peers_are_asked_concurrently_and_failures_left_out(tmp_path: Path) -> None:
-    rr = RamReplication(RamOptions(root=str(tmp_path / "tier"), replicas=0), coordinator=default_coordinator(),
-                        store=MemoryStore(), namespace="t", run=lambda c: None)
+    rr = RamReplication(
+        RamOptions(root=str(tmp_path / "tier"), replicas=0),
+        coordinator=default_coordinator(),
+        store=MemoryStore(),
+        namespace="t",
+        run=lambda c: None,
+    )
     try:
         n = 12
         barrier = threading.Barrier(n)
-        peers: dict[str, Any] = {f"h{i}": _Peer(f"h{i}", barrier, [i, 100], dead=i % 5 == 0) for i in range(n)}
+        peers: dict[str, Any] = {
+            f"h{i}": _Peer(f"h{i}", barrier, [i, 100], dead=i % 5 == 0) for i in range(n)
+        }
         rr._peers = lambda: peers  # type: ignore[method-assign]
         got = rr.steps_by_tier()
         assert not barrier.broken
@@ -58,10 +67,15 @@ def test_a_refused_seal_leaves_the_segment_to_abort(tmp_path: Path) -> None:
     from fastckpt.writer.stage import StagedSave
 
     mib = 1 << 20
-    rr = RamReplication(RamOptions(root=str(tmp_path / "tier"), replicas=0, budget_bytes=8 * mib),
-                        coordinator=default_coordinator(), store=MemoryStore(), namespace="t", run=lambda c: None)
+    rr = RamReplication(
+        RamOptions(root=str(tmp_path / "tier"), replicas=0, budget_bytes=8 * mib),
+        coordinator=default_coordinator(),
+        store=MemoryStore(),
+        namespace="t",
+        run=lambda c: None,
+    )
     try:
-        buffer, reserve = rr.allocate_unreserved(3, 4 * mib)
+        buffer, _reserve = rr.allocate_unreserved(3, 4 * mib)
         assert buffer.nbytes == 4 * mib
         with pytest.raises(ConfigError, match="reserve"):
             rr.seal(3, StagedSave((), (), np.zeros(0, np.uint8), 0, ()), {})
@@ -79,8 +93,13 @@ def test_a_save_drops_the_steps_of_an_abandoned_timeline(tmp_path: Path) -> None
     import numpy as np
 
     mib = 1 << 20
-    rr = RamReplication(RamOptions(root=str(tmp_path / "tier"), replicas=0, budget_bytes=64 * mib, keep_steps=3),
-                        coordinator=default_coordinator(), store=MemoryStore(), namespace="t", run=lambda c: None)
+    rr = RamReplication(
+        RamOptions(root=str(tmp_path / "tier"), replicas=0, budget_bytes=64 * mib, keep_steps=3),
+        coordinator=default_coordinator(),
+        store=MemoryStore(),
+        namespace="t",
+        run=lambda c: None,
+    )
     try:
         for step in (10, 20, 30):
             with rr.tier.allocate(step, 8) as seg:

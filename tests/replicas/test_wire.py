@@ -37,7 +37,11 @@ VALID: list[tuple[MsgType, dict[str, Any], bytes]] = [
     (MsgType.GET_CHUNKS, {"step": 3, "count": 2}, b'["a","p[\'w\']@0:4"]'),
     (MsgType.CHUNKS, {"lengths": [3, 0, 1], "crcs": [7, 0, 2**32 - 1], "missing": [1]}, b"abcd"),
     (MsgType.ERROR, {"code": "not_found", "message": "nope"}, b""),
-    (MsgType.GET_RANGES, {"step": 3, "count": 2, "runs": [2, 1], "starts": [0, 5, 5], "stops": [4, 9, 5]}, b'["a","b"]'),
+    (
+        MsgType.GET_RANGES,
+        {"step": 3, "count": 2, "runs": [2, 1], "starts": [0, 5, 5], "stops": [4, 9, 5]},
+        b'["a","b"]',
+    ),
     (MsgType.RANGES, {"lengths": [9, 0], "gaps": [0, 7, 2**32 - 1], "missing": [1]}, b"abcd"),
 ]
 
@@ -46,11 +50,25 @@ def frame(t: MsgType, h: dict[str, Any], payload: bytes = b"") -> bytes:
     return wire.encode_frame(t, h, len(payload)) + payload
 
 
-def raw_frame(t: int, header: bytes, payload: bytes = b"", *, magic: bytes = b"FCKP", version: int = 2, flags: int = 0) -> bytes:
-    return struct.pack(">4sBBHIQ", magic, version, t, flags, len(header), len(payload)) + header + payload
+def raw_frame(
+    t: int,
+    header: bytes,
+    payload: bytes = b"",
+    *,
+    magic: bytes = b"FCKP",
+    version: int = 2,
+    flags: int = 0,
+) -> bytes:
+    return (
+        struct.pack(">4sBBHIQ", magic, version, t, flags, len(header), len(payload))
+        + header
+        + payload
+    )
 
 
-@pytest.mark.parametrize(("t", "h", "payload"), VALID, ids=[f"{t.name}-{i}" for i, (t, _, _) in enumerate(VALID)])
+@pytest.mark.parametrize(
+    ("t", "h", "payload"), VALID, ids=[f"{t.name}-{i}" for i, (t, _, _) in enumerate(VALID)]
+)
 def test_round_trip(t: MsgType, h: dict[str, Any], payload: bytes) -> None:
     f = wire.decode_frame(frame(t, h, payload), LIMITS)
     assert (f.type, f.header, f.payload) == (t, h, payload)
@@ -60,7 +78,9 @@ def test_round_trip(t: MsgType, h: dict[str, Any], payload: bytes) -> None:
     "data",
     [
         raw_frame(16, b'{"step":1,"chunk_id":"x","offset":0,"length":null}', magic=b"HTTP"),
-        raw_frame(16, b'{"step":1,"chunk_id":"x","offset":0,"length":null}', version=1),  # v1: untagged
+        raw_frame(
+            16, b'{"step":1,"chunk_id":"x","offset":0,"length":null}', version=1
+        ),  # v1: untagged
         raw_frame(16, b'{"step":1,"chunk_id":"x","offset":0,"length":null}', version=3),
         raw_frame(99, b"{}"),
         raw_frame(4, b"{}", flags=1),
@@ -85,12 +105,16 @@ def test_round_trip(t: MsgType, h: dict[str, Any], payload: bytes) -> None:
         raw_frame(1, b'{"nonce":"' + b"ab" * 32 + b'"}'),  # HELLO without frame_mac
         raw_frame(1, b'{"nonce":"' + b"ab" * 32 + b'","frame_mac":1}'),
         raw_frame(20, b'{"count":2}', b'["a"]'),
-        raw_frame(20, b'{"count":1}', b'[1]'),
+        raw_frame(20, b'{"count":1}', b"[1]"),
         raw_frame(28, b'{"step":1,"count":2}', b'["a","a"]'),  # GET_CHUNKS: duplicate ids
         raw_frame(28, b'{"step":1,"count":2}', b'["a"]'),  # count disagrees with the ids
         raw_frame(28, b'{"step":1,"count":0}', b"[]"),
         raw_frame(28, b'{"step":1,"count":1}', b'[""]'),
-        raw_frame(28, b'{"step":1,"count":1025}', b"[" + b",".join(b'"%d"' % i for i in range(1025)) + b"]"),
+        raw_frame(
+            28,
+            b'{"step":1,"count":1025}',
+            b"[" + b",".join(b'"%d"' % i for i in range(1025)) + b"]",
+        ),
         raw_frame(29, b'{"lengths":[1],"crcs":[-1],"missing":[]}', b"a"),
         raw_frame(4, b"{}")[:-1],
         raw_frame(4, b"{}") + b"x",
@@ -128,12 +152,19 @@ def test_session_keys_bind_secret_nonces_version_and_mode() -> None:
     values = [keys.server_proof, keys.client_proof, keys.client_key, keys.server_key]
     assert all(len(v) == 32 for v in values) and len(set(values)) == 4  # roles and directions apart
     assert keys == wire.session_keys(k, client_nonce=a, server_nonce=b, frame_mac=True)
-    others = [wire.session_keys(b"j" * 16, client_nonce=a, server_nonce=b, frame_mac=True),
-              wire.session_keys(k, client_nonce=b, server_nonce=a, frame_mac=True),
-              wire.session_keys(k, client_nonce=a, server_nonce=b"c" * 32, frame_mac=True),
-              wire.session_keys(k, client_nonce=a, server_nonce=b, frame_mac=False)]
+    others = [
+        wire.session_keys(b"j" * 16, client_nonce=a, server_nonce=b, frame_mac=True),
+        wire.session_keys(k, client_nonce=b, server_nonce=a, frame_mac=True),
+        wire.session_keys(k, client_nonce=a, server_nonce=b"c" * 32, frame_mac=True),
+        wire.session_keys(k, client_nonce=a, server_nonce=b, frame_mac=False),
+    ]
     for other in others:
-        assert not set(values) & {other.server_proof, other.client_proof, other.client_key, other.server_key}
+        assert not set(values) & {
+            other.server_proof,
+            other.client_proof,
+            other.client_key,
+            other.server_key,
+        }
     with pytest.raises(ProtocolError):
         wire.session_keys(k, client_nonce=a[:31], server_nonce=b, frame_mac=True)
     assert wire.new_nonce() != wire.new_nonce()
@@ -143,15 +174,26 @@ def test_session_keys_depend_on_the_protocol_version(monkeypatch: pytest.MonkeyP
     k, a, b = b"k" * 16, b"a" * 32, b"b" * 32
     keys = wire.session_keys(k, client_nonce=a, server_nonce=b, frame_mac=True)
     monkeypatch.setattr(wire, "VERSION", wire.VERSION + 1)
-    assert wire.session_keys(k, client_nonce=a, server_nonce=b, frame_mac=True).server_proof != keys.server_proof
+    assert (
+        wire.session_keys(k, client_nonce=a, server_nonce=b, frame_mac=True).server_proof
+        != keys.server_proof
+    )
 
 
 def test_tag_inputs_are_unique_per_frame_part_and_direction() -> None:
-    nonces = {wire.tag_nonce(part, seq) for part in (wire.HEADER_TAG, wire.PAYLOAD_TAG) for seq in (0, 1, 2**64 - 1)}
+    nonces = {
+        wire.tag_nonce(part, seq)
+        for part in (wire.HEADER_TAG, wire.PAYLOAD_TAG)
+        for seq in (0, 1, 2**64 - 1)
+    }
     assert len(nonces) == 6 and all(len(n) == 12 for n in nonces)
     head = frame(MsgType.STEPS, {})
-    assert wire.header_tag_input(wire.CLIENT_TO_SERVER, 0, head) != wire.header_tag_input(wire.SERVER_TO_CLIENT, 0, head)
-    assert wire.header_tag_input(wire.CLIENT_TO_SERVER, 0, head) != wire.header_tag_input(wire.CLIENT_TO_SERVER, 1, head)
+    assert wire.header_tag_input(wire.CLIENT_TO_SERVER, 0, head) != wire.header_tag_input(
+        wire.SERVER_TO_CLIENT, 0, head
+    )
+    assert wire.header_tag_input(wire.CLIENT_TO_SERVER, 0, head) != wire.header_tag_input(
+        wire.CLIENT_TO_SERVER, 1, head
+    )
     assert wire.payload_tag_prefix(0, b"t" * 16) != wire.payload_tag_prefix(1, b"t" * 16)
 
 
@@ -187,13 +229,25 @@ def test_fuzz_truncated_and_mutated(data: bytes, draw: st.DataObject) -> None:
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=2),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=2)
+    ),
     max_leaves=4,
 )
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.sampled_from(list(MsgType)), st.dictionaries(st.sampled_from(["step", "chunk_id", "offset", "length", "nonce", "mac", "count", "steps", "code", "x"]), json_values, max_size=5), st.binary(max_size=20))
+@given(
+    st.sampled_from(list(MsgType)),
+    st.dictionaries(
+        st.sampled_from(
+            ["step", "chunk_id", "offset", "length", "nonce", "mac", "count", "steps", "code", "x"]
+        ),
+        json_values,
+        max_size=5,
+    ),
+    st.binary(max_size=20),
+)
 def test_fuzz_json_headers(t: MsgType, header: dict[str, Any], payload: bytes) -> None:
     raw = json.dumps(header).encode()
     _decode_only_protocol_errors(raw_frame(int(t), raw, payload))

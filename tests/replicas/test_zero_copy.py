@@ -34,7 +34,9 @@ def test_lend_span_requires_back_to_back_chunks(make_tier: MakeTier) -> None:
     assert tier.lend_span(1, []) is None
 
 
-def test_lend_spans_answers_each_group_over_several_segments_in_one_call(make_tier: MakeTier, shm_dir: Path) -> None:
+def test_lend_spans_answers_each_group_over_several_segments_in_one_call(
+    make_tier: MakeTier, shm_dir: Path
+) -> None:
     tier = make_tier()
     first = fill(1, {"a": 4096, "b": 100, "c": 7})
     second = fill(1, {"d": 300, "e": 5}, seed=1)
@@ -49,11 +51,17 @@ def test_lend_spans_answers_each_group_over_several_segments_in_one_call(make_ti
         if hit is not None:
             assert bytes(hit[0]) == b"".join(data[k].tobytes() for k in ids)
             assert [loc.length for loc in hit[1]] == [data[k].nbytes for k in ids]
-    lent = sorted(p for p in (shm_dir / "t0").rglob("*") if p.is_file() and not p.stat().st_mode & 0o200)
-    assert len([p for p in lent if p.suffix == ".data"]) == 2  # both segments marked lent: never rewritten
+    lent = sorted(
+        p for p in (shm_dir / "t0").rglob("*") if p.is_file() and not p.stat().st_mode & 0o200
+    )
+    assert (
+        len([p for p in lent if p.suffix == ".data"]) == 2
+    )  # both segments marked lent: never rewritten
 
 
-def test_lent_segment_is_never_recycled_even_by_a_reopened_tier(make_tier: MakeTier, shm_dir: Path) -> None:
+def test_lent_segment_is_never_recycled_even_by_a_reopened_tier(
+    make_tier: MakeTier, shm_dir: Path
+) -> None:
     tier = make_tier(budget_bytes=64 * MIB)
     data = fill(1, {"a": 4 * MIB})
     seal_chunks(tier, 1, data)
@@ -84,12 +92,16 @@ def test_lend_falls_back_on_a_corrupt_copy(make_tier: MakeTier, shm_dir: Path) -
     assert view is not None and bytes(view) == data["a"].tobytes() + data["b"].tobytes()
     assert src.lend(1, [("a", 8192, index["a"].raw_crc32c ^ 1), chunks[1]]) is None
     into = np.zeros(8192, np.uint8)
-    assert src.fetch(1, "a", 8192, index["a"].raw_crc32c ^ 1, into=into) is None  # records the bad copy, once
+    assert (
+        src.fetch(1, "a", 8192, index["a"].raw_crc32c ^ 1, into=into) is None
+    )  # records the bad copy, once
     assert src.stats().fallbacks == {"corrupt": 1}
     assert TieredChunkSource(None).lend(1, chunks) is None
 
 
-def test_unverified_lend_leaves_the_bytes_to_the_caller_but_not_the_record(make_tier: MakeTier, shm_dir: Path) -> None:
+def test_unverified_lend_leaves_the_bytes_to_the_caller_but_not_the_record(
+    make_tier: MakeTier, shm_dir: Path
+) -> None:
     """``verify=False`` (the reader checks the bytes itself, off its planning thread): a view
     whose bytes are corrupt is still lent, one whose tier record names other bytes (length
     or crc32c) is not."""
@@ -108,8 +120,14 @@ def test_unverified_lend_leaves_the_bytes_to_the_caller_but_not_the_record(make_
     wrong_len = [("b", 4096, index["b"].raw_crc32c)]
     views = src.lend_many(1, [ok, wrong_crc, wrong_len, [ok[1]]], verify=False)
     assert [v is not None for v in views] == [True, False, False, True]
-    assert bytes(views[0])[8192:] == data["b"].tobytes() and bytes(views[0])[:8192] != data["a"].tobytes()  # type: ignore[index]
-    assert src.lend_many(1, [ok, [ok[1]]]) == [None, views[3]]  # verified (the default): the corrupt view is refused
+    assert (
+        bytes(views[0])[8192:] == data["b"].tobytes()
+        and bytes(views[0])[:8192] != data["a"].tobytes()
+    )  # type: ignore[index]
+    assert src.lend_many(1, [ok, [ok[1]]]) == [
+        None,
+        views[3],
+    ]  # verified (the default): the corrupt view is refused
     again.close()
 
 
@@ -120,7 +138,17 @@ def test_lend_many_answers_each_group_on_its_own(make_tier: MakeTier) -> None:
     src = TieredChunkSource(tier)
     entry = {k: (k, index[k].length, index[k].raw_crc32c) for k in "abc"}
     bad_b = ("b", 4096, index["b"].raw_crc32c ^ 1)
-    views = src.lend_many(1, [[entry["a"], entry["b"]], [entry["c"]], [bad_b], [entry["a"], entry["c"]], [], [entry["c"]]])
+    views = src.lend_many(
+        1,
+        [
+            [entry["a"], entry["b"]],
+            [entry["c"]],
+            [bad_b],
+            [entry["a"], entry["c"]],
+            [],
+            [entry["c"]],
+        ],
+    )
     assert [v is not None for v in views] == [True, True, False, False, False, True]
     assert bytes(views[0]) == data["a"].tobytes() + data["b"].tobytes()  # type: ignore[arg-type]
     assert bytes(views[1]) == bytes(views[5]) == data["c"].tobytes()  # type: ignore[arg-type]

@@ -11,7 +11,9 @@ import importlib.util
 import sys
 import types
 
-SECRET = b"replicas-mp-secret-0123456789"  # = workers.SECRET (not imported: no numpy/ml_dtypes cost)
+SECRET = (
+    b"replicas-mp-secret-0123456789"  # = workers.SECRET (not imported: no numpy/ml_dtypes cost)
+)
 
 
 def _light_fastckpt() -> None:

@@ -51,8 +51,10 @@ class SavedJob:
 
 
 def _describe(outcomes: list[ProcessOutcome]) -> str:
-    return "\n".join(f"p{o.process_id} rc={o.returncode} value={o.value} error={o.error}\n{o.stderr[-2000:]}"
-                     for o in outcomes)
+    return "\n".join(
+        f"p{o.process_id} rc={o.returncode} value={o.value} error={o.error}\n{o.stderr[-2000:]}"
+        for o in outcomes
+    )
 
 
 def _dead(pid: int) -> bool:
@@ -65,11 +67,25 @@ def _dead(pid: int) -> bool:
 
 
 def _train_then_lose_host(tiers: Path, persist_root: Path, signals: Path) -> SavedJob:
-    kwargs = [{"ram_root": str(tiers / f"host{k}"), "member": f"host{k}", "persist_root": str(persist_root),
-               "signals": str(signals)} for k in range(HOSTS)]
+    kwargs = [
+        {
+            "ram_root": str(tiers / f"host{k}"),
+            "member": f"host{k}",
+            "persist_root": str(persist_root),
+            "signals": str(signals),
+        }
+        for k in range(HOSTS)
+    ]
     with ThreadPoolExecutor(1) as pool:
-        job = pool.submit(run_processes, f"{WORKERS}:train", num_processes=HOSTS, devices_per_process=2,
-                          kwargs=kwargs, timeout_s=150, check=False)
+        job = pool.submit(
+            run_processes,
+            f"{WORKERS}:train",
+            num_processes=HOSTS,
+            devices_per_process=2,
+            kwargs=kwargs,
+            timeout_s=150,
+            check=False,
+        )
         try:
             deadline = time.monotonic() + 150
             markers = [signals / f"replicated-{k}.json" for k in range(HOSTS)]
@@ -78,7 +94,9 @@ def _train_then_lose_host(tiers: Path, persist_root: Path, signals: Path) -> Sav
             while not (all(m.exists() for m in markers) and progress.exists()):
                 if job.done() or any(signals.glob("failed-*")):
                     (signals / "stop").touch()
-                    pytest.fail("the training job failed before the kill:\n" + _describe(job.result()))
+                    pytest.fail(
+                        "the training job failed before the kill:\n" + _describe(job.result())
+                    )
                 assert time.monotonic() < deadline, "training job did not reach step 20"
                 time.sleep(0.01)
             pid = json.loads(markers[VICTIM].read_text())["pid"]
@@ -105,12 +123,26 @@ def _copy_tiers(saved: SavedJob, dest: Path) -> Path:
     return dest
 
 
-def _restore(tiers: Path, persist_root: Path, hosts: list[int], layout: str, *,
-             probe: int | None = None) -> list[dict[str, Any]]:
-    kwargs = [{"ram_root": str(tiers / f"host{k}"), "member": f"host{k}", "persist_root": str(persist_root),
-               "layout": layout, "probe_wrong_secret": i == probe} for i, k in enumerate(hosts)]
-    outs = run_processes(f"{WORKERS}:restore", num_processes=len(hosts), devices_per_process=2, kwargs=kwargs,
-                         timeout_s=120)
+def _restore(
+    tiers: Path, persist_root: Path, hosts: list[int], layout: str, *, probe: int | None = None
+) -> list[dict[str, Any]]:
+    kwargs = [
+        {
+            "ram_root": str(tiers / f"host{k}"),
+            "member": f"host{k}",
+            "persist_root": str(persist_root),
+            "layout": layout,
+            "probe_wrong_secret": i == probe,
+        }
+        for i, k in enumerate(hosts)
+    ]
+    outs = run_processes(
+        f"{WORKERS}:restore",
+        num_processes=len(hosts),
+        devices_per_process=2,
+        kwargs=kwargs,
+        timeout_s=120,
+    )
     return [o.value for o in outs]
 
 
@@ -170,14 +202,19 @@ def test_training_job_lost_a_host_after_replicating(saved_job: SavedJob) -> None
     assert pushed == {"host0": ["host1"], "host1": ["host2"], "host3": ["host0"]}
     assert sorted(p.name for p in saved_job.tiers.iterdir()) == ["host0", "host1", "host3"]
     for tier in saved_job.tiers.iterdir():  # the last two RAM steps, nothing older
-        assert sorted(p.name for p in tier.glob("step-*")) == [f"step-{s}" for s in w.RAM_STEPS[-2:]], tier
+        assert sorted(p.name for p in tier.glob("step-*")) == [
+            f"step-{s}" for s in w.RAM_STEPS[-2:]
+        ], tier
     # A RAM step's manifest is held by process 0 (host0), which built it, and by its ring
     # successor (host1), which its push reached; host3 holds a commit record only: the
     # manifest did not go to every process through the coordinator.
     for host, holds in (("host0", True), ("host1", True), ("host3", False)):
         for s in w.RAM_STEPS[-2:]:
             d = saved_job.tiers / host / f"step-{s}"
-            assert ((d / "manifest.json").exists(), (d / "commit.json").exists()) == (holds, not holds), (host, s)
+            assert ((d / "manifest.json").exists(), (d / "commit.json").exists()) == (
+                holds,
+                not holds,
+            ), (host, s)
 
 
 def test_restore_after_host_loss_same_size(saved_job: SavedJob, shm_dir: Path) -> None:
@@ -196,13 +233,18 @@ def test_restore_after_host_loss_same_size(saved_job: SavedJob, shm_dir: Path) -
     new = results[VICTIM]
     assert new["own_ram_steps_before"] == [] and "ram" not in new["bytes_by_tier"], new
     assert new["bytes_by_tier"].get("peer:host3", 0) > 0, new
-    assert new["fetched_ranged_bytes"] == new["fetched_whole_bytes"], new  # the same mesh: whole chunks
+    assert new["fetched_ranged_bytes"] == new["fetched_whole_bytes"], (
+        new
+    )  # the same mesh: whole chunks
     # It asks its ring successor first (where the host it replaces pushed its chunks), then
     # the holder of what process 0 wrote once (host0's chunks are on host0 and host1).
     assert new["listed_peers"][0] == "host3" and len(new["listed_peers"]) <= 2, new
     for r in results[:VICTIM] + results[VICTIM + 1 :]:
-        assert r["own_ram_steps_before"] == list(w.RAM_STEPS[-2:]) and r["bytes_by_tier"]["ram"] > 0, r
-    # The corrupt own copy was detected (crc32c) and the chunk came from the peer holding the replica.
+        assert (
+            r["own_ram_steps_before"] == list(w.RAM_STEPS[-2:]) and r["bytes_by_tier"]["ram"] > 0
+        ), r
+    # The corrupt own copy was detected (crc32c) and the chunk came from the peer holding the
+    # replica.
     r3 = results[3]
     assert r3["fallbacks"] == [["ram", bad, "corrupt"]] and r3["dead_peers"] == [], r3
     assert r3["provenance"][bad] == "peer:host0", r3
@@ -210,8 +252,14 @@ def test_restore_after_host_loss_same_size(saved_job: SavedJob, shm_dir: Path) -
     refused = new["wrong_secret"]
     assert sorted(refused) == ["host0", "host1", "host3"], refused
     for probe in refused.values():
-        assert len(probe["client"]) == 3 and all(c.startswith("AuthenticationError") for c in probe["client"]), refused
-        assert probe["impostor"] == {"reply": "ERROR", "code": "auth_failed", "bytes_after_auth": 0}, refused
+        assert len(probe["client"]) == 3 and all(
+            c.startswith("AuthenticationError") for c in probe["client"]
+        ), refused
+        assert probe["impostor"] == {
+            "reply": "ERROR",
+            "code": "auth_failed",
+            "bytes_after_auth": 0,
+        }, refused
 
 
 def test_restore_after_host_loss_onto_three_hosts(saved_job: SavedJob, shm_dir: Path) -> None:
@@ -226,14 +274,20 @@ def test_restore_after_host_loss_onto_three_hosts(saved_job: SavedJob, shm_dir: 
         assert r["fallbacks"] == [] and r["dead_peers"] == [], r
     assert any(t.startswith("peer:") for r in results for t in r["bytes_by_tier"])
     # The 3 x 2 layout uses parts of the 4 x 2 chunks: peers sent only those parts (GET_RANGES).
-    peer_whole = sum(v for r in results for t, v in r["fetched_whole_bytes"].items() if t.startswith("peer:"))
-    peer_sent = sum(v for r in results for t, v in r["fetched_ranged_bytes"].items() if t.startswith("peer:"))
+    peer_whole = sum(
+        v for r in results for t, v in r["fetched_whole_bytes"].items() if t.startswith("peer:")
+    )
+    peer_sent = sum(
+        v for r in results for t, v in r["fetched_ranged_bytes"].items() if t.startswith("peer:")
+    )
     assert peer_sent < peer_whole, results
     # host3 kept the copy it fetched: it serves the manifest to the next restore too.
     assert (tiers / "host3" / f"step-{w.LAST_RAM_STEP}" / "manifest.json").exists()
 
 
-def test_restore_after_also_losing_the_host_that_built_the_manifests(saved_job: SavedJob, shm_dir: Path) -> None:
+def test_restore_after_also_losing_the_host_that_built_the_manifests(
+    saved_job: SavedJob, shm_dir: Path
+) -> None:
     """host0 — process 0 of the saving job, which built and holds every RAM manifest — is
     lost too (its tier wiped). host1 still holds step 20's manifest and host0's chunks (host0's
     push), host3 host2's chunks: a 2-process job on host3 and host1, whose process 0 (host3)
@@ -245,7 +299,9 @@ def test_restore_after_also_losing_the_host_that_built_the_manifests(saved_job: 
     assert results[0]["bytes_by_tier"].get("peer:host1", 0) > 0, results[0]
 
 
-def test_every_ram_tier_lost_restores_storage_step_listed_once(saved_job: SavedJob, shm_dir: Path) -> None:
+def test_every_ram_tier_lost_restores_storage_step_listed_once(
+    saved_job: SavedJob, shm_dir: Path
+) -> None:
     """Every host lost (a new job on new hosts, empty tiers): no RAM step to agree on, so
     the job restores storage's latest step, bit-exact; process 0 alone listed storage and
     the others took the step it published (one listing per restore, not one per host; and
@@ -258,8 +314,9 @@ def test_every_ram_tier_lost_restores_storage_step_listed_once(saved_job: SavedJ
     assert [r["storage_listings"] for r in results] == [1, 0, 0, 0], results
 
 
-def test_step_corrupt_in_every_ram_copy_falls_back_to_the_previous_ram_step(saved_job: SavedJob,
-                                                                           shm_dir: Path) -> None:
+def test_step_corrupt_in_every_ram_copy_falls_back_to_the_previous_ram_step(
+    saved_job: SavedJob, shm_dir: Path
+) -> None:
     """One chunk of step 20 corrupt in both copies (host3's own, host0's replica): host3
     cannot complete step 20, so all three processes abandon it together and restore step 10
     (held by every tier: the previous step stays with peers), still with zero storage reads."""

@@ -92,12 +92,16 @@ class _HoldingRelay:
             s.close()
 
 
-def test_peer_killed_mid_transfer_restore_falls_back_to_storage(tmp_path: Path, shm_dir: Path) -> None:
+def test_peer_killed_mid_transfer_restore_falls_back_to_storage(
+    tmp_path: Path, shm_dir: Path
+) -> None:
     big = w.expected("u", 0)  # any deterministic bytes: repeat the hash pattern to NBYTES
     big = np.resize(big.view(np.uint8), NBYTES).reshape(NBYTES // 4096, 4096)
     big[:, 0] = np.arange(big.shape[0]) % 251  # not periodic
     root = str(tmp_path / "ckpt")
-    opts = ManagerOptions(save=SaveOptions(compression="none", max_chunk_bytes=NBYTES, object_bytes=NBYTES))
+    opts = ManagerOptions(
+        save=SaveOptions(compression="none", max_chunk_bytes=NBYTES, object_bytes=NBYTES)
+    )
     with CheckpointManager(root, options=opts) as mgr:
         assert mgr.save(1, {"big": big})
         mgr.wait()
@@ -109,8 +113,13 @@ def test_peer_killed_mid_transfer_restore_falls_back_to_storage(tmp_path: Path, 
         seg = tier.allocate(1, NBYTES)
         seg.buffer[:] = big.reshape(-1)
         tier.seal(1, seg, {cid: ChunkLocation(0, NBYTES, chunk.raw_crc32c)})
-    proc = subprocess.Popen([sys.executable, str(SERVE), str(shm_dir / "peer")], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(SERVE), str(shm_dir / "peer")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     relay = None
     try:
         assert proc.stdout is not None
@@ -125,8 +134,17 @@ def test_peer_killed_mid_transfer_restore_falls_back_to_storage(tmp_path: Path, 
 
         killer = threading.Thread(target=kill_when_mid_transfer)
         killer.start()
-        source = TieredChunkSource(None, [PeerClient(relay.address, secret=w.SECRET, name="victim",
-                                                     options=PeerOptions(connect_timeout_s=3, io_timeout_s=10))])
+        source = TieredChunkSource(
+            None,
+            [
+                PeerClient(
+                    relay.address,
+                    secret=w.SECRET,
+                    name="victim",
+                    options=PeerOptions(connect_timeout_s=3, io_timeout_s=10),
+                )
+            ],
+        )
         try:
             with CheckpointManager(root, chunk_source=source) as mgr:
                 got = mgr.restore(1, target={"big": np.zeros_like(big)})

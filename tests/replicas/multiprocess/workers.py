@@ -1,4 +1,5 @@
-"""Functions run inside each process of a real multi-process job (``fastckpt.testing.multiprocess``).
+"""Functions run inside each process of a real multi-process job
+(``fastckpt.testing.multiprocess``).
 
 Loaded by file path in fresh child processes, after ``jax.distributed.initialize``. Every
 array is a deterministic function of its flat global index and the step (:func:`expected`,
@@ -43,8 +44,20 @@ ARRAYS: dict[str, tuple[tuple[int, ...], Any]] = {
 # "save4x2" is how the job saves and how a same-size job restores (each process reads the
 # chunks it wrote, plus the replicated ones process 0 wrote); "resize3x2" divides a 3 x 2 mesh.
 LAYOUTS: dict[str, dict[str, tuple[Any, ...]]] = {
-    "save4x2": {"w": ("a", "b"), "m": ("b", "a"), "k": (None, None, ("a", "b")), "u": (("a", "b"),), "r": ()},
-    "resize3x2": {"w": ("a", "b"), "m": (("a", "b"), None), "k": ("b", None, None), "u": ("a",), "r": ("b",)},
+    "save4x2": {
+        "w": ("a", "b"),
+        "m": ("b", "a"),
+        "k": (None, None, ("a", "b")),
+        "u": (("a", "b"),),
+        "r": (),
+    },
+    "resize3x2": {
+        "w": ("a", "b"),
+        "m": (("a", "b"), None),
+        "k": ("b", None, None),
+        "u": ("a",),
+        "r": ("b",),
+    },
 }
 
 _M1, _M2, _M3 = 0x9E3779B9, 0x85EBCA6B, 0xC2B2AE35
@@ -118,13 +131,24 @@ def _options(ram_root: str, member: str) -> Any:
     device_copy = "pinned_host" if int(member.removeprefix("host")) % 2 == 0 else "auto"
     return ManagerOptions(
         save_interval_steps=1_000_000,  # persistent only when forced: the RAM steps are RAM-only
-        save=SaveOptions(max_chunk_bytes=MAX_CHUNK_BYTES, object_bytes=512 << 10, device_copy=device_copy),
+        save=SaveOptions(
+            max_chunk_bytes=MAX_CHUNK_BYTES, object_bytes=512 << 10, device_copy=device_copy
+        ),
         # chunks of <= 64 KiB: a resharding restore asks for the parts it uses however small
         restore=RestoreOptions(min_range_saving_bytes=1),
         retention=RetentionOptions(keep_last=None),
         distributed=DistributedOptions(barrier_timeout_s=30),
-        ram=RamOptions(root=ram_root, member_id=member, interval_steps=10, budget_bytes=64 << 20, replicas=1,
-                       secret=SECRET, discovery_timeout_s=30, peer_connect_timeout_s=3, peer_io_timeout_s=10),
+        ram=RamOptions(
+            root=ram_root,
+            member_id=member,
+            interval_steps=10,
+            budget_bytes=64 << 20,
+            replicas=1,
+            secret=SECRET,
+            discovery_timeout_s=30,
+            peer_connect_timeout_s=3,
+            peer_io_timeout_s=10,
+        ),
     )
 
 
@@ -215,12 +239,21 @@ def _impostor(address: tuple[str, int], chunk_id: str) -> dict[str, Any]:
         keys = wire.session_keys(WRONG_SECRET, client_nonce=cn, server_nonce=sn, frame_mac=True)
         send_frame(s, MsgType.AUTH, {"mac": keys.client_proof.hex()})
         reply, h, _ = recv_frame_head(s, wire.AUTH_LIMITS)
-        chan = Channel(s, limits=wire.WireLimits(), role="client", send_key=keys.client_key,
-                       recv_key=keys.server_key)
+        chan = Channel(
+            s,
+            limits=wire.WireLimits(),
+            role="client",
+            send_key=keys.client_key,
+            recv_key=keys.server_key,
+        )
         received = 0
         try:
-            s.sendall(chan.encode(MsgType.GET_CHUNK, {"step": LAST_RAM_STEP, "chunk_id": chunk_id,
-                                                      "offset": 0, "length": None}))
+            s.sendall(
+                chan.encode(
+                    MsgType.GET_CHUNK,
+                    {"step": LAST_RAM_STEP, "chunk_id": chunk_id, "offset": 0, "length": None},
+                )
+            )
             while data := s.recv(1 << 16):
                 received += len(data)
         except OSError:
@@ -244,10 +277,17 @@ def _probe_wrong_secret(mgr: Any) -> dict[str, Any]:
             continue
         held = ram._peers()[member].list_chunks(LAST_RAM_STEP)  # with the right secret
         assert held
-        client = PeerClient(rec.address, secret=WRONG_SECRET, options=PeerOptions(connect_timeout_s=3, io_timeout_s=5))
+        client = PeerClient(
+            rec.address,
+            secret=WRONG_SECRET,
+            options=PeerOptions(connect_timeout_s=3, io_timeout_s=5),
+        )
         calls = []
-        for call in (client.steps, lambda: client.get_chunk(LAST_RAM_STEP, held[0]),
-                     lambda: client.list_chunks(LAST_RAM_STEP)):
+        for call in (
+            client.steps,
+            lambda client=client, held=held: client.get_chunk(LAST_RAM_STEP, held[0]),
+            lambda client=client: client.list_chunks(LAST_RAM_STEP),
+        ):
             try:
                 calls.append(f"served: {call()!r}")
             except AuthenticationError as e:
@@ -257,8 +297,9 @@ def _probe_wrong_secret(mgr: Any) -> dict[str, Any]:
     return out
 
 
-def restore(ram_root: str, member: str, persist_root: str, layout: str,
-            probe_wrong_secret: bool = False) -> dict[str, Any]:
+def restore(
+    ram_root: str, member: str, persist_root: str, layout: str, probe_wrong_secret: bool = False
+) -> dict[str, Any]:
     """Restore the newest step (no step given) onto this job's mesh; check every local shard.
 
     Returns the restored step, ``RestoreStats.bytes_by_tier``, storage bytes read, the tier
@@ -272,7 +313,8 @@ def restore(ram_root: str, member: str, persist_root: str, layout: str,
     mesh = _mesh((jax.process_count(), jax.local_device_count()))
     shardings = _shardings(mesh, layout)
     target: dict[str, Any] = {
-        name: jax.ShapeDtypeStruct(ARRAYS[name][0], ARRAYS[name][1], sharding=shardings[name]) for name in ARRAYS
+        name: jax.ShapeDtypeStruct(ARRAYS[name][0], ARRAYS[name][1], sharding=shardings[name])
+        for name in ARRAYS
     }
     target["step"] = 0
     out: dict[str, Any] = {"process": jax.process_index(), "member": member}
@@ -285,13 +327,19 @@ def restore(ram_root: str, member: str, persist_root: str, layout: str,
 
         provenance: dict[str, str | None] = {}
         whole_bytes: dict[str, int] = {}  # per tier: the fetched chunks' whole lengths ...
-        ranged_bytes: dict[str, int] = {}  # ... and the bytes asked for (ranges of resharded chunks)
+        ranged_bytes: dict[
+            str, int
+        ] = {}  # ... and the bytes asked for (ranges of resharded chunks)
 
-        def capture() -> Any:  # keep the restore's TieredChunkSource; record where each chunk came from
+        def capture() -> (
+            Any
+        ):  # keep the restore's TieredChunkSource; record where each chunk came from
             src = make_source()
             fetch = src.fetch
 
-            def recording_fetch(step: int, chunk_id: str, raw_length: int, raw_crc32c: int, *, into: Any) -> str | None:
+            def recording_fetch(
+                step: int, chunk_id: str, raw_length: int, raw_crc32c: int, *, into: Any
+            ) -> str | None:
                 tier = fetch(step, chunk_id, raw_length, raw_crc32c, into=into)
                 provenance[chunk_id] = tier
                 return tier
@@ -302,16 +350,22 @@ def restore(ram_root: str, member: str, persist_root: str, layout: str,
                 tiers = fetch_many(step, items, **kw)
                 provenance.update({item[0]: tier for item, tier in zip(items, tiers)})
                 runs = kw.get("runs") or [None] * len(items)
-                for item, tier, rs in zip(items, tiers, runs):  # whole chunk bytes vs bytes received
+                for item, tier, rs in zip(
+                    items, tiers, runs
+                ):  # whole chunk bytes vs bytes received
                     if tier is not None:
                         whole_bytes[tier] = whole_bytes.get(tier, 0) + item[1]
-                        ranged_bytes[tier] = ranged_bytes.get(tier, 0) + (item[1] if rs is None else sum(n for _, n in rs))
+                        ranged_bytes[tier] = ranged_bytes.get(tier, 0) + (
+                            item[1] if rs is None else sum(n for _, n in rs)
+                        )
                 return tiers
 
             def recording_lend_many(step: int, groups: Any, **kw: Any) -> Any:
                 views = lend_many(step, groups, **kw)
                 for chunks, view in zip(groups, views):
-                    if view is not None:  # an unverified view found bad is fetched (and recorded) afterwards
+                    if (
+                        view is not None
+                    ):  # an unverified view found bad is fetched (and recorded) afterwards
                         provenance.update({c[0]: "ram" for c in chunks})
                 return views
 
@@ -347,7 +401,9 @@ def restore(ram_root: str, member: str, persist_root: str, layout: str,
                 data = np.asarray(shard.data)
                 want = full[shard.index]
                 assert data.dtype == want.dtype and data.shape == want.shape, (name, shard.index)
-                assert data.tobytes() == want.tobytes(), f"step {step}: {name} shard {shard.index} differs"
+                assert data.tobytes() == want.tobytes(), (
+                    f"step {step}: {name} shard {shard.index} differs"
+                )
                 checked += 1
         (src,) = sources
         sst = src.stats()
@@ -360,7 +416,9 @@ def restore(ram_root: str, member: str, persist_root: str, layout: str,
             provenance=provenance,
             fetched_whole_bytes=whole_bytes,
             fetched_ranged_bytes=ranged_bytes,
-            fallbacks=[[f.tier, f.chunk_id, f.reason] for f in sst.recent_fallbacks if f.reason != "miss"],
+            fallbacks=[
+                [f.tier, f.chunk_id, f.reason] for f in sst.recent_fallbacks if f.reason != "miss"
+            ],
             dead_peers=sst.dead_peers,
             listed_peers=sst.listed_peers,
             persistent_steps=mgr.persistent_steps(),
