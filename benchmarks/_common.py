@@ -465,12 +465,12 @@ def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("nan")
 
 
-def measure_memcpy(nbytes: int, *, reps: int = 3) -> dict[str, float]:
-    """numpy copy bandwidth (GB/s, best of ``reps``): into touched memory on 1 and 2
-    threads, and into freshly allocated memory (page faults included)."""
+def _measure_memcpy_touched(src: np.ndarray, reps: int) -> dict[str, float]:
+    """Copy bandwidth into touched memory on 1 and 2 threads (the destination is freed on
+    return, before the fresh-memory measurement)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    src = np.ones(nbytes, np.uint8)
+    nbytes = src.size
     dst = np.ones(nbytes, np.uint8)
     out: dict[str, float] = {}
     best = min(_timeit(lambda: np.copyto(dst, src)) for _ in range(reps))
@@ -485,7 +485,14 @@ def measure_memcpy(nbytes: int, *, reps: int = 3) -> dict[str, float]:
 
         best = min(_timeit(two) for _ in range(reps))
     out["memcpy_2t_gbps"] = _gbps(nbytes, best)
-    del dst
+    return out
+
+
+def measure_memcpy(nbytes: int, *, reps: int = 3) -> dict[str, float]:
+    """numpy copy bandwidth (GB/s, best of ``reps``): into touched memory on 1 and 2
+    threads, and into freshly allocated memory (page faults included)."""
+    src = np.ones(nbytes, np.uint8)
+    out = _measure_memcpy_touched(src, reps)
 
     def fresh() -> None:
         d = np.empty(nbytes, np.uint8)
@@ -674,8 +681,7 @@ def run_module_json(
         cmd,
         cwd=REPO_ROOT,
         env=child_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        capture_output=True,
         timeout=timeout_s,
         text=True,
     )
@@ -727,9 +733,10 @@ def text_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A fixed-width plain-text table for the terminal."""
     cells = [list(map(str, headers))] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    fmt = lambda r: "  ".join(
-        c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))
-    )
+
+    def fmt(r: Sequence[str]) -> str:
+        return "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+
     return "\n".join([fmt(cells[0]), fmt(["-" * w for w in widths])] + [fmt(r) for r in cells[1:]])
 
 

@@ -13,9 +13,9 @@ Loaded by file path in fresh child processes (``fastckpt.testing.multiprocess``)
   with several ``upload_concurrency`` / ``read_concurrency`` settings.
 
 The state (:func:`arrays`) is a deterministic function of every element's flat global index
-and the step (a uint32 hash, the generator of ``tests/replicas/multiprocess/workers.py``): computed on
-device by a jitted elementwise function, and in numpy for exactly the box of each restored
-shard, so a restore is checked bit for bit without materialising the global arrays. A shard
+and the step (a uint32 hash, the generator of ``tests/replicas/multiprocess/workers.py``):
+computed on device by a jitted elementwise function, and in numpy for exactly the box of each
+restored shard, so a restore is checked bit for bit without materialising the global arrays. A shard
 that differs raises :class:`BitExactError`, which fails the job.
 
 The peer secret comes from the launcher: ``FASTCKPT_PEER_SECRET`` in the environment, read

@@ -155,7 +155,8 @@ def measure_limits(state: Any, reps: int) -> dict[str, Any]:
         "device_put_s": median(h2d),
         "device_put_all_s": h2d,
     }
-    try:  # the copy into pinned host memory (where the backend has memory kinds), then its host view
+    # the copy into pinned host memory (where the backend has memory kinds), then its host view
+    try:
         pinned = jax.tree_util.tree_map(lambda x: x.sharding.with_memory_kind("pinned_host"), state)
         times, views = [], []
         for _ in range(reps):
@@ -265,7 +266,8 @@ def pageable_saves(state: Any, *, work: Path, shm: Path, reps: int) -> dict[str,
 def ram_and_peer(
     state: Any, *, work: Path, shm: Path, reps: int, threads: list[int]
 ) -> dict[str, Any]:
-    """RAM saves (pushed to a peer process), own-RAM restores per decode_threads, then peer restores.
+    """RAM saves (pushed to a peer process), own-RAM restores per decode_threads, then peer
+    restores.
 
     Every save is of fresh arrays (no cached host copy). Saves after the first reuse a
     segment (provisioned by the previous save's background part, later a recycled one); the
@@ -439,7 +441,8 @@ def orbax(state: Any, *, shm: Path, reps: int) -> dict[str, Any]:
 def step_overhead(
     *, work: Path, shm: Path, nbytes: int, d: int, batch: int, steps: int, rounds: int
 ) -> dict[str, Any]:
-    """Segments of ``steps`` train steps: none / fastckpt RAM + push every 10 / device_get every 10."""
+    """Segments of ``steps`` train steps: none / fastckpt RAM + push every 10 / device_get
+    every 10."""
     import jax
     import jax.numpy as jnp
 

@@ -2,17 +2,21 @@
 
 Run (timings are only meaningful when nothing else benchmarks at the same time)::
 
-    flock /tmp/fastckpt-bench.lock python -m benchmarks.elastic_recovery          # bench preset, 3 runs
-    flock /tmp/fastckpt-bench.lock python -m benchmarks.elastic_recovery --quick  # small preset, 1 run
-    python -m benchmarks.elastic_recovery --from-json benchmarks/results/elastic_recovery.json  # re-render
+    # bench preset, 3 runs
+    flock /tmp/fastckpt-bench.lock python -m benchmarks.elastic_recovery
+    # small preset, 1 run
+    flock /tmp/fastckpt-bench.lock python -m benchmarks.elastic_recovery --quick
+    # re-render
+    python -m benchmarks.elastic_recovery --from-json benchmarks/results/elastic_recovery.json
 
 Each run is one ``python -m fastckpt.elastic demo`` in a fresh process (4 hosts x 2 virtual
 CPU devices, RAM checkpoint + peer replica every ``--ram-every`` steps; at ``--kill-step``
 the last host is SIGKILLed and its RAM tier wiped; the job resumes on 3 hosts). The host
 never comes back (the rejoin is the demo's, not this benchmark's, business), so a run
 ends ``--after`` steps past the kill (see :func:`final_step`). The demo's last output line
-(one JSON object) gives ``kill_to_first_step_s`` and its parts (detect, relaunch, restore, compile, first step),
-bytes restored per tier and steps lost; see :mod:`fastckpt.elastic.timeline`.
+(one JSON object) gives ``kill_to_first_step_s`` and its parts (detect, relaunch, restore,
+compile, first step), bytes restored per tier and steps lost; see
+:mod:`fastckpt.elastic.timeline`.
 
 Beside the demo's figures each run records the *steady step time* of the resized job (the
 median interval between consecutive steps after its first one, from ``metrics.jsonl``) and
@@ -27,6 +31,7 @@ RAM checkpoint interval. Results: ``benchmarks/results/elastic_recovery.{json,md
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -66,7 +71,7 @@ def _steady_step_s(run_dir: Path, generation: int) -> float | None:
         if m.get("generation") == generation:
             rows.append((int(m["step"]), float(m["t"])))
     rows.sort()
-    gaps = [t1 - t0 for (s0, t0), (s1, t1) in zip(rows, rows[1:]) if s1 == s0 + 1]
+    gaps = [t1 - t0 for (s0, t0), (s1, t1) in itertools.pairwise(rows) if s1 == s0 + 1]
     return median(gaps) if gaps else None
 
 

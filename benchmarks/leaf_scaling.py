@@ -64,6 +64,7 @@ from benchmarks._common import (  # noqa: E402
     make_mesh,
     markdown_table,
     median,
+    publish_docs,
     run_module_json,
     text_table,
     tree_nbytes,

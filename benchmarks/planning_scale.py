@@ -178,16 +178,17 @@ def run_planning(chunk_counts: list[int], reps: int) -> list[dict[str, Any]]:
         ):
             boxes = _host_boxes(dst_grid)
 
-            def scan() -> None:
+            # each timed function binds this iteration's leaf and boxes
+            def scan(leaf: Any = leaf, boxes: Any = boxes) -> None:
                 for b in boxes:
                     plan_leaf_reads(leaf, b)
 
-            def indexed() -> None:
+            def indexed(leaf: Any = leaf, boxes: Any = boxes) -> None:
                 index = ChunkIndex(leaf.chunks)
                 for b in boxes:
                     plan_leaf_reads(leaf, b, index=index)
 
-            def gridded() -> None:
+            def gridded(table_leaf: Any = table_leaf, boxes: Any = boxes) -> None:
                 index = leaf_index(table_leaf)
                 for b in boxes:
                     plan_leaf_reads(table_leaf, b, index=index)
@@ -552,7 +553,8 @@ def run_relay(host_counts: list[int], manifest_bytes: int, reps: int) -> list[di
         src = manifest_sources(lists)[7]
         parents = {m: relay_parent(m, src.holders, src.relays, fanout=4) for m in members}
 
-        def one_host() -> None:  # process 0's survey into sources, then one host's own parent
+        # process 0's survey into sources, then one host's own parent
+        def one_host(lists: dict[str, StepLists] = lists, members: list[str] = members) -> None:
             sources = manifest_sources(lists)[7]
             relay_parent(members[-1], sources.holders, sources.relays, fanout=4)
 

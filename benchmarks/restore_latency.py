@@ -4,7 +4,7 @@ machine limits, plus the step-time overhead of RAM checkpoints with peer push.
 Run::
 
     python -m benchmarks.restore_latency                  # 0.25, 1 and 2 GiB states
-    python -m benchmarks.restore_latency --quick          # 0.25 GiB, fewer reps (~2 min on idle cores)
+    python -m benchmarks.restore_latency --quick          # 0.25 GiB, fewer reps (~2 min, idle CPUs)
     python -m benchmarks.restore_latency --root gs://b/p  # also measure a given root
     python -m benchmarks.restore_latency --root gs://b/p --root-only
 
@@ -513,7 +513,8 @@ def run_overhead(args: argparse.Namespace) -> dict[str, Any]:
     reports: list[Any] = []
 
     def collect() -> None:
-        """Keep ``mgr.last_save_stats`` if new: each ``save()`` and ``wait()`` joins the save before."""
+        """Keep ``mgr.last_save_stats`` if new: each ``save()`` and ``wait()`` joins the save
+        before."""
         s = mgr.last_save_stats
         if s is not None and not any(s is t for t in joined):
             joined.append(s)
@@ -958,21 +959,30 @@ def evaluate(results: dict[str, Any]) -> list[dict[str, Any]]:
             + (
                 ""
                 if "overhead_floor" not in ov
-                else f"; floor (copy + crc32c + raw TCP send, no fastckpt) {100 * ov['overhead_floor']:+.1f}%"
+                else (
+                    "; floor (copy + crc32c + raw TCP send, no fastckpt) "
+                    f"{100 * ov['overhead_floor']:+.1f}%"
+                )
             )
             + (
                 ""
                 if "cpu_per_checkpoint" not in ov
-                else f"; CPU per checkpoint alone (both processes): fastckpt {ov['cpu_per_checkpoint']['push']['cpu_s']:.2f} s, "
-                f"floor {ov['cpu_per_checkpoint']['floor']['cpu_s']:.2f} s = "
-                f"{100 * ov['floor_cpu_share']:.1f}% of the "
-                f"{ov['window_cpu_s']:.1f} CPU-s the step uses per {ov['interval_steps']} steps"
+                else (
+                    "; CPU per checkpoint alone (both processes): fastckpt "
+                    f"{ov['cpu_per_checkpoint']['push']['cpu_s']:.2f} s, "
+                    f"floor {ov['cpu_per_checkpoint']['floor']['cpu_s']:.2f} s = "
+                    f"{100 * ov['floor_cpu_share']:.1f}% of the "
+                    f"{ov['window_cpu_s']:.1f} CPU-s the step uses per {ov['interval_steps']} steps"
+                )
             )
             + f"; save() blocking alone {100 * ov['blocking_overhead']:+.1f}%"
             + (
                 ""
                 if "overhead_idle_host" not in ov
-                else f"; with a host-idle step (accelerator-like) {100 * ov['overhead_idle_host']:+.1f}%"
+                else (
+                    "; with a host-idle step (accelerator-like) "
+                    f"{100 * ov['overhead_idle_host']:+.1f}%"
+                )
             ),
         )
     elif ov:
@@ -1563,7 +1573,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--pairs",
         type=int,
         default=None,
-        help="segment rounds: none / RAM only / RAM + push / floor (default 6, quick 2), and as many host-idle pairs",
+        help=(
+            "segment rounds: none / RAM only / RAM + push / floor (default 6, quick 2), "
+            "and as many host-idle pairs"
+        ),
     )
     p.add_argument("--disk-dir", default=os.environ.get("FASTCKPT_BENCH_DISK", "/tmp"))
     p.add_argument("--shm-dir", default="/dev/shm")

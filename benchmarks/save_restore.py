@@ -566,7 +566,10 @@ def tables(
             )
         f, o = summ.get("fastckpt", {}), summ.get("orbax", {})
         if f and o and "error" not in f and "error" not in o:
-            q = lambda k: fmt_ratio(f[k] / o[k]) if o[k] else "n/a"  # noqa: E731
+
+            def q(k: str, f: dict[str, Any] = f, o: dict[str, Any] = o) -> str:
+                return fmt_ratio(f[k] / o[k]) if o[k] else "n/a"
+
             rows.append(
                 [
                     DEST_LABEL[dest],
@@ -698,7 +701,10 @@ def memory_table(results: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
             if not s or "error" in s:
                 continue
             n = s["state_bytes"]
-            x = lambda v: f"{v / MiB:+.0f} MiB ({v / n:.2f}x)"  # noqa: E731
+
+            def x(v: float, n: int = n) -> str:
+                return f"{v / MiB:+.0f} MiB ({v / n:.2f}x)"
+
             rows.append(
                 [
                     DEST_LABEL[dest],
@@ -943,7 +949,10 @@ def plot_results(results: dict[str, Any], path: Path) -> None:
         path,
         panels=panels,
         ncols=3,
-        title=f"fastckpt vs Orbax 0.12.8, {n / MiB:.0f} MiB state, 8 CPU devices ({results['meta']['mode']})",
+        title=(
+            f"fastckpt vs Orbax 0.12.8, {n / MiB:.0f} MiB state, 8 CPU devices "
+            f"({results['meta']['mode']})"
+        ),
     )
 
 

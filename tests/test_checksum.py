@@ -1,4 +1,5 @@
-"""crc32c_combine against crc32c of the concatenation (the identity a ranged peer read relies on)."""
+"""crc32c_combine against crc32c of the concatenation (the identity a ranged peer read relies
+on)."""
 
 from __future__ import annotations
 

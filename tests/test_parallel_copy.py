@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -37,7 +38,7 @@ def test_parallel_copy_and_crc_match_serial(lengths: list[int], jobs: int) -> No
     srcs = [rng.integers(0, 256, n, dtype=np.uint8) for n in lengths]
     dst = np.zeros(sum(lengths), np.uint8)
     offs = np.cumsum([0, *lengths])
-    views = [dst[a:b] for a, b in zip(offs[:-1], offs[1:])]
+    views = [dst[a:b] for a, b in itertools.pairwise(offs)]
     with ThreadPoolExecutor(jobs) as ex:
         parallel_copy(list(zip(views, srcs)), ex, jobs=jobs)
         np.testing.assert_array_equal(dst, np.concatenate(srcs))
@@ -71,7 +72,7 @@ def test_carved_views_are_disjoint_exact_and_64_byte_aligned_inside_the_slab(
         (v.ctypes.data - base, v.nbytes) for v in views if v.nbytes
     ]  # (an empty view has no place)
     assert all(s % 64 == 0 and s + n <= total for s, n in held)
-    assert all(a + n <= b for (a, n), (b, _) in zip(held, held[1:]))  # in order, no overlap
+    assert all(a + n <= b for (a, n), (b, _) in itertools.pairwise(held))  # in order, no overlap
     for i, v in enumerate(views):  # writes through one view land in no other
         v[:] = i % 251
     assert all((v == i % 251).all() for i, v in enumerate(views))

@@ -23,7 +23,10 @@ from benchmarks._common import (
 _RENDER = """
 import json, sys
 from benchmarks._common import DOCS_BLOCKS, RESULTS_DIR, render_block
-json.dump({n: render_block(n, json.loads((RESULTS_DIR / f"{n}.json").read_text())) for n in DOCS_BLOCKS}, sys.stdout)
+blocks = {}
+for n in DOCS_BLOCKS:
+    blocks[n] = render_block(n, json.loads((RESULTS_DIR / f"{n}.json").read_text()))
+json.dump(blocks, sys.stdout)
 """
 
 

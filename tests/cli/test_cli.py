@@ -138,7 +138,7 @@ def test_verify_ok(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_verify_names_the_damaged_chunk(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    leaf, chunk = _first_chunk(root, 2)
+    _leaf, chunk = _first_chunk(root, 2)
     obj = root / chunk.key
     data = bytearray(obj.read_bytes())
     data[chunk.offset + chunk.length // 2] ^= 0x40  # one flipped bit
@@ -281,7 +281,8 @@ def test_no_bench_verb_and_demo(
 def test_convert_orbax_checkpoint_on_gcs(
     gcs_emulator: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """An Orbax checkpoint in a bucket (read by tensorstore's gcs driver) -> fastckpt, via the CLI."""
+    """An Orbax checkpoint in a bucket (read by tensorstore's gcs driver) -> fastckpt, via the
+    CLI."""
     import asyncio
 
     ocp = pytest.importorskip("orbax.checkpoint")

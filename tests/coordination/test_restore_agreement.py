@@ -10,7 +10,9 @@ from fastckpt.errors import DistributedError
 
 
 @pytest.mark.parametrize(
-    "value", ["", "-1", "1e3", " 7", "７", "12345678901234567890", "none ", "None"]
+    # "\uff17" (FULLWIDTH DIGIT SEVEN): str.isdigit() and int() accept it, the format must not
+    "value",
+    ["", "-1", "1e3", " 7", "\uff17", "12345678901234567890", "none ", "None"],
 )
 def test_a_malformed_published_storage_step_is_a_distributed_error(value: str) -> None:
     """Process 0 publishes storage's latest step for a restore ("none" or digits); anything

@@ -222,7 +222,7 @@ def test_a_reused_run_directory_starts_clean(tmp_path: Path) -> None:
     (tmp_path / "run" / "fake_ckpt").unlink()
     _, second = supervise(tmp_path, {"total": 10, "step_s": 0.02})
     assert second is not None and shape(second) == [((0, 1, 2), "done")] and second.restarts == 0
-    assert [e["event"] for e in read_jsonl(tmp_path / "run" / "events.jsonl")][0] == "launch"
+    assert read_jsonl(tmp_path / "run" / "events.jsonl")[0]["event"] == "launch"
 
 
 def test_a_stop_nobody_asked_for_is_a_failure(tmp_path: Path) -> None:

@@ -118,7 +118,7 @@ def test_grid_cuts_describe_exactly_the_boxes(data: st.DataObject) -> None:
     cuts = grid_cuts(boxes, shape)
     if cuts is not None:  # a grid is only ever a faithful description
         assert [
-            tuple(c) for c in itertools.product(*[list(zip(c[:-1], c[1:])) for c in cuts])
+            tuple(c) for c in itertools.product(*[list(itertools.pairwise(c)) for c in cuts])
         ] == boxes
     strict = all(a < b for box in boxes for a, b in box)  # no empty cell: sorted cells are a grid
     if strict and boxes == list(
@@ -304,7 +304,7 @@ def test_decoding_leaves_the_garbage_collector_as_it_was(enabled: bool) -> None:
         (gc.enable if was else gc.disable)()
 
 
-# ------------------------------------------------------------------ the decoded table (lazy entries)
+# ---------------------------------------------------------- the decoded table (lazy entries)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

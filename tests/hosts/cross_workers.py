@@ -3,8 +3,8 @@ simulated host and executes the commands the test writes, one after another.
 
 Loaded by file path in fresh child processes (``fastckpt.testing.multiprocess``) after
 ``jax.distributed.initialize``. The state is the deterministic generator of
-``tests/replicas/multiprocess/workers.py`` (every array a hash of its global index and the step), so a
-restore is checked bit for bit, shard by shard, against numpy.
+``tests/replicas/multiprocess/workers.py`` (every array a hash of its global index and the
+step), so a restore is checked bit for bit, shard by shard, against numpy.
 
 Control (a directory on the shared disk: hosts have private ``/tmp`` and ``/dev/shm``, and
 a partitioned host still reads the disk): the test writes ``cmd-<n>.json``
@@ -12,8 +12,9 @@ a partitioned host still reads the disk): the test writes ``cmd-<n>.json``
 Ops: ``save`` (``step``, ``force``): train to ``step``, ``save``, ``wait``; ``replicated``:
 wait for this host's pushes; ``sync`` (``wait_s``): a barrier of the coordination service
 with a long timeout (after a partition heals, TCP's retransmission backoff can keep a
-connection silent for seconds); ``restore``: restore the newest step and check it; ``exit``. With ``hold_after_fragment``, the process that is told so (``hold_process``)
-pauses its next persistent save right after its fragment reached storage, writes
+connection silent for seconds); ``restore``: restore the newest step and check it; ``exit``.
+With ``hold_after_fragment``, the process that is told so (``hold_process``) pauses its next
+persistent save right after its fragment reached storage, writes
 ``held-<n>``, and waits for ``go-<n>`` (the test cuts its link in between: a partition in
 the middle of the commit round, deterministically).
 """
@@ -36,7 +37,8 @@ _MP_PATH = Path(__file__).resolve().parents[1] / "replicas" / "multiprocess" / "
 
 
 def _mp() -> Any:
-    """tests/replicas/multiprocess/workers.py (the state generator and its numpy twin), loaded once."""
+    """tests/replicas/multiprocess/workers.py (the state generator and its numpy twin), loaded
+    once."""
     name = "_fastckpt_hosts_state"
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, _MP_PATH)

@@ -161,7 +161,8 @@ def test_target_mismatches_are_typed(orbax_root: Any) -> None:
 
 
 def test_zarr3_strings_and_trainstate_names(tmp_path: Path, devices8: list[jax.Device]) -> None:
-    """zarr3 arrays (Orbax v1's default), str leaves, and attribute-named trees (TrainState-like)."""
+    """zarr3 arrays (Orbax v1's default), str leaves, and attribute-named trees
+    (TrainState-like)."""
     import optax
     from flax.training import train_state
 
@@ -188,6 +189,7 @@ def test_zarr3_strings_and_trainstate_names(tmp_path: Path, devices8: list[jax.D
 def test_restore_needs_no_orbax(orbax_root: Any) -> None:
     """Reading goes through tensorstore alone: orbax is unimportable in the child process."""
     root, states = orbax_root
+    w_hex = np.asarray(states[2]["params"]["w"]).tobytes().hex()
     code = textwrap.dedent(f"""
         import sys
         sys.modules["orbax"] = None  # any 'import orbax...' now fails
@@ -195,7 +197,7 @@ def test_restore_needs_no_orbax(orbax_root: Any) -> None:
         import fastckpt, fastckpt.cli
         from fastckpt.integrations.orbax import restore_orbax, OrbaxStyleCheckpointManager
         out = restore_orbax({str(root)!r}, step=2)
-        assert np.asarray(out["params"]["w"]).tobytes() == bytes.fromhex({np.asarray(states[2]["params"]["w"]).tobytes().hex()!r})
+        assert np.asarray(out["params"]["w"]).tobytes() == bytes.fromhex({w_hex!r})
         assert out["step"] == 200
         with OrbaxStyleCheckpointManager("mem://no-orbax") as m:
             m.save(0, {{"x": np.ones(3)}})

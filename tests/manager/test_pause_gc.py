@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import numpy as np
@@ -28,7 +28,7 @@ class Probe:
     """A pytree node whose flattening records whether the collector was enabled: save()
     and restore() flatten the state / target in the part the option covers."""
 
-    seen: list[bool] = []
+    seen: ClassVar[list[bool]] = []
 
     def __init__(self, x: Any) -> None:
         self.x = x

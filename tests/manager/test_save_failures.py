@@ -22,7 +22,7 @@ from fastckpt import (
     SaveOptions,
 )
 from fastckpt._checksum import crc32c
-from fastckpt.errors import ConfigError, SaveError
+from fastckpt.errors import ConfigError, PeerError, SaveError
 from fastckpt.options import RamOptions
 from fastckpt.storage import LocalStore
 from fastckpt.storage._protocol import Buffer, Payload, PutMode
@@ -127,7 +127,8 @@ def test_a_failed_construction_leaves_no_thread_behind(tmp_path: Path, shm_dir: 
     before = {t.ident for t in threading.enumerate()}
     try:
         for i in range(3):
-            with pytest.raises(Exception):  # the RAM tier's peer server cannot bind its port
+            # the RAM tier's peer server cannot bind its port
+            with pytest.raises(PeerError, match="cannot listen"):
                 CheckpointManager(
                     str(tmp_path / "ck"),
                     options=ManagerOptions(

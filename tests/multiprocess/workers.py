@@ -248,7 +248,8 @@ class _SlowListStore(ForwardingStore):
 
 
 def skip_when_busy(root: str) -> dict[str, Any]:
-    """``if_busy="skip"`` where process 0's save is still busy (retention) but process 1's is done."""
+    """``if_busy="skip"`` where process 0's save is still busy (retention) but process 1's is
+    done."""
     _in_child()
     mesh = global_mesh((jax.device_count(),))
     opts = ManagerOptions(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -232,7 +233,7 @@ def test_element_runs_cover_the_regions_sparingly(
     assert (
         runs[0][0] == idx[0] and runs[-1][0] + runs[-1][1] == idx[-1] + 1
     )  # no run starts or ends idle
-    for (a, n), (b, _) in zip(runs, runs[1:]):
+    for (a, n), (b, _) in itertools.pairwise(runs):
         assert b - (a + n) >= max(min_gap, 1)  # ascending, disjoint, gaps at least min_gap
     assert max_runs is None or len(runs) <= max_runs
     if max_runs is None and min_gap <= 1:

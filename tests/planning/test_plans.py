@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -77,7 +78,7 @@ def test_plan_leaf_writes_dedupes_replicas_and_tiles(
         assert it.nbytes == box_volume(it.box) * itemsize <= max_chunk
         by_shard.setdefault(it.shard_index, []).append(it)
     # Within a shard: sub-chunks are contiguous byte ranges of its C-order buffer, in order.
-    for idx, its in by_shard.items():
+    for its in by_shard.values():
         shard_box = its[0].shard_box
         local = np.arange(box_volume(shard_box)).reshape(box_shape(shard_box))
         offset = 0
@@ -199,9 +200,8 @@ def test_chunk_index_finds_exactly_the_overlapping_chunks(data: st.DataObject) -
         box = data.draw(st.one_of(boxes_in(shape, allow_empty=True), st.sampled_from(boxes)))
         scan = [(c, o) for c in leaf.chunks if (o := intersect(c.box, box)) is not None]
         assert index.overlapping(box) == scan
-        assert disjoint.overlapping(box) == [
-            (c, o) for c in tiling.chunks if (o := intersect(c.box, box)) is not None
-        ]
+        tiled = [(c, o) for c in tiling.chunks if (o := intersect(c.box, box)) is not None]
+        assert disjoint.overlapping(box) == tiled
         try:
             expected = plan_leaf_reads(leaf, box)
         except CorruptionError:
@@ -302,7 +302,7 @@ def test_coalesce_fetches_each_chunk_once_within_bounds(
         by_key.setdefault(r.key, []).append(r)
     for rs in by_key.values():
         rs.sort(key=lambda r: r.start)
-        for prev, nxt in zip(rs, rs[1:]):
+        for prev, nxt in itertools.pairwise(rs):
             assert prev.start + prev.length <= nxt.start  # ranges of one object never overlap
             # Greedy maximality: the next range was not merged for a reason.
             first = min(nxt.chunks, key=lambda c: c.offset)

@@ -1,4 +1,5 @@
-"""Every leaf kind round-trips bit-exact: all jax dtypes, PRNG keys, numpy, Python values, containers."""
+"""Every leaf kind round-trips bit-exact: all jax dtypes, PRNG keys, numpy, Python values,
+containers."""
 
 from __future__ import annotations
 

@@ -104,7 +104,7 @@ def test_restore_onto_concrete_arrays_and_single_device(root: Any) -> None:
 
 def test_jax_refuses_uneven_named_sharding() -> None:
     """jax requires divisibility for NamedSharding, so uneven layouts cannot reach a save."""
-    with pytest.raises(Exception, match="divisible|Indivisible|evenly"):
+    with pytest.raises(Exception, match=r"divisible|Indivisible|evenly"):
         jax.device_put(np.zeros(10), named((8,), ("x",), P("x")))
 
 

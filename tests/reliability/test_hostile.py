@@ -145,7 +145,7 @@ _SEGMENT = st.sampled_from(
         "~",
         "%2e%2e",
         "\u2024\u2024",
-        "．．",
+        "\uff0e\uff0e",  # fullwidth full stops
         "\u202e",
         "\x00",
         "/",
@@ -460,9 +460,9 @@ def _answer(s: socket.socket | Channel, timeout_s: float = 5.0) -> tuple[str, An
     sock.settimeout(timeout_s)
     try:
         if isinstance(s, Channel):
-            t, h, plen = s.recv_head()
+            t, h, _plen = s.recv_head()
         else:
-            t, h, plen = recv_frame_head(s, wire.WireLimits(max_payload_bytes=1 << 30))
+            t, h, _plen = recv_frame_head(s, wire.WireLimits(max_payload_bytes=1 << 30))
     except PeerUnavailableError as e:
         if "timed out" in str(e):
             raise AssertionError("the server neither answered nor closed") from e

@@ -209,7 +209,7 @@ class StallingPeer:
                 conn, secret=SECRET, frame_mac=True, limits=wire.WireLimits(), timeout_s=10
             )
             if self.mode != "read":
-                t, h, plen = chan.recv_head()
+                t, _h, plen = chan.recv_head()
                 if plen:
                     chan.recv_payload()
                 if (
@@ -402,7 +402,8 @@ def test_restore_waiting_for_a_missing_process_times_out(shm: Path, recorder: Re
         with CheckpointManager(store, options=opts, coordinator=coord) as mgr:
             t0 = time.monotonic()
             with pytest.raises(BarrierTimeoutError):
-                mgr.restore()  # process 1 waits for process 0's choice; process 0 for the end barrier
+                # process 1 waits for process 0's choice; process 0 for the end barrier
+                mgr.restore()
             took = time.monotonic() - t0
             assert took < BARRIER_S + 3, took
         recorder.add(

@@ -609,9 +609,7 @@ class _CountingReads(ForwardingStore):
             self.now -= 1
 
 
-def test_process_0_reads_the_fragments_concurrently_in_order_and_raises_a_failed_read_as_itself() -> (
-    None
-):
+def test_process_0_reads_fragments_concurrently_in_order_raises_a_failed_read_as_itself() -> None:
     store = _CountingReads(MemoryStore(), delay_s=0.01)
     keys = [fragment_key(5, "c0ffee", i) for i in range(100)]
 

@@ -72,7 +72,7 @@ def test_small_chunks_are_encoded_in_batches_and_stored_exactly(inflight: int, j
     tables = merge_chunks([chunks], staged)  # what the commit makes of them (C order)
     assert stats.raw_bytes == 600 << 10 and stats.objects == len(chunks.objects)
     codecs = set()
-    for ai, arr in enumerate(staged.arrays):
+    for arr in staged.arrays:
         assert [c.box for c in tables[arr.path]] == [
             it.box for it in arr.items
         ]  # every chunk, once
