@@ -24,7 +24,7 @@ Tree::
     ├── CheckpointNotFoundError (LookupError)  no such committed step
     │   └── NoCheckpointError                  no committed step at all (a job starting afresh)
     ├── StepAlreadyCommittedError              a step that is already committed
-    ├── StaleStepError                         RAM-tier data for a step older than every one it retains
+    ├── StaleStepError                         RAM data for a step older than all it retains
     ├── TargetMismatchError (ValueError)       restore target disagrees with the checkpoint
     │   ├── TreeStructureError
     │   ├── ShapeMismatchError
@@ -36,7 +36,7 @@ Tree::
         ├── PeerUnavailableError               connect/transfer failure or timeout
         │   └── PeersUnreachableError          at start: hosts cannot reach their peers
         ├── PeerRequestError                   a peer answered a request with an ERROR frame
-        ├── ReplicationError                   pushes of a RAM step to its peers failed (``reports``)
+        ├── ReplicationError                   pushes of a RAM step failed (``reports``)
         ├── ReplicationTimeoutError (TimeoutError) pushes still running when a wait timed out
         ├── AuthenticationError                HMAC handshake failed
         └── ProtocolError (ValueError)         malformed or oversized peer message

@@ -166,7 +166,9 @@ def scripted(
         from fastckpt.replicas import _tiered
 
         real = _tiered.make_record
-        _tiered.make_record = lambda member_id, address: real(member_id, (advertise_via, address[1]))  # type: ignore[assignment]
+        _tiered.make_record = lambda member_id, address: real(
+            member_id, (advertise_via, address[1])
+        )  # type: ignore[assignment]
     summary: dict[str, Any] = {"process": me, "member": member, "hostname": os.uname().nodename}
     layout = "save4x2" if jax.process_count() == 4 else "resize3x2"
     mesh = mp._mesh((jax.process_count(), jax.local_device_count()))
