@@ -14,7 +14,7 @@ from fastckpt import CheckpointManager, ManagerOptions, SaveOptions
 from fastckpt._tree import flatten
 from fastckpt.errors import ConfigError
 from fastckpt.options import RamOptions
-from fastckpt.writer import stage
+from fastckpt.writer import _stage_plans as stage_plans
 from fastckpt.writer.stage import StagePlans, stage_state
 from tests.support.arrays import P, assert_bit_exact, assert_sharded_like, device_data, named
 
@@ -96,18 +96,25 @@ def test_manager_saves_reuse_plans_and_restore_bit_exact(root: Any) -> None:
 
 
 def test_transfer_mode_is_none_on_host_devices_and_one_call_when_every_shard_is_used() -> None:
-    assert stage._transfer_mode(on_host=True, local_shards=8, used=range(8), pinned=False) is None
-    assert stage._transfer_mode(on_host=False, local_shards=8, used=range(8), pinned=False) == "all"
     assert (
-        stage._transfer_mode(on_host=False, local_shards=8, used=[0, 4], pinned=False) == "shards"
+        stage_plans._transfer_mode(on_host=True, local_shards=8, used=range(8), pinned=False)
+        is None
+    )
+    assert (
+        stage_plans._transfer_mode(on_host=False, local_shards=8, used=range(8), pinned=False)
+        == "all"
+    )
+    assert (
+        stage_plans._transfer_mode(on_host=False, local_shards=8, used=[0, 4], pinned=False)
+        == "shards"
     )
     for on_host in (False, True):
         assert (
-            stage._transfer_mode(on_host=on_host, local_shards=8, used=range(8), pinned=True)
+            stage_plans._transfer_mode(on_host=on_host, local_shards=8, used=range(8), pinned=True)
             == "pinned_all"
         )
         assert (
-            stage._transfer_mode(on_host=on_host, local_shards=8, used=[0, 4], pinned=True)
+            stage_plans._transfer_mode(on_host=on_host, local_shards=8, used=[0, 4], pinned=True)
             == "pinned_shards"
         )
 
@@ -117,12 +124,12 @@ def test_pinned_host_is_automatic_on_accelerators_only_and_refused_where_missing
 
     cpu = jax.devices()
     assert (
-        stage._pinned_ok(cpu, "auto") is False
+        stage_plans._pinned_ok(cpu, "auto") is False
     )  # host-platform devices: their memory is host memory
     assert (
-        stage._pinned_ok(cpu, "pinned_host") is True
+        stage_plans._pinned_ok(cpu, "pinned_host") is True
     )  # forced (jax's CPU client has the memory kind)
-    assert stage._pinned_ok(cpu, "pageable") is False
+    assert stage_plans._pinned_ok(cpu, "pageable") is False
 
     class NoPinned:
         platform = "gpu"
@@ -130,9 +137,9 @@ def test_pinned_host_is_automatic_on_accelerators_only_and_refused_where_missing
         def addressable_memories(self) -> list[Any]:
             return []
 
-    assert stage._pinned_ok([NoPinned()], "auto") is False
+    assert stage_plans._pinned_ok([NoPinned()], "auto") is False
     with pytest.raises(ConfigError, match="pinned_host"):
-        stage._pinned_ok([NoPinned()], "pinned_host")
+        stage_plans._pinned_ok([NoPinned()], "pinned_host")
     with pytest.raises(ConfigError, match="device_copy"):
         SaveOptions(device_copy="pinned")  # type: ignore[arg-type]
 
@@ -145,7 +152,7 @@ def test_auto_falls_back_to_pageable_where_a_pinned_round_trip_fails(
     with a warning; a working device passes the probe."""
     import jax
 
-    assert stage._pinned_round_trip(jax.devices()[0]) is True
+    assert stage_plans._pinned_round_trip(jax.devices()[0]) is True
 
     class Memory:
         kind = "pinned_host"
@@ -159,13 +166,15 @@ def test_auto_falls_back_to_pageable_where_a_pinned_round_trip_fails(
     broken = Broken()
     probed: dict[Any, bool] = {}
     with caplog.at_level("WARNING", logger="fastckpt"):
-        assert stage._pinned_ok([broken], "auto", probed) is False
-        assert stage._pinned_ok([broken], "auto", probed) is False
+        assert stage_plans._pinned_ok([broken], "auto", probed) is False
+        assert stage_plans._pinned_ok([broken], "auto", probed) is False
     assert probed == {broken: False}
     assert (
         len([r for r in caplog.records if "pinned host memory do not work" in r.getMessage()]) == 1
     )
-    assert stage._pinned_ok([broken], "pinned_host") is True  # forced: no probe, errors surface
+    assert (
+        stage_plans._pinned_ok([broken], "pinned_host") is True
+    )  # forced: no probe, errors surface
 
 
 def test_deferred_pinned_copies_are_independent_of_the_device_arrays() -> None:
@@ -375,7 +384,7 @@ def test_each_transfer_mode_starts_the_copies_it_says_and_stages_the_same_bytes(
 
     monkeypatch.setattr(ArrayImpl, "copy_to_host_async", counting)
     assert _stage(state, None) == expected and calls == []
-    monkeypatch.setattr(stage, "_transfer_mode", lambda **kw: mode)
+    monkeypatch.setattr(stage_plans, "_transfer_mode", lambda **kw: mode)
     plans = StagePlans()
     if cached:
         _stage(state, plans)
