@@ -40,6 +40,8 @@ from fastckpt.errors import (
     ProtocolError,
 )
 from fastckpt.replicas import _wire as wire
+from fastckpt.replicas import _wire_auth as wire_auth
+from fastckpt.replicas import _wire_codec as wire_codec
 from fastckpt.replicas._wire import MsgType
 
 __all__ = ["Channel", "recv_exact", "recv_prefix", "send_all"]
@@ -97,7 +99,7 @@ def recv_prefix(
     if timeout_s is not None:
         sock.settimeout(timeout_s)
     recv_exact(sock, view, deadline=deadline)
-    head = wire.decode_prefix(prefix, limits)
+    head = wire_codec.decode_prefix(prefix, limits)
     if allowed is not None and head.type not in set(allowed):
         raise ProtocolError(f"unexpected message {head.type.name}")
     return prefix, head
@@ -126,16 +128,16 @@ class _Tagger:
         """The number of the next frame (its tags use it; ``next_frame`` moves on)."""
 
     def header_tag(self, head: bytes | bytearray) -> bytes:
-        nonce = wire.tag_nonce(wire.HEADER_TAG, self.seq)
-        data = wire.header_tag_input(self._direction, self.seq, head)
+        nonce = wire_auth.tag_nonce(wire_auth.HEADER_TAG, self.seq)
+        data = wire_auth.header_tag_input(self._direction, self.seq, head)
         return self._aead.encrypt(nonce, b"", data)
 
     def payload_mac(self, header_tag: bytes | bytearray) -> Any:
         """A GCM context of this frame's payload tag: ``authenticate_additional_data`` each
         piece in order, then ``finalize()`` and read ``.tag``."""
-        nonce = wire.tag_nonce(wire.PAYLOAD_TAG, self.seq)
+        nonce = wire_auth.tag_nonce(wire_auth.PAYLOAD_TAG, self.seq)
         ctx = Cipher(self._cipher, modes.GCM(nonce)).encryptor()
-        ctx.authenticate_additional_data(wire.payload_tag_prefix(self.seq, header_tag))
+        ctx.authenticate_additional_data(wire_auth.payload_tag_prefix(self.seq, header_tag))
         return ctx
 
     def next_frame(self) -> None:
@@ -208,7 +210,7 @@ class Channel:
         limits: Bounds checked on every received prefix before anything else is read.
         role: This side of the connection.
         send_key, recv_key: The frame keys of this side's sending and receiving direction
-            (``wire.session_keys``), or both None (``frame_mac=False``: frames untagged).
+            (``wire_auth.session_keys``), or both None (``frame_mac=False``: frames untagged).
     """
 
     def __init__(
@@ -224,7 +226,7 @@ class Channel:
             raise ConfigError("both frame keys, or neither")
         self.sock = sock
         self.limits = limits
-        out_dir, in_dir = wire.CLIENT_TO_SERVER, wire.SERVER_TO_CLIENT
+        out_dir, in_dir = wire_auth.CLIENT_TO_SERVER, wire_auth.SERVER_TO_CLIENT
         if role == "server":
             out_dir, in_dir = in_dir, out_dir
         self._out = None if send_key is None else _Tagger(send_key, out_dir)
@@ -248,7 +250,7 @@ class Channel:
     def encode(self, msg_type: MsgType, header: Mapping[str, Any], payload: bytes = b"") -> bytes:
         """One whole frame, tags included, ready to send. It takes the next frame number:
         frames must leave in the order they were encoded."""
-        head = wire.encode_frame(msg_type, header, len(payload))
+        head = wire_codec.encode_frame(msg_type, header, len(payload))
         if self._out is None:
             return head + payload
         htag = self._out.header_tag(head)
@@ -281,7 +283,7 @@ class Channel:
         if total <= _SMALL:
             send_all(self.sock, self.encode(msg_type, header, b"".join(parts)), msg_type.name)
             return
-        head = wire.encode_frame(msg_type, header, total)
+        head = wire_codec.encode_frame(msg_type, header, total)
         ctx = None
         if self._out is not None:
             htag = self._out.header_tag(head)
@@ -362,7 +364,7 @@ class Channel:
                         f"{head.type.name} frame {self._in.seq} failed its header tag (forged, "
                         f"altered, replayed, reordered or after a dropped frame)"
                     )
-            header = wire.decode_header(head.type, memoryview(raw)[: head.header_len])
+            header = wire_codec.decode_header(head.type, memoryview(raw)[: head.header_len])
         except BaseException:
             self._failed = True
             raise

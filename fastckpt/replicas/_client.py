@@ -20,6 +20,7 @@ import numpy as np
 from fastckpt.errors import ChecksumMismatchError, ConfigError, ProtocolError
 from fastckpt.replicas import _batched
 from fastckpt.replicas import _wire as wire
+from fastckpt.replicas import _wire_codec as wire_codec
 from fastckpt.replicas._batched import Outcome
 from fastckpt.replicas._pool import Conn, ConnectionPool, Request
 from fastckpt.replicas._wire import MsgType
@@ -83,7 +84,7 @@ class PeerClient(ConnectionPool):
             ChecksumMismatchError: the bytes (or their length) do not match. ``into`` may
                 have been partly overwritten.
         """
-        wire.check_chunk_id(chunk_id)
+        wire_codec.check_chunk_id(chunk_id)
 
         def op(c: Conn) -> memoryview | None:
             req = {"step": step, "chunk_id": chunk_id, "offset": 0, "length": None}
@@ -146,7 +147,7 @@ class PeerClient(ConnectionPool):
             ProtocolError: the peer's reply is malformed (the connection is discarded).
         """
         _batched.check_stream(batch_chunks, window)
-        ids = [wire.check_chunk_id(cid) for cid, _, _ in items]
+        ids = [wire_codec.check_chunk_id(cid) for cid, _, _ in items]
         dsts = [
             (i.data if isinstance(i, np.ndarray) else memoryview(i)).cast("B") for _, i, _ in items
         ]
@@ -203,7 +204,7 @@ class PeerClient(ConnectionPool):
             PeerUnavailableError, ProtocolError: As for :meth:`get_chunks`.
         """
         _batched.check_stream(batch_chunks, window)
-        ids = [wire.check_chunk_id(cid) for cid, *_ in items]
+        ids = [wire_codec.check_chunk_id(cid) for cid, *_ in items]
         dsts = [
             (i.data if isinstance(i, np.ndarray) else memoryview(i)).cast("B") for _, i, *_ in items
         ]
@@ -212,7 +213,7 @@ class PeerClient(ConnectionPool):
             if (
                 not rs
                 or len(rs) > wire.MAX_BATCH_RUNS
-                or not wire.spans_fit(((a, a + n) for a, n in rs), dst.nbytes)
+                or not wire_codec.spans_fit(((a, a + n) for a, n in rs), dst.nbytes)
             ):
                 raise ConfigError(
                     f"runs {rs[:4]}... of chunk {cid!r} ({dst.nbytes} bytes) are not ascending, "
@@ -272,7 +273,7 @@ class PeerClient(ConnectionPool):
             else memoryview(data).cast("B")
         )
         crc = _crc32c.crc32c(view) if raw_crc32c is None else raw_crc32c
-        wire.check_chunk_id(chunk_id)
+        wire_codec.check_chunk_id(chunk_id)
 
         def op(c: Conn) -> bool:
             self._send_push(
@@ -301,7 +302,7 @@ class PeerClient(ConnectionPool):
         """
         if not chunks:
             return
-        ids = [wire.check_chunk_id(cid) for cid, _, _ in chunks]
+        ids = [wire_codec.check_chunk_id(cid) for cid, _, _ in chunks]
         views = [
             d.reshape(-1).view(np.uint8).data
             if isinstance(d, np.ndarray)
@@ -329,7 +330,7 @@ class PeerClient(ConnectionPool):
         def op(c: Conn) -> list[str]:
             c.chan.send(MsgType.LIST, {"step": step})
             _, h, _ = self._reply(c, MsgType.CHUNK_LIST, missing_ok=False)
-            return wire.decode_json_list(c.chan.recv_payload(), count=h["count"])
+            return wire_codec.decode_json_list(c.chan.recv_payload(), count=h["count"])
 
         return self._call(op)
 

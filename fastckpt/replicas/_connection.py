@@ -6,8 +6,8 @@ the GIL), which is what keeps a peer transfer near raw loopback TCP speed.
 
 Security (``docs/replicas.md``, "Security properties"): every connection starts with a
 mutual challenge/response over fresh nonces from both sides (HELLO, CHALLENGE, AUTH,
-AUTH_OK; ``_wire.session_keys`` derives the proofs and the connection's two frame keys, one
-per direction, as HMAC-SHA256 of the shared secret and a transcript of the whole handshake),
+AUTH_OK; ``_wire_auth.session_keys`` derives the proofs and the connection's two frame keys,
+one per direction, as HMAC-SHA256 of the shared secret and a transcript of the whole handshake),
 so an altered or downgraded handshake fails. Until it succeeds the server accepts only tiny
 frames and reveals nothing. After it, every frame in both directions carries GMAC tags over
 its header and payload and its implicit sequence number (the
@@ -37,6 +37,8 @@ from typing import Any
 
 from fastckpt.errors import AuthenticationError, ConfigError, PeerRequestError
 from fastckpt.replicas import _wire as wire
+from fastckpt.replicas import _wire_auth as wire_auth
+from fastckpt.replicas import _wire_codec as wire_codec
 from fastckpt.replicas._channel import Channel, recv_exact, recv_prefix, send_all
 from fastckpt.replicas._secret import MIN_SECRET_BYTES
 from fastckpt.replicas._wire import MsgType
@@ -84,7 +86,7 @@ class PeerOptions:
     """Server: accept PUT_CHUNK/PUT_MANIFEST (peers replicating into this tier)."""
     frame_mac: bool = True
     """Authenticate every frame after the handshake (GMAC per header and payload, see
-    :mod:`~fastckpt.replicas._wire`). Both sides must agree: the flag is part of the
+    :mod:`~fastckpt.replicas._wire_auth`). Both sides must agree: the flag is part of the
     authenticated handshake, and a mismatch fails it (``AuthenticationError``).
 
     !!! warning
@@ -171,7 +173,7 @@ def recv_frame_head(
     _, head = recv_prefix(sock, limits, allowed, first_byte_timeout_s, timeout_s, deadline)
     raw = bytearray(head.header_len)
     recv_exact(sock, memoryview(raw), deadline=deadline)
-    return head.type, wire.decode_header(head.type, raw), head.payload_len
+    return head.type, wire_codec.decode_header(head.type, raw), head.payload_len
 
 
 def send_frame(sock: socket.socket, msg_type: MsgType, header: Mapping[str, Any]) -> None:
@@ -180,7 +182,7 @@ def send_frame(sock: socket.socket, msg_type: MsgType, header: Mapping[str, Any]
     Raises:
         PeerUnavailableError: the send failed or stalled past the socket timeout.
     """
-    send_all(sock, wire.encode_frame(msg_type, header), msg_type.name)
+    send_all(sock, wire_codec.encode_frame(msg_type, header), msg_type.name)
 
 
 def client_handshake(
@@ -202,7 +204,7 @@ def client_handshake(
     """
     sock.settimeout(timeout_s)
     deadline = time.monotonic() + timeout_s  # for the whole handshake
-    client_nonce = wire.new_nonce()
+    client_nonce = wire_auth.new_nonce()
     send_frame(sock, MsgType.HELLO, {"nonce": client_nonce.hex(), "frame_mac": frame_mac})
     mtype, h, _ = recv_frame_head(
         sock, wire.AUTH_LIMITS, allowed=[MsgType.CHALLENGE, MsgType.ERROR], deadline=deadline
@@ -216,7 +218,7 @@ def client_handshake(
             f"peer {name} runs with frame_mac={h['frame_mac']}, this "
             f"client with frame_mac={frame_mac}: set PeerOptions alike"
         )
-    keys = wire.session_keys(
+    keys = wire_auth.session_keys(
         secret,
         client_nonce=client_nonce,
         server_nonce=bytes.fromhex(h["nonce"]),
@@ -275,8 +277,8 @@ def server_handshake(
         )
         send_frame(sock, MsgType.ERROR, {"code": "auth_failed", "message": message})
         raise AuthenticationError(message)
-    client_nonce, server_nonce = bytes.fromhex(hello["nonce"]), wire.new_nonce()
-    keys = wire.session_keys(
+    client_nonce, server_nonce = bytes.fromhex(hello["nonce"]), wire_auth.new_nonce()
+    keys = wire_auth.session_keys(
         secret, client_nonce=client_nonce, server_nonce=server_nonce, frame_mac=frame_mac
     )
     send_frame(

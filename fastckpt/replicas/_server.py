@@ -31,6 +31,7 @@ from fastckpt.errors import (
 )
 from fastckpt.replicas import _connection
 from fastckpt.replicas import _wire as wire
+from fastckpt.replicas import _wire_codec as wire_codec
 from fastckpt.replicas._channel import Channel
 from fastckpt.replicas._connection import (
     PeerOptions,
@@ -297,7 +298,7 @@ class PeerServer:
     def _get_chunks(self, chan: Channel, h: dict[str, Any], plen: int) -> bool:
         """Answer a batch of whole-chunk reads with one CHUNKS frame (held chunks back to back)."""
         count = h["count"]
-        if not 0 < count <= wire.MAX_BATCH_CHUNKS or plen > wire.max_id_list_bytes(count):
+        if not 0 < count <= wire.MAX_BATCH_CHUNKS or plen > wire_codec.max_id_list_bytes(count):
             raise ProtocolError(f"GET_CHUNKS: {count} chunks in a {plen}-byte id list")
         ids = self._recv_ids(chan, plen, count, "GET_CHUNKS")
         views: list[memoryview] = []
@@ -321,7 +322,7 @@ class PeerServer:
         count, runs, starts, stops = h["count"], h["runs"], h["starts"], h["stops"]
         if (
             not 0 < count <= wire.MAX_BATCH_CHUNKS
-            or plen > wire.max_id_list_bytes(count)
+            or plen > wire_codec.max_id_list_bytes(count)
             or len(runs) != count
             or 0 in runs
             or len(starts) > wire.MAX_BATCH_RUNS
@@ -340,7 +341,7 @@ class PeerServer:
             spans = list(zip(starts[j : j + n], stops[j : j + n]))
             j += n
             hit = self._tier.read_chunk(h["step"], cid)
-            if hit is None or not wire.spans_fit(spans, hit[1].length):
+            if hit is None or not wire_codec.spans_fit(spans, hit[1].length):
                 missing.append(
                     i
                 )  # not held, or the ranges are not ascending, disjoint and inside it
@@ -358,7 +359,7 @@ class PeerServer:
     @staticmethod
     def _recv_ids(chan: Channel, plen: int, count: int, what: str) -> list[str]:
         """The id list of a batch request (``count`` distinct chunk ids in ``plen`` bytes)."""
-        return wire.decode_id_batch(chan.recv_payload(), count=count, what=what)
+        return wire_codec.decode_id_batch(chan.recv_payload(), count=count, what=what)
 
     def _send_batch(
         self, chan: Channel, msg_type: MsgType, header: dict[str, Any], views: list[memoryview]
@@ -419,7 +420,7 @@ class PeerServer:
                 f"PUT_CHUNKS: {count} chunks, {len(lengths)} lengths, {len(crcs)} crcs, "
                 f"{ids_len} + {sum(lengths)} bytes != payload {plen}"
             )
-        if ids_len > wire.max_id_list_bytes(count):
+        if ids_len > wire_codec.max_id_list_bytes(count):
             raise ProtocolError(f"PUT_CHUNKS: {ids_len}-byte id list for {count} chunks")
         raw = chan.recv_bytes(ids_len)  # the id list: decoded once the payload verified
         total = plen - ids_len
@@ -437,7 +438,7 @@ class PeerServer:
                 got.append(chan.recv_into(seg.buffer[off : off + n].data))
                 off += n
             chan.end_payload()  # authentic before anything is decoded, sealed or answered
-            ids = wire.decode_distinct_ids(raw, count=count, what="PUT_CHUNKS")
+            ids = wire_codec.decode_distinct_ids(raw, count=count, what="PUT_CHUNKS")
             index: dict[str, ChunkLocation] = {}
             bad: list[str] = []
             off = 0

@@ -46,6 +46,7 @@ from fastckpt.format.codec import decode_manifest, encode_manifest, seal_documen
 from fastckpt.format.dtypes import dtype_from_name
 from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, Manifest
 from fastckpt.replicas import _wire as wire
+from fastckpt.replicas import _wire_auth as wire_auth
 from fastckpt.replicas._channel import Channel
 from fastckpt.replicas._client import PeerClient
 from fastckpt.replicas._connection import (
@@ -436,10 +437,10 @@ def _raw_auth(address: tuple[str, int], secret: bytes = SECRET) -> Channel:
     """An authenticated connection of a client with the secret (it sends raw bytes with
     ``chan.sock``, tagged as the server expects with ``chan.tag_raw``)."""
     s = socket.create_connection(address, timeout=5)
-    cn = wire.new_nonce()
+    cn = wire_auth.new_nonce()
     send_frame(s, MsgType.HELLO, {"nonce": cn.hex(), "frame_mac": True})
     _, h, _ = recv_frame_head(s, wire.AUTH_LIMITS)
-    keys = wire.session_keys(
+    keys = wire_auth.session_keys(
         secret, client_nonce=cn, server_nonce=bytes.fromhex(h["nonce"]), frame_mac=True
     )
     send_frame(s, MsgType.AUTH, {"mac": keys.client_proof.hex()})
@@ -586,7 +587,7 @@ def _frame(t: MsgType, h: dict[str, Any], payload: bytes = b"") -> bytes:
 
 
 def _nonce_hex() -> str:
-    return wire.new_nonce().hex()
+    return wire_auth.new_nonce().hex()
 
 
 #: name -> (authenticate first?, bytes to send, expected answer)

@@ -42,6 +42,7 @@ from fastckpt.errors import (
 )
 from fastckpt.options import RamOptions
 from fastckpt.replicas import _wire as wire
+from fastckpt.replicas import _wire_codec as wire_codec
 from fastckpt.replicas._client import PeerClient
 from fastckpt.replicas._connection import PeerOptions, server_handshake
 from fastckpt.replicas._sources import TieredChunkSource
@@ -215,14 +216,14 @@ class StallingPeer:
                 if (
                     self.mode == "payload" and t is MsgType.GET_CHUNK
                 ):  # half the payload, then nothing
-                    head = wire.encode_frame(
+                    head = wire_codec.encode_frame(
                         MsgType.CHUNK,
                         {"raw_crc32c": 0, "chunk_length": 1 << 20, "offset": 0},
                         1 << 20,
                     )
                     conn.sendall(chan.tag_raw(head + b"\0" * (1 << 19)))
                 elif self.mode == "payload" and t is MsgType.GET_CHUNKS:
-                    head = wire.encode_frame(
+                    head = wire_codec.encode_frame(
                         MsgType.CHUNKS, {"lengths": [1 << 20], "crcs": [0], "missing": []}, 1 << 20
                     )
                     conn.sendall(chan.tag_raw(head + b"\0" * (1 << 19)))

@@ -14,6 +14,7 @@ import pytest
 
 from fastckpt._checksum import crc32c
 from fastckpt.replicas import _wire as wire
+from fastckpt.replicas import _wire_auth as wire_auth
 from fastckpt.replicas._channel import Channel
 from fastckpt.replicas._connection import PeerOptions, recv_frame_head, send_frame
 from fastckpt.replicas._ram import ChunkLocation, RamTier
@@ -34,11 +35,11 @@ def raw_handshake(
     returns (a channel with the keys ``secret`` derives, reply type, reply header, server
     nonce). Send raw bytes with ``chan.sock``, tagged frames with ``chan.encode``/``tag_raw``."""
     s = socket.create_connection(addr, timeout=5)
-    cn = nonce or wire.new_nonce()
+    cn = nonce or wire_auth.new_nonce()
     send_frame(s, MsgType.HELLO, {"nonce": cn.hex(), "frame_mac": frame_mac})
     _, h, _ = recv_frame_head(s, wire.AUTH_LIMITS)
     sn = bytes.fromhex(h["nonce"])
-    keys = wire.session_keys(secret, client_nonce=cn, server_nonce=sn, frame_mac=frame_mac)
+    keys = wire_auth.session_keys(secret, client_nonce=cn, server_nonce=sn, frame_mac=frame_mac)
     send_frame(s, MsgType.AUTH, {"mac": keys.client_proof.hex()})
     t, h, _ = recv_frame_head(s, wire.AUTH_LIMITS)
     chan = Channel(

@@ -24,6 +24,8 @@ from fastckpt.errors import (
     PeerUnavailableError,
 )
 from fastckpt.replicas import _wire as wire
+from fastckpt.replicas import _wire_auth as wire_auth
+from fastckpt.replicas import _wire_codec as wire_codec
 from fastckpt.replicas._client import PeerClient
 from fastckpt.replicas._connection import (
     PeerOptions,
@@ -55,7 +57,9 @@ def assert_refused(server: PeerServer, msg_type: MsgType, cases: list[tuple[dict
     for header, payload in cases:
         chan, t, _, _ = raw_handshake(server.address)
         assert t is MsgType.AUTH_OK
-        chan.sock.sendall(chan.tag_raw(wire.encode_frame(msg_type, header, len(payload)) + payload))
+        chan.sock.sendall(
+            chan.tag_raw(wire_codec.encode_frame(msg_type, header, len(payload)) + payload)
+        )
         reply = read_to_eof(chan.sock)
         chan.close()
         assert b'"bad_request"' in reply, (header, reply[:200])
@@ -178,7 +182,7 @@ def test_request_before_auth_is_refused(served) -> None:  # type: ignore[no-unty
     _, server, _ = served
     s = socket.create_connection(server.address, timeout=5)
     s.sendall(
-        wire.encode_frame(
+        wire_codec.encode_frame(
             MsgType.GET_CHUNK, {"step": 1, "chunk_id": "a", "offset": 0, "length": None}
         )
     )
@@ -191,11 +195,11 @@ def test_request_before_auth_is_refused(served) -> None:  # type: ignore[no-unty
 def test_replayed_and_reflected_proofs_are_refused(served) -> None:  # type: ignore[no-untyped-def]
     _, server, _ = served
     # An eavesdropper records a legitimate handshake...
-    nonce = wire.new_nonce()
+    nonce = wire_auth.new_nonce()
     s1, t1, _, sn1 = raw_handshake(server.address, nonce=nonce)
     assert t1 is MsgType.AUTH_OK
     s1.close()
-    keys = wire.session_keys(SECRET, client_nonce=nonce, server_nonce=sn1, frame_mac=True)
+    keys = wire_auth.session_keys(SECRET, client_nonce=nonce, server_nonce=sn1, frame_mac=True)
     # ...and replays the same HELLO and AUTH: the server's fresh nonce makes the proof stale.
     for proof in (keys.client_proof, keys.server_proof):
         s = socket.create_connection(server.address, timeout=5)
@@ -636,7 +640,7 @@ def test_a_trickling_client_cannot_hold_a_connection_past_the_handshake_deadline
         make_tier("slow"),
         options=dataclasses.replace(FAST, handshake_timeout_s=0.5, max_connections=3),
     )
-    hello = wire.encode_frame(MsgType.HELLO, {"nonce": "00" * 32, "frame_mac": True}, 0)
+    hello = wire_codec.encode_frame(MsgType.HELLO, {"nonce": "00" * 32, "frame_mac": True}, 0)
     stop = threading.Event()
     dropped: list[bool] = []
 

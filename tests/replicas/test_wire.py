@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 
 from fastckpt.errors import ProtocolError
 from fastckpt.replicas import _wire as wire
+from fastckpt.replicas import _wire_auth as wire_auth
+from fastckpt.replicas import _wire_codec as wire_codec
 from fastckpt.replicas._wire import MsgType, WireLimits
 
 LIMITS = WireLimits(max_header_bytes=4096, max_payload_bytes=1 << 16)
@@ -47,7 +49,7 @@ VALID: list[tuple[MsgType, dict[str, Any], bytes]] = [
 
 
 def frame(t: MsgType, h: dict[str, Any], payload: bytes = b"") -> bytes:
-    return wire.encode_frame(t, h, len(payload)) + payload
+    return wire_codec.encode_frame(t, h, len(payload)) + payload
 
 
 def raw_frame(
@@ -70,7 +72,7 @@ def raw_frame(
     ("t", "h", "payload"), VALID, ids=[f"{t.name}-{i}" for i, (t, _, _) in enumerate(VALID)]
 )
 def test_round_trip(t: MsgType, h: dict[str, Any], payload: bytes) -> None:
-    f = wire.decode_frame(frame(t, h, payload), LIMITS)
+    f = wire_codec.decode_frame(frame(t, h, payload), LIMITS)
     assert (f.type, f.header, f.payload) == (t, h, payload)
 
 
@@ -124,7 +126,7 @@ def test_round_trip(t: MsgType, h: dict[str, Any], payload: bytes) -> None:
 )
 def test_malformed_frames_raise_protocol_error(data: bytes) -> None:
     with pytest.raises(ProtocolError):
-        wire.decode_frame(data, LIMITS)
+        wire_codec.decode_frame(data, LIMITS)
 
 
 def test_limits_are_checked_from_the_prefix_alone() -> None:
@@ -132,31 +134,33 @@ def test_limits_are_checked_from_the_prefix_alone() -> None:
     big_payload = struct.pack(">4sBBHIQ", b"FCKP", 2, 18, 0, 10, 2**63)
     for prefix in (big_header, big_payload):
         with pytest.raises(wire.FrameTooLargeError):
-            wire.decode_prefix(prefix, LIMITS)
+            wire_codec.decode_prefix(prefix, LIMITS)
     with pytest.raises(ProtocolError):  # the unauthenticated phase accepts no payload at all
-        wire.decode_prefix(struct.pack(">4sBBHIQ", b"FCKP", 2, 17, 0, 10, 1), wire.AUTH_LIMITS)
+        wire_codec.decode_prefix(
+            struct.pack(">4sBBHIQ", b"FCKP", 2, 17, 0, 10, 1), wire.AUTH_LIMITS
+        )
 
 
 def test_encode_refuses_what_a_peer_would_refuse() -> None:
     with pytest.raises(ProtocolError):
-        wire.encode_frame(MsgType.LIST, {"step": -1})
+        wire_codec.encode_frame(MsgType.LIST, {"step": -1})
     with pytest.raises(ProtocolError):
-        wire.encode_frame(MsgType.LIST, {"step": 1}, payload_len=3)
+        wire_codec.encode_frame(MsgType.LIST, {"step": 1}, payload_len=3)
 
 
 def test_session_keys_bind_secret_nonces_version_and_mode() -> None:
     """Every value the handshake derives differs from every other, and changes with any input:
     the secret, either nonce, their order, the frame_mac flag, the protocol version."""
     k, a, b = b"k" * 16, b"a" * 32, b"b" * 32
-    keys = wire.session_keys(k, client_nonce=a, server_nonce=b, frame_mac=True)
+    keys = wire_auth.session_keys(k, client_nonce=a, server_nonce=b, frame_mac=True)
     values = [keys.server_proof, keys.client_proof, keys.client_key, keys.server_key]
     assert all(len(v) == 32 for v in values) and len(set(values)) == 4  # roles and directions apart
-    assert keys == wire.session_keys(k, client_nonce=a, server_nonce=b, frame_mac=True)
+    assert keys == wire_auth.session_keys(k, client_nonce=a, server_nonce=b, frame_mac=True)
     others = [
-        wire.session_keys(b"j" * 16, client_nonce=a, server_nonce=b, frame_mac=True),
-        wire.session_keys(k, client_nonce=b, server_nonce=a, frame_mac=True),
-        wire.session_keys(k, client_nonce=a, server_nonce=b"c" * 32, frame_mac=True),
-        wire.session_keys(k, client_nonce=a, server_nonce=b, frame_mac=False),
+        wire_auth.session_keys(b"j" * 16, client_nonce=a, server_nonce=b, frame_mac=True),
+        wire_auth.session_keys(k, client_nonce=b, server_nonce=a, frame_mac=True),
+        wire_auth.session_keys(k, client_nonce=a, server_nonce=b"c" * 32, frame_mac=True),
+        wire_auth.session_keys(k, client_nonce=a, server_nonce=b, frame_mac=False),
     ]
     for other in others:
         assert not set(values) & {
@@ -166,40 +170,40 @@ def test_session_keys_bind_secret_nonces_version_and_mode() -> None:
             other.server_key,
         }
     with pytest.raises(ProtocolError):
-        wire.session_keys(k, client_nonce=a[:31], server_nonce=b, frame_mac=True)
-    assert wire.new_nonce() != wire.new_nonce()
+        wire_auth.session_keys(k, client_nonce=a[:31], server_nonce=b, frame_mac=True)
+    assert wire_auth.new_nonce() != wire_auth.new_nonce()
 
 
 def test_session_keys_depend_on_the_protocol_version(monkeypatch: pytest.MonkeyPatch) -> None:
     k, a, b = b"k" * 16, b"a" * 32, b"b" * 32
-    keys = wire.session_keys(k, client_nonce=a, server_nonce=b, frame_mac=True)
-    monkeypatch.setattr(wire, "VERSION", wire.VERSION + 1)
+    keys = wire_auth.session_keys(k, client_nonce=a, server_nonce=b, frame_mac=True)
+    monkeypatch.setattr(wire_auth, "VERSION", wire.VERSION + 1)
     assert (
-        wire.session_keys(k, client_nonce=a, server_nonce=b, frame_mac=True).server_proof
+        wire_auth.session_keys(k, client_nonce=a, server_nonce=b, frame_mac=True).server_proof
         != keys.server_proof
     )
 
 
 def test_tag_inputs_are_unique_per_frame_part_and_direction() -> None:
     nonces = {
-        wire.tag_nonce(part, seq)
-        for part in (wire.HEADER_TAG, wire.PAYLOAD_TAG)
+        wire_auth.tag_nonce(part, seq)
+        for part in (wire_auth.HEADER_TAG, wire_auth.PAYLOAD_TAG)
         for seq in (0, 1, 2**64 - 1)
     }
     assert len(nonces) == 6 and all(len(n) == 12 for n in nonces)
     head = frame(MsgType.STEPS, {})
-    assert wire.header_tag_input(wire.CLIENT_TO_SERVER, 0, head) != wire.header_tag_input(
-        wire.SERVER_TO_CLIENT, 0, head
-    )
-    assert wire.header_tag_input(wire.CLIENT_TO_SERVER, 0, head) != wire.header_tag_input(
-        wire.CLIENT_TO_SERVER, 1, head
-    )
-    assert wire.payload_tag_prefix(0, b"t" * 16) != wire.payload_tag_prefix(1, b"t" * 16)
+    assert wire_auth.header_tag_input(
+        wire_auth.CLIENT_TO_SERVER, 0, head
+    ) != wire_auth.header_tag_input(wire_auth.SERVER_TO_CLIENT, 0, head)
+    assert wire_auth.header_tag_input(
+        wire_auth.CLIENT_TO_SERVER, 0, head
+    ) != wire_auth.header_tag_input(wire_auth.CLIENT_TO_SERVER, 1, head)
+    assert wire_auth.payload_tag_prefix(0, b"t" * 16) != wire_auth.payload_tag_prefix(1, b"t" * 16)
 
 
 def _decode_only_protocol_errors(data: bytes) -> None:
     try:
-        wire.decode_frame(data, LIMITS)
+        wire_codec.decode_frame(data, LIMITS)
     except ProtocolError:
         pass
 
@@ -219,7 +223,7 @@ def test_fuzz_random_bytes(data: bytes) -> None:
 def test_fuzz_truncated_and_mutated(data: bytes, draw: st.DataObject) -> None:
     cut = draw.draw(st.integers(0, len(data) - 1))
     with pytest.raises(ProtocolError):
-        wire.decode_frame(data[:cut], LIMITS)
+        wire_codec.decode_frame(data[:cut], LIMITS)
     mutated = bytearray(data)
     for _ in range(draw.draw(st.integers(1, 4))):
         i = draw.draw(st.integers(0, len(data) - 1))

@@ -227,16 +227,19 @@ def _impostor(address: tuple[str, int], chunk_id: str) -> dict[str, Any]:
     """Handshake by hand with a proof made from the wrong secret (ignoring the server's
     proof, as an attacker would), then ask for a chunk the server holds anyway."""
     from fastckpt.replicas import _wire as wire
+    from fastckpt.replicas import _wire_auth as wire_auth
     from fastckpt.replicas._channel import Channel
     from fastckpt.replicas._connection import recv_frame_head, send_frame
     from fastckpt.replicas._wire import MsgType
 
     with socket.create_connection(address, timeout=5) as s:
-        cn = wire.new_nonce()
+        cn = wire_auth.new_nonce()
         send_frame(s, MsgType.HELLO, {"nonce": cn.hex(), "frame_mac": True})
         _, h, _ = recv_frame_head(s, wire.AUTH_LIMITS)
         sn = bytes.fromhex(h["nonce"])
-        keys = wire.session_keys(WRONG_SECRET, client_nonce=cn, server_nonce=sn, frame_mac=True)
+        keys = wire_auth.session_keys(
+            WRONG_SECRET, client_nonce=cn, server_nonce=sn, frame_mac=True
+        )
         send_frame(s, MsgType.AUTH, {"mac": keys.client_proof.hex()})
         reply, h, _ = recv_frame_head(s, wire.AUTH_LIMITS)
         chan = Channel(

@@ -1,0 +1,121 @@
+"""The peer protocol's handshake key schedule and frame tags (pure; frames are in ``_wire``).
+
+Handshake (mutual, per connection): HELLO (client nonce, ``frame_mac``), CHALLENGE (server
+nonce, ``frame_mac``, server proof), AUTH (client proof), AUTH_OK. :func:`session_keys`
+derives both proofs and one frame key per direction from the shared secret and a transcript
+of every field exchanged (both nonces, the protocol version, the ``frame_mac`` flag), so an
+altered or downgraded handshake fails and no two connections share a key.
+
+Frame tags (GMAC: AES-256-GCM with an empty plaintext, the input as associated data), under
+the sending direction's key, for the ``seq``-th frame that direction sent after AUTH_OK
+(from 0; implicit, never sent)::
+
+    header tag   nonce = u32 HEADER_TAG | u64 seq;  input = direction u8 | u64 seq | prefix | header
+    payload tag  nonce = u32 PAYLOAD_TAG | u64 seq; input = u64 seq | header tag | payload
+
+Each (key, nonce) pair is used once. A frame injected, altered, replayed (on its connection
+or another), reordered or dropped fails its own tag or the next frame's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import secrets
+import struct
+
+from fastckpt.errors import ProtocolError
+from fastckpt.replicas._wire import NONCE_BYTES, VERSION
+
+__all__ = [
+    "CLIENT_TO_SERVER",
+    "HEADER_TAG",
+    "PAYLOAD_TAG",
+    "SERVER_TO_CLIENT",
+    "SessionKeys",
+    "header_tag_input",
+    "new_nonce",
+    "payload_tag_prefix",
+    "session_keys",
+    "tag_nonce",
+]
+
+_KDF_DOMAIN = b"fastckpt-peer-v2\x00"
+#: The first 4 bytes of a tag's GCM nonce: which tag of the frame it is.
+HEADER_TAG = 1
+PAYLOAD_TAG = 2
+#: The direction byte of a header tag's input.
+CLIENT_TO_SERVER = 0
+SERVER_TO_CLIENT = 1
+_NONCE = struct.Struct(">IQ")
+_SEQ = struct.Struct(">Q")
+
+
+def new_nonce() -> bytes:
+    """A fresh random nonce for the handshake."""
+    return secrets.token_bytes(NONCE_BYTES)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SessionKeys:
+    """What :func:`session_keys` derives for one connection (32 bytes each)."""
+
+    server_proof: bytes
+    """CHALLENGE's ``mac``: the server knows the secret and saw this transcript."""
+    client_proof: bytes
+    """AUTH's ``mac``: the client knows the secret and saw this transcript."""
+    client_key: bytes
+    """AES-256 key of the client → server frame tags."""
+    server_key: bytes
+    """AES-256 key of the server → client frame tags."""
+
+
+def session_keys(
+    secret: bytes, *, client_nonce: bytes, server_nonce: bytes, frame_mac: bool
+) -> SessionKeys:
+    """The handshake proofs and frame keys of one connection (HMAC-SHA256, distinct labels)::
+
+        transcript = "fastckpt-peer-v2" 0x00 | VERSION u8 | frame_mac u8 | Nc (32) | Ns (32)
+        master     = HMAC(secret, transcript)
+        each value = HMAC(master, its label)
+
+    Every input has a fixed length, so no two transcripts collide. Each side uses its own
+    ``frame_mac`` setting and the nonces it sent and received: if anything in the handshake
+    was altered (a nonce, a flag, the version), the proofs differ and the handshake fails.
+    The role labels stop a proof from being reflected, and fresh nonces from both sides stop
+    a recorded proof or key from being valid on another connection.
+
+    Raises:
+        ProtocolError: a nonce is not ``NONCE_BYTES`` long.
+    """
+    if len(client_nonce) != NONCE_BYTES or len(server_nonce) != NONCE_BYTES:
+        raise ProtocolError(f"handshake nonces must be {NONCE_BYTES} bytes")
+    transcript = _KDF_DOMAIN + bytes([VERSION, int(bool(frame_mac))]) + client_nonce + server_nonce
+    master = hmac.new(secret, transcript, hashlib.sha256).digest()
+
+    def label(name: bytes) -> bytes:
+        return hmac.new(master, name, hashlib.sha256).digest()
+
+    return SessionKeys(
+        server_proof=label(b"server proof"),
+        client_proof=label(b"client proof"),
+        client_key=label(b"client->server frame key"),
+        server_key=label(b"server->client frame key"),
+    )
+
+
+def tag_nonce(part: int, seq: int) -> bytes:
+    """The 12-byte GCM nonce of tag ``part`` (``HEADER_TAG``/``PAYLOAD_TAG``) of frame ``seq``."""
+    return _NONCE.pack(part, seq)
+
+
+def header_tag_input(direction: int, seq: int, head: bytes | bytearray) -> bytes:
+    """What a header tag authenticates: direction, frame number, ``head`` (prefix + header)."""
+    return bytes([direction]) + _SEQ.pack(seq) + head
+
+
+def payload_tag_prefix(seq: int, header_tag: bytes | bytearray) -> bytes:
+    """What a payload tag authenticates before the payload: the frame number and its header's
+    tag (which binds the payload to that header)."""
+    return _SEQ.pack(seq) + bytes(header_tag)
