@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fastckpt.testing import _hosts_net
+from fastckpt.testing import _hosts_procs
 from fastckpt.testing.hosts import Host
 
 NETCAT = str(Path(__file__).with_name("_netcat.py"))
@@ -87,7 +87,7 @@ def alive(pid: int) -> bool:
 def leftovers(*, netns: list[str], pids: list[int], shared_dir: str) -> list[str]:
     """What is left of a cluster: processes in its namespaces, live pids, its shared dir."""
     left = []
-    inside = [p for ps in _hosts_net.pids_in(netns).values() for p in ps]
+    inside = [p for ps in _hosts_procs.pids_in(netns).values() for p in ps]
     if inside:
         left.append(f"processes in the hosts' namespaces: {inside}")
     live = [p for p in pids if alive(p)]

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from fastckpt.testing import _hosts_net
+from fastckpt.testing import _hosts_procs
 from fastckpt.testing.hosts import HostDownError, HostsError, LinkShape, SimulatedHosts
 from tests.hosts._helpers import (
     alive,
@@ -50,7 +50,9 @@ def test_kill_loses_the_machine_and_revive_brings_an_empty_one() -> None:
             a.revive()  # a is up
         b.revive()
         assert b.is_up and len(b.pids()) == 1
-        kept = sorted({p.split("/")[2] for p in _hosts_net.caller_paths() if p.startswith("/tmp/")})
+        kept = sorted(
+            {p.split("/")[2] for p in _hosts_procs.caller_paths() if p.startswith("/tmp/")}
+        )
         assert sh(b, "ls -A /dev/shm; echo --; ls -A /tmp").stdout.split() == ["--", *kept]
         assert sh(b, "hostname").stdout.strip() == b.hostname
         server = listen(b, "recv", 7301)  # same name and address: peers reach it at once
