@@ -7,7 +7,7 @@ import numpy as np
 
 from fastckpt.errors import ManifestError
 
-__all__ = ["dtype_from_name", "dtype_name"]
+__all__ = ["DTYPE_NAMES", "dtype_from_name", "dtype_name"]
 
 _ML_DTYPE_NAMES = (
     "bfloat16",
@@ -55,6 +55,8 @@ def _table() -> dict[str, np.dtype]:
 
 
 _BY_NAME = _table()
+DTYPE_NAMES: tuple[str, ...] = tuple(sorted(_BY_NAME))
+"""Every dtype name a manifest may carry (those this numpy/ml_dtypes supports)."""
 
 
 def dtype_name(dtype: np.dtype | type) -> str:

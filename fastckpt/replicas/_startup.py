@@ -39,7 +39,7 @@ from fastckpt.errors import (
 if TYPE_CHECKING:
     from fastckpt.coordination.distributed import Coordinator
     from fastckpt.replicas._client import PeerClient
-    from fastckpt.storage._protocol import Store
+    from fastckpt.storage import Store
 
 __all__ = [
     "PeerAddress",

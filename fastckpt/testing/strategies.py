@@ -13,7 +13,7 @@ from typing import Any, get_args
 from hypothesis import strategies as st
 
 from fastckpt.format.chunk_table import CODECS, table_from_entries
-from fastckpt.format.dtypes import _BY_NAME
+from fastckpt.format.dtypes import DTYPE_NAMES, dtype_from_name
 from fastckpt.format.manifest import (
     ArrayKind,
     ArrayLeaf,
@@ -42,7 +42,6 @@ __all__ = [
 ]
 
 #: Every dtype name the manifest format knows.
-DTYPE_NAMES: tuple[str, ...] = tuple(sorted(_BY_NAME))
 
 
 def shapes(
@@ -205,7 +204,7 @@ def _array_leaf(draw: st.DrawFn, path: KeyPath) -> ArrayLeaf:
     dtype = draw(_DTYPES)
     kind = draw(_KINDS)
     key_impl = draw(_KEY_IMPLS) if kind == "prng_key" else None
-    itemsize = _BY_NAME[dtype].itemsize
+    itemsize = dtype_from_name(dtype).itemsize
     entries = draw(_chunk_entries(shape, itemsize))
     chunks = table_from_entries(entries, shape=shape, itemsize=itemsize)
     sharding = None if kind == "numpy" else draw(sharding_specs(len(shape)))

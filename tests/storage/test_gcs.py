@@ -86,32 +86,6 @@ def test_gcs_corruption_detected(gcs_store: GcsStore) -> None:
             mgr.restore(1)
 
 
-def test_gcs_restore_scatter_reads_are_bit_exact(gcs_store: GcsStore) -> None:
-    """Ranged GETs received straight into destination buffers (and scratch for zstd chunks),
-    coalesced across leaves, on the same mesh and resharded."""
-    from tests.reader.test_storage_reads import N_SMALL, OPTS, check, mixed_state
-
-    state, hosts, shardings = mixed_state()
-    with CheckpointManager(gcs_store, options=OPTS) as mgr:
-        mgr.save(1, state)
-        mgr.wait()
-        got = mgr.restore(1, target={k: sds(h, shardings[k]) for k, h in hosts.items()})
-        stats = mgr.last_restore_stats
-        check(got, hosts, shardings)
-        assert stats.bytes_in_place >= hosts["big"].nbytes + sum(
-            hosts[f"s{i:02d}"].nbytes for i in range(N_SMALL)
-        )
-        assert stats.reads_storage < len(hosts)
-        dst = named((4, 2), ("a", "b"), P("b", "a"))
-        small = named((4, 2), ("a", "b"), P())
-        shardings = {k: (small if k.startswith("s") else dst) for k in hosts}
-        check(
-            mgr.restore(1, target={k: sds(h, shardings[k]) for k, h in hosts.items()}),
-            hosts,
-            shardings,
-        )
-
-
 def test_gs_root_honours_storage_emulator_host(
     gcs_emulator: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
