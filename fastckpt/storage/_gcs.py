@@ -1,9 +1,7 @@
 """Google Cloud Storage backend.
 
-Control calls (list, list_info, delete, head) go through ``google-cloud-storage``'s client. The data
-path talks to the JSON API directly over the client's pooled, authorised session, because
-that is faster than the library's media helpers on the same connection (see
-``docs/storage.md``):
+Control calls (list, list_info, delete, head) go through ``google-cloud-storage``'s client;
+the data path talks to the JSON API directly over the client's pooled, authorised session:
 
 * ``put`` is one multipart upload (``uploadType=multipart``) whose body is streamed from the
   caller's buffers without concatenating them. It carries the payload's crc32c, so GCS
@@ -18,10 +16,8 @@ The library's own retries are disabled everywhere (``retry=None``; the session h
 urllib3 retries): retrying is :class:`~fastckpt.storage.RetryingStore`'s job.
 
 ``STORAGE_EMULATOR_HOST`` is honoured as google-cloud-storage, gcsfs and Orbax honour it
-(see :class:`GcsStore`): the one environment variable the library reads unasked (elsewhere
-only the edges read the environment: the CLI, ``fastckpt.testing``, entry points, and
-``peer_secret_from_env`` when called), because the ecosystem's convention is that the GCS
-client reads it.
+(see :class:`GcsStore`): the one environment variable the library reads unasked, because
+the ecosystem's convention is that the GCS client reads it.
 """
 
 from __future__ import annotations
