@@ -46,10 +46,6 @@ Tree::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from fastckpt.replicas import ReplicationReport
 
 __all__ = [
     "AlreadyExistsError",
@@ -211,9 +207,10 @@ class PeerRequestError(PeerError):
 
 class ReplicationError(PeerError):
     """Pushes of a RAM step to its peers failed (raised only when a wait asks for it:
-    ``Replicator.wait(raise_on_error=True)``); ``reports`` holds every step's report."""
+    ``Replicator.wait(raise_on_error=True)``); ``reports`` holds every step's
+    :class:`fastckpt.replicas.ReplicationReport` (typed loosely: this module imports no layer)."""
 
-    def __init__(self, message: str, reports: Sequence[ReplicationReport]) -> None:
+    def __init__(self, message: str, reports: Sequence[object]) -> None:
         super().__init__(message)
         self.reports = list(reports)
 

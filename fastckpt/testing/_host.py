@@ -10,16 +10,29 @@ import dataclasses
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, final
+from typing import Any, Protocol, final
 
 from fastckpt.testing import _hosts_net as _net
 from fastckpt.testing import _hosts_procs as _procs
 from fastckpt.testing._hosts_env import HostDownError, HostsError
 
-if TYPE_CHECKING:
-    from fastckpt.testing.hosts import SimulatedHosts
+
+class _Cluster(Protocol):
+    """What a :class:`Host` uses of the :class:`~fastckpt.testing.hosts.SimulatedHosts` that
+    owns it (declared here so that this module does not import the cluster's)."""
+
+    _lock: threading.RLock
+    shared_dir: Path
+
+    @property
+    def closed(self) -> bool: ...
+    def _require_open(self) -> None: ...
+    def _switch(self) -> _net.Fabric: ...
+    def _start(self, hosts: list[Host]) -> None: ...
+
 
 KILL_TIMEOUT_S = 10.0
 """How long SIGKILLs may take to empty a host."""
@@ -68,7 +81,7 @@ class Host:
 
     def __init__(
         self,
-        cluster: SimulatedHosts,
+        cluster: _Cluster,
         *,
         name: str,
         index: int,
