@@ -9,9 +9,9 @@ import jax
 import numpy as np
 
 import fastckpt
-from fastckpt.elastic.data import DataConfig
-from fastckpt.elastic.model import PRESETS
-from fastckpt.elastic.trainer import TrainConfig, TrainProgram, TrainState, make_mesh
+from fastckpt_examples.data import DataConfig
+from fastckpt_examples.model import PRESETS
+from fastckpt_examples.trainer import TrainConfig, TrainProgram, TrainState, make_mesh
 
 CFG = TrainConfig(
     model=dataclasses.replace(PRESETS["tiny"], dropout=0.1), data=DataConfig(global_batch=24)

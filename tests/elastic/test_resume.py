@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import fastckpt
-from fastckpt.elastic.trainer import TrainState
+from fastckpt_examples.trainer import TrainState
 
 from ._common import CFG, EVERY, Runner, host
 
