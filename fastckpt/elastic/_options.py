@@ -109,6 +109,10 @@ class ElasticJobOptions:
     """Longest wait for a generation's actors to be created and placed."""
     kill_wait_s: float = 5.0
     """After killing a generation, longest wait for its actors to be gone."""
+    node_loss_grace_s: float = 2.0
+    """When ``train`` raised (a collective fails on the survivors before Ray marks a lost
+    node dead), how long to watch for a node of the generation to be marked dead before
+    relaunching (with the tuned health checks a lost node is marked in ~1.5 s)."""
     monitor: Callable[[JobStatus], None] | None = None
     """Called from the driver loop (the driver's thread) on every poll."""
 

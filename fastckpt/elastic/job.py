@@ -13,6 +13,8 @@ generations until one finishes:
   node's liveness); it also lists the nodes every ``node_poll_interval_s`` and fails the
   generation as soon as a node of it is marked dead. An exception raised by ``train``
   fails it too (cause ``error``).
+  When ``train`` raised, the driver first watches the nodes for up to ``node_loss_grace_s``:
+  a collective usually fails on the survivors before Ray marks the lost node dead.
 * **Kill promptly**: every actor of the generation at once (survivors are stuck in a
   collective with the dead peer), then relaunch on the nodes alive; more than
   ``max_restarts`` failures, or fewer than ``min_nodes`` nodes, raise
@@ -252,9 +254,14 @@ class _Driver:
     def _failure(
         self, gen: _Generation, rank: int, cause: FailureCause, error: Exception | None
     ) -> tuple[str, str, FailureCause | None, Any]:
+        t_detect = now()
+        if cause == "error":  # often a collective failing because a peer's node vanished:
+            cause = self._await_node_loss(gen, cause)  # relaunching onto it would hang
         node = gen.nodes[rank]
         self._record(
             "failure_detected",
+            t=t_detect,
+            cause_known_s=now() - t_detect,
             generation=gen.number,
             rank=rank,
             node=node,
@@ -262,6 +269,15 @@ class _Driver:
             error=None if error is None else _describe(error),
         )
         return "failed", f"rank {rank} on node {node[:12]}: {cause}", cause, None
+
+    def _await_node_loss(self, gen: _Generation, cause: FailureCause) -> FailureCause:
+        deadline = time.monotonic() + self.opts.node_loss_grace_s
+        while time.monotonic() < deadline:
+            alive = alive_nodes(self.opts.node_resource)
+            if any(node not in alive for node in gen.nodes):
+                return "node"
+            time.sleep(min(0.1, self.opts.node_poll_interval_s))
+        return cause
 
     def _collect_polls(self, gen: _Generation) -> None:
         if gen.polls:
