@@ -27,9 +27,9 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from fastckpt.errors import ConfigError
 from fastckpt_examples.data import DataConfig, SyntheticData
 from fastckpt_examples.model import ModelConfig, init_params, loss_fn, param_shapes, param_specs
-from fastckpt.errors import ConfigError
 
 __all__ = ["TrainConfig", "TrainProgram", "TrainState", "make_mesh"]
 

@@ -22,9 +22,7 @@ thousands. Only a cluster's head takes it (``ray start --system-config`` / the e
 cluster); a driver connecting to an existing cluster cannot change it."""
 
 
-def connect(
-    address: str | None, *, resource: str, init_kwargs: Mapping[str, Any]
-) -> bool:
+def connect(address: str | None, *, resource: str, init_kwargs: Mapping[str, Any]) -> bool:
     """Connect this process to Ray unless it already is. Returns whether it connected (and so
     should disconnect at the end).
 

@@ -103,9 +103,7 @@ class ElasticOptions:
                 budget_bytes=self.ram_budget_bytes,
                 secret=ident.peer_secret,
             )
-        return dataclasses.replace(
-            self.manager, save_interval_steps=self.checkpoint_every, ram=ram
-        )
+        return dataclasses.replace(self.manager, save_interval_steps=self.checkpoint_every, ram=ram)
 
 
 class ElasticContext:
@@ -257,7 +255,10 @@ class ElasticContext:
             == "save"
         ):
             mgr.save(
-                step, state, metadata={"generation": self.identity.generation, "final": True}, force=True
+                step,
+                state,
+                metadata={"generation": self.identity.generation, "final": True},
+                force=True,
             )
         mgr.wait()
 

@@ -242,8 +242,11 @@ class _Driver:
                 self._maybe_grow(gen, alive)
                 self._maybe_fill_standby(gen)
             if opts.monitor is not None:
-                opts.monitor(JobStatus(gen.number, max(gen.steps.values(), default=0),
-                                       gen.workers, self._record))
+                opts.monitor(
+                    JobStatus(
+                        gen.number, max(gen.steps.values(), default=0), gen.workers, self._record
+                    )
+                )
         outcomes = {r["outcome"] for r in results.values()}
         if outcomes == {"done"}:
             return "done", "every worker finished", None, results[0]["value"]

@@ -104,9 +104,7 @@ def summarize(
     recoveries = []
     for detect in (e for e in events if e["event"] == "failure_detected"):
         gen = int(detect["generation"])
-        kill = next(
-            (e for e in events if e["event"] == "kill" and e["generation"] == gen), detect
-        )
+        kill = next((e for e in events if e["event"] == "kill" and e["generation"] == gen), detect)
         # The recovery ends at the first step of the first generation after the kill that got
         # there; relaunches that failed before their first step count towards it.
         failed: list[dict[str, Any]] = []

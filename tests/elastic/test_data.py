@@ -6,11 +6,11 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from fastckpt_examples.data import DataConfig, SyntheticData
+from fastckpt_examples.trainer import make_mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fastckpt_examples.data import DataConfig, SyntheticData
-from fastckpt_examples.trainer import make_mesh
 from fastckpt.errors import ConfigError
 
 pytestmark = pytest.mark.usefixtures("eight_devices")
