@@ -258,8 +258,9 @@ class _Driver:
         self, gen: _Generation, rank: int, cause: FailureCause, error: Exception | None
     ) -> tuple[str, str, FailureCause | None, Any]:
         t_detect = now()
-        if cause == "error":  # often a collective failing because a peer's node vanished:
-            cause = self._await_node_loss(gen, cause)  # relaunching onto it would hang
+        if cause in ("error", "process"):  # a collective failing, or a worker gone, because
+            cause = self._await_node_loss(gen, rank, cause)  # its node vanished? (no relaunch
+            # onto a node Ray has not marked dead yet: it would hang)
         node = gen.nodes[rank]
         self._record(
             "failure_detected",
@@ -273,8 +274,16 @@ class _Driver:
         )
         return "failed", f"rank {rank} on node {node[:12]}: {cause}", cause, None
 
-    def _await_node_loss(self, gen: _Generation, cause: FailureCause) -> FailureCause:
+    def _await_node_loss(self, gen: _Generation, rank: int, cause: FailureCause) -> FailureCause:
         deadline = time.monotonic() + self.opts.node_loss_grace_s
+        probe = self.standby.get(gen.nodes[rank]) if cause == "process" else None
+        if probe is not None:  # the dead worker's node still answers: a process death
+            try:
+                ray.get(probe.node_info.remote(), timeout=self.opts.node_loss_grace_s)
+                return cause
+            except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+                self.standby.pop(gen.nodes[rank], None)
+                return "node"
         while time.monotonic() < deadline:
             alive = alive_nodes(self.opts.node_resource)
             if any(node not in alive for node in gen.nodes):

@@ -131,6 +131,11 @@ def test_lost_node_resumes_on_fewer_nodes_then_grows_back(
     chaos = Chaos().at(0, 3, remove_node).at(1, 3, add_node)
     result = _run(work, "lose-node", chaos, spec={"steps": 16, "step_delay_s": 0.25})
     shape = [(g.outcome, g.cause, len(g.nodes)) for g in result.generations]
+    print(
+        "node-loss generations:",
+        shape,
+        [e for e in result.events if e["event"] == "failure_detected"],
+    )
     assert shape == [("failed", "node", 2), ("stopped", None, 1), ("done", None, 2)]
     summary = result.summary()
     (rec,) = summary["recoveries"]
