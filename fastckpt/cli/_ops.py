@@ -101,9 +101,9 @@ def cmd_convert(
 
 
 def cmd_demo(argv: Sequence[str]) -> int:
-    """Run the elastic demo: ``fastckpt.elastic.demo.main(argv)``."""
+    """Run the elastic demo: ``fastckpt_examples.demo.main(argv)`` (imported only here)."""
     try:
-        from fastckpt.elastic.demo import main as demo_main
+        from fastckpt_examples.demo import main as demo_main
     except ImportError as e:
         sys.stderr.write(f"fastckpt demo: the elastic demo is not available: {e}\n")
         return 1

@@ -1,50 +1,46 @@
-"""Elastic training: survive host loss, resize the mesh, rejoin, never lose committed state.
+"""Elastic training on Ray: survive node loss, resize the mesh, grow back, never lose state.
 
 Two halves:
 
-* the **supervisor** (:class:`Supervisor`, ``python -m fastckpt.elastic run``) launches one
-  worker process per host, watches exits and heartbeats, kills and relaunches on the hosts
-  that remain, and resizes back up at a checkpoint when a host returns;
-* the **worker side** (:class:`ElasticContext`) is what a training script wraps its loop
-  in ("bring your own trainer"): it initialises ``jax.distributed``, restores the latest
-  checkpoint onto whatever mesh this generation has, beats, saves on cadence and stops
-  at an agreed step when asked.
+* the **driver** (:func:`run_elastic` with :class:`ElasticJobOptions`) runs the user's
+  ``train(worker)`` in one Ray actor per node, detects a dead worker process or a lost node,
+  kills the rest at once, relaunches on the nodes alive with a resized mesh, and grows back
+  at a checkpoint when a node returns (:mod:`fastckpt.elastic.job`);
+* the **worker side** (:class:`ElasticContext`) is what ``train`` wraps its loop in ("bring
+  your own trainer"): it initialises ``jax.distributed``, restores the latest checkpoint
+  (each chunk from this node's RAM, a peer's, then storage) onto whatever mesh this
+  generation has, saves on cadence and stops at an agreed step when asked.
 
-:mod:`fastckpt.elastic.worker` is the reference trainer (a small transformer LM with
-AdamW over a ``("data", "model")`` mesh, :mod:`~fastckpt.elastic.model`,
-:mod:`~fastckpt.elastic.data`, :mod:`~fastckpt.elastic.trainer`) and
-:mod:`fastckpt.elastic.demo` the host-loss demo. Needs the ``demo`` extra (optax;
-matplotlib for the demo's plot).
+Needs Ray (the ``ray`` extra). The example trainer and the demo live in the
+``fastckpt_examples`` package (``examples/`` in the source tree).
 """
 
 from __future__ import annotations
 
-from fastckpt.elastic._protocol import EXIT_DONE as EXIT_DONE
-from fastckpt.elastic._protocol import EXIT_STOPPED as EXIT_STOPPED
-from fastckpt.elastic._protocol import WorkerEnv as WorkerEnv
+from fastckpt.elastic._options import ElasticJobOptions as ElasticJobOptions
+from fastckpt.elastic._options import ElasticResult as ElasticResult
+from fastckpt.elastic._options import ElasticRunError as ElasticRunError
+from fastckpt.elastic._options import GenerationResult as GenerationResult
+from fastckpt.elastic._options import JobStatus as JobStatus
+from fastckpt.elastic._options import WorkerInfo as WorkerInfo
+from fastckpt.elastic._worker import Worker as Worker
+from fastckpt.elastic._worker import WorkerIdentity as WorkerIdentity
 from fastckpt.elastic.context import ElasticContext as ElasticContext
 from fastckpt.elastic.context import ElasticOptions as ElasticOptions
-from fastckpt.elastic.supervisor import ChaosEvent as ChaosEvent
-from fastckpt.elastic.supervisor import ElasticRunError as ElasticRunError
-from fastckpt.elastic.supervisor import GenerationResult as GenerationResult
-from fastckpt.elastic.supervisor import Supervisor as Supervisor
-from fastckpt.elastic.supervisor import SupervisorOptions as SupervisorOptions
-from fastckpt.elastic.supervisor import SupervisorResult as SupervisorResult
-from fastckpt.elastic.supervisor import SupervisorTerminated as SupervisorTerminated
+from fastckpt.elastic.job import run_elastic as run_elastic
 from fastckpt.elastic.timeline import summarize as summarize
 
 __all__ = [
-    "EXIT_DONE",
-    "EXIT_STOPPED",
-    "ChaosEvent",
     "ElasticContext",
+    "ElasticJobOptions",
     "ElasticOptions",
+    "ElasticResult",
     "ElasticRunError",
     "GenerationResult",
-    "Supervisor",
-    "SupervisorOptions",
-    "SupervisorResult",
-    "SupervisorTerminated",
-    "WorkerEnv",
+    "JobStatus",
+    "Worker",
+    "WorkerIdentity",
+    "WorkerInfo",
+    "run_elastic",
     "summarize",
 ]

@@ -1,16 +1,17 @@
-"""Turn a run directory into a timeline: recoveries, resizes, their parts, steps lost.
+"""Turn an elastic job's records into a timeline: recoveries, resizes, their parts, steps lost.
 
-Sources (see :mod:`fastckpt.elastic._protocol`): the supervisor's ``events.jsonl``, the
-workers' ``report/*.json`` (phase timestamps and restore stats) and ``metrics.jsonl``.
-All timestamps are ``time.time()`` of one machine.
+Sources (:class:`~fastckpt.elastic.ElasticResult`): the driver's events, the workers'
+reports (phase timestamps ``t_*`` and restore stats) and process 0's metrics. Timestamps
+are ``time.time()`` of the machines involved (comparable only with synchronised clocks).
 
-A recovery (after a ``kill`` event) is split into consecutive parts that sum to
-``kill_to_first_step_s``; each boundary is the *last* worker to pass it, since the job
-runs at the pace of its slowest process:
+A recovery (from a ``kill`` event a chaos monitor recorded, else from the failure's
+detection) is split into consecutive parts that sum to ``kill_to_first_step_s``; each
+boundary is the *last* worker to pass it, since the job runs at the pace of its slowest
+process:
 
-* ``detect_s``: SIGKILL -> the supervisor notices,
+* ``detect_s``: the kill -> the driver notices (``cause``: ``process`` or ``node``),
 * ``relaunch_s``: -> every new worker has ``jax.distributed`` and its manager up
-  (``kill_rest_s``: killing the survivors; ``start_s``: spawn, imports, init),
+  (``kill_rest_s``: killing the survivors; ``start_s``: actors placed, init),
 * ``restore_s``: -> every worker holds the restored state,
 * ``compile_s``: -> every worker has the train step compiled (beyond the restore: the
   example worker compiles while it restores),
@@ -19,25 +20,14 @@ runs at the pace of its slowest process:
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
-
-from fastckpt.elastic._protocol import RunPaths, read_json, read_jsonl
 
 __all__ = ["recovery_breakdown", "summarize"]
 
 
-def _reports(paths: RunPaths, generation: int) -> list[dict[str, Any]]:
-    out = []
-    for p in sorted((paths.root / "report").glob(f"g{generation}-h*.json")):
-        rep = read_json(p)
-        if rep is not None:
-            out.append(rep)
-    return out
-
-
 def recovery_breakdown(
-    paths: RunPaths,
+    reports: Sequence[dict[str, Any]],
     *,
     t_event: float,
     t_detect: float | None,
@@ -46,7 +36,7 @@ def recovery_breakdown(
 ) -> dict[str, Any] | None:
     """Parts of the path from ``t_event`` to the first step of ``generation`` (None if it
     never got there)."""
-    reps = _reports(paths, generation)
+    reps = [r for r in reports if r.get("generation") == generation]
     if not reps or any("t_first_step" not in r for r in reps):
         return None
     launch = next(
@@ -85,20 +75,22 @@ def recovery_breakdown(
     }
 
 
-def summarize(run_dir: str | Path) -> dict[str, Any]:
-    """Everything the demo reports about one run directory.
+def summarize(
+    events: Sequence[dict[str, Any]],
+    reports: Sequence[dict[str, Any]],
+    metrics: Sequence[dict[str, Any]],
+) -> dict[str, Any]:
+    """Everything the demo reports about one job.
 
     Returns ``{"generations", "recoveries", "resizes", "final_step", "final_loss"}``;
-    each recovery also has ``killed_host``, ``last_step_before_kill``, ``steps_lost``
+    each recovery also has ``killed_node``, ``cause``, ``last_step_before_kill``, ``steps_lost``
     (steps completed before the kill that had to be redone) and ``failed_relaunches``
     (generations after the kill that failed before their first step: the recovery's parts
     then describe the generation that got there, its total counts from the kill).
     """
-    paths = RunPaths(Path(run_dir))
-    events = read_jsonl(paths.events)
-    metrics = read_jsonl(paths.metrics)
+    events = list(events)
     generations = [
-        {"generation": e["generation"], "hosts": e["hosts"], "t": e["t"]}
+        {"generation": e["generation"], "nodes": e["nodes"], "t": e["t"]}
         for e in events
         if e["event"] == "launch"
     ]
@@ -110,20 +102,18 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
         g["outcome"] = end["outcome"] if end else "running"
     outcomes = {int(g["generation"]): g["outcome"] for g in generations}
     recoveries = []
-    for kill in (e for e in events if e["event"] == "kill"):
-        gen = int(kill["generation"])
-        detect = next(
-            (e for e in events if e["event"] == "failure_detected" and e["generation"] == gen), None
-        )
+    for detect in (e for e in events if e["event"] == "failure_detected"):
+        gen = int(detect["generation"])
+        kill = next((e for e in events if e["event"] == "kill" and e["generation"] == gen), detect)
         # The recovery ends at the first step of the first generation after the kill that got
         # there; relaunches that failed before their first step count towards it.
         failed: list[dict[str, Any]] = []
         rec = None
         for later in range(gen + 1, max(outcomes, default=gen) + 1):
             rec = recovery_breakdown(
-                paths,
+                reports,
                 t_event=float(kill["t"]),
-                t_detect=float(detect["t"]) if detect else None,
+                t_detect=float(detect["t"]),
                 generation=later,
                 events=events,
             )
@@ -137,7 +127,8 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
         ]
         last = max(done) if done else None
         entry: dict[str, Any] = {
-            "killed_host": kill["host"],
+            "killed_node": kill.get("node"),
+            "cause": detect.get("cause"),
             "generation": gen,
             "last_step_before_kill": last,
             "failed_relaunches": failed,
@@ -151,7 +142,7 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
     for stop in (e for e in events if e["event"] == "stop_requested"):
         gen = int(stop["generation"])
         rec = recovery_breakdown(
-            paths, t_event=float(stop["t"]), t_detect=None, generation=gen + 1, events=events
+            reports, t_event=float(stop["t"]), t_detect=None, generation=gen + 1, events=events
         )
         if rec is not None:
             rec["parts"].pop("detect_s")

@@ -271,9 +271,9 @@ def test_no_bench_verb_and_demo(
     assert main(["bench"]) == 2  # gone: it only worked from a source checkout
     assert "invalid choice: 'bench'" in capsys.readouterr().err
     calls: list[list[str]] = []
-    fake = types.ModuleType("fastckpt.elastic.demo")
+    fake = types.ModuleType("fastckpt_examples.demo")
     fake.main = lambda argv: calls.append(argv) or 4  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "fastckpt.elastic.demo", fake)
+    monkeypatch.setitem(sys.modules, "fastckpt_examples.demo", fake)
     assert main(["demo", "--hosts", "2", "-h"]) == 4
     assert calls == [["--hosts", "2", "-h"]]
 

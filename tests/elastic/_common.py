@@ -7,16 +7,16 @@ from typing import Any
 
 import jax
 import numpy as np
+from fastckpt_examples.data import DataConfig
+from fastckpt_examples.model import PRESETS
+from fastckpt_examples.trainer import TrainConfig, TrainProgram, TrainState, make_mesh
 
 import fastckpt
-from fastckpt.elastic.data import DataConfig
-from fastckpt.elastic.model import PRESETS
-from fastckpt.elastic.trainer import TrainConfig, TrainProgram, TrainState, make_mesh
 
 CFG = TrainConfig(
     model=dataclasses.replace(PRESETS["tiny"], dropout=0.1), data=DataConfig(global_batch=24)
 )
-"""What ``python -m fastckpt.elastic.worker --preset tiny --dropout 0.1`` trains."""
+"""What ``fastckpt_examples.elastic_train.TrainSpec(preset="tiny", dropout=0.1)`` trains."""
 EVERY = 4
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
 """Compile options of the in-process programs (the demo's CPU_FAST_COMPILE_FLAGS): on 2

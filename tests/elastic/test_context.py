@@ -1,10 +1,8 @@
 """ElasticContext (the bring-your-own-trainer API) in one process: restore-or-init, the
-step iterator, cadence saves, stop requests, reports and heartbeats."""
+step iterator, cadence saves, stop requests, reports and metrics for the driver."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
@@ -13,14 +11,25 @@ import jax.numpy as jnp
 import pytest
 
 from fastckpt import CheckpointManager
-from fastckpt.elastic import EXIT_DONE, EXIT_STOPPED, ElasticContext, ElasticOptions, WorkerEnv
-from fastckpt.elastic._protocol import RunPaths, read_jsonl
+from fastckpt.elastic import ElasticContext, ElasticOptions, Worker, WorkerIdentity
 
 pytestmark = pytest.mark.usefixtures("eight_devices")
 
 
-def env(tmp_path: Path, generation: int = 0) -> WorkerEnv:
-    return dataclasses.replace(WorkerEnv.standalone(str(tmp_path / "run")), generation=generation)
+def make_worker(tmp_path: Path, generation: int = 0) -> Worker:
+    ident = WorkerIdentity(
+        run_id="test",
+        generation=generation,
+        process_id=0,
+        num_processes=1,
+        coordinator="",
+        node_id="0" * 56,
+        node_ip="127.0.0.1",
+        ram_root=str(tmp_path / "ram"),
+        peer_secret=b"s" * 32,
+        launch_time=0.0,
+    )
+    return Worker(ident)
 
 
 def init() -> dict[str, Any]:
@@ -38,12 +47,15 @@ def train_step(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(
-    tmp_path: Path, total: int, *, generation: int = 0, every: int = 2
+    tmp_path: Path, total: int, *, generation: int = 0, every: int = 2, stop: bool = False
 ) -> tuple[ElasticContext, Any, list[int]]:
     target = jax.eval_shape(init)
     seen = []
+    worker = make_worker(tmp_path, generation)
+    if stop:
+        worker.request_stop()
     with ElasticContext(
-        env(tmp_path, generation),
+        worker,
         root=str(tmp_path / "ckpt"),
         options=ElasticOptions(checkpoint_every=every),
     ) as ctx:
@@ -59,7 +71,8 @@ def run(
 
 def test_fresh_run_then_resume(tmp_path: Path) -> None:
     ctx, _, seen = run(tmp_path, 5)
-    assert (ctx.exit_code, ctx.start_step, seen) == (EXIT_DONE, 0, [0, 1, 2, 3, 4])
+    assert (ctx.stopped, ctx.start_step, seen) == (False, 0, [0, 1, 2, 3, 4])
+    first = ctx.worker.drain()
     assert ctx.manager is not None
     ctx2, state2, seen2 = run(tmp_path, 8, generation=1)
     assert (ctx2.start_step, seen2) == (4, [4, 5, 6, 7])  # newest committed step was 4
@@ -67,37 +80,26 @@ def test_fresh_run_then_resume(tmp_path: Path) -> None:
     _, ref, _ = run(tmp_path / "ref", 8)
     assert jnp.array_equal(state2["w"], ref["w"])
     assert int(state2["step"]) == 8
-    paths = RunPaths(tmp_path / "run")
-    report = json.loads(paths.report(1, 0).read_text())
+    drained = ctx2.worker.drain()
+    report = drained["report"]
     assert report["restored_step"] == 4
     assert report["restore_kind"] == "restore"
     assert report["restore_bytes_by_tier"]
     assert report["t_first_step"] >= report["t_restored"]
-    assert json.loads(paths.heartbeat(1, 0).read_text())["phase"] == "exit"
-    metrics = read_jsonl(paths.metrics)
+    assert report["phase"] == "exit" and drained["step"] == 8
+    metrics = first["metrics"] + drained["metrics"]
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 5, 6, 7, 8]
 
 
 def test_stop_request_stops_at_a_checkpoint(tmp_path: Path) -> None:
     run(tmp_path, 4)
-    RunPaths(tmp_path / "run").stop_request(1).parent.mkdir(parents=True, exist_ok=True)
-    RunPaths(tmp_path / "run").stop_request(1).touch()
-    ctx, _, seen = run(tmp_path, 100, generation=1, every=10)
+    ctx, _, seen = run(tmp_path, 100, generation=1, every=10, stop=True)
     # decided before step 4 ran, so the stop step is 5: saved although 5 is off-cadence
     assert seen == [4]
-    assert ctx.exit_code == EXIT_STOPPED
+    assert ctx.stopped and ctx.worker.outcome == "stopped"
     with CheckpointManager(str(tmp_path / "ckpt")) as mgr:
         assert mgr.latest_step() == 5
         assert mgr.metadata(5)["generation"] == 1
-
-
-def test_worker_env_round_trips_through_the_environment(tmp_path: Path) -> None:
-    ident = dataclasses.replace(
-        env(tmp_path, 3), coordinator="127.0.0.1:1234", num_processes=4, process_id=2
-    )
-    assert WorkerEnv.from_environ(ident.to_environ()) == ident
-    with pytest.raises(KeyError, match="FASTCKPT_ELASTIC_"):
-        WorkerEnv.from_environ({})
 
 
 def test_options_are_validated() -> None:
@@ -106,7 +108,7 @@ def test_options_are_validated() -> None:
     with pytest.raises(ConfigError):
         ElasticOptions(checkpoint_every=0)
     with pytest.raises(ConfigError):
-        ElasticOptions(heartbeat_interval_s=0)
+        ElasticOptions(ram_every=-1)
 
 
 def test_wait_for_listener_waits_for_the_coordinator_port_then_returns() -> None:

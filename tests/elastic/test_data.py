@@ -6,11 +6,11 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from fastckpt_examples.data import DataConfig, SyntheticData
+from fastckpt_examples.trainer import make_mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fastckpt.elastic.data import DataConfig, SyntheticData
-from fastckpt.elastic.trainer import make_mesh
 from fastckpt.errors import ConfigError
 
 pytestmark = pytest.mark.usefixtures("eight_devices")
@@ -75,8 +75,8 @@ def test_each_row_range_is_generated_once(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_global_batch_must_divide_over_data_axis() -> None:
-    from fastckpt.elastic.model import PRESETS
-    from fastckpt.elastic.trainer import TrainConfig, TrainProgram
+    from fastckpt_examples.model import PRESETS
+    from fastckpt_examples.trainer import TrainConfig, TrainProgram
 
     cfg = TrainConfig(model=PRESETS["tiny"], data=DataConfig(global_batch=10))
     with pytest.raises(ConfigError, match="does not divide"):

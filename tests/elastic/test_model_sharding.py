@@ -6,11 +6,10 @@ import math
 
 import jax
 import pytest
+from fastckpt_examples.data import DataConfig
+from fastckpt_examples.model import PRESETS, param_shapes, param_specs
+from fastckpt_examples.trainer import TrainConfig, TrainProgram, make_mesh
 from jax.sharding import PartitionSpec as P
-
-from fastckpt.elastic.data import DataConfig
-from fastckpt.elastic.model import PRESETS, param_shapes, param_specs
-from fastckpt.elastic.trainer import TrainConfig, TrainProgram, make_mesh
 
 
 def _pairs(preset: str, data_axis: int) -> list[tuple[P, tuple[int, ...]]]:

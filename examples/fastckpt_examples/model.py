@@ -207,7 +207,7 @@ def init_params(cfg: ModelConfig, seed: int) -> Params:
     """Fresh parameters as host numpy arrays: scaled normal weights, unit norm scales.
 
     A pure function of ``(cfg, seed)``, computed with numpy so that a fresh start costs no
-    XLA compilation; :meth:`~fastckpt.elastic.trainer.TrainProgram.init_state` places the
+    XLA compilation; :meth:`~fastckpt_examples.trainer.TrainProgram.init_state` places the
     arrays onto the mesh.
     """
     dt = np.dtype(cfg.dtype)

@@ -3,7 +3,7 @@
 The train state is a dict pytree (every leaf a ``jax.Array``, so a restore target is just
 :attr:`TrainProgram.abstract_state`):
 
-* ``params``: the model parameters (:mod:`fastckpt.elastic.model`),
+* ``params``: the model parameters (:mod:`fastckpt_examples.model`),
 * ``opt_state``: optax state of ``clip_by_global_norm + adamw``, moments sharded like params,
 * ``key``: a typed ``jax.random.key``, split once per step for dropout,
 * ``step``: int32 scalar, steps taken,
@@ -27,9 +27,9 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fastckpt.elastic.data import DataConfig, SyntheticData
-from fastckpt.elastic.model import ModelConfig, init_params, loss_fn, param_shapes, param_specs
 from fastckpt.errors import ConfigError
+from fastckpt_examples.data import DataConfig, SyntheticData
+from fastckpt_examples.model import ModelConfig, init_params, loss_fn, param_shapes, param_specs
 
 __all__ = ["TrainConfig", "TrainProgram", "TrainState", "make_mesh"]
 
@@ -59,7 +59,7 @@ class TrainConfig:
     """Size of the ``"model"`` mesh axis (use the devices per host)."""
     fsdp: bool = True
     """Also shard parameters and optimizer moments over ``"data"`` where a dimension divides
-    (see :func:`~fastckpt.elastic.model.param_specs`): each host then stores, updates and
+    (see :func:`~fastckpt_examples.model.param_specs`): each host then stores, updates and
     checkpoints only its share of the state. ``False``: replicated over ``"data"``."""
 
     def __post_init__(self) -> None:

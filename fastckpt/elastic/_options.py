@@ -1,0 +1,170 @@
+"""Options and results of an elastic job (the driver's API types; no Ray import)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+from fastckpt.elastic._worker import now
+from fastckpt.errors import ConfigError, FastckptError
+
+__all__ = [
+    "ElasticJobOptions",
+    "ElasticResult",
+    "ElasticRunError",
+    "GenerationResult",
+    "JobStatus",
+    "WorkerInfo",
+]
+
+FailureCause = Literal["process", "node", "error", "startup"]
+
+
+class ElasticRunError(FastckptError):
+    """The elastic job gave up: too many failed generations, or fewer nodes than
+    ``min_nodes``. ``result`` holds what happened up to then."""
+
+    def __init__(self, message: str, *, result: ElasticResult | None = None) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WorkerInfo:
+    """One worker actor of the running generation, as the driver sees it."""
+
+    rank: int
+    node_id: str
+    ip: str
+    pid: int
+
+
+class JobStatus:
+    """What the ``monitor`` callback sees on each driver poll; it may record events."""
+
+    def __init__(
+        self,
+        generation: int,
+        step: int,
+        workers: tuple[WorkerInfo, ...],
+        record: Callable[..., None],
+    ) -> None:
+        self.generation = generation
+        """The running generation."""
+        self.step = step
+        """Highest step any worker reported (steps completed)."""
+        self.workers = workers
+        """The generation's workers by rank (empty while it is being launched)."""
+        self._record = record
+
+    def record(self, event: str, **fields: Any) -> None:
+        """Add ``{"t", "event", "generation", **fields}`` to the job's timeline (e.g. a
+        ``kill`` a chaos test caused: the timeline measures recoveries from it)."""
+        self._record(event, generation=self.generation, **fields)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ElasticJobOptions:
+    """Shape of the job and its failure policy."""
+
+    ray_address: str | None = None
+    """Ray cluster to run on; None: ``RAY_ADDRESS``, else an embedded local cluster. A
+    driver already connected (``ray.is_initialized()``) uses its connection."""
+    ray_init_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """Extra ``ray.init`` arguments when this call connects."""
+    node_resource: str = "fastckpt_node"
+    """Custom resource that marks a node for workers (one unit per node); each worker
+    actor takes half a unit, a warm standby the other half."""
+    min_nodes: int = 1
+    """Fewest nodes to train on; with fewer alive the job fails."""
+    max_nodes: int | None = None
+    """Most nodes to train on (None: every node offering the resource)."""
+    max_restarts: int = 3
+    """Failed generations tolerated (resizes when a node joins do not count)."""
+    cpu_devices_per_node: int | None = None
+    """Run JAX on CPU with this many virtual devices per worker (tests, demo); None: the
+    node's accelerators."""
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """Environment set in each worker before JAX is imported (e.g. ``XLA_FLAGS``)."""
+    preload: tuple[str, ...] = ()
+    """Modules a worker imports when created, before it gets work (the trainer's)."""
+    compile_cache_dir: str | None = None
+    """JAX persistent compilation cache directory on each node (None: off)."""
+    ram_dir: str = "/dev/shm/fastckpt-elastic"
+    """Parent of each node's RAM-tier directory (``<ram_dir>/<run_id>/<node>``)."""
+    run_id: str | None = None
+    """Names the run (None: a fresh one)."""
+    warm_standby: bool = True
+    """Keep one spare worker per node (JAX imported) once a generation trains; relaunches
+    use them instead of starting processes."""
+    grow: bool = True
+    """When a node offering the resource appears, stop at a checkpoint and relaunch on
+    all nodes."""
+    poll_interval_s: float = 0.1
+    """Driver loop period (bounds detection latency of a worker death)."""
+    node_poll_interval_s: float = 0.5
+    """How often the driver lists the cluster's nodes (node loss and arrival)."""
+    startup_timeout_s: float = 120.0
+    """Longest wait for a generation's actors to be created and placed."""
+    kill_wait_s: float = 5.0
+    """After killing a generation, longest wait for its actors to be gone."""
+    node_loss_grace_s: float = 2.0
+    """When ``train`` raised (a collective fails on the survivors before Ray marks a lost
+    node dead), how long to watch for a node of the generation to be marked dead before
+    relaunching (with the tuned health checks a lost node is marked in ~1.5 s)."""
+    monitor: Callable[[JobStatus], None] | None = None
+    """Called from the driver loop (the driver's thread) on every poll."""
+
+    def __post_init__(self) -> None:
+        if self.min_nodes < 1 or self.max_restarts < 0:
+            raise ConfigError("need min_nodes >= 1 and max_restarts >= 0")
+        if self.max_nodes is not None and self.max_nodes < self.min_nodes:
+            raise ConfigError(f"max_nodes {self.max_nodes} < min_nodes {self.min_nodes}")
+        if self.cpu_devices_per_node is not None and self.cpu_devices_per_node < 1:
+            raise ConfigError("cpu_devices_per_node must be >= 1")
+        if self.poll_interval_s <= 0 or self.node_poll_interval_s <= 0:
+            raise ConfigError("poll intervals must be > 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GenerationResult:
+    """What happened to one generation."""
+
+    generation: int
+    nodes: tuple[str, ...]
+    """Node ids by rank."""
+    outcome: Literal["done", "stopped", "failed"]
+    reason: str
+    cause: FailureCause | None
+    """Why it failed (None unless ``failed``)."""
+    t_launch: float
+    t_end: float
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ElasticResult:
+    """The whole job: every generation, the failures survived, and the timeline data."""
+
+    value: Any
+    """Process 0's ``train`` return value in the generation that finished."""
+    generations: tuple[GenerationResult, ...]
+    restarts: int
+    events: tuple[dict[str, Any], ...]
+    """Driver timeline: ``launch``, ``failure_detected``, ``killed_rest``, ``node_joined``,
+    ``stop_requested``, ``generation_end``, ``done``/``give_up`` and ``monitor`` events."""
+    reports: tuple[dict[str, Any], ...]
+    """Each worker's last report per generation (phase marks ``t_*``, restore stats)."""
+    metrics: tuple[dict[str, Any], ...]
+    """Process 0's ``ctx.log`` records of every generation."""
+
+    def summary(self) -> dict[str, Any]:
+        """:func:`fastckpt.elastic.timeline.summarize` of this result."""
+        from fastckpt.elastic.timeline import summarize
+
+        return summarize(self.events, self.reports, self.metrics)
+
+
+def event(name: str, **fields: Any) -> dict[str, Any]:
+    """A timeline record stamped now (unless ``t`` is given)."""
+    return {"t": fields.pop("t", now()), "event": name, **fields}
