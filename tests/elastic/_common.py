@@ -7,11 +7,11 @@ from typing import Any
 
 import jax
 import numpy as np
+
+import fastckpt
 from fastckpt_examples.data import DataConfig
 from fastckpt_examples.model import PRESETS
 from fastckpt_examples.trainer import TrainConfig, TrainProgram, TrainState, make_mesh
-
-import fastckpt
 
 CFG = TrainConfig(
     model=dataclasses.replace(PRESETS["tiny"], dropout=0.1), data=DataConfig(global_batch=24)

@@ -6,12 +6,12 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from fastckpt_examples.data import DataConfig, SyntheticData
-from fastckpt_examples.trainer import make_mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fastckpt.errors import ConfigError
+from fastckpt_examples.data import DataConfig, SyntheticData
+from fastckpt_examples.trainer import make_mesh
 
 pytestmark = pytest.mark.usefixtures("eight_devices")
 

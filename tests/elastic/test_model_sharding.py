@@ -6,10 +6,11 @@ import math
 
 import jax
 import pytest
+from jax.sharding import PartitionSpec as P
+
 from fastckpt_examples.data import DataConfig
 from fastckpt_examples.model import PRESETS, param_shapes, param_specs
 from fastckpt_examples.trainer import TrainConfig, TrainProgram, make_mesh
-from jax.sharding import PartitionSpec as P
 
 
 def _pairs(preset: str, data_axis: int) -> list[tuple[P, tuple[int, ...]]]:

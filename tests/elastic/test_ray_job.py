@@ -17,10 +17,9 @@ import pytest
 pytest.importorskip("ray")
 pytest.importorskip("optax")
 
-from fastckpt_examples.elastic_train import TrainSpec, train
-
 import fastckpt
 from fastckpt.elastic import ElasticResult, ElasticRunError, JobStatus, run_elastic
+from fastckpt_examples.elastic_train import TrainSpec, train
 
 from ._ray import FAST_COMPILE, NODE, Chaos, job_options, start_cluster
 

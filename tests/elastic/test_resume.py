@@ -9,9 +9,9 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
-from fastckpt_examples.trainer import TrainState
 
 import fastckpt
+from fastckpt_examples.trainer import TrainState
 
 from ._common import CFG, EVERY, Runner, host
 
