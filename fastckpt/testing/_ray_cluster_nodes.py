@@ -73,35 +73,39 @@ class Backend(Protocol):
         ...
 
 
-def _environ_has(pid: int, needle: bytes) -> bool:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return needle in f.read().split(b"\0")
-    except OSError:
-        return False
-
-
 def marked_pids(token: str, names: Iterable[str]) -> dict[str, list[int]]:
-    """The live processes carrying ``MARKER=<token>/<name>``, by name (zombies excluded)."""
+    """The live processes of these nodes, by name (zombies excluded): those carrying
+    ``MARKER=<token>/<name>`` and their descendants. Descent matters: Ray's agents and workers
+    call ``setproctitle``, which may overwrite what ``/proc/<pid>/environ`` shows."""
     wanted = {f"{MARKER}={token}/{n}".encode(): n for n in names}
     found: dict[str, list[int]] = {n: [] for n in wanted.values()}
     prefix = f"{MARKER}={token}/".encode()
+    parent: dict[int, int] = {}
+    owner: dict[int, str] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            if fields[0] == b"Z":
+                continue
+            parent[int(entry)] = int(fields[1])
             with open(f"/proc/{entry}/environ", "rb") as f:
                 env = f.read()
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
-                    continue
-        except (OSError, IndexError):
+        except (OSError, IndexError, ValueError):
             continue
-        if prefix not in env:
-            continue
-        for item in env.split(b"\0"):
-            if item in wanted:
-                found[wanted[item]].append(int(entry))
+        if prefix in env:
+            for item in env.split(b"\0"):
+                if item in wanted:
+                    owner[int(entry)] = wanted[item]
+    for pid in parent:
+        seen, p = [], pid
+        while p not in owner and p in parent and p not in seen and p > 1:
+            seen.append(p)
+            p = parent[p]
+        if p in owner:
+            found[owner[p]].append(pid)
     return found
 
 
@@ -257,9 +261,7 @@ class ProcessNodes:
         return survivors
 
 
-def node_env(
-    base: Mapping[str, str], *, devices: int, extra: Mapping[str, str]
-) -> dict[str, str]:
+def node_env(base: Mapping[str, str], *, devices: int, extra: Mapping[str, str]) -> dict[str, str]:
     """``base`` without what would steer a ``ray start`` elsewhere, plus the JAX device flags
     (any other ``XLA_FLAGS`` kept) and ``extra``."""
     env = {k: v for k, v in base.items() if k not in ("RAY_ADDRESS", MARKER)}
@@ -270,3 +272,22 @@ def node_env(
     env["RAY_USAGE_STATS_ENABLED"] = "0"
     env.update(extra)
     return env
+
+
+def kill_group(process: subprocess.Popen[Any]) -> None:
+    """SIGKILL a process's group (it leads one), then reap it; quiet if it is gone."""
+    if process.poll() is None:
+        try:
+            os.killpg(process.pid, 9)
+        except OSError:
+            process.kill()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+    for stream in (process.stdin, process.stdout, process.stderr):
+        if stream is not None:
+            try:
+                stream.close()
+            except OSError:
+                pass

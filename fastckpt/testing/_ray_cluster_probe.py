@@ -1,4 +1,4 @@
-"""Node-table probe for :mod:`fastckpt.testing.ray_cluster`: a child process, not a module to import.
+"""Node-table probe for :mod:`fastckpt.testing.ray_cluster`: a child process, not a module.
 
 Run as ``python _ray_cluster_probe.py <gcs address>`` where the GCS is reachable (inside the
 control host in namespaced mode). It reads one request per line on stdin (any text) and
@@ -16,7 +16,7 @@ from typing import Any
 
 
 def _table(client: Any) -> list[dict[str, Any]]:
-    from ray.core.generated.gcs_pb2 import GcsNodeInfo
+    from ray.core.generated.gcs_pb2 import GcsNodeInfo  # type: ignore[attr-defined]
 
     rows = []
     for node_id, info in client.get_all_node_info(timeout=5).items():
@@ -38,7 +38,7 @@ def _table(client: Any) -> list[dict[str, Any]]:
 
 
 def main() -> None:
-    from ray._raylet import GcsClient
+    from ray._raylet import GcsClient  # type: ignore[attr-defined]
 
     client = None
     for _ in sys.stdin:

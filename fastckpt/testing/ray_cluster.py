@@ -39,7 +39,6 @@ keepers also clean up if the caller is SIGKILLed; in process mode they cannot.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import secrets
@@ -54,8 +53,14 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, final
 
-from fastckpt.errors import FastckptError
 from fastckpt.testing import _ray_cluster_nodes as _nodes
+from fastckpt.testing._ray_cluster_options import HealthChecks as HealthChecks
+from fastckpt.testing._ray_cluster_options import Isolation as Isolation
+from fastckpt.testing._ray_cluster_options import NodeFootprint as NodeFootprint
+from fastckpt.testing._ray_cluster_options import RayClusterError as RayClusterError
+from fastckpt.testing._ray_cluster_options import RayNode as RayNode
+from fastckpt.testing._ray_cluster_options import RaySettings as RaySettings
+from fastckpt.testing._ray_cluster_options import RayState as RayState
 from fastckpt.testing.hosts import hosts_unavailable_reason
 
 __all__ = [
@@ -67,110 +72,10 @@ __all__ = [
     "RaySettings",
 ]
 
-Isolation = Literal["auto", "namespaces", "processes"]
-RayState = Literal["ALIVE", "DEAD", "ABSENT"]
 _PROBE = Path(__file__).with_name("_ray_cluster_probe.py")
 _GCS_PORT = 6379
-_MIB = 1 << 20
-
-
-class RayClusterError(FastckptError):
-    """The local Ray cluster could not be started, changed or queried as asked."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class HealthChecks:
-    """How the Ray head's GCS health-checks raylets (its ``health_check_*`` system config).
-
-    A node is declared dead after about ``initial_delay_ms`` (once, at its start) plus
-    ``failure_threshold`` failed checks, one every ``period_ms``, each failing at the latest
-    after ``timeout_ms``. The defaults detect a lost node in ~1-3 s on this harness; Ray's own
-    defaults (:meth:`ray_defaults`) take ~15 s. Shorter periods cost one small RPC per node per
-    period at the head, and a busy node may be declared dead spuriously.
-    """
-
-    period_ms: int = 500
-    failure_threshold: int = 3
-    timeout_ms: int = 500
-    initial_delay_ms: int = 0
-
-    def __post_init__(self) -> None:
-        if min(self.period_ms, self.failure_threshold, self.timeout_ms) < 1:
-            raise ValueError(f"period, threshold and timeout must be >= 1: {self}")
-        if self.initial_delay_ms < 0:
-            raise ValueError(f"initial_delay_ms must be >= 0, got {self.initial_delay_ms}")
-
-    @classmethod
-    def ray_defaults(cls) -> HealthChecks:
-        """Ray 2.x's defaults (3 s period, 5 failures, 10 s timeout, 5 s initial delay)."""
-        return cls(period_ms=3000, failure_threshold=5, timeout_ms=10000, initial_delay_ms=5000)
-
-    def system_config(self) -> dict[str, int]:
-        """The head's ``_system_config`` entries that apply these checks."""
-        return {
-            "health_check_period_ms": self.period_ms,
-            "health_check_failure_threshold": self.failure_threshold,
-            "health_check_timeout_ms": self.timeout_ms,
-            "health_check_initial_delay_ms": self.initial_delay_ms,
-        }
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RaySettings:
-    """What each Ray node gets. The defaults keep Ray small on a 2-core machine: no dashboard,
-    log monitor, autoscaler monitor, usage stats, metrics or pre-started workers, a 100 MiB
-    object store. Ray still starts a DashboardAgent and a RuntimeEnvAgent per node."""
-
-    cpus_per_node: int = 1
-    """``--num-cpus`` of each worker node (the head has 0: nothing is scheduled there)."""
-    node_resource: str = "fastckpt_node"
-    """Custom resource each worker node has one unit of (the head none)."""
-    object_store_bytes: int = 100 * _MIB
-    system_config: Mapping[str, object] = dataclasses.field(
-        default_factory=lambda: {"enable_worker_prestart": False, "enable_metrics_collection": False}
-    )
-    """More of the head's ``--system-config`` (the health checks are added to it)."""
-    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    """Extra environment for every node's processes (and so Ray's workers)."""
-    start_timeout_s: float = 60.0
-    """How long the head, or all worker nodes together, may take to be ALIVE."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RayNode:
-    """A worker node as the harness and Ray's GCS see it now."""
-
-    name: str
-    """``node0``...: stable across :meth:`LocalRayCluster.revive_node`."""
-    address: str
-    """IPv4 address its raylet registers (``127.0.0.1`` for every node in process mode)."""
-    hostname: str
-    shm_dir: str
-    """Its RAM root, as its processes see it (``FASTCKPT_NODE_SHM``)."""
-    up: bool
-    """Whether the harness runs it (not killed, or revived since)."""
-    link_cut: bool
-    ray_state: RayState
-    """The GCS's state of its latest registration (ABSENT: not registered yet)."""
-    node_id: str | None
-    """Ray's hex node id of that registration."""
-    started_at: float | None
-    """Wall-clock time (``time.time()``) the GCS registered it."""
-    died_at: float | None
-    """Wall-clock time the GCS declared it dead; minus the kill's time: detection latency."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class NodeFootprint:
-    """Resources the processes of one node use now (from ``/proc``); drivers excluded."""
-
-    name: str
-    processes: int
-    pss_bytes: int
-    """Proportional set size: shared pages split among their users (sum over nodes is fair)."""
-    rss_bytes: int
-    cpu_s: float
-    """User + system CPU seconds of its live processes since they started."""
+_TUNED = HealthChecks()
+_SMALL = RaySettings()
 
 
 @final
@@ -196,12 +101,14 @@ class LocalRayCluster:
         *,
         devices_per_node: int = 2,
         isolation: Isolation = "auto",
-        health: HealthChecks | None = HealthChecks(),
-        settings: RaySettings = RaySettings(),
+        health: HealthChecks | None = _TUNED,
+        settings: RaySettings = _SMALL,
         name: str = "fcray",
     ) -> None:
         if nodes < 1 or devices_per_node < 1:
-            raise ValueError(f"need nodes >= 1 and devices_per_node >= 1: {nodes}, {devices_per_node}")
+            raise ValueError(
+                f"need nodes >= 1 and devices_per_node >= 1: {nodes}, {devices_per_node}"
+            )
         if isolation == "auto":
             isolation = "namespaces" if hosts_unavailable_reason() is None else "processes"
         elif isolation == "namespaces" and (why := hosts_unavailable_reason()) is not None:
@@ -229,7 +136,9 @@ class LocalRayCluster:
         self._backend: _nodes.Backend | None = None
         try:
             if isolation == "namespaces":
-                self._backend = _nodes.NamespacedNodes([_nodes.CONTROL, *self.names], cluster_name=name)
+                self._backend = _nodes.NamespacedNodes(
+                    [_nodes.CONTROL, *self.names], cluster_name=name
+                )
                 self._gcs_port = _GCS_PORT
             else:
                 self._backend = _nodes.ProcessNodes(
@@ -433,7 +342,7 @@ class LocalRayCluster:
             self._closed = True
             survivors: list[int] = []
             for process in [*self._drivers, *([self._probe] if self._probe else [])]:
-                _kill_group(process)
+                _nodes.kill_group(process)
             if self._backend is not None:
                 survivors = self._backend.close(self._token)
             for name in list(self._starts):
@@ -524,7 +433,7 @@ class LocalRayCluster:
     def _reap(self, name: str) -> None:
         process = self._starts.pop(name, None)
         if process is not None:
-            _kill_group(process)
+            _nodes.kill_group(process)
 
     def _table(self) -> list[dict[str, Any]]:
         """The GCS's node table, through the probe (one request, one JSON line)."""
@@ -560,7 +469,9 @@ class LocalRayCluster:
             ray_state="ABSENT" if latest is None else latest["state"],
             node_id=None if latest is None else latest["node_id"],
             started_at=None if latest is None else latest["start_time_ms"] / 1000,
-            died_at=None if latest is None or not latest["end_time_ms"] else latest["end_time_ms"] / 1000,
+            died_at=None
+            if latest is None or not latest["end_time_ms"]
+            else latest["end_time_ms"] / 1000,
         )
 
     def _await(
@@ -594,22 +505,3 @@ class LocalRayCluster:
             return (self.log_dir / f"{name}.log").read_text(errors="replace")[-2000:]
         except OSError:
             return "(no log)"
-
-
-def _kill_group(process: subprocess.Popen[Any]) -> None:
-    """SIGKILL a process's group (it leads one), then reap it; quiet if it is gone."""
-    if process.poll() is None:
-        try:
-            os.killpg(process.pid, 9)
-        except OSError:
-            process.kill()
-    try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
-    for stream in (process.stdin, process.stdout, process.stderr):
-        if stream is not None:
-            try:
-                stream.close()
-            except OSError:
-                pass

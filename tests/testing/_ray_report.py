@@ -5,6 +5,7 @@ a report per actor."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import sys
@@ -24,7 +25,7 @@ class Reporter:
         shm = os.environ["FASTCKPT_NODE_SHM"]
         return {
             "node": os.environ["FASTCKPT_NODE_NAME"],
-            "ip": ray.util.get_node_ip_address(),
+            "ip": ray.util.get_node_ip_address(),  # type: ignore[no-untyped-call]
             "hostname": socket.gethostname(),
             "shm": shm,
             "files": sorted(os.listdir(shm)),
@@ -35,7 +36,7 @@ class Reporter:
 
 def main() -> None:
     run, nodes = sys.argv[1], int(sys.argv[2])
-    ray.init(logging_level="ERROR", log_to_driver=False)
+    ray.init(logging_level=logging.ERROR, log_to_driver=False)
     actors = [Reporter.remote() for _ in range(nodes)]  # type: ignore[attr-defined]
     ray.get([a.write.remote(run) for a in actors], timeout=60)
     reports = ray.get([a.report.remote() for a in actors], timeout=60)
