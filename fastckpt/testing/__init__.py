@@ -5,6 +5,8 @@
 * ``gcs_emulator``: fake-gcs-server on a free port, for code that talks to GCS.
 * ``multiprocess``: a function run in N real ``jax.distributed`` processes on one machine.
 * ``hosts``: simulated hosts (network + mount namespaces) for those processes.
+* ``ray_cluster``: a real multi-node Ray cluster on one machine (on simulated hosts, or as
+  separate Ray nodes on one network stack), with node loss, link cuts and revival.
 
 Import the submodules directly (e.g. ``fastckpt.testing.store_tests``); this package imports
 nothing itself, so it has no side effects and no pytest dependency at import time. Harnesses
