@@ -3,6 +3,7 @@ plot."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,11 @@ TARGET_S = 10.0
 GOAL_S = 3.0
 PARTS = ("detect_s", "relaunch_s", "restore_s", "compile_s", "first_step_s")
 MiB = 1 << 20
+
+
+def _good(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The runs that finished (a failed run has only ``scenario``, ``run`` and ``error``)."""
+    return [r for r in doc["runs"] if "error" not in r]
 
 
 def _med(runs: list[dict[str, Any]], key: str) -> float | None:
@@ -32,8 +38,9 @@ def _check(
 def summarise(doc: dict[str, Any]) -> None:
     """Add ``summary`` (medians per scenario), ``checks`` (targets) and ``goals`` to ``doc``."""
     summary: dict[str, Any] = {}
-    for scenario in dict.fromkeys(r["scenario"] for r in doc["runs"]):
-        runs = [r for r in doc["runs"] if r["scenario"] == scenario]
+    good = _good(doc)
+    for scenario in dict.fromkeys(r["scenario"] for r in good):
+        runs = [r for r in good if r["scenario"] == scenario]
         ok = [r for r in runs if r.get("kill_to_first_step_s") is not None]
         tiers = sorted({t for r in ok for t in r["restore_bytes_by_tier"] or {}})
         summary[scenario] = {
@@ -58,9 +65,7 @@ def summarise(doc: dict[str, Any]) -> None:
     checks, goals = [], []
     small = summary.get("small")
     if small and small["kill_to_first_step_s"] is not None:
-        runs = ", ".join(
-            fmt_s(r["kill_to_first_step_s"]) for r in doc["runs"] if r["scenario"] == "small"
-        )
+        runs = ", ".join(fmt_s(r["kill_to_first_step_s"]) for r in good if r["scenario"] == "small")
         checks.append(
             _check(
                 "kill -> first step on the resized mesh, small preset, median (s)",
@@ -70,7 +75,7 @@ def summarise(doc: dict[str, Any]) -> None:
             )
         )
         goals.append(_check("the same, goal (s)", small["kill_to_first_step_s"], GOAL_S))
-    lost = [r for r in doc["runs"] if r.get("kill_to_first_step_s") is not None]
+    lost = [r for r in good if r.get("kill_to_first_step_s") is not None]
     worst = max((r["steps_lost"] for r in lost if r["steps_lost"] is not None), default=None)
     if worst is not None:
         checks.append(
@@ -117,7 +122,8 @@ def _tiers(t: dict[str, Any] | None) -> str:
 
 def render(doc: dict[str, Any]) -> str:
     """The results as markdown."""
-    meta, runs, s = doc["meta"], doc["runs"], doc["summary"]
+    meta, runs, s = doc["meta"], _good(doc), doc["summary"]
+    failed = [r for r in doc["runs"] if "error" in r]
     iso = sorted({r["isolation"] for r in runs})
     notes = sorted({r["isolation_note"] for r in runs if r.get("isolation_note")})
     out = [
@@ -200,6 +206,8 @@ def render(doc: dict[str, Any]) -> str:
             ]
         )
     out += ["## Runs", "", markdown_table(heads, rows), ""]
+    out += [f"* {r['scenario']} run {r['run']} FAILED: `{r['error'][-300:]}`" for r in failed]
+    out += [""] if failed else []
     det = [
         [name, fmt_s(m["detection_s"]), fmt_s(m["ray_marked_dead_s"]), str(m["runs"])]
         for name, m in s.items()
@@ -235,9 +243,9 @@ def render(doc: dict[str, Any]) -> str:
             markdown_table(["node", "processes", "PSS MiB", "RSS MiB", "CPU % of a core"], rows),
             "",
             f"{fp['isolation']}, measured over {fp['idle_s']:.0f} s, cluster up in "
-            f"{fp['start_s']:.1f} s. Settings: {fp['settings']['ray']}; health checks "
-            f"{fp['settings']['health_checks']}. A job's worker actors (JAX processes) are not "
-            "included.",
+            f"{fp['start_s']:.1f} s. Settings: `{json.dumps(fp['settings']['ray'])}`; health "
+            f"checks `{json.dumps(fp['settings']['health_checks'])}`. A job's worker actors "
+            "(JAX processes) are not included.",
             "",
         ]
     out += [
@@ -259,7 +267,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [r for r in doc["runs"] if r["parts"]]
+    runs = [r for r in _good(doc) if r["parts"]]
     labels = [f"{r['scenario']} {r['run']}" for r in runs]
     fig, ax = plt.subplots(figsize=(4 + 1.1 * max(1, len(labels)), 4.5))
     bottom = [0.0] * len(labels)

@@ -216,7 +216,12 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for scenario in args.scenarios.split(","):
                 for i in range(1 if scenario == "cut" else runs_n):
-                    r = run_once(args, scenario, i, cache)
+                    try:
+                        r = run_once(args, scenario, i, cache)
+                    except (RuntimeError, subprocess.TimeoutExpired, ValueError) as e:
+                        print(f"{scenario} run {i} FAILED: {e}", file=sys.stderr, flush=True)
+                        runs.append({"scenario": scenario, "run": i, "error": str(e)[-3000:]})
+                        continue
                     runs.append(r)
                     print(
                         f"{scenario} run {i}: kill -> first step {fmt_s(r['kill_to_first_step_s'])}"

@@ -6,6 +6,7 @@ import argparse
 import itertools
 import os
 import statistics
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -35,13 +36,9 @@ class Timeline:
             print(f"[{t - self.t0:7.2f}s] {msg}", flush=True)
 
     def note(self, msg: str) -> None:
-        import time
-
         self._print(time.time(), msg)
 
     def progress(self, generation: int, step: int) -> None:
-        import time
-
         if step and (generation != self._last_gen or step % 10 == 0):
             self._last_gen = generation
             self._print(time.time(), f"generation {generation}: step {step}")

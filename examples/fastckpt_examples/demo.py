@@ -128,6 +128,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     _pythonpath()
     show = Timeline(quiet=args.quiet)
     try:
+        show.note(f"starting a local Ray cluster of {args.nodes} nodes ({args.isolation})")
         cluster, note = _start_cluster(args)
         with cluster, GcsEmulator(host=cluster.control_host) as emu:
             emu.create_bucket(BUCKET)
