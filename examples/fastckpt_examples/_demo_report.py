@@ -120,7 +120,7 @@ def plot_loss(
         if rec.get("last_step_before_kill") is not None:
             x = rec["last_step_before_kill"]
             ax.axvline(x, color="red", ls="--", lw=1)
-            label = f"{names.get(str(rec['killed_node']), 'a node')} lost ({rec['cause']})"
+            label = f"{names.get(str(rec['killed_node']), 'a node')} lost"
             if "total_s" in rec:
                 label += f"\nfirst step on {rec['num_processes']} after {rec['total_s']:.1f}s"
             ax.annotate(

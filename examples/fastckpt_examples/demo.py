@@ -161,6 +161,9 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
                     "env": {"STORAGE_EMULATOR_HOST": emu.endpoint},
                     "max_restarts": 3,
                     "min_nodes": 1,
+                    # After a collective fails (often ~0.1 s after the loss), wait for the GCS
+                    # to mark the node dead (~1.5-3 s here) rather than relaunch onto it.
+                    "node_loss_grace_s": 5.0,
                 },
             }
             (scratch / "config.json").write_text(json.dumps(cfg))
