@@ -133,7 +133,8 @@ def render(doc: dict[str, Any]) -> str:
         f"(git {meta['git_commit']}){' (quick: 1 run per scenario)' if meta['quick'] else ''}. "
         f"4 nodes x 2 devices on a LocalRayCluster ({', '.join(iso)}"
         f"{'; ' + '; '.join(notes) if notes else ''}), RAM checkpoint + 1 peer replica every "
-        f"{meta['ram_every']} steps, the last rank's node lost at step {meta['kill_step']}, "
+        f"{meta['ram_every']} steps, the last rank's node lost at step {meta['kill_step']} "
+        f"(bench: {meta.get('bench_kill_step')}) or, if later, once the warm standbys are up; "
         "resumed on 3 nodes; runs share a JAX compile cache.",
         "",
         "## Checks",

@@ -59,7 +59,9 @@ def _env() -> dict[str, str]:
 def run_once(args: argparse.Namespace, scenario: str, index: int, cache: Path) -> dict[str, Any]:
     """One demo run in a fresh process; its JSON line plus load and wall time."""
     preset = "bench" if scenario == "bench" else "small"
-    steps = -(-(args.kill_step + args.after) // args.ram_every) * args.ram_every
+    kill_step = args.bench_kill_step if scenario == "bench" else args.kill_step
+    after = min(args.after, 4) if scenario == "bench" else args.after  # bench steps are slow
+    steps = -(-(kill_step + after) // args.ram_every) * args.ram_every
     workdir = Path(tempfile.mkdtemp(prefix=f"fastckpt-elastic-{scenario}-{index}-"))
     cmd = [
         sys.executable,
@@ -73,7 +75,7 @@ def run_once(args: argparse.Namespace, scenario: str, index: int, cache: Path) -
         "--steps",
         str(steps),
         "--kill-step",
-        str(args.kill_step),
+        str(kill_step),
         "--rejoin-step",
         "0",
         "--fault",
@@ -177,8 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="1 run per scenario (default 3)")
     p.add_argument("--runs", type=int, default=None, help="runs of small and bench")
     p.add_argument("--scenarios", default="small,bench,cut", help="comma-separated subset")
-    p.add_argument("--kill-step", type=int, default=6, help="lose the node at this step")
-    p.add_argument("--after", type=int, default=4, help="steps past the kill (to a RAM step)")
+    p.add_argument(
+        "--kill-step", type=int, default=10, help="lose the node at this step (or once warm)"
+    )
+    p.add_argument("--bench-kill-step", type=int, default=6, help="the same, bench preset")
+    p.add_argument("--after", type=int, default=8, help="steps past the kill (to a RAM step)")
     p.add_argument("--ram-every", type=int, default=2, help="RAM + peer replica cadence")
     p.add_argument("--checkpoint-every", type=int, default=20, help="GCS checkpoint cadence")
     p.add_argument("--isolation", choices=["auto", "namespaces", "processes"], default="auto")
@@ -202,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": " ".join(["python -m benchmarks.elastic_recovery", *shown]),
             "quick": args.quick,
             "kill_step": args.kill_step,
+            "bench_kill_step": args.bench_kill_step,
             "after": args.after,
             "ram_every": args.ram_every,
             "checkpoint_every": args.checkpoint_every,
