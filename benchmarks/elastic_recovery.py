@@ -200,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.from_json:
         doc = json.loads(args.from_json.read_text())
+        summarise(doc)  # the judging may have changed since the run
+        write_json(args.results_dir / "elastic_recovery.json", doc)
     else:
         runs_n = args.runs or (1 if args.quick else 3)
         shown = argv if argv is not None else sys.argv[1:]
