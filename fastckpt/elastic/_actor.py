@@ -11,6 +11,7 @@ standby) ones. Nothing here is imported by ``import fastckpt``.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import socket
@@ -65,6 +66,9 @@ class NodeActor:
     def run(self, train: Callable[[Worker], Any], identity: WorkerIdentity) -> dict[str, Any]:
         """Run ``train`` as ``identity``. Returns ``{"outcome", "value", "drain"}``: whether the
         loop finished or stopped on request, ``train``'s return value and the last drain."""
+        ram_root = os.path.expandvars(identity.ram_root)  # e.g. $FASTCKPT_NODE_SHM
+        if ram_root != identity.ram_root:
+            identity = dataclasses.replace(identity, ram_root=ram_root)
         worker = Worker(identity)
         worker.mark("actor_run")
         worker.update_report(t_actor_ready=self._t_ready)

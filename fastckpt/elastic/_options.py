@@ -92,7 +92,9 @@ class ElasticJobOptions:
     compile_cache_dir: str | None = None
     """JAX persistent compilation cache directory on each node (None: off)."""
     ram_dir: str = "/dev/shm/fastckpt-elastic"
-    """Parent of each node's RAM-tier directory (``<ram_dir>/<run_id>/<node>``)."""
+    """Parent of each node's RAM-tier directory (``<ram_dir>/<run_id>/<node>``); environment
+    variables in it are expanded on the node (e.g. ``$FASTCKPT_NODE_SHM``, the RAM root
+    :class:`~fastckpt.testing.ray_cluster.LocalRayCluster` gives each node)."""
     run_id: str | None = None
     """Names the run (None: a fresh one)."""
     warm_standby: bool = True
@@ -115,6 +117,9 @@ class ElasticJobOptions:
     relaunching (with the tuned health checks a lost node is marked in ~1.5 s)."""
     monitor: Callable[[JobStatus], None] | None = None
     """Called from the driver loop (the driver's thread) on every poll."""
+    on_event: Callable[[dict[str, Any]], None] | None = None
+    """Called with each timeline event as the driver records it (the driver's thread), e.g.
+    to show a live timeline; an exception it raises is ignored."""
 
     def __post_init__(self) -> None:
         if self.min_nodes < 1 or self.max_restarts < 0:
@@ -152,7 +157,8 @@ class ElasticResult:
     restarts: int
     events: tuple[dict[str, Any], ...]
     """Driver timeline: ``launch``, ``failure_detected``, ``killed_rest``, ``node_joined``,
-    ``stop_requested``, ``generation_end``, ``done``/``give_up`` and ``monitor`` events."""
+    ``stop_requested``, ``standby_ready``, ``generation_end``, ``done``/``give_up`` and
+    ``monitor`` events."""
     reports: tuple[dict[str, Any], ...]
     """Each worker's last report per generation (phase marks ``t_*``, restore stats)."""
     metrics: tuple[dict[str, Any], ...]

@@ -102,6 +102,7 @@ class _Driver:
         self.metrics: list[dict[str, Any]] = []
         self.generations: list[GenerationResult] = []
         self.standby: dict[str, Any] = {}
+        self.warming: dict[str, Any] = {}
         self.order: list[str] = []
         self.restarts = 0
         self.env = dict(opts.env)
@@ -167,6 +168,7 @@ class _Driver:
         )
         for node in [n for n in self.standby if n not in alive]:
             ray.kill(self.standby.pop(node), no_restart=True)
+            self.warming.pop(node, None)
         return tuple(self.order[: self.opts.max_nodes])
 
     # ------------------------------------------------------------------ one generation
@@ -182,6 +184,7 @@ class _Driver:
     def _launch(self, gen: _Generation) -> None:
         self._record("launch", generation=gen.number, nodes=list(gen.nodes), t=gen.t_launch)
         for node in gen.nodes:
+            self.warming.pop(node, None)
             gen.actors.append(self.standby.pop(node, None) or self._spawn(node))
         infos = self._get([a.node_info.remote() for a in gen.actors], "startup")
         port = self._get([gen.actors[0].free_port.remote()], "startup")[0]
@@ -333,6 +336,16 @@ class _Driver:
             for node in gen.nodes:
                 if node not in self.standby:
                     self.standby[node] = self._spawn(node)
+                    self.warming[node] = self.standby[node].node_info.remote()
+        if self.warming:  # a timeline mark when a standby has imported what it preloads
+            ready, _ = ray.wait(
+                list(self.warming.values()), num_returns=len(self.warming), timeout=0
+            )
+            for node in [n for n, ref in self.warming.items() if ref in ready]:
+                with contextlib.suppress(ray.exceptions.RayError):  # died warming: no mark
+                    ray.get(self.warming[node])
+                    self._record("standby_ready", generation=gen.number, node=node)
+                del self.warming[node]
 
     def _kill(self, gen: _Generation, *, failed: bool) -> None:
         for actor in gen.actors:
@@ -345,6 +358,9 @@ class _Driver:
     # ------------------------------------------------------------------ bookkeeping
     def _record(self, name: str, **fields: Any) -> None:
         self.events.append(event(name, **fields))
+        if self.opts.on_event is not None:
+            with contextlib.suppress(Exception):  # a closed pipe must not end the job
+                self.opts.on_event(dict(self.events[-1]))
 
     def _result(self, value: Any) -> ElasticResult:
         return ElasticResult(

@@ -175,6 +175,9 @@ class NamespacedNodes:
             self.hosts.close()
             raise
 
+    def host(self, name: str) -> Host:
+        return self._by_name[name]
+
     def address(self, name: str) -> str:
         return self._by_name[name].address
 

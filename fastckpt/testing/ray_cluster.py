@@ -61,7 +61,7 @@ from fastckpt.testing._ray_cluster_options import RayClusterError as RayClusterE
 from fastckpt.testing._ray_cluster_options import RayNode as RayNode
 from fastckpt.testing._ray_cluster_options import RaySettings as RaySettings
 from fastckpt.testing._ray_cluster_options import RayState as RayState
-from fastckpt.testing.hosts import hosts_unavailable_reason
+from fastckpt.testing.hosts import Host, hosts_unavailable_reason
 
 __all__ = [
     "HealthChecks",
@@ -237,6 +237,13 @@ class LocalRayCluster:
                     cpu_s=sum(u[2] for u in got),
                 )
             return out
+
+    @property
+    def control_host(self) -> Host | None:
+        """The control node's simulated host (None in process mode): where a service the
+        nodes and the driver reach runs, e.g. ``GcsEmulator(host=cluster.control_host)``."""
+        backend = self._require_open()
+        return backend.host(_nodes.CONTROL) if isinstance(backend, _nodes.NamespacedNodes) else None
 
     # ------------------------------------------------------------------------ faults
 
