@@ -10,6 +10,7 @@ is how a node's processes are found, measured and, in process mode, killed.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -19,6 +20,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
+from fastckpt.testing._ray_cluster_options import RayClusterError
 from fastckpt.testing.hosts import Host, SimulatedHosts
 
 MARKER = "FASTCKPT_RAY_NODE"
@@ -294,3 +296,22 @@ def kill_group(process: subprocess.Popen[Any]) -> None:
                 stream.close()
             except OSError:
                 pass
+
+
+def query_node_table(probe: subprocess.Popen[str]) -> list[dict[str, Any]]:
+    """Ask the node probe (:mod:`~fastckpt.testing._ray_cluster_probe`) for the GCS's node
+    table: one request line, one JSON answer line."""
+    assert probe.stdin is not None and probe.stdout is not None
+    try:
+        probe.stdin.write("nodes\n")
+        probe.stdin.flush()
+        line = probe.stdout.readline()
+    except OSError as exc:
+        raise RayClusterError(f"the node probe is gone: {exc}") from exc
+    if not line:
+        raise RayClusterError(f"the node probe exited ({probe.poll()})")
+    answer = json.loads(line)
+    if not answer["ok"]:
+        raise RayClusterError(f"the GCS did not answer: {answer['error']}")
+    nodes: list[dict[str, Any]] = answer["nodes"]
+    return nodes

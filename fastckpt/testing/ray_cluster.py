@@ -32,9 +32,8 @@ node death is detected in seconds (see :class:`HealthChecks`). Example::
 **Cleanup:** :meth:`LocalRayCluster.close` (``with`` exit, also after an exception) SIGKILLs
 every process of every node and every driver started through the cluster, and removes the
 namespaces, RAM roots, Ray's temporary directory and the logs. In namespaced mode the hosts'
-keepers also clean up if the caller is SIGKILLed; in process mode they cannot.
-
-**Never** run ``ray stop`` next to it: it kills every Ray process of the machine by name.
+keepers also clean up if the caller is SIGKILLed; in process mode they cannot. **Never** run
+``ray stop`` next to it: it kills every Ray process of the machine by name.
 """
 
 from __future__ import annotations
@@ -445,21 +444,8 @@ class LocalRayCluster:
     def _table(self) -> list[dict[str, Any]]:
         """The GCS's node table, through the probe (one request, one JSON line)."""
         self._require_open()
-        probe = self._probe
-        assert probe is not None and probe.stdin is not None and probe.stdout is not None
-        try:
-            probe.stdin.write("nodes\n")
-            probe.stdin.flush()
-            line = probe.stdout.readline()
-        except OSError as exc:
-            raise RayClusterError(f"the node probe is gone: {exc}") from exc
-        if not line:
-            raise RayClusterError(f"the node probe exited ({probe.poll()})")
-        answer = json.loads(line)
-        if not answer["ok"]:
-            raise RayClusterError(f"the GCS did not answer: {answer['error']}")
-        nodes: list[dict[str, Any]] = answer["nodes"]
-        return nodes
+        assert self._probe is not None
+        return _nodes.query_node_table(self._probe)
 
     def _node(self, name: str, table: list[dict[str, Any]]) -> RayNode:
         backend = self._require_open()
