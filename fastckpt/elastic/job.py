@@ -265,6 +265,7 @@ class _Driver:
             cause = self._await_node_loss(gen, rank, cause)  # its node vanished? (no relaunch
             # onto a node Ray has not marked dead yet: it would hang)
         node = gen.nodes[rank]
+        described = None if error is None else _describe(error)
         self._record(
             "failure_detected",
             t=t_detect,
@@ -273,9 +274,12 @@ class _Driver:
             rank=rank,
             node=node,
             cause=cause,
-            error=None if error is None else _describe(error),
+            error=described,
         )
-        return "failed", f"rank {rank} on node {node[:12]}: {cause}", cause, None
+        reason = f"rank {rank} on node {node[:12]}: {cause}"
+        if cause == "error" and described:  # the worker's own exception: say what it was
+            reason += f" ({described.strip().splitlines()[-1][:300]})"
+        return "failed", reason, cause, None
 
     def _await_node_loss(self, gen: _Generation, rank: int, cause: FailureCause) -> FailureCause:
         deadline = time.monotonic() + self.opts.node_loss_grace_s

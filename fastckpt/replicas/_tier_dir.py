@@ -16,7 +16,9 @@ directory must be this user's alone: created ``0700``; an existing one refused w
 user owns it, when group or others may write it, or when it is a symlink; and every existing
 ancestor owned by root or this user, and sticky wherever group or others may write it (as
 ``/dev/shm`` and ``/tmp`` are), so nobody else can rename the directory away and put their own
-in its place.
+in its place. Inside a user namespace that does not map root (an unprivileged container or
+simulated host), root's files show the overflow uid (usually 65534): that uid counts as root
+there (hazard: a real user with that uid outside is trusted as well).
 """
 
 from __future__ import annotations
@@ -70,12 +72,13 @@ def claim_tier_dir(root: str | Path) -> Path:
     """
     path = Path(os.path.abspath(root))
     euid = os.geteuid()
+    trusted = {0, euid, *_unmapped_root_uid()}
     for ancestor in reversed(path.parents):
         try:
             st = os.stat(ancestor)  # an ancestor may be a symlink (e.g. /var/run): judge its target
         except FileNotFoundError:
             break
-        if st.st_uid not in (0, euid):
+        if st.st_uid not in trusted:
             raise ConfigError(
                 f"RAM tier {path}: its ancestor {ancestor} belongs to uid {st.st_uid}, who could "
                 "replace the tier's directory; use a directory of your own"
@@ -107,6 +110,20 @@ def claim_tier_dir(root: str | Path) -> Path:
             "others could plant chunks in it; it must be 0700"
         )
     return path
+
+
+def _unmapped_root_uid() -> tuple[int, ...]:
+    """The overflow uid, as which root's files appear inside a user namespace that does not
+    map outside uid 0; empty where root is mapped (or the kernel does not say)."""
+    try:
+        with open("/proc/self/uid_map") as f:
+            ranges = [tuple(map(int, line.split())) for line in f if line.strip()]
+        if any(outside <= 0 < outside + count for _, outside, count in ranges):
+            return ()
+        with open("/proc/sys/kernel/overflowuid") as f:
+            return (int(f.read()),)
+    except (OSError, ValueError):
+        return ()
 
 
 def index_document(

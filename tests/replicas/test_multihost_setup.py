@@ -4,9 +4,13 @@ every host reaches the peers it pushes to. (Across real network namespaces: test
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import socket
 import stat
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -181,6 +185,52 @@ def test_a_tier_directory_of_another_user_is_refused(shm_dir: Path) -> None:
         claim_tier_dir(shared / "tier")
     shared.chmod(0o1777)  # as /dev/shm and /tmp are
     assert claim_tier_dir(shared / "tier") == shared / "tier"
+
+
+_CLAIM = """
+import importlib.util, json, os, sys
+path = sys.argv[1] + "/fastckpt/replicas/_tier_dir.py"
+spec = importlib.util.spec_from_file_location("_td", path)
+sys.path.insert(0, sys.argv[1])
+td = importlib.util.module_from_spec(spec)
+sys.modules["_td"] = td
+spec.loader.exec_module(td)
+claimed = td.claim_tier_dir(sys.argv[2])
+print(json.dumps({"root_uid": os.stat("/").st_uid, "euid": os.geteuid(), "claimed": str(claimed)}))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become another user")
+def test_a_user_namespace_that_leaves_root_unmapped_can_claim_a_tier() -> None:
+    """An unprivileged user's namespace (a simulated host, a rootless container) maps only that
+    user; the real root's files show the overflow uid there and count as root's."""
+    user = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+    python = next(
+        p
+        for p in (sys.executable, "/usr/bin/python3")
+        if subprocess.run(
+            [*user, "unshare", "-Ur", p, "-I", "-c", ""], capture_output=True
+        ).returncode
+        == 0
+    )
+    repo = str(Path(__file__).resolve().parents[2])
+    where = Path(f"/dev/shm/fastckpt-userns-{os.getpid()}")
+    try:
+        done = subprocess.run(
+            [*user, "unshare", "-Ur", python, "-I", "-c", _CLAIM, repo, str(where / "tier")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd="/",
+        )
+        assert done.returncode == 0, done.stderr
+        seen = json.loads(done.stdout)
+        assert seen["euid"] == 0 and seen["root_uid"] == int(
+            Path("/proc/sys/kernel/overflowuid").read_text()
+        )
+        assert seen["claimed"] == str(where / "tier")
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
 
 
 # ------------------------------------------------------------------ the start-up check
