@@ -157,13 +157,6 @@ def usage(pid: int) -> tuple[int, int, float] | None:
     return pss, rss, cpu
 
 
-def free_port() -> int:
-    """A TCP port free on this network stack a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class NamespacedNodes:
     """Each node is a simulated host (own network, mount and UTS namespaces); see ``hosts``."""
 

@@ -61,6 +61,7 @@ from fastckpt.testing._ray_cluster_options import RayNode as RayNode
 from fastckpt.testing._ray_cluster_options import RaySettings as RaySettings
 from fastckpt.testing._ray_cluster_options import RayState as RayState
 from fastckpt.testing.hosts import Host, hosts_unavailable_reason
+from fastckpt.testing.multiprocess import free_port
 
 __all__ = [
     "HealthChecks",
@@ -130,8 +131,7 @@ class LocalRayCluster:
         self._cut: set[str] = set()
         self._revived_at: dict[str, float] = {}
         self.log_dir = Path(tempfile.mkdtemp(prefix=f"fastckpt-ray-{name}-", dir="/var/tmp"))
-        """Each node's ``ray start`` output (``<node>.log``) and Ray's temp dir in process
-        mode; removed by :meth:`close`."""
+        """``<node>.log`` per ``ray start`` (and Ray's temp dir); removed by :meth:`close`."""
         self._backend: _nodes.Backend | None = None
         try:
             if isolation == "namespaces":
@@ -143,7 +143,7 @@ class LocalRayCluster:
                 self._backend = _nodes.ProcessNodes(
                     [_nodes.CONTROL, *self.names], shm_prefix=f"/dev/shm/fastckpt-ray-{self._token}"
                 )
-                self._gcs_port = _nodes.free_port()
+                self._gcs_port = free_port()
             self.address = f"{self._backend.address(_nodes.CONTROL)}:{self._gcs_port}"
             """The GCS address a driver passes to ``ray.init(address=...)`` (``RAY_ADDRESS``)."""
             t0 = time.monotonic()
@@ -399,7 +399,7 @@ class LocalRayCluster:
         if self.isolation == "processes":
             argv += [
                 f"--temp-dir={self.log_dir / 'ray'}",
-                f"--dashboard-agent-listen-port={_nodes.free_port()}",
+                f"--dashboard-agent-listen-port={free_port()}",
             ]
         if name == _nodes.CONTROL:
             config = {**s.system_config, **(self.health.system_config() if self.health else {})}
@@ -412,7 +412,7 @@ class LocalRayCluster:
                 f"--system-config={json.dumps(config)}",
             ]
             if self.isolation == "processes":
-                argv.append(f"--ray-client-server-port={_nodes.free_port()}")
+                argv.append(f"--ray-client-server-port={free_port()}")
         else:
             argv += [
                 f"--address={self.address}",
