@@ -115,6 +115,10 @@ class ElasticJobOptions:
     """When ``train`` raised (a collective fails on the survivors before Ray marks a lost
     node dead), how long to watch for a node of the generation to be marked dead before
     relaunching (with the tuned health checks a lost node is marked in ~1.5 s)."""
+    process_death_settle_s: float = 0.5
+    """When a worker died and its node's standby still answers, how long to watch the node
+    list before calling it a process death: a node whose raylet is gone can keep its worker
+    processes (and so a standby's answer) for a moment, and relaunching onto it would fail."""
     monitor: Callable[[JobStatus], None] | None = None
     """Called from the driver loop (the driver's thread) on every poll."""
     on_event: Callable[[dict[str, Any]], None] | None = None
@@ -128,6 +132,8 @@ class ElasticJobOptions:
             raise ConfigError(f"max_nodes {self.max_nodes} < min_nodes {self.min_nodes}")
         if self.cpu_devices_per_node is not None and self.cpu_devices_per_node < 1:
             raise ConfigError("cpu_devices_per_node must be >= 1")
+        if self.node_loss_grace_s < 0 or self.process_death_settle_s < 0:
+            raise ConfigError("node_loss_grace_s and process_death_settle_s must be >= 0")
         if self.poll_interval_s <= 0 or self.node_poll_interval_s <= 0:
             raise ConfigError("poll intervals must be > 0")
 

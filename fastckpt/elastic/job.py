@@ -282,15 +282,16 @@ class _Driver:
         return "failed", reason, cause, None
 
     def _await_node_loss(self, gen: _Generation, rank: int, cause: FailureCause) -> FailureCause:
-        deadline = time.monotonic() + self.opts.node_loss_grace_s
+        watch = self.opts.node_loss_grace_s
         probe = self.standby.get(gen.nodes[rank]) if cause == "process" else None
-        if probe is not None:  # the dead worker's node still answers: a process death
-            try:
+        if probe is not None:  # the dead worker's node still answers: a process death, unless
+            try:  # its raylet is gone and the node is marked dead in a moment (see the option)
                 ray.get(probe.node_info.remote(), timeout=self.opts.node_loss_grace_s)
-                return cause
+                watch = min(watch, self.opts.process_death_settle_s)
             except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
                 self.standby.pop(gen.nodes[rank], None)
                 return "node"
+        deadline = time.monotonic() + watch
         while time.monotonic() < deadline:
             alive = alive_nodes(self.opts.node_resource)
             if any(node not in alive for node in gen.nodes):
