@@ -249,3 +249,29 @@ def test_parity_is_dropped_with_its_step(job: Job) -> None:
     assert job.services["m0"].store.record(STEP) is None
     assert tier.nbytes() == 0
 
+
+def test_store_applies_a_window_once_and_zeroes_a_recycled_file(shm_dir: Path) -> None:
+    """A window pushed twice (a retried push) is XORed once; the parity's file, recycled from
+    a dropped step's segment full of old bytes, starts from zeros."""
+    tier = RamTier(shm_dir / "a", budget_bytes=64 << 20, replicated=True, recycle=True)
+    try:
+        old = fill(1, {"old": 2 << 20}, seed=9)
+        seal_chunks(tier, 1, old)
+        tier.drop_step(1)  # its 2 MiB file becomes a spare the parity reuses
+        store = ParityStore(tier, "a")
+        group = ("a", "b", "c")
+        streams = fill(2, {"b": 4 << 20, "c": 4 << 20}, seed=3)  # S = 2 MiB, part 0 -> "a"
+        half = 1 << 20
+        applied = [
+            store.add(2, group, m, 4 << 20, 2 << 20, 0, streams[m][:half]) for m in ("b", "b", "c")
+        ]
+        assert applied == [True, False, True]  # "b"'s first window twice: applied once
+        assert store.add(2, group, "b", 4 << 20, 2 << 20, half, streams["b"][half : 2 * half])
+        assert store.record(2) is None  # "c" still owes its second window
+        assert store.add(2, group, "c", 4 << 20, 2 << 20, half, streams["c"][half : 2 * half])
+        hit = store.parity(2)
+        assert hit is not None and hit[0].complete()
+        expect = streams["b"][: 2 << 20] ^ streams["c"][: 2 << 20]
+        assert bytes(hit[1]) == expect.tobytes()
+    finally:
+        tier.close()
