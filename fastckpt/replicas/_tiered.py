@@ -221,6 +221,8 @@ class RamReplication(StepSelection):
         the re-trained steps, and their retention floor would refuse those saves (StaleStepError).
         """
         self.abort()
+        if self._parity_store is not None:
+            self._parity_store.discard_from(step)  # unsealed parity of an abandoned timeline
         abandoned = [s for s in self.tier.steps() if s >= step]
         if abandoned:
             log.warning(

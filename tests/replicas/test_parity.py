@@ -275,3 +275,23 @@ def test_store_applies_a_window_once_and_zeroes_a_recycled_file(shm_dir: Path) -
         assert bytes(hit[1]) == expect.tobytes()
     finally:
         tier.close()
+
+
+def test_open_parity_of_an_abandoned_step_starts_over(shm_dir: Path) -> None:
+    """A step saved again (the job went back): the unfinished parity of its first timeline is
+    discarded, so the new pushes build it from zeros."""
+    tier = RamTier(shm_dir / "a", budget_bytes=64 << 20, replicated=True)
+    try:
+        store = ParityStore(tier, "a")
+        group = ("a", "b", "c")
+        first = fill(5, {"b": 1000}, seed=1)["b"]
+        assert store.add(5, group, "b", 2000, 1000, 0, first)  # "c" never came
+        store.discard_from(5)
+        assert tier.nbytes() == 0  # its segment is freed
+        new = fill(5, {"b": 2000, "c": 2000}, seed=2)
+        assert store.add(5, group, "b", 2000, 1000, 0, new["b"][:1000])
+        assert store.add(5, group, "c", 2000, 1000, 0, new["c"][:1000])
+        hit = store.parity(5)
+        assert hit is not None and bytes(hit[1]) == (new["b"][:1000] ^ new["c"][:1000]).tobytes()
+    finally:
+        tier.close()

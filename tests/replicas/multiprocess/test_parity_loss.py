@@ -132,12 +132,19 @@ def test_training_job_pushed_parity_not_copies(saved_job: SavedJob) -> None:
             assert o.value["pushed_to"] == sorted(
                 f"host{k}" for k in range(HOSTS) if k != int(member[-1])
             )
+    sent = {o.value["member"]: o.value["bytes_pushed"] for o in outs if o.ok}
     for host in ("host0", "host1", "host3"):
         d = saved_job.tiers / host / f"step-{w.LAST_RAM_STEP}"
         docs = [json.loads(p.read_text()) for p in d.glob("*.index.json")]
-        parity = [c[0] for doc in docs for c in doc["chunks"] if c[0].startswith("parity#")]
+        parity = [c for doc in docs for c in doc["chunks"] if c[0].startswith("parity#")]
         assert len(parity) == 1, (host, docs)  # own segment + one complete parity, no replicas
         assert len(docs) == 2, (host, docs)
+        own = max(
+            off + n for doc in docs for c, off, n, _ in doc["chunks"] if not c.startswith("parity#")
+        )
+        # RAM held: own share + about a third of it (g = 4), measured from the tier's files
+        assert parity[0][2] <= 0.35 * own, (host, parity[0][2], own)
+        assert sent[host] == own  # bytes sent per host: its share (as replicas=1)
 
 
 def test_restore_after_host_loss_rebuilds_same_size(saved_job: SavedJob, shm_dir: Path) -> None:
