@@ -295,3 +295,54 @@ def test_open_parity_of_an_abandoned_step_starts_over(shm_dir: Path) -> None:
         assert hit is not None and bytes(hit[1]) == (new["b"][:1000] ^ new["c"][:1000]).tobytes()
     finally:
         tier.close()
+
+
+def test_a_tampered_parity_window_is_dropped_unanswered_and_never_applied(
+    shm_dir: Path,
+) -> None:
+    """A PUT_PARITY whose payload was altered on the way fails its tag: the server drops the
+    connection without applying it; the parity built afterwards is exact."""
+    from fastckpt.errors import PeerUnavailableError
+    from fastckpt.replicas._wire import MsgType
+    from tests.support.peer_relay import PeerRelay, RelayedFrame
+
+    tier = RamTier(shm_dir / "a", budget_bytes=64 << 20, replicated=True)
+    svc = ParityService(ParityStore(tier, "a"), dict)
+    server = PeerServer(tier, secret=SECRET, options=FAST, extension=svc).start()
+    group = ("a", "b", "c")
+    data = fill(3, {"b": 3000, "c": 3000}, seed=4)
+
+    def flip(f: RelayedFrame) -> list[bytes]:
+        if f.type is not MsgType.PUT_PARITY:
+            return [f.raw]
+        payload = bytearray(f.payload)
+        payload[len(payload) // 2] ^= 1
+        return [f.replace(payload=bytes(payload)).raw]
+
+    def push(client: ParityClient, m: str) -> bool:
+        return client.put_parity(
+            3,
+            group=group,
+            contributor=m,
+            stream_len=3000,
+            part_size=1500,
+            offset=0,
+            data=data[m][:1500].data,
+        )
+
+    try:
+        with (
+            PeerRelay(server.address, tamper=flip) as relay,
+            ParityClient(relay.address, secret=SECRET, options=FAST) as evil,
+        ):
+            with pytest.raises(PeerUnavailableError):
+                push(evil, "b")
+        assert server.stats["frame_auth_failures"] == 1 and tier.nbytes() == 0
+        with ParityClient(server.address, secret=SECRET, options=FAST) as client:
+            assert push(client, "b") and push(client, "c")
+        hit = svc.store.parity(3)
+        assert hit is not None
+        assert bytes(hit[1]) == (data["b"][:1500] ^ data["c"][:1500]).tobytes()
+    finally:
+        server.close()
+        tier.close()
