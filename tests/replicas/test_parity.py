@@ -346,3 +346,18 @@ def test_a_tampered_parity_window_is_dropped_unanswered_and_never_applied(
     finally:
         server.close()
         tier.close()
+
+
+def test_a_survivor_without_its_own_data_makes_the_group_unrebuildable(job: Job) -> None:
+    """m1 lists its parity but no longer its own chunks: m2's chunks cannot be rebuilt (they
+    would need m1's part), so a restore never counts on them."""
+    job.lose("m2")
+    m1 = [c for c in job.clients["m1"].list_chunks(STEP) if c.startswith("parity#")]
+    rb = ParityRebuilder(
+        STEP, job.places, dict(job.clients), group_size=4, known={(STEP, "m1"): frozenset(m1)}
+    )
+    assert not rb.covers({"a2"})
+    rb.close()
+    rb = job.rebuilder()  # with m1's real listing it can
+    assert rb.covers({"a2"})
+    rb.close()
