@@ -6,6 +6,12 @@ the previous save (:meth:`Saver.join`); :meth:`Saver.start` stages device shards
 (the only blocking part) and hands the rest to one background thread: the fast tier's
 commit, encode + upload on the I/O loop, then the commit protocol (``writer.commit``),
 then ``retain`` (retention, on process 0).
+
+:meth:`Saver.prepare` (any time, e.g. once the state's shapes are known) provisions the
+staging memory of the next save on the same background thread — the fast tier's segment
+(``Tier.prepare_next``), else a pre-faulted staging buffer — so that the first save of a
+process does not create and fault in that memory while the step waits; the next
+:meth:`Saver.start` waits for it to finish (counted in ``blocked_s``).
 """
 
 from __future__ import annotations
@@ -30,7 +36,13 @@ from fastckpt.options import ManagerOptions
 from fastckpt.storage import Store
 from fastckpt.writer.commit import CommitRound, publish_and_commit
 from fastckpt.writer.pipeline import WriteStats, write_chunks
-from fastckpt.writer.stage import StagedSave, StagePlans, stage_state, staged_crc32c
+from fastckpt.writer.stage import (
+    StagedSave,
+    StagePlans,
+    stage_state,
+    staged_crc32c,
+    staging_nbytes,
+)
 from fastckpt.writer.stats import SaveStats
 from fastckpt.writer.tier import Tier
 
@@ -81,6 +93,37 @@ class Saver:
         earlier saves failed differently (one raised in ``wait()``, another did not) still meet
         in the same round for the same step."""
         self._decisions = 0
+        self._preparing: Future[None] | None = None
+        """The provisioning :meth:`prepare` started, until the next :meth:`start`."""
+        self.prepared_bytes: int | None = None
+        """The staging size the newest :meth:`prepare` provisioned for (None: never)."""
+
+    def prepare(self, state: Any, tier: Tier | None) -> None:
+        """Provision, on the background thread, the staging memory a save of a state shaped
+        like ``state`` needs (arrays concrete or ``jax.ShapeDtypeStruct`` with their sharding):
+        ``tier.prepare_next`` with its size, or without a tier a pre-faulted staging buffer.
+        Returns at once; best effort (a state it cannot size, or a failure, is logged)."""
+        try:
+            leaves, _ = flatten(state)
+            nbytes = staging_nbytes(
+                leaves,
+                process_index=self._coordinator.process_index,
+                max_chunk_bytes=self._options.save.max_chunk_bytes,
+            )
+        except Exception as e:
+            log.warning("fastckpt: cannot size the state to prepare its save: %s", e)
+            return
+        self.prepared_bytes = nbytes
+        self._preparing = self._background.submit(self._provision, nbytes, tier)
+
+    def _provision(self, nbytes: int, tier: Tier | None) -> None:
+        try:
+            if tier is not None:
+                tier.prepare_next(nbytes)
+            else:
+                self.pool.provision(nbytes)
+        except Exception as e:
+            log.warning("fastckpt: could not provision %d bytes of staging memory: %s", nbytes, e)
 
     def target(self, step: int, *, force: bool, tier: Tier | None) -> SaveTarget | None:
         """Where a save of ``step`` goes, or None to skip it (interval not reached, or another
@@ -115,6 +158,9 @@ class Saver:
         step, tier = target.step, target.tier
         push_wait_s = tier.wait_pushed() if tier is not None else 0.0
         t0 = time.perf_counter()
+        preparing, self._preparing = self._preparing, None
+        if preparing is not None:  # its memory is what this save allocates
+            preparing.result()
         with paused_gc(self._options.pause_gc):  # thousands of leaves: no full collections
             leaves, _ = flatten(state)
             try:
@@ -166,7 +212,9 @@ class Saver:
         """Checksum the staged chunks and commit them to ``tier`` (``Tier.commit``). Returns
         their crc32c (``staged_crc32c``), which a persistent write reuses."""
         try:
-            staged.finish_copies(self._workers, jobs=self._threads)  # before reading the buffer
+            staged.finish_copies(  # before reading the buffer; checksums each chunk copied
+                self._workers, jobs=self._threads, checksum=True
+            )
             raw_crcs = staged_crc32c(staged, self._workers, jobs=self._threads)
             tier.commit(
                 self._round(f"{self._ns}/{seq}/{tier.name}", step, staged), raw_crcs, metadata
