@@ -84,6 +84,8 @@ class Saver:
         self._ns = namespace
         self._retain = retain
         self._background = ThreadPoolExecutor(1, thread_name_prefix="fastckpt-save")
+        self._copiers: ThreadPoolExecutor | None = None
+        """Threads of the deferred copies out of pinned host memory (made on first use)."""
         self.pending: Future[SaveStats] | None = None
         """The background part of the newest save, until joined."""
         self.pool = StagingPool()
@@ -196,6 +198,16 @@ class Saver:
             self._finish, seq, step, staged, dict(metadata or {}), stats, t0, target.persist, tier
         )
 
+    def _finish_copies(self, staged: StagedSave, *, checksum: bool = False) -> float:
+        """``staged.finish_copies`` on ``SaveOptions.pinned_copy_threads`` threads (the seconds
+        they took; a no-op once made)."""
+        if staged.deferred is None:
+            return 0.0
+        jobs = self._options.save.pinned_copy_threads
+        if self._copiers is None:
+            self._copiers = ThreadPoolExecutor(jobs, thread_name_prefix="fastckpt-copy")
+        return staged.finish_copies(self._copiers, jobs=jobs, checksum=checksum)
+
     def _round(self, ns: str, step: int, staged: StagedSave) -> CommitRound:
         return CommitRound(
             coord=self._coordinator,
@@ -212,9 +224,7 @@ class Saver:
         """Checksum the staged chunks and commit them to ``tier`` (``Tier.commit``). Returns
         their crc32c (``staged_crc32c``), which a persistent write reuses."""
         try:
-            staged.finish_copies(  # before reading the buffer; checksums each chunk copied
-                self._workers, jobs=self._threads, checksum=True
-            )
+            self._finish_copies(staged, checksum=True)  # before reading the buffer
             raw_crcs = staged_crc32c(staged, self._workers, jobs=self._threads)
             tier.commit(
                 self._round(f"{self._ns}/{seq}/{tier.name}", step, staged), raw_crcs, metadata
@@ -239,9 +249,7 @@ class Saver:
         if tier is not None:
             raw_crcs = self._commit_tier(tier, seq, step, staged, metadata)
             stats.ram_commit_s = time.perf_counter() - t0
-            stats.deferred_copy_s = staged.finish_copies(
-                self._workers, jobs=self._threads
-            )  # made already: their time
+            stats.deferred_copy_s = self._finish_copies(staged)  # made already: their time
             stats.tiers += (tier.name,)
             if not persist:
                 stats.total_s = stats.ram_commit_s
@@ -252,9 +260,7 @@ class Saver:
         chunks = None
         error: BaseException | None = None
         try:
-            stats.deferred_copy_s = staged.finish_copies(
-                self._workers, jobs=self._threads
-            )  # no-op after a tier's
+            stats.deferred_copy_s = self._finish_copies(staged)  # no-op after a tier's
             chunks = self._io.run(
                 write_chunks(
                     self._store,
@@ -325,5 +331,7 @@ class Saver:
             raise SaveError(f"background save failed: {type(e).__name__}: {e}") from e
 
     def close(self) -> None:
-        """Stop the background thread (after :meth:`join`)."""
+        """Stop the background threads (after :meth:`join`)."""
         self._background.shutdown(wait=True)
+        if self._copiers is not None:
+            self._copiers.shutdown(wait=True)

@@ -23,6 +23,7 @@ the ecosystem's convention is that the GCS client reads it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import json
@@ -128,6 +129,15 @@ class GcsOptions:
             raise ConfigError(f"endpoint must be an http(s) URL, got {self.endpoint!r}")
 
 
+def _client_modules() -> None:
+    """Import what :meth:`GcsStore._connect` uses (ImportError where it is missing)."""
+    import google.api_core.client_options
+    import google.auth.credentials
+    import google.auth.transport.requests
+    import google.cloud.storage  # noqa: F401
+    import requests.adapters  # noqa: F401
+
+
 @final
 class GcsStore(Store):
     """Objects in a GCS bucket, under an optional prefix.
@@ -170,10 +180,14 @@ class GcsStore(Store):
         self._executor: ThreadPoolExecutor | None = None
         self._client: storage.Client | None = None
         self._session: requests.Session | None = None
-        # The client and session (importing google-auth and google-cloud-storage, finding
-        # credentials) are made on a daemon thread from the start, so that the first request
-        # of a new process (a replaced host's restore) does not wait for them. Nothing is
-        # sent: a failure is raised again by the first call that needs the client.
+        # The client and session (finding credentials) are made on a daemon thread from the
+        # start, so that the first request of a new process (a replaced host's restore) does
+        # not wait for them. Nothing is sent: a failure is raised again by the first call that
+        # needs the client. Their modules are imported here, on the constructing thread: an
+        # import holds the GIL for its whole length (tenths of a second), which on the
+        # daemon thread would slow a save made right after construction.
+        with contextlib.suppress(ImportError):  # raised again where the client is needed
+            _client_modules()
         self._warm = threading.Thread(target=self._warm_up, name="fastckpt-gcs-warm", daemon=True)
         self._warm.start()
 
@@ -205,13 +219,15 @@ class GcsStore(Store):
             if self._client is not None and self._session is not None:
                 return self._client, self._session
             try:
-                import requests.adapters
-                from google.api_core.client_options import ClientOptions
-                from google.auth.credentials import AnonymousCredentials
-                from google.auth.transport.requests import AuthorizedSession
-                from google.cloud import storage
+                _client_modules()
             except ImportError as exc:  # pragma: no cover - dependency missing
                 raise ConfigError(f"GcsStore needs google-cloud-storage: {exc}") from exc
+            import requests.adapters
+            from google.api_core.client_options import ClientOptions
+            from google.auth.credentials import AnonymousCredentials
+            from google.auth.transport.requests import AuthorizedSession
+            from google.cloud import storage
+
             opts = self.options
             credentials = opts.credentials
             project = opts.project
