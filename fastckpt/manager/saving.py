@@ -23,7 +23,7 @@ import secrets
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from fastckpt._aio import LoopThread
 from fastckpt._hostmem import StagingPool
@@ -49,6 +49,7 @@ from fastckpt.writer.tier import Tier
 __all__ = ["SaveTarget", "Saver"]
 
 log = logging.getLogger("fastckpt")
+_B = TypeVar("_B")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +164,18 @@ class Saver:
         preparing, self._preparing = self._preparing, None
         if preparing is not None:  # its memory is what this save allocates
             preparing.result()
+        allocated = [time.perf_counter() - t0]
+
+        def timed(get: Callable[[int], _B]) -> Callable[[int], _B]:
+            def run(n: int) -> _B:
+                t = time.perf_counter()
+                try:
+                    return get(n)
+                finally:
+                    allocated.append(time.perf_counter() - t)
+
+            return run
+
         with paused_gc(self._options.pause_gc):  # thousands of leaves: no full collections
             leaves, _ = flatten(state)
             try:
@@ -170,15 +183,15 @@ class Saver:
                     leaves,
                     process_index=self._coordinator.process_index,
                     max_chunk_bytes=self._options.save.max_chunk_bytes,
-                    allocate=(lambda n: tier.allocate(step, n))
+                    allocate=timed(lambda n: tier.allocate(step, n))
                     if tier is not None
-                    else self.pool.take,
+                    else timed(self.pool.take),
                     executor=self._workers,
                     copy_threads=self._threads,
                     plans=self.plans,
                     device_copy=self._options.save.device_copy,
                     defer_host_copies=True,
-                    allocate_unreserved=(lambda n: tier.allocate_unreserved(step, n))
+                    allocate_unreserved=timed(lambda n: tier.allocate_unreserved(step, n))
                     if tier is not None
                     else None,
                 )
@@ -190,6 +203,7 @@ class Saver:
             step=step,
             blocked_s=time.perf_counter() - t0,
             staged_bytes=staged.nbytes,
+            allocate_s=sum(allocated),
             push_wait_s=push_wait_s,
         )
         seq = f"s{step}.{self._attempts[step]}"
