@@ -172,10 +172,11 @@ class CheckpointManager:
         memory of the next save — the RAM tier's shared-memory segment, else a pre-faulted
         staging buffer — is provisioned in the background, so that the first save of this
         process blocks for the copy alone, like later ones. Returns at once; best effort
-        (never raises for the state: one it cannot size is logged). :meth:`restore` calls it
-        with what it restored (or, when nothing is committed, with its ``target``); call it
-        after initialising a fresh state. Not collective. The next :meth:`save` waits for
-        the provisioning still running (in ``SaveStats.blocked_s``)."""
+        (never raises for the state: one it cannot size is logged). With a RAM tier,
+        :meth:`restore` calls it with what it restored (or, when nothing is committed, with
+        its ``target``); otherwise call it once the state is known (restored or initialised),
+        before the training steps. Not collective. The next :meth:`save` waits for the
+        provisioning still running (in ``SaveStats.blocked_s`` and ``allocate_s``)."""
         self._check_open()
         self._saver.prepare(state, self._tier)
 
@@ -246,9 +247,10 @@ class CheckpointManager:
         next older complete step is restored instead (an older RAM step, else storage's
         latest). An explicit ``step`` never falls back.
 
-        Afterwards the next save's staging memory is provisioned in the background
-        (:meth:`prepare`, unless ``partial``): with the restored tree, or with ``target`` when
-        nothing is committed.
+        With a RAM tier (a training job's), the next save's segment is then provisioned in
+        the background (:meth:`prepare`, unless ``partial``): with the restored tree, or with
+        ``target`` when nothing is committed. Without one nothing is provisioned (a process
+        that only restores keeps no staging buffer): call :meth:`prepare` before training.
 
         Raises:
             NoCheckpointError: ``step=None`` and nothing is committed in any tier (on every
@@ -263,10 +265,10 @@ class CheckpointManager:
                 step, target, partial=partial, tier=self._tier
             )
         except NoCheckpointError:
-            if target is not None and not partial:  # a fresh start saves states like it
-                self.prepare(target)
+            if self._tier is not None and target is not None and not partial:
+                self.prepare(target)  # a fresh start saves states like it
             raise
-        if not partial:
+        if self._tier is not None and not partial:
             self.prepare(tree)
         return tree
 

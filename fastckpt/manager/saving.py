@@ -107,7 +107,8 @@ class Saver:
         ``tier.prepare_next`` with its size, or without a tier a pre-faulted staging buffer.
         Returns at once; best effort (a state it cannot size, or a failure, is logged)."""
         try:
-            leaves, _ = flatten(state)
+            with paused_gc(self._options.pause_gc):
+                leaves, _ = flatten(state)
             nbytes = staging_nbytes(
                 leaves,
                 process_index=self._coordinator.process_index,
