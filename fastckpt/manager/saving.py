@@ -98,8 +98,6 @@ class Saver:
         self._decisions = 0
         self._preparing: Future[None] | None = None
         """The provisioning :meth:`prepare` started, until the next :meth:`start`."""
-        self.prepared_bytes: int | None = None
-        """The staging size the newest :meth:`prepare` provisioned for (None: never)."""
 
     def prepare(self, state: Any, tier: Tier | None) -> None:
         """Provision, on the background thread, the staging memory a save of a state shaped
@@ -117,7 +115,6 @@ class Saver:
         except Exception as e:
             log.warning("fastckpt: cannot size the state to prepare its save: %s", e)
             return
-        self.prepared_bytes = nbytes
         self._preparing = self._background.submit(self._provision, nbytes, tier)
 
     def _provision(self, nbytes: int, tier: Tier | None) -> None:

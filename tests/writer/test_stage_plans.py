@@ -49,6 +49,20 @@ def _state(seed: int, spec_b: Any = None) -> tuple[dict[str, Any], dict[str, np.
     return {"a": a, "b": b, "r": r, "n": np.arange(6)}, {"a": ha, "b": hb, "r": hr}
 
 
+def _stage_deferred(state: Any, **extra: Any) -> Any:
+    """Staged through pinned host memory with the copies left to ``finish_copies``."""
+    return stage_state(
+        flatten(state)[0],
+        process_index=0,
+        max_chunk_bytes=1 << 10,
+        allocate=lambda n: np.zeros(n, np.uint8),
+        executor=None,
+        device_copy="pinned_host",
+        defer_host_copies=True,
+        **extra,
+    )
+
+
 def test_a_reused_plan_stages_what_a_fresh_plan_does() -> None:
     plans = StagePlans()
     first = _stage(_state(0)[0], plans)
@@ -185,15 +199,7 @@ def test_deferred_pinned_copies_are_independent_of_the_device_arrays() -> None:
     the device arrays in between changes nothing."""
     state = _state(4)[0]
     expected = _stage(state, None)
-    staged = stage_state(
-        flatten(state)[0],
-        process_index=0,
-        max_chunk_bytes=1 << 10,
-        allocate=lambda n: np.zeros(n, np.uint8),
-        executor=None,
-        device_copy="pinned_host",
-        defer_host_copies=True,
-    )
+    staged = _stage_deferred(state)
     assert staged.deferred is not None and staged.deferred.nbytes == sum(
         it.nbytes for a in staged.arrays if a.kind == "jax" for it in a.items
     )
@@ -266,16 +272,7 @@ def test_a_failed_deferred_copy_releases_the_pinned_copies_and_stays_failed() ->
         return np.zeros(n, np.uint8), prepare
 
     state = {k: v for k, v in _state(7)[0].items() if k != "n"}
-    staged = stage_state(
-        flatten(state)[0],
-        process_index=0,
-        max_chunk_bytes=1 << 10,
-        allocate=lambda n: np.zeros(n, np.uint8),
-        executor=None,
-        device_copy="pinned_host",
-        defer_host_copies=True,
-        allocate_unreserved=unreserved,
-    )
+    staged = _stage_deferred(state, allocate_unreserved=unreserved)
     deferred = staged.deferred
     assert deferred is not None and deferred._keep
     for _ in range(2):
@@ -407,15 +404,7 @@ def test_a_deferred_copy_checksums_each_chunk_as_it_copies_it(
     during its copy: ``staged_crc32c`` then reads only the chunks copied at once (the numpy
     leaf), and its crcs are those of the staged bytes."""
     state = _state(8)[0]
-    staged = stage_state(
-        flatten(state)[0],
-        process_index=0,
-        max_chunk_bytes=1 << 10,
-        allocate=lambda n: np.zeros(n, np.uint8),
-        executor=None,
-        device_copy="pinned_host",
-        defer_host_copies=True,
-    )
+    staged = _stage_deferred(state)
     staged.finish_copies(None, jobs=2, checksum=True)
     expected = {
         ai: [crc32c(staged.chunk_view(a, i)) for i in range(len(a.items))]
