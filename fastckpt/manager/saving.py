@@ -42,6 +42,7 @@ from fastckpt.writer.stage import (
     stage_state,
     staged_crc32c,
     staging_nbytes,
+    warm_plans,
 )
 from fastckpt.writer.stats import SaveStats
 from fastckpt.writer.tier import Tier
@@ -103,10 +104,19 @@ class Saver:
         """Provision, on the background thread, the staging memory a save of a state shaped
         like ``state`` needs (arrays concrete or ``jax.ShapeDtypeStruct`` with their sharding):
         ``tier.prepare_next`` with its size, or without a tier a pre-faulted staging buffer.
-        Returns at once; best effort (a state it cannot size, or a failure, is logged)."""
+        Concrete arrays are also planned here, on the calling (saving) thread, into the plan
+        cache (``warm_plans``: pure, what the first save would do). Best effort (a state it
+        cannot size, or a failure, is logged)."""
         try:
             with paused_gc(self._options.pause_gc):
                 leaves, _ = flatten(state)
+                warm_plans(
+                    leaves,
+                    process_index=self._coordinator.process_index,
+                    max_chunk_bytes=self._options.save.max_chunk_bytes,
+                    plans=self.plans,
+                    device_copy=self._options.save.device_copy,
+                )
             nbytes = staging_nbytes(
                 leaves,
                 process_index=self._coordinator.process_index,

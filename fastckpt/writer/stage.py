@@ -56,6 +56,7 @@ __all__ = [
     "staged_crc32c",
     "staging_nbytes",
     "value_leaf_of",
+    "warm_plans",
 ]
 
 
@@ -306,6 +307,32 @@ def stage_state(
         tuple(leaf.path for leaf in leaves),
         deferred,
     )
+
+
+def warm_plans(
+    leaves: list[FlatLeaf],
+    *,
+    process_index: int,
+    max_chunk_bytes: int,
+    plans: StagePlans,
+    device_copy: str = "auto",
+) -> int:
+    """Plan every concrete jax array leaf into ``plans`` as :func:`stage_state` would (pure: no
+    copy starts; abstract leaves and other leaves are skipped), so that the first save of
+    such a state finds its plans cached. On the saving thread (``StagePlans`` is not
+    thread-safe). Returns the leaves planned."""
+    n = 0
+    for leaf in leaves:
+        if isinstance(leaf.value, jax.Array) and not leaf.value.is_deleted():
+            plan_array(
+                leaf,
+                process_index=process_index,
+                max_chunk_bytes=max_chunk_bytes,
+                plans=plans,
+                device_copy=device_copy,
+            )
+            n += 1
+    return n
 
 
 def staged_crc32c(

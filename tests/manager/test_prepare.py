@@ -55,13 +55,17 @@ def test_prepare_makes_the_first_ram_saves_segment_ready(
     tmp_path: Path, shm_dir: Path, abstract: bool
 ) -> None:
     """After ``prepare`` (concrete or abstract state), the first save's allocation takes a
-    mapped, pre-faulted spare of its exact size; without it, the first save creates its file."""
+    mapped, pre-faulted spare of its exact size (and, for a concrete state, finds every leaf
+    planned); without it, the first save creates its file."""
     state, host = _state(1)
     with CheckpointManager(str(tmp_path / "a"), options=_ram(shm_dir / "a")) as mgr:
         mgr.prepare(_abstract(state) if abstract else state)
+        misses = mgr._saver.plans.misses
+        assert misses == (0 if abstract else 2)  # the two jax leaves
         mgr.save(1, state)
         mgr.wait()
         assert _ready(mgr) == 1
+        assert (mgr._saver.plans.misses == misses) is not abstract
         got = mgr.restore(1, target=_abstract(state))
         assert_bit_exact(got["w"], host["w"])
         assert_bit_exact(got["r"], host["r"])
