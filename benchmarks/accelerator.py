@@ -3,7 +3,10 @@
 Run::
 
     python -m benchmarks.accelerator                    # 2 and 6 GiB states, 3 reps
-    python -m benchmarks.accelerator --sizes-gib 0.25 --reps 2 --overhead-steps 20  # a dry run
+    python -m benchmarks.accelerator --deadline-s 230   # the device run: about 5 min on an H200
+    JAX_PLATFORMS=cpu python -m benchmarks.accelerator --sizes-gib 0.25 --reps 2 \
+        --overhead-gib 0.1 --overhead-d 512 --overhead-batch 256 --overhead-steps 20 \
+        --device-copy pinned_host                       # a dry run on the CPU (about 1 min)
 
 Runs on jax's default backend (a GPU or TPU where there is one; the CPU otherwise, as a dry
 run), in one process over all its local devices (mesh ``1 x n``), plus helper processes: a
@@ -30,7 +33,14 @@ First, the **step overhead**: a jitted, donated matmul train step on the device,
 rounds of segments: no checkpoint; a fastckpt RAM checkpoint every 10 steps pushed to the
 peer; and ``jax.device_get`` of the state every 10 steps (the device-to-host copy alone,
 which any checkpoint of device memory must make). The overhead is the median over rounds
-of each segment's time over the round's no-checkpoint segment.
+of each segment's time over the round's no-checkpoint segment, with the drain of the last
+checkpoint's background work and until the last step. Then the same with a **host-idle
+step** (it sleeps for the device step's time: the host CPUs idle, as during a device step)
+with and without RAM checkpoints + push.
+
+The JSON's ``checks`` (and the report's *Targets*): the first RAM save blocks at most 1.5x
+a steady one; the RAM step is committed within 2x the DMA into pinned host memory; the push
+reaches 70% of raw loopback TCP; the host-idle step overhead is under 2% in steady state.
 
 Every restore's first result is checked bit for bit (per-leaf crc32c). Sections past
 ``--deadline-s`` are skipped (and say so); a section that fails records its error and the
