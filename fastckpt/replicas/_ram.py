@@ -115,8 +115,7 @@ class RamTier(StepTable):
         self._spares = SparePool()
         self._reserved = 0
         self.allocated_ready = 0
-        """Allocations that found a ready spare (mapped and pre-faulted, of their exact size):
-        no file created, nothing faulted in while the save waits (:meth:`provision`)."""
+        """Allocations that found a ready spare (:meth:`provision`): nothing created or faulted."""
         self._closed = False
         self._lock_fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
@@ -207,13 +206,11 @@ class RamTier(StepTable):
 
     def provision(self, nbytes: int) -> bool:
         """Make a spare of exactly ``nbytes`` ready (reserved, mapped, pre-faulted) for the next
-        allocation of that size: the closest spare within 2x (one a previous process left,
-        unmapped, or of another size) is resized and mapped, else a new one is created —
-        unless one is ready already, spares are off, or it would not fit the budget without
-        freeing anything. Off the training thread (before a process's first save, after each
-        committed step): the next save's :meth:`allocate` then reuses it instead of creating
-        or mapping its file inside the blocking part. Spares are freed first under budget
-        pressure. Returns whether it made one ready."""
+        :meth:`allocate` of that size, off the training thread (before a process's first save,
+        after each commit): the closest spare within 2x (one a previous process left, unmapped,
+        or of another size) is resized and mapped, else a new one made — unless one is ready,
+        spares are off, or it would not fit the budget without freeing anything (spares are
+        freed first under pressure). Returns whether it made one ready."""
         with self._lock:
             self._check_open()
             spare = self._spares.pick(nbytes)

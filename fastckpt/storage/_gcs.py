@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import importlib
 import json
 import os
 import secrets
@@ -129,15 +130,6 @@ class GcsOptions:
             raise ConfigError(f"endpoint must be an http(s) URL, got {self.endpoint!r}")
 
 
-def _client_modules() -> None:
-    """Import what :meth:`GcsStore._connect` uses (ImportError where it is missing)."""
-    import google.api_core.client_options
-    import google.auth.credentials
-    import google.auth.transport.requests
-    import google.cloud.storage  # noqa: F401
-    import requests.adapters  # noqa: F401
-
-
 @final
 class GcsStore(Store):
     """Objects in a GCS bucket, under an optional prefix.
@@ -180,14 +172,12 @@ class GcsStore(Store):
         self._executor: ThreadPoolExecutor | None = None
         self._client: storage.Client | None = None
         self._session: requests.Session | None = None
-        # The client and session (finding credentials) are made on a daemon thread from the
-        # start, so that the first request of a new process (a replaced host's restore) does
-        # not wait for them. Nothing is sent: a failure is raised again by the first call that
-        # needs the client. Their modules are imported here, on the constructing thread: an
-        # import holds the GIL for its whole length (tenths of a second), which on the
-        # daemon thread would slow a save made right after construction.
-        with contextlib.suppress(ImportError):  # raised again where the client is needed
-            _client_modules()
+        # The client and session (finding credentials) are made on a daemon thread, so that a
+        # new process's first request (a replaced host's restore) does not wait for them; a
+        # failure is raised again where the client is needed. Their modules are imported here:
+        # an import holds the GIL, which on that thread slowed a save made right after this.
+        with contextlib.suppress(ImportError):  # (it imports google-auth and requests too)
+            importlib.import_module("google.cloud.storage")
         self._warm = threading.Thread(target=self._warm_up, name="fastckpt-gcs-warm", daemon=True)
         self._warm.start()
 
@@ -219,14 +209,13 @@ class GcsStore(Store):
             if self._client is not None and self._session is not None:
                 return self._client, self._session
             try:
-                _client_modules()
+                import requests.adapters
+                from google.api_core.client_options import ClientOptions
+                from google.auth.credentials import AnonymousCredentials
+                from google.auth.transport.requests import AuthorizedSession
+                from google.cloud import storage
             except ImportError as exc:  # pragma: no cover - dependency missing
                 raise ConfigError(f"GcsStore needs google-cloud-storage: {exc}") from exc
-            import requests.adapters
-            from google.api_core.client_options import ClientOptions
-            from google.auth.credentials import AnonymousCredentials
-            from google.auth.transport.requests import AuthorizedSession
-            from google.cloud import storage
 
             opts = self.options
             credentials = opts.credentials
