@@ -30,6 +30,7 @@ __all__ = [
     "balanced_groups",
     "carve",
     "parallel_copy",
+    "parallel_copy_crc32c",
     "parallel_crc32c",
     "slab_bytes",
 ]
@@ -183,6 +184,32 @@ def parallel_copy(
     )
 
 
+_COPY_CRC_BLOCK = 1 << 20
+
+
+def parallel_copy_crc32c(
+    pairs: Sequence[tuple[np.ndarray, np.ndarray]], executor: Executor | None, *, jobs: int
+) -> list[int]:
+    """:func:`parallel_copy`, and the crc32c of each ``dst`` after the copy: each pair is
+    copied and checksummed block by block (1 MiB), so the checksum reads the block while it
+    is still in cache (one pass over memory instead of two). The crc is of the destination's
+    bytes (what a reader of ``dst`` gets)."""
+    for dst, src in pairs:
+        if dst.nbytes != src.nbytes:
+            raise ValueError(f"copy size mismatch {dst.nbytes} != {src.nbytes}")
+
+    def job(i: int) -> int:
+        dst, src = pairs[i]
+        crc = 0
+        for off in range(0, dst.nbytes, _COPY_CRC_BLOCK):
+            d = dst[off : off + _COPY_CRC_BLOCK]
+            np.copyto(d, src[off : off + _COPY_CRC_BLOCK])
+            crc = crc32c(d, crc)
+        return crc
+
+    return _run_grouped([d.nbytes for d, _ in pairs], job, executor, jobs)
+
+
 def parallel_crc32c(
     views: Sequence[np.ndarray | memoryview], executor: Executor | None, *, jobs: int
 ) -> list[int]:
@@ -204,13 +231,30 @@ class StagingPool:
 
     def __init__(self) -> None:
         self._free: np.ndarray | None = None
+        self.reused = 0
+        """Takes served by the kept buffer (given back, or provisioned)."""
 
     def take(self, nbytes: int) -> np.ndarray:
         buf, self._free = self._free, None
         if buf is None or buf.nbytes < nbytes or buf.nbytes > 2 * nbytes + (64 << 20):
             buf = alloc_aligned(nbytes)
+        else:
+            self.reused += 1
         return buf[:nbytes]
 
     def give(self, buf: np.ndarray) -> None:
         base = buf.base if isinstance(buf.base, np.ndarray) else buf
         self._free = base
+
+    def provision(self, nbytes: int) -> bool:
+        """Keep a buffer of ``nbytes`` ready for the next :meth:`take` of that size, its pages
+        faulted in now (the first save then copies at memcpy speed), unless a kept one fits.
+        For a background thread, never concurrently with ``take``. Returns whether it made
+        one."""
+        free = self._free
+        if nbytes == 0 or (free is not None and nbytes <= free.nbytes <= 2 * nbytes + (64 << 20)):
+            return False
+        buf = alloc_aligned(nbytes)
+        buf[:: mmap.PAGESIZE] = 0  # one write per page faults it in
+        self._free = buf
+        return True

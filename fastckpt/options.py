@@ -22,6 +22,7 @@ __all__ = [
     "RetentionOptions",
     "SaveOptions",
     "default_threads",
+    "host_threads",
 ]
 
 KiB = 1 << 10
@@ -50,6 +51,18 @@ def _positive(name: str, value: int | float | None, *, allow_none: bool = False)
         return
     if value is None or not 0 < value < math.inf:  # (NaN and inf fail too)
         raise ConfigError(f"{name} must be > 0 and finite, got {value!r}")
+
+
+def host_threads(cpus: int | None = None) -> int:
+    """Threads for the deferred pinned-host copies of a save by default: every CPU this
+    process may run on (``cpus``), at most 16. Those copies exist only where the step runs on
+    an accelerator, whose step leaves the host's CPUs idle; past 16, memory bandwidth binds."""
+    if cpus is None:
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):  # not Linux
+            cpus = os.cpu_count() or 2
+    return min(16, max(2, cpus))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -85,6 +98,10 @@ class SaveOptions:
     host-platform (CPU) devices too (ConfigError where it does not). ``"pageable"``: never
     pinned. A pinned copy holds a save's device shards in pinned host memory until that
     background copy is made."""
+    pinned_copy_threads: int = dataclasses.field(default_factory=host_threads)
+    """Threads copying a save's shards from pinned host memory into its staging buffer (the
+    RAM segment) and checksumming each chunk as it lands, in the background part of the
+    save: how soon a RAM step is committed after the DMA. Default :func:`host_threads`."""
     if_busy: Literal["wait", "skip"] = "wait"
     """A save while another is in flight (or, for a RAM step, while this process's push of the
     previous RAM step to its peers still runs; process 0's view decides for all): wait for
@@ -107,6 +124,7 @@ class SaveOptions:
             raise ConfigError(f"zstd_level must be in [-7, 22], got {self.zstd_level}")
         for name in (
             "encode_threads",
+            "pinned_copy_threads",
             "max_chunk_bytes",
             "object_bytes",
             "max_inflight_bytes",

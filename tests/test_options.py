@@ -7,7 +7,7 @@ import os
 import pytest
 
 from fastckpt.errors import ConfigError
-from fastckpt.options import RestoreOptions, SaveOptions, default_threads
+from fastckpt.options import RestoreOptions, SaveOptions, default_threads, host_threads
 
 
 @pytest.mark.parametrize(
@@ -30,3 +30,14 @@ def test_thread_options_default_to_the_cpus_this_process_may_use(
     assert SaveOptions(encode_threads=5).encode_threads == 5  # an explicit count is kept
     with pytest.raises(ConfigError, match="decode_threads"):
         RestoreOptions(decode_threads=0)
+
+
+@pytest.mark.parametrize(("cpus", "threads"), [(1, 2), (2, 2), (16, 16), (224, 16)])
+def test_pinned_copy_threads_default_to_the_hosts_cpus_within_2_to_16(
+    cpus: int, threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert host_threads(cpus) == threads
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    assert SaveOptions().pinned_copy_threads == threads
+    with pytest.raises(ConfigError, match="pinned_copy_threads"):
+        SaveOptions(pinned_copy_threads=0)

@@ -15,6 +15,7 @@ from fastckpt._hostmem import (
     balanced_groups,
     carve,
     parallel_copy,
+    parallel_copy_crc32c,
     parallel_crc32c,
     slab_bytes,
 )
@@ -44,6 +45,22 @@ def test_parallel_copy_and_crc_match_serial(lengths: list[int], jobs: int) -> No
         np.testing.assert_array_equal(dst, np.concatenate(srcs))
         assert parallel_crc32c(views, ex, jobs=jobs) == [crc32c(s) for s in srcs]
     assert parallel_crc32c(views, None, jobs=jobs) == [crc32c(s) for s in srcs]
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.lists(st.integers(0, 3 << 20), min_size=1, max_size=6), st.integers(1, 4))
+def test_copy_and_checksum_in_one_pass_matches_copy_then_checksum(
+    lengths: list[int], jobs: int
+) -> None:
+    """Chunks over several 1 MiB blocks too: the blockwise crc continues across blocks."""
+    rng = np.random.default_rng(sum(lengths) + jobs)
+    srcs = [rng.integers(0, 256, n, dtype=np.uint8) for n in lengths]
+    dsts = [np.zeros(n, np.uint8) for n in lengths]
+    with ThreadPoolExecutor(jobs) as ex:
+        crcs = parallel_copy_crc32c(list(zip(dsts, srcs)), ex, jobs=jobs)
+    assert crcs == [crc32c(s) for s in srcs]
+    for d, s in zip(dsts, srcs):
+        np.testing.assert_array_equal(d, s)
 
 
 def test_parallel_copy_rejects_size_mismatch() -> None:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from fastckpt._aio import LoopThread
 from fastckpt._hostmem import BufferCache
 from fastckpt.coordination.distributed import Coordinator, default_coordinator
-from fastckpt.errors import ConfigError
+from fastckpt.errors import ConfigError, NoCheckpointError
 from fastckpt.format.layout import check_step
 from fastckpt.format.manifest import Manifest
 from fastckpt.maintenance import collect_garbage_async, steps_to_delete
@@ -166,6 +166,20 @@ class CheckpointManager:
         self._saver.start(target, state, metadata)
         return True
 
+    def prepare(self, state: Any) -> None:
+        """Get ready to save states shaped like ``state`` (a pytree of arrays, concrete or
+        ``jax.ShapeDtypeStruct`` with their sharding; the values are not read): the staging
+        memory of the next save — the RAM tier's shared-memory segment, else a pre-faulted
+        staging buffer — is provisioned in the background, so that the first save of this
+        process blocks for the copy alone, like later ones. Returns at once; best effort
+        (never raises for the state: one it cannot size is logged). With a RAM tier,
+        :meth:`restore` calls it with what it restored (or, when nothing is committed, with
+        its ``target``); otherwise call it once the state is known (restored or initialised),
+        before the training steps. Not collective. The next :meth:`save` waits for the
+        provisioning still running (in ``SaveStats.blocked_s`` and ``allocate_s``)."""
+        self._check_open()
+        self._saver.prepare(state, self._tier)
+
     def wait(self) -> None:
         """Block until the in-flight save (if any) is committed; re-raise its error as SaveError."""
         stats = self._saver.join()
@@ -233,6 +247,11 @@ class CheckpointManager:
         next older complete step is restored instead (an older RAM step, else storage's
         latest). An explicit ``step`` never falls back.
 
+        With a RAM tier (a training job's), the next save's segment is then provisioned in
+        the background (:meth:`prepare`, unless ``partial``): with the restored tree, or with
+        ``target`` when nothing is committed. Without one nothing is provisioned (a process
+        that only restores keeps no staging buffer): call :meth:`prepare` before training.
+
         Raises:
             NoCheckpointError: ``step=None`` and nothing is committed in any tier (on every
                 process alike: initialise instead).
@@ -241,9 +260,16 @@ class CheckpointManager:
         """
         step = None if step is None else check_step(step)
         self._check_open()
-        tree, self.last_restore_stats = self._restorer.restore(
-            step, target, partial=partial, tier=self._tier
-        )
+        try:
+            tree, self.last_restore_stats = self._restorer.restore(
+                step, target, partial=partial, tier=self._tier
+            )
+        except NoCheckpointError:
+            if self._tier is not None and target is not None and not partial:
+                self.prepare(target)  # a fresh start saves states like it
+            raise
+        if self._tier is not None and not partial:
+            self.prepare(tree)
         return tree
 
     # ------------------------------------------------------------------ retention / gc

@@ -6,6 +6,12 @@ the previous save (:meth:`Saver.join`); :meth:`Saver.start` stages device shards
 (the only blocking part) and hands the rest to one background thread: the fast tier's
 commit, encode + upload on the I/O loop, then the commit protocol (``writer.commit``),
 then ``retain`` (retention, on process 0).
+
+:meth:`Saver.prepare` (any time, e.g. once the state's shapes are known) provisions the
+staging memory of the next save on the same background thread — the fast tier's segment
+(``Tier.prepare_next``), else a pre-faulted staging buffer — so that the first save of a
+process does not create and fault in that memory while the step waits; the next
+:meth:`Saver.start` waits for it to finish (counted in ``blocked_s``).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import secrets
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from fastckpt._aio import LoopThread
 from fastckpt._hostmem import StagingPool
@@ -30,13 +36,21 @@ from fastckpt.options import ManagerOptions
 from fastckpt.storage import Store
 from fastckpt.writer.commit import CommitRound, publish_and_commit
 from fastckpt.writer.pipeline import WriteStats, write_chunks
-from fastckpt.writer.stage import StagedSave, StagePlans, stage_state, staged_crc32c
+from fastckpt.writer.stage import (
+    StagedSave,
+    StagePlans,
+    stage_state,
+    staged_crc32c,
+    staging_nbytes,
+    warm_plans,
+)
 from fastckpt.writer.stats import SaveStats
 from fastckpt.writer.tier import Tier
 
 __all__ = ["SaveTarget", "Saver"]
 
 log = logging.getLogger("fastckpt")
+_B = TypeVar("_B")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +86,8 @@ class Saver:
         self._ns = namespace
         self._retain = retain
         self._background = ThreadPoolExecutor(1, thread_name_prefix="fastckpt-save")
+        self._copiers: ThreadPoolExecutor | None = None
+        """Threads of the deferred copies out of pinned host memory (made on first use)."""
         self.pending: Future[SaveStats] | None = None
         """The background part of the newest save, until joined."""
         self.pool = StagingPool()
@@ -81,6 +97,44 @@ class Saver:
         earlier saves failed differently (one raised in ``wait()``, another did not) still meet
         in the same round for the same step."""
         self._decisions = 0
+        self._preparing: Future[None] | None = None
+        """The provisioning :meth:`prepare` started, until the next :meth:`start`."""
+
+    def prepare(self, state: Any, tier: Tier | None) -> None:
+        """Provision, on the background thread, the staging memory a save of a state shaped
+        like ``state`` needs (arrays concrete or ``jax.ShapeDtypeStruct`` with their sharding):
+        ``tier.prepare_next`` with its size, or without a tier a pre-faulted staging buffer.
+        Concrete arrays are also planned here, on the calling (saving) thread, into the plan
+        cache (``warm_plans``: pure, what the first save would do). Best effort (a state it
+        cannot size, or a failure, is logged)."""
+        try:
+            with paused_gc(self._options.pause_gc):
+                leaves, _ = flatten(state)
+                warm_plans(
+                    leaves,
+                    process_index=self._coordinator.process_index,
+                    max_chunk_bytes=self._options.save.max_chunk_bytes,
+                    plans=self.plans,
+                    device_copy=self._options.save.device_copy,
+                )
+            nbytes = staging_nbytes(
+                leaves,
+                process_index=self._coordinator.process_index,
+                max_chunk_bytes=self._options.save.max_chunk_bytes,
+            )
+        except Exception as e:
+            log.warning("fastckpt: cannot size the state to prepare its save: %s", e)
+            return
+        self._preparing = self._background.submit(self._provision, nbytes, tier)
+
+    def _provision(self, nbytes: int, tier: Tier | None) -> None:
+        try:
+            if tier is not None:
+                tier.prepare_next(nbytes)
+            else:
+                self.pool.provision(nbytes)
+        except Exception as e:
+            log.warning("fastckpt: could not provision %d bytes of staging memory: %s", nbytes, e)
 
     def target(self, step: int, *, force: bool, tier: Tier | None) -> SaveTarget | None:
         """Where a save of ``step`` goes, or None to skip it (interval not reached, or another
@@ -115,6 +169,21 @@ class Saver:
         step, tier = target.step, target.tier
         push_wait_s = tier.wait_pushed() if tier is not None else 0.0
         t0 = time.perf_counter()
+        preparing, self._preparing = self._preparing, None
+        if preparing is not None:  # its memory is what this save allocates
+            preparing.result()
+        allocated = [time.perf_counter() - t0]
+
+        def timed(get: Callable[[int], _B]) -> Callable[[int], _B]:
+            def run(n: int) -> _B:
+                t = time.perf_counter()
+                try:
+                    return get(n)
+                finally:
+                    allocated.append(time.perf_counter() - t)
+
+            return run
+
         with paused_gc(self._options.pause_gc):  # thousands of leaves: no full collections
             leaves, _ = flatten(state)
             try:
@@ -122,15 +191,15 @@ class Saver:
                     leaves,
                     process_index=self._coordinator.process_index,
                     max_chunk_bytes=self._options.save.max_chunk_bytes,
-                    allocate=(lambda n: tier.allocate(step, n))
+                    allocate=timed(lambda n: tier.allocate(step, n))
                     if tier is not None
-                    else self.pool.take,
+                    else timed(self.pool.take),
                     executor=self._workers,
                     copy_threads=self._threads,
                     plans=self.plans,
                     device_copy=self._options.save.device_copy,
                     defer_host_copies=True,
-                    allocate_unreserved=(lambda n: tier.allocate_unreserved(step, n))
+                    allocate_unreserved=timed(lambda n: tier.allocate_unreserved(step, n))
                     if tier is not None
                     else None,
                 )
@@ -142,6 +211,7 @@ class Saver:
             step=step,
             blocked_s=time.perf_counter() - t0,
             staged_bytes=staged.nbytes,
+            allocate_s=sum(allocated),
             push_wait_s=push_wait_s,
         )
         seq = f"s{step}.{self._attempts[step]}"
@@ -149,6 +219,16 @@ class Saver:
         self.pending = self._background.submit(
             self._finish, seq, step, staged, dict(metadata or {}), stats, t0, target.persist, tier
         )
+
+    def _finish_copies(self, staged: StagedSave, *, checksum: bool = False) -> float:
+        """``staged.finish_copies`` on ``SaveOptions.pinned_copy_threads`` threads (the seconds
+        they took; a no-op once made)."""
+        if staged.deferred is None:
+            return 0.0
+        jobs = self._options.save.pinned_copy_threads
+        if self._copiers is None:
+            self._copiers = ThreadPoolExecutor(jobs, thread_name_prefix="fastckpt-copy")
+        return staged.finish_copies(self._copiers, jobs=jobs, checksum=checksum)
 
     def _round(self, ns: str, step: int, staged: StagedSave) -> CommitRound:
         return CommitRound(
@@ -166,7 +246,7 @@ class Saver:
         """Checksum the staged chunks and commit them to ``tier`` (``Tier.commit``). Returns
         their crc32c (``staged_crc32c``), which a persistent write reuses."""
         try:
-            staged.finish_copies(self._workers, jobs=self._threads)  # before reading the buffer
+            self._finish_copies(staged, checksum=True)  # before reading the buffer
             raw_crcs = staged_crc32c(staged, self._workers, jobs=self._threads)
             tier.commit(
                 self._round(f"{self._ns}/{seq}/{tier.name}", step, staged), raw_crcs, metadata
@@ -191,9 +271,7 @@ class Saver:
         if tier is not None:
             raw_crcs = self._commit_tier(tier, seq, step, staged, metadata)
             stats.ram_commit_s = time.perf_counter() - t0
-            stats.deferred_copy_s = staged.finish_copies(
-                self._workers, jobs=self._threads
-            )  # made already: their time
+            stats.deferred_copy_s = self._finish_copies(staged)  # made already: their time
             stats.tiers += (tier.name,)
             if not persist:
                 stats.total_s = stats.ram_commit_s
@@ -204,9 +282,7 @@ class Saver:
         chunks = None
         error: BaseException | None = None
         try:
-            stats.deferred_copy_s = staged.finish_copies(
-                self._workers, jobs=self._threads
-            )  # no-op after a tier's
+            stats.deferred_copy_s = self._finish_copies(staged)  # no-op after a tier's
             chunks = self._io.run(
                 write_chunks(
                     self._store,
@@ -277,5 +353,7 @@ class Saver:
             raise SaveError(f"background save failed: {type(e).__name__}: {e}") from e
 
     def close(self) -> None:
-        """Stop the background thread (after :meth:`join`)."""
+        """Stop the background threads (after :meth:`join`)."""
         self._background.shutdown(wait=True)
+        if self._copiers is not None:
+            self._copiers.shutdown(wait=True)

@@ -114,6 +114,8 @@ class RamTier(StepTable):
         self._steps: dict[int, StepState] = {}
         self._spares = SparePool()
         self._reserved = 0
+        self.allocated_ready = 0
+        """Allocations that found a ready spare (:meth:`provision`): nothing created or faulted."""
         self._closed = False
         self._lock_fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
@@ -190,6 +192,7 @@ class RamTier(StepTable):
                 os.rename(spare, path)  # same size: reuse the mapping and its page tables as is
                 mm: mmap.mmap | None = spare_mm
                 reserve = True  # its pages are allocated already
+                self.allocated_ready += 1
             else:
                 close_map(spare_mm)
                 mm = create_segment_file(
@@ -202,26 +205,31 @@ class RamTier(StepTable):
         return Segment(self, step, path, mm, nbytes, reserved=reserve, prefault=self._prefault)
 
     def provision(self, nbytes: int) -> bool:
-        """Create a spare of ``nbytes`` (reserved, pre-faulted) for the next allocation of that
-        size, unless a spare that fits exists, spares are off, or it would not fit the budget
-        without freeing anything. For the background part of a save: the next save's
-        :meth:`allocate` then reuses it instead of creating its file inside the blocking part
-        (the first saves, before steps recycle their segments). Spares are freed first under
-        budget pressure. Returns whether one was created."""
+        """Make a spare of exactly ``nbytes`` ready (reserved, mapped, pre-faulted) for the next
+        :meth:`allocate` of that size, off the training thread (before a process's first save,
+        after each commit): the closest spare within 2x (one a previous process left, unmapped,
+        or of another size) is resized and mapped, else a new one made — unless one is ready,
+        spares are off, or it would not fit the budget without freeing anything (spares are
+        freed first under pressure). Returns whether it made one ready."""
         with self._lock:
             self._check_open()
+            spare = self._spares.pick(nbytes)
+            if spare is not None and self._spares.ready(spare, nbytes):
+                return False
+            grow = nbytes - (self._spares.sizes[spare] if spare is not None else 0)
             if (
                 not self._recycle
                 or nbytes < _MIN_RECYCLE_BYTES
-                or len(self._spares) >= _MAX_SPARES
-                or self._spares.pick(nbytes) is not None
-                or self._used() + nbytes > self.budget_bytes
+                or (spare is None and len(self._spares) >= _MAX_SPARES)
+                or self._used() + grow > self.budget_bytes
             ):
                 return False
+            old_mm = self._spares.take(spare) if spare is not None else None
             self._reserved += nbytes
         path = self.root / "spare" / new_name()
         try:
-            mm = create_segment_file(path, nbytes, spare=None, prefault=self._prefault)
+            close_map(old_mm)
+            mm = create_segment_file(path, nbytes, spare=spare, prefault=self._prefault)
         except BaseException as e:
             with self._lock:
                 self._reserved -= nbytes

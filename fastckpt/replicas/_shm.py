@@ -267,13 +267,19 @@ class SparePool:
         return sum(self.sizes.values())
 
     def pick(self, nbytes: int) -> Path | None:
-        """The spare closest in size to ``nbytes`` within a factor of 2 (None if there is none)."""
+        """The spare closest in size to ``nbytes`` within a factor of 2, of those equally close
+        one whose mapping is kept (None if there is none)."""
         fits = [
-            (abs(size - nbytes), p)
+            (abs(size - nbytes), p not in self._maps, p)
             for p, size in self.sizes.items()
             if nbytes <= 2 * size and size <= 2 * nbytes
         ]
-        return min(fits)[1] if fits and nbytes else None
+        return min(fits)[2] if fits and nbytes else None
+
+    def ready(self, path: Path, nbytes: int) -> bool:
+        """Whether spare ``path`` is of ``nbytes`` and its writable mapping is kept."""
+        mm = self._maps.get(path)
+        return self.sizes.get(path) == nbytes and mm is not None and len(mm) == nbytes
 
     def take(self, path: Path) -> mmap.mmap | None:
         """Remove ``path`` from the pool (the caller reuses the file); its kept mapping, if any."""

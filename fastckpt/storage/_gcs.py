@@ -23,8 +23,10 @@ the ecosystem's convention is that the GCS client reads it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
+import importlib
 import json
 import os
 import secrets
@@ -170,10 +172,12 @@ class GcsStore(Store):
         self._executor: ThreadPoolExecutor | None = None
         self._client: storage.Client | None = None
         self._session: requests.Session | None = None
-        # The client and session (importing google-auth and google-cloud-storage, finding
-        # credentials) are made on a daemon thread from the start, so that the first request
-        # of a new process (a replaced host's restore) does not wait for them. Nothing is
-        # sent: a failure is raised again by the first call that needs the client.
+        # The client and session (finding credentials) are made on a daemon thread, so that a
+        # new process's first request (a replaced host's restore) does not wait for them; a
+        # failure is raised again where the client is needed. Their modules are imported here:
+        # an import holds the GIL, which on that thread slowed a save made right after this.
+        with contextlib.suppress(ImportError):  # (it imports google-auth and requests too)
+            importlib.import_module("google.cloud.storage")
         self._warm = threading.Thread(target=self._warm_up, name="fastckpt-gcs-warm", daemon=True)
         self._warm.start()
 
@@ -212,6 +216,7 @@ class GcsStore(Store):
                 from google.cloud import storage
             except ImportError as exc:  # pragma: no cover - dependency missing
                 raise ConfigError(f"GcsStore needs google-cloud-storage: {exc}") from exc
+
             opts = self.options
             credentials = opts.credentials
             project = opts.project

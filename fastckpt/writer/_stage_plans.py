@@ -8,6 +8,7 @@ of jax array leaves are kept in :class:`StagePlans` and reused when a leaf recur
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 from collections.abc import Sequence
@@ -16,15 +17,30 @@ from typing import Any
 import jax
 import numpy as np
 
+from fastckpt._hostmem import slab_bytes
 from fastckpt._tree import FlatLeaf, is_prng_key
 from fastckpt.errors import ConfigError
 from fastckpt.format.dtypes import dtype_name
 from fastckpt.format.manifest import ArrayKind, KeyPath, ShardingSpec, ValueLeaf, keypath_str
-from fastckpt.planning import ShardInfo, WriteItem, box_from_index, full_box, plan_leaf_writes
+from fastckpt.planning import (
+    ShardInfo,
+    WriteItem,
+    box_from_index,
+    box_volume,
+    full_box,
+    plan_leaf_writes,
+)
 
 log = logging.getLogger("fastckpt")
 
-__all__ = ["PendingLeaf", "StagePlans", "plan_array", "sharding_spec_of", "value_leaf_of"]
+__all__ = [
+    "PendingLeaf",
+    "StagePlans",
+    "plan_array",
+    "sharding_spec_of",
+    "staging_nbytes",
+    "value_leaf_of",
+]
 
 
 def value_leaf_of(path: KeyPath, x: Any) -> ValueLeaf | None:
@@ -306,3 +322,45 @@ def plan_array(
         transfer,
         x,
     )
+
+
+def _leaf_shard_bytes(x: Any, *, process_index: int, max_chunk_bytes: int) -> list[int]:
+    """Bytes of each shard this process copies into the staging buffer for array leaf ``x``
+    (concrete, or abstract: ``jax.ShapeDtypeStruct``), as :func:`plan_array` plans them:
+    replica ids follow jax's rule (the order of ``devices_indices_map``)."""
+    if isinstance(x, (np.ndarray, np.generic)):
+        arr = np.asarray(x)
+        return [arr.nbytes] if process_index == 0 and arr.size else []
+    if jax.numpy.issubdtype(x.dtype, jax.dtypes.prng_key):
+        data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(x.shape, x.dtype))
+        shape, dtype = tuple(data.shape), data.dtype
+    else:
+        shape, dtype = tuple(x.shape), x.dtype
+    itemsize = np.dtype(dtype).itemsize
+    sharding = getattr(x, "sharding", None)
+    if sharding is None:  # placed on the default device: process 0's
+        return [box_volume(full_box(shape)) * itemsize] if process_index == 0 else []
+    local = set(sharding.addressable_devices)
+    replicas: collections.Counter[Any] = collections.Counter()
+    shards: list[ShardInfo] = []
+    for device, index in sharding.devices_indices_map(shape).items():
+        box = box_from_index(index, shape)
+        if device in local:
+            shards.append(ShardInfo(box, replicas[box], len(shards)))
+        replicas[box] += 1
+    items = plan_leaf_writes(shards, itemsize=itemsize, max_chunk_bytes=max_chunk_bytes)
+    return [box_volume(shards[i].box) * itemsize for i in sorted({it.shard_index for it in items})]
+
+
+def staging_nbytes(leaves: Sequence[FlatLeaf], *, process_index: int, max_chunk_bytes: int) -> int:
+    """The size of the staging buffer ``stage_state`` allocates for a state like ``leaves``
+    (the same tree of shapes, dtypes and shardings; arrays concrete or ``ShapeDtypeStruct``,
+    whose sharding says where its shards are: None, the default device). Pure; raises on a
+    leaf it cannot size (an unsupported type, a sharding without ``devices_indices_map``)."""
+    sizes: list[int] = []
+    for leaf in leaves:
+        if value_leaf_of(leaf.path, leaf.value) is None:
+            sizes += _leaf_shard_bytes(
+                leaf.value, process_index=process_index, max_chunk_bytes=max_chunk_bytes
+            )
+    return slab_bytes(sizes)

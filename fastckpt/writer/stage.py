@@ -11,7 +11,9 @@ already private copies, so with ``defer_host_copies`` step (3) skips them and
 :meth:`StagedSave.finish_copies` (the background part of the save, first) copies them: the
 step then waits for the device-to-host DMA alone.
 Checksums are not computed here: the background part of the save computes them from the
-staged copy (:func:`staged_crc32c`, or while encoding), so the step waits for the copy alone.
+staged copy (:func:`staged_crc32c`, or while encoding), so the step waits for the copy alone;
+a deferred copy can checksum each chunk as it copies it (``finish_copies(checksum=True)``:
+one pass over memory), and :func:`staged_crc32c` then reuses those.
 """
 
 from __future__ import annotations
@@ -25,7 +27,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from fastckpt._hostmem import aligned_offsets, as_bytes, parallel_copy, parallel_crc32c
+from fastckpt._hostmem import (
+    aligned_offsets,
+    as_bytes,
+    parallel_copy,
+    parallel_copy_crc32c,
+    parallel_crc32c,
+)
 from fastckpt._tree import FlatLeaf
 from fastckpt.format.manifest import ArrayKind, KeyPath, ShardingSpec, ValueLeaf
 from fastckpt.planning import WriteItem
@@ -34,6 +42,7 @@ from fastckpt.writer._stage_plans import (
     StagePlans,
     plan_array,
     sharding_spec_of,
+    staging_nbytes,
     value_leaf_of,
 )
 
@@ -45,7 +54,9 @@ __all__ = [
     "sharding_spec_of",
     "stage_state",
     "staged_crc32c",
+    "staging_nbytes",
     "value_leaf_of",
+    "warm_plans",
 ]
 
 
@@ -67,25 +78,33 @@ class StagedArray:
 class DeferredCopies:
     """Copies into the staging buffer left for the background part of a save: each source is
     a view of a private ``pinned_host`` copy of a shard (held here until copied), so nothing
-    the caller does to its arrays can change them. :meth:`run` is idempotent."""
+    the caller does to its arrays can change them. :meth:`run` is idempotent.
+
+    Each pair is one staged chunk, ``ids[k]`` = (array index, item index) of pair ``k``."""
 
     def __init__(
         self,
         pairs: list[tuple[np.ndarray, np.ndarray]],
         keep: list[Any],
         before: Callable[[], None] | None = None,
+        ids: list[tuple[int, int]] | None = None,
     ) -> None:
         self._pairs: list[tuple[np.ndarray, np.ndarray]] | None = pairs
         self._keep: list[Any] | None = keep
         self._before = before
+        self._ids = ids or []
         self._failed: BaseException | None = None
         self.nbytes = sum(d.nbytes for d, _ in pairs)
         self.seconds = 0.0
+        self.crcs: dict[tuple[int, int], int] = {}
+        """crc32c of each copied chunk by (array index, item index), after
+        ``run(checksum=True)``."""
 
-    def run(self, executor: Executor | None, *, jobs: int) -> None:
+    def run(self, executor: Executor | None, *, jobs: int, checksum: bool = False) -> None:
         """Prepare the buffer (``before``: reserving its pages), copy (first call only) and
-        release the pinned host copies. A failure releases them too, and every later call
-        raises it again (the buffer never holds the chunks)."""
+        release the pinned host copies; with ``checksum``, each chunk's crc32c is taken
+        block by block as it is copied (:attr:`crcs`). A failure releases them too, and every
+        later call raises it again (the buffer never holds the chunks)."""
         if self._failed is not None:
             raise self._failed
         if self._pairs is None:
@@ -94,7 +113,11 @@ class DeferredCopies:
         try:
             if self._before is not None:
                 self._before()
-            parallel_copy(self._pairs, executor, jobs=jobs)
+            if checksum and len(self._ids) == len(self._pairs):
+                crcs = parallel_copy_crc32c(self._pairs, executor, jobs=jobs)
+                self.crcs = dict(zip(self._ids, crcs))
+            else:
+                parallel_copy(self._pairs, executor, jobs=jobs)
         except BaseException as e:
             self._failed = e
             raise
@@ -121,11 +144,14 @@ class StagedSave:
     deferred: DeferredCopies | None = None
     """Copies from pinned host memory still to make (``stage_state(defer_host_copies=True)``)."""
 
-    def finish_copies(self, executor: Executor | None, *, jobs: int) -> float:
-        """Make the deferred copies (if any, once); returns the seconds they took."""
+    def finish_copies(
+        self, executor: Executor | None, *, jobs: int, checksum: bool = False
+    ) -> float:
+        """Make the deferred copies (if any, once; ``checksum``: see :meth:`DeferredCopies.run`);
+        returns the seconds they took."""
         if self.deferred is None:
             return 0.0
-        self.deferred.run(executor, jobs=jobs)
+        self.deferred.run(executor, jobs=jobs, checksum=checksum)
         return self.deferred.seconds
 
     def chunk_view(self, array: StagedArray, i: int) -> memoryview:
@@ -241,10 +267,13 @@ def stage_state(
         buffer = allocate(total)
     copies: list[tuple[np.ndarray, np.ndarray]] = []
     later: list[tuple[np.ndarray, np.ndarray]] = []
+    later_ids: list[tuple[int, int]] = []
     arrays = []
-    for p, hosts, offs, defer in zip(pending, leaf_hosts, shard_offsets, deferrable):
+    for ai, (p, hosts, offs, defer) in enumerate(
+        zip(pending, leaf_hosts, shard_offsets, deferrable)
+    ):
         to = later if defer else copies
-        for it in p.items:  # items tile their shards: copying them copies every shard
+        for ii, it in enumerate(p.items):  # items tile their shards: copying them copies all
             dst = offs[it.shard_index] + it.byte_offset
             to.append(
                 (
@@ -252,6 +281,8 @@ def stage_state(
                     hosts[it.shard_index][it.byte_offset : it.byte_offset + it.nbytes],
                 )
             )
+            if defer:
+                later_ids.append((ai, ii))
         arrays.append(
             StagedArray(
                 path=p.path,
@@ -265,7 +296,9 @@ def stage_state(
             )
         )
     parallel_copy(copies, executor, jobs=copy_threads)
-    deferred = DeferredCopies(later, keep, prepare) if later or prepare is not None else None
+    deferred = (
+        DeferredCopies(later, keep, prepare, later_ids) if later or prepare is not None else None
+    )
     return StagedSave(
         tuple(arrays),
         tuple(values),
@@ -276,14 +309,46 @@ def stage_state(
     )
 
 
+def warm_plans(
+    leaves: list[FlatLeaf],
+    *,
+    process_index: int,
+    max_chunk_bytes: int,
+    plans: StagePlans,
+    device_copy: str = "auto",
+) -> int:
+    """Plan every concrete jax array leaf into ``plans`` as :func:`stage_state` would (pure: no
+    copy starts; abstract leaves and other leaves are skipped), so that the first save of
+    such a state finds its plans cached. On the saving thread (``StagePlans`` is not
+    thread-safe). Returns the leaves planned."""
+    n = 0
+    for leaf in leaves:
+        if isinstance(leaf.value, jax.Array) and not leaf.value.is_deleted():
+            plan_array(
+                leaf,
+                process_index=process_index,
+                max_chunk_bytes=max_chunk_bytes,
+                plans=plans,
+                device_copy=device_copy,
+            )
+            n += 1
+    return n
+
+
 def staged_crc32c(
     staged: StagedSave, executor: Executor | None, *, jobs: int = 2
 ) -> dict[int, list[int]]:
     """crc32c of every staged chunk's raw bytes: array index -> one per item, in order.
 
     A pass over the staging buffer in ``jobs`` parallel tasks; run it off the training
-    thread (the background part of a save), after :func:`stage_state` returned.
+    thread (the background part of a save), after :func:`stage_state` returned and
+    :meth:`StagedSave.finish_copies`. Chunks whose deferred copy checksummed them
+    (``checksum=True``) are not read again.
     """
-    views = [view for _, _, view in staged.chunk_views()]
-    crcs = iter(parallel_crc32c(views, executor, jobs=jobs))
-    return {ai: [next(crcs) for _ in arr.items] for ai, arr in enumerate(staged.arrays)}
+    known = staged.deferred.crcs if staged.deferred is not None else {}
+    todo = [(ai, ii, view) for ai, ii, view in staged.chunk_views() if (ai, ii) not in known]
+    computed = parallel_crc32c([view for _, _, view in todo], executor, jobs=jobs)
+    crcs = {**known, **{(ai, ii): crc for (ai, ii, _), crc in zip(todo, computed)}}
+    return {
+        ai: [crcs[(ai, ii)] for ii in range(len(arr.items))] for ai, arr in enumerate(staged.arrays)
+    }

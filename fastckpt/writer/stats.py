@@ -31,6 +31,10 @@ class SaveStats:
     """Background copy of shards from pinned host memory into the staging buffer (the part
     of staging that ``save()`` did not wait for; ``SaveOptions.device_copy``), including
     reserving and pre-faulting a new RAM segment's pages when ``save()`` left that to it."""
+    allocate_s: float = 0.0
+    """Of ``blocked_s``: getting the staging memory (the RAM segment, or a staging buffer),
+    including waiting for its provisioning (``CheckpointManager.prepare``) to finish;
+    near zero when that memory was ready."""
     push_wait_s: float = 0.0
     """How long ``save()`` waited, before staging, for this host's push of the previous RAM
     step to its peers (RAM steps only; non-zero only when pushes are slower than the RAM

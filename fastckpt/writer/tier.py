@@ -4,11 +4,12 @@ The manager holds at most one :class:`Tier` and knows nothing else of it. Call o
 save that the tier takes (``due(step)``, or a persistent step): ``wait_pushed`` ->
 ``allocate`` or ``allocate_unreserved`` (the staging buffer is the tier's) -> stage ->
 ``commit`` (its copy sealed and committed through the one commit path,
-``writer.commit.CommitRound``) -> ``prepare_next``; ``abort`` on any failure before the
-commit returns. A restore asks it for steps (``steps_by_tier``, ``select_step``), manifests
-and a :class:`~fastckpt.reader.units.ChunkSource`; ``holds_alone`` tells whether storage
-lacks a step (then nothing is read from storage, and an incomplete step is given up for an
-older one on every process).
+``writer.commit.CommitRound``) -> ``prepare_next`` (also before a process's first save);
+``abort`` on any failure before the commit returns. A restore asks it for steps
+(``steps_by_tier``, ``select_step``), manifests and a
+:class:`~fastckpt.reader.units.ChunkSource`; ``holds_alone`` tells whether storage lacks a
+step (then nothing is read from storage, and an incomplete step is given up for an older one
+on every process).
 """
 
 from __future__ import annotations
@@ -66,8 +67,10 @@ class Tier(StepSelector, Protocol):
         ...
 
     def prepare_next(self, nbytes: int) -> None:
-        """After a committed step: get ready for the next of ``nbytes`` (best effort, never
-        raises)."""
+        """Get ready for a save of ``nbytes`` staged bytes, so that its ``allocate`` finds its
+        memory ready: after a committed step, and before the first save once the state's size
+        is known (``CheckpointManager.prepare``). Runs off the training thread; best effort,
+        never raises."""
         ...
 
     def wait_replication(self, timeout_s: float | None = None) -> list[Any]:

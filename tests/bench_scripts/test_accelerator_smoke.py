@@ -42,6 +42,8 @@ def test_accelerator_benchmark_runs_every_section_and_writes_its_results(tmp_pat
         "10",
         "--overhead-rounds",
         "1",
+        "--device-copy",
+        "pinned_host",  # the accelerator's path: deferred copies, checksummed as they land
         "--out-dir",
         str(tmp_path),
         "--work-dir",
@@ -57,11 +59,23 @@ def test_accelerator_benchmark_runs_every_section_and_writes_its_results(tmp_pat
             section in size and "error" not in size[section] and "skipped" not in size[section]
         ), section
     assert set(size["ram"]["own_ram"]) == {"2"} and size["ram"]["peer"]["seconds"] > 0
-    assert all(s["bytes_pushed"] > 0 for s in size["ram"]["saves"])
+    saves = size["ram"]["saves"]
+    assert all(s["bytes_pushed"] > 0 and s["push_s"] > 0 for s in saves)
+    assert all(s["deferred_copy_s"] > 0 and s["allocate_s"] >= 0 for s in saves)
     assert doc["overhead"]["steps_per_segment"] == 10 and set(doc["overhead"]["overhead"]) == {
         "fastckpt",
         "device_get",
+        "idle_fastckpt",
     }
+    assert doc["overhead"]["idle_drain_s"] >= 0
+    targets = {c["target"] for c in doc["checks"]}
+    assert {
+        "first RAM save blocks <= 1.5x a steady one",
+        "RAM step committed <= 2x the DMA time",
+        "push to a peer >= 70% of raw TCP",
+    } <= targets and any(t.startswith("host-idle step") for t in targets)
+    assert all(c["value"] is not None for c in doc["checks"])
     md = (tmp_path / "accelerator.md").read_text()
     assert "## Save: what the training thread waits for" in md and "## Step overhead" in md
+    assert "## Targets" in md
     assert (tmp_path / "accelerator.png").stat().st_size > 0

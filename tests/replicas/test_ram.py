@@ -536,3 +536,46 @@ def test_a_reopened_tier_serves_the_copy_sealed_last(make_tier: MakeTier, shm_di
         view = again.get_chunk(1, "a", verify=True)
         assert view is not None and bytes(view) == second.tobytes()
         again.close()
+
+
+def test_provision_maps_a_spare_left_by_an_earlier_tier_and_resizes_a_close_one(
+    make_tier: MakeTier, shm_dir: Path
+) -> None:
+    """A tier reopened over a directory finds the spare files an earlier owner left, unmapped:
+    an allocation takes one over but is not ready (it maps and faults it in); ``provision``
+    maps and pre-faults it first, so the allocation is ready (same file). A spare of another
+    size within 2x is resized to the size asked for."""
+    mib = 1 << 20
+    inodes = {}
+    for name in ("t0", "t1"):
+        tier = make_tier(name, budget_bytes=32 * mib)
+        assert tier.provision(4 * mib) is True
+        (spare,) = (shm_dir / name / "spare").iterdir()
+        inodes[name] = spare.stat().st_ino
+        tier.close()
+    plain = RamTier(shm_dir / "t1", budget_bytes=32 * mib, keep_steps=1)
+    try:
+        plain.discard(plain.allocate(1, 4 * mib))
+        assert plain.allocated_ready == 0
+    finally:
+        plain.close()
+    again = RamTier(shm_dir / "t0", budget_bytes=32 * mib, keep_steps=1)
+    try:
+        assert again.provision(4 * mib) is True and again.provision(4 * mib) is False
+        seg = again.allocate(1, 4 * mib)
+        assert again.allocated_ready == 1
+        data = fill(1, {"a": 4 * mib})["a"]
+        seg.buffer[:] = data
+        again.seal(1, seg, {"a": ChunkLocation(0, 4 * mib, crc32c(data))})
+        (sealed,) = (shm_dir / "t0" / "step-1").glob("*.data")
+        assert sealed.stat().st_ino == inodes["t0"]
+        assert again.provision(3 * mib) is True  # no spare: a new one
+        assert again.provision(5 * mib) is True  # that one, grown
+        (grown,) = (shm_dir / "t0" / "spare").iterdir()
+        assert grown.stat().st_size == 5 * mib
+        again.discard(again.allocate(2, 5 * mib))
+        assert again.allocated_ready == 2
+        view = again.get_chunk(1, "a", verify=True)
+        assert view is not None and bytes(view) == data.tobytes()
+    finally:
+        again.close()

@@ -102,3 +102,27 @@ def test_gs_root_honours_storage_emulator_host(
     got = fastckpt.restore(url, target={"w": sds(wh, w.sharding), "n": np.zeros(3, int)})
     assert_sharded_like(got["w"], w.sharding, wh)
     np.testing.assert_array_equal(got["n"], np.arange(3))
+
+
+def test_the_client_modules_are_imported_by_the_constructor_not_the_warm_up_thread() -> None:
+    """An import holds the GIL for its whole length: made on the warm-up thread, it slowed a
+    save made right after the store was constructed. The constructor imports them (a fresh
+    interpreter: nothing imported them before); the client itself is still made in the
+    background."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from fastckpt.storage import GcsStore\n"
+        "from fastckpt.storage._gcs import GcsOptions\n"
+        "assert 'google.cloud.storage' not in sys.modules\n"
+        "s = GcsStore('bucket', options=GcsOptions(endpoint='http://127.0.0.1:9'))\n"
+        "print('google.cloud.storage' in sys.modules, s._client is None)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "STORAGE_EMULATOR_HOST"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[0] == "True"

@@ -11,11 +11,13 @@ import pytest
 from jax._src.array import ArrayImpl
 
 from fastckpt import CheckpointManager, ManagerOptions, SaveOptions
+from fastckpt._checksum import crc32c
 from fastckpt._tree import flatten
 from fastckpt.errors import ConfigError
 from fastckpt.options import RamOptions
 from fastckpt.writer import _stage_plans as stage_plans
-from fastckpt.writer.stage import StagePlans, stage_state
+from fastckpt.writer import stage as stage_module
+from fastckpt.writer.stage import StagePlans, stage_state, staged_crc32c, staging_nbytes
 from tests.support.arrays import P, assert_bit_exact, assert_sharded_like, device_data, named
 
 
@@ -45,6 +47,20 @@ def _state(seed: int, spec_b: Any = None) -> tuple[dict[str, Any], dict[str, np.
         (8, 8), np.int32, named((8,), ("x",), P()), seed=seed + 2
     )  # replicated: written once
     return {"a": a, "b": b, "r": r, "n": np.arange(6)}, {"a": ha, "b": hb, "r": hr}
+
+
+def _stage_deferred(state: Any, **extra: Any) -> Any:
+    """Staged through pinned host memory with the copies left to ``finish_copies``."""
+    return stage_state(
+        flatten(state)[0],
+        process_index=0,
+        max_chunk_bytes=1 << 10,
+        allocate=lambda n: np.zeros(n, np.uint8),
+        executor=None,
+        device_copy="pinned_host",
+        defer_host_copies=True,
+        **extra,
+    )
 
 
 def test_a_reused_plan_stages_what_a_fresh_plan_does() -> None:
@@ -183,15 +199,7 @@ def test_deferred_pinned_copies_are_independent_of_the_device_arrays() -> None:
     the device arrays in between changes nothing."""
     state = _state(4)[0]
     expected = _stage(state, None)
-    staged = stage_state(
-        flatten(state)[0],
-        process_index=0,
-        max_chunk_bytes=1 << 10,
-        allocate=lambda n: np.zeros(n, np.uint8),
-        executor=None,
-        device_copy="pinned_host",
-        defer_host_copies=True,
-    )
+    staged = _stage_deferred(state)
     assert staged.deferred is not None and staged.deferred.nbytes == sum(
         it.nbytes for a in staged.arrays if a.kind == "jax" for it in a.items
     )
@@ -264,16 +272,7 @@ def test_a_failed_deferred_copy_releases_the_pinned_copies_and_stays_failed() ->
         return np.zeros(n, np.uint8), prepare
 
     state = {k: v for k, v in _state(7)[0].items() if k != "n"}
-    staged = stage_state(
-        flatten(state)[0],
-        process_index=0,
-        max_chunk_bytes=1 << 10,
-        allocate=lambda n: np.zeros(n, np.uint8),
-        executor=None,
-        device_copy="pinned_host",
-        defer_host_copies=True,
-        allocate_unreserved=unreserved,
-    )
+    staged = _stage_deferred(state, allocate_unreserved=unreserved)
     deferred = staged.deferred
     assert deferred is not None and deferred._keep
     for _ in range(2):
@@ -396,3 +395,65 @@ def test_each_transfer_mode_starts_the_copies_it_says_and_stages_the_same_bytes(
         assert sorted(calls) == [(8, 8), (16, 32), (16, 32)]
     else:  # one per used shard: a's 8; b's 4 distinct (not its replicas over "x"); r's 1
         assert sorted(calls) == [(4, 32)] * 4 + [(8, 8)] * 9
+
+
+def test_a_deferred_copy_checksums_each_chunk_as_it_copies_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``finish_copies(checksum=True)`` (a RAM commit) takes every deferred chunk's crc32c
+    during its copy: ``staged_crc32c`` then reads only the chunks copied at once (the numpy
+    leaf), and its crcs are those of the staged bytes."""
+    state = _state(8)[0]
+    staged = _stage_deferred(state)
+    staged.finish_copies(None, jobs=2, checksum=True)
+    expected = {
+        ai: [crc32c(staged.chunk_view(a, i)) for i in range(len(a.items))]
+        for ai, a in enumerate(staged.arrays)
+    }
+    read: list[int] = []
+    real = stage_module.parallel_crc32c
+
+    def counting(views: Any, executor: Any, *, jobs: int) -> list[int]:
+        read.extend(v.nbytes for v in views)
+        return real(views, executor, jobs=jobs)
+
+    monkeypatch.setattr(stage_module, "parallel_crc32c", counting)
+    assert staged_crc32c(staged, None, jobs=2) == expected
+    numpy_bytes = sum(it.nbytes for a in staged.arrays if a.kind == "numpy" for it in a.items)
+    assert 0 < sum(read) == numpy_bytes
+
+
+@pytest.mark.parametrize("max_chunk_bytes", [1 << 10, 1 << 20])
+@pytest.mark.parametrize("process_index", [0, 1])
+def test_staging_nbytes_is_the_buffer_stage_state_allocates(
+    max_chunk_bytes: int, process_index: int
+) -> None:
+    """Sized from the concrete state or from its abstract twin (``ShapeDtypeStruct`` with the
+    sharding): exactly the staging buffer a save allocates (what ``prepare`` provisions)."""
+    import jax
+
+    state: dict[str, Any] = dict(_state(9)[0])
+    state["key"] = jax.random.key(3)
+    state["rows"] = device_data((8, 6), np.int8, named((2, 4), ("x", "y"), P("y", None)))[0]
+    state["value"] = 1.5
+    sizes: list[int] = []
+    staged = stage_state(
+        flatten(state)[0],
+        process_index=process_index,
+        max_chunk_bytes=max_chunk_bytes,
+        allocate=lambda n: sizes.append(n) or np.zeros(n, np.uint8),
+        executor=None,
+    )
+    abstract = jax.tree.map(
+        lambda x: (
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+            if isinstance(x, jax.Array)
+            else x
+        ),
+        state,
+    )
+    for tree in (state, abstract):
+        got = staging_nbytes(
+            flatten(tree)[0], process_index=process_index, max_chunk_bytes=max_chunk_bytes
+        )
+        assert [got] == sizes == [staged.buffer.nbytes]
