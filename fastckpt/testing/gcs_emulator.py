@@ -4,9 +4,9 @@ The emulator is a test dependency (extra ``emulator``). :class:`GcsEmulator` nev
 the process environment: point clients at :attr:`GcsEmulator.endpoint` explicitly, e.g.
 ``GcsStore(bucket, options=GcsOptions(endpoint=emu.endpoint))``.
 
-It runs on ``127.0.0.1`` of this machine, or inside a simulated host
-(:mod:`fastckpt.testing.hosts`) on that host's address, where the other hosts of its cluster
-reach it across the switch like a storage service::
+It runs on ``127.0.0.1`` of this machine, or inside a simulated host (any :class:`EmulatorHost`,
+e.g. a ``fastckpt_examples.cluster.hosts.Host``) on that host's address, where the other hosts
+of its cluster reach it across the switch like a storage service::
 
     with SimulatedHosts(2) as hosts, GcsEmulator(host=hosts.add_host("gcs")) as emu:
         emu.create_bucket("b")   # emu.endpoint: http://<the gcs host's address>:<port>
@@ -31,16 +31,35 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import IO, TYPE_CHECKING, Literal, final
+from typing import IO, Any, Literal, Protocol, final
 
-if TYPE_CHECKING:
-    from fastckpt.testing.hosts import Host
-
-__all__ = ["EmulatorError", "GcsEmulator", "find_emulator_binary"]
+__all__ = ["EmulatorError", "EmulatorHost", "GcsEmulator", "find_emulator_binary"]
 
 Backend = Literal["memory", "filesystem"]
+
+
+class EmulatorHost(Protocol):
+    """What :class:`GcsEmulator` needs of a host it runs in (its own network namespace)."""
+
+    @property
+    def address(self) -> str: ...
+    @property
+    def hostname(self) -> str: ...
+    def free_port(self) -> int: ...
+    def popen(self, argv: Sequence[str], **popen_kwargs: Any) -> subprocess.Popen[Any]: ...
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        timeout: float,
+        check: bool = ...,
+        input: bytes | str | None = ...,
+        capture_output: bool = ...,
+    ) -> subprocess.CompletedProcess[Any]: ...
+
 
 # One HTTP request made inside a simulated host: argv METHOD URL, body on stdin; prints the
 # status line then the body; exit status 2 if nothing answered. No proxies: the URL is local.
@@ -130,7 +149,7 @@ class GcsEmulator:
         backend: Backend = "memory",
         root: str | os.PathLike[str] | None = None,
         start_timeout_s: float = 20.0,
-        host: Host | None = None,
+        host: EmulatorHost | None = None,
     ) -> None:
         if backend not in ("memory", "filesystem"):
             raise ValueError(f"backend must be 'memory' or 'filesystem', got {backend!r}")

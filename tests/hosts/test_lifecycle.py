@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from fastckpt.testing import _hosts_procs
-from fastckpt.testing.hosts import HostDownError, HostsError, LinkShape, SimulatedHosts
+from fastckpt_examples.cluster import _hosts_procs
+from fastckpt_examples.cluster.hosts import HostDownError, HostsError, LinkShape, SimulatedHosts
 from tests.hosts._helpers import (
     alive,
     eventually,

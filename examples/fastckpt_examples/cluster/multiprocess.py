@@ -1,7 +1,7 @@
 """Run a function in N real JAX processes on this machine, like a small multi-host job.
 
-Each process is a fresh ``python -m fastckpt.testing.multiprocess`` child with ``M`` virtual
-CPU devices (``--xla_force_host_platform_device_count``), gloo CPU collectives, and
+Each process is a fresh ``python -m fastckpt_examples.cluster.multiprocess`` child with ``M``
+virtual CPU devices (``--xla_force_host_platform_device_count``), gloo CPU collectives, and
 ``jax.distributed.initialize`` against a coordinator on a free loopback port. It imports
 the target function, calls it with the given keyword arguments and writes what it returns
 (JSON) back to the parent. Example::
@@ -12,7 +12,7 @@ the target function, calls it with the given keyword arguments and writes what i
     )
     values = [o.value for o in outcomes]
 
-On simulated hosts (:mod:`fastckpt.testing.hosts`), ``hosts=`` puts process ``i`` on the
+On simulated hosts (:mod:`fastckpt_examples.cluster.hosts`), ``hosts=`` puts process ``i`` on the
 ``i``-th host: the coordinator listens on the first host's address, gloo talks across the
 virtual switch, and the job's files live under the hosts' shared directory (each host's
 ``/tmp`` is its own)::
@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from fastckpt.testing.hosts import Host, SimulatedHosts
+    from fastckpt_examples.cluster.hosts import Host, SimulatedHosts
 
 __all__ = ["MultiprocessError", "ProcessOutcome", "free_port", "run_processes"]
 
@@ -211,7 +211,12 @@ def run_processes(
                 spec_path.write_text(json.dumps(spec))
                 out, err = open(work / f"out{i}", "wb"), open(work / f"err{i}", "wb")
                 files += [out, err]
-                argv = [sys.executable, "-m", "fastckpt.testing.multiprocess", str(spec_path)]
+                argv = [
+                    sys.executable,
+                    "-m",
+                    "fastckpt_examples.cluster.multiprocess",
+                    str(spec_path),
+                ]
                 popen = subprocess.Popen if placed is None else placed[i].popen
                 procs.append(
                     popen(

@@ -1,6 +1,6 @@
 """Processes of simulated hosts: keepers (one per host and the switch's, each holding its
 namespaces), entering a host with ``nsenter``, and finding and killing processes by network
-namespace. Private to :mod:`fastckpt.testing.hosts`; nothing runs at import time.
+namespace. Private to :mod:`fastckpt_examples.cluster.hosts`; nothing runs at import time.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from fastckpt.testing._hosts_env import Tools
+from fastckpt_examples.cluster._hosts_env import Tools
 
 KEEPER = Path(__file__).with_name("_hosts_keeper.py")
 

@@ -1,11 +1,11 @@
-"""Plumbing for :mod:`fastckpt.testing.ray_cluster`: where Ray nodes run, and ``/proc`` sweeps.
+"""Plumbing for :mod:`.ray_cluster`: where Ray nodes run, and ``/proc`` sweeps.
 
-Private; the public face is :class:`fastckpt.testing.ray_cluster.LocalRayCluster`. A backend
-places the control node (the Ray head) and the worker nodes: in simulated hosts
-(:class:`NamespacedNodes`) or as plain processes on the caller's network stack
-(:class:`ProcessNodes`). Every process of a node carries ``MARKER=<token>/<node name>`` in its
-environment (set on ``ray start``, inherited by the raylet and every worker it starts), which
-is how a node's processes are found, measured and, in process mode, killed.
+Private; the public face is :class:`.ray_cluster.LocalRayCluster`. A backend places the control
+node (the Ray head) and the worker nodes: in simulated hosts (:class:`NamespacedNodes`) or as
+plain processes on the caller's network stack (:class:`ProcessNodes`). Every process of a node
+carries ``MARKER=<token>/<node name>`` in its environment (set on ``ray start``, inherited by
+the raylet and every worker it starts), which is how a node's processes are found,
+measured and, in process mode, killed.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
-from fastckpt.testing._ray_cluster_options import RayClusterError
-from fastckpt.testing.hosts import Host, SimulatedHosts
+from fastckpt_examples.cluster._ray_cluster_options import RayClusterError
+from fastckpt_examples.cluster.hosts import Host, SimulatedHosts
 
 MARKER = "FASTCKPT_RAY_NODE"
 CONTROL = "control"
@@ -292,7 +292,7 @@ def kill_group(process: subprocess.Popen[Any]) -> None:
 
 
 def query_node_table(probe: subprocess.Popen[str]) -> list[dict[str, Any]]:
-    """Ask the node probe (:mod:`~fastckpt.testing._ray_cluster_probe`) for the GCS's node
+    """Ask the node probe (:mod:`~fastckpt_examples.cluster._ray_cluster_probe`) for the GCS's node
     table: one request line, one JSON answer line."""
     assert probe.stdin is not None and probe.stdout is not None
     try:
