@@ -103,7 +103,7 @@ def test_a_sigkilled_controller_leaves_nothing_behind() -> None:
         cwd=REPO,
         stdout=subprocess.PIPE,
         text=True,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        env=dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'examples'}"),
     )
     try:
         assert child.stdout is not None

@@ -140,12 +140,23 @@ def await_entry(process: subprocess.Popen[Any], netns: str, timeout_s: float) ->
 
 
 def kill_group(process: subprocess.Popen[Any]) -> None:
-    """SIGKILL ``process``'s process group (it leads one) and reap it."""
+    """SIGKILL a process's group (it leads one), then reap it and close its pipes; quiet if it
+    is gone."""
+    if process.poll() is None:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except OSError:
+            process.kill()
     try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        process.kill()
-    process.wait()
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+    for stream in (process.stdin, process.stdout, process.stderr):
+        if stream is not None:
+            try:
+                stream.close()
+            except OSError:
+                pass
 
 
 def kill_all(netns_ids: Sequence[str], timeout_s: float) -> list[int]:

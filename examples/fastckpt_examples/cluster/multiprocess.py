@@ -41,8 +41,6 @@ import importlib
 import importlib.util
 import json
 import os
-import re
-import signal
 import socket
 import subprocess
 import sys
@@ -52,6 +50,8 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from fastckpt_examples.cluster._hosts_procs import kill_group
 
 if TYPE_CHECKING:
     from fastckpt_examples.cluster.hosts import Host, SimulatedHosts
@@ -93,17 +93,25 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _child_env(devices: int, extra: Mapping[str, str] | None) -> dict[str, str]:
-    env = dict(os.environ)
-    flags = re.sub(
-        r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")
-    ).strip()
-    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
+def cpu_devices_env(base: Mapping[str, str], devices: int) -> dict[str, str]:
+    """``base`` with JAX on ``devices`` virtual CPU devices (any other ``XLA_FLAGS`` kept)."""
+    env = dict(base)
+    flag = "--xla_force_host_platform_device_count"
+    kept = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(flag + "=")]
+    env["XLA_FLAGS"] = " ".join([*kept, f"{flag}={devices}"])
     env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONUNBUFFERED"] = "1"
     env.pop("JAX_NUM_CPU_DEVICES", None)
-    if extra:
-        env.update(extra)
+    return env
+
+
+def _child_env(devices: int, extra: Mapping[str, str] | None) -> dict[str, str]:
+    """The children's environment; they import this module (``-m``) from where the caller did."""
+    env = cpu_devices_env(os.environ, devices)
+    env["PYTHONUNBUFFERED"] = "1"
+    here = str(Path(__file__).resolve().parents[2])  # the directory holding fastckpt_examples
+    old = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([here, *old]))
+    env.update(extra or {})
     return env
 
 
@@ -251,7 +259,7 @@ def run_processes(
         finally:
             for p in procs:
                 if p.poll() is None:
-                    _kill(p)
+                    kill_group(p)
             for f in files:
                 f.close()
         outcomes = []
@@ -280,14 +288,6 @@ def run_processes(
     if check and not all(o.ok for o in outcomes):
         raise MultiprocessError(_report(outcomes, f"{target}: a process failed"))
     return outcomes
-
-
-def _kill(p: subprocess.Popen[bytes]) -> None:
-    try:
-        os.killpg(p.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        p.kill()
-    p.wait()
 
 
 # ---------------------------------------------------------------------------- child side

@@ -53,6 +53,7 @@ from types import TracebackType
 from typing import Any, Literal, final
 
 from fastckpt_examples.cluster import _ray_cluster_nodes as _nodes
+from fastckpt_examples.cluster._hosts_procs import kill_group
 from fastckpt_examples.cluster._ray_cluster_options import HealthChecks as HealthChecks
 from fastckpt_examples.cluster._ray_cluster_options import Isolation as Isolation
 from fastckpt_examples.cluster._ray_cluster_options import NodeFootprint as NodeFootprint
@@ -348,7 +349,7 @@ class LocalRayCluster:
             self._closed = True
             survivors: list[int] = []
             for process in [*self._drivers, *([self._probe] if self._probe else [])]:
-                _nodes.kill_group(process)
+                kill_group(process)
             if self._backend is not None:
                 survivors = self._backend.close(self._token)
             for name in list(self._starts):
@@ -439,7 +440,7 @@ class LocalRayCluster:
     def _reap(self, name: str) -> None:
         process = self._starts.pop(name, None)
         if process is not None:
-            _nodes.kill_group(process)
+            kill_group(process)
 
     def _table(self) -> list[dict[str, Any]]:
         """The GCS's node table, through the probe (one request, one JSON line)."""
