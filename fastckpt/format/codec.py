@@ -69,6 +69,7 @@ __all__ = [
     "MAX_MANIFEST_BYTES",
     "decode_manifest",
     "encode_manifest",
+    "leaf_to_json",
     "seal_document",
 ]
 
@@ -91,7 +92,8 @@ def _float_to_json(x: float) -> float | str:
     return x
 
 
-def _leaf_to_json(leaf: Leaf, objects: dict[str, int] | None) -> dict[str, Any]:
+def leaf_to_json(leaf: Leaf) -> dict[str, Any]:
+    """``leaf`` as a manifest's JSON holds it, less an array's ``"chunks"``."""
     path = [[k, v] for k, v in leaf.path]
     if isinstance(leaf, ValueLeaf):
         value: Any = leaf.value
@@ -118,10 +120,15 @@ def _leaf_to_json(leaf: Leaf, objects: dict[str, int] | None) -> dict[str, Any]:
         "dtype": leaf.dtype,
         "key_impl": leaf.key_impl,
         "sharding": sharding,
-        "chunks": encode_table(
-            leaf.chunks, shape=leaf.shape, remap=None if objects is None else _remap(leaf, objects)
-        ),
     }
+
+
+def _leaf_to_json(leaf: Leaf, objects: dict[str, int] | None) -> dict[str, Any]:
+    doc = leaf_to_json(leaf)
+    if isinstance(leaf, ArrayLeaf):
+        remap = None if objects is None else _remap(leaf, objects)
+        doc["chunks"] = encode_table(leaf.chunks, shape=leaf.shape, remap=remap)
+    return doc
 
 
 def _remap(leaf: ArrayLeaf, objects: dict[str, int]) -> np.ndarray:
