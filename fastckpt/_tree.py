@@ -100,4 +100,3 @@ def unflatten_from_paths(items: dict[KeyPath, Any]) -> Any:
         return {k: build(v) for (_, k), v in node.items()}
 
     return build(root)
-
