@@ -1,24 +1,10 @@
 """Manifest <-> JSON. Strict: every field is type-checked on decode; never pickle.
 
-JSON layout (``format_version`` 3, what this fastckpt writes)::
-
-    {"format_version": 3, "step": 100, "num_processes": 4, "created_unix": 1.7e9,
-     "writer_version": "0.1.0", "metadata": {...},
-     "objects": ["steps/00000100/...", ...],
-     "leaves": [
-       {"path": [["d", "params"], ["d", "w"]], "type": "array", "kind": "jax",
-        "shape": [1024, 512], "dtype": "bfloat16", "key_impl": null,
-        "sharding": {"mesh_axis_names": ["data", "model"], "mesh_shape": [2, 4],
-                     "partition_spec": [null, "model"]},
-        "chunks": {"grid": [[0, 1024], [0, 128, 256, 384, 512]], "object": "u1:AAABAQ==",
-                   "offset": "u4:...", "length": "u4:...", "codec": "zstd",
-                   "crc32c": "u4:...", "raw_crc32c": "u4:..."}},
-       {"path": [["d", "step"]], "type": "value", "vtype": "int", "value": 100}]}
-
-An array leaf's ``"chunks"`` is a chunk table (:mod:`fastckpt.format.chunk_table`: columns,
-object keys by index into ``"objects"``, boxes as a grid's cuts), its numeric columns binary
-(``"<kind>:<base64>"`` of little-endian unsigned ints). ``format_version`` 3 is the only
-format: any other is refused with ``UnsupportedFormatVersionError``.
+The JSON layout, field by field: ``docs/format.md``. An array leaf's ``"chunks"`` is a chunk
+table (:mod:`fastckpt.format.chunk_table`: columns, object keys by index into ``"objects"``,
+boxes as a grid's cuts), its numeric columns binary (``"<kind>:<base64>"`` of little-endian
+unsigned ints). ``format_version`` 3 is the only format: any other is refused with
+``UnsupportedFormatVersionError``.
 
 Floats that JSON cannot hold (nan, inf) are written as strings ``"nan"``, ``"inf"``,
 ``"-inf"``; complex values as ``[re, im]``.
