@@ -223,16 +223,8 @@ class GcsEmulator:
         while True:
             if self._process.poll() is not None:
                 raise EmulatorError(f"exited with {self._process.returncode}: {self._log_tail()}")
-            if self._host is not None:
-                if self._request_in_host("GET", url, None)[0] == 200:
-                    return
-            else:
-                try:
-                    with urllib.request.urlopen(url, timeout=1.0) as resp:
-                        if resp.status == 200:
-                            return
-                except (urllib.error.URLError, OSError):
-                    pass
+            if self._request("GET", url, None)[0] == 200:
+                return
             if time.monotonic() > deadline:
                 raise EmulatorError(
                     f"no answer within {self._start_timeout_s} s: {self._log_tail()}"
@@ -245,10 +237,20 @@ class GcsEmulator:
         self._log.seek(0)
         return self._log.read()[-2000:].decode(errors="replace")
 
-    def _request_in_host(self, method: str, url: str, body: bytes | None) -> tuple[int, bytes]:
-        """``(status, body)`` of a request made inside the emulator's host; status 0 if
-        nothing answered."""
-        assert self._host is not None
+    def _request(self, method: str, url: str, body: bytes | None) -> tuple[int, bytes]:
+        """``(status, body)`` of a request made here or, with a host, inside it (where the
+        endpoint is reachable); status 0 if nothing answered."""
+        if self._host is None:
+            req = urllib.request.Request(
+                url, data=body, method=method, headers={"Content-Type": "application/json"}
+            )
+            try:
+                with urllib.request.urlopen(req, timeout=5.0) as f:
+                    return f.status, f.read()
+            except urllib.error.HTTPError as e:
+                return e.code, e.read()
+            except OSError:
+                return 0, b""
         done = self._host.run(
             [sys.executable, "-I", "-S", "-c", _REQUEST_IN_HOST, method, url],
             input=body or b"",
@@ -268,28 +270,9 @@ class GcsEmulator:
         if name in self._buckets:
             return
         body = json.dumps({"name": name}).encode()
-        if self._host is not None:
-            code, data = self._request_in_host(
-                "POST", f"{self.endpoint}/storage/v1/b?project=test", body
-            )
-            if code not in (200, 409):  # 409: it exists already
-                raise EmulatorError(f"creating bucket {name!r} failed: HTTP {code} {data[:200]!r}")
-            self._buckets.add(name)
-            return
-        req = urllib.request.Request(
-            f"{self.endpoint}/storage/v1/b?project=test",
-            data=body,
-            method="POST",
-            headers={"Content-Type": "application/json"},
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=10.0) as resp:
-                resp.read()
-        except urllib.error.HTTPError as exc:
-            if exc.code != 409:  # 409: it exists already
-                raise EmulatorError(
-                    f"creating bucket {name!r} failed: HTTP {exc.code} {exc.read()[:200]!r}"
-                ) from exc
+        code, data = self._request("POST", f"{self.endpoint}/storage/v1/b?project=test", body)
+        if code not in (200, 409):  # 409: it exists already
+            raise EmulatorError(f"creating bucket {name!r} failed: HTTP {code} {data[:200]!r}")
         self._buckets.add(name)
 
     def _kill(self) -> None:
