@@ -94,7 +94,9 @@ class Job:
 
     def send(self, op: str, **args: Any) -> int:
         n, self.n = self.n, self.n + 1
-        (self.control / f"cmd-{n}.json").write_text(json.dumps({"op": op, **args}))
+        tmp = self.control / f"cmd-{n}.tmp"  # published whole: a worker may read it at once
+        tmp.write_text(json.dumps({"op": op, **args}))
+        tmp.replace(self.control / f"cmd-{n}.json")
         return n
 
     def results(self, n: int, timeout_s: float = 90) -> list[dict[str, Any]]:
