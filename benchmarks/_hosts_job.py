@@ -1,6 +1,6 @@
 """What runs inside the simulated hosts for :mod:`benchmarks.hosts`: one JAX process per host.
 
-Loaded by file path in fresh child processes (``fastckpt.testing.multiprocess``) after
+Loaded by file path in fresh child processes (``fastckpt_examples.cluster.multiprocess``) after
 ``jax.distributed.initialize``; each entry point is one phase of a job and returns JSON:
 
 * :func:`save`: build the state of ``step`` on the job's mesh and save it (RAM tier with one

@@ -1,7 +1,7 @@
 """A job for ``benchmarks.planning_scale``: how long the ``jax.distributed`` key-value store
 takes to hand a value from process 0 to every other process (what a RAM checkpoint's
 manifest broadcast cost before process 0 kept it; a few bytes now). Run through
-``fastckpt.testing.multiprocess.run_processes``."""
+``fastckpt_examples.cluster.multiprocess.run_processes``."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ Run (timings are only meaningful when nothing else benchmarks at the same time):
     python -m benchmarks.elastic_recovery --from-json benchmarks/results/elastic_recovery.json
 
 Every run is one ``fastckpt demo`` (:mod:`fastckpt_examples.demo`) in a fresh process, on
-the harness the demo uses: a :class:`~fastckpt.testing.ray_cluster.LocalRayCluster` of 4
+the harness the demo uses: a :class:`~fastckpt_examples.cluster.ray_cluster.LocalRayCluster` of 4
 nodes x 2 virtual CPU devices (namespaced hosts where the machine allows, else processes),
 a GCS emulator, the driver (:func:`fastckpt.elastic.run_elastic`) on the control node, RAM
 checkpoint + 1 peer replica every ``--ram-every`` steps. At ``--kill-step`` one node is
@@ -122,7 +122,7 @@ def run_once(args: argparse.Namespace, scenario: str, index: int, cache: Path) -
 def measure_footprint(args: argparse.Namespace, idle_s: float = 10.0) -> dict[str, Any]:
     """Ray's processes per node on an idle cluster of the demo's settings: memory now, CPU
     over ``idle_s`` seconds."""
-    from fastckpt.testing.ray_cluster import HealthChecks, LocalRayCluster, RaySettings
+    from fastckpt_examples.cluster.ray_cluster import HealthChecks, LocalRayCluster, RaySettings
 
     with LocalRayCluster(nodes=4, devices_per_node=2, isolation=args.isolation) as cluster:
         time.sleep(2.0)

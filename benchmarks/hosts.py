@@ -5,10 +5,10 @@ Run (as root, or where unprivileged user namespaces work)::
     python -m benchmarks.hosts            # full run (~10 min on the 2-core VM)
     python -m benchmarks.hosts --quick    # small sizes (< 3 min)
 
-One cluster (:class:`fastckpt.testing.hosts.SimulatedHosts`): up to 8 job hosts, the GCS
+One cluster (:class:`fastckpt_examples.cluster.hosts.SimulatedHosts`): up to 8 job hosts, the GCS
 emulator on a host of its own (filesystem backend on the disk) and a relay host; the job
 hosts' links are shaped with tbf (``LinkShape(rate_mbit=...)``, both directions), the
-emulator's and the relay's are not. Every job is ``fastckpt.testing.multiprocess`` (one JAX
+emulator's and the relay's are not. Every job is ``fastckpt_examples.cluster.multiprocess`` (one JAX
 process per host, ``jax.distributed`` across the switch) running :mod:`benchmarks._hosts_job`;
 the peer secret reaches the processes as ``FASTCKPT_PEER_SECRET``. Sections, in one run:
 
@@ -64,7 +64,7 @@ render = report  # the markdown page of a results JSON (benchmarks._common.rende
 
 if TYPE_CHECKING:
     from fastckpt.testing.gcs_emulator import GcsEmulator
-    from fastckpt.testing.hosts import Host, SimulatedHosts
+    from fastckpt_examples.cluster.hosts import Host, SimulatedHosts
 
 JOB = str(Path(__file__).with_name("_hosts_job.py"))
 RELAY = str(Path(__file__).with_name("_delay_relay.py"))
@@ -160,7 +160,7 @@ class Bench:
 
     def job(self, fn: str, on: list[Host], devices: int, **kwargs: Any) -> list[dict[str, Any]]:
         """``_hosts_job.<fn>`` on the hosts ``on`` (one process each, ``member``: its name)."""
-        from fastckpt.testing.multiprocess import run_processes
+        from fastckpt_examples.cluster.multiprocess import run_processes
 
         outcomes = run_processes(
             f"{JOB}:{fn}",
@@ -177,7 +177,7 @@ class Bench:
         return values
 
     def shape(self, on: list[Host], rate: int) -> None:
-        from fastckpt.testing.hosts import LinkShape
+        from fastckpt_examples.cluster.hosts import LinkShape
 
         for h in on:
             h.shape(LinkShape(rate_mbit=rate or None))
@@ -425,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     import fastckpt
     from benchmarks.wire_mac import measure_macs
     from fastckpt.testing.gcs_emulator import GcsEmulator
-    from fastckpt.testing.hosts import LinkShape, SimulatedHosts
+    from fastckpt_examples.cluster.hosts import LinkShape, SimulatedHosts
 
     cfg, out_dir, update_docs = _parse(argv)
     t0 = time.monotonic()

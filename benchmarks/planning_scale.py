@@ -486,8 +486,8 @@ def run_broadcast(cases: list[tuple[int, int]], processes: int, reps: int) -> li
     few-byte record it announces now."""
     from fastckpt.format.codec import encode_manifest
     from fastckpt.format.manifest import Manifest
-    from fastckpt.testing.multiprocess import run_processes
     from fastckpt.writer.commit import _HELD
+    from fastckpt_examples.cluster.multiprocess import run_processes
 
     sizes = {"record (now)": len(_HELD)}
     for leaves, n in cases:

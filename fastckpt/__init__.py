@@ -9,35 +9,17 @@ from typing import TYPE_CHECKING, Any
 
 from fastckpt import errors as errors
 from fastckpt.errors import FastckptError as FastckptError
-from fastckpt.options import (
-    DistributedOptions as DistributedOptions,
-)
-from fastckpt.options import (
-    ManagerOptions as ManagerOptions,
-)
-from fastckpt.options import (
-    RamOptions as RamOptions,
-)
-from fastckpt.options import (
-    RestoreOptions as RestoreOptions,
-)
-from fastckpt.options import (
-    RetentionOptions as RetentionOptions,
-)
-from fastckpt.options import (
-    SaveOptions as SaveOptions,
-)
+from fastckpt.options import DistributedOptions as DistributedOptions
+from fastckpt.options import ManagerOptions as ManagerOptions
+from fastckpt.options import RamOptions as RamOptions
+from fastckpt.options import RestoreOptions as RestoreOptions
+from fastckpt.options import RetentionOptions as RetentionOptions
+from fastckpt.options import SaveOptions as SaveOptions
 
 if TYPE_CHECKING:
-    from fastckpt.manager import (
-        CheckpointManager as CheckpointManager,
-    )
-    from fastckpt.manager import (
-        restore as restore,
-    )
-    from fastckpt.manager import (
-        save as save,
-    )
+    from fastckpt.manager import CheckpointManager as CheckpointManager
+    from fastckpt.manager import restore as restore
+    from fastckpt.manager import save as save
     from fastckpt.reader.units import RestoreStats as RestoreStats
     from fastckpt.replicas import new_peer_secret as new_peer_secret
     from fastckpt.replicas import peer_secret_from_env as peer_secret_from_env

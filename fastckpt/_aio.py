@@ -13,12 +13,13 @@ behind a caller's back.
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
-from collections.abc import Coroutine
-from concurrent.futures import Future
+from collections.abc import Callable, Coroutine
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
-__all__ = ["ByteBudget", "LoopThread"]
+__all__ = ["BlockingPool", "ByteBudget", "LoopThread"]
 
 T = TypeVar("T")
 
@@ -89,3 +90,32 @@ class ByteBudget:
         async with self._cond:
             self.used -= n
             self._cond.notify_all()
+
+
+class BlockingPool:
+    """Threads for blocking calls made from async code, started on first use; ``close`` waits
+    for the calls in flight, and a later call starts a fresh pool."""
+
+    def __init__(self, max_workers: int, name: str) -> None:
+        self._max_workers = max_workers
+        self._name = name
+        self._lock = threading.Lock()  # guards _executor; never held across I/O
+        self._executor: ThreadPoolExecutor | None = None
+
+    async def call(self, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)`` on a pool thread."""
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(
+                    self._max_workers, thread_name_prefix=self._name
+                )
+            executor = self._executor
+        return await asyncio.get_running_loop().run_in_executor(
+            executor, functools.partial(fn, *args)
+        )
+
+    def close(self) -> None:
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)

@@ -8,7 +8,6 @@ Anything else is a :class:`~fastckpt.errors.ConfigError` naming the path.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -101,10 +100,3 @@ def unflatten_from_paths(items: dict[KeyPath, Any]) -> Any:
         return {k: build(v) for (_, k), v in node.items()}
 
     return build(root)
-
-
-def map_with_path(fn: Callable[[KeyPath, Any], Any], tree: Any) -> Any:
-    """``tree_map`` with manifest key paths (``None`` leaves included)."""
-    return jax.tree_util.tree_map_with_path(
-        lambda p, x: fn(keypath_of(p), x), tree, is_leaf=_is_none
-    )

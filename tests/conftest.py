@@ -28,7 +28,7 @@ import pytest
 
 from fastckpt.storage import GcsOptions, GcsStore
 from fastckpt.testing.gcs_emulator import GcsEmulator
-from fastckpt.testing.hosts import hosts_unavailable_reason
+from fastckpt_examples.cluster.hosts import hosts_unavailable_reason
 
 N_DEVICES = 8
 _FLAG = "--xla_force_host_platform_device_count"

@@ -1,7 +1,7 @@
 """The demo's Ray driver: ``python -m fastckpt_examples._demo_driver CONFIG.json``.
 
 Started by :mod:`fastckpt_examples.demo` through
-:meth:`~fastckpt.testing.ray_cluster.LocalRayCluster.driver_popen` (inside the control host
+:meth:`~fastckpt_examples.cluster.ray_cluster.LocalRayCluster.driver_popen` (inside the control host
 when the cluster is namespaced; ``RAY_ADDRESS`` names the cluster). It runs the example
 trainer with :func:`fastckpt.elastic.run_elastic` and reports on stdout, one line each,
 prefixed with :data:`PREFIX`:

@@ -1,7 +1,7 @@
 """``fastckpt demo``: lose a node of a local multi-node Ray cluster mid-training, keep going.
 
-Scenario (defaults): a :class:`~fastckpt.testing.ray_cluster.LocalRayCluster` of 4 nodes x 2
-virtual CPU devices (each node a simulated host with its own network, hostname and RAM
+Scenario (defaults): a :class:`~fastckpt_examples.cluster.ray_cluster.LocalRayCluster` of 4
+nodes x 2 virtual CPU devices (each node a simulated host with its own network, hostname and RAM
 tmpfs where the machine allows it, else separate Ray nodes on one network stack), a GCS
 emulator the nodes reach, and the driver (:mod:`fastckpt_examples._demo_driver`:
 :func:`fastckpt.elastic.run_elastic` on the example trainer) on the control node. At step
@@ -92,8 +92,8 @@ def _pythonpath() -> None:
 
 def _start_cluster(args: argparse.Namespace) -> tuple[Any, str | None]:
     """The cluster, and a note when it is not namespaced although asked for ``auto``."""
-    from fastckpt.testing.hosts import HostsError, hosts_unavailable_reason
-    from fastckpt.testing.ray_cluster import LocalRayCluster, RayClusterError
+    from fastckpt_examples.cluster.hosts import HostsError, hosts_unavailable_reason
+    from fastckpt_examples.cluster.ray_cluster import LocalRayCluster, RayClusterError
 
     kw = {"nodes": args.nodes, "devices_per_node": args.devices_per_node, "name": "fcdemo"}
     if args.isolation != "auto":

@@ -39,9 +39,7 @@ def _step(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"step must be a non-negative integer, got {text!r}"
-        ) from None
+        value = -1
     if value < 0:
         raise argparse.ArgumentTypeError(f"step must be a non-negative integer, got {text!r}")
     return value
@@ -136,8 +134,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _missing_local_root(root: str) -> bool:
-    import os
-
     if "://" in root and not root.startswith("file://"):
         return False
     path = root[len("file://") :] if root.startswith("file://") else root

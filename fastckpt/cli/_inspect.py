@@ -8,6 +8,7 @@ from typing import Any
 
 from fastckpt.cli._util import dump_json, fmt_age, fmt_bytes, plural
 from fastckpt.errors import CheckpointNotFoundError
+from fastckpt.format.codec import leaf_to_json
 from fastckpt.format.layout import manifest_key
 from fastckpt.format.manifest import (
     FORMAT_VERSION,
@@ -180,26 +181,12 @@ def _sharding_str(s: ShardingSpec | None) -> str:
 
 
 def _leaf_json(leaf: ArrayLeaf | ValueLeaf) -> dict[str, Any]:
-    path = {"path": keypath_str(leaf.path), "path_entries": [list(e) for e in leaf.path]}
+    doc = leaf_to_json(leaf)  # as the manifest has it, with the key path as a string too
+    doc["path_entries"], doc["path"] = doc["path"], keypath_str(leaf.path)
     if isinstance(leaf, ValueLeaf):
-        return {**path, "type": "value", "vtype": leaf.vtype, "value": leaf.value}
-    sharding = None
-    if leaf.sharding is not None:
-        sharding = {
-            "mesh_axis_names": list(leaf.sharding.mesh_axis_names),
-            "mesh_shape": list(leaf.sharding.mesh_shape),
-            "partition_spec": [
-                list(p) if isinstance(p, tuple) else p for p in leaf.sharding.partition_spec
-            ],
-        }
+        return doc
     return {
-        **path,
-        "type": "array",
-        "kind": leaf.kind,
-        "shape": list(leaf.shape),
-        "dtype": leaf.dtype,
-        "key_impl": leaf.key_impl,
-        "sharding": sharding,
+        **doc,
         "logical_bytes": leaf.nbytes,
         "stored_bytes": leaf.stored_bytes,
         "ratio": _ratio(leaf.stored_bytes, leaf.nbytes),

@@ -3,20 +3,8 @@
 The driver (:func:`fastckpt.elastic.run_elastic`) calls the user's ``train(worker)`` in one
 Ray actor per node; ``train`` wraps its loop in one context, which owns
 ``jax.distributed``, the checkpoint manager (RAM tier on this node + peers + storage),
-stop-at-boundary requests from the driver and timing marks::
-
-    def train(worker: Worker) -> None:
-        opts = ElasticOptions(checkpoint_every=20, ram_every=2)
-        with ElasticContext(worker, root="gs://bucket/run", options=opts) as ctx:
-            mesh = make_my_mesh(jax.devices())            # every device of this generation
-            state = ctx.restore_or_init(init_fn, target=abstract_state)
-            step_fn = compile_my_step(); ctx.mark("compiled")
-            for step in ctx.steps(total_steps):           # step = steps completed so far
-                state, loss = step_fn(state, batch(step))
-                ctx.log(step + 1, loss=float(loss))
-                ctx.maybe_save(step + 1, state)
-            if not ctx.stopped:
-                ctx.save_final(total_steps, state)
+stop-at-boundary requests from the driver and timing marks (an example:
+``docs/elastic.md``, "Bring your own trainer").
 
 Call order: ``__enter__`` (initialise ``jax.distributed``, open the manager) ->
 ``restore_or_init`` once -> ``steps`` once -> ``__exit__`` (wait for the last save, close).

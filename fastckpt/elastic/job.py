@@ -2,26 +2,13 @@
 
 One *generation* is one set of worker actors, one per node, sharing a fresh
 ``jax.distributed`` coordinator (on process 0's node). :func:`run_elastic` runs
-generations until one finishes:
-
-* **Launch** on the live nodes that offer ``node_resource`` (at most ``max_nodes``, in a
-  stable order: survivors keep their relative ranks), each actor pinned to its node,
-  warm standbys first; process 0 picks a free port on its node's address; every actor then
-  runs the user's ``train(worker)``.
-* **Detect.** The driver ``ray.wait`` s on the ``train`` calls: a dead worker process or a
-  lost node surfaces as an actor error (cause ``process`` or ``node``, told apart by the
-  node's liveness); it also lists the nodes every ``node_poll_interval_s`` and fails the
-  generation as soon as a node of it is marked dead. An exception raised by ``train``
-  fails it too (cause ``error``).
-  When ``train`` raised, the driver first watches the nodes for up to ``node_loss_grace_s``:
-  a collective usually fails on the survivors before Ray marks the lost node dead.
-* **Kill promptly**: every actor of the generation at once (survivors are stuck in a
-  collective with the dead peer), then relaunch on the nodes alive; more than
-  ``max_restarts`` failures, or fewer than ``min_nodes`` nodes, raise
-  :class:`ElasticRunError`.
-* **Grow back**: when a node offering the resource appears, every worker is asked to stop;
-  process 0 picks the step, all stop after it and save it; the next generation runs on
-  all nodes and restores that step. No step is lost; this does not count as a restart.
+generations until one finishes: it launches one on the live nodes, detects a dead worker
+process, a lost node or an exception of ``train`` (cause ``process``, ``node``, ``error``),
+kills every actor of it at once and relaunches on the nodes alive; more than
+``max_restarts`` failures, or fewer than ``min_nodes`` nodes, raise :class:`ElasticRunError`.
+When a node returns, every worker stops after one agreed step and saves it, and the next
+generation restores it on all nodes (no step lost, no restart counted). The steps in
+detail: ``docs/elastic.md`` ("How a job runs").
 
 The driver never touches the checkpoint root; committed state is the core's business.
 """

@@ -8,17 +8,10 @@ box per chunk. The numeric columns (``"object"``, ``"offset"``, ``"length"``, ``
 ``"raw_crc32c"``) are *binary columns*: a string ``"<kind>:<base64>"``, the base64 of the
 values as little-endian unsigned integers of ``kind`` (``u1``, ``u2``, ``u4`` or ``u8``; the
 writer picks the narrowest that holds them), read with one base64 call and
-``np.frombuffer``. JSON (an array leaf's ``"chunks"``)::
-
-    {"grid": [[0, 4096, 8192], [0, 512, 1024]],   # cuts per dimension: 2 x 2 cells, C order
-     "object": "u1:AAABAQ==",                      # index into the manifest's "objects"
-     "offset": "u4:...", "length": "u4:...",
-     "codec": "raw",                               # one for all chunks, or a list
-     "crc32c": "u4:...", "raw_crc32c": "u4:..."}
-
-``"boxes": [[start0, stop0, start1, stop1, ...], ...]`` (one flat list per chunk, any order)
-replaces ``"grid"`` when the boxes are not such a grid. ``raw_length`` is not written: it is
-the box volume times the itemsize. Checksums are u32.
+``np.frombuffer`` (an example: ``docs/format.md``). ``"boxes"`` (one flat list
+``[start0, stop0, start1, stop1, ...]`` per chunk, any order) replaces ``"grid"`` when the
+boxes are not such a grid. ``raw_length`` is not written: it is the box volume times the
+itemsize. Checksums are u32.
 
 Decoding validates every column (boxes inside the array and tiling it, keys safe, numbers
 in range, raw chunks' lengths) with numpy where it can, and returns a

@@ -1,24 +1,10 @@
 """Manifest <-> JSON. Strict: every field is type-checked on decode; never pickle.
 
-JSON layout (``format_version`` 3, what this fastckpt writes)::
-
-    {"format_version": 3, "step": 100, "num_processes": 4, "created_unix": 1.7e9,
-     "writer_version": "0.1.0", "metadata": {...},
-     "objects": ["steps/00000100/...", ...],
-     "leaves": [
-       {"path": [["d", "params"], ["d", "w"]], "type": "array", "kind": "jax",
-        "shape": [1024, 512], "dtype": "bfloat16", "key_impl": null,
-        "sharding": {"mesh_axis_names": ["data", "model"], "mesh_shape": [2, 4],
-                     "partition_spec": [null, "model"]},
-        "chunks": {"grid": [[0, 1024], [0, 128, 256, 384, 512]], "object": "u1:AAABAQ==",
-                   "offset": "u4:...", "length": "u4:...", "codec": "zstd",
-                   "crc32c": "u4:...", "raw_crc32c": "u4:..."}},
-       {"path": [["d", "step"]], "type": "value", "vtype": "int", "value": 100}]}
-
-An array leaf's ``"chunks"`` is a chunk table (:mod:`fastckpt.format.chunk_table`: columns,
-object keys by index into ``"objects"``, boxes as a grid's cuts), its numeric columns binary
-(``"<kind>:<base64>"`` of little-endian unsigned ints). ``format_version`` 3 is the only
-format: any other is refused with ``UnsupportedFormatVersionError``.
+The JSON layout, field by field: ``docs/format.md``. An array leaf's ``"chunks"`` is a chunk
+table (:mod:`fastckpt.format.chunk_table`: columns, object keys by index into ``"objects"``,
+boxes as a grid's cuts), its numeric columns binary (``"<kind>:<base64>"`` of little-endian
+unsigned ints). ``format_version`` 3 is the only format: any other is refused with
+``UnsupportedFormatVersionError``.
 
 Floats that JSON cannot hold (nan, inf) are written as strings ``"nan"``, ``"inf"``,
 ``"-inf"``; complex values as ``[re, im]``.
@@ -69,6 +55,7 @@ __all__ = [
     "MAX_MANIFEST_BYTES",
     "decode_manifest",
     "encode_manifest",
+    "leaf_to_json",
     "seal_document",
 ]
 
@@ -91,7 +78,8 @@ def _float_to_json(x: float) -> float | str:
     return x
 
 
-def _leaf_to_json(leaf: Leaf, objects: dict[str, int] | None) -> dict[str, Any]:
+def leaf_to_json(leaf: Leaf) -> dict[str, Any]:
+    """``leaf`` as a manifest's JSON holds it, less an array's ``"chunks"``."""
     path = [[k, v] for k, v in leaf.path]
     if isinstance(leaf, ValueLeaf):
         value: Any = leaf.value
@@ -118,10 +106,15 @@ def _leaf_to_json(leaf: Leaf, objects: dict[str, int] | None) -> dict[str, Any]:
         "dtype": leaf.dtype,
         "key_impl": leaf.key_impl,
         "sharding": sharding,
-        "chunks": encode_table(
-            leaf.chunks, shape=leaf.shape, remap=None if objects is None else _remap(leaf, objects)
-        ),
     }
+
+
+def _leaf_to_json(leaf: Leaf, objects: dict[str, int] | None) -> dict[str, Any]:
+    doc = leaf_to_json(leaf)
+    if isinstance(leaf, ArrayLeaf):
+        remap = None if objects is None else _remap(leaf, objects)
+        doc["chunks"] = encode_table(leaf.chunks, shape=leaf.shape, remap=remap)
+    return doc
 
 
 def _remap(leaf: ArrayLeaf, objects: dict[str, int]) -> np.ndarray:

@@ -34,12 +34,8 @@ from fastckpt.integrations._orbax_layout import is_orbax_dir as is_orbax_dir
 from fastckpt.integrations._orbax_manager import (
     OrbaxStyleCheckpointManager as OrbaxStyleCheckpointManager,
 )
-from fastckpt.integrations._orbax_manager import (
-    OrbaxStyleOptions as OrbaxStyleOptions,
-)
-from fastckpt.integrations._orbax_manager import (
-    OrbaxStyleStepMetadata as OrbaxStyleStepMetadata,
-)
+from fastckpt.integrations._orbax_manager import OrbaxStyleOptions as OrbaxStyleOptions
+from fastckpt.integrations._orbax_manager import OrbaxStyleStepMetadata as OrbaxStyleStepMetadata
 from fastckpt.options import ManagerOptions
 from fastckpt.storage import Store
 

@@ -22,22 +22,20 @@ the ecosystem's convention is that the GCS client reads it.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
-import functools
 import importlib
 import json
 import os
 import secrets
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar, cast, final
 from urllib.parse import quote
 
 import numpy as np
 
+from fastckpt._aio import BlockingPool
 from fastckpt._checksum import crc32c_parts
 from fastckpt.errors import (
     AlreadyExistsError,
@@ -167,9 +165,8 @@ class GcsStore(Store):
         self.url = f"gs://{bucket}/{prefix}" if prefix else f"gs://{bucket}"
         self._base = (self.options.endpoint or _DEFAULT_BASE).rstrip("/")
         self._timeout = (self.options.connect_timeout_s, self.options.read_timeout_s)
-        self._lock = threading.Lock()  # guards _executor; never held across I/O
         self._connect_lock = threading.Lock()  # guards _client/_session creation
-        self._executor: ThreadPoolExecutor | None = None
+        self._pool = BlockingPool(self.options.max_workers, "fastckpt-gcs")
         self._client: storage.Client | None = None
         self._session: requests.Session | None = None
         # The client and session (finding credentials) are made on a daemon thread, so that a
@@ -185,17 +182,6 @@ class GcsStore(Store):
         return f"GcsStore({self.url!r}, endpoint={self.options.endpoint!r})"
 
     # -- plumbing ----------------------------------------------------------------------
-
-    async def _call(self, fn: Callable[..., T], *args: object) -> T:
-        with self._lock:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(
-                    self.options.max_workers, thread_name_prefix="fastckpt-gcs"
-                )
-            executor = self._executor
-        return await asyncio.get_running_loop().run_in_executor(
-            executor, functools.partial(fn, *args)
-        )
 
     def _warm_up(self) -> None:
         try:
@@ -452,35 +438,35 @@ class GcsStore(Store):
 
     async def get(self, key: str, *, byte_range: ByteRange | None = None) -> Buffer:
         # docstring inherited
-        return await self._call(self._get_sync, self._name(key), key, byte_range)
+        return await self._pool.call(self._get_sync, self._name(key), key, byte_range)
 
     async def get_into(self, key: str, start: int, into: Sequence[memoryview]) -> None:
         # docstring inherited
         parts = [memoryview(b).cast("B") for b in into]
-        await self._call(self._get_into_sync, self._name(key), key, start, parts)
+        await self._pool.call(self._get_into_sync, self._name(key), key, start, parts)
 
     async def put(self, key: str, data: Payload, *, mode: PutMode = "overwrite") -> None:
         # docstring inherited
         name = self._name(key)
         if mode not in ("create", "overwrite"):
             raise ConfigError(f"unknown put mode {mode!r}")
-        await self._call(self._put_sync, name, key, payload_parts(data), mode)
+        await self._pool.call(self._put_sync, name, key, payload_parts(data), mode)
 
     async def list_info(self, prefix: str = "") -> list[ObjectInfo]:
         # docstring inherited
-        return await self._call(self._list_sync, prefix, "name,size,updated", self._info)
+        return await self._pool.call(self._list_sync, prefix, "name,size,updated", self._info)
 
     async def list(self, prefix: str = "") -> list[str]:
         # docstring inherited
-        return await self._call(self._list_sync, prefix, "name", lambda key, _: key)
+        return await self._pool.call(self._list_sync, prefix, "name", lambda key, _: key)
 
     async def delete(self, key: str) -> None:
         # docstring inherited
-        await self._call(self._delete_sync, self._name(key), key)
+        await self._pool.call(self._delete_sync, self._name(key), key)
 
     async def head(self, key: str) -> ObjectMeta:
         # docstring inherited
-        return await self._call(self._head_sync, self._name(key), key)
+        return await self._pool.call(self._head_sync, self._name(key), key)
 
     async def exists(self, key: str) -> bool:
         # docstring inherited
@@ -492,10 +478,7 @@ class GcsStore(Store):
 
     async def close(self) -> None:
         # docstring inherited
-        with self._lock:
-            executor, self._executor = self._executor, None
-        if executor is not None:
-            executor.shutdown(wait=True)
+        self._pool.close()
         self._warm.join()  # (a client it makes after close would leak its session)
         with self._connect_lock:
             session, self._session = self._session, None

@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import errno
-import functools
 import os
 import secrets
-import threading
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn, TypeVar, final
+from typing import NoReturn, final
 
 import numpy as np
 
+from fastckpt._aio import BlockingPool
 from fastckpt.errors import (
     AlreadyExistsError,
     ConfigError,
@@ -41,7 +38,6 @@ from fastckpt.storage._protocol import (
 
 __all__ = ["TEMP_SUFFIX", "LocalStore"]
 
-T = TypeVar("T")
 _IOV_MAX = 1024  # buffers per preadv call (Linux UIO_MAXIOV)
 
 #: Suffix of in-flight temporary files. ``list`` never reports them and keys whose last
@@ -120,26 +116,13 @@ class LocalStore(Store):
             raise ConfigError(f"max_workers must be >= 1, got {max_workers}")
         self.root = Path(os.path.abspath(os.fspath(root)))
         self.url = self.root.as_uri()
-        self._max_workers = max_workers
         self._durable = durable
-        self._executor: ThreadPoolExecutor | None = None
-        self._executor_lock = threading.Lock()
+        self._pool = BlockingPool(max_workers, "fastckpt-local")
 
     def __repr__(self) -> str:
         return f"LocalStore({str(self.root)!r})"
 
     # -- plumbing ----------------------------------------------------------------------
-
-    async def _call(self, fn: Callable[..., T], *args: object) -> T:
-        with self._executor_lock:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(
-                    self._max_workers, thread_name_prefix="fastckpt-local"
-                )
-            executor = self._executor
-        return await asyncio.get_running_loop().run_in_executor(
-            executor, functools.partial(fn, *args)
-        )
 
     def _path(self, key: str) -> Path:
         validate_key(key)
@@ -339,11 +322,11 @@ class LocalStore(Store):
 
     async def get(self, key: str, *, byte_range: ByteRange | None = None) -> Buffer:
         # docstring inherited
-        return await self._call(self._get_sync, self._path(key), key, byte_range)
+        return await self._pool.call(self._get_sync, self._path(key), key, byte_range)
 
     async def get_into(self, key: str, start: int, into: Sequence[memoryview]) -> None:
         # docstring inherited
-        await self._call(
+        await self._pool.call(
             self._get_into_sync,
             self._path(key),
             key,
@@ -356,33 +339,30 @@ class LocalStore(Store):
         path = self._path(key)
         if mode not in ("create", "overwrite"):
             raise ConfigError(f"unknown put mode {mode!r}")
-        await self._call(self._put_sync, path, key, payload_parts(data), mode)
+        await self._pool.call(self._put_sync, path, key, payload_parts(data), mode)
 
     async def list_info(self, prefix: str = "") -> list[ObjectInfo]:
         # docstring inherited
-        return await self._call(self._list_info_sync, prefix)
+        return await self._pool.call(self._list_info_sync, prefix)
 
     async def sweep(self, *, older_than: float, dry_run: bool = False) -> list[str]:
         """Remove temporary files of interrupted puts last modified before ``older_than``
         (UNIX time) and, unless ``dry_run``, every empty directory below the root. Returns
         the temporary files' paths relative to the root."""
-        return await self._call(self._sweep_sync, validate_cutoff(older_than), dry_run)
+        return await self._pool.call(self._sweep_sync, validate_cutoff(older_than), dry_run)
 
     async def list(self, prefix: str = "") -> list[str]:
         # docstring inherited
-        return [key for key, _ in await self._call(self._scan, prefix)]
+        return [key for key, _ in await self._pool.call(self._scan, prefix)]
 
     async def delete(self, key: str) -> None:
         # docstring inherited
-        await self._call(self._delete_sync, self._path(key), key)
+        await self._pool.call(self._delete_sync, self._path(key), key)
 
     async def exists(self, key: str) -> bool:
         # docstring inherited
-        return await self._call(os.path.isfile, self._path(key))
+        return await self._pool.call(os.path.isfile, self._path(key))
 
     async def close(self) -> None:
         # docstring inherited
-        with self._executor_lock:
-            executor, self._executor = self._executor, None
-        if executor is not None:
-            executor.shutdown(wait=True)
+        self._pool.close()

@@ -3,14 +3,11 @@
 * ``store_tests``: the :class:`~fastckpt.storage.Store` conformance suite a backend subclasses.
 * ``strategies``: hypothesis strategies (shapes, boxes, tilings, manifests).
 * ``gcs_emulator``: fake-gcs-server on a free port, for code that talks to GCS.
-* ``multiprocess``: a function run in N real ``jax.distributed`` processes on one machine.
-* ``hosts``: simulated hosts (network + mount namespaces) for those processes.
-* ``ray_cluster``: a real multi-node Ray cluster on one machine (on simulated hosts, or as
-  separate Ray nodes on one network stack), with node loss, link cuts and revival.
 
 Import the submodules directly (e.g. ``fastckpt.testing.store_tests``); this package imports
 nothing itself, so it has no side effects and no pytest dependency at import time. Harnesses
-only fastckpt's own tests use live in the repository's ``tests/support``.
+only fastckpt's own tests use live in the repository's ``tests/support``; the simulated
+cluster (hosts, multi-process jobs, a local Ray cluster) in ``fastckpt_examples.cluster``.
 """
 
 from __future__ import annotations

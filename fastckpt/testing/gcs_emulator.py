@@ -4,9 +4,9 @@ The emulator is a test dependency (extra ``emulator``). :class:`GcsEmulator` nev
 the process environment: point clients at :attr:`GcsEmulator.endpoint` explicitly, e.g.
 ``GcsStore(bucket, options=GcsOptions(endpoint=emu.endpoint))``.
 
-It runs on ``127.0.0.1`` of this machine, or inside a simulated host
-(:mod:`fastckpt.testing.hosts`) on that host's address, where the other hosts of its cluster
-reach it across the switch like a storage service::
+It runs on ``127.0.0.1`` of this machine, or inside a simulated host (any :class:`EmulatorHost`,
+e.g. a ``fastckpt_examples.cluster.hosts.Host``) on that host's address, where the other hosts
+of its cluster reach it across the switch like a storage service::
 
     with SimulatedHosts(2) as hosts, GcsEmulator(host=hosts.add_host("gcs")) as emu:
         emu.create_bucket("b")   # emu.endpoint: http://<the gcs host's address>:<port>
@@ -31,16 +31,35 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import IO, TYPE_CHECKING, Literal, final
+from typing import IO, Any, Literal, Protocol, final
 
-if TYPE_CHECKING:
-    from fastckpt.testing.hosts import Host
-
-__all__ = ["EmulatorError", "GcsEmulator", "find_emulator_binary"]
+__all__ = ["EmulatorError", "EmulatorHost", "GcsEmulator", "find_emulator_binary"]
 
 Backend = Literal["memory", "filesystem"]
+
+
+class EmulatorHost(Protocol):
+    """What :class:`GcsEmulator` needs of a host it runs in (its own network namespace)."""
+
+    @property
+    def address(self) -> str: ...
+    @property
+    def hostname(self) -> str: ...
+    def free_port(self) -> int: ...
+    def popen(self, argv: Sequence[str], **popen_kwargs: Any) -> subprocess.Popen[Any]: ...
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        timeout: float,
+        check: bool = ...,
+        input: bytes | str | None = ...,
+        capture_output: bool = ...,
+    ) -> subprocess.CompletedProcess[Any]: ...
+
 
 # One HTTP request made inside a simulated host: argv METHOD URL, body on stdin; prints the
 # status line then the body; exit status 2 if nothing answered. No proxies: the URL is local.
@@ -130,7 +149,7 @@ class GcsEmulator:
         backend: Backend = "memory",
         root: str | os.PathLike[str] | None = None,
         start_timeout_s: float = 20.0,
-        host: Host | None = None,
+        host: EmulatorHost | None = None,
     ) -> None:
         if backend not in ("memory", "filesystem"):
             raise ValueError(f"backend must be 'memory' or 'filesystem', got {backend!r}")
@@ -204,16 +223,8 @@ class GcsEmulator:
         while True:
             if self._process.poll() is not None:
                 raise EmulatorError(f"exited with {self._process.returncode}: {self._log_tail()}")
-            if self._host is not None:
-                if self._request_in_host("GET", url, None)[0] == 200:
-                    return
-            else:
-                try:
-                    with urllib.request.urlopen(url, timeout=1.0) as resp:
-                        if resp.status == 200:
-                            return
-                except (urllib.error.URLError, OSError):
-                    pass
+            if self._request("GET", url, None)[0] == 200:
+                return
             if time.monotonic() > deadline:
                 raise EmulatorError(
                     f"no answer within {self._start_timeout_s} s: {self._log_tail()}"
@@ -226,10 +237,20 @@ class GcsEmulator:
         self._log.seek(0)
         return self._log.read()[-2000:].decode(errors="replace")
 
-    def _request_in_host(self, method: str, url: str, body: bytes | None) -> tuple[int, bytes]:
-        """``(status, body)`` of a request made inside the emulator's host; status 0 if
-        nothing answered."""
-        assert self._host is not None
+    def _request(self, method: str, url: str, body: bytes | None) -> tuple[int, bytes]:
+        """``(status, body)`` of a request made here or, with a host, inside it (where the
+        endpoint is reachable); status 0 if nothing answered."""
+        if self._host is None:
+            req = urllib.request.Request(
+                url, data=body, method=method, headers={"Content-Type": "application/json"}
+            )
+            try:
+                with urllib.request.urlopen(req, timeout=5.0) as f:
+                    return f.status, f.read()
+            except urllib.error.HTTPError as e:
+                return e.code, e.read()
+            except OSError:
+                return 0, b""
         done = self._host.run(
             [sys.executable, "-I", "-S", "-c", _REQUEST_IN_HOST, method, url],
             input=body or b"",
@@ -249,28 +270,9 @@ class GcsEmulator:
         if name in self._buckets:
             return
         body = json.dumps({"name": name}).encode()
-        if self._host is not None:
-            code, data = self._request_in_host(
-                "POST", f"{self.endpoint}/storage/v1/b?project=test", body
-            )
-            if code not in (200, 409):  # 409: it exists already
-                raise EmulatorError(f"creating bucket {name!r} failed: HTTP {code} {data[:200]!r}")
-            self._buckets.add(name)
-            return
-        req = urllib.request.Request(
-            f"{self.endpoint}/storage/v1/b?project=test",
-            data=body,
-            method="POST",
-            headers={"Content-Type": "application/json"},
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=10.0) as resp:
-                resp.read()
-        except urllib.error.HTTPError as exc:
-            if exc.code != 409:  # 409: it exists already
-                raise EmulatorError(
-                    f"creating bucket {name!r} failed: HTTP {exc.code} {exc.read()[:200]!r}"
-                ) from exc
+        code, data = self._request("POST", f"{self.endpoint}/storage/v1/b?project=test", body)
+        if code not in (200, 409):  # 409: it exists already
+            raise EmulatorError(f"creating bucket {name!r} failed: HTTP {code} {data[:200]!r}")
         self._buckets.add(name)
 
     def _kill(self) -> None:

@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_hosts_benchmark_runs_every_section_and_writes_its_results(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'examples'}"}
     cmd = [
         sys.executable,
         "-m",

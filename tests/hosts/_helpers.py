@@ -11,8 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fastckpt.testing import _hosts_procs
-from fastckpt.testing.hosts import Host
+from fastckpt_examples.cluster import _hosts_procs
+from fastckpt_examples.cluster.hosts import Host
 
 NETCAT = str(Path(__file__).with_name("_netcat.py"))
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 
-from fastckpt.testing.hosts import LinkShape, SimulatedHosts
+from fastckpt_examples.cluster.hosts import LinkShape, SimulatedHosts
 
 
 def main() -> None:

@@ -1,11 +1,11 @@
 """Child for the unprivileged test: run as an ordinary user (e.g. ``nobody``) by any Python 3.11+.
 
-Usage: ``_unprivileged_child.py REPO check|hold``. Loads ``fastckpt.testing.hosts`` from REPO
-without running ``fastckpt/__init__.py`` (whose imports need the project's virtualenv, which
-such a user may not be able to read) and creates 2 hosts through one user namespace.
-``check``: checks they talk and keep their RAM tiers apart, closes them, prints one JSON line
-of what it saw. ``hold``: starts processes in them, prints one JSON line (namespaces, pids,
-shared_dir) and waits to be killed.
+Usage: ``_unprivileged_child.py REPO check|hold``. Loads ``fastckpt_examples.cluster.hosts``
+from REPO without running ``fastckpt/__init__.py`` (whose imports need the project's
+virtualenv, which such a user may not be able to read) and creates 2 hosts through one user
+namespace. ``check``: checks they talk and keep their RAM tiers apart, closes them, prints one
+JSON line of what it saw. ``hold``: starts processes in them, prints one JSON line
+(namespaces, pids, shared_dir) and waits to be killed.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ def main(repo: str, mode: str) -> None:
     package = types.ModuleType("fastckpt")
     package.__path__ = [os.path.join(repo, "fastckpt")]
     sys.modules["fastckpt"] = package
-    from fastckpt.testing.hosts import LinkShape, SimulatedHosts, hosts_unavailable_reason
+    sys.path.insert(0, os.path.join(repo, "examples"))
+    from fastckpt_examples.cluster.hosts import LinkShape, SimulatedHosts, hosts_unavailable_reason
 
     if mode == "hold":  # report, then wait to be SIGKILLed
         hosts = SimulatedHosts(2, link=LinkShape(rate_mbit=100))

@@ -1,7 +1,7 @@
 """A scripted training job for the cross-host tests: each process runs inside its own
 simulated host and executes the commands the test writes, one after another.
 
-Loaded by file path in fresh child processes (``fastckpt.testing.multiprocess``) after
+Loaded by file path in fresh child processes (``fastckpt_examples.cluster.multiprocess``) after
 ``jax.distributed.initialize``. The state is the deterministic generator of
 ``tests/replicas/multiprocess/workers.py`` (every array a hash of its global index and the
 step), so a restore is checked bit for bit, shard by shard, against numpy.

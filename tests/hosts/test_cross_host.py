@@ -1,5 +1,5 @@
 """RAM replicas and peer restore across hosts that are really apart (network + mount
-namespaces, fastckpt.testing.hosts), with the GCS emulator as one more host on the switch.
+namespaces, fastckpt_examples.cluster.hosts), with the GCS emulator as one more host on the switch.
 
 * A 4-host x 2-device job saves step 5 to GCS and steps 10 and 20 to RAM only; host 3 is
   lost with its tmpfs; a new 4-process job (host 3 empty) and a 3-process job restore step
@@ -29,8 +29,8 @@ from typing import Any
 import pytest
 
 from fastckpt.testing.gcs_emulator import GcsEmulator
-from fastckpt.testing.hosts import Host, SimulatedHosts
-from fastckpt.testing.multiprocess import ProcessOutcome, run_processes
+from fastckpt_examples.cluster.hosts import Host, SimulatedHosts
+from fastckpt_examples.cluster.multiprocess import ProcessOutcome, run_processes
 
 from . import cross_workers as cw
 
@@ -94,7 +94,9 @@ class Job:
 
     def send(self, op: str, **args: Any) -> int:
         n, self.n = self.n, self.n + 1
-        (self.control / f"cmd-{n}.json").write_text(json.dumps({"op": op, **args}))
+        tmp = self.control / f"cmd-{n}.tmp"  # published whole: a worker may read it at once
+        tmp.write_text(json.dumps({"op": op, **args}))
+        tmp.replace(self.control / f"cmd-{n}.json")
         return n
 
     def results(self, n: int, timeout_s: float = 90) -> list[dict[str, Any]]:

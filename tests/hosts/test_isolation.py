@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fastckpt.testing.hosts import SimulatedHosts
+from fastckpt_examples.cluster.hosts import SimulatedHosts
 from tests.hosts._helpers import eventually, listen, netcat, root_state, sh
 
 pytestmark = pytest.mark.hosts

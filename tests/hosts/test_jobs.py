@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from fastckpt.testing.gcs_emulator import GcsEmulator
-from fastckpt.testing.hosts import SimulatedHosts
-from fastckpt.testing.multiprocess import run_processes
+from fastckpt_examples.cluster.hosts import SimulatedHosts
+from fastckpt_examples.cluster.multiprocess import run_processes
 
 pytestmark = pytest.mark.hosts
 

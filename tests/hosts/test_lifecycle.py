@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from fastckpt.testing import _hosts_procs
-from fastckpt.testing.hosts import HostDownError, HostsError, LinkShape, SimulatedHosts
+from fastckpt_examples.cluster import _hosts_procs
+from fastckpt_examples.cluster.hosts import HostDownError, HostsError, LinkShape, SimulatedHosts
 from tests.hosts._helpers import (
     alive,
     eventually,
@@ -103,7 +103,7 @@ def test_a_sigkilled_controller_leaves_nothing_behind() -> None:
         cwd=REPO,
         stdout=subprocess.PIPE,
         text=True,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        env=dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'examples'}"),
     )
     try:
         assert child.stdout is not None

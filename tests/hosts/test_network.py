@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from fastckpt.testing.hosts import Host, HostDownError, LinkShape, SimulatedHosts
+from fastckpt_examples.cluster.hosts import Host, HostDownError, LinkShape, SimulatedHosts
 from tests.hosts._helpers import NETCAT, listen, netcat, result
 
 pytestmark = pytest.mark.hosts

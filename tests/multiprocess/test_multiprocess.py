@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from fastckpt.format.codec import decode_manifest
-from fastckpt.testing.multiprocess import MultiprocessError, ProcessOutcome, run_processes
+from fastckpt_examples.cluster.multiprocess import MultiprocessError, ProcessOutcome, run_processes
 
 WORKERS = str(Path(__file__).with_name("workers.py"))
 

@@ -1,4 +1,5 @@
-"""Functions run inside each process of a multi-process job (see fastckpt.testing.multiprocess).
+"""Functions run inside each process of a multi-process job (see
+fastckpt_examples.cluster.multiprocess).
 
 Loaded by file path in fresh child processes; everything here runs after
 ``jax.distributed.initialize``. Array values are a deterministic function of the global

@@ -1,4 +1,5 @@
-"""Run inside each process of a 2-process jax.distributed job (fastckpt.testing.multiprocess).
+"""Run inside each process of a 2-process jax.distributed job
+(fastckpt_examples.cluster.multiprocess).
 
 :func:`save_until_killed` saves steps 1, 2, ... of the crash worker's deterministic state over
 a global mesh (every process holds half of each array) until the chosen victim SIGKILLs

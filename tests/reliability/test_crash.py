@@ -45,7 +45,7 @@ from fastckpt.maintenance import collect_garbage, find_leftovers
 from fastckpt.storage import Store, open_store
 from fastckpt.storage._local import TEMP_SUFFIX
 from fastckpt.testing.gcs_emulator import GcsEmulator
-from fastckpt.testing.multiprocess import run_processes
+from fastckpt_examples.cluster.multiprocess import run_processes
 
 from ._util import BUCKET, HERE, Recorder, state_mismatches, trial_count, worker
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from fastckpt.testing import _ray_cluster_nodes as _nodes
-from fastckpt.testing.ray_cluster import (
+from fastckpt_examples.cluster import _ray_cluster_nodes as _nodes
+from fastckpt_examples.cluster.ray_cluster import (
     HealthChecks,
     LocalRayCluster,
     RayClusterError,

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from fastckpt.testing.multiprocess import ProcessOutcome, run_processes
+from fastckpt_examples.cluster.multiprocess import ProcessOutcome, run_processes
 
 from . import workers as w
 

@@ -1,5 +1,5 @@
 """Functions run inside each process of a real multi-process job
-(``fastckpt.testing.multiprocess``).
+(``fastckpt_examples.cluster.multiprocess``).
 
 Loaded by file path in fresh child processes, after ``jax.distributed.initialize``. Every
 array is a deterministic function of its flat global index and the step (:func:`expected`,

@@ -1,11 +1,11 @@
-"""Plumbing for :mod:`fastckpt.testing.ray_cluster`: where Ray nodes run, and ``/proc`` sweeps.
+"""Plumbing for :mod:`.ray_cluster`: where Ray nodes run, and ``/proc`` sweeps.
 
-Private; the public face is :class:`fastckpt.testing.ray_cluster.LocalRayCluster`. A backend
-places the control node (the Ray head) and the worker nodes: in simulated hosts
-(:class:`NamespacedNodes`) or as plain processes on the caller's network stack
-(:class:`ProcessNodes`). Every process of a node carries ``MARKER=<token>/<node name>`` in its
-environment (set on ``ray start``, inherited by the raylet and every worker it starts), which
-is how a node's processes are found, measured and, in process mode, killed.
+Private; the public face is :class:`.ray_cluster.LocalRayCluster`. A backend places the control
+node (the Ray head) and the worker nodes: in simulated hosts (:class:`NamespacedNodes`) or as
+plain processes on the caller's network stack (:class:`ProcessNodes`). Every process of a node
+carries ``MARKER=<token>/<node name>`` in its environment (set on ``ray start``, inherited by
+the raylet and every worker it starts), which is how a node's processes are found,
+measured and, in process mode, killed.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
-from fastckpt.testing._ray_cluster_options import RayClusterError
-from fastckpt.testing.hosts import Host, SimulatedHosts
+from fastckpt_examples.cluster._ray_cluster_options import RayClusterError
+from fastckpt_examples.cluster.hosts import Host, SimulatedHosts
+from fastckpt_examples.cluster.multiprocess import cpu_devices_env
 
 MARKER = "FASTCKPT_RAY_NODE"
 CONTROL = "control"
@@ -260,39 +261,18 @@ class ProcessNodes:
 
 
 def node_env(base: Mapping[str, str], *, devices: int, extra: Mapping[str, str]) -> dict[str, str]:
-    """``base`` without what would steer a ``ray start`` elsewhere, plus the JAX device flags
-    (any other ``XLA_FLAGS`` kept) and ``extra``."""
-    env = {k: v for k, v in base.items() if k not in ("RAY_ADDRESS", MARKER)}
-    flag = "--xla_force_host_platform_device_count"
-    kept = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(flag + "=")]
-    env["XLA_FLAGS"] = " ".join([*kept, f"{flag}={devices}"])
-    env["JAX_PLATFORMS"] = "cpu"
+    """``base`` without what would steer a ``ray start`` elsewhere, on ``devices`` virtual CPU
+    devices, plus ``extra``."""
+    env = cpu_devices_env(
+        {k: v for k, v in base.items() if k not in ("RAY_ADDRESS", MARKER)}, devices
+    )
     env["RAY_USAGE_STATS_ENABLED"] = "0"
     env.update(extra)
     return env
 
 
-def kill_group(process: subprocess.Popen[Any]) -> None:
-    """SIGKILL a process's group (it leads one), then reap it; quiet if it is gone."""
-    if process.poll() is None:
-        try:
-            os.killpg(process.pid, 9)
-        except OSError:
-            process.kill()
-    try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
-    for stream in (process.stdin, process.stdout, process.stderr):
-        if stream is not None:
-            try:
-                stream.close()
-            except OSError:
-                pass
-
-
 def query_node_table(probe: subprocess.Popen[str]) -> list[dict[str, Any]]:
-    """Ask the node probe (:mod:`~fastckpt.testing._ray_cluster_probe`) for the GCS's node
+    """Ask the node probe (:mod:`~fastckpt_examples.cluster._ray_cluster_probe`) for the GCS's node
     table: one request line, one JSON answer line."""
     assert probe.stdin is not None and probe.stdout is not None
     try:

@@ -1,6 +1,6 @@
-"""Public value types of :mod:`fastckpt.testing.ray_cluster` (which re-exports them).
+"""Public value types of :mod:`fastckpt_examples.cluster.ray_cluster` (which re-exports them).
 
-Private module: import these names from :mod:`fastckpt.testing.ray_cluster`.
+Private module: import these names from :mod:`fastckpt_examples.cluster.ray_cluster`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ _MIB = 1 << 20
 class RayClusterError(FastckptError):
     """The local Ray cluster could not be started, changed or queried as asked."""
 
-    __module__ = "fastckpt.testing.ray_cluster"
+    __module__ = "fastckpt_examples.cluster.ray_cluster"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

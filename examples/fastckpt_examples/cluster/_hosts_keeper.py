@@ -1,4 +1,4 @@
-"""Keeper process of one simulated host, or of the switch (run by :mod:`fastckpt.testing.hosts`).
+"""Keeper process of one simulated host, or of the switch (run by :mod:`.hosts`).
 
 A standalone script (standard library only; started as ``python -I -S _hosts_keeper.py JSON``
 so it imports nothing of fastckpt). It creates the namespaces it holds, reports

@@ -1,6 +1,6 @@
 """The simulated hosts' network: their addresses, the switch (a bridge in a namespace of its
 own, :class:`Fabric`), each host's veth into it, and link shaping with ``tc``. Private to
-:mod:`fastckpt.testing.hosts`; nothing runs at import time.
+:mod:`fastckpt_examples.cluster.hosts`; nothing runs at import time.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-from fastckpt.testing._hosts_env import HostsError, Tools
-from fastckpt.testing._hosts_procs import await_ready, ns_argv, spawn_keeper, stop_keeper
+from fastckpt_examples.cluster._hosts_env import HostsError, Tools
+from fastckpt_examples.cluster._hosts_procs import await_ready, ns_argv, spawn_keeper, stop_keeper
 
 
 def ns_batch(

@@ -1,4 +1,4 @@
-"""Node-table probe for :mod:`fastckpt.testing.ray_cluster`: a child process, not a module.
+"""Node-table probe for :mod:`fastckpt_examples.cluster.ray_cluster`: a child process, not a module.
 
 Run as ``python _ray_cluster_probe.py <gcs address>`` where the GCS is reachable (inside the
 control host in namespaced mode). It reads one request per line on stdin (any text) and

@@ -1,7 +1,7 @@
 """What simulated hosts need from this machine, and whether it has it: the harness's errors,
 the programs it runs (:class:`Tools`) and the probe behind :func:`hosts_unavailable_reason`.
 
-Private: :mod:`fastckpt.testing.hosts` re-exports the public names (the errors and
+Private: :mod:`fastckpt_examples.cluster.hosts` re-exports the public names (the errors and
 :func:`hosts_unavailable_reason`); the rest may change. Nothing runs at import time.
 """
 
@@ -21,13 +21,13 @@ _PROBE_TIMEOUT_S = 10.0
 class HostsError(FastckptError):
     """The simulated hosts could not be created, changed or removed as asked."""
 
-    __module__ = "fastckpt.testing.hosts"
+    __module__ = "fastckpt_examples.cluster.hosts"
 
 
 class HostDownError(HostsError):
     """The host is down (``Host.kill``); ``Host.revive`` brings a fresh one up."""
 
-    __module__ = "fastckpt.testing.hosts"
+    __module__ = "fastckpt_examples.cluster.hosts"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

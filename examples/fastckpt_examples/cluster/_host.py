@@ -1,7 +1,6 @@
-"""The :class:`Host` handle: one simulated machine of a
-:class:`~fastckpt.testing.hosts.SimulatedHosts` cluster (run programs in it, kill and revive
-it, cut, heal and shape its link), and :class:`LinkShape`. Private:
-:mod:`fastckpt.testing.hosts` re-exports both.
+"""The :class:`Host` handle: one simulated machine of a :class:`~.hosts.SimulatedHosts`
+cluster (run programs in it, kill and revive it, cut, heal and shape its link), and
+:class:`LinkShape`. Private: :mod:`fastckpt_examples.cluster.hosts` re-exports both.
 """
 
 from __future__ import annotations
@@ -15,13 +14,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol, final
 
-from fastckpt.testing import _hosts_net as _net
-from fastckpt.testing import _hosts_procs as _procs
-from fastckpt.testing._hosts_env import HostDownError, HostsError
+from fastckpt_examples.cluster import _hosts_net as _net
+from fastckpt_examples.cluster import _hosts_procs as _procs
+from fastckpt_examples.cluster._hosts_env import HostDownError, HostsError
 
 
 class _Cluster(Protocol):
-    """What a :class:`Host` uses of the :class:`~fastckpt.testing.hosts.SimulatedHosts` that
+    """What a :class:`Host` uses of the :class:`~.hosts.SimulatedHosts` that
     owns it (declared here so that this module does not import the cluster's)."""
 
     _lock: threading.RLock
@@ -47,7 +46,7 @@ class LinkShape:
     the machine's CPUs keep up.
     """
 
-    __module__ = "fastckpt.testing.hosts"
+    __module__ = "fastckpt_examples.cluster.hosts"
 
     rate_mbit: float | None = None
     """Link rate in Mbit/s (10^6 bit/s), or None: unshaped (as fast as the machine goes)."""
@@ -77,7 +76,7 @@ class Host:
     it is down. The cluster's :meth:`SimulatedHosts.close` brings every host down for good.
     """
 
-    __module__ = "fastckpt.testing.hosts"
+    __module__ = "fastckpt_examples.cluster.hosts"
 
     def __init__(
         self,

@@ -1,7 +1,7 @@
 """Run a function in N real JAX processes on this machine, like a small multi-host job.
 
-Each process is a fresh ``python -m fastckpt.testing.multiprocess`` child with ``M`` virtual
-CPU devices (``--xla_force_host_platform_device_count``), gloo CPU collectives, and
+Each process is a fresh ``python -m fastckpt_examples.cluster.multiprocess`` child with ``M``
+virtual CPU devices (``--xla_force_host_platform_device_count``), gloo CPU collectives, and
 ``jax.distributed.initialize`` against a coordinator on a free loopback port. It imports
 the target function, calls it with the given keyword arguments and writes what it returns
 (JSON) back to the parent. Example::
@@ -12,7 +12,7 @@ the target function, calls it with the given keyword arguments and writes what i
     )
     values = [o.value for o in outcomes]
 
-On simulated hosts (:mod:`fastckpt.testing.hosts`), ``hosts=`` puts process ``i`` on the
+On simulated hosts (:mod:`fastckpt_examples.cluster.hosts`), ``hosts=`` puts process ``i`` on the
 ``i``-th host: the coordinator listens on the first host's address, gloo talks across the
 virtual switch, and the job's files live under the hosts' shared directory (each host's
 ``/tmp`` is its own)::
@@ -41,8 +41,6 @@ import importlib
 import importlib.util
 import json
 import os
-import re
-import signal
 import socket
 import subprocess
 import sys
@@ -53,8 +51,10 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fastckpt_examples.cluster._hosts_procs import kill_group
+
 if TYPE_CHECKING:
-    from fastckpt.testing.hosts import Host, SimulatedHosts
+    from fastckpt_examples.cluster.hosts import Host, SimulatedHosts
 
 __all__ = ["MultiprocessError", "ProcessOutcome", "free_port", "run_processes"]
 
@@ -93,17 +93,25 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _child_env(devices: int, extra: Mapping[str, str] | None) -> dict[str, str]:
-    env = dict(os.environ)
-    flags = re.sub(
-        r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")
-    ).strip()
-    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
+def cpu_devices_env(base: Mapping[str, str], devices: int) -> dict[str, str]:
+    """``base`` with JAX on ``devices`` virtual CPU devices (any other ``XLA_FLAGS`` kept)."""
+    env = dict(base)
+    flag = "--xla_force_host_platform_device_count"
+    kept = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(flag + "=")]
+    env["XLA_FLAGS"] = " ".join([*kept, f"{flag}={devices}"])
     env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONUNBUFFERED"] = "1"
     env.pop("JAX_NUM_CPU_DEVICES", None)
-    if extra:
-        env.update(extra)
+    return env
+
+
+def _child_env(devices: int, extra: Mapping[str, str] | None) -> dict[str, str]:
+    """The children's environment; they import this module (``-m``) from where the caller did."""
+    env = cpu_devices_env(os.environ, devices)
+    env["PYTHONUNBUFFERED"] = "1"
+    here = str(Path(__file__).resolve().parents[2])  # the directory holding fastckpt_examples
+    old = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([here, *old]))
+    env.update(extra or {})
     return env
 
 
@@ -211,7 +219,12 @@ def run_processes(
                 spec_path.write_text(json.dumps(spec))
                 out, err = open(work / f"out{i}", "wb"), open(work / f"err{i}", "wb")
                 files += [out, err]
-                argv = [sys.executable, "-m", "fastckpt.testing.multiprocess", str(spec_path)]
+                argv = [
+                    sys.executable,
+                    "-m",
+                    "fastckpt_examples.cluster.multiprocess",
+                    str(spec_path),
+                ]
                 popen = subprocess.Popen if placed is None else placed[i].popen
                 procs.append(
                     popen(
@@ -246,7 +259,7 @@ def run_processes(
         finally:
             for p in procs:
                 if p.poll() is None:
-                    _kill(p)
+                    kill_group(p)
             for f in files:
                 f.close()
         outcomes = []
@@ -275,14 +288,6 @@ def run_processes(
     if check and not all(o.ok for o in outcomes):
         raise MultiprocessError(_report(outcomes, f"{target}: a process failed"))
     return outcomes
-
-
-def _kill(p: subprocess.Popen[bytes]) -> None:
-    try:
-        os.killpg(p.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        p.kill()
-    p.wait()
 
 
 # ---------------------------------------------------------------------------- child side

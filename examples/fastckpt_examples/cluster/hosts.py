@@ -62,11 +62,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import final
 
-from fastckpt.testing import _hosts_env as _env
-from fastckpt.testing import _hosts_net as _net
-from fastckpt.testing import _hosts_procs as _procs
-from fastckpt.testing._host import KILL_TIMEOUT_S, Host, LinkShape
-from fastckpt.testing._hosts_env import HostDownError, HostsError, hosts_unavailable_reason
+from fastckpt_examples.cluster import _hosts_env as _env
+from fastckpt_examples.cluster import _hosts_net as _net
+from fastckpt_examples.cluster import _hosts_procs as _procs
+from fastckpt_examples.cluster._host import KILL_TIMEOUT_S, Host, LinkShape
+from fastckpt_examples.cluster._hosts_env import HostDownError, HostsError, hosts_unavailable_reason
 
 __all__ = [
     "Host",

@@ -4,7 +4,7 @@
 (``node0``...), each a separate ``ray start`` raylet with one unit of the custom resource
 ``fastckpt_node`` (so an actor asking for it lands one per node). Two isolations:
 
-* ``"namespaces"``: every node is a :class:`~fastckpt.testing.hosts.SimulatedHosts` host:
+* ``"namespaces"``: every node is a :class:`~fastckpt_examples.cluster.hosts.SimulatedHosts` host:
   own IP address, hostname and private ``/dev/shm``/``/tmp`` (its RAM tier dies with it).
   The caller's namespace has no address on the hosts' network, so a driver must run inside
   the control host: use :meth:`LocalRayCluster.driver_popen`. :meth:`~LocalRayCluster.kill_node`
@@ -13,8 +13,8 @@
 * ``"processes"``: every node is a group of processes on the caller's network stack
   (``127.0.0.1``), with its own directory under ``/dev/shm`` as RAM root, removed when the
   node is killed. :meth:`~LocalRayCluster.cut_link` freezes the node (SIGSTOP) instead.
-* ``"auto"`` (default): namespaces where :func:`~fastckpt.testing.hosts.hosts_unavailable_reason`
-  says they work (root, or unprivileged user namespaces), processes otherwise.
+* ``"auto"`` (default): namespaces where :func:`~.hosts.hosts_unavailable_reason` says they
+  work (root, or unprivileged user namespaces), processes otherwise.
 
 Every worker process of node ``n`` sees ``FASTCKPT_NODE_NAME=n``, ``FASTCKPT_NODE_SHM`` (its
 node's private RAM root: an existing, initially empty directory), ``JAX_PLATFORMS=cpu`` and
@@ -52,16 +52,17 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, final
 
-from fastckpt.testing import _ray_cluster_nodes as _nodes
-from fastckpt.testing._ray_cluster_options import HealthChecks as HealthChecks
-from fastckpt.testing._ray_cluster_options import Isolation as Isolation
-from fastckpt.testing._ray_cluster_options import NodeFootprint as NodeFootprint
-from fastckpt.testing._ray_cluster_options import RayClusterError as RayClusterError
-from fastckpt.testing._ray_cluster_options import RayNode as RayNode
-from fastckpt.testing._ray_cluster_options import RaySettings as RaySettings
-from fastckpt.testing._ray_cluster_options import RayState as RayState
-from fastckpt.testing.hosts import Host, hosts_unavailable_reason
-from fastckpt.testing.multiprocess import free_port
+from fastckpt_examples.cluster import _ray_cluster_nodes as _nodes
+from fastckpt_examples.cluster._hosts_procs import kill_group
+from fastckpt_examples.cluster._ray_cluster_options import HealthChecks as HealthChecks
+from fastckpt_examples.cluster._ray_cluster_options import Isolation as Isolation
+from fastckpt_examples.cluster._ray_cluster_options import NodeFootprint as NodeFootprint
+from fastckpt_examples.cluster._ray_cluster_options import RayClusterError as RayClusterError
+from fastckpt_examples.cluster._ray_cluster_options import RayNode as RayNode
+from fastckpt_examples.cluster._ray_cluster_options import RaySettings as RaySettings
+from fastckpt_examples.cluster._ray_cluster_options import RayState as RayState
+from fastckpt_examples.cluster.hosts import Host, hosts_unavailable_reason
+from fastckpt_examples.cluster.multiprocess import free_port
 
 __all__ = [
     "HealthChecks",
@@ -348,7 +349,7 @@ class LocalRayCluster:
             self._closed = True
             survivors: list[int] = []
             for process in [*self._drivers, *([self._probe] if self._probe else [])]:
-                _nodes.kill_group(process)
+                kill_group(process)
             if self._backend is not None:
                 survivors = self._backend.close(self._token)
             for name in list(self._starts):
@@ -439,7 +440,7 @@ class LocalRayCluster:
     def _reap(self, name: str) -> None:
         process = self._starts.pop(name, None)
         if process is not None:
-            _nodes.kill_group(process)
+            kill_group(process)
 
     def _table(self) -> list[dict[str, Any]]:
         """The GCS's node table, through the probe (one request, one JSON line)."""

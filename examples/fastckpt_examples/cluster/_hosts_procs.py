@@ -1,6 +1,6 @@
 """Processes of simulated hosts: keepers (one per host and the switch's, each holding its
 namespaces), entering a host with ``nsenter``, and finding and killing processes by network
-namespace. Private to :mod:`fastckpt.testing.hosts`; nothing runs at import time.
+namespace. Private to :mod:`fastckpt_examples.cluster.hosts`; nothing runs at import time.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from fastckpt.testing._hosts_env import Tools
+from fastckpt_examples.cluster._hosts_env import Tools
 
 KEEPER = Path(__file__).with_name("_hosts_keeper.py")
 
@@ -140,12 +140,23 @@ def await_entry(process: subprocess.Popen[Any], netns: str, timeout_s: float) ->
 
 
 def kill_group(process: subprocess.Popen[Any]) -> None:
-    """SIGKILL ``process``'s process group (it leads one) and reap it."""
+    """SIGKILL a process's group (it leads one), then reap it and close its pipes; quiet if it
+    is gone."""
+    if process.poll() is None:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except OSError:
+            process.kill()
     try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        process.kill()
-    process.wait()
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+    for stream in (process.stdin, process.stdout, process.stderr):
+        if stream is not None:
+            try:
+                stream.close()
+            except OSError:
+                pass
 
 
 def kill_all(netns_ids: Sequence[str], timeout_s: float) -> list[int]:
