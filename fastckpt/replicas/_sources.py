@@ -25,6 +25,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -58,6 +59,9 @@ __all__ = [
 ]
 
 _MAX_LOG = 256
+
+
+_REBUILDS_IN_FLIGHT = 8  # chunks rebuilt from parity at once by one fetch_many
 
 
 class TieredChunkSource:
@@ -256,9 +260,20 @@ class TieredChunkSource:
                     st.chunks += nok
                     st.bytes += got
                     st.seconds += time.perf_counter() - t0
-        for k, ((cid, n, crc, _), dst) in enumerate(zip(items, dsts)):
-            if out[k] is None and self._fetch_rebuilt(step, cid, n, crc, dst, runs=spans[k]):
-                out[k] = "rebuilt"
+        lost = [k for k in range(len(items)) if out[k] is None]
+        if lost and self._rebuild is not None:
+            # Several chunks at once: each asks only the holders of its parts, so one at a
+            # time would leave the others idle between round trips.
+            def rebuilt(k: int) -> bool:
+                cid, n, crc, _ = items[k]
+                return self._fetch_rebuilt(step, cid, n, crc, dsts[k], runs=spans[k])
+
+            with ThreadPoolExecutor(
+                min(_REBUILDS_IN_FLIGHT, len(lost)), thread_name_prefix="fastckpt-rebuild"
+            ) as pool:
+                for k, ok in zip(lost, pool.map(rebuilt, lost)):
+                    if ok:
+                        out[k] = "rebuilt"
         with self._lock:
             self._not_found += sum(1 for t in out if t is None)
         return out
