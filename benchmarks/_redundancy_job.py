@@ -14,7 +14,7 @@ per host (``fastckpt.testing.multiprocess``, after ``jax.distributed.initialize`
   files in ``<tier>/step-<final>``, beside its own share (the bytes it staged).
 * :func:`restore`: after a host was lost and replaced, ``repeats`` restores of the newest
   step per mode (a fresh manager each, modes in rotating order), every shard checked bit for
-  bit; the stats of each.
+  bit; the stats of each, and the bytes this host's link received during it.
 
 The peer secret comes from the launcher (``FASTCKPT_PEER_SECRET``). Storage is a
 :class:`~fastckpt.storage.LocalStore` on the disk the hosts share (RAM steps never reach it).
@@ -190,8 +190,11 @@ def restore(
     for r in range(repeats):
         for mode in names[r % len(names) :] + names[: r % len(names)]:
             with _manager(storage, mode, member, modes[mode], interval) as mgr:
+                _barrier(f"bench-restore-{mode}-{r}")
+                recv0 = _link_bytes()[1]
                 got = mgr.restore(target=target)
                 jax.block_until_ready(got)
+                received = _link_bytes()[1] - recv0
                 stats = mgr.last_restore_stats
                 checked = _check(got, total_bytes, int(stats.step))
                 del got
@@ -206,6 +209,7 @@ def restore(
                         "restored_bytes": stats.restored_bytes,
                         "fallbacks": dict(stats.fallbacks),
                         "checked_shards": checked,
+                        "link_received": received,
                     }
                 )
                 _barrier(f"bench-restored-{mode}-{r}")

@@ -46,6 +46,7 @@ def _mode_summary(hosts: list[dict[str, Any]], restores: list[dict[str, Any]]) -
         "lost_share_s": median([r["seconds"] for r in replaced]),
         "lost_share_fetch_s": median([r["fetch_s"] for r in replaced]),
         "lost_share_bytes": replaced[0]["restored_bytes"],
+        "lost_share_received": median([r["link_received"] for r in replaced]),
         "lost_share_by_tier": replaced[0]["bytes_by_tier"],
         "storage_bytes": sum(r["bytes_read_storage"] for h in restores for r in h),
         "checked_shards": sum(r["checked_shards"] for h in restores for r in h),
@@ -168,6 +169,8 @@ def report(doc: dict[str, Any]) -> str:
                 + [f"{s[m]['lost_share_fetch_s']:.3f}" for m in modes],
                 ["replaced host's bytes by source"]
                 + [_tiers(s[m]["lost_share_by_tier"]) for m in modes],
+                ["replaced host's link received during its restore (x its share)"]
+                + [f"{s[m]['lost_share_received'] / s[m]['lost_share_bytes']:.3f}" for m in modes],
             ],
         ),
         "",

@@ -36,10 +36,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -48,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from benchmarks._common import RESULTS_DIR, MiB, measure_memcpy, publish_docs, write_json
+from benchmarks._common import RESULTS_DIR, MiB, measure_memcpy, run_header, write_results
 from benchmarks._redundancy_report import plot, report, summarise
 from benchmarks.hosts import BenchError, _line, _stop
 
@@ -236,48 +234,23 @@ def _parse(argv: list[str] | None) -> tuple[Config, Path, bool]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import fastckpt
-
     cfg, out_dir, update_docs = _parse(argv)
     t0 = time.monotonic()
-    git = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], check=False, capture_output=True, text=True
-    ).stdout.strip()
-    doc: dict[str, Any] = {
-        "command": " ".join(
-            ["python -m benchmarks.ram_redundancy", *(sys.argv[1:] if argv is None else argv)]
-        ),
-        "when": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "git": git,
-        "config": dataclasses.asdict(cfg),
-        "modes": MODES,
-        "machine": {
-            "cpus": os.cpu_count(),
-            "load_start": os.getloadavg(),
-            "kernel": platform.release(),
-            "python": platform.python_version(),
-            "fastckpt": fastckpt.__file__,
-        },
-    }
+    doc = run_header("benchmarks.ram_redundancy", argv, cfg)
+    doc["modes"] = MODES
     doc.update(run(cfg))
     doc["machine"]["load_end"] = os.getloadavg()
     doc["seconds"] = time.monotonic() - t0
     summarise(doc)
-    name = "ram_redundancy_quick" if cfg.quick else "ram_redundancy"
-    md = report(doc)
-    write_json(out_dir / f"{name}.json", doc)
-    (out_dir / f"{name}.md").write_text(md)
-    plot(doc, out_dir / f"{name}.png")
-    publish_docs(
+    return write_results(
         "ram_redundancy",
         doc,
-        render=render,
-        results_path=out_dir / f"{name}.json",
+        out_dir,
+        report=report,
+        plot=plot,
         quick=cfg.quick,
-        force=update_docs,
+        update_docs=update_docs,
     )
-    print(md)
-    return 0 if all(c["pass"] for c in doc["checks"]) else 1
 
 
 if __name__ == "__main__":
