@@ -229,7 +229,17 @@ class RamOptions:
     """RAM steps retained per host, plus one with peers (the newest step is complete across
     hosts only once every host's push finished; see docs/replicas.md)."""
     replicas: int = 1
-    """Peers each host pushes its chunks to (k)."""
+    """Peers each host pushes its chunks to (k). With ``redundancy="parity"``: the ring
+    successors that receive each RAM step's manifest (no chunk copies; >= 1)."""
+    redundancy: Literal["replicas", "parity"] = "replicas"
+    """How a RAM step survives a lost host: ``"replicas"``, full copies on ``replicas`` ring
+    successors (RAM per host ~ (1 + k)x its share); ``"parity"``, XOR parity over groups of
+    ``group_size`` hosts taken along the ring (across failure domains): each host holds its
+    share plus ~1/(g - 1) of it, one lost host per group is rebuilt from the survivors at a
+    restore (two lost in a group: that step is not restorable from RAM; an older one or
+    storage is used). Needs ``secret`` in a multi-process job. See docs/replicas.md."""
+    group_size: int = 4
+    """Hosts per parity group (g >= 2; ``redundancy="parity"`` only)."""
     secret: bytes | None = dataclasses.field(default=None, repr=False)
     """The job's shared peer secret (>= 16 bytes; every process the same), e.g.
     ``fastckpt.peer_secret_from_env()`` (the launcher sets ``FASTCKPT_PEER_SECRET`` or
@@ -268,5 +278,14 @@ class RamOptions:
             _positive(name, getattr(self, name))
         if self.replicas < 0:
             raise ConfigError("replicas must be >= 0")
+        if self.redundancy not in ("replicas", "parity"):
+            raise ConfigError(f"redundancy must be 'replicas' or 'parity', got {self.redundancy!r}")
+        if self.group_size < 2:
+            raise ConfigError(f"group_size must be >= 2, got {self.group_size}")
+        if self.redundancy == "parity" and self.replicas < 1:
+            raise ConfigError(
+                "redundancy='parity' needs replicas >= 1 (the ring successors that receive "
+                "each RAM step's manifest)"
+            )
         if self.secret is not None and len(self.secret) < 16:
             raise ConfigError("secret must be at least 16 bytes")

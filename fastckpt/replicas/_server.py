@@ -15,8 +15,9 @@ import json
 import logging
 import socket
 import threading
+from collections.abc import Set
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 from fastckpt._checksum import crc32c
 from fastckpt.errors import (
@@ -42,7 +43,21 @@ from fastckpt.replicas._connection import (
 from fastckpt.replicas._ram import ChunkLocation, RamTier
 from fastckpt.replicas._wire import MsgType
 
-__all__ = ["PeerServer"]
+__all__ = ["PeerServer", "ServerExtension"]
+
+
+class ServerExtension(Protocol):
+    """More requests a server answers (e.g. ``_parity.ParityService``)."""
+
+    @property
+    def types(self) -> Set[MsgType]:
+        """The request types it serves."""
+        ...
+
+    def handle(self, chan: Channel, mtype: MsgType, h: dict[str, Any], plen: int) -> bool:
+        """Serve one request of ``types`` whose header was read; True: the connection goes on."""
+        ...
+
 
 _log = logging.getLogger(__name__)
 
@@ -61,6 +76,7 @@ class PeerServer:
         host: Interface to bind (default loopback).
         port: TCP port; 0 picks a free one (see :attr:`address`).
         options: Timeouts and limits.
+        extension: Serves more request types (parity).
     """
 
     def __init__(
@@ -71,8 +87,10 @@ class PeerServer:
         host: str = "127.0.0.1",
         port: int = 0,
         options: PeerOptions | None = None,
+        extension: ServerExtension | None = None,
     ) -> None:
         self._tier = tier
+        self._extension = extension
         self._secret = check_secret(secret)
         self._host, self._port = host, port
         self.options = options or PeerOptions()
@@ -291,6 +309,8 @@ class PeerServer:
                     "manifests": tier.manifest_steps(),
                 },
             )
+        elif self._extension is not None and mtype in self._extension.types:
+            return self._extension.handle(chan, mtype, h, plen)
         else:
             raise ProtocolError(f"{mtype.name} is not a request")
         return True

@@ -7,7 +7,8 @@ the manifest's ``raw_crc32c``, from the first source that has a good copy:
 2. each peer in the given order (put same-host or nearest peers first). With
    ``use_listing`` each peer's chunk list for the step is fetched once, lazily, so peers
    that lack a chunk cost no round-trip;
-3. nothing: ``fetch`` returns None and the reader falls back to persistent storage.
+3. with parity (``rebuild``): a rebuild from the writer's group (tier ``"rebuilt"``);
+4. nothing: ``fetch`` returns None and the reader falls back to persistent storage.
 
 Every failure falls through to the next source: a miss, a corrupt copy (wrong length or
 crc32c), a timeout, a peer that dies mid-transfer. A peer that was unreachable or spoke
@@ -41,6 +42,7 @@ from fastckpt.replicas._ram import RamTier
 
 __all__ = [
     "ChunkPeer",
+    "ChunkRebuilder",
     "Fallback",
     "FallbackReason",
     "SourceStats",
@@ -81,6 +83,16 @@ class ChunkPeer(Protocol):
         ...
 
     def list_chunks(self, step: int) -> list[str]: ...
+
+
+class ChunkRebuilder(Protocol):
+    """Rebuilds a chunk of a RAM step from parity (``_parity_rebuild.ParityRebuilds``): True
+    once ``dst`` holds it verified; False when it cannot; ``ChecksumMismatchError`` when the
+    rebuilt bytes fail the crc32c; ``PeerError`` when a holder fails."""
+
+    def rebuild(
+        self, step: int, chunk_id: str, raw_length: int, raw_crc32c: int, dst: np.ndarray
+    ) -> bool: ...
 
 
 @dataclasses.dataclass
@@ -138,6 +150,7 @@ class TieredChunkSource:
             they arrive).
         known_listings: Chunk lists already fetched, by ``(step, peer name)`` (the step
             selection's; read, never written, and consulted before asking a peer).
+        rebuild: Rebuilds chunks from parity, after the peers.
     """
 
     def __init__(
@@ -148,8 +161,10 @@ class TieredChunkSource:
         use_listing: bool = True,
         verify: bool = True,
         known_listings: Mapping[tuple[int, str], frozenset[str]] | None = None,
+        rebuild: ChunkRebuilder | None = None,
     ) -> None:
         self._own = own
+        self._rebuild = rebuild
         self._peers = list(peers)
         self._known = known_listings if known_listings is not None else {}
         self._use_listing = use_listing
@@ -201,6 +216,8 @@ class TieredChunkSource:
             tier = self._fetch_peer(i, step, chunk_id, raw_length, raw_crc32c, dst)
             if tier is not None:
                 return tier
+        if self._fetch_rebuilt(step, chunk_id, raw_length, raw_crc32c, dst):
+            return "rebuilt"
         with self._lock:
             self._not_found += 1
         return None
@@ -317,6 +334,9 @@ class TieredChunkSource:
                     st.chunks += nok
                     st.bytes += got
                     st.seconds += time.perf_counter() - t0
+        for k, ((cid, n, crc, _), dst) in enumerate(zip(items, dsts)):
+            if out[k] is None and self._fetch_rebuilt(step, cid, n, crc, dst, runs=spans[k]):
+                out[k] = "rebuilt"
         with self._lock:
             self._not_found += sum(1 for t in out if t is None)
         return out
@@ -431,6 +451,36 @@ class TieredChunkSource:
             for a, n in runs:
                 dst[a : a + n] = src[a : a + n]
         self._success("ram", _run_bytes(runs, raw_length), time.perf_counter() - t0)
+        return True
+
+    def _fetch_rebuilt(
+        self,
+        step: int,
+        chunk_id: str,
+        n: int,
+        crc: int,
+        dst: np.ndarray,
+        runs: Sequence[tuple[int, int]] | None = None,
+    ) -> bool:
+        """The chunk rebuilt from parity into ``dst`` (only ``runs`` of it, if given)."""
+        rb = self._rebuild
+        if rb is None:
+            return False
+        t0 = time.perf_counter()
+        buf = dst if runs is None else np.empty(n, np.uint8)
+        try:
+            if not rb.rebuild(step, chunk_id, n, crc, buf):
+                self._fallback("rebuilt", chunk_id, "miss", None)
+                return False
+        except ChecksumMismatchError as e:
+            self._fallback("rebuilt", chunk_id, "corrupt", e)
+            return False
+        except PeerError as e:
+            self._fallback("rebuilt", chunk_id, "error", e)
+            return False
+        for a, k in runs or ():
+            dst[a : a + k] = buf[a : a + k]
+        self._success("rebuilt", _run_bytes(runs, n), time.perf_counter() - t0)
         return True
 
     def _listed(self, i: int, step: int, chunk_id: str) -> bool:

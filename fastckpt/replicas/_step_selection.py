@@ -35,6 +35,7 @@ from fastckpt.replicas._manifest_relay import (
     manifest_sources,
     wait_for_manifest,
 )
+from fastckpt.replicas._parity_rebuild import ParityRebuilds
 from fastckpt.replicas._placement import host_domain, push_targets, relay_parent, replica_holders
 from fastckpt.replicas._ram import RamTier
 from fastckpt.replicas._sources import TieredChunkSource
@@ -68,6 +69,7 @@ class StepSelection:
     ]  # step -> its manifest's bytes, decoded (the latest only)
     _needed: tuple[Manifest, set[str]] | None  # chunk ids of a decoded manifest
     _lists: dict[tuple[int, str], frozenset[str]]  # (step, peer): its chunk ids, this restore
+    _parity: ParityRebuilds | None  # with redundancy="parity": rebuilds a lost member's chunks
 
     def _peers(self) -> dict[str, PeerClient]:
         """Clients of the other members (``RamReplication._peers``)."""
@@ -162,7 +164,8 @@ class StepSelection:
         return [a for ok, a in answers if ok]  # type: ignore[misc]
 
     def steps_by_tier(self) -> dict[int, set[str]]:
-        """RAM steps with a manifest: ``{"ram"}`` own tier, ``{"peer"}`` some peer."""
+        """RAM steps with a manifest: ``{"ram"}`` own tier, ``{"peer"}`` some peer (with
+        parity, whether a lost member's share can be rebuilt is for :meth:`select_step`)."""
         out: dict[int, set[str]] = {}
         for member, lists in self._step_lists().items():
             for s in lists.committed:  # sealed but not committed: no step
@@ -215,7 +218,11 @@ class StepSelection:
             rest = [c for c in rest if c.name not in holders]
         for ids in self._ask_peers(lambda c: self._listing(step, c), rest):
             missing -= ids
-        return not missing
+        return not missing or (
+            self._parity is not None
+            and manifest is not None
+            and self._parity.covers(step, manifest, missing, self._lists)
+        )
 
     def _holders(self, step: int, keys: set[str], manifest: Manifest) -> set[str]:
         """Members that may hold the chunks stored under object ``keys`` of RAM step ``step``:
@@ -258,7 +265,8 @@ class StepSelection:
             # this tier holds the whole step (one host, or a restart in place): no planning
             return manifest
         if wanted is None:
-            return manifest if self._reachable(step, self._chunk_ids(manifest), own) else None
+            need = self._chunk_ids(manifest)
+            return manifest if self._reachable(step, need, own, manifest=manifest) else None
         keys = wanted(manifest)
         return (
             manifest
@@ -317,6 +325,8 @@ class StepSelection:
         coord = self._coord
         deadline = time.monotonic() + timeout_s
         self._lists.clear()  # a new restore: chunk lists fetched earlier may be stale
+        if self._parity is not None:
+            self._parity.reset()
         if coord.process_index == 0:
             sources = self._survey()
             if callable(persistent_latest):
@@ -395,7 +405,7 @@ class StepSelection:
         chunk lists the selection fetched (later restores no longer see them: may be stale)."""
         peers = self._ordered_peers()
         known, self._lists = self._lists, {}
-        return TieredChunkSource(self.tier, peers, known_listings=known)
+        return TieredChunkSource(self.tier, peers, known_listings=known, rebuild=self._parity)
 
 
 def _manifest_of(client: PeerClient, step: int) -> bytes | None:

@@ -166,6 +166,14 @@ class StepTable:
         view = seg.slice(loc.offset, loc.length, self._prefault)
         return None if view is None else (view, loc)  # None: dropped meanwhile
 
+    def segment_of(self, step: int, chunk_id: str) -> memoryview | None:
+        """A read-only view of the whole sealed segment holding ``chunk_id`` of ``step`` (a
+        writer's stream, for parity), or None; valid as :meth:`read_chunk`'s."""
+        with self._lock:
+            st = self._steps.get(step)
+            hit = st.chunks.get(chunk_id) if st else None
+        return None if hit is None else hit[0].slice(0, hit[0].nbytes, self._prefault)
+
     def lend_span(
         self, step: int, chunk_ids: Sequence[str]
     ) -> tuple[memoryview, list[ChunkLocation]] | None:

@@ -27,6 +27,11 @@ from fastckpt.format.manifest import Manifest, chunk_id, chunk_id_prefix
 from fastckpt.options import RamOptions
 from fastckpt.replicas._client import PeerClient
 from fastckpt.replicas._connection import PeerOptions
+from fastckpt.replicas._parity import ParityService, ParityStore
+from fastckpt.replicas._parity_client import ParityClient
+from fastckpt.replicas._parity_layout import group_of, parity_groups
+from fastckpt.replicas._parity_push import ParityPusher
+from fastckpt.replicas._parity_rebuild import ParityRebuilds, RebuildPeer
 from fastckpt.replicas._placement import host_domain, push_targets
 from fastckpt.replicas._ram import ChunkLocation, RamTier, Segment
 from fastckpt.replicas._replicator import ReplicationReport, Replicator
@@ -88,6 +93,11 @@ class RamReplication(StepSelection):
         )  # the restore side's (StepSelection)
         self._held: int | None = None  # the step whose manifest commit() stored
         self._clients: dict[str, PeerClient] = {}
+        self._parity: ParityRebuilds | None = None  # redundancy="parity" (with a peer service)
+        self._parity_pusher: ParityPusher | None = None
+        self._parity_store: ParityStore | None = None
+        self._self_client: ParityClient | None = None
+        self._stream_len = 0
         self._server: PeerServer | None = None
         self._replicator: Replicator | None = None
         self._directory: PeerDirectory | None = None
@@ -116,12 +126,21 @@ class RamReplication(StepSelection):
             service_address=coordinator.service_address,
             process_count=coordinator.process_count,
         )
+        parity = None
+        if options.redundancy == "parity":
+            self._parity_store = ParityStore(self.tier, self.member_id)
+            parity = ParityService(self._parity_store, self._parity_peers)
+            self._parity_pusher = ParityPusher()
+            self._parity = ParityRebuilds(
+                self.manifest, self._rebuild_peers, group_size=options.group_size
+            )
         self._server = PeerServer(
             self.tier,
             secret=options.secret,
             host=address.bind,
             port=options.port,
             options=self._peer_options,
+            extension=parity,
         ).start()
         self._directory = PeerDirectory(
             coordinator,
@@ -155,13 +174,32 @@ class RamReplication(StepSelection):
         if not self._clients:
             for member, rec in self._directory.lookup().items():
                 if member != self.member_id:
-                    self._clients[member] = PeerClient(
+                    self._clients[member] = ParityClient(
                         rec.address,
                         secret=self.options.secret,
                         options=self._peer_options,
                         name=member,
                     )
         return self._clients
+
+    def _parity_peers(self) -> dict[str, ParityClient]:
+        """The other members' clients (all speak parity)."""
+        return {m: c for m, c in self._peers().items() if isinstance(c, ParityClient)}
+
+    def _rebuild_peers(self) -> dict[str, RebuildPeer]:
+        """The other members' clients and a client of this member's own server (it may hold
+        a parity a rebuild needs)."""
+        peers: dict[str, RebuildPeer] = dict(self._parity_peers())
+        if self._self_client is None and self.advertised is not None and self.options.secret:
+            self._self_client = ParityClient(
+                self.advertised,
+                secret=self.options.secret,
+                options=self._peer_options,
+                name=self.member_id,
+            )
+        if self._self_client is not None:
+            peers[self.member_id] = self._self_client
+        return peers
 
     def forget_peers(self) -> None:
         """Drop cached peer clients (after membership changes)."""
@@ -228,6 +266,7 @@ class RamReplication(StepSelection):
         self.tier.seal(step, seg, index)  # refused or failed: the segment stays here for abort()
         self._segment = None
         self._sealed_ids = list(index)
+        self._stream_len = max((c.offset + c.length for c in index.values()), default=0)
         return rows.build()
 
     def commit(
@@ -268,7 +307,29 @@ class RamReplication(StepSelection):
             [self.member_id, *peers], self.options.replicas, domain_of=host_domain
         ).get(self.member_id, [])
         self._replicator.set_targets({m: peers[m] for m in targets if m in peers})
-        self._replicator.submit(step, chunk_ids=self._sealed_ids, manifest=manifest)
+        parity = self._parity_pusher is not None
+        self._replicator.submit(
+            step, chunk_ids=[] if parity else self._sealed_ids, manifest=manifest
+        )
+        if parity:
+            self._push_parity(step, peers)
+
+    def _push_parity(self, step: int, peers: dict[str, PeerClient]) -> None:
+        """Start pushing this member's parity parts of ``step`` to the rest of its group (the
+        manifest went to the ring successors with the replicator)."""
+        assert self._parity_pusher is not None
+        groups = parity_groups(
+            [self.member_id, *peers], self.options.group_size, domain_of=host_domain
+        )
+        group = group_of(self.member_id, groups)
+        if len(group) < 2:
+            return  # a group of one is unprotected
+        view = self.tier.segment_of(step, self._sealed_ids[0]) if self._sealed_ids else None
+        stream = memoryview(b"") if view is None else view[: self._stream_len]
+        targets = self._parity_peers()
+        self._parity_pusher.submit(
+            step, stream=stream, group=group, me=self.member_id, targets=targets
+        )
 
     def prepare_next(self, nbytes: int) -> None:
         """After a committed step: a spare segment for the next (``RamTier.provision``), so the
@@ -287,16 +348,23 @@ class RamReplication(StepSelection):
             return 0.0
         t0 = time.perf_counter()
         self._replicator.wait_idle()
+        if self._parity_pusher is not None:
+            self._parity_pusher.wait_idle()
         return time.perf_counter() - t0
 
     def pushing(self) -> bool:
         """Whether a push of an earlier RAM step is still running (``wait_pushed`` would wait)."""
-        return self._replicator is not None and not self._replicator.wait_idle(0)
+        return (self._replicator is not None and not self._replicator.wait_idle(0)) or (
+            self._parity_pusher is not None and not self._parity_pusher.wait_idle(0)
+        )
 
     def wait_replication(self, timeout_s: float | None = None) -> list[ReplicationReport]:
         """Block until pushes of submitted steps finished; return (and forget) their reports,
         oldest first (errors are in them and logged, not raised)."""
-        return self._replicator.wait(timeout_s) if self._replicator is not None else []
+        reports = self._replicator.wait(timeout_s) if self._replicator is not None else []
+        if self._parity_pusher is not None:
+            reports += self._parity_pusher.wait(timeout_s)
+        return sorted(reports, key=lambda r: r.step)
 
     # ------------------------------------------------------------------ restore (more in
     # StepSelection)
@@ -309,7 +377,15 @@ class RamReplication(StepSelection):
         self.abort()
         if self._replicator is not None:
             self._replicator.close(wait=True)
+        if self._parity_pusher is not None:
+            self._parity_pusher.close(wait=True)
+        if self._parity is not None:
+            self._parity.reset()
+        if self._self_client is not None:
+            self._self_client.close()
         self.forget_peers()
         if self._server is not None:
             self._server.close()
+        if self._parity_store is not None:
+            self._parity_store.close()
         self.tier.close()

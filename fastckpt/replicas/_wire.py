@@ -98,6 +98,16 @@ class MsgType(enum.IntEnum):
     RANGES = 33
     """Server → client: the ranges a GET_RANGES asked for, back to back, with the checksums
     of each chunk's bytes around its range (the client checks the whole chunk's crc32c)."""
+    PUT_PARITY = 34
+    """Client → server: a window of the contributor's stream part for the server's parity."""
+    GET_STREAM = 35
+    """Client → server: a byte range of the server's own stream of a step (parity rebuild)."""
+    STREAM = 36
+    """Server → client: the range a GET_STREAM asked for, cut at the stream's end."""
+    REBUILD = 37
+    """Client → server: a range of a lost member's part the server holds the parity of."""
+    REBUILT = 38
+    """Server → client: the rebuilt bytes a REBUILD asked for."""
 
 
 #: Field kinds: "u63" int in [0, 2**63), "u32", "str" (chunk id), "msg" (short text),
@@ -150,6 +160,37 @@ SCHEMAS: Mapping[MsgType, Mapping[str, str]] = {
     # whose ranges do not fit the chunk (their length is 0, they have no gaps).
     # Payload: every held chunk's ranges back to back.
     MsgType.RANGES: {"lengths": "u63[]", "gaps": "u32[]", "missing": "u63[]"},
+    # Parity (``_parity``): ``group`` is a JSON array of member ids (the group in order);
+    # ``offset`` is where the payload lies in the contributor's part (``part_size`` bytes of
+    # its ``stream_len``-byte stream).
+    MsgType.PUT_PARITY: {
+        "step": "u63",
+        "group": "str",
+        "contributor": "str",
+        "stream_len": "u63",
+        "part_size": "u63",
+        "offset": "u63",
+    },
+    # ``anchor``: a chunk id of the server's own stream (names its segment).
+    MsgType.GET_STREAM: {
+        "step": "u63",
+        "anchor": "str",
+        "offset": "u63",
+        "length": "u63",
+        "stream_len": "u63",
+    },
+    MsgType.STREAM: {},
+    # ``offset``/``length``: within the lost member's part held by the server; ``anchors``: a
+    # JSON object member id -> a chunk id of that member's stream (the survivors to read).
+    MsgType.REBUILD: {
+        "step": "u63",
+        "lost": "str",
+        "stream_len": "u63",
+        "offset": "u63",
+        "length": "u63",
+        "anchors": "str",
+    },
+    MsgType.REBUILT: {},
 }
 
 #: Message types that may carry a payload; every other type must have ``payload_len == 0``.
@@ -165,6 +206,9 @@ PAYLOAD_TYPES = frozenset(
         MsgType.CHUNKS,
         MsgType.GET_RANGES,
         MsgType.RANGES,
+        MsgType.PUT_PARITY,
+        MsgType.STREAM,
+        MsgType.REBUILT,
     }
 )
 

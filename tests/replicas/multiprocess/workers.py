@@ -116,7 +116,7 @@ def _generator(shardings: dict[str, Any]) -> Any:
     return jax.jit(lambda step: {name: gen(name, step) for name in ARRAYS}, out_shardings=shardings)
 
 
-def _options(ram_root: str, member: str) -> Any:
+def _options(ram_root: str, member: str, redundancy: str = "replicas") -> Any:
     from fastckpt.options import (
         DistributedOptions,
         ManagerOptions,
@@ -144,6 +144,8 @@ def _options(ram_root: str, member: str) -> Any:
             interval_steps=10,
             budget_bytes=64 << 20,
             replicas=1,
+            redundancy=redundancy,  # type: ignore[arg-type]
+            group_size=4,
             secret=SECRET,
             discovery_timeout_s=30,
             peer_connect_timeout_s=3,
@@ -158,19 +160,23 @@ def _write_json(path: Path, doc: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def train(ram_root: str, member: str, persist_root: str, signals: str) -> dict[str, Any]:
+def train(
+    ram_root: str, member: str, persist_root: str, signals: str, redundancy: str = "replicas"
+) -> dict[str, Any]:
     """See :func:`_train`; a failure also leaves ``<signals>/failed-<process>`` (the parent
     then stops the job at once instead of waiting for markers that never come)."""
     import jax
 
     try:
-        return _train(ram_root, member, persist_root, signals)
+        return _train(ram_root, member, persist_root, signals, redundancy)
     except BaseException as e:
         _write_json(Path(signals) / f"failed-{jax.process_index()}", {"error": repr(e)})
         raise
 
 
-def _train(ram_root: str, member: str, persist_root: str, signals: str) -> dict[str, Any]:
+def _train(
+    ram_root: str, member: str, persist_root: str, signals: str, redundancy: str
+) -> dict[str, Any]:
     """Train on a 4 x 2 mesh, checkpointing: step 5 forced persistent, RAM at steps 10 and 20.
 
     After step 20 is committed and this process's pushes to its ring successor are done,
@@ -187,7 +193,7 @@ def _train(ram_root: str, member: str, persist_root: str, signals: str) -> dict[
     from fastckpt import CheckpointManager
 
     report: dict[str, Any] = {"process": me, "member": member}
-    with CheckpointManager(persist_root, options=_options(ram_root, member)) as mgr:
+    with CheckpointManager(persist_root, options=_options(ram_root, member, redundancy)) as mgr:
         assert mgr._tier is not None
         step = 0
         while True:
@@ -204,10 +210,14 @@ def _train(ram_root: str, member: str, persist_root: str, signals: str) -> dict[
                 assert mgr.last_save_stats is not None and mgr.last_save_stats.tiers == ("ram",)
                 # An older step's push may have failed as stale (its target already committed
                 # step 20) or been superseded; the newest step's push must be complete.
+                # With parity: the manifest's push and the parity parts' push.
                 reports = mgr.wait_replication(30)
-                last = reports[-1]
-                assert last.step == LAST_RAM_STEP and last.ok and len(last.targets) == 1, last
-                report["pushed_to"] = list(last.targets)
+                last = [r for r in reports if r.step == LAST_RAM_STEP]
+                assert last and all(r.ok for r in last), reports
+                assert redundancy == "parity" or len(last) == len(last[0].targets) == 1, last
+                report["pushed_to"] = sorted({t for r in last for t in r.targets})
+                report["bytes_pushed"] = sum(r.bytes_pushed for r in last)
+                report["tier_bytes"] = mgr._tier.tier.nbytes()
                 report["ram_steps"] = mgr._tier.tier.committed_steps()
                 _write_json(sig / f"replicated-{me}.json", {"pid": os.getpid(), **report})
             if step > LAST_RAM_STEP:
@@ -301,7 +311,12 @@ def _probe_wrong_secret(mgr: Any) -> dict[str, Any]:
 
 
 def restore(
-    ram_root: str, member: str, persist_root: str, layout: str, probe_wrong_secret: bool = False
+    ram_root: str,
+    member: str,
+    persist_root: str,
+    layout: str,
+    probe_wrong_secret: bool = False,
+    redundancy: str = "replicas",
 ) -> dict[str, Any]:
     """Restore the newest step (no step given) onto this job's mesh; check every local shard.
 
@@ -321,7 +336,7 @@ def restore(
     }
     target["step"] = 0
     out: dict[str, Any] = {"process": jax.process_index(), "member": member}
-    with CheckpointManager(persist_root, options=_options(ram_root, member)) as mgr:
+    with CheckpointManager(persist_root, options=_options(ram_root, member, redundancy)) as mgr:
         ram = mgr._tier
         assert ram is not None
         out["own_ram_steps_before"] = ram.tier.committed_steps()

@@ -1,0 +1,330 @@
+"""The tier side of parity (``RamOptions(redundancy="parity")``; layout in
+:mod:`~fastckpt.replicas._parity_layout`): a member's parity of a step, built from its group's
+pushed parts, and the requests a :class:`~fastckpt.replicas._server.PeerServer` serves for it.
+
+:class:`ParityStore` XORs each verified window of a contributor's part into an open segment
+of the tier (allocated under the tier's budget, zeroed; grown when a longer part arrives;
+contributors serialized by a lock) and seals it, under the reserved chunk id naming the
+group and every contributor's ``(L, S)``, once every other member of the group contributed
+its whole part: a sealed parity is complete, and like the step's data it survives a process
+restart and is dropped with its step (retention, ``drop_step``, abandoned timelines). A
+window applied twice (a retried push) is applied once. An open parity of an older step is
+discarded when a newer step's opens (its push was superseded).
+
+:class:`ParityService` answers PUT_PARITY (a window; OK once applied), GET_STREAM (a range of
+this member's own stream, cut at its end) and REBUILD (a range of a lost member's part:
+this member's parity XOR the matching ranges of the other survivors' parts, read from them
+with GET_STREAM in parallel), so that a restoring host receives only the rebuilt bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol
+
+import numpy as np
+
+from fastckpt._checksum import crc32c
+from fastckpt.errors import ConfigError, PeerError, RamBudgetError, StaleStepError
+from fastckpt.replicas._channel import Channel
+from fastckpt.replicas._parity_layout import (
+    PARITY_PREFIX,
+    ParityRecord,
+    others,
+    parity_chunk_id,
+    parse_parity_id,
+    part_index,
+    part_size,
+    part_span,
+    xor_into,
+)
+from fastckpt.replicas._ram import ChunkLocation, RamTier, Segment
+from fastckpt.replicas._wire import MsgType
+
+__all__ = ["ParityService", "ParityStore", "StreamPeer", "decode_group"]
+
+
+class StreamPeer(Protocol):
+    """What a parity holder needs of the other survivors (``ParityClient`` is one)."""
+
+    def get_stream(
+        self, step: int, anchor: str, offset: int, stream_len: int, *, into: np.ndarray
+    ) -> bool: ...
+
+
+@dataclasses.dataclass
+class _Building:
+    group: tuple[str, ...]
+    seg: Segment
+    size: int
+    got: dict[str, int] = dataclasses.field(default_factory=dict)
+    windows: dict[str, set[int]] = dataclasses.field(default_factory=dict)
+    done: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    layout: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+
+
+def decode_group(text: str) -> tuple[str, ...]:
+    """A PUT_PARITY's ``group`` field: a JSON array of distinct non-empty member ids."""
+    try:
+        group = json.loads(text)
+    except ValueError:
+        group = None
+    if (
+        not isinstance(group, list)
+        or len(group) < 2
+        or not all(isinstance(m, str) and m for m in group)
+        or len(set(group)) != len(group)
+    ):
+        raise ConfigError(f"bad parity group {text[:200]!r}")
+    return tuple(group)
+
+
+class ParityStore:
+    """The parities ``member`` holds in ``tier`` (sealed) and builds (open). Thread-safe."""
+
+    def __init__(self, tier: RamTier, member: str) -> None:
+        self.tier = tier
+        self.member = member
+        self._lock = threading.Lock()
+        self._open: dict[int, _Building] = {}
+
+    def add(
+        self,
+        step: int,
+        group: tuple[str, ...],
+        contributor: str,
+        stream_len: int,
+        size: int,
+        offset: int,
+        data: np.ndarray,
+    ) -> bool:
+        """XOR a verified window of ``contributor``'s part (``offset`` within the part) into
+        the parity of ``step``; seals the parity once complete. False: a window applied
+        already (or a parity sealed already), nothing changed.
+
+        Raises:
+            ConfigError: the window does not fit the group's layout.
+            StaleStepError, RamBudgetError: as :meth:`RamTier.allocate`.
+        """
+        me = self.member
+        if me not in group or contributor not in group or contributor == me:
+            raise ConfigError(f"{contributor!r} -> {me!r} is not a parity push of group {group}")
+        if size != part_size(stream_len, len(group)):
+            raise ConfigError(f"part size {size} does not fit a {stream_len}-byte stream")
+        start, stop = part_span(stream_len, size, part_index(group, contributor, me))
+        if offset + data.nbytes > stop - start:
+            raise ConfigError(f"window {offset}+{data.nbytes} outside a {stop - start}-byte part")
+        with self._lock:
+            if self.record(step) is not None:
+                return False
+            b = self._building(step, group, size)
+            if b.layout.setdefault(contributor, (stream_len, size)) != (stream_len, size):
+                raise ConfigError(f"{contributor!r} pushed two layouts of step {step}")
+            seen = b.windows.setdefault(contributor, set())
+            if offset in seen or contributor in b.done:
+                return False
+            xor_into(b.seg.buffer[offset:], data)
+            seen.add(offset)
+            b.got[contributor] = b.got.get(contributor, 0) + data.nbytes
+            if b.got[contributor] == stop - start:
+                b.done[contributor] = (stream_len, size)
+            if set(b.done) == set(others(group, me)):
+                self._seal(step, b)
+        return True
+
+    def _building(self, step: int, group: tuple[str, ...], size: int) -> _Building:
+        """The open parity of ``step`` (hold ``_lock``), big enough for a ``size``-byte part."""
+        for old in [s for s in self._open if s < step]:  # superseded pushes
+            self.tier.discard(self._open.pop(old).seg)
+        b = self._open.get(step)
+        if b is not None and b.group != group:
+            raise ConfigError(f"step {step}: parity pushed for groups {b.group} and {group}")
+        if b is None or size > b.size:
+            seg = self.tier.allocate(step, max(size, 1))
+            seg.buffer[:] = 0  # (a recycled file holds old bytes)
+            if b is None:
+                b = self._open[step] = _Building(group, seg, size)
+            else:
+                seg.buffer[: b.size] = b.seg.buffer[: b.size]
+                self.tier.discard(b.seg)
+                b.seg, b.size = seg, size
+        return b
+
+    def _seal(self, step: int, b: _Building) -> None:
+        del self._open[step]
+        record = ParityRecord(b.group, self.member, dict(b.done))
+        crc = crc32c(b.seg.buffer[: b.size])
+        try:
+            self.tier.seal(step, b.seg, {parity_chunk_id(record): ChunkLocation(0, b.size, crc)})
+        except BaseException:
+            self.tier.discard(b.seg)
+            raise
+
+    def record(self, step: int) -> ParityRecord | None:
+        """The sealed (complete) parity of ``step`` this member holds, or None."""
+        hit = self._sealed(step)
+        return None if hit is None else hit[0]
+
+    def _sealed(self, step: int) -> tuple[ParityRecord, str] | None:
+        for cid in self.tier.chunk_ids(step):
+            if cid.startswith(PARITY_PREFIX):
+                rec = parse_parity_id(cid)
+                if rec is not None and rec.holder == self.member:
+                    return rec, cid
+        return None
+
+    def parity(self, step: int) -> tuple[ParityRecord, memoryview] | None:
+        """The sealed parity of ``step`` and a view of its bytes, or None."""
+        hit = self._sealed(step)
+        if hit is None:
+            return None
+        view = self.tier.get_chunk(step, hit[1])
+        return None if view is None else (hit[0], view)
+
+    def stream(self, step: int, anchor: str) -> memoryview | None:
+        """This member's own stream of ``step``: the segment holding chunk ``anchor``."""
+        return None if anchor.startswith(PARITY_PREFIX) else self.tier.segment_of(step, anchor)
+
+    def close(self) -> None:
+        """Discard every open parity."""
+        with self._lock:
+            for b in self._open.values():
+                self.tier.discard(b.seg)
+            self._open.clear()
+
+
+class ParityService:
+    """The parity requests of a :class:`PeerServer` (its ``extension``).
+
+    Args:
+        store: This member's parities.
+        peers: The other members' clients by member id (for REBUILD's GET_STREAMs).
+        accept_pushes: Whether PUT_PARITY is served (as ``PeerOptions.accept_pushes``).
+    """
+
+    types = frozenset({MsgType.PUT_PARITY, MsgType.GET_STREAM, MsgType.REBUILD})
+
+    def __init__(
+        self,
+        store: ParityStore,
+        peers: Callable[[], Mapping[str, StreamPeer]],
+        *,
+        accept_pushes: bool = True,
+    ) -> None:
+        self.store = store
+        self._peers = peers
+        self._accept = accept_pushes
+        self.stats = {"rebuilt_bytes": 0, "stream_bytes": 0, "parity_bytes": 0}
+        self._lock = threading.Lock()
+
+    def _count(self, key: str, n: int) -> None:
+        with self._lock:
+            self.stats[key] += n
+
+    def handle(self, chan: Channel, mtype: MsgType, h: dict[str, Any], plen: int) -> bool:
+        """Serve one request of :attr:`types` (its header read); True: the connection goes on."""
+        if mtype is MsgType.PUT_PARITY:
+            return self._put(chan, h, plen)
+        if mtype is MsgType.GET_STREAM:
+            view = self.store.stream(h["step"], h["anchor"])
+            if view is None or h["stream_len"] > view.nbytes:
+                return _error(chan, "not_found", f"no stream of step {h['step']} here")
+            a = min(h["offset"], h["stream_len"])
+            b = min(h["offset"] + h["length"], h["stream_len"])
+            chan.send(MsgType.STREAM, {}, [view[a:b]])
+            self._count("stream_bytes", b - a)
+            return True
+        return self._rebuild(chan, h)
+
+    def _put(self, chan: Channel, h: dict[str, Any], plen: int) -> bool:
+        buf = np.empty(plen, np.uint8)
+        chan.recv_into(buf.data)
+        chan.end_payload()  # authentic before it is applied
+        if not self._accept:
+            return _error(chan, "bad_request", "this peer does not accept pushes")
+        try:
+            group = decode_group(h["group"])
+            stored = self.store.add(
+                h["step"],
+                group,
+                h["contributor"],
+                h["stream_len"],
+                h["part_size"],
+                h["offset"],
+                buf,
+            )
+        except StaleStepError as e:
+            return _error(chan, "stale_step", str(e))
+        except RamBudgetError as e:
+            return _error(chan, "budget", str(e))
+        except ConfigError as e:
+            return _error(chan, "bad_request", str(e))
+        self._count("parity_bytes", plen)
+        chan.send(MsgType.OK, {"stored": stored})
+        return True
+
+    def _rebuild(self, chan: Channel, h: dict[str, Any]) -> bool:
+        step, lost, u, n = h["step"], h["lost"], h["offset"], h["length"]
+        hit = self.store.parity(step)
+        if hit is None:
+            return _error(chan, "not_found", f"no complete parity of step {step} here")
+        rec, pview = hit
+        me = self.store.member
+        if rec.contributors.get(lost) != (
+            h["stream_len"],
+            part_size(h["stream_len"], len(rec.group)),
+        ):
+            return _error(chan, "not_found", f"the parity of step {step} does not cover {lost!r}")
+        size = rec.contributors[lost][1]
+        if u + n > size:
+            return _error(chan, "bad_request", f"range {u}+{n} outside a {size}-byte part")
+        try:
+            anchors = json.loads(h["anchors"])
+            if not isinstance(anchors, dict):
+                raise ValueError("not an object")
+        except ValueError as e:
+            return _error(chan, "bad_request", f"bad anchors: {e}")
+        out = np.zeros(n, np.uint8)
+        xor_into(out, pview[u : min(u + n, pview.nbytes)])
+        jobs = []
+        for x in others(rec.group, me):
+            if x == lost:
+                continue
+            stream_len, xs = rec.contributors[x]
+            a, b = part_span(stream_len, xs, part_index(rec.group, x, me))
+            lo, hi = min(a + u, b), min(a + u + n, b)
+            if hi > lo:
+                jobs.append((x, lo, hi - lo, stream_len))
+        peers = self._peers()
+        missing = [x for x, *_ in jobs if x not in peers or not isinstance(anchors.get(x), str)]
+        if missing:
+            return _error(chan, "not_found", f"survivors {missing} not reachable or not named")
+
+        def read(job: tuple[str, int, int, int]) -> np.ndarray | None:
+            x, lo, count, stream_len = job
+            buf = np.empty(count, np.uint8)
+            try:
+                ok = peers[x].get_stream(step, anchors[x], lo, stream_len, into=buf)
+            except PeerError:
+                return None
+            return buf if ok else None
+
+        with ThreadPoolExecutor(max(1, len(jobs)), thread_name_prefix="fastckpt-rebuild") as ex:
+            parts = list(ex.map(read, jobs))
+        if any(p is None for p in parts):
+            return _error(chan, "not_found", f"a survivor's stream of step {step} is unreadable")
+        for p in parts:
+            assert p is not None
+            xor_into(out, p)
+        chan.send(MsgType.REBUILT, {}, [out.data])
+        self._count("rebuilt_bytes", n)
+        return True
+
+
+def _error(chan: Channel, code: str, message: str) -> bool:
+    chan.send(MsgType.ERROR, {"code": code, "message": message[:1000]})
+    return True

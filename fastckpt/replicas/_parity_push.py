@@ -1,0 +1,162 @@
+"""Background pushing of a RAM step's parity parts to the other members of this member's group
+(``RamOptions(redundancy="parity")``; layout in :mod:`~fastckpt.replicas._parity_layout`).
+
+Call sequence: after the step is committed, ``submit(step, stream=..., group=..., ...)``
+(returns at once) → ``wait_idle()`` before staging the next RAM step (backpressure, as the
+:class:`~fastckpt.replicas._replicator.Replicator`) → ``wait()`` for the reports →
+``close()``. Part ``k`` of the stream goes to the ``k``-th other member in windows, straight
+from the tier's mapping (zero-copy), one thread per target; a failing target is recorded in
+the report (never raised); a newer submit cancels older pushes still running.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
+
+from fastckpt.errors import ReplicationTimeoutError
+from fastckpt.replicas._parity_layout import others, part_size, part_span
+from fastckpt.replicas._replicator import ReplicationHandle, ReplicationReport
+
+__all__ = ["ParityPusher", "ParityTarget"]
+
+_log = logging.getLogger(__name__)
+
+
+class ParityTarget(Protocol):
+    """What the pusher needs of a group member (``ParityClient`` is one)."""
+
+    def put_parity(
+        self,
+        step: int,
+        *,
+        group: Sequence[str],
+        contributor: str,
+        stream_len: int,
+        part_size: int,
+        offset: int,
+        data: memoryview,
+    ) -> bool: ...
+
+
+class ParityPusher:
+    """Pushes this member's parity parts on background threads.
+
+    Args:
+        window_bytes: Bytes per PUT_PARITY request (the receiver buffers one window to
+            verify it before it is applied).
+    """
+
+    def __init__(self, *, window_bytes: int = 16 << 20) -> None:
+        self.window_bytes = window_bytes
+        self._lock = threading.Lock()
+        self._handles: collections.deque[ReplicationHandle] = collections.deque()
+        self._pool = ThreadPoolExecutor(8, thread_name_prefix="fastckpt-parity")
+
+    def submit(
+        self,
+        step: int,
+        *,
+        stream: memoryview,
+        group: Sequence[str],
+        me: str,
+        targets: Mapping[str, ParityTarget],
+    ) -> ReplicationHandle:
+        """Queue pushing ``stream`` (this member's bytes ``[0, L)`` of ``step``) as parts to
+        the other members of ``group``. Never blocks on I/O."""
+        holders = others(group, me)
+        handle = ReplicationHandle(step, [], None, tuple(holders))
+        with self._lock:
+            for old in self._handles:
+                if old.step < step and not old.done():
+                    old._cancelled = True
+                    _log.warning("fastckpt: parity push of RAM step %d superseded", old.step)
+            self._handles.append(handle)
+            while len(self._handles) > 64 and self._handles[0].done():
+                self._handles.popleft()
+        size = part_size(stream.nbytes, len(group))
+        for k, holder in enumerate(holders):
+            a, b = part_span(stream.nbytes, size, k)
+            target = targets.get(holder)
+            if target is None:
+                handle._target_done(holder, "not reachable (not in the peer directory)")
+                continue
+            self._pool.submit(
+                self._push, handle, holder, target, list(group), me, stream, size, a, b
+            )
+        return handle
+
+    def _push(
+        self,
+        handle: ReplicationHandle,
+        holder: str,
+        target: ParityTarget,
+        group: list[str],
+        me: str,
+        stream: memoryview,
+        size: int,
+        a: int,
+        b: int,
+    ) -> None:
+        error: str | None = None
+        try:
+            offsets = range(0, b - a, self.window_bytes) if b > a else range(1)
+            for off in offsets:
+                if handle._cancelled:
+                    return
+                data = stream[a + off : min(a + off + self.window_bytes, b)]
+                target.put_parity(
+                    handle.step,
+                    group=group,
+                    contributor=me,
+                    stream_len=stream.nbytes,
+                    part_size=size,
+                    offset=off,
+                    data=data,
+                )
+                handle._record(nbytes=data.nbytes)
+            handle._record(pushed=1)
+        except Exception as e:  # reported, never raised into the caller
+            error = f"{type(e).__name__}: {e}"
+            _log.warning(
+                "fastckpt: parity push of RAM step %d to %s failed: %s", handle.step, holder, error
+            )
+        finally:
+            handle._target_done(holder, error)
+
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Wait until every submitted push finished (done, failed or cancelled); False on
+        timeout. Reports stay for :meth:`wait`."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._lock:
+            handles = list(self._handles)
+        for h in handles:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if h.wait(left) is None:
+                return False
+        return True
+
+    def wait(self, timeout_s: float | None = None) -> list[ReplicationReport]:
+        """Wait for every submitted push; return (and forget) their reports, oldest first.
+
+        Raises:
+            ReplicationTimeoutError: pushes still running after ``timeout_s``.
+        """
+        if not self.wait_idle(timeout_s):
+            raise ReplicationTimeoutError(f"parity push still running after {timeout_s}s")
+        with self._lock:
+            handles, self._handles = list(self._handles), collections.deque()
+        return [h.report() for h in handles]
+
+    def close(self, *, wait: bool = True) -> None:
+        """Cancel nothing, finish (``wait``) or abandon the running pushes; stop the threads."""
+        if not wait:
+            with self._lock:
+                for h in self._handles:
+                    h._cancelled = True
+        self._pool.shutdown(wait=wait)

@@ -1,0 +1,303 @@
+"""Rebuilding a lost member's chunks of a RAM step from its group's parity (the restore side of
+``RamOptions(redundancy="parity")``; layout in :mod:`~fastckpt.replicas._parity_layout`).
+
+A chunk of writer ``i`` is rebuildable when ``i``'s group (read from a holder's sealed parity
+record) has, for every other member ``j``, a complete parity that covers ``i`` with the
+stream length the manifest gives, and every other member with a non-empty stream still
+lists its own data (an anchor chunk). :meth:`ParityRebuilder.rebuild` asks each parity
+holder whose part the chunk overlaps for its rebuilt range (the holders XOR their parity
+with the other survivors' ranges, in parallel), so the bytes into the restoring host equal
+the chunk's size; the assembled chunk is checked against the manifest's raw crc32c and never
+returned otherwise (:class:`~fastckpt.errors.ChecksumMismatchError`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
+
+import numpy as np
+
+from fastckpt._checksum import crc32c
+from fastckpt.errors import ChecksumMismatchError, PeerError
+from fastckpt.format.manifest import Manifest
+from fastckpt.replicas._parity_layout import (
+    PARITY_PREFIX,
+    ChunkPlace,
+    ParityRecord,
+    chunk_places,
+    group_of,
+    others,
+    parity_groups,
+    parse_parity_id,
+    part_size,
+    rebuild_pieces,
+)
+from fastckpt.replicas._placement import host_domain
+
+__all__ = ["ParityRebuilder", "ParityRebuilds", "RebuildPeer"]
+
+
+class RebuildPeer(Protocol):
+    """What a restore needs of a group member (``ParityClient`` is one)."""
+
+    name: str
+
+    def list_chunks(self, step: int) -> list[str]: ...
+
+    def rebuild(
+        self,
+        step: int,
+        *,
+        lost: str,
+        stream_len: int,
+        offset: int,
+        anchors: Mapping[str, str],
+        into: np.ndarray,
+    ) -> bool: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    group: tuple[str, ...]
+    stream_len: int
+    anchors: dict[str, str]
+
+
+class ParityRebuilder:
+    """Rebuilds chunks of RAM step ``step`` whose writer is lost. Thread-safe.
+
+    Args:
+        step: The RAM step.
+        places: Where its chunks lie (``chunk_places`` of its manifest).
+        peers: Clients by member id, this member's own server included (it may hold a parity).
+        group_size: ``RamOptions.group_size`` (a hint: the groups are read from the records).
+        known: Chunk lists already fetched, by ``(step, member)``.
+        window_bytes: Largest range one REBUILD asks for.
+    """
+
+    def __init__(
+        self,
+        step: int,
+        places: Mapping[str, ChunkPlace],
+        peers: Mapping[str, RebuildPeer],
+        *,
+        group_size: int,
+        known: Mapping[tuple[int, str], frozenset[str]] | None = None,
+        window_bytes: int = 32 << 20,
+    ) -> None:
+        self.step = step
+        self._peers = dict(peers)
+        self._places = dict(places)
+        self._lengths: dict[str, int] = {}
+        self._anchors: dict[str, str] = {}
+        for cid, p in self._places.items():
+            self._lengths[p.writer] = max(self._lengths.get(p.writer, 0), p.offset + p.nbytes)
+            self._anchors.setdefault(p.writer, cid)
+        self._hints = parity_groups(self._lengths, group_size, domain_of=host_domain)
+        self._listings = {m: ids for (s, m), ids in (known or {}).items() if s == step}
+        self._plans: dict[str, _Plan | None] = {}
+        self._lock = threading.Lock()
+        self._window = window_bytes
+        self._pool = ThreadPoolExecutor(8, thread_name_prefix="fastckpt-rebuild")
+
+    def close(self) -> None:
+        """Stop the request threads."""
+        self._pool.shutdown(wait=True)
+
+    def _listing(self, member: str) -> frozenset[str] | None:
+        with self._lock:
+            ids = self._listings.get(member)
+        if ids is None:
+            peer = self._peers.get(member)
+            if peer is None:
+                return None
+            try:
+                ids = frozenset(peer.list_chunks(self.step))
+            except PeerError:
+                return None
+            with self._lock:
+                self._listings[member] = ids
+        return ids
+
+    def _record(self, member: str) -> ParityRecord | None:
+        for cid in self._listing(member) or ():
+            if cid.startswith(PARITY_PREFIX):
+                rec = parse_parity_id(cid)
+                if rec is not None and rec.holder == member:
+                    return rec
+        return None
+
+    def plan(self, writer: str) -> _Plan | None:
+        """How ``writer``'s chunks are rebuilt, or None when its group cannot (cached)."""
+        with self._lock:
+            if writer in self._plans:
+                return self._plans[writer]
+        plan = self._plan(writer)
+        with self._lock:
+            self._plans[writer] = plan
+        return plan
+
+    def _plan(self, writer: str) -> _Plan | None:
+        if writer not in self._lengths:
+            return None
+        hint = group_of(writer, self._hints) if any(writer in g for g in self._hints) else []
+        order = [m for m in hint if m != writer] + [m for m in self._peers if m not in hint]
+        group: tuple[str, ...] | None = None
+        for m in order:
+            rec = self._record(m)
+            if rec is not None and writer in rec.group:
+                group = rec.group
+                break
+        if group is None:
+            return None
+        length = self._lengths[writer]
+        anchors: dict[str, str] = {}
+        for j in others(group, writer):
+            rec = self._record(j)
+            if (
+                rec is None
+                or rec.group != group
+                or not rec.complete()
+                or rec.contributors.get(writer) != (length, part_size(length, len(group)))
+            ):
+                return None
+            for x in others(group, j):
+                if x == writer or rec.contributors[x][0] == 0:
+                    continue
+                anchor = self._anchors.get(x)
+                if anchor is None or anchor not in (self._listing(x) or ()):
+                    return None
+                anchors[x] = anchor
+        return _Plan(group, length, anchors)
+
+    def covers(self, chunk_ids: set[str]) -> bool:
+        """Whether every chunk in ``chunk_ids`` is rebuildable (as far as the records tell)."""
+        writers = set()
+        for cid in chunk_ids:
+            place = self._places.get(cid)
+            if place is None:
+                return False
+            writers.add(place.writer)
+        return all(self.plan(w) is not None for w in writers)
+
+    def rebuild(self, chunk_id: str, raw_length: int, raw_crc32c: int, dst: np.ndarray) -> bool:
+        """Fill ``dst`` with the chunk rebuilt from parity; False when it cannot be.
+
+        Raises:
+            ChecksumMismatchError: the rebuilt bytes do not match the manifest's crc32c
+                (corrupt parity or survivor data); ``dst`` holds garbage.
+            PeerError: a holder failed mid-request.
+        """
+        place = self._places.get(chunk_id)
+        if place is None or place.nbytes != raw_length or place.raw_crc32c != raw_crc32c:
+            return False
+        plan = self.plan(place.writer)
+        if plan is None:
+            return False
+        jobs = []
+        for piece in rebuild_pieces(
+            plan.group, place.writer, plan.stream_len, place.offset, place.nbytes
+        ):
+            for w in range(0, piece.n, self._window):
+                n = min(self._window, piece.n - w)
+                jobs.append((piece.holder, piece.u + w, dst[piece.at + w : piece.at + w + n]))
+
+        def ask(job: tuple[str, int, np.ndarray]) -> bool:
+            holder, u, into = job
+            return self._peers[holder].rebuild(
+                self.step,
+                lost=place.writer,
+                stream_len=plan.stream_len,
+                offset=u,
+                anchors=plan.anchors,
+                into=into,
+            )
+
+        if not all(self._pool.map(ask, jobs)):
+            return False
+        if crc32c(dst) != raw_crc32c:
+            raise ChecksumMismatchError(
+                f"chunk {chunk_id!r} of step {self.step} rebuilt from parity does not match its "
+                "crc32c (corrupt parity or survivor data)"
+            )
+        return True
+
+
+class ParityRebuilds:
+    """A :class:`ParityRebuilder` per RAM step, made on first use (the restore side's
+    ``TieredChunkSource(rebuild=...)``, which may fall back to older steps). Thread-safe.
+
+    Args:
+        manifest_of: A RAM step's manifest (None: unknown).
+        peers: Clients by member id, this member's own server included.
+        group_size: ``RamOptions.group_size``.
+    """
+
+    def __init__(
+        self,
+        manifest_of: Callable[[int], Manifest | None],
+        peers: Callable[[], Mapping[str, RebuildPeer]],
+        *,
+        group_size: int,
+    ) -> None:
+        self._manifest_of = manifest_of
+        self._peers = peers
+        self._group_size = group_size
+        self._steps: dict[int, ParityRebuilder | None] = {}
+        self._lock = threading.Lock()
+
+    def for_step(
+        self,
+        step: int,
+        manifest: Manifest | None = None,
+        known: Mapping[tuple[int, str], frozenset[str]] | None = None,
+    ) -> ParityRebuilder | None:
+        """The rebuilder of ``step`` (made from ``manifest``, else ``manifest_of(step)``)."""
+        with self._lock:
+            if step in self._steps:
+                return self._steps[step]
+        m = manifest if manifest is not None else self._manifest_of(step)
+        rb = (
+            None
+            if m is None
+            else ParityRebuilder(
+                step, chunk_places(m), self._peers(), group_size=self._group_size, known=known
+            )
+        )
+        with self._lock:
+            if step in self._steps:  # made meanwhile
+                if rb is not None:
+                    rb.close()
+                return self._steps[step]
+            self._steps[step] = rb
+        return rb
+
+    def covers(
+        self,
+        step: int,
+        manifest: Manifest,
+        chunk_ids: set[str],
+        known: Mapping[tuple[int, str], frozenset[str]] | None = None,
+    ) -> bool:
+        """Whether every chunk in ``chunk_ids`` of ``step`` can be rebuilt."""
+        rb = self.for_step(step, manifest, known)
+        return rb is not None and rb.covers(chunk_ids)
+
+    def rebuild(
+        self, step: int, chunk_id: str, raw_length: int, raw_crc32c: int, dst: np.ndarray
+    ) -> bool:
+        """:meth:`ParityRebuilder.rebuild` for ``step``; False when it has no manifest."""
+        rb = self.for_step(step)
+        return rb is not None and rb.rebuild(chunk_id, raw_length, raw_crc32c, dst)
+
+    def reset(self) -> None:
+        """Forget every step's rebuilder (a new restore: the records may have changed)."""
+        with self._lock:
+            old, self._steps = self._steps, {}
+        for rb in old.values():
+            if rb is not None:
+                rb.close()
