@@ -70,8 +70,9 @@ class Lost:
             prefix=PREFIX,
             per_process=[{"ram": PARITY}] * len(on),
         )
-        restored = ok(job.do("restore"))
-        job.finish()
+        restored = job.do("restore")
+        job.finish()  # the processes exit even when a restore failed (it is reported, not raised)
+        ok(restored)
         assert len({r["step"] for r in restored}) == 1, restored  # one step, every process
         assert all(r["checked_shards"] > 0 for r in restored), restored
         return restored
@@ -129,6 +130,7 @@ def test_a_lost_host_is_rebuilt_from_parity_with_zero_gcs_bytes(lost: Lost) -> N
     assert "ram" not in replaced and replaced.get("rebuilt", 0) > 0, replaced
     assert all(r["bytes_by_tier"].get("ram", 0) > 0 for r in restored[:LOST]), restored
     assert gcs_bytes < GCS_CONTROL_BYTES, gcs_bytes  # listings only: no chunk came from GCS
+    print(f"replaced host: {replaced}; GCS bytes sent during the restore: {gcs_bytes}")
 
 
 def test_a_resized_job_rebuilds_the_lost_share_with_zero_gcs_bytes(lost: Lost) -> None:
@@ -159,6 +161,11 @@ def test_a_corrupt_survivor_stripe_is_detected_and_never_returned(
     assert step in (10, 5), restored  # never step 20 with the bad bytes in it
     fallbacks = {k: v for r in restored for k, v in r["fallbacks"].items()}
     assert fallbacks.get("corrupt", 0) > 0, restored  # detected, not silently skipped
+    print(
+        f"{kind} byte flipped on host{host} ({flipped['chunk']}): step {step} restored; "
+        f"fallbacks {[r['fallbacks'] for r in restored]}; "
+        f"host{LOST} {restored[LOST]['bytes_by_tier']}"
+    )
     if step == 10:  # step 10's stripes are intact: rebuilt from RAM again
         assert all(r["bytes_read_storage"] == 0 for r in restored), restored
         assert restored[LOST]["bytes_by_tier"].get("rebuilt", 0) > 0, restored

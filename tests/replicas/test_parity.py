@@ -248,4 +248,3 @@ def test_parity_is_dropped_with_its_step(job: Job) -> None:
     tier.drop_step(STEP)
     assert job.services["m0"].store.record(STEP) is None
     assert tier.nbytes() == 0
-
