@@ -826,6 +826,7 @@ DOCS_BLOCKS = {
     "elastic_recovery": "benchmarks.elastic_recovery",
     "wire_mac": "benchmarks.wire_mac",
     "hosts": "benchmarks.hosts",
+    "ram_redundancy": "benchmarks.ram_redundancy",
     "reliability": "benchmarks.reliability",
 }
 

@@ -3,12 +3,14 @@ parity over groups of 4 hosts (m = 1), in one run on the same simulated hosts.
 
 Run (as root, or where unprivileged user namespaces work)::
 
-    python -m benchmarks.ram_redundancy            # full run (~4 min on the 2-core VM)
-    python -m benchmarks.ram_redundancy --quick    # small sizes (~2 min)
+    python -m benchmarks.ram_redundancy            # full run (~3 min on the 2-core VM)
+    python -m benchmarks.ram_redundancy --quick    # small sizes (~1 min)
 
 One cluster (:class:`fastckpt.testing.hosts.SimulatedHosts`) of 4 hosts, one JAX process per
 host with 2 CPU devices (``fastckpt.testing.multiprocess``, ``jax.distributed`` across the
-switch), each holding ``--share-mib`` of the state. Every job runs
+switch), each holding ``--share-mib`` of the state; every host's link shaped to
+``--rate-mbit`` (2 Gbit/s: the network, not the two CPUs every host shares here, bounds a
+transfer, as on a cluster; ``0``: unshaped). Every job runs
 :mod:`benchmarks._redundancy_job`. Per mode (``replicas``: ``RamOptions(replicas=1)``;
 ``parity``: ``RamOptions(redundancy="parity", group_size=4)``), one training job measures:
 
@@ -207,13 +209,18 @@ def _parse(argv: list[str] | None) -> tuple[Config, Path, bool]:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--quick", action="store_true", help="small sizes (~2 min)")
+    p.add_argument("--quick", action="store_true", help="small sizes (~1 min)")
     p.add_argument("--share-mib", type=int, help="state per host (default 64, quick 8)")
     p.add_argument("--steps", type=int, help="steps per overhead loop (default 40, quick 20)")
     p.add_argument("--step-s", type=float, help="idle seconds per step (default 0.2, quick 0.1)")
     p.add_argument("--repeats", type=int, help="loops and restores per mode (default 3, quick 1)")
     p.add_argument("--ckpts", type=int, help="checkpoints counted on the wire (default 3)")
-    p.add_argument("--rate-mbit", type=int, default=0, help="host link rate; 0: unshaped")
+    p.add_argument(
+        "--rate-mbit",
+        type=int,
+        default=2000,
+        help="each host's link rate (default 2000); 0: unshaped",
+    )
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     p.add_argument(
         "--update-docs",
