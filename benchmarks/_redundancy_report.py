@@ -267,9 +267,9 @@ def plot(doc: dict[str, Any], path: Path) -> None:
             "series": {m: [s[m]["lost_share_s"], s[m]["lost_share_fetch_s"]] for m in modes},
         },
         {
-            "title": "GB/s: decode, memcpy, link, restore",
+            "title": "GB/s: XOR, memcpy, link (TCP, wire), lost share",
             "ylabel": "GB/s",
-            "groups": ["XOR", "memcpy", "raw TCP", "peer wire"] + [f"restore ({m})" for m in modes],
+            "groups": ["XOR", "memcpy", "TCP", "wire", *modes],
             "series": {
                 "GB/s": [
                     doc["decode"]["xor_gbps"],
