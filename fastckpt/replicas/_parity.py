@@ -9,7 +9,8 @@ group and every contributor's ``(L, S)``, once every other member of the group c
 its whole part: a sealed parity is complete, and like the step's data it survives a process
 restart and is dropped with its step (retention, ``drop_step``, abandoned timelines). A
 window applied twice (a retried push) is applied once. An open parity of an older step is
-discarded when a newer step's opens (its push was superseded).
+discarded when a newer step's opens (its push was superseded), and those of steps a save
+starts over (:meth:`ParityStore.discard_from`).
 
 :class:`ParityService` answers PUT_PARITY (a window; OK once applied), GET_STREAM (a range of
 this member's own stream, cut at its end) and REBUILD (a range of a lost member's part:
@@ -189,12 +190,16 @@ class ParityStore:
         """This member's own stream of ``step``: the segment holding chunk ``anchor``."""
         return None if anchor.startswith(PARITY_PREFIX) else self.tier.segment_of(step, anchor)
 
+    def discard_from(self, step: int) -> None:
+        """Discard the open parities of steps ``>= step`` (an abandoned timeline: the step is
+        saved again, its pushes start over)."""
+        with self._lock:
+            for s in [s for s in self._open if s >= step]:
+                self.tier.discard(self._open.pop(s).seg)
+
     def close(self) -> None:
         """Discard every open parity."""
-        with self._lock:
-            for b in self._open.values():
-                self.tier.discard(b.seg)
-            self._open.clear()
+        self.discard_from(0)
 
 
 class ParityService:

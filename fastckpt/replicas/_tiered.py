@@ -5,7 +5,10 @@ Call order on a RAM save (all processes, SPMD): :meth:`RamReplication.allocate` 
 buffer *is* the shared-memory segment) -> stage -> :meth:`commit` (:meth:`seal`, the commit
 round, in which process 0 stores the manifest only after every process sealed, then
 :meth:`publish`: commit here, push to the ring successors in the background); on failure
-:meth:`abort`. So a crash mid-save never leaves the job without a restorable RAM step. On
+:meth:`abort`. So a crash mid-save never leaves the job without a restorable RAM step. With
+``redundancy="parity"`` the push sends parity parts to this member's group instead of copies
+(``_parity_push``; the manifest still goes to the ring successors) and a restore rebuilds a
+lost member's chunks (``_parity_rebuild``; see docs/replicas.md, "Parity"). On
 restore: :meth:`select_step` -> :meth:`source` (the restore side:
 :class:`~fastckpt.replicas._step_selection.StepSelection`).
 """
@@ -221,6 +224,8 @@ class RamReplication(StepSelection):
         the re-trained steps, and their retention floor would refuse those saves (StaleStepError).
         """
         self.abort()
+        if self._parity_store is not None:
+            self._parity_store.discard_from(step)  # unsealed parity of an abandoned timeline
         abandoned = [s for s in self.tier.steps() if s >= step]
         if abandoned:
             log.warning(

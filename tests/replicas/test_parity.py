@@ -248,3 +248,116 @@ def test_parity_is_dropped_with_its_step(job: Job) -> None:
     tier.drop_step(STEP)
     assert job.services["m0"].store.record(STEP) is None
     assert tier.nbytes() == 0
+
+
+def test_store_applies_a_window_once_and_zeroes_a_recycled_file(shm_dir: Path) -> None:
+    """A window pushed twice (a retried push) is XORed once; the parity's file, recycled from
+    a dropped step's segment full of old bytes, starts from zeros."""
+    tier = RamTier(shm_dir / "a", budget_bytes=64 << 20, replicated=True, recycle=True)
+    try:
+        old = fill(1, {"old": 2 << 20}, seed=9)
+        seal_chunks(tier, 1, old)
+        tier.drop_step(1)  # its 2 MiB file becomes a spare the parity reuses
+        store = ParityStore(tier, "a")
+        group = ("a", "b", "c")
+        streams = fill(2, {"b": 4 << 20, "c": 4 << 20}, seed=3)  # S = 2 MiB, part 0 -> "a"
+        half = 1 << 20
+        applied = [
+            store.add(2, group, m, 4 << 20, 2 << 20, 0, streams[m][:half]) for m in ("b", "b", "c")
+        ]
+        assert applied == [True, False, True]  # "b"'s first window twice: applied once
+        assert store.add(2, group, "b", 4 << 20, 2 << 20, half, streams["b"][half : 2 * half])
+        assert store.record(2) is None  # "c" still owes its second window
+        assert store.add(2, group, "c", 4 << 20, 2 << 20, half, streams["c"][half : 2 * half])
+        hit = store.parity(2)
+        assert hit is not None and hit[0].complete()
+        expect = streams["b"][: 2 << 20] ^ streams["c"][: 2 << 20]
+        assert bytes(hit[1]) == expect.tobytes()
+    finally:
+        tier.close()
+
+
+def test_open_parity_of_an_abandoned_step_starts_over(shm_dir: Path) -> None:
+    """A step saved again (the job went back): the unfinished parity of its first timeline is
+    discarded, so the new pushes build it from zeros."""
+    tier = RamTier(shm_dir / "a", budget_bytes=64 << 20, replicated=True)
+    try:
+        store = ParityStore(tier, "a")
+        group = ("a", "b", "c")
+        first = fill(5, {"b": 1000}, seed=1)["b"]
+        assert store.add(5, group, "b", 2000, 1000, 0, first)  # "c" never came
+        store.discard_from(5)
+        assert tier.nbytes() == 0  # its segment is freed
+        new = fill(5, {"b": 2000, "c": 2000}, seed=2)
+        assert store.add(5, group, "b", 2000, 1000, 0, new["b"][:1000])
+        assert store.add(5, group, "c", 2000, 1000, 0, new["c"][:1000])
+        hit = store.parity(5)
+        assert hit is not None and bytes(hit[1]) == (new["b"][:1000] ^ new["c"][:1000]).tobytes()
+    finally:
+        tier.close()
+
+
+def test_a_tampered_parity_window_is_dropped_unanswered_and_never_applied(
+    shm_dir: Path,
+) -> None:
+    """A PUT_PARITY whose payload was altered on the way fails its tag: the server drops the
+    connection without applying it; the parity built afterwards is exact."""
+    from fastckpt.errors import PeerUnavailableError
+    from fastckpt.replicas._wire import MsgType
+    from tests.support.peer_relay import PeerRelay, RelayedFrame
+
+    tier = RamTier(shm_dir / "a", budget_bytes=64 << 20, replicated=True)
+    svc = ParityService(ParityStore(tier, "a"), dict)
+    server = PeerServer(tier, secret=SECRET, options=FAST, extension=svc).start()
+    group = ("a", "b", "c")
+    data = fill(3, {"b": 3000, "c": 3000}, seed=4)
+
+    def flip(f: RelayedFrame) -> list[bytes]:
+        if f.type is not MsgType.PUT_PARITY:
+            return [f.raw]
+        payload = bytearray(f.payload)
+        payload[len(payload) // 2] ^= 1
+        return [f.replace(payload=bytes(payload)).raw]
+
+    def push(client: ParityClient, m: str) -> bool:
+        return client.put_parity(
+            3,
+            group=group,
+            contributor=m,
+            stream_len=3000,
+            part_size=1500,
+            offset=0,
+            data=data[m][:1500].data,
+        )
+
+    try:
+        with (
+            PeerRelay(server.address, tamper=flip) as relay,
+            ParityClient(relay.address, secret=SECRET, options=FAST) as evil,
+        ):
+            with pytest.raises(PeerUnavailableError):
+                push(evil, "b")
+        assert server.stats["frame_auth_failures"] == 1 and tier.nbytes() == 0
+        with ParityClient(server.address, secret=SECRET, options=FAST) as client:
+            assert push(client, "b") and push(client, "c")
+        hit = svc.store.parity(3)
+        assert hit is not None
+        assert bytes(hit[1]) == (data["b"][:1500] ^ data["c"][:1500]).tobytes()
+    finally:
+        server.close()
+        tier.close()
+
+
+def test_a_survivor_without_its_own_data_makes_the_group_unrebuildable(job: Job) -> None:
+    """m1 lists its parity but no longer its own chunks: m2's chunks cannot be rebuilt (they
+    would need m1's part), so a restore never counts on them."""
+    job.lose("m2")
+    m1 = [c for c in job.clients["m1"].list_chunks(STEP) if c.startswith("parity#")]
+    rb = ParityRebuilder(
+        STEP, job.places, dict(job.clients), group_size=4, known={(STEP, "m1"): frozenset(m1)}
+    )
+    assert not rb.covers({"a2"})
+    rb.close()
+    rb = job.rebuilder()  # with m1's real listing it can
+    assert rb.covers({"a2"})
+    rb.close()

@@ -134,3 +134,16 @@ def test_xor_into_unaligned_and_tail() -> None:
     assert dst.tobytes() == expect.tobytes()
     with pytest.raises(ConfigError):
         xor_into(np.zeros(3, np.uint8), b)
+
+
+def test_ram_options_validate_parity() -> None:
+    from fastckpt.options import RamOptions
+
+    opts = RamOptions(root="/dev/shm/x", redundancy="parity", group_size=3)
+    assert opts.redundancy == "parity" and opts.group_size == 3 and opts.replicas == 1
+    with pytest.raises(ConfigError, match="group_size"):
+        RamOptions(root="/dev/shm/x", redundancy="parity", group_size=1)
+    with pytest.raises(ConfigError, match="replicas >= 1"):
+        RamOptions(root="/dev/shm/x", redundancy="parity", replicas=0)
+    with pytest.raises(ConfigError, match="redundancy"):
+        RamOptions(root="/dev/shm/x", redundancy="copies")  # type: ignore[arg-type]

@@ -66,13 +66,16 @@ def _dead(pid: int) -> bool:
         return True
 
 
-def _train_then_lose_host(tiers: Path, persist_root: Path, signals: Path) -> SavedJob:
+def _train_then_lose_host(
+    tiers: Path, persist_root: Path, signals: Path, redundancy: str = "replicas"
+) -> SavedJob:
     kwargs = [
         {
             "ram_root": str(tiers / f"host{k}"),
             "member": f"host{k}",
             "persist_root": str(persist_root),
             "signals": str(signals),
+            "redundancy": redundancy,
         }
         for k in range(HOSTS)
     ]
@@ -124,7 +127,13 @@ def _copy_tiers(saved: SavedJob, dest: Path) -> Path:
 
 
 def _restore(
-    tiers: Path, persist_root: Path, hosts: list[int], layout: str, *, probe: int | None = None
+    tiers: Path,
+    persist_root: Path,
+    hosts: list[int],
+    layout: str,
+    *,
+    probe: int | None = None,
+    redundancy: str = "replicas",
 ) -> list[dict[str, Any]]:
     kwargs = [
         {
@@ -133,6 +142,7 @@ def _restore(
             "persist_root": str(persist_root),
             "layout": layout,
             "probe_wrong_secret": i == probe,
+            "redundancy": redundancy,
         }
         for i, k in enumerate(hosts)
     ]

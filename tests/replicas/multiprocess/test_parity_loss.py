@@ -15,100 +15,32 @@ bytes from storage, host2's chunks rebuilt from the three survivors' data and pa
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from fastckpt.testing.multiprocess import run_processes
-
+from . import test_host_loss as host_loss
 from . import workers as w
-from .test_host_loss import RESTORED_SHARDS, SavedJob, _dead, _describe
+from .test_host_loss import RESTORED_SHARDS, SavedJob, _describe
 
-WORKERS = str(Path(__file__).with_name("workers.py"))
 HOSTS = 4
 VICTIM = 2
-
-
-def _train_then_lose_host(tiers: Path, persist_root: Path, signals: Path) -> SavedJob:
-    kwargs = [
-        {
-            "ram_root": str(tiers / f"host{k}"),
-            "member": f"host{k}",
-            "persist_root": str(persist_root),
-            "signals": str(signals),
-            "redundancy": "parity",
-        }
-        for k in range(HOSTS)
-    ]
-    with ThreadPoolExecutor(1) as pool:
-        job = pool.submit(
-            run_processes,
-            f"{WORKERS}:train",
-            num_processes=HOSTS,
-            devices_per_process=2,
-            kwargs=kwargs,
-            timeout_s=150,
-            check=False,
-        )
-        try:
-            deadline = time.monotonic() + 150
-            markers = [signals / f"replicated-{k}.json" for k in range(HOSTS)]
-            progress = signals / f"progress-{VICTIM}"
-            while not (all(m.exists() for m in markers) and progress.exists()):
-                if job.done() or any(signals.glob("failed-*")):
-                    (signals / "stop").touch()
-                    pytest.fail("the training job failed:\n" + _describe(job.result()))
-                assert time.monotonic() < deadline, "training job did not reach step 20"
-                time.sleep(0.01)
-            pid = json.loads(markers[VICTIM].read_text())["pid"]
-            killed_at = json.loads(progress.read_text())["step"]
-            os.kill(pid, signal.SIGKILL)
-            while not _dead(pid):
-                time.sleep(0.005)
-            shutil.rmtree(tiers / f"host{VICTIM}")
-        finally:
-            (signals / "stop").touch()
-        outcomes = job.result()
-    return SavedJob(tiers, persist_root, killed_at, outcomes)
 
 
 @pytest.fixture(scope="module")
 def saved_job(module_shm: Path, tmp_path_factory: pytest.TempPathFactory) -> SavedJob:
     work = tmp_path_factory.mktemp("parity_loss")
     (work / "signals").mkdir()
-    return _train_then_lose_host(module_shm / "lost", work / "ckpt", work / "signals")
+    return host_loss._train_then_lose_host(
+        module_shm / "lost", work / "ckpt", work / "signals", redundancy="parity"
+    )
 
 
 def _restore(tiers: Path, persist_root: Path, hosts: list[int], layout: str) -> list[Any]:
-    kwargs = [
-        {
-            "ram_root": str(tiers / f"host{k}"),
-            "member": f"host{k}",
-            "persist_root": str(persist_root),
-            "layout": layout,
-            "redundancy": "parity",
-        }
-        for k in hosts
-    ]
-    outs = run_processes(
-        f"{WORKERS}:restore",
-        num_processes=len(hosts),
-        devices_per_process=2,
-        kwargs=kwargs,
-        timeout_s=120,
-    )
-    return [o.value for o in outs]
-
-
-def _copy(saved: SavedJob, dest: Path) -> Path:
-    shutil.copytree(saved.tiers, dest)
-    return dest
+    return host_loss._restore(tiers, persist_root, hosts, layout, redundancy="parity")
 
 
 def _assert_rebuilt_ram_only(results: list[Any]) -> None:
@@ -132,16 +64,23 @@ def test_training_job_pushed_parity_not_copies(saved_job: SavedJob) -> None:
             assert o.value["pushed_to"] == sorted(
                 f"host{k}" for k in range(HOSTS) if k != int(member[-1])
             )
+    sent = {o.value["member"]: o.value["bytes_pushed"] for o in outs if o.ok}
     for host in ("host0", "host1", "host3"):
         d = saved_job.tiers / host / f"step-{w.LAST_RAM_STEP}"
         docs = [json.loads(p.read_text()) for p in d.glob("*.index.json")]
-        parity = [c[0] for doc in docs for c in doc["chunks"] if c[0].startswith("parity#")]
+        parity = [c for doc in docs for c in doc["chunks"] if c[0].startswith("parity#")]
         assert len(parity) == 1, (host, docs)  # own segment + one complete parity, no replicas
         assert len(docs) == 2, (host, docs)
+        own = max(
+            off + n for doc in docs for c, off, n, _ in doc["chunks"] if not c.startswith("parity#")
+        )
+        # RAM held: own share + about a third of it (g = 4), measured from the tier's files
+        assert parity[0][2] <= 0.35 * own, (host, parity[0][2], own)
+        assert sent[host] == own  # bytes sent per host: its share (as replicas=1)
 
 
 def test_restore_after_host_loss_rebuilds_same_size(saved_job: SavedJob, shm_dir: Path) -> None:
-    tiers = _copy(saved_job, shm_dir / "tiers")
+    tiers = host_loss._copy_tiers(saved_job, shm_dir / "tiers")
     results = _restore(tiers, saved_job.persist_root, [0, 1, 2, 3], "save4x2")
     _assert_rebuilt_ram_only(results)
     new = results[VICTIM]
@@ -154,7 +93,7 @@ def test_restore_after_host_loss_rebuilds_same_size(saved_job: SavedJob, shm_dir
 def test_restore_after_host_loss_rebuilds_onto_three_hosts(
     saved_job: SavedJob, shm_dir: Path
 ) -> None:
-    tiers = _copy(saved_job, shm_dir / "tiers")
+    tiers = host_loss._copy_tiers(saved_job, shm_dir / "tiers")
     results = _restore(tiers, saved_job.persist_root, [3, 0, 1], "resize3x2")
     _assert_rebuilt_ram_only(results)
 
@@ -162,7 +101,7 @@ def test_restore_after_host_loss_rebuilds_onto_three_hosts(
 def test_two_lost_in_a_group_restore_storage_never_wrong_data(
     saved_job: SavedJob, shm_dir: Path
 ) -> None:
-    tiers = _copy(saved_job, shm_dir / "tiers")
+    tiers = host_loss._copy_tiers(saved_job, shm_dir / "tiers")
     shutil.rmtree(tiers / "host0")
     results = _restore(tiers, saved_job.persist_root, [3, 1], "resize3x2")
     for r in results:  # shards checked bit-exact against step 5 by the worker
