@@ -3,9 +3,11 @@ per host (``fastckpt.testing.multiprocess``, after ``jax.distributed.initialize`
 
 * :func:`train`: one redundancy mode (``ram``: the ``RamOptions`` fields that choose it). A
   training loop whose step leaves the host idle (it sleeps ``step_s``, as a host does while
-  its accelerator computes, then a jitted elementwise update makes the next state), run
-  without and with a RAM checkpoint every ``interval`` steps (``mgr.save`` called every step,
-  as a training loop does), alternately, ``repeats`` times each, after an untimed loop with
+  its accelerator computes; at every ``interval``-th step a jitted elementwise update then
+  makes a new state, so each checkpoint copies fresh arrays while the CPU devices, which
+  stand in for the accelerator here, are otherwise idle too), run without and with a RAM
+  checkpoint every ``interval`` steps (``mgr.save`` called every step, as a training loop
+  does), alternately, ``repeats`` times each, after an untimed loop with
   checkpoints (compiles the update, warms the save path): the wall time of each loop.
   Then ``ckpts`` timed RAM checkpoints, each between two barriers: the bytes this host sent
   and received on its link (``eth0`` of its network namespace, ``/proc/net/dev``). Last, the
@@ -127,7 +129,8 @@ def train(
             t0 = time.perf_counter()
             for _ in range(steps if arm != "warm-up" else interval):
                 time.sleep(step_s)
-                state = jax.block_until_ready(update(state))
+                if step % interval == 0:  # in both arms: fresh arrays for each checkpoint
+                    state = jax.block_until_ready(update(state))
                 if arm != "base":
                     s0 = time.perf_counter()
                     if mgr.save(step, state):

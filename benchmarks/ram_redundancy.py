@@ -14,9 +14,9 @@ transfer, as on a cluster; ``0``: unshaped). Every job runs
 :mod:`benchmarks._redundancy_job`. Per mode (``replicas``: ``RamOptions(replicas=1)``;
 ``parity``: ``RamOptions(redundancy="parity", group_size=4)``), one training job measures:
 
-1. **Step overhead**: a loop of ``--steps`` host-idle steps (each sleeps ``--step-s``, then a
-   jitted update makes the next state) without and with a RAM checkpoint every 10 steps,
-   alternately, ``--repeats`` times each.
+1. **Step overhead**: a loop of ``--steps`` host-idle steps (each sleeps ``--step-s``; every
+   10th then makes a new state with a jitted update) without and with a RAM checkpoint
+   every 10 steps, alternately, ``--repeats`` times each.
 2. **Bytes on the wire**: ``--ckpts`` RAM checkpoints, each between two barriers: the bytes
    each host's link sent (its namespace's ``eth0``), per checkpoint.
 3. **RAM held**: after the last step's push, the bytes of the data files of that step in each
