@@ -53,6 +53,8 @@ LOST = 3
 
 @dataclasses.dataclass
 class Lost:
+    """The cluster after the loss of host 3: new jobs restore on it, bytes are flipped in it."""
+
     hosts: SimulatedHosts
     emulator: GcsEmulator
     gcs: Host
