@@ -17,6 +17,7 @@ Contents:
 * plumbing: :func:`run_module_json` (run one cell in a fresh interpreter),
   :func:`emulator_pid`, :func:`markdown_table`, :func:`write_json`, :func:`bar_chart`;
 * docs: :func:`publish_docs` (a benchmark rewrites its block of ``docs/benchmarks.md``),
+  :func:`run_header` and :func:`write_results` (a results document's start and its files),
   :func:`render_docs` (every block from the committed JSON: ``python -m benchmarks._common
   --render-docs``).
 """
@@ -825,6 +826,7 @@ DOCS_BLOCKS = {
     "elastic_recovery": "benchmarks.elastic_recovery",
     "wire_mac": "benchmarks.wire_mac",
     "hosts": "benchmarks.hosts",
+    "ram_redundancy": "benchmarks.ram_redundancy",
     "reliability": "benchmarks.reliability",
 }
 
@@ -958,6 +960,64 @@ def publish_docs(
     update_docs(name, doc, render=render)
     print(f"updated the {name} block of {DOCS_PATH.relative_to(REPO_ROOT)}", file=sys.stderr)
     return True
+
+
+def run_header(module: str, argv: Sequence[str] | None, config: Any) -> dict[str, Any]:
+    """The start of a results document: the command line (``python -m module args``), when,
+    the git commit, ``config`` (a dataclass) and the machine (CPUs, load, kernel, Python,
+    memory, which fastckpt)."""
+    import datetime
+    import platform
+
+    import fastckpt
+
+    git = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], check=False, capture_output=True, text=True
+    ).stdout.strip()
+    return {
+        "command": " ".join([f"python -m {module}", *(sys.argv[1:] if argv is None else argv)]),
+        "when": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "git": git,
+        "config": dataclasses.asdict(config),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "load_start": os.getloadavg(),
+            "kernel": platform.release(),
+            "python": platform.python_version(),
+            "mem_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB,
+            "fastckpt": fastckpt.__file__,
+        },
+    }
+
+
+def write_results(
+    name: str,
+    doc: dict[str, Any],
+    out_dir: Path,
+    *,
+    report: Callable[[dict[str, Any]], str],
+    plot: Callable[[dict[str, Any], Path], None],
+    quick: bool,
+    update_docs: bool,
+) -> int:
+    """Write ``<name>.{json,md,png}`` (``<name>_quick.*`` when ``quick``) to ``out_dir``,
+    rewrite the docs block for the committed full run (:func:`publish_docs`), print the report;
+    the exit status: 1 if a row of ``doc["checks"]`` failed, else 0."""
+    stem = f"{name}_quick" if quick else name
+    md = report(doc)
+    write_json(out_dir / f"{stem}.json", doc)
+    (out_dir / f"{stem}.md").write_text(md)
+    plot(doc, out_dir / f"{stem}.png")
+    publish_docs(
+        name,
+        doc,
+        render=report,
+        results_path=out_dir / f"{stem}.json",
+        quick=quick,
+        force=update_docs,
+    )
+    print(md)
+    return 0 if all(c["pass"] for c in doc["checks"]) else 1
 
 
 def render_docs(*, check: bool = False, docs: Path = DOCS_PATH) -> list[str]:

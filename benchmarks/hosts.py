@@ -45,10 +45,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import threading
@@ -56,7 +54,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from benchmarks._common import RESULTS_DIR, MiB, median, publish_docs, write_json
+from benchmarks._common import RESULTS_DIR, MiB, median, run_header, write_results
 from benchmarks._hosts_job import BUCKET
 from benchmarks._hosts_report import plot, report, summarise
 
@@ -422,32 +420,13 @@ def _parse(argv: list[str] | None) -> tuple[Config, Path, bool]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import fastckpt
     from benchmarks.wire_mac import measure_macs
     from fastckpt.testing.gcs_emulator import GcsEmulator
     from fastckpt_examples.cluster.hosts import LinkShape, SimulatedHosts
 
     cfg, out_dir, update_docs = _parse(argv)
     t0 = time.monotonic()
-    git = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], check=False, capture_output=True, text=True
-    ).stdout.strip()
-    doc: dict[str, Any] = {
-        "command": " ".join(
-            ["python -m benchmarks.hosts", *(sys.argv[1:] if argv is None else argv)]
-        ),
-        "when": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "git": git,
-        "config": dataclasses.asdict(cfg),
-        "machine": {
-            "cpus": os.cpu_count(),
-            "load_start": os.getloadavg(),
-            "kernel": platform.release(),
-            "python": platform.python_version(),
-            "mem_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB,
-            "fastckpt": fastckpt.__file__,
-        },
-    }
+    doc = run_header("benchmarks.hosts", argv, cfg)
     print("GMAC / crc32c alone ...", flush=True)
     doc["macs"] = measure_macs(3)
     with SimulatedHosts(max(4, *cfg.scale_hosts), name="bench") as hosts:
@@ -471,21 +450,9 @@ def main(argv: list[str] | None = None) -> int:
     doc["machine"]["load_end"] = os.getloadavg()
     doc["seconds"] = time.monotonic() - t0
     summarise(doc)
-    name = "hosts_quick" if cfg.quick else "hosts"
-    md = report(doc)
-    write_json(out_dir / f"{name}.json", doc)
-    (out_dir / f"{name}.md").write_text(md)
-    plot(doc, out_dir / f"{name}.png")
-    publish_docs(
-        "hosts",
-        doc,
-        render=render,
-        results_path=out_dir / f"{name}.json",
-        quick=cfg.quick,
-        force=update_docs,
+    return write_results(
+        "hosts", doc, out_dir, report=report, plot=plot, quick=cfg.quick, update_docs=update_docs
     )
-    print(md)
-    return 0 if all(c["pass"] for c in doc["checks"]) else 1
 
 
 if __name__ == "__main__":

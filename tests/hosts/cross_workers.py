@@ -75,6 +75,7 @@ def _options(
     host: str | None,
     port: int,
     replicas: int,
+    ram: dict[str, Any],
 ) -> Any:
     from fastckpt.options import (
         DistributedOptions,
@@ -103,6 +104,7 @@ def _options(
             discovery_timeout_s=30,
             peer_connect_timeout_s=3,
             peer_io_timeout_s=5,
+            **ram,
         ),
     )
 
@@ -147,8 +149,11 @@ def scripted(
     replicas: int = 1,
     hold_process: int | None = None,
     advertise_via: str | None = None,
+    ram: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run the test's commands (see the module docstring) until ``exit``; returns a summary.
+
+    ``ram``: more ``RamOptions`` fields (e.g. the redundancy mode).
 
     ``advertise_via``: publish this host's peer address as that host instead of its own (the
     man-in-the-middle test routes peers through a proxy listening there on the same port).
@@ -176,7 +181,8 @@ def scripted(
     store = _store(endpoint, prefix, ctl, hold_process)
     try:
         mgr = CheckpointManager(
-            store, options=_options(ram_root, member, barrier_s, secret, host, port, replicas)
+            store,
+            options=_options(ram_root, member, barrier_s, secret, host, port, replicas, ram or {}),
         )
     except FastckptError as e:
         summary["start_error"] = {"type": type(e).__name__, "message": str(e), "t": time.time()}
@@ -281,5 +287,6 @@ def _restore(mgr: Any, mp: Any) -> dict[str, Any]:
         "bytes_by_tier": dict(stats.bytes_by_tier),
         "bytes_read_storage": stats.bytes_read_storage,
         "restored_bytes": stats.restored_bytes,
+        "fallbacks": dict(stats.fallbacks),
         "seconds": seconds,
     }
