@@ -124,19 +124,16 @@ class RamTier(StepTable):
             os.close(self._lock_fd)
             raise ConfigError(f"RAM tier {self.root} is in use by another live process") from None
         try:
-            self._recover()
+            spares, self._steps = scan_root(self.root, recycle=self._recycle)
+            self._spares = SparePool(spares)
+            with self._lock:
+                self._apply_retention()
+                self._make_room(0, for_step=None)
         except BaseException:
             self.close()
             raise
 
     # ------------------------------------------------------------------ open / close
-
-    def _recover(self) -> None:
-        spares, self._steps = scan_root(self.root, recycle=self._recycle)
-        self._spares = SparePool(spares)
-        with self._lock:
-            self._apply_retention()
-            self._make_room(0, for_step=None)
 
     def close(self) -> None:
         """Unmap everything and release the directory lock. Data stays on tmpfs. Idempotent."""
@@ -295,9 +292,7 @@ class RamTier(StepTable):
             os.rename(seg._path, data_path)
             try:
                 atomic_write(index_path, index_document(step, name, seg.nbytes, dict(index)))
-            except (
-                BaseException
-            ):  # not sealed: the segment stays open (discard frees it), no debris
+            except BaseException:  # not sealed: the segment stays open (discard frees it)
                 unlink(index_path)
                 os.rename(data_path, seg._path)
                 raise
@@ -385,10 +380,7 @@ class RamTier(StepTable):
 
     def drop_step(self, step: int) -> None:
         """Remove a step (indexes first, so it turns invisible before data goes). No-op if absent.
-
-        Views returned earlier by :meth:`get_chunk` stay valid; their memory is freed when
-        the last one is collected.
-        """
+        Views returned earlier by :meth:`get_chunk` stay valid until collected."""
         self._drop(step, recycle=self._recycle)
 
     def _drop(self, step: int, *, recycle: bool) -> None:
