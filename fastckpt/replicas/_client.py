@@ -14,7 +14,6 @@ import json
 from collections.abc import Sequence
 from typing import NamedTuple
 
-import crc32c as _crc32c
 import numpy as np
 
 from fastckpt.errors import ChecksumMismatchError, ConfigError, ProtocolError
@@ -249,43 +248,6 @@ class PeerClient(ConnectionPool):
             receive,
             window,
         )
-
-    def push_chunk(
-        self,
-        step: int,
-        chunk_id: str,
-        data: memoryview | bytes | np.ndarray,
-        *,
-        raw_crc32c: int | None = None,
-    ) -> bool:
-        """Store a chunk in the peer's tier (sent straight from ``data``).
-
-        Returns:
-            True if stored; False if the peer already held an identical chunk.
-
-        Raises:
-            PeerRequestError: refused (``code``: ``stale_step``, ``budget``,
-                ``checksum_mismatch``, ``bad_request``).
-        """
-        view = (
-            data.reshape(-1).view(np.uint8).data
-            if isinstance(data, np.ndarray)
-            else memoryview(data).cast("B")
-        )
-        crc = _crc32c.crc32c(view) if raw_crc32c is None else raw_crc32c
-        wire_codec.check_chunk_id(chunk_id)
-
-        def op(c: Conn) -> bool:
-            self._send_push(
-                c,
-                MsgType.PUT_CHUNK,
-                {"step": step, "chunk_id": chunk_id, "raw_crc32c": crc},
-                [view],
-            )
-            _, h, _ = self._reply(c, MsgType.OK, missing_ok=False)
-            return bool(h["stored"])
-
-        return self._call(op)
 
     def push_chunks(
         self, step: int, chunks: Sequence[tuple[str, memoryview | bytes | np.ndarray, int]]

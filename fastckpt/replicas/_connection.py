@@ -83,7 +83,7 @@ class PeerOptions:
     socket_buffer_bytes: int | None = None
     """SO_SNDBUF/SO_RCVBUF; None keeps the kernel's autotuning (fastest on loopback here)."""
     accept_pushes: bool = True
-    """Server: accept PUT_CHUNK/PUT_MANIFEST (peers replicating into this tier)."""
+    """Server: accept PUT_CHUNKS/PUT_MANIFEST (peers replicating into this tier)."""
     frame_mac: bool = True
     """Authenticate every frame after the handshake (GMAC per header and payload, see
     :mod:`~fastckpt.replicas._wire_auth`). Both sides must agree: the flag is part of the

@@ -24,8 +24,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 from fastckpt.errors import ConfigError, ReplicationError, ReplicationTimeoutError
 from fastckpt.replicas._ram import RamTier
@@ -43,23 +43,14 @@ __all__ = [
 
 
 class ChunkPusher(Protocol):
-    """What the replicator needs of a peer (``PeerClient`` is one)."""
+    """What the replicator needs of a peer (``PeerClient`` is one): ``list_chunks`` lets a
+    re-submit skip what arrived already; ``push_chunks`` stores a batch all or none."""
 
-    def push_chunk(
-        self, step: int, chunk_id: str, data: memoryview, *, raw_crc32c: int | None = None
-    ) -> bool: ...
-
-    def put_manifest(self, step: int, data: bytes | memoryview) -> None: ...
-
-
-@runtime_checkable
-class _Lister(Protocol):
     def list_chunks(self, step: int) -> list[str]: ...
 
-
-@runtime_checkable
-class _BatchPusher(Protocol):
     def push_chunks(self, step: int, chunks: Sequence[tuple[str, memoryview, int]]) -> None: ...
+
+    def put_manifest(self, step: int, data: bytes | memoryview) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -73,7 +64,7 @@ class ReplicatorOptions:
     batch_bytes: int = 256 << 20
     """Chunks go to a target in batches of up to this many bytes (one request, stored as one
     segment by the target, so its files and mappings are few and get recycled); a larger
-    chunk goes alone. Targets without ``push_chunks`` get one request per chunk."""
+    chunk goes alone."""
     batch_chunks: int = 1024
     """At most this many chunks per batch (bounds the request header)."""
     max_reports: int = 64
@@ -365,9 +356,8 @@ class Replicator:
     def _push_all(self, handle: ReplicationHandle, target: ChunkPusher) -> None:
         step = handle.step
         present: set[str] = set()
-        if isinstance(target, _Lister) and handle._chunk_ids:
+        if handle._chunk_ids:
             present = set(target.list_chunks(step))  # e.g. a re-submit: skip what arrived already
-        batched = isinstance(target, _BatchPusher)
         batch: list[tuple[str, memoryview, int]] = []
         batch_bytes = 0
         for cid in handle._chunk_ids:
@@ -382,47 +372,37 @@ class Replicator:
                     f"chunk {cid!r} of step {step} is not (or no longer) in the RAM tier"
                 )
             view, loc = hit
-            if not batched:
-                self._send(
-                    handle,
-                    [(cid, view, loc.raw_crc32c)],
-                    lambda b: target.push_chunk(step, b[0][0], b[0][1], raw_crc32c=b[0][2]),
-                )
-                continue
             o = self.options
             if batch and (
                 batch_bytes + view.nbytes > o.batch_bytes or len(batch) >= o.batch_chunks
             ):
-                self._send(handle, batch, lambda b: target.push_chunks(step, b) or True)  # type: ignore[attr-defined]
+                self._send(handle, step, batch, target)
                 batch, batch_bytes = [], 0
             batch.append((cid, view, loc.raw_crc32c))
             batch_bytes += view.nbytes
         if batch and not handle._cancelled:
-            self._send(handle, batch, lambda b: target.push_chunks(step, b) or True)  # type: ignore[attr-defined]
+            self._send(handle, step, batch, target)
         if handle._manifest is not None and not handle._cancelled:
             target.put_manifest(step, handle._manifest)
 
     def _send(
         self,
         handle: ReplicationHandle,
+        step: int,
         batch: list[tuple[str, memoryview, int]],
-        push: Callable[[list[tuple[str, memoryview, int]]], bool],
+        target: ChunkPusher,
     ) -> None:
-        """Push one batch under the in-flight budget and record it (``push`` → stored?)."""
+        """Push one batch under the in-flight budget and record it."""
         n = sum(v.nbytes for _, v, _ in batch)
         self._acquire(n)
         try:
-            stored = push(batch)
+            target.push_chunks(step, batch)
         finally:
             self._release(n)
-        k = len(batch)
-        handle._record(
-            pushed=k if stored else 0, present=0 if stored else k, nbytes=n if stored else 0
-        )
-        if stored:
-            with self._lock:
-                self._totals["chunks_pushed"] += k
-                self._totals["bytes_pushed"] += n
+        handle._record(pushed=len(batch), nbytes=n)
+        with self._lock:
+            self._totals["chunks_pushed"] += len(batch)
+            self._totals["bytes_pushed"] += n
 
     def _acquire(self, n: int) -> None:
         with self._budget:

@@ -276,8 +276,6 @@ class PeerServer:
             return self._get_chunks(chan, h, plen)
         elif mtype is MsgType.GET_RANGES:
             return self._get_ranges(chan, h, plen)
-        elif mtype is MsgType.PUT_CHUNK:
-            return self._put_chunk(chan, h, plen)
         elif mtype is MsgType.PUT_CHUNKS:
             return self._put_chunks(chan, h, plen)
         elif mtype is MsgType.LIST:
@@ -396,31 +394,6 @@ class PeerServer:
             )
         chan.send(msg_type, header, views)
         self._count("bytes_sent", total)
-        return True
-
-    def _put_chunk(self, chan: Channel, h: dict[str, Any], plen: int) -> bool:
-        step, cid, crc = h["step"], h["chunk_id"], h["raw_crc32c"]
-        tier = self._tier
-        if not self.options.accept_pushes:
-            self._skip(chan, plen)
-            return self._error(chan, "bad_request", "this peer does not accept pushes")
-        if tier.has_chunk(step, cid, length=plen, raw_crc32c=crc):
-            self._skip(chan, plen)
-            chan.send(MsgType.OK, {"stored": False})
-            return True
-        try:
-            seg = tier.allocate(step, plen)
-        except (StaleStepError, RamBudgetError) as e:
-            self._skip(chan, plen)
-            return self._error(chan, _refusal_code(e), str(e))
-        with seg:  # discarded unless sealed
-            got = chan.recv_into(seg.buffer.data)
-            chan.end_payload()  # authentic before it is sealed
-            self._count("bytes_received", plen)
-            if got != crc:
-                return self._error(chan, "checksum_mismatch", f"chunk {cid!r} arrived corrupt")
-            tier.seal(step, seg, {cid: ChunkLocation(0, plen, crc)})
-        chan.send(MsgType.OK, {"stored": True})
         return True
 
     def _put_chunks(self, chan: Channel, h: dict[str, Any], plen: int) -> bool:

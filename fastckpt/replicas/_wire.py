@@ -77,7 +77,6 @@ class MsgType(enum.IntEnum):
     """Server → client: the connection is authenticated."""
     GET_CHUNK = 16
     CHUNK = 17
-    PUT_CHUNK = 18
     LIST = 19
     CHUNK_LIST = 20
     GET_MANIFEST = 21
@@ -119,7 +118,6 @@ SCHEMAS: Mapping[MsgType, Mapping[str, str]] = {
     MsgType.AUTH_OK: {},
     MsgType.GET_CHUNK: {"step": "u63", "chunk_id": "str", "offset": "u63", "length": "u63?"},
     MsgType.CHUNK: {"raw_crc32c": "u32", "chunk_length": "u63", "offset": "u63"},
-    MsgType.PUT_CHUNK: {"step": "u63", "chunk_id": "str", "raw_crc32c": "u32"},
     MsgType.LIST: {"step": "u63"},
     MsgType.CHUNK_LIST: {"count": "u63"},
     MsgType.GET_MANIFEST: {"step": "u63"},
@@ -197,7 +195,6 @@ SCHEMAS: Mapping[MsgType, Mapping[str, str]] = {
 PAYLOAD_TYPES = frozenset(
     {
         MsgType.CHUNK,
-        MsgType.PUT_CHUNK,
         MsgType.PUT_CHUNKS,
         MsgType.CHUNK_LIST,
         MsgType.MANIFEST,

@@ -94,9 +94,8 @@ class _GatedPeer:
         assert self.gate.wait(timeout=60)
         self.client.push_chunks(step, chunks)
 
-    def push_chunk(self, *args: Any, **kwargs: Any) -> bool:
-        assert self.gate.wait(timeout=60)
-        return bool(self.client.push_chunk(*args, **kwargs))
+    def list_chunks(self, step: int) -> list[str]:
+        return list(self.client.list_chunks(step))
 
     def put_manifest(self, step: int, data: bytes) -> None:
         self.client.put_manifest(step, data)

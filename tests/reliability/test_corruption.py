@@ -624,17 +624,17 @@ def test_peer_wire_corruption_without_fallback_is_a_typed_error(served_step: Any
 def test_pushed_chunk_corrupted_on_the_wire_is_refused(served_step: Any) -> None:
     _, _, server, tier = served_step
     relay = FlippingRelay(
-        server.address, seed=6, direction="up", types=frozenset({MsgType.PUT_CHUNK})
+        server.address, seed=6, direction="up", types=frozenset({MsgType.PUT_CHUNKS})
     )
     data = np.random.default_rng(0).bytes(50_000)
     try:
         with PeerClient(relay.address, secret=SECRET, options=FAST) as client:
             with pytest.raises(PeerUnavailableError):  # the server drops it unanswered
-                client.push_chunk(1, "pushed@0:1", data)
+                client.push_chunks(1, [("pushed@0:1", data, crc32c(data))])
     finally:
         relay.close()
     assert not tier.has_chunk(1, "pushed@0:1")
     assert relay.flips["payload"] == 1 and server.stats["frame_auth_failures"] == 1
     with PeerClient(server.address, secret=SECRET, options=FAST) as client:  # the direct path works
-        assert client.push_chunk(1, "pushed@0:1", data) is True
+        client.push_chunks(1, [("pushed@0:1", data, crc32c(data))])
         assert bytes(client.get_chunk(1, "pushed@0:1")) == data  # type: ignore[arg-type]

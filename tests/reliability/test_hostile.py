@@ -478,7 +478,6 @@ def _frame_strategy() -> st.SearchStrategy[bytes]:
     values, lying prefixes, junk JSON headers, and truncations of all of these."""
     request_types = [
         MsgType.GET_CHUNK,
-        MsgType.PUT_CHUNK,
         MsgType.LIST,
         MsgType.GET_MANIFEST,
         MsgType.PUT_MANIFEST,
@@ -672,7 +671,7 @@ SCRIPTED: dict[str, tuple[bool, Callable[[], bytes], tuple[str, Any]]] = {
         True,
         lambda: (
             wire.PREFIX.pack(
-                wire.MAGIC, wire.VERSION, MsgType.PUT_CHUNK, 0, 2, FAST.max_payload_bytes + 1
+                wire.MAGIC, wire.VERSION, MsgType.PUT_CHUNKS, 0, 2, FAST.max_payload_bytes + 1
             )
             + b"{}"
         ),
@@ -739,11 +738,10 @@ def test_wrong_secret_and_over_budget_push_are_refused_typed(
             PeerClient(srv.address, secret=SECRET, options=FAST) as c,
         ):
             with pytest.raises(PeerRequestError) as info:
-                c.push_chunk(2, "big", np.zeros(512 << 10, np.uint8))
+                c.push_chunks(2, [("big", np.zeros(512 << 10, np.uint8), 0)])
             assert info.value.code == "budget"
-            assert (
-                c.push_chunk(2, "fits", np.ones(1000, np.uint8)) is True
-            )  # same connection, still in sync
+            c.push_chunks(2, [("fits", np.ones(1000, np.uint8), crc32c(np.ones(1000, np.uint8)))])
+            assert small.chunk_ids(2) == ["fits"]  # same connection, still in sync
     finally:
         small.close()
 

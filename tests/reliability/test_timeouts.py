@@ -284,7 +284,7 @@ def test_push_to_a_peer_that_stops_reading_fails_in_bounded_time(
     with PeerClient(stalling_peer.address, secret=SECRET, options=PEER_OPTS) as client:
         t0 = time.monotonic()
         with pytest.raises(PeerUnavailableError):
-            client.push_chunk(1, "big", data, raw_crc32c=0)
+            client.push_chunks(1, [("big", data, 0)])
         assert time.monotonic() - t0 < 4 * IO_TIMEOUT_S + 2
 
 

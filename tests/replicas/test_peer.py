@@ -98,20 +98,17 @@ def test_get_list_manifest_steps_bit_exact(served) -> None:  # type: ignore[no-u
         with pytest.raises(ConfigError):  # a caller bug, not a peer failure
             c.get_chunk(1, "")
         with pytest.raises(ConfigError):
-            c.push_chunk(1, "a\x00b", b"x")
+            c.push_chunks(1, [("a\x00b", b"x", 0)])
 
 
-def test_push_chunk_and_manifest(served) -> None:  # type: ignore[no-untyped-def]
+def test_push_one_chunk_and_manifest(served) -> None:  # type: ignore[no-untyped-def]
     tier, server, _ = served
     a = fill(2, {"x": (1 << 20) + 3})["x"]
     with PeerClient(server.address, secret=SECRET, options=FAST) as c:
-        assert c.push_chunk(2, "x", a) is True
-        assert c.push_chunk(2, "x", a.data, raw_crc32c=crc32c(a)) is False  # already there
-        with pytest.raises(ChecksumMismatchError):
-            c.push_chunk(2, "y", a, raw_crc32c=crc32c(a) ^ 1)
+        c.push_chunks(2, [("x", a.data, crc32c(a))])
         c.put_manifest(2, b"m2")
         with pytest.raises(PeerRequestError) as e:
-            c.push_chunk(1, "late", b"z")  # step 1 is superseded by committed step 2
+            c.push_chunks(1, [("late", b"z", crc32c(b"z"))])  # superseded by committed step 2
         assert e.value.code == "stale_step"
         assert c.steps() == [2]  # still usable after refusals
     assert bytes(tier.get_chunk(2, "x", verify=True)) == a.tobytes()  # type: ignore[arg-type]
@@ -119,12 +116,14 @@ def test_push_chunk_and_manifest(served) -> None:  # type: ignore[no-untyped-def
 
 
 def test_push_over_budget_is_refused(make_tier: MakeTier, make_server: MakeServer) -> None:
-    server = make_server(make_tier(budget_bytes=1 << 20), options=FAST)
+    tier = make_tier(budget_bytes=1 << 20)
+    server = make_server(tier, options=FAST)
     with PeerClient(server.address, secret=SECRET, options=FAST) as c:
         with pytest.raises(PeerRequestError) as e:
-            c.push_chunk(1, "big", np.zeros(2 << 20, np.uint8))
+            c.push_chunks(1, [("big", np.zeros(2 << 20, np.uint8), 0)])
         assert e.value.code == "budget"
-        assert c.push_chunk(1, "small", b"ok") is True
+        c.push_chunks(1, [("small", b"ok", crc32c(b"ok"))])
+        assert tier.chunk_ids(1) == ["small"]
 
 
 def test_concurrent_clients(served) -> None:  # type: ignore[no-untyped-def]
@@ -228,7 +227,7 @@ def test_oversized_requests_are_refused_and_others_served(served) -> None:  # ty
     chan, t, _, _ = raw_handshake(server.address)
     assert t is MsgType.AUTH_OK
     huge = wire.PREFIX.pack(
-        wire.MAGIC, wire.VERSION, MsgType.PUT_CHUNK, 0, 40, FAST.max_payload_bytes + 1
+        wire.MAGIC, wire.VERSION, MsgType.PUT_CHUNKS, 0, 40, FAST.max_payload_bytes + 1
     )
     chan.sock.sendall(huge)  # refused from the prefix alone, before any tag is read
     t, h, _ = chan.recv_head()
@@ -359,9 +358,9 @@ def test_large_chunks_use_pipelined_verification(
     server = make_server(make_tier("big", budget_bytes=64 << 20), options=FAST)
     with PeerClient(server.address, secret=SECRET, options=FAST) as c:
         assert bytes(c.get_chunk(1, "big", expected_crc32c=crc32c(big))) == big.tobytes()  # type: ignore[arg-type]
-        assert c.push_chunk(2, "pushed", big) is True  # the server receives via the same path
+        c.push_chunks(2, [("pushed", big, crc32c(big))])  # the server receives via that path
         with pytest.raises(ChecksumMismatchError):
-            c.push_chunk(2, "bad", big, raw_crc32c=crc32c(big) ^ 1)
+            c.push_chunks(2, [("bad", big, crc32c(big) ^ 1)])
         with f.open("r+b") as fh:  # flip a byte in the last window of the served copy
             fh.seek(big.nbytes - 3)
             fh.write(b"\xff" if big[-3] != 0xFF else b"\x00")
@@ -717,7 +716,7 @@ def test_an_oversized_push_is_refused_as_too_large_once(
     with PeerClient(server.address, secret=SECRET, options=FAST) as client:
         client.steps()  # a pooled connection: the retry path
         with pytest.raises(PeerRequestError) as e:
-            client.push_chunk(1, "big", np.zeros(size, np.uint8))
+            client.push_chunks(1, [("big", np.zeros(size, np.uint8), 0)])
         assert e.value.code == "too_large"
         assert client.handshakes == 1  # not sent again on a new connection
         assert client.steps() == []  # a fresh connection, not the one the server closed

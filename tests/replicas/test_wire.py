@@ -27,7 +27,11 @@ VALID: list[tuple[MsgType, dict[str, Any], bytes]] = [
     (MsgType.GET_CHUNK, {"step": 7, "chunk_id": "p['w']@0:4", "offset": 0, "length": None}, b""),
     (MsgType.GET_CHUNK, {"step": 2**63 - 1, "chunk_id": "x", "offset": 3, "length": 5}, b""),
     (MsgType.CHUNK, {"raw_crc32c": 2**32 - 1, "chunk_length": 3, "offset": 0}, b"abc"),
-    (MsgType.PUT_CHUNK, {"step": 1, "chunk_id": "ü@0:1", "raw_crc32c": 0}, b"\x00\xff"),
+    (
+        MsgType.GET_STREAM,
+        {"step": 1, "anchor": "ü@0:1", "offset": 0, "length": 2, "stream_len": 2},
+        b"",
+    ),
     (MsgType.LIST, {"step": 0}, b""),
     (MsgType.CHUNK_LIST, {"count": 2}, b'["a","b"]'),
     (MsgType.GET_MANIFEST, {"step": 1}, b""),
@@ -131,13 +135,13 @@ def test_malformed_frames_raise_protocol_error(data: bytes) -> None:
 
 def test_limits_are_checked_from_the_prefix_alone() -> None:
     big_header = struct.pack(">4sBBHIQ", b"FCKP", 2, 24, 0, LIMITS.max_header_bytes + 1, 0)
-    big_payload = struct.pack(">4sBBHIQ", b"FCKP", 2, 18, 0, 10, 2**63)
+    big_payload = struct.pack(">4sBBHIQ", b"FCKP", 2, 27, 0, 10, 2**63)
     for prefix in (big_header, big_payload):
         with pytest.raises(wire.FrameTooLargeError):
             wire_codec.decode_prefix(prefix, LIMITS)
     with pytest.raises(ProtocolError):  # the unauthenticated phase accepts no payload at all
         wire_codec.decode_prefix(
-            struct.pack(">4sBBHIQ", b"FCKP", 2, 17, 0, 10, 1), wire.AUTH_LIMITS
+            struct.pack(">4sBBHIQ", b"FCKP", 2, 29, 0, 10, 1), wire.AUTH_LIMITS
         )
 
 
