@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from fastckpt.errors import ChecksumMismatchError, ConfigError, ProtocolError
+from fastckpt.errors import ConfigError
 from fastckpt.replicas import _batched
 from fastckpt.replicas import _wire as wire
 from fastckpt.replicas import _wire_codec as wire_codec
@@ -57,62 +57,6 @@ class PeerClient(ConnectionPool):
         options: Timeouts and limits.
         name: Label used in messages and stats (default ``host:port``).
     """
-
-    def get_chunk(
-        self,
-        step: int,
-        chunk_id: str,
-        *,
-        into: memoryview | np.ndarray | None = None,
-        expected_crc32c: int | None = None,
-    ) -> memoryview | None:
-        """Fetch a whole chunk, verified against the crc32c the peer reports (and
-        ``expected_crc32c``).
-
-        Args:
-            step: Step number.
-            chunk_id: Chunk id (``format.manifest.chunk_id``).
-            into: Writable buffer the chunk is received into (no other copy); its size must be
-                the chunk's length. None: a new buffer is allocated.
-            expected_crc32c: The crc32c the caller knows (e.g. from the manifest).
-
-        Returns:
-            A view of the filled bytes, or None if the peer does not hold the chunk.
-
-        Raises:
-            ChecksumMismatchError: the bytes (or their length) do not match. ``into`` may
-                have been partly overwritten.
-        """
-        wire_codec.check_chunk_id(chunk_id)
-
-        def op(c: Conn) -> memoryview | None:
-            req = {"step": step, "chunk_id": chunk_id, "offset": 0, "length": None}
-            c.chan.send(MsgType.GET_CHUNK, req)
-            mtype, h, plen = self._reply(c, MsgType.CHUNK)
-            if mtype is MsgType.ERROR:
-                return None
-            if h["offset"] != 0 or plen != h["chunk_length"]:
-                raise ProtocolError(
-                    f"CHUNK reply covers {h['offset']}+{plen} of {h['chunk_length']}, asked for all"
-                )
-            buf = np.empty(plen, np.uint8) if into is None else into
-            dst = (buf.data if isinstance(buf, np.ndarray) else memoryview(buf)).cast("B")
-            if dst.nbytes != plen:
-                c.chan.drain(plen)
-                c.chan.end_payload()
-                raise ChecksumMismatchError(
-                    f"peer {self.name} holds chunk {chunk_id!r} with {plen} bytes, expected "
-                    f"{dst.nbytes}"
-                )
-            got = c.chan.recv_into(dst)
-            c.chan.end_payload()  # the bytes are authentic from here on
-            if got != h["raw_crc32c"] or (expected_crc32c is not None and got != expected_crc32c):
-                raise ChecksumMismatchError(
-                    f"chunk {chunk_id!r} of step {step} from peer {self.name} is corrupt"
-                )
-            return dst
-
-        return self._call(op)
 
     def get_chunks(
         self,

@@ -256,23 +256,7 @@ class PeerServer:
             return False
         self._count("requests")
         tier = self._tier
-        if mtype is MsgType.GET_CHUNK:
-            hit = tier.read_chunk(h["step"], h["chunk_id"])
-            if hit is None:
-                return self._error(
-                    chan, "not_found", f"no chunk {h['chunk_id']!r} of step {h['step']}"
-                )
-            view, loc = hit
-            start = h["offset"]
-            stop = loc.length if h["length"] is None else start + h["length"]
-            if start > loc.length or stop > loc.length:
-                return self._error(
-                    chan, "bad_request", f"range {start}:{stop} outside a {loc.length}-byte chunk"
-                )
-            header = {"raw_crc32c": loc.raw_crc32c, "chunk_length": loc.length, "offset": start}
-            chan.send(MsgType.CHUNK, header, [view[start:stop]])
-            self._count("bytes_sent", stop - start)
-        elif mtype is MsgType.GET_CHUNKS:
+        if mtype is MsgType.GET_CHUNKS:
             return self._get_chunks(chan, h, plen)
         elif mtype is MsgType.GET_RANGES:
             return self._get_ranges(chan, h, plen)

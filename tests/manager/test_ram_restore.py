@@ -420,9 +420,6 @@ def test_no_job_of_a_failed_restore_outlives_it(
         def __init__(self) -> None:
             self.done: list[float] = []
 
-        def fetch(self, *a: Any, **k: Any) -> None:
-            return None
-
         def fetch_many(self, step: int, items: list[Any], *, runs: Any = None) -> list[None]:
             time.sleep(0.5)
             self.done.append(time.perf_counter())

@@ -181,7 +181,7 @@ class StallingPeer:
     """Authenticates properly, then stalls at the chosen point:
 
     * ``"reply"``: reads the request, never answers;
-    * ``"payload"``: answers GET_CHUNK with a CHUNK head and half the payload, then nothing;
+    * ``"payload"``: answers GET_CHUNKS with a CHUNKS head and half the payload, then nothing;
     * ``"read"``: stops reading (a pushed chunk fills the socket buffers and the sender blocks).
     """
 
@@ -213,16 +213,7 @@ class StallingPeer:
                 t, _h, plen = chan.recv_head()
                 if plen:
                     chan.recv_payload()
-                if (
-                    self.mode == "payload" and t is MsgType.GET_CHUNK
-                ):  # half the payload, then nothing
-                    head = wire_codec.encode_frame(
-                        MsgType.CHUNK,
-                        {"raw_crc32c": 0, "chunk_length": 1 << 20, "offset": 0},
-                        1 << 20,
-                    )
-                    conn.sendall(chan.tag_raw(head + b"\0" * (1 << 19)))
-                elif self.mode == "payload" and t is MsgType.GET_CHUNKS:
+                if self.mode == "payload" and t is MsgType.GET_CHUNKS:
                     head = wire_codec.encode_frame(
                         MsgType.CHUNKS, {"lengths": [1 << 20], "crcs": [0], "missing": []}, 1 << 20
                     )
@@ -258,7 +249,6 @@ def test_stalled_peer_transfer_fails_in_bounded_time(
     with PeerClient(stalling_peer.address, secret=SECRET, options=PEER_OPTS) as client:
         into = np.zeros(1 << 20, np.uint8)
         for call in (
-            lambda: client.get_chunk(1, "a"),
             lambda: client.get_chunks(1, [("a", into, None)]),
             lambda: client.list_chunks(1),
             client.steps,
@@ -270,7 +260,7 @@ def test_stalled_peer_transfer_fails_in_bounded_time(
             assert took < 2 * IO_TIMEOUT_S + 1.5, took
     recorder.add(
         f"timeout_peer_{stalling_peer.mode}",
-        calls=4,
+        calls=3,
         io_timeout_s=IO_TIMEOUT_S,
         max_seconds=round(took, 2),
     )

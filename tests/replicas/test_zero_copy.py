@@ -93,7 +93,7 @@ def test_lend_falls_back_on_a_corrupt_copy(make_tier: MakeTier, shm_dir: Path) -
     assert src.lend(1, [("a", 8192, index["a"].raw_crc32c ^ 1), chunks[1]]) is None
     into = np.zeros(8192, np.uint8)
     assert (
-        src.fetch(1, "a", 8192, index["a"].raw_crc32c ^ 1, into=into) is None
+        src.fetch_many(1, [("a", 8192, index["a"].raw_crc32c ^ 1, into)])[0] is None
     )  # records the bad copy, once
     assert src.stats().fallbacks == {"corrupt": 1}
     assert TieredChunkSource(None).lend(1, chunks) is None
