@@ -1,12 +1,6 @@
 """The peer client: reads chunks from and pushes chunks to one
-:class:`~fastckpt.replicas._server.PeerServer`.
-
-Synchronous and thread-safe, with a pool of authenticated connections
-(:mod:`~fastckpt.replicas._pool`); payloads arrive with
-``recv_into`` straight into the caller's buffer and are checksummed (and fed to the frame's
-MAC) window by window. A call reports a chunk ``"ok"`` or returns bytes only after the
-payload's tag verified (see :mod:`~fastckpt.replicas._channel`).
-"""
+:class:`~fastckpt.replicas._server.PeerServer`. A call reports a chunk ``"ok"`` or returns
+bytes only after the payload's tag verified (see :mod:`~fastckpt.replicas._channel`)."""
 
 from __future__ import annotations
 
@@ -37,12 +31,8 @@ class StepLists(NamedTuple):
 
 
 class PeerClient(ConnectionPool):
-    """Synchronous, thread-safe client of one :class:`PeerServer`, with a connection pool.
-
-    Every call borrows an authenticated connection (or opens one: connect + handshake), so a
-    restore does not handshake per chunk; concurrent calls use separate connections. A call
-    whose reused connection turns out to be closed is retried once on a fresh one (every
-    request is idempotent).
+    """Synchronous, thread-safe client of one :class:`PeerServer`; concurrent calls use
+    separate pooled connections (:mod:`~fastckpt.replicas._pool`: reuse, one retry).
 
     Errors: unreachable/timeouts/disconnects → :class:`PeerUnavailableError`; handshake
     refused → :class:`AuthenticationError`; malformed replies → :class:`ProtocolError`; a

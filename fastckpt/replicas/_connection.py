@@ -4,19 +4,12 @@ Threads and blocking sockets, not asyncio: a payload leaves with ``sendall`` str
 the tier's mmap and arrives with ``recv_into`` straight into the caller's buffer (both release
 the GIL), which is what keeps a peer transfer near raw loopback TCP speed.
 
-Security (``docs/replicas.md``, "Security properties"): every connection starts with a
-mutual challenge/response over fresh nonces from both sides (HELLO, CHALLENGE, AUTH,
-AUTH_OK; ``_wire_auth.session_keys`` derives the proofs and the connection's two frame keys,
-one per direction, as HMAC-SHA256 of the shared secret and a transcript of the whole handshake),
-so an altered or downgraded handshake fails. Until it succeeds the server accepts only tiny
-frames and reveals nothing. After it, every frame in both directions carries GMAC tags over
-its header and payload and its implicit sequence number (the
-:class:`~fastckpt.replicas._channel.Channel` each side's handshake returns): a frame
-injected, altered, replayed, reordered or dropped on the way is refused
-(:class:`~fastckpt.errors.FrameAuthenticationError` on the client, which then falls back to
-another source; an unanswered disconnect on the server, which stores nothing of it). Only
-the handshake and a server's ``busy`` refusal use the plain frames of :func:`send_frame`
-and :func:`recv_frame_head`.
+Security (``docs/replicas.md``, "Security properties"): the mutual handshake
+(:func:`client_handshake`, :func:`server_handshake`; messages and keys in ``_wire_auth``)
+returns the :class:`~fastckpt.replicas._channel.Channel` that tags and verifies every later
+frame. Until it succeeds the server accepts only tiny frames and reveals nothing. Only the
+handshake and a server's ``busy`` refusal use the plain frames of :func:`send_frame` and
+:func:`recv_frame_head`.
 
 Not provided: confidentiality (traffic is authenticated, not encrypted: anyone on the path
 reads checkpoint contents, so bind to a trusted interface; loopback by default) and
@@ -133,9 +126,8 @@ def close_gracefully(sock: socket.socket) -> None:
     ``close`` would answer with a reset that can destroy the frame in flight."""
     with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_WR)
-        deadline = (
-            time.monotonic() + _LINGER_S
-        )  # in total: a client trickling bytes cannot hold the thread
+        # in total: a client trickling bytes cannot hold the thread
+        deadline = time.monotonic() + _LINGER_S
         buf = bytearray(65536)
         budget = _LINGER_BYTES
         while budget > 0 and (left := deadline - time.monotonic()) > 0:

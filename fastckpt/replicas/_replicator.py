@@ -234,10 +234,8 @@ class Replicator:
                     old._cancelled = True
                     _log.warning(
                         "fastckpt: push of RAM step %d superseded by step %d before it finished; "
-                        "until "
-                        "%d is pushed, losing a host may leave no complete RAM step (pushes take "
-                        "longer "
-                        "than the RAM checkpoint interval)",
+                        "until %d is pushed, losing a host may leave no complete RAM step "
+                        "(pushes take longer than the RAM checkpoint interval)",
                         old.step,
                         step,
                         step,

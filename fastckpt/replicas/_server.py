@@ -1,11 +1,6 @@
 """The peer server: serves a :class:`~fastckpt.replicas._ram.RamTier` to authenticated peers over
-TCP.
-
-One thread per connection with blocking sockets: a payload leaves with ``sendall`` straight
-from the tier's mmap (GIL released), which keeps a transfer near raw loopback speed. Every
-frame after the handshake goes through the connection's :class:`~._channel.Channel`: a
-pushed chunk is sealed, a pushed manifest stored, and an id list read only after its
-payload's tag verified.
+TCP, one thread per connection (blocking sockets, see ``_connection``). A pushed chunk is
+sealed, a pushed manifest stored, and an id list read only after its payload's tag verified.
 """
 
 from __future__ import annotations
@@ -344,9 +339,8 @@ class PeerServer:
             j += n
             hit = self._tier.read_chunk(h["step"], cid)
             if hit is None or not wire_codec.spans_fit(spans, hit[1].length):
-                missing.append(
-                    i
-                )  # not held, or the ranges are not ascending, disjoint and inside it
+                # not held, or the ranges are not ascending, disjoint and inside it
+                missing.append(i)
                 continue
             view, loc = hit
             lengths[i] = loc.length

@@ -240,9 +240,8 @@ class TieredChunkSource:
                     loc.length == length and loc.raw_crc32c == crc
                     for (_, length, crc), loc in zip(chunks, locs)
                 )
-            out.append(
-                view if ok else None
-            )  # a bad copy: the per-chunk fetch that follows finds and records it
+            # a bad copy: the fetch that follows finds and records it
+            out.append(view if ok else None)
             if ok:
                 nchunks += len(chunks)
                 nbytes += sum(c[1] for c in chunks)

@@ -395,6 +395,5 @@ def check_push_targets(
             + more
             + ". Check RamOptions.host (default: this host's address on the "
             "route to the jax.distributed coordinator), firewalls between the hosts, and that "
-            "every process "
-            "has the same secret"
+            "every process has the same secret"
         )

@@ -119,9 +119,8 @@ def _rank_group(
         arr = staged.arrays[ai]
         cuts = _grid(boxes[a:b], arr.shape)
         listed = None
-        if (
-            cuts is None
-        ):  # not a grid: prove the tiling the slow way (never the case for a sharding)
+        # not a grid: prove the tiling the slow way (never the case for a sharding)
+        if cuts is None:
             listed = [tuple(zip(row[0::2], row[1::2])) for row in boxes[a:b].tolist()]
             check_tiling(listed, arr.shape, f"array {keypath_str(arr.path)}")
         leaf_codes = codes[a:b]
