@@ -198,13 +198,7 @@ def client_handshake(
     deadline = time.monotonic() + timeout_s  # for the whole handshake
     client_nonce = wire_auth.new_nonce()
     send_frame(sock, MsgType.HELLO, {"nonce": client_nonce.hex(), "frame_mac": frame_mac})
-    mtype, h, _ = recv_frame_head(
-        sock, wire.AUTH_LIMITS, allowed=[MsgType.CHALLENGE, MsgType.ERROR], deadline=deadline
-    )
-    if mtype is MsgType.ERROR:
-        if h["code"] == "auth_failed":
-            raise AuthenticationError(f"peer {name} refused the handshake: {h['message']}")
-        raise PeerRequestError(h["code"], h["message"])
+    h = _handshake_reply(sock, MsgType.CHALLENGE, deadline, f"peer {name} refused the handshake")
     if h["frame_mac"] != frame_mac:
         raise AuthenticationError(
             f"peer {name} runs with frame_mac={h['frame_mac']}, this "
@@ -222,15 +216,9 @@ def client_handshake(
             "handshake (secrets differ, or the handshake was altered)"
         )
     send_frame(sock, MsgType.AUTH, {"mac": keys.client_proof.hex()})
-    mtype, h, _ = recv_frame_head(
-        sock, wire.AUTH_LIMITS, allowed=[MsgType.AUTH_OK, MsgType.ERROR], deadline=deadline
+    _handshake_reply(
+        sock, MsgType.AUTH_OK, deadline, f"peer {name} refused our proof (secrets differ?)"
     )
-    if mtype is MsgType.ERROR:
-        if h["code"] == "auth_failed":
-            raise AuthenticationError(
-                f"peer {name} refused our proof (secrets differ?): {h['message']}"
-            )
-        raise PeerRequestError(h["code"], h["message"])
     return Channel(
         sock,
         limits=limits,
@@ -238,6 +226,20 @@ def client_handshake(
         send_key=keys.client_key if frame_mac else None,
         recv_key=keys.server_key if frame_mac else None,
     )
+
+
+def _handshake_reply(
+    sock: socket.socket, expected: MsgType, deadline: float, refused: str
+) -> dict[str, Any]:
+    """The header of the server's ``expected`` handshake frame, or its refusal raised."""
+    mtype, h, _ = recv_frame_head(
+        sock, wire.AUTH_LIMITS, allowed=[expected, MsgType.ERROR], deadline=deadline
+    )
+    if mtype is MsgType.ERROR:
+        if h["code"] == "auth_failed":
+            raise AuthenticationError(f"{refused}: {h['message']}")
+        raise PeerRequestError(h["code"], h["message"])
+    return h
 
 
 def server_handshake(
