@@ -194,26 +194,20 @@ class TieredChunkSource:
             self._not_found += sum(1 for t in out if t is None)
         return out
 
-    def lend(self, step: int, chunks: Sequence[tuple[str, int, int]]) -> memoryview | None:
-        """A verified, read-only view of consecutive chunks straight from this process's tier.
-
-        ``chunks`` are ``(chunk_id, raw_length, raw_crc32c)`` in the order they must appear.
-        The view aliases shared memory (no copy) and may be kept indefinitely (see
-        :meth:`RamTier.lend_span`). None if there is no own tier, the chunks are not back to
-        back in one segment, or any copy fails verification (then fall back to
-        :meth:`fetch_many`, which tries peers).
-        """
-        return self.lend_many(step, [chunks])[0]
-
     def lend_many(
         self, step: int, groups: Sequence[Sequence[tuple[str, int, int]]], *, verify: bool = True
     ) -> list[memoryview | None]:
-        """:meth:`lend` for several destination buffers at once (one tier lookup, one stats update).
+        """Per destination buffer, a verified, read-only view of consecutive chunks straight
+        from this process's tier (one tier lookup, one stats update for all).
 
-        ``verify=False`` skips the checksums (the tier's record of each chunk must still
-        match its length and crc32c): the caller must verify every chunk of a view against
-        its ``raw_crc32c`` before using it, and :meth:`fetch_many` the chunks of a view that
-        fails (which finds and records the bad copy). Such views count as lent in
+        A group's chunks are ``(chunk_id, raw_length, raw_crc32c)`` in the order they must
+        appear. A view aliases shared memory (no copy) and may be kept indefinitely (see
+        :meth:`RamTier.lend_spans`). None if there is no own tier, the chunks are not back to
+        back in one segment, or any copy fails verification (then :meth:`fetch_many` them,
+        which tries peers). ``verify=False`` skips the checksums (the tier's record of each
+        chunk must still match its length and crc32c): the caller must verify every chunk of
+        a view against its ``raw_crc32c`` before using it, and :meth:`fetch_many` the chunks
+        of a view that fails (which finds and records the bad copy). Such views count as lent in
         :meth:`stats` whatever the caller finds.
         """
         if self._own is None:

@@ -174,30 +174,21 @@ class StepTable:
             hit = st.chunks.get(chunk_id) if st else None
         return None if hit is None else hit[0].slice(0, hit[0].nbytes, self._prefault)
 
-    def lend_span(
-        self, step: int, chunk_ids: Sequence[str]
-    ) -> tuple[memoryview, list[ChunkLocation]] | None:
-        """A read-only view spanning ``chunk_ids``, which must lie back to back in one segment.
-
-        For zero-copy restores: the caller may keep the view (e.g. a host platform's
-        ``device_put`` aliases it) for as long as it likes. The segment is marked lent (its
-        file turns read-only), so neither this tier nor one reopened over the same directory
-        ever recycles the file for new data: once the step is dropped the file is unlinked
-        and its pages are freed when the last view is collected. Those pages no longer
-        count against ``budget_bytes``.
-
-        Returns None if a chunk is missing, the chunks are not contiguous in one segment,
-        or the step was dropped meanwhile. Does not verify checksums (the caller does,
-        against the locations returned, in order).
-        """
-        return self.lend_spans(step, [chunk_ids])[0]
-
     def lend_spans(
         self, step: int, groups: Sequence[Sequence[str]]
     ) -> list[tuple[memoryview, list[ChunkLocation]] | None]:
-        """:meth:`lend_span` for several groups of chunks at once: one acquisition of the
-        tier's lock and one of each segment's (a restore lends thousands of groups from
-        one segment; a lock per group made its threads queue on it)."""
+        """Per group of chunk ids, a read-only view spanning them (they must lie back to back
+        in one segment) and their locations, in order; None if a chunk is missing, the group
+        is empty or not contiguous in one segment, or the step was dropped meanwhile. Does
+        not verify checksums (the caller does, against the locations).
+
+        For zero-copy restores: the caller may keep a view (e.g. a host platform's
+        ``device_put`` aliases it) for as long as it likes. Its segment is marked lent (its
+        file turns read-only), so neither this tier nor one reopened over the same directory
+        ever recycles the file for new data: once the step is dropped the file is unlinked
+        and its pages are freed when the last view is collected. Those pages no longer
+        count against ``budget_bytes``. One acquisition of the tier's lock and one of each
+        segment's for all groups (a restore lends thousands of groups from one segment)."""
         with self._lock:
             st = self._steps.get(step)
             hits = [[st.chunks.get(cid) for cid in ids] if st and ids else [None] for ids in groups]

@@ -371,7 +371,7 @@ def test_push_chunks_stores_one_segment_all_or_nothing(
         assert len(_segments(shm_dir / "dst", 3)) == 1
         for cid, a in data.items():
             assert bytes(tier.get_chunk(3, cid, verify=True)) == a.tobytes()  # type: ignore[arg-type]
-        hit = tier.lend_span(3, ["p@0:4", "p@4:8"])  # back to back, in the order sent
+        hit = tier.lend_spans(3, [["p@0:4", "p@4:8"]])[0]  # back to back, in the order sent
         assert (
             hit is not None and bytes(hit[0]) == data["p@0:4"].tobytes() + data["p@4:8"].tobytes()
         )
