@@ -13,7 +13,7 @@ import dataclasses
 import json
 import shutil
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from fastckpt._checksum import crc32c
@@ -226,36 +226,11 @@ class StepTable:
             raise ChecksumMismatchError(f"RAM copy of chunk {chunk_id!r} of step {step} is corrupt")
         return view
 
-    def chunk_location(self, step: int, chunk_id: str) -> ChunkLocation | None:
-        """Length and crc32c (and offset in its segment) of a sealed chunk, or None."""
-        with self._lock:
-            st = self._steps.get(step)
-            hit = st.chunks.get(chunk_id) if st else None
-        return hit[1] if hit else None
-
-    def has_chunk(
-        self, step: int, chunk_id: str, *, length: int | None = None, raw_crc32c: int | None = None
-    ) -> bool:
-        """Whether a sealed chunk exists (and, if given, has this length and crc32c)."""
-        loc = self.chunk_location(step, chunk_id)
-        return (
-            loc is not None
-            and (length is None or loc.length == length)
-            and (raw_crc32c is None or loc.raw_crc32c == raw_crc32c)
-        )
-
     def chunk_ids(self, step: int) -> list[str]:
         """Sorted ids of the sealed chunks of ``step`` (empty if none)."""
         with self._lock:
             st = self._steps.get(step)
             return sorted(st.chunks) if st else []
-
-    def iter_chunks(self, step: int) -> Iterator[tuple[str, ChunkLocation]]:
-        """A snapshot of ``(chunk_id, location)`` for the sealed chunks of ``step``."""
-        with self._lock:
-            st = self._steps.get(step)
-            items = [(cid, loc) for cid, (_, loc) in st.chunks.items()] if st else []
-        return iter(items)
 
     def steps(self) -> list[int]:
         """Steps with any sealed chunk or a manifest, sorted."""

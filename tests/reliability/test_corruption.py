@@ -593,7 +593,8 @@ def test_peer_wire_corruption_falls_back_to_storage(served_step: Any, recorder: 
 
 def test_peer_wire_corruption_without_fallback_is_a_typed_error(served_step: Any) -> None:
     _, _, server, tier = served_step
-    cid, loc = next((c, loc) for c, loc in tier.iter_chunks(1) if loc.length)
+    hits = {c: tier.read_chunk(1, c) for c in tier.chunk_ids(1)}
+    cid, loc = next((c, h[1]) for c, h in hits.items() if h is not None and h[1].length)
     relay = FlippingRelay(server.address, seed=5, probability=1.0)
     try:
         with PeerClient(relay.address, secret=SECRET, options=FAST) as client:
@@ -632,7 +633,7 @@ def test_pushed_chunk_corrupted_on_the_wire_is_refused(served_step: Any) -> None
                 client.push_chunks(1, [("pushed@0:1", data, crc32c(data))])
     finally:
         relay.close()
-    assert not tier.has_chunk(1, "pushed@0:1")
+    assert tier.read_chunk(1, "pushed@0:1") is None
     assert relay.flips["payload"] == 1 and server.stats["frame_auth_failures"] == 1
     with PeerClient(server.address, secret=SECRET, options=FAST) as client:  # the direct path works
         client.push_chunks(1, [("pushed@0:1", data, crc32c(data))])

@@ -39,8 +39,9 @@ def test_seal_makes_chunks_visible_bit_exact(make_tier: MakeTier) -> None:
         view = tier.get_chunk(3, cid, verify=True)
         assert view is not None and view.readonly
         assert bytes(view) == a.tobytes()
-        assert tier.has_chunk(3, cid, length=a.nbytes, raw_crc32c=crc32c(a))
-    assert not tier.has_chunk(3, ODD_IDS[0], raw_crc32c=1)
+        hit = tier.read_chunk(3, cid)
+        assert hit is not None and (hit[1].length, hit[1].raw_crc32c) == (a.nbytes, crc32c(a))
+    assert tier.read_chunk(3, "missing") is None and tier.read_chunk(4, cid) is None
     with pytest.raises(ConfigError):
         _ = seg.buffer  # a sealed segment is no longer writable through the tier's handle
 
