@@ -178,15 +178,10 @@ def send_frame(sock: socket.socket, msg_type: MsgType, header: Mapping[str, Any]
 
 
 def client_handshake(
-    sock: socket.socket,
-    *,
-    secret: bytes,
-    frame_mac: bool,
-    limits: wire.WireLimits,
-    timeout_s: float,
-    name: str,
+    sock: socket.socket, *, secret: bytes, options: PeerOptions, name: str
 ) -> Channel:
-    """Authenticate ``sock`` as a client (HELLO, CHALLENGE, AUTH, AUTH_OK) within ``timeout_s``.
+    """Authenticate ``sock`` as a client (HELLO, CHALLENGE, AUTH, AUTH_OK) within
+    ``options.handshake_timeout_s``; the channel's socket then has ``options.io_timeout_s``.
 
     Raises:
         AuthenticationError: the server cannot prove the secret for this handshake (other
@@ -194,6 +189,7 @@ def client_handshake(
         PeerRequestError: the server refused otherwise (e.g. ``busy``).
         PeerUnavailableError, ProtocolError: the connection failed or spoke garbage.
     """
+    frame_mac, timeout_s = options.frame_mac, options.handshake_timeout_s
     sock.settimeout(timeout_s)
     deadline = time.monotonic() + timeout_s  # for the whole handshake
     client_nonce = wire_auth.new_nonce()
@@ -219,9 +215,10 @@ def client_handshake(
     _handshake_reply(
         sock, MsgType.AUTH_OK, deadline, f"peer {name} refused our proof (secrets differ?)"
     )
+    sock.settimeout(options.io_timeout_s)
     return Channel(
         sock,
-        limits=limits,
+        limits=options.limits,
         role="client",
         send_key=keys.client_key if frame_mac else None,
         recv_key=keys.server_key if frame_mac else None,
@@ -242,15 +239,9 @@ def _handshake_reply(
     return h
 
 
-def server_handshake(
-    sock: socket.socket,
-    *,
-    secret: bytes,
-    frame_mac: bool,
-    limits: wire.WireLimits,
-    timeout_s: float,
-) -> Channel:
-    """Authenticate the client on ``sock`` (the server's side) within ``timeout_s``.
+def server_handshake(sock: socket.socket, *, secret: bytes, options: PeerOptions) -> Channel:
+    """Authenticate the client on ``sock`` (the server's side) within
+    ``options.handshake_timeout_s``; the channel's socket then has ``options.io_timeout_s``.
 
     Before it succeeds only HELLO and AUTH frames of at most ``AUTH_LIMITS`` are accepted.
 
@@ -259,6 +250,7 @@ def server_handshake(
             ``frame_mac`` mode (``ERROR auth_failed`` was sent, saying which).
         PeerUnavailableError, ProtocolError: the connection failed or spoke garbage.
     """
+    frame_mac, timeout_s = options.frame_mac, options.handshake_timeout_s
     sock.settimeout(timeout_s)
     deadline = time.monotonic() + timeout_s  # for the whole handshake, not each receive
     _, hello, _ = recv_frame_head(
@@ -285,9 +277,10 @@ def server_handshake(
         send_frame(sock, MsgType.ERROR, {"code": "auth_failed", "message": "authentication failed"})
         raise AuthenticationError("a client failed to prove it knows the secret")
     send_frame(sock, MsgType.AUTH_OK, {})
+    sock.settimeout(options.io_timeout_s)
     return Channel(
         sock,
-        limits=limits,
+        limits=options.limits,
         role="server",
         send_key=keys.server_key if frame_mac else None,
         recv_key=keys.client_key if frame_mac else None,

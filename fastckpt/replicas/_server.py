@@ -198,17 +198,10 @@ class PeerServer:
         try:
             tune(conn, o)
             try:
-                chan = _connection.server_handshake(
-                    conn,
-                    secret=self._secret,
-                    frame_mac=o.frame_mac,
-                    limits=self._limits,
-                    timeout_s=o.handshake_timeout_s,
-                )
+                chan = _connection.server_handshake(conn, secret=self._secret, options=o)
             except AuthenticationError:
                 self._count("auth_failures")
                 return
-            conn.settimeout(o.io_timeout_s)
             while not self._closed.is_set() and self._handle_one(chan):
                 pass
         except FrameAuthenticationError:

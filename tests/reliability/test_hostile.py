@@ -799,9 +799,7 @@ class LyingServer:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
-            chan = server_handshake(
-                conn, secret=self.secret, frame_mac=True, limits=wire.WireLimits(), timeout_s=10
-            )
+            chan = server_handshake(conn, secret=self.secret, options=PeerOptions())
             t, h, plen = chan.recv_head()
             if plen:
                 chan.recv_payload()

@@ -41,7 +41,6 @@ from fastckpt.errors import (
     TransientStorageError,
 )
 from fastckpt.options import RamOptions
-from fastckpt.replicas import _wire as wire
 from fastckpt.replicas import _wire_codec as wire_codec
 from fastckpt.replicas._client import PeerClient
 from fastckpt.replicas._connection import PeerOptions, server_handshake
@@ -207,7 +206,7 @@ class StallingPeer:
             conn.settimeout(10)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             chan = server_handshake(
-                conn, secret=SECRET, frame_mac=True, limits=wire.WireLimits(), timeout_s=10
+                conn, secret=SECRET, options=PeerOptions(handshake_timeout_s=10, io_timeout_s=10)
             )
             if self.mode != "read":
                 t, _h, plen = chan.recv_head()

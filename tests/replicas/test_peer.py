@@ -719,9 +719,7 @@ def test_a_ranges_reply_shorter_than_its_runs_is_a_protocol_error() -> None:
     def fake_peer() -> None:
         s, _ = listener.accept()
         with s:
-            chan = server_handshake(
-                s, secret=SECRET, frame_mac=True, limits=wire.WireLimits(), timeout_s=5
-            )
+            chan = server_handshake(s, secret=SECRET, options=PeerOptions())
             chan.recv_head()
             chan.recv_payload()
             chan.send(
