@@ -5,9 +5,9 @@ Run ``python -m benchmarks.peer_throughput [--sizes-mib 256,1024] [--streams 1,2
 
 Measures, per state size (split into ``--chunk-mib`` chunks):
 
-* own RAM: ``TieredChunkSource.fetch`` from this process's tier (crc32c verified + copy
+* own RAM: ``TieredChunkSource.fetch_many`` from this process's tier (crc32c verified + copy
   into a warm destination) vs a numpy copy of the same bytes (same source, same destination);
-* peer: ``PeerClient.get_chunk`` from a ``PeerServer`` in another process (crc32c verified,
+* peer: ``PeerClient.get_chunks`` from a ``PeerServer`` in another process (crc32c verified,
   received into a warm destination) vs raw loopback TCP (``sendall``/``recv_into``, one
   request per stream, no framing, no checks), both with the same number of streams; once
   per ``--frame-mac`` setting (``on``: every frame authenticated, the default; ``off``: only
@@ -108,9 +108,10 @@ def bench_own(
                 np.copyto(dst[off : off + n], np.frombuffer(views[cid], np.uint8))  # type: ignore[arg-type]
 
         def fetch(s: TieredChunkSource) -> Callable[[], None]:
+            items = [(cid, n, crc, dst[off : off + n]) for cid, (off, n, crc) in chunks.items()]
+
             def run() -> None:
-                for cid, (off, n, crc) in chunks.items():
-                    assert s.fetch(1, cid, n, crc, into=dst[off : off + n]) == "ram"
+                assert s.fetch_many(1, items) == ["ram"] * len(items)
 
             return run
 
@@ -174,9 +175,8 @@ def _peer_reader(
     parts = _split(list(chunks), streams)
 
     def worker(ids: list[str]) -> None:
-        for cid in ids:
-            off, n, crc = chunks[cid]
-            client.get_chunk(1, cid, into=dst[off : off + n], expected_crc32c=crc)
+        items = [(cid, dst[o : o + n], crc) for cid in ids for o, n, crc in [chunks[cid]]]
+        assert client.get_chunks(1, items) == ["ok"] * len(items)
 
     def run() -> None:
         _run_threads([functools.partial(worker, ids) for ids in parts])

@@ -310,9 +310,8 @@ class Saver:
                 metadata=metadata,
             )
         finally:
-            if (
-                tier is None and error is None
-            ):  # (after a failed write, puts in threads may still read it)
+            # (after a failed write, puts in threads may still read it)
+            if tier is None and error is None:
                 self.pool.give(staged.buffer)
         stats.tiers += ("storage",)
         stats.raw_bytes, stats.stored_bytes, stats.objects = (

@@ -1,12 +1,6 @@
 """The peer client: reads chunks from and pushes chunks to one
-:class:`~fastckpt.replicas._server.PeerServer`.
-
-Synchronous and thread-safe, with a pool of authenticated connections
-(:mod:`~fastckpt.replicas._pool`); payloads arrive with
-``recv_into`` straight into the caller's buffer and are checksummed (and fed to the frame's
-MAC) window by window. A call reports a chunk ``"ok"`` or returns bytes only after the
-payload's tag verified (see :mod:`~fastckpt.replicas._channel`).
-"""
+:class:`~fastckpt.replicas._server.PeerServer`. A call reports a chunk ``"ok"`` or returns
+bytes only after the payload's tag verified (see :mod:`~fastckpt.replicas._channel`)."""
 
 from __future__ import annotations
 
@@ -14,10 +8,9 @@ import json
 from collections.abc import Sequence
 from typing import NamedTuple
 
-import crc32c as _crc32c
 import numpy as np
 
-from fastckpt.errors import ChecksumMismatchError, ConfigError, ProtocolError
+from fastckpt.errors import ConfigError
 from fastckpt.replicas import _batched
 from fastckpt.replicas import _wire as wire
 from fastckpt.replicas import _wire_codec as wire_codec
@@ -38,12 +31,8 @@ class StepLists(NamedTuple):
 
 
 class PeerClient(ConnectionPool):
-    """Synchronous, thread-safe client of one :class:`PeerServer`, with a connection pool.
-
-    Every call borrows an authenticated connection (or opens one: connect + handshake), so a
-    restore does not handshake per chunk; concurrent calls use separate connections. A call
-    whose reused connection turns out to be closed is retried once on a fresh one (every
-    request is idempotent).
+    """Synchronous, thread-safe client of one :class:`PeerServer`; concurrent calls use
+    separate pooled connections (:mod:`~fastckpt.replicas._pool`: reuse, one retry).
 
     Errors: unreachable/timeouts/disconnects → :class:`PeerUnavailableError`; handshake
     refused → :class:`AuthenticationError`; malformed replies → :class:`ProtocolError`; a
@@ -58,62 +47,6 @@ class PeerClient(ConnectionPool):
         options: Timeouts and limits.
         name: Label used in messages and stats (default ``host:port``).
     """
-
-    def get_chunk(
-        self,
-        step: int,
-        chunk_id: str,
-        *,
-        into: memoryview | np.ndarray | None = None,
-        expected_crc32c: int | None = None,
-    ) -> memoryview | None:
-        """Fetch a whole chunk, verified against the crc32c the peer reports (and
-        ``expected_crc32c``).
-
-        Args:
-            step: Step number.
-            chunk_id: Chunk id (``format.manifest.chunk_id``).
-            into: Writable buffer the chunk is received into (no other copy); its size must be
-                the chunk's length. None: a new buffer is allocated.
-            expected_crc32c: The crc32c the caller knows (e.g. from the manifest).
-
-        Returns:
-            A view of the filled bytes, or None if the peer does not hold the chunk.
-
-        Raises:
-            ChecksumMismatchError: the bytes (or their length) do not match. ``into`` may
-                have been partly overwritten.
-        """
-        wire_codec.check_chunk_id(chunk_id)
-
-        def op(c: Conn) -> memoryview | None:
-            req = {"step": step, "chunk_id": chunk_id, "offset": 0, "length": None}
-            c.chan.send(MsgType.GET_CHUNK, req)
-            mtype, h, plen = self._reply(c, MsgType.CHUNK)
-            if mtype is MsgType.ERROR:
-                return None
-            if h["offset"] != 0 or plen != h["chunk_length"]:
-                raise ProtocolError(
-                    f"CHUNK reply covers {h['offset']}+{plen} of {h['chunk_length']}, asked for all"
-                )
-            buf = np.empty(plen, np.uint8) if into is None else into
-            dst = (buf.data if isinstance(buf, np.ndarray) else memoryview(buf)).cast("B")
-            if dst.nbytes != plen:
-                c.chan.drain(plen)
-                c.chan.end_payload()
-                raise ChecksumMismatchError(
-                    f"peer {self.name} holds chunk {chunk_id!r} with {plen} bytes, expected "
-                    f"{dst.nbytes}"
-                )
-            got = c.chan.recv_into(dst)
-            c.chan.end_payload()  # the bytes are authentic from here on
-            if got != h["raw_crc32c"] or (expected_crc32c is not None and got != expected_crc32c):
-                raise ChecksumMismatchError(
-                    f"chunk {chunk_id!r} of step {step} from peer {self.name} is corrupt"
-                )
-            return dst
-
-        return self._call(op)
 
     def get_chunks(
         self,
@@ -249,43 +182,6 @@ class PeerClient(ConnectionPool):
             receive,
             window,
         )
-
-    def push_chunk(
-        self,
-        step: int,
-        chunk_id: str,
-        data: memoryview | bytes | np.ndarray,
-        *,
-        raw_crc32c: int | None = None,
-    ) -> bool:
-        """Store a chunk in the peer's tier (sent straight from ``data``).
-
-        Returns:
-            True if stored; False if the peer already held an identical chunk.
-
-        Raises:
-            PeerRequestError: refused (``code``: ``stale_step``, ``budget``,
-                ``checksum_mismatch``, ``bad_request``).
-        """
-        view = (
-            data.reshape(-1).view(np.uint8).data
-            if isinstance(data, np.ndarray)
-            else memoryview(data).cast("B")
-        )
-        crc = _crc32c.crc32c(view) if raw_crc32c is None else raw_crc32c
-        wire_codec.check_chunk_id(chunk_id)
-
-        def op(c: Conn) -> bool:
-            self._send_push(
-                c,
-                MsgType.PUT_CHUNK,
-                {"step": step, "chunk_id": chunk_id, "raw_crc32c": crc},
-                [view],
-            )
-            _, h, _ = self._reply(c, MsgType.OK, missing_ok=False)
-            return bool(h["stored"])
-
-        return self._call(op)
 
     def push_chunks(
         self, step: int, chunks: Sequence[tuple[str, memoryview | bytes | np.ndarray, int]]

@@ -4,19 +4,12 @@ Threads and blocking sockets, not asyncio: a payload leaves with ``sendall`` str
 the tier's mmap and arrives with ``recv_into`` straight into the caller's buffer (both release
 the GIL), which is what keeps a peer transfer near raw loopback TCP speed.
 
-Security (``docs/replicas.md``, "Security properties"): every connection starts with a
-mutual challenge/response over fresh nonces from both sides (HELLO, CHALLENGE, AUTH,
-AUTH_OK; ``_wire_auth.session_keys`` derives the proofs and the connection's two frame keys,
-one per direction, as HMAC-SHA256 of the shared secret and a transcript of the whole handshake),
-so an altered or downgraded handshake fails. Until it succeeds the server accepts only tiny
-frames and reveals nothing. After it, every frame in both directions carries GMAC tags over
-its header and payload and its implicit sequence number (the
-:class:`~fastckpt.replicas._channel.Channel` each side's handshake returns): a frame
-injected, altered, replayed, reordered or dropped on the way is refused
-(:class:`~fastckpt.errors.FrameAuthenticationError` on the client, which then falls back to
-another source; an unanswered disconnect on the server, which stores nothing of it). Only
-the handshake and a server's ``busy`` refusal use the plain frames of :func:`send_frame`
-and :func:`recv_frame_head`.
+Security (``docs/replicas.md``, "Security properties"): the mutual handshake
+(:func:`client_handshake`, :func:`server_handshake`; messages and keys in ``_wire_auth``)
+returns the :class:`~fastckpt.replicas._channel.Channel` that tags and verifies every later
+frame. Until it succeeds the server accepts only tiny frames and reveals nothing. Only the
+handshake and a server's ``busy`` refusal use the plain frames of :func:`send_frame` and
+:func:`recv_frame_head`.
 
 Not provided: confidentiality (traffic is authenticated, not encrypted: anyone on the path
 reads checkpoint contents, so bind to a trusted interface; loopback by default) and
@@ -83,7 +76,7 @@ class PeerOptions:
     socket_buffer_bytes: int | None = None
     """SO_SNDBUF/SO_RCVBUF; None keeps the kernel's autotuning (fastest on loopback here)."""
     accept_pushes: bool = True
-    """Server: accept PUT_CHUNK/PUT_MANIFEST (peers replicating into this tier)."""
+    """Server: accept PUT_CHUNKS/PUT_MANIFEST (peers replicating into this tier)."""
     frame_mac: bool = True
     """Authenticate every frame after the handshake (GMAC per header and payload, see
     :mod:`~fastckpt.replicas._wire_auth`). Both sides must agree: the flag is part of the
@@ -133,9 +126,8 @@ def close_gracefully(sock: socket.socket) -> None:
     ``close`` would answer with a reset that can destroy the frame in flight."""
     with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_WR)
-        deadline = (
-            time.monotonic() + _LINGER_S
-        )  # in total: a client trickling bytes cannot hold the thread
+        # in total: a client trickling bytes cannot hold the thread
+        deadline = time.monotonic() + _LINGER_S
         buf = bytearray(65536)
         budget = _LINGER_BYTES
         while budget > 0 and (left := deadline - time.monotonic()) > 0:
@@ -186,15 +178,10 @@ def send_frame(sock: socket.socket, msg_type: MsgType, header: Mapping[str, Any]
 
 
 def client_handshake(
-    sock: socket.socket,
-    *,
-    secret: bytes,
-    frame_mac: bool,
-    limits: wire.WireLimits,
-    timeout_s: float,
-    name: str,
+    sock: socket.socket, *, secret: bytes, options: PeerOptions, name: str
 ) -> Channel:
-    """Authenticate ``sock`` as a client (HELLO, CHALLENGE, AUTH, AUTH_OK) within ``timeout_s``.
+    """Authenticate ``sock`` as a client (HELLO, CHALLENGE, AUTH, AUTH_OK) within
+    ``options.handshake_timeout_s``; the channel's socket then has ``options.io_timeout_s``.
 
     Raises:
         AuthenticationError: the server cannot prove the secret for this handshake (other
@@ -202,17 +189,12 @@ def client_handshake(
         PeerRequestError: the server refused otherwise (e.g. ``busy``).
         PeerUnavailableError, ProtocolError: the connection failed or spoke garbage.
     """
+    frame_mac, timeout_s = options.frame_mac, options.handshake_timeout_s
     sock.settimeout(timeout_s)
     deadline = time.monotonic() + timeout_s  # for the whole handshake
     client_nonce = wire_auth.new_nonce()
     send_frame(sock, MsgType.HELLO, {"nonce": client_nonce.hex(), "frame_mac": frame_mac})
-    mtype, h, _ = recv_frame_head(
-        sock, wire.AUTH_LIMITS, allowed=[MsgType.CHALLENGE, MsgType.ERROR], deadline=deadline
-    )
-    if mtype is MsgType.ERROR:
-        if h["code"] == "auth_failed":
-            raise AuthenticationError(f"peer {name} refused the handshake: {h['message']}")
-        raise PeerRequestError(h["code"], h["message"])
+    h = _handshake_reply(sock, MsgType.CHALLENGE, deadline, f"peer {name} refused the handshake")
     if h["frame_mac"] != frame_mac:
         raise AuthenticationError(
             f"peer {name} runs with frame_mac={h['frame_mac']}, this "
@@ -230,33 +212,36 @@ def client_handshake(
             "handshake (secrets differ, or the handshake was altered)"
         )
     send_frame(sock, MsgType.AUTH, {"mac": keys.client_proof.hex()})
-    mtype, h, _ = recv_frame_head(
-        sock, wire.AUTH_LIMITS, allowed=[MsgType.AUTH_OK, MsgType.ERROR], deadline=deadline
+    _handshake_reply(
+        sock, MsgType.AUTH_OK, deadline, f"peer {name} refused our proof (secrets differ?)"
     )
-    if mtype is MsgType.ERROR:
-        if h["code"] == "auth_failed":
-            raise AuthenticationError(
-                f"peer {name} refused our proof (secrets differ?): {h['message']}"
-            )
-        raise PeerRequestError(h["code"], h["message"])
+    sock.settimeout(options.io_timeout_s)
     return Channel(
         sock,
-        limits=limits,
+        limits=options.limits,
         role="client",
         send_key=keys.client_key if frame_mac else None,
         recv_key=keys.server_key if frame_mac else None,
     )
 
 
-def server_handshake(
-    sock: socket.socket,
-    *,
-    secret: bytes,
-    frame_mac: bool,
-    limits: wire.WireLimits,
-    timeout_s: float,
-) -> Channel:
-    """Authenticate the client on ``sock`` (the server's side) within ``timeout_s``.
+def _handshake_reply(
+    sock: socket.socket, expected: MsgType, deadline: float, refused: str
+) -> dict[str, Any]:
+    """The header of the server's ``expected`` handshake frame, or its refusal raised."""
+    mtype, h, _ = recv_frame_head(
+        sock, wire.AUTH_LIMITS, allowed=[expected, MsgType.ERROR], deadline=deadline
+    )
+    if mtype is MsgType.ERROR:
+        if h["code"] == "auth_failed":
+            raise AuthenticationError(f"{refused}: {h['message']}")
+        raise PeerRequestError(h["code"], h["message"])
+    return h
+
+
+def server_handshake(sock: socket.socket, *, secret: bytes, options: PeerOptions) -> Channel:
+    """Authenticate the client on ``sock`` (the server's side) within
+    ``options.handshake_timeout_s``; the channel's socket then has ``options.io_timeout_s``.
 
     Before it succeeds only HELLO and AUTH frames of at most ``AUTH_LIMITS`` are accepted.
 
@@ -265,6 +250,7 @@ def server_handshake(
             ``frame_mac`` mode (``ERROR auth_failed`` was sent, saying which).
         PeerUnavailableError, ProtocolError: the connection failed or spoke garbage.
     """
+    frame_mac, timeout_s = options.frame_mac, options.handshake_timeout_s
     sock.settimeout(timeout_s)
     deadline = time.monotonic() + timeout_s  # for the whole handshake, not each receive
     _, hello, _ = recv_frame_head(
@@ -291,9 +277,10 @@ def server_handshake(
         send_frame(sock, MsgType.ERROR, {"code": "auth_failed", "message": "authentication failed"})
         raise AuthenticationError("a client failed to prove it knows the secret")
     send_frame(sock, MsgType.AUTH_OK, {})
+    sock.settimeout(options.io_timeout_s)
     return Channel(
         sock,
-        limits=limits,
+        limits=options.limits,
         role="server",
         send_key=keys.server_key if frame_mac else None,
         recv_key=keys.client_key if frame_mac else None,

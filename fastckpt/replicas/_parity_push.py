@@ -11,17 +11,13 @@ the report (never raised); a newer submit cancels older pushes still running.
 
 from __future__ import annotations
 
-import collections
 import logging
-import threading
-import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
-from fastckpt.errors import ReplicationTimeoutError
 from fastckpt.replicas._parity_layout import others, part_size, part_span
-from fastckpt.replicas._replicator import ReplicationHandle, ReplicationReport
+from fastckpt.replicas._replicator import PushHandles, ReplicationHandle, ReplicationReport
 
 __all__ = ["ParityPusher", "ParityTarget"]
 
@@ -54,8 +50,7 @@ class ParityPusher:
 
     def __init__(self, *, window_bytes: int = 16 << 20) -> None:
         self.window_bytes = window_bytes
-        self._lock = threading.Lock()
-        self._handles: collections.deque[ReplicationHandle] = collections.deque()
+        self._pushes = PushHandles("parity push", max_reports=64)
         self._pool = ThreadPoolExecutor(8, thread_name_prefix="fastckpt-parity")
 
     def submit(
@@ -71,14 +66,7 @@ class ParityPusher:
         the other members of ``group``. Never blocks on I/O."""
         holders = others(group, me)
         handle = ReplicationHandle(step, [], None, tuple(holders))
-        with self._lock:
-            for old in self._handles:
-                if old.step < step and not old.done():
-                    old._cancelled = True
-                    _log.warning("fastckpt: parity push of RAM step %d superseded", old.step)
-            self._handles.append(handle)
-            while len(self._handles) > 64 and self._handles[0].done():
-                self._handles.popleft()
+        self._pushes.add(handle)
         size = part_size(stream.nbytes, len(group))
         for k, holder in enumerate(holders):
             a, b = part_span(stream.nbytes, size, k)
@@ -130,33 +118,15 @@ class ParityPusher:
             handle._target_done(holder, error)
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
-        """Wait until every submitted push finished (done, failed or cancelled); False on
-        timeout. Reports stay for :meth:`wait`."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        with self._lock:
-            handles = list(self._handles)
-        for h in handles:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if h.wait(left) is None:
-                return False
-        return True
+        """As :meth:`PushHandles.wait_idle`."""
+        return self._pushes.wait_idle(timeout_s)
 
     def wait(self, timeout_s: float | None = None) -> list[ReplicationReport]:
-        """Wait for every submitted push; return (and forget) their reports, oldest first.
-
-        Raises:
-            ReplicationTimeoutError: pushes still running after ``timeout_s``.
-        """
-        if not self.wait_idle(timeout_s):
-            raise ReplicationTimeoutError(f"parity push still running after {timeout_s}s")
-        with self._lock:
-            handles, self._handles = list(self._handles), collections.deque()
-        return [h.report() for h in handles]
+        """As :meth:`PushHandles.wait` (raises ``ReplicationTimeoutError``)."""
+        return self._pushes.wait(timeout_s)
 
     def close(self, *, wait: bool = True) -> None:
-        """Cancel nothing, finish (``wait``) or abandon the running pushes; stop the threads."""
+        """Finish (``wait``) or cancel the running pushes; stop the threads."""
         if not wait:
-            with self._lock:
-                for h in self._handles:
-                    h._cancelled = True
+            self._pushes.cancel_all()
         self._pool.shutdown(wait=wait)

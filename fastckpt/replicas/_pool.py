@@ -210,14 +210,8 @@ class ConnectionPool:
         try:
             tune(sock, o)
             chan = _connection.client_handshake(
-                sock,
-                secret=self._secret,
-                frame_mac=o.frame_mac,
-                limits=self._limits,
-                timeout_s=o.handshake_timeout_s,
-                name=self.name,
+                sock, secret=self._secret, options=o, name=self.name
             )
-            sock.settimeout(o.io_timeout_s)
         except BaseException:
             sock.close()
             raise

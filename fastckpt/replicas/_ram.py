@@ -41,8 +41,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 
-import numpy as np
-
 from fastckpt._checksum import crc32c
 from fastckpt.errors import ChecksumMismatchError, ConfigError, RamBudgetError, StaleStepError
 from fastckpt.replicas._shm import Sealed, Segment, SparePool, close_map, create_segment_file
@@ -124,19 +122,16 @@ class RamTier(StepTable):
             os.close(self._lock_fd)
             raise ConfigError(f"RAM tier {self.root} is in use by another live process") from None
         try:
-            self._recover()
+            spares, self._steps = scan_root(self.root, recycle=self._recycle)
+            self._spares = SparePool(spares)
+            with self._lock:
+                self._apply_retention()
+                self._make_room(0, for_step=None)
         except BaseException:
             self.close()
             raise
 
     # ------------------------------------------------------------------ open / close
-
-    def _recover(self) -> None:
-        spares, self._steps = scan_root(self.root, recycle=self._recycle)
-        self._spares = SparePool(spares)
-        with self._lock:
-            self._apply_retention()
-            self._make_room(0, for_step=None)
 
     def close(self) -> None:
         """Unmap everything and release the directory lock. Data stays on tmpfs. Idempotent."""
@@ -295,9 +290,7 @@ class RamTier(StepTable):
             os.rename(seg._path, data_path)
             try:
                 atomic_write(index_path, index_document(step, name, seg.nbytes, dict(index)))
-            except (
-                BaseException
-            ):  # not sealed: the segment stays open (discard frees it), no debris
+            except BaseException:  # not sealed: the segment stays open (discard frees it)
                 unlink(index_path)
                 os.rename(data_path, seg._path)
                 raise
@@ -319,35 +312,6 @@ class RamTier(StepTable):
             mm, seg._mm = seg._mm, None
         close_map(mm)
         unlink(seg._path)
-
-    def put_chunk(
-        self, step: int, chunk_id: str, data: memoryview | bytes | np.ndarray, raw_crc32c: int
-    ) -> bool:
-        """Store one chunk (e.g. pushed by a peer) after verifying its crc32c; atomic.
-
-        Returns:
-            True if stored; False if the step already holds this chunk with the same length
-            and crc32c (nothing is written).
-
-        Raises:
-            ChecksumMismatchError: ``data`` does not match ``raw_crc32c`` (nothing stored).
-            RamBudgetError, StaleStepError: as :meth:`allocate`.
-        """
-        src = (
-            np.frombuffer(data, np.uint8)
-            if not isinstance(data, np.ndarray)
-            else data.reshape(-1).view(np.uint8)
-        )
-        if self.has_chunk(step, chunk_id, length=src.nbytes, raw_crc32c=raw_crc32c):
-            return False
-        if crc32c(src) != raw_crc32c:
-            raise ChecksumMismatchError(
-                f"pushed chunk {chunk_id!r} of step {step} does not match its crc32c"
-            )
-        with self.allocate(step, src.nbytes) as seg:
-            seg.buffer[:] = src
-            self.seal(step, seg, {chunk_id: ChunkLocation(0, src.nbytes, raw_crc32c)})
-        return True
 
     def put_manifest(self, step: int, data: bytes | memoryview) -> None:
         """Store the global manifest of ``step`` (atomic); this marks the step committed.
@@ -385,10 +349,7 @@ class RamTier(StepTable):
 
     def drop_step(self, step: int) -> None:
         """Remove a step (indexes first, so it turns invisible before data goes). No-op if absent.
-
-        Views returned earlier by :meth:`get_chunk` stay valid; their memory is freed when
-        the last one is collected.
-        """
+        Views returned earlier by :meth:`get_chunk` stay valid until collected."""
         self._drop(step, recycle=self._recycle)
 
     def _drop(self, step: int, *, recycle: bool) -> None:

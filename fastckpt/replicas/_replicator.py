@@ -4,16 +4,15 @@ Call sequence: ``r = Replicator(tier, targets=...)`` → after each ``tier.seal(
 ``r.submit(step)`` (returns at once) → optionally ``r.submit(step, manifest=...)`` or
 ``handle.wait()`` → ``r.wait()`` before exiting → ``r.close()``.
 
-Chunks leave straight from the tier's mmap (zero-copy). A target that can list chunks
-(``PeerClient``) is asked once per step, and only chunks it lacks are sent. Per target,
+Chunks leave straight from the tier's mmap (zero-copy). Each target is asked once per step
+which chunks it holds, and only chunks it lacks are sent. Per target,
 chunks go in batches (``PUT_CHUNKS``: one request, one segment on the target) one after
 another over one pooled connection; up to ``concurrency`` targets are served at once, and
 ``max_inflight_bytes`` bounds the bytes being sent at any moment. A failing target stops
 receiving this step (its error is recorded in the report) without affecting the others;
 submitting a newer step cancels the pushes of older ones (they are superseded; the manager
 never lets that happen: it waits with :meth:`Replicator.wait_idle` before the next RAM step).
-Nothing
-here ever raises into the training loop unless ``wait(raise_on_error=True)`` asks for it.
+Nothing here ever raises into the training loop unless ``wait(raise_on_error=True)`` asks for it.
 """
 
 from __future__ import annotations
@@ -24,8 +23,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 from fastckpt.errors import ConfigError, ReplicationError, ReplicationTimeoutError
 from fastckpt.replicas._ram import RamTier
@@ -35,6 +34,7 @@ _log = logging.getLogger(__name__)
 
 __all__ = [
     "ChunkPusher",
+    "PushHandles",
     "ReplicationHandle",
     "ReplicationReport",
     "Replicator",
@@ -43,23 +43,14 @@ __all__ = [
 
 
 class ChunkPusher(Protocol):
-    """What the replicator needs of a peer (``PeerClient`` is one)."""
+    """What the replicator needs of a peer (``PeerClient`` is one): ``list_chunks`` lets a
+    re-submit skip what arrived already; ``push_chunks`` stores a batch all or none."""
 
-    def push_chunk(
-        self, step: int, chunk_id: str, data: memoryview, *, raw_crc32c: int | None = None
-    ) -> bool: ...
-
-    def put_manifest(self, step: int, data: bytes | memoryview) -> None: ...
-
-
-@runtime_checkable
-class _Lister(Protocol):
     def list_chunks(self, step: int) -> list[str]: ...
 
-
-@runtime_checkable
-class _BatchPusher(Protocol):
     def push_chunks(self, step: int, chunks: Sequence[tuple[str, memoryview, int]]) -> None: ...
+
+    def put_manifest(self, step: int, data: bytes | memoryview) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -73,7 +64,7 @@ class ReplicatorOptions:
     batch_bytes: int = 256 << 20
     """Chunks go to a target in batches of up to this many bytes (one request, stored as one
     segment by the target, so its files and mappings are few and get recycled); a larger
-    chunk goes alone. Targets without ``push_chunks`` get one request per chunk."""
+    chunk goes alone."""
     batch_chunks: int = 1024
     """At most this many chunks per batch (bounds the request header)."""
     max_reports: int = 64
@@ -183,6 +174,83 @@ class ReplicationHandle:
                 self._done.set()
 
 
+class PushHandles:
+    """The handles of submitted pushes, oldest first (a :class:`Replicator`'s, a parity
+    pusher's): a newer step cancels older ones still running (superseded, logged); of the
+    finished ones only the newest ``max_reports`` are kept until :meth:`wait` takes them.
+    Thread-safe."""
+
+    def __init__(self, what: str, *, max_reports: int) -> None:
+        self._what, self._max_reports = what, max_reports
+        self._lock = threading.Lock()
+        self._handles: collections.deque[ReplicationHandle] = collections.deque()
+        self.forgotten = 0
+        """Finished handles dropped unread."""
+
+    def add(self, handle: ReplicationHandle) -> None:
+        with self._lock:
+            for old in self._handles:
+                if old.step < handle.step and not old.done():
+                    old._cancelled = True
+                    _log.warning(
+                        "fastckpt: %s of RAM step %d superseded by step %d before it finished; "
+                        "until %d is pushed, losing a host may leave no complete RAM step "
+                        "(pushes take longer than the RAM checkpoint interval)",
+                        self._what,
+                        old.step,
+                        handle.step,
+                        handle.step,
+                    )
+            self._handles.append(handle)
+            excess = len(self._handles) - self._max_reports
+            kept: collections.deque[ReplicationHandle] = collections.deque()
+            for h in self._handles:
+                if excess > 0 and h.done():
+                    excess -= 1
+                    self.forgotten += 1
+                else:
+                    kept.append(h)
+            self._handles = kept
+
+    def cancel_all(self) -> None:
+        with self._lock:
+            for h in self._handles:
+                h._cancelled = True
+
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Wait until every push added so far finished (done, failed or cancelled), keeping
+        the reports; False on timeout."""
+        return self._wait(timeout_s)[1] is None
+
+    def wait(self, timeout_s: float | None = None) -> list[ReplicationReport]:
+        """Wait for every push added so far; return (and forget) their reports, oldest first.
+
+        Raises:
+            ReplicationTimeoutError: a push still running after ``timeout_s``.
+        """
+        handles, running = self._wait(timeout_s)
+        if running is not None:
+            raise ReplicationTimeoutError(
+                f"{self._what} of step {running.step} still running after {timeout_s}s"
+            )
+        with self._lock:  # an add meanwhile may have forgotten some of them already
+            taken = {id(h) for h in handles}
+            self._handles = collections.deque(h for h in self._handles if id(h) not in taken)
+        return [h.report() for h in handles]
+
+    def _wait(
+        self, timeout_s: float | None
+    ) -> tuple[list[ReplicationHandle], ReplicationHandle | None]:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._lock:
+            handles = list(self._handles)
+        for h in handles:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not h._done.wait(left):  # no report built per handle: a save calls this every time
+                return handles, h
+        return handles, None
+
+
 class Replicator:
     """Pushes sealed steps of a :class:`RamTier` to peers on background threads.
 
@@ -205,7 +273,7 @@ class Replicator:
         self.options = options or ReplicatorOptions()
         self._targets: dict[str, ChunkPusher] = dict(targets or {})
         self._queue: queue.Queue[tuple[ReplicationHandle, str, ChunkPusher] | None] = queue.Queue()
-        self._handles: collections.deque[ReplicationHandle] = collections.deque()
+        self._pushes = PushHandles("push", max_reports=self.options.max_reports)
         self._lock = threading.Lock()
         self._budget = threading.Condition()
         self._inflight = 0
@@ -216,7 +284,6 @@ class Replicator:
             "chunks_pushed": 0,
             "bytes_pushed": 0,
             "failures": 0,
-            "reports_forgotten": 0,
         }
 
     def set_targets(self, targets: Mapping[str, ChunkPusher]) -> None:
@@ -238,21 +305,7 @@ class Replicator:
             ids = list(chunk_ids) if chunk_ids is not None else self._tier.chunk_ids(step)
             targets = dict(self._targets)
             handle = ReplicationHandle(step, ids, manifest, tuple(sorted(targets)))
-            for old in self._handles:
-                if old.step < step and not old.done():
-                    old._cancelled = True
-                    _log.warning(
-                        "fastckpt: push of RAM step %d superseded by step %d before it finished; "
-                        "until "
-                        "%d is pushed, losing a host may leave no complete RAM step (pushes take "
-                        "longer "
-                        "than the RAM checkpoint interval)",
-                        old.step,
-                        step,
-                        step,
-                    )
-            self._handles.append(handle)
-            self._forget_old_reports()
+            self._pushes.add(handle)
             self._totals["steps"] += 1
             while len(self._threads) < min(self.options.concurrency, max(1, len(targets))):
                 t = threading.Thread(target=self._worker, name="fastckpt-replicator", daemon=True)
@@ -272,15 +325,7 @@ class Replicator:
             ReplicationTimeoutError: pushes still running after ``timeout_s``.
             ReplicationError: ``raise_on_error`` and a report has errors.
         """
-        handles, running = self._wait_handles(timeout_s)
-        if running is not None:
-            raise ReplicationTimeoutError(
-                f"replication of step {running.step} still running after {timeout_s}s"
-            )
-        with self._lock:  # a submit meanwhile may have forgotten some of them already
-            taken = {id(h) for h in handles}
-            self._handles = collections.deque(h for h in self._handles if id(h) not in taken)
-        reports = [h.report() for h in handles]
+        reports = self._pushes.wait(timeout_s)
         failed = [r for r in reports if r.errors]
         if raise_on_error and failed:
             detail = "; ".join(f"step {r.step}: {r.errors}" for r in failed)
@@ -290,41 +335,13 @@ class Replicator:
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Wait until every submitted push has finished (done, failed or cancelled), without
         consuming the reports (:meth:`wait` still returns them). False on timeout."""
-        return self._wait_handles(timeout_s)[1] is None
-
-    def _wait_handles(
-        self, timeout_s: float | None
-    ) -> tuple[list[ReplicationHandle], ReplicationHandle | None]:
-        """Wait for the handles submitted so far: (them, the first still running at the
-        deadline)."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        with self._lock:
-            handles = list(self._handles)
-        for h in handles:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not h._done.wait(left):  # no report built per handle: a save calls this every time
-                return handles, h
-        return handles, None
-
-    def _forget_old_reports(self) -> None:
-        """Drop the oldest finished handles beyond ``options.max_reports`` (under ``_lock``)."""
-        excess = len(self._handles) - self.options.max_reports
-        if excess <= 0:
-            return
-        kept: collections.deque[ReplicationHandle] = collections.deque()
-        for h in self._handles:
-            if excess > 0 and h.done():
-                excess -= 1
-                self._totals["reports_forgotten"] += 1
-            else:
-                kept.append(h)
-        self._handles = kept
+        return self._pushes.wait_idle(timeout_s)
 
     def stats(self) -> dict[str, int]:
         """Totals since creation: steps submitted, chunks and bytes pushed, failed (step,
         target) pairs, reports forgotten unread (``ReplicatorOptions.max_reports``)."""
         with self._lock:
-            return dict(self._totals)
+            return {**self._totals, "reports_forgotten": self._pushes.forgotten}
 
     def close(self, *, wait: bool = True) -> None:
         """Stop the workers (after finishing queued work if ``wait``, else cancelling it).
@@ -334,8 +351,7 @@ class Replicator:
                 return
             self._closed = True
             if not wait:
-                for h in self._handles:
-                    h._cancelled = True
+                self._pushes.cancel_all()
             threads = list(self._threads)
         for _ in threads:
             self._queue.put(None)
@@ -365,9 +381,8 @@ class Replicator:
     def _push_all(self, handle: ReplicationHandle, target: ChunkPusher) -> None:
         step = handle.step
         present: set[str] = set()
-        if isinstance(target, _Lister) and handle._chunk_ids:
+        if handle._chunk_ids:
             present = set(target.list_chunks(step))  # e.g. a re-submit: skip what arrived already
-        batched = isinstance(target, _BatchPusher)
         batch: list[tuple[str, memoryview, int]] = []
         batch_bytes = 0
         for cid in handle._chunk_ids:
@@ -382,47 +397,37 @@ class Replicator:
                     f"chunk {cid!r} of step {step} is not (or no longer) in the RAM tier"
                 )
             view, loc = hit
-            if not batched:
-                self._send(
-                    handle,
-                    [(cid, view, loc.raw_crc32c)],
-                    lambda b: target.push_chunk(step, b[0][0], b[0][1], raw_crc32c=b[0][2]),
-                )
-                continue
             o = self.options
             if batch and (
                 batch_bytes + view.nbytes > o.batch_bytes or len(batch) >= o.batch_chunks
             ):
-                self._send(handle, batch, lambda b: target.push_chunks(step, b) or True)  # type: ignore[attr-defined]
+                self._send(handle, step, batch, target)
                 batch, batch_bytes = [], 0
             batch.append((cid, view, loc.raw_crc32c))
             batch_bytes += view.nbytes
         if batch and not handle._cancelled:
-            self._send(handle, batch, lambda b: target.push_chunks(step, b) or True)  # type: ignore[attr-defined]
+            self._send(handle, step, batch, target)
         if handle._manifest is not None and not handle._cancelled:
             target.put_manifest(step, handle._manifest)
 
     def _send(
         self,
         handle: ReplicationHandle,
+        step: int,
         batch: list[tuple[str, memoryview, int]],
-        push: Callable[[list[tuple[str, memoryview, int]]], bool],
+        target: ChunkPusher,
     ) -> None:
-        """Push one batch under the in-flight budget and record it (``push`` → stored?)."""
+        """Push one batch under the in-flight budget and record it."""
         n = sum(v.nbytes for _, v, _ in batch)
         self._acquire(n)
         try:
-            stored = push(batch)
+            target.push_chunks(step, batch)
         finally:
             self._release(n)
-        k = len(batch)
-        handle._record(
-            pushed=k if stored else 0, present=0 if stored else k, nbytes=n if stored else 0
-        )
-        if stored:
-            with self._lock:
-                self._totals["chunks_pushed"] += k
-                self._totals["bytes_pushed"] += n
+        handle._record(pushed=len(batch), nbytes=n)
+        with self._lock:
+            self._totals["chunks_pushed"] += len(batch)
+            self._totals["bytes_pushed"] += n
 
     def _acquire(self, n: int) -> None:
         with self._budget:

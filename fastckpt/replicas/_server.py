@@ -1,11 +1,6 @@
 """The peer server: serves a :class:`~fastckpt.replicas._ram.RamTier` to authenticated peers over
-TCP.
-
-One thread per connection with blocking sockets: a payload leaves with ``sendall`` straight
-from the tier's mmap (GIL released), which keeps a transfer near raw loopback speed. Every
-frame after the handshake goes through the connection's :class:`~._channel.Channel`: a
-pushed chunk is sealed, a pushed manifest stored, and an id list read only after its
-payload's tag verified.
+TCP, one thread per connection (blocking sockets, see ``_connection``). A pushed chunk is
+sealed, a pushed manifest stored, and an id list read only after its payload's tag verified.
 """
 
 from __future__ import annotations
@@ -203,17 +198,10 @@ class PeerServer:
         try:
             tune(conn, o)
             try:
-                chan = _connection.server_handshake(
-                    conn,
-                    secret=self._secret,
-                    frame_mac=o.frame_mac,
-                    limits=self._limits,
-                    timeout_s=o.handshake_timeout_s,
-                )
+                chan = _connection.server_handshake(conn, secret=self._secret, options=o)
             except AuthenticationError:
                 self._count("auth_failures")
                 return
-            conn.settimeout(o.io_timeout_s)
             while not self._closed.is_set() and self._handle_one(chan):
                 pass
         except FrameAuthenticationError:
@@ -256,28 +244,10 @@ class PeerServer:
             return False
         self._count("requests")
         tier = self._tier
-        if mtype is MsgType.GET_CHUNK:
-            hit = tier.read_chunk(h["step"], h["chunk_id"])
-            if hit is None:
-                return self._error(
-                    chan, "not_found", f"no chunk {h['chunk_id']!r} of step {h['step']}"
-                )
-            view, loc = hit
-            start = h["offset"]
-            stop = loc.length if h["length"] is None else start + h["length"]
-            if start > loc.length or stop > loc.length:
-                return self._error(
-                    chan, "bad_request", f"range {start}:{stop} outside a {loc.length}-byte chunk"
-                )
-            header = {"raw_crc32c": loc.raw_crc32c, "chunk_length": loc.length, "offset": start}
-            chan.send(MsgType.CHUNK, header, [view[start:stop]])
-            self._count("bytes_sent", stop - start)
-        elif mtype is MsgType.GET_CHUNKS:
+        if mtype is MsgType.GET_CHUNKS:
             return self._get_chunks(chan, h, plen)
         elif mtype is MsgType.GET_RANGES:
             return self._get_ranges(chan, h, plen)
-        elif mtype is MsgType.PUT_CHUNK:
-            return self._put_chunk(chan, h, plen)
         elif mtype is MsgType.PUT_CHUNKS:
             return self._put_chunks(chan, h, plen)
         elif mtype is MsgType.LIST:
@@ -362,9 +332,8 @@ class PeerServer:
             j += n
             hit = self._tier.read_chunk(h["step"], cid)
             if hit is None or not wire_codec.spans_fit(spans, hit[1].length):
-                missing.append(
-                    i
-                )  # not held, or the ranges are not ascending, disjoint and inside it
+                # not held, or the ranges are not ascending, disjoint and inside it
+                missing.append(i)
                 continue
             view, loc = hit
             lengths[i] = loc.length
@@ -396,31 +365,6 @@ class PeerServer:
             )
         chan.send(msg_type, header, views)
         self._count("bytes_sent", total)
-        return True
-
-    def _put_chunk(self, chan: Channel, h: dict[str, Any], plen: int) -> bool:
-        step, cid, crc = h["step"], h["chunk_id"], h["raw_crc32c"]
-        tier = self._tier
-        if not self.options.accept_pushes:
-            self._skip(chan, plen)
-            return self._error(chan, "bad_request", "this peer does not accept pushes")
-        if tier.has_chunk(step, cid, length=plen, raw_crc32c=crc):
-            self._skip(chan, plen)
-            chan.send(MsgType.OK, {"stored": False})
-            return True
-        try:
-            seg = tier.allocate(step, plen)
-        except (StaleStepError, RamBudgetError) as e:
-            self._skip(chan, plen)
-            return self._error(chan, _refusal_code(e), str(e))
-        with seg:  # discarded unless sealed
-            got = chan.recv_into(seg.buffer.data)
-            chan.end_payload()  # authentic before it is sealed
-            self._count("bytes_received", plen)
-            if got != crc:
-                return self._error(chan, "checksum_mismatch", f"chunk {cid!r} arrived corrupt")
-            tier.seal(step, seg, {cid: ChunkLocation(0, plen, crc)})
-        chan.send(MsgType.OK, {"stored": True})
         return True
 
     def _put_chunks(self, chan: Channel, h: dict[str, Any], plen: int) -> bool:

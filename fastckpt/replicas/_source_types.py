@@ -19,15 +19,6 @@ class ChunkPeer(Protocol):
 
     name: str
 
-    def get_chunk(
-        self,
-        step: int,
-        chunk_id: str,
-        *,
-        into: memoryview | np.ndarray | None = None,
-        expected_crc32c: int | None = None,
-    ) -> memoryview | None: ...
-
     def get_chunks(
         self, step: int, items: Sequence[tuple[str, memoryview | np.ndarray, int | None]]
     ) -> list[Any]:

@@ -1,20 +1,20 @@
 """Per-chunk source choice for a restore: own RAM tier, then peers, else persistent storage.
 
-:meth:`TieredChunkSource.fetch` fills the caller's buffer with one chunk, verified against
-the manifest's ``raw_crc32c``, from the first source that has a good copy:
+:meth:`TieredChunkSource.fetch_many` fills the caller's buffer for each chunk, verified
+against the manifest's ``raw_crc32c``, from the first source that has a good copy:
 
 1. this process's :class:`~fastckpt.replicas._ram.RamTier` (no network);
 2. each peer in the given order (put same-host or nearest peers first). With
    ``use_listing`` each peer's chunk list for the step is fetched once, lazily, so peers
    that lack a chunk cost no round-trip;
 3. with parity (``rebuild``): a rebuild from the writer's group (tier ``"rebuilt"``);
-4. nothing: ``fetch`` returns None and the reader falls back to persistent storage.
+4. nothing: ``fetch_many`` returns None for it and the reader falls back to persistent storage.
 
 Every failure falls through to the next source: a miss, a corrupt copy (wrong length or
 crc32c), a timeout, a peer that dies mid-transfer. A peer that was unreachable or spoke
 garbage is not asked again by this source (``reset_peers`` forgets that). Stats record, per
 tier, chunks, bytes and seconds of successful fetches, and every fallback with its reason.
-Thread-safe: the reader calls ``fetch`` from many threads (each peer call uses its own
+Thread-safe: the reader calls ``fetch_many`` from many threads (each peer call uses its own
 pooled connection).
 """
 
@@ -105,76 +105,6 @@ class TieredChunkSource:
         self._log: collections.deque[Fallback] = collections.deque(maxlen=_MAX_LOG)
         self._not_found = 0
 
-    def fetch(
-        self,
-        step: int,
-        chunk_id: str,
-        raw_length: int,
-        raw_crc32c: int,
-        *,
-        into: memoryview | np.ndarray,
-    ) -> str | None:
-        """Fill ``into`` with the chunk's verified raw bytes from the first source that has them.
-
-        Args:
-            step: Step number.
-            chunk_id: ``format.manifest.chunk_id`` of the chunk.
-            raw_length: ``ChunkEntry.raw_length``; ``into`` must be exactly this many bytes.
-            raw_crc32c: ``ChunkEntry.raw_crc32c``; every copy is checked against it.
-            into: Writable destination.
-
-        Returns:
-            ``"ram"`` or ``"peer:<name>"``: where the bytes came from. None: no RAM source
-            had a good copy (``into`` may hold garbage from a failed attempt).
-        """
-        dst = (
-            np.frombuffer(into, np.uint8)
-            if not isinstance(into, np.ndarray)
-            else into.reshape(-1).view(np.uint8)
-        )
-        if dst.nbytes != raw_length:
-            raise ConfigError(f"into has {dst.nbytes} bytes, chunk {chunk_id!r} has {raw_length}")
-        if self._own is not None and self._fetch_own(step, chunk_id, raw_length, raw_crc32c, dst):
-            return "ram"
-        for i in range(len(self._peers)):
-            if i in self._dead or not self._listed(i, step, chunk_id):
-                continue
-            tier = self._fetch_peer(i, step, chunk_id, raw_length, raw_crc32c, dst)
-            if tier is not None:
-                return tier
-        if self._fetch_rebuilt(step, chunk_id, raw_length, raw_crc32c, dst):
-            return "rebuilt"
-        with self._lock:
-            self._not_found += 1
-        return None
-
-    def _fetch_peer(
-        self, i: int, step: int, chunk_id: str, raw_length: int, raw_crc32c: int, dst: np.ndarray
-    ) -> str | None:
-        """One chunk from peer ``i`` into ``dst``: its tier name, or None (fallback recorded)."""
-        peer = self._peers[i]
-        tier = f"peer:{peer.name}"
-        t0 = time.perf_counter()
-        try:
-            got = peer.get_chunk(step, chunk_id, into=dst, expected_crc32c=raw_crc32c)
-        except ChecksumMismatchError as e:
-            self._fallback(tier, chunk_id, "corrupt", e)
-            return None
-        except PeerUnavailableError as e:
-            self._fallback(tier, chunk_id, "unavailable", e, dead=i)
-            return None
-        except (ProtocolError, AuthenticationError) as e:
-            self._fallback(tier, chunk_id, "protocol", e, dead=i)
-            return None
-        except PeerError as e:
-            self._fallback(tier, chunk_id, "error", e)
-            return None
-        if got is None:
-            self._fallback(tier, chunk_id, "miss", None)
-            return None
-        self._success(tier, raw_length, time.perf_counter() - t0)
-        return tier
-
     def fetch_many(
         self,
         step: int,
@@ -182,7 +112,8 @@ class TieredChunkSource:
         *,
         runs: Sequence[Sequence[tuple[int, int]] | None] | None = None,
     ) -> list[str | None]:
-        """:meth:`fetch` for several chunks: ``(chunk_id, raw_length, raw_crc32c, into)`` each.
+        """Fill each item's ``into`` (exactly ``raw_length`` bytes) with the chunk's verified raw
+        bytes: ``(chunk_id, raw_length, raw_crc32c, into)`` each.
 
         Own RAM first, then each peer gets the chunks still missing that it lists, in one
         pipelined stream (:meth:`PeerClient.get_chunks`) instead of a request per chunk.
@@ -278,26 +209,20 @@ class TieredChunkSource:
             self._not_found += sum(1 for t in out if t is None)
         return out
 
-    def lend(self, step: int, chunks: Sequence[tuple[str, int, int]]) -> memoryview | None:
-        """A verified, read-only view of consecutive chunks straight from this process's tier.
-
-        ``chunks`` are ``(chunk_id, raw_length, raw_crc32c)`` in the order they must appear.
-        The view aliases shared memory (no copy) and may be kept indefinitely (see
-        :meth:`RamTier.lend_span`). None if there is no own tier, the chunks are not back to
-        back in one segment, or any copy fails verification (then fall back to
-        :meth:`fetch` per chunk, which tries peers).
-        """
-        return self.lend_many(step, [chunks])[0]
-
     def lend_many(
         self, step: int, groups: Sequence[Sequence[tuple[str, int, int]]], *, verify: bool = True
     ) -> list[memoryview | None]:
-        """:meth:`lend` for several destination buffers at once (one tier lookup, one stats update).
+        """Per destination buffer, a verified, read-only view of consecutive chunks straight
+        from this process's tier (one tier lookup, one stats update for all).
 
-        ``verify=False`` skips the checksums (the tier's record of each chunk must still
-        match its length and crc32c): the caller must verify every chunk of a view against
-        its ``raw_crc32c`` before using it, and :meth:`fetch` the chunks of a view that
-        fails (which finds and records the bad copy). Such views count as lent in
+        A group's chunks are ``(chunk_id, raw_length, raw_crc32c)`` in the order they must
+        appear. A view aliases shared memory (no copy) and may be kept indefinitely (see
+        :meth:`RamTier.lend_spans`). None if there is no own tier, the chunks are not back to
+        back in one segment, or any copy fails verification (then :meth:`fetch_many` them,
+        which tries peers). ``verify=False`` skips the checksums (the tier's record of each
+        chunk must still match its length and crc32c): the caller must verify every chunk of
+        a view against its ``raw_crc32c`` before using it, and :meth:`fetch_many` the chunks
+        of a view that fails (which finds and records the bad copy). Such views count as lent in
         :meth:`stats` whatever the caller finds.
         """
         if self._own is None:
@@ -324,9 +249,8 @@ class TieredChunkSource:
                     loc.length == length and loc.raw_crc32c == crc
                     for (_, length, crc), loc in zip(chunks, locs)
                 )
-            out.append(
-                view if ok else None
-            )  # a bad copy: the per-chunk fetch that follows finds and records it
+            # a bad copy: the fetch that follows finds and records it
+            out.append(view if ok else None)
             if ok:
                 nchunks += len(chunks)
                 nbytes += sum(c[1] for c in chunks)

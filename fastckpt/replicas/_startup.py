@@ -1,17 +1,6 @@
-"""A peer's start-up: where its server listens, how members find each other, and the check
-that every host reaches the peers it pushes to (internal).
-
-* :func:`peer_address`: by default, the address other hosts already reach this one by: the
-  local address of the route to the job's coordination service (a connected UDP socket's own
-  address; connecting a UDP socket sends nothing). A job whose coordinator is on loopback
-  runs on one host, so loopback is then right; any other job gets a routable address, IPv4
-  or IPv6.
-* :class:`PeerDirectory`: member id -> address of its peer server, as small JSON
-  :class:`PeerRecord` s; ``lookup`` returns the newest record per member id (by
-  ``published_unix``, ties by ``incarnation``); records that fail to parse are skipped, never
-  fatal.
-* :func:`check_push_targets`: fail the job's start loudly when a host cannot reach a peer.
-"""
+"""A peer's start-up (internal): where its server listens (:func:`peer_address`), how
+members find each other (:class:`PeerDirectory`), and the check that every host reaches the
+peers it pushes to (:func:`check_push_targets`)."""
 
 from __future__ import annotations
 
@@ -79,7 +68,8 @@ def split_host_port(address: str) -> tuple[str, int]:
 
 
 def route_source_address(host: str, port: int) -> str:
-    """This host's own address on the route to ``host`` (a name or an IPv4/IPv6 literal).
+    """This host's own address on the route to ``host`` (a name or an IPv4/IPv6 literal): a
+    connected UDP socket's own address (connecting one sends nothing).
 
     Raises:
         ConfigError: ``host`` does not resolve, or no route leads to any of its addresses.
@@ -293,8 +283,9 @@ class PeerDirectory:
             self._run(self._store.put(key, record.to_json().encode(), mode="overwrite"))
 
     def lookup(self, *, wait: bool = True) -> dict[str, PeerRecord]:
-        """The newest record of every member that published, keyed and sorted by member id.
-        Several processes: with ``wait``, block until all published (or time out).
+        """The newest record of every member that published (by ``published_unix``, ties by
+        ``incarnation``; records that fail to parse are skipped), keyed and sorted by member
+        id. Several processes: with ``wait``, block until all published (or time out).
 
         Raises:
             BarrierTimeoutError: ``wait`` and some process did not publish within the timeout.
@@ -395,6 +386,5 @@ def check_push_targets(
             + more
             + ". Check RamOptions.host (default: this host's address on the "
             "route to the jax.distributed coordinator), firewalls between the hosts, and that "
-            "every process "
-            "has the same secret"
+            "every process has the same secret"
         )

@@ -13,7 +13,7 @@ import dataclasses
 import json
 import shutil
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from fastckpt._checksum import crc32c
@@ -174,30 +174,21 @@ class StepTable:
             hit = st.chunks.get(chunk_id) if st else None
         return None if hit is None else hit[0].slice(0, hit[0].nbytes, self._prefault)
 
-    def lend_span(
-        self, step: int, chunk_ids: Sequence[str]
-    ) -> tuple[memoryview, list[ChunkLocation]] | None:
-        """A read-only view spanning ``chunk_ids``, which must lie back to back in one segment.
-
-        For zero-copy restores: the caller may keep the view (e.g. a host platform's
-        ``device_put`` aliases it) for as long as it likes. The segment is marked lent (its
-        file turns read-only), so neither this tier nor one reopened over the same directory
-        ever recycles the file for new data: once the step is dropped the file is unlinked
-        and its pages are freed when the last view is collected. Those pages no longer
-        count against ``budget_bytes``.
-
-        Returns None if a chunk is missing, the chunks are not contiguous in one segment,
-        or the step was dropped meanwhile. Does not verify checksums (the caller does,
-        against the locations returned, in order).
-        """
-        return self.lend_spans(step, [chunk_ids])[0]
-
     def lend_spans(
         self, step: int, groups: Sequence[Sequence[str]]
     ) -> list[tuple[memoryview, list[ChunkLocation]] | None]:
-        """:meth:`lend_span` for several groups of chunks at once: one acquisition of the
-        tier's lock and one of each segment's (a restore lends thousands of groups from
-        one segment; a lock per group made its threads queue on it)."""
+        """Per group of chunk ids, a read-only view spanning them (they must lie back to back
+        in one segment) and their locations, in order; None if a chunk is missing, the group
+        is empty or not contiguous in one segment, or the step was dropped meanwhile. Does
+        not verify checksums (the caller does, against the locations).
+
+        For zero-copy restores: the caller may keep a view (e.g. a host platform's
+        ``device_put`` aliases it) for as long as it likes. Its segment is marked lent (its
+        file turns read-only), so neither this tier nor one reopened over the same directory
+        ever recycles the file for new data: once the step is dropped the file is unlinked
+        and its pages are freed when the last view is collected. Those pages no longer
+        count against ``budget_bytes``. One acquisition of the tier's lock and one of each
+        segment's for all groups (a restore lends thousands of groups from one segment)."""
         with self._lock:
             st = self._steps.get(step)
             hits = [[st.chunks.get(cid) for cid in ids] if st and ids else [None] for ids in groups]
@@ -235,36 +226,11 @@ class StepTable:
             raise ChecksumMismatchError(f"RAM copy of chunk {chunk_id!r} of step {step} is corrupt")
         return view
 
-    def chunk_location(self, step: int, chunk_id: str) -> ChunkLocation | None:
-        """Length and crc32c (and offset in its segment) of a sealed chunk, or None."""
-        with self._lock:
-            st = self._steps.get(step)
-            hit = st.chunks.get(chunk_id) if st else None
-        return hit[1] if hit else None
-
-    def has_chunk(
-        self, step: int, chunk_id: str, *, length: int | None = None, raw_crc32c: int | None = None
-    ) -> bool:
-        """Whether a sealed chunk exists (and, if given, has this length and crc32c)."""
-        loc = self.chunk_location(step, chunk_id)
-        return (
-            loc is not None
-            and (length is None or loc.length == length)
-            and (raw_crc32c is None or loc.raw_crc32c == raw_crc32c)
-        )
-
     def chunk_ids(self, step: int) -> list[str]:
         """Sorted ids of the sealed chunks of ``step`` (empty if none)."""
         with self._lock:
             st = self._steps.get(step)
             return sorted(st.chunks) if st else []
-
-    def iter_chunks(self, step: int) -> Iterator[tuple[str, ChunkLocation]]:
-        """A snapshot of ``(chunk_id, location)`` for the sealed chunks of ``step``."""
-        with self._lock:
-            st = self._steps.get(step)
-            items = [(cid, loc) for cid, (_, loc) in st.chunks.items()] if st else []
-        return iter(items)
 
     def steps(self) -> list[int]:
         """Steps with any sealed chunk or a manifest, sorted."""

@@ -73,10 +73,9 @@ class RamReplication(StepSelection):
         if options.secret is None and multi and options.replicas > 0:
             raise ConfigError(
                 f"RamOptions(replicas={options.replicas}) needs the job's peer secret in a "
-                "multi-process "
-                "job: RamOptions(secret=fastckpt.peer_secret_from_env(), ...) with "
-                "FASTCKPT_PEER_SECRET "
-                "set by the launcher, or replicas=0 (each host keeps only its own RAM copy)"
+                "multi-process job: RamOptions(secret=fastckpt.peer_secret_from_env(), ...) "
+                "with FASTCKPT_PEER_SECRET set by the launcher, or replicas=0 (each host keeps "
+                "only its own RAM copy)"
             )
         self.tier = RamTier(
             options.root,
@@ -89,11 +88,8 @@ class RamReplication(StepSelection):
         )
         self._segment: Segment | None = None
         self._sealed_ids: list[str] = []
-        self._decoded, self._needed, self._lists = (
-            {},
-            None,
-            {},
-        )  # the restore side's (StepSelection)
+        # the restore side's (StepSelection)
+        self._decoded, self._needed, self._lists = {}, None, {}
         self._held: int | None = None  # the step whose manifest commit() stored
         self._clients: dict[str, PeerClient] = {}
         self._parity: ParityRebuilds | None = None  # redundancy="parity" (with a peer service)

@@ -75,9 +75,6 @@ class MsgType(enum.IntEnum):
     """Client → server: ``mac`` (client proof)."""
     AUTH_OK = 4
     """Server → client: the connection is authenticated."""
-    GET_CHUNK = 16
-    CHUNK = 17
-    PUT_CHUNK = 18
     LIST = 19
     CHUNK_LIST = 20
     GET_MANIFEST = 21
@@ -111,15 +108,12 @@ class MsgType(enum.IntEnum):
 
 
 #: Field kinds: "u63" int in [0, 2**63), "u32", "str" (chunk id), "msg" (short text),
-#: "nonce"/"mac" (64 hex chars), "u63?" (u63 or null), "u63[]"/"u32[]" (lists), "bool".
+#: "nonce"/"mac" (64 hex chars), "u63[]"/"u32[]" (lists), "bool".
 SCHEMAS: Mapping[MsgType, Mapping[str, str]] = {
     MsgType.HELLO: {"nonce": "nonce", "frame_mac": "bool"},
     MsgType.CHALLENGE: {"nonce": "nonce", "frame_mac": "bool", "mac": "mac"},
     MsgType.AUTH: {"mac": "mac"},
     MsgType.AUTH_OK: {},
-    MsgType.GET_CHUNK: {"step": "u63", "chunk_id": "str", "offset": "u63", "length": "u63?"},
-    MsgType.CHUNK: {"raw_crc32c": "u32", "chunk_length": "u63", "offset": "u63"},
-    MsgType.PUT_CHUNK: {"step": "u63", "chunk_id": "str", "raw_crc32c": "u32"},
     MsgType.LIST: {"step": "u63"},
     MsgType.CHUNK_LIST: {"count": "u63"},
     MsgType.GET_MANIFEST: {"step": "u63"},
@@ -196,8 +190,6 @@ SCHEMAS: Mapping[MsgType, Mapping[str, str]] = {
 #: Message types that may carry a payload; every other type must have ``payload_len == 0``.
 PAYLOAD_TYPES = frozenset(
     {
-        MsgType.CHUNK,
-        MsgType.PUT_CHUNK,
         MsgType.PUT_CHUNKS,
         MsgType.CHUNK_LIST,
         MsgType.MANIFEST,

@@ -139,8 +139,6 @@ def _check_value(kind: str, value: Any) -> bool:
     if kind in ("u63", "u32"):
         limit = _U63 if kind == "u63" else 0xFFFFFFFF
         return type(value) is int and 0 <= value <= limit
-    if kind == "u63?":
-        return value is None or (type(value) is int and 0 <= value <= _U63)
     if kind == "str":
         return type(value) is str and 0 < len(value) <= MAX_CHUNK_ID_CHARS and "\x00" not in value
     if kind == "msg":

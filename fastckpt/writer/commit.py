@@ -61,6 +61,7 @@ _POLL_S = 0.05
 _FRAGMENT_READS = 32
 
 
+@paused_gc()
 def build_manifest(
     *,
     step: int,
@@ -79,19 +80,6 @@ def build_manifest(
     Runs with the cyclic garbage collector paused (``fastckpt._pygc.paused_gc``): the merged
     tables are millions of fresh ints, which the collector would otherwise walk while the
     manifest is encoded. Raises ``ManifestError``."""
-    with paused_gc():
-        return _build(step, staged, parts, num_processes, metadata, writer_version, validate)
-
-
-def _build(
-    step: int,
-    staged: StagedSave,
-    parts: Sequence[ProcessChunks],
-    num_processes: int,
-    metadata: dict[str, object],
-    writer_version: str,
-    validate: bool,
-) -> bytes:
     tables = merge_chunks(parts, staged)
     by_path: dict[KeyPath, Leaf] = {v.path: v for v in staged.values}
     for arr in staged.arrays:

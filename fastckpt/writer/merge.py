@@ -99,8 +99,7 @@ def _rank_group(
         i = int(np.flatnonzero(bad)[0])
         fail(
             f"array {keypath_str(staged.arrays[array[i]].path)}: chunk box {boxes[i].tolist()} "
-            "outside the "
-            f"array's shape {list(staged.arrays[array[i]].shape)}"
+            f"outside the array's shape {list(staged.arrays[array[i]].shape)}"
         )
     nbytes = np.prod(stops - starts, axis=1) * itemsize[array]
     length, codec = col["length"][mine], col["codec"][mine]
@@ -109,8 +108,7 @@ def _rank_group(
         i = int(np.flatnonzero(bad)[0])
         fail(
             f"array {keypath_str(staged.arrays[array[i]].path)}: raw chunk {boxes[i].tolist()} has "
-            "length "
-            f"{int(length[i])}, not box volume x itemsize"
+            f"length {int(length[i])}, not box volume x itemsize"
         )
     obj, offset, crc, raw_crc = (col[k][mine] for k in ("object", "offset", "crc32c", "raw_crc32c"))
     codes = codec.tolist()
@@ -121,9 +119,8 @@ def _rank_group(
         arr = staged.arrays[ai]
         cuts = _grid(boxes[a:b], arr.shape)
         listed = None
-        if (
-            cuts is None
-        ):  # not a grid: prove the tiling the slow way (never the case for a sharding)
+        # not a grid: prove the tiling the slow way (never the case for a sharding)
+        if cuts is None:
             listed = [tuple(zip(row[0::2], row[1::2])) for row in boxes[a:b].tolist()]
             check_tiling(listed, arr.shape, f"array {keypath_str(arr.path)}")
         leaf_codes = codes[a:b]

@@ -27,7 +27,7 @@ from fastckpt._checksum import crc32c
 from fastckpt.replicas._wire import MsgType
 from tests.support.peer_relay import PeerRelay, RelayedFrame, forge_crc32c
 
-_REPLIES = {MsgType.CHUNKS, MsgType.RANGES, MsgType.CHUNK, MsgType.MANIFEST}
+_REPLIES = {MsgType.CHUNKS, MsgType.RANGES, MsgType.MANIFEST}
 
 
 def _forged(payload: bytes, first_length: int) -> bytes | None:

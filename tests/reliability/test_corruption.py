@@ -60,6 +60,7 @@ from fastckpt.storage import (
 )
 from fastckpt.testing.gcs_emulator import GcsEmulator
 from tests.support.fault_proxy import FaultProxy
+from tests.support.peer_read import get_one
 from tests.support.peer_relay import PeerRelay, RelayedFrame, forge_crc32c
 
 from ._util import BUCKET, Recorder, trial_count
@@ -458,7 +459,7 @@ class FlippingRelay(PeerRelay):
     A frame of a type in ``types`` (in the chosen direction) gets one byte XOR-ed with
     ``probability``, at a random position of the payload (``where="payload"``) or of the whole
     frame (``where="anywhere"``: prefix, JSON header, tags or payload). With ``forge``, a
-    payload flip inside a chunk of a CHUNK/CHUNKS reply also patches 4 bytes of that chunk so
+    payload flip inside a chunk of a CHUNKS reply also patches 4 bytes of that chunk so
     its crc32c still matches the header's (only the frame's MAC can tell).
     """
 
@@ -468,7 +469,7 @@ class FlippingRelay(PeerRelay):
         *,
         seed: int,
         direction: str = "down",
-        types: frozenset[MsgType] = frozenset({MsgType.CHUNK, MsgType.CHUNKS}),
+        types: frozenset[MsgType] = frozenset({MsgType.CHUNKS}),
         probability: float = 1.0,
         where: str = "payload",
         forge: bool = False,
@@ -514,7 +515,7 @@ class FlippingRelay(PeerRelay):
 
     def _forge(self, f: RelayedFrame, frame: bytearray, lo: int, at: int) -> None:
         """Restore the crc32c of the chunk holding payload byte ``at`` (4 other bytes of it)."""
-        lengths = f.json()["lengths"] if f.type is MsgType.CHUNKS else [len(f.payload)]
+        lengths = f.json()["lengths"]
         start = 0
         for n in lengths:
             if start <= at < start + n and n >= 8:
@@ -592,12 +593,13 @@ def test_peer_wire_corruption_falls_back_to_storage(served_step: Any, recorder: 
 
 def test_peer_wire_corruption_without_fallback_is_a_typed_error(served_step: Any) -> None:
     _, _, server, tier = served_step
-    cid, loc = next((c, loc) for c, loc in tier.iter_chunks(1) if loc.length)
+    hits = {c: tier.read_chunk(1, c) for c in tier.chunk_ids(1)}
+    cid, loc = next((c, h[1]) for c, h in hits.items() if h is not None and h[1].length)
     relay = FlippingRelay(server.address, seed=5, probability=1.0)
     try:
         with PeerClient(relay.address, secret=SECRET, options=FAST) as client:
-            with pytest.raises(FrameAuthenticationError, match="CHUNK frame 0 payload"):
-                client.get_chunk(1, cid, expected_crc32c=loc.raw_crc32c)
+            with pytest.raises(FrameAuthenticationError, match="CHUNKS frame 0 payload"):
+                get_one(client, 1, cid, loc.length, loc.raw_crc32c)
     finally:
         relay.close()
     # Without frame MACs (a benchmark setting) the crc32c still catches a random flip...
@@ -606,17 +608,15 @@ def test_peer_wire_corruption_without_fallback_is_a_typed_error(served_step: Any
         relay = FlippingRelay(unmac.address, seed=5, probability=1.0)
         try:
             with PeerClient(relay.address, secret=SECRET, options=plain) as client:
-                with pytest.raises(ChecksumMismatchError, match="corrupt") as info:
-                    client.get_chunk(1, cid, expected_crc32c=loc.raw_crc32c)
-                assert repr(cid) in str(info.value) and "step 1" in str(info.value)
+                assert get_one(client, 1, cid, loc.length, loc.raw_crc32c) == "corrupt"
         finally:
             relay.close()
         # ...but not a forger, who keeps it matching: that is what the MACs are for.
         relay = FlippingRelay(unmac.address, seed=5, probability=1.0, forge=True)
         try:
             with PeerClient(relay.address, secret=SECRET, options=plain) as client:
-                got = client.get_chunk(1, cid, expected_crc32c=loc.raw_crc32c)
-                assert got is not None and bytes(got) != bytes(tier.get_chunk(1, cid))  # type: ignore[arg-type]
+                got = get_one(client, 1, cid, loc.length, loc.raw_crc32c)
+                assert isinstance(got, bytes) and got != bytes(tier.get_chunk(1, cid))  # type: ignore[arg-type]
         finally:
             relay.close()
 
@@ -624,17 +624,17 @@ def test_peer_wire_corruption_without_fallback_is_a_typed_error(served_step: Any
 def test_pushed_chunk_corrupted_on_the_wire_is_refused(served_step: Any) -> None:
     _, _, server, tier = served_step
     relay = FlippingRelay(
-        server.address, seed=6, direction="up", types=frozenset({MsgType.PUT_CHUNK})
+        server.address, seed=6, direction="up", types=frozenset({MsgType.PUT_CHUNKS})
     )
     data = np.random.default_rng(0).bytes(50_000)
     try:
         with PeerClient(relay.address, secret=SECRET, options=FAST) as client:
             with pytest.raises(PeerUnavailableError):  # the server drops it unanswered
-                client.push_chunk(1, "pushed@0:1", data)
+                client.push_chunks(1, [("pushed@0:1", data, crc32c(data))])
     finally:
         relay.close()
-    assert not tier.has_chunk(1, "pushed@0:1")
+    assert tier.read_chunk(1, "pushed@0:1") is None
     assert relay.flips["payload"] == 1 and server.stats["frame_auth_failures"] == 1
     with PeerClient(server.address, secret=SECRET, options=FAST) as client:  # the direct path works
-        assert client.push_chunk(1, "pushed@0:1", data) is True
-        assert bytes(client.get_chunk(1, "pushed@0:1")) == data  # type: ignore[arg-type]
+        client.push_chunks(1, [("pushed@0:1", data, crc32c(data))])
+        assert get_one(client, 1, "pushed@0:1", len(data)) == data

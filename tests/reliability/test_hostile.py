@@ -59,6 +59,7 @@ from fastckpt.replicas._ram import ChunkLocation, RamTier
 from fastckpt.replicas._server import PeerServer
 from fastckpt.replicas._wire import ERROR_CODES, MsgType
 from fastckpt.storage import LocalStore, MemoryStore
+from tests.support.peer_read import get_one
 from tests.support.wrapping import ForwardingStore
 
 from ._util import Recorder
@@ -477,14 +478,13 @@ def _frame_strategy() -> st.SearchStrategy[bytes]:
     """Frames a hostile authenticated client might send: valid-schema requests with hostile
     values, lying prefixes, junk JSON headers, and truncations of all of these."""
     request_types = [
-        MsgType.GET_CHUNK,
-        MsgType.PUT_CHUNK,
         MsgType.LIST,
         MsgType.GET_MANIFEST,
         MsgType.PUT_MANIFEST,
         MsgType.STEPS,
         MsgType.GET_CHUNKS,
         MsgType.PUT_CHUNKS,
+        MsgType.GET_RANGES,
     ]
     ints = st.one_of(
         st.integers(0, 3), st.integers(-5, 2**64 + 5), st.sampled_from([2**63 - 1, 2**63, 2**32])
@@ -572,7 +572,7 @@ def test_generated_frames_get_typed_answers_and_the_server_keeps_serving(
         "hostile_peer_frames", examples=1, answers={f"{what}:{detail}" if detail else what: 1}
     )
     # The well-behaved client keeps its pooled connection and still gets exact bytes.
-    assert bytes(good.get_chunk(1, "b")) == _expected(tier, "b")  # type: ignore[arg-type]
+    assert get_one(good, 1, "b", len(_expected(tier, "b"))) == _expected(tier, "b")
     with PeerClient(server.address, secret=SECRET, options=FAST) as fresh:
         assert fresh.steps() == [1]
 
@@ -604,7 +604,7 @@ SCRIPTED: dict[str, tuple[bool, Callable[[], bytes], tuple[str, Any]]] = {
     ),
     "server_only_type": (
         True,
-        lambda: _frame(MsgType.CHUNK, {"raw_crc32c": 0, "chunk_length": 0, "offset": 0}),
+        lambda: _frame(MsgType.CHUNKS, {"lengths": [], "crcs": [], "missing": []}),
         ("error", "bad_request"),
     ),
     "second_auth_replayed": (
@@ -620,20 +620,18 @@ SCRIPTED: dict[str, tuple[bool, Callable[[], bytes], tuple[str, Any]]] = {
     "range_outside_chunk": (
         True,
         lambda: _frame(
-            MsgType.GET_CHUNK, {"step": 1, "chunk_id": "a", "offset": 59_999, "length": 2}
+            MsgType.GET_RANGES,
+            {"step": 1, "count": 1, "runs": [1], "starts": [59_999], "stops": [60_001]},
+            b'["a"]',
         ),
-        ("error", "bad_request"),
+        ("reply", MsgType.RANGES),  # the chunk is reported missing for it
     ),
     "chunk_id_too_long": (
         True,
         lambda: _frame(
-            MsgType.GET_CHUNK,
-            {
-                "step": 1,
-                "chunk_id": "x" * (wire.MAX_CHUNK_ID_CHARS + 1),
-                "offset": 0,
-                "length": None,
-            },
+            MsgType.GET_CHUNKS,
+            {"step": 1, "count": 1},
+            json.dumps(["x" * (wire.MAX_CHUNK_ID_CHARS + 1)]).encode(),
         ),
         ("error", "bad_request"),
     ),
@@ -672,7 +670,7 @@ SCRIPTED: dict[str, tuple[bool, Callable[[], bytes], tuple[str, Any]]] = {
         True,
         lambda: (
             wire.PREFIX.pack(
-                wire.MAGIC, wire.VERSION, MsgType.PUT_CHUNK, 0, 2, FAST.max_payload_bytes + 1
+                wire.MAGIC, wire.VERSION, MsgType.PUT_CHUNKS, 0, 2, FAST.max_payload_bytes + 1
             )
             + b"{}"
         ),
@@ -722,7 +720,7 @@ def test_scripted_hostile_requests(
     finally:
         s.close()
     assert got == want
-    assert bytes(good.get_chunk(1, "a")) == _expected(tier, "a")  # type: ignore[arg-type]
+    assert get_one(good, 1, "a", len(_expected(tier, "a"))) == _expected(tier, "a")
     assert good.handshakes == handshakes  # on its old connection
     recorder.add("hostile_peer_requests", cases=1, typed_answers=1)
 
@@ -739,11 +737,10 @@ def test_wrong_secret_and_over_budget_push_are_refused_typed(
             PeerClient(srv.address, secret=SECRET, options=FAST) as c,
         ):
             with pytest.raises(PeerRequestError) as info:
-                c.push_chunk(2, "big", np.zeros(512 << 10, np.uint8))
+                c.push_chunks(2, [("big", np.zeros(512 << 10, np.uint8), 0)])
             assert info.value.code == "budget"
-            assert (
-                c.push_chunk(2, "fits", np.ones(1000, np.uint8)) is True
-            )  # same connection, still in sync
+            c.push_chunks(2, [("fits", np.ones(1000, np.uint8), crc32c(np.ones(1000, np.uint8)))])
+            assert small.chunk_ids(2) == ["fits"]  # same connection, still in sync
     finally:
         small.close()
 
@@ -802,9 +799,7 @@ class LyingServer:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
-            chan = server_handshake(
-                conn, secret=self.secret, frame_mac=True, limits=wire.WireLimits(), timeout_s=10
-            )
+            chan = server_handshake(conn, secret=self.secret, options=PeerOptions())
             t, h, plen = chan.recv_head()
             if plen:
                 chan.recv_payload()
@@ -833,11 +828,16 @@ _DATA = np.frombuffer(np.random.default_rng(1).bytes(4096), np.uint8)
 def _chunk(header: dict[str, Any], payload: bytes, declared: int | None = None) -> bytes:
     raw = json.dumps(header).encode()
     n = len(payload) if declared is None else declared
-    return wire.PREFIX.pack(wire.MAGIC, wire.VERSION, MsgType.CHUNK, 0, len(raw), n) + raw + payload
+    return (
+        wire.PREFIX.pack(wire.MAGIC, wire.VERSION, MsgType.CHUNKS, 0, len(raw), n) + raw + payload
+    )
 
 
-_GOOD_HEADER = {"raw_crc32c": crc32c(_DATA), "chunk_length": _DATA.nbytes, "offset": 0}
-LIES: dict[str, tuple[Callable[[MsgType, dict[str, Any]], bytes | None], type[BaseException]]] = {
+_GOOD_HEADER = {"lengths": [_DATA.nbytes], "crcs": [crc32c(_DATA)], "missing": []}
+#: name -> (the lying reply, the error raised or the outcome reported)
+LIES: dict[
+    str, tuple[Callable[[MsgType, dict[str, Any]], bytes | None], type[BaseException] | str]
+] = {
     # a frame right in every way but its tags, which the liar leaves out (run untagged below)
     "untagged_forgery": (
         lambda t, h: _chunk(_GOOD_HEADER, _DATA.tobytes()),
@@ -845,15 +845,15 @@ LIES: dict[str, tuple[Callable[[MsgType, dict[str, Any]], bytes | None], type[Ba
     ),
     "garbage": (lambda t, h: os.urandom(64), ProtocolError),
     "wrong_crc": (
-        lambda t, h: _chunk({**_GOOD_HEADER, "raw_crc32c": 1}, _DATA.tobytes()),
-        ChecksumMismatchError,
+        lambda t, h: _chunk({**_GOOD_HEADER, "crcs": [1]}, _DATA.tobytes()),
+        "corrupt",
     ),
     "length_mismatch": (
-        lambda t, h: _chunk({**_GOOD_HEADER, "chunk_length": 10}, _DATA.tobytes()),
+        lambda t, h: _chunk({**_GOOD_HEADER, "lengths": [10]}, _DATA.tobytes()),
         ProtocolError,
     ),
-    "partial_range": (
-        lambda t, h: _chunk({**_GOOD_HEADER, "offset": 5}, _DATA.tobytes()),
+    "missing_with_bytes": (
+        lambda t, h: _chunk({**_GOOD_HEADER, "missing": [0]}, _DATA.tobytes()),
         ProtocolError,
     ),
     "payload_over_limit": (
@@ -875,10 +875,10 @@ LIES: dict[str, tuple[Callable[[MsgType, dict[str, Any]], bytes | None], type[Ba
     ),
     "wrong_size_for_buffer": (
         lambda t, h: _chunk(
-            {**_GOOD_HEADER, "chunk_length": 4095, "raw_crc32c": crc32c(_DATA[:4095])},
+            {**_GOOD_HEADER, "lengths": [4095], "crcs": [crc32c(_DATA[:4095])]},
             _DATA.tobytes()[:4095],
         ),
-        ChecksumMismatchError,
+        "corrupt",
     ),
 }
 
@@ -887,14 +887,17 @@ LIES: dict[str, tuple[Callable[[MsgType, dict[str, Any]], bytes | None], type[Ba
 def test_client_against_a_lying_server_fails_typed_and_bounded(
     lie: str, recorder: Recorder
 ) -> None:
-    reply, error = LIES[lie]
+    reply, want = LIES[lie]
     srv = LyingServer(reply, tag=lie != "untagged_forgery")
     try:
-        into = np.zeros(_DATA.nbytes, np.uint8)
+        items = [("a", np.zeros(_DATA.nbytes, np.uint8), crc32c(_DATA))]
         t0 = time.monotonic()
         with PeerClient(srv.address, secret=SECRET, options=FAST) as c:
-            with pytest.raises(error):
-                c.get_chunk(1, "a", into=into, expected_crc32c=crc32c(_DATA))
+            if isinstance(want, str):
+                assert c.get_chunks(1, items) == [want]
+            else:
+                with pytest.raises(want):
+                    c.get_chunks(1, items)
         assert time.monotonic() - t0 < 5 * FAST.io_timeout_s
     finally:
         srv.close()

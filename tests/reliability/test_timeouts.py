@@ -41,7 +41,6 @@ from fastckpt.errors import (
     TransientStorageError,
 )
 from fastckpt.options import RamOptions
-from fastckpt.replicas import _wire as wire
 from fastckpt.replicas import _wire_codec as wire_codec
 from fastckpt.replicas._client import PeerClient
 from fastckpt.replicas._connection import PeerOptions, server_handshake
@@ -181,7 +180,7 @@ class StallingPeer:
     """Authenticates properly, then stalls at the chosen point:
 
     * ``"reply"``: reads the request, never answers;
-    * ``"payload"``: answers GET_CHUNK with a CHUNK head and half the payload, then nothing;
+    * ``"payload"``: answers GET_CHUNKS with a CHUNKS head and half the payload, then nothing;
     * ``"read"``: stops reading (a pushed chunk fills the socket buffers and the sender blocks).
     """
 
@@ -207,22 +206,13 @@ class StallingPeer:
             conn.settimeout(10)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             chan = server_handshake(
-                conn, secret=SECRET, frame_mac=True, limits=wire.WireLimits(), timeout_s=10
+                conn, secret=SECRET, options=PeerOptions(handshake_timeout_s=10, io_timeout_s=10)
             )
             if self.mode != "read":
                 t, _h, plen = chan.recv_head()
                 if plen:
                     chan.recv_payload()
-                if (
-                    self.mode == "payload" and t is MsgType.GET_CHUNK
-                ):  # half the payload, then nothing
-                    head = wire_codec.encode_frame(
-                        MsgType.CHUNK,
-                        {"raw_crc32c": 0, "chunk_length": 1 << 20, "offset": 0},
-                        1 << 20,
-                    )
-                    conn.sendall(chan.tag_raw(head + b"\0" * (1 << 19)))
-                elif self.mode == "payload" and t is MsgType.GET_CHUNKS:
+                if self.mode == "payload" and t is MsgType.GET_CHUNKS:
                     head = wire_codec.encode_frame(
                         MsgType.CHUNKS, {"lengths": [1 << 20], "crcs": [0], "missing": []}, 1 << 20
                     )
@@ -258,7 +248,6 @@ def test_stalled_peer_transfer_fails_in_bounded_time(
     with PeerClient(stalling_peer.address, secret=SECRET, options=PEER_OPTS) as client:
         into = np.zeros(1 << 20, np.uint8)
         for call in (
-            lambda: client.get_chunk(1, "a"),
             lambda: client.get_chunks(1, [("a", into, None)]),
             lambda: client.list_chunks(1),
             client.steps,
@@ -270,7 +259,7 @@ def test_stalled_peer_transfer_fails_in_bounded_time(
             assert took < 2 * IO_TIMEOUT_S + 1.5, took
     recorder.add(
         f"timeout_peer_{stalling_peer.mode}",
-        calls=4,
+        calls=3,
         io_timeout_s=IO_TIMEOUT_S,
         max_seconds=round(took, 2),
     )
@@ -284,7 +273,7 @@ def test_push_to_a_peer_that_stops_reading_fails_in_bounded_time(
     with PeerClient(stalling_peer.address, secret=SECRET, options=PEER_OPTS) as client:
         t0 = time.monotonic()
         with pytest.raises(PeerUnavailableError):
-            client.push_chunk(1, "big", data, raw_crc32c=0)
+            client.push_chunks(1, [("big", data, 0)])
         assert time.monotonic() - t0 < 4 * IO_TIMEOUT_S + 2
 
 

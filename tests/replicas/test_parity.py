@@ -201,7 +201,9 @@ def test_corrupt_parity_or_survivor_byte_is_detected_not_returned(job: Job, what
             return rb.rebuild(cid, n, crc, dst)
 
     src = TieredChunkSource(None, list(job.clients.values()), rebuild=Rebuilds())
-    assert src.fetch(STEP, "a2", a.nbytes, crc32c(a), into=np.zeros(a.nbytes, np.uint8)) is None
+    assert (
+        src.fetch_many(STEP, [("a2", a.nbytes, crc32c(a), np.zeros(a.nbytes, np.uint8))])[0] is None
+    )
     assert src.stats().fallbacks.get("corrupt") == 1
     rb.close()
 

@@ -36,6 +36,7 @@ from fastckpt.replicas._connection import (
 from fastckpt.replicas._ram import RamTier
 from fastckpt.replicas._server import PeerServer
 from fastckpt.replicas._wire import MsgType
+from tests.support.peer_read import get_one
 
 from .conftest import SECRET, fill, raw_handshake, seal_chunks
 
@@ -80,11 +81,8 @@ def test_get_list_manifest_steps_bit_exact(served) -> None:  # type: ignore[no-u
     tier, server, data = served
     with PeerClient(server.address, secret=SECRET, options=FAST) as c:
         for cid, a in data.items():
-            assert bytes(c.get_chunk(1, cid, expected_crc32c=crc32c(a))) == a.tobytes()  # type: ignore[arg-type]
-            into = np.full(a.nbytes, 0xEE, np.uint8)
-            view = c.get_chunk(1, cid, into=into.data)
-            assert view is not None and into.tobytes() == a.tobytes()
-        assert c.get_chunk(1, "missing") is None and c.get_chunk(2, "a") is None
+            assert get_one(c, 1, cid, a.nbytes, crc32c(a)) == a.tobytes()
+        assert get_one(c, 1, "missing", 1) == "missing" == get_one(c, 2, "a", 1)
         assert c.list_chunks(1) == sorted(data) and c.list_chunks(9) == []
         assert c.get_manifest(1) == b'{"manifest": 1}' and c.get_manifest(2) is None
         assert c.steps() == [1] and c.committed_steps() == [1]
@@ -96,22 +94,19 @@ def test_get_list_manifest_steps_bit_exact(served) -> None:  # type: ignore[no-u
         assert c.committed_steps() == [2] and c.manifest_steps() == [] and c.get_manifest(2) is None
         assert c.handshakes == 1  # one pooled connection served every call
         with pytest.raises(ConfigError):  # a caller bug, not a peer failure
-            c.get_chunk(1, "")
+            get_one(c, 1, "", 0)
         with pytest.raises(ConfigError):
-            c.push_chunk(1, "a\x00b", b"x")
+            c.push_chunks(1, [("a\x00b", b"x", 0)])
 
 
-def test_push_chunk_and_manifest(served) -> None:  # type: ignore[no-untyped-def]
+def test_push_one_chunk_and_manifest(served) -> None:  # type: ignore[no-untyped-def]
     tier, server, _ = served
     a = fill(2, {"x": (1 << 20) + 3})["x"]
     with PeerClient(server.address, secret=SECRET, options=FAST) as c:
-        assert c.push_chunk(2, "x", a) is True
-        assert c.push_chunk(2, "x", a.data, raw_crc32c=crc32c(a)) is False  # already there
-        with pytest.raises(ChecksumMismatchError):
-            c.push_chunk(2, "y", a, raw_crc32c=crc32c(a) ^ 1)
+        c.push_chunks(2, [("x", a.data, crc32c(a))])
         c.put_manifest(2, b"m2")
         with pytest.raises(PeerRequestError) as e:
-            c.push_chunk(1, "late", b"z")  # step 1 is superseded by committed step 2
+            c.push_chunks(1, [("late", b"z", crc32c(b"z"))])  # superseded by committed step 2
         assert e.value.code == "stale_step"
         assert c.steps() == [2]  # still usable after refusals
     assert bytes(tier.get_chunk(2, "x", verify=True)) == a.tobytes()  # type: ignore[arg-type]
@@ -119,12 +114,14 @@ def test_push_chunk_and_manifest(served) -> None:  # type: ignore[no-untyped-def
 
 
 def test_push_over_budget_is_refused(make_tier: MakeTier, make_server: MakeServer) -> None:
-    server = make_server(make_tier(budget_bytes=1 << 20), options=FAST)
+    tier = make_tier(budget_bytes=1 << 20)
+    server = make_server(tier, options=FAST)
     with PeerClient(server.address, secret=SECRET, options=FAST) as c:
         with pytest.raises(PeerRequestError) as e:
-            c.push_chunk(1, "big", np.zeros(2 << 20, np.uint8))
+            c.push_chunks(1, [("big", np.zeros(2 << 20, np.uint8), 0)])
         assert e.value.code == "budget"
-        assert c.push_chunk(1, "small", b"ok") is True
+        c.push_chunks(1, [("small", b"ok", crc32c(b"ok"))])
+        assert tier.chunk_ids(1) == ["small"]
 
 
 def test_concurrent_clients(served) -> None:  # type: ignore[no-untyped-def]
@@ -138,7 +135,7 @@ def test_concurrent_clients(served) -> None:  # type: ignore[no-untyped-def]
             for j in range(6):
                 c = shared if (i + j) % 2 else own
                 for cid, a in data.items():
-                    assert bytes(c.get_chunk(1, cid)) == a.tobytes()  # type: ignore[arg-type]
+                    assert get_one(c, 1, cid, a.nbytes) == a.tobytes()
             own.close()
         except BaseException as e:  # pragma: no cover - reported below
             errors.append(e)
@@ -156,14 +153,10 @@ def test_concurrent_clients(served) -> None:  # type: ignore[no-untyped-def]
 def test_wrong_secret_gets_nothing(served) -> None:  # type: ignore[no-untyped-def]
     _, server, _ = served
     with pytest.raises(AuthenticationError):
-        PeerClient(server.address, secret=b"wrong-secret-0123456789", options=FAST).get_chunk(
-            1, "a"
-        )
+        PeerClient(server.address, secret=b"wrong-secret-0123456789", options=FAST).steps()
     chan, t, h, _ = raw_handshake(server.address, secret=b"wrong-secret-0123456789")
     assert (t, h["code"]) == (MsgType.ERROR, "auth_failed")
-    chan.sock.sendall(
-        chan.encode(MsgType.GET_CHUNK, {"step": 1, "chunk_id": "a", "offset": 0, "length": None})
-    )
+    chan.sock.sendall(chan.encode(MsgType.LIST, {"step": 1}))
     assert read_to_eof(chan.sock) == b""  # disconnected; the request was never served
     chan.close()
     # The PeerClient gave up on the server's proof before answering; the raw one was refused.
@@ -181,11 +174,7 @@ def test_client_refuses_server_without_the_secret(
 def test_request_before_auth_is_refused(served) -> None:  # type: ignore[no-untyped-def]
     _, server, _ = served
     s = socket.create_connection(server.address, timeout=5)
-    s.sendall(
-        wire_codec.encode_frame(
-            MsgType.GET_CHUNK, {"step": 1, "chunk_id": "a", "offset": 0, "length": None}
-        )
-    )
+    s.sendall(wire_codec.encode_frame(MsgType.LIST, {"step": 1}))
     t, h, _ = recv_frame_head(s, wire.AUTH_LIMITS)
     assert (t, h["code"]) == (MsgType.ERROR, "bad_request")
     assert read_to_eof(s) == b""
@@ -224,11 +213,11 @@ def test_replayed_and_reflected_proofs_are_refused(served) -> None:  # type: ign
 def test_oversized_requests_are_refused_and_others_served(served) -> None:  # type: ignore[no-untyped-def]
     _, server, data = served
     good = PeerClient(server.address, secret=SECRET, options=FAST)
-    assert good.get_chunk(1, "a") is not None
+    assert get_one(good, 1, "a", data["a"].nbytes) == data["a"].tobytes()
     chan, t, _, _ = raw_handshake(server.address)
     assert t is MsgType.AUTH_OK
     huge = wire.PREFIX.pack(
-        wire.MAGIC, wire.VERSION, MsgType.PUT_CHUNK, 0, 40, FAST.max_payload_bytes + 1
+        wire.MAGIC, wire.VERSION, MsgType.PUT_CHUNKS, 0, 40, FAST.max_payload_bytes + 1
     )
     chan.sock.sendall(huge)  # refused from the prefix alone, before any tag is read
     t, h, _ = chan.recv_head()
@@ -239,7 +228,7 @@ def test_oversized_requests_are_refused_and_others_served(served) -> None:  # ty
     chan.sock.sendall(wire.PREFIX.pack(wire.MAGIC, wire.VERSION, MsgType.LIST, 0, 1 << 30, 0))
     assert chan.recv_head()[1]["code"] == "too_large"
     chan.close()
-    assert bytes(good.get_chunk(1, "b")) == data["b"].tobytes()  # type: ignore[arg-type]
+    assert get_one(good, 1, "b", data["b"].nbytes) == data["b"].tobytes()
     assert server.stats["protocol_errors"] == 2
 
 
@@ -308,13 +297,10 @@ def test_corrupt_server_copy_and_wrong_size_buffer(
         make_tier, make_server, shm_dir, {"a": 1 << 20, "b": 100}, 12345, b"\x00\x01\x02"
     )
     with PeerClient(server.address, secret=SECRET, options=FAST) as c:
-        with pytest.raises(ChecksumMismatchError):
-            c.get_chunk(1, "a")
-        with pytest.raises(ChecksumMismatchError):
-            c.get_chunk(1, "b", into=np.empty(99, np.uint8))
-        with pytest.raises(ChecksumMismatchError):
-            c.get_chunk(1, "b", expected_crc32c=crc32c(data["b"]) ^ 1)
-        assert bytes(c.get_chunk(1, "b")) == data["b"].tobytes()  # type: ignore[arg-type]
+        assert get_one(c, 1, "a", data["a"].nbytes) == "corrupt"
+        assert get_one(c, 1, "b", 99) == "corrupt"
+        assert get_one(c, 1, "b", 100, crc32c(data["b"]) ^ 1) == "corrupt"
+        assert get_one(c, 1, "b", 100) == data["b"].tobytes()
 
 
 @settings(
@@ -344,7 +330,7 @@ def test_fuzz_live_server_survives_garbage(served, garbage: bytes, authenticate:
     if reply:
         assert reply.startswith(wire.MAGIC)
     with PeerClient(server.address, secret=SECRET, options=FAST) as c:
-        assert bytes(c.get_chunk(1, "a")) == data["a"].tobytes()  # type: ignore[arg-type]
+        assert get_one(c, 1, "a", data["a"].nbytes) == data["a"].tobytes()
 
 
 def test_large_chunks_use_pipelined_verification(
@@ -358,15 +344,14 @@ def test_large_chunks_use_pipelined_verification(
     (f,) = (shm_dir / "big" / "step-1").glob("*.data")
     server = make_server(make_tier("big", budget_bytes=64 << 20), options=FAST)
     with PeerClient(server.address, secret=SECRET, options=FAST) as c:
-        assert bytes(c.get_chunk(1, "big", expected_crc32c=crc32c(big))) == big.tobytes()  # type: ignore[arg-type]
-        assert c.push_chunk(2, "pushed", big) is True  # the server receives via the same path
+        assert get_one(c, 1, "big", big.nbytes, crc32c(big)) == big.tobytes()
+        c.push_chunks(2, [("pushed", big, crc32c(big))])  # the server receives via that path
         with pytest.raises(ChecksumMismatchError):
-            c.push_chunk(2, "bad", big, raw_crc32c=crc32c(big) ^ 1)
+            c.push_chunks(2, [("bad", big, crc32c(big) ^ 1)])
         with f.open("r+b") as fh:  # flip a byte in the last window of the served copy
             fh.seek(big.nbytes - 3)
             fh.write(b"\xff" if big[-3] != 0xFF else b"\x00")
-        with pytest.raises(ChecksumMismatchError):
-            c.get_chunk(1, "big")
+        assert get_one(c, 1, "big", big.nbytes) == "corrupt"
 
 
 def _segments(tier_dir: Path, step: int) -> list[Path]:
@@ -386,7 +371,7 @@ def test_push_chunks_stores_one_segment_all_or_nothing(
         assert len(_segments(shm_dir / "dst", 3)) == 1
         for cid, a in data.items():
             assert bytes(tier.get_chunk(3, cid, verify=True)) == a.tobytes()  # type: ignore[arg-type]
-        hit = tier.lend_span(3, ["p@0:4", "p@4:8"])  # back to back, in the order sent
+        hit = tier.lend_spans(3, [["p@0:4", "p@4:8"]])[0]  # back to back, in the order sent
         assert (
             hit is not None and bytes(hit[0]) == data["p@0:4"].tobytes() + data["p@4:8"].tobytes()
         )
@@ -717,7 +702,7 @@ def test_an_oversized_push_is_refused_as_too_large_once(
     with PeerClient(server.address, secret=SECRET, options=FAST) as client:
         client.steps()  # a pooled connection: the retry path
         with pytest.raises(PeerRequestError) as e:
-            client.push_chunk(1, "big", np.zeros(size, np.uint8))
+            client.push_chunks(1, [("big", np.zeros(size, np.uint8), 0)])
         assert e.value.code == "too_large"
         assert client.handshakes == 1  # not sent again on a new connection
         assert client.steps() == []  # a fresh connection, not the one the server closed
@@ -734,9 +719,7 @@ def test_a_ranges_reply_shorter_than_its_runs_is_a_protocol_error() -> None:
     def fake_peer() -> None:
         s, _ = listener.accept()
         with s:
-            chan = server_handshake(
-                s, secret=SECRET, frame_mac=True, limits=wire.WireLimits(), timeout_s=5
-            )
+            chan = server_handshake(s, secret=SECRET, options=PeerOptions())
             chan.recv_head()
             chan.recv_payload()
             chan.send(

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from fastckpt._checksum import crc32c
@@ -38,8 +39,9 @@ def test_seal_makes_chunks_visible_bit_exact(make_tier: MakeTier) -> None:
         view = tier.get_chunk(3, cid, verify=True)
         assert view is not None and view.readonly
         assert bytes(view) == a.tobytes()
-        assert tier.has_chunk(3, cid, length=a.nbytes, raw_crc32c=crc32c(a))
-    assert not tier.has_chunk(3, ODD_IDS[0], raw_crc32c=1)
+        hit = tier.read_chunk(3, cid)
+        assert hit is not None and (hit[1].length, hit[1].raw_crc32c) == (a.nbytes, crc32c(a))
+    assert tier.read_chunk(3, "missing") is None and tier.read_chunk(4, cid) is None
     with pytest.raises(ConfigError):
         _ = seg.buffer  # a sealed segment is no longer writable through the tier's handle
 
@@ -140,7 +142,7 @@ def test_retention_keeps_newest_committed_steps_and_newer(make_tier: MakeTier) -
     with pytest.raises(StaleStepError):
         tier.allocate(2, 10)
     with pytest.raises(StaleStepError):
-        tier.put_chunk(1, "late", b"x", crc32c(b"x"))
+        seal_chunks(tier, 1, {"late": np.ones(1, np.uint8)})
     tier.drop_step(3)
     assert tier.steps() == [4] and tier.get_chunk(3, "a") is None
 
@@ -153,12 +155,12 @@ def test_replicated_tier_holds_the_previous_step_across_commits_and_reopen(
     a replicated tier keeps keep_steps + 1 committed steps, also after reopening."""
     tier = make_tier(keep_steps=1, replicated=True)
     seal_chunks(tier, 2, fill(2, {"own": 100}))
-    tier.put_chunk(2, "peer", b"p2", crc32c(b"p2"))
+    seal_chunks(tier, 2, {"peer": np.frombuffer(b"p2", np.uint8)})
     tier.put_manifest(2, b"m2")
     seal_chunks(tier, 4, fill(4, {"own": 100}))
     tier.put_manifest(4, b"m4")  # committed; the peer's replica of 4 may never come
     assert tier.steps() == [2, 4] and tier.get_chunk(2, "peer") == b"p2"
-    tier.put_chunk(4, "peer", b"p4", crc32c(b"p4"))
+    seal_chunks(tier, 4, {"peer": np.frombuffer(b"p4", np.uint8)})
     tier.put_manifest(4, b"m4")  # the peer's push of 4 is complete: still both held
     assert tier.steps() == [2, 4]
     seal_chunks(tier, 6, fill(6, {"own": 100}))
@@ -166,7 +168,7 @@ def test_replicated_tier_holds_the_previous_step_across_commits_and_reopen(
     tier.put_manifest(6, b"m6")
     assert tier.steps() == [4, 6] and tier.get_chunk(4, "peer") == b"p4"
     with pytest.raises(StaleStepError):
-        tier.put_chunk(2, "late", b"x", crc32c(b"x"))
+        seal_chunks(tier, 2, {"late": np.ones(1, np.uint8)})
     tier.close()
     with RamTier(shm_dir / "t0", budget_bytes=1 << 20, keep_steps=1, replicated=True) as again:
         assert again.steps() == [4, 6]
@@ -222,17 +224,6 @@ def test_views_survive_drop(make_tier: MakeTier) -> None:
     assert view is not None and bytes(view) == data["a"].tobytes()
     seal_chunks(tier, 2, fill(2, {"a": 2 << 20}))  # must not reuse memory still viewed
     assert bytes(view) == data["a"].tobytes()
-
-
-def test_put_chunk_verifies_and_dedupes(make_tier: MakeTier) -> None:
-    tier = make_tier()
-    a = fill(1, {"a": 5000})["a"]
-    with pytest.raises(ChecksumMismatchError):
-        tier.put_chunk(1, "a", a, crc32c(a) ^ 1)
-    assert tier.steps() == []
-    assert tier.put_chunk(1, "a", a.data, crc32c(a)) is True
-    assert tier.put_chunk(1, "a", a.tobytes(), crc32c(a)) is False
-    assert bytes(tier.get_chunk(1, "a")) == a.tobytes()  # type: ignore[arg-type]
 
 
 def test_corrupted_ram_chunk_is_detected(make_tier: MakeTier, shm_dir: Path) -> None:
@@ -529,7 +520,7 @@ def test_a_reopened_tier_serves_the_copy_sealed_last(make_tier: MakeTier, shm_di
     first = fill(1, {"a": 4096}, seed=1)["a"]
     seal_chunks(tier, 1, {"a": first})
     second = fill(1, {"a": 4096}, seed=2)["a"]
-    assert tier.put_chunk(1, "a", second, crc32c(second))
+    seal_chunks(tier, 1, {"a": second})
     tier.close()
     for _ in range(5):
         again = RamTier(shm_dir / "t0", budget_bytes=64 << 20)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -35,13 +35,13 @@ class SlowPusher:
         self.release, self.entered = threading.Event(), threading.Event()
         self.pushed: list[tuple[int, str]] = []
 
-    def push_chunk(
-        self, step: int, chunk_id: str, data: memoryview, *, raw_crc32c: int | None = None
-    ) -> bool:
+    def list_chunks(self, step: int) -> list[str]:
+        return []
+
+    def push_chunks(self, step: int, chunks: Sequence[tuple[str, memoryview, int]]) -> None:
         self.entered.set()
         self.release.wait(10)
-        self.pushed.append((step, chunk_id))
-        return True
+        self.pushed.extend((step, cid) for cid, _, _ in chunks)
 
     def put_manifest(self, step: int, data: bytes | memoryview) -> None:
         self.pushed.append((step, "<manifest>"))
@@ -105,7 +105,7 @@ def test_submit_never_blocks_and_newer_steps_supersede(
     for step in (1, 2):
         seal_chunks(own, step, fill(step, {f"c{i}": 10 for i in range(5)}))
     slow = SlowPusher()
-    rep = Replicator(own, targets={"slow": slow})
+    rep = Replicator(own, targets={"slow": slow}, options=ReplicatorOptions(batch_chunks=1))
     t0 = time.monotonic()
     h1 = rep.submit(1)
     # Returned while the pusher is blocked (for up to 10 s): generous, a busy 2-core VM stalls.
@@ -168,14 +168,14 @@ class CountingPusher:
         self.hold, self.release, self.holding = hold, threading.Event(), threading.Event()
         self.pushed: list[tuple[int, str]] = []
 
-    def push_chunk(
-        self, step: int, chunk_id: str, data: memoryview, *, raw_crc32c: int | None = None
-    ) -> bool:
+    def list_chunks(self, step: int) -> list[str]:
+        return []
+
+    def push_chunks(self, step: int, chunks: Sequence[tuple[str, memoryview, int]]) -> None:
         if step in self.hold:
             self.holding.set()
             self.release.wait(10)
-        self.pushed.append((step, chunk_id))
-        return True
+        self.pushed.extend((step, cid) for cid, _, _ in chunks)
 
     def put_manifest(self, step: int, data: bytes | memoryview) -> None:
         self.pushed.append((step, "<manifest>"))
@@ -189,7 +189,7 @@ def test_reports_are_bounded_and_running_pushes_are_kept(make_tier: MakeTier) ->
     rep = Replicator(own, targets={"p": pusher}, options=ReplicatorOptions(max_reports=4))
     for step in range(1, 21):
         assert rep.submit(step).wait(10) is not None
-    assert len(rep._handles) == 4
+    assert len(rep._pushes._handles) == 4
     assert rep.stats() == {
         "steps": 20,
         "chunks_pushed": 20,
@@ -209,7 +209,7 @@ def test_reports_are_bounded_and_running_pushes_are_kept(make_tier: MakeTier) ->
     rep.set_targets({})
     for step in range(22, 31):
         rep.submit(step)
-    assert not held.done() and held in rep._handles and len(rep._handles) == 4
+    assert not held.done() and held in rep._pushes._handles and len(rep._pushes._handles) == 4
     pusher.release.set()
     reports = rep.wait(10)
     assert [r.step for r in reports] == [21, 28, 29, 30]

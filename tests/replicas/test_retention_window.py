@@ -16,10 +16,10 @@ import shutil
 import uuid
 from pathlib import Path
 
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastckpt._checksum import crc32c
 from fastckpt.replicas._ram import RamTier
 
 from .conftest import fill, seal_chunks
@@ -66,7 +66,7 @@ def test_survivors_hold_a_complete_step_wherever_a_host_dies(
             else:
                 chunk = bytes(tiers[h].get_chunk(step, f"h{h}"))  # type: ignore[arg-type]
                 successor = tiers[(h + 1) % hosts]
-                successor.put_chunk(step, f"h{h}", chunk, crc32c(chunk))
+                seal_chunks(successor, step, {f"h{h}": np.frombuffer(chunk, np.uint8)})
                 successor.put_manifest(step, b"m")
         survivors = {h: t for h, t in tiers.items() if h != victim}
         complete = _complete_steps(survivors, hosts)

@@ -53,16 +53,16 @@ def test_own_ram_then_peers_then_none(make_tier: MakeTier, make_server: MakeServ
     for cid, expect in (("mine", "ram"), ("both", "ram"), ("theirs", "peer:p2")):
         a = data[cid]
         into = np.zeros(a.nbytes, np.uint8)
-        assert src.fetch(1, cid, a.nbytes, crc32c(a), into=into) == expect
+        assert src.fetch_many(1, [(cid, a.nbytes, crc32c(a), into)])[0] == expect
         assert into.tobytes() == a.tobytes()
-    assert src.fetch(1, "nowhere", 10, 0, into=np.zeros(10, np.uint8)) is None
+    assert src.fetch_many(1, [("nowhere", 10, 0, np.zeros(10, np.uint8))])[0] is None
     stats = src.stats()
     assert stats.tiers["ram"].chunks == 2 and stats.tiers["peer:p2"].bytes == 7000
     assert stats.not_found == 1
     assert stats.fallbacks == {"miss": 2}  # own RAM lacked "theirs" and "nowhere"
     # p1 never listed "theirs"/"nowhere": listing saved those round-trips
     with pytest.raises(ConfigError):
-        src.fetch(1, "mine", 4999, 0, into=np.zeros(5000, np.uint8))
+        src.fetch_many(1, [("mine", 4999, 0, np.zeros(5000, np.uint8))])
 
 
 def test_corrupt_copies_fall_back(shm_dir: Path, make_server: MakeServer) -> None:
@@ -80,7 +80,7 @@ def test_corrupt_copies_fall_back(shm_dir: Path, make_server: MakeServer) -> Non
         ]
         src = TieredChunkSource(own, peers)
         into = np.zeros(a.nbytes, np.uint8)
-        assert src.fetch(2, "a", a.nbytes, crc32c(a), into=into) == "peer:p2"
+        assert src.fetch_many(2, [("a", a.nbytes, crc32c(a), into)])[0] == "peer:p2"
         assert into.tobytes() == a.tobytes()
         stats = src.stats()
         assert stats.fallbacks == {"corrupt": 2}
@@ -108,7 +108,8 @@ def test_unreachable_peer_is_skipped_after_first_failure(
     )
     for _ in range(3):
         assert (
-            src.fetch(1, "a", a.nbytes, crc32c(a), into=np.zeros(a.nbytes, np.uint8)) == "peer:good"
+            src.fetch_many(1, [("a", a.nbytes, crc32c(a), np.zeros(a.nbytes, np.uint8))])[0]
+            == "peer:good"
         )
     stats = src.stats()
     assert stats.fallbacks == {"unavailable": 1} and stats.dead_peers == ["dead"]
@@ -145,7 +146,9 @@ def test_peer_sigkilled_mid_transfer_falls_back_to_next_peer(
         into = np.full(nbytes, 0xAA, np.uint8)
         result: list[str | None] = []
         fetcher = threading.Thread(
-            target=lambda: result.append(src.fetch(1, "big", nbytes, crc32c(data), into=into))
+            target=lambda: result.append(
+                src.fetch_many(1, [("big", nbytes, crc32c(data), into)])[0]
+            )
         )
         fetcher.start()
         deadline = time.monotonic() + 30
@@ -209,9 +212,6 @@ class _RangesFail:
 
     def list_chunks(self, step: int) -> list[str]:
         return list(self.data)
-
-    def get_chunk(self, step: int, chunk_id: str, **kw: object) -> None:
-        raise AssertionError("streaming peers are asked in batches")
 
     def get_chunks(self, step: int, items: list[tuple[str, np.ndarray, int]]) -> list[str]:
         for cid, into, _ in items:

@@ -24,10 +24,17 @@ VALID: list[tuple[MsgType, dict[str, Any], bytes]] = [
     (MsgType.CHALLENGE, {"nonce": NONCE, "frame_mac": False, "mac": "0f" * 32}, b""),
     (MsgType.AUTH, {"mac": "00" * 32}, b""),
     (MsgType.AUTH_OK, {}, b""),
-    (MsgType.GET_CHUNK, {"step": 7, "chunk_id": "p['w']@0:4", "offset": 0, "length": None}, b""),
-    (MsgType.GET_CHUNK, {"step": 2**63 - 1, "chunk_id": "x", "offset": 3, "length": 5}, b""),
-    (MsgType.CHUNK, {"raw_crc32c": 2**32 - 1, "chunk_length": 3, "offset": 0}, b"abc"),
-    (MsgType.PUT_CHUNK, {"step": 1, "chunk_id": "ü@0:1", "raw_crc32c": 0}, b"\x00\xff"),
+    (
+        MsgType.GET_STREAM,
+        {"step": 2**63 - 1, "anchor": "p['w']@0:4", "offset": 3, "length": 5, "stream_len": 9},
+        b"",
+    ),
+    (MsgType.STREAM, {}, b"abc"),
+    (
+        MsgType.GET_STREAM,
+        {"step": 1, "anchor": "ü@0:1", "offset": 0, "length": 2, "stream_len": 2},
+        b"",
+    ),
     (MsgType.LIST, {"step": 0}, b""),
     (MsgType.CHUNK_LIST, {"count": 2}, b'["a","b"]'),
     (MsgType.GET_MANIFEST, {"step": 1}, b""),
@@ -46,6 +53,9 @@ VALID: list[tuple[MsgType, dict[str, Any], bytes]] = [
     ),
     (MsgType.RANGES, {"lengths": [9, 0], "gaps": [0, 7, 2**32 - 1], "missing": [1]}, b"abcd"),
 ]
+
+
+STREAM_REQ = b'{"step":1,"anchor":"x","offset":0,"length":0,"stream_len":0}'  # a GET_STREAM
 
 
 def frame(t: MsgType, h: dict[str, Any], payload: bytes = b"") -> bytes:
@@ -79,25 +89,27 @@ def test_round_trip(t: MsgType, h: dict[str, Any], payload: bytes) -> None:
 @pytest.mark.parametrize(
     "data",
     [
-        raw_frame(16, b'{"step":1,"chunk_id":"x","offset":0,"length":null}', magic=b"HTTP"),
-        raw_frame(
-            16, b'{"step":1,"chunk_id":"x","offset":0,"length":null}', version=1
-        ),  # v1: untagged
-        raw_frame(16, b'{"step":1,"chunk_id":"x","offset":0,"length":null}', version=3),
+        raw_frame(35, STREAM_REQ, magic=b"HTTP"),
+        raw_frame(35, STREAM_REQ, version=1),  # v1: untagged
+        raw_frame(35, STREAM_REQ, version=3),
         raw_frame(99, b"{}"),
         raw_frame(4, b"{}", flags=1),
         raw_frame(4, b"{}", b"payload-not-allowed"),
         raw_frame(4, b"[]"),
         raw_frame(4, b'{"extra":1}'),
-        raw_frame(16, b'{"step":-1,"chunk_id":"x","offset":0,"length":null}'),
-        raw_frame(16, b'{"step":true,"chunk_id":"x","offset":0,"length":null}'),
-        raw_frame(16, b'{"step":1.0,"chunk_id":"x","offset":0,"length":null}'),
-        raw_frame(16, b'{"step":1,"chunk_id":"","offset":0,"length":null}'),
-        raw_frame(16, b'{"step":1,"chunk_id":"a\\u0000b","offset":0,"length":null}'),
-        raw_frame(16, b'{"step":1,"step":1,"chunk_id":"x","offset":0,"length":null}'),
-        raw_frame(16, b'{"step":1,"chunk_id":"x","offset":0}'),
-        raw_frame(16, b'{"step":' + b"9" * 5000 + b',"chunk_id":"x","offset":0,"length":null}'),
-        raw_frame(17, b'{"raw_crc32c":4294967296,"chunk_length":0,"offset":0}'),
+        raw_frame(35, STREAM_REQ.replace(b'"step":1', b'"step":-1')),
+        raw_frame(35, STREAM_REQ.replace(b'"step":1', b'"step":true')),
+        raw_frame(35, STREAM_REQ.replace(b'"step":1', b'"step":1.0')),
+        raw_frame(35, STREAM_REQ.replace(b'"x"', b'""')),
+        raw_frame(35, STREAM_REQ.replace(b'"x"', b'"a\\u0000b"')),
+        raw_frame(35, STREAM_REQ.replace(b'"step":1', b'"step":1,"step":1')),
+        raw_frame(35, STREAM_REQ.replace(b',"stream_len":0', b"")),
+        raw_frame(35, STREAM_REQ.replace(b'"step":1', b'"step":' + b"9" * 5000)),
+        raw_frame(
+            27,
+            b'{"step":1,"count":1,"ids_len":5,"lengths":[0],"crcs":[4294967296]}',
+            b'["a"]',
+        ),
         raw_frame(24, b"{\xff}"),
         raw_frame(24, b"[" * 3000 + b"]" * 3000),
         raw_frame(25, b'{"steps":[NaN],"committed":[]}'),
@@ -131,13 +143,13 @@ def test_malformed_frames_raise_protocol_error(data: bytes) -> None:
 
 def test_limits_are_checked_from_the_prefix_alone() -> None:
     big_header = struct.pack(">4sBBHIQ", b"FCKP", 2, 24, 0, LIMITS.max_header_bytes + 1, 0)
-    big_payload = struct.pack(">4sBBHIQ", b"FCKP", 2, 18, 0, 10, 2**63)
+    big_payload = struct.pack(">4sBBHIQ", b"FCKP", 2, 27, 0, 10, 2**63)
     for prefix in (big_header, big_payload):
         with pytest.raises(wire.FrameTooLargeError):
             wire_codec.decode_prefix(prefix, LIMITS)
     with pytest.raises(ProtocolError):  # the unauthenticated phase accepts no payload at all
         wire_codec.decode_prefix(
-            struct.pack(">4sBBHIQ", b"FCKP", 2, 17, 0, 10, 1), wire.AUTH_LIMITS
+            struct.pack(">4sBBHIQ", b"FCKP", 2, 29, 0, 10, 1), wire.AUTH_LIMITS
         )
 
 
@@ -245,7 +257,7 @@ json_values = st.recursive(
     st.sampled_from(list(MsgType)),
     st.dictionaries(
         st.sampled_from(
-            ["step", "chunk_id", "offset", "length", "nonce", "mac", "count", "steps", "code", "x"]
+            ["step", "anchor", "offset", "length", "nonce", "mac", "count", "steps", "code", "x"]
         ),
         json_values,
         max_size=5,

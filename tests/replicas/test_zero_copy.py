@@ -21,17 +21,17 @@ def test_lend_span_requires_back_to_back_chunks(make_tier: MakeTier) -> None:
     data = fill(1, {"a": MIB, "b": 3 * MIB, "c": 5000})
     seal_chunks(tier, 1, data)
     seal_chunks(tier, 1, fill(1, {"d": 100}, seed=1))  # a second segment
-    hit = tier.lend_span(1, ["a", "b", "c"])
+    hit = tier.lend_spans(1, [["a", "b", "c"]])[0]
     assert hit is not None
     view, locs = hit
     assert bytes(view) == b"".join(data[k].tobytes() for k in "abc")
     assert [loc.length for loc in locs] == [MIB, 3 * MIB, 5000]
-    assert tier.lend_span(1, ["b", "a"]) is None  # wrong order
-    assert tier.lend_span(1, ["a", "c"]) is None  # gap
-    assert tier.lend_span(1, ["c", "d"]) is None  # two segments
-    assert tier.lend_span(1, ["zz"]) is None
-    assert tier.lend_span(2, ["a"]) is None
-    assert tier.lend_span(1, []) is None
+    assert tier.lend_spans(1, [["b", "a"]])[0] is None  # wrong order
+    assert tier.lend_spans(1, [["a", "c"]])[0] is None  # gap
+    assert tier.lend_spans(1, [["c", "d"]])[0] is None  # two segments
+    assert tier.lend_spans(1, [["zz"]])[0] is None
+    assert tier.lend_spans(2, [["a"]])[0] is None
+    assert tier.lend_spans(1, [[]])[0] is None
 
 
 def test_lend_spans_answers_each_group_over_several_segments_in_one_call(
@@ -66,7 +66,7 @@ def test_lent_segment_is_never_recycled_even_by_a_reopened_tier(
     data = fill(1, {"a": 4 * MIB})
     seal_chunks(tier, 1, data)
     tier.put_manifest(1, b"m")
-    hit = tier.lend_span(1, ["a"])
+    hit = tier.lend_spans(1, [["a"]])[0]
     assert hit is not None
     lent = np.frombuffer(hit[0], np.uint8)
     del hit
@@ -88,15 +88,15 @@ def test_lend_falls_back_on_a_corrupt_copy(make_tier: MakeTier, shm_dir: Path) -
     index = seal_chunks(tier, 1, data)
     src = TieredChunkSource(tier)
     chunks = [(k, index[k].length, index[k].raw_crc32c) for k in "ab"]
-    view = src.lend(1, chunks)
+    view = src.lend_many(1, [chunks])[0]
     assert view is not None and bytes(view) == data["a"].tobytes() + data["b"].tobytes()
-    assert src.lend(1, [("a", 8192, index["a"].raw_crc32c ^ 1), chunks[1]]) is None
+    assert src.lend_many(1, [[("a", 8192, index["a"].raw_crc32c ^ 1), chunks[1]]])[0] is None
     into = np.zeros(8192, np.uint8)
     assert (
-        src.fetch(1, "a", 8192, index["a"].raw_crc32c ^ 1, into=into) is None
+        src.fetch_many(1, [("a", 8192, index["a"].raw_crc32c ^ 1, into)])[0] is None
     )  # records the bad copy, once
     assert src.stats().fallbacks == {"corrupt": 1}
-    assert TieredChunkSource(None).lend(1, chunks) is None
+    assert TieredChunkSource(None).lend_many(1, [chunks])[0] is None
 
 
 def test_unverified_lend_leaves_the_bytes_to_the_caller_but_not_the_record(

@@ -263,8 +263,9 @@ def _impostor(address: tuple[str, int], chunk_id: str) -> dict[str, Any]:
         try:
             s.sendall(
                 chan.encode(
-                    MsgType.GET_CHUNK,
-                    {"step": LAST_RAM_STEP, "chunk_id": chunk_id, "offset": 0, "length": None},
+                    MsgType.GET_CHUNKS,
+                    {"step": LAST_RAM_STEP, "count": 1},
+                    json.dumps([chunk_id]).encode(),
                 )
             )
             while data := s.recv(1 << 16):
@@ -298,7 +299,9 @@ def _probe_wrong_secret(mgr: Any) -> dict[str, Any]:
         calls = []
         for call in (
             client.steps,
-            lambda client=client, held=held: client.get_chunk(LAST_RAM_STEP, held[0]),
+            lambda client=client, held=held: client.get_chunks(
+                LAST_RAM_STEP, [(held[0], bytearray(1), None)]
+            ),
             lambda client=client: client.list_chunks(LAST_RAM_STEP),
         ):
             try:
@@ -353,15 +356,6 @@ def restore(
             Any
         ):  # keep the restore's TieredChunkSource; record where each chunk came from
             src = make_source()
-            fetch = src.fetch
-
-            def recording_fetch(
-                step: int, chunk_id: str, raw_length: int, raw_crc32c: int, *, into: Any
-            ) -> str | None:
-                tier = fetch(step, chunk_id, raw_length, raw_crc32c, into=into)
-                provenance[chunk_id] = tier
-                return tier
-
             fetch_many, lend_many = src.fetch_many, src.lend_many
 
             def recording_fetch_many(step: int, items: Any, **kw: Any) -> list[str | None]:
@@ -387,7 +381,6 @@ def restore(
                         provenance.update({c[0]: "ram" for c in chunks})
                 return views
 
-            src.fetch = recording_fetch
             src.fetch_many = recording_fetch_many
             src.lend_many = recording_lend_many
             sources.append(src)
