@@ -240,8 +240,8 @@ class ParityService:
                 return _error(chan, "not_found", f"no stream of step {h['step']} here")
             a = min(h["offset"], h["stream_len"])
             b = min(h["offset"] + h["length"], h["stream_len"])
-            chan.send(MsgType.STREAM, {}, [view[a:b]])
             self._count("stream_bytes", b - a)
+            chan.send(MsgType.STREAM, {}, [view[a:b]])
             return True
         return self._rebuild(chan, h)
 
@@ -325,8 +325,8 @@ class ParityService:
         for p in parts:
             assert p is not None
             xor_into(out, p)
+        self._count("rebuilt_bytes", n)  # before the reply: a client that has it sees the count
         chan.send(MsgType.REBUILT, {}, [out.data])
-        self._count("rebuilt_bytes", n)
         return True
 
 
