@@ -14,8 +14,9 @@ returned otherwise (:class:`~fastckpt.errors.ChecksumMismatchError`).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
@@ -184,6 +185,26 @@ class ParityRebuilder:
             writers.add(place.writer)
         return all(self.plan(w) is not None for w in writers)
 
+    def holder(self, chunk_id: str) -> str | None:
+        """The parity holder asked for the start of ``chunk_id`` (None: not rebuildable)."""
+        place = self._places.get(chunk_id)
+        plan = None if place is None else self.plan(place.writer)
+        if place is None or plan is None or place.nbytes == 0:
+            return None
+        first = rebuild_pieces(plan.group, place.writer, plan.stream_len, place.offset, 1)
+        return next(first).holder
+
+    def order(self, chunk_ids: Sequence[str]) -> list[int]:
+        """The positions of ``chunk_ids`` in the order to rebuild them: taking turns between
+        parity holders. Stream order would send every request in flight to the holder of
+        part 0, then of part 1, ..., each holder's link carrying the survivors' ranges while
+        the others idle."""
+        queues: dict[str | None, list[int]] = {}
+        for i, cid in enumerate(chunk_ids):
+            queues.setdefault(self.holder(cid), []).append(i)
+        turns = itertools.zip_longest(*queues.values())
+        return [i for turn in turns for i in turn if i is not None]
+
     def rebuild(self, chunk_id: str, raw_length: int, raw_crc32c: int, dst: np.ndarray) -> bool:
         """Fill ``dst`` with the chunk rebuilt from parity; False when it cannot be.
 
@@ -293,6 +314,11 @@ class ParityRebuilds:
         """:meth:`ParityRebuilder.rebuild` for ``step``; False when it has no manifest."""
         rb = self.for_step(step)
         return rb is not None and rb.rebuild(chunk_id, raw_length, raw_crc32c, dst)
+
+    def order(self, step: int, chunk_ids: Sequence[str]) -> list[int]:
+        """:meth:`ParityRebuilder.order` for ``step`` (positions unchanged without one)."""
+        rb = self.for_step(step)
+        return list(range(len(chunk_ids))) if rb is None else rb.order(chunk_ids)
 
     def reset(self) -> None:
         """Forget every step's rebuilder (a new restore: the records may have changed)."""

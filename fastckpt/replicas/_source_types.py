@@ -45,6 +45,11 @@ class ChunkRebuilder(Protocol):
         self, step: int, chunk_id: str, raw_length: int, raw_crc32c: int, dst: np.ndarray
     ) -> bool: ...
 
+    def order(self, step: int, chunk_ids: Sequence[str]) -> list[int]:
+        """The positions of ``chunk_ids`` in the order to rebuild them (spread over the
+        hosts that do the work)."""
+        ...
+
 
 @dataclasses.dataclass
 class TierStats:

@@ -193,6 +193,8 @@ class TieredChunkSource:
                     st.seconds += time.perf_counter() - t0
         lost = [k for k in range(len(items)) if out[k] is None]
         if lost and self._rebuild is not None:
+            lost = [lost[i] for i in self._rebuild.order(step, [items[k][0] for k in lost])]
+
             # Several chunks at once: each asks only the holders of its parts, so one at a
             # time would leave the others idle between round trips.
             def rebuilt(k: int) -> bool:

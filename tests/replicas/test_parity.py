@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -96,6 +96,19 @@ class Job:
             t.close()
 
 
+class _Rebuilds:
+    """The source's view of one step's rebuilder (``ParityRebuilds`` for ``STEP`` alone)."""
+
+    def __init__(self, rb: ParityRebuilder) -> None:
+        self.rb = rb
+
+    def rebuild(self, step: int, cid: str, n: int, crc: int, dst: np.ndarray) -> bool:
+        return step == STEP and self.rb.rebuild(cid, n, crc, dst)
+
+    def order(self, step: int, ids: Sequence[str]) -> list[int]:
+        return self.rb.order(ids)
+
+
 @pytest.fixture
 def job(shm_dir: Path) -> Iterator[Job]:
     j = Job(shm_dir)
@@ -146,11 +159,7 @@ def test_source_reports_rebuilt_tier_and_never_storage(job: Job) -> None:
     job.lose("m2")
     rb = job.rebuilder()
 
-    class Rebuilds:
-        def rebuild(self, step: int, cid: str, n: int, crc: int, dst: np.ndarray) -> bool:
-            return step == STEP and rb.rebuild(cid, n, crc, dst)
-
-    src = TieredChunkSource(None, list(job.clients.values()), rebuild=Rebuilds())
+    src = TieredChunkSource(None, list(job.clients.values()), rebuild=_Rebuilds(rb))
     items = [
         (c, job.data[c].nbytes, crc32c(job.data[c]), np.zeros(job.data[c].nbytes, np.uint8))
         for c in job.data
@@ -196,11 +205,7 @@ def test_corrupt_parity_or_survivor_byte_is_detected_not_returned(job: Job, what
     with pytest.raises(ChecksumMismatchError):
         rb.rebuild("a2", a.nbytes, crc32c(a), np.zeros(a.nbytes, np.uint8))
 
-    class Rebuilds:
-        def rebuild(self, step: int, cid: str, n: int, crc: int, dst: np.ndarray) -> bool:
-            return rb.rebuild(cid, n, crc, dst)
-
-    src = TieredChunkSource(None, list(job.clients.values()), rebuild=Rebuilds())
+    src = TieredChunkSource(None, list(job.clients.values()), rebuild=_Rebuilds(rb))
     assert (
         src.fetch_many(STEP, [("a2", a.nbytes, crc32c(a), np.zeros(a.nbytes, np.uint8))])[0] is None
     )
@@ -363,3 +368,29 @@ def test_a_survivor_without_its_own_data_makes_the_group_unrebuildable(job: Job)
     rb = job.rebuilder()  # with m1's real listing it can
     assert rb.covers({"a2"})
     rb.close()
+
+
+def test_rebuilds_take_turns_between_the_parity_holders(shm_dir: Path) -> None:
+    """In stream order every request in flight would go to the holder of one part at a time."""
+    sizes = {m: {f"{m}-{k}": 1000 for k in range(6)} for m in MEMBERS}
+    old = dict(SIZES)
+    SIZES.update(sizes)
+    try:
+        job = Job(shm_dir)
+    finally:
+        SIZES.clear()
+        SIZES.update(old)
+    try:
+        for m in MEMBERS:
+            job.push(m)
+        assert all(r.ok for r in job.pusher.wait(30))
+        job.lose("m3")
+        rb = job.rebuilder()
+        ids = [f"m3-{k}" for k in range(6)]  # parts of 2000 bytes: 2 chunks per holder
+        holders = [rb.holder(ids[i]) for i in rb.order(ids)]
+        assert holders == ["m0", "m1", "m2", "m0", "m1", "m2"]
+        assert sorted(rb.order(ids)) == list(range(6))
+        assert rb.holder("no-such-chunk") is None
+        rb.close()
+    finally:
+        job.close()
