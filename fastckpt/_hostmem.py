@@ -227,7 +227,11 @@ class StagingPool:
     """Keeps the last staging buffer for reuse (saves after the first skip page faults).
 
     ``take`` hands out a page-aligned buffer of at least ``nbytes`` (the kept one if it fits
-    and is not more than about twice too big); ``give`` returns it once no longer used."""
+    and is not more than about twice too big); ``give`` returns it once no longer used.
+    Buffers are of base pages, not transparent huge pages: a save's copy into them runs as
+    fast either way, but a huge page's first touch can cost far more on a virtual machine
+    whose host backs guest memory lazily, and that first touch is what provisioning does
+    (docs/benchmarks.md, save_restore)."""
 
     def __init__(self) -> None:
         self._free: np.ndarray | None = None
@@ -237,7 +241,7 @@ class StagingPool:
     def take(self, nbytes: int) -> np.ndarray:
         buf, self._free = self._free, None
         if buf is None or buf.nbytes < nbytes or buf.nbytes > 2 * nbytes + (64 << 20):
-            buf = alloc_aligned(nbytes)
+            buf = alloc_aligned(nbytes, hugepages=False)
         else:
             self.reused += 1
         return buf[:nbytes]
@@ -254,7 +258,7 @@ class StagingPool:
         free = self._free
         if nbytes == 0 or (free is not None and nbytes <= free.nbytes <= 2 * nbytes + (64 << 20)):
             return False
-        buf = alloc_aligned(nbytes)
+        buf = alloc_aligned(nbytes, hugepages=False)
         buf[:: mmap.PAGESIZE] = 0  # one write per page faults it in
         self._free = buf
         return True
