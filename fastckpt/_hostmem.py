@@ -231,7 +231,7 @@ class StagingPool:
     Buffers are of base pages, not transparent huge pages: a save's copy into them runs as
     fast either way, but a huge page's first touch can cost far more on a virtual machine
     whose host backs guest memory lazily, and that first touch is what provisioning does
-    (docs/benchmarks.md, save_restore)."""
+    before a process's first save."""
 
     def __init__(self) -> None:
         self._free: np.ndarray | None = None
