@@ -92,6 +92,9 @@ class ParityStore:
         self.member = member
         self._lock = threading.Lock()
         self._open: dict[int, _Building] = {}
+        # step -> its sealed parity's record and chunk id, as sealed here or found in the
+        # tier (one scan of the step's ids, not one per window or REBUILD)
+        self._known: dict[int, tuple[ParityRecord, str]] = {}
 
     def add(
         self,
@@ -120,8 +123,8 @@ class ParityStore:
         if offset + data.nbytes > stop - start:
             raise ConfigError(f"window {offset}+{data.nbytes} outside a {stop - start}-byte part")
         with self._lock:
-            if self.record(step) is not None:
-                return False
+            if step not in self._open and self.record(step) is not None:
+                return False  # (a step being built is not sealed: sealing closes it)
             b = self._building(step, group, size)
             if b.layout.setdefault(contributor, (stream_len, size)) != (stream_len, size):
                 raise ConfigError(f"{contributor!r} pushed two layouts of step {step}")
@@ -159,32 +162,35 @@ class ParityStore:
         del self._open[step]
         record = ParityRecord(b.group, self.member, dict(b.done))
         crc = crc32c(b.seg.buffer[: b.size])
+        cid = parity_chunk_id(record)
         try:
-            self.tier.seal(step, b.seg, {parity_chunk_id(record): ChunkLocation(0, b.size, crc)})
+            self.tier.seal(step, b.seg, {cid: ChunkLocation(0, b.size, crc)})
         except BaseException:
             self.tier.discard(b.seg)
             raise
+        self._known[step] = (record, cid)
 
     def record(self, step: int) -> ParityRecord | None:
         """The sealed (complete) parity of ``step`` this member holds, or None."""
-        hit = self._sealed(step)
+        hit = self.parity(step)
         return None if hit is None else hit[0]
-
-    def _sealed(self, step: int) -> tuple[ParityRecord, str] | None:
-        for cid in self.tier.chunk_ids(step):
-            if cid.startswith(PARITY_PREFIX):
-                rec = parse_parity_id(cid)
-                if rec is not None and rec.holder == self.member:
-                    return rec, cid
-        return None
 
     def parity(self, step: int) -> tuple[ParityRecord, memoryview] | None:
         """The sealed parity of ``step`` and a view of its bytes, or None."""
-        hit = self._sealed(step)
-        if hit is None:
-            return None
-        view = self.tier.get_chunk(step, hit[1])
-        return None if view is None else (hit[0], view)
+        known = self._known.get(step)
+        if known is not None:
+            view = self.tier.get_chunk(step, known[1])
+            if view is not None:
+                return known[0], view
+            self._known.pop(step, None)  # dropped with its step
+        for cid in self.tier.chunk_ids(step):  # sealed by an earlier process on this host
+            if cid.startswith(PARITY_PREFIX):
+                rec = parse_parity_id(cid)
+                view = self.tier.get_chunk(step, cid)
+                if rec is not None and rec.holder == self.member and view is not None:
+                    self._known[step] = (rec, cid)
+                    return rec, view
+        return None
 
     def stream(self, step: int, anchor: str) -> memoryview | None:
         """This member's own stream of ``step``: the segment holding chunk ``anchor``."""
