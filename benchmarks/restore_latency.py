@@ -608,7 +608,7 @@ def run_overhead(args: argparse.Namespace) -> dict[str, Any]:
                 else:  # the host idles while an accelerator would compute; state unchanged
                     time.sleep(idle_step_s)
                 if m is not None:  # a RAM checkpoint when step % 10 == 0, else a no-op
-                    m.save(step, state)  # blocks for the device-to-host copy only
+                    m.save(step, state)  # blocks for planning + any device-to-host copy
                     if m is mgr:
                         collect()
                 times.append(time.perf_counter() - t0)
@@ -1041,7 +1041,7 @@ def evaluate(results: dict[str, Any]) -> list[dict[str, Any]]:
                 + ", ".join(f"{100 * o:+.1f}%" for o in ov["overhead_idle_host_steady_all"])
                 + f"; drain after the last step {ov['idle_drain_s']:.3f}s "
                 f"(with it {100 * ov['overhead_idle_host']:+.1f}%); save() blocking alone "
-                f"{100 * ov['blocking_overhead']:+.1f}% (the copy)",
+                f"{100 * ov['blocking_overhead']:+.1f}%",
             )
     elif ov:
         add(

@@ -91,13 +91,16 @@ class SaveOptions:
     upload_concurrency: int = 4
     """Concurrent object uploads per process."""
     device_copy: Literal["auto", "pinned_host", "pageable"] = "auto"
-    """How shards on accelerators reach host memory. ``"auto"``: through ``pinned_host``
-    memory where the devices have it (full DMA speed; the copy into the staging buffer then
-    runs in the background part of the save, so ``save()`` waits for the DMA alone), else
-    ``copy_to_host_async`` into pageable memory. ``"pinned_host"``: pinned wherever it exists,
-    host-platform (CPU) devices too (ConfigError where it does not). ``"pageable"``: never
-    pinned. A pinned copy holds a save's device shards in pinned host memory until that
-    background copy is made."""
+    """How shards reach the staging buffer. ``"auto"``: through ``pinned_host`` memory where
+    accelerators have it (full DMA speed; the copy into the staging buffer then runs in the
+    background part of the save, so ``save()`` waits for the DMA alone), else
+    ``copy_to_host_async`` into pageable memory; shards on host-platform (CPU) devices are
+    copied in the background too, straight from their buffers (``save()`` waits for no copy;
+    until copied, jax declines to donate those buffers, so a donating step allocates anew).
+    ``"pinned_host"``: pinned wherever it exists, CPU devices too (ConfigError where it does
+    not). ``"pageable"``: never pinned, and CPU shards copied before ``save()`` returns. A
+    pinned copy holds a save's device shards in pinned host memory until that background copy
+    is made."""
     pinned_copy_threads: int = dataclasses.field(default_factory=host_threads)
     """Threads copying a save's shards from pinned host memory into its staging buffer (the
     RAM segment) and checksumming each chunk as it lands, in the background part of the

@@ -111,12 +111,12 @@ class _LeafPlan:
     used: tuple[int, ...]
     """Indexes (into ``addressable_shards``) of the shards the items read."""
     transfer: str | None
-    """``"all"``, ``"shards"``, ``"pinned_all"``, ``"pinned_shards"`` or None: see
+    """``"all"``, ``"shards"``, ``"pinned_all"``, ``"pinned_shards"``, ``"host"`` or None: see
     :func:`_transfer_mode`."""
 
 
 def _transfer_mode(
-    *, on_host: bool, local_shards: int, used: Sequence[int], pinned: bool
+    *, on_host: bool, local_shards: int, used: Sequence[int], pinned: bool, view_host: bool = True
 ) -> str | None:
     """How to start a leaf's device-to-host copies (pure).
 
@@ -126,16 +126,17 @@ def _transfer_mode(
     replicas this process does not write stay on the device). Pinned memory is what an
     accelerator's DMA engines copy into at full speed, many times faster than
     ``jax.device_get`` into pageable memory (``docs/benchmarks.md``, accelerator).
-    Without: None for shards on host-platform (CPU) devices: their memory is host memory,
-    ``np.asarray`` views it without a copy and an asynchronous "transfer" is pure overhead
-    (Python per shard). ``"all"`` when every local shard is used: the global
+    Without: shards on host-platform (CPU) devices are host memory already, ``np.asarray``
+    views them without a copy and an asynchronous "transfer" is pure overhead: ``"host"``
+    (``view_host``: the views may be held and copied later, see ``stage_state``), else None
+    (copied before staging returns). ``"all"`` when every local shard is used: the global
     array's ``copy_to_host_async`` starts them all in one call (no per-shard Python).
     ``"shards"`` otherwise: each used shard's own call."""
     every = len(used) == local_shards
     if pinned:
         return "pinned_all" if every else "pinned_shards"
     if on_host:
-        return None
+        return "host" if view_host else None
     return "all" if every else "shards"
 
 
@@ -307,6 +308,7 @@ def plan_array(
         used=used,
         pinned=bool(used)
         and _pinned_ok(local, device_copy, plans.pinned if plans is not None else None),
+        view_host=device_copy != "pageable",
     )
     if key is not None:
         plans.put(key, _LeafPlan(name, sharding, items, tuple(used), transfer))  # type: ignore[union-attr]

@@ -6,10 +6,13 @@ start every device-to-host copy before waiting on any — into ``pinned_host`` m
 the devices have it (an accelerator's DMA engines at full speed; ``SaveOptions.device_copy``),
 else ``copy_to_host_async``; none for shards already in host memory — (3) copy every shard
 into one staging buffer (parallel). After it returns, the caller may mutate or donate the device
-arrays: the staged copy is independent of them. Shards copied to pinned host memory are
-already private copies, so with ``defer_host_copies`` step (3) skips them and
-:meth:`StagedSave.finish_copies` (the background part of the save, first) copies them: the
-step then waits for the device-to-host DMA alone.
+arrays: the staged copy is independent of them. With ``defer_host_copies``, step (3) skips the
+shards it can copy later and :meth:`StagedSave.finish_copies` (the background part of the save,
+first) copies them: those in pinned host memory (private copies: the step waits for the DMA
+alone) and those on host-platform (CPU) devices (the step waits for no copy): their numpy views,
+taken before returning, keep the buffers alive through a ``delete()`` and make jax decline to
+donate them (a donating step allocates new outputs instead) until copied. numpy leaves are
+always copied before returning (their owner may write to them).
 Checksums are not computed here: the background part of the save computes them from the
 staged copy (:func:`staged_crc32c`, or while encoding), so the step waits for the copy alone;
 a deferred copy can checksum each chunk as it copies it (``finish_copies(checksum=True)``:
@@ -77,8 +80,9 @@ class StagedArray:
 
 class DeferredCopies:
     """Copies into the staging buffer left for the background part of a save: each source is
-    a view of a private ``pinned_host`` copy of a shard (held here until copied), so nothing
-    the caller does to its arrays can change them. :meth:`run` is idempotent.
+    a view of a private ``pinned_host`` copy of a shard or of a host-platform shard's own
+    buffer (held here until copied), so nothing the caller does to its arrays can change them
+    (see the module docstring). :meth:`run` is idempotent.
 
     Each pair is one staged chunk, ``ids[k]`` = (array index, item index) of pair ``k``."""
 
@@ -222,9 +226,9 @@ def stage_state(
             the transfer mode: reuse them only with the same ``device_copy`` (a manager's
             options are fixed).
         device_copy: ``SaveOptions.device_copy`` (how accelerator shards reach host memory).
-        defer_host_copies: leave the copies out of pinned host memory to
-            :meth:`StagedSave.finish_copies` (the caller must call it before reading the
-            buffer); otherwise every copy is made before returning.
+        defer_host_copies: leave the copies out of pinned host memory and of host-platform
+            shards to :meth:`StagedSave.finish_copies` (the caller must call it before reading
+            the buffer); otherwise every copy is made before returning.
         allocate_unreserved: used instead of ``allocate`` when every copy is deferred:
             returns a buffer whose memory is prepared later (a RAM-tier segment whose pages
             are not reserved yet) and the function that prepares it, which
@@ -258,7 +262,8 @@ def stage_state(
     next_start = iter(starts)
     shard_offsets = [{idx: next(next_start) for idx in hosts} for hosts in leaf_hosts]
     deferrable = [
-        defer_host_copies and p.transfer in ("pinned_all", "pinned_shards") for p in pending
+        defer_host_copies and p.transfer in ("pinned_all", "pinned_shards", "host")
+        for p in pending
     ]
     prepare = None
     if allocate_unreserved is not None and pending and all(deferrable):

@@ -111,9 +111,15 @@ def test_manager_saves_reuse_plans_and_restore_bit_exact(root: Any) -> None:
         assert (mgr._saver.plans.hits, mgr._saver.plans.misses) == (5, 4)
 
 
-def test_transfer_mode_is_none_on_host_devices_and_one_call_when_every_shard_is_used() -> None:
+def test_transfer_mode_views_host_devices_and_is_one_call_when_every_shard_is_used() -> None:
     assert (
         stage_plans._transfer_mode(on_host=True, local_shards=8, used=range(8), pinned=False)
+        == "host"
+    )
+    assert (
+        stage_plans._transfer_mode(
+            on_host=True, local_shards=8, used=range(8), pinned=False, view_host=False
+        )
         is None
     )
     assert (
@@ -212,6 +218,45 @@ def test_deferred_pinned_copies_are_independent_of_the_device_arrays() -> None:
         bytes(staged.chunk_view(a, i)) for a in staged.arrays for i in range(len(a.items))
     )
     assert (meta, data) == expected
+
+
+@pytest.mark.parametrize("device_copy", ["auto", "pageable"])
+def test_host_device_shards_are_copied_later_from_their_own_buffers_unless_pageable(
+    device_copy: str,
+) -> None:
+    """CPU-device shards with ``"auto"``: staging copies none of them (the numpy leaf only);
+    ``finish_copies`` copies them later from views of their buffers, and neither ``delete()``
+    nor a donating step in between changes what is staged. ``"pageable"``: copied at once."""
+    import jax
+
+    state = _state(9)[0]
+    expected = _stage(state, None if device_copy == "auto" else StagePlans())
+    staged = stage_state(
+        flatten(state)[0],
+        process_index=0,
+        max_chunk_bytes=1 << 10,
+        allocate=lambda n: np.zeros(n, np.uint8),
+        executor=None,
+        device_copy=device_copy,
+        defer_host_copies=True,
+    )
+    jax_bytes = sum(it.nbytes for a in staged.arrays if a.kind == "jax" for it in a.items)
+    if device_copy == "pageable":
+        assert staged.deferred is None
+        return
+    assert staged.deferred is not None and staged.deferred.nbytes == jax_bytes
+    numpy_leaf = next(a for a in staged.arrays if a.kind == "numpy")
+    assert bytes(staged.chunk_view(numpy_leaf, 0)) == np.arange(6).tobytes()  # copied at once
+    assert not any(staged.buffer[staged.arrays[0].item_offsets[0] :][:64])  # jax: not yet
+    step = jax.jit(lambda t: jax.tree.map(lambda x: x * 3 + 1, t), donate_argnums=0)
+    after = step({k: state[k] for k in ("a", "b")})  # donation declined: views hold the buffers
+    jax.block_until_ready(after)
+    state["r"].delete()
+    staged.finish_copies(None, jobs=2, checksum=True)
+    data = b"".join(
+        bytes(staged.chunk_view(a, i)) for a in staged.arrays for i in range(len(a.items))
+    )
+    assert data == expected[1]
 
 
 def test_arrays_already_in_pinned_host_memory_get_a_private_copy_too() -> None:
@@ -323,16 +368,18 @@ def test_an_unreserved_buffer_is_asked_for_only_when_every_copy_is_deferred() ->
     assert events == ["ready"]
 
 
-def test_manager_saves_through_pinned_host_and_the_step_may_donate_at_once(
-    tmp_path: Path, shm_dir: Path
+@pytest.mark.parametrize("device_copy", ["pinned_host", "auto"])
+def test_manager_saves_with_deferred_copies_and_the_step_may_donate_at_once(
+    tmp_path: Path, shm_dir: Path, device_copy: Any
 ) -> None:
-    """RAM and persistent saves with ``device_copy="pinned_host"``: a donating step right after
-    ``save()`` returns does not reach the checkpoint; both tiers restore bit-exact."""
+    """RAM and persistent saves whose copies run in the background (through pinned host
+    memory, or from the CPU shards' own buffers): a donating step right after ``save()``
+    returns does not reach the checkpoint; both tiers restore bit-exact."""
     import jax
 
     step_fn = jax.jit(lambda t: jax.tree.map(lambda x: x + 1, t), donate_argnums=0)
     options = ManagerOptions(
-        save=SaveOptions(device_copy="pinned_host"),
+        save=SaveOptions(device_copy=device_copy),
         save_interval_steps=2,
         ram=RamOptions(
             root=str(shm_dir / "h0"), interval_steps=1, replicas=0, budget_bytes=64 << 20
@@ -360,14 +407,16 @@ def test_manager_saves_through_pinned_host_and_the_step_may_donate_at_once(
             ):
                 for k, h in hosts.items():
                     assert_sharded_like(tier_restore[k], state[k].sharding, h)
-            assert all(state[k].is_deleted() for k in hosts)  # the step did take the saved buffers
+            if device_copy == "pinned_host":  # the step took the saved buffers (CPU views held
+                # until copied make jax decline the donation: a race with the copy)
+                assert all(state[k].is_deleted() for k in hosts)
     with CheckpointManager(str(tmp_path / "ckpt")) as mgr:  # storage alone (no RAM tier)
         got = mgr.restore(2)
         for k, h in _state(2)[1].items():
             assert_bit_exact(got[k], h)
 
 
-@pytest.mark.parametrize("mode", [None, "all", "shards", "pinned_all", "pinned_shards"])
+@pytest.mark.parametrize("mode", [None, "host", "all", "shards", "pinned_all", "pinned_shards"])
 @pytest.mark.parametrize("cached", [False, True])
 def test_each_transfer_mode_starts_the_copies_it_says_and_stages_the_same_bytes(
     mode: str | None, cached: bool, monkeypatch: pytest.MonkeyPatch
@@ -389,7 +438,7 @@ def test_each_transfer_mode_starts_the_copies_it_says_and_stages_the_same_bytes(
         _stage(state, plans)
         calls.clear()
     assert _stage(state, plans) == expected
-    if mode is None or mode.startswith("pinned"):  # pinned: device_put, not copy_to_host_async
+    if mode in (None, "host") or mode.startswith("pinned"):  # pinned: device_put instead
         assert calls == []
     elif mode == "all":  # one call per jax leaf, on the global array
         assert sorted(calls) == [(8, 8), (16, 32), (16, 32)]
