@@ -41,10 +41,9 @@ from fastckpt.errors import (
 )
 from fastckpt.replicas import _wire as wire
 from fastckpt.replicas import _wire_auth as wire_auth
-from fastckpt.replicas import _wire_codec as wire_codec
 from fastckpt.replicas._wire import MsgType
 
-__all__ = ["Channel", "recv_exact", "recv_prefix", "send_all"]
+__all__ = ["Channel", "recv_exact", "send_all"]
 
 _WINDOW = 4 << 20  # received bytes are checksummed and MAC-ed in windows still in cache
 _SEND_PIECE = 4 << 20  # sent in pieces: MAC-ed while in cache; the timeout bounds a stall
@@ -80,29 +79,6 @@ def recv_exact(sock: socket.socket, view: memoryview, *, deadline: float | None 
             pos += got
     except OSError as e:  # socket.timeout is an OSError
         raise PeerUnavailableError(f"receive failed after {pos} of {n} bytes: {e!r}") from e
-
-
-def recv_prefix(
-    sock: socket.socket,
-    limits: wire.WireLimits,
-    allowed: Iterable[MsgType] | None,
-    first_byte_timeout_s: float | None,
-    timeout_s: float | None,
-    deadline: float | None,
-) -> tuple[bytearray, wire.FramePrefix]:
-    prefix = bytearray(wire.PREFIX.size)
-    view = memoryview(prefix)
-    if first_byte_timeout_s is not None:
-        sock.settimeout(first_byte_timeout_s)
-        recv_exact(sock, view[:1], deadline=deadline)
-        view = view[1:]
-    if timeout_s is not None:
-        sock.settimeout(timeout_s)
-    recv_exact(sock, view, deadline=deadline)
-    head = wire_codec.decode_prefix(prefix, limits)
-    if allowed is not None and head.type not in set(allowed):
-        raise ProtocolError(f"unexpected message {head.type.name}")
-    return prefix, head
 
 
 def send_all(sock: socket.socket, data: bytes | memoryview, what: str) -> None:
@@ -210,7 +186,8 @@ class Channel:
         limits: Bounds checked on every received prefix before anything else is read.
         role: This side of the connection.
         send_key, recv_key: The frame keys of this side's sending and receiving direction
-            (``wire_auth.session_keys``), or both None (``frame_mac=False``: frames untagged).
+            (``wire_auth.session_keys``), or both None: frames untagged (the handshake's, a
+            ``busy`` refusal, or ``frame_mac=False``).
     """
 
     def __init__(
@@ -218,9 +195,9 @@ class Channel:
         sock: socket.socket,
         *,
         limits: wire.WireLimits,
-        role: Literal["client", "server"],
-        send_key: bytes | None,
-        recv_key: bytes | None,
+        role: Literal["client", "server"] = "client",
+        send_key: bytes | None = None,
+        recv_key: bytes | None = None,
     ) -> None:
         if (send_key is None) != (recv_key is None):
             raise ConfigError("both frame keys, or neither")
@@ -250,7 +227,7 @@ class Channel:
     def encode(self, msg_type: MsgType, header: Mapping[str, Any], payload: bytes = b"") -> bytes:
         """One whole frame, tags included, ready to send. It takes the next frame number:
         frames must leave in the order they were encoded."""
-        head = wire_codec.encode_frame(msg_type, header, len(payload))
+        head = wire.encode_frame(msg_type, header, len(payload))
         if self._out is None:
             return head + payload
         htag = self._out.header_tag(head)
@@ -283,7 +260,7 @@ class Channel:
         if total <= _SMALL:
             send_all(self.sock, self.encode(msg_type, header, b"".join(parts)), msg_type.name)
             return
-        head = wire_codec.encode_frame(msg_type, header, total)
+        head = wire.encode_frame(msg_type, header, total)
         ctx = None
         if self._out is not None:
             htag = self._out.header_tag(head)
@@ -333,7 +310,15 @@ class Channel:
 
         The prefix's lengths are checked against the limits (and its type against
         ``allowed``) before anything else is read; the header is decoded only after its tag
-        verified. Arguments as :func:`recv_frame_head`.
+        verified.
+
+        Args:
+            allowed: If given, message types outside it raise ``ProtocolError``.
+            first_byte_timeout_s: Timeout for the wait until the frame starts (e.g. the idle
+                timeout between requests); ``timeout_s`` applies to everything after.
+            timeout_s: Timeout for every later receive (None: leave the socket's timeout).
+            deadline: ``time.monotonic()`` by which the whole prefix and header must have
+                arrived (overrides the timeouts; e.g. an authentication handshake's).
 
         Returns:
             ``(type, header, payload_len)``. With ``payload_len > 0`` the caller must consume
@@ -348,10 +333,20 @@ class Channel:
         self._check_usable()
         if self._pending is not None:
             raise ProtocolError("a frame was received before the previous payload was finished")
+        sock = self.sock
         try:
-            prefix, head = recv_prefix(
-                self.sock, self.limits, allowed, first_byte_timeout_s, timeout_s, deadline
-            )
+            prefix = bytearray(wire.PREFIX.size)
+            view = memoryview(prefix)
+            if first_byte_timeout_s is not None:
+                sock.settimeout(first_byte_timeout_s)
+                recv_exact(sock, view[:1], deadline=deadline)
+                view = view[1:]
+            if timeout_s is not None:
+                sock.settimeout(timeout_s)
+            recv_exact(sock, view, deadline=deadline)
+            head = wire.decode_prefix(prefix, self.limits)
+            if allowed is not None and head.type not in set(allowed):
+                raise ProtocolError(f"unexpected message {head.type.name}")
             tag_len = wire.TAG_BYTES if self._in is not None else 0
             raw = bytearray(head.header_len + tag_len)
             recv_exact(self.sock, memoryview(raw), deadline=deadline)
@@ -364,7 +359,7 @@ class Channel:
                         f"{head.type.name} frame {self._in.seq} failed its header tag (forged, "
                         f"altered, replayed, reordered or after a dropped frame)"
                     )
-            header = wire_codec.decode_header(head.type, memoryview(raw)[: head.header_len])
+            header = wire.decode_header(head.type, memoryview(raw)[: head.header_len])
         except BaseException:
             self._failed = True
             raise

@@ -8,8 +8,7 @@ Security (``docs/replicas.md``, "Security properties"): the mutual handshake
 (:func:`client_handshake`, :func:`server_handshake`; messages and keys in ``_wire_auth``)
 returns the :class:`~fastckpt.replicas._channel.Channel` that tags and verifies every later
 frame. Until it succeeds the server accepts only tiny frames and reveals nothing. Only the
-handshake and a server's ``busy`` refusal use the plain frames of :func:`send_frame` and
-:func:`recv_frame_head`.
+handshake and a server's ``busy`` refusal use untagged frames (a ``Channel`` without keys).
 
 Not provided: confidentiality (traffic is authenticated, not encrypted: anyone on the path
 reads checkpoint contents, so bind to a trusted interface; loopback by default) and
@@ -25,14 +24,12 @@ import dataclasses
 import hmac
 import socket
 import time
-from collections.abc import Iterable, Mapping
 from typing import Any
 
 from fastckpt.errors import AuthenticationError, ConfigError, PeerRequestError
 from fastckpt.replicas import _wire as wire
 from fastckpt.replicas import _wire_auth as wire_auth
-from fastckpt.replicas import _wire_codec as wire_codec
-from fastckpt.replicas._channel import Channel, recv_exact, recv_prefix, send_all
+from fastckpt.replicas._channel import Channel
 from fastckpt.replicas._secret import MIN_SECRET_BYTES
 from fastckpt.replicas._wire import MsgType
 
@@ -41,8 +38,6 @@ __all__ = [
     "check_secret",
     "client_handshake",
     "close_gracefully",
-    "recv_frame_head",
-    "send_frame",
     "server_handshake",
     "tune",
 ]
@@ -138,45 +133,6 @@ def close_gracefully(sock: socket.socket) -> None:
     sock.close()
 
 
-def recv_frame_head(
-    sock: socket.socket,
-    limits: wire.WireLimits,
-    *,
-    allowed: Iterable[MsgType] | None = None,
-    first_byte_timeout_s: float | None = None,
-    timeout_s: float | None = None,
-    deadline: float | None = None,
-) -> tuple[MsgType, dict[str, Any], int]:
-    """Receive an untagged frame's prefix and header (the handshake's); leave its payload.
-
-    Args:
-        sock: A connected blocking socket.
-        limits: Bounds checked before the header and payload are read.
-        allowed: If given, message types outside it raise ``ProtocolError``.
-        first_byte_timeout_s: Timeout for the wait until the frame starts (e.g. the idle
-            timeout between requests); ``timeout_s`` applies to everything after.
-        timeout_s: Timeout for every later receive (None: leave the socket's timeout).
-        deadline: ``time.monotonic()`` by which the whole prefix and header must have
-            arrived (overrides the timeouts; e.g. an authentication handshake's).
-
-    Returns:
-        ``(type, header, payload_len)``; the caller must consume ``payload_len`` bytes next.
-    """
-    _, head = recv_prefix(sock, limits, allowed, first_byte_timeout_s, timeout_s, deadline)
-    raw = bytearray(head.header_len)
-    recv_exact(sock, memoryview(raw), deadline=deadline)
-    return head.type, wire_codec.decode_header(head.type, raw), head.payload_len
-
-
-def send_frame(sock: socket.socket, msg_type: MsgType, header: Mapping[str, Any]) -> None:
-    """Send one untagged frame without payload (the handshake's, a ``busy`` refusal).
-
-    Raises:
-        PeerUnavailableError: the send failed or stalled past the socket timeout.
-    """
-    send_all(sock, wire_codec.encode_frame(msg_type, header), msg_type.name)
-
-
 def client_handshake(
     sock: socket.socket, *, secret: bytes, options: PeerOptions, name: str
 ) -> Channel:
@@ -192,9 +148,10 @@ def client_handshake(
     frame_mac, timeout_s = options.frame_mac, options.handshake_timeout_s
     sock.settimeout(timeout_s)
     deadline = time.monotonic() + timeout_s  # for the whole handshake
+    plain = Channel(sock, limits=wire.AUTH_LIMITS)
     client_nonce = wire_auth.new_nonce()
-    send_frame(sock, MsgType.HELLO, {"nonce": client_nonce.hex(), "frame_mac": frame_mac})
-    h = _handshake_reply(sock, MsgType.CHALLENGE, deadline, f"peer {name} refused the handshake")
+    plain.send(MsgType.HELLO, {"nonce": client_nonce.hex(), "frame_mac": frame_mac})
+    h = _handshake_reply(plain, MsgType.CHALLENGE, deadline, f"peer {name} refused the handshake")
     if h["frame_mac"] != frame_mac:
         raise AuthenticationError(
             f"peer {name} runs with frame_mac={h['frame_mac']}, this "
@@ -211,9 +168,9 @@ def client_handshake(
             f"peer {name} failed to prove it knows our secret for this "
             "handshake (secrets differ, or the handshake was altered)"
         )
-    send_frame(sock, MsgType.AUTH, {"mac": keys.client_proof.hex()})
+    plain.send(MsgType.AUTH, {"mac": keys.client_proof.hex()})
     _handshake_reply(
-        sock, MsgType.AUTH_OK, deadline, f"peer {name} refused our proof (secrets differ?)"
+        plain, MsgType.AUTH_OK, deadline, f"peer {name} refused our proof (secrets differ?)"
     )
     sock.settimeout(options.io_timeout_s)
     return Channel(
@@ -226,12 +183,10 @@ def client_handshake(
 
 
 def _handshake_reply(
-    sock: socket.socket, expected: MsgType, deadline: float, refused: str
+    plain: Channel, expected: MsgType, deadline: float, refused: str
 ) -> dict[str, Any]:
     """The header of the server's ``expected`` handshake frame, or its refusal raised."""
-    mtype, h, _ = recv_frame_head(
-        sock, wire.AUTH_LIMITS, allowed=[expected, MsgType.ERROR], deadline=deadline
-    )
+    mtype, h, _ = plain.recv_head(allowed=[expected, MsgType.ERROR], deadline=deadline)
     if mtype is MsgType.ERROR:
         if h["code"] == "auth_failed":
             raise AuthenticationError(f"{refused}: {h['message']}")
@@ -253,30 +208,28 @@ def server_handshake(sock: socket.socket, *, secret: bytes, options: PeerOptions
     frame_mac, timeout_s = options.frame_mac, options.handshake_timeout_s
     sock.settimeout(timeout_s)
     deadline = time.monotonic() + timeout_s  # for the whole handshake, not each receive
-    _, hello, _ = recv_frame_head(
-        sock, wire.AUTH_LIMITS, allowed=[MsgType.HELLO], deadline=deadline
-    )
+    plain = Channel(sock, limits=wire.AUTH_LIMITS)
+    _, hello, _ = plain.recv_head(allowed=[MsgType.HELLO], deadline=deadline)
     if hello["frame_mac"] != frame_mac:
         message = (
             f"frame_mac mismatch: this server runs with frame_mac={frame_mac}, the "
             f"client asked for frame_mac={hello['frame_mac']}"
         )
-        send_frame(sock, MsgType.ERROR, {"code": "auth_failed", "message": message})
+        plain.send(MsgType.ERROR, {"code": "auth_failed", "message": message})
         raise AuthenticationError(message)
     client_nonce, server_nonce = bytes.fromhex(hello["nonce"]), wire_auth.new_nonce()
     keys = wire_auth.session_keys(
         secret, client_nonce=client_nonce, server_nonce=server_nonce, frame_mac=frame_mac
     )
-    send_frame(
-        sock,
+    plain.send(
         MsgType.CHALLENGE,
         {"nonce": server_nonce.hex(), "frame_mac": frame_mac, "mac": keys.server_proof.hex()},
     )
-    _, auth, _ = recv_frame_head(sock, wire.AUTH_LIMITS, allowed=[MsgType.AUTH], deadline=deadline)
+    _, auth, _ = plain.recv_head(allowed=[MsgType.AUTH], deadline=deadline)
     if not hmac.compare_digest(keys.client_proof, bytes.fromhex(auth["mac"])):
-        send_frame(sock, MsgType.ERROR, {"code": "auth_failed", "message": "authentication failed"})
+        plain.send(MsgType.ERROR, {"code": "auth_failed", "message": "authentication failed"})
         raise AuthenticationError("a client failed to prove it knows the secret")
-    send_frame(sock, MsgType.AUTH_OK, {})
+    plain.send(MsgType.AUTH_OK, {})
     sock.settimeout(options.io_timeout_s)
     return Channel(
         sock,

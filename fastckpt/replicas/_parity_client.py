@@ -11,8 +11,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from fastckpt.errors import ProtocolError
-from fastckpt.replicas._client import PeerClient
-from fastckpt.replicas._pool import Conn
+from fastckpt.replicas._client import Conn, PeerClient
 from fastckpt.replicas._wire import MsgType
 
 __all__ = ["ParityClient"]

@@ -27,7 +27,6 @@ from fastckpt.errors import (
 )
 from fastckpt.replicas import _connection
 from fastckpt.replicas import _wire as wire
-from fastckpt.replicas import _wire_codec as wire_codec
 from fastckpt.replicas._channel import Channel
 from fastckpt.replicas._connection import (
     PeerOptions,
@@ -183,8 +182,8 @@ class PeerServer:
             if busy:
                 with contextlib.suppress(OSError, PeerError):
                     conn.settimeout(1.0)
-                    _connection.send_frame(
-                        conn, MsgType.ERROR, {"code": "busy", "message": "too many connections"}
+                    Channel(conn, limits=wire.AUTH_LIMITS).send(
+                        MsgType.ERROR, {"code": "busy", "message": "too many connections"}
                     )
                 conn.close()
                 continue
@@ -224,10 +223,9 @@ class PeerServer:
     def _last_word(conn: socket.socket, chan: Channel | None, code: str, message: str) -> None:
         """An ERROR before the connection closes (tagged once the handshake is done)."""
         with contextlib.suppress(PeerError, OSError):
-            if chan is None:
-                _connection.send_frame(conn, MsgType.ERROR, {"code": code, "message": message})
-            else:
-                chan.send(MsgType.ERROR, {"code": code, "message": message})
+            (chan or Channel(conn, limits=wire.AUTH_LIMITS)).send(
+                MsgType.ERROR, {"code": code, "message": message}
+            )
 
     def _error(self, chan: Channel, code: str, message: str) -> bool:
         chan.send(MsgType.ERROR, {"code": code, "message": message[:1000]})
@@ -288,7 +286,7 @@ class PeerServer:
     def _get_chunks(self, chan: Channel, h: dict[str, Any], plen: int) -> bool:
         """Answer a batch of whole-chunk reads with one CHUNKS frame (held chunks back to back)."""
         count = h["count"]
-        if not 0 < count <= wire.MAX_BATCH_CHUNKS or plen > wire_codec.max_id_list_bytes(count):
+        if not 0 < count <= wire.MAX_BATCH_CHUNKS or plen > wire.max_id_list_bytes(count):
             raise ProtocolError(f"GET_CHUNKS: {count} chunks in a {plen}-byte id list")
         ids = self._recv_ids(chan, plen, count, "GET_CHUNKS")
         views: list[memoryview] = []
@@ -312,7 +310,7 @@ class PeerServer:
         count, runs, starts, stops = h["count"], h["runs"], h["starts"], h["stops"]
         if (
             not 0 < count <= wire.MAX_BATCH_CHUNKS
-            or plen > wire_codec.max_id_list_bytes(count)
+            or plen > wire.max_id_list_bytes(count)
             or len(runs) != count
             or 0 in runs
             or len(starts) > wire.MAX_BATCH_RUNS
@@ -331,7 +329,7 @@ class PeerServer:
             spans = list(zip(starts[j : j + n], stops[j : j + n]))
             j += n
             hit = self._tier.read_chunk(h["step"], cid)
-            if hit is None or not wire_codec.spans_fit(spans, hit[1].length):
+            if hit is None or not wire.spans_fit(spans, hit[1].length):
                 # not held, or the ranges are not ascending, disjoint and inside it
                 missing.append(i)
                 continue
@@ -348,7 +346,7 @@ class PeerServer:
     @staticmethod
     def _recv_ids(chan: Channel, plen: int, count: int, what: str) -> list[str]:
         """The id list of a batch request (``count`` distinct chunk ids in ``plen`` bytes)."""
-        return wire_codec.decode_id_batch(chan.recv_payload(), count=count, what=what)
+        return wire.decode_id_batch(chan.recv_payload(), count=count, what=what)
 
     def _send_batch(
         self, chan: Channel, msg_type: MsgType, header: dict[str, Any], views: list[memoryview]
@@ -384,7 +382,7 @@ class PeerServer:
                 f"PUT_CHUNKS: {count} chunks, {len(lengths)} lengths, {len(crcs)} crcs, "
                 f"{ids_len} + {sum(lengths)} bytes != payload {plen}"
             )
-        if ids_len > wire_codec.max_id_list_bytes(count):
+        if ids_len > wire.max_id_list_bytes(count):
             raise ProtocolError(f"PUT_CHUNKS: {ids_len}-byte id list for {count} chunks")
         raw = chan.recv_bytes(ids_len)  # the id list: decoded once the payload verified
         total = plen - ids_len
@@ -402,7 +400,7 @@ class PeerServer:
                 got.append(chan.recv_into(seg.buffer[off : off + n].data))
                 off += n
             chan.end_payload()  # authentic before anything is decoded, sealed or answered
-            ids = wire_codec.decode_distinct_ids(raw, count=count, what="PUT_CHUNKS")
+            ids = wire.decode_distinct_ids(raw, count=count, what="PUT_CHUNKS")
             index: dict[str, ChunkLocation] = {}
             bad: list[str] = []
             off = 0

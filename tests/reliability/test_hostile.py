@@ -49,12 +49,7 @@ from fastckpt.replicas import _wire as wire
 from fastckpt.replicas import _wire_auth as wire_auth
 from fastckpt.replicas._channel import Channel
 from fastckpt.replicas._client import PeerClient
-from fastckpt.replicas._connection import (
-    PeerOptions,
-    recv_frame_head,
-    send_frame,
-    server_handshake,
-)
+from fastckpt.replicas._connection import PeerOptions, server_handshake
 from fastckpt.replicas._ram import ChunkLocation, RamTier
 from fastckpt.replicas._server import PeerServer
 from fastckpt.replicas._wire import ERROR_CODES, MsgType
@@ -438,14 +433,15 @@ def _raw_auth(address: tuple[str, int], secret: bytes = SECRET) -> Channel:
     """An authenticated connection of a client with the secret (it sends raw bytes with
     ``chan.sock``, tagged as the server expects with ``chan.tag_raw``)."""
     s = socket.create_connection(address, timeout=5)
+    plain = Channel(s, limits=wire.AUTH_LIMITS)
     cn = wire_auth.new_nonce()
-    send_frame(s, MsgType.HELLO, {"nonce": cn.hex(), "frame_mac": True})
-    _, h, _ = recv_frame_head(s, wire.AUTH_LIMITS)
+    plain.send(MsgType.HELLO, {"nonce": cn.hex(), "frame_mac": True})
+    _, h, _ = plain.recv_head()
     keys = wire_auth.session_keys(
         secret, client_nonce=cn, server_nonce=bytes.fromhex(h["nonce"]), frame_mac=True
     )
-    send_frame(s, MsgType.AUTH, {"mac": keys.client_proof.hex()})
-    t, _, _ = recv_frame_head(s, wire.AUTH_LIMITS)
+    plain.send(MsgType.AUTH, {"mac": keys.client_proof.hex()})
+    t, _, _ = plain.recv_head()
     assert t is MsgType.AUTH_OK
     return Channel(
         s,
@@ -464,7 +460,7 @@ def _answer(s: socket.socket | Channel, timeout_s: float = 5.0) -> tuple[str, An
         if isinstance(s, Channel):
             t, h, _plen = s.recv_head()
         else:
-            t, h, _plen = recv_frame_head(s, wire.WireLimits(max_payload_bytes=1 << 30))
+            t, h, _plen = Channel(s, limits=wire.WireLimits(max_payload_bytes=1 << 30)).recv_head()
     except PeerUnavailableError as e:
         if "timed out" in str(e):
             raise AssertionError("the server neither answered nor closed") from e

@@ -41,7 +41,7 @@ from fastckpt.errors import (
     TransientStorageError,
 )
 from fastckpt.options import RamOptions
-from fastckpt.replicas import _wire_codec as wire_codec
+from fastckpt.replicas import _wire as wire
 from fastckpt.replicas._client import PeerClient
 from fastckpt.replicas._connection import PeerOptions, server_handshake
 from fastckpt.replicas._sources import TieredChunkSource
@@ -213,7 +213,7 @@ class StallingPeer:
                 if plen:
                     chan.recv_payload()
                 if self.mode == "payload" and t is MsgType.GET_CHUNKS:
-                    head = wire_codec.encode_frame(
+                    head = wire.encode_frame(
                         MsgType.CHUNKS, {"lengths": [1 << 20], "crcs": [0], "missing": []}, 1 << 20
                     )
                     conn.sendall(chan.tag_raw(head + b"\0" * (1 << 19)))

@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 from fastckpt.errors import ProtocolError
 from fastckpt.replicas import _wire as wire
 from fastckpt.replicas import _wire_auth as wire_auth
-from fastckpt.replicas import _wire_codec as wire_codec
 from fastckpt.replicas._wire import MsgType, WireLimits
 
 LIMITS = WireLimits(max_header_bytes=4096, max_payload_bytes=1 << 16)
@@ -59,7 +58,7 @@ STREAM_REQ = b'{"step":1,"anchor":"x","offset":0,"length":0,"stream_len":0}'  # 
 
 
 def frame(t: MsgType, h: dict[str, Any], payload: bytes = b"") -> bytes:
-    return wire_codec.encode_frame(t, h, len(payload)) + payload
+    return wire.encode_frame(t, h, len(payload)) + payload
 
 
 def raw_frame(
@@ -82,7 +81,7 @@ def raw_frame(
     ("t", "h", "payload"), VALID, ids=[f"{t.name}-{i}" for i, (t, _, _) in enumerate(VALID)]
 )
 def test_round_trip(t: MsgType, h: dict[str, Any], payload: bytes) -> None:
-    f = wire_codec.decode_frame(frame(t, h, payload), LIMITS)
+    f = wire.decode_frame(frame(t, h, payload), LIMITS)
     assert (f.type, f.header, f.payload) == (t, h, payload)
 
 
@@ -138,7 +137,7 @@ def test_round_trip(t: MsgType, h: dict[str, Any], payload: bytes) -> None:
 )
 def test_malformed_frames_raise_protocol_error(data: bytes) -> None:
     with pytest.raises(ProtocolError):
-        wire_codec.decode_frame(data, LIMITS)
+        wire.decode_frame(data, LIMITS)
 
 
 def test_limits_are_checked_from_the_prefix_alone() -> None:
@@ -146,18 +145,16 @@ def test_limits_are_checked_from_the_prefix_alone() -> None:
     big_payload = struct.pack(">4sBBHIQ", b"FCKP", 2, 27, 0, 10, 2**63)
     for prefix in (big_header, big_payload):
         with pytest.raises(wire.FrameTooLargeError):
-            wire_codec.decode_prefix(prefix, LIMITS)
+            wire.decode_prefix(prefix, LIMITS)
     with pytest.raises(ProtocolError):  # the unauthenticated phase accepts no payload at all
-        wire_codec.decode_prefix(
-            struct.pack(">4sBBHIQ", b"FCKP", 2, 29, 0, 10, 1), wire.AUTH_LIMITS
-        )
+        wire.decode_prefix(struct.pack(">4sBBHIQ", b"FCKP", 2, 29, 0, 10, 1), wire.AUTH_LIMITS)
 
 
 def test_encode_refuses_what_a_peer_would_refuse() -> None:
     with pytest.raises(ProtocolError):
-        wire_codec.encode_frame(MsgType.LIST, {"step": -1})
+        wire.encode_frame(MsgType.LIST, {"step": -1})
     with pytest.raises(ProtocolError):
-        wire_codec.encode_frame(MsgType.LIST, {"step": 1}, payload_len=3)
+        wire.encode_frame(MsgType.LIST, {"step": 1}, payload_len=3)
 
 
 def test_session_keys_bind_secret_nonces_version_and_mode() -> None:
@@ -215,7 +212,7 @@ def test_tag_inputs_are_unique_per_frame_part_and_direction() -> None:
 
 def _decode_only_protocol_errors(data: bytes) -> None:
     try:
-        wire_codec.decode_frame(data, LIMITS)
+        wire.decode_frame(data, LIMITS)
     except ProtocolError:
         pass
 
@@ -235,7 +232,7 @@ def test_fuzz_random_bytes(data: bytes) -> None:
 def test_fuzz_truncated_and_mutated(data: bytes, draw: st.DataObject) -> None:
     cut = draw.draw(st.integers(0, len(data) - 1))
     with pytest.raises(ProtocolError):
-        wire_codec.decode_frame(data[:cut], LIMITS)
+        wire.decode_frame(data[:cut], LIMITS)
     mutated = bytearray(data)
     for _ in range(draw.draw(st.integers(1, 4))):
         i = draw.draw(st.integers(0, len(data) - 1))
