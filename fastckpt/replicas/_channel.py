@@ -1,10 +1,6 @@
-"""One authenticated peer connection: frames sent and received through a :class:`Channel`
-that tags and verifies each of them (internal).
-
-Call order: the handshake (:mod:`~fastckpt.replicas._connection`: ``client_handshake`` on
-the client, ``server_handshake`` on the server) returns a :class:`Channel`. After that
-every frame of the connection goes through the channel, which counts frames per direction
-and tags and verifies them (``wire`` describes the layout).
+"""One peer connection's frames, sent and received through a :class:`Channel` that numbers,
+tags and verifies each of them (internal). The handshake (``_connection``) returns it; the
+tag layout is in ``_wire_auth``.
 
 Receiving a frame with a payload::
 
@@ -55,13 +51,11 @@ _DRAIN_PIECE = 1 << 20
 
 
 def recv_exact(sock: socket.socket, view: memoryview, *, deadline: float | None = None) -> None:
-    """Fill ``view`` from ``sock``; with ``deadline`` (``time.monotonic()``), by then at the
-    latest (the socket timeout bounds each receive; a deadline bounds them all: a peer that
-    trickles a byte at a time cannot stretch the wait).
+    """Fill ``view`` from ``sock``; the socket timeout bounds each receive, ``deadline``
+    (``time.monotonic()``) all of them (a peer trickling bytes cannot stretch the wait).
 
     Raises:
-        PeerUnavailableError: the peer closed the connection early, or a receive failed or
-            stalled past the socket timeout or the deadline.
+        PeerUnavailableError: the peer closed early, or a receive failed or stalled.
     """
     pos, n = 0, view.nbytes
     try:
@@ -127,43 +121,38 @@ def _final_tag(ctx: Any) -> bytes:
 
 def _recv_windows(sock: socket.socket, view: memoryview, mac: Any) -> int:
     """Fill ``view`` from ``sock``; return the crc32c of its bytes and feed them to ``mac``
-    (if not None) in order.
+    (if not None) in order, window by window while still in cache (past two windows, on a
+    helper thread while the next window arrives)."""
+    windows = [view[off : off + _WINDOW] for off in range(0, view.nbytes, _WINDOW)]
 
-    Windows are checksummed right after they arrive, while still in cache. For more than two
-    windows a helper thread checksums and MACs window ``i`` while window ``i + 1`` is being
-    received (all three release the GIL), so on a multi-core host verification overlaps the
-    transfer.
-    """
-    n = view.nbytes
-    if n <= 2 * _WINDOW:
+    def check(window: memoryview, crc: int) -> int:
+        if mac is not None:
+            mac.authenticate_additional_data(window)
+        return _crc32c.crc32c(window, crc)
+
+    if len(windows) <= 2:
         crc = 0
-        for off in range(0, n, _WINDOW):
-            window = view[off : off + _WINDOW]
+        for window in windows:
             recv_exact(sock, window)
-            crc = _crc32c.crc32c(window, crc)
-            if mac is not None:
-                mac.authenticate_additional_data(window)
+            crc = check(window, crc)
         return crc
-    windows: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
+    ready: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
     result = [0]
 
     def verify() -> None:
         value = 0
-        while (window := windows.get()) is not None:
-            value = _crc32c.crc32c(window, value)
-            if mac is not None:
-                mac.authenticate_additional_data(window)
+        while (window := ready.get()) is not None:
+            value = check(window, value)
         result[0] = value
 
     worker = threading.Thread(target=verify, name="fastckpt-crc", daemon=True)
     worker.start()
     try:
-        for off in range(0, n, _WINDOW):
-            window = view[off : off + _WINDOW]
+        for window in windows:
             recv_exact(sock, window)
-            windows.put(window)
+            ready.put(window)
     finally:
-        windows.put(None)
+        ready.put(None)
         worker.join()
     return result[0]
 
@@ -210,14 +199,8 @@ class Channel:
         self._in = None if recv_key is None else _Tagger(recv_key, in_dir)
         self._pending: int | None = None  # payload bytes of the current frame still unread
         self._pmac: Any = None  # the current payload's tag context
-        self._htag = b""
         self._what = ""
         self._failed = False
-
-    @property
-    def frame_mac(self) -> bool:
-        """Whether frames are tagged and verified."""
-        return self._out is not None
 
     def close(self) -> None:
         self.sock.close()
@@ -249,8 +232,8 @@ class Channel:
         header: Mapping[str, Any],
         payload: Sequence[memoryview | bytes] = (),
     ) -> None:
-        """Send one frame; ``payload`` parts are sent straight from their buffers (no joins
-        past 64 KiB), in pieces, each fed to the payload tag right before it is sent.
+        """Send one frame; ``payload`` parts go straight from their buffers (joined only up
+        to 64 KiB), in pieces, each fed to the payload tag right before it is sent.
 
         Raises:
             PeerUnavailableError: a send failed or stalled past the socket timeout.
@@ -277,25 +260,6 @@ class Channel:
         if ctx is not None:
             send_all(self.sock, _final_tag(ctx), msg_type.name)
 
-    def tag_raw(self, raw: bytes) -> bytes:
-        """For hostile tests: ``raw`` bytes (a frame, possibly malformed, lying or cut short)
-        with tags inserted where a receiver looks for them by the prefix's declared lengths,
-        as an authenticated sender would. Takes the next frame number."""
-        if self._out is None or len(raw) < wire.PREFIX.size:
-            return raw
-        *_, hlen, plen = wire.PREFIX.unpack(raw[: wire.PREFIX.size])
-        cut = wire.PREFIX.size + hlen
-        if len(raw) < cut:
-            return raw
-        htag = self._out.header_tag(raw[:cut])
-        out = raw[:cut] + htag + raw[cut : cut + plen]
-        if plen and len(raw) >= cut + plen:
-            ctx = self._out.payload_mac(htag)
-            ctx.authenticate_additional_data(raw[cut : cut + plen])
-            out += _final_tag(ctx) + raw[cut + plen :]
-        self._out.next_frame()
-        return out
-
     # ---------------------------------------------------------------- receiving
 
     def recv_head(
@@ -308,20 +272,14 @@ class Channel:
     ) -> tuple[MsgType, dict[str, Any], int]:
         """Receive the next frame's prefix, header and header tag; leave its payload.
 
-        The prefix's lengths are checked against the limits (and its type against
-        ``allowed``) before anything else is read; the header is decoded only after its tag
-        verified.
-
-        Args:
-            allowed: If given, message types outside it raise ``ProtocolError``.
-            first_byte_timeout_s: Timeout for the wait until the frame starts (e.g. the idle
-                timeout between requests); ``timeout_s`` applies to everything after.
-            timeout_s: Timeout for every later receive (None: leave the socket's timeout).
-            deadline: ``time.monotonic()`` by which the whole prefix and header must have
-                arrived (overrides the timeouts; e.g. an authentication handshake's).
+        The prefix is checked against the limits and ``allowed`` (other types raise
+        ``ProtocolError``) before anything else is read; the header is decoded only after its
+        tag verified. ``first_byte_timeout_s`` bounds the wait until the frame starts (e.g.
+        idle between requests), ``timeout_s`` each later receive (None: the socket's), and
+        ``deadline`` (``time.monotonic()``) the whole prefix and header.
 
         Returns:
-            ``(type, header, payload_len)``. With ``payload_len > 0`` the caller must consume
+            ``(type, header, payload_len)``; with ``payload_len > 0`` the caller must consume
             exactly that many bytes (:meth:`recv_into`, :meth:`recv_bytes`, :meth:`drain`),
             then call :meth:`end_payload` before using any of them.
 
@@ -372,8 +330,8 @@ class Channel:
         return head.type, header, head.payload_len
 
     def recv_into(self, view: memoryview) -> int:
-        """Receive the next ``view.nbytes`` payload bytes into ``view`` (straight from the
-        socket); return their crc32c. The bytes are not authentic before :meth:`end_payload`."""
+        """Receive the next ``view.nbytes`` payload bytes into ``view``; return their crc32c.
+        The bytes are not authentic before :meth:`end_payload`."""
         self._take(view.nbytes)
         try:
             return _recv_windows(self.sock, view, self._pmac)
@@ -425,8 +383,7 @@ class Channel:
         self._pending, self._pmac = None, None
 
     def recv_payload(self) -> bytearray:
-        """The whole payload of the current frame, verified (small payloads: a list, a
-        manifest). Empty for a frame without payload."""
+        """The current frame's whole (small) payload, verified; empty for none."""
         if self._pending is None:
             return bytearray()
         data = self.recv_bytes(self._pending)

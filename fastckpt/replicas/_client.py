@@ -1,11 +1,9 @@
 """The peer client: reads chunks from and pushes chunks to one
-:class:`~fastckpt.replicas._server.PeerServer` over a pool of authenticated connections.
-
-Connections are borrowed per call and returned when the call left them in sync; a call whose
-reused connection turns out to be closed is retried once on a fresh one (every request is
-idempotent); batch requests are pipelined over one connection (:meth:`PeerClient._stream`).
-A call reports a chunk ``"ok"`` or returns bytes only after the payload's tag verified (see
-:mod:`~fastckpt.replicas._channel`).
+:class:`~fastckpt.replicas._server.PeerServer` over a pool of authenticated connections,
+borrowed per call and returned when the call left them in sync. A call whose reused
+connection turns out to be closed is retried once on a fresh one (every request is
+idempotent). A chunk is reported ``"ok"`` or bytes returned only after the payload's tag
+verified.
 """
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ from fastckpt.replicas import _batched
 from fastckpt.replicas import _wire as wire
 from fastckpt.replicas._batched import Outcome
 from fastckpt.replicas._channel import Channel
-from fastckpt.replicas._connection import PeerOptions, check_secret, client_handshake, tune
+from fastckpt.replicas._connection import PeerOptions, check_secret, client_handshake
 from fastckpt.replicas._wire import MsgType
 
 __all__ = ["Conn", "PeerClient", "StepLists"]
@@ -142,18 +140,13 @@ class PeerClient:
         batch_chunks: int = 16,
         window: int = 4,
     ) -> list[Outcome]:
-        """Fetch several whole chunks over one connection, in batches, requests pipelined.
-
-        Each batch of up to ``batch_chunks`` chunks (and at most ``max_payload_bytes``) is one
-        GET_CHUNKS request answered by one CHUNKS frame carrying the chunks back to back; up
-        to ``window`` batch requests are in flight.
+        """Fetch several whole chunks of ``step`` over one connection: batches of up to
+        ``batch_chunks`` (1..``wire.MAX_BATCH_CHUNKS``) chunks and ``max_payload_bytes``, each
+        one GET_CHUNKS answered by one CHUNKS frame, up to ``window`` requests in flight.
 
         Args:
-            step: Step number.
             items: ``(chunk_id, into, expected_crc32c)``; each ``into`` is received into
                 directly and must have the chunk's exact length.
-            batch_chunks: Chunks per request (1..``wire.MAX_BATCH_CHUNKS``).
-            window: Batch requests in flight at most.
 
         Returns:
             Per item: ``"ok"`` (``into`` holds the verified bytes), ``"missing"`` (the peer
@@ -190,22 +183,15 @@ class PeerClient:
         batch_chunks: int = 16,
         window: int = 4,
     ) -> list[Outcome]:
-        """Fetch some byte ranges of each of several chunks, like :meth:`get_chunks` (batched,
-        pipelined), with only the ranges on the wire.
-
-        Each item is verified against the whole chunk's crc32c: the peer sends the crc32c of
-        the chunk's bytes before, between and after the ranges, which the client combines
-        with those of the bytes it received, so a byte corrupt anywhere in the peer's copy or
-        on the wire fails the item, as it would a whole read.
+        """Fetch byte ranges of several chunks like :meth:`get_chunks` (a batch also holds at
+        most ``wire.MAX_BATCH_RUNS`` runs), with only the ranges on the wire. Each item is
+        verified against the whole chunk's crc32c (the peer sends the crc32c of the bytes
+        around the ranges), so a byte corrupt anywhere fails it, as it would a whole read.
 
         Args:
-            step: Step number.
             items: ``(chunk_id, into, expected_crc32c, runs)``: ``into`` has the chunk's length
-                (``expected_crc32c`` is the whole chunk's, e.g. from the manifest) and receives
-                the bytes of each run ``(start, n)`` at their place; ``runs`` are ascending,
-                disjoint and not empty.
-            batch_chunks, window: As for :meth:`get_chunks` (a batch also holds at most
-                ``wire.MAX_BATCH_RUNS`` runs).
+                (``expected_crc32c`` is the whole chunk's) and receives the bytes of each run
+                ``(start, n)`` at their place; ``runs`` are ascending, disjoint, not empty.
 
         Returns:
             Per item: ``"ok"``, ``"missing"`` (the peer lacks the chunk or it is shorter than
@@ -258,10 +244,7 @@ class PeerClient:
         self, step: int, chunks: Sequence[tuple[str, memoryview | bytes | np.ndarray, int]]
     ) -> None:
         """Store several chunks of ``step`` in the peer's tier as one segment, all or none.
-
-        ``chunks`` are ``(chunk_id, data, raw_crc32c)``; the bytes are sent straight from
-        ``data``. One request and one segment on the peer instead of one per chunk (each
-        segment is a file, a mapping and an index on the receiving side).
+        ``chunks`` are ``(chunk_id, data, raw_crc32c)``, sent straight from ``data``.
 
         Raises:
             PeerRequestError: refused (``stale_step``, ``budget``, ``bad_request``).
@@ -356,10 +339,9 @@ class PeerClient:
         window: int,
         runs: list[int] | None = None,
     ) -> list[Outcome]:
-        """Ask for ``ids`` in batches ``[lo, hi)`` (``_batched.batches``) over one connection:
-        ``mtype`` requests (``header(lo, hi)``, the batch's ids as payload) up to ``window``
-        ahead of the replies (several frames in one send; they are numbered in that order);
-        collect ``receive(chan, reply_header, payload_len, lo, hi)`` of each reply in order."""
+        """Ask for ``ids`` in batches ``[lo, hi)`` over one connection: ``mtype`` requests
+        (``header(lo, hi)``, the ids as payload) sent up to ``window`` ahead of the replies,
+        several in one send; ``receive(chan, header, payload_len, lo, hi)`` each reply."""
         batches = _batched.batches(ids, sizes, batch_chunks, self._limits.max_payload_bytes, runs)
         reply = MsgType.CHUNKS if mtype is MsgType.GET_CHUNKS else MsgType.RANGES
 
@@ -465,7 +447,6 @@ class PeerClient:
         except OSError as e:
             raise PeerUnavailableError(f"cannot connect to peer {self.name}: {e}") from e
         try:
-            tune(sock, o)
             chan = client_handshake(sock, secret=self._secret, options=o, name=self.name)
         except BaseException:
             sock.close()

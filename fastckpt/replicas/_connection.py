@@ -1,20 +1,13 @@
 """Both ends of a peer connection: options, socket settings, and the handshake (internal).
 
-Threads and blocking sockets, not asyncio: a payload leaves with ``sendall`` straight from
-the tier's mmap and arrives with ``recv_into`` straight into the caller's buffer (both release
-the GIL), which is what keeps a peer transfer near raw loopback TCP speed.
+Threads and blocking sockets, not asyncio: payloads leave with ``sendall`` straight from the
+tier's mmap and arrive with ``recv_into`` straight into the caller's buffer (both release the
+GIL).
 
-Security (``docs/replicas.md``, "Security properties"): the mutual handshake
-(:func:`client_handshake`, :func:`server_handshake`; messages and keys in ``_wire_auth``)
-returns the :class:`~fastckpt.replicas._channel.Channel` that tags and verifies every later
-frame. Until it succeeds the server accepts only tiny frames and reveals nothing. Only the
-handshake and a server's ``busy`` refusal use untagged frames (a ``Channel`` without keys).
-
-Not provided: confidentiality (traffic is authenticated, not encrypted: anyone on the path
-reads checkpoint contents, so bind to a trusted interface; loopback by default) and
-availability (anyone on the path can drop connections). A holder of the secret is a peer,
-and can serve or push data of its choosing. ``PeerOptions(frame_mac=False)`` (both sides)
-turns the frame tags off, to measure their cost only: such connections accept forged frames.
+Security (``docs/replicas.md``, "Security properties"): the mutual handshake returns the
+:class:`~fastckpt.replicas._channel.Channel` that tags and verifies every later frame; until
+it succeeds the server accepts only tiny untagged frames and reveals nothing. Traffic is
+authenticated, not encrypted; a holder of the secret is a peer.
 """
 
 from __future__ import annotations
@@ -24,7 +17,7 @@ import dataclasses
 import hmac
 import socket
 import time
-from typing import Any
+from typing import Any, Literal
 
 from fastckpt.errors import AuthenticationError, ConfigError, PeerRequestError
 from fastckpt.replicas import _wire as wire
@@ -39,7 +32,6 @@ __all__ = [
     "client_handshake",
     "close_gracefully",
     "server_handshake",
-    "tune",
 ]
 
 _LINGER_S = 0.5  # how long a closing server connection waits for the client's EOF
@@ -73,15 +65,14 @@ class PeerOptions:
     accept_pushes: bool = True
     """Server: accept PUT_CHUNKS/PUT_MANIFEST (peers replicating into this tier)."""
     frame_mac: bool = True
-    """Authenticate every frame after the handshake (GMAC per header and payload, see
-    :mod:`~fastckpt.replicas._wire_auth`). Both sides must agree: the flag is part of the
-    authenticated handshake, and a mismatch fails it (``AuthenticationError``).
+    """Authenticate every frame after the handshake (GMAC per header and payload). Both sides
+    must agree: the flag is part of the authenticated handshake, and a mismatch fails it
+    (``AuthenticationError``).
 
     !!! warning
-        False exists only to measure what the MACs cost. Such a connection still starts
-        with a mutual handshake, but accepts forged, altered, replayed or injected frames
-        from anyone on the network path: a restore may then return bytes the attacker
-        chose (with crc32c that match: crc32c is no defence against a forger)."""
+        False exists only to measure what the MACs cost: such connections accept forged,
+        altered, replayed or injected frames from anyone on the network path (crc32c is no
+        defence against a forger)."""
 
     def __post_init__(self) -> None:
         for name in ("connect_timeout_s", "handshake_timeout_s", "io_timeout_s", "idle_timeout_s"):
@@ -109,7 +100,7 @@ def check_secret(secret: bytes) -> bytes:
     return bytes(secret)
 
 
-def tune(sock: socket.socket, options: PeerOptions) -> None:
+def _tune(sock: socket.socket, options: PeerOptions) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if options.socket_buffer_bytes is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, options.socket_buffer_bytes)
@@ -145,10 +136,8 @@ def client_handshake(
         PeerRequestError: the server refused otherwise (e.g. ``busy``).
         PeerUnavailableError, ProtocolError: the connection failed or spoke garbage.
     """
-    frame_mac, timeout_s = options.frame_mac, options.handshake_timeout_s
-    sock.settimeout(timeout_s)
-    deadline = time.monotonic() + timeout_s  # for the whole handshake
-    plain = Channel(sock, limits=wire.AUTH_LIMITS)
+    frame_mac = options.frame_mac
+    plain, deadline = _plain(sock, options)
     client_nonce = wire_auth.new_nonce()
     plain.send(MsgType.HELLO, {"nonce": client_nonce.hex(), "frame_mac": frame_mac})
     h = _handshake_reply(plain, MsgType.CHALLENGE, deadline, f"peer {name} refused the handshake")
@@ -172,14 +161,29 @@ def client_handshake(
     _handshake_reply(
         plain, MsgType.AUTH_OK, deadline, f"peer {name} refused our proof (secrets differ?)"
     )
+    return _tagged(sock, options, keys.client_key, keys.server_key, "client")
+
+
+def _plain(sock: socket.socket, options: PeerOptions) -> tuple[Channel, float]:
+    """The untagged channel of a handshake (the socket tuned), and its deadline (for the
+    whole handshake)."""
+    _tune(sock, options)
+    sock.settimeout(options.handshake_timeout_s)
+    return Channel(sock, limits=wire.AUTH_LIMITS), time.monotonic() + options.handshake_timeout_s
+
+
+def _tagged(
+    sock: socket.socket,
+    options: PeerOptions,
+    send_key: bytes,
+    recv_key: bytes,
+    role: Literal["client", "server"],
+) -> Channel:
+    """The channel of an authenticated connection, its socket set to ``io_timeout_s``."""
     sock.settimeout(options.io_timeout_s)
-    return Channel(
-        sock,
-        limits=options.limits,
-        role="client",
-        send_key=keys.client_key if frame_mac else None,
-        recv_key=keys.server_key if frame_mac else None,
-    )
+    if not options.frame_mac:
+        return Channel(sock, limits=options.limits, role=role)
+    return Channel(sock, limits=options.limits, role=role, send_key=send_key, recv_key=recv_key)
 
 
 def _handshake_reply(
@@ -205,10 +209,8 @@ def server_handshake(sock: socket.socket, *, secret: bytes, options: PeerOptions
             ``frame_mac`` mode (``ERROR auth_failed`` was sent, saying which).
         PeerUnavailableError, ProtocolError: the connection failed or spoke garbage.
     """
-    frame_mac, timeout_s = options.frame_mac, options.handshake_timeout_s
-    sock.settimeout(timeout_s)
-    deadline = time.monotonic() + timeout_s  # for the whole handshake, not each receive
-    plain = Channel(sock, limits=wire.AUTH_LIMITS)
+    frame_mac = options.frame_mac
+    plain, deadline = _plain(sock, options)
     _, hello, _ = plain.recv_head(allowed=[MsgType.HELLO], deadline=deadline)
     if hello["frame_mac"] != frame_mac:
         message = (
@@ -230,11 +232,4 @@ def server_handshake(sock: socket.socket, *, secret: bytes, options: PeerOptions
         plain.send(MsgType.ERROR, {"code": "auth_failed", "message": "authentication failed"})
         raise AuthenticationError("a client failed to prove it knows the secret")
     plain.send(MsgType.AUTH_OK, {})
-    sock.settimeout(options.io_timeout_s)
-    return Channel(
-        sock,
-        limits=options.limits,
-        role="server",
-        send_key=keys.server_key if frame_mac else None,
-        recv_key=keys.client_key if frame_mac else None,
-    )
+    return _tagged(sock, options, keys.server_key, keys.client_key, "server")

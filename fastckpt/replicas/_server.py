@@ -28,12 +28,7 @@ from fastckpt.errors import (
 from fastckpt.replicas import _connection
 from fastckpt.replicas import _wire as wire
 from fastckpt.replicas._channel import Channel
-from fastckpt.replicas._connection import (
-    PeerOptions,
-    check_secret,
-    close_gracefully,
-    tune,
-)
+from fastckpt.replicas._connection import PeerOptions, check_secret, close_gracefully
 from fastckpt.replicas._ram import ChunkLocation, RamTier
 from fastckpt.replicas._wire import MsgType
 
@@ -195,7 +190,6 @@ class PeerServer:
         chan: Channel | None = None
         o = self.options
         try:
-            tune(conn, o)
             try:
                 chan = _connection.server_handshake(conn, secret=self._secret, options=o)
             except AuthenticationError:
@@ -263,10 +257,8 @@ class PeerServer:
                 return self._error(chan, "bad_request", "this peer does not accept pushes")
             try:
                 tier.put_manifest(h["step"], bytes(received))
-            except StaleStepError as e:
-                return self._error(chan, "stale_step", str(e))
-            except RamBudgetError as e:
-                return self._error(chan, "budget", str(e))
+            except (StaleStepError, RamBudgetError) as e:
+                return self._error(chan, _refusal_code(e), str(e))
             chan.send(MsgType.OK, {"stored": True})
         elif mtype is MsgType.STEPS:
             chan.send(
@@ -288,7 +280,7 @@ class PeerServer:
         count = h["count"]
         if not 0 < count <= wire.MAX_BATCH_CHUNKS or plen > wire.max_id_list_bytes(count):
             raise ProtocolError(f"GET_CHUNKS: {count} chunks in a {plen}-byte id list")
-        ids = self._recv_ids(chan, plen, count, "GET_CHUNKS")
+        ids = wire.decode_id_batch(chan.recv_payload(), count=count, what="GET_CHUNKS")
         views: list[memoryview] = []
         lengths, crcs, missing = [0] * count, [0] * count, []
         for i, cid in enumerate(ids):
@@ -321,7 +313,7 @@ class PeerServer:
                 f"GET_RANGES: {count} chunks, {sum(runs)} runs, {len(starts)} starts, "
                 f"{len(stops)} stops in a {plen}-byte id list"
             )
-        ids = self._recv_ids(chan, plen, count, "GET_RANGES")
+        ids = wire.decode_id_batch(chan.recv_payload(), count=count, what="GET_RANGES")
         views: list[memoryview] = []
         lengths, gaps, missing = [0] * count, list[int](), list[int]()
         j = 0
@@ -343,11 +335,6 @@ class PeerServer:
         header = {"lengths": lengths, "gaps": gaps, "missing": missing}
         return self._send_batch(chan, MsgType.RANGES, header, views)
 
-    @staticmethod
-    def _recv_ids(chan: Channel, plen: int, count: int, what: str) -> list[str]:
-        """The id list of a batch request (``count`` distinct chunk ids in ``plen`` bytes)."""
-        return wire.decode_id_batch(chan.recv_payload(), count=count, what=what)
-
     def _send_batch(
         self, chan: Channel, msg_type: MsgType, header: dict[str, Any], views: list[memoryview]
     ) -> bool:
@@ -367,13 +354,8 @@ class PeerServer:
 
     def _put_chunks(self, chan: Channel, h: dict[str, Any], plen: int) -> bool:
         """Receive several chunks into one new segment; all are sealed together, or none."""
-        step, count, ids_len, lengths, crcs = (
-            h["step"],
-            h["count"],
-            h["ids_len"],
-            h["lengths"],
-            h["crcs"],
-        )
+        step, count, ids_len = h["step"], h["count"], h["ids_len"]
+        lengths, crcs = h["lengths"], h["crcs"]
         if (
             not 0 < count == len(lengths) == len(crcs) <= wire.MAX_BATCH_CHUNKS
             or ids_len + sum(lengths) != plen
@@ -400,7 +382,7 @@ class PeerServer:
                 got.append(chan.recv_into(seg.buffer[off : off + n].data))
                 off += n
             chan.end_payload()  # authentic before anything is decoded, sealed or answered
-            ids = wire.decode_distinct_ids(raw, count=count, what="PUT_CHUNKS")
+            ids = wire.decode_id_batch(raw, count=count, what="PUT_CHUNKS")
             index: dict[str, ChunkLocation] = {}
             bad: list[str] = []
             off = 0

@@ -15,7 +15,7 @@ A frame is::
 Decoding is strict and bounded: a wrong magic, an unknown version, type or flag, a header or
 payload over the receiver's :class:`WireLimits`, invalid UTF-8/JSON, a missing, extra or
 ill-typed field, or a frame cut short all raise :class:`~fastckpt.errors.ProtocolError`, and
-nothing else (the fuzz tests hold the decoder to this).
+nothing else.
 """
 
 from __future__ import annotations
@@ -43,14 +43,11 @@ __all__ = [
     "SCHEMAS",
     "TAG_BYTES",
     "VERSION",
-    "Frame",
     "FramePrefix",
     "FrameTooLargeError",
     "MsgType",
     "WireLimits",
     "check_chunk_id",
-    "decode_distinct_ids",
-    "decode_frame",
     "decode_header",
     "decode_id_batch",
     "decode_json_list",
@@ -76,17 +73,13 @@ TAG_BYTES = 16
 
 
 class MsgType(enum.IntEnum):
-    """Message types. Requests are sent by clients, the rest by servers."""
+    """Message types (fields: ``SCHEMAS``; the handshake: ``_wire_auth``). Clients send HELLO,
+    AUTH and the requests, servers the rest."""
 
     HELLO = 1
-    """Client → server: ``nonce`` (client nonce), ``frame_mac`` (the client's mode)."""
     CHALLENGE = 2
-    """Server → client: ``nonce`` (server nonce), ``frame_mac`` (the server's mode), ``mac``
-    (server proof)."""
     AUTH = 3
-    """Client → server: ``mac`` (client proof)."""
     AUTH_OK = 4
-    """Server → client: the connection is authenticated."""
     LIST = 19
     CHUNK_LIST = 20
     GET_MANIFEST = 21
@@ -96,27 +89,23 @@ class MsgType(enum.IntEnum):
     STEP_LIST = 25
     OK = 26
     PUT_CHUNKS = 27
-    """Client → server: several chunks of one step, stored as one segment (see ``SCHEMAS``)."""
+    """Several chunks of one step, stored as one segment."""
     GET_CHUNKS = 28
-    """Client → server: several whole chunks of one step, answered by one CHUNKS frame."""
+    """Several whole chunks of one step, answered by one CHUNKS frame."""
     CHUNKS = 29
-    """Server → client: the chunks a GET_CHUNKS asked for, back to back (see ``SCHEMAS``)."""
     ERROR = 31
     GET_RANGES = 32
-    """Client → server: a byte range of each of several chunks of one step (see ``SCHEMAS``)."""
     RANGES = 33
-    """Server → client: the ranges a GET_RANGES asked for, back to back, with the checksums
-    of each chunk's bytes around its range (the client checks the whole chunk's crc32c)."""
     PUT_PARITY = 34
-    """Client → server: a window of the contributor's stream part for the server's parity."""
+    """A window of the contributor's stream part for the server's parity."""
     GET_STREAM = 35
-    """Client → server: a byte range of the server's own stream of a step (parity rebuild)."""
+    """A byte range of the server's own stream of a step (parity rebuild)."""
     STREAM = 36
-    """Server → client: the range a GET_STREAM asked for, cut at the stream's end."""
+    """The range a GET_STREAM asked for, cut at the stream's end."""
     REBUILD = 37
-    """Client → server: a range of a lost member's part the server holds the parity of."""
+    """A range of a lost member's part the server holds the parity of."""
     REBUILT = 38
-    """Server → client: the rebuilt bytes a REBUILD asked for."""
+    """The rebuilt bytes a REBUILD asked for."""
 
 
 #: Field kinds: "u63" int in [0, 2**63), "u32", "str" (chunk id), "msg" (short text),
@@ -257,15 +246,6 @@ class FramePrefix:
     type: MsgType
     header_len: int
     payload_len: int
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Frame:
-    """A whole decoded frame (used by :func:`decode_frame`; sockets stream payloads instead)."""
-
-    type: MsgType
-    header: dict[str, Any]
-    payload: bytes
 
 
 _U63 = (1 << 63) - 1
@@ -417,15 +397,10 @@ def decode_json_list(raw: bytes | bytearray | memoryview, *, count: int) -> list
 def decode_id_batch(
     raw: bytes | bytearray | memoryview, *, count: int, what: str = "GET_CHUNKS"
 ) -> list[str]:
-    """Decode a GET_CHUNKS (or GET_RANGES) payload: ``count`` (1..MAX_BATCH_CHUNKS) distinct
-    chunk ids."""
+    """Decode the id list of a ``what`` (GET_CHUNKS, GET_RANGES, PUT_CHUNKS): a JSON array of
+    ``count`` (1..MAX_BATCH_CHUNKS) distinct chunk ids."""
     if not 0 < count <= MAX_BATCH_CHUNKS:
         raise ProtocolError(f"{what} asks for {count} chunks (1..{MAX_BATCH_CHUNKS} allowed)")
-    return decode_distinct_ids(raw, count=count, what=what)
-
-
-def decode_distinct_ids(raw: bytes | bytearray | memoryview, *, count: int, what: str) -> list[str]:
-    """Decode a JSON array of exactly ``count`` distinct chunk ids (the id list of a ``what``)."""
     ids = decode_json_list(raw, count=count)
     if len(set(ids)) != count:
         raise ProtocolError(f"{what}: duplicate chunk ids")
@@ -436,23 +411,3 @@ def max_id_list_bytes(count: int) -> int:
     """The longest JSON array of ``count`` chunk ids as ``json.dumps`` writes it (ASCII-escaped:
     at most 12 bytes a character, for one outside the BMP)."""
     return count * (12 * MAX_CHUNK_ID_CHARS + 3) + 2
-
-
-def decode_frame(data: bytes | bytearray | memoryview, limits: WireLimits) -> Frame:
-    """Decode exactly one whole frame from ``data`` (no bytes missing, none left over)."""
-    data = bytes(data)
-    if len(data) < PREFIX.size:
-        raise ProtocolError(
-            f"truncated frame: {len(data)} bytes, the prefix alone is {PREFIX.size}"
-        )
-    prefix = decode_prefix(data[: PREFIX.size], limits)
-    end = PREFIX.size + prefix.header_len + prefix.payload_len
-    if len(data) != end:
-        raise ProtocolError(f"frame length mismatch: declared {end} bytes, got {len(data)}")
-    header = decode_header(prefix.type, data[PREFIX.size : PREFIX.size + prefix.header_len])
-    payload = data[PREFIX.size + prefix.header_len :]
-    if prefix.type is MsgType.CHUNK_LIST:
-        decode_json_list(payload, count=header["count"])
-    elif prefix.type is MsgType.GET_CHUNKS:
-        decode_id_batch(payload, count=header["count"])
-    return Frame(prefix.type, header, payload)

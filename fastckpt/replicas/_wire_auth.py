@@ -53,22 +53,19 @@ _SEQ = struct.Struct(">Q")
 
 
 def new_nonce() -> bytes:
-    """A fresh random nonce for the handshake."""
     return secrets.token_bytes(NONCE_BYTES)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SessionKeys:
-    """What :func:`session_keys` derives for one connection (32 bytes each)."""
+    """What :func:`session_keys` derives for one connection (32 bytes each): the proofs that
+    the server and the client know the secret and saw this transcript (CHALLENGE's and AUTH's
+    ``mac``), and the AES-256 keys of the client → server and server → client frame tags."""
 
     server_proof: bytes
-    """CHALLENGE's ``mac``: the server knows the secret and saw this transcript."""
     client_proof: bytes
-    """AUTH's ``mac``: the client knows the secret and saw this transcript."""
     client_key: bytes
-    """AES-256 key of the client → server frame tags."""
     server_key: bytes
-    """AES-256 key of the server → client frame tags."""
 
 
 def session_keys(
@@ -80,11 +77,9 @@ def session_keys(
         master     = HMAC(secret, transcript)
         each value = HMAC(master, its label)
 
-    Every input has a fixed length, so no two transcripts collide. Each side uses its own
-    ``frame_mac`` setting and the nonces it sent and received: if anything in the handshake
-    was altered (a nonce, a flag, the version), the proofs differ and the handshake fails.
-    The role labels stop a proof from being reflected, and fresh nonces from both sides stop
-    a recorded proof or key from being valid on another connection.
+    Inputs have fixed lengths (no two transcripts collide); each side uses its own
+    ``frame_mac`` and the nonces it sent and received, so an altered handshake fails. Role
+    labels stop a proof being reflected; fresh nonces on both sides, a recorded one reused.
 
     Raises:
         ProtocolError: a nonce is not ``NONCE_BYTES`` long.

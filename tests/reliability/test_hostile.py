@@ -55,6 +55,7 @@ from fastckpt.replicas._server import PeerServer
 from fastckpt.replicas._wire import ERROR_CODES, MsgType
 from fastckpt.storage import LocalStore, MemoryStore
 from tests.support.peer_read import get_one
+from tests.support.tag_raw import tag_raw
 from tests.support.wrapping import ForwardingStore
 
 from ._util import Recorder
@@ -431,7 +432,7 @@ def _expected(tier: RamTier, cid: str) -> bytes:
 
 def _raw_auth(address: tuple[str, int], secret: bytes = SECRET) -> Channel:
     """An authenticated connection of a client with the secret (it sends raw bytes with
-    ``chan.sock``, tagged as the server expects with ``chan.tag_raw``)."""
+    ``chan.sock``, tagged as the server expects with ``tag_raw``)."""
     s = socket.create_connection(address, timeout=5)
     plain = Channel(s, limits=wire.AUTH_LIMITS)
     cn = wire_auth.new_nonce()
@@ -553,7 +554,7 @@ def test_generated_frames_get_typed_answers_and_the_server_keeps_serving(
         if isinstance(
             s, Channel
         ):  # tagged as from a client with the secret: the parser is under test
-            s.sock.sendall(s.tag_raw(frame))
+            s.sock.sendall(tag_raw(s, frame))
             s.sock.shutdown(socket.SHUT_WR)  # a truncated frame ends here
         else:
             s.sendall(frame)
@@ -706,7 +707,7 @@ def test_scripted_hostile_requests(
     )
     try:
         if isinstance(s, Channel):
-            s.sock.sendall(s.tag_raw(make()))
+            s.sock.sendall(tag_raw(s, make()))
         else:
             s.sendall(make())
         got = _answer(s)
@@ -804,7 +805,7 @@ class LyingServer:
                 self._stop.wait(30)  # say nothing (until closed)
                 return
             conn.sendall(
-                chan.tag_raw(out) if self.tag else out
+                tag_raw(chan, out) if self.tag else out
             )  # one answer per connection, then hang up
         except (PeerError, OSError):
             pass

@@ -56,6 +56,7 @@ from fastckpt.storage import (
 )
 from fastckpt.testing.gcs_emulator import GcsEmulator
 from tests.support.fault_proxy import FaultProxy
+from tests.support.tag_raw import tag_raw
 
 from ._util import BUCKET, Recorder, device_state, state_mismatches
 
@@ -216,7 +217,7 @@ class StallingPeer:
                     head = wire.encode_frame(
                         MsgType.CHUNKS, {"lengths": [1 << 20], "crcs": [0], "missing": []}, 1 << 20
                     )
-                    conn.sendall(chan.tag_raw(head + b"\0" * (1 << 19)))
+                    conn.sendall(tag_raw(chan, head + b"\0" * (1 << 19)))
             self.stop.wait(60)
         except Exception:
             pass

@@ -33,7 +33,8 @@ def raw_handshake(
 ) -> tuple[Channel, MsgType, dict, bytes]:  # type: ignore[type-arg]
     """Handshake by hand, sending AUTH whatever the server proved (a client with ``secret``):
     returns (a channel with the keys ``secret`` derives, reply type, reply header, server
-    nonce). Send raw bytes with ``chan.sock``, tagged frames with ``chan.encode``/``tag_raw``."""
+    nonce). Send raw bytes with ``chan.sock``, tagged frames with ``chan.encode`` or
+    ``tests.support.tag_raw``."""
     s = socket.create_connection(addr, timeout=5)
     plain = Channel(s, limits=wire.AUTH_LIMITS)
     cn = nonce or wire_auth.new_nonce()

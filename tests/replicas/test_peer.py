@@ -32,6 +32,7 @@ from fastckpt.replicas._ram import RamTier
 from fastckpt.replicas._server import PeerServer
 from fastckpt.replicas._wire import MsgType
 from tests.support.peer_read import get_one
+from tests.support.tag_raw import tag_raw
 
 from .conftest import SECRET, fill, raw_handshake, seal_chunks
 
@@ -53,7 +54,9 @@ def assert_refused(server: PeerServer, msg_type: MsgType, cases: list[tuple[dict
     for header, payload in cases:
         chan, t, _, _ = raw_handshake(server.address)
         assert t is MsgType.AUTH_OK
-        chan.sock.sendall(chan.tag_raw(wire.encode_frame(msg_type, header, len(payload)) + payload))
+        chan.sock.sendall(
+            tag_raw(chan, wire.encode_frame(msg_type, header, len(payload)) + payload)
+        )
         reply = read_to_eof(chan.sock)
         chan.close()
         assert b'"bad_request"' in reply, (header, reply[:200])
@@ -310,7 +313,7 @@ def test_fuzz_live_server_survives_garbage(served, garbage: bytes, authenticate:
         authenticate
     ):  # garbage from a client with the secret: tagged where the server looks for tags
         chan = raw_handshake(server.address)[0]
-        s, garbage = chan.sock, chan.tag_raw(garbage)
+        s, garbage = chan.sock, tag_raw(chan, garbage)
     else:
         s = socket.create_connection(server.address, timeout=5)
     s.settimeout(3)
