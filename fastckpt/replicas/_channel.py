@@ -26,8 +26,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import crc32c as _crc32c
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from fastckpt.errors import (
     ConfigError,
@@ -80,43 +78,6 @@ def send_all(sock: socket.socket, data: bytes | memoryview, what: str) -> None:
         sock.sendall(data)
     except OSError as e:
         raise PeerUnavailableError(f"send of {what} failed: {e!r}") from e
-
-
-# --------------------------------------------------------------------------- tags
-
-
-class _Tagger:
-    """The GMAC tags of one direction of a connection: its key and next frame number."""
-
-    __slots__ = ("_aead", "_cipher", "_direction", "seq")
-
-    def __init__(self, key: bytes, direction: int) -> None:
-        self._aead = AESGCM(key)
-        self._cipher = algorithms.AES(key)
-        self._direction = direction
-        self.seq = 0
-        """The number of the next frame (its tags use it; ``next_frame`` moves on)."""
-
-    def header_tag(self, head: bytes | bytearray) -> bytes:
-        nonce = wire_auth.tag_nonce(wire_auth.HEADER_TAG, self.seq)
-        data = wire_auth.header_tag_input(self._direction, self.seq, head)
-        return self._aead.encrypt(nonce, b"", data)
-
-    def payload_mac(self, header_tag: bytes | bytearray) -> Any:
-        """A GCM context of this frame's payload tag: ``authenticate_additional_data`` each
-        piece in order, then ``finalize()`` and read ``.tag``."""
-        nonce = wire_auth.tag_nonce(wire_auth.PAYLOAD_TAG, self.seq)
-        ctx = Cipher(self._cipher, modes.GCM(nonce)).encryptor()
-        ctx.authenticate_additional_data(wire_auth.payload_tag_prefix(self.seq, header_tag))
-        return ctx
-
-    def next_frame(self) -> None:
-        self.seq += 1
-
-
-def _final_tag(ctx: Any) -> bytes:
-    ctx.finalize()
-    return bytes(ctx.tag)
 
 
 def _recv_windows(sock: socket.socket, view: memoryview, mac: Any) -> int:
@@ -195,8 +156,8 @@ class Channel:
         out_dir, in_dir = wire_auth.CLIENT_TO_SERVER, wire_auth.SERVER_TO_CLIENT
         if role == "server":
             out_dir, in_dir = in_dir, out_dir
-        self._out = None if send_key is None else _Tagger(send_key, out_dir)
-        self._in = None if recv_key is None else _Tagger(recv_key, in_dir)
+        self._out = None if send_key is None else wire_auth.FrameTagger(send_key, out_dir)
+        self._in = None if recv_key is None else wire_auth.FrameTagger(recv_key, in_dir)
         self._pending: int | None = None  # payload bytes of the current frame still unread
         self._pmac: Any = None  # the current payload's tag context
         self._what = ""
@@ -210,17 +171,22 @@ class Channel:
     def encode(self, msg_type: MsgType, header: Mapping[str, Any], payload: bytes = b"") -> bytes:
         """One whole frame, tags included, ready to send. It takes the next frame number:
         frames must leave in the order they were encoded."""
-        head = wire.encode_frame(msg_type, header, len(payload))
-        if self._out is None:
+        head, ctx = self._head(msg_type, header, len(payload))
+        if ctx is None:
             return head + payload
+        ctx.authenticate_additional_data(payload)
+        return head + payload + wire_auth.final_tag(ctx)
+
+    def _head(self, msg_type: MsgType, header: Mapping[str, Any], n: int) -> tuple[bytes, Any]:
+        """A frame's prefix, header and header tag, and the context of its payload tag (None:
+        untagged or no payload). Takes the next frame number."""
+        head = wire.encode_frame(msg_type, header, n)
+        if self._out is None:
+            return head, None
         htag = self._out.header_tag(head)
-        parts = [head, htag]
-        if payload:
-            ctx = self._out.payload_mac(htag)
-            ctx.authenticate_additional_data(payload)
-            parts += [payload, _final_tag(ctx)]
+        ctx = self._out.payload_mac(htag) if n else None
         self._out.next_frame()
-        return b"".join(parts)
+        return head + htag, ctx
 
     def send_frames(self, frames: Iterable[tuple[MsgType, Mapping[str, Any], bytes]]) -> None:
         """Send small frames ``(type, header, payload)`` in one ``sendall`` (pipelining)."""
@@ -243,13 +209,7 @@ class Channel:
         if total <= _SMALL:
             send_all(self.sock, self.encode(msg_type, header, b"".join(parts)), msg_type.name)
             return
-        head = wire.encode_frame(msg_type, header, total)
-        ctx = None
-        if self._out is not None:
-            htag = self._out.header_tag(head)
-            ctx = self._out.payload_mac(htag)
-            self._out.next_frame()
-            head += htag
+        head, ctx = self._head(msg_type, header, total)
         send_all(self.sock, head, msg_type.name)
         for part in parts:
             for off in range(0, part.nbytes, _SEND_PIECE):
@@ -258,7 +218,7 @@ class Channel:
                     ctx.authenticate_additional_data(piece)
                 send_all(self.sock, piece, msg_type.name)
         if ctx is not None:
-            send_all(self.sock, _final_tag(ctx), msg_type.name)
+            send_all(self.sock, wire_auth.final_tag(ctx), msg_type.name)
 
     # ---------------------------------------------------------------- receiving
 
@@ -373,7 +333,7 @@ class Channel:
             if self._pmac is not None:
                 got = bytearray(wire.TAG_BYTES)
                 recv_exact(self.sock, memoryview(got))
-                if not hmac.compare_digest(_final_tag(self._pmac), got):
+                if not hmac.compare_digest(wire_auth.final_tag(self._pmac), got):
                     raise FrameAuthenticationError(
                         f"the {self._what} payload failed its tag (forged or altered)"
                     )

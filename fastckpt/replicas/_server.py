@@ -6,6 +6,7 @@ sealed, a pushed manifest stored, and an id list read only after its payload's t
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import socket
@@ -377,25 +378,19 @@ class PeerServer:
             self._skip(chan, total)
             return self._error(chan, _refusal_code(e), str(e))
         with seg:  # discarded unless sealed
-            got, off = [], 0
-            for n in lengths:
-                got.append(chan.recv_into(seg.buffer[off : off + n].data))
-                off += n
+            offsets = list(itertools.accumulate(lengths, initial=0))
+            got = [chan.recv_into(seg.buffer[a : a + n].data) for a, n in zip(offsets, lengths)]
             chan.end_payload()  # authentic before anything is decoded, sealed or answered
             ids = wire.decode_id_batch(raw, count=count, what="PUT_CHUNKS")
-            index: dict[str, ChunkLocation] = {}
-            bad: list[str] = []
-            off = 0
-            for cid, n, crc, g in zip(ids, lengths, crcs, got):
-                if g != crc:
-                    bad.append(cid)
-                index[cid] = ChunkLocation(off, n, crc)
-                off += n
+            bad = [cid for cid, crc, g in zip(ids, crcs, got) if g != crc]
             self._count("bytes_received", total)
             if bad:
                 return self._error(
                     chan, "checksum_mismatch", f"{len(bad)} chunks arrived corrupt, e.g. {bad[0]!r}"
                 )
+            index = {
+                cid: ChunkLocation(a, n, crc) for cid, a, n, crc in zip(ids, offsets, lengths, crcs)
+            }
             self._tier.seal(step, seg, index)
         chan.send(MsgType.OK, {"stored": True})
         return True

@@ -31,7 +31,6 @@ from fastckpt.errors import ConfigError, ProtocolError
 
 __all__ = [
     "AUTH_LIMITS",
-    "ERROR_CODES",
     "MAGIC",
     "MAX_BATCH_CHUNKS",
     "MAX_BATCH_RUNS",
@@ -138,6 +137,7 @@ SCHEMAS: Mapping[MsgType, Mapping[str, str]] = {
     # One entry per requested id, in request order; ``missing`` lists the indexes the server
     # does not hold (their lengths/crcs are 0). Payload: the held chunks back to back.
     MsgType.CHUNKS: {"lengths": "u63[]", "crcs": "u32[]", "missing": "u63[]"},
+    # ``code``: one of the error codes in docs/replicas.md (clients map them onto fastckpt.errors).
     MsgType.ERROR: {"code": "msg", "message": "msg"},
     # Payload: a JSON array of ``count`` (<= MAX_BATCH_CHUNKS) distinct chunk ids. Chunk ``i``
     # asks for ``runs[i]`` (>= 1) byte ranges ``[starts[j], stops[j])``, ascending and disjoint;
@@ -202,21 +202,6 @@ PAYLOAD_TYPES = frozenset(
         MsgType.PUT_PARITY,
         MsgType.STREAM,
         MsgType.REBUILT,
-    }
-)
-
-#: ERROR codes a server sends. Clients map them onto the :mod:`fastckpt.errors` tree.
-ERROR_CODES = frozenset(
-    {
-        "not_found",
-        "bad_request",
-        "too_large",
-        "auth_failed",
-        "stale_step",
-        "budget",
-        "checksum_mismatch",
-        "busy",
-        "internal",
     }
 )
 

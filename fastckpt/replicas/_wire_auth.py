@@ -1,4 +1,4 @@
-"""The peer protocol's handshake key schedule and frame tags (pure; frames are in ``_wire``).
+"""The peer protocol's handshake key schedule and frame tags (no sockets; frames: ``_wire``).
 
 Handshake (mutual, per connection): HELLO (client nonce, ``frame_mac``), CHALLENGE (server
 nonce, ``frame_mac``, server proof), AUTH (client proof), AUTH_OK. :func:`session_keys`
@@ -24,6 +24,10 @@ import hashlib
 import hmac
 import secrets
 import struct
+from typing import Any
+
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from fastckpt.errors import ProtocolError
 from fastckpt.replicas._wire import NONCE_BYTES, VERSION
@@ -33,12 +37,11 @@ __all__ = [
     "HEADER_TAG",
     "PAYLOAD_TAG",
     "SERVER_TO_CLIENT",
+    "FrameTagger",
     "SessionKeys",
-    "header_tag_input",
+    "final_tag",
     "new_nonce",
-    "payload_tag_prefix",
     "session_keys",
-    "tag_nonce",
 ]
 
 _KDF_DOMAIN = b"fastckpt-peer-v2\x00"
@@ -100,17 +103,35 @@ def session_keys(
     )
 
 
-def tag_nonce(part: int, seq: int) -> bytes:
-    """The 12-byte GCM nonce of tag ``part`` (``HEADER_TAG``/``PAYLOAD_TAG``) of frame ``seq``."""
-    return _NONCE.pack(part, seq)
+class FrameTagger:
+    """The tags of one direction of a connection, under its key: frame ``seq`` (the next
+    frame's number; :meth:`next_frame` moves on)."""
+
+    __slots__ = ("_aead", "_cipher", "_direction", "seq")
+
+    def __init__(self, key: bytes, direction: int) -> None:
+        self._aead = AESGCM(key)
+        self._cipher = algorithms.AES(key)
+        self._direction = direction
+        self.seq = 0
+
+    def header_tag(self, head: bytes | bytearray) -> bytes:
+        """The header tag of ``head`` (the frame's prefix and header)."""
+        data = bytes([self._direction]) + _SEQ.pack(self.seq) + head
+        return self._aead.encrypt(_NONCE.pack(HEADER_TAG, self.seq), b"", data)
+
+    def payload_mac(self, header_tag: bytes | bytearray) -> Any:
+        """The GCM context of the payload tag: ``authenticate_additional_data`` each piece in
+        order, then :func:`final_tag`."""
+        ctx = Cipher(self._cipher, modes.GCM(_NONCE.pack(PAYLOAD_TAG, self.seq))).encryptor()
+        ctx.authenticate_additional_data(_SEQ.pack(self.seq) + bytes(header_tag))
+        return ctx
+
+    def next_frame(self) -> None:
+        self.seq += 1
 
 
-def header_tag_input(direction: int, seq: int, head: bytes | bytearray) -> bytes:
-    """What a header tag authenticates: direction, frame number, ``head`` (prefix + header)."""
-    return bytes([direction]) + _SEQ.pack(seq) + head
-
-
-def payload_tag_prefix(seq: int, header_tag: bytes | bytearray) -> bytes:
-    """What a payload tag authenticates before the payload: the frame number and its header's
-    tag (which binds the payload to that header)."""
-    return _SEQ.pack(seq) + bytes(header_tag)
+def final_tag(ctx: Any) -> bytes:
+    """The tag of a finished :meth:`FrameTagger.payload_mac` context."""
+    ctx.finalize()
+    return bytes(ctx.tag)

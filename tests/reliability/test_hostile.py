@@ -52,7 +52,7 @@ from fastckpt.replicas._client import PeerClient
 from fastckpt.replicas._connection import PeerOptions, server_handshake
 from fastckpt.replicas._ram import ChunkLocation, RamTier
 from fastckpt.replicas._server import PeerServer
-from fastckpt.replicas._wire import ERROR_CODES, MsgType
+from fastckpt.replicas._wire import MsgType
 from fastckpt.storage import LocalStore, MemoryStore
 from tests.support.peer_read import get_one
 from tests.support.tag_raw import tag_raw
@@ -61,6 +61,11 @@ from tests.support.wrapping import ForwardingStore
 from ._util import Recorder
 
 SECRET = b"hostile-test-secret-0123456789"
+#: The ERROR codes a server may send (docs/replicas.md, "Error codes").
+ERROR_CODES = frozenset(
+    "not_found bad_request too_large auth_failed stale_step budget checksum_mismatch busy "
+    "internal".split()
+)
 FAST = PeerOptions(
     connect_timeout_s=2, handshake_timeout_s=1.0, io_timeout_s=1.0, max_payload_bytes=1 << 20
 )

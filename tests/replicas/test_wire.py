@@ -211,21 +211,15 @@ def test_session_keys_depend_on_the_protocol_version(monkeypatch: pytest.MonkeyP
     )
 
 
-def test_tag_inputs_are_unique_per_frame_part_and_direction() -> None:
-    nonces = {
-        wire_auth.tag_nonce(part, seq)
-        for part in (wire_auth.HEADER_TAG, wire_auth.PAYLOAD_TAG)
-        for seq in (0, 1, 2**64 - 1)
-    }
-    assert len(nonces) == 6 and all(len(n) == 12 for n in nonces)
-    head = frame(MsgType.STEPS, {})
-    assert wire_auth.header_tag_input(
-        wire_auth.CLIENT_TO_SERVER, 0, head
-    ) != wire_auth.header_tag_input(wire_auth.SERVER_TO_CLIENT, 0, head)
-    assert wire_auth.header_tag_input(
-        wire_auth.CLIENT_TO_SERVER, 0, head
-    ) != wire_auth.header_tag_input(wire_auth.CLIENT_TO_SERVER, 1, head)
-    assert wire_auth.payload_tag_prefix(0, b"t" * 16) != wire_auth.payload_tag_prefix(1, b"t" * 16)
+def test_tags_differ_per_direction_frame_number_and_part() -> None:
+    head, key = frame(MsgType.STEPS, {}), b"k" * 32
+    out = wire_auth.FrameTagger(key, wire_auth.CLIENT_TO_SERVER)
+    back = wire_auth.FrameTagger(key, wire_auth.SERVER_TO_CLIENT)
+    tags = [out.header_tag(head), back.header_tag(head)]
+    tags.append(wire_auth.final_tag(out.payload_mac(tags[0])))
+    out.next_frame()
+    tags += [out.header_tag(head), wire_auth.final_tag(out.payload_mac(tags[0]))]
+    assert len(set(tags)) == 5 and all(len(t) == wire.TAG_BYTES for t in tags)
 
 
 def _decode_only_protocol_errors(data: bytes) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fastckpt.replicas import _wire as wire
+from fastckpt.replicas import _wire_auth as wire_auth
 from fastckpt.replicas._channel import Channel
 
 
@@ -22,7 +23,6 @@ def tag_raw(chan: Channel, raw: bytes) -> bytes:
     if plen and len(raw) >= cut + plen:
         ctx = tagger.payload_mac(htag)
         ctx.authenticate_additional_data(raw[cut : cut + plen])
-        ctx.finalize()
-        out += bytes(ctx.tag) + raw[cut + plen :]
+        out += wire_auth.final_tag(ctx) + raw[cut + plen :]
     tagger.next_frame()
     return out
