@@ -27,12 +27,7 @@ from typing import Any, Literal
 
 import crc32c as _crc32c
 
-from fastckpt.errors import (
-    ConfigError,
-    FrameAuthenticationError,
-    PeerUnavailableError,
-    ProtocolError,
-)
+from fastckpt.errors import FrameAuthenticationError, PeerUnavailableError, ProtocolError
 from fastckpt.replicas import _wire as wire
 from fastckpt.replicas import _wire_auth as wire_auth
 from fastckpt.replicas._wire import MsgType
@@ -43,9 +38,6 @@ _WINDOW = 4 << 20  # received bytes are checksummed and MAC-ed in windows still 
 _SEND_PIECE = 4 << 20  # sent in pieces: MAC-ed while in cache; the timeout bounds a stall
 _SMALL = 64 << 10  # frames up to this payload leave in one segment
 _DRAIN_PIECE = 1 << 20
-
-
-# --------------------------------------------------------------------------- sockets
 
 
 def recv_exact(sock: socket.socket, view: memoryview, *, deadline: float | None = None) -> None:
@@ -118,9 +110,6 @@ def _recv_windows(sock: socket.socket, view: memoryview, mac: Any) -> int:
     return result[0]
 
 
-# --------------------------------------------------------------------------- the channel
-
-
 class Channel:
     """An established peer connection: frames in both directions, tagged and verified when
     the handshake agreed on ``frame_mac``.
@@ -135,9 +124,8 @@ class Channel:
         sock: The connected socket (the channel owns it: :meth:`close`).
         limits: Bounds checked on every received prefix before anything else is read.
         role: This side of the connection.
-        send_key, recv_key: The frame keys of this side's sending and receiving direction
-            (``wire_auth.session_keys``), or both None: frames untagged (the handshake's, a
-            ``busy`` refusal, or ``frame_mac=False``).
+        send_key, recv_key: This side's sending and receiving frame keys, or both None:
+            frames untagged (the handshake's, a ``busy`` refusal, ``frame_mac=False``).
     """
 
     def __init__(
@@ -149,8 +137,6 @@ class Channel:
         send_key: bytes | None = None,
         recv_key: bytes | None = None,
     ) -> None:
-        if (send_key is None) != (recv_key is None):
-            raise ConfigError("both frame keys, or neither")
         self.sock = sock
         self.limits = limits
         out_dir, in_dir = wire_auth.CLIENT_TO_SERVER, wire_auth.SERVER_TO_CLIENT
@@ -165,8 +151,6 @@ class Channel:
 
     def close(self) -> None:
         self.sock.close()
-
-    # ---------------------------------------------------------------- sending
 
     def encode(self, msg_type: MsgType, header: Mapping[str, Any], payload: bytes = b"") -> bytes:
         """One whole frame, tags included, ready to send. It takes the next frame number:
@@ -219,8 +203,6 @@ class Channel:
                 send_all(self.sock, piece, msg_type.name)
         if ctx is not None:
             send_all(self.sock, wire_auth.final_tag(ctx), msg_type.name)
-
-    # ---------------------------------------------------------------- receiving
 
     def recv_head(
         self,
@@ -309,10 +291,8 @@ class Channel:
         """Receive and discard the next ``n`` payload bytes (still fed to the payload tag)."""
         self._take(0)
         buf = memoryview(bytearray(min(n, _DRAIN_PIECE)))
-        while n:
-            k = min(n, buf.nbytes)
-            self.recv_into(buf[:k])
-            n -= k
+        for off in range(0, n, _DRAIN_PIECE):
+            self.recv_into(buf[: min(_DRAIN_PIECE, n - off)])
 
     def end_payload(self) -> None:
         """Finish the current frame's payload: every byte consumed, then its tag verified.

@@ -8,6 +8,8 @@ verified.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import socket
 import threading
@@ -46,30 +48,18 @@ class StepLists(NamedTuple):
     manifests: list[int]
 
 
+@dataclasses.dataclass(slots=True)
 class Conn:
-    """One pooled connection: its channel, and whether the current request got a reply."""
+    """One pooled connection: its channel, and whether the current request got any reply
+    (then it must not be retried)."""
 
-    __slots__ = ("chan", "replied")
-
-    def __init__(self, chan: Channel) -> None:
-        self.chan = chan
-        self.replied = False
-        """Whether the current request got any reply (then it must not be retried)."""
+    chan: Channel
+    replied: bool = False
 
 
 _CLOSING_CODES = frozenset({"too_large", "bad_request", "internal", "auth_failed"})
 """ERROR codes after which a server may have closed the connection (a malformed or oversized
 request, or a server fault): such a connection is not reused."""
-
-
-def _early_refusal(chan: Channel) -> PeerRequestError | None:
-    """The ERROR frame a peer sent before closing, if one is readable now (None otherwise)."""
-    try:
-        chan.sock.settimeout(0.5)
-        _mtype, h, _ = chan.recv_head(allowed=[MsgType.ERROR], deadline=time.monotonic() + 0.5)
-    except (PeerError, OSError):
-        return None
-    return PeerRequestError(h["code"], h["message"])
 
 
 def _into(into: memoryview | np.ndarray) -> memoryview:
@@ -105,7 +95,6 @@ class PeerClient:
         self.address = (str(address[0]), int(address[1]))
         self._secret = check_secret(secret)
         self.options = options or PeerOptions()
-        self._limits = self.options.limits
         self.name = name or f"{self.address[0]}:{self.address[1]}"
         self._idle: list[Conn] = []
         self._lock = threading.Lock()
@@ -342,7 +331,7 @@ class PeerClient:
         """Ask for ``ids`` in batches ``[lo, hi)`` over one connection: ``mtype`` requests
         (``header(lo, hi)``, the ids as payload) sent up to ``window`` ahead of the replies,
         several in one send; ``receive(chan, header, payload_len, lo, hi)`` each reply."""
-        batches = _batched.batches(ids, sizes, batch_chunks, self._limits.max_payload_bytes, runs)
+        batches = _batched.batches(ids, sizes, batch_chunks, self.options.max_payload_bytes, runs)
         reply = MsgType.CHUNKS if mtype is MsgType.GET_CHUNKS else MsgType.RANGES
 
         def request(lo: int, hi: int) -> tuple[MsgType, dict[str, Any], bytes]:
@@ -377,9 +366,7 @@ class PeerClient:
             raise PeerUnavailableError(f"peer {self.name} closed the connection")
         c.replied = True
         mtype, h, plen = c.chan.recv_head(allowed=[want, MsgType.ERROR])
-        if mtype is MsgType.ERROR:
-            if h["code"] == "not_found" and missing_ok:
-                return mtype, h, plen
+        if mtype is MsgType.ERROR and not (missing_ok and h["code"] == "not_found"):
             if h["code"] == "checksum_mismatch":
                 raise ChecksumMismatchError(f"peer {self.name}: {h['message']}")
             raise PeerRequestError(h["code"], h["message"])
@@ -391,12 +378,17 @@ class PeerClient:
         """Send a push; if the send fails because the peer refused it early (e.g. ``too_large``
         right after the header) and closed, raise that refusal instead of a lost connection
         (and do not retry it)."""
+        chan = c.chan
         try:
-            c.chan.send(msg_type, header, payload)
+            chan.send(msg_type, header, payload)
         except PeerUnavailableError:
-            refusal = _early_refusal(c.chan)
+            refusal = None
+            with contextlib.suppress(PeerError, OSError):  # an ERROR sent before closing?
+                chan.sock.settimeout(0.5)
+                _, h, _ = chan.recv_head(allowed=[MsgType.ERROR], deadline=time.monotonic() + 0.5)
+                refusal = PeerRequestError(h["code"], h["message"])
             if refusal is None:
-                raise
+                raise  # the send's error
             c.replied = True
             raise refusal from None
 

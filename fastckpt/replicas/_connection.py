@@ -100,13 +100,6 @@ def check_secret(secret: bytes) -> bytes:
     return bytes(secret)
 
 
-def _tune(sock: socket.socket, options: PeerOptions) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    if options.socket_buffer_bytes is not None:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, options.socket_buffer_bytes)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, options.socket_buffer_bytes)
-
-
 def close_gracefully(sock: socket.socket) -> None:
     """Close so that a last ERROR frame arrives: without reading what the client still sends,
     ``close`` would answer with a reset that can destroy the frame in flight."""
@@ -146,11 +139,9 @@ def client_handshake(
             f"peer {name} runs with frame_mac={h['frame_mac']}, this "
             f"client with frame_mac={frame_mac}: set PeerOptions alike"
         )
+    server_nonce = bytes.fromhex(h["nonce"])
     keys = wire_auth.session_keys(
-        secret,
-        client_nonce=client_nonce,
-        server_nonce=bytes.fromhex(h["nonce"]),
-        frame_mac=frame_mac,
+        secret, client_nonce=client_nonce, server_nonce=server_nonce, frame_mac=frame_mac
     )
     if not hmac.compare_digest(keys.server_proof, bytes.fromhex(h["mac"])):
         raise AuthenticationError(
@@ -167,7 +158,10 @@ def client_handshake(
 def _plain(sock: socket.socket, options: PeerOptions) -> tuple[Channel, float]:
     """The untagged channel of a handshake (the socket tuned), and its deadline (for the
     whole handshake)."""
-    _tune(sock, options)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if options.socket_buffer_bytes is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, options.socket_buffer_bytes)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, options.socket_buffer_bytes)
     sock.settimeout(options.handshake_timeout_s)
     return Channel(sock, limits=wire.AUTH_LIMITS), time.monotonic() + options.handshake_timeout_s
 

@@ -52,17 +52,10 @@ def manifest_sources(lists: Mapping[str, StepLists]) -> dict[int, ManifestSource
 
 def encode_candidates(steps: Sequence[int], sources: Mapping[int, ManifestSources]) -> str:
     """Process 0's message: the candidate steps (newest first) and their manifest sources."""
-    return json.dumps(
-        {
-            "steps": list(steps),
-            "sources": {
-                str(s): [list(sources[s].holders), list(sources[s].relays)]
-                for s in steps
-                if s in sources
-            },
-        },
-        separators=(",", ":"),
-    )
+    listed = {
+        str(s): [list(sources[s].holders), list(sources[s].relays)] for s in steps if s in sources
+    }
+    return json.dumps({"steps": list(steps), "sources": listed}, separators=(",", ":"))
 
 
 def decode_candidates(text: str) -> tuple[list[int], dict[int, ManifestSources]]:

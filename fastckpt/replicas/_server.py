@@ -1,6 +1,6 @@
-"""The peer server: serves a :class:`~fastckpt.replicas._ram.RamTier` to authenticated peers over
-TCP, one thread per connection (blocking sockets, see ``_connection``). A pushed chunk is
-sealed, a pushed manifest stored, and an id list read only after its payload's tag verified.
+"""The peer server: serves a :class:`~fastckpt.replicas._ram.RamTier` to authenticated peers.
+A pushed chunk is sealed, a pushed manifest stored, and an id list read only after its
+payload's tag verified.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ _log = logging.getLogger(__name__)
 
 
 class PeerServer:
-    """Serves a :class:`RamTier` to authenticated peers over TCP. Thread per connection.
+    """Serves a :class:`RamTier` to authenticated peers over TCP, one thread per connection
+    (blocking sockets, see ``_connection``); ``stats`` counts what happened.
 
     A misbehaving or failing client only ever loses its own connection: malformed frames get
     ``ERROR bad_request``/``too_large`` and a disconnect; a frame that fails its tag
@@ -84,7 +85,6 @@ class PeerServer:
         self._secret = check_secret(secret)
         self._host, self._port = host, port
         self.options = options or PeerOptions()
-        self._limits = self.options.limits
         self._listener: socket.socket | None = None
         self._accept_thread: threading.Thread | None = None
         self._conns: set[socket.socket] = set()
@@ -99,8 +99,6 @@ class PeerServer:
             "bytes_sent": 0,
             "bytes_received": 0,
         }
-        """Counters (connections accepted, failed handshakes, frames that failed their tag,
-        other protocol errors, requests, bytes)."""
 
     @property
     def address(self) -> tuple[str, int]:
@@ -176,11 +174,9 @@ class PeerServer:
                     self._conns.add(conn)
                     self.stats["connections"] += 1
             if busy:
-                with contextlib.suppress(OSError, PeerError):
+                with contextlib.suppress(OSError):
                     conn.settimeout(1.0)
-                    Channel(conn, limits=wire.AUTH_LIMITS).send(
-                        MsgType.ERROR, {"code": "busy", "message": "too many connections"}
-                    )
+                self._last_word(conn, None, "busy", "too many connections")
                 conn.close()
                 continue
             threading.Thread(
@@ -189,10 +185,9 @@ class PeerServer:
 
     def _serve(self, conn: socket.socket) -> None:
         chan: Channel | None = None
-        o = self.options
         try:
             try:
-                chan = _connection.server_handshake(conn, secret=self._secret, options=o)
+                chan = _connection.server_handshake(conn, secret=self._secret, options=self.options)
             except AuthenticationError:
                 self._count("auth_failures")
                 return
@@ -297,9 +292,7 @@ class PeerServer:
 
     def _get_ranges(self, chan: Channel, h: dict[str, Any], plen: int) -> bool:
         """Answer a batch of ranged chunk reads with one RANGES frame: each held chunk's
-        ranges, and the crc32c of its bytes around them, so that the client checks what it
-        receives against the whole chunk's checksum (``crc32c_combine``) while only the
-        ranges cross the wire."""
+        ranges, and the crc32c of its bytes around them (the client checks the whole chunk)."""
         count, runs, starts, stops = h["count"], h["runs"], h["starts"], h["stops"]
         if (
             not 0 < count <= wire.MAX_BATCH_CHUNKS
@@ -328,10 +321,8 @@ class PeerServer:
                 continue
             view, loc = hit
             lengths[i] = loc.length
-            bounds = [0, *(x for span in spans for x in span), loc.length]
-            gaps.extend(
-                crc32c(view[a:b]) for a, b in zip(bounds[::2], bounds[1::2])
-            )  # before, between, after
+            bounds = [0, *(x for span in spans for x in span), loc.length]  # around the ranges
+            gaps.extend(crc32c(view[a:b]) for a, b in zip(bounds[::2], bounds[1::2]))
             views.extend(view[a:b] for a, b in spans)
         header = {"lengths": lengths, "gaps": gaps, "missing": missing}
         return self._send_batch(chan, MsgType.RANGES, header, views)
@@ -342,12 +333,12 @@ class PeerServer:
         """Send a batch reply carrying ``views`` back to back, or ``too_large`` when they
         exceed the payload limit (the client then asks for fewer at a time)."""
         total = sum(v.nbytes for v in views)
-        if total > self._limits.max_payload_bytes:
+        if total > self.options.max_payload_bytes:
             return self._error(
                 chan,
                 "too_large",
                 f"a {msg_type.name} reply of {total} bytes exceeds "
-                f"the payload limit of {self._limits.max_payload_bytes}",
+                f"the payload limit of {self.options.max_payload_bytes}",
             )
         chan.send(msg_type, header, views)
         self._count("bytes_sent", total)
@@ -370,12 +361,14 @@ class PeerServer:
         raw = chan.recv_bytes(ids_len)  # the id list: decoded once the payload verified
         total = plen - ids_len
         if not self.options.accept_pushes:
-            self._skip(chan, total)
+            chan.drain(total)  # verified: a forged request gets no answer at all
+            chan.end_payload()
             return self._error(chan, "bad_request", "this peer does not accept pushes")
         try:
             seg = self._tier.allocate(step, total)
         except (StaleStepError, RamBudgetError) as e:
-            self._skip(chan, total)
+            chan.drain(total)
+            chan.end_payload()
             return self._error(chan, _refusal_code(e), str(e))
         with seg:  # discarded unless sealed
             offsets = list(itertools.accumulate(lengths, initial=0))
@@ -394,13 +387,6 @@ class PeerServer:
             self._tier.seal(step, seg, index)
         chan.send(MsgType.OK, {"stored": True})
         return True
-
-    @staticmethod
-    def _skip(chan: Channel, rest: int) -> None:
-        """Skip the ``rest`` of a refused request's payload, verifying its tag (a forged
-        request gets no answer at all)."""
-        chan.drain(rest)
-        chan.end_payload()
 
 
 def _refusal_code(e: Exception) -> str:

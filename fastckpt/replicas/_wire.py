@@ -238,8 +238,7 @@ _U63 = (1 << 63) - 1
 
 def spans_fit(spans: Iterable[tuple[int, int]], length: int) -> bool:
     """Whether byte ranges ``[start, stop)`` are ascending, disjoint and inside ``length``
-    bytes (a GET_RANGES chunk's runs: checked by the client before asking, by the server
-    against the chunk it holds)."""
+    bytes (a GET_RANGES chunk's runs)."""
     pos = 0
     for start, stop in spans:
         if not pos <= start <= stop:
