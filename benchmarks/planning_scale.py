@@ -397,7 +397,7 @@ def _selection_case(leaves: int, n: int, reps: int) -> dict[str, Any]:
     from fastckpt.format.codec import decode_manifest, encode_manifest
     from fastckpt.format.manifest import Manifest, chunk_ids
     from fastckpt.planning import needed_chunks
-    from fastckpt.replicas._wire_codec import decode_json_list
+    from fastckpt.replicas._wire import decode_json_list
 
     grid = _grid(n)
     hosts, per = grid

@@ -1,7 +1,6 @@
-"""The batched reads of a peer client, as pure helpers: how a request list is cut into
-batches, and how a CHUNKS or RANGES reply is received and verified (``PeerClient.get_chunks``,
-``PeerClient.get_ranges``). An outcome is reported only once the whole reply's payload
-verified (``Channel.end_payload``)."""
+"""The batched reads of ``PeerClient.get_chunks``/``get_ranges``: how a request list is cut
+into batches, and how a CHUNKS or RANGES reply is received and verified. An outcome is
+reported only once the whole reply's payload verified (``Channel.end_payload``)."""
 
 from __future__ import annotations
 

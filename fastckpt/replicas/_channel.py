@@ -1,10 +1,6 @@
-"""One authenticated peer connection: frames sent and received through a :class:`Channel`
-that tags and verifies each of them (internal).
-
-Call order: the handshake (:mod:`~fastckpt.replicas._connection`: ``client_handshake`` on
-the client, ``server_handshake`` on the server) returns a :class:`Channel`. After that
-every frame of the connection goes through the channel, which counts frames per direction
-and tags and verifies them (``wire`` describes the layout).
+"""One peer connection's frames, sent and received through a :class:`Channel` that numbers,
+tags and verifies each of them (internal). The handshake (``_connection``) returns it; the
+tag layout is in ``_wire_auth``.
 
 Receiving a frame with a payload::
 
@@ -30,21 +26,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import crc32c as _crc32c
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from fastckpt.errors import (
-    ConfigError,
-    FrameAuthenticationError,
-    PeerUnavailableError,
-    ProtocolError,
-)
+from fastckpt.errors import FrameAuthenticationError, PeerUnavailableError, ProtocolError
 from fastckpt.replicas import _wire as wire
 from fastckpt.replicas import _wire_auth as wire_auth
-from fastckpt.replicas import _wire_codec as wire_codec
 from fastckpt.replicas._wire import MsgType
 
-__all__ = ["Channel", "recv_exact", "recv_prefix", "send_all"]
+__all__ = ["Channel", "recv_exact", "send_all"]
 
 _WINDOW = 4 << 20  # received bytes are checksummed and MAC-ed in windows still in cache
 _SEND_PIECE = 4 << 20  # sent in pieces: MAC-ed while in cache; the timeout bounds a stall
@@ -52,17 +40,12 @@ _SMALL = 64 << 10  # frames up to this payload leave in one segment
 _DRAIN_PIECE = 1 << 20
 
 
-# --------------------------------------------------------------------------- sockets
-
-
 def recv_exact(sock: socket.socket, view: memoryview, *, deadline: float | None = None) -> None:
-    """Fill ``view`` from ``sock``; with ``deadline`` (``time.monotonic()``), by then at the
-    latest (the socket timeout bounds each receive; a deadline bounds them all: a peer that
-    trickles a byte at a time cannot stretch the wait).
+    """Fill ``view`` from ``sock``; the socket timeout bounds each receive, ``deadline``
+    (``time.monotonic()``) all of them (a peer trickling bytes cannot stretch the wait).
 
     Raises:
-        PeerUnavailableError: the peer closed the connection early, or a receive failed or
-            stalled past the socket timeout or the deadline.
+        PeerUnavailableError: the peer closed early, or a receive failed or stalled.
     """
     pos, n = 0, view.nbytes
     try:
@@ -82,29 +65,6 @@ def recv_exact(sock: socket.socket, view: memoryview, *, deadline: float | None 
         raise PeerUnavailableError(f"receive failed after {pos} of {n} bytes: {e!r}") from e
 
 
-def recv_prefix(
-    sock: socket.socket,
-    limits: wire.WireLimits,
-    allowed: Iterable[MsgType] | None,
-    first_byte_timeout_s: float | None,
-    timeout_s: float | None,
-    deadline: float | None,
-) -> tuple[bytearray, wire.FramePrefix]:
-    prefix = bytearray(wire.PREFIX.size)
-    view = memoryview(prefix)
-    if first_byte_timeout_s is not None:
-        sock.settimeout(first_byte_timeout_s)
-        recv_exact(sock, view[:1], deadline=deadline)
-        view = view[1:]
-    if timeout_s is not None:
-        sock.settimeout(timeout_s)
-    recv_exact(sock, view, deadline=deadline)
-    head = wire_codec.decode_prefix(prefix, limits)
-    if allowed is not None and head.type not in set(allowed):
-        raise ProtocolError(f"unexpected message {head.type.name}")
-    return prefix, head
-
-
 def send_all(sock: socket.socket, data: bytes | memoryview, what: str) -> None:
     try:
         sock.sendall(data)
@@ -112,87 +72,42 @@ def send_all(sock: socket.socket, data: bytes | memoryview, what: str) -> None:
         raise PeerUnavailableError(f"send of {what} failed: {e!r}") from e
 
 
-# --------------------------------------------------------------------------- tags
-
-
-class _Tagger:
-    """The GMAC tags of one direction of a connection: its key and next frame number."""
-
-    __slots__ = ("_aead", "_cipher", "_direction", "seq")
-
-    def __init__(self, key: bytes, direction: int) -> None:
-        self._aead = AESGCM(key)
-        self._cipher = algorithms.AES(key)
-        self._direction = direction
-        self.seq = 0
-        """The number of the next frame (its tags use it; ``next_frame`` moves on)."""
-
-    def header_tag(self, head: bytes | bytearray) -> bytes:
-        nonce = wire_auth.tag_nonce(wire_auth.HEADER_TAG, self.seq)
-        data = wire_auth.header_tag_input(self._direction, self.seq, head)
-        return self._aead.encrypt(nonce, b"", data)
-
-    def payload_mac(self, header_tag: bytes | bytearray) -> Any:
-        """A GCM context of this frame's payload tag: ``authenticate_additional_data`` each
-        piece in order, then ``finalize()`` and read ``.tag``."""
-        nonce = wire_auth.tag_nonce(wire_auth.PAYLOAD_TAG, self.seq)
-        ctx = Cipher(self._cipher, modes.GCM(nonce)).encryptor()
-        ctx.authenticate_additional_data(wire_auth.payload_tag_prefix(self.seq, header_tag))
-        return ctx
-
-    def next_frame(self) -> None:
-        self.seq += 1
-
-
-def _final_tag(ctx: Any) -> bytes:
-    ctx.finalize()
-    return bytes(ctx.tag)
-
-
 def _recv_windows(sock: socket.socket, view: memoryview, mac: Any) -> int:
     """Fill ``view`` from ``sock``; return the crc32c of its bytes and feed them to ``mac``
-    (if not None) in order.
+    (if not None) in order, window by window while still in cache (past two windows, on a
+    helper thread while the next window arrives)."""
+    windows = [view[off : off + _WINDOW] for off in range(0, view.nbytes, _WINDOW)]
 
-    Windows are checksummed right after they arrive, while still in cache. For more than two
-    windows a helper thread checksums and MACs window ``i`` while window ``i + 1`` is being
-    received (all three release the GIL), so on a multi-core host verification overlaps the
-    transfer.
-    """
-    n = view.nbytes
-    if n <= 2 * _WINDOW:
+    def check(window: memoryview, crc: int) -> int:
+        if mac is not None:
+            mac.authenticate_additional_data(window)
+        return _crc32c.crc32c(window, crc)
+
+    if len(windows) <= 2:
         crc = 0
-        for off in range(0, n, _WINDOW):
-            window = view[off : off + _WINDOW]
+        for window in windows:
             recv_exact(sock, window)
-            crc = _crc32c.crc32c(window, crc)
-            if mac is not None:
-                mac.authenticate_additional_data(window)
+            crc = check(window, crc)
         return crc
-    windows: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
+    ready: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
     result = [0]
 
     def verify() -> None:
         value = 0
-        while (window := windows.get()) is not None:
-            value = _crc32c.crc32c(window, value)
-            if mac is not None:
-                mac.authenticate_additional_data(window)
+        while (window := ready.get()) is not None:
+            value = check(window, value)
         result[0] = value
 
     worker = threading.Thread(target=verify, name="fastckpt-crc", daemon=True)
     worker.start()
     try:
-        for off in range(0, n, _WINDOW):
-            window = view[off : off + _WINDOW]
+        for window in windows:
             recv_exact(sock, window)
-            windows.put(window)
+            ready.put(window)
     finally:
-        windows.put(None)
+        ready.put(None)
         worker.join()
     return result[0]
-
-
-# --------------------------------------------------------------------------- the channel
 
 
 class Channel:
@@ -209,8 +124,8 @@ class Channel:
         sock: The connected socket (the channel owns it: :meth:`close`).
         limits: Bounds checked on every received prefix before anything else is read.
         role: This side of the connection.
-        send_key, recv_key: The frame keys of this side's sending and receiving direction
-            (``wire_auth.session_keys``), or both None (``frame_mac=False``: frames untagged).
+        send_key, recv_key: This side's sending and receiving frame keys, or both None:
+            frames untagged (the handshake's, a ``busy`` refusal, ``frame_mac=False``).
     """
 
     def __init__(
@@ -218,49 +133,44 @@ class Channel:
         sock: socket.socket,
         *,
         limits: wire.WireLimits,
-        role: Literal["client", "server"],
-        send_key: bytes | None,
-        recv_key: bytes | None,
+        role: Literal["client", "server"] = "client",
+        send_key: bytes | None = None,
+        recv_key: bytes | None = None,
     ) -> None:
-        if (send_key is None) != (recv_key is None):
-            raise ConfigError("both frame keys, or neither")
         self.sock = sock
         self.limits = limits
         out_dir, in_dir = wire_auth.CLIENT_TO_SERVER, wire_auth.SERVER_TO_CLIENT
         if role == "server":
             out_dir, in_dir = in_dir, out_dir
-        self._out = None if send_key is None else _Tagger(send_key, out_dir)
-        self._in = None if recv_key is None else _Tagger(recv_key, in_dir)
+        self._out = None if send_key is None else wire_auth.FrameTagger(send_key, out_dir)
+        self._in = None if recv_key is None else wire_auth.FrameTagger(recv_key, in_dir)
         self._pending: int | None = None  # payload bytes of the current frame still unread
         self._pmac: Any = None  # the current payload's tag context
-        self._htag = b""
         self._what = ""
         self._failed = False
-
-    @property
-    def frame_mac(self) -> bool:
-        """Whether frames are tagged and verified."""
-        return self._out is not None
 
     def close(self) -> None:
         self.sock.close()
 
-    # ---------------------------------------------------------------- sending
-
     def encode(self, msg_type: MsgType, header: Mapping[str, Any], payload: bytes = b"") -> bytes:
         """One whole frame, tags included, ready to send. It takes the next frame number:
         frames must leave in the order they were encoded."""
-        head = wire_codec.encode_frame(msg_type, header, len(payload))
-        if self._out is None:
+        head, ctx = self._head(msg_type, header, len(payload))
+        if ctx is None:
             return head + payload
+        ctx.authenticate_additional_data(payload)
+        return head + payload + wire_auth.final_tag(ctx)
+
+    def _head(self, msg_type: MsgType, header: Mapping[str, Any], n: int) -> tuple[bytes, Any]:
+        """A frame's prefix, header and header tag, and the context of its payload tag (None:
+        untagged or no payload). Takes the next frame number."""
+        head = wire.encode_frame(msg_type, header, n)
+        if self._out is None:
+            return head, None
         htag = self._out.header_tag(head)
-        parts = [head, htag]
-        if payload:
-            ctx = self._out.payload_mac(htag)
-            ctx.authenticate_additional_data(payload)
-            parts += [payload, _final_tag(ctx)]
+        ctx = self._out.payload_mac(htag) if n else None
         self._out.next_frame()
-        return b"".join(parts)
+        return head + htag, ctx
 
     def send_frames(self, frames: Iterable[tuple[MsgType, Mapping[str, Any], bytes]]) -> None:
         """Send small frames ``(type, header, payload)`` in one ``sendall`` (pipelining)."""
@@ -272,8 +182,8 @@ class Channel:
         header: Mapping[str, Any],
         payload: Sequence[memoryview | bytes] = (),
     ) -> None:
-        """Send one frame; ``payload`` parts are sent straight from their buffers (no joins
-        past 64 KiB), in pieces, each fed to the payload tag right before it is sent.
+        """Send one frame; ``payload`` parts go straight from their buffers (joined only up
+        to 64 KiB), in pieces, each fed to the payload tag right before it is sent.
 
         Raises:
             PeerUnavailableError: a send failed or stalled past the socket timeout.
@@ -283,13 +193,7 @@ class Channel:
         if total <= _SMALL:
             send_all(self.sock, self.encode(msg_type, header, b"".join(parts)), msg_type.name)
             return
-        head = wire_codec.encode_frame(msg_type, header, total)
-        ctx = None
-        if self._out is not None:
-            htag = self._out.header_tag(head)
-            ctx = self._out.payload_mac(htag)
-            self._out.next_frame()
-            head += htag
+        head, ctx = self._head(msg_type, header, total)
         send_all(self.sock, head, msg_type.name)
         for part in parts:
             for off in range(0, part.nbytes, _SEND_PIECE):
@@ -298,28 +202,7 @@ class Channel:
                     ctx.authenticate_additional_data(piece)
                 send_all(self.sock, piece, msg_type.name)
         if ctx is not None:
-            send_all(self.sock, _final_tag(ctx), msg_type.name)
-
-    def tag_raw(self, raw: bytes) -> bytes:
-        """For hostile tests: ``raw`` bytes (a frame, possibly malformed, lying or cut short)
-        with tags inserted where a receiver looks for them by the prefix's declared lengths,
-        as an authenticated sender would. Takes the next frame number."""
-        if self._out is None or len(raw) < wire.PREFIX.size:
-            return raw
-        *_, hlen, plen = wire.PREFIX.unpack(raw[: wire.PREFIX.size])
-        cut = wire.PREFIX.size + hlen
-        if len(raw) < cut:
-            return raw
-        htag = self._out.header_tag(raw[:cut])
-        out = raw[:cut] + htag + raw[cut : cut + plen]
-        if plen and len(raw) >= cut + plen:
-            ctx = self._out.payload_mac(htag)
-            ctx.authenticate_additional_data(raw[cut : cut + plen])
-            out += _final_tag(ctx) + raw[cut + plen :]
-        self._out.next_frame()
-        return out
-
-    # ---------------------------------------------------------------- receiving
+            send_all(self.sock, wire_auth.final_tag(ctx), msg_type.name)
 
     def recv_head(
         self,
@@ -331,12 +214,14 @@ class Channel:
     ) -> tuple[MsgType, dict[str, Any], int]:
         """Receive the next frame's prefix, header and header tag; leave its payload.
 
-        The prefix's lengths are checked against the limits (and its type against
-        ``allowed``) before anything else is read; the header is decoded only after its tag
-        verified. Arguments as :func:`recv_frame_head`.
+        The prefix is checked against the limits and ``allowed`` (other types raise
+        ``ProtocolError``) before anything else is read; the header is decoded only after its
+        tag verified. ``first_byte_timeout_s`` bounds the wait until the frame starts (e.g.
+        idle between requests), ``timeout_s`` each later receive (None: the socket's), and
+        ``deadline`` (``time.monotonic()``) the whole prefix and header.
 
         Returns:
-            ``(type, header, payload_len)``. With ``payload_len > 0`` the caller must consume
+            ``(type, header, payload_len)``; with ``payload_len > 0`` the caller must consume
             exactly that many bytes (:meth:`recv_into`, :meth:`recv_bytes`, :meth:`drain`),
             then call :meth:`end_payload` before using any of them.
 
@@ -348,10 +233,20 @@ class Channel:
         self._check_usable()
         if self._pending is not None:
             raise ProtocolError("a frame was received before the previous payload was finished")
+        sock = self.sock
         try:
-            prefix, head = recv_prefix(
-                self.sock, self.limits, allowed, first_byte_timeout_s, timeout_s, deadline
-            )
+            prefix = bytearray(wire.PREFIX.size)
+            view = memoryview(prefix)
+            if first_byte_timeout_s is not None:
+                sock.settimeout(first_byte_timeout_s)
+                recv_exact(sock, view[:1], deadline=deadline)
+                view = view[1:]
+            if timeout_s is not None:
+                sock.settimeout(timeout_s)
+            recv_exact(sock, view, deadline=deadline)
+            head = wire.decode_prefix(prefix, self.limits)
+            if allowed is not None and head.type not in set(allowed):
+                raise ProtocolError(f"unexpected message {head.type.name}")
             tag_len = wire.TAG_BYTES if self._in is not None else 0
             raw = bytearray(head.header_len + tag_len)
             recv_exact(self.sock, memoryview(raw), deadline=deadline)
@@ -364,7 +259,7 @@ class Channel:
                         f"{head.type.name} frame {self._in.seq} failed its header tag (forged, "
                         f"altered, replayed, reordered or after a dropped frame)"
                     )
-            header = wire_codec.decode_header(head.type, memoryview(raw)[: head.header_len])
+            header = wire.decode_header(head.type, memoryview(raw)[: head.header_len])
         except BaseException:
             self._failed = True
             raise
@@ -377,8 +272,8 @@ class Channel:
         return head.type, header, head.payload_len
 
     def recv_into(self, view: memoryview) -> int:
-        """Receive the next ``view.nbytes`` payload bytes into ``view`` (straight from the
-        socket); return their crc32c. The bytes are not authentic before :meth:`end_payload`."""
+        """Receive the next ``view.nbytes`` payload bytes into ``view``; return their crc32c.
+        The bytes are not authentic before :meth:`end_payload`."""
         self._take(view.nbytes)
         try:
             return _recv_windows(self.sock, view, self._pmac)
@@ -396,10 +291,8 @@ class Channel:
         """Receive and discard the next ``n`` payload bytes (still fed to the payload tag)."""
         self._take(0)
         buf = memoryview(bytearray(min(n, _DRAIN_PIECE)))
-        while n:
-            k = min(n, buf.nbytes)
-            self.recv_into(buf[:k])
-            n -= k
+        for off in range(0, n, _DRAIN_PIECE):
+            self.recv_into(buf[: min(_DRAIN_PIECE, n - off)])
 
     def end_payload(self) -> None:
         """Finish the current frame's payload: every byte consumed, then its tag verified.
@@ -420,7 +313,7 @@ class Channel:
             if self._pmac is not None:
                 got = bytearray(wire.TAG_BYTES)
                 recv_exact(self.sock, memoryview(got))
-                if not hmac.compare_digest(_final_tag(self._pmac), got):
+                if not hmac.compare_digest(wire_auth.final_tag(self._pmac), got):
                     raise FrameAuthenticationError(
                         f"the {self._what} payload failed its tag (forged or altered)"
                     )
@@ -430,8 +323,7 @@ class Channel:
         self._pending, self._pmac = None, None
 
     def recv_payload(self) -> bytearray:
-        """The whole payload of the current frame, verified (small payloads: a list, a
-        manifest). Empty for a frame without payload."""
+        """The current frame's whole (small) payload, verified; empty for none."""
         if self._pending is None:
             return bytearray()
         data = self.recv_bytes(self._pending)

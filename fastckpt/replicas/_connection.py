@@ -1,21 +1,13 @@
 """Both ends of a peer connection: options, socket settings, and the handshake (internal).
 
-Threads and blocking sockets, not asyncio: a payload leaves with ``sendall`` straight from
-the tier's mmap and arrives with ``recv_into`` straight into the caller's buffer (both release
-the GIL), which is what keeps a peer transfer near raw loopback TCP speed.
+Threads and blocking sockets, not asyncio: payloads leave with ``sendall`` straight from the
+tier's mmap and arrive with ``recv_into`` straight into the caller's buffer (both release the
+GIL).
 
-Security (``docs/replicas.md``, "Security properties"): the mutual handshake
-(:func:`client_handshake`, :func:`server_handshake`; messages and keys in ``_wire_auth``)
-returns the :class:`~fastckpt.replicas._channel.Channel` that tags and verifies every later
-frame. Until it succeeds the server accepts only tiny frames and reveals nothing. Only the
-handshake and a server's ``busy`` refusal use the plain frames of :func:`send_frame` and
-:func:`recv_frame_head`.
-
-Not provided: confidentiality (traffic is authenticated, not encrypted: anyone on the path
-reads checkpoint contents, so bind to a trusted interface; loopback by default) and
-availability (anyone on the path can drop connections). A holder of the secret is a peer,
-and can serve or push data of its choosing. ``PeerOptions(frame_mac=False)`` (both sides)
-turns the frame tags off, to measure their cost only: such connections accept forged frames.
+Security (``docs/replicas.md``, "Security properties"): the mutual handshake returns the
+:class:`~fastckpt.replicas._channel.Channel` that tags and verifies every later frame; until
+it succeeds the server accepts only tiny untagged frames and reveals nothing. Traffic is
+authenticated, not encrypted; a holder of the secret is a peer.
 """
 
 from __future__ import annotations
@@ -25,14 +17,12 @@ import dataclasses
 import hmac
 import socket
 import time
-from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 from fastckpt.errors import AuthenticationError, ConfigError, PeerRequestError
 from fastckpt.replicas import _wire as wire
 from fastckpt.replicas import _wire_auth as wire_auth
-from fastckpt.replicas import _wire_codec as wire_codec
-from fastckpt.replicas._channel import Channel, recv_exact, recv_prefix, send_all
+from fastckpt.replicas._channel import Channel
 from fastckpt.replicas._secret import MIN_SECRET_BYTES
 from fastckpt.replicas._wire import MsgType
 
@@ -41,10 +31,7 @@ __all__ = [
     "check_secret",
     "client_handshake",
     "close_gracefully",
-    "recv_frame_head",
-    "send_frame",
     "server_handshake",
-    "tune",
 ]
 
 _LINGER_S = 0.5  # how long a closing server connection waits for the client's EOF
@@ -78,15 +65,14 @@ class PeerOptions:
     accept_pushes: bool = True
     """Server: accept PUT_CHUNKS/PUT_MANIFEST (peers replicating into this tier)."""
     frame_mac: bool = True
-    """Authenticate every frame after the handshake (GMAC per header and payload, see
-    :mod:`~fastckpt.replicas._wire_auth`). Both sides must agree: the flag is part of the
-    authenticated handshake, and a mismatch fails it (``AuthenticationError``).
+    """Authenticate every frame after the handshake (GMAC per header and payload). Both sides
+    must agree: the flag is part of the authenticated handshake, and a mismatch fails it
+    (``AuthenticationError``).
 
     !!! warning
-        False exists only to measure what the MACs cost. Such a connection still starts
-        with a mutual handshake, but accepts forged, altered, replayed or injected frames
-        from anyone on the network path: a restore may then return bytes the attacker
-        chose (with crc32c that match: crc32c is no defence against a forger)."""
+        False exists only to measure what the MACs cost: such connections accept forged,
+        altered, replayed or injected frames from anyone on the network path (crc32c is no
+        defence against a forger)."""
 
     def __post_init__(self) -> None:
         for name in ("connect_timeout_s", "handshake_timeout_s", "io_timeout_s", "idle_timeout_s"):
@@ -114,13 +100,6 @@ def check_secret(secret: bytes) -> bytes:
     return bytes(secret)
 
 
-def tune(sock: socket.socket, options: PeerOptions) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    if options.socket_buffer_bytes is not None:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, options.socket_buffer_bytes)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, options.socket_buffer_bytes)
-
-
 def close_gracefully(sock: socket.socket) -> None:
     """Close so that a last ERROR frame arrives: without reading what the client still sends,
     ``close`` would answer with a reset that can destroy the frame in flight."""
@@ -138,45 +117,6 @@ def close_gracefully(sock: socket.socket) -> None:
     sock.close()
 
 
-def recv_frame_head(
-    sock: socket.socket,
-    limits: wire.WireLimits,
-    *,
-    allowed: Iterable[MsgType] | None = None,
-    first_byte_timeout_s: float | None = None,
-    timeout_s: float | None = None,
-    deadline: float | None = None,
-) -> tuple[MsgType, dict[str, Any], int]:
-    """Receive an untagged frame's prefix and header (the handshake's); leave its payload.
-
-    Args:
-        sock: A connected blocking socket.
-        limits: Bounds checked before the header and payload are read.
-        allowed: If given, message types outside it raise ``ProtocolError``.
-        first_byte_timeout_s: Timeout for the wait until the frame starts (e.g. the idle
-            timeout between requests); ``timeout_s`` applies to everything after.
-        timeout_s: Timeout for every later receive (None: leave the socket's timeout).
-        deadline: ``time.monotonic()`` by which the whole prefix and header must have
-            arrived (overrides the timeouts; e.g. an authentication handshake's).
-
-    Returns:
-        ``(type, header, payload_len)``; the caller must consume ``payload_len`` bytes next.
-    """
-    _, head = recv_prefix(sock, limits, allowed, first_byte_timeout_s, timeout_s, deadline)
-    raw = bytearray(head.header_len)
-    recv_exact(sock, memoryview(raw), deadline=deadline)
-    return head.type, wire_codec.decode_header(head.type, raw), head.payload_len
-
-
-def send_frame(sock: socket.socket, msg_type: MsgType, header: Mapping[str, Any]) -> None:
-    """Send one untagged frame without payload (the handshake's, a ``busy`` refusal).
-
-    Raises:
-        PeerUnavailableError: the send failed or stalled past the socket timeout.
-    """
-    send_all(sock, wire_codec.encode_frame(msg_type, header), msg_type.name)
-
-
 def client_handshake(
     sock: socket.socket, *, secret: bytes, options: PeerOptions, name: str
 ) -> Channel:
@@ -189,49 +129,62 @@ def client_handshake(
         PeerRequestError: the server refused otherwise (e.g. ``busy``).
         PeerUnavailableError, ProtocolError: the connection failed or spoke garbage.
     """
-    frame_mac, timeout_s = options.frame_mac, options.handshake_timeout_s
-    sock.settimeout(timeout_s)
-    deadline = time.monotonic() + timeout_s  # for the whole handshake
+    frame_mac = options.frame_mac
+    plain, deadline = _plain(sock, options)
     client_nonce = wire_auth.new_nonce()
-    send_frame(sock, MsgType.HELLO, {"nonce": client_nonce.hex(), "frame_mac": frame_mac})
-    h = _handshake_reply(sock, MsgType.CHALLENGE, deadline, f"peer {name} refused the handshake")
+    plain.send(MsgType.HELLO, {"nonce": client_nonce.hex(), "frame_mac": frame_mac})
+    h = _handshake_reply(plain, MsgType.CHALLENGE, deadline, f"peer {name} refused the handshake")
     if h["frame_mac"] != frame_mac:
         raise AuthenticationError(
             f"peer {name} runs with frame_mac={h['frame_mac']}, this "
             f"client with frame_mac={frame_mac}: set PeerOptions alike"
         )
+    server_nonce = bytes.fromhex(h["nonce"])
     keys = wire_auth.session_keys(
-        secret,
-        client_nonce=client_nonce,
-        server_nonce=bytes.fromhex(h["nonce"]),
-        frame_mac=frame_mac,
+        secret, client_nonce=client_nonce, server_nonce=server_nonce, frame_mac=frame_mac
     )
     if not hmac.compare_digest(keys.server_proof, bytes.fromhex(h["mac"])):
         raise AuthenticationError(
             f"peer {name} failed to prove it knows our secret for this "
             "handshake (secrets differ, or the handshake was altered)"
         )
-    send_frame(sock, MsgType.AUTH, {"mac": keys.client_proof.hex()})
+    plain.send(MsgType.AUTH, {"mac": keys.client_proof.hex()})
     _handshake_reply(
-        sock, MsgType.AUTH_OK, deadline, f"peer {name} refused our proof (secrets differ?)"
+        plain, MsgType.AUTH_OK, deadline, f"peer {name} refused our proof (secrets differ?)"
     )
+    return _tagged(sock, options, keys.client_key, keys.server_key, "client")
+
+
+def _plain(sock: socket.socket, options: PeerOptions) -> tuple[Channel, float]:
+    """The untagged channel of a handshake (the socket tuned), and its deadline (for the
+    whole handshake)."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if options.socket_buffer_bytes is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, options.socket_buffer_bytes)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, options.socket_buffer_bytes)
+    sock.settimeout(options.handshake_timeout_s)
+    return Channel(sock, limits=wire.AUTH_LIMITS), time.monotonic() + options.handshake_timeout_s
+
+
+def _tagged(
+    sock: socket.socket,
+    options: PeerOptions,
+    send_key: bytes,
+    recv_key: bytes,
+    role: Literal["client", "server"],
+) -> Channel:
+    """The channel of an authenticated connection, its socket set to ``io_timeout_s``."""
     sock.settimeout(options.io_timeout_s)
-    return Channel(
-        sock,
-        limits=options.limits,
-        role="client",
-        send_key=keys.client_key if frame_mac else None,
-        recv_key=keys.server_key if frame_mac else None,
-    )
+    if not options.frame_mac:
+        return Channel(sock, limits=options.limits, role=role)
+    return Channel(sock, limits=options.limits, role=role, send_key=send_key, recv_key=recv_key)
 
 
 def _handshake_reply(
-    sock: socket.socket, expected: MsgType, deadline: float, refused: str
+    plain: Channel, expected: MsgType, deadline: float, refused: str
 ) -> dict[str, Any]:
     """The header of the server's ``expected`` handshake frame, or its refusal raised."""
-    mtype, h, _ = recv_frame_head(
-        sock, wire.AUTH_LIMITS, allowed=[expected, MsgType.ERROR], deadline=deadline
-    )
+    mtype, h, _ = plain.recv_head(allowed=[expected, MsgType.ERROR], deadline=deadline)
     if mtype is MsgType.ERROR:
         if h["code"] == "auth_failed":
             raise AuthenticationError(f"{refused}: {h['message']}")
@@ -250,38 +203,27 @@ def server_handshake(sock: socket.socket, *, secret: bytes, options: PeerOptions
             ``frame_mac`` mode (``ERROR auth_failed`` was sent, saying which).
         PeerUnavailableError, ProtocolError: the connection failed or spoke garbage.
     """
-    frame_mac, timeout_s = options.frame_mac, options.handshake_timeout_s
-    sock.settimeout(timeout_s)
-    deadline = time.monotonic() + timeout_s  # for the whole handshake, not each receive
-    _, hello, _ = recv_frame_head(
-        sock, wire.AUTH_LIMITS, allowed=[MsgType.HELLO], deadline=deadline
-    )
+    frame_mac = options.frame_mac
+    plain, deadline = _plain(sock, options)
+    _, hello, _ = plain.recv_head(allowed=[MsgType.HELLO], deadline=deadline)
     if hello["frame_mac"] != frame_mac:
         message = (
             f"frame_mac mismatch: this server runs with frame_mac={frame_mac}, the "
             f"client asked for frame_mac={hello['frame_mac']}"
         )
-        send_frame(sock, MsgType.ERROR, {"code": "auth_failed", "message": message})
+        plain.send(MsgType.ERROR, {"code": "auth_failed", "message": message})
         raise AuthenticationError(message)
     client_nonce, server_nonce = bytes.fromhex(hello["nonce"]), wire_auth.new_nonce()
     keys = wire_auth.session_keys(
         secret, client_nonce=client_nonce, server_nonce=server_nonce, frame_mac=frame_mac
     )
-    send_frame(
-        sock,
+    plain.send(
         MsgType.CHALLENGE,
         {"nonce": server_nonce.hex(), "frame_mac": frame_mac, "mac": keys.server_proof.hex()},
     )
-    _, auth, _ = recv_frame_head(sock, wire.AUTH_LIMITS, allowed=[MsgType.AUTH], deadline=deadline)
+    _, auth, _ = plain.recv_head(allowed=[MsgType.AUTH], deadline=deadline)
     if not hmac.compare_digest(keys.client_proof, bytes.fromhex(auth["mac"])):
-        send_frame(sock, MsgType.ERROR, {"code": "auth_failed", "message": "authentication failed"})
+        plain.send(MsgType.ERROR, {"code": "auth_failed", "message": "authentication failed"})
         raise AuthenticationError("a client failed to prove it knows the secret")
-    send_frame(sock, MsgType.AUTH_OK, {})
-    sock.settimeout(options.io_timeout_s)
-    return Channel(
-        sock,
-        limits=options.limits,
-        role="server",
-        send_key=keys.server_key if frame_mac else None,
-        recv_key=keys.client_key if frame_mac else None,
-    )
+    plain.send(MsgType.AUTH_OK, {})
+    return _tagged(sock, options, keys.server_key, keys.client_key, "server")

@@ -1,20 +1,12 @@
 """Getting a RAM step's manifest to every restoring host without all of them asking the same few.
 
-A RAM step's manifest is held by the host that built it (process 0 at the save) and its ring
-successors: the *holders*. Every other host that committed the step keeps only a commit
-record; once it has fetched the manifest and checked it, it stores it and serves it too (a
-*relay*). On a pod every restoring host needs the manifest (tens of MiB for a large tree):
-without a plan, each host asks every peer which manifests it holds (hosts x peers requests)
-and then all of them read the few holders.
-
-Instead, process 0 surveys the peers once — it does so anyway to list the candidate steps —
-and publishes, with the candidates, each step's holders and relays
-(:func:`encode_candidates`). Each host then fetches from its parent in a tree rooted at the
-holders (:func:`~fastckpt.replicas._placement.relay_parent`; a parent that does not hold it
-yet is polled, :func:`wait_for_manifest`), falling back to the holders and then to asking
-every peer. No host serves more than a few copies, and the tree is a few levels deep.
-
-Pure data and one polling helper; no state.
+A RAM step's manifest is held by the host that built it and its ring successors (the
+*holders*); a host that committed the step with only a commit record serves it too once it
+fetched and checked it (a *relay*). Process 0 surveys the peers once and publishes, with the
+candidate steps, each step's holders and relays (:func:`encode_candidates`); each host then
+fetches from its parent in a tree rooted at the holders
+(:func:`~fastckpt.replicas._placement.relay_parent`, polled with :func:`wait_for_manifest`),
+falling back to the holders and then to asking every peer. Pure data and one polling helper.
 """
 
 from __future__ import annotations
@@ -60,17 +52,10 @@ def manifest_sources(lists: Mapping[str, StepLists]) -> dict[int, ManifestSource
 
 def encode_candidates(steps: Sequence[int], sources: Mapping[int, ManifestSources]) -> str:
     """Process 0's message: the candidate steps (newest first) and their manifest sources."""
-    return json.dumps(
-        {
-            "steps": list(steps),
-            "sources": {
-                str(s): [list(sources[s].holders), list(sources[s].relays)]
-                for s in steps
-                if s in sources
-            },
-        },
-        separators=(",", ":"),
-    )
+    listed = {
+        str(s): [list(sources[s].holders), list(sources[s].relays)] for s in steps if s in sources
+    }
+    return json.dumps({"steps": list(steps), "sources": listed}, separators=(",", ":"))
 
 
 def decode_candidates(text: str) -> tuple[list[int], dict[int, ManifestSources]]:

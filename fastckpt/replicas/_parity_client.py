@@ -1,7 +1,5 @@
-"""The parity requests of a peer client (:class:`ParityClient`, a
-:class:`~fastckpt.replicas._client.PeerClient`): push a window of a part, read a survivor's
-stream range, ask a parity holder to rebuild a range of a lost member's part. Replies are
-used only after their payload's tag verified."""
+""":class:`ParityClient`: a peer client that also pushes windows of parity, reads a
+survivor's stream range and asks a parity holder to rebuild a lost member's range."""
 
 from __future__ import annotations
 
@@ -11,15 +9,15 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from fastckpt.errors import ProtocolError
-from fastckpt.replicas._client import PeerClient
-from fastckpt.replicas._pool import Conn
+from fastckpt.replicas._client import Conn, PeerClient
 from fastckpt.replicas._wire import MsgType
 
 __all__ = ["ParityClient"]
 
 
 class ParityClient(PeerClient):
-    """A :class:`PeerClient` that also speaks the parity messages (see ``_parity``)."""
+    """A :class:`PeerClient` that also speaks the parity messages (see ``_parity``); replies
+    are used only after their payload's tag verified."""
 
     def put_parity(
         self,

@@ -1,13 +1,9 @@
-"""The job's peer secret: how it reaches every host without a shared disk.
-
-One documented way: the launcher gives every process of the job the same secret, either in
-the environment variable ``FASTCKPT_PEER_SECRET`` or as a file whose path is in
-``FASTCKPT_PEER_SECRET_FILE`` (a Kubernetes Secret mounted into the pod, a file the launcher
-wrote to each host's local disk). The job reads it with :func:`peer_secret_from_env` and
-passes it as ``RamOptions(secret=...)``. A launcher makes one with :func:`new_peer_secret`
-per job (a new secret per job: a process of an earlier job cannot talk to this one's).
-
-The secret never appears in a message, a log line or an option's ``repr``.
+"""The job's peer secret: the launcher gives every process the same one, in
+``FASTCKPT_PEER_SECRET`` or in a file named by ``FASTCKPT_PEER_SECRET_FILE`` (e.g. a mounted
+Kubernetes Secret); the job reads it with :func:`peer_secret_from_env` and passes it as
+``RamOptions(secret=...)``. A launcher makes a new one per job with :func:`new_peer_secret`,
+so a process of an earlier job cannot talk to this one's. The secret never appears in a
+message, a log line or an option's ``repr``.
 """
 
 from __future__ import annotations

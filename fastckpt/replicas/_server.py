@@ -1,11 +1,12 @@
-"""The peer server: serves a :class:`~fastckpt.replicas._ram.RamTier` to authenticated peers over
-TCP, one thread per connection (blocking sockets, see ``_connection``). A pushed chunk is
-sealed, a pushed manifest stored, and an id list read only after its payload's tag verified.
+"""The peer server: serves a :class:`~fastckpt.replicas._ram.RamTier` to authenticated peers.
+A pushed chunk is sealed, a pushed manifest stored, and an id list read only after its
+payload's tag verified.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import socket
@@ -27,14 +28,8 @@ from fastckpt.errors import (
 )
 from fastckpt.replicas import _connection
 from fastckpt.replicas import _wire as wire
-from fastckpt.replicas import _wire_codec as wire_codec
 from fastckpt.replicas._channel import Channel
-from fastckpt.replicas._connection import (
-    PeerOptions,
-    check_secret,
-    close_gracefully,
-    tune,
-)
+from fastckpt.replicas._connection import PeerOptions, check_secret, close_gracefully
 from fastckpt.replicas._ram import ChunkLocation, RamTier
 from fastckpt.replicas._wire import MsgType
 
@@ -58,7 +53,8 @@ _log = logging.getLogger(__name__)
 
 
 class PeerServer:
-    """Serves a :class:`RamTier` to authenticated peers over TCP. Thread per connection.
+    """Serves a :class:`RamTier` to authenticated peers over TCP, one thread per connection
+    (blocking sockets, see ``_connection``); ``stats`` counts what happened.
 
     A misbehaving or failing client only ever loses its own connection: malformed frames get
     ``ERROR bad_request``/``too_large`` and a disconnect; a frame that fails its tag
@@ -89,7 +85,6 @@ class PeerServer:
         self._secret = check_secret(secret)
         self._host, self._port = host, port
         self.options = options or PeerOptions()
-        self._limits = self.options.limits
         self._listener: socket.socket | None = None
         self._accept_thread: threading.Thread | None = None
         self._conns: set[socket.socket] = set()
@@ -104,8 +99,6 @@ class PeerServer:
             "bytes_sent": 0,
             "bytes_received": 0,
         }
-        """Counters (connections accepted, failed handshakes, frames that failed their tag,
-        other protocol errors, requests, bytes)."""
 
     @property
     def address(self) -> tuple[str, int]:
@@ -181,11 +174,9 @@ class PeerServer:
                     self._conns.add(conn)
                     self.stats["connections"] += 1
             if busy:
-                with contextlib.suppress(OSError, PeerError):
+                with contextlib.suppress(OSError):
                     conn.settimeout(1.0)
-                    _connection.send_frame(
-                        conn, MsgType.ERROR, {"code": "busy", "message": "too many connections"}
-                    )
+                self._last_word(conn, None, "busy", "too many connections")
                 conn.close()
                 continue
             threading.Thread(
@@ -194,11 +185,9 @@ class PeerServer:
 
     def _serve(self, conn: socket.socket) -> None:
         chan: Channel | None = None
-        o = self.options
         try:
-            tune(conn, o)
             try:
-                chan = _connection.server_handshake(conn, secret=self._secret, options=o)
+                chan = _connection.server_handshake(conn, secret=self._secret, options=self.options)
             except AuthenticationError:
                 self._count("auth_failures")
                 return
@@ -224,10 +213,9 @@ class PeerServer:
     def _last_word(conn: socket.socket, chan: Channel | None, code: str, message: str) -> None:
         """An ERROR before the connection closes (tagged once the handshake is done)."""
         with contextlib.suppress(PeerError, OSError):
-            if chan is None:
-                _connection.send_frame(conn, MsgType.ERROR, {"code": code, "message": message})
-            else:
-                chan.send(MsgType.ERROR, {"code": code, "message": message})
+            (chan or Channel(conn, limits=wire.AUTH_LIMITS)).send(
+                MsgType.ERROR, {"code": code, "message": message}
+            )
 
     def _error(self, chan: Channel, code: str, message: str) -> bool:
         chan.send(MsgType.ERROR, {"code": code, "message": message[:1000]})
@@ -265,10 +253,8 @@ class PeerServer:
                 return self._error(chan, "bad_request", "this peer does not accept pushes")
             try:
                 tier.put_manifest(h["step"], bytes(received))
-            except StaleStepError as e:
-                return self._error(chan, "stale_step", str(e))
-            except RamBudgetError as e:
-                return self._error(chan, "budget", str(e))
+            except (StaleStepError, RamBudgetError) as e:
+                return self._error(chan, _refusal_code(e), str(e))
             chan.send(MsgType.OK, {"stored": True})
         elif mtype is MsgType.STEPS:
             chan.send(
@@ -288,9 +274,9 @@ class PeerServer:
     def _get_chunks(self, chan: Channel, h: dict[str, Any], plen: int) -> bool:
         """Answer a batch of whole-chunk reads with one CHUNKS frame (held chunks back to back)."""
         count = h["count"]
-        if not 0 < count <= wire.MAX_BATCH_CHUNKS or plen > wire_codec.max_id_list_bytes(count):
+        if not 0 < count <= wire.MAX_BATCH_CHUNKS or plen > wire.max_id_list_bytes(count):
             raise ProtocolError(f"GET_CHUNKS: {count} chunks in a {plen}-byte id list")
-        ids = self._recv_ids(chan, plen, count, "GET_CHUNKS")
+        ids = wire.decode_id_batch(chan.recv_payload(), count=count, what="GET_CHUNKS")
         views: list[memoryview] = []
         lengths, crcs, missing = [0] * count, [0] * count, []
         for i, cid in enumerate(ids):
@@ -306,13 +292,11 @@ class PeerServer:
 
     def _get_ranges(self, chan: Channel, h: dict[str, Any], plen: int) -> bool:
         """Answer a batch of ranged chunk reads with one RANGES frame: each held chunk's
-        ranges, and the crc32c of its bytes around them, so that the client checks what it
-        receives against the whole chunk's checksum (``crc32c_combine``) while only the
-        ranges cross the wire."""
+        ranges, and the crc32c of its bytes around them (the client checks the whole chunk)."""
         count, runs, starts, stops = h["count"], h["runs"], h["starts"], h["stops"]
         if (
             not 0 < count <= wire.MAX_BATCH_CHUNKS
-            or plen > wire_codec.max_id_list_bytes(count)
+            or plen > wire.max_id_list_bytes(count)
             or len(runs) != count
             or 0 in runs
             or len(starts) > wire.MAX_BATCH_RUNS
@@ -323,7 +307,7 @@ class PeerServer:
                 f"GET_RANGES: {count} chunks, {sum(runs)} runs, {len(starts)} starts, "
                 f"{len(stops)} stops in a {plen}-byte id list"
             )
-        ids = self._recv_ids(chan, plen, count, "GET_RANGES")
+        ids = wire.decode_id_batch(chan.recv_payload(), count=count, what="GET_RANGES")
         views: list[memoryview] = []
         lengths, gaps, missing = [0] * count, list[int](), list[int]()
         j = 0
@@ -331,24 +315,17 @@ class PeerServer:
             spans = list(zip(starts[j : j + n], stops[j : j + n]))
             j += n
             hit = self._tier.read_chunk(h["step"], cid)
-            if hit is None or not wire_codec.spans_fit(spans, hit[1].length):
+            if hit is None or not wire.spans_fit(spans, hit[1].length):
                 # not held, or the ranges are not ascending, disjoint and inside it
                 missing.append(i)
                 continue
             view, loc = hit
             lengths[i] = loc.length
-            bounds = [0, *(x for span in spans for x in span), loc.length]
-            gaps.extend(
-                crc32c(view[a:b]) for a, b in zip(bounds[::2], bounds[1::2])
-            )  # before, between, after
+            bounds = [0, *(x for span in spans for x in span), loc.length]  # around the ranges
+            gaps.extend(crc32c(view[a:b]) for a, b in zip(bounds[::2], bounds[1::2]))
             views.extend(view[a:b] for a, b in spans)
         header = {"lengths": lengths, "gaps": gaps, "missing": missing}
         return self._send_batch(chan, MsgType.RANGES, header, views)
-
-    @staticmethod
-    def _recv_ids(chan: Channel, plen: int, count: int, what: str) -> list[str]:
-        """The id list of a batch request (``count`` distinct chunk ids in ``plen`` bytes)."""
-        return wire_codec.decode_id_batch(chan.recv_payload(), count=count, what=what)
 
     def _send_batch(
         self, chan: Channel, msg_type: MsgType, header: dict[str, Any], views: list[memoryview]
@@ -356,12 +333,12 @@ class PeerServer:
         """Send a batch reply carrying ``views`` back to back, or ``too_large`` when they
         exceed the payload limit (the client then asks for fewer at a time)."""
         total = sum(v.nbytes for v in views)
-        if total > self._limits.max_payload_bytes:
+        if total > self.options.max_payload_bytes:
             return self._error(
                 chan,
                 "too_large",
                 f"a {msg_type.name} reply of {total} bytes exceeds "
-                f"the payload limit of {self._limits.max_payload_bytes}",
+                f"the payload limit of {self.options.max_payload_bytes}",
             )
         chan.send(msg_type, header, views)
         self._count("bytes_sent", total)
@@ -369,13 +346,8 @@ class PeerServer:
 
     def _put_chunks(self, chan: Channel, h: dict[str, Any], plen: int) -> bool:
         """Receive several chunks into one new segment; all are sealed together, or none."""
-        step, count, ids_len, lengths, crcs = (
-            h["step"],
-            h["count"],
-            h["ids_len"],
-            h["lengths"],
-            h["crcs"],
-        )
+        step, count, ids_len = h["step"], h["count"], h["ids_len"]
+        lengths, crcs = h["lengths"], h["crcs"]
         if (
             not 0 < count == len(lengths) == len(crcs) <= wire.MAX_BATCH_CHUNKS
             or ids_len + sum(lengths) != plen
@@ -384,48 +356,37 @@ class PeerServer:
                 f"PUT_CHUNKS: {count} chunks, {len(lengths)} lengths, {len(crcs)} crcs, "
                 f"{ids_len} + {sum(lengths)} bytes != payload {plen}"
             )
-        if ids_len > wire_codec.max_id_list_bytes(count):
+        if ids_len > wire.max_id_list_bytes(count):
             raise ProtocolError(f"PUT_CHUNKS: {ids_len}-byte id list for {count} chunks")
         raw = chan.recv_bytes(ids_len)  # the id list: decoded once the payload verified
         total = plen - ids_len
         if not self.options.accept_pushes:
-            self._skip(chan, total)
+            chan.drain(total)  # verified: a forged request gets no answer at all
+            chan.end_payload()
             return self._error(chan, "bad_request", "this peer does not accept pushes")
         try:
             seg = self._tier.allocate(step, total)
         except (StaleStepError, RamBudgetError) as e:
-            self._skip(chan, total)
+            chan.drain(total)
+            chan.end_payload()
             return self._error(chan, _refusal_code(e), str(e))
         with seg:  # discarded unless sealed
-            got, off = [], 0
-            for n in lengths:
-                got.append(chan.recv_into(seg.buffer[off : off + n].data))
-                off += n
+            offsets = list(itertools.accumulate(lengths, initial=0))
+            got = [chan.recv_into(seg.buffer[a : a + n].data) for a, n in zip(offsets, lengths)]
             chan.end_payload()  # authentic before anything is decoded, sealed or answered
-            ids = wire_codec.decode_distinct_ids(raw, count=count, what="PUT_CHUNKS")
-            index: dict[str, ChunkLocation] = {}
-            bad: list[str] = []
-            off = 0
-            for cid, n, crc, g in zip(ids, lengths, crcs, got):
-                if g != crc:
-                    bad.append(cid)
-                index[cid] = ChunkLocation(off, n, crc)
-                off += n
+            ids = wire.decode_id_batch(raw, count=count, what="PUT_CHUNKS")
+            bad = [cid for cid, crc, g in zip(ids, crcs, got) if g != crc]
             self._count("bytes_received", total)
             if bad:
                 return self._error(
                     chan, "checksum_mismatch", f"{len(bad)} chunks arrived corrupt, e.g. {bad[0]!r}"
                 )
+            index = {
+                cid: ChunkLocation(a, n, crc) for cid, a, n, crc in zip(ids, offsets, lengths, crcs)
+            }
             self._tier.seal(step, seg, index)
         chan.send(MsgType.OK, {"stored": True})
         return True
-
-    @staticmethod
-    def _skip(chan: Channel, rest: int) -> None:
-        """Skip the ``rest`` of a refused request's payload, verifying its tag (a forged
-        request gets no answer at all)."""
-        chan.drain(rest)
-        chan.end_payload()
 
 
 def _refusal_code(e: Exception) -> str:

@@ -1,6 +1,6 @@
 """The peer wire protocol (version 2): length-prefixed binary frames with a strict JSON
-header, authenticated frame by frame. No pickle. Pure: no sockets here (``_channel`` moves
-frames).
+header, authenticated frame by frame; their encoding and strict decoding. No pickle. Pure: no
+sockets here (``_channel`` moves frames; the handshake and frame tags are in ``_wire_auth``).
 
 A frame is::
 
@@ -12,24 +12,25 @@ A frame is::
     payload     payload_len raw bytes (only message types in ``PAYLOAD_TYPES`` may carry one)
     payload tag 16 bytes (after the handshake, with ``frame_mac``, if payload_len > 0)
 
-The handshake and the frame tags are in ``_wire_auth``, encoding and strict decoding in
-``_wire_codec``; this module holds what they share: the message types, their schemas and
-the frame layout's constants and limits.
+Decoding is strict and bounded: a wrong magic, an unknown version, type or flag, a header or
+payload over the receiver's :class:`WireLimits`, invalid UTF-8/JSON, a missing, extra or
+ill-typed field, or a frame cut short all raise :class:`~fastckpt.errors.ProtocolError`, and
+nothing else.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from fastckpt.errors import ProtocolError
+from fastckpt.errors import ConfigError, ProtocolError
 
 __all__ = [
     "AUTH_LIMITS",
-    "ERROR_CODES",
     "MAGIC",
     "MAX_BATCH_CHUNKS",
     "MAX_BATCH_RUNS",
@@ -41,11 +42,18 @@ __all__ = [
     "SCHEMAS",
     "TAG_BYTES",
     "VERSION",
-    "Frame",
     "FramePrefix",
     "FrameTooLargeError",
     "MsgType",
     "WireLimits",
+    "check_chunk_id",
+    "decode_header",
+    "decode_id_batch",
+    "decode_json_list",
+    "decode_prefix",
+    "encode_frame",
+    "max_id_list_bytes",
+    "spans_fit",
 ]
 
 MAGIC = b"FCKP"
@@ -64,17 +72,13 @@ TAG_BYTES = 16
 
 
 class MsgType(enum.IntEnum):
-    """Message types. Requests are sent by clients, the rest by servers."""
+    """Message types (fields: ``SCHEMAS``; the handshake: ``_wire_auth``). Clients send HELLO,
+    AUTH and the requests, servers the rest."""
 
     HELLO = 1
-    """Client → server: ``nonce`` (client nonce), ``frame_mac`` (the client's mode)."""
     CHALLENGE = 2
-    """Server → client: ``nonce`` (server nonce), ``frame_mac`` (the server's mode), ``mac``
-    (server proof)."""
     AUTH = 3
-    """Client → server: ``mac`` (client proof)."""
     AUTH_OK = 4
-    """Server → client: the connection is authenticated."""
     LIST = 19
     CHUNK_LIST = 20
     GET_MANIFEST = 21
@@ -84,27 +88,23 @@ class MsgType(enum.IntEnum):
     STEP_LIST = 25
     OK = 26
     PUT_CHUNKS = 27
-    """Client → server: several chunks of one step, stored as one segment (see ``SCHEMAS``)."""
+    """Several chunks of one step, stored as one segment."""
     GET_CHUNKS = 28
-    """Client → server: several whole chunks of one step, answered by one CHUNKS frame."""
+    """Several whole chunks of one step, answered by one CHUNKS frame."""
     CHUNKS = 29
-    """Server → client: the chunks a GET_CHUNKS asked for, back to back (see ``SCHEMAS``)."""
     ERROR = 31
     GET_RANGES = 32
-    """Client → server: a byte range of each of several chunks of one step (see ``SCHEMAS``)."""
     RANGES = 33
-    """Server → client: the ranges a GET_RANGES asked for, back to back, with the checksums
-    of each chunk's bytes around its range (the client checks the whole chunk's crc32c)."""
     PUT_PARITY = 34
-    """Client → server: a window of the contributor's stream part for the server's parity."""
+    """A window of the contributor's stream part for the server's parity."""
     GET_STREAM = 35
-    """Client → server: a byte range of the server's own stream of a step (parity rebuild)."""
+    """A byte range of the server's own stream of a step (parity rebuild)."""
     STREAM = 36
-    """Server → client: the range a GET_STREAM asked for, cut at the stream's end."""
+    """The range a GET_STREAM asked for, cut at the stream's end."""
     REBUILD = 37
-    """Client → server: a range of a lost member's part the server holds the parity of."""
+    """A range of a lost member's part the server holds the parity of."""
     REBUILT = 38
-    """Server → client: the rebuilt bytes a REBUILD asked for."""
+    """The rebuilt bytes a REBUILD asked for."""
 
 
 #: Field kinds: "u63" int in [0, 2**63), "u32", "str" (chunk id), "msg" (short text),
@@ -137,6 +137,7 @@ SCHEMAS: Mapping[MsgType, Mapping[str, str]] = {
     # One entry per requested id, in request order; ``missing`` lists the indexes the server
     # does not hold (their lengths/crcs are 0). Payload: the held chunks back to back.
     MsgType.CHUNKS: {"lengths": "u63[]", "crcs": "u32[]", "missing": "u63[]"},
+    # ``code``: one of the error codes in docs/replicas.md (clients map them onto fastckpt.errors).
     MsgType.ERROR: {"code": "msg", "message": "msg"},
     # Payload: a JSON array of ``count`` (<= MAX_BATCH_CHUNKS) distinct chunk ids. Chunk ``i``
     # asks for ``runs[i]`` (>= 1) byte ranges ``[starts[j], stops[j])``, ascending and disjoint;
@@ -204,21 +205,6 @@ PAYLOAD_TYPES = frozenset(
     }
 )
 
-#: ERROR codes a server sends. Clients map them onto the :mod:`fastckpt.errors` tree.
-ERROR_CODES = frozenset(
-    {
-        "not_found",
-        "bad_request",
-        "too_large",
-        "auth_failed",
-        "stale_step",
-        "budget",
-        "checksum_mismatch",
-        "busy",
-        "internal",
-    }
-)
-
 
 class FrameTooLargeError(ProtocolError):
     """A frame's header or payload exceeds the receiver's :class:`WireLimits`."""
@@ -247,10 +233,165 @@ class FramePrefix:
     payload_len: int
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Frame:
-    """A whole decoded frame (used by :func:`decode_frame`; sockets stream payloads instead)."""
+_U63 = (1 << 63) - 1
 
-    type: MsgType
-    header: dict[str, Any]
-    payload: bytes
+
+def spans_fit(spans: Iterable[tuple[int, int]], length: int) -> bool:
+    """Whether byte ranges ``[start, stop)`` are ascending, disjoint and inside ``length``
+    bytes (a GET_RANGES chunk's runs)."""
+    pos = 0
+    for start, stop in spans:
+        if not pos <= start <= stop:
+            return False
+        pos = stop
+    return pos <= length
+
+
+def check_chunk_id(chunk_id: str) -> str:
+    """Return ``chunk_id`` if the protocol can carry it, else raise ``ConfigError`` (a caller
+    bug)."""
+    if not _check_value("str", chunk_id):
+        raise ConfigError(
+            f"chunk id must be a non-empty str of <= {MAX_CHUNK_ID_CHARS} chars without NUL"
+        )
+    return chunk_id
+
+
+def encode_frame(msg_type: MsgType, header: Mapping[str, Any], payload_len: int = 0) -> bytes:
+    """Prefix + JSON header for a frame whose ``payload_len`` payload bytes follow.
+
+    Raises:
+        ProtocolError: the header does not match the message type's schema (a bug in the
+            sender; checked so that a peer never receives a frame it would refuse).
+    """
+    _check_fields(msg_type, dict(header))
+    if payload_len and msg_type not in PAYLOAD_TYPES:
+        raise ProtocolError(f"{msg_type.name} carries no payload")
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+    return PREFIX.pack(MAGIC, VERSION, int(msg_type), 0, len(raw), payload_len) + raw
+
+
+def decode_prefix(data: bytes | bytearray | memoryview, limits: WireLimits) -> FramePrefix:
+    """Validate and decode a 20-byte frame prefix against ``limits``."""
+    if len(data) != PREFIX.size:
+        raise ProtocolError(f"frame prefix must be {PREFIX.size} bytes, got {len(data)}")
+    magic, version, mtype, flags, header_len, payload_len = PREFIX.unpack(data)
+    if magic != MAGIC:
+        raise ProtocolError("bad frame magic (not a fastckpt peer)")
+    if version != VERSION:
+        raise ProtocolError(
+            f"unsupported peer protocol version {version} (this side speaks {VERSION})"
+        )
+    try:
+        msg_type = MsgType(mtype)
+    except ValueError:
+        raise ProtocolError(f"unknown message type {mtype}") from None
+    if flags:
+        raise ProtocolError(f"unknown frame flags {flags:#x}")
+    if header_len > limits.max_header_bytes:
+        raise FrameTooLargeError(
+            f"header of {header_len} bytes exceeds the limit of {limits.max_header_bytes}"
+        )
+    if payload_len and msg_type not in PAYLOAD_TYPES:
+        raise ProtocolError(f"{msg_type.name} must not carry a payload")
+    if payload_len > limits.max_payload_bytes:
+        raise FrameTooLargeError(
+            f"payload of {payload_len} bytes exceeds the limit of {limits.max_payload_bytes}"
+        )
+    return FramePrefix(msg_type, header_len, payload_len)
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ProtocolError("duplicate key in frame header")
+    return out
+
+
+def _no_constants(name: str) -> Any:
+    raise ProtocolError(f"non-finite number {name} in frame header")
+
+
+def _loads(raw: bytes | bytearray | memoryview, what: str) -> Any:
+    try:
+        text = bytes(raw).decode("utf-8")
+        return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
+    except ProtocolError:
+        raise
+    except (ValueError, RecursionError, TypeError) as e:  # UnicodeDecodeError is a ValueError
+        raise ProtocolError(f"{what} is not valid UTF-8 JSON: {e}") from None
+
+
+def _check_value(kind: str, value: Any) -> bool:
+    if kind in ("u63", "u32"):
+        limit = _U63 if kind == "u63" else 0xFFFFFFFF
+        return type(value) is int and 0 <= value <= limit
+    if kind == "str":
+        return type(value) is str and 0 < len(value) <= MAX_CHUNK_ID_CHARS and "\x00" not in value
+    if kind == "msg":
+        return type(value) is str and len(value) <= MAX_MESSAGE_CHARS
+    if kind in ("nonce", "mac"):
+        return (
+            type(value) is str
+            and len(value) == 2 * NONCE_BYTES
+            and all(c in "0123456789abcdef" for c in value)
+        )
+    if kind in ("u63[]", "u32[]"):
+        limit = _U63 if kind == "u63[]" else 0xFFFFFFFF
+        return type(value) is list and all(type(v) is int and 0 <= v <= limit for v in value)
+    if kind == "bool":
+        return type(value) is bool
+    raise AssertionError(kind)  # pragma: no cover - SCHEMAS is closed
+
+
+def _check_fields(msg_type: MsgType, header: dict[str, Any]) -> None:
+    schema = SCHEMAS[msg_type]
+    if set(header) != set(schema):
+        missing = sorted(set(schema) - set(header))
+        extra = sorted(set(header) - set(schema))
+        raise ProtocolError(f"{msg_type.name} header fields: missing {missing}, unexpected {extra}")
+    for name, kind in schema.items():
+        if not _check_value(kind, header[name]):
+            raise ProtocolError(
+                f"{msg_type.name}.{name} is not a valid {kind}: {header[name]!r:.80}"
+            )
+
+
+def decode_header(msg_type: MsgType, raw: bytes | bytearray | memoryview) -> dict[str, Any]:
+    """Decode and validate the JSON header of a ``msg_type`` frame against ``SCHEMAS``."""
+    header = _loads(raw, f"{msg_type.name} header")
+    if type(header) is not dict:
+        raise ProtocolError(f"{msg_type.name} header must be a JSON object")
+    _check_fields(msg_type, header)
+    return header
+
+
+def decode_json_list(raw: bytes | bytearray | memoryview, *, count: int) -> list[str]:
+    """Decode a CHUNK_LIST payload: a JSON array of exactly ``count`` non-empty strings."""
+    value = _loads(raw, "chunk list")
+    if (
+        type(value) is not list
+        or len(value) != count
+        or not all(_check_value("str", v) for v in value)
+    ):
+        raise ProtocolError(f"chunk list must be a JSON array of {count} chunk ids")
+    return value
+
+
+def decode_id_batch(
+    raw: bytes | bytearray | memoryview, *, count: int, what: str = "GET_CHUNKS"
+) -> list[str]:
+    """Decode the id list of a ``what`` (GET_CHUNKS, GET_RANGES, PUT_CHUNKS): a JSON array of
+    ``count`` (1..MAX_BATCH_CHUNKS) distinct chunk ids."""
+    if not 0 < count <= MAX_BATCH_CHUNKS:
+        raise ProtocolError(f"{what} asks for {count} chunks (1..{MAX_BATCH_CHUNKS} allowed)")
+    ids = decode_json_list(raw, count=count)
+    if len(set(ids)) != count:
+        raise ProtocolError(f"{what}: duplicate chunk ids")
+    return ids
+
+
+def max_id_list_bytes(count: int) -> int:
+    """The longest JSON array of ``count`` chunk ids as ``json.dumps`` writes it (ASCII-escaped:
+    at most 12 bytes a character, for one outside the BMP)."""
+    return count * (12 * MAX_CHUNK_ID_CHARS + 3) + 2

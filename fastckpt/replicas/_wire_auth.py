@@ -1,4 +1,4 @@
-"""The peer protocol's handshake key schedule and frame tags (pure; frames are in ``_wire``).
+"""The peer protocol's handshake key schedule and frame tags (no sockets; frames: ``_wire``).
 
 Handshake (mutual, per connection): HELLO (client nonce, ``frame_mac``), CHALLENGE (server
 nonce, ``frame_mac``, server proof), AUTH (client proof), AUTH_OK. :func:`session_keys`
@@ -24,6 +24,10 @@ import hashlib
 import hmac
 import secrets
 import struct
+from typing import Any
+
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from fastckpt.errors import ProtocolError
 from fastckpt.replicas._wire import NONCE_BYTES, VERSION
@@ -33,12 +37,11 @@ __all__ = [
     "HEADER_TAG",
     "PAYLOAD_TAG",
     "SERVER_TO_CLIENT",
+    "FrameTagger",
     "SessionKeys",
-    "header_tag_input",
+    "final_tag",
     "new_nonce",
-    "payload_tag_prefix",
     "session_keys",
-    "tag_nonce",
 ]
 
 _KDF_DOMAIN = b"fastckpt-peer-v2\x00"
@@ -53,22 +56,19 @@ _SEQ = struct.Struct(">Q")
 
 
 def new_nonce() -> bytes:
-    """A fresh random nonce for the handshake."""
     return secrets.token_bytes(NONCE_BYTES)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SessionKeys:
-    """What :func:`session_keys` derives for one connection (32 bytes each)."""
+    """What :func:`session_keys` derives for one connection (32 bytes each): the proofs that
+    the server and the client know the secret and saw this transcript (CHALLENGE's and AUTH's
+    ``mac``), and the AES-256 keys of the client → server and server → client frame tags."""
 
     server_proof: bytes
-    """CHALLENGE's ``mac``: the server knows the secret and saw this transcript."""
     client_proof: bytes
-    """AUTH's ``mac``: the client knows the secret and saw this transcript."""
     client_key: bytes
-    """AES-256 key of the client → server frame tags."""
     server_key: bytes
-    """AES-256 key of the server → client frame tags."""
 
 
 def session_keys(
@@ -80,11 +80,9 @@ def session_keys(
         master     = HMAC(secret, transcript)
         each value = HMAC(master, its label)
 
-    Every input has a fixed length, so no two transcripts collide. Each side uses its own
-    ``frame_mac`` setting and the nonces it sent and received: if anything in the handshake
-    was altered (a nonce, a flag, the version), the proofs differ and the handshake fails.
-    The role labels stop a proof from being reflected, and fresh nonces from both sides stop
-    a recorded proof or key from being valid on another connection.
+    Inputs have fixed lengths (no two transcripts collide); each side uses its own
+    ``frame_mac`` and the nonces it sent and received, so an altered handshake fails. Role
+    labels stop a proof being reflected; fresh nonces on both sides, a recorded one reused.
 
     Raises:
         ProtocolError: a nonce is not ``NONCE_BYTES`` long.
@@ -105,17 +103,35 @@ def session_keys(
     )
 
 
-def tag_nonce(part: int, seq: int) -> bytes:
-    """The 12-byte GCM nonce of tag ``part`` (``HEADER_TAG``/``PAYLOAD_TAG``) of frame ``seq``."""
-    return _NONCE.pack(part, seq)
+class FrameTagger:
+    """The tags of one direction of a connection, under its key: frame ``seq`` (the next
+    frame's number; :meth:`next_frame` moves on)."""
+
+    __slots__ = ("_aead", "_cipher", "_direction", "seq")
+
+    def __init__(self, key: bytes, direction: int) -> None:
+        self._aead = AESGCM(key)
+        self._cipher = algorithms.AES(key)
+        self._direction = direction
+        self.seq = 0
+
+    def header_tag(self, head: bytes | bytearray) -> bytes:
+        """The header tag of ``head`` (the frame's prefix and header)."""
+        data = bytes([self._direction]) + _SEQ.pack(self.seq) + head
+        return self._aead.encrypt(_NONCE.pack(HEADER_TAG, self.seq), b"", data)
+
+    def payload_mac(self, header_tag: bytes | bytearray) -> Any:
+        """The GCM context of the payload tag: ``authenticate_additional_data`` each piece in
+        order, then :func:`final_tag`."""
+        ctx = Cipher(self._cipher, modes.GCM(_NONCE.pack(PAYLOAD_TAG, self.seq))).encryptor()
+        ctx.authenticate_additional_data(_SEQ.pack(self.seq) + bytes(header_tag))
+        return ctx
+
+    def next_frame(self) -> None:
+        self.seq += 1
 
 
-def header_tag_input(direction: int, seq: int, head: bytes | bytearray) -> bytes:
-    """What a header tag authenticates: direction, frame number, ``head`` (prefix + header)."""
-    return bytes([direction]) + _SEQ.pack(seq) + head
-
-
-def payload_tag_prefix(seq: int, header_tag: bytes | bytearray) -> bytes:
-    """What a payload tag authenticates before the payload: the frame number and its header's
-    tag (which binds the payload to that header)."""
-    return _SEQ.pack(seq) + bytes(header_tag)
+def final_tag(ctx: Any) -> bytes:
+    """The tag of a finished :meth:`FrameTagger.payload_mac` context."""
+    ctx.finalize()
+    return bytes(ctx.tag)

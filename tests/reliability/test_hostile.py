@@ -49,22 +49,23 @@ from fastckpt.replicas import _wire as wire
 from fastckpt.replicas import _wire_auth as wire_auth
 from fastckpt.replicas._channel import Channel
 from fastckpt.replicas._client import PeerClient
-from fastckpt.replicas._connection import (
-    PeerOptions,
-    recv_frame_head,
-    send_frame,
-    server_handshake,
-)
+from fastckpt.replicas._connection import PeerOptions, server_handshake
 from fastckpt.replicas._ram import ChunkLocation, RamTier
 from fastckpt.replicas._server import PeerServer
-from fastckpt.replicas._wire import ERROR_CODES, MsgType
+from fastckpt.replicas._wire import MsgType
 from fastckpt.storage import LocalStore, MemoryStore
 from tests.support.peer_read import get_one
+from tests.support.tag_raw import tag_raw
 from tests.support.wrapping import ForwardingStore
 
 from ._util import Recorder
 
 SECRET = b"hostile-test-secret-0123456789"
+#: The ERROR codes a server may send (docs/replicas.md, "Error codes").
+ERROR_CODES = frozenset(
+    "not_found bad_request too_large auth_failed stale_step budget checksum_mismatch busy "
+    "internal".split()
+)
 FAST = PeerOptions(
     connect_timeout_s=2, handshake_timeout_s=1.0, io_timeout_s=1.0, max_payload_bytes=1 << 20
 )
@@ -436,16 +437,17 @@ def _expected(tier: RamTier, cid: str) -> bytes:
 
 def _raw_auth(address: tuple[str, int], secret: bytes = SECRET) -> Channel:
     """An authenticated connection of a client with the secret (it sends raw bytes with
-    ``chan.sock``, tagged as the server expects with ``chan.tag_raw``)."""
+    ``chan.sock``, tagged as the server expects with ``tag_raw``)."""
     s = socket.create_connection(address, timeout=5)
+    plain = Channel(s, limits=wire.AUTH_LIMITS)
     cn = wire_auth.new_nonce()
-    send_frame(s, MsgType.HELLO, {"nonce": cn.hex(), "frame_mac": True})
-    _, h, _ = recv_frame_head(s, wire.AUTH_LIMITS)
+    plain.send(MsgType.HELLO, {"nonce": cn.hex(), "frame_mac": True})
+    _, h, _ = plain.recv_head()
     keys = wire_auth.session_keys(
         secret, client_nonce=cn, server_nonce=bytes.fromhex(h["nonce"]), frame_mac=True
     )
-    send_frame(s, MsgType.AUTH, {"mac": keys.client_proof.hex()})
-    t, _, _ = recv_frame_head(s, wire.AUTH_LIMITS)
+    plain.send(MsgType.AUTH, {"mac": keys.client_proof.hex()})
+    t, _, _ = plain.recv_head()
     assert t is MsgType.AUTH_OK
     return Channel(
         s,
@@ -464,7 +466,7 @@ def _answer(s: socket.socket | Channel, timeout_s: float = 5.0) -> tuple[str, An
         if isinstance(s, Channel):
             t, h, _plen = s.recv_head()
         else:
-            t, h, _plen = recv_frame_head(s, wire.WireLimits(max_payload_bytes=1 << 30))
+            t, h, _plen = Channel(s, limits=wire.WireLimits(max_payload_bytes=1 << 30)).recv_head()
     except PeerUnavailableError as e:
         if "timed out" in str(e):
             raise AssertionError("the server neither answered nor closed") from e
@@ -557,7 +559,7 @@ def test_generated_frames_get_typed_answers_and_the_server_keeps_serving(
         if isinstance(
             s, Channel
         ):  # tagged as from a client with the secret: the parser is under test
-            s.sock.sendall(s.tag_raw(frame))
+            s.sock.sendall(tag_raw(s, frame))
             s.sock.shutdown(socket.SHUT_WR)  # a truncated frame ends here
         else:
             s.sendall(frame)
@@ -710,7 +712,7 @@ def test_scripted_hostile_requests(
     )
     try:
         if isinstance(s, Channel):
-            s.sock.sendall(s.tag_raw(make()))
+            s.sock.sendall(tag_raw(s, make()))
         else:
             s.sendall(make())
         got = _answer(s)
@@ -808,7 +810,7 @@ class LyingServer:
                 self._stop.wait(30)  # say nothing (until closed)
                 return
             conn.sendall(
-                chan.tag_raw(out) if self.tag else out
+                tag_raw(chan, out) if self.tag else out
             )  # one answer per connection, then hang up
         except (PeerError, OSError):
             pass

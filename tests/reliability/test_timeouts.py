@@ -41,7 +41,7 @@ from fastckpt.errors import (
     TransientStorageError,
 )
 from fastckpt.options import RamOptions
-from fastckpt.replicas import _wire_codec as wire_codec
+from fastckpt.replicas import _wire as wire
 from fastckpt.replicas._client import PeerClient
 from fastckpt.replicas._connection import PeerOptions, server_handshake
 from fastckpt.replicas._sources import TieredChunkSource
@@ -56,6 +56,7 @@ from fastckpt.storage import (
 )
 from fastckpt.testing.gcs_emulator import GcsEmulator
 from tests.support.fault_proxy import FaultProxy
+from tests.support.tag_raw import tag_raw
 
 from ._util import BUCKET, Recorder, device_state, state_mismatches
 
@@ -213,10 +214,10 @@ class StallingPeer:
                 if plen:
                     chan.recv_payload()
                 if self.mode == "payload" and t is MsgType.GET_CHUNKS:
-                    head = wire_codec.encode_frame(
+                    head = wire.encode_frame(
                         MsgType.CHUNKS, {"lengths": [1 << 20], "crcs": [0], "missing": []}, 1 << 20
                     )
-                    conn.sendall(chan.tag_raw(head + b"\0" * (1 << 19)))
+                    conn.sendall(tag_raw(chan, head + b"\0" * (1 << 19)))
             self.stop.wait(60)
         except Exception:
             pass

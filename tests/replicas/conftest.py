@@ -16,7 +16,7 @@ from fastckpt._checksum import crc32c
 from fastckpt.replicas import _wire as wire
 from fastckpt.replicas import _wire_auth as wire_auth
 from fastckpt.replicas._channel import Channel
-from fastckpt.replicas._connection import PeerOptions, recv_frame_head, send_frame
+from fastckpt.replicas._connection import PeerOptions
 from fastckpt.replicas._ram import ChunkLocation, RamTier
 from fastckpt.replicas._server import PeerServer
 from fastckpt.replicas._wire import MsgType
@@ -33,15 +33,17 @@ def raw_handshake(
 ) -> tuple[Channel, MsgType, dict, bytes]:  # type: ignore[type-arg]
     """Handshake by hand, sending AUTH whatever the server proved (a client with ``secret``):
     returns (a channel with the keys ``secret`` derives, reply type, reply header, server
-    nonce). Send raw bytes with ``chan.sock``, tagged frames with ``chan.encode``/``tag_raw``."""
+    nonce). Send raw bytes with ``chan.sock``, tagged frames with ``chan.encode`` or
+    ``tests.support.tag_raw``."""
     s = socket.create_connection(addr, timeout=5)
+    plain = Channel(s, limits=wire.AUTH_LIMITS)
     cn = nonce or wire_auth.new_nonce()
-    send_frame(s, MsgType.HELLO, {"nonce": cn.hex(), "frame_mac": frame_mac})
-    _, h, _ = recv_frame_head(s, wire.AUTH_LIMITS)
+    plain.send(MsgType.HELLO, {"nonce": cn.hex(), "frame_mac": frame_mac})
+    _, h, _ = plain.recv_head()
     sn = bytes.fromhex(h["nonce"])
     keys = wire_auth.session_keys(secret, client_nonce=cn, server_nonce=sn, frame_mac=frame_mac)
-    send_frame(s, MsgType.AUTH, {"mac": keys.client_proof.hex()})
-    t, h, _ = recv_frame_head(s, wire.AUTH_LIMITS)
+    plain.send(MsgType.AUTH, {"mac": keys.client_proof.hex()})
+    t, h, _ = plain.recv_head()
     chan = Channel(
         s,
         limits=wire.WireLimits(),

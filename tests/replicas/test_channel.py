@@ -33,7 +33,6 @@ from fastckpt.errors import (
 )
 from fastckpt.replicas import _wire as wire
 from fastckpt.replicas import _wire_auth as wire_auth
-from fastckpt.replicas import _wire_codec as wire_codec
 from fastckpt.replicas._channel import Channel
 from fastckpt.replicas._client import PeerClient
 from fastckpt.replicas._connection import PeerOptions
@@ -151,7 +150,7 @@ def test_frames_round_trip_both_ways_with_tags_where_agreed(frame_mac: bool) -> 
     client.send_frames(frames)
     got = [_receive_all(server) for _ in frames]
     assert got == [(t, h, p) for t, h, p in frames]
-    plain = sum(len(wire_codec.encode_frame(t, h, len(p))) + len(p) for t, h, p in frames)
+    plain = sum(len(wire.encode_frame(t, h, len(p))) + len(p) for t, h, p in frames)
     tagged = len(b"".join(_pair(frame_mac)[0].encode(*f) for f in frames))
     assert tagged == plain + (
         4 * wire.TAG_BYTES if frame_mac else 0
@@ -211,9 +210,7 @@ def test_without_frame_mac_a_forged_frame_with_a_valid_crc_is_accepted() -> None
         "lengths": [len(forged)],
         "crcs": [crc32c(forged)],
     }
-    a.sendall(
-        wire_codec.encode_frame(MsgType.PUT_CHUNKS, header, len(ids) + len(forged)) + ids + forged
-    )
+    a.sendall(wire.encode_frame(MsgType.PUT_CHUNKS, header, len(ids) + len(forged)) + ids + forged)
     assert _receive_all(server)[2] == ids + forged
 
 
@@ -343,7 +340,7 @@ def test_an_injected_push_is_refused_and_nothing_stored(peer, tags: bytes) -> No
         "lengths": [len(evil)],
         "crcs": [crc32c(evil)],
     }
-    head = wire_codec.encode_frame(MsgType.PUT_CHUNKS, header, len(ids) + len(evil))
+    head = wire.encode_frame(MsgType.PUT_CHUNKS, header, len(ids) + len(evil))
     injected = head + tags + ids + evil + tags
 
     def tamper(f: RelayedFrame) -> list[bytes]:

@@ -25,18 +25,14 @@ from fastckpt.errors import (
 )
 from fastckpt.replicas import _wire as wire
 from fastckpt.replicas import _wire_auth as wire_auth
-from fastckpt.replicas import _wire_codec as wire_codec
+from fastckpt.replicas._channel import Channel
 from fastckpt.replicas._client import PeerClient
-from fastckpt.replicas._connection import (
-    PeerOptions,
-    recv_frame_head,
-    send_frame,
-    server_handshake,
-)
+from fastckpt.replicas._connection import PeerOptions, server_handshake
 from fastckpt.replicas._ram import RamTier
 from fastckpt.replicas._server import PeerServer
 from fastckpt.replicas._wire import MsgType
 from tests.support.peer_read import get_one
+from tests.support.tag_raw import tag_raw
 
 from .conftest import SECRET, fill, raw_handshake, seal_chunks
 
@@ -59,7 +55,7 @@ def assert_refused(server: PeerServer, msg_type: MsgType, cases: list[tuple[dict
         chan, t, _, _ = raw_handshake(server.address)
         assert t is MsgType.AUTH_OK
         chan.sock.sendall(
-            chan.tag_raw(wire_codec.encode_frame(msg_type, header, len(payload)) + payload)
+            tag_raw(chan, wire.encode_frame(msg_type, header, len(payload)) + payload)
         )
         reply = read_to_eof(chan.sock)
         chan.close()
@@ -174,8 +170,8 @@ def test_client_refuses_server_without_the_secret(
 def test_request_before_auth_is_refused(served) -> None:  # type: ignore[no-untyped-def]
     _, server, _ = served
     s = socket.create_connection(server.address, timeout=5)
-    s.sendall(wire_codec.encode_frame(MsgType.LIST, {"step": 1}))
-    t, h, _ = recv_frame_head(s, wire.AUTH_LIMITS)
+    s.sendall(wire.encode_frame(MsgType.LIST, {"step": 1}))
+    t, h, _ = Channel(s, limits=wire.AUTH_LIMITS).recv_head()
     assert (t, h["code"]) == (MsgType.ERROR, "bad_request")
     assert read_to_eof(s) == b""
     s.close()
@@ -192,20 +188,22 @@ def test_replayed_and_reflected_proofs_are_refused(served) -> None:  # type: ign
     # ...and replays the same HELLO and AUTH: the server's fresh nonce makes the proof stale.
     for proof in (keys.client_proof, keys.server_proof):
         s = socket.create_connection(server.address, timeout=5)
-        send_frame(s, MsgType.HELLO, {"nonce": nonce.hex(), "frame_mac": True})
-        _, h, _ = recv_frame_head(s, wire.AUTH_LIMITS)
+        plain = Channel(s, limits=wire.AUTH_LIMITS)
+        plain.send(MsgType.HELLO, {"nonce": nonce.hex(), "frame_mac": True})
+        _, h, _ = plain.recv_head()
         assert bytes.fromhex(h["nonce"]) != sn1
-        send_frame(s, MsgType.AUTH, {"mac": proof.hex()})
-        t, h, _ = recv_frame_head(s, wire.AUTH_LIMITS)
+        plain.send(MsgType.AUTH, {"mac": proof.hex()})
+        t, h, _ = plain.recv_head()
         assert (t, h["code"]) == (MsgType.ERROR, "auth_failed")
         assert read_to_eof(s) == b""
         s.close()
     # Reflection: the server's own proof for our nonces is not accepted as ours.
     s = socket.create_connection(server.address, timeout=5)
-    send_frame(s, MsgType.HELLO, {"nonce": nonce.hex(), "frame_mac": True})
-    _, h, _ = recv_frame_head(s, wire.AUTH_LIMITS)
-    send_frame(s, MsgType.AUTH, {"mac": h["mac"]})
-    t, h, _ = recv_frame_head(s, wire.AUTH_LIMITS)
+    plain = Channel(s, limits=wire.AUTH_LIMITS)
+    plain.send(MsgType.HELLO, {"nonce": nonce.hex(), "frame_mac": True})
+    _, h, _ = plain.recv_head()
+    plain.send(MsgType.AUTH, {"mac": h["mac"]})
+    t, h, _ = plain.recv_head()
     assert h["code"] == "auth_failed"
     s.close()
 
@@ -315,7 +313,7 @@ def test_fuzz_live_server_survives_garbage(served, garbage: bytes, authenticate:
         authenticate
     ):  # garbage from a client with the secret: tagged where the server looks for tags
         chan = raw_handshake(server.address)[0]
-        s, garbage = chan.sock, chan.tag_raw(garbage)
+        s, garbage = chan.sock, tag_raw(chan, garbage)
     else:
         s = socket.create_connection(server.address, timeout=5)
     s.settimeout(3)
@@ -625,7 +623,7 @@ def test_a_trickling_client_cannot_hold_a_connection_past_the_handshake_deadline
         make_tier("slow"),
         options=dataclasses.replace(FAST, handshake_timeout_s=0.5, max_connections=3),
     )
-    hello = wire_codec.encode_frame(MsgType.HELLO, {"nonce": "00" * 32, "frame_mac": True}, 0)
+    hello = wire.encode_frame(MsgType.HELLO, {"nonce": "00" * 32, "frame_mac": True}, 0)
     stop = threading.Event()
     dropped: list[bool] = []
 

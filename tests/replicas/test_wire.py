@@ -13,11 +13,29 @@ from hypothesis import strategies as st
 from fastckpt.errors import ProtocolError
 from fastckpt.replicas import _wire as wire
 from fastckpt.replicas import _wire_auth as wire_auth
-from fastckpt.replicas import _wire_codec as wire_codec
 from fastckpt.replicas._wire import MsgType, WireLimits
 
 LIMITS = WireLimits(max_header_bytes=4096, max_payload_bytes=1 << 16)
 NONCE = "ab" * 32
+
+
+def decode_frame(data: bytes, limits: WireLimits) -> tuple[MsgType, dict[str, Any], bytes]:
+    """Decode exactly one whole frame from ``data`` with the receiver's pieces (prefix, header,
+    id-list payloads), as a socket would see it arrive."""
+    if len(data) < wire.PREFIX.size:
+        raise ProtocolError(f"truncated frame: {len(data)} bytes")
+    prefix = wire.decode_prefix(data[: wire.PREFIX.size], limits)
+    end = wire.PREFIX.size + prefix.header_len + prefix.payload_len
+    if len(data) != end:
+        raise ProtocolError(f"frame length mismatch: declared {end} bytes, got {len(data)}")
+    header = wire.decode_header(prefix.type, data[wire.PREFIX.size : end - prefix.payload_len])
+    payload = data[end - prefix.payload_len :]
+    if prefix.type is MsgType.CHUNK_LIST:
+        wire.decode_json_list(payload, count=header["count"])
+    elif prefix.type is MsgType.GET_CHUNKS:
+        wire.decode_id_batch(payload, count=header["count"])
+    return prefix.type, header, payload
+
 
 VALID: list[tuple[MsgType, dict[str, Any], bytes]] = [
     (MsgType.HELLO, {"nonce": NONCE, "frame_mac": True}, b""),
@@ -59,7 +77,7 @@ STREAM_REQ = b'{"step":1,"anchor":"x","offset":0,"length":0,"stream_len":0}'  # 
 
 
 def frame(t: MsgType, h: dict[str, Any], payload: bytes = b"") -> bytes:
-    return wire_codec.encode_frame(t, h, len(payload)) + payload
+    return wire.encode_frame(t, h, len(payload)) + payload
 
 
 def raw_frame(
@@ -82,8 +100,7 @@ def raw_frame(
     ("t", "h", "payload"), VALID, ids=[f"{t.name}-{i}" for i, (t, _, _) in enumerate(VALID)]
 )
 def test_round_trip(t: MsgType, h: dict[str, Any], payload: bytes) -> None:
-    f = wire_codec.decode_frame(frame(t, h, payload), LIMITS)
-    assert (f.type, f.header, f.payload) == (t, h, payload)
+    assert decode_frame(frame(t, h, payload), LIMITS) == (t, h, payload)
 
 
 @pytest.mark.parametrize(
@@ -138,7 +155,7 @@ def test_round_trip(t: MsgType, h: dict[str, Any], payload: bytes) -> None:
 )
 def test_malformed_frames_raise_protocol_error(data: bytes) -> None:
     with pytest.raises(ProtocolError):
-        wire_codec.decode_frame(data, LIMITS)
+        decode_frame(data, LIMITS)
 
 
 def test_limits_are_checked_from_the_prefix_alone() -> None:
@@ -146,18 +163,16 @@ def test_limits_are_checked_from_the_prefix_alone() -> None:
     big_payload = struct.pack(">4sBBHIQ", b"FCKP", 2, 27, 0, 10, 2**63)
     for prefix in (big_header, big_payload):
         with pytest.raises(wire.FrameTooLargeError):
-            wire_codec.decode_prefix(prefix, LIMITS)
+            wire.decode_prefix(prefix, LIMITS)
     with pytest.raises(ProtocolError):  # the unauthenticated phase accepts no payload at all
-        wire_codec.decode_prefix(
-            struct.pack(">4sBBHIQ", b"FCKP", 2, 29, 0, 10, 1), wire.AUTH_LIMITS
-        )
+        wire.decode_prefix(struct.pack(">4sBBHIQ", b"FCKP", 2, 29, 0, 10, 1), wire.AUTH_LIMITS)
 
 
 def test_encode_refuses_what_a_peer_would_refuse() -> None:
     with pytest.raises(ProtocolError):
-        wire_codec.encode_frame(MsgType.LIST, {"step": -1})
+        wire.encode_frame(MsgType.LIST, {"step": -1})
     with pytest.raises(ProtocolError):
-        wire_codec.encode_frame(MsgType.LIST, {"step": 1}, payload_len=3)
+        wire.encode_frame(MsgType.LIST, {"step": 1}, payload_len=3)
 
 
 def test_session_keys_bind_secret_nonces_version_and_mode() -> None:
@@ -196,26 +211,20 @@ def test_session_keys_depend_on_the_protocol_version(monkeypatch: pytest.MonkeyP
     )
 
 
-def test_tag_inputs_are_unique_per_frame_part_and_direction() -> None:
-    nonces = {
-        wire_auth.tag_nonce(part, seq)
-        for part in (wire_auth.HEADER_TAG, wire_auth.PAYLOAD_TAG)
-        for seq in (0, 1, 2**64 - 1)
-    }
-    assert len(nonces) == 6 and all(len(n) == 12 for n in nonces)
-    head = frame(MsgType.STEPS, {})
-    assert wire_auth.header_tag_input(
-        wire_auth.CLIENT_TO_SERVER, 0, head
-    ) != wire_auth.header_tag_input(wire_auth.SERVER_TO_CLIENT, 0, head)
-    assert wire_auth.header_tag_input(
-        wire_auth.CLIENT_TO_SERVER, 0, head
-    ) != wire_auth.header_tag_input(wire_auth.CLIENT_TO_SERVER, 1, head)
-    assert wire_auth.payload_tag_prefix(0, b"t" * 16) != wire_auth.payload_tag_prefix(1, b"t" * 16)
+def test_tags_differ_per_direction_frame_number_and_part() -> None:
+    head, key = frame(MsgType.STEPS, {}), b"k" * 32
+    out = wire_auth.FrameTagger(key, wire_auth.CLIENT_TO_SERVER)
+    back = wire_auth.FrameTagger(key, wire_auth.SERVER_TO_CLIENT)
+    tags = [out.header_tag(head), back.header_tag(head)]
+    tags.append(wire_auth.final_tag(out.payload_mac(tags[0])))
+    out.next_frame()
+    tags += [out.header_tag(head), wire_auth.final_tag(out.payload_mac(tags[0]))]
+    assert len(set(tags)) == 5 and all(len(t) == wire.TAG_BYTES for t in tags)
 
 
 def _decode_only_protocol_errors(data: bytes) -> None:
     try:
-        wire_codec.decode_frame(data, LIMITS)
+        decode_frame(data, LIMITS)
     except ProtocolError:
         pass
 
@@ -235,7 +244,7 @@ def test_fuzz_random_bytes(data: bytes) -> None:
 def test_fuzz_truncated_and_mutated(data: bytes, draw: st.DataObject) -> None:
     cut = draw.draw(st.integers(0, len(data) - 1))
     with pytest.raises(ProtocolError):
-        wire_codec.decode_frame(data[:cut], LIMITS)
+        decode_frame(data[:cut], LIMITS)
     mutated = bytearray(data)
     for _ in range(draw.draw(st.integers(1, 4))):
         i = draw.draw(st.integers(0, len(data) - 1))

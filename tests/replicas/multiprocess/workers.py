@@ -239,19 +239,19 @@ def _impostor(address: tuple[str, int], chunk_id: str) -> dict[str, Any]:
     from fastckpt.replicas import _wire as wire
     from fastckpt.replicas import _wire_auth as wire_auth
     from fastckpt.replicas._channel import Channel
-    from fastckpt.replicas._connection import recv_frame_head, send_frame
     from fastckpt.replicas._wire import MsgType
 
     with socket.create_connection(address, timeout=5) as s:
+        plain = Channel(s, limits=wire.AUTH_LIMITS)
         cn = wire_auth.new_nonce()
-        send_frame(s, MsgType.HELLO, {"nonce": cn.hex(), "frame_mac": True})
-        _, h, _ = recv_frame_head(s, wire.AUTH_LIMITS)
+        plain.send(MsgType.HELLO, {"nonce": cn.hex(), "frame_mac": True})
+        _, h, _ = plain.recv_head()
         sn = bytes.fromhex(h["nonce"])
         keys = wire_auth.session_keys(
             WRONG_SECRET, client_nonce=cn, server_nonce=sn, frame_mac=True
         )
-        send_frame(s, MsgType.AUTH, {"mac": keys.client_proof.hex()})
-        reply, h, _ = recv_frame_head(s, wire.AUTH_LIMITS)
+        plain.send(MsgType.AUTH, {"mac": keys.client_proof.hex()})
+        reply, h, _ = plain.recv_head()
         chan = Channel(
             s,
             limits=wire.WireLimits(),
