@@ -1,21 +1,17 @@
 """The tier side of parity (``RamOptions(redundancy="parity")``; layout in
-:mod:`~fastckpt.replicas._parity_layout`): a member's parity of a step, built from its group's
-pushed parts, and the requests a :class:`~fastckpt.replicas._server.PeerServer` serves for it.
+:mod:`~fastckpt.replicas._parity_layout`).
 
-:class:`ParityStore` XORs each verified window of a contributor's part into an open segment
-of the tier (allocated under the tier's budget, zeroed; grown when a longer part arrives;
-contributors serialized by a lock) and seals it, under the reserved chunk id naming the
-group and every contributor's ``(L, S)``, once every other member of the group contributed
-its whole part: a sealed parity is complete, and like the step's data it survives a process
-restart and is dropped with its step (retention, ``drop_step``, abandoned timelines). A
-window applied twice (a retried push) is applied once. An open parity of an older step is
-discarded when a newer step's opens (its push was superseded), and those of steps a save
-starts over (:meth:`ParityStore.discard_from`).
+:class:`ParityStore` XORs each verified window of a contributor's part into an open, zeroed
+segment of the tier (under its budget; grown when a longer part arrives) and seals it under
+the reserved chunk id once every other member of the group contributed its whole part: a
+sealed parity is complete, survives a process restart and is dropped with its step. A window
+applied twice (a retried push) is applied once. An open parity is discarded when a newer
+step's opens (superseded) or its step is saved again (:meth:`ParityStore.discard_from`).
 
 :class:`ParityService` answers PUT_PARITY (a window; OK once applied), GET_STREAM (a range of
-this member's own stream, cut at its end) and REBUILD (a range of a lost member's part:
-this member's parity XOR the matching ranges of the other survivors' parts, read from them
-with GET_STREAM in parallel), so that a restoring host receives only the rebuilt bytes.
+this member's own stream) and REBUILD (a range of a lost member's part: this member's parity
+XOR the other survivors' matching ranges, read in parallel), so that a restoring host
+receives only the rebuilt bytes.
 """
 
 from __future__ import annotations
@@ -214,21 +210,13 @@ class ParityService:
     Args:
         store: This member's parities.
         peers: The other members' clients by member id (for REBUILD's GET_STREAMs).
-        accept_pushes: Whether PUT_PARITY is served (as ``PeerOptions.accept_pushes``).
     """
 
     types = frozenset({MsgType.PUT_PARITY, MsgType.GET_STREAM, MsgType.REBUILD})
 
-    def __init__(
-        self,
-        store: ParityStore,
-        peers: Callable[[], Mapping[str, StreamPeer]],
-        *,
-        accept_pushes: bool = True,
-    ) -> None:
+    def __init__(self, store: ParityStore, peers: Callable[[], Mapping[str, StreamPeer]]) -> None:
         self.store = store
         self._peers = peers
-        self._accept = accept_pushes
         self.stats = {"rebuilt_bytes": 0, "stream_bytes": 0, "parity_bytes": 0}
         self._lock = threading.Lock()
 
@@ -255,18 +243,10 @@ class ParityService:
         buf = np.empty(plen, np.uint8)
         chan.recv_into(buf.data)
         chan.end_payload()  # authentic before it is applied
-        if not self._accept:
-            return _error(chan, "bad_request", "this peer does not accept pushes")
         try:
-            group = decode_group(h["group"])
+            group, step = decode_group(h["group"]), h["step"]
             stored = self.store.add(
-                h["step"],
-                group,
-                h["contributor"],
-                h["stream_len"],
-                h["part_size"],
-                h["offset"],
-                buf,
+                step, group, h["contributor"], h["stream_len"], h["part_size"], h["offset"], buf
             )
         except StaleStepError as e:
             return _error(chan, "stale_step", str(e))

@@ -1,12 +1,11 @@
 """Background pushing of a RAM step's parity parts to the other members of this member's group
 (``RamOptions(redundancy="parity")``; layout in :mod:`~fastckpt.replicas._parity_layout`).
 
-Call sequence: after the step is committed, ``submit(step, stream=..., group=..., ...)``
-(returns at once) → ``wait_idle()`` before staging the next RAM step (backpressure, as the
-:class:`~fastckpt.replicas._replicator.Replicator`) → ``wait()`` for the reports →
-``close()``. Part ``k`` of the stream goes to the ``k``-th other member in windows, straight
-from the tier's mapping (zero-copy), one thread per target; a failing target is recorded in
-the report (never raised); a newer submit cancels older pushes still running.
+Call sequence: after the step is committed, ``submit(...)`` (returns at once) →
+``wait_idle()`` before staging the next RAM step → ``wait()`` for the reports → ``close()``.
+Part ``k`` of the stream goes to the ``k``-th other member in windows, zero-copy from the
+tier's mapping; a failing target is recorded in the report (never raised); a newer submit
+cancels older pushes still running.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from fastckpt.replicas._parity_layout import others, part_size, part_span
-from fastckpt.replicas._replicator import PushHandles, ReplicationHandle, ReplicationReport
+from fastckpt.replicas._replicator import PushHandles, ReplicationHandle
 
 __all__ = ["ParityPusher", "ParityTarget"]
 
@@ -40,8 +39,8 @@ class ParityTarget(Protocol):
     ) -> bool: ...
 
 
-class ParityPusher:
-    """Pushes this member's parity parts on background threads.
+class ParityPusher(PushHandles):
+    """Pushes this member's parity parts on background threads (their handles: the base class).
 
     Args:
         window_bytes: Bytes per PUT_PARITY request (the receiver buffers one window to
@@ -49,8 +48,8 @@ class ParityPusher:
     """
 
     def __init__(self, *, window_bytes: int = 16 << 20) -> None:
+        super().__init__("parity push", max_reports=64)
         self.window_bytes = window_bytes
-        self._pushes = PushHandles("parity push", max_reports=64)
         self._pool = ThreadPoolExecutor(8, thread_name_prefix="fastckpt-parity")
 
     def submit(
@@ -66,7 +65,7 @@ class ParityPusher:
         the other members of ``group``. Never blocks on I/O."""
         holders = others(group, me)
         handle = ReplicationHandle(step, [], None, tuple(holders))
-        self._pushes.add(handle)
+        self.add(handle)
         size = part_size(stream.nbytes, len(group))
         for k, holder in enumerate(holders):
             a, b = part_span(stream.nbytes, size, k)
@@ -117,16 +116,8 @@ class ParityPusher:
         finally:
             handle._target_done(holder, error)
 
-    def wait_idle(self, timeout_s: float | None = None) -> bool:
-        """As :meth:`PushHandles.wait_idle`."""
-        return self._pushes.wait_idle(timeout_s)
-
-    def wait(self, timeout_s: float | None = None) -> list[ReplicationReport]:
-        """As :meth:`PushHandles.wait` (raises ``ReplicationTimeoutError``)."""
-        return self._pushes.wait(timeout_s)
-
     def close(self, *, wait: bool = True) -> None:
         """Finish (``wait``) or cancel the running pushes; stop the threads."""
         if not wait:
-            self._pushes.cancel_all()
+            self.cancel_all()
         self._pool.shutdown(wait=wait)

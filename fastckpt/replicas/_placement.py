@@ -16,13 +16,12 @@ sorted member list.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 
 from fastckpt.errors import ConfigError
 
 __all__ = [
     "host_domain",
-    "push_targets",
     "relay_parent",
     "replica_holders",
     "ring_order",
@@ -58,9 +57,19 @@ def ring_order(members: Iterable[str], *, domain_of: DomainOf | None = None) -> 
     return [g[r] for r in range(depth) for g in ordered if r < len(g)]
 
 
-def _successors_on(
-    ring: Sequence[str], member: str, k: int, domain_of: DomainOf | None
+def ring_successors(
+    members: Iterable[str], member: str, k: int, *, domain_of: DomainOf | None = None
 ) -> list[str]:
+    """The (up to) ``k`` members ``member`` pushes its chunks to, nearest ring successor first.
+
+    Never includes ``member``; returns ``min(k, len(members) - 1)`` distinct members. Prefers
+    members of distinct domains other than ``member``'s, then any other domain, and uses
+    ``member``'s own domain (same host: survives a process crash, not a host loss) last.
+
+    Raises:
+        ConfigError: ``member`` is not in ``members``, ``k < 0``, or an id is empty.
+    """
+    ring = ring_order(members, domain_of=domain_of)
     if k < 0:
         raise ConfigError(f"k must be >= 0, got {k}")
     if member not in ring:
@@ -86,29 +95,6 @@ def _successors_on(
             picked.append(m)
             used.add(d)
     return picked
-
-
-def ring_successors(
-    members: Iterable[str], member: str, k: int, *, domain_of: DomainOf | None = None
-) -> list[str]:
-    """The (up to) ``k`` members ``member`` pushes its chunks to, nearest ring successor first.
-
-    Never includes ``member``; returns ``min(k, len(members) - 1)`` distinct members. Prefers
-    members of distinct domains other than ``member``'s, then any other domain, and uses
-    ``member``'s own domain (same host: survives a process crash, not a host loss) last.
-
-    Raises:
-        ConfigError: ``member`` is not in ``members``, ``k < 0``, or an id is empty.
-    """
-    return _successors_on(ring_order(members, domain_of=domain_of), member, k, domain_of)
-
-
-def push_targets(
-    members: Iterable[str], k: int, *, domain_of: DomainOf | None = None
-) -> dict[str, list[str]]:
-    """:func:`ring_successors` for every member at once."""
-    ring = ring_order(members, domain_of=domain_of)
-    return {m: _successors_on(ring, m, k, domain_of) for m in ring}
 
 
 def replica_holders(

@@ -1,18 +1,15 @@
 """Background pushing of a sealed RAM step to this process's ring peers.
 
 Call sequence: ``r = Replicator(tier, targets=...)`` → after each ``tier.seal(step, ...)``:
-``r.submit(step)`` (returns at once) → optionally ``r.submit(step, manifest=...)`` or
-``handle.wait()`` → ``r.wait()`` before exiting → ``r.close()``.
+``r.submit(step)`` (returns at once; optionally with ``manifest=``) → ``r.wait()`` before
+exiting → ``r.close()``.
 
-Chunks leave straight from the tier's mmap (zero-copy). Each target is asked once per step
-which chunks it holds, and only chunks it lacks are sent. Per target,
-chunks go in batches (``PUT_CHUNKS``: one request, one segment on the target) one after
-another over one pooled connection; up to ``concurrency`` targets are served at once, and
-``max_inflight_bytes`` bounds the bytes being sent at any moment. A failing target stops
-receiving this step (its error is recorded in the report) without affecting the others;
-submitting a newer step cancels the pushes of older ones (they are superseded; the manager
-never lets that happen: it waits with :meth:`Replicator.wait_idle` before the next RAM step).
-Nothing here ever raises into the training loop unless ``wait(raise_on_error=True)`` asks for it.
+Chunks leave straight from the tier's mmap (zero-copy); each target gets only the chunks it
+does not list, in ``PUT_CHUNKS`` batches over one pooled connection; up to ``concurrency``
+targets at once, at most ``max_inflight_bytes`` in flight. A failing target stops receiving
+this step (recorded in the report) without affecting the others; a newer step's submit
+cancels older pushes (superseded; the manager waits with :meth:`Replicator.wait_idle` first).
+Nothing raises into the training loop unless ``wait(raise_on_error=True)`` asks for it.
 """
 
 from __future__ import annotations
@@ -62,27 +59,18 @@ class ReplicatorOptions:
     concurrency: int = 2
     """Targets pushed to in parallel (threads)."""
     batch_bytes: int = 256 << 20
-    """Chunks go to a target in batches of up to this many bytes (one request, stored as one
-    segment by the target, so its files and mappings are few and get recycled); a larger
-    chunk goes alone."""
+    """Bytes per batch (one request, one segment on the target); a larger chunk goes alone."""
     batch_chunks: int = 1024
     """At most this many chunks per batch (bounds the request header)."""
     max_reports: int = 64
     """Steps whose reports are kept for :meth:`Replicator.wait`; beyond that the oldest
-    finished ones are forgotten at the next submit (their failures were logged when
-    they happened and stay counted in :meth:`Replicator.stats`). Running pushes are never
-    forgotten. Bounds the memory and the per-save wait of a run that never calls ``wait``."""
+    finished ones are forgotten at the next submit (logged, and counted in
+    :meth:`Replicator.stats`). Running pushes are never forgotten."""
 
     def __post_init__(self) -> None:
-        for name in (
-            "max_inflight_bytes",
-            "concurrency",
-            "batch_bytes",
-            "batch_chunks",
-            "max_reports",
-        ):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1")
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) < 1:
+                raise ConfigError(f"{f.name} must be >= 1")
         if self.batch_chunks > MAX_BATCH_CHUNKS:
             raise ConfigError(
                 f"batch_chunks must be <= {MAX_BATCH_CHUNKS} (what a peer accepts in one request)"
@@ -257,7 +245,7 @@ class Replicator:
     Args:
         tier: This process's tier (chunks are read zero-copy from it).
         targets: Member id → pusher (e.g. ``PeerClient``); usually this member's ring successors
-            (its entry of :func:`~fastckpt.replicas._placement.push_targets`). Replace with
+            (:func:`~fastckpt.replicas._placement.ring_successors`). Replace with
             :meth:`set_targets`.
         options: Concurrency and in-flight bound.
     """
@@ -279,12 +267,7 @@ class Replicator:
         self._inflight = 0
         self._threads: list[threading.Thread] = []
         self._closed = False
-        self._totals = {
-            "steps": 0,
-            "chunks_pushed": 0,
-            "bytes_pushed": 0,
-            "failures": 0,
-        }
+        self._totals = dict.fromkeys(("steps", "chunks_pushed", "bytes_pushed", "failures"), 0)
 
     def set_targets(self, targets: Mapping[str, ChunkPusher]) -> None:
         """Targets for later submits (e.g. after a membership change)."""

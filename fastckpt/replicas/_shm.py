@@ -168,10 +168,8 @@ class Sealed:
                 try:
                     fd = os.open(self.path, os.O_RDONLY)
                     try:
-                        if os.fstat(fd).st_size != self.nbytes:
-                            raise ValueError(
-                                f"{os.fstat(fd).st_size} bytes, its index says {self.nbytes}"
-                            )
+                        if (size := os.fstat(fd).st_size) != self.nbytes:
+                            raise ValueError(f"{size} bytes, its index says {self.nbytes}")
                         self.mm = mmap.mmap(fd, self.nbytes, flags=flags, prot=mmap.PROT_READ)
                     finally:
                         os.close(fd)
@@ -212,14 +210,8 @@ class Sealed:
         tables stay populated, which is what makes reuse cheap).
         """
         with self.lock:
-            if not self.writable or self.mm is None or self.lent:
+            if not self.writable or self.mm is None or self.lent or not self._release_view():
                 return None
-            if self.view is not None:
-                try:
-                    self.view.release()
-                except BufferError:
-                    return None
-                self.view = None
             try:  # a no-op resize fails while any buffer exported from the mapping is alive
                 self.mm.resize(len(self.mm))
             except (BufferError, OSError, ValueError, SystemError):
@@ -232,12 +224,8 @@ class Sealed:
         """Release the mapping; False if views handed out are still alive (they keep it)."""
         with self.lock:
             self.dropped = self.dropped or dropped
-            if self.view is not None:
-                try:
-                    self.view.release()
-                except BufferError:  # someone exported our base view itself: keep everything
-                    return False
-                self.view = None
+            if not self._release_view():  # someone exported our base view itself: keep all
+                return False
             mm, self.mm = self.mm, None
             if mm is None:
                 return True
@@ -246,6 +234,16 @@ class Sealed:
             except BufferError:
                 return False  # exported views keep the mapping alive until collected
             return True
+
+    def _release_view(self) -> bool:
+        """Release the base view (hold ``lock``); False while it is exported."""
+        if self.view is not None:
+            try:
+                self.view.release()
+            except BufferError:
+                return False
+            self.view = None
+        return True
 
 
 class SparePool:

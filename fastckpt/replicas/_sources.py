@@ -1,21 +1,15 @@
 """Per-chunk source choice for a restore: own RAM tier, then peers, else persistent storage.
 
-:meth:`TieredChunkSource.fetch_many` fills the caller's buffer for each chunk, verified
-against the manifest's ``raw_crc32c``, from the first source that has a good copy:
+:meth:`TieredChunkSource.fetch_many` fills each chunk's buffer, verified against the
+manifest's ``raw_crc32c``, from the first source with a good copy: this process's
+:class:`~fastckpt.replicas._ram.RamTier`; each peer in the given order (with ``use_listing``
+only peers whose chunk list, fetched once per step, names it); with parity a rebuild from
+the writer's group (tier ``"rebuilt"``); else None (the reader falls back to storage).
 
-1. this process's :class:`~fastckpt.replicas._ram.RamTier` (no network);
-2. each peer in the given order (put same-host or nearest peers first). With
-   ``use_listing`` each peer's chunk list for the step is fetched once, lazily, so peers
-   that lack a chunk cost no round-trip;
-3. with parity (``rebuild``): a rebuild from the writer's group (tier ``"rebuilt"``);
-4. nothing: ``fetch_many`` returns None for it and the reader falls back to persistent storage.
-
-Every failure falls through to the next source: a miss, a corrupt copy (wrong length or
-crc32c), a timeout, a peer that dies mid-transfer. A peer that was unreachable or spoke
-garbage is not asked again by this source (``reset_peers`` forgets that). Stats record, per
-tier, chunks, bytes and seconds of successful fetches, and every fallback with its reason.
-Thread-safe: the reader calls ``fetch_many`` from many threads (each peer call uses its own
-pooled connection).
+Every failure (a miss, a corrupt copy, a timeout, a peer dying mid-transfer) falls through
+to the next source; a peer that was unreachable or spoke garbage is not asked again
+(``reset_peers`` forgets that). Stats record successful fetches per tier and every fallback
+with its reason. Thread-safe: the reader calls ``fetch_many`` from many threads.
 """
 
 from __future__ import annotations
@@ -26,6 +20,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -39,29 +34,87 @@ from fastckpt.errors import (
     ProtocolError,
 )
 from fastckpt.replicas._ram import RamTier
-from fastckpt.replicas._source_types import (
-    ChunkPeer,
-    ChunkRebuilder,
-    Fallback,
-    FallbackReason,
-    SourceStats,
-    TierStats,
-)
 
-__all__ = [
-    "ChunkPeer",
-    "ChunkRebuilder",
-    "Fallback",
-    "FallbackReason",
-    "SourceStats",
-    "TierStats",
-    "TieredChunkSource",
-]
+__all__ = ["ChunkPeer", "ChunkRebuilder", "SourceStats", "TieredChunkSource"]
 
 _MAX_LOG = 256
-
-
 _REBUILDS_IN_FLIGHT = 8  # chunks rebuilt from parity at once by one fetch_many
+
+FallbackReason = Literal["miss", "corrupt", "unavailable", "protocol", "error"]
+
+
+class ChunkPeer(Protocol):
+    """What a source needs of a peer (``PeerClient`` is one)."""
+
+    name: str
+
+    def get_chunks(
+        self, step: int, items: Sequence[tuple[str, memoryview | np.ndarray, int | None]]
+    ) -> list[Any]:
+        """Several whole chunks in one stream: per item ``"ok"``, ``"missing"`` or ``"corrupt"``."""
+        ...
+
+    def get_ranges(
+        self,
+        step: int,
+        items: Sequence[tuple[str, memoryview | np.ndarray, int, Sequence[tuple[int, int]]]],
+    ) -> list[Any]:
+        """Byte ranges of several chunks, each checked against the whole chunk's crc32c."""
+        ...
+
+    def list_chunks(self, step: int) -> list[str]: ...
+
+
+class ChunkRebuilder(Protocol):
+    """Rebuilds a chunk of a RAM step from parity (``_parity_rebuild.ParityRebuilds``): True
+    once ``dst`` holds it verified; False when it cannot; ``ChecksumMismatchError`` when the
+    rebuilt bytes fail the crc32c; ``PeerError`` when a holder fails."""
+
+    def rebuild(
+        self, step: int, chunk_id: str, raw_length: int, raw_crc32c: int, dst: np.ndarray
+    ) -> bool: ...
+
+    def order(self, step: int, chunk_ids: Sequence[str]) -> list[int]:
+        """The positions of ``chunk_ids`` in the order to rebuild them (spread over the
+        hosts that do the work)."""
+        ...
+
+
+@dataclasses.dataclass
+class TierStats:
+    """Successful fetches from one tier."""
+
+    chunks: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Fallback:
+    """One source that could not provide a chunk."""
+
+    tier: str
+    chunk_id: str
+    reason: FallbackReason
+    detail: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SourceStats:
+    """A snapshot of a :class:`TieredChunkSource`'s counters."""
+
+    tiers: dict[str, TierStats]
+    """``"ram"`` and ``"peer:<name>"`` → successful fetches."""
+    fallbacks: dict[FallbackReason, int]
+    """How often a source failed, by reason."""
+    recent_fallbacks: list[Fallback]
+    """The latest fallbacks (bounded log)."""
+    not_found: int
+    """Chunks no RAM source could provide (left to persistent storage)."""
+    dead_peers: list[str]
+    """Peers no longer asked."""
+    listed_peers: list[str] = dataclasses.field(default_factory=list)
+    """Peers whose chunk list was fetched, in the order they were asked."""
 
 
 class TieredChunkSource:
@@ -113,15 +166,11 @@ class TieredChunkSource:
         runs: Sequence[Sequence[tuple[int, int]] | None] | None = None,
     ) -> list[str | None]:
         """Fill each item's ``into`` (exactly ``raw_length`` bytes) with the chunk's verified raw
-        bytes: ``(chunk_id, raw_length, raw_crc32c, into)`` each.
-
-        Own RAM first, then each peer gets the chunks still missing that it lists, in one
-        pipelined stream (:meth:`PeerClient.get_chunks`) instead of a request per chunk.
-        With ``runs``, an item whose entry is not None asks only for those byte ranges
-        ``(start, n)`` of the chunk (ascending, disjoint), received at their place in
-        ``into``: a peer sends just them (:meth:`PeerClient.get_ranges`, checked against the
-        whole chunk's crc32c all the same). Returns the tier per item, None where no RAM
-        source had a good copy.
+        bytes: ``(chunk_id, raw_length, raw_crc32c, into)`` each. Each peer gets the chunks
+        still missing that it lists in one stream (``get_chunks``). With ``runs``, an item
+        whose entry is not None gets only those byte ranges ``(start, n)`` (ascending,
+        disjoint) at their place in ``into`` (``get_ranges``, still checked against the whole
+        chunk's crc32c). Returns the tier per item, None where no RAM source had a good copy.
         """
         dsts = []
         spans = list(runs) if runs is not None else [None] * len(items)
@@ -186,11 +235,7 @@ class TieredChunkSource:
                 else:
                     self._fallback(tier, items[k][0], "miss" if r == "missing" else "corrupt", None)
             if nok:
-                with self._lock:
-                    st = self._tiers.setdefault(tier, TierStats())
-                    st.chunks += nok
-                    st.bytes += got
-                    st.seconds += time.perf_counter() - t0
+                self._success(tier, got, time.perf_counter() - t0, chunks=nok)
         lost = [k for k in range(len(items)) if out[k] is None]
         if lost and self._rebuild is not None:
             lost = [lost[i] for i in self._rebuild.order(step, [items[k][0] for k in lost])]
@@ -214,18 +259,14 @@ class TieredChunkSource:
     def lend_many(
         self, step: int, groups: Sequence[Sequence[tuple[str, int, int]]], *, verify: bool = True
     ) -> list[memoryview | None]:
-        """Per destination buffer, a verified, read-only view of consecutive chunks straight
-        from this process's tier (one tier lookup, one stats update for all).
-
-        A group's chunks are ``(chunk_id, raw_length, raw_crc32c)`` in the order they must
-        appear. A view aliases shared memory (no copy) and may be kept indefinitely (see
-        :meth:`RamTier.lend_spans`). None if there is no own tier, the chunks are not back to
-        back in one segment, or any copy fails verification (then :meth:`fetch_many` them,
-        which tries peers). ``verify=False`` skips the checksums (the tier's record of each
-        chunk must still match its length and crc32c): the caller must verify every chunk of
-        a view against its ``raw_crc32c`` before using it, and :meth:`fetch_many` the chunks
-        of a view that fails (which finds and records the bad copy). Such views count as lent in
-        :meth:`stats` whatever the caller finds.
+        """Per group of ``(chunk_id, raw_length, raw_crc32c)`` (in the order they must appear),
+        a verified, read-only view of them back to back straight from this process's tier,
+        which may be kept indefinitely (:meth:`RamTier.lend_spans`). None if there is no own
+        tier, they are not back to back in one segment, or a copy fails verification (then
+        :meth:`fetch_many` them). ``verify=False`` skips the checksums (the tier's record must
+        still match length and crc32c): the caller must verify every chunk of a view before
+        using it and :meth:`fetch_many` those of a view that fails; such views count as lent
+        in :meth:`stats` whatever the caller finds.
         """
         if self._own is None:
             return [None] * len(groups)
@@ -257,11 +298,7 @@ class TieredChunkSource:
                 nchunks += len(chunks)
                 nbytes += sum(c[1] for c in chunks)
         if nchunks:
-            with self._lock:
-                st = self._tiers.setdefault("ram", TierStats())
-                st.chunks += nchunks
-                st.bytes += nbytes
-                st.seconds += time.perf_counter() - t0
+            self._success("ram", nbytes, time.perf_counter() - t0, chunks=nchunks)
         return out
 
     def stats(self) -> SourceStats:
@@ -327,8 +364,7 @@ class TieredChunkSource:
     ) -> bool:
         """The chunk rebuilt from parity into ``dst`` (only ``runs`` of it, if given)."""
         rb = self._rebuild
-        if rb is None:
-            return False
+        assert rb is not None
         t0 = time.perf_counter()
         buf = dst if runs is None else np.empty(n, np.uint8)
         try:
@@ -371,10 +407,10 @@ class TieredChunkSource:
                         self._listed_order.append(i)
         return chunk_id in listing
 
-    def _success(self, tier: str, nbytes: int, seconds: float) -> None:
+    def _success(self, tier: str, nbytes: int, seconds: float, *, chunks: int = 1) -> None:
         with self._lock:
             st = self._tiers.setdefault(tier, TierStats())
-            st.chunks += 1
+            st.chunks += chunks
             st.bytes += nbytes
             st.seconds += seconds
 

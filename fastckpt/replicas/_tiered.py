@@ -1,16 +1,12 @@
-"""RAM replication as the manager uses it (its ``writer.tier.Tier``): one object composing
-tier, server, pusher, peers.
+"""RAM replication as the manager uses it (its ``writer.tier.Tier``): tier, server, pushers, peers.
 
 Call order on a RAM save (all processes, SPMD): :meth:`RamReplication.allocate` (the staging
 buffer *is* the shared-memory segment) -> stage -> :meth:`commit` (:meth:`seal`, the commit
 round, in which process 0 stores the manifest only after every process sealed, then
-:meth:`publish`: commit here, push to the ring successors in the background); on failure
-:meth:`abort`. So a crash mid-save never leaves the job without a restorable RAM step. With
-``redundancy="parity"`` the push sends parity parts to this member's group instead of copies
-(``_parity_push``; the manifest still goes to the ring successors) and a restore rebuilds a
-lost member's chunks (``_parity_rebuild``; see docs/replicas.md, "Parity"). On
-restore: :meth:`select_step` -> :meth:`source` (the restore side:
-:class:`~fastckpt.replicas._step_selection.StepSelection`).
+:meth:`publish`: commit here, push in the background); on failure :meth:`abort`. So a crash
+mid-save never leaves the job without a restorable RAM step. With ``redundancy="parity"``
+parity parts go to this member's group instead of copies (the manifest still goes to the
+ring successors). On restore: :meth:`select_step` -> :meth:`source` (:class:`StepSelection`).
 """
 
 from __future__ import annotations
@@ -28,14 +24,13 @@ from fastckpt.errors import ConfigError, FastckptError
 from fastckpt.format.layout import ram_object_key
 from fastckpt.format.manifest import Manifest, chunk_id, chunk_id_prefix
 from fastckpt.options import RamOptions
-from fastckpt.replicas._client import PeerClient
 from fastckpt.replicas._connection import PeerOptions
 from fastckpt.replicas._parity import ParityService, ParityStore
 from fastckpt.replicas._parity_client import ParityClient
 from fastckpt.replicas._parity_layout import group_of, parity_groups
 from fastckpt.replicas._parity_push import ParityPusher
 from fastckpt.replicas._parity_rebuild import ParityRebuilds, RebuildPeer
-from fastckpt.replicas._placement import host_domain, push_targets
+from fastckpt.replicas._placement import host_domain
 from fastckpt.replicas._ram import ChunkLocation, RamTier, Segment
 from fastckpt.replicas._replicator import ReplicationReport, Replicator
 from fastckpt.replicas._server import PeerServer
@@ -69,8 +64,7 @@ class RamReplication(StepSelection):
         self.options = options
         self.member_id = options.member_id or os.path.basename(os.path.normpath(options.root))
         self._coord = coordinator
-        multi = coordinator.process_count > 1
-        if options.secret is None and multi and options.replicas > 0:
+        if options.secret is None and coordinator.process_count > 1 and options.replicas > 0:
             raise ConfigError(
                 f"RamOptions(replicas={options.replicas}) needs the job's peer secret in a "
                 "multi-process job: RamOptions(secret=fastckpt.peer_secret_from_env(), ...) "
@@ -91,7 +85,7 @@ class RamReplication(StepSelection):
         # the restore side's (StepSelection)
         self._decoded, self._needed, self._lists = {}, None, {}
         self._held: int | None = None  # the step whose manifest commit() stored
-        self._clients: dict[str, PeerClient] = {}
+        self._clients: dict[str, ParityClient] = {}
         self._parity: ParityRebuilds | None = None  # redundancy="parity" (with a peer service)
         self._parity_pusher: ParityPusher | None = None
         self._parity_store: ParityStore | None = None
@@ -103,23 +97,16 @@ class RamReplication(StepSelection):
         self.advertised: tuple[str, int] | None = None
         """Where the other hosts reach this host's peer server (None: no peer service)."""
         try:
-            self._start_peers(options, coordinator, store, namespace, run)
+            self._start_peers(store, namespace, run)
         except BaseException:  # nothing of a replication that was never made keeps running
             self.close()
             raise
 
-    def _start_peers(
-        self,
-        options: RamOptions,
-        coordinator: Coordinator,
-        store: Store,
-        namespace: str,
-        run: Callable[[Any], Any],
-    ) -> None:
+    def _start_peers(self, store: Store, namespace: str, run: Callable[[Any], Any]) -> None:
         """With a secret: serve the tier, publish where, and check the push targets."""
+        options, coordinator = self.options, self._coord
         if options.secret is None:
             return
-        multi = coordinator.process_count > 1
         address = peer_address(
             options.host,
             service_address=coordinator.service_address,
@@ -128,7 +115,7 @@ class RamReplication(StepSelection):
         parity = None
         if options.redundancy == "parity":
             self._parity_store = ParityStore(self.tier, self.member_id)
-            parity = ParityService(self._parity_store, self._parity_peers)
+            parity = ParityService(self._parity_store, self._peers)
             self._parity_pusher = ParityPusher()
             self._parity = ParityRebuilds(
                 self.manifest, self._rebuild_peers, group_size=options.group_size
@@ -151,22 +138,18 @@ class RamReplication(StepSelection):
         self.advertised = (address.advertise, self._server.address[1])
         self._directory.publish(make_record(self.member_id, self.advertised))
         self._replicator = Replicator(self.tier)
-        if multi and options.replicas > 0:
-            peers = self._peers()
-            targets = push_targets(
-                [self.member_id, *peers], options.replicas, domain_of=host_domain
-            )
+        if coordinator.process_count > 1 and options.replicas > 0:
             check_push_targets(
                 coordinator,
                 key=f"{namespace}/peercheck",
-                clients=peers,
-                targets=targets.get(self.member_id, []),
+                clients=self._peers(),
+                targets=self._successors(options.replicas),
                 timeout_s=options.discovery_timeout_s,
                 me=f"{self.member_id} ({self.advertised[0]}:{self.advertised[1]})",
             )
 
     # ------------------------------------------------------------------ peers
-    def _peers(self) -> dict[str, PeerClient]:
+    def _peers(self) -> dict[str, ParityClient]:
         """Clients of every other published member (looked up once, then cached)."""
         if self._directory is None or self.options.secret is None:
             return {}
@@ -181,14 +164,10 @@ class RamReplication(StepSelection):
                     )
         return self._clients
 
-    def _parity_peers(self) -> dict[str, ParityClient]:
-        """The other members' clients (all speak parity)."""
-        return {m: c for m, c in self._peers().items() if isinstance(c, ParityClient)}
-
     def _rebuild_peers(self) -> dict[str, RebuildPeer]:
         """The other members' clients and a client of this member's own server (it may hold
         a parity a rebuild needs)."""
-        peers: dict[str, RebuildPeer] = dict(self._parity_peers())
+        peers: dict[str, RebuildPeer] = dict(self._peers())
         if self._self_client is None and self.advertised is not None and self.options.secret:
             self._self_client = ParityClient(
                 self.advertised,
@@ -304,10 +283,7 @@ class RamReplication(StepSelection):
         if self._replicator is None or self.options.replicas == 0:
             return
         peers = self._peers()
-        targets = push_targets(
-            [self.member_id, *peers], self.options.replicas, domain_of=host_domain
-        ).get(self.member_id, [])
-        self._replicator.set_targets({m: peers[m] for m in targets if m in peers})
+        self._replicator.set_targets({m: peers[m] for m in self._successors(self.options.replicas)})
         parity = self._parity_pusher is not None
         self._replicator.submit(
             step, chunk_ids=[] if parity else self._sealed_ids, manifest=manifest
@@ -315,7 +291,7 @@ class RamReplication(StepSelection):
         if parity:
             self._push_parity(step, peers)
 
-    def _push_parity(self, step: int, peers: dict[str, PeerClient]) -> None:
+    def _push_parity(self, step: int, peers: dict[str, ParityClient]) -> None:
         """Start pushing this member's parity parts of ``step`` to the rest of its group (the
         manifest went to the ring successors with the replicator)."""
         assert self._parity_pusher is not None
@@ -327,9 +303,8 @@ class RamReplication(StepSelection):
             return  # a group of one is unprotected
         view = self.tier.segment_of(step, self._sealed_ids[0]) if self._sealed_ids else None
         stream = memoryview(b"") if view is None else view[: self._stream_len]
-        targets = self._parity_peers()
         self._parity_pusher.submit(
-            step, stream=stream, group=group, me=self.member_id, targets=targets
+            step, stream=stream, group=group, me=self.member_id, targets=peers
         )
 
     def prepare_next(self, nbytes: int) -> None:
