@@ -31,9 +31,9 @@ from fastckpt.replicas._channel import Channel
 from fastckpt.replicas._parity_layout import (
     PARITY_PREFIX,
     ParityRecord,
+    find_parity,
     others,
     parity_chunk_id,
-    parse_parity_id,
     part_index,
     part_size,
     part_span,
@@ -179,14 +179,12 @@ class ParityStore:
             if view is not None:
                 return known[0], view
             self._known.pop(step, None)  # dropped with its step
-        for cid in self.tier.chunk_ids(step):  # sealed by an earlier process on this host
-            if cid.startswith(PARITY_PREFIX):
-                rec = parse_parity_id(cid)
-                view = self.tier.get_chunk(step, cid)
-                if rec is not None and rec.holder == self.member and view is not None:
-                    self._known[step] = (rec, cid)
-                    return rec, view
-        return None
+        found = find_parity(self.tier.chunk_ids(step), self.member)  # sealed by an earlier process
+        view = None if found is None else self.tier.get_chunk(step, found[1])
+        if found is None or view is None:
+            return None
+        self._known[step] = found
+        return found[0], view
 
     def stream(self, step: int, anchor: str) -> memoryview | None:
         """This member's own stream of ``step``: the segment holding chunk ``anchor``."""

@@ -10,7 +10,7 @@ cancels older pushes still running.
 
 from __future__ import annotations
 
-import logging
+import functools
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
@@ -19,8 +19,6 @@ from fastckpt.replicas._parity_layout import others, part_size, part_span
 from fastckpt.replicas._replicator import PushHandles, ReplicationHandle
 
 __all__ = ["ParityPusher", "ParityTarget"]
-
-_log = logging.getLogger(__name__)
 
 
 class ParityTarget(Protocol):
@@ -73,15 +71,15 @@ class ParityPusher(PushHandles):
             if target is None:
                 handle._target_done(holder, "not reachable (not in the peer directory)")
                 continue
-            self._pool.submit(
-                self._push, handle, holder, target, list(group), me, stream, size, a, b
+            push = functools.partial(
+                self._push, handle, target, list(group), me, stream, size, a, b
             )
+            self._pool.submit(handle._run, holder, "parity push", push)
         return handle
 
     def _push(
         self,
         handle: ReplicationHandle,
-        holder: str,
         target: ParityTarget,
         group: list[str],
         me: str,
@@ -90,31 +88,21 @@ class ParityPusher(PushHandles):
         a: int,
         b: int,
     ) -> None:
-        error: str | None = None
-        try:
-            offsets = range(0, b - a, self.window_bytes) if b > a else range(1)
-            for off in offsets:
-                if handle._cancelled:
-                    return
-                data = stream[a + off : min(a + off + self.window_bytes, b)]
-                target.put_parity(
-                    handle.step,
-                    group=group,
-                    contributor=me,
-                    stream_len=stream.nbytes,
-                    part_size=size,
-                    offset=off,
-                    data=data,
-                )
-                handle._record(nbytes=data.nbytes)
-            handle._record(pushed=1)
-        except Exception as e:  # reported, never raised into the caller
-            error = f"{type(e).__name__}: {e}"
-            _log.warning(
-                "fastckpt: parity push of RAM step %d to %s failed: %s", handle.step, holder, error
+        for off in range(0, b - a, self.window_bytes) if b > a else range(1):
+            if handle._cancelled:
+                return
+            data = stream[a + off : min(a + off + self.window_bytes, b)]
+            target.put_parity(
+                handle.step,
+                group=group,
+                contributor=me,
+                stream_len=stream.nbytes,
+                part_size=size,
+                offset=off,
+                data=data,
             )
-        finally:
-            handle._target_done(holder, error)
+            handle._record(nbytes=data.nbytes)
+        handle._record(pushed=1)
 
     def close(self, *, wait: bool = True) -> None:
         """Finish (``wait``) or cancel the running pushes; stop the threads."""

@@ -1,14 +1,12 @@
 """Rebuilding a lost member's chunks of a RAM step from its group's parity (the restore side of
 ``RamOptions(redundancy="parity")``; layout in :mod:`~fastckpt.replicas._parity_layout`).
 
-A chunk of writer ``i`` is rebuildable when ``i``'s group (read from a holder's sealed parity
-record) has, for every other member ``j``, a complete parity that covers ``i`` with the
-stream length the manifest gives, and every other member with a non-empty stream still
-lists its own data (an anchor chunk). :meth:`ParityRebuilder.rebuild` asks each parity
-holder whose part the chunk overlaps for its rebuilt range (the holders XOR their parity
-with the other survivors' ranges, in parallel), so the bytes into the restoring host equal
-the chunk's size; the assembled chunk is checked against the manifest's raw crc32c and never
-returned otherwise (:class:`~fastckpt.errors.ChecksumMismatchError`).
+A chunk of writer ``i`` is rebuildable when every other member ``j`` of ``i``'s group (read
+from a holder's sealed parity record) holds a complete parity covering ``i`` with the stream
+length the manifest gives, and every other member with a non-empty stream still lists its
+own data (an anchor chunk). :meth:`ParityRebuilder.rebuild` asks each parity holder whose
+part the chunk overlaps for its rebuilt range; the assembled chunk is checked against the
+manifest's raw crc32c and never returned otherwise (``ChecksumMismatchError``).
 """
 
 from __future__ import annotations
@@ -26,14 +24,13 @@ from fastckpt._checksum import crc32c
 from fastckpt.errors import ChecksumMismatchError, PeerError
 from fastckpt.format.manifest import Manifest
 from fastckpt.replicas._parity_layout import (
-    PARITY_PREFIX,
     ChunkPlace,
     ParityRecord,
     chunk_places,
+    find_parity,
     group_of,
     others,
     parity_groups,
-    parse_parity_id,
     part_size,
     rebuild_pieces,
 )
@@ -125,12 +122,8 @@ class ParityRebuilder:
         return ids
 
     def _record(self, member: str) -> ParityRecord | None:
-        for cid in self._listing(member) or ():
-            if cid.startswith(PARITY_PREFIX):
-                rec = parse_parity_id(cid)
-                if rec is not None and rec.holder == member:
-                    return rec
-        return None
+        found = find_parity(self._listing(member) or (), member)
+        return None if found is None else found[0]
 
     def plan(self, writer: str) -> _Plan | None:
         """How ``writer``'s chunks are rebuilt, or None when its group cannot (cached)."""
@@ -196,9 +189,7 @@ class ParityRebuilder:
 
     def order(self, chunk_ids: Sequence[str]) -> list[int]:
         """The positions of ``chunk_ids`` in the order to rebuild them: taking turns between
-        parity holders. Stream order would send every request in flight to the holder of
-        part 0, then of part 1, ..., each holder's link carrying the survivors' ranges while
-        the others idle."""
+        parity holders (so that requests in flight spread over their links)."""
         queues: dict[str | None, list[int]] = {}
         for i, cid in enumerate(chunk_ids):
             queues.setdefault(self.holder(cid), []).append(i)

@@ -1,16 +1,12 @@
 """Where RAM replicas go: pure functions over member ids. No I/O, no state.
 
-Members are content-stable strings (e.g. ``"<host>/<slot>"``), never process indices, which
-change when a job restarts. Optionally each member belongs to a *failure domain* (its host),
-given by ``domain_of``; a replica in the writer's own domain does not survive the loss of
-that host, so such targets are chosen only when nothing else is left.
-
-The ring interleaves domains: members are grouped by domain (domains sorted, members sorted
-within each) and dealt round-robin, ``h0/0, h1/0, h2/0, h0/1, h1/1, ...``. With equally
-sized domains every member's next ``k`` ring neighbours lie in ``k`` distinct other domains
-(when ``k`` < the number of domains), and every member receives exactly ``k`` replicas: the
-load is balanced. Without ``domain_of`` each member is its own domain and the ring is the
-sorted member list.
+Members are content-stable strings (e.g. ``"<host>/<slot>"``), never process indices.
+Optionally each belongs to a *failure domain* (its host, ``domain_of``); a replica in the
+writer's own domain is chosen only when nothing else is left. The ring deals members
+round-robin over the sorted domains (``h0/0, h1/0, h2/0, h0/1, ...``): with equally sized
+domains a member's next ``k`` neighbours lie in ``k`` distinct other domains (``k`` < the
+number of domains) and every member receives exactly ``k`` replicas. Without ``domain_of``
+the ring is the sorted member list.
 """
 
 from __future__ import annotations
@@ -103,8 +99,7 @@ def replica_holders(
     """Members that may hold a chunk ``writer`` wrote: the writer, then its push targets.
 
     ``members`` must be the membership the chunk was *pushed* under (a later membership
-    change moves the ring); when the writer is unknown or the membership changed, ask peers
-    with ``PeerClient.list_chunks`` instead (``TieredChunkSource`` does).
+    change moves the ring; then ask peers for their chunk lists instead).
     """
     return [writer, *ring_successors(members, writer, k, domain_of=domain_of)]
 
@@ -116,10 +111,9 @@ def relay_parent(
     fetched theirs (e.g. a RAM step's manifest at a restore); None for a holder.
 
     The holders (sorted), then the relays (sorted, holders left out) form one list; entry
-    ``j`` past the holders fetches from entry ``(j - len(holders)) // fanout``: a tree rooted
-    at the holders in which every member serves at most ``fanout`` list members, of depth
-    about ``log_fanout(len(relays) / len(holders))``. A member on neither list (a
-    replacement host, which cannot serve) gets a list member chosen by a stable hash of its id.
+    ``j`` past the holders fetches from entry ``(j - len(holders)) // fanout`` (every member
+    serves at most ``fanout``). A member on neither list gets a list member chosen by a
+    stable hash of its id.
 
     Raises:
         ConfigError: no holder, ``fanout < 1``, or an id is empty.

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import queue
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from fastckpt.errors import ConfigError, ReplicationError, ReplicationTimeoutError
@@ -144,6 +145,21 @@ class ReplicationHandle:
                 errors=dict(self._errors),
                 superseded=self._cancelled,
             )
+
+    def _run(self, target: str, what: str, push: Callable[[], None]) -> bool:
+        """Run ``push``, one target's share of this step, and record it done; a failure is
+        logged and recorded, never raised. True if it failed."""
+        error: str | None = None
+        try:
+            push()
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+            _log.warning(
+                "fastckpt: %s of RAM step %d to %s failed: %s", what, self.step, target, error
+            )
+        finally:
+            self._target_done(target, error)
+        return error is not None
 
     def _record(self, *, pushed: int = 0, present: int = 0, nbytes: int = 0) -> None:
         with self._lock:
@@ -278,10 +294,7 @@ class Replicator:
         self, step: int, *, chunk_ids: Sequence[str] | None = None, manifest: bytes | None = None
     ) -> ReplicationHandle:
         """Queue pushing ``step``'s chunks (all of them by default), then ``manifest``, to every
-        target.
-
-        Never blocks on I/O. Older steps still being pushed are cancelled.
-        """
+        target. Never blocks on I/O. Older steps still being pushed are cancelled."""
         with self._lock:
             if self._closed:
                 raise ConfigError("Replicator is closed")
@@ -349,17 +362,9 @@ class Replicator:
             if item is None:
                 return
             handle, name, target = item
-            error: str | None = None
-            try:
-                self._push_all(handle, target)
-            except Exception as e:  # reported, never raised into the caller
-                error = f"{type(e).__name__}: {e}"
-                _log.warning(
-                    "fastckpt: push of RAM step %d to %s failed: %s", handle.step, name, error
-                )
-            handle._target_done(name, error)
+            failed = handle._run(name, "push", functools.partial(self._push_all, handle, target))
             with self._lock:
-                self._totals["failures"] += error is not None
+                self._totals["failures"] += failed
 
     def _push_all(self, handle: ReplicationHandle, target: ChunkPusher) -> None:
         step = handle.step
@@ -402,23 +407,17 @@ class Replicator:
     ) -> None:
         """Push one batch under the in-flight budget and record it."""
         n = sum(v.nbytes for _, v, _ in batch)
-        self._acquire(n)
-        try:
-            target.push_chunks(step, batch)
-        finally:
-            self._release(n)
-        handle._record(pushed=len(batch), nbytes=n)
-        with self._lock:
-            self._totals["chunks_pushed"] += len(batch)
-            self._totals["bytes_pushed"] += n
-
-    def _acquire(self, n: int) -> None:
         with self._budget:
             while self._inflight and self._inflight + n > self.options.max_inflight_bytes:
                 self._budget.wait()
             self._inflight += n
-
-    def _release(self, n: int) -> None:
-        with self._budget:
-            self._inflight -= n
-            self._budget.notify_all()
+        try:
+            target.push_chunks(step, batch)
+        finally:
+            with self._budget:
+                self._inflight -= n
+                self._budget.notify_all()
+        handle._record(pushed=len(batch), nbytes=n)
+        with self._lock:
+            self._totals["chunks_pushed"] += len(batch)
+            self._totals["bytes_pushed"] += n

@@ -153,7 +153,10 @@ class Sealed:
             view = self._view(prefault)
             if view is None:
                 return None
-            self._mark_lent()
+            if not self.lent:  # the mark is the file's mode: a tier reopened here sees it too
+                self.lent = True
+                with contextlib.suppress(OSError):
+                    os.chmod(self.path, 0o400)
             return [view[o : o + n] for o, n in spans]
 
     def _view(self, prefault: bool) -> memoryview | None:
@@ -185,15 +188,6 @@ class Sealed:
                 self.view = memoryview(self.mm)
         return self.view
 
-    def _mark_lent(self) -> None:
-        """Record that views of this file may live indefinitely: it must never be rewritten
-        (hold ``lock``). The mark is the file's mode (read-only), so a tier reopened over the
-        same directory in this process sees it too."""
-        if not self.lent:
-            self.lent = True
-            with contextlib.suppress(OSError):
-                os.chmod(self.path, 0o400)
-
     def is_lent(self) -> bool:
         """Whether the file was lent (by this object, or by an earlier tier over the same file)."""
         if self.lent:
@@ -205,10 +199,7 @@ class Sealed:
 
     def detach_writable(self) -> mmap.mmap | None:
         """Take the writable mapping away for reuse, if no view of it is alive; else None.
-
-        On success the segment counts as dropped and the caller owns the mapping (its page
-        tables stay populated, which is what makes reuse cheap).
-        """
+        On success the segment counts as dropped and the caller owns the mapping."""
         with self.lock:
             if not self.writable or self.mm is None or self.lent or not self._release_view():
                 return None
@@ -247,10 +238,8 @@ class Sealed:
 
 
 class SparePool:
-    """Freed segment files kept for reuse (their pages stay allocated: a new segment of a
-    similar size fills without faulting pages in), with the writable mapping of each when it was
-    kept.
-    Not thread-safe: the tier's lock guards it."""
+    """Freed segment files kept for reuse (their pages stay allocated), with the writable
+    mapping of each when it was kept. Not thread-safe: the tier's lock guards it."""
 
     def __init__(self, files: dict[Path, int] | None = None) -> None:
         self.sizes: dict[Path, int] = dict(files or {})
@@ -334,9 +323,8 @@ def create_segment_file(
 ) -> mmap.mmap | None:
     """Create (or take over ``spare``) ``path`` of ``nbytes``, reserve its pages, map it writable.
 
-    With ``reserve=False`` the pages are neither reserved nor pre-faulted (microseconds, for
-    a segment filled in the background): the caller must :func:`reserve_pages` (through
-    :meth:`Segment.reserve`) before writing.
+    With ``reserve=False`` the pages are neither reserved nor pre-faulted: the caller must
+    :func:`reserve_pages` (through :meth:`Segment.reserve`) before writing.
 
     Raises:
         RamBudgetError: tmpfs has no room for ``nbytes``.

@@ -151,39 +151,29 @@ class RamReplication(StepSelection):
     # ------------------------------------------------------------------ peers
     def _peers(self) -> dict[str, ParityClient]:
         """Clients of every other published member (looked up once, then cached)."""
-        if self._directory is None or self.options.secret is None:
+        if self._directory is None:
             return {}
         if not self._clients:
             for member, rec in self._directory.lookup().items():
                 if member != self.member_id:
-                    self._clients[member] = ParityClient(
-                        rec.address,
-                        secret=self.options.secret,
-                        options=self._peer_options,
-                        name=member,
-                    )
+                    self._clients[member] = self._client(rec.address, member)
         return self._clients
+
+    def _client(self, address: tuple[str, int], member: str) -> ParityClient:
+        assert self.options.secret is not None  # a peer service runs only with one
+        return ParityClient(
+            address, secret=self.options.secret, options=self._peer_options, name=member
+        )
 
     def _rebuild_peers(self) -> dict[str, RebuildPeer]:
         """The other members' clients and a client of this member's own server (it may hold
         a parity a rebuild needs)."""
         peers: dict[str, RebuildPeer] = dict(self._peers())
-        if self._self_client is None and self.advertised is not None and self.options.secret:
-            self._self_client = ParityClient(
-                self.advertised,
-                secret=self.options.secret,
-                options=self._peer_options,
-                name=self.member_id,
-            )
+        if self._self_client is None and self.advertised is not None:
+            self._self_client = self._client(self.advertised, self.member_id)
         if self._self_client is not None:
             peers[self.member_id] = self._self_client
         return peers
-
-    def forget_peers(self) -> None:
-        """Drop cached peer clients (after membership changes)."""
-        for c in self._clients.values():
-            c.close()
-        self._clients.clear()
 
     # ------------------------------------------------------------------ save
     def due(self, step: int) -> bool:
@@ -195,8 +185,8 @@ class RamReplication(StepSelection):
         ``reserve=False``, the segment's pages must be reserved before it is written.
 
         Steps ``>= step`` this tier still holds are of an abandoned timeline (the job went back
-        to an older step) and are dropped first: otherwise their copies would be served for
-        the re-trained steps, and their retention floor would refuse those saves (StaleStepError).
+        to an older step) and are dropped first (else they would be served for the re-trained
+        steps, and their retention floor would refuse those saves).
         """
         self.abort()
         if self._parity_store is not None:
@@ -318,28 +308,26 @@ class RamReplication(StepSelection):
     def wait_pushed(self) -> float:
         """Block until this host's pushes of earlier RAM steps finished (bounded by the peer I/O
         timeouts; a failed one counts); returns the seconds waited. Called before staging the
-        next RAM step (backpressure): since commits are collective, once any host commits N+1
-        (and frees N-1) every push of N is done, so a host loss always leaves a complete step."""
-        if self._replicator is None:
+        next RAM step, so a host loss always leaves a complete step on the survivors."""
+        pushers = self._pushers()
+        if not pushers:
             return 0.0
         t0 = time.perf_counter()
-        self._replicator.wait_idle()
-        if self._parity_pusher is not None:
-            self._parity_pusher.wait_idle()
+        for p in pushers:
+            p.wait_idle()
         return time.perf_counter() - t0
 
     def pushing(self) -> bool:
         """Whether a push of an earlier RAM step is still running (``wait_pushed`` would wait)."""
-        return (self._replicator is not None and not self._replicator.wait_idle(0)) or (
-            self._parity_pusher is not None and not self._parity_pusher.wait_idle(0)
-        )
+        return any(not p.wait_idle(0) for p in self._pushers())
+
+    def _pushers(self) -> list[Replicator | ParityPusher]:
+        return [p for p in (self._replicator, self._parity_pusher) if p is not None]
 
     def wait_replication(self, timeout_s: float | None = None) -> list[ReplicationReport]:
         """Block until pushes of submitted steps finished; return (and forget) their reports,
         oldest first (errors are in them and logged, not raised)."""
-        reports = self._replicator.wait(timeout_s) if self._replicator is not None else []
-        if self._parity_pusher is not None:
-            reports += self._parity_pusher.wait(timeout_s)
+        reports = [r for p in self._pushers() for r in p.wait(timeout_s)]
         return sorted(reports, key=lambda r: r.step)
 
     # ------------------------------------------------------------------ restore (more in
@@ -351,15 +339,15 @@ class RamReplication(StepSelection):
     def close(self) -> None:
         """Stop pushing and serving; close the tier (its files stay for a restarted process)."""
         self.abort()
-        if self._replicator is not None:
-            self._replicator.close(wait=True)
-        if self._parity_pusher is not None:
-            self._parity_pusher.close(wait=True)
+        for p in self._pushers():
+            p.close(wait=True)
         if self._parity is not None:
             self._parity.reset()
         if self._self_client is not None:
             self._self_client.close()
-        self.forget_peers()
+        for c in self._clients.values():
+            c.close()
+        self._clients.clear()
         if self._server is not None:
             self._server.close()
         if self._parity_store is not None:
