@@ -1,4 +1,4 @@
-"""The tier side of parity (``RamOptions(redundancy="parity")``; layout in
+"""Parity's tier side and pushes (``RamOptions(redundancy="parity")``; layout in
 :mod:`~fastckpt.replicas._parity_layout`).
 
 :class:`ParityStore` XORs each verified window of a contributor's part into an open, zeroed
@@ -12,14 +12,20 @@ step's opens (superseded) or its step is saved again (:meth:`ParityStore.discard
 this member's own stream) and REBUILD (a range of a lost member's part: this member's parity
 XOR the other survivors' matching ranges, read in parallel), so that a restoring host
 receives only the rebuilt bytes.
+
+:class:`ParityPusher` sends this member's parts after a commit: part ``k`` of its stream to
+the ``k``-th other member, in windows, zero-copy from the tier's mapping; ``submit`` returns
+at once, ``wait_idle()`` before staging the next RAM step, ``wait()`` for the reports; a
+failing target is recorded in the report (never raised); a newer submit cancels older ones.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -40,9 +46,17 @@ from fastckpt.replicas._parity_layout import (
     xor_into,
 )
 from fastckpt.replicas._ram import ChunkLocation, RamTier, Segment
+from fastckpt.replicas._replicator import PushHandles, ReplicationHandle
 from fastckpt.replicas._wire import MsgType
 
-__all__ = ["ParityService", "ParityStore", "StreamPeer", "decode_group"]
+__all__ = [
+    "ParityPusher",
+    "ParityService",
+    "ParityStore",
+    "ParityTarget",
+    "StreamPeer",
+    "decode_group",
+]
 
 
 class StreamPeer(Protocol):
@@ -263,10 +277,8 @@ class ParityService:
             return _error(chan, "not_found", f"no complete parity of step {step} here")
         rec, pview = hit
         me = self.store.member
-        if rec.contributors.get(lost) != (
-            h["stream_len"],
-            part_size(h["stream_len"], len(rec.group)),
-        ):
+        covered = (h["stream_len"], part_size(h["stream_len"], len(rec.group)))
+        if rec.contributors.get(lost) != covered:
             return _error(chan, "not_found", f"the parity of step {step} does not cover {lost!r}")
         size = rec.contributors[lost][1]
         if u + n > size:
@@ -317,3 +329,91 @@ class ParityService:
 def _error(chan: Channel, code: str, message: str) -> bool:
     chan.send(MsgType.ERROR, {"code": code, "message": message[:1000]})
     return True
+
+
+class ParityTarget(Protocol):
+    """What the pusher needs of a group member (``ParityClient`` is one)."""
+
+    def put_parity(
+        self,
+        step: int,
+        *,
+        group: Sequence[str],
+        contributor: str,
+        stream_len: int,
+        part_size: int,
+        offset: int,
+        data: memoryview,
+    ) -> bool: ...
+
+
+class ParityPusher(PushHandles):
+    """Pushes this member's parity parts on background threads (their handles: the base class).
+
+    Args:
+        window_bytes: Bytes per PUT_PARITY request (the receiver buffers one window to
+            verify it before it is applied).
+    """
+
+    def __init__(self, *, window_bytes: int = 16 << 20) -> None:
+        super().__init__("parity push", max_reports=64)
+        self.window_bytes = window_bytes
+        self._pool = ThreadPoolExecutor(8, thread_name_prefix="fastckpt-parity")
+
+    def submit(
+        self,
+        step: int,
+        *,
+        stream: memoryview,
+        group: Sequence[str],
+        me: str,
+        targets: Mapping[str, ParityTarget],
+    ) -> ReplicationHandle:
+        """Queue pushing ``stream`` (this member's bytes ``[0, L)`` of ``step``) as parts to
+        the other members of ``group``. Never blocks on I/O."""
+        holders = others(group, me)
+        handle = ReplicationHandle(step, [], None, tuple(holders))
+        self.add(handle)
+        size = part_size(stream.nbytes, len(group))
+        for k, holder in enumerate(holders):
+            a, b = part_span(stream.nbytes, size, k)
+            target = targets.get(holder)
+            if target is None:
+                handle._target_done(holder, "not reachable (not in the peer directory)")
+                continue
+            push = functools.partial(
+                self._push, handle, target, list(group), me, stream, size, a, b
+            )
+            self._pool.submit(handle._run, holder, "parity push", push)
+        return handle
+
+    def _push(
+        self,
+        handle: ReplicationHandle,
+        target: ParityTarget,
+        group: list[str],
+        me: str,
+        stream: memoryview,
+        size: int,
+        a: int,
+        b: int,
+    ) -> None:
+        for off in range(0, b - a, self.window_bytes) if b > a else range(1):
+            if handle._cancelled:
+                return
+            data = stream[a + off : min(a + off + self.window_bytes, b)]
+            target.put_parity(
+                handle.step,
+                group=group,
+                contributor=me,
+                stream_len=stream.nbytes,
+                part_size=size,
+                offset=off,
+                data=data,
+            )
+            handle._record(nbytes=data.nbytes)
+        handle._record(pushed=1)
+
+    def close(self) -> None:
+        """Finish the running pushes; stop the threads."""
+        self._pool.shutdown(wait=True)

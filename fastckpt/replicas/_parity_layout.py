@@ -17,6 +17,7 @@ which every manifest chunk id does).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
@@ -61,13 +62,9 @@ def parity_groups(
     if not ring:
         return []
     count = -(-len(ring) // group_size)
-    base, extra = divmod(len(ring), count)
-    out, at = [], 0
-    for gi in range(count):
-        size = base + (1 if gi < extra else 0)
-        out.append(ring[at : at + size])
-        at += size
-    return out
+    base, extra = divmod(len(ring), count)  # the first ``extra`` groups get one more
+    cuts = [g * base + min(g, extra) for g in range(count + 1)]
+    return [ring[a:b] for a, b in itertools.pairwise(cuts)]
 
 
 def group_of(member: str, groups: Sequence[Sequence[str]]) -> list[str]:

@@ -71,7 +71,6 @@ class RamTier(StepTable):
         budget_bytes: Upper bound of bytes held (see module docstring).
         keep_steps: Committed steps to retain.
         replicated: Hold one committed step beyond ``keep_steps`` (module docstring).
-        prefault: Pre-fault mappings (a new segment's first fill is not bound by page faults).
         recycle: Keep freed segment files as spares for new allocations of similar size.
 
     Raises:
@@ -87,7 +86,6 @@ class RamTier(StepTable):
         budget_bytes: int,
         keep_steps: int = 1,
         replicated: bool = False,
-        prefault: bool = True,
         recycle: bool = True,
     ) -> None:
         if budget_bytes <= 0 or keep_steps <= 0:
@@ -98,7 +96,6 @@ class RamTier(StepTable):
         self.budget_bytes = budget_bytes
         self.keep_steps = keep_steps
         self._held_steps = keep_steps + (1 if replicated else 0)
-        self._prefault = prefault
         self._recycle = recycle
         self._lock = threading.RLock()
         self._steps: dict[int, StepState] = {}
@@ -181,14 +178,12 @@ class RamTier(StepTable):
                 self.allocated_ready += 1
             else:
                 close_map(spare_mm)
-                mm = create_segment_file(
-                    path, nbytes, spare=spare, prefault=self._prefault, reserve=reserve
-                )
+                mm = create_segment_file(path, nbytes, spare=spare, reserve=reserve)
         except BaseException:
             with self._lock:
                 self._reserved -= nbytes
             raise
-        return Segment(self, step, path, mm, nbytes, reserved=reserve, prefault=self._prefault)
+        return Segment(self, step, path, mm, nbytes, reserved=reserve)
 
     def provision(self, nbytes: int) -> bool:
         """Make a spare of exactly ``nbytes`` ready (reserved, mapped, pre-faulted) for the next
@@ -214,7 +209,7 @@ class RamTier(StepTable):
         path = self.root / "spare" / new_name()
         try:
             close_map(old_mm)
-            mm = create_segment_file(path, nbytes, spare=spare, prefault=self._prefault)
+            mm = create_segment_file(path, nbytes, spare=spare)
         except BaseException as e:
             with self._lock:
                 self._reserved -= nbytes

@@ -216,11 +216,6 @@ class PushHandles:
                     kept.append(h)
             self._handles = kept
 
-    def cancel_all(self) -> None:
-        with self._lock:
-            for h in self._handles:
-                h._cancelled = True
-
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Wait until every push added so far finished (done, failed or cancelled), keeping
         the reports; False on timeout."""
@@ -339,15 +334,12 @@ class Replicator:
         with self._lock:
             return {**self._totals, "reports_forgotten": self._pushes.forgotten}
 
-    def close(self, *, wait: bool = True) -> None:
-        """Stop the workers (after finishing queued work if ``wait``, else cancelling it).
-        Idempotent."""
+    def close(self) -> None:
+        """Stop the workers after finishing queued work. Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            if not wait:
-                self._pushes.cancel_all()
             threads = list(self._threads)
         for _ in threads:
             self._queue.put(None)

@@ -57,8 +57,7 @@ class Segment:
         mm: mmap.mmap | None,
         nbytes: int,
         *,
-        reserved: bool = True,
-        prefault: bool = False,
+        reserved: bool,
     ) -> None:
         self._tier = tier
         self.step = step
@@ -67,7 +66,6 @@ class Segment:
         """Size in bytes."""
         self.reserved = reserved
         """Whether its pages are reserved (see :meth:`reserve`)."""
-        self._prefault = prefault
         self._path = path
         self._mm = mm
         self._buffer: np.ndarray | None = (
@@ -97,7 +95,7 @@ class Segment:
                 reserve_pages(fd, self.nbytes, self._path)
             finally:
                 os.close(fd)
-            if self._prefault and self._mm is not None:
+            if self._mm is not None:
                 populate_writable(self._mm)
             self.reserved = True
 
@@ -114,18 +112,6 @@ class Segment:
 class Sealed:
     """A sealed segment file and its lazily created read mapping."""
 
-    __slots__ = (
-        "dropped",
-        "index_path",
-        "lent",
-        "lock",
-        "mm",
-        "nbytes",
-        "path",
-        "view",
-        "writable",
-    )
-
     def __init__(
         self, path: Path, index_path: Path, nbytes: int, mm: mmap.mmap | None = None
     ) -> None:
@@ -140,17 +126,17 @@ class Sealed:
         """``mm`` is the writable mapping the segment was filled through (reusable)."""
         self.lock = threading.Lock()
 
-    def slice(self, offset: int, length: int, prefault: bool) -> memoryview | None:
+    def slice(self, offset: int, length: int) -> memoryview | None:
         """A read-only view of ``[offset, offset + length)``; None once the segment is dropped."""
         with self.lock:
-            view = self._view(prefault)
+            view = self._view()
             return None if view is None else view[offset : offset + length]
 
-    def lend(self, spans: Sequence[tuple[int, int]], prefault: bool) -> list[memoryview] | None:
+    def lend(self, spans: Sequence[tuple[int, int]]) -> list[memoryview] | None:
         """Read-only views of ``(offset, length)`` spans that may live indefinitely (the file is
         marked lent: never rewritten), under one lock acquisition; None once dropped."""
         with self.lock:
-            view = self._view(prefault)
+            view = self._view()
             if view is None:
                 return None
             if not self.lent:  # the mark is the file's mode: a tier reopened here sees it too
@@ -159,7 +145,7 @@ class Sealed:
                     os.chmod(self.path, 0o400)
             return [view[o : o + n] for o, n in spans]
 
-    def _view(self, prefault: bool) -> memoryview | None:
+    def _view(self) -> memoryview | None:
         """The whole segment's read view, mapped on first use; None once dropped (hold ``lock``)."""
         if self.dropped:
             return None
@@ -167,7 +153,7 @@ class Sealed:
             if self.nbytes == 0:
                 self.view = memoryview(b"")
             else:
-                flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if prefault else 0)
+                flags = mmap.MAP_SHARED | mmap.MAP_POPULATE
                 try:
                     fd = os.open(self.path, os.O_RDONLY)
                     try:
@@ -319,7 +305,7 @@ def reserve_pages(fd: int, nbytes: int, path: Path) -> None:
 
 
 def create_segment_file(
-    path: Path, nbytes: int, *, spare: Path | None, prefault: bool, reserve: bool = True
+    path: Path, nbytes: int, *, spare: Path | None, reserve: bool = True
 ) -> mmap.mmap | None:
     """Create (or take over ``spare``) ``path`` of ``nbytes``, reserve its pages, map it writable.
 
@@ -342,7 +328,7 @@ def create_segment_file(
             reserve_pages(fd, nbytes, path)
         prot = mmap.PROT_READ | mmap.PROT_WRITE
         mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=prot)
-        if prefault and reserve and not populate_writable(mm):  # older kernels: MAP_POPULATE
+        if reserve and not populate_writable(mm):  # older kernels: MAP_POPULATE
             mm.close()
             mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=prot)
         return mm

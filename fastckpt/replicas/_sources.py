@@ -39,6 +39,7 @@ __all__ = ["ChunkPeer", "ChunkRebuilder", "SourceStats", "TieredChunkSource"]
 
 _MAX_LOG = 256
 _REBUILDS_IN_FLIGHT = 8  # chunks rebuilt from parity at once by one fetch_many
+_Runs = Sequence[tuple[int, int]] | None  # byte ranges (start, n) of a chunk; None: all of it
 
 FallbackReason = Literal["miss", "corrupt", "unavailable", "protocol", "error"]
 
@@ -188,7 +189,7 @@ class TieredChunkSource:
         out: list[str | None] = [None] * len(items)
         if self._own is not None:
             for k, ((cid, n, crc, _), dst) in enumerate(zip(items, dsts)):
-                if self._fetch_own(step, cid, n, crc, dst, runs=spans[k]):
+                if self._fetch_own(step, cid, n, crc, dst, spans[k]):
                     out[k] = "ram"
         for i, peer in enumerate(self._peers):
             todo = [k for k in range(len(items)) if out[k] is None]
@@ -244,7 +245,7 @@ class TieredChunkSource:
             # time would leave the others idle between round trips.
             def rebuilt(k: int) -> bool:
                 cid, n, crc, _ = items[k]
-                return self._fetch_rebuilt(step, cid, n, crc, dsts[k], runs=spans[k])
+                return self._fetch_rebuilt(step, cid, n, crc, dsts[k], spans[k])
 
             with ThreadPoolExecutor(
                 min(_REBUILDS_IN_FLIGHT, len(lost)), thread_name_prefix="fastckpt-rebuild"
@@ -273,9 +274,8 @@ class TieredChunkSource:
         t0 = time.perf_counter()
         out: list[memoryview | None] = []
         nchunks = nbytes = 0
-        for chunks, hit in zip(
-            groups, self._own.lend_spans(step, [[c[0] for c in g] for g in groups])
-        ):
+        hits = self._own.lend_spans(step, [[c[0] for c in g] for g in groups])
+        for chunks, hit in zip(groups, hits):
             if hit is None:  # (an empty group gets None from lend_spans)
                 out.append(None)
                 continue
@@ -322,45 +322,27 @@ class TieredChunkSource:
     # ---------------------------------------------------------------- internals
 
     def _fetch_own(
-        self,
-        step: int,
-        chunk_id: str,
-        raw_length: int,
-        raw_crc32c: int,
-        dst: np.ndarray,
-        *,
-        runs: Sequence[tuple[int, int]] | None = None,
+        self, step: int, cid: str, n: int, crc: int, dst: np.ndarray, runs: _Runs
     ) -> bool:
         """The own tier's copy of the chunk into ``dst``: whole, or only the byte ranges
         ``runs`` (the whole copy is verified either way)."""
         assert self._own is not None
         t0 = time.perf_counter()
-        view = self._own.get_chunk(step, chunk_id)
+        view = self._own.get_chunk(step, cid)
         if view is None:
-            self._fallback("ram", chunk_id, "miss", None)
+            self._fallback("ram", cid, "miss", None)
             return False
-        if view.nbytes != raw_length or (self._verify and crc32c(view) != raw_crc32c):
+        if view.nbytes != n or (self._verify and crc32c(view) != crc):
             self._fallback(
-                "ram", chunk_id, "corrupt", f"{view.nbytes} bytes, crc32c mismatch or wrong length"
+                "ram", cid, "corrupt", f"{view.nbytes} bytes, crc32c mismatch or wrong length"
             )
             return False
-        src = np.frombuffer(view, np.uint8)
-        if runs is None:
-            np.copyto(dst, src)
-        else:
-            for a, n in runs:
-                dst[a : a + n] = src[a : a + n]
-        self._success("ram", _run_bytes(runs, raw_length), time.perf_counter() - t0)
+        _copy_runs(dst, np.frombuffer(view, np.uint8), runs)
+        self._success("ram", _run_bytes(runs, n), time.perf_counter() - t0)
         return True
 
     def _fetch_rebuilt(
-        self,
-        step: int,
-        chunk_id: str,
-        n: int,
-        crc: int,
-        dst: np.ndarray,
-        runs: Sequence[tuple[int, int]] | None = None,
+        self, step: int, cid: str, n: int, crc: int, dst: np.ndarray, runs: _Runs
     ) -> bool:
         """The chunk rebuilt from parity into ``dst`` (only ``runs`` of it, if given)."""
         rb = self._rebuild
@@ -368,17 +350,17 @@ class TieredChunkSource:
         t0 = time.perf_counter()
         buf = dst if runs is None else np.empty(n, np.uint8)
         try:
-            if not rb.rebuild(step, chunk_id, n, crc, buf):
-                self._fallback("rebuilt", chunk_id, "miss", None)
+            if not rb.rebuild(step, cid, n, crc, buf):
+                self._fallback("rebuilt", cid, "miss", None)
                 return False
         except ChecksumMismatchError as e:
-            self._fallback("rebuilt", chunk_id, "corrupt", e)
+            self._fallback("rebuilt", cid, "corrupt", e)
             return False
         except PeerError as e:
-            self._fallback("rebuilt", chunk_id, "error", e)
+            self._fallback("rebuilt", cid, "error", e)
             return False
-        for a, k in runs or ():
-            dst[a : a + k] = buf[a : a + k]
+        if runs is not None:
+            _copy_runs(dst, buf, runs)
         self._success("rebuilt", _run_bytes(runs, n), time.perf_counter() - t0)
         return True
 
@@ -415,23 +397,23 @@ class TieredChunkSource:
             st.seconds += seconds
 
     def _fallback(
-        self,
-        tier: str,
-        chunk_id: str,
-        reason: FallbackReason,
-        err: object,
-        *,
-        dead: int | None = None,
+        self, tier: str, cid: str, reason: FallbackReason, err: object, *, dead: int | None = None
     ) -> None:
         with self._lock:
             self._fallbacks[reason] += 1
-            self._log.append(
-                Fallback(tier, chunk_id, reason, "" if err is None else str(err)[:300])
-            )
+            self._log.append(Fallback(tier, cid, reason, "" if err is None else str(err)[:300]))
             if dead is not None:
                 self._dead.add(dead)
 
 
-def _run_bytes(runs: Sequence[tuple[int, int]] | None, whole: int) -> int:
+def _copy_runs(dst: np.ndarray, src: np.ndarray, runs: _Runs) -> None:
+    """``dst[a:a+n] = src[a:a+n]`` for each run (the whole chunk when ``runs`` is None)."""
+    if runs is None:
+        np.copyto(dst, src)
+    for a, n in runs or ():
+        dst[a : a + n] = src[a : a + n]
+
+
+def _run_bytes(runs: _Runs, whole: int) -> int:
     """Bytes a fetch of ``runs`` of a chunk of ``whole`` bytes moves (None: the whole chunk)."""
     return whole if runs is None else sum(n for _, n in runs)

@@ -274,23 +274,19 @@ class PeerDirectory:
             key = f"{_STORE_PREFIX}{quote(record.member_id, safe='')}.json"
             self._run(self._store.put(key, record.to_json().encode(), mode="overwrite"))
 
-    def lookup(self, *, wait: bool = True) -> dict[str, PeerRecord]:
+    def lookup(self) -> dict[str, PeerRecord]:
         """The newest record of every member that published (by ``published_unix``, ties by
         ``incarnation``; records that fail to parse are skipped), keyed and sorted by member
-        id. Several processes: with ``wait``, block until all published (or time out).
+        id. Several processes: blocks until all published (or times out).
 
         Raises:
-            BarrierTimeoutError: ``wait`` and some process did not publish within the timeout.
+            BarrierTimeoutError: some process did not publish within the timeout.
         """
         if not self._multi:
             return _newest(self._run(self._read_store()))
         deadline = time.monotonic() + self._timeout_s
-        count = self._coordinator.process_count
-        if not wait:  # one request for all processes' records
-            found = self._coordinator.try_get_all(self._directory, count)
-            return _newest(v for v in found if v is not None)
         blobs = []
-        for i in range(count):
+        for i in range(self._coordinator.process_count):
             remaining = time_left(deadline)
             try:
                 blobs.append(self._coordinator.get(f"{self._directory}/{i}", timeout_s=remaining))

@@ -127,10 +127,8 @@ class StepSelection:
     def _step_lists(self) -> dict[str, StepLists]:
         """This member's and every reachable peer's step lists (one request per peer)."""
         lists = dict(self._ask_peers(lambda c: (c.name, c.step_lists())))
-        tier = self.tier
-        lists[self.member_id] = StepLists(
-            tier.steps(), tier.committed_steps(), tier.manifest_steps()
-        )
+        t = self.tier
+        lists[self.member_id] = StepLists(t.steps(), t.committed_steps(), t.manifest_steps())
         return lists
 
     def _ask_peers(
@@ -339,12 +337,11 @@ class StepSelection:
             named = coord.exchange(f"{key}/round{round_}", mine, timeout_s=time_left(deadline))
             if error is not None:
                 raise error
-            failed = [(i, v) for i, v in enumerate(named) if v.startswith("error ")]
-            if failed:
-                i, v = failed[0]
-                raise DistributedError(
-                    f"process {i} could not check the RAM steps for its restore: {v[6:]}"
-                )
+            for i, v in enumerate(named):
+                if v.startswith("error "):
+                    raise DistributedError(
+                        f"process {i} could not check the RAM steps for its restore: {v[6:]}"
+                    )
             if "none" in named:
                 return None
             steps = [int(v) for v in named]

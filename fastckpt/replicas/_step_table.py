@@ -106,12 +106,9 @@ def scan_root(root: Path, *, recycle: bool) -> tuple[dict[Path, int], dict[int, 
                 st.committed = True
             elif p.name == COMMIT:
                 st.committed = True
+        kept = {MANIFEST, COMMIT, *st.segments}
         for p in d.iterdir():  # data without index, partial temp files: crash debris
-            if (
-                p.name not in (MANIFEST, COMMIT)
-                and not p.name.endswith(INDEX_SUFFIX)
-                and p.name not in st.segments
-            ):
+            if p.name not in kept and not p.name.endswith(INDEX_SUFFIX):
                 unlink(p)
         if st.segments or st.committed:
             steps[step] = st
@@ -147,7 +144,6 @@ class StepTable:
     root: Path
     _lock: threading.RLock
     _steps: dict[int, StepState]
-    _prefault: bool
 
     def _hit(self, step: int, chunk_id: str) -> tuple[Sealed, ChunkLocation] | None:
         with self._lock:
@@ -161,14 +157,14 @@ class StepTable:
         if hit is None:
             return None
         seg, loc = hit
-        view = seg.slice(loc.offset, loc.length, self._prefault)
+        view = seg.slice(loc.offset, loc.length)
         return None if view is None else (view, loc)  # None: dropped meanwhile
 
     def segment_of(self, step: int, chunk_id: str) -> memoryview | None:
         """A read-only view of the whole sealed segment holding ``chunk_id`` of ``step`` (a
         writer's stream, for parity), or None; valid as :meth:`read_chunk`'s."""
         hit = self._hit(step, chunk_id)
-        return None if hit is None else hit[0].slice(0, hit[0].nbytes, self._prefault)
+        return None if hit is None else hit[0].slice(0, hit[0].nbytes)
 
     def lend_spans(
         self, step: int, groups: Sequence[Sequence[str]]
@@ -196,7 +192,7 @@ class StepTable:
             for i in members:
                 first, last = hits[i][0][1], hits[i][-1][1]  # type: ignore[index]
                 spans.append((first.offset, last.offset + last.length - first.offset))
-            views = seg.lend(spans, self._prefault)
+            views = seg.lend(spans)
             if views is None:  # dropped meanwhile
                 continue
             for i, view in zip(members, views):

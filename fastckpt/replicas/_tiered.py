@@ -25,10 +25,9 @@ from fastckpt.format.layout import ram_object_key
 from fastckpt.format.manifest import Manifest, chunk_id, chunk_id_prefix
 from fastckpt.options import RamOptions
 from fastckpt.replicas._connection import PeerOptions
-from fastckpt.replicas._parity import ParityService, ParityStore
+from fastckpt.replicas._parity import ParityPusher, ParityService, ParityStore
 from fastckpt.replicas._parity_client import ParityClient
 from fastckpt.replicas._parity_layout import group_of, parity_groups
-from fastckpt.replicas._parity_push import ParityPusher
 from fastckpt.replicas._parity_rebuild import ParityRebuilds, RebuildPeer
 from fastckpt.replicas._placement import host_domain
 from fastckpt.replicas._ram import ChunkLocation, RamTier, Segment
@@ -330,8 +329,7 @@ class RamReplication(StepSelection):
         reports = [r for p in self._pushers() for r in p.wait(timeout_s)]
         return sorted(reports, key=lambda r: r.step)
 
-    # ------------------------------------------------------------------ restore (more in
-    # StepSelection)
+    # ------------------------------------------------------------------ restore (more: base)
     def holds_alone(self, manifest: Manifest) -> bool:
         """Whether ``manifest`` is of a RAM-only step (storage does not hold it)."""
         return manifest.metadata.get(_TIER_KEY) == self.name
@@ -340,7 +338,7 @@ class RamReplication(StepSelection):
         """Stop pushing and serving; close the tier (its files stay for a restarted process)."""
         self.abort()
         for p in self._pushers():
-            p.close(wait=True)
+            p.close()
         if self._parity is not None:
             self._parity.reset()
         if self._self_client is not None:
