@@ -27,13 +27,14 @@ import json
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from fastckpt._checksum import crc32c
 from fastckpt.errors import ConfigError, PeerError, RamBudgetError, StaleStepError
 from fastckpt.replicas._channel import Channel
+from fastckpt.replicas._parity_client import ParityClient
 from fastckpt.replicas._parity_layout import (
     PARITY_PREFIX,
     ParityRecord,
@@ -53,18 +54,8 @@ __all__ = [
     "ParityPusher",
     "ParityService",
     "ParityStore",
-    "ParityTarget",
-    "StreamPeer",
     "decode_group",
 ]
-
-
-class StreamPeer(Protocol):
-    """What a parity holder needs of the other survivors (``ParityClient`` is one)."""
-
-    def get_stream(
-        self, step: int, anchor: str, offset: int, stream_len: int, *, into: np.ndarray
-    ) -> bool: ...
 
 
 @dataclasses.dataclass
@@ -226,7 +217,7 @@ class ParityService:
 
     types = frozenset({MsgType.PUT_PARITY, MsgType.GET_STREAM, MsgType.REBUILD})
 
-    def __init__(self, store: ParityStore, peers: Callable[[], Mapping[str, StreamPeer]]) -> None:
+    def __init__(self, store: ParityStore, peers: Callable[[], Mapping[str, ParityClient]]) -> None:
         self.store = store
         self._peers = peers
         self.stats = {"rebuilt_bytes": 0, "stream_bytes": 0, "parity_bytes": 0}
@@ -331,22 +322,6 @@ def _error(chan: Channel, code: str, message: str) -> bool:
     return True
 
 
-class ParityTarget(Protocol):
-    """What the pusher needs of a group member (``ParityClient`` is one)."""
-
-    def put_parity(
-        self,
-        step: int,
-        *,
-        group: Sequence[str],
-        contributor: str,
-        stream_len: int,
-        part_size: int,
-        offset: int,
-        data: memoryview,
-    ) -> bool: ...
-
-
 class ParityPusher(PushHandles):
     """Pushes this member's parity parts on background threads (their handles: the base class).
 
@@ -367,7 +342,7 @@ class ParityPusher(PushHandles):
         stream: memoryview,
         group: Sequence[str],
         me: str,
-        targets: Mapping[str, ParityTarget],
+        targets: Mapping[str, ParityClient],
     ) -> ReplicationHandle:
         """Queue pushing ``stream`` (this member's bytes ``[0, L)`` of ``step``) as parts to
         the other members of ``group``. Never blocks on I/O."""
@@ -390,7 +365,7 @@ class ParityPusher(PushHandles):
     def _push(
         self,
         handle: ReplicationHandle,
-        target: ParityTarget,
+        target: ParityClient,
         group: list[str],
         me: str,
         stream: memoryview,

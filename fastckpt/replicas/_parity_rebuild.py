@@ -16,13 +16,13 @@ import itertools
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol
 
 import numpy as np
 
 from fastckpt._checksum import crc32c
 from fastckpt.errors import ChecksumMismatchError, PeerError
 from fastckpt.format.manifest import Manifest
+from fastckpt.replicas._parity_client import ParityClient
 from fastckpt.replicas._parity_layout import (
     ChunkPlace,
     ParityRecord,
@@ -36,26 +36,9 @@ from fastckpt.replicas._parity_layout import (
 )
 from fastckpt.replicas._placement import host_domain
 
-__all__ = ["ParityRebuilder", "ParityRebuilds", "RebuildPeer"]
+__all__ = ["ParityRebuilder", "ParityRebuilds"]
 
-
-class RebuildPeer(Protocol):
-    """What a restore needs of a group member (``ParityClient`` is one)."""
-
-    name: str
-
-    def list_chunks(self, step: int) -> list[str]: ...
-
-    def rebuild(
-        self,
-        step: int,
-        *,
-        lost: str,
-        stream_len: int,
-        offset: int,
-        anchors: Mapping[str, str],
-        into: np.ndarray,
-    ) -> bool: ...
+_WINDOW = 32 << 20  # largest range one REBUILD asks for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,18 +57,16 @@ class ParityRebuilder:
         peers: Clients by member id, this member's own server included (it may hold a parity).
         group_size: ``RamOptions.group_size`` (a hint: the groups are read from the records).
         known: Chunk lists already fetched, by ``(step, member)``.
-        window_bytes: Largest range one REBUILD asks for.
     """
 
     def __init__(
         self,
         step: int,
         places: Mapping[str, ChunkPlace],
-        peers: Mapping[str, RebuildPeer],
+        peers: Mapping[str, ParityClient],
         *,
         group_size: int,
         known: Mapping[tuple[int, str], frozenset[str]] | None = None,
-        window_bytes: int = 32 << 20,
     ) -> None:
         self.step = step
         self._peers = dict(peers)
@@ -99,7 +80,6 @@ class ParityRebuilder:
         self._listings = {m: ids for (s, m), ids in (known or {}).items() if s == step}
         self._plans: dict[str, _Plan | None] = {}
         self._lock = threading.Lock()
-        self._window = window_bytes
         self._pool = ThreadPoolExecutor(8, thread_name_prefix="fastckpt-rebuild")
 
     def close(self) -> None:
@@ -214,8 +194,8 @@ class ParityRebuilder:
         for piece in rebuild_pieces(
             plan.group, place.writer, plan.stream_len, place.offset, place.nbytes
         ):
-            for w in range(0, piece.n, self._window):
-                n = min(self._window, piece.n - w)
+            for w in range(0, piece.n, _WINDOW):
+                n = min(_WINDOW, piece.n - w)
                 jobs.append((piece.holder, piece.u + w, dst[piece.at + w : piece.at + w + n]))
 
         def ask(job: tuple[str, int, np.ndarray]) -> bool:
@@ -252,7 +232,7 @@ class ParityRebuilds:
     def __init__(
         self,
         manifest_of: Callable[[int], Manifest | None],
-        peers: Callable[[], Mapping[str, RebuildPeer]],
+        peers: Callable[[], Mapping[str, ParityClient]],
         *,
         group_size: int,
     ) -> None:

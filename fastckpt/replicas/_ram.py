@@ -37,8 +37,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 
-from fastckpt._checksum import crc32c
-from fastckpt.errors import ChecksumMismatchError, ConfigError, RamBudgetError, StaleStepError
+from fastckpt.errors import ConfigError, RamBudgetError, StaleStepError
 from fastckpt.replicas._shm import Sealed, Segment, SparePool, close_map, create_segment_file
 from fastckpt.replicas._step_table import StepState, StepTable, scan_root
 from fastckpt.replicas._tier_dir import (
@@ -225,9 +224,7 @@ class RamTier(StepTable):
         unlink(path)
         return False
 
-    def seal(
-        self, step: int, seg: Segment, index: Mapping[str, ChunkLocation], *, verify: bool = False
-    ) -> None:
+    def seal(self, step: int, seg: Segment, index: Mapping[str, ChunkLocation]) -> None:
         """Make ``seg``'s chunks visible under ``step`` (data file moved in, index written
         last); a chunk id already in the step is replaced. Retention runs afterwards (and
         drops ``step`` itself if it is already stale).
@@ -236,11 +233,9 @@ class RamTier(StepTable):
             step: Must equal ``seg.step``.
             seg: An open segment from :meth:`allocate`.
             index: chunk id → location in the segment; locations must lie inside it.
-            verify: Check every chunk's crc32c before sealing (costs a pass over the data).
 
         Raises:
             ConfigError: bad index or segment state.
-            ChecksumMismatchError: ``verify`` found a chunk whose crc32c differs.
         """
         if seg.state != "open" or seg._tier is not self or seg.step != step:
             raise ConfigError(
@@ -256,13 +251,6 @@ class RamTier(StepTable):
             if loc.offset < 0 or loc.length < 0 or loc.offset + loc.length > seg.nbytes:
                 raise ConfigError(
                     f"chunk {cid!r} at {loc} lies outside the {seg.nbytes}-byte segment"
-                )
-            if (
-                verify
-                and crc32c(seg.buffer[loc.offset : loc.offset + loc.length]) != loc.raw_crc32c
-            ):
-                raise ChecksumMismatchError(
-                    f"chunk {cid!r} of step {step} does not match its crc32c"
                 )
         with self._lock:
             self._check_open()

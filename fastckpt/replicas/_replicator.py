@@ -22,33 +22,21 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
 
 from fastckpt.errors import ConfigError, ReplicationError, ReplicationTimeoutError
+from fastckpt.replicas._client import PeerClient
 from fastckpt.replicas._ram import RamTier
 from fastckpt.replicas._wire import MAX_BATCH_CHUNKS
 
 _log = logging.getLogger(__name__)
 
 __all__ = [
-    "ChunkPusher",
     "PushHandles",
     "ReplicationHandle",
     "ReplicationReport",
     "Replicator",
     "ReplicatorOptions",
 ]
-
-
-class ChunkPusher(Protocol):
-    """What the replicator needs of a peer (``PeerClient`` is one): ``list_chunks`` lets a
-    re-submit skip what arrived already; ``push_chunks`` stores a batch all or none."""
-
-    def list_chunks(self, step: int) -> list[str]: ...
-
-    def push_chunks(self, step: int, chunks: Sequence[tuple[str, memoryview, int]]) -> None: ...
-
-    def put_manifest(self, step: int, data: bytes | memoryview) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -265,13 +253,13 @@ class Replicator:
         self,
         tier: RamTier,
         *,
-        targets: Mapping[str, ChunkPusher] | None = None,
+        targets: Mapping[str, PeerClient] | None = None,
         options: ReplicatorOptions | None = None,
     ) -> None:
         self._tier = tier
         self.options = options or ReplicatorOptions()
-        self._targets: dict[str, ChunkPusher] = dict(targets or {})
-        self._queue: queue.Queue[tuple[ReplicationHandle, str, ChunkPusher] | None] = queue.Queue()
+        self._targets: dict[str, PeerClient] = dict(targets or {})
+        self._queue: queue.Queue[tuple[ReplicationHandle, str, PeerClient] | None] = queue.Queue()
         self._pushes = PushHandles("push", max_reports=self.options.max_reports)
         self._lock = threading.Lock()
         self._budget = threading.Condition()
@@ -280,7 +268,7 @@ class Replicator:
         self._closed = False
         self._totals = dict.fromkeys(("steps", "chunks_pushed", "bytes_pushed", "failures"), 0)
 
-    def set_targets(self, targets: Mapping[str, ChunkPusher]) -> None:
+    def set_targets(self, targets: Mapping[str, PeerClient]) -> None:
         """Targets for later submits (e.g. after a membership change)."""
         with self._lock:
             self._targets = dict(targets)
@@ -358,7 +346,7 @@ class Replicator:
             with self._lock:
                 self._totals["failures"] += failed
 
-    def _push_all(self, handle: ReplicationHandle, target: ChunkPusher) -> None:
+    def _push_all(self, handle: ReplicationHandle, target: PeerClient) -> None:
         step = handle.step
         present: set[str] = set()
         if handle._chunk_ids:
@@ -395,7 +383,7 @@ class Replicator:
         handle: ReplicationHandle,
         step: int,
         batch: list[tuple[str, memoryview, int]],
-        target: ChunkPusher,
+        target: PeerClient,
     ) -> None:
         """Push one batch under the in-flight budget and record it."""
         n = sum(v.nbytes for _, v, _ in batch)

@@ -61,9 +61,7 @@ class Segment:
     ) -> None:
         self._tier = tier
         self.step = step
-        """The step this segment was allocated for."""
         self.nbytes = nbytes
-        """Size in bytes."""
         self.reserved = reserved
         """Whether its pages are reserved (see :meth:`reserve`)."""
         self._path = path

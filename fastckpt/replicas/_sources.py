@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Literal, Protocol
+from typing import Literal
 
 import numpy as np
 
@@ -33,52 +33,17 @@ from fastckpt.errors import (
     PeerUnavailableError,
     ProtocolError,
 )
+from fastckpt.replicas._client import PeerClient
+from fastckpt.replicas._parity_rebuild import ParityRebuilds
 from fastckpt.replicas._ram import RamTier
 
-__all__ = ["ChunkPeer", "ChunkRebuilder", "SourceStats", "TieredChunkSource"]
+__all__ = ["SourceStats", "TieredChunkSource"]
 
 _MAX_LOG = 256
 _REBUILDS_IN_FLIGHT = 8  # chunks rebuilt from parity at once by one fetch_many
 _Runs = Sequence[tuple[int, int]] | None  # byte ranges (start, n) of a chunk; None: all of it
 
 FallbackReason = Literal["miss", "corrupt", "unavailable", "protocol", "error"]
-
-
-class ChunkPeer(Protocol):
-    """What a source needs of a peer (``PeerClient`` is one)."""
-
-    name: str
-
-    def get_chunks(
-        self, step: int, items: Sequence[tuple[str, memoryview | np.ndarray, int | None]]
-    ) -> list[Any]:
-        """Several whole chunks in one stream: per item ``"ok"``, ``"missing"`` or ``"corrupt"``."""
-        ...
-
-    def get_ranges(
-        self,
-        step: int,
-        items: Sequence[tuple[str, memoryview | np.ndarray, int, Sequence[tuple[int, int]]]],
-    ) -> list[Any]:
-        """Byte ranges of several chunks, each checked against the whole chunk's crc32c."""
-        ...
-
-    def list_chunks(self, step: int) -> list[str]: ...
-
-
-class ChunkRebuilder(Protocol):
-    """Rebuilds a chunk of a RAM step from parity (``_parity_rebuild.ParityRebuilds``): True
-    once ``dst`` holds it verified; False when it cannot; ``ChecksumMismatchError`` when the
-    rebuilt bytes fail the crc32c; ``PeerError`` when a holder fails."""
-
-    def rebuild(
-        self, step: int, chunk_id: str, raw_length: int, raw_crc32c: int, dst: np.ndarray
-    ) -> bool: ...
-
-    def order(self, step: int, chunk_ids: Sequence[str]) -> list[int]:
-        """The positions of ``chunk_ids`` in the order to rebuild them (spread over the
-        hosts that do the work)."""
-        ...
 
 
 @dataclasses.dataclass
@@ -136,12 +101,12 @@ class TieredChunkSource:
     def __init__(
         self,
         own: RamTier | None,
-        peers: Sequence[ChunkPeer] = (),
+        peers: Sequence[PeerClient] = (),
         *,
         use_listing: bool = True,
         verify: bool = True,
         known_listings: Mapping[tuple[int, str], frozenset[str]] | None = None,
-        rebuild: ChunkRebuilder | None = None,
+        rebuild: ParityRebuilds | None = None,
     ) -> None:
         self._own = own
         self._rebuild = rebuild

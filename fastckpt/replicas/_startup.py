@@ -13,7 +13,7 @@ import time
 import uuid
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from fastckpt.coordination.distributed import time_left
@@ -31,7 +31,6 @@ if TYPE_CHECKING:
     from fastckpt.storage import Store
 
 __all__ = [
-    "PeerAddress",
     "PeerDirectory",
     "PeerRecord",
     "check_push_targets",
@@ -90,17 +89,10 @@ def route_source_address(host: str, port: int) -> str:
     raise ConfigError(f"no route to the coordinator {host!r} ({'; '.join(errors) or 'no address'})")
 
 
-class PeerAddress(NamedTuple):
-    """Where a peer server listens, and what peers are told to connect to."""
-
-    bind: str
-    advertise: str
-
-
 def peer_address(
     host: str | None, *, service_address: str | None, process_count: int
-) -> PeerAddress:
-    """Where this host's peer server listens and what it advertises.
+) -> tuple[str, str]:
+    """``(bind, advertise)``: where this host's peer server listens and what peers are told.
 
     * ``host`` set to an address or name: bind and advertise it (an explicit choice wins).
     * ``host`` a wildcard (``"0.0.0.0"``, ``"::"``): bind every interface, advertise the
@@ -113,7 +105,7 @@ def peer_address(
             ``host`` (there is nothing to infer a reachable address from), or no route.
     """
     if host is not None and host not in _WILDCARDS:
-        return PeerAddress(host, host)
+        return host, host
     if process_count <= 1 and service_address is None:
         default = "127.0.0.1"
     elif service_address is None:
@@ -124,9 +116,9 @@ def peer_address(
     else:
         default = route_source_address(*split_host_port(service_address))
     if host is None:
-        return PeerAddress(default, default)
+        return default, default
     bind = "::" if _is_v6(default) else "0.0.0.0"
-    return PeerAddress(bind, default)
+    return bind, default
 
 
 def _is_v6(address: str) -> bool:

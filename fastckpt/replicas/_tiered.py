@@ -28,7 +28,7 @@ from fastckpt.replicas._connection import PeerOptions
 from fastckpt.replicas._parity import ParityPusher, ParityService, ParityStore
 from fastckpt.replicas._parity_client import ParityClient
 from fastckpt.replicas._parity_layout import group_of, parity_groups
-from fastckpt.replicas._parity_rebuild import ParityRebuilds, RebuildPeer
+from fastckpt.replicas._parity_rebuild import ParityRebuilds
 from fastckpt.replicas._placement import host_domain
 from fastckpt.replicas._ram import ChunkLocation, RamTier, Segment
 from fastckpt.replicas._replicator import ReplicationReport, Replicator
@@ -106,7 +106,7 @@ class RamReplication(StepSelection):
         options, coordinator = self.options, self._coord
         if options.secret is None:
             return
-        address = peer_address(
+        bind, advertise = peer_address(
             options.host,
             service_address=coordinator.service_address,
             process_count=coordinator.process_count,
@@ -122,7 +122,7 @@ class RamReplication(StepSelection):
         self._server = PeerServer(
             self.tier,
             secret=options.secret,
-            host=address.bind,
+            host=bind,
             port=options.port,
             options=self._peer_options,
             extension=parity,
@@ -134,7 +134,7 @@ class RamReplication(StepSelection):
             namespace=namespace.replace("/", "-"),
             timeout_s=options.discovery_timeout_s,
         )
-        self.advertised = (address.advertise, self._server.address[1])
+        self.advertised = (advertise, self._server.address[1])
         self._directory.publish(make_record(self.member_id, self.advertised))
         self._replicator = Replicator(self.tier)
         if coordinator.process_count > 1 and options.replicas > 0:
@@ -164,10 +164,10 @@ class RamReplication(StepSelection):
             address, secret=self.options.secret, options=self._peer_options, name=member
         )
 
-    def _rebuild_peers(self) -> dict[str, RebuildPeer]:
+    def _rebuild_peers(self) -> dict[str, ParityClient]:
         """The other members' clients and a client of this member's own server (it may hold
         a parity a rebuild needs)."""
-        peers: dict[str, RebuildPeer] = dict(self._peers())
+        peers = dict(self._peers())
         if self._self_client is None and self.advertised is not None:
             self._self_client = self._client(self.advertised, self.member_id)
         if self._self_client is not None:
