@@ -107,11 +107,6 @@ class ParityRecord:
     holder: str
     contributors: dict[str, tuple[int, int]]
 
-    @property
-    def nbytes(self) -> int:
-        """The parity's length: the longest part received."""
-        return max((s for _, s in self.contributors.values()), default=0)
-
     def complete(self) -> bool:
         """Whether every other member of the group contributed."""
         return set(self.contributors) == set(others(self.group, self.holder))

@@ -129,7 +129,7 @@ class RamTier(StepTable):
             self._closed = True
             for st in self._steps.values():
                 for seg in st.segments.values():
-                    seg.unmap(dropped=True)
+                    seg.unmap()
             self._steps.clear()
             self._spares.close()
             os.close(self._lock_fd)
@@ -333,7 +333,7 @@ class RamTier(StepTable):
                     recycle and seg.nbytes >= _MIN_RECYCLE_BYTES and len(self._spares) < _MAX_SPARES
                 )
                 mm = seg.detach_writable() if keep else None
-                unmapped = seg.unmap(dropped=True)
+                unmapped = seg.unmap()
                 if keep and unmapped and not seg.is_lent():
                     spare = self.root / "spare" / new_name()
                     os.rename(seg.path, spare)

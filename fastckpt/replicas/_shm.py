@@ -195,10 +195,11 @@ class Sealed:
             self.dropped = True
             return mm
 
-    def unmap(self, *, dropped: bool) -> bool:
-        """Release the mapping; False if views handed out are still alive (they keep it)."""
+    def unmap(self) -> bool:
+        """Drop the segment and release its mapping; False if views handed out are still alive
+        (they keep it)."""
         with self.lock:
-            self.dropped = self.dropped or dropped
+            self.dropped = True
             if not self._release_view():  # someone exported our base view itself: keep all
                 return False
             mm, self.mm = self.mm, None
