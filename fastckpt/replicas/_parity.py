@@ -50,12 +50,7 @@ from fastckpt.replicas._ram import ChunkLocation, RamTier, Segment
 from fastckpt.replicas._replicator import PushHandles, ReplicationHandle
 from fastckpt.replicas._wire import MsgType
 
-__all__ = [
-    "ParityPusher",
-    "ParityService",
-    "ParityStore",
-    "decode_group",
-]
+__all__ = ["ParityPusher", "ParityService", "ParityStore", "decode_group"]
 
 
 @dataclasses.dataclass

@@ -16,13 +16,7 @@ from collections.abc import Callable, Iterable
 
 from fastckpt.errors import ConfigError
 
-__all__ = [
-    "host_domain",
-    "relay_parent",
-    "replica_holders",
-    "ring_order",
-    "ring_successors",
-]
+__all__ = ["host_domain", "relay_parent", "replica_holders", "ring_order", "ring_successors"]
 
 DomainOf = Callable[[str], str]
 

@@ -33,12 +33,7 @@ from fastckpt.replicas._manifest_relay import (
     wait_for_manifest,
 )
 from fastckpt.replicas._parity_rebuild import ParityRebuilds
-from fastckpt.replicas._placement import (
-    host_domain,
-    relay_parent,
-    replica_holders,
-    ring_successors,
-)
+from fastckpt.replicas._placement import host_domain, relay_parent, replica_holders, ring_successors
 from fastckpt.replicas._ram import RamTier
 from fastckpt.replicas._sources import TieredChunkSource
 
