@@ -1,16 +1,9 @@
 """RAM replicas: a shared-memory tier per process, peer replication and peer-to-peer restore.
 
-What a user or another layer needs (the rest is internal; see ``docs/replicas.md``):
-
-* :func:`peer_secret_from_env` / :func:`new_peer_secret`, :data:`SECRET_ENV`,
-  :data:`SECRET_FILE_ENV`: the job's peer secret, from the launcher.
-* :class:`ReplicationReport`: what ``CheckpointManager.wait_replication`` returns.
-* :class:`RamReplication`: the RAM tier as the manager builds it (``RamOptions``).
-
-Errors are in :mod:`fastckpt.errors` (``RamBudgetError``, ``StaleStepError``, and the
-``PeerError`` tree: ``PeerRequestError``, ``ReplicationError``, ``ReplicationTimeoutError``).
-
-Importing this package has no side effects.
+The job's peer secret (from the launcher), :class:`ReplicationReport` (what
+``CheckpointManager.wait_replication`` returns) and :class:`RamReplication` (the RAM tier as
+the manager builds it); the rest is internal (``docs/replicas.md``). Errors are in
+:mod:`fastckpt.errors`. Importing this package has no side effects.
 """
 
 from __future__ import annotations

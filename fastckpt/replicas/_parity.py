@@ -1,60 +1,56 @@
-"""The tier side of parity (``RamOptions(redundancy="parity")``; layout in
-:mod:`~fastckpt.replicas._parity_layout`): a member's parity of a step, built from its group's
-pushed parts, and the requests a :class:`~fastckpt.replicas._server.PeerServer` serves for it.
+"""Parity's tier side and pushes (``RamOptions(redundancy="parity")``; layout in
+:mod:`~fastckpt.replicas._parity_layout`).
 
-:class:`ParityStore` XORs each verified window of a contributor's part into an open segment
-of the tier (allocated under the tier's budget, zeroed; grown when a longer part arrives;
-contributors serialized by a lock) and seals it, under the reserved chunk id naming the
-group and every contributor's ``(L, S)``, once every other member of the group contributed
-its whole part: a sealed parity is complete, and like the step's data it survives a process
-restart and is dropped with its step (retention, ``drop_step``, abandoned timelines). A
-window applied twice (a retried push) is applied once. An open parity of an older step is
-discarded when a newer step's opens (its push was superseded), and those of steps a save
-starts over (:meth:`ParityStore.discard_from`).
+:class:`ParityStore` XORs each verified window of a contributor's part into an open, zeroed
+segment of the tier (under its budget; grown when a longer part arrives) and seals it under
+the reserved chunk id once every other member of the group contributed its whole part: a
+sealed parity is complete, survives a process restart and is dropped with its step. A window
+applied twice (a retried push) is applied once. An open parity is discarded when a newer
+step's opens (superseded) or its step is saved again (:meth:`ParityStore.discard_from`).
 
 :class:`ParityService` answers PUT_PARITY (a window; OK once applied), GET_STREAM (a range of
-this member's own stream, cut at its end) and REBUILD (a range of a lost member's part:
-this member's parity XOR the matching ranges of the other survivors' parts, read from them
-with GET_STREAM in parallel), so that a restoring host receives only the rebuilt bytes.
+this member's own stream) and REBUILD (a range of a lost member's part: this member's parity
+XOR the other survivors' matching ranges, read in parallel), so that a restoring host
+receives only the rebuilt bytes.
+
+:class:`ParityPusher` sends this member's parts after a commit: part ``k`` of its stream to
+the ``k``-th other member, in windows, zero-copy from the tier's mapping; ``submit`` returns
+at once, ``wait_idle()`` before staging the next RAM step, ``wait()`` for the reports; a
+failing target is recorded in the report (never raised); a newer submit cancels older ones.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from fastckpt._checksum import crc32c
 from fastckpt.errors import ConfigError, PeerError, RamBudgetError, StaleStepError
 from fastckpt.replicas._channel import Channel
+from fastckpt.replicas._parity_client import ParityClient
 from fastckpt.replicas._parity_layout import (
     PARITY_PREFIX,
     ParityRecord,
+    find_parity,
     others,
     parity_chunk_id,
-    parse_parity_id,
     part_index,
     part_size,
     part_span,
     xor_into,
 )
 from fastckpt.replicas._ram import ChunkLocation, RamTier, Segment
+from fastckpt.replicas._replicator import PushHandles, ReplicationHandle
 from fastckpt.replicas._wire import MsgType
 
-__all__ = ["ParityService", "ParityStore", "StreamPeer", "decode_group"]
-
-
-class StreamPeer(Protocol):
-    """What a parity holder needs of the other survivors (``ParityClient`` is one)."""
-
-    def get_stream(
-        self, step: int, anchor: str, offset: int, stream_len: int, *, into: np.ndarray
-    ) -> bool: ...
+__all__ = ["ParityPusher", "ParityService", "ParityStore", "decode_group"]
 
 
 @dataclasses.dataclass
@@ -183,14 +179,12 @@ class ParityStore:
             if view is not None:
                 return known[0], view
             self._known.pop(step, None)  # dropped with its step
-        for cid in self.tier.chunk_ids(step):  # sealed by an earlier process on this host
-            if cid.startswith(PARITY_PREFIX):
-                rec = parse_parity_id(cid)
-                view = self.tier.get_chunk(step, cid)
-                if rec is not None and rec.holder == self.member and view is not None:
-                    self._known[step] = (rec, cid)
-                    return rec, view
-        return None
+        found = find_parity(self.tier.chunk_ids(step), self.member)  # sealed by an earlier process
+        view = None if found is None else self.tier.get_chunk(step, found[1])
+        if found is None or view is None:
+            return None
+        self._known[step] = found
+        return found[0], view
 
     def stream(self, step: int, anchor: str) -> memoryview | None:
         """This member's own stream of ``step``: the segment holding chunk ``anchor``."""
@@ -214,21 +208,13 @@ class ParityService:
     Args:
         store: This member's parities.
         peers: The other members' clients by member id (for REBUILD's GET_STREAMs).
-        accept_pushes: Whether PUT_PARITY is served (as ``PeerOptions.accept_pushes``).
     """
 
     types = frozenset({MsgType.PUT_PARITY, MsgType.GET_STREAM, MsgType.REBUILD})
 
-    def __init__(
-        self,
-        store: ParityStore,
-        peers: Callable[[], Mapping[str, StreamPeer]],
-        *,
-        accept_pushes: bool = True,
-    ) -> None:
+    def __init__(self, store: ParityStore, peers: Callable[[], Mapping[str, ParityClient]]) -> None:
         self.store = store
         self._peers = peers
-        self._accept = accept_pushes
         self.stats = {"rebuilt_bytes": 0, "stream_bytes": 0, "parity_bytes": 0}
         self._lock = threading.Lock()
 
@@ -255,18 +241,10 @@ class ParityService:
         buf = np.empty(plen, np.uint8)
         chan.recv_into(buf.data)
         chan.end_payload()  # authentic before it is applied
-        if not self._accept:
-            return _error(chan, "bad_request", "this peer does not accept pushes")
         try:
-            group = decode_group(h["group"])
+            group, step = decode_group(h["group"]), h["step"]
             stored = self.store.add(
-                h["step"],
-                group,
-                h["contributor"],
-                h["stream_len"],
-                h["part_size"],
-                h["offset"],
-                buf,
+                step, group, h["contributor"], h["stream_len"], h["part_size"], h["offset"], buf
             )
         except StaleStepError as e:
             return _error(chan, "stale_step", str(e))
@@ -285,10 +263,8 @@ class ParityService:
             return _error(chan, "not_found", f"no complete parity of step {step} here")
         rec, pview = hit
         me = self.store.member
-        if rec.contributors.get(lost) != (
-            h["stream_len"],
-            part_size(h["stream_len"], len(rec.group)),
-        ):
+        covered = (h["stream_len"], part_size(h["stream_len"], len(rec.group)))
+        if rec.contributors.get(lost) != covered:
             return _error(chan, "not_found", f"the parity of step {step} does not cover {lost!r}")
         size = rec.contributors[lost][1]
         if u + n > size:
@@ -339,3 +315,75 @@ class ParityService:
 def _error(chan: Channel, code: str, message: str) -> bool:
     chan.send(MsgType.ERROR, {"code": code, "message": message[:1000]})
     return True
+
+
+class ParityPusher(PushHandles):
+    """Pushes this member's parity parts on background threads (their handles: the base class).
+
+    Args:
+        window_bytes: Bytes per PUT_PARITY request (the receiver buffers one window to
+            verify it before it is applied).
+    """
+
+    def __init__(self, *, window_bytes: int = 16 << 20) -> None:
+        super().__init__("parity push", max_reports=64)
+        self.window_bytes = window_bytes
+        self._pool = ThreadPoolExecutor(8, thread_name_prefix="fastckpt-parity")
+
+    def submit(
+        self,
+        step: int,
+        *,
+        stream: memoryview,
+        group: Sequence[str],
+        me: str,
+        targets: Mapping[str, ParityClient],
+    ) -> ReplicationHandle:
+        """Queue pushing ``stream`` (this member's bytes ``[0, L)`` of ``step``) as parts to
+        the other members of ``group``. Never blocks on I/O."""
+        holders = others(group, me)
+        handle = ReplicationHandle(step, [], None, tuple(holders))
+        self.add(handle)
+        size = part_size(stream.nbytes, len(group))
+        for k, holder in enumerate(holders):
+            a, b = part_span(stream.nbytes, size, k)
+            target = targets.get(holder)
+            if target is None:
+                handle._target_done(holder, "not reachable (not in the peer directory)")
+                continue
+            push = functools.partial(
+                self._push, handle, target, list(group), me, stream, size, a, b
+            )
+            self._pool.submit(handle._run, holder, "parity push", push)
+        return handle
+
+    def _push(
+        self,
+        handle: ReplicationHandle,
+        target: ParityClient,
+        group: list[str],
+        me: str,
+        stream: memoryview,
+        size: int,
+        a: int,
+        b: int,
+    ) -> None:
+        for off in range(0, b - a, self.window_bytes) if b > a else range(1):
+            if handle._cancelled:
+                return
+            data = stream[a + off : min(a + off + self.window_bytes, b)]
+            target.put_parity(
+                handle.step,
+                group=group,
+                contributor=me,
+                stream_len=stream.nbytes,
+                part_size=size,
+                offset=off,
+                data=data,
+            )
+            handle._record(nbytes=data.nbytes)
+        handle._record(pushed=1)
+
+    def close(self) -> None:
+        """Finish the running pushes; stop the threads."""
+        self._pool.shutdown(wait=True)

@@ -2,24 +2,22 @@
 functions, no I/O.
 
 A member's *stream* of a RAM step is its own segment's bytes ``[0, L)``, ``L`` the end of its
-last chunk (the manifest's rows name each chunk's writer, offset and length). Members are
-cut into groups of consecutive members of the ring (:func:`parity_groups`), so a group's
-members sit in distinct failure domains when there are enough. In a group of ``s`` members
-the member at position ``i`` splits its stream into ``s - 1`` parts of ``S = ceil(L/(s-1))``
-bytes (the last ones shorter or empty); part ``k`` goes to the ``k``-th *other* member
-(positions in order, skipping ``i``). Member ``j`` holds ``P_j = XOR`` of the parts it
-received, zero-padded to the longest. A lost member's part ``k`` is then ``P_j`` XOR the
-parts the other survivors sent to ``j`` (``j`` its ``k``-th other member): one loss per
-group is survived (XOR, m = 1); a group of one member is unprotected.
+last chunk. Groups are consecutive members of the ring (:func:`parity_groups`). In a group of
+``s`` members each splits its stream into ``s - 1`` parts of ``S = ceil(L/(s-1))`` bytes (the
+last ones shorter or empty); part ``k`` goes to the ``k``-th *other* member. Member ``j``
+holds ``P_j`` = XOR of the parts it received, zero-padded to the longest; a lost member's
+part ``k`` is ``P_j`` XOR the parts the other survivors sent to ``j`` (its ``k``-th other
+member): one loss per group is survived; a group of one member is unprotected.
 
-The parity a member holds is sealed in its tier as one chunk of the step under a reserved id
-(:func:`parity_chunk_id`) that names the group and each contributor's ``(L, S)``; every
-manifest chunk id contains ``@``, this one never does.
+A member's parity is sealed in its tier as one chunk of the step under a reserved id
+(:func:`parity_chunk_id`: the group and each contributor's ``(L, S)``; never contains ``@``,
+which every manifest chunk id does).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
@@ -36,6 +34,7 @@ __all__ = [
     "ParityRecord",
     "RebuildPiece",
     "chunk_places",
+    "find_parity",
     "group_of",
     "others",
     "parity_chunk_id",
@@ -63,13 +62,9 @@ def parity_groups(
     if not ring:
         return []
     count = -(-len(ring) // group_size)
-    base, extra = divmod(len(ring), count)
-    out, at = [], 0
-    for gi in range(count):
-        size = base + (1 if gi < extra else 0)
-        out.append(ring[at : at + size])
-        at += size
-    return out
+    base, extra = divmod(len(ring), count)  # the first ``extra`` groups get one more
+    cuts = [g * base + min(g, extra) for g in range(count + 1)]
+    return [ring[a:b] for a, b in itertools.pairwise(cuts)]
 
 
 def group_of(member: str, groups: Sequence[Sequence[str]]) -> list[str]:
@@ -112,11 +107,6 @@ class ParityRecord:
     holder: str
     contributors: dict[str, tuple[int, int]]
 
-    @property
-    def nbytes(self) -> int:
-        """The parity's length: the longest part received."""
-        return max((s for _, s in self.contributors.values()), default=0)
-
     def complete(self) -> bool:
         """Whether every other member of the group contributed."""
         return set(self.contributors) == set(others(self.group, self.holder))
@@ -130,6 +120,16 @@ def parity_chunk_id(record: ParityRecord) -> str:
         "c": {m: list(v) for m, v in sorted(record.contributors.items())},
     }
     return PARITY_PREFIX + json.dumps(doc, separators=(",", ":")).replace("@", "\\u0040")
+
+
+def find_parity(chunk_ids: Iterable[str], holder: str) -> tuple[ParityRecord, str] | None:
+    """The record and chunk id of ``holder``'s parity among ``chunk_ids``, or None."""
+    for cid in chunk_ids:
+        if cid.startswith(PARITY_PREFIX):
+            rec = parse_parity_id(cid)
+            if rec is not None and rec.holder == holder:
+                return rec, cid
+    return None
 
 
 def parse_parity_id(chunk_id: str) -> ParityRecord | None:

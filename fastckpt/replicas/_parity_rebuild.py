@@ -1,14 +1,12 @@
 """Rebuilding a lost member's chunks of a RAM step from its group's parity (the restore side of
 ``RamOptions(redundancy="parity")``; layout in :mod:`~fastckpt.replicas._parity_layout`).
 
-A chunk of writer ``i`` is rebuildable when ``i``'s group (read from a holder's sealed parity
-record) has, for every other member ``j``, a complete parity that covers ``i`` with the
-stream length the manifest gives, and every other member with a non-empty stream still
-lists its own data (an anchor chunk). :meth:`ParityRebuilder.rebuild` asks each parity
-holder whose part the chunk overlaps for its rebuilt range (the holders XOR their parity
-with the other survivors' ranges, in parallel), so the bytes into the restoring host equal
-the chunk's size; the assembled chunk is checked against the manifest's raw crc32c and never
-returned otherwise (:class:`~fastckpt.errors.ChecksumMismatchError`).
+A chunk of writer ``i`` is rebuildable when every other member ``j`` of ``i``'s group (read
+from a holder's sealed parity record) holds a complete parity covering ``i`` with the stream
+length the manifest gives, and every other member with a non-empty stream still lists its
+own data (an anchor chunk). :meth:`ParityRebuilder.rebuild` asks each parity holder whose
+part the chunk overlaps for its rebuilt range; the assembled chunk is checked against the
+manifest's raw crc32c and never returned otherwise (``ChecksumMismatchError``).
 """
 
 from __future__ import annotations
@@ -18,47 +16,29 @@ import itertools
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol
 
 import numpy as np
 
 from fastckpt._checksum import crc32c
 from fastckpt.errors import ChecksumMismatchError, PeerError
 from fastckpt.format.manifest import Manifest
+from fastckpt.replicas._parity_client import ParityClient
 from fastckpt.replicas._parity_layout import (
-    PARITY_PREFIX,
     ChunkPlace,
     ParityRecord,
     chunk_places,
+    find_parity,
     group_of,
     others,
     parity_groups,
-    parse_parity_id,
     part_size,
     rebuild_pieces,
 )
 from fastckpt.replicas._placement import host_domain
 
-__all__ = ["ParityRebuilder", "ParityRebuilds", "RebuildPeer"]
+__all__ = ["ParityRebuilder", "ParityRebuilds"]
 
-
-class RebuildPeer(Protocol):
-    """What a restore needs of a group member (``ParityClient`` is one)."""
-
-    name: str
-
-    def list_chunks(self, step: int) -> list[str]: ...
-
-    def rebuild(
-        self,
-        step: int,
-        *,
-        lost: str,
-        stream_len: int,
-        offset: int,
-        anchors: Mapping[str, str],
-        into: np.ndarray,
-    ) -> bool: ...
+_WINDOW = 32 << 20  # largest range one REBUILD asks for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,18 +57,16 @@ class ParityRebuilder:
         peers: Clients by member id, this member's own server included (it may hold a parity).
         group_size: ``RamOptions.group_size`` (a hint: the groups are read from the records).
         known: Chunk lists already fetched, by ``(step, member)``.
-        window_bytes: Largest range one REBUILD asks for.
     """
 
     def __init__(
         self,
         step: int,
         places: Mapping[str, ChunkPlace],
-        peers: Mapping[str, RebuildPeer],
+        peers: Mapping[str, ParityClient],
         *,
         group_size: int,
         known: Mapping[tuple[int, str], frozenset[str]] | None = None,
-        window_bytes: int = 32 << 20,
     ) -> None:
         self.step = step
         self._peers = dict(peers)
@@ -102,7 +80,6 @@ class ParityRebuilder:
         self._listings = {m: ids for (s, m), ids in (known or {}).items() if s == step}
         self._plans: dict[str, _Plan | None] = {}
         self._lock = threading.Lock()
-        self._window = window_bytes
         self._pool = ThreadPoolExecutor(8, thread_name_prefix="fastckpt-rebuild")
 
     def close(self) -> None:
@@ -125,12 +102,8 @@ class ParityRebuilder:
         return ids
 
     def _record(self, member: str) -> ParityRecord | None:
-        for cid in self._listing(member) or ():
-            if cid.startswith(PARITY_PREFIX):
-                rec = parse_parity_id(cid)
-                if rec is not None and rec.holder == member:
-                    return rec
-        return None
+        found = find_parity(self._listing(member) or (), member)
+        return None if found is None else found[0]
 
     def plan(self, writer: str) -> _Plan | None:
         """How ``writer``'s chunks are rebuilt, or None when its group cannot (cached)."""
@@ -196,9 +169,7 @@ class ParityRebuilder:
 
     def order(self, chunk_ids: Sequence[str]) -> list[int]:
         """The positions of ``chunk_ids`` in the order to rebuild them: taking turns between
-        parity holders. Stream order would send every request in flight to the holder of
-        part 0, then of part 1, ..., each holder's link carrying the survivors' ranges while
-        the others idle."""
+        parity holders (so that requests in flight spread over their links)."""
         queues: dict[str | None, list[int]] = {}
         for i, cid in enumerate(chunk_ids):
             queues.setdefault(self.holder(cid), []).append(i)
@@ -223,8 +194,8 @@ class ParityRebuilder:
         for piece in rebuild_pieces(
             plan.group, place.writer, plan.stream_len, place.offset, place.nbytes
         ):
-            for w in range(0, piece.n, self._window):
-                n = min(self._window, piece.n - w)
+            for w in range(0, piece.n, _WINDOW):
+                n = min(_WINDOW, piece.n - w)
                 jobs.append((piece.holder, piece.u + w, dst[piece.at + w : piece.at + w + n]))
 
         def ask(job: tuple[str, int, np.ndarray]) -> bool:
@@ -261,7 +232,7 @@ class ParityRebuilds:
     def __init__(
         self,
         manifest_of: Callable[[int], Manifest | None],
-        peers: Callable[[], Mapping[str, RebuildPeer]],
+        peers: Callable[[], Mapping[str, ParityClient]],
         *,
         group_size: int,
     ) -> None:

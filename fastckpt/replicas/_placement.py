@@ -1,33 +1,22 @@
 """Where RAM replicas go: pure functions over member ids. No I/O, no state.
 
-Members are content-stable strings (e.g. ``"<host>/<slot>"``), never process indices, which
-change when a job restarts. Optionally each member belongs to a *failure domain* (its host),
-given by ``domain_of``; a replica in the writer's own domain does not survive the loss of
-that host, so such targets are chosen only when nothing else is left.
-
-The ring interleaves domains: members are grouped by domain (domains sorted, members sorted
-within each) and dealt round-robin, ``h0/0, h1/0, h2/0, h0/1, h1/1, ...``. With equally
-sized domains every member's next ``k`` ring neighbours lie in ``k`` distinct other domains
-(when ``k`` < the number of domains), and every member receives exactly ``k`` replicas: the
-load is balanced. Without ``domain_of`` each member is its own domain and the ring is the
-sorted member list.
+Members are content-stable strings (e.g. ``"<host>/<slot>"``), never process indices.
+Optionally each belongs to a *failure domain* (its host, ``domain_of``); a replica in the
+writer's own domain is chosen only when nothing else is left. The ring deals members
+round-robin over the sorted domains (``h0/0, h1/0, h2/0, h0/1, ...``): with equally sized
+domains a member's next ``k`` neighbours lie in ``k`` distinct other domains (``k`` < the
+number of domains) and every member receives exactly ``k`` replicas. Without ``domain_of``
+the ring is the sorted member list.
 """
 
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 
 from fastckpt.errors import ConfigError
 
-__all__ = [
-    "host_domain",
-    "push_targets",
-    "relay_parent",
-    "replica_holders",
-    "ring_order",
-    "ring_successors",
-]
+__all__ = ["host_domain", "relay_parent", "replica_holders", "ring_order", "ring_successors"]
 
 DomainOf = Callable[[str], str]
 
@@ -58,9 +47,19 @@ def ring_order(members: Iterable[str], *, domain_of: DomainOf | None = None) -> 
     return [g[r] for r in range(depth) for g in ordered if r < len(g)]
 
 
-def _successors_on(
-    ring: Sequence[str], member: str, k: int, domain_of: DomainOf | None
+def ring_successors(
+    members: Iterable[str], member: str, k: int, *, domain_of: DomainOf | None = None
 ) -> list[str]:
+    """The (up to) ``k`` members ``member`` pushes its chunks to, nearest ring successor first.
+
+    Never includes ``member``; returns ``min(k, len(members) - 1)`` distinct members. Prefers
+    members of distinct domains other than ``member``'s, then any other domain, and uses
+    ``member``'s own domain (same host: survives a process crash, not a host loss) last.
+
+    Raises:
+        ConfigError: ``member`` is not in ``members``, ``k < 0``, or an id is empty.
+    """
+    ring = ring_order(members, domain_of=domain_of)
     if k < 0:
         raise ConfigError(f"k must be >= 0, got {k}")
     if member not in ring:
@@ -88,37 +87,13 @@ def _successors_on(
     return picked
 
 
-def ring_successors(
-    members: Iterable[str], member: str, k: int, *, domain_of: DomainOf | None = None
-) -> list[str]:
-    """The (up to) ``k`` members ``member`` pushes its chunks to, nearest ring successor first.
-
-    Never includes ``member``; returns ``min(k, len(members) - 1)`` distinct members. Prefers
-    members of distinct domains other than ``member``'s, then any other domain, and uses
-    ``member``'s own domain (same host: survives a process crash, not a host loss) last.
-
-    Raises:
-        ConfigError: ``member`` is not in ``members``, ``k < 0``, or an id is empty.
-    """
-    return _successors_on(ring_order(members, domain_of=domain_of), member, k, domain_of)
-
-
-def push_targets(
-    members: Iterable[str], k: int, *, domain_of: DomainOf | None = None
-) -> dict[str, list[str]]:
-    """:func:`ring_successors` for every member at once."""
-    ring = ring_order(members, domain_of=domain_of)
-    return {m: _successors_on(ring, m, k, domain_of) for m in ring}
-
-
 def replica_holders(
     writer: str, members: Iterable[str], k: int, *, domain_of: DomainOf | None = None
 ) -> list[str]:
     """Members that may hold a chunk ``writer`` wrote: the writer, then its push targets.
 
     ``members`` must be the membership the chunk was *pushed* under (a later membership
-    change moves the ring); when the writer is unknown or the membership changed, ask peers
-    with ``PeerClient.list_chunks`` instead (``TieredChunkSource`` does).
+    change moves the ring; then ask peers for their chunk lists instead).
     """
     return [writer, *ring_successors(members, writer, k, domain_of=domain_of)]
 
@@ -130,10 +105,9 @@ def relay_parent(
     fetched theirs (e.g. a RAM step's manifest at a restore); None for a holder.
 
     The holders (sorted), then the relays (sorted, holders left out) form one list; entry
-    ``j`` past the holders fetches from entry ``(j - len(holders)) // fanout``: a tree rooted
-    at the holders in which every member serves at most ``fanout`` list members, of depth
-    about ``log_fanout(len(relays) / len(holders))``. A member on neither list (a
-    replacement host, which cannot serve) gets a list member chosen by a stable hash of its id.
+    ``j`` past the holders fetches from entry ``(j - len(holders)) // fanout`` (every member
+    serves at most ``fanout``). A member on neither list gets a list member chosen by a
+    stable hash of its id.
 
     Raises:
         ConfigError: no holder, ``fanout < 1``, or an id is empty.

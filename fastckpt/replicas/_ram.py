@@ -1,25 +1,21 @@
 """The RAM tier: raw chunk bytes of recent steps in shared-memory files, one directory per process.
 
-Files live under a tmpfs directory (e.g. ``/dev/shm/fastckpt/<namespace>/<slot>``), so they
-outlive the process that wrote them (a restarted process on the same host finds them) but
-not the host. Layout: :mod:`~fastckpt.replicas._tier_dir` (and ``docs/replicas.md``). This
-module is the write side (allocation and budget, sealing, commits, retention);
+Files live on tmpfs (e.g. ``/dev/shm/fastckpt/<namespace>/<slot>``): they outlive the process
+(a restarted one on the same host finds them), not the host. Layout:
+:mod:`~fastckpt.replicas._tier_dir`. This module is the write side;
 :class:`~fastckpt.replicas._step_table.StepTable` the read side.
 
 Guarantees:
 
-* Only sealed data is visible: a segment's index is written (atomic rename) after the data
-  file is in place, and a process killed at any point leaves nothing half-visible; ``open``
-  deletes temp files and data files without an index.
+* Only sealed data is visible: a segment's index is written (atomic rename) after its data
+  file is in place; a process killed at any point leaves nothing half-visible.
 * Bytes held (sealed segments, manifests, unsealed allocations, spares) never exceed
   ``budget_bytes``.
 * Retention: the newest ``keep_steps`` committed steps (with a manifest or a commit record)
-  are kept, and with ``replicated=True`` one more: every host commits step N together but
-  pushes it later, so a host lost in between leaves only N-1 complete across the survivors
-  (``RamReplication.wait_pushed`` makes N-1's pushes done before N+1 is staged). Steps
-  newer than the floor (saves and replicas in progress) are kept.
-  Under budget pressure an allocation for step S drops spares, then whole steps older than
-  S, oldest first.
+  are kept, with ``replicated=True`` one more (every host commits N together but pushes it
+  later, so a host lost in between leaves only N-1 complete on the survivors), and every
+  step newer than that floor. Under budget pressure an allocation for step S drops spares,
+  then whole steps older than S, oldest first.
 
 Call sequence for a save: ``seg = allocate(step, n)`` → fill ``seg.buffer`` →
 ``seal(step, seg, index)`` (or ``discard(seg)``) → later ``put_manifest(step, manifest)``
@@ -41,8 +37,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 
-from fastckpt._checksum import crc32c
-from fastckpt.errors import ChecksumMismatchError, ConfigError, RamBudgetError, StaleStepError
+from fastckpt.errors import ConfigError, RamBudgetError, StaleStepError
 from fastckpt.replicas._shm import Sealed, Segment, SparePool, close_map, create_segment_file
 from fastckpt.replicas._step_table import StepState, StepTable, scan_root
 from fastckpt.replicas._tier_dir import (
@@ -68,19 +63,14 @@ class RamTier(StepTable):
     """Per-process store of raw chunk bytes per step in shared-memory files. Thread-safe.
 
     Opening takes an exclusive ``flock`` on the directory (released when the process dies),
-    cleans temp leftovers of a crashed owner and loads every sealed segment's index; data is
-    mapped lazily on first read.
+    cleans a crashed owner's leftovers and loads every sealed index; data is mapped lazily.
 
     Args:
         root: Tier directory (created if missing); should be on tmpfs (``/dev/shm``).
         budget_bytes: Upper bound of bytes held (see module docstring).
         keep_steps: Committed steps to retain.
-        replicated: Peers push replicas of the job's steps (see the module docstring): one
-            committed step beyond ``keep_steps`` is held, also right after reopening.
-        prefault: Pre-fault mappings (``MAP_POPULATE``): a new segment's first fill then runs
-            at memcpy speed instead of being bound by page faults.
-        recycle: Keep freed segment files as spares and reuse them for new allocations of
-            similar size (their pages are already allocated: ~4x faster first fill).
+        replicated: Hold one committed step beyond ``keep_steps`` (module docstring).
+        recycle: Keep freed segment files as spares for new allocations of similar size.
 
     Raises:
         ConfigError: bad arguments, another live process owns ``root``, or ``root`` is not
@@ -95,7 +85,6 @@ class RamTier(StepTable):
         budget_bytes: int,
         keep_steps: int = 1,
         replicated: bool = False,
-        prefault: bool = True,
         recycle: bool = True,
     ) -> None:
         if budget_bytes <= 0 or keep_steps <= 0:
@@ -106,7 +95,6 @@ class RamTier(StepTable):
         self.budget_bytes = budget_bytes
         self.keep_steps = keep_steps
         self._held_steps = keep_steps + (1 if replicated else 0)
-        self._prefault = prefault
         self._recycle = recycle
         self._lock = threading.RLock()
         self._steps: dict[int, StepState] = {}
@@ -141,7 +129,7 @@ class RamTier(StepTable):
             self._closed = True
             for st in self._steps.values():
                 for seg in st.segments.values():
-                    seg.unmap(dropped=True)
+                    seg.unmap()
             self._steps.clear()
             self._spares.close()
             os.close(self._lock_fd)
@@ -159,10 +147,9 @@ class RamTier(StepTable):
     def allocate(self, step: int, nbytes: int, *, reserve: bool = True) -> Segment:
         """Reserve a new writable segment of ``nbytes`` for ``step`` (invisible until sealed).
 
-        May free spares and older steps to make room (see module docstring). With
-        ``reserve=False`` a new file's pages are left for :meth:`Segment.reserve` (which the
-        caller must call before writing: the background part of a save, off the step's path);
-        the budget is charged either way.
+        May free spares and older steps to make room. With ``reserve=False`` a new file's
+        pages are left for :meth:`Segment.reserve`, which the caller must call before
+        writing; the budget is charged either way.
 
         Raises:
             RamBudgetError: ``nbytes`` cannot fit even after freeing older steps, or tmpfs
@@ -190,22 +177,19 @@ class RamTier(StepTable):
                 self.allocated_ready += 1
             else:
                 close_map(spare_mm)
-                mm = create_segment_file(
-                    path, nbytes, spare=spare, prefault=self._prefault, reserve=reserve
-                )
+                mm = create_segment_file(path, nbytes, spare=spare, reserve=reserve)
         except BaseException:
             with self._lock:
                 self._reserved -= nbytes
             raise
-        return Segment(self, step, path, mm, nbytes, reserved=reserve, prefault=self._prefault)
+        return Segment(self, step, path, mm, nbytes, reserved=reserve)
 
     def provision(self, nbytes: int) -> bool:
         """Make a spare of exactly ``nbytes`` ready (reserved, mapped, pre-faulted) for the next
-        :meth:`allocate` of that size, off the training thread (before a process's first save,
-        after each commit): the closest spare within 2x (one a previous process left, unmapped,
-        or of another size) is resized and mapped, else a new one made — unless one is ready,
-        spares are off, or it would not fit the budget without freeing anything (spares are
-        freed first under pressure). Returns whether it made one ready."""
+        :meth:`allocate` of that size, off the training thread: the closest spare within 2x is
+        resized and mapped, else a new one made; nothing unless one is ready already, spares
+        are off, or it would not fit the budget without freeing anything. Returns whether it
+        made one ready."""
         with self._lock:
             self._check_open()
             spare = self._spares.pick(nbytes)
@@ -224,7 +208,7 @@ class RamTier(StepTable):
         path = self.root / "spare" / new_name()
         try:
             close_map(old_mm)
-            mm = create_segment_file(path, nbytes, spare=spare, prefault=self._prefault)
+            mm = create_segment_file(path, nbytes, spare=spare)
         except BaseException as e:
             with self._lock:
                 self._reserved -= nbytes
@@ -240,24 +224,18 @@ class RamTier(StepTable):
         unlink(path)
         return False
 
-    def seal(
-        self, step: int, seg: Segment, index: Mapping[str, ChunkLocation], *, verify: bool = False
-    ) -> None:
-        """Make ``seg``'s chunks visible under ``step``. The segment's buffer stays the replica.
-
-        The data file is moved into the step directory, then the index is written (atomic
-        rename) last. A chunk id already present in the step is replaced by the new one.
-        Afterwards retention runs (which drops ``step`` itself if it is already stale).
+    def seal(self, step: int, seg: Segment, index: Mapping[str, ChunkLocation]) -> None:
+        """Make ``seg``'s chunks visible under ``step`` (data file moved in, index written
+        last); a chunk id already in the step is replaced. Retention runs afterwards (and
+        drops ``step`` itself if it is already stale).
 
         Args:
             step: Must equal ``seg.step``.
             seg: An open segment from :meth:`allocate`.
             index: chunk id → location in the segment; locations must lie inside it.
-            verify: Check every chunk's crc32c before sealing (costs a pass over the data).
 
         Raises:
             ConfigError: bad index or segment state.
-            ChecksumMismatchError: ``verify`` found a chunk whose crc32c differs.
         """
         if seg.state != "open" or seg._tier is not self or seg.step != step:
             raise ConfigError(
@@ -273,13 +251,6 @@ class RamTier(StepTable):
             if loc.offset < 0 or loc.length < 0 or loc.offset + loc.length > seg.nbytes:
                 raise ConfigError(
                     f"chunk {cid!r} at {loc} lies outside the {seg.nbytes}-byte segment"
-                )
-            if (
-                verify
-                and crc32c(seg.buffer[loc.offset : loc.offset + loc.length]) != loc.raw_crc32c
-            ):
-                raise ChecksumMismatchError(
-                    f"chunk {cid!r} of step {step} does not match its crc32c"
                 )
         with self._lock:
             self._check_open()
@@ -314,18 +285,14 @@ class RamTier(StepTable):
         unlink(seg._path)
 
     def put_manifest(self, step: int, data: bytes | memoryview) -> None:
-        """Store the global manifest of ``step`` (atomic); this marks the step committed.
-
-        Retention runs afterwards (module docstring): steps older than the newest
-        ``keep_steps`` committed ones (one more when ``replicated``) are dropped.
-        """
+        """Store the global manifest of ``step`` (atomic), which marks it committed; retention
+        runs afterwards."""
         self._commit(step, MANIFEST, bytes(data))
 
     def mark_committed(self, step: int) -> None:
-        """Mark ``step`` committed without storing its manifest (atomic; retention as
-        :meth:`put_manifest`): for a multi-host RAM step whose manifest the hosts that built
-        or received it hold, so that it does not travel to every host at every checkpoint.
-        :meth:`get_manifest` stays None unless the manifest arrives later (a push)."""
+        """Mark ``step`` committed without its manifest (atomic; retention as
+        :meth:`put_manifest`): a multi-host step whose manifest other hosts hold.
+        :meth:`get_manifest` stays None unless the manifest arrives later."""
         self._commit(step, COMMIT, b'{"committed": true}')
 
     def _commit(self, step: int, name: str, data: bytes) -> None:
@@ -366,7 +333,7 @@ class RamTier(StepTable):
                     recycle and seg.nbytes >= _MIN_RECYCLE_BYTES and len(self._spares) < _MAX_SPARES
                 )
                 mm = seg.detach_writable() if keep else None
-                unmapped = seg.unmap(dropped=True)
+                unmapped = seg.unmap()
                 if keep and unmapped and not seg.is_lent():
                     spare = self.root / "spare" / new_name()
                     os.rename(seg.path, spare)

@@ -1,56 +1,42 @@
 """Background pushing of a sealed RAM step to this process's ring peers.
 
 Call sequence: ``r = Replicator(tier, targets=...)`` → after each ``tier.seal(step, ...)``:
-``r.submit(step)`` (returns at once) → optionally ``r.submit(step, manifest=...)`` or
-``handle.wait()`` → ``r.wait()`` before exiting → ``r.close()``.
+``r.submit(step)`` (returns at once; optionally with ``manifest=``) → ``r.wait()`` before
+exiting → ``r.close()``.
 
-Chunks leave straight from the tier's mmap (zero-copy). Each target is asked once per step
-which chunks it holds, and only chunks it lacks are sent. Per target,
-chunks go in batches (``PUT_CHUNKS``: one request, one segment on the target) one after
-another over one pooled connection; up to ``concurrency`` targets are served at once, and
-``max_inflight_bytes`` bounds the bytes being sent at any moment. A failing target stops
-receiving this step (its error is recorded in the report) without affecting the others;
-submitting a newer step cancels the pushes of older ones (they are superseded; the manager
-never lets that happen: it waits with :meth:`Replicator.wait_idle` before the next RAM step).
-Nothing here ever raises into the training loop unless ``wait(raise_on_error=True)`` asks for it.
+Chunks leave straight from the tier's mmap (zero-copy); each target gets only the chunks it
+does not list, in ``PUT_CHUNKS`` batches over one pooled connection; up to ``concurrency``
+targets at once, at most ``max_inflight_bytes`` in flight. A failing target stops receiving
+this step (recorded in the report) without affecting the others; a newer step's submit
+cancels older pushes (superseded; the manager waits with :meth:`Replicator.wait_idle` first).
+Nothing raises into the training loop unless ``wait(raise_on_error=True)`` asks for it.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import queue
 import threading
 import time
-from collections.abc import Mapping, Sequence
-from typing import Protocol
+from collections.abc import Callable, Mapping, Sequence
 
 from fastckpt.errors import ConfigError, ReplicationError, ReplicationTimeoutError
+from fastckpt.replicas._client import PeerClient
 from fastckpt.replicas._ram import RamTier
 from fastckpt.replicas._wire import MAX_BATCH_CHUNKS
 
 _log = logging.getLogger(__name__)
 
 __all__ = [
-    "ChunkPusher",
     "PushHandles",
     "ReplicationHandle",
     "ReplicationReport",
     "Replicator",
     "ReplicatorOptions",
 ]
-
-
-class ChunkPusher(Protocol):
-    """What the replicator needs of a peer (``PeerClient`` is one): ``list_chunks`` lets a
-    re-submit skip what arrived already; ``push_chunks`` stores a batch all or none."""
-
-    def list_chunks(self, step: int) -> list[str]: ...
-
-    def push_chunks(self, step: int, chunks: Sequence[tuple[str, memoryview, int]]) -> None: ...
-
-    def put_manifest(self, step: int, data: bytes | memoryview) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -62,27 +48,18 @@ class ReplicatorOptions:
     concurrency: int = 2
     """Targets pushed to in parallel (threads)."""
     batch_bytes: int = 256 << 20
-    """Chunks go to a target in batches of up to this many bytes (one request, stored as one
-    segment by the target, so its files and mappings are few and get recycled); a larger
-    chunk goes alone."""
+    """Bytes per batch (one request, one segment on the target); a larger chunk goes alone."""
     batch_chunks: int = 1024
     """At most this many chunks per batch (bounds the request header)."""
     max_reports: int = 64
     """Steps whose reports are kept for :meth:`Replicator.wait`; beyond that the oldest
-    finished ones are forgotten at the next submit (their failures were logged when
-    they happened and stay counted in :meth:`Replicator.stats`). Running pushes are never
-    forgotten. Bounds the memory and the per-save wait of a run that never calls ``wait``."""
+    finished ones are forgotten at the next submit (logged, and counted in
+    :meth:`Replicator.stats`). Running pushes are never forgotten."""
 
     def __post_init__(self) -> None:
-        for name in (
-            "max_inflight_bytes",
-            "concurrency",
-            "batch_bytes",
-            "batch_chunks",
-            "max_reports",
-        ):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1")
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) < 1:
+                raise ConfigError(f"{f.name} must be >= 1")
         if self.batch_chunks > MAX_BATCH_CHUNKS:
             raise ConfigError(
                 f"batch_chunks must be <= {MAX_BATCH_CHUNKS} (what a peer accepts in one request)"
@@ -157,6 +134,21 @@ class ReplicationHandle:
                 superseded=self._cancelled,
             )
 
+    def _run(self, target: str, what: str, push: Callable[[], None]) -> bool:
+        """Run ``push``, one target's share of this step, and record it done; a failure is
+        logged and recorded, never raised. True if it failed."""
+        error: str | None = None
+        try:
+            push()
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+            _log.warning(
+                "fastckpt: %s of RAM step %d to %s failed: %s", what, self.step, target, error
+            )
+        finally:
+            self._target_done(target, error)
+        return error is not None
+
     def _record(self, *, pushed: int = 0, present: int = 0, nbytes: int = 0) -> None:
         with self._lock:
             self._pushed += pushed
@@ -212,11 +204,6 @@ class PushHandles:
                     kept.append(h)
             self._handles = kept
 
-    def cancel_all(self) -> None:
-        with self._lock:
-            for h in self._handles:
-                h._cancelled = True
-
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Wait until every push added so far finished (done, failed or cancelled), keeping
         the reports; False on timeout."""
@@ -257,7 +244,7 @@ class Replicator:
     Args:
         tier: This process's tier (chunks are read zero-copy from it).
         targets: Member id → pusher (e.g. ``PeerClient``); usually this member's ring successors
-            (its entry of :func:`~fastckpt.replicas._placement.push_targets`). Replace with
+            (:func:`~fastckpt.replicas._placement.ring_successors`). Replace with
             :meth:`set_targets`.
         options: Concurrency and in-flight bound.
     """
@@ -266,27 +253,22 @@ class Replicator:
         self,
         tier: RamTier,
         *,
-        targets: Mapping[str, ChunkPusher] | None = None,
+        targets: Mapping[str, PeerClient] | None = None,
         options: ReplicatorOptions | None = None,
     ) -> None:
         self._tier = tier
         self.options = options or ReplicatorOptions()
-        self._targets: dict[str, ChunkPusher] = dict(targets or {})
-        self._queue: queue.Queue[tuple[ReplicationHandle, str, ChunkPusher] | None] = queue.Queue()
+        self._targets: dict[str, PeerClient] = dict(targets or {})
+        self._queue: queue.Queue[tuple[ReplicationHandle, str, PeerClient] | None] = queue.Queue()
         self._pushes = PushHandles("push", max_reports=self.options.max_reports)
         self._lock = threading.Lock()
         self._budget = threading.Condition()
         self._inflight = 0
         self._threads: list[threading.Thread] = []
         self._closed = False
-        self._totals = {
-            "steps": 0,
-            "chunks_pushed": 0,
-            "bytes_pushed": 0,
-            "failures": 0,
-        }
+        self._totals = dict.fromkeys(("steps", "chunks_pushed", "bytes_pushed", "failures"), 0)
 
-    def set_targets(self, targets: Mapping[str, ChunkPusher]) -> None:
+    def set_targets(self, targets: Mapping[str, PeerClient]) -> None:
         """Targets for later submits (e.g. after a membership change)."""
         with self._lock:
             self._targets = dict(targets)
@@ -295,10 +277,7 @@ class Replicator:
         self, step: int, *, chunk_ids: Sequence[str] | None = None, manifest: bytes | None = None
     ) -> ReplicationHandle:
         """Queue pushing ``step``'s chunks (all of them by default), then ``manifest``, to every
-        target.
-
-        Never blocks on I/O. Older steps still being pushed are cancelled.
-        """
+        target. Never blocks on I/O. Older steps still being pushed are cancelled."""
         with self._lock:
             if self._closed:
                 raise ConfigError("Replicator is closed")
@@ -343,15 +322,12 @@ class Replicator:
         with self._lock:
             return {**self._totals, "reports_forgotten": self._pushes.forgotten}
 
-    def close(self, *, wait: bool = True) -> None:
-        """Stop the workers (after finishing queued work if ``wait``, else cancelling it).
-        Idempotent."""
+    def close(self) -> None:
+        """Stop the workers after finishing queued work. Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            if not wait:
-                self._pushes.cancel_all()
             threads = list(self._threads)
         for _ in threads:
             self._queue.put(None)
@@ -366,19 +342,11 @@ class Replicator:
             if item is None:
                 return
             handle, name, target = item
-            error: str | None = None
-            try:
-                self._push_all(handle, target)
-            except Exception as e:  # reported, never raised into the caller
-                error = f"{type(e).__name__}: {e}"
-                _log.warning(
-                    "fastckpt: push of RAM step %d to %s failed: %s", handle.step, name, error
-                )
-            handle._target_done(name, error)
+            failed = handle._run(name, "push", functools.partial(self._push_all, handle, target))
             with self._lock:
-                self._totals["failures"] += error is not None
+                self._totals["failures"] += failed
 
-    def _push_all(self, handle: ReplicationHandle, target: ChunkPusher) -> None:
+    def _push_all(self, handle: ReplicationHandle, target: PeerClient) -> None:
         step = handle.step
         present: set[str] = set()
         if handle._chunk_ids:
@@ -415,27 +383,21 @@ class Replicator:
         handle: ReplicationHandle,
         step: int,
         batch: list[tuple[str, memoryview, int]],
-        target: ChunkPusher,
+        target: PeerClient,
     ) -> None:
         """Push one batch under the in-flight budget and record it."""
         n = sum(v.nbytes for _, v, _ in batch)
-        self._acquire(n)
-        try:
-            target.push_chunks(step, batch)
-        finally:
-            self._release(n)
-        handle._record(pushed=len(batch), nbytes=n)
-        with self._lock:
-            self._totals["chunks_pushed"] += len(batch)
-            self._totals["bytes_pushed"] += n
-
-    def _acquire(self, n: int) -> None:
         with self._budget:
             while self._inflight and self._inflight + n > self.options.max_inflight_bytes:
                 self._budget.wait()
             self._inflight += n
-
-    def _release(self, n: int) -> None:
-        with self._budget:
-            self._inflight -= n
-            self._budget.notify_all()
+        try:
+            target.push_chunks(step, batch)
+        finally:
+            with self._budget:
+                self._inflight -= n
+                self._budget.notify_all()
+        handle._record(pushed=len(batch), nbytes=n)
+        with self._lock:
+            self._totals["chunks_pushed"] += len(batch)
+            self._totals["bytes_pushed"] += n

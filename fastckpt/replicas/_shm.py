@@ -57,17 +57,13 @@ class Segment:
         mm: mmap.mmap | None,
         nbytes: int,
         *,
-        reserved: bool = True,
-        prefault: bool = False,
+        reserved: bool,
     ) -> None:
         self._tier = tier
         self.step = step
-        """The step this segment was allocated for."""
         self.nbytes = nbytes
-        """Size in bytes."""
         self.reserved = reserved
         """Whether its pages are reserved (see :meth:`reserve`)."""
-        self._prefault = prefault
         self._path = path
         self._mm = mm
         self._buffer: np.ndarray | None = (
@@ -97,7 +93,7 @@ class Segment:
                 reserve_pages(fd, self.nbytes, self._path)
             finally:
                 os.close(fd)
-            if self._prefault and self._mm is not None:
+            if self._mm is not None:
                 populate_writable(self._mm)
             self.reserved = True
 
@@ -114,18 +110,6 @@ class Segment:
 class Sealed:
     """A sealed segment file and its lazily created read mapping."""
 
-    __slots__ = (
-        "dropped",
-        "index_path",
-        "lent",
-        "lock",
-        "mm",
-        "nbytes",
-        "path",
-        "view",
-        "writable",
-    )
-
     def __init__(
         self, path: Path, index_path: Path, nbytes: int, mm: mmap.mmap | None = None
     ) -> None:
@@ -140,23 +124,26 @@ class Sealed:
         """``mm`` is the writable mapping the segment was filled through (reusable)."""
         self.lock = threading.Lock()
 
-    def slice(self, offset: int, length: int, prefault: bool) -> memoryview | None:
+    def slice(self, offset: int, length: int) -> memoryview | None:
         """A read-only view of ``[offset, offset + length)``; None once the segment is dropped."""
         with self.lock:
-            view = self._view(prefault)
+            view = self._view()
             return None if view is None else view[offset : offset + length]
 
-    def lend(self, spans: Sequence[tuple[int, int]], prefault: bool) -> list[memoryview] | None:
+    def lend(self, spans: Sequence[tuple[int, int]]) -> list[memoryview] | None:
         """Read-only views of ``(offset, length)`` spans that may live indefinitely (the file is
         marked lent: never rewritten), under one lock acquisition; None once dropped."""
         with self.lock:
-            view = self._view(prefault)
+            view = self._view()
             if view is None:
                 return None
-            self._mark_lent()
+            if not self.lent:  # the mark is the file's mode: a tier reopened here sees it too
+                self.lent = True
+                with contextlib.suppress(OSError):
+                    os.chmod(self.path, 0o400)
             return [view[o : o + n] for o, n in spans]
 
-    def _view(self, prefault: bool) -> memoryview | None:
+    def _view(self) -> memoryview | None:
         """The whole segment's read view, mapped on first use; None once dropped (hold ``lock``)."""
         if self.dropped:
             return None
@@ -164,14 +151,12 @@ class Sealed:
             if self.nbytes == 0:
                 self.view = memoryview(b"")
             else:
-                flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if prefault else 0)
+                flags = mmap.MAP_SHARED | mmap.MAP_POPULATE
                 try:
                     fd = os.open(self.path, os.O_RDONLY)
                     try:
-                        if os.fstat(fd).st_size != self.nbytes:
-                            raise ValueError(
-                                f"{os.fstat(fd).st_size} bytes, its index says {self.nbytes}"
-                            )
+                        if (size := os.fstat(fd).st_size) != self.nbytes:
+                            raise ValueError(f"{size} bytes, its index says {self.nbytes}")
                         self.mm = mmap.mmap(fd, self.nbytes, flags=flags, prot=mmap.PROT_READ)
                     finally:
                         os.close(fd)
@@ -187,15 +172,6 @@ class Sealed:
                 self.view = memoryview(self.mm)
         return self.view
 
-    def _mark_lent(self) -> None:
-        """Record that views of this file may live indefinitely: it must never be rewritten
-        (hold ``lock``). The mark is the file's mode (read-only), so a tier reopened over the
-        same directory in this process sees it too."""
-        if not self.lent:
-            self.lent = True
-            with contextlib.suppress(OSError):
-                os.chmod(self.path, 0o400)
-
     def is_lent(self) -> bool:
         """Whether the file was lent (by this object, or by an earlier tier over the same file)."""
         if self.lent:
@@ -207,19 +183,10 @@ class Sealed:
 
     def detach_writable(self) -> mmap.mmap | None:
         """Take the writable mapping away for reuse, if no view of it is alive; else None.
-
-        On success the segment counts as dropped and the caller owns the mapping (its page
-        tables stay populated, which is what makes reuse cheap).
-        """
+        On success the segment counts as dropped and the caller owns the mapping."""
         with self.lock:
-            if not self.writable or self.mm is None or self.lent:
+            if not self.writable or self.mm is None or self.lent or not self._release_view():
                 return None
-            if self.view is not None:
-                try:
-                    self.view.release()
-                except BufferError:
-                    return None
-                self.view = None
             try:  # a no-op resize fails while any buffer exported from the mapping is alive
                 self.mm.resize(len(self.mm))
             except (BufferError, OSError, ValueError, SystemError):
@@ -228,16 +195,13 @@ class Sealed:
             self.dropped = True
             return mm
 
-    def unmap(self, *, dropped: bool) -> bool:
-        """Release the mapping; False if views handed out are still alive (they keep it)."""
+    def unmap(self) -> bool:
+        """Drop the segment and release its mapping; False if views handed out are still alive
+        (they keep it)."""
         with self.lock:
-            self.dropped = self.dropped or dropped
-            if self.view is not None:
-                try:
-                    self.view.release()
-                except BufferError:  # someone exported our base view itself: keep everything
-                    return False
-                self.view = None
+            self.dropped = True
+            if not self._release_view():  # someone exported our base view itself: keep all
+                return False
             mm, self.mm = self.mm, None
             if mm is None:
                 return True
@@ -247,12 +211,20 @@ class Sealed:
                 return False  # exported views keep the mapping alive until collected
             return True
 
+    def _release_view(self) -> bool:
+        """Release the base view (hold ``lock``); False while it is exported."""
+        if self.view is not None:
+            try:
+                self.view.release()
+            except BufferError:
+                return False
+            self.view = None
+        return True
+
 
 class SparePool:
-    """Freed segment files kept for reuse (their pages stay allocated: a new segment of a
-    similar size fills without faulting pages in), with the writable mapping of each when it was
-    kept.
-    Not thread-safe: the tier's lock guards it."""
+    """Freed segment files kept for reuse (their pages stay allocated), with the writable
+    mapping of each when it was kept. Not thread-safe: the tier's lock guards it."""
 
     def __init__(self, files: dict[Path, int] | None = None) -> None:
         self.sizes: dict[Path, int] = dict(files or {})
@@ -332,13 +304,12 @@ def reserve_pages(fd: int, nbytes: int, path: Path) -> None:
 
 
 def create_segment_file(
-    path: Path, nbytes: int, *, spare: Path | None, prefault: bool, reserve: bool = True
+    path: Path, nbytes: int, *, spare: Path | None, reserve: bool = True
 ) -> mmap.mmap | None:
     """Create (or take over ``spare``) ``path`` of ``nbytes``, reserve its pages, map it writable.
 
-    With ``reserve=False`` the pages are neither reserved nor pre-faulted (microseconds, for
-    a segment filled in the background): the caller must :func:`reserve_pages` (through
-    :meth:`Segment.reserve`) before writing.
+    With ``reserve=False`` the pages are neither reserved nor pre-faulted: the caller must
+    :func:`reserve_pages` (through :meth:`Segment.reserve`) before writing.
 
     Raises:
         RamBudgetError: tmpfs has no room for ``nbytes``.
@@ -356,7 +327,7 @@ def create_segment_file(
             reserve_pages(fd, nbytes, path)
         prot = mmap.PROT_READ | mmap.PROT_WRITE
         mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=prot)
-        if prefault and reserve and not populate_writable(mm):  # older kernels: MAP_POPULATE
+        if reserve and not populate_writable(mm):  # older kernels: MAP_POPULATE
             mm.close()
             mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=prot)
         return mm

@@ -1,21 +1,15 @@
 """Per-chunk source choice for a restore: own RAM tier, then peers, else persistent storage.
 
-:meth:`TieredChunkSource.fetch_many` fills the caller's buffer for each chunk, verified
-against the manifest's ``raw_crc32c``, from the first source that has a good copy:
+:meth:`TieredChunkSource.fetch_many` fills each chunk's buffer, verified against the
+manifest's ``raw_crc32c``, from the first source with a good copy: this process's
+:class:`~fastckpt.replicas._ram.RamTier`; each peer in the given order (with ``use_listing``
+only peers whose chunk list, fetched once per step, names it); with parity a rebuild from
+the writer's group (tier ``"rebuilt"``); else None (the reader falls back to storage).
 
-1. this process's :class:`~fastckpt.replicas._ram.RamTier` (no network);
-2. each peer in the given order (put same-host or nearest peers first). With
-   ``use_listing`` each peer's chunk list for the step is fetched once, lazily, so peers
-   that lack a chunk cost no round-trip;
-3. with parity (``rebuild``): a rebuild from the writer's group (tier ``"rebuilt"``);
-4. nothing: ``fetch_many`` returns None for it and the reader falls back to persistent storage.
-
-Every failure falls through to the next source: a miss, a corrupt copy (wrong length or
-crc32c), a timeout, a peer that dies mid-transfer. A peer that was unreachable or spoke
-garbage is not asked again by this source (``reset_peers`` forgets that). Stats record, per
-tier, chunks, bytes and seconds of successful fetches, and every fallback with its reason.
-Thread-safe: the reader calls ``fetch_many`` from many threads (each peer call uses its own
-pooled connection).
+Every failure (a miss, a corrupt copy, a timeout, a peer dying mid-transfer) falls through
+to the next source; a peer that was unreachable or spoke garbage is not asked again
+(``reset_peers`` forgets that). Stats record successful fetches per tier and every fallback
+with its reason. Thread-safe: the reader calls ``fetch_many`` from many threads.
 """
 
 from __future__ import annotations
@@ -26,6 +20,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
 
 import numpy as np
 
@@ -38,30 +33,54 @@ from fastckpt.errors import (
     PeerUnavailableError,
     ProtocolError,
 )
+from fastckpt.replicas._client import PeerClient
+from fastckpt.replicas._parity_rebuild import ParityRebuilds
 from fastckpt.replicas._ram import RamTier
-from fastckpt.replicas._source_types import (
-    ChunkPeer,
-    ChunkRebuilder,
-    Fallback,
-    FallbackReason,
-    SourceStats,
-    TierStats,
-)
 
-__all__ = [
-    "ChunkPeer",
-    "ChunkRebuilder",
-    "Fallback",
-    "FallbackReason",
-    "SourceStats",
-    "TierStats",
-    "TieredChunkSource",
-]
+__all__ = ["SourceStats", "TieredChunkSource"]
 
 _MAX_LOG = 256
-
-
 _REBUILDS_IN_FLIGHT = 8  # chunks rebuilt from parity at once by one fetch_many
+_Runs = Sequence[tuple[int, int]] | None  # byte ranges (start, n) of a chunk; None: all of it
+
+FallbackReason = Literal["miss", "corrupt", "unavailable", "protocol", "error"]
+
+
+@dataclasses.dataclass
+class TierStats:
+    """Successful fetches from one tier."""
+
+    chunks: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Fallback:
+    """One source that could not provide a chunk."""
+
+    tier: str
+    chunk_id: str
+    reason: FallbackReason
+    detail: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SourceStats:
+    """A snapshot of a :class:`TieredChunkSource`'s counters."""
+
+    tiers: dict[str, TierStats]
+    """``"ram"`` and ``"peer:<name>"`` → successful fetches."""
+    fallbacks: dict[FallbackReason, int]
+    """How often a source failed, by reason."""
+    recent_fallbacks: list[Fallback]
+    """The latest fallbacks (bounded log)."""
+    not_found: int
+    """Chunks no RAM source could provide (left to persistent storage)."""
+    dead_peers: list[str]
+    """Peers no longer asked."""
+    listed_peers: list[str] = dataclasses.field(default_factory=list)
+    """Peers whose chunk list was fetched, in the order they were asked."""
 
 
 class TieredChunkSource:
@@ -82,12 +101,12 @@ class TieredChunkSource:
     def __init__(
         self,
         own: RamTier | None,
-        peers: Sequence[ChunkPeer] = (),
+        peers: Sequence[PeerClient] = (),
         *,
         use_listing: bool = True,
         verify: bool = True,
         known_listings: Mapping[tuple[int, str], frozenset[str]] | None = None,
-        rebuild: ChunkRebuilder | None = None,
+        rebuild: ParityRebuilds | None = None,
     ) -> None:
         self._own = own
         self._rebuild = rebuild
@@ -113,15 +132,11 @@ class TieredChunkSource:
         runs: Sequence[Sequence[tuple[int, int]] | None] | None = None,
     ) -> list[str | None]:
         """Fill each item's ``into`` (exactly ``raw_length`` bytes) with the chunk's verified raw
-        bytes: ``(chunk_id, raw_length, raw_crc32c, into)`` each.
-
-        Own RAM first, then each peer gets the chunks still missing that it lists, in one
-        pipelined stream (:meth:`PeerClient.get_chunks`) instead of a request per chunk.
-        With ``runs``, an item whose entry is not None asks only for those byte ranges
-        ``(start, n)`` of the chunk (ascending, disjoint), received at their place in
-        ``into``: a peer sends just them (:meth:`PeerClient.get_ranges`, checked against the
-        whole chunk's crc32c all the same). Returns the tier per item, None where no RAM
-        source had a good copy.
+        bytes: ``(chunk_id, raw_length, raw_crc32c, into)`` each. Each peer gets the chunks
+        still missing that it lists in one stream (``get_chunks``). With ``runs``, an item
+        whose entry is not None gets only those byte ranges ``(start, n)`` (ascending,
+        disjoint) at their place in ``into`` (``get_ranges``, still checked against the whole
+        chunk's crc32c). Returns the tier per item, None where no RAM source had a good copy.
         """
         dsts = []
         spans = list(runs) if runs is not None else [None] * len(items)
@@ -139,7 +154,7 @@ class TieredChunkSource:
         out: list[str | None] = [None] * len(items)
         if self._own is not None:
             for k, ((cid, n, crc, _), dst) in enumerate(zip(items, dsts)):
-                if self._fetch_own(step, cid, n, crc, dst, runs=spans[k]):
+                if self._fetch_own(step, cid, n, crc, dst, spans[k]):
                     out[k] = "ram"
         for i, peer in enumerate(self._peers):
             todo = [k for k in range(len(items)) if out[k] is None]
@@ -186,11 +201,7 @@ class TieredChunkSource:
                 else:
                     self._fallback(tier, items[k][0], "miss" if r == "missing" else "corrupt", None)
             if nok:
-                with self._lock:
-                    st = self._tiers.setdefault(tier, TierStats())
-                    st.chunks += nok
-                    st.bytes += got
-                    st.seconds += time.perf_counter() - t0
+                self._success(tier, got, time.perf_counter() - t0, chunks=nok)
         lost = [k for k in range(len(items)) if out[k] is None]
         if lost and self._rebuild is not None:
             lost = [lost[i] for i in self._rebuild.order(step, [items[k][0] for k in lost])]
@@ -199,7 +210,7 @@ class TieredChunkSource:
             # time would leave the others idle between round trips.
             def rebuilt(k: int) -> bool:
                 cid, n, crc, _ = items[k]
-                return self._fetch_rebuilt(step, cid, n, crc, dsts[k], runs=spans[k])
+                return self._fetch_rebuilt(step, cid, n, crc, dsts[k], spans[k])
 
             with ThreadPoolExecutor(
                 min(_REBUILDS_IN_FLIGHT, len(lost)), thread_name_prefix="fastckpt-rebuild"
@@ -214,27 +225,22 @@ class TieredChunkSource:
     def lend_many(
         self, step: int, groups: Sequence[Sequence[tuple[str, int, int]]], *, verify: bool = True
     ) -> list[memoryview | None]:
-        """Per destination buffer, a verified, read-only view of consecutive chunks straight
-        from this process's tier (one tier lookup, one stats update for all).
-
-        A group's chunks are ``(chunk_id, raw_length, raw_crc32c)`` in the order they must
-        appear. A view aliases shared memory (no copy) and may be kept indefinitely (see
-        :meth:`RamTier.lend_spans`). None if there is no own tier, the chunks are not back to
-        back in one segment, or any copy fails verification (then :meth:`fetch_many` them,
-        which tries peers). ``verify=False`` skips the checksums (the tier's record of each
-        chunk must still match its length and crc32c): the caller must verify every chunk of
-        a view against its ``raw_crc32c`` before using it, and :meth:`fetch_many` the chunks
-        of a view that fails (which finds and records the bad copy). Such views count as lent in
-        :meth:`stats` whatever the caller finds.
+        """Per group of ``(chunk_id, raw_length, raw_crc32c)`` (in the order they must appear),
+        a verified, read-only view of them back to back straight from this process's tier,
+        which may be kept indefinitely (:meth:`RamTier.lend_spans`). None if there is no own
+        tier, they are not back to back in one segment, or a copy fails verification (then
+        :meth:`fetch_many` them). ``verify=False`` skips the checksums (the tier's record must
+        still match length and crc32c): the caller must verify every chunk of a view before
+        using it and :meth:`fetch_many` those of a view that fails; such views count as lent
+        in :meth:`stats` whatever the caller finds.
         """
         if self._own is None:
             return [None] * len(groups)
         t0 = time.perf_counter()
         out: list[memoryview | None] = []
         nchunks = nbytes = 0
-        for chunks, hit in zip(
-            groups, self._own.lend_spans(step, [[c[0] for c in g] for g in groups])
-        ):
+        hits = self._own.lend_spans(step, [[c[0] for c in g] for g in groups])
+        for chunks, hit in zip(groups, hits):
             if hit is None:  # (an empty group gets None from lend_spans)
                 out.append(None)
                 continue
@@ -257,11 +263,7 @@ class TieredChunkSource:
                 nchunks += len(chunks)
                 nbytes += sum(c[1] for c in chunks)
         if nchunks:
-            with self._lock:
-                st = self._tiers.setdefault("ram", TierStats())
-                st.chunks += nchunks
-                st.bytes += nbytes
-                st.seconds += time.perf_counter() - t0
+            self._success("ram", nbytes, time.perf_counter() - t0, chunks=nchunks)
         return out
 
     def stats(self) -> SourceStats:
@@ -285,64 +287,45 @@ class TieredChunkSource:
     # ---------------------------------------------------------------- internals
 
     def _fetch_own(
-        self,
-        step: int,
-        chunk_id: str,
-        raw_length: int,
-        raw_crc32c: int,
-        dst: np.ndarray,
-        *,
-        runs: Sequence[tuple[int, int]] | None = None,
+        self, step: int, cid: str, n: int, crc: int, dst: np.ndarray, runs: _Runs
     ) -> bool:
         """The own tier's copy of the chunk into ``dst``: whole, or only the byte ranges
         ``runs`` (the whole copy is verified either way)."""
         assert self._own is not None
         t0 = time.perf_counter()
-        view = self._own.get_chunk(step, chunk_id)
+        view = self._own.get_chunk(step, cid)
         if view is None:
-            self._fallback("ram", chunk_id, "miss", None)
+            self._fallback("ram", cid, "miss", None)
             return False
-        if view.nbytes != raw_length or (self._verify and crc32c(view) != raw_crc32c):
+        if view.nbytes != n or (self._verify and crc32c(view) != crc):
             self._fallback(
-                "ram", chunk_id, "corrupt", f"{view.nbytes} bytes, crc32c mismatch or wrong length"
+                "ram", cid, "corrupt", f"{view.nbytes} bytes, crc32c mismatch or wrong length"
             )
             return False
-        src = np.frombuffer(view, np.uint8)
-        if runs is None:
-            np.copyto(dst, src)
-        else:
-            for a, n in runs:
-                dst[a : a + n] = src[a : a + n]
-        self._success("ram", _run_bytes(runs, raw_length), time.perf_counter() - t0)
+        _copy_runs(dst, np.frombuffer(view, np.uint8), runs)
+        self._success("ram", _run_bytes(runs, n), time.perf_counter() - t0)
         return True
 
     def _fetch_rebuilt(
-        self,
-        step: int,
-        chunk_id: str,
-        n: int,
-        crc: int,
-        dst: np.ndarray,
-        runs: Sequence[tuple[int, int]] | None = None,
+        self, step: int, cid: str, n: int, crc: int, dst: np.ndarray, runs: _Runs
     ) -> bool:
         """The chunk rebuilt from parity into ``dst`` (only ``runs`` of it, if given)."""
         rb = self._rebuild
-        if rb is None:
-            return False
+        assert rb is not None
         t0 = time.perf_counter()
         buf = dst if runs is None else np.empty(n, np.uint8)
         try:
-            if not rb.rebuild(step, chunk_id, n, crc, buf):
-                self._fallback("rebuilt", chunk_id, "miss", None)
+            if not rb.rebuild(step, cid, n, crc, buf):
+                self._fallback("rebuilt", cid, "miss", None)
                 return False
         except ChecksumMismatchError as e:
-            self._fallback("rebuilt", chunk_id, "corrupt", e)
+            self._fallback("rebuilt", cid, "corrupt", e)
             return False
         except PeerError as e:
-            self._fallback("rebuilt", chunk_id, "error", e)
+            self._fallback("rebuilt", cid, "error", e)
             return False
-        for a, k in runs or ():
-            dst[a : a + k] = buf[a : a + k]
+        if runs is not None:
+            _copy_runs(dst, buf, runs)
         self._success("rebuilt", _run_bytes(runs, n), time.perf_counter() - t0)
         return True
 
@@ -371,31 +354,31 @@ class TieredChunkSource:
                         self._listed_order.append(i)
         return chunk_id in listing
 
-    def _success(self, tier: str, nbytes: int, seconds: float) -> None:
+    def _success(self, tier: str, nbytes: int, seconds: float, *, chunks: int = 1) -> None:
         with self._lock:
             st = self._tiers.setdefault(tier, TierStats())
-            st.chunks += 1
+            st.chunks += chunks
             st.bytes += nbytes
             st.seconds += seconds
 
     def _fallback(
-        self,
-        tier: str,
-        chunk_id: str,
-        reason: FallbackReason,
-        err: object,
-        *,
-        dead: int | None = None,
+        self, tier: str, cid: str, reason: FallbackReason, err: object, *, dead: int | None = None
     ) -> None:
         with self._lock:
             self._fallbacks[reason] += 1
-            self._log.append(
-                Fallback(tier, chunk_id, reason, "" if err is None else str(err)[:300])
-            )
+            self._log.append(Fallback(tier, cid, reason, "" if err is None else str(err)[:300]))
             if dead is not None:
                 self._dead.add(dead)
 
 
-def _run_bytes(runs: Sequence[tuple[int, int]] | None, whole: int) -> int:
+def _copy_runs(dst: np.ndarray, src: np.ndarray, runs: _Runs) -> None:
+    """``dst[a:a+n] = src[a:a+n]`` for each run (the whole chunk when ``runs`` is None)."""
+    if runs is None:
+        np.copyto(dst, src)
+    for a, n in runs or ():
+        dst[a : a + n] = src[a : a + n]
+
+
+def _run_bytes(runs: _Runs, whole: int) -> int:
     """Bytes a fetch of ``runs`` of a chunk of ``whole`` bytes moves (None: the whole chunk)."""
     return whole if runs is None else sum(n for _, n in runs)

@@ -13,7 +13,7 @@ import time
 import uuid
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from fastckpt.coordination.distributed import time_left
@@ -31,7 +31,6 @@ if TYPE_CHECKING:
     from fastckpt.storage import Store
 
 __all__ = [
-    "PeerAddress",
     "PeerDirectory",
     "PeerRecord",
     "check_push_targets",
@@ -90,17 +89,10 @@ def route_source_address(host: str, port: int) -> str:
     raise ConfigError(f"no route to the coordinator {host!r} ({'; '.join(errors) or 'no address'})")
 
 
-class PeerAddress(NamedTuple):
-    """Where a peer server listens, and what peers are told to connect to."""
-
-    bind: str
-    advertise: str
-
-
 def peer_address(
     host: str | None, *, service_address: str | None, process_count: int
-) -> PeerAddress:
-    """Where this host's peer server listens and what it advertises.
+) -> tuple[str, str]:
+    """``(bind, advertise)``: where this host's peer server listens and what peers are told.
 
     * ``host`` set to an address or name: bind and advertise it (an explicit choice wins).
     * ``host`` a wildcard (``"0.0.0.0"``, ``"::"``): bind every interface, advertise the
@@ -113,7 +105,7 @@ def peer_address(
             ``host`` (there is nothing to infer a reachable address from), or no route.
     """
     if host is not None and host not in _WILDCARDS:
-        return PeerAddress(host, host)
+        return host, host
     if process_count <= 1 and service_address is None:
         default = "127.0.0.1"
     elif service_address is None:
@@ -124,9 +116,9 @@ def peer_address(
     else:
         default = route_source_address(*split_host_port(service_address))
     if host is None:
-        return PeerAddress(default, default)
+        return default, default
     bind = "::" if _is_v6(default) else "0.0.0.0"
-    return PeerAddress(bind, default)
+    return bind, default
 
 
 def _is_v6(address: str) -> bool:
@@ -210,23 +202,18 @@ def make_record(member_id: str, address: tuple[str, int]) -> PeerRecord:
     )
 
 
-def _newest(records: Iterable[PeerRecord]) -> dict[str, PeerRecord]:
+def _newest(blobs: Iterable[str | bytes]) -> dict[str, PeerRecord]:
+    """The newest of the records that parse, by member id (sorted)."""
     out: dict[str, PeerRecord] = {}
-    for r in records:
+    for blob in blobs:
+        try:
+            r = PeerRecord.from_json(blob)
+        except ProtocolError:
+            continue
         cur = out.get(r.member_id)
         if cur is None or (r.published_unix, r.incarnation) > (cur.published_unix, cur.incarnation):
             out[r.member_id] = r
     return dict(sorted(out.items()))
-
-
-def _parse_all(blobs: Iterable[str | bytes]) -> list[PeerRecord]:
-    out = []
-    for blob in blobs:
-        try:
-            out.append(PeerRecord.from_json(blob))
-        except ProtocolError:
-            continue
-    return out
 
 
 # ------------------------------------------------------------------ directory
@@ -236,14 +223,11 @@ class PeerDirectory:
     """Where the members of a job publish their :class:`PeerRecord` and find each other's.
 
     * A job of several processes: the coordinator's key-value store,
-      ``fastckpt/<namespace>/peers/<process_index>``. Its keys are written once, so a process
-      publishes once per coordination-service lifetime (a job restart starts a new one), and
-      :meth:`lookup` waits until every process of the job published.
+      ``fastckpt/<namespace>/peers/<process_index>``, written once per coordination-service
+      lifetime; :meth:`lookup` waits until every process published.
     * A job of one process: objects ``_peers/<quoted member id>.json`` in the checkpoint
-      store, overwritten on republish (a restarted member replaces its record; no
-      read-modify-write, so members never race on a shared object). Whoever shares the
-      checkpoint root finds them: other one-process jobs, a plain process serving a tier
-      (``benchmarks/_tiers.py``), this member after a restart at a new address.
+      store, overwritten on republish (no read-modify-write: members never race), found by
+      whoever shares the checkpoint root.
 
     Args:
         coordinator: The job's coordinator; its ``process_count`` chooses the place.
@@ -282,30 +266,19 @@ class PeerDirectory:
             key = f"{_STORE_PREFIX}{quote(record.member_id, safe='')}.json"
             self._run(self._store.put(key, record.to_json().encode(), mode="overwrite"))
 
-    def lookup(self, *, wait: bool = True) -> dict[str, PeerRecord]:
+    def lookup(self) -> dict[str, PeerRecord]:
         """The newest record of every member that published (by ``published_unix``, ties by
         ``incarnation``; records that fail to parse are skipped), keyed and sorted by member
-        id. Several processes: with ``wait``, block until all published (or time out).
+        id. Several processes: blocks until all published (or times out).
 
         Raises:
-            BarrierTimeoutError: ``wait`` and some process did not publish within the timeout.
+            BarrierTimeoutError: some process did not publish within the timeout.
         """
         if not self._multi:
-            return _newest(_parse_all(self._run(self._read_store())))
+            return _newest(self._run(self._read_store()))
         deadline = time.monotonic() + self._timeout_s
-        count = self._coordinator.process_count
-        if not wait:  # one request for all processes' records
-            return _newest(
-                _parse_all(
-                    [
-                        v
-                        for v in self._coordinator.try_get_all(self._directory, count)
-                        if v is not None
-                    ]
-                )
-            )
         blobs = []
-        for i in range(count):
+        for i in range(self._coordinator.process_count):
             remaining = time_left(deadline)
             try:
                 blobs.append(self._coordinator.get(f"{self._directory}/{i}", timeout_s=remaining))
@@ -313,7 +286,7 @@ class PeerDirectory:
                 raise BarrierTimeoutError(
                     f"process {i} did not publish its peer address: {e}"
                 ) from e
-        return _newest(_parse_all(blobs))
+        return _newest(blobs)
 
     async def _read_store(self) -> list[bytes]:
         out = []
@@ -338,13 +311,11 @@ def check_push_targets(
     targets: Sequence[str],
     timeout_s: float,
 ) -> None:
-    """Fail the job's start on every process, loudly, when any host cannot reach (or
-    authenticate to) a peer it pushes to: otherwise its RAM steps would silently lack their
-    replicas, and a lost host would be restored from storage, an older step.
+    """Fail the job's start on every process when any host cannot reach (or authenticate to)
+    a peer it pushes to (else its RAM steps would silently lack their replicas).
 
-    Every process (SPMD; ``key`` the same on all) connects to its ``targets`` (a handshake
-    and one request each, all at once, bounded by the peer timeouts) and reports to process
-    0, which publishes the job's verdict: O(processes) key-value operations in all.
+    Every process (SPMD; ``key`` the same on all) probes its ``targets`` at once and reports
+    to process 0, which publishes the job's verdict.
 
     Raises:
         PeersUnreachableError: some host could not reach a peer; every process raises it,

@@ -1,12 +1,9 @@
-"""The restore side of :class:`~fastckpt.replicas._tiered.RamReplication` (internal): which RAM
-step a restore uses, its manifest, and where each chunk is read from.
+"""The restore side of :class:`~fastckpt.replicas._tiered.RamReplication` (internal).
 
-:meth:`StepSelection.select_step` is collective: all processes agree on the newest RAM step
-from which every process reaches the chunks it reads (own tier, or a peer's chunk list).
-Its manifest comes from the nearest copy (:mod:`~fastckpt.replicas._manifest_relay`); then
-:meth:`StepSelection.source` reads each chunk from the own RAM, then the peers. A chunk
-found corrupt in every copy while it is read still fails the step (the manager then falls
-back to an older one on every process).
+:meth:`StepSelection.select_step` (collective) agrees on the newest RAM step from which every
+process reaches the chunks it reads (own tier, or a peer's chunk list), its manifest from the
+nearest copy; :meth:`StepSelection.source` then reads each chunk from own RAM, then peers. A
+chunk corrupt in every copy still fails the step (the manager falls back on every process).
 """
 
 from __future__ import annotations
@@ -36,7 +33,7 @@ from fastckpt.replicas._manifest_relay import (
     wait_for_manifest,
 )
 from fastckpt.replicas._parity_rebuild import ParityRebuilds
-from fastckpt.replicas._placement import host_domain, push_targets, relay_parent, replica_holders
+from fastckpt.replicas._placement import host_domain, relay_parent, replica_holders, ring_successors
 from fastckpt.replicas._ram import RamTier
 from fastckpt.replicas._sources import TieredChunkSource
 
@@ -64,21 +61,18 @@ class StepSelection:
     member_id: str
     tier: RamTier
     _coord: Coordinator
-    _decoded: dict[
-        int, tuple[bytes, Manifest]
-    ]  # step -> its manifest's bytes, decoded (the latest only)
+    _decoded: dict[int, tuple[bytes, Manifest]]  # step -> its manifest's bytes, decoded
     _needed: tuple[Manifest, set[str]] | None  # chunk ids of a decoded manifest
     _lists: dict[tuple[int, str], frozenset[str]]  # (step, peer): its chunk ids, this restore
     _parity: ParityRebuilds | None  # with redundancy="parity": rebuilds a lost member's chunks
 
-    def _peers(self) -> dict[str, PeerClient]:
+    def _peers(self) -> Mapping[str, PeerClient]:
         """Clients of the other members (``RamReplication._peers``)."""
         raise NotImplementedError
 
     def manifest(self, step: int, sources: ManifestSources | None = None) -> Manifest | None:
         """The manifest of RAM step ``step`` from the nearest copy that decodes and names that
-        step (:meth:`_manifest_copies`; a bad copy is logged and the next one tried), kept in
-        the own tier when it held only the step's commit record; None if no copy does."""
+        step (a bad copy is logged and the next one tried); None if no copy does."""
         for data in self._manifest_copies(step, sources):
             try:
                 return self._decode(step, data)
@@ -92,9 +86,8 @@ class StepSelection:
 
     def _manifest_copies(self, step: int, sources: ManifestSources | None) -> Iterator[bytes]:
         """Copies of RAM step ``step``'s manifest, nearest first (fetched lazily): the own
-        tier's; with ``sources`` (from process 0's survey) the relay parent's
-        (``_placement.relay_parent``, waited for while it fetches its own), then each holder's
-        in random order; last any other peer that says it holds one (all asked at once)."""
+        tier's; with ``sources`` the relay parent's (waited for while it fetches its own),
+        then each holder's in random order; last any other peer that says it holds one."""
         data = self.tier.get_manifest(step)
         if data is not None:
             yield data
@@ -129,23 +122,15 @@ class StepSelection:
     def _step_lists(self) -> dict[str, StepLists]:
         """This member's and every reachable peer's step lists (one request per peer)."""
         lists = dict(self._ask_peers(lambda c: (c.name, c.step_lists())))
-        tier = self.tier
-        lists[self.member_id] = StepLists(
-            tier.steps(), tier.committed_steps(), tier.manifest_steps()
-        )
+        t = self.tier
+        lists[self.member_id] = StepLists(t.steps(), t.committed_steps(), t.manifest_steps())
         return lists
-
-    def _survey(self) -> dict[int, ManifestSources]:
-        """Every committed RAM step of this tier and the reachable peers', with the members
-        that hold its manifest and those that hold only its commit record."""
-        return manifest_sources(self._step_lists())
 
     def _ask_peers(
         self, ask: Callable[[PeerClient], _T], clients: list[PeerClient] | None = None
     ) -> list[_T]:
-        """``ask(client)`` for every peer (or ``clients``), concurrently (a job of hundreds of
-        hosts, or a dead peer's connect timeout, costs one round trip, not one per peer);
-        peers that fail (``PeerError``) are left out."""
+        """``ask(client)`` for every peer (or ``clients``), concurrently; peers that fail
+        (``PeerError``) are left out."""
         clients = list(self._peers().values()) if clients is None else clients
 
         def one(client: PeerClient) -> tuple[bool, _T | None]:
@@ -173,8 +158,7 @@ class StepSelection:
         return out
 
     def _chunk_ids(self, manifest: Manifest) -> set[str]:
-        """Every chunk id of ``manifest`` (kept for the manifest decoded last: a restore
-        repeated from the same step formats none)."""
+        """Every chunk id of ``manifest`` (kept for the manifest asked last)."""
         hit = self._needed
         if hit is not None and hit[0] is manifest:
             return hit[1]
@@ -189,15 +173,14 @@ class StepSelection:
         step: int,
         need: set[str],
         own: list[str],
-        *,
-        keys: Mapping[str, str] | None = None,
-        manifest: Manifest | None = None,
+        manifest: Manifest,
+        keys: Mapping[str, str] | None,
     ) -> bool:
         """Whether every chunk id in ``need`` is in ``own`` (the own tier's) or a peer's chunk
-        list, asking as few peers as it can: the ring successors first (one by one), then the
-        writers of the missing chunks that ``keys`` (chunk id -> object key) name and their
-        ring successors (``_placement.replica_holders``), then every other peer. The lists
-        are kept for this restore's :meth:`source`."""
+        list (else rebuildable from parity), asking as few peers as it can: the ring
+        successors one by one, then the writers of the missing chunks that ``keys`` (chunk id
+        -> object key) name and their push targets, then every other peer. The lists are kept
+        for this restore's :meth:`source`."""
         missing = need.difference(own)
         if not missing:
             return True
@@ -208,7 +191,7 @@ class StepSelection:
             if not missing:
                 return True
         rest = ordered[k:]
-        if keys is not None and manifest is not None:
+        if keys is not None:
             holders = self._holders(step, {keys[i] for i in missing if i in keys}, manifest)
             first = [c for c in rest if c.name in holders]
             for ids in self._ask_peers(lambda c: self._listing(step, c), first):
@@ -219,9 +202,7 @@ class StepSelection:
         for ids in self._ask_peers(lambda c: self._listing(step, c), rest):
             missing -= ids
         return not missing or (
-            self._parity is not None
-            and manifest is not None
-            and self._parity.covers(step, manifest, missing, self._lists)
+            self._parity is not None and self._parity.covers(step, manifest, missing, self._lists)
         )
 
     def _holders(self, step: int, keys: set[str], manifest: Manifest) -> set[str]:
@@ -264,21 +245,13 @@ class StepSelection:
         ).issubset(own):
             # this tier holds the whole step (one host, or a restart in place): no planning
             return manifest
-        if wanted is None:
-            need = self._chunk_ids(manifest)
-            return manifest if self._reachable(step, need, own, manifest=manifest) else None
-        keys = wanted(manifest)
-        return (
-            manifest
-            if self._reachable(step, set(keys), own, keys=keys, manifest=manifest)
-            else None
-        )
+        keys = None if wanted is None else wanted(manifest)
+        need = self._chunk_ids(manifest) if keys is None else set(keys)
+        return manifest if self._reachable(step, need, own, manifest, keys) else None
 
     def _decode(self, step: int, data: bytes) -> Manifest:
-        """``decode_manifest(data)``, reusing the last result for the same bytes: a
-        manifest is immutable, and decoding a large tree's costs about as much as
-        verifying a few hundred MiB of own-RAM chunks. Bytes that decode are kept in the
-        own tier when it held only the step's commit record (:meth:`_keep_copy`)."""
+        """``decode_manifest(data)``, reusing the last result for the same bytes; bytes that
+        decode are kept in the own tier when it held only the commit record."""
         hit = self._decoded.get(step)
         if hit is not None and hit[0] == data:
             return hit[1]
@@ -291,8 +264,7 @@ class StepSelection:
 
     def _keep_copy(self, step: int, data: bytes) -> None:
         """Store a valid manifest fetched from a peer when this tier holds only the step's
-        commit record: this host then serves it too, so the restores that follow (another
-        host lost) find it on more hosts than process 0's and its ring successors."""
+        commit record (this host then serves it to later restores too)."""
         tier = self.tier
         if step in tier.committed_steps() and step not in tier.manifest_steps():
             with contextlib.suppress(FastckptError):  # stale (retention moved on), budget, closed
@@ -312,15 +284,13 @@ class StepSelection:
         needs; None when storage's latest should be used.
 
         ``persistent_latest`` is storage's latest step, or a callable only process 0 calls
-        once its survey is done (the caller's storage listing runs beside it). Process 0
-        publishes the candidate steps with their manifests' holders and relays
-        (``_manifest_relay``); each process checks them, newest first, against ``wanted(manifest)``
-        (the chunks its restore reads, chunk id -> object key; default: all) in its own tier or
-        a peer's chunk list (:meth:`_reachable`), then all exchange the newest each can
-        restore, and those with a newer one check the oldest named, until they agree. The
-        chunk lists fetched serve this restore's :meth:`source`. An error of ``wanted`` is
-        raised on its process and as ``DistributedError`` on the others;
-        ``BarrierTimeoutError`` if a process does not take part within ``timeout_s``.
+        once its survey is done. Process 0 publishes the candidates with their manifests'
+        holders and relays; each process checks them, newest first, against
+        ``wanted(manifest)`` (the chunks its restore reads, chunk id -> object key; default:
+        all), then all exchange the newest each can restore, and those with a newer one check
+        the oldest named, until they agree. The chunk lists fetched serve :meth:`source`. An
+        error of ``wanted`` is raised on its process and as ``DistributedError`` on the
+        others; ``BarrierTimeoutError`` if a process does not take part within ``timeout_s``.
         """
         coord = self._coord
         deadline = time.monotonic() + timeout_s
@@ -328,7 +298,7 @@ class StepSelection:
         if self._parity is not None:
             self._parity.reset()
         if coord.process_index == 0:
-            sources = self._survey()
+            sources = manifest_sources(self._step_lists())  # every committed step's holders
             if callable(persistent_latest):
                 persistent_latest = persistent_latest()
             candidates = [
@@ -357,19 +327,16 @@ class StepSelection:
                     if verdicts[step] is not None:
                         mine = str(step)
                         break
-            except (
-                Exception
-            ) as e:  # ``wanted`` failed (e.g. the target does not match): tell the others
+            except Exception as e:  # ``wanted`` failed (e.g. a target that does not match)
                 error, mine = e, f"error {type(e).__name__}: {e}"[:500]
             named = coord.exchange(f"{key}/round{round_}", mine, timeout_s=time_left(deadline))
             if error is not None:
                 raise error
-            failed = [(i, v) for i, v in enumerate(named) if v.startswith("error ")]
-            if failed:
-                i, v = failed[0]
-                raise DistributedError(
-                    f"process {i} could not check the RAM steps for its restore: {v[6:]}"
-                )
+            for i, v in enumerate(named):
+                if v.startswith("error "):
+                    raise DistributedError(
+                        f"process {i} could not check the RAM steps for its restore: {v[6:]}"
+                    )
             if "none" in named:
                 return None
             steps = [int(v) for v in named]
@@ -379,25 +346,22 @@ class StepSelection:
         raise AssertionError("unreachable")
 
     def _ordered_peers(self) -> list[PeerClient]:
-        """Peers, this member's ring successors first — where a replacement host's chunks
-        were pushed by the host it replaces — then those whose chunk list the last step
-        selection fetched (the holders of what this host needs), then the rest in directory
-        order."""
+        """Peers: this member's ring successors first (where a replaced host pushed), then
+        those whose chunk list the step selection fetched, then the rest."""
         peers = self._peers()
-        first = (
-            push_targets(
-                [self.member_id, *peers], max(1, self.options.replicas), domain_of=host_domain
-            ).get(self.member_id, [])
-            if peers
-            else []
-        )
+        first = self._successors(max(1, self.options.replicas)) if peers else []
         listed = {name for _, name in self._lists}
         rest = [m for m in peers if m not in first]
         return (
-            [peers[m] for m in first if m in peers]
+            [peers[m] for m in first]
             + [peers[m] for m in rest if m in listed]
             + [peers[m] for m in rest if m not in listed]
         )
+
+    def _successors(self, k: int) -> list[str]:
+        """This member's ``k`` ring successors among the published members (its push targets)."""
+        members = [self.member_id, *self._peers()]
+        return ring_successors(members, self.member_id, k, domain_of=host_domain)
 
     def source(self) -> TieredChunkSource:
         """Per-chunk source: own RAM first, then every peer (listing-guided) in

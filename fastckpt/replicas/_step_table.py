@@ -1,10 +1,7 @@
-"""What a RAM tier holds per step, and reading it (internal).
-
-:class:`StepState` is one step's sealed segments, chunk index and commit state;
-:func:`scan_root` rebuilds them from a tier directory when a tier opens; :class:`StepTable`
-is the read side of :class:`~fastckpt.replicas._ram.RamTier` over them (the write side,
-which changes them, is the tier's). Reads take the tier's lock only to look a chunk up: the
-bytes are served from the segment's mapping, which guards itself.
+"""What a RAM tier holds per step (:class:`StepState`, rebuilt by :func:`scan_root` when a tier
+opens), and :class:`StepTable`, the read side of :class:`~fastckpt.replicas._ram.RamTier`
+(internal). Reads take the tier's lock only to look a chunk up: the bytes are served from the
+segment's mapping, which guards itself.
 """
 
 from __future__ import annotations
@@ -109,12 +106,9 @@ def scan_root(root: Path, *, recycle: bool) -> tuple[dict[Path, int], dict[int, 
                 st.committed = True
             elif p.name == COMMIT:
                 st.committed = True
+        kept = {MANIFEST, COMMIT, *st.segments}
         for p in d.iterdir():  # data without index, partial temp files: crash debris
-            if (
-                p.name not in (MANIFEST, COMMIT)
-                and not p.name.endswith(INDEX_SUFFIX)
-                and p.name not in st.segments
-            ):
+            if p.name not in kept and not p.name.endswith(INDEX_SUFFIX):
                 unlink(p)
         if st.segments or st.committed:
             steps[step] = st
@@ -150,29 +144,27 @@ class StepTable:
     root: Path
     _lock: threading.RLock
     _steps: dict[int, StepState]
-    _prefault: bool
+
+    def _hit(self, step: int, chunk_id: str) -> tuple[Sealed, ChunkLocation] | None:
+        with self._lock:
+            st = self._steps.get(step)
+            return st.chunks.get(chunk_id) if st else None
 
     def read_chunk(self, step: int, chunk_id: str) -> tuple[memoryview, ChunkLocation] | None:
         """A read-only, zero-copy view of a sealed chunk and its location, or None (atomic pair).
-
-        The view stays valid (and its bytes unchanged) even if the step is dropped meanwhile.
-        """
-        with self._lock:
-            st = self._steps.get(step)
-            hit = st.chunks.get(chunk_id) if st else None
+        The view stays valid (and its bytes unchanged) even if the step is dropped meanwhile."""
+        hit = self._hit(step, chunk_id)
         if hit is None:
             return None
         seg, loc = hit
-        view = seg.slice(loc.offset, loc.length, self._prefault)
+        view = seg.slice(loc.offset, loc.length)
         return None if view is None else (view, loc)  # None: dropped meanwhile
 
     def segment_of(self, step: int, chunk_id: str) -> memoryview | None:
         """A read-only view of the whole sealed segment holding ``chunk_id`` of ``step`` (a
         writer's stream, for parity), or None; valid as :meth:`read_chunk`'s."""
-        with self._lock:
-            st = self._steps.get(step)
-            hit = st.chunks.get(chunk_id) if st else None
-        return None if hit is None else hit[0].slice(0, hit[0].nbytes, self._prefault)
+        hit = self._hit(step, chunk_id)
+        return None if hit is None else hit[0].slice(0, hit[0].nbytes)
 
     def lend_spans(
         self, step: int, groups: Sequence[Sequence[str]]
@@ -182,13 +174,10 @@ class StepTable:
         is empty or not contiguous in one segment, or the step was dropped meanwhile. Does
         not verify checksums (the caller does, against the locations).
 
-        For zero-copy restores: the caller may keep a view (e.g. a host platform's
-        ``device_put`` aliases it) for as long as it likes. Its segment is marked lent (its
-        file turns read-only), so neither this tier nor one reopened over the same directory
-        ever recycles the file for new data: once the step is dropped the file is unlinked
-        and its pages are freed when the last view is collected. Those pages no longer
-        count against ``budget_bytes``. One acquisition of the tier's lock and one of each
-        segment's for all groups (a restore lends thousands of groups from one segment)."""
+        The caller may keep a view indefinitely: its segment is marked lent (the file turns
+        read-only), so neither this tier nor one reopened over the directory recycles it;
+        once the step is dropped the file is unlinked and its pages (no longer counted
+        against ``budget_bytes``) are freed when the last view is collected."""
         with self._lock:
             st = self._steps.get(step)
             hits = [[st.chunks.get(cid) for cid in ids] if st and ids else [None] for ids in groups]
@@ -203,7 +192,7 @@ class StepTable:
             for i in members:
                 first, last = hits[i][0][1], hits[i][-1][1]  # type: ignore[index]
                 spans.append((first.offset, last.offset + last.length - first.offset))
-            views = seg.lend(spans, self._prefault)
+            views = seg.lend(spans)
             if views is None:  # dropped meanwhile
                 continue
             for i, view in zip(members, views):
@@ -211,9 +200,7 @@ class StepTable:
         return out
 
     def get_chunk(self, step: int, chunk_id: str, *, verify: bool = False) -> memoryview | None:
-        """A read-only, zero-copy view of a sealed chunk, or None if this tier lacks it.
-
-        The view stays valid (and its bytes unchanged) even if the step is dropped meanwhile.
+        """:meth:`read_chunk`'s view alone.
 
         Raises:
             ChecksumMismatchError: ``verify`` and the bytes do not match the stored crc32c.
@@ -250,8 +237,7 @@ class StepTable:
     def get_manifest(self, step: int) -> bytes | None:
         """The manifest stored for ``step``, or None."""
         with self._lock:
-            st = self._steps.get(step)
-            if st is None or st.manifest_bytes is None:
+            if step not in self.manifest_steps():
                 return None
             try:
                 return (self.root / f"step-{step}" / MANIFEST).read_bytes()

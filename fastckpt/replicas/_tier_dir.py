@@ -1,24 +1,15 @@
 """A RAM tier's directory (internal): claiming it so that no other user can plant or swap its
-files, and its layout::
+files, and its layout (``docs/replicas.md``, "Layout": ``.lock``, ``tmp/``, ``spare/``,
+``step-<N>/`` with ``<seg>.data``, ``<seg>.index.json`` written last as the seal, and
+``manifest.json`` or ``commit.json``).
 
-    <root>/.lock                        flock held by the one live owner
-    <root>/tmp/<uuid>.data              allocated, not yet sealed (deleted on open)
-    <root>/spare/<uuid>.data            freed segments kept for reuse (pages already allocated)
-    <root>/step-<N>/<seg>.data          a sealed segment: raw chunk bytes
-    <root>/step-<N>/<seg>.index.json    its index; written last, its existence is the seal
-    <root>/step-<N>/manifest.json       the step's global manifest (marks it committed)
-    <root>/step-<N>/commit.json         or only a commit record: the step is committed, its
-                                        manifest is held by other hosts (a multi-host RAM step)
-
-A tier's files are checkpoint bytes that a restore trusts once their crc32c matches, and
-crc32c protects against accidents, not against someone who writes the files. So the
-directory must be this user's alone: created ``0700``; an existing one refused when another
-user owns it, when group or others may write it, or when it is a symlink; and every existing
-ancestor owned by root or this user, and sticky wherever group or others may write it (as
-``/dev/shm`` and ``/tmp`` are), so nobody else can rename the directory away and put their own
-in its place. Inside a user namespace that does not map root (an unprivileged container or
-simulated host), root's files show the overflow uid (usually 65534): that uid counts as root
-there (hazard: a real user with that uid outside is trusted as well).
+A restore trusts a tier's bytes once their crc32c matches, so the directory must be this
+user's alone: created ``0700``; an existing one refused when another user owns it, when group
+or others may write it, or when it is a symlink; and every existing ancestor owned by root or
+this user, and sticky wherever group or others may write it (as ``/dev/shm`` and ``/tmp``),
+so nobody else can swap the directory. Inside a user namespace that does not map root,
+root's files show the overflow uid (usually 65534): that uid counts as root there (hazard: a
+real user with that uid outside is trusted as well).
 """
 
 from __future__ import annotations

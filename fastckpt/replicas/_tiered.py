@@ -1,16 +1,12 @@
-"""RAM replication as the manager uses it (its ``writer.tier.Tier``): one object composing
-tier, server, pusher, peers.
+"""RAM replication as the manager uses it (its ``writer.tier.Tier``): tier, server, pushers, peers.
 
 Call order on a RAM save (all processes, SPMD): :meth:`RamReplication.allocate` (the staging
 buffer *is* the shared-memory segment) -> stage -> :meth:`commit` (:meth:`seal`, the commit
 round, in which process 0 stores the manifest only after every process sealed, then
-:meth:`publish`: commit here, push to the ring successors in the background); on failure
-:meth:`abort`. So a crash mid-save never leaves the job without a restorable RAM step. With
-``redundancy="parity"`` the push sends parity parts to this member's group instead of copies
-(``_parity_push``; the manifest still goes to the ring successors) and a restore rebuilds a
-lost member's chunks (``_parity_rebuild``; see docs/replicas.md, "Parity"). On
-restore: :meth:`select_step` -> :meth:`source` (the restore side:
-:class:`~fastckpt.replicas._step_selection.StepSelection`).
+:meth:`publish`: commit here, push in the background); on failure :meth:`abort`. So a crash
+mid-save never leaves the job without a restorable RAM step. With ``redundancy="parity"``
+parity parts go to this member's group instead of copies (the manifest still goes to the
+ring successors). On restore: :meth:`select_step` -> :meth:`source` (:class:`StepSelection`).
 """
 
 from __future__ import annotations
@@ -28,14 +24,12 @@ from fastckpt.errors import ConfigError, FastckptError
 from fastckpt.format.layout import ram_object_key
 from fastckpt.format.manifest import Manifest, chunk_id, chunk_id_prefix
 from fastckpt.options import RamOptions
-from fastckpt.replicas._client import PeerClient
 from fastckpt.replicas._connection import PeerOptions
-from fastckpt.replicas._parity import ParityService, ParityStore
+from fastckpt.replicas._parity import ParityPusher, ParityService, ParityStore
 from fastckpt.replicas._parity_client import ParityClient
 from fastckpt.replicas._parity_layout import group_of, parity_groups
-from fastckpt.replicas._parity_push import ParityPusher
-from fastckpt.replicas._parity_rebuild import ParityRebuilds, RebuildPeer
-from fastckpt.replicas._placement import host_domain, push_targets
+from fastckpt.replicas._parity_rebuild import ParityRebuilds
+from fastckpt.replicas._placement import host_domain
 from fastckpt.replicas._ram import ChunkLocation, RamTier, Segment
 from fastckpt.replicas._replicator import ReplicationReport, Replicator
 from fastckpt.replicas._server import PeerServer
@@ -69,8 +63,7 @@ class RamReplication(StepSelection):
         self.options = options
         self.member_id = options.member_id or os.path.basename(os.path.normpath(options.root))
         self._coord = coordinator
-        multi = coordinator.process_count > 1
-        if options.secret is None and multi and options.replicas > 0:
+        if options.secret is None and coordinator.process_count > 1 and options.replicas > 0:
             raise ConfigError(
                 f"RamOptions(replicas={options.replicas}) needs the job's peer secret in a "
                 "multi-process job: RamOptions(secret=fastckpt.peer_secret_from_env(), ...) "
@@ -91,7 +84,7 @@ class RamReplication(StepSelection):
         # the restore side's (StepSelection)
         self._decoded, self._needed, self._lists = {}, None, {}
         self._held: int | None = None  # the step whose manifest commit() stored
-        self._clients: dict[str, PeerClient] = {}
+        self._clients: dict[str, ParityClient] = {}
         self._parity: ParityRebuilds | None = None  # redundancy="parity" (with a peer service)
         self._parity_pusher: ParityPusher | None = None
         self._parity_store: ParityStore | None = None
@@ -103,24 +96,17 @@ class RamReplication(StepSelection):
         self.advertised: tuple[str, int] | None = None
         """Where the other hosts reach this host's peer server (None: no peer service)."""
         try:
-            self._start_peers(options, coordinator, store, namespace, run)
+            self._start_peers(store, namespace, run)
         except BaseException:  # nothing of a replication that was never made keeps running
             self.close()
             raise
 
-    def _start_peers(
-        self,
-        options: RamOptions,
-        coordinator: Coordinator,
-        store: Store,
-        namespace: str,
-        run: Callable[[Any], Any],
-    ) -> None:
+    def _start_peers(self, store: Store, namespace: str, run: Callable[[Any], Any]) -> None:
         """With a secret: serve the tier, publish where, and check the push targets."""
+        options, coordinator = self.options, self._coord
         if options.secret is None:
             return
-        multi = coordinator.process_count > 1
-        address = peer_address(
+        bind, advertise = peer_address(
             options.host,
             service_address=coordinator.service_address,
             process_count=coordinator.process_count,
@@ -128,7 +114,7 @@ class RamReplication(StepSelection):
         parity = None
         if options.redundancy == "parity":
             self._parity_store = ParityStore(self.tier, self.member_id)
-            parity = ParityService(self._parity_store, self._parity_peers)
+            parity = ParityService(self._parity_store, self._peers)
             self._parity_pusher = ParityPusher()
             self._parity = ParityRebuilds(
                 self.manifest, self._rebuild_peers, group_size=options.group_size
@@ -136,7 +122,7 @@ class RamReplication(StepSelection):
         self._server = PeerServer(
             self.tier,
             secret=options.secret,
-            host=address.bind,
+            host=bind,
             port=options.port,
             options=self._peer_options,
             extension=parity,
@@ -148,63 +134,45 @@ class RamReplication(StepSelection):
             namespace=namespace.replace("/", "-"),
             timeout_s=options.discovery_timeout_s,
         )
-        self.advertised = (address.advertise, self._server.address[1])
+        self.advertised = (advertise, self._server.address[1])
         self._directory.publish(make_record(self.member_id, self.advertised))
         self._replicator = Replicator(self.tier)
-        if multi and options.replicas > 0:
-            peers = self._peers()
-            targets = push_targets(
-                [self.member_id, *peers], options.replicas, domain_of=host_domain
-            )
+        if coordinator.process_count > 1 and options.replicas > 0:
             check_push_targets(
                 coordinator,
                 key=f"{namespace}/peercheck",
-                clients=peers,
-                targets=targets.get(self.member_id, []),
+                clients=self._peers(),
+                targets=self._successors(options.replicas),
                 timeout_s=options.discovery_timeout_s,
                 me=f"{self.member_id} ({self.advertised[0]}:{self.advertised[1]})",
             )
 
     # ------------------------------------------------------------------ peers
-    def _peers(self) -> dict[str, PeerClient]:
+    def _peers(self) -> dict[str, ParityClient]:
         """Clients of every other published member (looked up once, then cached)."""
-        if self._directory is None or self.options.secret is None:
+        if self._directory is None:
             return {}
         if not self._clients:
             for member, rec in self._directory.lookup().items():
                 if member != self.member_id:
-                    self._clients[member] = ParityClient(
-                        rec.address,
-                        secret=self.options.secret,
-                        options=self._peer_options,
-                        name=member,
-                    )
+                    self._clients[member] = self._client(rec.address, member)
         return self._clients
 
-    def _parity_peers(self) -> dict[str, ParityClient]:
-        """The other members' clients (all speak parity)."""
-        return {m: c for m, c in self._peers().items() if isinstance(c, ParityClient)}
+    def _client(self, address: tuple[str, int], member: str) -> ParityClient:
+        assert self.options.secret is not None  # a peer service runs only with one
+        return ParityClient(
+            address, secret=self.options.secret, options=self._peer_options, name=member
+        )
 
-    def _rebuild_peers(self) -> dict[str, RebuildPeer]:
+    def _rebuild_peers(self) -> dict[str, ParityClient]:
         """The other members' clients and a client of this member's own server (it may hold
         a parity a rebuild needs)."""
-        peers: dict[str, RebuildPeer] = dict(self._parity_peers())
-        if self._self_client is None and self.advertised is not None and self.options.secret:
-            self._self_client = ParityClient(
-                self.advertised,
-                secret=self.options.secret,
-                options=self._peer_options,
-                name=self.member_id,
-            )
+        peers = dict(self._peers())
+        if self._self_client is None and self.advertised is not None:
+            self._self_client = self._client(self.advertised, self.member_id)
         if self._self_client is not None:
             peers[self.member_id] = self._self_client
         return peers
-
-    def forget_peers(self) -> None:
-        """Drop cached peer clients (after membership changes)."""
-        for c in self._clients.values():
-            c.close()
-        self._clients.clear()
 
     # ------------------------------------------------------------------ save
     def due(self, step: int) -> bool:
@@ -216,8 +184,8 @@ class RamReplication(StepSelection):
         ``reserve=False``, the segment's pages must be reserved before it is written.
 
         Steps ``>= step`` this tier still holds are of an abandoned timeline (the job went back
-        to an older step) and are dropped first: otherwise their copies would be served for
-        the re-trained steps, and their retention floor would refuse those saves (StaleStepError).
+        to an older step) and are dropped first (else they would be served for the re-trained
+        steps, and their retention floor would refuse those saves).
         """
         self.abort()
         if self._parity_store is not None:
@@ -304,10 +272,7 @@ class RamReplication(StepSelection):
         if self._replicator is None or self.options.replicas == 0:
             return
         peers = self._peers()
-        targets = push_targets(
-            [self.member_id, *peers], self.options.replicas, domain_of=host_domain
-        ).get(self.member_id, [])
-        self._replicator.set_targets({m: peers[m] for m in targets if m in peers})
+        self._replicator.set_targets({m: peers[m] for m in self._successors(self.options.replicas)})
         parity = self._parity_pusher is not None
         self._replicator.submit(
             step, chunk_ids=[] if parity else self._sealed_ids, manifest=manifest
@@ -315,7 +280,7 @@ class RamReplication(StepSelection):
         if parity:
             self._push_parity(step, peers)
 
-    def _push_parity(self, step: int, peers: dict[str, PeerClient]) -> None:
+    def _push_parity(self, step: int, peers: dict[str, ParityClient]) -> None:
         """Start pushing this member's parity parts of ``step`` to the rest of its group (the
         manifest went to the ring successors with the replicator)."""
         assert self._parity_pusher is not None
@@ -327,9 +292,8 @@ class RamReplication(StepSelection):
             return  # a group of one is unprotected
         view = self.tier.segment_of(step, self._sealed_ids[0]) if self._sealed_ids else None
         stream = memoryview(b"") if view is None else view[: self._stream_len]
-        targets = self._parity_peers()
         self._parity_pusher.submit(
-            step, stream=stream, group=group, me=self.member_id, targets=targets
+            step, stream=stream, group=group, me=self.member_id, targets=peers
         )
 
     def prepare_next(self, nbytes: int) -> None:
@@ -343,32 +307,29 @@ class RamReplication(StepSelection):
     def wait_pushed(self) -> float:
         """Block until this host's pushes of earlier RAM steps finished (bounded by the peer I/O
         timeouts; a failed one counts); returns the seconds waited. Called before staging the
-        next RAM step (backpressure): since commits are collective, once any host commits N+1
-        (and frees N-1) every push of N is done, so a host loss always leaves a complete step."""
-        if self._replicator is None:
+        next RAM step, so a host loss always leaves a complete step on the survivors."""
+        pushers = self._pushers()
+        if not pushers:
             return 0.0
         t0 = time.perf_counter()
-        self._replicator.wait_idle()
-        if self._parity_pusher is not None:
-            self._parity_pusher.wait_idle()
+        for p in pushers:
+            p.wait_idle()
         return time.perf_counter() - t0
 
     def pushing(self) -> bool:
         """Whether a push of an earlier RAM step is still running (``wait_pushed`` would wait)."""
-        return (self._replicator is not None and not self._replicator.wait_idle(0)) or (
-            self._parity_pusher is not None and not self._parity_pusher.wait_idle(0)
-        )
+        return any(not p.wait_idle(0) for p in self._pushers())
+
+    def _pushers(self) -> list[Replicator | ParityPusher]:
+        return [p for p in (self._replicator, self._parity_pusher) if p is not None]
 
     def wait_replication(self, timeout_s: float | None = None) -> list[ReplicationReport]:
         """Block until pushes of submitted steps finished; return (and forget) their reports,
         oldest first (errors are in them and logged, not raised)."""
-        reports = self._replicator.wait(timeout_s) if self._replicator is not None else []
-        if self._parity_pusher is not None:
-            reports += self._parity_pusher.wait(timeout_s)
+        reports = [r for p in self._pushers() for r in p.wait(timeout_s)]
         return sorted(reports, key=lambda r: r.step)
 
-    # ------------------------------------------------------------------ restore (more in
-    # StepSelection)
+    # ------------------------------------------------------------------ restore (more: base)
     def holds_alone(self, manifest: Manifest) -> bool:
         """Whether ``manifest`` is of a RAM-only step (storage does not hold it)."""
         return manifest.metadata.get(_TIER_KEY) == self.name
@@ -376,15 +337,15 @@ class RamReplication(StepSelection):
     def close(self) -> None:
         """Stop pushing and serving; close the tier (its files stay for a restarted process)."""
         self.abort()
-        if self._replicator is not None:
-            self._replicator.close(wait=True)
-        if self._parity_pusher is not None:
-            self._parity_pusher.close(wait=True)
+        for p in self._pushers():
+            p.close()
         if self._parity is not None:
             self._parity.reset()
         if self._self_client is not None:
             self._self_client.close()
-        self.forget_peers()
+        for c in self._clients.values():
+            c.close()
+        self._clients.clear()
         if self._server is not None:
             self._server.close()
         if self._parity_store is not None:

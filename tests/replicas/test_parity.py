@@ -16,10 +16,9 @@ import pytest
 from fastckpt._checksum import crc32c
 from fastckpt.errors import ChecksumMismatchError
 from fastckpt.replicas._connection import PeerOptions
-from fastckpt.replicas._parity import ParityService, ParityStore
+from fastckpt.replicas._parity import ParityPusher, ParityService, ParityStore
 from fastckpt.replicas._parity_client import ParityClient
 from fastckpt.replicas._parity_layout import ChunkPlace, parity_groups
-from fastckpt.replicas._parity_push import ParityPusher
 from fastckpt.replicas._parity_rebuild import ParityRebuilder
 from fastckpt.replicas._ram import RamTier
 from fastckpt.replicas._server import PeerServer

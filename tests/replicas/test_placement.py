@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
@@ -11,7 +12,6 @@ from hypothesis import strategies as st
 from fastckpt.errors import ConfigError
 from fastckpt.replicas._placement import (
     host_domain,
-    push_targets,
     relay_parent,
     replica_holders,
     ring_order,
@@ -31,6 +31,12 @@ def hosts_and_slots(draw: st.DrawFn) -> list[str]:
     n_hosts = draw(st.integers(1, 6))
     slots = draw(st.lists(st.integers(1, 4), min_size=n_hosts, max_size=n_hosts))
     return [f"h{h}/{s}" for h in range(n_hosts) for s in range(slots[h])]
+
+
+def push_targets(
+    members: list[str], k: int, *, domain_of: Callable[[str], str] | None = None
+) -> dict[str, list[str]]:
+    return {m: ring_successors(members, m, k, domain_of=domain_of) for m in set(members)}
 
 
 @settings(max_examples=80, deadline=None)
