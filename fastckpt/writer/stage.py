@@ -262,8 +262,7 @@ def stage_state(
     next_start = iter(starts)
     shard_offsets = [{idx: next(next_start) for idx in hosts} for hosts in leaf_hosts]
     deferrable = [
-        defer_host_copies and p.transfer in ("pinned_all", "pinned_shards", "host")
-        for p in pending
+        defer_host_copies and p.transfer in ("pinned_all", "pinned_shards", "host") for p in pending
     ]
     prepare = None
     if allocate_unreserved is not None and pending and all(deferrable):
