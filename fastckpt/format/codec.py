@@ -1,22 +1,16 @@
 """Manifest <-> JSON. Strict: every field is type-checked on decode; never pickle.
 
-The JSON layout, field by field: ``docs/format.md``. An array leaf's ``"chunks"`` is a chunk
-table (:mod:`fastckpt.format.chunk_table`: columns, object keys by index into ``"objects"``,
-boxes as a grid's cuts), its numeric columns binary (``"<kind>:<base64>"`` of little-endian
-unsigned ints). ``format_version`` 3 is the only format: any other is refused with
-``UnsupportedFormatVersionError``.
-
-Floats that JSON cannot hold (nan, inf) are written as strings ``"nan"``, ``"inf"``,
-``"-inf"``; complex values as ``[re, im]``.
+The JSON layout, field by field: ``docs/format.md``; an array leaf's ``"chunks"`` is a chunk
+table (:mod:`fastckpt.format.chunk_table`). ``format_version`` 3 is the only format: any
+other is refused with ``UnsupportedFormatVersionError``. Floats JSON cannot hold are written
+as ``"nan"``, ``"inf"``, ``"-inf"``; complex values as ``[re, im]``; numbers that overflow a
+float (``1e400``) are refused.
 
 Integrity: the encoder writes ``"manifest_crc32c"`` first, the crc32c of the canonical JSON
-of every other field (sorted keys, compact separators), so a manifest corrupted at rest or in
-transit (a renamed leaf, a changed value leaf, dtype or metadata: changes the chunk
-checksums cannot see) fails to decode instead of restoring wrong state. The field is
-mandatory: a manifest without it is refused (``ManifestError``). The decoder checks it after
-the structural checks (so a malformed manifest still reports its first flaw), on the raw
-bytes when they are laid out as the encoder writes them, else on the canonical re-encoding
-of the parsed document. Numbers that overflow a float (``1e400``) are refused.
+(sorted keys, compact separators) of every other field, so a corrupted manifest (a change the
+chunk checksums cannot see) fails to decode. It is mandatory (``ManifestError`` without it)
+and checked after the structural checks (a malformed manifest still reports its first flaw),
+on the raw bytes when laid out as the encoder writes them, else on the canonical re-encoding.
 """
 
 from __future__ import annotations

@@ -14,10 +14,8 @@ the data path talks to the JSON API directly over the client's pooled, authorise
 
 The library's own retries are disabled everywhere (``retry=None``; the session has no
 urllib3 retries): retrying is :class:`~fastckpt.storage.RetryingStore`'s job.
-
-``STORAGE_EMULATOR_HOST`` is honoured as google-cloud-storage, gcsfs and Orbax honour it
-(see :class:`GcsStore`): the one environment variable the library reads unasked, because
-the ecosystem's convention is that the GCS client reads it.
+``STORAGE_EMULATOR_HOST`` (see :class:`GcsStore`) is the one environment variable fastckpt
+reads unasked, as the GCS client convention has it.
 """
 
 from __future__ import annotations
@@ -169,10 +167,9 @@ class GcsStore(Store):
         self._pool = BlockingPool(self.options.max_workers, "fastckpt-gcs")
         self._client: storage.Client | None = None
         self._session: requests.Session | None = None
-        # The client and session (finding credentials) are made on a daemon thread, so that a
-        # new process's first request (a replaced host's restore) does not wait for them; a
-        # failure is raised again where the client is needed. Their modules are imported here:
-        # an import holds the GIL, which on that thread slowed a save made right after this.
+        # The client and session are made on a daemon thread (a first request does not wait
+        # for credentials; a failure is raised again where the client is needed); their
+        # modules are imported here, as an import there would hold the GIL against a save.
         with contextlib.suppress(ImportError):  # (it imports google-auth and requests too)
             importlib.import_module("google.cloud.storage")
         self._warm = threading.Thread(target=self._warm_up, name="fastckpt-gcs-warm", daemon=True)
@@ -232,10 +229,8 @@ class GcsStore(Store):
                 _http=session,
                 client_options=client_options,
             )
-            # google-cloud-storage >= 3.x starts a background thread per bucket (tracing
-            # metadata) that calls get_bucket with the library's default retries (random
-            # backoff, a 120 s deadline), ignoring retry=None and our timeouts, and outliving
-            # close(). It only runs while this attribute is truthy.
+            # google-cloud-storage >= 3.x starts a thread per bucket that calls get_bucket with
+            # default retries, ignoring ours and outliving close(), while this is truthy.
             if getattr(client, "_bucket_metadata_cache", None) is not None:
                 client._bucket_metadata_cache = None
             self._client, self._session = client, session
@@ -368,11 +363,9 @@ class GcsStore(Store):
         if mode == "create":
             url += "&ifGenerationMatch=0"
         try:
-            resp = session.post(
+            resp = session.post(  # requests streams any iterable of buffers
                 url,
-                data=cast(
-                    Any, StreamBody([head, *parts, tail])
-                ),  # requests streams any iterable of buffers
+                data=cast(Any, StreamBody([head, *parts, tail])),
                 headers={"Content-Type": f"multipart/related; boundary={boundary}"},
                 timeout=self._timeout,
             )
@@ -389,11 +382,9 @@ class GcsStore(Store):
                 stored = None
         if stored is None:
             return
-        try:
+        try:  # a mangled response is retried (a create-only retry checks the object)
             stored_crc = crc_from_b64(stored)
-        except (
-            CorruptionError
-        ) as e:  # a mangled response: retried (a create-only retry checks the object)
+        except CorruptionError as e:
             raise TransientStorageError(f"{what}: unreadable upload response: {e}") from e
         if stored_crc != crc:
             raise ChecksumMismatchError(
@@ -437,39 +428,31 @@ class GcsStore(Store):
     # -- Store API ---------------------------------------------------------------------
 
     async def get(self, key: str, *, byte_range: ByteRange | None = None) -> Buffer:
-        # docstring inherited
         return await self._pool.call(self._get_sync, self._name(key), key, byte_range)
 
     async def get_into(self, key: str, start: int, into: Sequence[memoryview]) -> None:
-        # docstring inherited
         parts = [memoryview(b).cast("B") for b in into]
         await self._pool.call(self._get_into_sync, self._name(key), key, start, parts)
 
     async def put(self, key: str, data: Payload, *, mode: PutMode = "overwrite") -> None:
-        # docstring inherited
         name = self._name(key)
         if mode not in ("create", "overwrite"):
             raise ConfigError(f"unknown put mode {mode!r}")
         await self._pool.call(self._put_sync, name, key, payload_parts(data), mode)
 
     async def list_info(self, prefix: str = "") -> list[ObjectInfo]:
-        # docstring inherited
         return await self._pool.call(self._list_sync, prefix, "name,size,updated", self._info)
 
     async def list(self, prefix: str = "") -> list[str]:
-        # docstring inherited
         return await self._pool.call(self._list_sync, prefix, "name", lambda key, _: key)
 
     async def delete(self, key: str) -> None:
-        # docstring inherited
         await self._pool.call(self._delete_sync, self._name(key), key)
 
     async def head(self, key: str) -> ObjectMeta:
-        # docstring inherited
         return await self._pool.call(self._head_sync, self._name(key), key)
 
     async def exists(self, key: str) -> bool:
-        # docstring inherited
         try:
             await self.head(key)
         except NotFoundError:
@@ -477,7 +460,6 @@ class GcsStore(Store):
         return True
 
     async def close(self) -> None:
-        # docstring inherited
         self._pool.close()
         self._warm.join()  # (a client it makes after close would leak its session)
         with self._connect_lock:

@@ -74,7 +74,6 @@ class MemoryStore(Store):
         return f"MemoryStore({self.url!r})"
 
     async def get(self, key: str, *, byte_range: ByteRange | None = None) -> Buffer:
-        # docstring inherited
         validate_key(key)
         with self._objects.lock:
             entry = self._objects.data.get(key)
@@ -85,7 +84,6 @@ class MemoryStore(Store):
         return memoryview(blob)[start:stop]
 
     async def put(self, key: str, data: Payload, *, mode: PutMode = "overwrite") -> None:
-        # docstring inherited
         validate_key(key)
         if mode not in ("create", "overwrite"):
             raise ConfigError(f"unknown put mode {mode!r}")
@@ -96,7 +94,6 @@ class MemoryStore(Store):
             self._objects.data[key] = (blob, time.time())
 
     async def list_info(self, prefix: str = "") -> list[ObjectInfo]:
-        # docstring inherited
         with self._objects.lock:
             infos = [
                 ObjectInfo(k, len(b), t)
@@ -106,19 +103,14 @@ class MemoryStore(Store):
         return sorted(infos, key=lambda i: i.key)
 
     async def list(self, prefix: str = "") -> list[str]:
-        # docstring inherited
-        with self._objects.lock:
-            keys = [k for k in self._objects.data if k.startswith(prefix)]
-        return sorted(keys)
+        return [info.key for info in await self.list_info(prefix)]
 
     async def delete(self, key: str) -> None:
-        # docstring inherited
         validate_key(key)
         with self._objects.lock:
             self._objects.data.pop(key, None)
 
     async def exists(self, key: str) -> bool:
-        # docstring inherited
         validate_key(key)
         with self._objects.lock:
             return key in self._objects.data

@@ -48,7 +48,6 @@ __all__ = [
     "clip_range",
     "consume",
     "payload_parts",
-    "payload_size",
     "validate_cutoff",
     "validate_key",
 ]
@@ -135,11 +134,6 @@ def consume(parts: Sequence[memoryview], n: int) -> list[memoryview]:
         out.append(p[n:] if n else p)
         n = 0
     return out
-
-
-def payload_size(data: Payload) -> int:
-    """Total number of bytes in a payload."""
-    return sum(p.nbytes for p in payload_parts(data))
 
 
 def clip_range(size: int, byte_range: ByteRange | None, key: str) -> tuple[int, int]:
