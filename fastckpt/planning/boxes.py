@@ -6,6 +6,7 @@ A box is a tuple of half-open ``(start, stop)`` intervals, one per dimension (se
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -107,16 +108,8 @@ def split_box(box: Box, *, itemsize: int, max_bytes: int) -> list[Box]:
         inner *= shape[d]
         d -= 1
     run = max(1, max_elems // inner)  # extent of dimension d per sub-box
-    outer_shape = shape[:d]
     out: list[Box] = []
-    for flat in range(math.prod(outer_shape)):
-        # Unravel flat into a multi-index over the leading dimensions (C order).
-        idx = []
-        rem = flat
-        for n in reversed(outer_shape):
-            idx.append(rem % n)
-            rem //= n
-        idx.reverse()
+    for idx in itertools.product(*map(range, shape[:d])):  # the leading dimensions, C order
         lead = tuple((box[k][0] + i, box[k][0] + i + 1) for k, i in enumerate(idx))
         start_d, stop_d = box[d]
         for s in range(start_d, stop_d, run):

@@ -61,11 +61,9 @@ class FetchRange:
 class ChunkIndex:
     """The chunks of one leaf, indexed to find those overlapping a box without a full scan.
 
-    Chunks are sorted along the dimension with the most distinct chunk starts (the one the
-    saving sharding split most), with a running maximum of their ends; a query bisects both
-    and tests only the chunks in the band it overlaps along that dimension. Exact for any
-    set of boxes (overlapping ones of a malformed manifest too). Planning a host's units of
-    a leaf saved by N devices costs about O(N) in total instead of O(N) per unit.
+    Chunks are sorted along the dimension with the most distinct starts, with a running
+    maximum of their ends; a query bisects both and tests only the chunks in that band.
+    Exact for any set of boxes (overlapping ones of a malformed manifest too).
     """
 
     __slots__ = ("_by_box", "_chunks", "_dim", "_ends", "_order", "_starts")
@@ -98,9 +96,7 @@ class ChunkIndex:
         exact = self._by_box.get(box) if self._by_box is not None else None
         if exact is not None:
             return [(exact, box)]
-        if self._dim is None or len(box) != len(
-            self._chunks[0].box
-        ):  # (intersect raises on a rank mismatch)
+        if self._dim is None or len(box) != len(self._chunks[0].box):  # (intersect raises then)
             hits = [(i, intersect(c.box, box)) for i, c in enumerate(self._chunks)]
         else:
             lo, hi = box[self._dim]
@@ -131,9 +127,7 @@ class GridIndex:
         if len(box) != len(self._cuts):
             raise ConfigError(f"rank mismatch: box {box} for a rank-{len(self._cuts)} grid")
         i = 0
-        for (lo, hi), cuts, count in zip(
-            box, self._cuts, self._counts
-        ):  # one whole cell (same mesh)?
+        for (lo, hi), cuts, count in zip(box, self._cuts, self._counts):  # one whole cell?
             k = bisect.bisect_left(cuts, lo)
             if hi <= lo or k >= count or cuts[k] != lo or cuts[k + 1] != hi:
                 break
@@ -219,11 +213,8 @@ def needed_chunks(wants: Iterable[tuple[ArrayLeaf, Box]]) -> dict[str, str]:
     indexes: dict[int, tuple[ArrayLeaf, GridIndex | ChunkIndex]] = {}
     for leaf, box in wants:
         hit = indexes.get(id(leaf))
-        if hit is None:
-            hit = indexes[id(leaf)] = (
-                leaf,
-                leaf_index(leaf),
-            )  # the leaf is kept: its id stays unique
+        if hit is None:  # (the leaf is kept: its id stays unique)
+            hit = indexes[id(leaf)] = (leaf, leaf_index(leaf))
         prefix = chunk_id_prefix(leaf.path)  # the overlaps alone: no read items, no coverage check
         out.update(
             [(chunk_id(leaf.path, c.box, prefix=prefix), c.key) for c, _ in hit[1].overlapping(box)]

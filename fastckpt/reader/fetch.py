@@ -1,18 +1,13 @@
 """Fill destination host buffers from stored chunks: ranged reads, verify, decode, copy.
 
-One *unit* is one distinct destination box of one array on this process (replicated
-device shards share a unit). For each unit the reader plans :class:`ReadItem` s, asks the
-optional RAM-tier ``ChunkSource`` for each needed chunk first (``reader/leaf_filler.py``),
-and reads the rest from persistent storage with coalesced ranged reads. Units the own RAM
-tier holds whole are borrowed (zero copy) while planning, and their checksums are verified
-together once planning is done, on the worker threads. Every chunk is verified (crc32c)
-before its bytes are used; a chunk that fails verification on the persistent path is
-re-read once and then reported as :class:`~fastckpt.errors.ChecksumMismatchError` naming
-the array, box and object. Storage reads are scatter reads (``Store.get_into``): a raw
-chunk that maps onto one contiguous destination span is received straight into the
-destination buffer (no intermediate buffer, no copy); compressed or scattered chunks go
-through a per-read scratch buffer, and a compressed chunk whose span is contiguous decodes
-straight into it.
+One *unit* is one distinct destination box of one array on this process (replicated device
+shards share a unit). Each leaf's chunks are asked of the optional fast-tier ``ChunkSource``
+first (``reader.leaf_filler``; units the own RAM tier holds whole are borrowed and verified
+after planning), the rest read from storage with coalesced scatter reads
+(``Store.get_into``): a raw chunk that maps onto one contiguous destination span lands in
+place, others go through scratch. Every chunk is verified (crc32c) before use; one that fails
+on the storage path is re-read once, then raises
+:class:`~fastckpt.errors.ChecksumMismatchError` naming the array, box and object.
 """
 
 from __future__ import annotations
@@ -39,9 +34,7 @@ __all__ = ["ChunkSource", "RestoreStats", "SourceCounters", "Unit", "fill_units"
 
 _T = TypeVar("_T")
 _SCRATCH_GRAIN = 4 << 20
-_ONE_PLANNER_UNIT_BYTES = (
-    1 << 20
-)  # units smaller than this on average: plan on one thread (see prepare_all)
+_ONE_PLANNER_UNIT_BYTES = 1 << 20  # units smaller than this on average: plan on one thread
 _PREPARE_JOBS_PER_THREAD = 4  # a few jobs per thread: a slow leaf does not leave a thread idle
 
 
@@ -261,11 +254,9 @@ async def fill_units(
     left: list[_Pair] = []  # for storage
 
     async def prepare_all(groups: Sequence[Sequence[int]], *, one_planner: bool) -> None:
-        # Small units (one_planner): one worker job plans the groups one after another
-        # (their planning is mostly Python, and two threads of it only queue on the GIL —
-        # 3000 leaves of 8 x 16 KiB restored 1.23 -> 1.07 s from own RAM) and hands each
-        # planned group's fetch to the executor, to run beside the next group's planning.
-        # Large units: every group is planned and fetched in parallel.
+        # Small units (one_planner): one job plans the groups in turn (Python: threads would
+        # queue on the GIL), handing each group's fetch to the executor. Large units: every
+        # group is planned and fetched in parallel.
         def planned(group: Sequence[int]) -> list[LeafFiller]:
             out = plan([leaf_units[i] for i in group])
             fillers.extend(out)

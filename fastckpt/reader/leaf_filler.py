@@ -41,9 +41,7 @@ __all__ = ["Decoder", "LeafFiller", "allocate", "fetch_many_from_source", "where
 
 _GROUP_BYTES = 64 << 20  # RAM-tier fetches of one group: scratch held at once (resharding)
 _GROUP_CHUNKS = 64  # chunks per RAM-tier fetch group (one pipelined stream per peer)
-_SCAN_CHUNKS = (
-    4  # a leaf with more chunks (and several units) is planned through leaf_index's index
-)
+_SCAN_CHUNKS = 4  # a leaf with more chunks (and several units) is planned through leaf_index
 _RANGE_MIN_GAP = 16 << 10  # byte ranges of a chunk closer than this are read as one
 _RANGE_MAX_RUNS = 64  # more ranges in one chunk: the one range holding them all
 
@@ -91,10 +89,8 @@ class LeafFiller:
     (:func:`fetch_many_from_source`), :meth:`verify_lent` (the
     checksums of what was borrowed; a unit that fails gets a buffer and its chunks back in
     ``items`` for the next tier), fill what is left from storage (:meth:`from_fetched`),
-    then :meth:`done`. The first steps are Python under the GIL; :meth:`verify_lent` is
-    mostly checksums with the GIL released, which a restore runs on its worker threads
-    after planning rather than interleaved with it: a thread returning from a checksum
-    waits for the GIL while another runs Python (up to the 5 ms switch interval each time).
+    then :meth:`done`. :meth:`verify_lent` (checksums, GIL released) runs after all
+    planning (Python), not interleaved with it, so that it never waits on the GIL.
     """
 
     def __init__(
@@ -182,9 +178,7 @@ class LeafFiller:
         shared: set[int] = set()
         for chunk, its in self.items.items():
             pos, item = its[0]
-            if (
-                len(its) == 1 and chunk.box == self.units[pos].box
-            ):  # the unit is this chunk (same mesh)
+            if len(its) == 1 and chunk.box == self.units[pos].box:  # the unit is this chunk
                 by_unit.setdefault(pos, []).append((0, chunk))
                 continue
             span = contiguous_span(item.dst_box, box_shape(self.units[pos].box))
@@ -221,9 +215,7 @@ class LeafFiller:
             ],
             verify=False,
         )
-        for cand, view in zip(
-            candidates, views
-        ):  # (few new objects: a restore of many leaves is GC-bound)
+        for cand, view in zip(candidates, views):  # (few new objects: the restore is GC-bound)
             if view is None:
                 continue
             lent[cand[0]] = np.frombuffer(view, np.uint8)
@@ -320,9 +312,7 @@ class LeafFiller:
                         f"{where(self.leaf, chunk)}: raw chunk of {stored.nbytes} bytes, "
                         f"expected {chunk.raw_length}"
                     )
-                arr = np.frombuffer(stored, np.uint8).view(self.dtype).reshape(box_shape(chunk.box))
-                for pos, it in self.items[chunk]:
-                    self.dsts[pos][box_to_slices(it.dst_box)] = arr[box_to_slices(it.src_box)]
+                self.finish(chunk, np.frombuffer(stored, np.uint8))
             else:
                 into, scratch = self.target(chunk)
                 try:
@@ -344,6 +334,12 @@ class LeafFiller:
             self.stats.restored_bytes += sum(f.nbytes for f in self.flats)
 
 
+#: A chunk asked of the fast tiers: filler, chunk, into, scratch, runs (None: whole), bytes.
+_Asked = tuple[
+    LeafFiller, ChunkEntry, memoryview, np.ndarray | None, list[tuple[int, int]] | None, int
+]
+
+
 def fetch_many_from_source(
     pairs: Sequence[tuple[LeafFiller, ChunkEntry]],
     source: ChunkSource,
@@ -358,12 +354,7 @@ def fetch_many_from_source(
     more (``RestoreOptions.min_range_saving_bytes``). Returns the pairs no tier placed.
     Scratch buffers of a group stay under ``_GROUP_BYTES`` (counting the bytes received)."""
     left: list[tuple[LeafFiller, ChunkEntry]] = []
-    # (filler, chunk, into, scratch, runs asked for or None: whole, bytes asked for)
-    group: list[
-        tuple[
-            LeafFiller, ChunkEntry, memoryview, np.ndarray | None, list[tuple[int, int]] | None, int
-        ]
-    ] = []
+    group: list[_Asked] = []
     scratch_bytes = 0
 
     def flush() -> None:
