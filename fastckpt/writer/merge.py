@@ -1,11 +1,7 @@
 """Process 0's merge of every process's chunks (``writer.fragment.ProcessChunks``) into the
-manifest's chunk tables.
-
-Process 0 merges at every checkpoint, RAM checkpoints included (every few steps). A
-pod-scale step has millions of chunks, so the merge works on columns with numpy and never
-builds a Python object per chunk: it groups the chunks by leaf, sorts each leaf's chunks
-into C order, recognises the grid (the table's ``"grid"``), and checks ranges, raw lengths
-and tiling on the arrays.
+manifest's chunk tables: on numpy columns, never a Python object per chunk (a pod-scale step
+has millions), grouping by leaf, sorting into C order, recognising the grid, and checking
+ranges, raw lengths and tiling.
 """
 
 from __future__ import annotations
@@ -34,9 +30,6 @@ def merge_chunks(parts: Sequence[ProcessChunks], staged: StagedSave) -> dict[Key
     Raises ``ManifestError`` if a box lies outside its array, a raw chunk's length is not its
     box's bytes, or a leaf's chunks do not tile it exactly (missing, overlapping or repeated
     boxes).
-
-    The checks and the sort run once over all chunks of all leaves of one rank (numpy); per
-    leaf only the grid is recognised and the columns are sliced.
     """
     with paused_gc():
         return _merge(parts, staged)
