@@ -1,11 +1,7 @@
 """The restore flow: choose a step, plan it, fill it from a chunk source, agree on the
 outcome across processes, and fall back to an older step when a fast tier's turns out
-incomplete.
-
-:class:`Restorer` takes what it reads from explicitly (store, coordinator, options, the
-I/O loop, the worker pool, the host buffers to reuse) and, per restore, the fast tier.
-:class:`ReadingSteps` marks the steps restores are reading, so that retention leaves them
-alone.
+incomplete. :class:`ReadingSteps` marks the steps restores are reading, so that retention
+leaves them alone.
 """
 
 from __future__ import annotations
@@ -98,8 +94,7 @@ class Restorer:
         self._ns = namespace
         self._reading = reading
         self._buffers = buffers
-        self._chunk_source = chunk_source
-        """Where chunks come from without a fast tier (None: storage alone)."""
+        self._chunk_source = chunk_source  # where chunks come from without a fast tier
         self._rseq = 0
 
     def restore(
@@ -118,9 +113,8 @@ class Restorer:
 
         t0 = time.perf_counter()
         rseq, self._rseq = self._rseq, self._rseq + 1
-        source: ChunkSource | None = (
-            None  # made after the first step choice: it orders peers by the lists fetched
-        )
+        # made after the first step choice: it orders peers by the lists fetched
+        source: ChunkSource | None = None
         fallbacks_before: dict[str, int] = {}
         older_than: int | None = None
         failure: BaseException | None = None
