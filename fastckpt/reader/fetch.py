@@ -26,7 +26,7 @@ from fastckpt.format.dtypes import dtype_from_name
 from fastckpt.format.manifest import ChunkEntry, box_volume
 from fastckpt.options import RestoreOptions
 from fastckpt.planning import FetchRange, coalesce_fetches
-from fastckpt.reader.leaf_filler import Decoder, LeafFiller, allocate, fetch_many_from_source, where
+from fastckpt.reader.leaf_filler import LeafFiller, allocate, fetch_many_from_source, where
 from fastckpt.reader.units import ChunkSource, RestoreStats, SourceCounters, Unit
 from fastckpt.storage import Store
 
@@ -172,7 +172,6 @@ async def fill_units(
     With ``storage_holds_step=False`` (a RAM-only step) a chunk no RAM source has raises
     :class:`CheckpointNotFoundError` naming it, instead of reading storage.
     """
-    decoder = Decoder()
     lock = threading.Lock()
     reads = asyncio.Semaphore(options.read_concurrency)
     scratch_budget = ByteBudget(options.max_scratch_bytes)
@@ -182,7 +181,7 @@ async def fill_units(
         # Plan, borrow (own RAM, unverified) and allocate a group of leaves: Python under
         # the GIL (see prepare_all).
         return [
-            LeafFiller(us, step, decoder, source, stats, options.verify_checksums, lock, buffers)
+            LeafFiller(us, step, source, stats, options.verify_checksums, lock, buffers)
             for us in group
         ]
 
@@ -306,16 +305,14 @@ async def fill_units(
         await _all_or_nothing(
             check(g) for g in balanced_groups([f.lent_bytes for f in lent], options.decode_threads)
         )
-    # Coalesce across leaves: small leaves packed next to each other in one object are read
-    # with one request instead of one each (per-request cost dominates small reads). A stored
-    # location named by several chunks (only a malformed manifest does that) is read once
-    # per chunk, in later rounds.
+    # Coalesce across leaves (small leaves packed together are read with one request). A
+    # location named by several chunks (a malformed manifest) is read once each, in rounds.
     owners: dict[tuple[str, int], list[_Pair]] = {}
     for filler, c in left:
         owners.setdefault((c.key, c.offset), []).append((filler, c))
     pending = list(owners.values())
-    # Chunks that need scratch are read in smaller ranges, so that read_concurrency of them
-    # fit in the scratch budget at once (one 64 MiB range would hold all of it, one at a time).
+    # Chunks that need scratch are read in smaller ranges: read_concurrency of them fit in the
+    # scratch budget at once.
     scratch_read = max(1 << 20, options.max_scratch_bytes // options.read_concurrency)
     while pending:
         first = {(c.key, c.offset): (f, c) for f, c in (p[0] for p in pending)}

@@ -37,7 +37,7 @@ from fastckpt.planning import (
 )
 from fastckpt.reader.units import ChunkSource, RestoreStats, Unit
 
-__all__ = ["Decoder", "LeafFiller", "allocate", "fetch_many_from_source", "where"]
+__all__ = ["LeafFiller", "allocate", "fetch_many_from_source", "where"]
 
 _GROUP_BYTES = 64 << 20  # RAM-tier fetches of one group: scratch held at once (resharding)
 _GROUP_CHUNKS = 64  # chunks per RAM-tier fetch group (one pipelined stream per peer)
@@ -46,17 +46,15 @@ _RANGE_MIN_GAP = 16 << 10  # byte ranges of a chunk closer than this are read as
 _RANGE_MAX_RUNS = 64  # more ranges in one chunk: the one range holding them all
 
 
-class Decoder:
-    """A zstd decompressor per thread."""
+_zstd = threading.local()
 
-    def __init__(self) -> None:
-        self._local = threading.local()
 
-    def dctx(self) -> zstandard.ZstdDecompressor:
-        d = getattr(self._local, "d", None)
-        if d is None:
-            d = self._local.d = zstandard.ZstdDecompressor()
-        return d
+def _dctx() -> zstandard.ZstdDecompressor:
+    """This thread's zstd decompressor."""
+    d = getattr(_zstd, "d", None)
+    if d is None:
+        d = _zstd.d = zstandard.ZstdDecompressor()
+    return d
 
 
 def where(leaf: ArrayLeaf, chunk: ChunkEntry) -> str:
@@ -97,7 +95,6 @@ class LeafFiller:
         self,
         units: Sequence[Unit],
         step: int,
-        decoder: Decoder,
         source: ChunkSource | None,
         stats: RestoreStats,
         verify: bool,
@@ -108,7 +105,6 @@ class LeafFiller:
         self.units = units
         self.step = step
         self.dtype = dtype_from_name(self.leaf.dtype)
-        self.decoder = decoder
         self.source = source
         self.stats = stats
         self.verify = verify
@@ -316,7 +312,7 @@ class LeafFiller:
             else:
                 into, scratch = self.target(chunk)
                 try:
-                    n = self.decoder.dctx().stream_reader(stored).readinto(into)
+                    n = _dctx().stream_reader(stored).readinto(into)
                 except zstandard.ZstdError as e:
                     raise CorruptionError(f"{where(self.leaf, chunk)}: zstd: {e}") from e
                 if n != chunk.raw_length:

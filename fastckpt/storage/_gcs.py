@@ -98,9 +98,8 @@ class GcsOptions:
     environment; :class:`GcsStore` fills in ``endpoint`` from ``STORAGE_EMULATOR_HOST``."""
 
     endpoint: str | None = None
-    """Base URL of a GCS-compatible endpoint (an emulator: ``http://127.0.0.1:4443``).
-    When set and ``credentials`` is None, requests are anonymous. None: the
-    ``STORAGE_EMULATOR_HOST`` endpoint if that variable is set, else Google's."""
+    """Base URL of a GCS-compatible endpoint (an emulator: ``http://127.0.0.1:4443``), anonymous
+    unless ``credentials`` are given. None: see :class:`GcsStore`."""
     project: str | None = None
     """Project for the client (only used for billing/quota headers)."""
     credentials: Any = None
@@ -261,7 +260,6 @@ class GcsStore(Store):
 
     def _get_sync(self, name: str, key: str, byte_range: ByteRange | None) -> Buffer:
         what = f"get {self.url}/{key}"
-        _, session = self._connect()
         if byte_range is not None and byte_range.length == 0:
             size = self._head_sync(name, key).size
             clip_range(size, byte_range, key)  # raises NotFoundError past the end
@@ -269,7 +267,7 @@ class GcsStore(Store):
         headers = {"Accept-Encoding": "identity"}
         if byte_range is not None:
             headers["Range"] = f"bytes={byte_range.start}-{byte_range.stop - 1}"
-        resp = self._media_get(session, name, headers, what)
+        resp = self._media_get(name, headers, what)
         complete = False
         try:
             if resp.status_code == 416 and byte_range is not None:
@@ -291,10 +289,9 @@ class GcsStore(Store):
         finally:
             end_response(resp, reuse=complete)
 
-    def _media_get(
-        self, session: requests.Session, name: str, headers: dict[str, str], what: str
-    ) -> requests.Response:
+    def _media_get(self, name: str, headers: dict[str, str], what: str) -> requests.Response:
         """Start a streamed GET of the object's bytes; errors translated."""
+        _, session = self._connect()
         try:
             return session.get(
                 self._media_url(name), headers=headers, stream=True, timeout=self._timeout
@@ -316,13 +313,12 @@ class GcsStore(Store):
 
     def _get_into_sync(self, name: str, key: str, start: int, into: list[memoryview]) -> None:
         what = f"get {self.url}/{key}"
-        _, session = self._connect()
         total = sum(b.nbytes for b in into)
         if total == 0:
             clip_range(self._head_sync(name, key).size, ByteRange(start, 0), key)
             return
         headers = {"Accept-Encoding": "identity", "Range": f"bytes={start}-{start + total - 1}"}
-        resp = self._media_get(session, name, headers, what)
+        resp = self._media_get(name, headers, what)
         complete = False
         try:
             if resp.status_code == 416:

@@ -124,11 +124,12 @@ def translate(exc: BaseException, what: str) -> NoReturn:
 
     if isinstance(exc, gexc.GoogleAPICallError) and exc.code is not None:
         raise status_error(int(exc.code), what, str(exc.message)) from exc
-    if isinstance(exc, aexc.TransportError | requests.ConnectionError | requests.Timeout):
-        raise TransientStorageError(f"{what}: {type(exc).__name__}: {exc}") from exc
-    if isinstance(exc, requests.exceptions.ChunkedEncodingError | urllib3.exceptions.HTTPError):
-        raise TransientStorageError(f"{what}: {type(exc).__name__}: {exc}") from exc
-    if isinstance(exc, http.client.HTTPException | ConnectionError | TimeoutError):
+    transient = (
+        aexc.TransportError | requests.ConnectionError | requests.Timeout
+        | requests.exceptions.ChunkedEncodingError | urllib3.exceptions.HTTPError
+        | http.client.HTTPException | ConnectionError | TimeoutError
+    )  # fmt: skip
+    if isinstance(exc, transient):
         raise TransientStorageError(f"{what}: {type(exc).__name__}: {exc}") from exc
     if isinstance(exc, aexc.GoogleAuthError):  # refresh failed, anonymous asked to refresh, ...
         raise PermissionDeniedError(

@@ -151,16 +151,13 @@ class FragmentRoute(Protocol):
 
     def put(self, idx: int, fragment: bytes, deadline: float) -> None:
         """Send process ``idx``'s fragment, and tell process 0 it is there."""
-        ...
 
     def fail(self, idx: int, message: str, deadline: float) -> None:
         """Tell process 0 that process ``idx`` failed its part of the save."""
-        ...
 
     def gather(self, deadline: float) -> Sequence[bytes | memoryview]:
         """Process 0: every process's fragment; ``DistributedError`` naming one that failed,
         ``BarrierTimeoutError`` past ``deadline``."""
-        ...
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
