@@ -1,9 +1,6 @@
-"""Restore planning: what each destination shard needs from which stored chunk.
-
-Pure data (like torch DCP's ``ReadItem``): for a destination box (one device shard of the
-target sharding) the plan lists, per overlapping chunk, the region to copy in chunk-local
-coordinates and where it goes in destination-local coordinates. The fetch plan then groups
-the needed chunks by object and coalesces nearby byte ranges into few large ranged reads.
+"""Restore planning: what each destination shard needs from which stored chunk (pure data:
+per overlapping chunk, the region to copy in chunk-local coordinates and where it goes in
+destination-local ones), and the coalesced ranged reads that fetch the chunks.
 """
 
 from __future__ import annotations
@@ -107,11 +104,9 @@ class ChunkIndex:
 
 
 class GridIndex:
-    """The chunks of a :class:`ChunkTable` whose boxes are a grid's cells (``table.grid``):
-    the cells overlapping a box are found by bisecting the cuts of each dimension, and only
-    their entries are built. Same answers as :class:`ChunkIndex`; costs O(rank x log cells
-    + overlapping cells) per query and nothing to build.
-    """
+    """The chunks of a :class:`ChunkTable` whose boxes are a grid's cells (``table.grid``),
+    found by bisecting each dimension's cuts (only their entries are built). Same answers as
+    :class:`ChunkIndex`; nothing to build."""
 
     __slots__ = ("_counts", "_cuts", "_table")
 
@@ -168,16 +163,10 @@ def leaf_index(leaf: ArrayLeaf, *, disjoint: bool = True) -> GridIndex | ChunkIn
 def plan_leaf_reads(
     leaf: ArrayLeaf, dst_box: Box, *, index: ChunkIndex | GridIndex | None = None
 ) -> tuple[ReadItem, ...]:
-    """Read items that fill ``dst_box`` (global coordinates) of ``leaf``.
-
-    ``index`` (:func:`leaf_index`, or a :class:`ChunkIndex` of ``leaf.chunks``) makes
-    planning many boxes of one leaf cheap; the items are the same with or without it.
-    Without one, a chunk table with a grid is bisected (no index to build), other chunks
-    are scanned.
-
-    Raises:
-        CorruptionError: the stored chunks do not cover ``dst_box`` exactly once.
-    """
+    """Read items that fill ``dst_box`` (global coordinates) of ``leaf``; ``CorruptionError``
+    if the stored chunks do not cover it exactly once. ``index`` (:func:`leaf_index`, or a
+    :class:`ChunkIndex` of ``leaf.chunks``) makes planning many boxes of one leaf cheap; the
+    items are the same without it."""
     items = []
     covered = 0
     if index is None and leaf.chunks.grid is not None:

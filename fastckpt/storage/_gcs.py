@@ -130,15 +130,13 @@ class GcsStore(Store):
     """Objects in a GCS bucket, under an optional prefix.
 
     Object names are ``prefix/key``. All blocking HTTP runs on a private thread pool of
-    ``options.max_workers`` threads sharing one pooled session; the client and session are
-    created on first use (credentials discovery may do I/O).
+    ``options.max_workers`` threads sharing one pooled session, made (with the client) on a
+    background thread at construction.
 
     Endpoint, as google-cloud-storage's ``Client`` chooses it: ``options.endpoint`` if set;
     else ``STORAGE_EMULATOR_HOST`` if set (read once, here; a bare ``host:port`` gets
-    ``http://``), with anonymous credentials unless ``options.credentials`` is given; else
-    Google's, with Application Default Credentials. So code written for real GCS runs
-    against an emulator with no change, and an explicit ``GcsOptions(endpoint=...)`` wins
-    over the variable. :attr:`options` holds the endpoint chosen.
+    ``http://``), anonymous unless ``options.credentials`` is given; else Google's, with
+    Application Default Credentials. :attr:`options` holds the endpoint chosen.
 
     Args:
         bucket: Bucket name.

@@ -92,15 +92,13 @@ class LocalStore(Store):
       ``os.link`` (create-only: atomic, refused if the key exists), and fsyncs the
       directory. Readers never see a partial object. A crash may leave temporary files;
       ``list`` and ``get`` ignore them.
-    * ``get`` reads ranges with ``pread`` straight into one freshly allocated buffer.
     * Blocking calls run on the store's own thread pool.
     * ``list_info`` reports ``stat``'s size and ``st_mtime``; :meth:`sweep` removes temporary
       files older than its cutoff and the empty directories ``delete`` leaves behind (a put
       that loses its new directory to it makes it again).
 
-    Limitations: because keys are paths, a key cannot be both an object and a "directory"
-    of other objects (``a`` and ``a/b``); such a put raises ``StorageError``. Empty
-    directories are left behind by ``delete`` (until a :meth:`sweep`).
+    Limitation: keys are paths, so a key cannot be both an object and a "directory" of other
+    objects (``a`` and ``a/b``); such a put raises ``StorageError``.
 
     Args:
         root: Directory holding the objects; created on the first put.

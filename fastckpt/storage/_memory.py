@@ -41,9 +41,8 @@ class MemoryStore(Store):
     ``memoryview`` slice of them. ``put`` copies the payload once (the caller may reuse
     its buffers afterwards) and records ``time.time()`` as the object's ``mtime``.
 
-    Stores opened with the same ``name`` in one process share their objects for as long as
-    at least one of them is alive (``mem://name`` URLs rely on this). Unnamed stores are
-    private. Nothing is registered at import time.
+    Stores opened with the same ``name`` in one process share their objects while at least
+    one of them is alive (``mem://name`` URLs rely on this); unnamed stores are private.
 
     Args:
         name: Optional name under which the objects are shared in this process.

@@ -83,12 +83,10 @@ class RetryingStore(Store):
     other error propagates at once. When attempts or the deadline run out, it raises
     :class:`~fastckpt.errors.RetriesExhaustedError` whose ``__cause__`` is the last error.
 
-    Create-only puts: a transient error may hide a write that did land (the response was
-    lost). If a later attempt then gets :class:`~fastckpt.errors.AlreadyExistsError`, the
-    store compares the existing object's size and crc32c (via ``inner.head``) with the
-    payload: equal means our write landed and the put succeeds; different means another
-    writer won, and ``AlreadyExistsError`` propagates. An ``AlreadyExistsError`` on the
-    first attempt always propagates.
+    Create-only puts: a transient error may hide a write that did land. If a later attempt
+    then gets :class:`~fastckpt.errors.AlreadyExistsError`, the existing object's size and
+    crc32c (``inner.head``) decide: equal, the put succeeds; else ``AlreadyExistsError``
+    propagates (as it always does on the first attempt).
 
     Args:
         inner: The store to wrap.
