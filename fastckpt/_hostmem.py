@@ -6,6 +6,7 @@ copying: callers must never write into a buffer after handing it to ``device_put
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import threading
 import weakref
@@ -50,10 +51,8 @@ def alloc_aligned(nbytes: int, *, hugepages: bool = True) -> np.ndarray:
 def _mapping(nbytes: int, hugepages: bool = True) -> mmap.mmap:
     m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hugepages and nbytes >= _HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
+        with contextlib.suppress(OSError):
             m.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:
-            pass
     return m
 
 

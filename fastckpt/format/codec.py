@@ -61,9 +61,6 @@ CHECKSUM_FIELD = "manifest_crc32c"
 _CHECKSUM_PREFIX = re.compile(rb'\A\{"manifest_crc32c":(0|[1-9][0-9]{0,9}),')
 
 
-# ---------------------------------------------------------------- encode
-
-
 def _float_to_json(x: float) -> float | str:
     if math.isnan(x):
         return "nan"
@@ -176,9 +173,6 @@ def _check_integrity(data: bytes, doc: dict[str, Any]) -> None:
         return  # the encoder's own layout, intact
     if crc32c(_canonical(doc)) != stored:
         _fail("manifest checksum mismatch: the manifest is corrupted (or was edited)")
-
-
-# ---------------------------------------------------------------- decode
 
 
 def _path(obj: Any, what: str) -> KeyPath:

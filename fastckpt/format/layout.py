@@ -38,9 +38,7 @@ __all__ = [
 
 MANIFEST_PREFIX = "manifests/"
 STEPS_PREFIX = "steps/"
-MAX_STEP = 10**18 - 1
-"""The largest step a key can name (12 digits, zero-padded, up to 18: Unix-millisecond steps
-fit)."""
+MAX_STEP = 10**18 - 1  # the largest step a key names (12 to 18 digits: Unix-ms steps fit)
 _MANIFEST_RE = re.compile(r"^manifests/(\d{12,18})\.json$")
 _DATA_RE = re.compile(r"^steps/(\d{12,18})/")
 

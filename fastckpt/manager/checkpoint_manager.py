@@ -132,7 +132,6 @@ class CheckpointManager:
         """This process's figures of the newest :meth:`restore` that returned; None before the
         first. The one way to get restore figures."""
 
-    # ------------------------------------------------------------------ save
     def save(
         self,
         step: int,
@@ -189,7 +188,6 @@ class CheckpointManager:
         """
         return self._tier.wait_replication(timeout_s) if self._tier is not None else []
 
-    # ------------------------------------------------------------------ listing
     def persistent_steps(self) -> list[int]:
         """Steps committed to persistent storage, ascending."""
         self._check_open()
@@ -222,7 +220,6 @@ class CheckpointManager:
         """The user metadata saved with ``step``."""
         return dict(self.manifest(step).metadata)
 
-    # ------------------------------------------------------------------ restore
     def restore(self, step: int | None = None, *, target: Any = None, partial: bool = False) -> Any:
         """Restore ``step`` (default: latest) laid out as ``target`` says.
 
@@ -261,7 +258,6 @@ class CheckpointManager:
             self.prepare(tree)
         return tree
 
-    # ------------------------------------------------------------------ retention / gc
     def _apply_retention(self) -> None:
         self._reading.delete_unread(
             steps_to_delete(self.persistent_steps(), self.options.retention), self.delete_step
@@ -280,7 +276,6 @@ class CheckpointManager:
         """Delete a committed step: the manifest first (un-commit), then its data."""
         listing.delete_step(self.store, self._io.run, step)
 
-    # ------------------------------------------------------------------ lifecycle
     def _check_open(self) -> None:
         if self._closed:
             raise ConfigError("CheckpointManager is closed")

@@ -178,16 +178,14 @@ async def fill_units(
     t0 = time.perf_counter()
 
     def plan(group: Sequence[Sequence[Unit]]) -> list[LeafFiller]:
-        # Plan, borrow (own RAM, unverified) and allocate a group of leaves: Python under
-        # the GIL (see prepare_all).
+        # Plan, borrow (own RAM, unverified) and allocate a group of leaves.
         return [
             LeafFiller(us, step, source, stats, options.verify_checksums, lock, buffers)
             for us in group
         ]
 
     def fetch(fillers: Sequence[LeafFiller]) -> list[_Pair]:
-        # The fast tiers' fetch of what was not borrowed (peers: mostly socket receives,
-        # GIL released).
+        # The fast tiers' fetch of what was not borrowed.
         return from_sources([(f, c) for f in fillers for c in f.items])
 
     def from_sources(pairs: list[_Pair]) -> list[_Pair]:
@@ -210,9 +208,8 @@ async def fill_units(
         return from_sources([(f, c) for f in fillers for c in f.verify_lent()])
 
     async def do_range(r: FetchRange, pairs: Sequence[tuple[LeafFiller, ChunkEntry]]) -> None:
-        # Raw chunks that map onto contiguous destination spans are received in place; the
-        # rest needs scratch, held until its chunks are decoded and placed and bounded by
-        # options.max_scratch_bytes over all concurrent reads.
+        # What is not received in place needs scratch, held until its chunks are placed and
+        # bounded by options.max_scratch_bytes over all concurrent reads.
         ordered, direct, need = _placement(pairs, r.start, r.length)
         charged = await scratch_budget.acquire(need)
         try:

@@ -228,22 +228,15 @@ class LeafFiller:
         back: list[ChunkEntry] = []
         nbytes = nchunks = 0
         for pos, chunks in self.lent:
-            flat = self.flats[pos]
-            if len(chunks) == 1:  # the unit is one chunk (same mesh): no slicing
-                if crc32c(flat) == chunks[0].raw_crc32c:
-                    nbytes += flat.nbytes
-                    nchunks += 1
-                    continue
+            flat, start = self.flats[pos], 0
+            for c in chunks:
+                if crc32c(flat[start : start + c.raw_length]) != c.raw_crc32c:
+                    break
+                start += c.raw_length
             else:
-                start = 0
-                for c in chunks:
-                    if crc32c(flat[start : start + c.raw_length]) != c.raw_crc32c:
-                        break
-                    start += c.raw_length
-                else:
-                    nbytes += start
-                    nchunks += len(chunks)
-                    continue
+                nbytes += start
+                nchunks += len(chunks)
+                continue
             unit = self.units[pos]
             flat = self.flats[pos] = self._fresh_buffer(unit)
             self.dsts[pos] = flat.view(self.dtype).reshape(box_shape(unit.box))

@@ -175,13 +175,9 @@ class GcsStore(Store):
     def __repr__(self) -> str:
         return f"GcsStore({self.url!r}, endpoint={self.options.endpoint!r})"
 
-    # -- plumbing ----------------------------------------------------------------------
-
     def _warm_up(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # raised again where the client is needed
             self._connect()
-        except Exception:  # raised again where the client is needed
-            pass
 
     def _connect(self) -> tuple[storage.Client, requests.Session]:
         """Create the client and pooled session once (called on a worker thread)."""
@@ -240,8 +236,6 @@ class GcsStore(Store):
     def _media_url(self, name: str) -> str:
         bucket, obj = quote(self.bucket, safe=""), quote(name, safe="")
         return f"{self._base}/download/storage/v1/b/{bucket}/o/{obj}?alt=media"
-
-    # -- blocking implementations ------------------------------------------------------
 
     def _head_sync(self, name: str, key: str) -> ObjectMeta:
         what = f"head {self.url}/{key}"
@@ -396,8 +390,7 @@ class GcsStore(Store):
                 self.bucket, prefix=base + prefix, fields=f"items({fields}),nextPageToken",
                 page_size=self.options.list_page_size, retry=None, timeout=self._timeout,
             )  # fmt: skip
-            # Names ending in "/" are folder placeholders (Cloud Console, gcsfuse), not objects
-            # this store writes or can address: leaving them out keeps the listing to valid keys.
+            # Names ending in "/" are folder placeholders (Cloud Console, gcsfuse), no keys.
             out = [(b.name[len(base) :], b) for b in blobs if not b.name.endswith("/")]
         except Exception as exc:
             translate(exc, what)
@@ -418,8 +411,6 @@ class GcsStore(Store):
                 translate(exc, f"delete {self.url}/{key}")
             except NotFoundError:
                 return
-
-    # -- Store API ---------------------------------------------------------------------
 
     async def get(self, key: str, *, byte_range: ByteRange | None = None) -> Buffer:
         return await self._pool.call(self._get_sync, self._name(key), key, byte_range)

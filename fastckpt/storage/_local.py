@@ -119,8 +119,6 @@ class LocalStore(Store):
     def __repr__(self) -> str:
         return f"LocalStore({str(self.root)!r})"
 
-    # -- plumbing ----------------------------------------------------------------------
-
     def _path(self, key: str) -> Path:
         validate_key(key)
         if key.rsplit("/", 1)[-1].endswith(TEMP_SUFFIX):
@@ -151,8 +149,6 @@ class LocalStore(Store):
                 ) from exc
             if self._durable:
                 _fsync_dir(d.parent)
-
-    # -- blocking implementations ------------------------------------------------------
 
     def _get_sync(self, path: Path, key: str, byte_range: ByteRange | None) -> Buffer:
         try:
@@ -313,8 +309,6 @@ class LocalStore(Store):
             return
         except OSError as exc:
             _translate(exc, f"delete {self.url}/{key}")
-
-    # -- Store API ---------------------------------------------------------------------
 
     async def get(self, key: str, *, byte_range: ByteRange | None = None) -> Buffer:
         return await self._pool.call(self._get_sync, self._path(key), key, byte_range)

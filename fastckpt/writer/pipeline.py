@@ -136,8 +136,6 @@ async def write_chunks(
         await queue.put((loop.run_in_executor(executor, encode_batch, batch), charged))
 
     async def produce() -> None:
-        # Small chunks go to the encoder in batches (one executor job per ~1 MiB, not per
-        # chunk: a thread hand-off per 16 KiB shard cost more than encoding it).
         batch: list[tuple[int, int, memoryview, int | None]] = []
         nbytes = 0
         for ai, ii, raw in staged.chunk_views():
