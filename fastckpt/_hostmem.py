@@ -189,10 +189,8 @@ _COPY_CRC_BLOCK = 1 << 20
 def parallel_copy_crc32c(
     pairs: Sequence[tuple[np.ndarray, np.ndarray]], executor: Executor | None, *, jobs: int
 ) -> list[int]:
-    """:func:`parallel_copy`, and the crc32c of each ``dst`` after the copy: each pair is
-    copied and checksummed block by block (1 MiB), so the checksum reads the block while it
-    is still in cache (one pass over memory instead of two). The crc is of the destination's
-    bytes (what a reader of ``dst`` gets)."""
+    """:func:`parallel_copy`, and the crc32c of each ``dst``'s bytes after the copy (copied
+    and checksummed block by block, while the block is in cache)."""
     _check_sizes(pairs)
 
     def job(i: int) -> int:
@@ -247,9 +245,8 @@ class StagingPool:
 
     def provision(self, nbytes: int) -> bool:
         """Keep a buffer of ``nbytes`` ready for the next :meth:`take` of that size, its pages
-        faulted in now (the first save then copies at memcpy speed), unless a kept one fits.
-        For a background thread, never concurrently with ``take``. Returns whether it made
-        one."""
+        faulted in now, unless a kept one fits; whether it made one. For a background thread,
+        never concurrently with ``take``."""
         free = self._free
         if nbytes == 0 or (free is not None and nbytes <= free.nbytes <= 2 * nbytes + (64 << 20)):
             return False

@@ -107,11 +107,9 @@ def table_from_entries(
 def encode_table(
     table: ChunkTable, *, shape: tuple[int, ...], remap: np.ndarray | None = None
 ) -> dict[str, Any]:
-    """JSON object of a leaf's chunk table (of an array of ``shape``), from its columns: its
-    boxes as a grid whenever they are one (a table listing a grid's cells in C order is
-    written as the grid). ``remap[i]`` is the index in the manifest's ``"objects"`` of the
-    table's object key ``i``; None when the table's keys are that list (a decoded manifest's
-    tables, the commit's merged ones)."""
+    """JSON object of a leaf's chunk table (of an array of ``shape``): its boxes as a grid
+    whenever they are one. ``remap[i]`` is the index in the manifest's ``"objects"`` of the
+    table's object key ``i``; None when the table's keys are that list."""
     cols = table.columns()
     cuts = cols.cuts if cols.cuts is not None else grid_cuts(cols.boxes or (), shape)
     out: dict[str, Any] = (

@@ -120,11 +120,8 @@ def _remap(leaf: ArrayLeaf, objects: dict[str, int]) -> np.ndarray:
 
 def encode_manifest(manifest: Manifest) -> bytes:
     """Serialise a manifest to UTF-8 JSON bytes (deterministic key order), checksum first.
-
-    Each array leaf's chunk table is written from its columns (no Python object per chunk).
-    When every table indexes one key list (a decoded manifest's, the commit's merge), that
-    list is the manifest's ``"objects"`` as it is; otherwise the keys the tables reference,
-    each once. The caller vouches for the tables: ``decode_manifest`` checks them."""
+    ``"objects"`` is the one key list every table indexes when they share one, else the keys
+    the tables reference, each once. The caller vouches for the tables (the decoder checks)."""
     keys = [a.chunks.columns().keys for a in manifest.arrays()]
     shared = keys[0] if keys and all(k is keys[0] for k in keys) else None
     objects: dict[str, int] | None = None if shared is not None else {}
@@ -294,8 +291,7 @@ def decode_manifest(data: bytes | bytearray | memoryview) -> Manifest:
     ``UnsupportedFormatVersionError`` for a ``format_version`` other than 3, ``ManifestError``
     for a manifest without its ``manifest_crc32c`` or whose checksum does not match. Every
     array leaf's chunks decode to one :class:`~fastckpt.format.manifest.ChunkTable`, all
-    indexing one object key list. Runs with the cyclic garbage collector paused
-    (``fastckpt._pygc.paused_gc``, which names the hazard)."""
+    indexing one object key list. Runs with the cyclic garbage collector paused."""
     with paused_gc():
         return _decode(data)
 

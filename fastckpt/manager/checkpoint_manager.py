@@ -142,9 +142,9 @@ class CheckpointManager:
     ) -> bool:
         """Stage ``state`` for ``step`` and commit it in the background.
 
-        Waits first for the previous save's background work and, for a step of the fast tier
-        (the RAM tier), for this host's push of its previous step to its peers (backpressure
-        that keeps a complete RAM step across any single host loss; ``SaveStats.push_wait_s``).
+        Waits first for the previous save's background work and, for a RAM-tier step, for
+        this host's push of its previous step to its peers (so that a complete RAM step
+        survives any single host loss; ``SaveStats.push_wait_s``).
 
         Returns True if a save started, False if skipped (interval not reached, or another
         save in flight with ``if_busy="skip"``). Raises the previous save's error
@@ -179,12 +179,10 @@ class CheckpointManager:
     def wait_replication(self, timeout_s: float | None = None) -> list[ReplicationReport]:
         """Block until this process's RAM-tier pushes to its peers finished, and return the
         reports of the pushes that finished since the last call, oldest first (empty without
-        a RAM tier; of many unread ones, the newest are kept). A failed push is not raised:
-        its report says so (``ok`` False, ``errors`` per peer) and it is logged, while
-        storage and the other replicas still hold the data.
-
-        Raises:
-            ReplicationTimeoutError: pushes still running after ``timeout_s``.
+        a RAM tier; of many unread ones, the newest are kept). A failed push is not raised
+        (storage and the other replicas hold the data): its report says so (``ok`` False,
+        ``errors`` per peer) and it is logged.
+        ``ReplicationTimeoutError`` if pushes are still running after ``timeout_s``.
         """
         return self._tier.wait_replication(timeout_s) if self._tier is not None else []
 

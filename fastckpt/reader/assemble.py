@@ -108,12 +108,9 @@ def _key_data_sharding(sharding: jax.sharding.Sharding, extra_dims: int) -> jax.
 
 def resolve_sharding(sharding: jax.sharding.Sharding | None, where: str) -> jax.sharding.Sharding:
     """The sharding a leaf restores to: ``sharding`` (the target's, else the checkpoint's
-    rebuilt on this job's devices), or one local device when there is none.
-
-    Raises:
-        TargetMismatchError: there is none in a multi-process job.
-        ConfigError: ``sharding`` is over an AbstractMesh (it names no devices).
-    """
+    rebuilt on this job's devices), or one local device when there is none
+    (``TargetMismatchError`` in a multi-process job). ``ConfigError`` if ``sharding`` is over
+    an AbstractMesh (it names no devices)."""
     if sharding is None:
         if jax.process_count() > 1:
             raise TargetMismatchError(

@@ -54,11 +54,8 @@ def _placement(
 ) -> tuple[list[tuple[LeafFiller, ChunkEntry]], list[memoryview | None] | None, int]:
     """Chunks of a stored range ``[start, start + length)`` in offset order, the destination
     span each is received into (None: via scratch) and the scratch bytes the read needs.
-
-    A raw chunk that feeds one contiguous destination span is received straight into the
-    destination buffer; other chunks (compressed, or scattered over several destination
-    rows or units) and the gaps between chunks go to scratch. Overlapping chunks (only a
-    malformed manifest has them) put the whole range in scratch (spans None).
+    Only a raw chunk that feeds one contiguous destination span is received in place; gaps
+    go to scratch, and overlapping chunks (a malformed manifest) put the whole range there.
     """
     ordered = sorted(pairs, key=lambda fc: fc[1].offset)
     direct: list[memoryview | None] = []
@@ -164,11 +161,8 @@ async def fill_units(
     storage_holds_step: bool = True,
     buffers: BufferCache | None = None,
 ) -> None:
-    """Fill every unit's host buffer (``unit.buffer``) with verified data.
-
-    ``buffers`` (optional) supplies the destination buffers of device-bound units, reusing
-    the memory of earlier restores' arrays once those are gone.
-
+    """Fill every unit's host buffer (``unit.buffer``) with verified data. ``buffers``
+    supplies the destination buffers of device-bound units (reusing earlier restores' memory).
     With ``storage_holds_step=False`` (a RAM-only step) a chunk no RAM source has raises
     :class:`CheckpointNotFoundError` naming it, instead of reading storage.
     """

@@ -165,11 +165,8 @@ class LeafFiller:
 
     def _lend_units(self) -> dict[int, np.ndarray]:
         """Units whose bytes a RAM tier lends as one view, unverified (their chunks leave
-        ``items`` for ``lent``: :meth:`verify_lent` checks them).
-
-        A unit qualifies when its chunks feed no other unit, each whole and onto one
-        contiguous span, and the spans tile it in order (a same-mesh restore's usual case).
-        """
+        ``items`` for ``lent``): those whose chunks feed no other unit, each whole and onto
+        one contiguous span, the spans tiling it in order (a same-mesh restore's case)."""
         by_unit: dict[int, list[tuple[int, ChunkEntry]]] = {}
         shared: set[int] = set()
         for chunk, its in self.items.items():
@@ -336,12 +333,10 @@ def fetch_many_from_source(
     *,
     min_range_saving: int,
 ) -> list[tuple[LeafFiller, ChunkEntry]]:
-    """Ask the RAM tiers (``source.fetch_many``) for chunks of any number of leaves, in
-    groups: one pipelined stream per peer and group, so that small leaves do not drain the
-    stream at every leaf boundary. A chunk the restore uses only part of (resharding) is
-    asked for as the byte ranges it uses when that spares ``min_range_saving`` bytes or
-    more (``RestoreOptions.min_range_saving_bytes``). Returns the pairs no tier placed.
-    Scratch buffers of a group stay under ``_GROUP_BYTES`` (counting the bytes received)."""
+    """Ask the RAM tiers (``source.fetch_many``) for chunks of any number of leaves, in groups
+    (one pipelined stream per peer and group; a group's scratch stays under ``_GROUP_BYTES``).
+    A chunk the restore uses part of is asked for as those byte ranges when that spares
+    ``min_range_saving`` bytes or more. Returns the pairs no tier placed."""
     left: list[tuple[LeafFiller, ChunkEntry]] = []
     group: list[_Asked] = []
     scratch_bytes = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import weakref
@@ -23,14 +24,12 @@ from fastckpt.storage._protocol import (
 __all__ = ["MemoryStore"]
 
 
+@dataclasses.dataclass(slots=True, weakref_slot=True, eq=False)
 class _Objects:
-    """The shared state of one named (or anonymous) memory store."""
+    """The shared state of one named (or anonymous) memory store: key -> (bytes, put time)."""
 
-    __slots__ = ("__weakref__", "data", "lock")
-
-    def __init__(self) -> None:
-        self.data: dict[str, tuple[bytes, float]] = {}  # key -> (bytes, time of the put)
-        self.lock = threading.Lock()
+    data: dict[str, tuple[bytes, float]] = dataclasses.field(default_factory=dict)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
 @final
@@ -43,9 +42,6 @@ class MemoryStore(Store):
 
     Stores opened with the same ``name`` in one process share their objects while at least
     one of them is alive (``mem://name`` URLs rely on this); unnamed stores are private.
-
-    Args:
-        name: Optional name under which the objects are shared in this process.
     """
 
     _named: ClassVar[weakref.WeakValueDictionary[str, _Objects]] = weakref.WeakValueDictionary()

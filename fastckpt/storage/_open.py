@@ -49,8 +49,7 @@ def open_store(
             ``gcs_options.endpoint`` (with neither: see :class:`GcsStore`).
         local_durable: fsync local writes.
 
-    Raises:
-        ConfigError: unknown scheme or malformed URL.
+    ``ConfigError`` for an unknown scheme or a malformed URL.
     """
     if not isinstance(url, str) or not url:
         raise ConfigError(f"store URL must be a non-empty str, got {url!r}")

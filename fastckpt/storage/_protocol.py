@@ -212,10 +212,9 @@ class Store(abc.ABC):
         the writable byte buffers ``into``, filled back to back (a scatter read).
 
         Unlike :meth:`get`, the range is exact: an object that ends before the last byte
-        raises :class:`~fastckpt.errors.CorruptionError` (a short object) and a range
-        starting past the end raises ``NotFoundError``. After a failure the buffers' contents
-        are unspecified. The default reads with :meth:`get` and copies; backends override it
-        to receive the bytes straight into ``into`` (no intermediate buffer).
+        raises :class:`~fastckpt.errors.CorruptionError` and a range starting past the end
+        raises ``NotFoundError``; after a failure the buffers' contents are unspecified. The
+        default reads with :meth:`get` and copies; backends override it to read in place.
         """
         total = sum(b.nbytes for b in into)
         data = memoryview(await self.get(key, byte_range=ByteRange(start, total))).cast("B")

@@ -24,12 +24,9 @@ __all__ = ["merge_chunks"]
 
 def merge_chunks(parts: Sequence[ProcessChunks], staged: StagedSave) -> dict[KeyPath, ChunkTable]:
     """Merge the processes' chunks into each array leaf's chunk table (by path), its chunks in
-    C order of their boxes (a grid when they form one). Every table indexes one object key
-    list (the manifest's ``"objects"``).
-
-    Raises ``ManifestError`` if a box lies outside its array, a raw chunk's length is not its
-    box's bytes, or a leaf's chunks do not tile it exactly (missing, overlapping or repeated
-    boxes).
+    C order of their boxes (a grid when they form one), all indexing one object key list.
+    ``ManifestError`` if a box lies outside its array, a raw chunk's length is not its box's
+    bytes, or a leaf's chunks do not tile it exactly (missing, overlapping or repeated boxes).
     """
     with paused_gc():
         return _merge(parts, staged)

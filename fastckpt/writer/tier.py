@@ -1,15 +1,13 @@
 """The write-side protocol of a fast checkpoint tier (a RAM tier) beside persistent storage.
 
 The manager holds at most one :class:`Tier` and knows nothing else of it. Call order of a
-save that the tier takes (``due(step)``, or a persistent step): ``wait_pushed`` ->
-``allocate`` or ``allocate_unreserved`` (the staging buffer is the tier's) -> stage ->
-``commit`` (its copy sealed and committed through the one commit path,
-``writer.commit.CommitRound``) -> ``prepare_next`` (also before a process's first save);
-``abort`` on any failure before the commit returns. A restore asks it for steps
-(``steps_by_tier``, ``select_step``), manifests and a
-:class:`~fastckpt.reader.units.ChunkSource`; ``holds_alone`` tells whether storage lacks a
-step (then nothing is read from storage, and an incomplete step is given up for an older one
-on every process).
+save the tier takes (``due(step)``, or a persistent step): ``wait_pushed`` -> ``allocate``
+or ``allocate_unreserved`` (the staging buffer is the tier's) -> stage -> ``commit``
+(through ``writer.commit.CommitRound``) -> ``prepare_next``; ``abort`` on any failure before
+the commit returns. A restore asks it for steps (``steps_by_tier``, ``select_step``),
+manifests and a :class:`~fastckpt.reader.units.ChunkSource`; ``holds_alone`` says storage
+lacks a step (nothing is then read from storage, and an incomplete step is given up for an
+older one on every process).
 """
 
 from __future__ import annotations
