@@ -143,10 +143,9 @@ class ChunkTable(Sequence[ChunkEntry]):
 
     Immutable and thread-safe to read; two tables are equal (and hash alike) when their
     entries are. Entries asked for by index are kept; iterating builds every entry afresh
-    (callers that iterate often keep ``tuple(table)``). ``grid``: see :attr:`grid`. Built by
-    the manifest codec from validated columns, by the commit's merge, or by
-    :func:`fastckpt.format.chunk_table.table_from_entries`; one built by hand skips the
-    codec's checks.
+    (callers that iterate often keep ``tuple(table)``). Built by the manifest codec from
+    validated columns, by the commit's merge, or by
+    :func:`fastckpt.format.chunk_table.table_from_entries`; one built by hand is unchecked.
     """
 
     __slots__ = (

@@ -84,11 +84,9 @@ class LeafFiller:
 
     Call order: construct (plans the reads, borrows whole units from the own RAM tier
     unverified, allocates the other units' buffers), fill ``items`` from the fast tiers
-    (:func:`fetch_many_from_source`), :meth:`verify_lent` (the
-    checksums of what was borrowed; a unit that fails gets a buffer and its chunks back in
-    ``items`` for the next tier), fill what is left from storage (:meth:`from_fetched`),
-    then :meth:`done`. :meth:`verify_lent` (checksums, GIL released) runs after all
-    planning (Python), not interleaved with it, so that it never waits on the GIL.
+    (:func:`fetch_many_from_source`), :meth:`verify_lent` (after all planning, so that its
+    checksums never wait on the GIL), fill what is left from storage (:meth:`from_fetched`),
+    then :meth:`done`.
     """
 
     def __init__(
