@@ -253,8 +253,7 @@ class GcsStore(Store):
     def _get_sync(self, name: str, key: str, byte_range: ByteRange | None) -> Buffer:
         what = f"get {self.url}/{key}"
         if byte_range is not None and byte_range.length == 0:
-            size = self._head_sync(name, key).size
-            clip_range(size, byte_range, key)  # raises NotFoundError past the end
+            clip_range(self._head_sync(name, key).size, byte_range, key)  # NotFoundError past end
             return b""
         headers = {"Accept-Encoding": "identity"}
         if byte_range is not None:
@@ -263,8 +262,7 @@ class GcsStore(Store):
         complete = False
         try:
             if resp.status_code == 416 and byte_range is not None:
-                size = self._head_sync(name, key).size
-                clip_range(size, byte_range, key)
+                clip_range(self._head_sync(name, key).size, byte_range, key)
                 return b""
             check_media_response(resp, what)
             body = self._read_body(resp, what)

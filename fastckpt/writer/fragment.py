@@ -105,20 +105,10 @@ class ChunkRows:
 
     def build(self) -> ProcessChunks:
         """The chunks added so far."""
-        array, obj, offset, length, codec, crc, raw_crc = (
-            np.array(c, np.int64) for c in self._cols
-        )
-        return ProcessChunks(
-            objects=list(self._objects),
-            array=array,
-            boxes=np.array(self._boxes, np.int64),
-            object=obj,
-            offset=offset,
-            length=length,
-            codec=codec,
-            crc32c=crc,
-            raw_crc32c=raw_crc,
-        )
+        names = ("array", "object", "offset", "length", "codec", "crc32c", "raw_crc32c")
+        cols = {k: np.array(c, np.int64) for k, c in zip(names, self._cols)}
+        boxes = np.array(self._boxes, np.int64)
+        return ProcessChunks(objects=list(self._objects), boxes=boxes, **cols)
 
 
 def fragment_paths(staged: StagedSave) -> list[list[list[Any]]]:
