@@ -78,11 +78,8 @@ def _rank_group(
     order = np.lexsort((*boxes.T[::-1], array))
     mine, array, boxes = mine[order], array[order], boxes[order]
     starts, stops = boxes[:, 0::2], boxes[:, 1::2]
-    shapes = np.asarray([staged.arrays[i].shape for i in members], np.int64).reshape(
-        len(members), r
-    )
     shape_of = np.zeros((len(staged.arrays), r), np.int64)
-    shape_of[members] = shapes
+    shape_of[members] = np.reshape([staged.arrays[i].shape for i in members], (len(members), r))
     itemsize = np.asarray([dtype_from_name(a.dtype).itemsize for a in staged.arrays], np.int64)
     bad = ((starts > stops) | (stops > shape_of[array])).any(axis=1)
     if bad.any():
