@@ -25,8 +25,7 @@ if TYPE_CHECKING:
     from fastckpt.replicas import peer_secret_from_env as peer_secret_from_env
     from fastckpt.writer.stats import SaveStats as SaveStats
 
-# Imported on first use: they pull in jax (over a second), which the CLI's inspect/gc/verify
-# and code that only builds options do not need.
+# Imported on first use: they pull in jax, which the CLI and code building options do not need.
 _LAZY = {
     "CheckpointManager": "fastckpt.manager",
     "SaveStats": "fastckpt.writer.stats",

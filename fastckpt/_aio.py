@@ -4,10 +4,9 @@ A :class:`LoopThread` owns an asyncio loop on a daemon thread. ``run(coro)`` blo
 caller until the coroutine finishes; ``submit(coro)`` returns a ``concurrent.futures.Future``.
 
 Ownership: each manager owns one loop thread, uses its store from it only, and passes its
-``run`` to whatever drives that store from sync code (commit, peer discovery). One-shot
-callers (the CLI's commands, :func:`~fastckpt._gc.collect_garbage`) run one loop for the
-call with ``asyncio.run`` and close their store in it. Nothing makes a loop at import or
-behind a caller's back.
+``run`` to whatever drives that store from sync code. One-shot callers (the CLI,
+``maintenance.collect_garbage``) use ``asyncio.run`` and close their store in it. Nothing
+makes a loop at import.
 """
 
 from __future__ import annotations
@@ -38,11 +37,6 @@ class LoopThread:
         asyncio.set_event_loop(self._loop)
         self._loop.call_soon(self._ready.set)
         self._loop.run_forever()
-
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        """The loop (use only through ``submit``/``run`` from other threads)."""
-        return self._loop
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
         """Schedule ``coro`` on the loop; return a thread-safe future."""

@@ -1,13 +1,12 @@
 """Host memory helpers: page-aligned (huge-page) buffers and parallel copies.
 
-Page-aligned buffers matter twice on the CPU backend: the first touch of fresh memory is
-bounded by page faults (huge pages cut their number 512x), and ``jax.device_put`` of a
-page-aligned numpy array aliases it instead of copying. Callers must therefore never write
-into a buffer after handing it to ``device_put``.
+``jax.device_put`` of a page-aligned numpy array on the CPU backend aliases it instead of
+copying: callers must never write into a buffer after handing it to ``device_put``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import threading
 import weakref
@@ -52,10 +51,8 @@ def alloc_aligned(nbytes: int, *, hugepages: bool = True) -> np.ndarray:
 def _mapping(nbytes: int, hugepages: bool = True) -> mmap.mmap:
     m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hugepages and nbytes >= _HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
+        with contextlib.suppress(OSError):
             m.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:
-            pass
     return m
 
 
@@ -85,11 +82,10 @@ class BufferCache:
     """Page-aligned host buffers whose memory is kept for reuse once the caller drops them.
 
     :meth:`alloc` works like :func:`alloc_aligned`; when the returned array and every view
-    of it (e.g. a ``jax`` array aliasing it) are gone, its mapping goes back here instead of
-    to the OS, and the next ``alloc`` of the same size reuses it with its pages already
-    faulted in (fresh memory costs page faults; on VMs that return freed memory to the host,
-    a lot of them). At most ``max_bytes`` are kept, the most recently freed first; :meth:`clear`
-    releases them. A reused buffer is *not* zeroed. Thread-safe.
+    of it (e.g. a ``jax`` array aliasing it) are gone, its mapping comes back here, and the
+    next ``alloc`` of the same size reuses it with its pages faulted in. At most
+    ``max_bytes`` are kept, the most recently freed; :meth:`clear` releases them. A reused
+    buffer is *not* zeroed. Thread-safe.
     """
 
     def __init__(self, max_bytes: int) -> None:
@@ -156,8 +152,7 @@ def _run_grouped(
     sizes: Sequence[int], job: Callable[[int], _T], executor: Executor | None, jobs: int
 ) -> list[_T]:
     """``[job(i) for i in range(len(sizes))]``, run as at most ``jobs`` tasks of similar size
-    on ``executor`` (one task per thread, not one per item: per-task overhead matters for
-    the thousands of sub-MiB shards of a large sharded state)."""
+    on ``executor`` (one task per thread, not one per item)."""
     if executor is None or jobs < 2 or len(sizes) < 2:
         return [job(i) for i in range(len(sizes))]
     out: list[_T | None] = [None] * len(sizes)
@@ -176,12 +171,16 @@ def parallel_copy(
 ) -> None:
     """Copy each ``src`` into ``dst`` (flat uint8 views of equal size), in ``jobs`` parallel
     tasks of similar byte counts on ``executor`` (numpy releases the GIL while copying)."""
-    for dst, src in pairs:
-        if dst.nbytes != src.nbytes:
-            raise ValueError(f"copy size mismatch {dst.nbytes} != {src.nbytes}")
+    _check_sizes(pairs)
     _run_grouped(
         [d.nbytes for d, _ in pairs], lambda i: np.copyto(pairs[i][0], pairs[i][1]), executor, jobs
     )
+
+
+def _check_sizes(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
+    for dst, src in pairs:
+        if dst.nbytes != src.nbytes:
+            raise ValueError(f"copy size mismatch {dst.nbytes} != {src.nbytes}")
 
 
 _COPY_CRC_BLOCK = 1 << 20
@@ -190,13 +189,9 @@ _COPY_CRC_BLOCK = 1 << 20
 def parallel_copy_crc32c(
     pairs: Sequence[tuple[np.ndarray, np.ndarray]], executor: Executor | None, *, jobs: int
 ) -> list[int]:
-    """:func:`parallel_copy`, and the crc32c of each ``dst`` after the copy: each pair is
-    copied and checksummed block by block (1 MiB), so the checksum reads the block while it
-    is still in cache (one pass over memory instead of two). The crc is of the destination's
-    bytes (what a reader of ``dst`` gets)."""
-    for dst, src in pairs:
-        if dst.nbytes != src.nbytes:
-            raise ValueError(f"copy size mismatch {dst.nbytes} != {src.nbytes}")
+    """:func:`parallel_copy`, and the crc32c of each ``dst``'s bytes after the copy (copied
+    and checksummed block by block, while the block is in cache)."""
+    _check_sizes(pairs)
 
     def job(i: int) -> int:
         dst, src = pairs[i]
@@ -228,10 +223,8 @@ class StagingPool:
 
     ``take`` hands out a page-aligned buffer of at least ``nbytes`` (the kept one if it fits
     and is not more than about twice too big); ``give`` returns it once no longer used.
-    Buffers are of base pages, not transparent huge pages: a save's copy into them runs as
-    fast either way, but a huge page's first touch can cost far more on a virtual machine
-    whose host backs guest memory lazily, and that first touch is what provisioning does
-    before a process's first save."""
+    Buffers are of base pages (a transparent huge page's first touch can cost far more on a
+    VM, and provisioning does that touch)."""
 
     def __init__(self) -> None:
         self._free: np.ndarray | None = None
@@ -252,9 +245,8 @@ class StagingPool:
 
     def provision(self, nbytes: int) -> bool:
         """Keep a buffer of ``nbytes`` ready for the next :meth:`take` of that size, its pages
-        faulted in now (the first save then copies at memcpy speed), unless a kept one fits.
-        For a background thread, never concurrently with ``take``. Returns whether it made
-        one."""
+        faulted in now, unless a kept one fits; whether it made one. For a background thread,
+        never concurrently with ``take``."""
         free = self._free
         if nbytes == 0 or (free is not None and nbytes <= free.nbytes <= 2 * nbytes + (64 << 20)):
             return False

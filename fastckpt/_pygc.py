@@ -11,13 +11,9 @@ __all__ = ["paused_gc"]
 
 @contextlib.contextmanager
 def paused_gc(enabled: bool = True) -> Iterator[None]:
-    """Disable the cyclic collector for the block, if ``enabled`` and it is enabled on entry.
-
-    A save or restore of thousands of leaves allocates enough objects to trigger the
-    collector's full collections (each traverses every tracked object of the process), and
-    in a process holding a large Python object graph those cost more than the save's own
-    work. Reference counting still frees everything that is not in a cycle meanwhile;
-    cycles wait for the next collection.
+    """Disable the cyclic collector for the block, if ``enabled`` and it is enabled on entry
+    (a save or restore of thousands of leaves would trigger full collections, each walking
+    every tracked object of the process). Cycles wait for the next collection meanwhile.
 
     Hazards: the process-wide switch is shared. A thread that disables the collector inside
     this block has it re-enabled when the block ends; a block entered while the collector

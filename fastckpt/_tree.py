@@ -27,10 +27,6 @@ class FlatLeaf:
     value: Any
 
 
-def _is_none(x: Any) -> bool:
-    return x is None
-
-
 def keypath_of(jax_path: tuple[Any, ...]) -> KeyPath:
     """Convert a ``jax.tree_util`` key path into a manifest :data:`KeyPath`."""
     out: list[KeyEntry] = []
@@ -55,7 +51,7 @@ def keypath_of(jax_path: tuple[Any, ...]) -> KeyPath:
 
 def flatten(tree: Any) -> tuple[list[FlatLeaf], Any]:
     """Flatten ``tree`` (``None`` kept as a leaf) into leaves with paths, plus its treedef."""
-    pairs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_none)
+    pairs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)
     leaves = [FlatLeaf(keypath_of(p), v) for p, v in pairs]
     seen: set[KeyPath] = set()
     for leaf in leaves:

@@ -141,10 +141,9 @@ class CheckpointNotFoundError(FastckptError, LookupError):
 
 
 class NoCheckpointError(CheckpointNotFoundError):
-    """No committed checkpoint in any tier: a restore of the latest step has nothing to
-    restore (a job starting afresh may initialise instead). Every other
-    :class:`CheckpointNotFoundError` means a checkpoint exists but the one asked for (or
-    the data of a RAM-only step) cannot be read."""
+    """No committed checkpoint in any tier (a job starting afresh may initialise instead).
+    Every other :class:`CheckpointNotFoundError` means a checkpoint exists but the one asked
+    for (or the data of a RAM-only step) cannot be read."""
 
 
 class StepAlreadyCommittedError(FastckptError):

@@ -15,7 +15,6 @@ from fastckpt.format.manifest import Box, box_volume
 
 __all__ = [
     "MAX_INT",
-    "check_disjoint",
     "check_tiling",
     "fail",
     "json_dict",
@@ -72,18 +71,11 @@ def json_float(obj: Any, what: str) -> float:
 
 def check_tiling(boxes: list[Box], shape: tuple[int, ...], what: str) -> None:
     """Fail unless ``boxes`` tile an array of ``shape`` exactly: their volumes add up to its
-    size and no two non-empty ones overlap."""
+    size and no two non-empty ones overlap. The overlap test sweeps along the dimension with
+    the most distinct starts, comparing only boxes still open along it (near-linear for the
+    grid-like tilings fastckpt writes)."""
     if sum(box_volume(b) for b in boxes) != math.prod(shape):
         fail(f"{what}: chunks do not tile the array (volumes != {math.prod(shape)})")
-    check_disjoint(boxes, what)
-
-
-def check_disjoint(boxes: list[Box], what: str) -> None:
-    """Fail if two non-empty boxes overlap (with matching volumes: if they do not tile).
-
-    Sweep along the dimension with the most distinct starts; only boxes still open along it
-    are compared, which keeps grid-like tilings (every tiling fastckpt writes) near-linear.
-    """
     boxes = [b for b in boxes if box_volume(b) > 0]
     if len(boxes) < 2:
         return

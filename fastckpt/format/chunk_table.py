@@ -1,24 +1,17 @@
 """The chunk table: one array leaf's chunks as columns, their boxes as a grid.
 
-A pod-scale manifest lists millions of chunks (3000 leaves x 512 devices), so an array leaf's
-``"chunks"`` is a table: each field one column per leaf, object keys named by an index into
-the manifest's ``"objects"`` list, and, when the boxes are the cells of a grid in C order
-(how fastckpt sorts the chunks of every sharding it saves), the grid's cuts instead of one
-box per chunk. The numeric columns (``"object"``, ``"offset"``, ``"length"``, ``"crc32c"``,
-``"raw_crc32c"``) are *binary columns*: a string ``"<kind>:<base64>"``, the base64 of the
-values as little-endian unsigned integers of ``kind`` (``u1``, ``u2``, ``u4`` or ``u8``; the
-writer picks the narrowest that holds them), read with one base64 call and
-``np.frombuffer`` (an example: ``docs/format.md``). ``"boxes"`` (one flat list
-``[start0, stop0, start1, stop1, ...]`` per chunk, any order) replaces ``"grid"`` when the
-boxes are not such a grid. ``raw_length`` is not written: it is the box volume times the
-itemsize. Checksums are u32.
+An array leaf's ``"chunks"`` is a table (layout and an example: ``docs/format.md``): one
+column per field, object keys as indices into the manifest's ``"objects"``, and the grid's
+cuts when the boxes are a grid's cells in C order (as fastckpt sorts every sharding), else
+``"boxes"`` (``[start0, stop0, start1, stop1, ...]`` per chunk). Numeric columns are *binary
+columns*: ``"<kind>:<base64>"`` of little-endian unsigned ints of the narrowest ``kind`` of
+``u1 u2 u4 u8`` that holds them. ``raw_length`` is not written (box volume x itemsize);
+checksums are u32.
 
-Decoding validates every column (boxes inside the array and tiling it, keys safe, numbers
-in range, raw chunks' lengths) with numpy where it can, and returns a
-:class:`~fastckpt.format.manifest.ChunkTable`: the columns, whose
-:class:`~fastckpt.format.manifest.ChunkEntry` objects are built on access. The column codec
-(:func:`encode_column`, :func:`binary_array`) is also the commit fragments' (``writer.fragment``).
-No I/O.
+Decoding validates every column (boxes inside the array and tiling it, keys safe, numbers in
+range, raw chunks' lengths) and returns a :class:`~fastckpt.format.manifest.ChunkTable`.
+The column codec (:func:`encode_column`, :func:`binary_array`) is also the commit
+fragments' (``writer.fragment``). No I/O.
 """
 
 from __future__ import annotations
@@ -42,14 +35,12 @@ __all__ = [
     "CODECS",
     "U32",
     "binary_array",
-    "checked_uint",
     "codec_column",
     "decode_chunk_table",
     "decode_object_keys",
     "encode_column",
     "encode_table",
     "grid_cuts",
-    "narrow_uint",
     "table_from_entries",
 ]
 
@@ -58,12 +49,7 @@ CODECS: tuple[Codec, ...] = ("raw", "zstd")
 U32 = 0xFFFFFFFF
 _COLUMNS = ("object", "offset", "length", "codec", "crc32c", "raw_crc32c")
 _KINDS = {f"u{n}": np.dtype(f"<u{n}") for n in (1, 2, 4, 8)}
-_STRUCT_CODES = (
-    ("u1", "B", 1 << 8),
-    ("u2", "H", 1 << 16),
-    ("u4", "I", 1 << 32),
-    ("u8", "Q", 1 << 64),
-)
+_STRUCT_CODES = [(f"u{n}", c, 1 << 8 * n) for n, c in ((1, "B"), (2, "H"), (4, "I"), (8, "Q"))]
 
 
 def grid_cuts(boxes: Sequence[Box], shape: tuple[int, ...]) -> list[list[int]] | None:
@@ -121,11 +107,9 @@ def table_from_entries(
 def encode_table(
     table: ChunkTable, *, shape: tuple[int, ...], remap: np.ndarray | None = None
 ) -> dict[str, Any]:
-    """JSON object of a leaf's chunk table (of an array of ``shape``), from its columns: its
-    boxes as a grid whenever they are one (a table listing a grid's cells in C order is
-    written as the grid). ``remap[i]`` is the index in the manifest's ``"objects"`` of the
-    table's object key ``i``; None when the table's keys are that list (a decoded manifest's
-    tables, the commit's merged ones)."""
+    """JSON object of a leaf's chunk table (of an array of ``shape``): its boxes as a grid
+    whenever they are one. ``remap[i]`` is the index in the manifest's ``"objects"`` of the
+    table's object key ``i``; None when the table's keys are that list."""
     cols = table.columns()
     cuts = cols.cuts if cols.cuts is not None else grid_cuts(cols.boxes or (), shape)
     out: dict[str, Any] = (
@@ -142,28 +126,20 @@ def encode_table(
     return out
 
 
-def narrow_uint(values: np.ndarray | Sequence[int]) -> np.ndarray:
-    """``values`` (ints in ``[0, 2**64)``) as little-endian unsigned ints of the narrowest of
-    ``u1 u2 u4 u8`` that holds them (``u1`` when empty): a binary column's values."""
-    arr = np.asarray(values, np.uint64) if not isinstance(values, np.ndarray) else values
-    kind = "u1" if not arr.size else f"u{np.min_scalar_type(int(arr.max())).itemsize}"
-    return arr.astype(_KINDS[kind], copy=False)
-
-
 def encode_column(values: np.ndarray | Sequence[int]) -> str:
     """The binary column of ``values`` (ints in ``[0, 2**64)``): ``"<kind>:<base64>"``
-    in the narrowest kind that holds them."""
+    in the narrowest kind that holds them (``u1`` when empty)."""
     if not isinstance(values, np.ndarray) and values and 0 <= min(values):
-        top = max(
-            values
-        )  # a list of a few ints (a leaf's chunks): struct, not numpy's per-call cost
+        top = max(values)  # a few ints (a leaf's chunks): struct, not numpy's per-call cost
         for kind, code, limit in _STRUCT_CODES:
             if top < limit:
                 return f"{kind}:" + base64.b64encode(
                     struct.pack(f"<{len(values)}{code}", *values)
                 ).decode("ascii")
-    arr = narrow_uint(values)
-    return f"u{arr.itemsize}:" + base64.b64encode(arr.tobytes()).decode("ascii")
+    arr = np.asarray(values, np.uint64) if not isinstance(values, np.ndarray) else values
+    kind = "u1" if not arr.size else f"u{np.min_scalar_type(int(arr.max())).itemsize}"
+    data = arr.astype(_KINDS[kind], copy=False).tobytes()
+    return f"{kind}:" + base64.b64encode(data).decode("ascii")
 
 
 def codec_column(obj: Any, n: int, what: str) -> list[Codec]:
@@ -241,19 +217,10 @@ def binary_array(
         fail(f"{what}: not base64: {e}")
     if n is None and len(raw) % size:
         fail(f"{what}: {len(raw)} bytes is not a whole number of {kind} values")
-    count = len(raw) // size if n is None else n
-    if len(raw) != count * size:
-        fail(f"{what}: {len(raw)} bytes for {count} values of {kind}")
-    return checked_uint(np.frombuffer(raw, _KINDS[kind]), count, what, hi, dtype)
-
-
-def checked_uint(
-    col: np.ndarray, n: int, what: str, hi: int, dtype: type[np.integer[Any]] = np.int64
-) -> np.ndarray:
-    """An unsigned numpy column (a decoded binary column) as ``dtype`` (which must
-    hold ``hi``) after checking it has ``n`` values in ``[0, hi]``; the first bad one named."""
-    if len(col) != n:
-        fail(f"{what}: {len(col)} values, expected {n}")
+    n = len(raw) // size if n is None else n
+    if len(raw) != n * size:
+        fail(f"{what}: {len(raw)} bytes for {n} values of {kind}")
+    col = np.frombuffer(raw, _KINDS[kind])
     if n and int(col.max()) > hi:
         i = int(np.argmax(col > hi))
         fail(f"{what}[{i}]: expected an int in [0, {hi}], got {int(col[i])}")

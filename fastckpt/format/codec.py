@@ -1,22 +1,16 @@
 """Manifest <-> JSON. Strict: every field is type-checked on decode; never pickle.
 
-The JSON layout, field by field: ``docs/format.md``. An array leaf's ``"chunks"`` is a chunk
-table (:mod:`fastckpt.format.chunk_table`: columns, object keys by index into ``"objects"``,
-boxes as a grid's cuts), its numeric columns binary (``"<kind>:<base64>"`` of little-endian
-unsigned ints). ``format_version`` 3 is the only format: any other is refused with
-``UnsupportedFormatVersionError``.
-
-Floats that JSON cannot hold (nan, inf) are written as strings ``"nan"``, ``"inf"``,
-``"-inf"``; complex values as ``[re, im]``.
+The JSON layout, field by field: ``docs/format.md``; an array leaf's ``"chunks"`` is a chunk
+table (:mod:`fastckpt.format.chunk_table`). ``format_version`` 3 is the only format: any
+other is refused with ``UnsupportedFormatVersionError``. Floats JSON cannot hold are written
+as ``"nan"``, ``"inf"``, ``"-inf"``; complex values as ``[re, im]``; numbers that overflow a
+float (``1e400``) are refused.
 
 Integrity: the encoder writes ``"manifest_crc32c"`` first, the crc32c of the canonical JSON
-of every other field (sorted keys, compact separators), so a manifest corrupted at rest or in
-transit (a renamed leaf, a changed value leaf, dtype or metadata: changes the chunk
-checksums cannot see) fails to decode instead of restoring wrong state. The field is
-mandatory: a manifest without it is refused (``ManifestError``). The decoder checks it after
-the structural checks (so a malformed manifest still reports its first flaw), on the raw
-bytes when they are laid out as the encoder writes them, else on the canonical re-encoding
-of the parsed document. Numbers that overflow a float (``1e400``) are refused.
+(sorted keys, compact separators) of every other field, so a corrupted manifest (a change the
+chunk checksums cannot see) fails to decode. It is mandatory (``ManifestError`` without it)
+and checked after the structural checks (a malformed manifest still reports its first flaw),
+on the raw bytes when laid out as the encoder writes them, else on the canonical re-encoding.
 """
 
 from __future__ import annotations
@@ -65,9 +59,6 @@ _MAX_NDIM = 64
 #: Name of the integrity field; the encoder writes it first.
 CHECKSUM_FIELD = "manifest_crc32c"
 _CHECKSUM_PREFIX = re.compile(rb'\A\{"manifest_crc32c":(0|[1-9][0-9]{0,9}),')
-
-
-# ---------------------------------------------------------------- encode
 
 
 def _float_to_json(x: float) -> float | str:
@@ -129,11 +120,8 @@ def _remap(leaf: ArrayLeaf, objects: dict[str, int]) -> np.ndarray:
 
 def encode_manifest(manifest: Manifest) -> bytes:
     """Serialise a manifest to UTF-8 JSON bytes (deterministic key order), checksum first.
-
-    Each array leaf's chunk table is written from its columns (no Python object per chunk).
-    When every table indexes one key list (a decoded manifest's, the commit's merge), that
-    list is the manifest's ``"objects"`` as it is; otherwise the keys the tables reference,
-    each once. The caller vouches for the tables: ``decode_manifest`` checks them."""
+    ``"objects"`` is the one key list every table indexes when they share one, else the keys
+    the tables reference, each once. The caller vouches for the tables (the decoder checks)."""
     keys = [a.chunks.columns().keys for a in manifest.arrays()]
     shared = keys[0] if keys and all(k is keys[0] for k in keys) else None
     objects: dict[str, int] | None = None if shared is not None else {}
@@ -182,9 +170,6 @@ def _check_integrity(data: bytes, doc: dict[str, Any]) -> None:
         return  # the encoder's own layout, intact
     if crc32c(_canonical(doc)) != stored:
         _fail("manifest checksum mismatch: the manifest is corrupted (or was edited)")
-
-
-# ---------------------------------------------------------------- decode
 
 
 def _path(obj: Any, what: str) -> KeyPath:
@@ -306,8 +291,7 @@ def decode_manifest(data: bytes | bytearray | memoryview) -> Manifest:
     ``UnsupportedFormatVersionError`` for a ``format_version`` other than 3, ``ManifestError``
     for a manifest without its ``manifest_crc32c`` or whose checksum does not match. Every
     array leaf's chunks decode to one :class:`~fastckpt.format.manifest.ChunkTable`, all
-    indexing one object key list. Runs with the cyclic garbage collector paused
-    (``fastckpt._pygc.paused_gc``, which names the hazard)."""
+    indexing one object key list. Runs with the cyclic garbage collector paused."""
     with paused_gc():
         return _decode(data)
 

@@ -10,39 +10,14 @@ from fastckpt.errors import ManifestError
 __all__ = ["DTYPE_NAMES", "dtype_from_name", "dtype_name"]
 
 _ML_DTYPE_NAMES = (
-    "bfloat16",
-    "float8_e3m4",
-    "float8_e4m3",
-    "float8_e4m3b11fnuz",
-    "float8_e4m3fn",
-    "float8_e4m3fnuz",
-    "float8_e5m2",
-    "float8_e5m2fnuz",
-    "float8_e8m0fnu",
-    "float6_e2m3fn",
-    "float6_e3m2fn",
-    "float4_e2m1fn",
-    "int2",
-    "int4",
-    "uint2",
-    "uint4",
-)
+    "bfloat16 float8_e3m4 float8_e4m3 float8_e4m3b11fnuz float8_e4m3fn float8_e4m3fnuz "
+    "float8_e5m2 float8_e5m2fnuz float8_e8m0fnu float6_e2m3fn float6_e3m2fn float4_e2m1fn "
+    "int2 int4 uint2 uint4"
+).split()
 _BUILTIN_NAMES = (
-    "bool",
-    "int8",
-    "int16",
-    "int32",
-    "int64",
-    "uint8",
-    "uint16",
-    "uint32",
-    "uint64",
-    "float16",
-    "float32",
-    "float64",
-    "complex64",
-    "complex128",
-)
+    "bool int8 int16 int32 int64 uint8 uint16 uint32 uint64 float16 float32 float64 "
+    "complex64 complex128"
+).split()
 
 
 def _table() -> dict[str, np.dtype]:

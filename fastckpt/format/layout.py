@@ -38,9 +38,7 @@ __all__ = [
 
 MANIFEST_PREFIX = "manifests/"
 STEPS_PREFIX = "steps/"
-MAX_STEP = 10**18 - 1
-"""The largest step a key can name (12 digits, zero-padded, up to 18: Unix-millisecond steps
-fit)."""
+MAX_STEP = 10**18 - 1  # the largest step a key names (12 to 18 digits: Unix-ms steps fit)
 _MANIFEST_RE = re.compile(r"^manifests/(\d{12,18})\.json$")
 _DATA_RE = re.compile(r"^steps/(\d{12,18})/")
 
@@ -78,19 +76,15 @@ def fragment_key(step: int, save_id: str, process: int) -> str:
 
 
 def step_from_manifest_key(key: str) -> int | None:
-    """The step a manifest key names, or None if ``key`` is not a manifest key."""
+    """The step a manifest key names, or None if ``key`` is not a (canonical) manifest key."""
     m = _MANIFEST_RE.match(key)
-    return (
-        int(m.group(1)) if m and m.group(1) == f"{int(m.group(1)):012d}" else None
-    )  # canonical only
+    return int(m.group(1)) if m and m.group(1) == f"{int(m.group(1)):012d}" else None
 
 
 def step_from_data_key(key: str) -> int | None:
-    """The step a data/fragment key belongs to, or None."""
+    """The step a (canonical) data/fragment key belongs to, or None."""
     m = _DATA_RE.match(key)
-    return (
-        int(m.group(1)) if m and m.group(1) == f"{int(m.group(1)):012d}" else None
-    )  # canonical only
+    return int(m.group(1)) if m and m.group(1) == f"{int(m.group(1)):012d}" else None
 
 
 def ram_object_key(step: int, writer: str | None) -> str:

@@ -61,9 +61,7 @@ ValueType = Literal["none", "bool", "int", "float", "complex", "str"]
 
 def box_shape(box: Box) -> tuple[int, ...]:
     """Extent of a box per dimension."""
-    return tuple(
-        [stop - start for start, stop in box]
-    )  # hot: a list comprehension, not a generator
+    return tuple([stop - start for start, stop in box])  # hot: a list, not a generator
 
 
 def box_volume(box: Box) -> int:
@@ -102,9 +100,8 @@ def chunk_id_prefix(path: KeyPath) -> str:
 
 
 def chunk_ids(leaf: ArrayLeaf) -> list[str]:
-    """:func:`chunk_id` of each of ``leaf``'s chunks, in order. A chunk table with a grid
-    formats each cut interval once and joins them per cell (about half the time of one
-    :func:`chunk_id` per chunk, which counts when process 0 checks a pod's RAM step)."""
+    """:func:`chunk_id` of each of ``leaf``'s chunks, in order (a grid's intervals are
+    formatted once)."""
     prefix = chunk_id_prefix(leaf.path)
     grid = leaf.chunks.grid
     if grid is None:
@@ -142,18 +139,13 @@ _MAX_BUILT = 1 << 16  # entries a table keeps once built (a host's share of a le
 
 class ChunkTable(Sequence[ChunkEntry]):
     """One leaf's chunks as columns (how the manifest stores them); a :class:`ChunkEntry` is
-    built only when asked for, so a host that restores 8 chunks of a leaf saved by 512
-    devices builds 8 entries, not 512 (nor millions across a pod-scale tree).
+    built only when asked for (a host restoring 8 of a leaf's 512 chunks builds 8).
 
-    Immutable; two tables are equal (and hash alike) when their entries are. Entries asked
-    for by index are kept (a restore repeated from the same decoded manifest builds none);
-    iterating builds every entry afresh, so callers that iterate often keep
-    ``tuple(table)``. ``grid`` is the cuts per dimension when the chunks are the cells of a
-    grid in C order (entry ``i`` is cell ``numpy.unravel_index(i, cells)``), else None;
-    planning bisects it instead of scanning. Built by the manifest codec from validated
-    columns, by the commit's merge, or from entries by
-    :func:`fastckpt.format.chunk_table.table_from_entries`; constructing one by hand skips
-    the codec's checks. Thread-safe to read.
+    Immutable and thread-safe to read; two tables are equal (and hash alike) when their
+    entries are. Entries asked for by index are kept; iterating builds every entry afresh
+    (callers that iterate often keep ``tuple(table)``). Built by the manifest codec from
+    validated columns, by the commit's merge, or by
+    :func:`fastckpt.format.chunk_table.table_from_entries`; one built by hand is unchecked.
     """
 
     __slots__ = (
@@ -195,15 +187,11 @@ class ChunkTable(Sequence[ChunkEntry]):
             None if self._cuts is None else tuple(tuple(itertools.pairwise(c)) for c in self._cuts)
         )
         self._boxes = None if boxes is None else tuple(boxes)
-        if self._cells is not None:
-            self._n = math.prod(len(c) for c in self._cells)
-        else:
-            self._n = len(self._boxes)  # type: ignore[arg-type]
+        cells = self._cells
+        self._n = math.prod(len(c) for c in cells) if cells is not None else len(self._boxes or ())
         self._keys, self._object, self._offset, self._length = keys, object_index, offsets, lengths
         self._codec, self._crc, self._raw_crc, self._itemsize = codec, crc32c, raw_crc32c, itemsize
-        self._built: dict[
-            int, ChunkEntry
-        ] = {}  # entries handed out by index, kept for the next restore
+        self._built: dict[int, ChunkEntry] = {}  # handed out by index, kept for the next restore
         if not all(
             len(col) == self._n for col in (object_index, offsets, lengths, crc32c, raw_crc32c)
         ) or (type(codec) is not str and len(codec) != self._n):
@@ -211,7 +199,8 @@ class ChunkTable(Sequence[ChunkEntry]):
 
     @property
     def grid(self) -> tuple[tuple[int, ...], ...] | None:
-        """Cuts per dimension if the chunks are a grid's cells in C order, else None."""
+        """Cuts per dimension if the chunks are a grid's cells in C order (entry ``i`` is cell
+        ``numpy.unravel_index(i, cells)``), else None."""
         return self._cuts
 
     def box(self, i: int) -> Box:
@@ -427,7 +416,4 @@ class Manifest:
 
     def object_keys(self) -> frozenset[str]:
         """Every object key this manifest references."""
-        keys: set[str] = set()
-        for a in self.arrays():
-            keys.update(a.chunks.object_keys())
-        return frozenset(keys)
+        return frozenset[str]().union(*(a.chunks.object_keys() for a in self.arrays()))

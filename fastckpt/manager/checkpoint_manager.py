@@ -1,12 +1,9 @@
 """CheckpointManager: async sharded save, committed-step listing, resharding restore.
 
 The manager owns the resources (store, coordinator namespace, I/O loop, worker threads, the
-fast tier, reused host buffers) and hands them to the flows: ``saving.Saver`` (stage, then
-commit in the background), ``restoring.Restorer`` (choose, fill, agree, fall back) and
-``listing`` (committed steps and manifests). ``wait()`` joins the background save and
-re-raises its error; the next ``save()`` does the same first. All processes of a
-multi-process job must call ``save``/``restore`` in the same order (SPMD), like any JAX
-collective.
+fast tier, reused host buffers) and hands them to the flows: ``saving.Saver``,
+``restoring.Restorer`` and ``listing``. All processes of a multi-process job must call
+``save``/``restore`` in the same order (SPMD), like any JAX collective.
 """
 
 from __future__ import annotations
@@ -85,14 +82,11 @@ class CheckpointManager:
         threads = max(self.options.save.encode_threads, self.options.restore.decode_threads)
         self._workers = ThreadPoolExecutor(threads, thread_name_prefix="fastckpt-work")
         self._restore_buffers = BufferCache(max_bytes=0)  # grows to the largest restore
-        self._reading = ReadingSteps()
-        """Steps this manager's restores are reading (retention leaves them alone)."""
+        self._reading = ReadingSteps()  # steps restores are reading (retention spares them)
         # Unique per manager within a job: every process creates managers in the same order.
         self._ns = self.coordinator.namespace(f"fastckpt/{zlib.crc32(self.store.url.encode()):08x}")
         self._closed = False
-        self._tier: Tier | None = None
-        """The fast tier saved to and restored from before storage (the one ``options``
-        configure)."""
+        self._tier: Tier | None = None  # the fast tier ``options.ram`` configures
         if self.options.ram is not None:
             from fastckpt.replicas import RamReplication
 
@@ -138,7 +132,6 @@ class CheckpointManager:
         """This process's figures of the newest :meth:`restore` that returned; None before the
         first. The one way to get restore figures."""
 
-    # ------------------------------------------------------------------ save
     def save(
         self,
         step: int,
@@ -149,9 +142,9 @@ class CheckpointManager:
     ) -> bool:
         """Stage ``state`` for ``step`` and commit it in the background.
 
-        Waits first for the previous save's background work and, for a step of the fast tier
-        (the RAM tier), for this host's push of its previous step to its peers (backpressure
-        that keeps a complete RAM step across any single host loss; ``SaveStats.push_wait_s``).
+        Waits first for the previous save's background work and, for a RAM-tier step, for
+        this host's push of its previous step to its peers (so that a complete RAM step
+        survives any single host loss; ``SaveStats.push_wait_s``).
 
         Returns True if a save started, False if skipped (interval not reached, or another
         save in flight with ``if_busy="skip"``). Raises the previous save's error
@@ -167,16 +160,13 @@ class CheckpointManager:
         return True
 
     def prepare(self, state: Any) -> None:
-        """Get ready to save states shaped like ``state`` (a pytree of arrays, concrete or
-        ``jax.ShapeDtypeStruct`` with their sharding; the values are not read): the staging
-        memory of the next save — the RAM tier's shared-memory segment, else a pre-faulted
-        staging buffer — is provisioned in the background, so that the first save of this
-        process blocks for the copy alone, like later ones. Returns at once; best effort
-        (never raises for the state: one it cannot size is logged). With a RAM tier,
-        :meth:`restore` calls it with what it restored (or, when nothing is committed, with
-        its ``target``); otherwise call it once the state is known (restored or initialised),
-        before the training steps. Not collective. The next :meth:`save` waits for the
-        provisioning still running (in ``SaveStats.blocked_s`` and ``allocate_s``)."""
+        """Provision in the background the staging memory of the next save of states shaped
+        like ``state`` (arrays, concrete or ``jax.ShapeDtypeStruct`` with their sharding; the
+        values are not read): the RAM tier's segment, else a pre-faulted staging buffer, so
+        that the first save blocks for the copy alone. Returns at once; best effort (a state
+        it cannot size is logged, never raised); not collective. :meth:`restore` calls it when
+        there is a RAM tier; otherwise call it once the state is known, before training. The
+        next :meth:`save` waits for it (in ``SaveStats.blocked_s`` and ``allocate_s``)."""
         self._check_open()
         self._saver.prepare(state, self._tier)
 
@@ -189,16 +179,13 @@ class CheckpointManager:
     def wait_replication(self, timeout_s: float | None = None) -> list[ReplicationReport]:
         """Block until this process's RAM-tier pushes to its peers finished, and return the
         reports of the pushes that finished since the last call, oldest first (empty without
-        a RAM tier; of many unread ones, the newest are kept). A failed push is not raised:
-        its report says so (``ok`` False, ``errors`` per peer) and it is logged, while
-        storage and the other replicas still hold the data.
-
-        Raises:
-            ReplicationTimeoutError: pushes still running after ``timeout_s``.
+        a RAM tier; of many unread ones, the newest are kept). A failed push is not raised
+        (storage and the other replicas hold the data): its report says so (``ok`` False,
+        ``errors`` per peer) and it is logged.
+        ``ReplicationTimeoutError`` if pushes are still running after ``timeout_s``.
         """
         return self._tier.wait_replication(timeout_s) if self._tier is not None else []
 
-    # ------------------------------------------------------------------ listing
     def persistent_steps(self) -> list[int]:
         """Steps committed to persistent storage, ascending."""
         self._check_open()
@@ -231,7 +218,6 @@ class CheckpointManager:
         """The user metadata saved with ``step``."""
         return dict(self.manifest(step).metadata)
 
-    # ------------------------------------------------------------------ restore
     def restore(self, step: int | None = None, *, target: Any = None, partial: bool = False) -> Any:
         """Restore ``step`` (default: latest) laid out as ``target`` says.
 
@@ -247,10 +233,8 @@ class CheckpointManager:
         next older complete step is restored instead (an older RAM step, else storage's
         latest). An explicit ``step`` never falls back.
 
-        With a RAM tier (a training job's), the next save's segment is then provisioned in
-        the background (:meth:`prepare`, unless ``partial``): with the restored tree, or with
-        ``target`` when nothing is committed. Without one nothing is provisioned (a process
-        that only restores keeps no staging buffer): call :meth:`prepare` before training.
+        With a RAM tier and not ``partial``, :meth:`prepare` then runs with the restored tree
+        (or ``target`` when nothing is committed); without one, call it before training.
 
         Raises:
             NoCheckpointError: ``step=None`` and nothing is committed in any tier (on every
@@ -272,7 +256,6 @@ class CheckpointManager:
             self.prepare(tree)
         return tree
 
-    # ------------------------------------------------------------------ retention / gc
     def _apply_retention(self) -> None:
         self._reading.delete_unread(
             steps_to_delete(self.persistent_steps(), self.options.retention), self.delete_step
@@ -291,7 +274,6 @@ class CheckpointManager:
         """Delete a committed step: the manifest first (un-commit), then its data."""
         listing.delete_step(self.store, self._io.run, step)
 
-    # ------------------------------------------------------------------ lifecycle
     def _check_open(self) -> None:
         if self._closed:
             raise ConfigError("CheckpointManager is closed")

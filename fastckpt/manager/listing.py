@@ -64,9 +64,7 @@ def steps_by_tier(store: Store, run: Run, tier: Tier | None) -> dict[int, set[st
 
 def latest_step(store: Store, run: Run, tier: Tier | None) -> int | None:
     """The newest committed step in any tier, or None."""
-    steps = (
-        persistent_steps(store, run) if tier is None else sorted(steps_by_tier(store, run, tier))
-    )
+    steps = persistent_steps(store, run) if tier is None else list(steps_by_tier(store, run, tier))
     return steps[-1] if steps else None
 
 

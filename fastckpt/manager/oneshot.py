@@ -34,12 +34,8 @@ def restore(
     partial: bool = False,
     options: ManagerOptions | None = None,
 ) -> Any:
-    """Restore ``step`` (default: latest committed) from ``root`` laid out as ``target``.
-
-    The arguments are :meth:`CheckpointManager.restore`'s, after ``root``: the order of
-    :func:`save` (``root, step, state``), with ``target`` keyword-only because both it and
-    ``step`` are optional. For the restore's figures use a manager
-    (:attr:`CheckpointManager.last_restore_stats`).
-    """
+    """Restore ``step`` (default: latest committed) from ``root`` laid out as ``target``
+    (the arguments of :meth:`CheckpointManager.restore`, after ``root``). For the restore's
+    figures use a manager (:attr:`CheckpointManager.last_restore_stats`)."""
     with CheckpointManager(root, options=options) as mgr:
         return mgr.restore(step, target=target, partial=partial)

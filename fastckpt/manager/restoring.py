@@ -1,17 +1,14 @@
 """The restore flow: choose a step, plan it, fill it from a chunk source, agree on the
 outcome across processes, and fall back to an older step when a fast tier's turns out
-incomplete.
-
-:class:`Restorer` takes what it reads from explicitly (store, coordinator, options, the
-I/O loop, the worker pool, the host buffers to reuse) and, per restore, the fast tier.
-:class:`ReadingSteps` marks the steps restores are reading, so that retention leaves them
-alone.
+incomplete. :class:`ReadingSteps` marks the steps restores are reading, so that retention
+leaves them alone.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import itertools
 import logging
 import threading
@@ -74,41 +71,29 @@ class ReadingSteps:
                     delete(step)
 
 
+@dataclasses.dataclass(kw_only=True, eq=False)
 class Restorer:
     """Restores the steps of one root; every process must restore in the same order (SPMD)."""
 
-    def __init__(
-        self,
-        *,
-        store: Store,
-        coordinator: Coordinator,
-        options: ManagerOptions,
-        io: LoopThread,
-        workers: Executor,
-        namespace: str,
-        reading: ReadingSteps,
-        buffers: BufferCache,
-        chunk_source: ChunkSource | None,
-    ) -> None:
-        self._store = store
-        self._coordinator = coordinator
-        self._options = options
-        self._io = io
-        self._workers = workers
-        self._ns = namespace
-        self._reading = reading
-        self._buffers = buffers
-        self._chunk_source = chunk_source
-        """Where chunks come from without a fast tier (None: storage alone)."""
-        self._rseq = 0
+    store: Store
+    coordinator: Coordinator
+    options: ManagerOptions
+    io: LoopThread
+    workers: Executor
+    namespace: str
+    reading: ReadingSteps
+    buffers: BufferCache
+    chunk_source: ChunkSource | None
+    """Where chunks come from without a fast tier (None: storage alone)."""
+    _rseq: int = dataclasses.field(default=0, init=False)
 
     def restore(
         self, step: int | None, target: Any, *, partial: bool, tier: Tier | None
     ) -> tuple[Any, RestoreStats]:
         """``step`` (None: the newest every process can restore) laid out as ``target``, and
         this process's figures (``CheckpointManager.restore``)."""
-        reading = self._reading.reading(step) if step is not None else contextlib.nullcontext()
-        with paused_gc(self._options.pause_gc), reading:  # thousands of leaves: no full collections
+        reading = self.reading.reading(step) if step is not None else contextlib.nullcontext()
+        with paused_gc(self.options.pause_gc), reading:  # thousands of leaves: no full collections
             return self._restore(step, target, partial=partial, tier=tier)
 
     def _restore(
@@ -118,9 +103,8 @@ class Restorer:
 
         t0 = time.perf_counter()
         rseq, self._rseq = self._rseq, self._rseq + 1
-        source: ChunkSource | None = (
-            None  # made after the first step choice: it orders peers by the lists fetched
-        )
+        # made after the first step choice: it orders peers by the lists fetched
+        source: ChunkSource | None = None
         fallbacks_before: dict[str, int] = {}
         older_than: int | None = None
         failure: BaseException | None = None
@@ -131,7 +115,7 @@ class Restorer:
             return needed_chunks((u.leaf, u.box) for u in plans[m.step][1].units())
 
         for attempt in itertools.count():
-            tag = f"{self._ns}/restore/{rseq}/{attempt}"
+            tag = f"{self.namespace}/restore/{rseq}/{attempt}"
             t_select = time.perf_counter()
             try:
                 manifest = self._choose_manifest(
@@ -142,7 +126,7 @@ class Restorer:
                     raise failure from None
                 raise
             if source is None:
-                source = tier.source() if tier is not None else self._chunk_source
+                source = tier.source() if tier is not None else self.chunk_source
                 fallbacks_before = dict(source.stats().fallbacks) if source is not None else {}
             tier_only = tier is not None and tier.holds_alone(manifest)
             known = plans.get(manifest.step)
@@ -154,18 +138,18 @@ class Restorer:
             stats = RestoreStats(step=manifest.step, select_s=time.perf_counter() - t_select)
             failure = None
             try:  # CheckpointNotFoundError here: a tier-only step's chunk is in no reachable tier
-                with self._reading.reading(manifest.step):
+                with self.reading.reading(manifest.step):
                     self._fill(
                         manifest, plan.units(), stats, source, storage_holds_step=not tier_only
                     )
             except BaseException as e:  # reported to the other processes before re-raising
                 failure = e
             retry = agree_on_outcome(
-                self._coordinator if tier is not None else None,
+                self.coordinator if tier is not None else None,
                 tag,
                 failure,
                 may_retry=step is None and tier_only,
-                timeout_s=self._options.distributed.barrier_timeout_s,
+                timeout_s=self.options.distributed.barrier_timeout_s,
             )
             if not retry:
                 break
@@ -190,7 +174,7 @@ class Restorer:
         return jax.tree_util.tree_unflatten(plan.treedef, leaves), stats
 
     def _load(self, tier: Tier | None, step: int | None) -> Manifest:
-        return load_manifest(self._store, self._io.run, tier, step)
+        return load_manifest(self.store, self.io.run, tier, step)
 
     def _choose_manifest(
         self,
@@ -206,27 +190,27 @@ class Restorer:
         latest as process 0 lists it: ``agreed_storage_latest``)."""
         if step is not None:
             return self._load(tier, step)
-        list_keys = lambda: self._io.submit(list_manifests(self._store))  # noqa: E731
-        timeout_s = self._options.distributed.barrier_timeout_s
+        list_keys = lambda: self.io.submit(list_manifests(self.store))  # noqa: E731
+        timeout_s = self.options.distributed.barrier_timeout_s
         if tier is not None:
             return choose_latest(
                 tier,
-                self._coordinator,
+                self.coordinator,
                 key=key,
                 older_than=older_than,
                 wanted=wanted,
                 timeout_s=timeout_s,
                 list_manifests=list_keys,
                 load=lambda s: self._load(tier, s),
-                url=self._store.url,
+                url=self.store.url,
             )
-        if self._coordinator.process_count == 1:
+        if self.coordinator.process_count == 1:
             return self._load(None, None)
         latest = agreed_storage_latest(
-            self._coordinator, key=key, list_manifests=list_keys, timeout_s=timeout_s
+            self.coordinator, key=key, list_manifests=list_keys, timeout_s=timeout_s
         )
         if latest is None:
-            raise NoCheckpointError(f"no committed checkpoint in {self._store.url}")
+            raise NoCheckpointError(f"no committed checkpoint in {self.store.url}")
         return self._load(None, latest)
 
     def _fill(
@@ -239,19 +223,19 @@ class Restorer:
         storage_holds_step: bool,
     ) -> None:
         buffers = None
-        if self._options.restore.reuse_host_buffers:
-            buffers = self._buffers
+        if self.options.restore.reuse_host_buffers:
+            buffers = self.buffers
             need = sum(box_volume(u.box) * dtype_from_name(u.leaf.dtype).itemsize for u in units)
             buffers.max_bytes = max(
-                buffers.max_bytes, need + self._options.restore.max_scratch_bytes
+                buffers.max_bytes, need + self.options.restore.max_scratch_bytes
             )
-        self._io.run(
+        self.io.run(
             fill_units(
-                self._store,
+                self.store,
                 manifest.step,
                 units,
-                options=self._options.restore,
-                executor=self._workers,
+                options=self.options.restore,
+                executor=self.workers,
                 stats=stats,
                 source=source,
                 storage_holds_step=storage_holds_step,

@@ -1,7 +1,6 @@
 """Pure planning: box arithmetic, save plans and restore (resharding) plans. No I/O."""
 
 from fastckpt.planning.boxes import box_from_index as box_from_index
-from fastckpt.planning.boxes import box_shape as box_shape
 from fastckpt.planning.boxes import box_to_slices as box_to_slices
 from fastckpt.planning.boxes import box_volume as box_volume
 from fastckpt.planning.boxes import contiguous_span as contiguous_span

@@ -6,6 +6,7 @@ A box is a tuple of half-open ``(start, stop)`` intervals, one per dimension (se
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -85,14 +86,10 @@ def relative_to(box: Box, origin: Box) -> Box:
 
 
 def split_box(box: Box, *, itemsize: int, max_bytes: int) -> list[Box]:
-    """Split ``box`` into sub-boxes of at most ``max_bytes`` that are contiguous in C order.
-
-    Trailing dimensions are kept whole while they fit; the first dimension (from the right)
-    that does not fit is cut into runs, and every dimension before it is cut to extent 1.
-    Each sub-box is therefore one contiguous byte range of the box's C-order buffer, and the
-    sub-boxes are returned in buffer order (their byte offsets increase). A single row
-    larger than ``max_bytes`` along the last dimension is split along that dimension.
-    Empty boxes (a zero extent) yield ``[box]``.
+    """Split ``box`` into sub-boxes of at most ``max_bytes``, each one contiguous byte range
+    of the box's C-order buffer, in buffer order: trailing dimensions are kept whole while
+    they fit, the next one is cut into runs (a row too large is split along the last
+    dimension), the ones before it to extent 1. An empty box yields ``[box]``.
     """
     if max_bytes < itemsize or itemsize <= 0:
         raise ConfigError(f"max_bytes={max_bytes} must be >= itemsize={itemsize} > 0")
@@ -107,16 +104,8 @@ def split_box(box: Box, *, itemsize: int, max_bytes: int) -> list[Box]:
         inner *= shape[d]
         d -= 1
     run = max(1, max_elems // inner)  # extent of dimension d per sub-box
-    outer_shape = shape[:d]
     out: list[Box] = []
-    for flat in range(math.prod(outer_shape)):
-        # Unravel flat into a multi-index over the leading dimensions (C order).
-        idx = []
-        rem = flat
-        for n in reversed(outer_shape):
-            idx.append(rem % n)
-            rem //= n
-        idx.reverse()
+    for idx in itertools.product(*map(range, shape[:d])):  # the leading dimensions, C order
         lead = tuple((box[k][0] + i, box[k][0] + i + 1) for k, i in enumerate(idx))
         start_d, stop_d = box[d]
         for s in range(start_d, stop_d, run):
@@ -126,11 +115,7 @@ def split_box(box: Box, *, itemsize: int, max_bytes: int) -> list[Box]:
 
 def contiguous_span(region: Box, shape: Sequence[int]) -> tuple[int, int] | None:
     """If ``region`` (local coordinates) is one contiguous run of a C-order array of
-    ``shape``, return ``(first_element, n_elements)``; else None.
-
-    A region is contiguous iff, for some dimension k, every dimension after k is full and
-    every dimension before k has extent 1.
-    """
+    ``shape``, return ``(first_element, n_elements)``; else None."""
     if len(region) != len(shape):
         raise ConfigError(f"rank mismatch: {region} vs {tuple(shape)}")
     ext = [b - a for a, b in region]
@@ -155,10 +140,9 @@ def element_runs(
     every element of ``regions`` (local coordinates), ascending and disjoint: what a ranged
     read of a stored chunk fetches to fill them.
 
-    Runs less than ``min_gap`` elements apart are merged (one run costs a request entry and
-    two checksums; a small gap is cheaper to read). When more than ``max_runs`` runs remain,
-    the single shortest run holding them all is returned instead. Regions without elements
-    add nothing (``[]`` when none has any).
+    Runs less than ``min_gap`` elements apart are merged. When more than ``max_runs`` runs
+    remain, the single shortest run holding them all is returned instead. Regions without
+    elements add nothing (``[]`` when none has any).
     """
     runs: list[tuple[int, int]] = []
     for region in regions:

@@ -1,9 +1,6 @@
-"""Restore planning: what each destination shard needs from which stored chunk.
-
-Pure data (like torch DCP's ``ReadItem``): for a destination box (one device shard of the
-target sharding) the plan lists, per overlapping chunk, the region to copy in chunk-local
-coordinates and where it goes in destination-local coordinates. The fetch plan then groups
-the needed chunks by object and coalesces nearby byte ranges into few large ranged reads.
+"""Restore planning: what each destination shard needs from which stored chunk (pure data:
+per overlapping chunk, the region to copy in chunk-local coordinates and where it goes in
+destination-local ones), and the coalesced ranged reads that fetch the chunks.
 """
 
 from __future__ import annotations
@@ -61,11 +58,9 @@ class FetchRange:
 class ChunkIndex:
     """The chunks of one leaf, indexed to find those overlapping a box without a full scan.
 
-    Chunks are sorted along the dimension with the most distinct chunk starts (the one the
-    saving sharding split most), with a running maximum of their ends; a query bisects both
-    and tests only the chunks in the band it overlaps along that dimension. Exact for any
-    set of boxes (overlapping ones of a malformed manifest too). Planning a host's units of
-    a leaf saved by N devices costs about O(N) in total instead of O(N) per unit.
+    Chunks are sorted along the dimension with the most distinct starts, with a running
+    maximum of their ends; a query bisects both and tests only the chunks in that band.
+    Exact for any set of boxes (overlapping ones of a malformed manifest too).
     """
 
     __slots__ = ("_by_box", "_chunks", "_dim", "_ends", "_order", "_starts")
@@ -98,9 +93,7 @@ class ChunkIndex:
         exact = self._by_box.get(box) if self._by_box is not None else None
         if exact is not None:
             return [(exact, box)]
-        if self._dim is None or len(box) != len(
-            self._chunks[0].box
-        ):  # (intersect raises on a rank mismatch)
+        if self._dim is None or len(box) != len(self._chunks[0].box):  # (intersect raises then)
             hits = [(i, intersect(c.box, box)) for i, c in enumerate(self._chunks)]
         else:
             lo, hi = box[self._dim]
@@ -111,11 +104,9 @@ class ChunkIndex:
 
 
 class GridIndex:
-    """The chunks of a :class:`ChunkTable` whose boxes are a grid's cells (``table.grid``):
-    the cells overlapping a box are found by bisecting the cuts of each dimension, and only
-    their entries are built. Same answers as :class:`ChunkIndex`; costs O(rank x log cells
-    + overlapping cells) per query and nothing to build.
-    """
+    """The chunks of a :class:`ChunkTable` whose boxes are a grid's cells (``table.grid``),
+    found by bisecting each dimension's cuts (only their entries are built). Same answers as
+    :class:`ChunkIndex`; nothing to build."""
 
     __slots__ = ("_counts", "_cuts", "_table")
 
@@ -131,9 +122,7 @@ class GridIndex:
         if len(box) != len(self._cuts):
             raise ConfigError(f"rank mismatch: box {box} for a rank-{len(self._cuts)} grid")
         i = 0
-        for (lo, hi), cuts, count in zip(
-            box, self._cuts, self._counts
-        ):  # one whole cell (same mesh)?
+        for (lo, hi), cuts, count in zip(box, self._cuts, self._counts):  # one whole cell?
             k = bisect.bisect_left(cuts, lo)
             if hi <= lo or k >= count or cuts[k] != lo or cuts[k + 1] != hi:
                 break
@@ -174,16 +163,10 @@ def leaf_index(leaf: ArrayLeaf, *, disjoint: bool = True) -> GridIndex | ChunkIn
 def plan_leaf_reads(
     leaf: ArrayLeaf, dst_box: Box, *, index: ChunkIndex | GridIndex | None = None
 ) -> tuple[ReadItem, ...]:
-    """Read items that fill ``dst_box`` (global coordinates) of ``leaf``.
-
-    ``index`` (:func:`leaf_index`, or a :class:`ChunkIndex` of ``leaf.chunks``) makes
-    planning many boxes of one leaf cheap; the items are the same with or without it.
-    Without one, a chunk table with a grid is bisected (no index to build), other chunks
-    are scanned.
-
-    Raises:
-        CorruptionError: the stored chunks do not cover ``dst_box`` exactly once.
-    """
+    """Read items that fill ``dst_box`` (global coordinates) of ``leaf``; ``CorruptionError``
+    if the stored chunks do not cover it exactly once. ``index`` (:func:`leaf_index`, or a
+    :class:`ChunkIndex` of ``leaf.chunks``) makes planning many boxes of one leaf cheap; the
+    items are the same without it."""
     items = []
     covered = 0
     if index is None and leaf.chunks.grid is not None:
@@ -219,11 +202,8 @@ def needed_chunks(wants: Iterable[tuple[ArrayLeaf, Box]]) -> dict[str, str]:
     indexes: dict[int, tuple[ArrayLeaf, GridIndex | ChunkIndex]] = {}
     for leaf, box in wants:
         hit = indexes.get(id(leaf))
-        if hit is None:
-            hit = indexes[id(leaf)] = (
-                leaf,
-                leaf_index(leaf),
-            )  # the leaf is kept: its id stays unique
+        if hit is None:  # (the leaf is kept: its id stays unique)
+            hit = indexes[id(leaf)] = (leaf, leaf_index(leaf))
         prefix = chunk_id_prefix(leaf.path)  # the overlaps alone: no read items, no coverage check
         out.update(
             [(chunk_id(leaf.path, c.box, prefix=prefix), c.key) for c, _ in hit[1].overlapping(box)]

@@ -1,10 +1,9 @@
 """Save planning: which chunks a process writes. Pure data, no I/O, no jax.
 
-The writer hands in, per array leaf, the boxes of its addressable device shards together
-with their ``replica_id``; the plan keeps only ``replica_id == 0`` shards (each distinct
-box is written by exactly one device in the whole job), de-duplicates boxes, and splits
-each shard into sub-chunks (:func:`~fastckpt.planning.boxes.split_box`) so that a later
-resharded restore reads little more than it needs.
+Per array leaf, of the addressable shards only ``replica_id == 0`` ones are written (each
+distinct box by exactly one device in the job), each split into sub-chunks
+(:func:`~fastckpt.planning.boxes.split_box`) so that a resharded restore reads little more
+than it needs.
 """
 
 from __future__ import annotations

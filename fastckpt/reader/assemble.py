@@ -15,7 +15,7 @@ from typing import Any, cast
 import jax
 import numpy as np
 
-from fastckpt._tree import flatten, is_prng_key
+from fastckpt._tree import flatten, is_prng_key, unflatten_from_paths
 from fastckpt.errors import (
     ConfigError,
     CorruptionError,
@@ -43,7 +43,6 @@ __all__ = [
     "build_leaves",
     "key_array_shape",
     "place",
-    "prng_key_info",
     "resolve_sharding",
     "resolve_target",
     "shard_boxes",
@@ -109,12 +108,9 @@ def _key_data_sharding(sharding: jax.sharding.Sharding, extra_dims: int) -> jax.
 
 def resolve_sharding(sharding: jax.sharding.Sharding | None, where: str) -> jax.sharding.Sharding:
     """The sharding a leaf restores to: ``sharding`` (the target's, else the checkpoint's
-    rebuilt on this job's devices), or one local device when there is none.
-
-    Raises:
-        TargetMismatchError: there is none in a multi-process job.
-        ConfigError: ``sharding`` is over an AbstractMesh (it names no devices).
-    """
+    rebuilt on this job's devices), or one local device when there is none
+    (``TargetMismatchError`` in a multi-process job). ``ConfigError`` if ``sharding`` is over
+    an AbstractMesh (it names no devices)."""
     if sharding is None:
         if jax.process_count() > 1:
             raise TargetMismatchError(
@@ -191,21 +187,6 @@ def _key_info_of(impl: str) -> tuple[Any, tuple[int, ...]]:
     return key.dtype, tuple(data.shape)
 
 
-def prng_key_info(impl: str | None, where: str) -> tuple[Any, tuple[int, ...]]:
-    """``(key dtype, key data shape of one key)`` of a stored PRNG implementation (e.g.
-    ``key<fry>`` and ``(2,)`` for threefry).
-
-    Raises:
-        DtypeMismatchError: the implementation is unknown to this JAX.
-    """
-    try:
-        return _key_info_of(str(impl))
-    except (ValueError, TypeError, KeyError) as e:
-        raise DtypeMismatchError(
-            f"{where}: the checkpoint's PRNG implementation {impl!r} is unknown here: {e}"
-        ) from e
-
-
 def key_array_shape(
     impl: str | None, stored_shape: tuple[int, ...], tgt: Any, where: str
 ) -> tuple[int, ...]:
@@ -217,7 +198,12 @@ def key_array_shape(
         ShapeMismatchError: the target's key array has another shape.
         CorruptionError: ``stored_shape`` does not end in the implementation's key data shape.
     """
-    key_dtype, data_shape = prng_key_info(impl, where)
+    try:  # (key dtype, key data shape of one key), e.g. key<fry> and (2,) for threefry
+        key_dtype, data_shape = _key_info_of(str(impl))
+    except (ValueError, TypeError, KeyError) as e:
+        raise DtypeMismatchError(
+            f"{where}: the checkpoint's PRNG implementation {impl!r} is unknown here: {e}"
+        ) from e
     split = len(stored_shape) - len(data_shape)
     if split < 0 or stored_shape[split:] != data_shape:
         raise CorruptionError(
@@ -296,8 +282,6 @@ def resolve_target(manifest: Manifest, target: Any, *, partial: bool) -> Restore
     """
     stored = manifest.by_path()
     if target is None:
-        from fastckpt._tree import unflatten_from_paths
-
         # The skeleton's own paths differ from the stored ones where attributes or
         # flattened indices became dict keys and list positions: carry the stored path.
         skeleton = unflatten_from_paths(

@@ -1,18 +1,13 @@
 """Fill destination host buffers from stored chunks: ranged reads, verify, decode, copy.
 
-One *unit* is one distinct destination box of one array on this process (replicated
-device shards share a unit). For each unit the reader plans :class:`ReadItem` s, asks the
-optional RAM-tier ``ChunkSource`` for each needed chunk first (``reader/leaf_filler.py``),
-and reads the rest from persistent storage with coalesced ranged reads. Units the own RAM
-tier holds whole are borrowed (zero copy) while planning, and their checksums are verified
-together once planning is done, on the worker threads. Every chunk is verified (crc32c)
-before its bytes are used; a chunk that fails verification on the persistent path is
-re-read once and then reported as :class:`~fastckpt.errors.ChecksumMismatchError` naming
-the array, box and object. Storage reads are scatter reads (``Store.get_into``): a raw
-chunk that maps onto one contiguous destination span is received straight into the
-destination buffer (no intermediate buffer, no copy); compressed or scattered chunks go
-through a per-read scratch buffer, and a compressed chunk whose span is contiguous decodes
-straight into it.
+One *unit* is one distinct destination box of one array on this process (replicated device
+shards share a unit). Each leaf's chunks are asked of the optional fast-tier ``ChunkSource``
+first (``reader.leaf_filler``; units the own RAM tier holds whole are borrowed and verified
+after planning), the rest read from storage with coalesced scatter reads
+(``Store.get_into``): a raw chunk that maps onto one contiguous destination span lands in
+place, others go through scratch. Every chunk is verified (crc32c) before use; one that fails
+on the storage path is re-read once, then raises
+:class:`~fastckpt.errors.ChecksumMismatchError` naming the array, box and object.
 """
 
 from __future__ import annotations
@@ -31,7 +26,7 @@ from fastckpt.format.dtypes import dtype_from_name
 from fastckpt.format.manifest import ChunkEntry, box_volume
 from fastckpt.options import RestoreOptions
 from fastckpt.planning import FetchRange, coalesce_fetches
-from fastckpt.reader.leaf_filler import Decoder, LeafFiller, allocate, fetch_many_from_source, where
+from fastckpt.reader.leaf_filler import LeafFiller, allocate, fetch_many_from_source, where
 from fastckpt.reader.units import ChunkSource, RestoreStats, SourceCounters, Unit
 from fastckpt.storage import Store
 
@@ -39,9 +34,7 @@ __all__ = ["ChunkSource", "RestoreStats", "SourceCounters", "Unit", "fill_units"
 
 _T = TypeVar("_T")
 _SCRATCH_GRAIN = 4 << 20
-_ONE_PLANNER_UNIT_BYTES = (
-    1 << 20
-)  # units smaller than this on average: plan on one thread (see prepare_all)
+_ONE_PLANNER_UNIT_BYTES = 1 << 20  # units smaller than this on average: plan on one thread
 _PREPARE_JOBS_PER_THREAD = 4  # a few jobs per thread: a slow leaf does not leave a thread idle
 
 
@@ -61,11 +54,8 @@ def _placement(
 ) -> tuple[list[tuple[LeafFiller, ChunkEntry]], list[memoryview | None] | None, int]:
     """Chunks of a stored range ``[start, start + length)`` in offset order, the destination
     span each is received into (None: via scratch) and the scratch bytes the read needs.
-
-    A raw chunk that feeds one contiguous destination span is received straight into the
-    destination buffer; other chunks (compressed, or scattered over several destination
-    rows or units) and the gaps between chunks go to scratch. Overlapping chunks (only a
-    malformed manifest has them) put the whole range in scratch (spans None).
+    Only a raw chunk that feeds one contiguous destination span is received in place; gaps
+    go to scratch, and overlapping chunks (a malformed manifest) put the whole range there.
     """
     ordered = sorted(pairs, key=lambda fc: fc[1].offset)
     direct: list[memoryview | None] = []
@@ -171,31 +161,25 @@ async def fill_units(
     storage_holds_step: bool = True,
     buffers: BufferCache | None = None,
 ) -> None:
-    """Fill every unit's host buffer (``unit.buffer``) with verified data.
-
-    ``buffers`` (optional) supplies the destination buffers of device-bound units, reusing
-    the memory of earlier restores' arrays once those are gone.
-
+    """Fill every unit's host buffer (``unit.buffer``) with verified data. ``buffers``
+    supplies the destination buffers of device-bound units (reusing earlier restores' memory).
     With ``storage_holds_step=False`` (a RAM-only step) a chunk no RAM source has raises
     :class:`CheckpointNotFoundError` naming it, instead of reading storage.
     """
-    decoder = Decoder()
     lock = threading.Lock()
     reads = asyncio.Semaphore(options.read_concurrency)
     scratch_budget = ByteBudget(options.max_scratch_bytes)
     t0 = time.perf_counter()
 
     def plan(group: Sequence[Sequence[Unit]]) -> list[LeafFiller]:
-        # Plan, borrow (own RAM, unverified) and allocate a group of leaves: Python under
-        # the GIL (see prepare_all).
+        # Plan, borrow (own RAM, unverified) and allocate a group of leaves.
         return [
-            LeafFiller(us, step, decoder, source, stats, options.verify_checksums, lock, buffers)
+            LeafFiller(us, step, source, stats, options.verify_checksums, lock, buffers)
             for us in group
         ]
 
     def fetch(fillers: Sequence[LeafFiller]) -> list[_Pair]:
-        # The fast tiers' fetch of what was not borrowed (peers: mostly socket receives,
-        # GIL released).
+        # The fast tiers' fetch of what was not borrowed.
         return from_sources([(f, c) for f in fillers for c in f.items])
 
     def from_sources(pairs: list[_Pair]) -> list[_Pair]:
@@ -218,9 +202,8 @@ async def fill_units(
         return from_sources([(f, c) for f in fillers for c in f.verify_lent()])
 
     async def do_range(r: FetchRange, pairs: Sequence[tuple[LeafFiller, ChunkEntry]]) -> None:
-        # Raw chunks that map onto contiguous destination spans are received in place; the
-        # rest needs scratch, held until its chunks are decoded and placed and bounded by
-        # options.max_scratch_bytes over all concurrent reads.
+        # What is not received in place needs scratch, held until its chunks are placed and
+        # bounded by options.max_scratch_bytes over all concurrent reads.
         ordered, direct, need = _placement(pairs, r.start, r.length)
         charged = await scratch_budget.acquire(need)
         try:
@@ -261,11 +244,9 @@ async def fill_units(
     left: list[_Pair] = []  # for storage
 
     async def prepare_all(groups: Sequence[Sequence[int]], *, one_planner: bool) -> None:
-        # Small units (one_planner): one worker job plans the groups one after another
-        # (their planning is mostly Python, and two threads of it only queue on the GIL —
-        # 3000 leaves of 8 x 16 KiB restored 1.23 -> 1.07 s from own RAM) and hands each
-        # planned group's fetch to the executor, to run beside the next group's planning.
-        # Large units: every group is planned and fetched in parallel.
+        # Small units (one_planner): one job plans the groups in turn (Python: threads would
+        # queue on the GIL), handing each group's fetch to the executor. Large units: every
+        # group is planned and fetched in parallel.
         def planned(group: Sequence[int]) -> list[LeafFiller]:
             out = plan([leaf_units[i] for i in group])
             fillers.extend(out)
@@ -315,16 +296,14 @@ async def fill_units(
         await _all_or_nothing(
             check(g) for g in balanced_groups([f.lent_bytes for f in lent], options.decode_threads)
         )
-    # Coalesce across leaves: small leaves packed next to each other in one object are read
-    # with one request instead of one each (per-request cost dominates small reads). A stored
-    # location named by several chunks (only a malformed manifest does that) is read once
-    # per chunk, in later rounds.
+    # Coalesce across leaves (small leaves packed together are read with one request). A
+    # location named by several chunks (a malformed manifest) is read once each, in rounds.
     owners: dict[tuple[str, int], list[_Pair]] = {}
     for filler, c in left:
         owners.setdefault((c.key, c.offset), []).append((filler, c))
     pending = list(owners.values())
-    # Chunks that need scratch are read in smaller ranges, so that read_concurrency of them
-    # fit in the scratch budget at once (one 64 MiB range would hold all of it, one at a time).
+    # Chunks that need scratch are read in smaller ranges: read_concurrency of them fit in the
+    # scratch budget at once.
     scratch_read = max(1 << 20, options.max_scratch_bytes // options.read_concurrency)
     while pending:
         first = {(c.key, c.offset): (f, c) for f, c in (p[0] for p in pending)}

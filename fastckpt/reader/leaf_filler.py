@@ -37,28 +37,24 @@ from fastckpt.planning import (
 )
 from fastckpt.reader.units import ChunkSource, RestoreStats, Unit
 
-__all__ = ["Decoder", "LeafFiller", "allocate", "fetch_many_from_source", "where"]
+__all__ = ["LeafFiller", "allocate", "fetch_many_from_source", "where"]
 
 _GROUP_BYTES = 64 << 20  # RAM-tier fetches of one group: scratch held at once (resharding)
 _GROUP_CHUNKS = 64  # chunks per RAM-tier fetch group (one pipelined stream per peer)
-_SCAN_CHUNKS = (
-    4  # a leaf with more chunks (and several units) is planned through leaf_index's index
-)
+_SCAN_CHUNKS = 4  # a leaf with more chunks (and several units) is planned through leaf_index
 _RANGE_MIN_GAP = 16 << 10  # byte ranges of a chunk closer than this are read as one
 _RANGE_MAX_RUNS = 64  # more ranges in one chunk: the one range holding them all
 
 
-class Decoder:
-    """A zstd decompressor per thread."""
+_zstd = threading.local()
 
-    def __init__(self) -> None:
-        self._local = threading.local()
 
-    def dctx(self) -> zstandard.ZstdDecompressor:
-        d = getattr(self._local, "d", None)
-        if d is None:
-            d = self._local.d = zstandard.ZstdDecompressor()
-        return d
+def _dctx() -> zstandard.ZstdDecompressor:
+    """This thread's zstd decompressor."""
+    d = getattr(_zstd, "d", None)
+    if d is None:
+        d = _zstd.d = zstandard.ZstdDecompressor()
+    return d
 
 
 def where(leaf: ArrayLeaf, chunk: ChunkEntry) -> str:
@@ -88,20 +84,15 @@ class LeafFiller:
 
     Call order: construct (plans the reads, borrows whole units from the own RAM tier
     unverified, allocates the other units' buffers), fill ``items`` from the fast tiers
-    (:func:`fetch_many_from_source`), :meth:`verify_lent` (the
-    checksums of what was borrowed; a unit that fails gets a buffer and its chunks back in
-    ``items`` for the next tier), fill what is left from storage (:meth:`from_fetched`),
-    then :meth:`done`. The first steps are Python under the GIL; :meth:`verify_lent` is
-    mostly checksums with the GIL released, which a restore runs on its worker threads
-    after planning rather than interleaved with it: a thread returning from a checksum
-    waits for the GIL while another runs Python (up to the 5 ms switch interval each time).
+    (:func:`fetch_many_from_source`), :meth:`verify_lent` (after all planning, so that its
+    checksums never wait on the GIL), fill what is left from storage (:meth:`from_fetched`),
+    then :meth:`done`.
     """
 
     def __init__(
         self,
         units: Sequence[Unit],
         step: int,
-        decoder: Decoder,
         source: ChunkSource | None,
         stats: RestoreStats,
         verify: bool,
@@ -112,7 +103,6 @@ class LeafFiller:
         self.units = units
         self.step = step
         self.dtype = dtype_from_name(self.leaf.dtype)
-        self.decoder = decoder
         self.source = source
         self.stats = stats
         self.verify = verify
@@ -173,18 +163,13 @@ class LeafFiller:
 
     def _lend_units(self) -> dict[int, np.ndarray]:
         """Units whose bytes a RAM tier lends as one view, unverified (their chunks leave
-        ``items`` for ``lent``: :meth:`verify_lent` checks them).
-
-        A unit qualifies when its chunks feed no other unit, each whole and onto one
-        contiguous span, and the spans tile it in order (a same-mesh restore's usual case).
-        """
+        ``items`` for ``lent``): those whose chunks feed no other unit, each whole and onto
+        one contiguous span, the spans tiling it in order (a same-mesh restore's case)."""
         by_unit: dict[int, list[tuple[int, ChunkEntry]]] = {}
         shared: set[int] = set()
         for chunk, its in self.items.items():
             pos, item = its[0]
-            if (
-                len(its) == 1 and chunk.box == self.units[pos].box
-            ):  # the unit is this chunk (same mesh)
+            if len(its) == 1 and chunk.box == self.units[pos].box:  # the unit is this chunk
                 by_unit.setdefault(pos, []).append((0, chunk))
                 continue
             span = contiguous_span(item.dst_box, box_shape(self.units[pos].box))
@@ -221,9 +206,7 @@ class LeafFiller:
             ],
             verify=False,
         )
-        for cand, view in zip(
-            candidates, views
-        ):  # (few new objects: a restore of many leaves is GC-bound)
+        for cand, view in zip(candidates, views):  # (few new objects: the restore is GC-bound)
             if view is None:
                 continue
             lent[cand[0]] = np.frombuffer(view, np.uint8)
@@ -240,22 +223,15 @@ class LeafFiller:
         back: list[ChunkEntry] = []
         nbytes = nchunks = 0
         for pos, chunks in self.lent:
-            flat = self.flats[pos]
-            if len(chunks) == 1:  # the unit is one chunk (same mesh): no slicing
-                if crc32c(flat) == chunks[0].raw_crc32c:
-                    nbytes += flat.nbytes
-                    nchunks += 1
-                    continue
+            flat, start = self.flats[pos], 0
+            for c in chunks:
+                if crc32c(flat[start : start + c.raw_length]) != c.raw_crc32c:
+                    break
+                start += c.raw_length
             else:
-                start = 0
-                for c in chunks:
-                    if crc32c(flat[start : start + c.raw_length]) != c.raw_crc32c:
-                        break
-                    start += c.raw_length
-                else:
-                    nbytes += start
-                    nchunks += len(chunks)
-                    continue
+                nbytes += start
+                nchunks += len(chunks)
+                continue
             unit = self.units[pos]
             flat = self.flats[pos] = self._fresh_buffer(unit)
             self.dsts[pos] = flat.view(self.dtype).reshape(box_shape(unit.box))
@@ -320,13 +296,11 @@ class LeafFiller:
                         f"{where(self.leaf, chunk)}: raw chunk of {stored.nbytes} bytes, "
                         f"expected {chunk.raw_length}"
                     )
-                arr = np.frombuffer(stored, np.uint8).view(self.dtype).reshape(box_shape(chunk.box))
-                for pos, it in self.items[chunk]:
-                    self.dsts[pos][box_to_slices(it.dst_box)] = arr[box_to_slices(it.src_box)]
+                self.finish(chunk, np.frombuffer(stored, np.uint8))
             else:
                 into, scratch = self.target(chunk)
                 try:
-                    n = self.decoder.dctx().stream_reader(stored).readinto(into)
+                    n = _dctx().stream_reader(stored).readinto(into)
                 except zstandard.ZstdError as e:
                     raise CorruptionError(f"{where(self.leaf, chunk)}: zstd: {e}") from e
                 if n != chunk.raw_length:
@@ -344,6 +318,12 @@ class LeafFiller:
             self.stats.restored_bytes += sum(f.nbytes for f in self.flats)
 
 
+#: A chunk asked of the fast tiers: filler, chunk, into, scratch, runs (None: whole), bytes.
+_Asked = tuple[
+    LeafFiller, ChunkEntry, memoryview, np.ndarray | None, list[tuple[int, int]] | None, int
+]
+
+
 def fetch_many_from_source(
     pairs: Sequence[tuple[LeafFiller, ChunkEntry]],
     source: ChunkSource,
@@ -351,19 +331,12 @@ def fetch_many_from_source(
     *,
     min_range_saving: int,
 ) -> list[tuple[LeafFiller, ChunkEntry]]:
-    """Ask the RAM tiers (``source.fetch_many``) for chunks of any number of leaves, in
-    groups: one pipelined stream per peer and group, so that small leaves do not drain the
-    stream at every leaf boundary. A chunk the restore uses only part of (resharding) is
-    asked for as the byte ranges it uses when that spares ``min_range_saving`` bytes or
-    more (``RestoreOptions.min_range_saving_bytes``). Returns the pairs no tier placed.
-    Scratch buffers of a group stay under ``_GROUP_BYTES`` (counting the bytes received)."""
+    """Ask the RAM tiers (``source.fetch_many``) for chunks of any number of leaves, in groups
+    (one pipelined stream per peer and group; a group's scratch stays under ``_GROUP_BYTES``).
+    A chunk the restore uses part of is asked for as those byte ranges when that spares
+    ``min_range_saving`` bytes or more. Returns the pairs no tier placed."""
     left: list[tuple[LeafFiller, ChunkEntry]] = []
-    # (filler, chunk, into, scratch, runs asked for or None: whole, bytes asked for)
-    group: list[
-        tuple[
-            LeafFiller, ChunkEntry, memoryview, np.ndarray | None, list[tuple[int, int]] | None, int
-        ]
-    ] = []
+    group: list[_Asked] = []
     scratch_bytes = 0
 
     def flush() -> None:

@@ -20,7 +20,6 @@ class SourceCounters(Protocol):
     @property
     def fallbacks(self) -> Mapping[Any, int]:
         """Fallbacks to the next tier so far, by reason (a str)."""
-        ...
 
 
 class ChunkSource(Protocol):
@@ -44,7 +43,6 @@ class ChunkSource(Protocol):
         (of several leaves, so a peer can stream them). Where ``runs[i]`` is not None, only
         those byte ranges ``(start, n)`` of chunk ``i`` are filled into its ``into`` (a
         resharding restore asks for the parts of a chunk it uses)."""
-        ...
 
     def lend_many(
         self, step: int, groups: Sequence[Sequence[tuple[str, int, int]]], *, verify: bool = True
@@ -54,11 +52,9 @@ class ChunkSource(Protocol):
         own memory (the caller may keep it indefinitely), or None (then the chunks are
         fetched). With ``verify=False`` the caller checks each chunk's crc32c itself and
         fetches the chunks of a view that fails."""
-        ...
 
     def stats(self) -> SourceCounters:
         """The source's counters so far."""
-        ...
 
 
 @dataclasses.dataclass

@@ -14,10 +14,8 @@ the data path talks to the JSON API directly over the client's pooled, authorise
 
 The library's own retries are disabled everywhere (``retry=None``; the session has no
 urllib3 retries): retrying is :class:`~fastckpt.storage.RetryingStore`'s job.
-
-``STORAGE_EMULATOR_HOST`` is honoured as google-cloud-storage, gcsfs and Orbax honour it
-(see :class:`GcsStore`): the one environment variable the library reads unasked, because
-the ecosystem's convention is that the GCS client reads it.
+``STORAGE_EMULATOR_HOST`` (see :class:`GcsStore`) is the one environment variable fastckpt
+reads unasked, as the GCS client convention has it.
 """
 
 from __future__ import annotations
@@ -100,9 +98,8 @@ class GcsOptions:
     environment; :class:`GcsStore` fills in ``endpoint`` from ``STORAGE_EMULATOR_HOST``."""
 
     endpoint: str | None = None
-    """Base URL of a GCS-compatible endpoint (an emulator: ``http://127.0.0.1:4443``).
-    When set and ``credentials`` is None, requests are anonymous. None: the
-    ``STORAGE_EMULATOR_HOST`` endpoint if that variable is set, else Google's."""
+    """Base URL of a GCS-compatible endpoint (an emulator: ``http://127.0.0.1:4443``), anonymous
+    unless ``credentials`` are given. None: see :class:`GcsStore`."""
     project: str | None = None
     """Project for the client (only used for billing/quota headers)."""
     credentials: Any = None
@@ -133,15 +130,13 @@ class GcsStore(Store):
     """Objects in a GCS bucket, under an optional prefix.
 
     Object names are ``prefix/key``. All blocking HTTP runs on a private thread pool of
-    ``options.max_workers`` threads sharing one pooled session; the client and session are
-    created on first use (credentials discovery may do I/O).
+    ``options.max_workers`` threads sharing one pooled session, made (with the client) on a
+    background thread at construction.
 
     Endpoint, as google-cloud-storage's ``Client`` chooses it: ``options.endpoint`` if set;
     else ``STORAGE_EMULATOR_HOST`` if set (read once, here; a bare ``host:port`` gets
-    ``http://``), with anonymous credentials unless ``options.credentials`` is given; else
-    Google's, with Application Default Credentials. So code written for real GCS runs
-    against an emulator with no change, and an explicit ``GcsOptions(endpoint=...)`` wins
-    over the variable. :attr:`options` holds the endpoint chosen.
+    ``http://``), anonymous unless ``options.credentials`` is given; else Google's, with
+    Application Default Credentials. :attr:`options` holds the endpoint chosen.
 
     Args:
         bucket: Bucket name.
@@ -169,10 +164,9 @@ class GcsStore(Store):
         self._pool = BlockingPool(self.options.max_workers, "fastckpt-gcs")
         self._client: storage.Client | None = None
         self._session: requests.Session | None = None
-        # The client and session (finding credentials) are made on a daemon thread, so that a
-        # new process's first request (a replaced host's restore) does not wait for them; a
-        # failure is raised again where the client is needed. Their modules are imported here:
-        # an import holds the GIL, which on that thread slowed a save made right after this.
+        # The client and session are made on a daemon thread (a first request does not wait
+        # for credentials; a failure is raised again where the client is needed); their
+        # modules are imported here, as an import there would hold the GIL against a save.
         with contextlib.suppress(ImportError):  # (it imports google-auth and requests too)
             importlib.import_module("google.cloud.storage")
         self._warm = threading.Thread(target=self._warm_up, name="fastckpt-gcs-warm", daemon=True)
@@ -181,13 +175,9 @@ class GcsStore(Store):
     def __repr__(self) -> str:
         return f"GcsStore({self.url!r}, endpoint={self.options.endpoint!r})"
 
-    # -- plumbing ----------------------------------------------------------------------
-
     def _warm_up(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # raised again where the client is needed
             self._connect()
-        except Exception:  # raised again where the client is needed
-            pass
 
     def _connect(self) -> tuple[storage.Client, requests.Session]:
         """Create the client and pooled session once (called on a worker thread)."""
@@ -232,10 +222,8 @@ class GcsStore(Store):
                 _http=session,
                 client_options=client_options,
             )
-            # google-cloud-storage >= 3.x starts a background thread per bucket (tracing
-            # metadata) that calls get_bucket with the library's default retries (random
-            # backoff, a 120 s deadline), ignoring retry=None and our timeouts, and outliving
-            # close(). It only runs while this attribute is truthy.
+            # google-cloud-storage >= 3.x starts a thread per bucket that calls get_bucket with
+            # default retries, ignoring ours and outliving close(), while this is truthy.
             if getattr(client, "_bucket_metadata_cache", None) is not None:
                 client._bucket_metadata_cache = None
             self._client, self._session = client, session
@@ -248,8 +236,6 @@ class GcsStore(Store):
     def _media_url(self, name: str) -> str:
         bucket, obj = quote(self.bucket, safe=""), quote(name, safe="")
         return f"{self._base}/download/storage/v1/b/{bucket}/o/{obj}?alt=media"
-
-    # -- blocking implementations ------------------------------------------------------
 
     def _head_sync(self, name: str, key: str) -> ObjectMeta:
         what = f"head {self.url}/{key}"
@@ -266,20 +252,17 @@ class GcsStore(Store):
 
     def _get_sync(self, name: str, key: str, byte_range: ByteRange | None) -> Buffer:
         what = f"get {self.url}/{key}"
-        _, session = self._connect()
         if byte_range is not None and byte_range.length == 0:
-            size = self._head_sync(name, key).size
-            clip_range(size, byte_range, key)  # raises NotFoundError past the end
+            clip_range(self._head_sync(name, key).size, byte_range, key)  # NotFoundError past end
             return b""
         headers = {"Accept-Encoding": "identity"}
         if byte_range is not None:
             headers["Range"] = f"bytes={byte_range.start}-{byte_range.stop - 1}"
-        resp = self._media_get(session, name, headers, what)
+        resp = self._media_get(name, headers, what)
         complete = False
         try:
             if resp.status_code == 416 and byte_range is not None:
-                size = self._head_sync(name, key).size
-                clip_range(size, byte_range, key)
+                clip_range(self._head_sync(name, key).size, byte_range, key)
                 return b""
             check_media_response(resp, what)
             body = self._read_body(resp, what)
@@ -296,10 +279,9 @@ class GcsStore(Store):
         finally:
             end_response(resp, reuse=complete)
 
-    def _media_get(
-        self, session: requests.Session, name: str, headers: dict[str, str], what: str
-    ) -> requests.Response:
+    def _media_get(self, name: str, headers: dict[str, str], what: str) -> requests.Response:
         """Start a streamed GET of the object's bytes; errors translated."""
+        _, session = self._connect()
         try:
             return session.get(
                 self._media_url(name), headers=headers, stream=True, timeout=self._timeout
@@ -321,13 +303,12 @@ class GcsStore(Store):
 
     def _get_into_sync(self, name: str, key: str, start: int, into: list[memoryview]) -> None:
         what = f"get {self.url}/{key}"
-        _, session = self._connect()
         total = sum(b.nbytes for b in into)
         if total == 0:
             clip_range(self._head_sync(name, key).size, ByteRange(start, 0), key)
             return
         headers = {"Accept-Encoding": "identity", "Range": f"bytes={start}-{start + total - 1}"}
-        resp = self._media_get(session, name, headers, what)
+        resp = self._media_get(name, headers, what)
         complete = False
         try:
             if resp.status_code == 416:
@@ -368,11 +349,9 @@ class GcsStore(Store):
         if mode == "create":
             url += "&ifGenerationMatch=0"
         try:
-            resp = session.post(
+            resp = session.post(  # requests streams any iterable of buffers
                 url,
-                data=cast(
-                    Any, StreamBody([head, *parts, tail])
-                ),  # requests streams any iterable of buffers
+                data=cast(Any, StreamBody([head, *parts, tail])),
                 headers={"Content-Type": f"multipart/related; boundary={boundary}"},
                 timeout=self._timeout,
             )
@@ -389,11 +368,9 @@ class GcsStore(Store):
                 stored = None
         if stored is None:
             return
-        try:
+        try:  # a mangled response is retried (a create-only retry checks the object)
             stored_crc = crc_from_b64(stored)
-        except (
-            CorruptionError
-        ) as e:  # a mangled response: retried (a create-only retry checks the object)
+        except CorruptionError as e:
             raise TransientStorageError(f"{what}: unreadable upload response: {e}") from e
         if stored_crc != crc:
             raise ChecksumMismatchError(
@@ -411,8 +388,7 @@ class GcsStore(Store):
                 self.bucket, prefix=base + prefix, fields=f"items({fields}),nextPageToken",
                 page_size=self.options.list_page_size, retry=None, timeout=self._timeout,
             )  # fmt: skip
-            # Names ending in "/" are folder placeholders (Cloud Console, gcsfuse), not objects
-            # this store writes or can address: leaving them out keeps the listing to valid keys.
+            # Names ending in "/" are folder placeholders (Cloud Console, gcsfuse), no keys.
             out = [(b.name[len(base) :], b) for b in blobs if not b.name.endswith("/")]
         except Exception as exc:
             translate(exc, what)
@@ -434,42 +410,32 @@ class GcsStore(Store):
             except NotFoundError:
                 return
 
-    # -- Store API ---------------------------------------------------------------------
-
     async def get(self, key: str, *, byte_range: ByteRange | None = None) -> Buffer:
-        # docstring inherited
         return await self._pool.call(self._get_sync, self._name(key), key, byte_range)
 
     async def get_into(self, key: str, start: int, into: Sequence[memoryview]) -> None:
-        # docstring inherited
         parts = [memoryview(b).cast("B") for b in into]
         await self._pool.call(self._get_into_sync, self._name(key), key, start, parts)
 
     async def put(self, key: str, data: Payload, *, mode: PutMode = "overwrite") -> None:
-        # docstring inherited
         name = self._name(key)
         if mode not in ("create", "overwrite"):
             raise ConfigError(f"unknown put mode {mode!r}")
         await self._pool.call(self._put_sync, name, key, payload_parts(data), mode)
 
     async def list_info(self, prefix: str = "") -> list[ObjectInfo]:
-        # docstring inherited
         return await self._pool.call(self._list_sync, prefix, "name,size,updated", self._info)
 
     async def list(self, prefix: str = "") -> list[str]:
-        # docstring inherited
         return await self._pool.call(self._list_sync, prefix, "name", lambda key, _: key)
 
     async def delete(self, key: str) -> None:
-        # docstring inherited
         await self._pool.call(self._delete_sync, self._name(key), key)
 
     async def head(self, key: str) -> ObjectMeta:
-        # docstring inherited
         return await self._pool.call(self._head_sync, self._name(key), key)
 
     async def exists(self, key: str) -> bool:
-        # docstring inherited
         try:
             await self.head(key)
         except NotFoundError:
@@ -477,7 +443,6 @@ class GcsStore(Store):
         return True
 
     async def close(self) -> None:
-        # docstring inherited
         self._pool.close()
         self._warm.join()  # (a client it makes after close would leak its session)
         with self._connect_lock:

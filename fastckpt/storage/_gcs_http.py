@@ -47,12 +47,9 @@ class StreamBody:
 
 
 def body_reader(resp: requests.Response) -> Callable[[memoryview], int]:
-    """``readinto`` for a streamed response body that receives straight into the buffer.
-
-    urllib3's own ``HTTPResponse.readinto`` reads into a temporary ``bytes`` and copies it;
-    for an identity-encoded body with a length, the ``http.client`` response it wraps
-    receives (``recv_into``) directly into the destination. Falls back to urllib3's.
-    """
+    """``readinto`` for a streamed response body that receives straight into the buffer: the
+    wrapped ``http.client`` response's for an identity body with a length (urllib3's copies
+    through a temporary ``bytes``), else urllib3's."""
     raw = resp.raw
     fp = getattr(raw, "_fp", None)
     if isinstance(fp, http.client.HTTPResponse) and fp.length is not None and not fp.chunked:
@@ -124,11 +121,12 @@ def translate(exc: BaseException, what: str) -> NoReturn:
 
     if isinstance(exc, gexc.GoogleAPICallError) and exc.code is not None:
         raise status_error(int(exc.code), what, str(exc.message)) from exc
-    if isinstance(exc, aexc.TransportError | requests.ConnectionError | requests.Timeout):
-        raise TransientStorageError(f"{what}: {type(exc).__name__}: {exc}") from exc
-    if isinstance(exc, requests.exceptions.ChunkedEncodingError | urllib3.exceptions.HTTPError):
-        raise TransientStorageError(f"{what}: {type(exc).__name__}: {exc}") from exc
-    if isinstance(exc, http.client.HTTPException | ConnectionError | TimeoutError):
+    transient = (
+        aexc.TransportError | requests.ConnectionError | requests.Timeout
+        | requests.exceptions.ChunkedEncodingError | urllib3.exceptions.HTTPError
+        | http.client.HTTPException | ConnectionError | TimeoutError
+    )  # fmt: skip
+    if isinstance(exc, transient):
         raise TransientStorageError(f"{what}: {type(exc).__name__}: {exc}") from exc
     if isinstance(exc, aexc.GoogleAuthError):  # refresh failed, anonymous asked to refresh, ...
         raise PermissionDeniedError(
@@ -140,11 +138,8 @@ def translate(exc: BaseException, what: str) -> NoReturn:
 
 
 def check_whole_object(goog_hash: str | None, body: Buffer, what: str) -> None:
-    """Verify a whole-object download against the crc32c the server reports for the object.
-
-    A mismatch means the bytes changed on the way (the object itself is checksummed at
-    rest): it is transient, so a retry reads the object again.
-    """
+    """Verify a whole-object download against the crc32c the server reports for the object;
+    a mismatch (bytes changed on the way) is transient, so a retry reads it again."""
     if not goog_hash:
         return
     for part in goog_hash.split(","):
@@ -166,11 +161,8 @@ def b64_crc(value: int) -> str:
 
 
 def crc_from_b64(text: object) -> int:
-    """The crc32c a GCS response reports (base64 of 4 big-endian bytes).
-
-    Raises:
-        CorruptionError: not such a value (a mangled response).
-    """
+    """The crc32c a GCS response reports (base64 of 4 big-endian bytes); ``CorruptionError``
+    if it is not such a value (a mangled response)."""
     try:
         raw = base64.b64decode(text, validate=True)  # type: ignore[arg-type]
     except (binascii.Error, TypeError, ValueError) as e:

@@ -92,16 +92,13 @@ class LocalStore(Store):
       ``os.link`` (create-only: atomic, refused if the key exists), and fsyncs the
       directory. Readers never see a partial object. A crash may leave temporary files;
       ``list`` and ``get`` ignore them.
-    * ``get`` reads ranges with ``pread`` straight into one freshly allocated buffer.
     * Blocking calls run on the store's own thread pool.
-
     * ``list_info`` reports ``stat``'s size and ``st_mtime``; :meth:`sweep` removes temporary
       files older than its cutoff and the empty directories ``delete`` leaves behind (a put
       that loses its new directory to it makes it again).
 
-    Limitations: because keys are paths, a key cannot be both an object and a "directory"
-    of other objects (``a`` and ``a/b``); such a put raises ``StorageError``. Empty
-    directories are left behind by ``delete`` (until a :meth:`sweep`).
+    Limitation: keys are paths, so a key cannot be both an object and a "directory" of other
+    objects (``a`` and ``a/b``); such a put raises ``StorageError``.
 
     Args:
         root: Directory holding the objects; created on the first put.
@@ -121,8 +118,6 @@ class LocalStore(Store):
 
     def __repr__(self) -> str:
         return f"LocalStore({str(self.root)!r})"
-
-    # -- plumbing ----------------------------------------------------------------------
 
     def _path(self, key: str) -> Path:
         validate_key(key)
@@ -154,8 +149,6 @@ class LocalStore(Store):
                 ) from exc
             if self._durable:
                 _fsync_dir(d.parent)
-
-    # -- blocking implementations ------------------------------------------------------
 
     def _get_sync(self, path: Path, key: str, byte_range: ByteRange | None) -> Buffer:
         try:
@@ -245,9 +238,8 @@ class LocalStore(Store):
         except OSError as exc:
             _translate(exc, what)
         finally:
-            with contextlib.suppress(
-                OSError
-            ):  # (gone after a rename; never masks the put's own error)
+            # (gone after a rename; never masks the put's own error)
+            with contextlib.suppress(OSError):
                 os.unlink(tmp)
 
     def _scan(self, prefix: str) -> list[tuple[str, os.DirEntry[str]]]:
@@ -318,14 +310,10 @@ class LocalStore(Store):
         except OSError as exc:
             _translate(exc, f"delete {self.url}/{key}")
 
-    # -- Store API ---------------------------------------------------------------------
-
     async def get(self, key: str, *, byte_range: ByteRange | None = None) -> Buffer:
-        # docstring inherited
         return await self._pool.call(self._get_sync, self._path(key), key, byte_range)
 
     async def get_into(self, key: str, start: int, into: Sequence[memoryview]) -> None:
-        # docstring inherited
         await self._pool.call(
             self._get_into_sync,
             self._path(key),
@@ -335,14 +323,12 @@ class LocalStore(Store):
         )
 
     async def put(self, key: str, data: Payload, *, mode: PutMode = "overwrite") -> None:
-        # docstring inherited
         path = self._path(key)
         if mode not in ("create", "overwrite"):
             raise ConfigError(f"unknown put mode {mode!r}")
         await self._pool.call(self._put_sync, path, key, payload_parts(data), mode)
 
     async def list_info(self, prefix: str = "") -> list[ObjectInfo]:
-        # docstring inherited
         return await self._pool.call(self._list_info_sync, prefix)
 
     async def sweep(self, *, older_than: float, dry_run: bool = False) -> list[str]:
@@ -352,17 +338,13 @@ class LocalStore(Store):
         return await self._pool.call(self._sweep_sync, validate_cutoff(older_than), dry_run)
 
     async def list(self, prefix: str = "") -> list[str]:
-        # docstring inherited
         return [key for key, _ in await self._pool.call(self._scan, prefix)]
 
     async def delete(self, key: str) -> None:
-        # docstring inherited
         await self._pool.call(self._delete_sync, self._path(key), key)
 
     async def exists(self, key: str) -> bool:
-        # docstring inherited
         return await self._pool.call(os.path.isfile, self._path(key))
 
     async def close(self) -> None:
-        # docstring inherited
         self._pool.close()

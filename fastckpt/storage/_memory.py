@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import weakref
@@ -23,14 +24,12 @@ from fastckpt.storage._protocol import (
 __all__ = ["MemoryStore"]
 
 
+@dataclasses.dataclass(slots=True, weakref_slot=True, eq=False)
 class _Objects:
-    """The shared state of one named (or anonymous) memory store."""
+    """The shared state of one named (or anonymous) memory store: key -> (bytes, put time)."""
 
-    __slots__ = ("__weakref__", "data", "lock")
-
-    def __init__(self) -> None:
-        self.data: dict[str, tuple[bytes, float]] = {}  # key -> (bytes, time of the put)
-        self.lock = threading.Lock()
+    data: dict[str, tuple[bytes, float]] = dataclasses.field(default_factory=dict)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
 @final
@@ -41,12 +40,8 @@ class MemoryStore(Store):
     ``memoryview`` slice of them. ``put`` copies the payload once (the caller may reuse
     its buffers afterwards) and records ``time.time()`` as the object's ``mtime``.
 
-    Stores opened with the same ``name`` in one process share their objects for as long as
-    at least one of them is alive (``mem://name`` URLs rely on this). Unnamed stores are
-    private. Nothing is registered at import time.
-
-    Args:
-        name: Optional name under which the objects are shared in this process.
+    Stores opened with the same ``name`` in one process share their objects while at least
+    one of them is alive (``mem://name`` URLs rely on this); unnamed stores are private.
     """
 
     _named: ClassVar[weakref.WeakValueDictionary[str, _Objects]] = weakref.WeakValueDictionary()
@@ -74,7 +69,6 @@ class MemoryStore(Store):
         return f"MemoryStore({self.url!r})"
 
     async def get(self, key: str, *, byte_range: ByteRange | None = None) -> Buffer:
-        # docstring inherited
         validate_key(key)
         with self._objects.lock:
             entry = self._objects.data.get(key)
@@ -85,7 +79,6 @@ class MemoryStore(Store):
         return memoryview(blob)[start:stop]
 
     async def put(self, key: str, data: Payload, *, mode: PutMode = "overwrite") -> None:
-        # docstring inherited
         validate_key(key)
         if mode not in ("create", "overwrite"):
             raise ConfigError(f"unknown put mode {mode!r}")
@@ -96,7 +89,6 @@ class MemoryStore(Store):
             self._objects.data[key] = (blob, time.time())
 
     async def list_info(self, prefix: str = "") -> list[ObjectInfo]:
-        # docstring inherited
         with self._objects.lock:
             infos = [
                 ObjectInfo(k, len(b), t)
@@ -106,19 +98,14 @@ class MemoryStore(Store):
         return sorted(infos, key=lambda i: i.key)
 
     async def list(self, prefix: str = "") -> list[str]:
-        # docstring inherited
-        with self._objects.lock:
-            keys = [k for k in self._objects.data if k.startswith(prefix)]
-        return sorted(keys)
+        return [info.key for info in await self.list_info(prefix)]
 
     async def delete(self, key: str) -> None:
-        # docstring inherited
         validate_key(key)
         with self._objects.lock:
             self._objects.data.pop(key, None)
 
     async def exists(self, key: str) -> bool:
-        # docstring inherited
         validate_key(key)
         with self._objects.lock:
             return key in self._objects.data

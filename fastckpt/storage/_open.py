@@ -46,13 +46,10 @@ def open_store(
         retry: Retry policy for GCS and local stores; None for no retries.
         gcs_options: Base options for a GCS store.
         gcs_endpoint: GCS endpoint override (e.g. an emulator); replaces
-            ``gcs_options.endpoint``. With neither, :class:`GcsStore` uses
-            ``STORAGE_EMULATOR_HOST`` when it is set (anonymously), as google-cloud-storage
-            does, else Google's endpoint.
+            ``gcs_options.endpoint`` (with neither: see :class:`GcsStore`).
         local_durable: fsync local writes.
 
-    Raises:
-        ConfigError: unknown scheme or malformed URL.
+    ``ConfigError`` for an unknown scheme or a malformed URL.
     """
     if not isinstance(url, str) or not url:
         raise ConfigError(f"store URL must be a non-empty str, got {url!r}")
@@ -69,8 +66,7 @@ def open_store(
         store = GcsStore(parts.netloc, unquote(parts.path).strip("/"), options=options)
     elif scheme == "mem":
         name = url[len("mem://") :]
-        store = MemoryStore(name) if name else MemoryStore()
-        return store
+        return MemoryStore(name) if name else MemoryStore()
     elif scheme == "file":
         parts = urlsplit(url)
         if parts.netloc not in ("", "localhost") or parts.query or parts.fragment:

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from typing import Literal, cast
 
 from fastckpt._checksum import crc32c
-from fastckpt.errors import ConfigError, NotFoundError
+from fastckpt.errors import ConfigError, CorruptionError, NotFoundError
 
 __all__ = [
     "Buffer",
@@ -48,7 +48,6 @@ __all__ = [
     "clip_range",
     "consume",
     "payload_parts",
-    "payload_size",
     "validate_cutoff",
     "validate_key",
 ]
@@ -102,11 +101,9 @@ def validate_cutoff(older_than: float) -> float:
 
 
 def payload_parts(data: Payload) -> list[memoryview]:
-    """Normalise a payload into a list of flat byte memoryviews (no copies).
-
-    Any object with the buffer protocol (including a numpy array) is one buffer; only a
-    list or tuple (or another non-buffer sequence) is a sequence of parts.
-    """
+    """Normalise a payload into a list of flat byte memoryviews (no copies). Any object with
+    the buffer protocol (a numpy array too) is one buffer; only a list or tuple (or another
+    non-buffer sequence) is a sequence of parts."""
     if not isinstance(data, (list, tuple)):
         try:
             return [_flat(cast(Buffer, data))]
@@ -137,19 +134,9 @@ def consume(parts: Sequence[memoryview], n: int) -> list[memoryview]:
     return out
 
 
-def payload_size(data: Payload) -> int:
-    """Total number of bytes in a payload."""
-    return sum(p.nbytes for p in payload_parts(data))
-
-
 def clip_range(size: int, byte_range: ByteRange | None, key: str) -> tuple[int, int]:
-    """Return ``(start, stop)`` for ``byte_range`` on an object of ``size`` bytes.
-
-    Raises:
-        NotFoundError: ``byte_range.start`` is past the end of the object. A range starting
-            exactly at the end (e.g. ``ByteRange(0, 0)`` on an empty object) is empty, not
-            an error.
-    """
+    """Return ``(start, stop)`` for ``byte_range`` on an object of ``size`` bytes;
+    ``NotFoundError`` if it starts past the end (one starting exactly at the end is empty)."""
     if byte_range is None:
         return 0, size
     if byte_range.start > size:
@@ -225,13 +212,10 @@ class Store(abc.ABC):
         the writable byte buffers ``into``, filled back to back (a scatter read).
 
         Unlike :meth:`get`, the range is exact: an object that ends before the last byte
-        raises :class:`~fastckpt.errors.CorruptionError` (a short object) and a range
-        starting past the end raises ``NotFoundError``. After a failure the buffers' contents
-        are unspecified. The default reads with :meth:`get` and copies; backends override it
-        to receive the bytes straight into ``into`` (no intermediate buffer).
+        raises :class:`~fastckpt.errors.CorruptionError` and a range starting past the end
+        raises ``NotFoundError``; after a failure the buffers' contents are unspecified. The
+        default reads with :meth:`get` and copies; backends override it to read in place.
         """
-        from fastckpt.errors import CorruptionError
-
         total = sum(b.nbytes for b in into)
         data = memoryview(await self.get(key, byte_range=ByteRange(start, total))).cast("B")
         if data.nbytes != total:
@@ -245,8 +229,6 @@ class Store(abc.ABC):
 
     async def exists(self, key: str) -> bool:
         """Whether ``key`` exists (default: a one-byte ranged get)."""
-        from fastckpt.errors import NotFoundError
-
         try:
             await self.get(key, byte_range=ByteRange(0, 0))
         except NotFoundError:
@@ -255,11 +237,7 @@ class Store(abc.ABC):
 
     async def head(self, key: str) -> ObjectMeta:
         """Return the object's size and crc32c; raise ``NotFoundError`` if it is missing.
-
-        The default reads the whole object; backends that keep checksums override it.
-        :class:`~fastckpt.storage.RetryingStore` uses it to tell whether a create-only put
-        that hit an ambiguous transient error did land.
-        """
+        The default reads the whole object; backends that keep checksums override it."""
         data = await self.get(key)
         return ObjectMeta(size=memoryview(data).nbytes, crc32c=crc32c(data))
 

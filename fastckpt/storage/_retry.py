@@ -83,12 +83,10 @@ class RetryingStore(Store):
     other error propagates at once. When attempts or the deadline run out, it raises
     :class:`~fastckpt.errors.RetriesExhaustedError` whose ``__cause__`` is the last error.
 
-    Create-only puts: a transient error may hide a write that did land (the response was
-    lost). If a later attempt then gets :class:`~fastckpt.errors.AlreadyExistsError`, the
-    store compares the existing object's size and crc32c (via ``inner.head``) with the
-    payload: equal means our write landed and the put succeeds; different means another
-    writer won, and ``AlreadyExistsError`` propagates. An ``AlreadyExistsError`` on the
-    first attempt always propagates.
+    Create-only puts: a transient error may hide a write that did land. If a later attempt
+    then gets :class:`~fastckpt.errors.AlreadyExistsError`, the existing object's size and
+    crc32c (``inner.head``) decide: equal, the put succeeds; else ``AlreadyExistsError``
+    propagates (as it always does on the first attempt).
 
     Args:
         inner: The store to wrap.
@@ -144,17 +142,14 @@ class RetryingStore(Store):
             await self._sleep(delay)
 
     async def get(self, key: str, *, byte_range: ByteRange | None = None) -> Buffer:
-        # docstring inherited
         return await self._retry(
             f"get {self.url}/{key}", lambda: self.inner.get(key, byte_range=byte_range)
         )
 
     async def get_into(self, key: str, start: int, into: Sequence[memoryview]) -> None:
-        # docstring inherited
         await self._retry(f"get {self.url}/{key}", lambda: self.inner.get_into(key, start, into))
 
     async def put(self, key: str, data: Payload, *, mode: PutMode = "overwrite") -> None:
-        # docstring inherited
         parts = payload_parts(data)
         what = f"put {self.url}/{key}"
         if mode != "create":
@@ -186,31 +181,24 @@ class RetryingStore(Store):
         await self._retry(what, attempt)
 
     async def sweep(self, *, older_than: float, dry_run: bool = False) -> list[str]:
-        # docstring inherited
         return await self._retry(
             f"sweep {self.url}", lambda: self.inner.sweep(older_than=older_than, dry_run=dry_run)
         )
 
     async def list_info(self, prefix: str = "") -> list[ObjectInfo]:
-        # docstring inherited
         return await self._retry(f"list {self.url}/{prefix}", lambda: self.inner.list_info(prefix))
 
     async def list(self, prefix: str = "") -> list[str]:
-        # docstring inherited
         return await self._retry(f"list {self.url}/{prefix}", lambda: self.inner.list(prefix))
 
     async def delete(self, key: str) -> None:
-        # docstring inherited
         await self._retry(f"delete {self.url}/{key}", lambda: self.inner.delete(key))
 
     async def exists(self, key: str) -> bool:
-        # docstring inherited
         return await self._retry(f"exists {self.url}/{key}", lambda: self.inner.exists(key))
 
     async def head(self, key: str) -> ObjectMeta:
-        # docstring inherited
         return await self._retry(f"head {self.url}/{key}", lambda: self.inner.head(key))
 
     async def close(self) -> None:
-        # docstring inherited
         await self.inner.close()

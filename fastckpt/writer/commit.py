@@ -17,11 +17,8 @@ happens. A step whose manifest already exists is never overwritten
 (:class:`StepAlreadyCommittedError`).
 
 One path for every tier: :meth:`CommitRound.commit` runs the protocol; the tier supplies
-where the fragments go (a :class:`FragmentRoute`: storage objects, or the coordinator for a
-fast tier, whose fragments are announced by being there) and the create-only ``publish``
-of the manifest (a storage put, or a RAM tier's store). Storage is not itself a
-``writer.tier.Tier``: it has no due steps, buffers or copies to abort, and every step
-goes to it through :func:`publish_and_commit`.
+where the fragments go (a :class:`FragmentRoute`) and the create-only ``publish`` of the
+manifest. Storage commits through :func:`publish_and_commit` (it is no ``writer.tier.Tier``).
 """
 
 from __future__ import annotations
@@ -74,12 +71,9 @@ def build_manifest(
 ) -> bytes:
     """Merge the processes' chunks (``writer.merge``) and encode the manifest of a step;
     returns the bytes to store. The merge proves the tiling and the ranges; ``validate``
-    also decodes the encoding (a persistent step's manifest, written once and read for
-    years, is checked end to end; a fast tier's, built every few steps, is not: a bad one
-    would be refused at restore and an older step used).
-    Runs with the cyclic garbage collector paused (``fastckpt._pygc.paused_gc``): the merged
-    tables are millions of fresh ints, which the collector would otherwise walk while the
-    manifest is encoded. Raises ``ManifestError``."""
+    also decodes the encoding (a fast tier's manifests skip it: a bad one is refused at
+    restore and an older step used). Runs with the cyclic garbage collector paused
+    (``fastckpt._pygc.paused_gc``). Raises ``ManifestError``."""
     tables = merge_chunks(parts, staged)
     by_path: dict[KeyPath, Leaf] = {v.path: v for v in staged.values}
     for arr in staged.arrays:
@@ -112,9 +106,8 @@ def _wait_all_done(coord: Coordinator, ns: str, deadline: float, step: int) -> l
     n = coord.process_count
     values: list[str | None] = [None] * n
     while True:
-        for i, value in enumerate(
-            coord.try_get_all(f"{ns}/done", n, timeout_s=time_left(deadline))
-        ):  # one request per poll
+        polled = coord.try_get_all(f"{ns}/done", n, timeout_s=time_left(deadline))  # one request
+        for i, value in enumerate(polled):
             if values[i] is None and value is not None:
                 values[i] = value
                 if value.startswith("err"):
@@ -137,9 +130,8 @@ def _wait_all_done(coord: Coordinator, ns: str, deadline: float, step: int) -> l
 
 
 async def _read_all(store: Store, keys: Sequence[str]) -> list[Buffer]:
-    """Every fragment, ``_FRAGMENT_READS`` at a time (one read per process: on GCS a pod's
-    fragments read one after another would cost hundreds of round trips per commit).
-    The first failure cancels the rest and is raised as itself (not as an exception group)."""
+    """Every fragment, ``_FRAGMENT_READS`` at a time. The first failure cancels the rest and
+    is raised as itself (not as an exception group)."""
     limit = asyncio.Semaphore(_FRAGMENT_READS)
 
     async def one(key: str) -> Buffer:
@@ -159,16 +151,13 @@ class FragmentRoute(Protocol):
 
     def put(self, idx: int, fragment: bytes, deadline: float) -> None:
         """Send process ``idx``'s fragment, and tell process 0 it is there."""
-        ...
 
     def fail(self, idx: int, message: str, deadline: float) -> None:
         """Tell process 0 that process ``idx`` failed its part of the save."""
-        ...
 
     def gather(self, deadline: float) -> Sequence[bytes | memoryview]:
         """Process 0: every process's fragment; ``DistributedError`` naming one that failed,
         ``BarrierTimeoutError`` past ``deadline``."""
-        ...
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

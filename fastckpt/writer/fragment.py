@@ -1,14 +1,10 @@
 """One process's chunks of a save, as columns, and the fragment that carries them to process 0.
 
-Every process's part of a save ends in the list of chunks it stored (or, for a RAM step,
-staged). That list is built as columns (:class:`ProcessChunks`, row by row through
-:class:`ChunkRows`), and process 0 merges every process's columns into the manifest's chunk
-tables (``writer.merge``). A single process merges its own columns directly: nothing is
-encoded. With several processes, each sends its columns to process 0 as a *fragment*
-(an object in storage for a persistent step, a key-value entry of the coordinator for a RAM
-step), which process 0 decodes once. A fragment is the manifest's chunk table encoding
-(:mod:`fastckpt.format.chunk_table`: binary columns, listed boxes) for one process's chunks
-of all its leaves, in a small JSON document::
+Each process builds the chunks it stored (or staged) as columns (:class:`ProcessChunks`, via
+:class:`ChunkRows`); process 0 merges them into the manifest's tables (``writer.merge``). A
+single process merges its own directly; with several, each sends a *fragment* (a storage
+object, or a coordinator entry for a RAM step): the chunk table encoding
+(:mod:`fastckpt.format.chunk_table`) of its chunks of all leaves, in a small JSON document::
 
     {"format_version": 3, "process": 3,
      "paths": [<key path of every array leaf, staged order>],
@@ -49,7 +45,6 @@ __all__ = [
     "CODE",
     "ChunkRows",
     "ProcessChunks",
-    "decode_fragment",
     "decode_fragments",
     "encode_fragment",
     "fragment_paths",
@@ -110,20 +105,10 @@ class ChunkRows:
 
     def build(self) -> ProcessChunks:
         """The chunks added so far."""
-        array, obj, offset, length, codec, crc, raw_crc = (
-            np.array(c, np.int64) for c in self._cols
-        )
-        return ProcessChunks(
-            objects=list(self._objects),
-            array=array,
-            boxes=np.array(self._boxes, np.int64),
-            object=obj,
-            offset=offset,
-            length=length,
-            codec=codec,
-            crc32c=crc,
-            raw_crc32c=raw_crc,
-        )
+        names = ("array", "object", "offset", "length", "codec", "crc32c", "raw_crc32c")
+        cols = {k: np.array(c, np.int64) for k, c in zip(names, self._cols)}
+        boxes = np.array(self._boxes, np.int64)
+        return ProcessChunks(objects=list(self._objects), boxes=boxes, **cols)
 
 
 def fragment_paths(staged: StagedSave) -> list[list[list[Any]]]:
@@ -151,24 +136,16 @@ def encode_fragment(chunks: ProcessChunks, staged: StagedSave, process_index: in
 def decode_fragments(
     fragments: Sequence[bytes | memoryview], staged: StagedSave
 ) -> list[ProcessChunks]:
-    """Every process's fragment decoded (:func:`decode_fragment`) against ``staged``'s arrays,
-    with the cyclic garbage collector paused (``fastckpt._pygc.paused_gc``)."""
+    """Every process's fragment's validated chunks, ``array`` as indices into
+    ``staged.arrays``, decoded with the cyclic garbage collector paused
+    (``fastckpt._pygc.paused_gc``). ``ManifestError`` (naming the fragment) on any flaw: not
+    JSON, another format version, a missing field or column, a column of the wrong length,
+    an index out of range, a path this tree lacks, a value beyond its field's range (crc32c
+    > 2**32 - 1, offsets and box bounds > 2**63 - 1)."""
     paths = fragment_paths(staged)
     ranks = np.asarray([len(a.shape) for a in staged.arrays], np.int64)
     with paused_gc():
         return [_decode(f, staged, paths, ranks, f"fragment {i}") for i, f in enumerate(fragments)]
-
-
-def decode_fragment(
-    data: bytes | memoryview, staged: StagedSave, what: str = "fragment"
-) -> ProcessChunks:
-    """A fragment's validated chunks, ``array`` as indices into ``staged.arrays``.
-    ``ManifestError`` (naming ``what``) on any flaw: not JSON, another format version, a
-    missing field or column, a column of the wrong length, an index out of range, a path this
-    tree lacks, a value beyond its field's range (crc32c > 2**32 - 1, offsets and box bounds
-    > 2**63 - 1)."""
-    ranks = np.asarray([len(a.shape) for a in staged.arrays], np.int64)
-    return _decode(data, staged, fragment_paths(staged), ranks, what)
 
 
 def _decode(

@@ -1,11 +1,7 @@
 """Process 0's merge of every process's chunks (``writer.fragment.ProcessChunks``) into the
-manifest's chunk tables.
-
-Process 0 merges at every checkpoint, RAM checkpoints included (every few steps). A
-pod-scale step has millions of chunks, so the merge works on columns with numpy and never
-builds a Python object per chunk: it groups the chunks by leaf, sorts each leaf's chunks
-into C order, recognises the grid (the table's ``"grid"``), and checks ranges, raw lengths
-and tiling on the arrays.
+manifest's chunk tables: on numpy columns, never a Python object per chunk (a pod-scale step
+has millions), grouping by leaf, sorting into C order, recognising the grid, and checking
+ranges, raw lengths and tiling.
 """
 
 from __future__ import annotations
@@ -28,15 +24,9 @@ __all__ = ["merge_chunks"]
 
 def merge_chunks(parts: Sequence[ProcessChunks], staged: StagedSave) -> dict[KeyPath, ChunkTable]:
     """Merge the processes' chunks into each array leaf's chunk table (by path), its chunks in
-    C order of their boxes (a grid when they form one). Every table indexes one object key
-    list (the manifest's ``"objects"``).
-
-    Raises ``ManifestError`` if a box lies outside its array, a raw chunk's length is not its
-    box's bytes, or a leaf's chunks do not tile it exactly (missing, overlapping or repeated
-    boxes).
-
-    The checks and the sort run once over all chunks of all leaves of one rank (numpy); per
-    leaf only the grid is recognised and the columns are sliced.
+    C order of their boxes (a grid when they form one), all indexing one object key list.
+    ``ManifestError`` if a box lies outside its array, a raw chunk's length is not its box's
+    bytes, or a leaf's chunks do not tile it exactly (missing, overlapping or repeated boxes).
     """
     with paused_gc():
         return _merge(parts, staged)
@@ -88,11 +78,8 @@ def _rank_group(
     order = np.lexsort((*boxes.T[::-1], array))
     mine, array, boxes = mine[order], array[order], boxes[order]
     starts, stops = boxes[:, 0::2], boxes[:, 1::2]
-    shapes = np.asarray([staged.arrays[i].shape for i in members], np.int64).reshape(
-        len(members), r
-    )
     shape_of = np.zeros((len(staged.arrays), r), np.int64)
-    shape_of[members] = shapes
+    shape_of[members] = np.reshape([staged.arrays[i].shape for i in members], (len(members), r))
     itemsize = np.asarray([dtype_from_name(a.dtype).itemsize for a in staged.arrays], np.int64)
     bad = ((starts > stops) | (stops > shape_of[array])).any(axis=1)
     if bad.any():

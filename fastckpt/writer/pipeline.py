@@ -1,14 +1,12 @@
 """The background half of a save: encode (zstd + crc32c) and upload, under a memory bound.
 
-Call order: :func:`write_chunks` runs on the fastckpt event loop after staging. Encoding runs
-on a thread pool (zstd and crc32c release the GIL); encoded chunks are packed into objects of
-about ``object_bytes`` and uploaded with bounded concurrency. Host memory beyond the staged
-copy is bounded by ``max_inflight_bytes``: a chunk's budget is taken before it is encoded
-(small chunks in batches of about 1 MiB, one thread hand-off each) and returned when the
-object holding it has been uploaded. Chunks that do not compress
-(saving less than ``SaveOptions.min_compression_gain``; decided from a 1 MiB trial for big
-chunks, so dense float weights cost no compression CPU) are stored raw, straight from the
-staging buffer.
+:func:`write_chunks` runs on the fastckpt event loop after staging. Encoding runs on a
+thread pool (small chunks in batches of about 1 MiB); encoded chunks are packed into objects
+of about ``object_bytes`` and uploaded with bounded concurrency. Host memory beyond the
+staged copy is bounded by ``max_inflight_bytes``: a chunk's budget is taken before it is
+encoded and returned once its object is uploaded. Chunks that save less than
+``SaveOptions.min_compression_gain`` (big ones judged by a 1 MiB trial) are stored raw,
+straight from the staging buffer.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ import zstandard
 from fastckpt._aio import ByteBudget
 from fastckpt._checksum import crc32c
 from fastckpt.format.layout import data_key
-from fastckpt.format.manifest import Box, Codec
+from fastckpt.format.manifest import Codec
 from fastckpt.options import SaveOptions
 from fastckpt.storage import Store
 from fastckpt.writer.fragment import ChunkRows, ProcessChunks
@@ -36,9 +34,6 @@ _BATCH_BYTES = 1 << 20
 """Chunks are handed to the encoder threads in batches of about this many bytes..."""
 _BATCH_CHUNKS = 256
 """...or of at most this many chunks."""
-_Row = tuple[int, Box, int, int, Codec, int, int]
-"""A chunk of an object being filled: array index, box, offset, length, codec, crc32c and
-raw crc32c."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -77,30 +72,22 @@ class _Encoder:
     ) -> EncodedChunk:
         if raw_crc is None:
             raw_crc = crc32c(raw)
-        if self._options.compression == "zstd" and raw.nbytes > 0:
-            cctx = getattr(self._local, "cctx", None)
-            if cctx is None:
-                cctx = self._local.cctx = zstandard.ZstdCompressor(level=self._options.zstd_level)
-            keep = 1.0 - self._options.min_compression_gain
-            if (
-                raw.nbytes > 4 * _TRIAL_BYTES
-                and len(cctx.compress(raw[:_TRIAL_BYTES])) > keep * _TRIAL_BYTES
-            ):
-                return EncodedChunk(
-                    array_index, item_index, raw, "raw", raw_crc, raw_crc, raw.nbytes
-                )
-            packed = cctx.compress(raw)
-            if len(packed) <= keep * raw.nbytes:
-                return EncodedChunk(
-                    array_index,
-                    item_index,
-                    memoryview(packed),
-                    "zstd",
-                    crc32c(packed),
-                    raw_crc,
-                    raw.nbytes,
-                )
-        return EncodedChunk(array_index, item_index, raw, "raw", raw_crc, raw_crc, raw.nbytes)
+        as_raw = EncodedChunk(array_index, item_index, raw, "raw", raw_crc, raw_crc, raw.nbytes)
+        if self._options.compression != "zstd" or raw.nbytes == 0:
+            return as_raw
+        cctx = getattr(self._local, "cctx", None)
+        if cctx is None:
+            cctx = self._local.cctx = zstandard.ZstdCompressor(level=self._options.zstd_level)
+        keep = 1.0 - self._options.min_compression_gain
+        trial = raw.nbytes > 4 * _TRIAL_BYTES
+        if trial and len(cctx.compress(raw[:_TRIAL_BYTES])) > keep * _TRIAL_BYTES:
+            return as_raw
+        packed = cctx.compress(raw)
+        if len(packed) > keep * raw.nbytes:
+            return as_raw
+        return EncodedChunk(
+            array_index, item_index, memoryview(packed), "zstd", crc32c(packed), raw_crc, raw.nbytes
+        )
 
 
 async def write_chunks(
@@ -149,8 +136,6 @@ async def write_chunks(
         await queue.put((loop.run_in_executor(executor, encode_batch, batch), charged))
 
     async def produce() -> None:
-        # Small chunks go to the encoder in batches (one executor job per ~1 MiB, not per
-        # chunk: a thread hand-off per 16 KiB shard cost more than encoding it).
         batch: list[tuple[int, int, memoryview, int | None]] = []
         nbytes = 0
         for ai, ii, raw in staged.chunk_views():
@@ -163,21 +148,25 @@ async def write_chunks(
             await submit(batch, nbytes)
         await queue.put(None)
 
-    async def upload(key: str, parts: list[memoryview], charged: int, rows: list[_Row]) -> None:
+    async def upload(
+        key: str, parts: list[memoryview], charged: int, rows: list[tuple[int, EncodedChunk]]
+    ) -> None:
         try:
             async with upload_slots:
                 t0 = loop.time()
                 await store.put(key, parts, mode="overwrite")
                 stats.upload_s += loop.time() - t0
-            for ai, box, offset, length, codec, crc, raw_crc in rows:
-                result.add(ai, box, key, offset, length, codec, crc, raw_crc)
+            for offset, c in rows:  # (offset in the object, chunk)
+                box = staged.arrays[c.array_index].items[c.item_index].box
+                nbytes = c.stored.nbytes
+                result.add(c.array_index, box, key, offset, nbytes, c.codec, c.crc32c, c.raw_crc32c)
             stats.objects += 1
         finally:
             await budget.release(charged)
 
     async def consume() -> None:
         parts: list[memoryview] = []
-        rows: list[_Row] = []
+        rows: list[tuple[int, EncodedChunk]] = []
         size = charged_total = 0
 
         def flush() -> None:
@@ -212,18 +201,7 @@ async def write_chunks(
                 await budget.release(charged - keep)
             charged_total += keep
             for enc in encoded:
-                item = staged.arrays[enc.array_index].items[enc.item_index]
-                rows.append(
-                    (
-                        enc.array_index,
-                        item.box,
-                        size,
-                        enc.stored.nbytes,
-                        enc.codec,
-                        enc.crc32c,
-                        enc.raw_crc32c,
-                    )
-                )
+                rows.append((size, enc))
                 parts.append(enc.stored)
                 size += enc.stored.nbytes
                 stats.raw_bytes += enc.raw_length
