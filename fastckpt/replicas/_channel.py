@@ -27,12 +27,19 @@ from typing import Any, Literal
 
 import crc32c as _crc32c
 
-from fastckpt.errors import FrameAuthenticationError, PeerUnavailableError, ProtocolError
+from fastckpt.errors import (
+    ConfigError,
+    FrameAuthenticationError,
+    PeerUnavailableError,
+    ProtocolError,
+    RamBudgetError,
+    StaleStepError,
+)
 from fastckpt.replicas import _wire as wire
 from fastckpt.replicas import _wire_auth as wire_auth
 from fastckpt.replicas._wire import MsgType
 
-__all__ = ["Channel", "recv_exact", "send_all"]
+__all__ = ["Channel", "recv_exact", "refusal_code", "refuse", "send_all"]
 
 _WINDOW = 4 << 20  # received bytes are checksummed and MAC-ed in windows still in cache
 _SEND_PIECE = 4 << 20  # sent in pieces: MAC-ed while in cache; the timeout bounds a stall
@@ -70,6 +77,19 @@ def send_all(sock: socket.socket, data: bytes | memoryview, what: str) -> None:
         sock.sendall(data)
     except OSError as e:
         raise PeerUnavailableError(f"send of {what} failed: {e!r}") from e
+
+
+def refusal_code(e: ConfigError | StaleStepError) -> str:
+    """The ERROR code refusing a request that the tier refused with ``e``."""
+    if isinstance(e, StaleStepError):
+        return "stale_step"
+    return "budget" if isinstance(e, RamBudgetError) else "bad_request"
+
+
+def refuse(chan: Channel, code: str, message: str) -> bool:
+    """Answer ERROR ``code`` (the message cut to 1000 chars); True: the connection goes on."""
+    chan.send(MsgType.ERROR, {"code": code, "message": message[:1000]})
+    return True
 
 
 def _recv_windows(sock: socket.socket, view: memoryview, mac: Any) -> int:

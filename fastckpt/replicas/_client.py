@@ -298,14 +298,6 @@ class PeerClient:
         """Sorted steps the peer holds any data for."""
         return self.step_lists().steps
 
-    def committed_steps(self) -> list[int]:
-        """Sorted steps committed on the peer (it holds their manifest or a commit record)."""
-        return self.step_lists().committed
-
-    def manifest_steps(self) -> list[int]:
-        """Sorted steps whose manifest the peer holds."""
-        return self.step_lists().manifests
-
     def step_lists(self) -> StepLists:
         """All three step lists of the peer, in one request."""
 

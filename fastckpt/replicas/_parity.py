@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 
 from fastckpt._checksum import crc32c
-from fastckpt.errors import ConfigError, PeerError, RamBudgetError, StaleStepError
-from fastckpt.replicas._channel import Channel
+from fastckpt.errors import ConfigError, PeerError, StaleStepError
+from fastckpt.replicas._channel import Channel, refusal_code, refuse
 from fastckpt.replicas._parity_client import ParityClient
 from fastckpt.replicas._parity_layout import (
     PARITY_PREFIX,
@@ -229,7 +229,7 @@ class ParityService:
         if mtype is MsgType.GET_STREAM:
             view = self.store.stream(h["step"], h["anchor"])
             if view is None or h["stream_len"] > view.nbytes:
-                return _error(chan, "not_found", f"no stream of step {h['step']} here")
+                return refuse(chan, "not_found", f"no stream of step {h['step']} here")
             a = min(h["offset"], h["stream_len"])
             b = min(h["offset"] + h["length"], h["stream_len"])
             self._count("stream_bytes", b - a)
@@ -246,12 +246,8 @@ class ParityService:
             stored = self.store.add(
                 step, group, h["contributor"], h["stream_len"], h["part_size"], h["offset"], buf
             )
-        except StaleStepError as e:
-            return _error(chan, "stale_step", str(e))
-        except RamBudgetError as e:
-            return _error(chan, "budget", str(e))
-        except ConfigError as e:
-            return _error(chan, "bad_request", str(e))
+        except (StaleStepError, ConfigError) as e:  # (RamBudgetError is a ConfigError)
+            return refuse(chan, refusal_code(e), str(e))
         self._count("parity_bytes", plen)
         chan.send(MsgType.OK, {"stored": stored})
         return True
@@ -260,21 +256,21 @@ class ParityService:
         step, lost, u, n = h["step"], h["lost"], h["offset"], h["length"]
         hit = self.store.parity(step)
         if hit is None:
-            return _error(chan, "not_found", f"no complete parity of step {step} here")
+            return refuse(chan, "not_found", f"no complete parity of step {step} here")
         rec, pview = hit
         me = self.store.member
         covered = (h["stream_len"], part_size(h["stream_len"], len(rec.group)))
         if rec.contributors.get(lost) != covered:
-            return _error(chan, "not_found", f"the parity of step {step} does not cover {lost!r}")
+            return refuse(chan, "not_found", f"the parity of step {step} does not cover {lost!r}")
         size = rec.contributors[lost][1]
         if u + n > size:
-            return _error(chan, "bad_request", f"range {u}+{n} outside a {size}-byte part")
+            return refuse(chan, "bad_request", f"range {u}+{n} outside a {size}-byte part")
         try:
             anchors = json.loads(h["anchors"])
             if not isinstance(anchors, dict):
                 raise ValueError("not an object")
         except ValueError as e:
-            return _error(chan, "bad_request", f"bad anchors: {e}")
+            return refuse(chan, "bad_request", f"bad anchors: {e}")
         out = np.zeros(n, np.uint8)
         xor_into(out, pview[u : min(u + n, pview.nbytes)])
         jobs = []
@@ -289,7 +285,7 @@ class ParityService:
         peers = self._peers()
         missing = [x for x, *_ in jobs if x not in peers or not isinstance(anchors.get(x), str)]
         if missing:
-            return _error(chan, "not_found", f"survivors {missing} not reachable or not named")
+            return refuse(chan, "not_found", f"survivors {missing} not reachable or not named")
 
         def read(job: tuple[str, int, int, int]) -> np.ndarray | None:
             x, lo, count, stream_len = job
@@ -303,18 +299,13 @@ class ParityService:
         with ThreadPoolExecutor(max(1, len(jobs)), thread_name_prefix="fastckpt-rebuild") as ex:
             parts = list(ex.map(read, jobs))
         if any(p is None for p in parts):
-            return _error(chan, "not_found", f"a survivor's stream of step {step} is unreadable")
+            return refuse(chan, "not_found", f"a survivor's stream of step {step} is unreadable")
         for p in parts:
             assert p is not None
             xor_into(out, p)
         self._count("rebuilt_bytes", n)  # before the reply: a client that has it sees the count
         chan.send(MsgType.REBUILT, {}, [out.data])
         return True
-
-
-def _error(chan: Channel, code: str, message: str) -> bool:
-    chan.send(MsgType.ERROR, {"code": code, "message": message[:1000]})
-    return True
 
 
 class ParityPusher(PushHandles):

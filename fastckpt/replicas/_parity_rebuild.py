@@ -220,8 +220,9 @@ class ParityRebuilder:
 
 
 class ParityRebuilds:
-    """A :class:`ParityRebuilder` per RAM step, made on first use (the restore side's
-    ``TieredChunkSource(rebuild=...)``, which may fall back to older steps). Thread-safe.
+    """A :class:`ParityRebuilder` per RAM step, made on first use (:meth:`for_step` is the
+    restore side's ``TieredChunkSource(rebuild=...)``, which may fall back to older steps).
+    Thread-safe.
 
     Args:
         manifest_of: A RAM step's manifest (None: unknown).
@@ -267,29 +268,6 @@ class ParityRebuilds:
                 return self._steps[step]
             self._steps[step] = rb
         return rb
-
-    def covers(
-        self,
-        step: int,
-        manifest: Manifest,
-        chunk_ids: set[str],
-        known: Mapping[tuple[int, str], frozenset[str]] | None = None,
-    ) -> bool:
-        """Whether every chunk in ``chunk_ids`` of ``step`` can be rebuilt."""
-        rb = self.for_step(step, manifest, known)
-        return rb is not None and rb.covers(chunk_ids)
-
-    def rebuild(
-        self, step: int, chunk_id: str, raw_length: int, raw_crc32c: int, dst: np.ndarray
-    ) -> bool:
-        """:meth:`ParityRebuilder.rebuild` for ``step``; False when it has no manifest."""
-        rb = self.for_step(step)
-        return rb is not None and rb.rebuild(chunk_id, raw_length, raw_crc32c, dst)
-
-    def order(self, step: int, chunk_ids: Sequence[str]) -> list[int]:
-        """:meth:`ParityRebuilder.order` for ``step`` (positions unchanged without one)."""
-        rb = self.for_step(step)
-        return list(range(len(chunk_ids))) if rb is None else rb.order(chunk_ids)
 
     def reset(self) -> None:
         """Forget every step's rebuilder (a new restore: the records may have changed)."""

@@ -112,7 +112,9 @@ class StepSelection:
                     yield data
         rest = [c for m, c in peers.items() if m not in asked]
         held = [
-            c for c, has in self._ask_peers(lambda c: (c, step in c.manifest_steps()), rest) if has
+            c
+            for c, has in self._ask_peers(lambda c: (c, step in c.step_lists().manifests), rest)
+            if has
         ]
         random.shuffle(held)
         for client in held:
@@ -201,9 +203,10 @@ class StepSelection:
             rest = [c for c in rest if c.name not in holders]
         for ids in self._ask_peers(lambda c: self._listing(step, c), rest):
             missing -= ids
-        return not missing or (
-            self._parity is not None and self._parity.covers(step, manifest, missing, self._lists)
-        )
+        if not missing or self._parity is None:
+            return not missing
+        rb = self._parity.for_step(step, manifest, self._lists)
+        return rb is not None and rb.covers(missing)
 
     def _holders(self, step: int, keys: set[str], manifest: Manifest) -> set[str]:
         """Members that may hold the chunks stored under object ``keys`` of RAM step ``step``:
@@ -369,7 +372,8 @@ class StepSelection:
         chunk lists the selection fetched (later restores no longer see them: may be stale)."""
         peers = self._ordered_peers()
         known, self._lists = self._lists, {}
-        return TieredChunkSource(self.tier, peers, known_listings=known, rebuild=self._parity)
+        rebuild = None if self._parity is None else self._parity.for_step
+        return TieredChunkSource(self.tier, peers, known_listings=known, rebuild=rebuild)
 
 
 def _manifest_of(client: PeerClient, step: int) -> bytes | None:
