@@ -1,22 +1,15 @@
-"""Parity's tier side and pushes (``RamOptions(redundancy="parity")``; layout in
-:mod:`~fastckpt.replicas._parity_layout`).
+"""Parity's tier side and pushes (``RamOptions(redundancy="parity")``; layout:
+``_parity_layout``; protocol: ``docs/replicas.md``, "Parity").
 
-:class:`ParityStore` XORs each verified window of a contributor's part into an open, zeroed
-segment of the tier (under its budget; grown when a longer part arrives) and seals it under
-the reserved chunk id once every other member of the group contributed its whole part: a
-sealed parity is complete, survives a process restart and is dropped with its step. A window
-applied twice (a retried push) is applied once. An open parity is discarded when a newer
-step's opens (superseded) or its step is saved again (:meth:`ParityStore.discard_from`).
-
-:class:`ParityService` answers PUT_PARITY (a window; OK once applied), GET_STREAM (a range of
-this member's own stream) and REBUILD (a range of a lost member's part: this member's parity
-XOR the other survivors' matching ranges, read in parallel), so that a restoring host
-receives only the rebuilt bytes.
-
-:class:`ParityPusher` sends this member's parts after a commit: part ``k`` of its stream to
-the ``k``-th other member, in windows, zero-copy from the tier's mapping; ``submit`` returns
-at once, ``wait_idle()`` before staging the next RAM step, ``wait()`` for the reports; a
-failing target is recorded in the report (never raised); a newer submit cancels older ones.
+:class:`ParityStore` XORs verified windows into an open segment of the tier (under its
+budget) and seals it once every other member of the group contributed its whole part: a
+sealed parity is complete, survives a process restart and is dropped with its step; a window
+applied twice (a retried push) is applied once; an open parity is discarded when a newer
+step's opens or its step is saved again. :class:`ParityService` answers PUT_PARITY,
+GET_STREAM and REBUILD (a restoring host receives only the rebuilt bytes).
+:class:`ParityPusher` sends this member's parts after a commit, zero-copy from the tier, as
+:class:`~fastckpt.replicas._replicator.Replicator` pushes (a failing target is recorded in
+the report, never raised; a newer submit cancels older ones).
 """
 
 from __future__ import annotations
@@ -186,20 +179,12 @@ class ParityStore:
         self._known[step] = found
         return found[0], view
 
-    def stream(self, step: int, anchor: str) -> memoryview | None:
-        """This member's own stream of ``step``: the segment holding chunk ``anchor``."""
-        return None if anchor.startswith(PARITY_PREFIX) else self.tier.segment_of(step, anchor)
-
     def discard_from(self, step: int) -> None:
         """Discard the open parities of steps ``>= step`` (an abandoned timeline: the step is
-        saved again, its pushes start over)."""
+        saved again, its pushes start over; 0: all of them, on close)."""
         with self._lock:
             for s in [s for s in self._open if s >= step]:
                 self.tier.discard(self._open.pop(s).seg)
-
-    def close(self) -> None:
-        """Discard every open parity."""
-        self.discard_from(0)
 
 
 class ParityService:
@@ -227,7 +212,9 @@ class ParityService:
         if mtype is MsgType.PUT_PARITY:
             return self._put(chan, h, plen)
         if mtype is MsgType.GET_STREAM:
-            view = self.store.stream(h["step"], h["anchor"])
+            step, anchor = h["step"], h["anchor"]  # the own stream: the segment holding ``anchor``
+            own = not anchor.startswith(PARITY_PREFIX)
+            view = self.store.tier.segment_of(step, anchor) if own else None
             if view is None or h["stream_len"] > view.nbytes:
                 return refuse(chan, "not_found", f"no stream of step {h['step']} here")
             a = min(h["offset"], h["stream_len"])

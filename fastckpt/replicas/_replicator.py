@@ -1,15 +1,12 @@
-"""Background pushing of a sealed RAM step to this process's ring peers.
+"""Background pushing of a sealed RAM step to this process's ring peers (``docs/replicas.md``,
+"Failure handling").
 
 Call sequence: ``r = Replicator(tier, targets=...)`` → after each ``tier.seal(step, ...)``:
 ``r.submit(step)`` (returns at once; optionally with ``manifest=``) → ``r.wait()`` before
-exiting → ``r.close()``.
-
-Chunks leave straight from the tier's mmap (zero-copy); each target gets only the chunks it
-does not list, in ``PUT_CHUNKS`` batches over one pooled connection; up to ``concurrency``
-targets at once, at most ``max_inflight_bytes`` in flight. A failing target stops receiving
-this step (recorded in the report) without affecting the others; a newer step's submit
-cancels older pushes (superseded; the manager waits with :meth:`Replicator.wait_idle` first).
-Nothing raises into the training loop unless ``wait(raise_on_error=True)`` asks for it.
+exiting → ``r.close()``. Chunks leave zero-copy from the tier's mmap; each target gets only
+the chunks it does not list. A failing target stops receiving this step (recorded in the
+report) without affecting the others; a newer step's submit cancels older pushes. Nothing
+raises into the training loop unless ``wait(raise_on_error=True)`` asks for it.
 """
 
 from __future__ import annotations

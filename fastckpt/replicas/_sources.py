@@ -1,15 +1,9 @@
-"""Per-chunk source choice for a restore: own RAM tier, then peers, else persistent storage.
-
-:meth:`TieredChunkSource.fetch_many` fills each chunk's buffer, verified against the
-manifest's ``raw_crc32c``, from the first source with a good copy: this process's
-:class:`~fastckpt.replicas._ram.RamTier`; each peer in the given order (with ``use_listing``
-only peers whose chunk list, fetched once per step, names it); with parity a rebuild from
-the writer's group (tier ``"rebuilt"``); else None (the reader falls back to storage).
-
-Every failure (a miss, a corrupt copy, a timeout, a peer dying mid-transfer) falls through
-to the next source; a peer that was unreachable or spoke garbage is not asked again
-(``reset_peers`` forgets that). Stats record successful fetches per tier and every fallback
-with its reason. Thread-safe: the reader calls ``fetch_many`` from many threads.
+"""Per-chunk source choice for a restore (``docs/replicas.md``, "Failure handling"): own RAM
+tier, then peers in the given order (with ``use_listing`` only those whose chunk list names
+the chunk), then a parity rebuild (tier ``"rebuilt"``), else None (storage). Every copy is
+verified against the manifest's ``raw_crc32c``; every failure falls through to the next
+source, and a peer that was unreachable or spoke garbage is not asked again. Stats record
+successful fetches per tier and every fallback with its reason. Thread-safe.
 """
 
 from __future__ import annotations
@@ -260,8 +254,7 @@ class TieredChunkSource:
                     loc.length == length and loc.raw_crc32c == crc
                     for (_, length, crc), loc in zip(chunks, locs)
                 )
-            # a bad copy: the fetch that follows finds and records it
-            out.append(view if ok else None)
+            out.append(view if ok else None)  # a bad copy: the fetch that follows records it
             if ok:
                 nchunks += len(chunks)
                 nbytes += sum(c[1] for c in chunks)
@@ -280,12 +273,6 @@ class TieredChunkSource:
                 dead_peers=[self._peers[i].name for i in sorted(self._dead)],
                 listed_peers=[self._peers[i].name for i in self._listed_order],
             )
-
-    def reset_peers(self) -> None:
-        """Ask every peer again (forget dead peers and cached listings)."""
-        with self._lock:
-            self._dead.clear()
-            self._listings.clear()
 
     # ---------------------------------------------------------------- internals
 

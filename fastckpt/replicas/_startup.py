@@ -220,14 +220,10 @@ def _newest(blobs: Iterable[str | bytes]) -> dict[str, PeerRecord]:
 
 
 class PeerDirectory:
-    """Where the members of a job publish their :class:`PeerRecord` and find each other's.
-
-    * A job of several processes: the coordinator's key-value store,
-      ``fastckpt/<namespace>/peers/<process_index>``, written once per coordination-service
-      lifetime; :meth:`lookup` waits until every process published.
-    * A job of one process: objects ``_peers/<quoted member id>.json`` in the checkpoint
-      store, overwritten on republish (no read-modify-write: members never race), found by
-      whoever shares the checkpoint root.
+    """Where the members of a job publish their :class:`PeerRecord` and find each other's
+    (``docs/replicas.md``, "Discovery"): with several processes the coordinator's key-value
+    store (:meth:`lookup` waits until every process published), alone objects
+    ``_peers/<quoted member id>.json`` in the checkpoint store.
 
     Args:
         coordinator: The job's coordinator; its ``process_count`` chooses the place.
@@ -269,7 +265,7 @@ class PeerDirectory:
     def lookup(self) -> dict[str, PeerRecord]:
         """The newest record of every member that published (by ``published_unix``, ties by
         ``incarnation``; records that fail to parse are skipped), keyed and sorted by member
-        id. Several processes: blocks until all published (or times out).
+        id.
 
         Raises:
             BarrierTimeoutError: some process did not publish within the timeout.

@@ -282,18 +282,14 @@ class StepSelection:
         older_than: int | None = None,
         wanted: Callable[[Manifest], Mapping[str, str]] | None = None,
     ) -> StepChoice | None:
-        """Agree on the step to restore (collective): the newest RAM step newer than storage's
-        latest and older than ``older_than`` from which *every* process reaches every chunk it
-        needs; None when storage's latest should be used.
-
-        ``persistent_latest`` is storage's latest step, or a callable only process 0 calls
-        once its survey is done. Process 0 publishes the candidates with their manifests'
-        holders and relays; each process checks them, newest first, against
-        ``wanted(manifest)`` (the chunks its restore reads, chunk id -> object key; default:
-        all), then all exchange the newest each can restore, and those with a newer one check
-        the oldest named, until they agree. The chunk lists fetched serve :meth:`source`. An
-        error of ``wanted`` is raised on its process and as ``DistributedError`` on the
-        others; ``BarrierTimeoutError`` if a process does not take part within ``timeout_s``.
+        """Agree on the step to restore (collective; the rounds: ``docs/replicas.md``, "Which
+        step a restore uses"): the newest RAM step newer than storage's latest
+        (``persistent_latest``: the step, or a callable only process 0 calls) and older than
+        ``older_than`` from which *every* process reaches every chunk it needs
+        (``wanted(manifest)``: chunk id -> object key; default: all); None when storage's
+        latest should be used. The chunk lists fetched serve :meth:`source`. An error of
+        ``wanted`` is raised on its process and as ``DistributedError`` on the others;
+        ``BarrierTimeoutError`` if a process does not take part within ``timeout_s``.
         """
         coord = self._coord
         deadline = time.monotonic() + timeout_s

@@ -349,5 +349,5 @@ class RamReplication(StepSelection):
         if self._server is not None:
             self._server.close()
         if self._parity_store is not None:
-            self._parity_store.close()
+            self._parity_store.discard_from(0)
         self.tier.close()

@@ -1,21 +1,12 @@
-"""The peer wire protocol (version 2): length-prefixed binary frames with a strict JSON
-header, authenticated frame by frame; their encoding and strict decoding. No pickle. Pure: no
-sockets here (``_channel`` moves frames; the handshake and frame tags are in ``_wire_auth``).
-
-A frame is::
-
-    prefix      20 bytes, big-endian: magic b"FCKP" | version u8 | type u8 | flags u16 (= 0)
-                                      | header_len u32 | payload_len u64
-    header      header_len bytes of UTF-8 JSON: one object whose keys are exactly the fields
-                of the message type (see ``SCHEMAS``), no duplicates, no extras
-    header tag  16 bytes (after the handshake, with ``frame_mac``)
-    payload     payload_len raw bytes (only message types in ``PAYLOAD_TYPES`` may carry one)
-    payload tag 16 bytes (after the handshake, with ``frame_mac``, if payload_len > 0)
+"""The peer wire protocol (version 2; the frame layout: ``docs/replicas.md``, "Wire
+protocol"): length-prefixed frames with a JSON header of exactly its type's ``SCHEMAS`` fields,
+their encoding and strict decoding. No pickle, no sockets (``_channel`` moves frames; the
+handshake and frame tags are in ``_wire_auth``).
 
 Decoding is strict and bounded: a wrong magic, an unknown version, type or flag, a header or
-payload over the receiver's :class:`WireLimits`, invalid UTF-8/JSON, a missing, extra or
-ill-typed field, or a frame cut short all raise :class:`~fastckpt.errors.ProtocolError`, and
-nothing else.
+payload over the receiver's :class:`WireLimits`, invalid UTF-8/JSON, a duplicate, missing,
+extra or ill-typed field, or a frame cut short all raise
+:class:`~fastckpt.errors.ProtocolError`, and nothing else.
 """
 
 from __future__ import annotations
