@@ -62,8 +62,9 @@ _CLOSING_CODES = frozenset({"too_large", "bad_request", "internal", "auth_failed
 request, or a server fault): such a connection is not reused."""
 
 
-def _into(into: memoryview | np.ndarray) -> memoryview:
-    return (into.data if isinstance(into, np.ndarray) else memoryview(into)).cast("B")
+def _bytes_of(buf: memoryview | bytes | np.ndarray) -> memoryview:
+    """``buf``'s bytes in place, as a flat byte view."""
+    return (buf.data if isinstance(buf, np.ndarray) else memoryview(buf)).cast("B")
 
 
 class PeerClient:
@@ -148,7 +149,7 @@ class PeerClient:
         """
         _batched.check_stream(batch_chunks, window)
         ids = [wire.check_chunk_id(cid) for cid, _, _ in items]
-        dsts = [_into(i) for _, i, _ in items]
+        dsts = [_bytes_of(i) for _, i, _ in items]
         expected = [e for _, _, e in items]
 
         def receive(chan: Channel, h: dict[str, Any], plen: int, lo: int, hi: int) -> list[Outcome]:
@@ -192,7 +193,7 @@ class PeerClient:
         """
         _batched.check_stream(batch_chunks, window)
         ids = [wire.check_chunk_id(cid) for cid, *_ in items]
-        dsts = [_into(i) for _, i, *_ in items]
+        dsts = [_bytes_of(i) for _, i, *_ in items]
         expected = [e for _, _, e, _ in items]
         runs = [list(r) for *_, r in items]
         for cid, dst, rs in zip(ids, dsts, runs):
@@ -242,12 +243,7 @@ class PeerClient:
         if not chunks:
             return
         ids = [wire.check_chunk_id(cid) for cid, _, _ in chunks]
-        views = [
-            d.reshape(-1).view(np.uint8).data
-            if isinstance(d, np.ndarray)
-            else memoryview(d).cast("B")
-            for _, d, _ in chunks
-        ]
+        views = [_bytes_of(d) for _, d, _ in chunks]
         id_bytes = json.dumps(ids, separators=(",", ":")).encode()
         header = {
             "step": step,

@@ -1,12 +1,7 @@
 """Rebuilding a lost member's chunks of a RAM step from its group's parity (the restore side of
-``RamOptions(redundancy="parity")``; layout in :mod:`~fastckpt.replicas._parity_layout`).
-
-A chunk of writer ``i`` is rebuildable when every other member ``j`` of ``i``'s group (read
-from a holder's sealed parity record) holds a complete parity covering ``i`` with the stream
-length the manifest gives, and every other member with a non-empty stream still lists its
-own data (an anchor chunk). :meth:`ParityRebuilder.rebuild` asks each parity holder whose
-part the chunk overlaps for its rebuilt range; the assembled chunk is checked against the
-manifest's raw crc32c and never returned otherwise (``ChecksumMismatchError``).
+``RamOptions(redundancy="parity")``; ``docs/replicas.md``, "Parity"). A rebuilt chunk is
+checked against the manifest's raw crc32c and never returned otherwise
+(``ChecksumMismatchError``).
 """
 
 from __future__ import annotations
@@ -106,7 +101,9 @@ class ParityRebuilder:
         return None if found is None else found[0]
 
     def plan(self, writer: str) -> _Plan | None:
-        """How ``writer``'s chunks are rebuilt, or None when its group cannot (cached)."""
+        """How ``writer``'s chunks are rebuilt (cached); None when its group cannot: another
+        member lacks a complete parity covering it with the manifest's stream length, or a
+        survivor with a non-empty stream no longer lists its own data (its anchor chunk)."""
         with self._lock:
             if writer in self._plans:
                 return self._plans[writer]

@@ -75,12 +75,8 @@ def ring_successors(
         for m in walk:
             if len(picked) == k:
                 return picked
-            if m in picked:
-                continue
             d = dom(m)
-            if allow == "distinct" and (d == own or d in used):
-                continue
-            if allow == "foreign" and d == own:
+            if m in picked or (allow != "any" and d == own) or (allow == "distinct" and d in used):
                 continue
             picked.append(m)
             used.add(d)

@@ -76,15 +76,11 @@ class PeerServer:
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = threading.Event()
-        self.stats: dict[str, int] = {
-            "connections": 0,
-            "auth_failures": 0,
-            "frame_auth_failures": 0,
-            "protocol_errors": 0,
-            "requests": 0,
-            "bytes_sent": 0,
-            "bytes_received": 0,
-        }
+        self.stats: dict[str, int] = dict.fromkeys(
+            ("connections", "auth_failures", "frame_auth_failures", "protocol_errors")
+            + ("requests", "bytes_sent", "bytes_received"),
+            0,
+        )
 
     @property
     def address(self) -> tuple[str, int]:

@@ -170,10 +170,7 @@ class PeerRecord:
                 raise ValueError("unknown record version")
             rec = cls(**d)
             ok = (
-                isinstance(rec.member_id, str)
-                and rec.member_id
-                and isinstance(rec.host, str)
-                and rec.host
+                all(isinstance(v, str) and v for v in (rec.member_id, rec.host))
                 and type(rec.port) is int
                 and 0 < rec.port < 65536
                 and isinstance(rec.incarnation, str)

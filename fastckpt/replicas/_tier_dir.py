@@ -80,10 +80,8 @@ def claim_tier_dir(root: str | Path) -> Path:
                 f"(mode {stat.S_IMODE(st.st_mode):o}), so others could replace the tier's directory"
             )
     path.parent.mkdir(parents=True, exist_ok=True)
-    try:
+    with contextlib.suppress(FileExistsError):
         os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode):
         raise ConfigError(
