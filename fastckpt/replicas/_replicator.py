@@ -15,10 +15,10 @@ import collections
 import dataclasses
 import functools
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from fastckpt.errors import ConfigError, ReplicationError, ReplicationTimeoutError
 from fastckpt.replicas._client import PeerClient
@@ -256,12 +256,13 @@ class Replicator:
         self._tier = tier
         self.options = options or ReplicatorOptions()
         self._targets: dict[str, PeerClient] = dict(targets or {})
-        self._queue: queue.Queue[tuple[ReplicationHandle, str, PeerClient] | None] = queue.Queue()
+        self._pool = ThreadPoolExecutor(
+            self.options.concurrency, thread_name_prefix="fastckpt-replicator"
+        )
         self._pushes = PushHandles("push", max_reports=self.options.max_reports)
         self._lock = threading.Lock()
         self._budget = threading.Condition()
         self._inflight = 0
-        self._threads: list[threading.Thread] = []
         self._closed = False
         self._totals = dict.fromkeys(("steps", "chunks_pushed", "bytes_pushed", "failures"), 0)
 
@@ -283,12 +284,8 @@ class Replicator:
             handle = ReplicationHandle(step, ids, manifest, tuple(sorted(targets)))
             self._pushes.add(handle)
             self._totals["steps"] += 1
-            while len(self._threads) < min(self.options.concurrency, max(1, len(targets))):
-                t = threading.Thread(target=self._worker, name="fastckpt-replicator", daemon=True)
-                t.start()
-                self._threads.append(t)
-        for name in handle._targets:
-            self._queue.put((handle, name, targets[name]))
+            for name in handle._targets:
+                self._pool.submit(self._push, handle, name, targets[name])
         return handle
 
     def wait(
@@ -322,26 +319,15 @@ class Replicator:
     def close(self) -> None:
         """Stop the workers after finishing queued work. Idempotent."""
         with self._lock:
-            if self._closed:
-                return
             self._closed = True
-            threads = list(self._threads)
-        for _ in threads:
-            self._queue.put(None)
-        for t in threads:
-            t.join()
+        self._pool.shutdown(wait=True)
 
     # ---------------------------------------------------------------- workers
 
-    def _worker(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            handle, name, target = item
-            failed = handle._run(name, "push", functools.partial(self._push_all, handle, target))
-            with self._lock:
-                self._totals["failures"] += failed
+    def _push(self, handle: ReplicationHandle, name: str, target: PeerClient) -> None:
+        failed = handle._run(name, "push", functools.partial(self._push_all, handle, target))
+        with self._lock:
+            self._totals["failures"] += failed
 
     def _push_all(self, handle: ReplicationHandle, target: PeerClient) -> None:
         step = handle.step
