@@ -225,6 +225,7 @@ class FramePrefix:
 
 
 _U63 = (1 << 63) - 1
+_HEX = frozenset("0123456789abcdef")
 
 
 def spans_fit(spans: Iterable[tuple[int, int]], length: int) -> bool:
@@ -314,22 +315,16 @@ def _loads(raw: bytes | bytearray | memoryview, what: str) -> Any:
 
 
 def _check_value(kind: str, value: Any) -> bool:
+    if kind.endswith("[]"):
+        return type(value) is list and all(_check_value(kind[:-2], v) for v in value)
     if kind in ("u63", "u32"):
-        limit = _U63 if kind == "u63" else 0xFFFFFFFF
-        return type(value) is int and 0 <= value <= limit
+        return type(value) is int and 0 <= value <= (_U63 if kind == "u63" else 0xFFFFFFFF)
     if kind == "str":
         return type(value) is str and 0 < len(value) <= MAX_CHUNK_ID_CHARS and "\x00" not in value
     if kind == "msg":
         return type(value) is str and len(value) <= MAX_MESSAGE_CHARS
     if kind in ("nonce", "mac"):
-        return (
-            type(value) is str
-            and len(value) == 2 * NONCE_BYTES
-            and all(c in "0123456789abcdef" for c in value)
-        )
-    if kind in ("u63[]", "u32[]"):
-        limit = _U63 if kind == "u63[]" else 0xFFFFFFFF
-        return type(value) is list and all(type(v) is int and 0 <= v <= limit for v in value)
+        return type(value) is str and len(value) == 2 * NONCE_BYTES and _HEX.issuperset(value)
     if kind == "bool":
         return type(value) is bool
     raise AssertionError(kind)  # pragma: no cover - SCHEMAS is closed
