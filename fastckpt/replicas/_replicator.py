@@ -50,8 +50,7 @@ class ReplicatorOptions:
     """At most this many chunks per batch (bounds the request header)."""
     max_reports: int = 64
     """Steps whose reports are kept for :meth:`Replicator.wait`; beyond that the oldest
-    finished ones are forgotten at the next submit (logged, and counted in
-    :meth:`Replicator.stats`). Running pushes are never forgotten."""
+    finished ones are forgotten (counted in :meth:`Replicator.stats`), running ones never."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -254,7 +254,8 @@ class StepSelection:
 
     def _decode(self, step: int, data: bytes) -> Manifest:
         """``decode_manifest(data)``, reusing the last result for the same bytes; bytes that
-        decode are kept in the own tier when it held only the commit record."""
+        decode are kept in the own tier when it held only the commit record (this host then
+        serves them to later restores too)."""
         hit = self._decoded.get(step)
         if hit is not None and hit[0] == data:
             return hit[1]
@@ -262,16 +263,10 @@ class StepSelection:
         if manifest.step != step:
             raise ManifestError(f"the manifest held as RAM step {step}'s is step {manifest.step}'s")
         self._decoded = {step: (data, manifest)}  # the latest only: bounded
-        self._keep_copy(step, data)
-        return manifest
-
-    def _keep_copy(self, step: int, data: bytes) -> None:
-        """Store a valid manifest fetched from a peer when this tier holds only the step's
-        commit record (this host then serves it to later restores too)."""
-        tier = self.tier
-        if step in tier.committed_steps() and step not in tier.manifest_steps():
+        if step in self.tier.committed_steps() and step not in self.tier.manifest_steps():
             with contextlib.suppress(FastckptError):  # stale (retention moved on), budget, closed
-                tier.put_manifest(step, data)
+                self.tier.put_manifest(step, data)
+        return manifest
 
     def select_step(
         self,
