@@ -329,36 +329,25 @@ class ParityPusher(PushHandles):
             if target is None:
                 handle._target_done(holder, "not reachable (not in the peer directory)")
                 continue
-            push = functools.partial(
-                self._push, handle, target, list(group), me, stream, size, a, b
-            )
-            self._pool.submit(handle._run, holder, "parity push", push)
-        return handle
-
-    def _push(
-        self,
-        handle: ReplicationHandle,
-        target: ParityClient,
-        group: list[str],
-        me: str,
-        stream: memoryview,
-        size: int,
-        a: int,
-        b: int,
-    ) -> None:
-        for off in range(0, b - a, self.window_bytes) if b > a else range(1):
-            if handle._cancelled:
-                return
-            data = stream[a + off : min(a + off + self.window_bytes, b)]
-            target.put_parity(
-                handle.step,
-                group=group,
+            put = functools.partial(
+                target.put_parity,
+                step,
+                group=list(group),
                 contributor=me,
                 stream_len=stream.nbytes,
                 part_size=size,
-                offset=off,
-                data=data,
             )
+            push = functools.partial(self._push, handle, put, stream[a:b])
+            self._pool.submit(handle._run, holder, "parity push", push)
+        return handle
+
+    def _push(self, handle: ReplicationHandle, put: Callable[..., bool], part: memoryview) -> None:
+        """Send ``part`` in windows, ``put(offset=..., data=...)`` each (one, if empty)."""
+        for off in range(0, part.nbytes, self.window_bytes) if part.nbytes else range(1):
+            if handle._cancelled:
+                return
+            data = part[off : off + self.window_bytes]
+            put(offset=off, data=data)
             handle._record(nbytes=data.nbytes)
         handle._record(pushed=1)
 
