@@ -108,8 +108,6 @@ class RamTier(StepTable):
             self.close()
             raise
 
-    # ------------------------------------------------------------------ open / close
-
     def close(self) -> None:
         """Unmap everything and release the directory lock. Data stays on tmpfs. Idempotent."""
         with self._lock:
@@ -130,8 +128,6 @@ class RamTier(StepTable):
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
-
-    # ------------------------------------------------------------------ writing
 
     def allocate(self, step: int, nbytes: int, *, reserve: bool = True) -> Segment:
         """Reserve a new writable segment of ``nbytes`` for ``step`` (invisible until sealed).
@@ -336,8 +332,6 @@ class RamTier(StepTable):
         """Bytes held: sealed segments, manifests, unsealed allocations and spares."""
         with self._lock:
             return self._used()
-
-    # ------------------------------------------------------------------ internals
 
     def _check_open(self) -> None:
         if self._closed:

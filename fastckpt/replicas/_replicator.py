@@ -321,8 +321,6 @@ class Replicator:
             self._closed = True
         self._pool.shutdown(wait=True)
 
-    # ---------------------------------------------------------------- workers
-
     def _push(self, handle: ReplicationHandle, name: str, target: PeerClient) -> None:
         failed = handle._run(name, "push", functools.partial(self._push_all, handle, target))
         with self._lock:

@@ -274,8 +274,6 @@ class TieredChunkSource:
                 listed_peers=[self._peers[i].name for i in self._listed_order],
             )
 
-    # ---------------------------------------------------------------- internals
-
     def _fetch_own(
         self, step: int, cid: str, n: int, crc: int, dst: np.ndarray, runs: _Runs
     ) -> bool:

@@ -47,9 +47,6 @@ _MAX_PROBES = 32
 _SHOWN = 8
 
 
-# ------------------------------------------------------------------ address
-
-
 def split_host_port(address: str) -> tuple[str, int]:
     """``"host:port"`` or ``"[v6]:port"`` -> ``(host, port)``.
 
@@ -126,9 +123,6 @@ def _is_v6(address: str) -> bool:
         return ipaddress.ip_address(address.split("%", 1)[0]).version == 6
     except ValueError:
         return False
-
-
-# ------------------------------------------------------------------ records
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -213,9 +207,6 @@ def _newest(blobs: Iterable[str | bytes]) -> dict[str, PeerRecord]:
     return dict(sorted(out.items()))
 
 
-# ------------------------------------------------------------------ directory
-
-
 class PeerDirectory:
     """Where the members of a job publish their :class:`PeerRecord` and find each other's
     (``docs/replicas.md``, "Discovery"): with several processes the coordinator's key-value
@@ -290,9 +281,6 @@ class PeerDirectory:
                 except FileNotFoundError:  # deleted meanwhile
                     continue
         return out
-
-
-# ------------------------------------------------------------------ start-up check
 
 
 def check_push_targets(

@@ -1,9 +1,6 @@
-"""The restore side of :class:`~fastckpt.replicas._tiered.RamReplication` (internal).
-
-:meth:`StepSelection.select_step` (collective) agrees on the newest RAM step from which every
-process reaches the chunks it reads (own tier, or a peer's chunk list), its manifest from the
-nearest copy; :meth:`StepSelection.source` then reads each chunk from own RAM, then peers. A
-chunk corrupt in every copy still fails the step (the manager falls back on every process).
+"""The restore side of :class:`~fastckpt.replicas._tiered.RamReplication` (internal): which
+RAM step a restore uses, its manifest, and the chunk source. A chunk corrupt in every copy
+still fails the step (the manager falls back on every process).
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """A RAM tier's directory (internal): claiming it so that no other user can plant or swap its
-files, and its layout (``docs/replicas.md``, "Layout": ``.lock``, ``tmp/``, ``spare/``,
-``step-<N>/`` with ``<seg>.data``, ``<seg>.index.json`` written last as the seal, and
-``manifest.json`` or ``commit.json``).
+files, and its layout (``docs/replicas.md``, "Layout"; a segment's index is written last, as
+its seal).
 
 A restore trusts a tier's bytes once their crc32c matches, so the directory must be this
 user's alone: created ``0700``; an existing one refused when another user owns it, when group

@@ -147,7 +147,6 @@ class RamReplication(StepSelection):
                 me=f"{self.member_id} ({self.advertised[0]}:{self.advertised[1]})",
             )
 
-    # ------------------------------------------------------------------ peers
     def _peers(self) -> dict[str, ParityClient]:
         """Clients of every other published member (looked up once, then cached)."""
         if self._directory is None:
@@ -174,7 +173,6 @@ class RamReplication(StepSelection):
             peers[self.member_id] = self._self_client
         return peers
 
-    # ------------------------------------------------------------------ save
     def due(self, step: int) -> bool:
         """Whether ``step`` is a RAM checkpoint step."""
         return step % self.options.interval_steps == 0
@@ -329,7 +327,6 @@ class RamReplication(StepSelection):
         reports = [r for p in self._pushers() for r in p.wait(timeout_s)]
         return sorted(reports, key=lambda r: r.step)
 
-    # ------------------------------------------------------------------ restore (more: base)
     def holds_alone(self, manifest: Manifest) -> bool:
         """Whether ``manifest`` is of a RAM-only step (storage does not hold it)."""
         return manifest.metadata.get(_TIER_KEY) == self.name
