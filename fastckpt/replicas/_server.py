@@ -195,9 +195,7 @@ class PeerServer:
     def _last_word(conn: socket.socket, chan: Channel | None, code: str, message: str) -> None:
         """An ERROR before the connection closes (tagged once the handshake is done)."""
         with contextlib.suppress(PeerError, OSError):
-            (chan or Channel(conn, limits=wire.AUTH_LIMITS)).send(
-                MsgType.ERROR, {"code": code, "message": message}
-            )
+            refuse(chan or Channel(conn, limits=wire.AUTH_LIMITS), code, message)
 
     def _handle_one(self, chan: Channel) -> bool:
         """Serve one request; False ends the connection (the client closed it)."""

@@ -5,7 +5,6 @@ peers it pushes to (:func:`check_push_targets`)."""
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import json
 import math
 import socket
@@ -114,15 +113,7 @@ def peer_address(
         default = route_source_address(*split_host_port(service_address))
     if host is None:
         return default, default
-    bind = "::" if _is_v6(default) else "0.0.0.0"
-    return bind, default
-
-
-def _is_v6(address: str) -> bool:
-    try:
-        return ipaddress.ip_address(address.split("%", 1)[0]).version == 6
-    except ValueError:
-        return False
+    return ("::" if ":" in default else "0.0.0.0"), default  # (``default`` is an IP literal)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
