@@ -82,7 +82,6 @@ class RamTier(StepTable):
             )
         self.root = claim_tier_dir(root)
         self.budget_bytes = budget_bytes
-        self.keep_steps = keep_steps
         self._held_steps = keep_steps + (1 if replicated else 0)
         self._recycle = recycle
         self._lock = threading.RLock()

@@ -190,15 +190,10 @@ class PushHandles:
                         handle.step,
                     )
             self._handles.append(handle)
-            excess = len(self._handles) - self._max_reports
-            kept: collections.deque[ReplicationHandle] = collections.deque()
-            for h in self._handles:
-                if excess > 0 and h.done():
-                    excess -= 1
-                    self.forgotten += 1
-                else:
-                    kept.append(h)
-            self._handles = kept
+            excess = max(0, len(self._handles) - self._max_reports)
+            forget = {id(h) for h in [h for h in self._handles if h.done()][:excess]}  # oldest
+            self.forgotten += len(forget)
+            self._handles = collections.deque(h for h in self._handles if id(h) not in forget)
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Wait until every push added so far finished (done, failed or cancelled), keeping

@@ -342,12 +342,8 @@ class StepSelection:
         peers = self._peers()
         first = self._successors(max(1, self.options.replicas)) if peers else []
         listed = {name for _, name in self._lists}
-        rest = [m for m in peers if m not in first]
-        return (
-            [peers[m] for m in first]
-            + [peers[m] for m in rest if m in listed]
-            + [peers[m] for m in rest if m not in listed]
-        )
+        rest = sorted((m for m in peers if m not in first), key=lambda m: m not in listed)
+        return [peers[m] for m in first + rest]  # (the sort is stable)
 
     def _successors(self, k: int) -> list[str]:
         """This member's ``k`` ring successors among the published members (its push targets)."""

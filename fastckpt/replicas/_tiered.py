@@ -2,11 +2,11 @@
 
 Call order on a RAM save (all processes, SPMD): :meth:`RamReplication.allocate` (the staging
 buffer *is* the shared-memory segment) -> stage -> :meth:`commit` (:meth:`seal`, the commit
-round, in which process 0 stores the manifest only after every process sealed, then
-:meth:`publish`: commit here, push in the background); on failure :meth:`abort`. So a crash
-mid-save never leaves the job without a restorable RAM step. With ``redundancy="parity"``
-parity parts go to this member's group instead of copies (the manifest still goes to the
-ring successors). On restore: :meth:`select_step` -> :meth:`source` (:class:`StepSelection`).
+round, in which process 0 stores the manifest only after every process sealed, then commit
+here and push in the background); on failure :meth:`abort`. So a crash mid-save never leaves
+the job without a restorable RAM step. With ``redundancy="parity"`` parity parts go to this
+member's group instead of copies (the manifest still goes to the ring successors). On
+restore: :meth:`select_step` -> :meth:`source` (:class:`StepSelection`).
 """
 
 from __future__ import annotations
@@ -83,7 +83,6 @@ class RamReplication(StepSelection):
         self._sealed_ids: list[str] = []
         # the restore side's (StepSelection)
         self._decoded, self._needed, self._lists = {}, None, {}
-        self._held: int | None = None  # the step whose manifest commit() stored
         self._clients: dict[str, ParityClient] = {}
         self._parity: ParityRebuilds | None = None  # redundancy="parity" (with a peer service)
         self._parity_pusher: ParityPusher | None = None
@@ -241,13 +240,16 @@ class RamReplication(StepSelection):
     ) -> None:
         """:meth:`seal`, the commit round (fragments through the coordinator; process 0 stores the
         manifest first, and sends it to the others only without a peer service, else it travels
-        with its push), then :meth:`publish`."""
+        with its push), then commit the step here — the manifest, or a commit record where
+        other hosts hold it — and start the background peer push (with the manifest, if here)."""
         step = commit_round.step
         chunks = self.seal(step, commit_round.staged, raw_crcs)
+        held = False  # whether the commit round stored the manifest here
 
         def hold(manifest: bytes) -> None:
+            nonlocal held
             self.tier.put_manifest(step, manifest)
-            self._held = step
+            held = True
 
         manifest = commit_round.commit(
             chunks,
@@ -257,15 +259,9 @@ class RamReplication(StepSelection):
             validate=False,
             share=self._server is None,
         )
-        self.publish(step, manifest)
-
-    def publish(self, step: int, manifest: bytes | None) -> None:
-        """Commit the RAM step here — store ``manifest`` (unless the commit round did), or a
-        commit record when it is None (held by other hosts) — and start the background peer
-        push (with the manifest, when this process has it)."""
         if manifest is None:
             self.tier.mark_committed(step)  # with peers the tier also holds the previous step
-        elif self._held != step:
+        elif not held:
             self.tier.put_manifest(step, manifest)
         if self._replicator is None or self.options.replicas == 0:
             return
