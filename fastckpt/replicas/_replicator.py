@@ -163,8 +163,8 @@ class ReplicationHandle:
 
 
 class PushHandles:
-    """The handles of submitted pushes, oldest first (a :class:`Replicator`'s, a parity
-    pusher's): a newer step cancels older ones still running (superseded, logged); of the
+    """The handles of submitted pushes, oldest first (the base of :class:`Replicator` and the
+    parity pusher): a newer step cancels older ones still running (superseded, logged); of the
     finished ones only the newest ``max_reports`` are kept until :meth:`wait` takes them.
     Thread-safe."""
 
@@ -229,8 +229,9 @@ class PushHandles:
         return handles, None
 
 
-class Replicator:
-    """Pushes sealed steps of a :class:`RamTier` to peers on background threads.
+class Replicator(PushHandles):
+    """Pushes sealed steps of a :class:`RamTier` to peers on background threads (their handles:
+    the base class).
 
     Args:
         tier: This process's tier (chunks are read zero-copy from it).
@@ -253,8 +254,8 @@ class Replicator:
         self._pool = ThreadPoolExecutor(
             self.options.concurrency, thread_name_prefix="fastckpt-replicator"
         )
-        self._pushes = PushHandles("push", max_reports=self.options.max_reports)
-        self._lock = threading.Lock()
+        super().__init__("push", max_reports=self.options.max_reports)
+        self._state_lock = threading.Lock()  # targets, totals, closed (the base's: handles)
         self._budget = threading.Condition()
         self._inflight = 0
         self._closed = False
@@ -262,7 +263,7 @@ class Replicator:
 
     def set_targets(self, targets: Mapping[str, PeerClient]) -> None:
         """Targets for later submits (e.g. after a membership change)."""
-        with self._lock:
+        with self._state_lock:
             self._targets = dict(targets)
 
     def submit(
@@ -270,13 +271,13 @@ class Replicator:
     ) -> ReplicationHandle:
         """Queue pushing ``step``'s chunks (all of them by default), then ``manifest``, to every
         target. Never blocks on I/O. Older steps still being pushed are cancelled."""
-        with self._lock:
+        with self._state_lock:
             if self._closed:
                 raise ConfigError("Replicator is closed")
             ids = list(chunk_ids) if chunk_ids is not None else self._tier.chunk_ids(step)
             targets = dict(self._targets)
             handle = ReplicationHandle(step, ids, manifest, tuple(sorted(targets)))
-            self._pushes.add(handle)
+            self.add(handle)
             self._totals["steps"] += 1
             for name in handle._targets:
                 self._pool.submit(self._push, handle, name, targets[name])
@@ -292,33 +293,28 @@ class Replicator:
             ReplicationTimeoutError: pushes still running after ``timeout_s``.
             ReplicationError: ``raise_on_error`` and a report has errors.
         """
-        reports = self._pushes.wait(timeout_s)
+        reports = super().wait(timeout_s)
         failed = [r for r in reports if r.errors]
         if raise_on_error and failed:
             detail = "; ".join(f"step {r.step}: {r.errors}" for r in failed)
             raise ReplicationError(f"replication failed: {detail}", reports)
         return reports
 
-    def wait_idle(self, timeout_s: float | None = None) -> bool:
-        """Wait until every submitted push has finished (done, failed or cancelled), without
-        consuming the reports (:meth:`wait` still returns them). False on timeout."""
-        return self._pushes.wait_idle(timeout_s)
-
     def stats(self) -> dict[str, int]:
         """Totals since creation: steps submitted, chunks and bytes pushed, failed (step,
         target) pairs, reports forgotten unread (``ReplicatorOptions.max_reports``)."""
-        with self._lock:
-            return {**self._totals, "reports_forgotten": self._pushes.forgotten}
+        with self._state_lock:
+            return {**self._totals, "reports_forgotten": self.forgotten}
 
     def close(self) -> None:
         """Stop the workers after finishing queued work. Idempotent."""
-        with self._lock:
+        with self._state_lock:
             self._closed = True
         self._pool.shutdown(wait=True)
 
     def _push(self, handle: ReplicationHandle, name: str, target: PeerClient) -> None:
         failed = handle._run(name, "push", functools.partial(self._push_all, handle, target))
-        with self._lock:
+        with self._state_lock:
             self._totals["failures"] += failed
 
     def _push_all(self, handle: ReplicationHandle, target: PeerClient) -> None:
@@ -373,6 +369,6 @@ class Replicator:
                 self._inflight -= n
                 self._budget.notify_all()
         handle._record(pushed=len(batch), nbytes=n)
-        with self._lock:
+        with self._state_lock:
             self._totals["chunks_pushed"] += len(batch)
             self._totals["bytes_pushed"] += n

@@ -189,7 +189,7 @@ def test_reports_are_bounded_and_running_pushes_are_kept(make_tier: MakeTier) ->
     rep = Replicator(own, targets={"p": pusher}, options=ReplicatorOptions(max_reports=4))
     for step in range(1, 21):
         assert rep.submit(step).wait(10) is not None
-    assert len(rep._pushes._handles) == 4
+    assert len(rep._handles) == 4
     assert rep.stats() == {
         "steps": 20,
         "chunks_pushed": 20,
@@ -209,7 +209,7 @@ def test_reports_are_bounded_and_running_pushes_are_kept(make_tier: MakeTier) ->
     rep.set_targets({})
     for step in range(22, 31):
         rep.submit(step)
-    assert not held.done() and held in rep._pushes._handles and len(rep._pushes._handles) == 4
+    assert not held.done() and held in rep._handles and len(rep._handles) == 4
     pusher.release.set()
     reports = rep.wait(10)
     assert [r.step for r in reports] == [21, 28, 29, 30]
