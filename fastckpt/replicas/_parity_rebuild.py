@@ -117,12 +117,8 @@ class ParityRebuilder:
             return None
         hint = group_of(writer, self._hints) if any(writer in g for g in self._hints) else []
         order = [m for m in hint if m != writer] + [m for m in self._peers if m not in hint]
-        group: tuple[str, ...] | None = None
-        for m in order:
-            rec = self._record(m)
-            if rec is not None and writer in rec.group:
-                group = rec.group
-                break
+        records = (self._record(m) for m in order)  # the first that names the writer's group
+        group = next((r.group for r in records if r is not None and writer in r.group), None)
         if group is None:
             return None
         length = self._lengths[writer]

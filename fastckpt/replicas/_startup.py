@@ -4,6 +4,7 @@ peers it pushes to (:func:`check_push_targets`)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -267,10 +268,8 @@ class PeerDirectory:
         out = []
         for key in await self._store.list(_STORE_PREFIX):
             if key.endswith(".json"):
-                try:
+                with contextlib.suppress(FileNotFoundError):  # deleted meanwhile
                     out.append(bytes(await self._store.get(key)))
-                except FileNotFoundError:  # deleted meanwhile
-                    continue
         return out
 
 

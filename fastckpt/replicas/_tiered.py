@@ -151,9 +151,8 @@ class RamReplication(StepSelection):
         if self._directory is None:
             return {}
         if not self._clients:
-            for member, rec in self._directory.lookup().items():
-                if member != self.member_id:
-                    self._clients[member] = self._client(rec.address, member)
+            found = self._directory.lookup().items()
+            self._clients = {m: self._client(r.address, m) for m, r in found if m != self.member_id}
         return self._clients
 
     def _client(self, address: tuple[str, int], member: str) -> ParityClient:

@@ -333,12 +333,8 @@ def decode_header(msg_type: MsgType, raw: bytes | bytearray | memoryview) -> dic
 
 def decode_json_list(raw: bytes | bytearray | memoryview, *, count: int) -> list[str]:
     """Decode a CHUNK_LIST payload: a JSON array of exactly ``count`` non-empty strings."""
-    value = _loads(raw, "chunk list")
-    if (
-        type(value) is not list
-        or len(value) != count
-        or not all(_check_value("str", v) for v in value)
-    ):
+    value: list[str] = _loads(raw, "chunk list")  # (checked next)
+    if not (_check_value("str[]", value) and len(value) == count):
         raise ProtocolError(f"chunk list must be a JSON array of {count} chunk ids")
     return value
 
