@@ -147,7 +147,6 @@ class PeerClient:
                 connection is discarded; no item after the failure is done).
             ProtocolError: the peer's reply is malformed (the connection is discarded).
         """
-        _batched.check_stream(batch_chunks, window)
         ids = [wire.check_chunk_id(cid) for cid, _, _ in items]
         dsts = [_bytes_of(i) for _, i, _ in items]
         expected = [e for _, _, e in items]
@@ -191,7 +190,6 @@ class PeerClient:
         Raises:
             PeerUnavailableError, ProtocolError: As for :meth:`get_chunks`.
         """
-        _batched.check_stream(batch_chunks, window)
         ids = [wire.check_chunk_id(cid) for cid, *_ in items]
         dsts = [_bytes_of(i) for _, i, *_ in items]
         expected = [e for _, _, e, _ in items]
@@ -319,6 +317,7 @@ class PeerClient:
         """Ask for ``ids`` in batches ``[lo, hi)`` over one connection: ``mtype`` requests
         (``header(lo, hi)``, the ids as payload) sent up to ``window`` ahead of the replies,
         several in one send; ``receive(chan, header, payload_len, lo, hi)`` each reply."""
+        _batched.check_stream(batch_chunks, window)
         batches = _batched.batches(ids, sizes, batch_chunks, self.options.max_payload_bytes, runs)
         reply = MsgType.CHUNKS if mtype is MsgType.GET_CHUNKS else MsgType.RANGES
 

@@ -143,13 +143,9 @@ class ParityRebuilder:
 
     def covers(self, chunk_ids: set[str]) -> bool:
         """Whether every chunk in ``chunk_ids`` is rebuildable (as far as the records tell)."""
-        writers = set()
-        for cid in chunk_ids:
-            place = self._places.get(cid)
-            if place is None:
-                return False
-            writers.add(place.writer)
-        return all(self.plan(w) is not None for w in writers)
+        places = [self._places.get(cid) for cid in chunk_ids]
+        writers = {p.writer for p in places if p is not None}
+        return None not in places and all(self.plan(w) is not None for w in writers)
 
     def holder(self, chunk_id: str) -> str | None:
         """The parity holder asked for the start of ``chunk_id`` (None: not rebuildable)."""
