@@ -27,12 +27,19 @@ from typing import Any, Literal
 
 import crc32c as _crc32c
 
-from fastckpt.errors import FrameAuthenticationError, PeerUnavailableError, ProtocolError
+from fastckpt.errors import (
+    ConfigError,
+    FrameAuthenticationError,
+    PeerUnavailableError,
+    ProtocolError,
+    RamBudgetError,
+    StaleStepError,
+)
 from fastckpt.replicas import _wire as wire
 from fastckpt.replicas import _wire_auth as wire_auth
 from fastckpt.replicas._wire import MsgType
 
-__all__ = ["Channel", "recv_exact", "send_all"]
+__all__ = ["Channel", "recv_exact", "refusal_code", "refuse", "send_all"]
 
 _WINDOW = 4 << 20  # received bytes are checksummed and MAC-ed in windows still in cache
 _SEND_PIECE = 4 << 20  # sent in pieces: MAC-ed while in cache; the timeout bounds a stall
@@ -70,6 +77,19 @@ def send_all(sock: socket.socket, data: bytes | memoryview, what: str) -> None:
         sock.sendall(data)
     except OSError as e:
         raise PeerUnavailableError(f"send of {what} failed: {e!r}") from e
+
+
+def refusal_code(e: ConfigError | StaleStepError) -> str:
+    """The ERROR code refusing a request that the tier refused with ``e``."""
+    if isinstance(e, StaleStepError):
+        return "stale_step"
+    return "budget" if isinstance(e, RamBudgetError) else "bad_request"
+
+
+def refuse(chan: Channel, code: str, message: str) -> bool:
+    """Answer ERROR ``code`` (the message cut to 1000 chars); True: the connection goes on."""
+    chan.send(MsgType.ERROR, {"code": code, "message": message[:1000]})
+    return True
 
 
 def _recv_windows(sock: socket.socket, view: memoryview, mac: Any) -> int:
@@ -112,13 +132,10 @@ def _recv_windows(sock: socket.socket, view: memoryview, mac: Any) -> int:
 
 class Channel:
     """An established peer connection: frames in both directions, tagged and verified when
-    the handshake agreed on ``frame_mac``.
-
-    Guarantees (``frame_mac``): a frame's header is decoded only after its tag verified; a
-    payload is whole and authentic once :meth:`end_payload` returned; every frame carries
-    its number in its tags, so one injected, altered, replayed, reordered or dropped fails.
-    Frames get their numbers in the order they are encoded: frames encoded together
-    (:meth:`send_frames`) leave in that order. Not thread-safe: one user at a time.
+    the handshake agreed on ``frame_mac`` (then a header is decoded only after its tag
+    verified, a payload is whole and authentic once :meth:`end_payload` returned, and a frame
+    injected, altered, replayed, reordered or dropped fails). Frames are numbered as they are
+    encoded and must leave in that order. Not thread-safe: one user at a time.
 
     Args:
         sock: The connected socket (the channel owns it: :meth:`close`).
@@ -212,18 +229,13 @@ class Channel:
         timeout_s: float | None = None,
         deadline: float | None = None,
     ) -> tuple[MsgType, dict[str, Any], int]:
-        """Receive the next frame's prefix, header and header tag; leave its payload.
+        """Receive the next frame's prefix, header and header tag: ``(type, header,
+        payload_len)``, the payload left for the caller (module docstring).
 
         The prefix is checked against the limits and ``allowed`` (other types raise
-        ``ProtocolError``) before anything else is read; the header is decoded only after its
-        tag verified. ``first_byte_timeout_s`` bounds the wait until the frame starts (e.g.
-        idle between requests), ``timeout_s`` each later receive (None: the socket's), and
-        ``deadline`` (``time.monotonic()``) the whole prefix and header.
-
-        Returns:
-            ``(type, header, payload_len)``; with ``payload_len > 0`` the caller must consume
-            exactly that many bytes (:meth:`recv_into`, :meth:`recv_bytes`, :meth:`drain`),
-            then call :meth:`end_payload` before using any of them.
+        ``ProtocolError``) before anything else is read. ``first_byte_timeout_s`` bounds the
+        wait until the frame starts (e.g. idle between requests), ``timeout_s`` each later
+        receive (None: the socket's), ``deadline`` (``time.monotonic()``) prefix and header.
 
         Raises:
             FrameAuthenticationError: the header tag does not verify.

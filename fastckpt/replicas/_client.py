@@ -62,8 +62,9 @@ _CLOSING_CODES = frozenset({"too_large", "bad_request", "internal", "auth_failed
 request, or a server fault): such a connection is not reused."""
 
 
-def _into(into: memoryview | np.ndarray) -> memoryview:
-    return (into.data if isinstance(into, np.ndarray) else memoryview(into)).cast("B")
+def _bytes_of(buf: memoryview | bytes | np.ndarray) -> memoryview:
+    """``buf``'s bytes in place, as a flat byte view."""
+    return (buf.data if isinstance(buf, np.ndarray) else memoryview(buf)).cast("B")
 
 
 class PeerClient:
@@ -146,9 +147,8 @@ class PeerClient:
                 connection is discarded; no item after the failure is done).
             ProtocolError: the peer's reply is malformed (the connection is discarded).
         """
-        _batched.check_stream(batch_chunks, window)
         ids = [wire.check_chunk_id(cid) for cid, _, _ in items]
-        dsts = [_into(i) for _, i, _ in items]
+        dsts = [_bytes_of(i) for _, i, _ in items]
         expected = [e for _, _, e in items]
 
         def receive(chan: Channel, h: dict[str, Any], plen: int, lo: int, hi: int) -> list[Outcome]:
@@ -190,9 +190,8 @@ class PeerClient:
         Raises:
             PeerUnavailableError, ProtocolError: As for :meth:`get_chunks`.
         """
-        _batched.check_stream(batch_chunks, window)
         ids = [wire.check_chunk_id(cid) for cid, *_ in items]
-        dsts = [_into(i) for _, i, *_ in items]
+        dsts = [_bytes_of(i) for _, i, *_ in items]
         expected = [e for _, _, e, _ in items]
         runs = [list(r) for *_, r in items]
         for cid, dst, rs in zip(ids, dsts, runs):
@@ -242,12 +241,7 @@ class PeerClient:
         if not chunks:
             return
         ids = [wire.check_chunk_id(cid) for cid, _, _ in chunks]
-        views = [
-            d.reshape(-1).view(np.uint8).data
-            if isinstance(d, np.ndarray)
-            else memoryview(d).cast("B")
-            for _, d, _ in chunks
-        ]
+        views = [_bytes_of(d) for _, d, _ in chunks]
         id_bytes = json.dumps(ids, separators=(",", ":")).encode()
         header = {
             "step": step,
@@ -298,14 +292,6 @@ class PeerClient:
         """Sorted steps the peer holds any data for."""
         return self.step_lists().steps
 
-    def committed_steps(self) -> list[int]:
-        """Sorted steps committed on the peer (it holds their manifest or a commit record)."""
-        return self.step_lists().committed
-
-    def manifest_steps(self) -> list[int]:
-        """Sorted steps whose manifest the peer holds."""
-        return self.step_lists().manifests
-
     def step_lists(self) -> StepLists:
         """All three step lists of the peer, in one request."""
 
@@ -331,6 +317,7 @@ class PeerClient:
         """Ask for ``ids`` in batches ``[lo, hi)`` over one connection: ``mtype`` requests
         (``header(lo, hi)``, the ids as payload) sent up to ``window`` ahead of the replies,
         several in one send; ``receive(chan, header, payload_len, lo, hi)`` each reply."""
+        _batched.check_stream(batch_chunks, window)
         batches = _batched.batches(ids, sizes, batch_chunks, self.options.max_payload_bytes, runs)
         reply = MsgType.CHUNKS if mtype is MsgType.GET_CHUNKS else MsgType.RANGES
 

@@ -60,10 +60,6 @@ class PeerOptions:
     until ``idle_timeout_s``); more are refused with ``ERROR busy``."""
     pool_size: int = 8
     """Client: idle authenticated connections kept for reuse."""
-    socket_buffer_bytes: int | None = None
-    """SO_SNDBUF/SO_RCVBUF; None keeps the kernel's autotuning (fastest on loopback here)."""
-    accept_pushes: bool = True
-    """Server: accept PUT_CHUNKS/PUT_MANIFEST (peers replicating into this tier)."""
     frame_mac: bool = True
     """Authenticate every frame after the handshake (GMAC per header and payload). Both sides
     must agree: the flag is part of the authenticated handshake, and a mismatch fails it
@@ -81,10 +77,6 @@ class PeerOptions:
         for name in ("max_header_bytes", "max_payload_bytes", "max_connections", "pool_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)!r}")
-        if self.socket_buffer_bytes is not None and self.socket_buffer_bytes < 4096:
-            raise ConfigError(
-                f"socket_buffer_bytes must be >= 4096 or None, got {self.socket_buffer_bytes}"
-            )
 
     @property
     def limits(self) -> wire.WireLimits:
@@ -158,10 +150,7 @@ def client_handshake(
 def _plain(sock: socket.socket, options: PeerOptions) -> tuple[Channel, float]:
     """The untagged channel of a handshake (the socket tuned), and its deadline (for the
     whole handshake)."""
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    if options.socket_buffer_bytes is not None:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, options.socket_buffer_bytes)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, options.socket_buffer_bytes)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # buffers: kernel autotuning
     sock.settimeout(options.handshake_timeout_s)
     return Channel(sock, limits=wire.AUTH_LIMITS), time.monotonic() + options.handshake_timeout_s
 

@@ -1,12 +1,6 @@
-"""Getting a RAM step's manifest to every restoring host without all of them asking the same few.
-
-A RAM step's manifest is held by the host that built it and its ring successors (the
-*holders*); a host that committed the step with only a commit record serves it too once it
-fetched and checked it (a *relay*). Process 0 surveys the peers once and publishes, with the
-candidate steps, each step's holders and relays (:func:`encode_candidates`); each host then
-fetches from its parent in a tree rooted at the holders
-(:func:`~fastckpt.replicas._placement.relay_parent`, polled with :func:`wait_for_manifest`),
-falling back to the holders and then to asking every peer. Pure data and one polling helper.
+"""Getting a RAM step's manifest to every restoring host without all of them asking the same few
+(``docs/replicas.md``, "Where a RAM step's manifest lives"): who holds it (*holders*) and who
+serves it once fetched (*relays*), process 0's candidates message, and one polling helper.
 """
 
 from __future__ import annotations

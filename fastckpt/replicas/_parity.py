@@ -1,22 +1,15 @@
-"""Parity's tier side and pushes (``RamOptions(redundancy="parity")``; layout in
-:mod:`~fastckpt.replicas._parity_layout`).
+"""Parity's tier side and pushes (``RamOptions(redundancy="parity")``; layout:
+``_parity_layout``; protocol: ``docs/replicas.md``, "Parity").
 
-:class:`ParityStore` XORs each verified window of a contributor's part into an open, zeroed
-segment of the tier (under its budget; grown when a longer part arrives) and seals it under
-the reserved chunk id once every other member of the group contributed its whole part: a
-sealed parity is complete, survives a process restart and is dropped with its step. A window
-applied twice (a retried push) is applied once. An open parity is discarded when a newer
-step's opens (superseded) or its step is saved again (:meth:`ParityStore.discard_from`).
-
-:class:`ParityService` answers PUT_PARITY (a window; OK once applied), GET_STREAM (a range of
-this member's own stream) and REBUILD (a range of a lost member's part: this member's parity
-XOR the other survivors' matching ranges, read in parallel), so that a restoring host
-receives only the rebuilt bytes.
-
-:class:`ParityPusher` sends this member's parts after a commit: part ``k`` of its stream to
-the ``k``-th other member, in windows, zero-copy from the tier's mapping; ``submit`` returns
-at once, ``wait_idle()`` before staging the next RAM step, ``wait()`` for the reports; a
-failing target is recorded in the report (never raised); a newer submit cancels older ones.
+:class:`ParityStore` XORs verified windows into an open segment of the tier (under its
+budget) and seals it once every other member of the group contributed its whole part: a
+sealed parity is complete, survives a process restart and is dropped with its step; a window
+applied twice (a retried push) is applied once; an open parity is discarded when a newer
+step's opens or its step is saved again. :class:`ParityService` answers PUT_PARITY,
+GET_STREAM and REBUILD (a restoring host receives only the rebuilt bytes).
+:class:`ParityPusher` sends this member's parts after a commit, zero-copy from the tier, as
+:class:`~fastckpt.replicas._replicator.Replicator` pushes (a failing target is recorded in
+the report, never raised; a newer submit cancels older ones).
 """
 
 from __future__ import annotations
@@ -32,8 +25,8 @@ from typing import Any
 import numpy as np
 
 from fastckpt._checksum import crc32c
-from fastckpt.errors import ConfigError, PeerError, RamBudgetError, StaleStepError
-from fastckpt.replicas._channel import Channel
+from fastckpt.errors import ConfigError, PeerError, StaleStepError
+from fastckpt.replicas._channel import Channel, refusal_code, refuse
 from fastckpt.replicas._parity_client import ParityClient
 from fastckpt.replicas._parity_layout import (
     PARITY_PREFIX,
@@ -186,20 +179,12 @@ class ParityStore:
         self._known[step] = found
         return found[0], view
 
-    def stream(self, step: int, anchor: str) -> memoryview | None:
-        """This member's own stream of ``step``: the segment holding chunk ``anchor``."""
-        return None if anchor.startswith(PARITY_PREFIX) else self.tier.segment_of(step, anchor)
-
     def discard_from(self, step: int) -> None:
         """Discard the open parities of steps ``>= step`` (an abandoned timeline: the step is
-        saved again, its pushes start over)."""
+        saved again, its pushes start over; 0: all of them, on close)."""
         with self._lock:
             for s in [s for s in self._open if s >= step]:
                 self.tier.discard(self._open.pop(s).seg)
-
-    def close(self) -> None:
-        """Discard every open parity."""
-        self.discard_from(0)
 
 
 class ParityService:
@@ -227,9 +212,11 @@ class ParityService:
         if mtype is MsgType.PUT_PARITY:
             return self._put(chan, h, plen)
         if mtype is MsgType.GET_STREAM:
-            view = self.store.stream(h["step"], h["anchor"])
+            step, anchor = h["step"], h["anchor"]  # the own stream: the segment holding ``anchor``
+            own = not anchor.startswith(PARITY_PREFIX)
+            view = self.store.tier.segment_of(step, anchor) if own else None
             if view is None or h["stream_len"] > view.nbytes:
-                return _error(chan, "not_found", f"no stream of step {h['step']} here")
+                return refuse(chan, "not_found", f"no stream of step {h['step']} here")
             a = min(h["offset"], h["stream_len"])
             b = min(h["offset"] + h["length"], h["stream_len"])
             self._count("stream_bytes", b - a)
@@ -246,12 +233,8 @@ class ParityService:
             stored = self.store.add(
                 step, group, h["contributor"], h["stream_len"], h["part_size"], h["offset"], buf
             )
-        except StaleStepError as e:
-            return _error(chan, "stale_step", str(e))
-        except RamBudgetError as e:
-            return _error(chan, "budget", str(e))
-        except ConfigError as e:
-            return _error(chan, "bad_request", str(e))
+        except (StaleStepError, ConfigError) as e:  # (RamBudgetError is a ConfigError)
+            return refuse(chan, refusal_code(e), str(e))
         self._count("parity_bytes", plen)
         chan.send(MsgType.OK, {"stored": stored})
         return True
@@ -260,21 +243,21 @@ class ParityService:
         step, lost, u, n = h["step"], h["lost"], h["offset"], h["length"]
         hit = self.store.parity(step)
         if hit is None:
-            return _error(chan, "not_found", f"no complete parity of step {step} here")
+            return refuse(chan, "not_found", f"no complete parity of step {step} here")
         rec, pview = hit
         me = self.store.member
         covered = (h["stream_len"], part_size(h["stream_len"], len(rec.group)))
         if rec.contributors.get(lost) != covered:
-            return _error(chan, "not_found", f"the parity of step {step} does not cover {lost!r}")
+            return refuse(chan, "not_found", f"the parity of step {step} does not cover {lost!r}")
         size = rec.contributors[lost][1]
         if u + n > size:
-            return _error(chan, "bad_request", f"range {u}+{n} outside a {size}-byte part")
+            return refuse(chan, "bad_request", f"range {u}+{n} outside a {size}-byte part")
         try:
             anchors = json.loads(h["anchors"])
             if not isinstance(anchors, dict):
                 raise ValueError("not an object")
         except ValueError as e:
-            return _error(chan, "bad_request", f"bad anchors: {e}")
+            return refuse(chan, "bad_request", f"bad anchors: {e}")
         out = np.zeros(n, np.uint8)
         xor_into(out, pview[u : min(u + n, pview.nbytes)])
         jobs = []
@@ -289,7 +272,7 @@ class ParityService:
         peers = self._peers()
         missing = [x for x, *_ in jobs if x not in peers or not isinstance(anchors.get(x), str)]
         if missing:
-            return _error(chan, "not_found", f"survivors {missing} not reachable or not named")
+            return refuse(chan, "not_found", f"survivors {missing} not reachable or not named")
 
         def read(job: tuple[str, int, int, int]) -> np.ndarray | None:
             x, lo, count, stream_len = job
@@ -303,18 +286,13 @@ class ParityService:
         with ThreadPoolExecutor(max(1, len(jobs)), thread_name_prefix="fastckpt-rebuild") as ex:
             parts = list(ex.map(read, jobs))
         if any(p is None for p in parts):
-            return _error(chan, "not_found", f"a survivor's stream of step {step} is unreadable")
+            return refuse(chan, "not_found", f"a survivor's stream of step {step} is unreadable")
         for p in parts:
             assert p is not None
             xor_into(out, p)
         self._count("rebuilt_bytes", n)  # before the reply: a client that has it sees the count
         chan.send(MsgType.REBUILT, {}, [out.data])
         return True
-
-
-def _error(chan: Channel, code: str, message: str) -> bool:
-    chan.send(MsgType.ERROR, {"code": code, "message": message[:1000]})
-    return True
 
 
 class ParityPusher(PushHandles):
@@ -351,36 +329,25 @@ class ParityPusher(PushHandles):
             if target is None:
                 handle._target_done(holder, "not reachable (not in the peer directory)")
                 continue
-            push = functools.partial(
-                self._push, handle, target, list(group), me, stream, size, a, b
-            )
-            self._pool.submit(handle._run, holder, "parity push", push)
-        return handle
-
-    def _push(
-        self,
-        handle: ReplicationHandle,
-        target: ParityClient,
-        group: list[str],
-        me: str,
-        stream: memoryview,
-        size: int,
-        a: int,
-        b: int,
-    ) -> None:
-        for off in range(0, b - a, self.window_bytes) if b > a else range(1):
-            if handle._cancelled:
-                return
-            data = stream[a + off : min(a + off + self.window_bytes, b)]
-            target.put_parity(
-                handle.step,
-                group=group,
+            put = functools.partial(
+                target.put_parity,
+                step,
+                group=list(group),
                 contributor=me,
                 stream_len=stream.nbytes,
                 part_size=size,
-                offset=off,
-                data=data,
             )
+            push = functools.partial(self._push, handle, put, stream[a:b])
+            self._pool.submit(handle._run, holder, "parity push", push)
+        return handle
+
+    def _push(self, handle: ReplicationHandle, put: Callable[..., bool], part: memoryview) -> None:
+        """Send ``part`` in windows, ``put(offset=..., data=...)`` each (one, if empty)."""
+        for off in range(0, part.nbytes, self.window_bytes) if part.nbytes else range(1):
+            if handle._cancelled:
+                return
+            data = part[off : off + self.window_bytes]
+            put(offset=off, data=data)
             handle._record(nbytes=data.nbytes)
         handle._record(pushed=1)
 

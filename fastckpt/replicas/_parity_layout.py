@@ -1,17 +1,10 @@
-"""Parity groups and striping of a RAM step (``RamOptions(redundancy="parity")``): pure
-functions, no I/O.
+"""Parity groups and striping of a RAM step (``RamOptions(redundancy="parity")``; the layout:
+``docs/replicas.md``, "Parity"): pure functions, no I/O.
 
 A member's *stream* of a RAM step is its own segment's bytes ``[0, L)``, ``L`` the end of its
-last chunk. Groups are consecutive members of the ring (:func:`parity_groups`). In a group of
-``s`` members each splits its stream into ``s - 1`` parts of ``S = ceil(L/(s-1))`` bytes (the
-last ones shorter or empty); part ``k`` goes to the ``k``-th *other* member. Member ``j``
-holds ``P_j`` = XOR of the parts it received, zero-padded to the longest; a lost member's
-part ``k`` is ``P_j`` XOR the parts the other survivors sent to ``j`` (its ``k``-th other
-member): one loss per group is survived; a group of one member is unprotected.
-
-A member's parity is sealed in its tier as one chunk of the step under a reserved id
-(:func:`parity_chunk_id`: the group and each contributor's ``(L, S)``; never contains ``@``,
-which every manifest chunk id does).
+last chunk; in a group of ``s`` members its part ``k`` (``S = ceil(L/(s-1))`` bytes, the last
+ones shorter or empty) goes to the ``k``-th *other* member, which holds the XOR of the parts
+it received: one loss per group is survived; a group of one member is unprotected.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """Rebuilding a lost member's chunks of a RAM step from its group's parity (the restore side of
-``RamOptions(redundancy="parity")``; layout in :mod:`~fastckpt.replicas._parity_layout`).
-
-A chunk of writer ``i`` is rebuildable when every other member ``j`` of ``i``'s group (read
-from a holder's sealed parity record) holds a complete parity covering ``i`` with the stream
-length the manifest gives, and every other member with a non-empty stream still lists its
-own data (an anchor chunk). :meth:`ParityRebuilder.rebuild` asks each parity holder whose
-part the chunk overlaps for its rebuilt range; the assembled chunk is checked against the
-manifest's raw crc32c and never returned otherwise (``ChecksumMismatchError``).
+``RamOptions(redundancy="parity")``; ``docs/replicas.md``, "Parity"). A rebuilt chunk is
+checked against the manifest's raw crc32c and never returned otherwise
+(``ChecksumMismatchError``).
 """
 
 from __future__ import annotations
@@ -106,7 +101,9 @@ class ParityRebuilder:
         return None if found is None else found[0]
 
     def plan(self, writer: str) -> _Plan | None:
-        """How ``writer``'s chunks are rebuilt, or None when its group cannot (cached)."""
+        """How ``writer``'s chunks are rebuilt (cached); None when its group cannot: another
+        member lacks a complete parity covering it with the manifest's stream length, or a
+        survivor with a non-empty stream no longer lists its own data (its anchor chunk)."""
         with self._lock:
             if writer in self._plans:
                 return self._plans[writer]
@@ -120,12 +117,8 @@ class ParityRebuilder:
             return None
         hint = group_of(writer, self._hints) if any(writer in g for g in self._hints) else []
         order = [m for m in hint if m != writer] + [m for m in self._peers if m not in hint]
-        group: tuple[str, ...] | None = None
-        for m in order:
-            rec = self._record(m)
-            if rec is not None and writer in rec.group:
-                group = rec.group
-                break
+        records = (self._record(m) for m in order)  # the first that names the writer's group
+        group = next((r.group for r in records if r is not None and writer in r.group), None)
         if group is None:
             return None
         length = self._lengths[writer]
@@ -150,13 +143,9 @@ class ParityRebuilder:
 
     def covers(self, chunk_ids: set[str]) -> bool:
         """Whether every chunk in ``chunk_ids`` is rebuildable (as far as the records tell)."""
-        writers = set()
-        for cid in chunk_ids:
-            place = self._places.get(cid)
-            if place is None:
-                return False
-            writers.add(place.writer)
-        return all(self.plan(w) is not None for w in writers)
+        places = [self._places.get(cid) for cid in chunk_ids]
+        writers = {p.writer for p in places if p is not None}
+        return None not in places and all(self.plan(w) is not None for w in writers)
 
     def holder(self, chunk_id: str) -> str | None:
         """The parity holder asked for the start of ``chunk_id`` (None: not rebuildable)."""
@@ -220,8 +209,9 @@ class ParityRebuilder:
 
 
 class ParityRebuilds:
-    """A :class:`ParityRebuilder` per RAM step, made on first use (the restore side's
-    ``TieredChunkSource(rebuild=...)``, which may fall back to older steps). Thread-safe.
+    """A :class:`ParityRebuilder` per RAM step, made on first use (:meth:`for_step` is the
+    restore side's ``TieredChunkSource(rebuild=...)``, which may fall back to older steps).
+    Thread-safe.
 
     Args:
         manifest_of: A RAM step's manifest (None: unknown).
@@ -267,29 +257,6 @@ class ParityRebuilds:
                 return self._steps[step]
             self._steps[step] = rb
         return rb
-
-    def covers(
-        self,
-        step: int,
-        manifest: Manifest,
-        chunk_ids: set[str],
-        known: Mapping[tuple[int, str], frozenset[str]] | None = None,
-    ) -> bool:
-        """Whether every chunk in ``chunk_ids`` of ``step`` can be rebuilt."""
-        rb = self.for_step(step, manifest, known)
-        return rb is not None and rb.covers(chunk_ids)
-
-    def rebuild(
-        self, step: int, chunk_id: str, raw_length: int, raw_crc32c: int, dst: np.ndarray
-    ) -> bool:
-        """:meth:`ParityRebuilder.rebuild` for ``step``; False when it has no manifest."""
-        rb = self.for_step(step)
-        return rb is not None and rb.rebuild(chunk_id, raw_length, raw_crc32c, dst)
-
-    def order(self, step: int, chunk_ids: Sequence[str]) -> list[int]:
-        """:meth:`ParityRebuilder.order` for ``step`` (positions unchanged without one)."""
-        rb = self.for_step(step)
-        return list(range(len(chunk_ids))) if rb is None else rb.order(chunk_ids)
 
     def reset(self) -> None:
         """Forget every step's rebuilder (a new restore: the records may have changed)."""

@@ -1,12 +1,6 @@
-"""Where RAM replicas go: pure functions over member ids. No I/O, no state.
-
-Members are content-stable strings (e.g. ``"<host>/<slot>"``), never process indices.
-Optionally each belongs to a *failure domain* (its host, ``domain_of``); a replica in the
-writer's own domain is chosen only when nothing else is left. The ring deals members
-round-robin over the sorted domains (``h0/0, h1/0, h2/0, h0/1, ...``): with equally sized
-domains a member's next ``k`` neighbours lie in ``k`` distinct other domains (``k`` < the
-number of domains) and every member receives exactly ``k`` replicas. Without ``domain_of``
-the ring is the sorted member list.
+"""Where RAM replicas go (``docs/replicas.md``, "Placement"): pure functions over member ids,
+which are content-stable strings (e.g. ``"<host>/<slot>"``), never process indices, each
+optionally in a *failure domain* (its host, ``domain_of``). No I/O, no state.
 """
 
 from __future__ import annotations
@@ -34,8 +28,10 @@ def _members(members: Iterable[str]) -> list[str]:
 
 
 def ring_order(members: Iterable[str], *, domain_of: DomainOf | None = None) -> list[str]:
-    """The ring: members dealt round-robin across their sorted domains. Input order is
-    irrelevant."""
+    """The ring: members dealt round-robin across their sorted domains (``h0/0, h1/0, h2/0,
+    h0/1, ...``: with equally sized domains a member's next ``k`` neighbours lie in ``k``
+    distinct other domains, ``k`` < the number of domains); without ``domain_of`` the sorted
+    members. Input order is irrelevant."""
     ms = _members(members)
     if domain_of is None:
         return ms
@@ -75,12 +71,8 @@ def ring_successors(
         for m in walk:
             if len(picked) == k:
                 return picked
-            if m in picked:
-                continue
             d = dom(m)
-            if allow == "distinct" and (d == own or d in used):
-                continue
-            if allow == "foreign" and d == own:
+            if m in picked or (allow != "any" and d == own) or (allow == "distinct" and d in used):
                 continue
             picked.append(m)
             used.add(d)

@@ -1,25 +1,17 @@
-"""The RAM tier: raw chunk bytes of recent steps in shared-memory files, one directory per process.
+"""The RAM tier's write side: raw chunk bytes of recent steps in shared-memory files on tmpfs,
+one directory per process (they outlive the process, not the host; layout: ``_tier_dir``;
+read side: ``_step_table.StepTable``).
 
-Files live on tmpfs (e.g. ``/dev/shm/fastckpt/<namespace>/<slot>``): they outlive the process
-(a restarted one on the same host finds them), not the host. Layout:
-:mod:`~fastckpt.replicas._tier_dir`. This module is the write side;
-:class:`~fastckpt.replicas._step_table.StepTable` the read side.
-
-Guarantees:
-
-* Only sealed data is visible: a segment's index is written (atomic rename) after its data
-  file is in place; a process killed at any point leaves nothing half-visible.
-* Bytes held (sealed segments, manifests, unsealed allocations, spares) never exceed
-  ``budget_bytes``.
-* Retention: the newest ``keep_steps`` committed steps (with a manifest or a commit record)
-  are kept, with ``replicated=True`` one more (every host commits N together but pushes it
-  later, so a host lost in between leaves only N-1 complete on the survivors), and every
-  step newer than that floor. Under budget pressure an allocation for step S drops spares,
-  then whole steps older than S, oldest first.
+Guarantees (``docs/replicas.md``, "Retention and budget"): only sealed data is visible (a
+segment's index is renamed in after its data file: a process killed at any point leaves
+nothing half-visible); bytes held (sealed segments, manifests, unsealed allocations, spares)
+never exceed ``budget_bytes``; the newest ``keep_steps`` committed steps (with a manifest or a
+commit record) are kept, one more with ``replicated=True``, and every newer step; an
+allocation for step S frees spares, then whole steps older than S, oldest first.
 
 Call sequence for a save: ``seg = allocate(step, n)`` → fill ``seg.buffer`` →
-``seal(step, seg, index)`` (or ``discard(seg)``) → later ``put_manifest(step, manifest)``
-(or ``mark_committed(step)``).
+``seal(step, seg, index)`` (or ``discard(seg)``) → ``put_manifest(step, manifest)`` (or
+``mark_committed(step)``).
 
 Hazard: a budget below ``(keep_steps + 2) *`` one step's footprint (own chunks plus replicas
 held for peers; ``keep_steps + 1`` without ``replicated``) makes a new save evict a committed
@@ -67,15 +59,12 @@ class RamTier(StepTable):
 
     Args:
         root: Tier directory (created if missing); should be on tmpfs (``/dev/shm``).
-        budget_bytes: Upper bound of bytes held (see module docstring).
-        keep_steps: Committed steps to retain.
-        replicated: Hold one committed step beyond ``keep_steps`` (module docstring).
+        budget_bytes, keep_steps, replicated: See the module docstring.
         recycle: Keep freed segment files as spares for new allocations of similar size.
 
     Raises:
         ConfigError: bad arguments, another live process owns ``root``, or ``root`` is not
-            this user's alone (see ``_tier_dir``: a symlink, another owner, writable by
-            group or others, or an ancestor others could swap it in).
+            this user's alone (``_tier_dir.claim_tier_dir``).
     """
 
     def __init__(
@@ -93,7 +82,6 @@ class RamTier(StepTable):
             )
         self.root = claim_tier_dir(root)
         self.budget_bytes = budget_bytes
-        self.keep_steps = keep_steps
         self._held_steps = keep_steps + (1 if replicated else 0)
         self._recycle = recycle
         self._lock = threading.RLock()
@@ -119,8 +107,6 @@ class RamTier(StepTable):
             self.close()
             raise
 
-    # ------------------------------------------------------------------ open / close
-
     def close(self) -> None:
         """Unmap everything and release the directory lock. Data stays on tmpfs. Idempotent."""
         with self._lock:
@@ -141,8 +127,6 @@ class RamTier(StepTable):
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
-
-    # ------------------------------------------------------------------ writing
 
     def allocate(self, step: int, nbytes: int, *, reserve: bool = True) -> Segment:
         """Reserve a new writable segment of ``nbytes`` for ``step`` (invisible until sealed).
@@ -347,8 +331,6 @@ class RamTier(StepTable):
         """Bytes held: sealed segments, manifests, unsealed allocations and spares."""
         with self._lock:
             return self._used()
-
-    # ------------------------------------------------------------------ internals
 
     def _check_open(self) -> None:
         if self._closed:

@@ -1,15 +1,12 @@
-"""Background pushing of a sealed RAM step to this process's ring peers.
+"""Background pushing of a sealed RAM step to this process's ring peers (``docs/replicas.md``,
+"Failure handling").
 
 Call sequence: ``r = Replicator(tier, targets=...)`` → after each ``tier.seal(step, ...)``:
 ``r.submit(step)`` (returns at once; optionally with ``manifest=``) → ``r.wait()`` before
-exiting → ``r.close()``.
-
-Chunks leave straight from the tier's mmap (zero-copy); each target gets only the chunks it
-does not list, in ``PUT_CHUNKS`` batches over one pooled connection; up to ``concurrency``
-targets at once, at most ``max_inflight_bytes`` in flight. A failing target stops receiving
-this step (recorded in the report) without affecting the others; a newer step's submit
-cancels older pushes (superseded; the manager waits with :meth:`Replicator.wait_idle` first).
-Nothing raises into the training loop unless ``wait(raise_on_error=True)`` asks for it.
+exiting → ``r.close()``. Chunks leave zero-copy from the tier's mmap; each target gets only
+the chunks it does not list. A failing target stops receiving this step (recorded in the
+report) without affecting the others; a newer step's submit cancels older pushes. Nothing
+raises into the training loop unless ``wait(raise_on_error=True)`` asks for it.
 """
 
 from __future__ import annotations
@@ -18,10 +15,10 @@ import collections
 import dataclasses
 import functools
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from fastckpt.errors import ConfigError, ReplicationError, ReplicationTimeoutError
 from fastckpt.replicas._client import PeerClient
@@ -53,8 +50,7 @@ class ReplicatorOptions:
     """At most this many chunks per batch (bounds the request header)."""
     max_reports: int = 64
     """Steps whose reports are kept for :meth:`Replicator.wait`; beyond that the oldest
-    finished ones are forgotten at the next submit (logged, and counted in
-    :meth:`Replicator.stats`). Running pushes are never forgotten."""
+    finished ones are forgotten (counted in :meth:`Replicator.stats`), running ones never."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -167,8 +163,8 @@ class ReplicationHandle:
 
 
 class PushHandles:
-    """The handles of submitted pushes, oldest first (a :class:`Replicator`'s, a parity
-    pusher's): a newer step cancels older ones still running (superseded, logged); of the
+    """The handles of submitted pushes, oldest first (the base of :class:`Replicator` and the
+    parity pusher): a newer step cancels older ones still running (superseded, logged); of the
     finished ones only the newest ``max_reports`` are kept until :meth:`wait` takes them.
     Thread-safe."""
 
@@ -194,15 +190,10 @@ class PushHandles:
                         handle.step,
                     )
             self._handles.append(handle)
-            excess = len(self._handles) - self._max_reports
-            kept: collections.deque[ReplicationHandle] = collections.deque()
-            for h in self._handles:
-                if excess > 0 and h.done():
-                    excess -= 1
-                    self.forgotten += 1
-                else:
-                    kept.append(h)
-            self._handles = kept
+            excess = max(0, len(self._handles) - self._max_reports)
+            forget = {id(h) for h in [h for h in self._handles if h.done()][:excess]}  # oldest
+            self.forgotten += len(forget)
+            self._handles = collections.deque(h for h in self._handles if id(h) not in forget)
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Wait until every push added so far finished (done, failed or cancelled), keeping
@@ -238,8 +229,9 @@ class PushHandles:
         return handles, None
 
 
-class Replicator:
-    """Pushes sealed steps of a :class:`RamTier` to peers on background threads.
+class Replicator(PushHandles):
+    """Pushes sealed steps of a :class:`RamTier` to peers on background threads (their handles:
+    the base class).
 
     Args:
         tier: This process's tier (chunks are read zero-copy from it).
@@ -259,18 +251,19 @@ class Replicator:
         self._tier = tier
         self.options = options or ReplicatorOptions()
         self._targets: dict[str, PeerClient] = dict(targets or {})
-        self._queue: queue.Queue[tuple[ReplicationHandle, str, PeerClient] | None] = queue.Queue()
-        self._pushes = PushHandles("push", max_reports=self.options.max_reports)
-        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(
+            self.options.concurrency, thread_name_prefix="fastckpt-replicator"
+        )
+        super().__init__("push", max_reports=self.options.max_reports)
+        self._state_lock = threading.Lock()  # targets, totals, closed (the base's: handles)
         self._budget = threading.Condition()
         self._inflight = 0
-        self._threads: list[threading.Thread] = []
         self._closed = False
         self._totals = dict.fromkeys(("steps", "chunks_pushed", "bytes_pushed", "failures"), 0)
 
     def set_targets(self, targets: Mapping[str, PeerClient]) -> None:
         """Targets for later submits (e.g. after a membership change)."""
-        with self._lock:
+        with self._state_lock:
             self._targets = dict(targets)
 
     def submit(
@@ -278,20 +271,16 @@ class Replicator:
     ) -> ReplicationHandle:
         """Queue pushing ``step``'s chunks (all of them by default), then ``manifest``, to every
         target. Never blocks on I/O. Older steps still being pushed are cancelled."""
-        with self._lock:
+        with self._state_lock:
             if self._closed:
                 raise ConfigError("Replicator is closed")
             ids = list(chunk_ids) if chunk_ids is not None else self._tier.chunk_ids(step)
             targets = dict(self._targets)
             handle = ReplicationHandle(step, ids, manifest, tuple(sorted(targets)))
-            self._pushes.add(handle)
+            self.add(handle)
             self._totals["steps"] += 1
-            while len(self._threads) < min(self.options.concurrency, max(1, len(targets))):
-                t = threading.Thread(target=self._worker, name="fastckpt-replicator", daemon=True)
-                t.start()
-                self._threads.append(t)
-        for name in handle._targets:
-            self._queue.put((handle, name, targets[name]))
+            for name in handle._targets:
+                self._pool.submit(self._push, handle, name, targets[name])
         return handle
 
     def wait(
@@ -304,47 +293,29 @@ class Replicator:
             ReplicationTimeoutError: pushes still running after ``timeout_s``.
             ReplicationError: ``raise_on_error`` and a report has errors.
         """
-        reports = self._pushes.wait(timeout_s)
+        reports = super().wait(timeout_s)
         failed = [r for r in reports if r.errors]
         if raise_on_error and failed:
             detail = "; ".join(f"step {r.step}: {r.errors}" for r in failed)
             raise ReplicationError(f"replication failed: {detail}", reports)
         return reports
 
-    def wait_idle(self, timeout_s: float | None = None) -> bool:
-        """Wait until every submitted push has finished (done, failed or cancelled), without
-        consuming the reports (:meth:`wait` still returns them). False on timeout."""
-        return self._pushes.wait_idle(timeout_s)
-
     def stats(self) -> dict[str, int]:
         """Totals since creation: steps submitted, chunks and bytes pushed, failed (step,
         target) pairs, reports forgotten unread (``ReplicatorOptions.max_reports``)."""
-        with self._lock:
-            return {**self._totals, "reports_forgotten": self._pushes.forgotten}
+        with self._state_lock:
+            return {**self._totals, "reports_forgotten": self.forgotten}
 
     def close(self) -> None:
         """Stop the workers after finishing queued work. Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
+        with self._state_lock:
             self._closed = True
-            threads = list(self._threads)
-        for _ in threads:
-            self._queue.put(None)
-        for t in threads:
-            t.join()
+        self._pool.shutdown(wait=True)
 
-    # ---------------------------------------------------------------- workers
-
-    def _worker(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            handle, name, target = item
-            failed = handle._run(name, "push", functools.partial(self._push_all, handle, target))
-            with self._lock:
-                self._totals["failures"] += failed
+    def _push(self, handle: ReplicationHandle, name: str, target: PeerClient) -> None:
+        failed = handle._run(name, "push", functools.partial(self._push_all, handle, target))
+        with self._state_lock:
+            self._totals["failures"] += failed
 
     def _push_all(self, handle: ReplicationHandle, target: PeerClient) -> None:
         step = handle.step
@@ -398,6 +369,6 @@ class Replicator:
                 self._inflight -= n
                 self._budget.notify_all()
         handle._record(pushed=len(batch), nbytes=n)
-        with self._lock:
+        with self._state_lock:
             self._totals["chunks_pushed"] += len(batch)
             self._totals["bytes_pushed"] += n

@@ -11,9 +11,8 @@ import json
 import logging
 import socket
 import threading
-from collections.abc import Set
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any
 
 from fastckpt._checksum import crc32c
 from fastckpt.errors import (
@@ -28,26 +27,13 @@ from fastckpt.errors import (
 )
 from fastckpt.replicas import _connection
 from fastckpt.replicas import _wire as wire
-from fastckpt.replicas._channel import Channel
+from fastckpt.replicas._channel import Channel, refusal_code, refuse
 from fastckpt.replicas._connection import PeerOptions, check_secret, close_gracefully
+from fastckpt.replicas._parity import ParityService
 from fastckpt.replicas._ram import ChunkLocation, RamTier
 from fastckpt.replicas._wire import MsgType
 
-__all__ = ["PeerServer", "ServerExtension"]
-
-
-class ServerExtension(Protocol):
-    """More requests a server answers (e.g. ``_parity.ParityService``)."""
-
-    @property
-    def types(self) -> Set[MsgType]:
-        """The request types it serves."""
-        ...
-
-    def handle(self, chan: Channel, mtype: MsgType, h: dict[str, Any], plen: int) -> bool:
-        """Serve one request of ``types`` whose header was read; True: the connection goes on."""
-        ...
-
+__all__ = ["PeerServer"]
 
 _log = logging.getLogger(__name__)
 
@@ -62,12 +48,12 @@ class PeerServer:
     ``stats["frame_auth_failures"]``; the accept loop and other clients carry on.
 
     Args:
-        tier: The tier served (and written by PUT requests when ``options.accept_pushes``).
+        tier: The tier served (and written by PUT requests).
         secret: Shared secret (>= 16 bytes) for the handshake.
         host: Interface to bind (default loopback).
         port: TCP port; 0 picks a free one (see :attr:`address`).
         options: Timeouts and limits.
-        extension: Serves more request types (parity).
+        extension: Serves the parity requests.
     """
 
     def __init__(
@@ -78,7 +64,7 @@ class PeerServer:
         host: str = "127.0.0.1",
         port: int = 0,
         options: PeerOptions | None = None,
-        extension: ServerExtension | None = None,
+        extension: ParityService | None = None,
     ) -> None:
         self._tier = tier
         self._extension = extension
@@ -90,15 +76,11 @@ class PeerServer:
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = threading.Event()
-        self.stats: dict[str, int] = {
-            "connections": 0,
-            "auth_failures": 0,
-            "frame_auth_failures": 0,
-            "protocol_errors": 0,
-            "requests": 0,
-            "bytes_sent": 0,
-            "bytes_received": 0,
-        }
+        self.stats: dict[str, int] = dict.fromkeys(
+            ("connections", "auth_failures", "frame_auth_failures", "protocol_errors")
+            + ("requests", "bytes_sent", "bytes_received"),
+            0,
+        )
 
     @property
     def address(self) -> tuple[str, int]:
@@ -213,13 +195,7 @@ class PeerServer:
     def _last_word(conn: socket.socket, chan: Channel | None, code: str, message: str) -> None:
         """An ERROR before the connection closes (tagged once the handshake is done)."""
         with contextlib.suppress(PeerError, OSError):
-            (chan or Channel(conn, limits=wire.AUTH_LIMITS)).send(
-                MsgType.ERROR, {"code": code, "message": message}
-            )
-
-    def _error(self, chan: Channel, code: str, message: str) -> bool:
-        chan.send(MsgType.ERROR, {"code": code, "message": message[:1000]})
-        return True
+            refuse(chan or Channel(conn, limits=wire.AUTH_LIMITS), code, message)
 
     def _handle_one(self, chan: Channel) -> bool:
         """Serve one request; False ends the connection (the client closed it)."""
@@ -245,16 +221,14 @@ class PeerServer:
         elif mtype is MsgType.GET_MANIFEST:
             data = tier.get_manifest(h["step"])
             if data is None:
-                return self._error(chan, "not_found", f"no manifest for step {h['step']}")
+                return refuse(chan, "not_found", f"no manifest for step {h['step']}")
             chan.send(MsgType.MANIFEST, {}, [data])
         elif mtype is MsgType.PUT_MANIFEST:
             received = chan.recv_payload()  # verified before it is stored, or refused
-            if not o.accept_pushes:
-                return self._error(chan, "bad_request", "this peer does not accept pushes")
             try:
                 tier.put_manifest(h["step"], bytes(received))
             except (StaleStepError, RamBudgetError) as e:
-                return self._error(chan, _refusal_code(e), str(e))
+                return refuse(chan, refusal_code(e), str(e))
             chan.send(MsgType.OK, {"stored": True})
         elif mtype is MsgType.STEPS:
             chan.send(
@@ -334,7 +308,7 @@ class PeerServer:
         exceed the payload limit (the client then asks for fewer at a time)."""
         total = sum(v.nbytes for v in views)
         if total > self.options.max_payload_bytes:
-            return self._error(
+            return refuse(
                 chan,
                 "too_large",
                 f"a {msg_type.name} reply of {total} bytes exceeds "
@@ -360,16 +334,12 @@ class PeerServer:
             raise ProtocolError(f"PUT_CHUNKS: {ids_len}-byte id list for {count} chunks")
         raw = chan.recv_bytes(ids_len)  # the id list: decoded once the payload verified
         total = plen - ids_len
-        if not self.options.accept_pushes:
-            chan.drain(total)  # verified: a forged request gets no answer at all
-            chan.end_payload()
-            return self._error(chan, "bad_request", "this peer does not accept pushes")
         try:
             seg = self._tier.allocate(step, total)
         except (StaleStepError, RamBudgetError) as e:
-            chan.drain(total)
+            chan.drain(total)  # verified: a forged request gets no answer at all
             chan.end_payload()
-            return self._error(chan, _refusal_code(e), str(e))
+            return refuse(chan, refusal_code(e), str(e))
         with seg:  # discarded unless sealed
             offsets = list(itertools.accumulate(lengths, initial=0))
             got = [chan.recv_into(seg.buffer[a : a + n].data) for a, n in zip(offsets, lengths)]
@@ -378,7 +348,7 @@ class PeerServer:
             bad = [cid for cid, crc, g in zip(ids, crcs, got) if g != crc]
             self._count("bytes_received", total)
             if bad:
-                return self._error(
+                return refuse(
                     chan, "checksum_mismatch", f"{len(bad)} chunks arrived corrupt, e.g. {bad[0]!r}"
                 )
             index = {
@@ -387,7 +357,3 @@ class PeerServer:
             self._tier.seal(step, seg, index)
         chan.send(MsgType.OK, {"stored": True})
         return True
-
-
-def _refusal_code(e: Exception) -> str:
-    return "stale_step" if isinstance(e, StaleStepError) else "budget"

@@ -1,15 +1,9 @@
-"""Per-chunk source choice for a restore: own RAM tier, then peers, else persistent storage.
-
-:meth:`TieredChunkSource.fetch_many` fills each chunk's buffer, verified against the
-manifest's ``raw_crc32c``, from the first source with a good copy: this process's
-:class:`~fastckpt.replicas._ram.RamTier`; each peer in the given order (with ``use_listing``
-only peers whose chunk list, fetched once per step, names it); with parity a rebuild from
-the writer's group (tier ``"rebuilt"``); else None (the reader falls back to storage).
-
-Every failure (a miss, a corrupt copy, a timeout, a peer dying mid-transfer) falls through
-to the next source; a peer that was unreachable or spoke garbage is not asked again
-(``reset_peers`` forgets that). Stats record successful fetches per tier and every fallback
-with its reason. Thread-safe: the reader calls ``fetch_many`` from many threads.
+"""Per-chunk source choice for a restore (``docs/replicas.md``, "Failure handling"): own RAM
+tier, then peers in the given order (with ``use_listing`` only those whose chunk list names
+the chunk), then a parity rebuild (tier ``"rebuilt"``), else None (storage). Every copy is
+verified against the manifest's ``raw_crc32c``; every failure falls through to the next
+source, and a peer that was unreachable or spoke garbage is not asked again. Stats record
+successful fetches per tier and every fallback with its reason. Thread-safe.
 """
 
 from __future__ import annotations
@@ -18,7 +12,7 @@ import collections
 import dataclasses
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
@@ -34,7 +28,7 @@ from fastckpt.errors import (
     ProtocolError,
 )
 from fastckpt.replicas._client import PeerClient
-from fastckpt.replicas._parity_rebuild import ParityRebuilds
+from fastckpt.replicas._parity_rebuild import ParityRebuilder
 from fastckpt.replicas._ram import RamTier
 
 __all__ = ["SourceStats", "TieredChunkSource"]
@@ -95,7 +89,8 @@ class TieredChunkSource:
             they arrive).
         known_listings: Chunk lists already fetched, by ``(step, peer name)`` (the step
             selection's; read, never written, and consulted before asking a peer).
-        rebuild: Rebuilds chunks from parity, after the peers.
+        rebuild: A step's rebuilder of chunks from parity, tried after the peers (None:
+            none for that step).
     """
 
     def __init__(
@@ -106,7 +101,7 @@ class TieredChunkSource:
         use_listing: bool = True,
         verify: bool = True,
         known_listings: Mapping[tuple[int, str], frozenset[str]] | None = None,
-        rebuild: ParityRebuilds | None = None,
+        rebuild: Callable[[int], ParityRebuilder | None] | None = None,
     ) -> None:
         self._own = own
         self._rebuild = rebuild
@@ -204,13 +199,15 @@ class TieredChunkSource:
                 self._success(tier, got, time.perf_counter() - t0, chunks=nok)
         lost = [k for k in range(len(items)) if out[k] is None]
         if lost and self._rebuild is not None:
-            lost = [lost[i] for i in self._rebuild.order(step, [items[k][0] for k in lost])]
+            rb = self._rebuild(step)
+            if rb is not None:
+                lost = [lost[i] for i in rb.order([items[k][0] for k in lost])]
 
             # Several chunks at once: each asks only the holders of its parts, so one at a
             # time would leave the others idle between round trips.
             def rebuilt(k: int) -> bool:
                 cid, n, crc, _ = items[k]
-                return self._fetch_rebuilt(step, cid, n, crc, dsts[k], spans[k])
+                return self._fetch_rebuilt(rb, cid, n, crc, dsts[k], spans[k])
 
             with ThreadPoolExecutor(
                 min(_REBUILDS_IN_FLIGHT, len(lost)), thread_name_prefix="fastckpt-rebuild"
@@ -257,8 +254,7 @@ class TieredChunkSource:
                     loc.length == length and loc.raw_crc32c == crc
                     for (_, length, crc), loc in zip(chunks, locs)
                 )
-            # a bad copy: the fetch that follows finds and records it
-            out.append(view if ok else None)
+            out.append(view if ok else None)  # a bad copy: the fetch that follows records it
             if ok:
                 nchunks += len(chunks)
                 nbytes += sum(c[1] for c in chunks)
@@ -277,14 +273,6 @@ class TieredChunkSource:
                 dead_peers=[self._peers[i].name for i in sorted(self._dead)],
                 listed_peers=[self._peers[i].name for i in self._listed_order],
             )
-
-    def reset_peers(self) -> None:
-        """Ask every peer again (forget dead peers and cached listings)."""
-        with self._lock:
-            self._dead.clear()
-            self._listings.clear()
-
-    # ---------------------------------------------------------------- internals
 
     def _fetch_own(
         self, step: int, cid: str, n: int, crc: int, dst: np.ndarray, runs: _Runs
@@ -307,15 +295,13 @@ class TieredChunkSource:
         return True
 
     def _fetch_rebuilt(
-        self, step: int, cid: str, n: int, crc: int, dst: np.ndarray, runs: _Runs
+        self, rb: ParityRebuilder | None, cid: str, n: int, crc: int, dst: np.ndarray, runs: _Runs
     ) -> bool:
         """The chunk rebuilt from parity into ``dst`` (only ``runs`` of it, if given)."""
-        rb = self._rebuild
-        assert rb is not None
         t0 = time.perf_counter()
         buf = dst if runs is None else np.empty(n, np.uint8)
         try:
-            if not rb.rebuild(step, cid, n, crc, buf):
+            if rb is None or not rb.rebuild(cid, n, crc, buf):
                 self._fallback("rebuilt", cid, "miss", None)
                 return False
         except ChecksumMismatchError as e:

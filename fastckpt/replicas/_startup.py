@@ -4,8 +4,8 @@ peers it pushes to (:func:`check_push_targets`)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import ipaddress
 import json
 import math
 import socket
@@ -45,9 +45,6 @@ _RECORD_VERSION = 1
 _STORE_PREFIX = "_peers/"
 _MAX_PROBES = 32
 _SHOWN = 8
-
-
-# ------------------------------------------------------------------ address
 
 
 def split_host_port(address: str) -> tuple[str, int]:
@@ -117,18 +114,7 @@ def peer_address(
         default = route_source_address(*split_host_port(service_address))
     if host is None:
         return default, default
-    bind = "::" if _is_v6(default) else "0.0.0.0"
-    return bind, default
-
-
-def _is_v6(address: str) -> bool:
-    try:
-        return ipaddress.ip_address(address.split("%", 1)[0]).version == 6
-    except ValueError:
-        return False
-
-
-# ------------------------------------------------------------------ records
+    return ("::" if ":" in default else "0.0.0.0"), default  # (``default`` is an IP literal)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -170,10 +156,7 @@ class PeerRecord:
                 raise ValueError("unknown record version")
             rec = cls(**d)
             ok = (
-                isinstance(rec.member_id, str)
-                and rec.member_id
-                and isinstance(rec.host, str)
-                and rec.host
+                all(isinstance(v, str) and v for v in (rec.member_id, rec.host))
                 and type(rec.port) is int
                 and 0 < rec.port < 65536
                 and isinstance(rec.incarnation, str)
@@ -216,18 +199,11 @@ def _newest(blobs: Iterable[str | bytes]) -> dict[str, PeerRecord]:
     return dict(sorted(out.items()))
 
 
-# ------------------------------------------------------------------ directory
-
-
 class PeerDirectory:
-    """Where the members of a job publish their :class:`PeerRecord` and find each other's.
-
-    * A job of several processes: the coordinator's key-value store,
-      ``fastckpt/<namespace>/peers/<process_index>``, written once per coordination-service
-      lifetime; :meth:`lookup` waits until every process published.
-    * A job of one process: objects ``_peers/<quoted member id>.json`` in the checkpoint
-      store, overwritten on republish (no read-modify-write: members never race), found by
-      whoever shares the checkpoint root.
+    """Where the members of a job publish their :class:`PeerRecord` and find each other's
+    (``docs/replicas.md``, "Discovery"): with several processes the coordinator's key-value
+    store (:meth:`lookup` waits until every process published), alone objects
+    ``_peers/<quoted member id>.json`` in the checkpoint store.
 
     Args:
         coordinator: The job's coordinator; its ``process_count`` chooses the place.
@@ -269,7 +245,7 @@ class PeerDirectory:
     def lookup(self) -> dict[str, PeerRecord]:
         """The newest record of every member that published (by ``published_unix``, ties by
         ``incarnation``; records that fail to parse are skipped), keyed and sorted by member
-        id. Several processes: blocks until all published (or times out).
+        id.
 
         Raises:
             BarrierTimeoutError: some process did not publish within the timeout.
@@ -292,14 +268,9 @@ class PeerDirectory:
         out = []
         for key in await self._store.list(_STORE_PREFIX):
             if key.endswith(".json"):
-                try:
+                with contextlib.suppress(FileNotFoundError):  # deleted meanwhile
                     out.append(bytes(await self._store.get(key)))
-                except FileNotFoundError:  # deleted meanwhile
-                    continue
         return out
-
-
-# ------------------------------------------------------------------ start-up check
 
 
 def check_push_targets(

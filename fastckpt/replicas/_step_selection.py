@@ -1,9 +1,6 @@
-"""The restore side of :class:`~fastckpt.replicas._tiered.RamReplication` (internal).
-
-:meth:`StepSelection.select_step` (collective) agrees on the newest RAM step from which every
-process reaches the chunks it reads (own tier, or a peer's chunk list), its manifest from the
-nearest copy; :meth:`StepSelection.source` then reads each chunk from own RAM, then peers. A
-chunk corrupt in every copy still fails the step (the manager falls back on every process).
+"""The restore side of :class:`~fastckpt.replicas._tiered.RamReplication` (internal): which
+RAM step a restore uses, its manifest, and the chunk source. A chunk corrupt in every copy
+still fails the step (the manager falls back on every process).
 """
 
 from __future__ import annotations
@@ -112,7 +109,9 @@ class StepSelection:
                     yield data
         rest = [c for m, c in peers.items() if m not in asked]
         held = [
-            c for c, has in self._ask_peers(lambda c: (c, step in c.manifest_steps()), rest) if has
+            c
+            for c, has in self._ask_peers(lambda c: (c, step in c.step_lists().manifests), rest)
+            if has
         ]
         random.shuffle(held)
         for client in held:
@@ -201,9 +200,10 @@ class StepSelection:
             rest = [c for c in rest if c.name not in holders]
         for ids in self._ask_peers(lambda c: self._listing(step, c), rest):
             missing -= ids
-        return not missing or (
-            self._parity is not None and self._parity.covers(step, manifest, missing, self._lists)
-        )
+        if not missing or self._parity is None:
+            return not missing
+        rb = self._parity.for_step(step, manifest, self._lists)
+        return rb is not None and rb.covers(missing)
 
     def _holders(self, step: int, keys: set[str], manifest: Manifest) -> set[str]:
         """Members that may hold the chunks stored under object ``keys`` of RAM step ``step``:
@@ -251,7 +251,8 @@ class StepSelection:
 
     def _decode(self, step: int, data: bytes) -> Manifest:
         """``decode_manifest(data)``, reusing the last result for the same bytes; bytes that
-        decode are kept in the own tier when it held only the commit record."""
+        decode are kept in the own tier when it held only the commit record (this host then
+        serves them to later restores too)."""
         hit = self._decoded.get(step)
         if hit is not None and hit[0] == data:
             return hit[1]
@@ -259,16 +260,10 @@ class StepSelection:
         if manifest.step != step:
             raise ManifestError(f"the manifest held as RAM step {step}'s is step {manifest.step}'s")
         self._decoded = {step: (data, manifest)}  # the latest only: bounded
-        self._keep_copy(step, data)
-        return manifest
-
-    def _keep_copy(self, step: int, data: bytes) -> None:
-        """Store a valid manifest fetched from a peer when this tier holds only the step's
-        commit record (this host then serves it to later restores too)."""
-        tier = self.tier
-        if step in tier.committed_steps() and step not in tier.manifest_steps():
+        if step in self.tier.committed_steps() and step not in self.tier.manifest_steps():
             with contextlib.suppress(FastckptError):  # stale (retention moved on), budget, closed
-                tier.put_manifest(step, data)
+                self.tier.put_manifest(step, data)
+        return manifest
 
     def select_step(
         self,
@@ -279,18 +274,14 @@ class StepSelection:
         older_than: int | None = None,
         wanted: Callable[[Manifest], Mapping[str, str]] | None = None,
     ) -> StepChoice | None:
-        """Agree on the step to restore (collective): the newest RAM step newer than storage's
-        latest and older than ``older_than`` from which *every* process reaches every chunk it
-        needs; None when storage's latest should be used.
-
-        ``persistent_latest`` is storage's latest step, or a callable only process 0 calls
-        once its survey is done. Process 0 publishes the candidates with their manifests'
-        holders and relays; each process checks them, newest first, against
-        ``wanted(manifest)`` (the chunks its restore reads, chunk id -> object key; default:
-        all), then all exchange the newest each can restore, and those with a newer one check
-        the oldest named, until they agree. The chunk lists fetched serve :meth:`source`. An
-        error of ``wanted`` is raised on its process and as ``DistributedError`` on the
-        others; ``BarrierTimeoutError`` if a process does not take part within ``timeout_s``.
+        """Agree on the step to restore (collective; the rounds: ``docs/replicas.md``, "Which
+        step a restore uses"): the newest RAM step newer than storage's latest
+        (``persistent_latest``: the step, or a callable only process 0 calls) and older than
+        ``older_than`` from which *every* process reaches every chunk it needs
+        (``wanted(manifest)``: chunk id -> object key; default: all); None when storage's
+        latest should be used. The chunk lists fetched serve :meth:`source`. An error of
+        ``wanted`` is raised on its process and as ``DistributedError`` on the others;
+        ``BarrierTimeoutError`` if a process does not take part within ``timeout_s``.
         """
         coord = self._coord
         deadline = time.monotonic() + timeout_s
@@ -351,12 +342,8 @@ class StepSelection:
         peers = self._peers()
         first = self._successors(max(1, self.options.replicas)) if peers else []
         listed = {name for _, name in self._lists}
-        rest = [m for m in peers if m not in first]
-        return (
-            [peers[m] for m in first]
-            + [peers[m] for m in rest if m in listed]
-            + [peers[m] for m in rest if m not in listed]
-        )
+        rest = sorted((m for m in peers if m not in first), key=lambda m: m not in listed)
+        return [peers[m] for m in first + rest]  # (the sort is stable)
 
     def _successors(self, k: int) -> list[str]:
         """This member's ``k`` ring successors among the published members (its push targets)."""
@@ -369,7 +356,8 @@ class StepSelection:
         chunk lists the selection fetched (later restores no longer see them: may be stale)."""
         peers = self._ordered_peers()
         known, self._lists = self._lists, {}
-        return TieredChunkSource(self.tier, peers, known_listings=known, rebuild=self._parity)
+        rebuild = None if self._parity is None else self._parity.for_step
+        return TieredChunkSource(self.tier, peers, known_listings=known, rebuild=rebuild)
 
 
 def _manifest_of(client: PeerClient, step: int) -> bytes | None:

@@ -13,8 +13,6 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from fastckpt._checksum import crc32c
-from fastckpt.errors import ChecksumMismatchError
 from fastckpt.replicas._shm import Sealed
 from fastckpt.replicas._tier_dir import (
     COMMIT,
@@ -199,19 +197,10 @@ class StepTable:
                 out[i] = (view, [h[1] for h in hits[i]])  # type: ignore[index]
         return out
 
-    def get_chunk(self, step: int, chunk_id: str, *, verify: bool = False) -> memoryview | None:
-        """:meth:`read_chunk`'s view alone.
-
-        Raises:
-            ChecksumMismatchError: ``verify`` and the bytes do not match the stored crc32c.
-        """
+    def get_chunk(self, step: int, chunk_id: str) -> memoryview | None:
+        """:meth:`read_chunk`'s view alone (unverified)."""
         hit = self.read_chunk(step, chunk_id)
-        if hit is None:
-            return None
-        view, loc = hit
-        if verify and crc32c(view) != loc.raw_crc32c:
-            raise ChecksumMismatchError(f"RAM copy of chunk {chunk_id!r} of step {step} is corrupt")
-        return view
+        return None if hit is None else hit[0]
 
     def chunk_ids(self, step: int) -> list[str]:
         """Sorted ids of the sealed chunks of ``step`` (empty if none)."""

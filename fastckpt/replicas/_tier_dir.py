@@ -1,7 +1,6 @@
 """A RAM tier's directory (internal): claiming it so that no other user can plant or swap its
-files, and its layout (``docs/replicas.md``, "Layout": ``.lock``, ``tmp/``, ``spare/``,
-``step-<N>/`` with ``<seg>.data``, ``<seg>.index.json`` written last as the seal, and
-``manifest.json`` or ``commit.json``).
+files, and its layout (``docs/replicas.md``, "Layout"; a segment's index is written last, as
+its seal).
 
 A restore trusts a tier's bytes once their crc32c matches, so the directory must be this
 user's alone: created ``0700``; an existing one refused when another user owns it, when group
@@ -80,10 +79,8 @@ def claim_tier_dir(root: str | Path) -> Path:
                 f"(mode {stat.S_IMODE(st.st_mode):o}), so others could replace the tier's directory"
             )
     path.parent.mkdir(parents=True, exist_ok=True)
-    try:
+    with contextlib.suppress(FileExistsError):
         os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode):
         raise ConfigError(

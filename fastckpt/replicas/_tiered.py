@@ -2,11 +2,11 @@
 
 Call order on a RAM save (all processes, SPMD): :meth:`RamReplication.allocate` (the staging
 buffer *is* the shared-memory segment) -> stage -> :meth:`commit` (:meth:`seal`, the commit
-round, in which process 0 stores the manifest only after every process sealed, then
-:meth:`publish`: commit here, push in the background); on failure :meth:`abort`. So a crash
-mid-save never leaves the job without a restorable RAM step. With ``redundancy="parity"``
-parity parts go to this member's group instead of copies (the manifest still goes to the
-ring successors). On restore: :meth:`select_step` -> :meth:`source` (:class:`StepSelection`).
+round, in which process 0 stores the manifest only after every process sealed, then commit
+here and push in the background); on failure :meth:`abort`. So a crash mid-save never leaves
+the job without a restorable RAM step. With ``redundancy="parity"`` parity parts go to this
+member's group instead of copies (the manifest still goes to the ring successors). On
+restore: :meth:`select_step` -> :meth:`source` (:class:`StepSelection`).
 """
 
 from __future__ import annotations
@@ -83,7 +83,6 @@ class RamReplication(StepSelection):
         self._sealed_ids: list[str] = []
         # the restore side's (StepSelection)
         self._decoded, self._needed, self._lists = {}, None, {}
-        self._held: int | None = None  # the step whose manifest commit() stored
         self._clients: dict[str, ParityClient] = {}
         self._parity: ParityRebuilds | None = None  # redundancy="parity" (with a peer service)
         self._parity_pusher: ParityPusher | None = None
@@ -147,15 +146,13 @@ class RamReplication(StepSelection):
                 me=f"{self.member_id} ({self.advertised[0]}:{self.advertised[1]})",
             )
 
-    # ------------------------------------------------------------------ peers
     def _peers(self) -> dict[str, ParityClient]:
         """Clients of every other published member (looked up once, then cached)."""
         if self._directory is None:
             return {}
         if not self._clients:
-            for member, rec in self._directory.lookup().items():
-                if member != self.member_id:
-                    self._clients[member] = self._client(rec.address, member)
+            found = self._directory.lookup().items()
+            self._clients = {m: self._client(r.address, m) for m, r in found if m != self.member_id}
         return self._clients
 
     def _client(self, address: tuple[str, int], member: str) -> ParityClient:
@@ -174,7 +171,6 @@ class RamReplication(StepSelection):
             peers[self.member_id] = self._self_client
         return peers
 
-    # ------------------------------------------------------------------ save
     def due(self, step: int) -> bool:
         """Whether ``step`` is a RAM checkpoint step."""
         return step % self.options.interval_steps == 0
@@ -243,13 +239,16 @@ class RamReplication(StepSelection):
     ) -> None:
         """:meth:`seal`, the commit round (fragments through the coordinator; process 0 stores the
         manifest first, and sends it to the others only without a peer service, else it travels
-        with its push), then :meth:`publish`."""
+        with its push), then commit the step here — the manifest, or a commit record where
+        other hosts hold it — and start the background peer push (with the manifest, if here)."""
         step = commit_round.step
         chunks = self.seal(step, commit_round.staged, raw_crcs)
+        held = False  # whether the commit round stored the manifest here
 
         def hold(manifest: bytes) -> None:
+            nonlocal held
             self.tier.put_manifest(step, manifest)
-            self._held = step
+            held = True
 
         manifest = commit_round.commit(
             chunks,
@@ -259,15 +258,9 @@ class RamReplication(StepSelection):
             validate=False,
             share=self._server is None,
         )
-        self.publish(step, manifest)
-
-    def publish(self, step: int, manifest: bytes | None) -> None:
-        """Commit the RAM step here — store ``manifest`` (unless the commit round did), or a
-        commit record when it is None (held by other hosts) — and start the background peer
-        push (with the manifest, when this process has it)."""
         if manifest is None:
             self.tier.mark_committed(step)  # with peers the tier also holds the previous step
-        elif self._held != step:
+        elif not held:
             self.tier.put_manifest(step, manifest)
         if self._replicator is None or self.options.replicas == 0:
             return
@@ -329,7 +322,6 @@ class RamReplication(StepSelection):
         reports = [r for p in self._pushers() for r in p.wait(timeout_s)]
         return sorted(reports, key=lambda r: r.step)
 
-    # ------------------------------------------------------------------ restore (more: base)
     def holds_alone(self, manifest: Manifest) -> bool:
         """Whether ``manifest`` is of a RAM-only step (storage does not hold it)."""
         return manifest.metadata.get(_TIER_KEY) == self.name
@@ -349,5 +341,5 @@ class RamReplication(StepSelection):
         if self._server is not None:
             self._server.close()
         if self._parity_store is not None:
-            self._parity_store.close()
+            self._parity_store.discard_from(0)
         self.tier.close()

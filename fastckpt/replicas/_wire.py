@@ -1,21 +1,12 @@
-"""The peer wire protocol (version 2): length-prefixed binary frames with a strict JSON
-header, authenticated frame by frame; their encoding and strict decoding. No pickle. Pure: no
-sockets here (``_channel`` moves frames; the handshake and frame tags are in ``_wire_auth``).
-
-A frame is::
-
-    prefix      20 bytes, big-endian: magic b"FCKP" | version u8 | type u8 | flags u16 (= 0)
-                                      | header_len u32 | payload_len u64
-    header      header_len bytes of UTF-8 JSON: one object whose keys are exactly the fields
-                of the message type (see ``SCHEMAS``), no duplicates, no extras
-    header tag  16 bytes (after the handshake, with ``frame_mac``)
-    payload     payload_len raw bytes (only message types in ``PAYLOAD_TYPES`` may carry one)
-    payload tag 16 bytes (after the handshake, with ``frame_mac``, if payload_len > 0)
+"""The peer wire protocol (version 2; the frame layout: ``docs/replicas.md``, "Wire
+protocol"): length-prefixed frames with a JSON header of exactly its type's ``SCHEMAS`` fields,
+their encoding and strict decoding. No pickle, no sockets (``_channel`` moves frames; the
+handshake and frame tags are in ``_wire_auth``).
 
 Decoding is strict and bounded: a wrong magic, an unknown version, type or flag, a header or
-payload over the receiver's :class:`WireLimits`, invalid UTF-8/JSON, a missing, extra or
-ill-typed field, or a frame cut short all raise :class:`~fastckpt.errors.ProtocolError`, and
-nothing else.
+payload over the receiver's :class:`WireLimits`, invalid UTF-8/JSON, a duplicate, missing,
+extra or ill-typed field, or a frame cut short all raise
+:class:`~fastckpt.errors.ProtocolError`, and nothing else.
 """
 
 from __future__ import annotations
@@ -88,27 +79,21 @@ class MsgType(enum.IntEnum):
     STEP_LIST = 25
     OK = 26
     PUT_CHUNKS = 27
-    """Several chunks of one step, stored as one segment."""
     GET_CHUNKS = 28
-    """Several whole chunks of one step, answered by one CHUNKS frame."""
     CHUNKS = 29
     ERROR = 31
     GET_RANGES = 32
     RANGES = 33
     PUT_PARITY = 34
-    """A window of the contributor's stream part for the server's parity."""
     GET_STREAM = 35
-    """A byte range of the server's own stream of a step (parity rebuild)."""
     STREAM = 36
-    """The range a GET_STREAM asked for, cut at the stream's end."""
     REBUILD = 37
-    """A range of a lost member's part the server holds the parity of."""
     REBUILT = 38
-    """The rebuilt bytes a REBUILD asked for."""
 
 
-#: Field kinds: "u63" int in [0, 2**63), "u32", "str" (chunk id), "msg" (short text),
-#: "nonce"/"mac" (64 hex chars), "u63[]"/"u32[]" (lists), "bool".
+#: Each type's header fields and their kinds: "u63" int in [0, 2**63), "u32", "str" (chunk id),
+#: "msg" (short text), "nonce"/"mac" (64 hex chars), "u63[]"/"u32[]" (lists), "bool". What
+#: each field and payload means: the message table in docs/replicas.md.
 SCHEMAS: Mapping[MsgType, Mapping[str, str]] = {
     MsgType.HELLO: {"nonce": "nonce", "frame_mac": "bool"},
     MsgType.CHALLENGE: {"nonce": "nonce", "frame_mac": "bool", "mac": "mac"},
@@ -120,11 +105,9 @@ SCHEMAS: Mapping[MsgType, Mapping[str, str]] = {
     MsgType.MANIFEST: {},
     MsgType.PUT_MANIFEST: {"step": "u63"},
     MsgType.STEPS: {},
-    # ``committed``: steps with a manifest or a commit record; ``manifests``: with a manifest.
     MsgType.STEP_LIST: {"steps": "u63[]", "committed": "u63[]", "manifests": "u63[]"},
     MsgType.OK: {"stored": "bool"},
-    # Payload: a JSON array of ``count`` chunk ids (``ids_len`` bytes), then the chunks'
-    # bytes back to back in that order; ``lengths[i]``/``crcs[i]`` describe chunk ``i``.
+    # Payload: a JSON array of ``count`` chunk ids (``ids_len`` bytes), then the chunks.
     MsgType.PUT_CHUNKS: {
         "step": "u63",
         "count": "u63",
@@ -132,16 +115,11 @@ SCHEMAS: Mapping[MsgType, Mapping[str, str]] = {
         "lengths": "u63[]",
         "crcs": "u32[]",
     },
-    # Payload: a JSON array of ``count`` (<= MAX_BATCH_CHUNKS) distinct chunk ids.
     MsgType.GET_CHUNKS: {"step": "u63", "count": "u63"},
-    # One entry per requested id, in request order; ``missing`` lists the indexes the server
-    # does not hold (their lengths/crcs are 0). Payload: the held chunks back to back.
+    # Per requested id, in order; ``missing``: indexes not held. Payload: the held chunks.
     MsgType.CHUNKS: {"lengths": "u63[]", "crcs": "u32[]", "missing": "u63[]"},
-    # ``code``: one of the error codes in docs/replicas.md (clients map them onto fastckpt.errors).
     MsgType.ERROR: {"code": "msg", "message": "msg"},
-    # Payload: a JSON array of ``count`` (<= MAX_BATCH_CHUNKS) distinct chunk ids. Chunk ``i``
-    # asks for ``runs[i]`` (>= 1) byte ranges ``[starts[j], stops[j])``, ascending and disjoint;
-    # ``starts``/``stops`` hold every chunk's in turn (at most MAX_BATCH_RUNS in all).
+    # Chunk ``i`` of the payload's ids asks for ``runs[i]`` ranges ``[starts[j], stops[j])``.
     MsgType.GET_RANGES: {
         "step": "u63",
         "count": "u63",
@@ -149,15 +127,9 @@ SCHEMAS: Mapping[MsgType, Mapping[str, str]] = {
         "starts": "u63[]",
         "stops": "u63[]",
     },
-    # One ``lengths`` entry per requested id, in request order (the held chunk's length);
-    # ``gaps``: for each held chunk in turn, the crc32c of its bytes before, between and after
-    # its ranges (runs + 1 values); ``missing`` lists the indexes the server does not hold or
-    # whose ranges do not fit the chunk (their length is 0, they have no gaps).
-    # Payload: every held chunk's ranges back to back.
+    # ``gaps``: per held chunk, the crc32c of its bytes around its ranges (runs + 1 values).
     MsgType.RANGES: {"lengths": "u63[]", "gaps": "u32[]", "missing": "u63[]"},
-    # Parity (``_parity``): ``group`` is a JSON array of member ids (the group in order);
-    # ``offset`` is where the payload lies in the contributor's part (``part_size`` bytes of
-    # its ``stream_len``-byte stream).
+    # Parity (``_parity``): ``group`` is a JSON array of member ids, ``offset`` in the part.
     MsgType.PUT_PARITY: {
         "step": "u63",
         "group": "str",
@@ -166,7 +138,6 @@ SCHEMAS: Mapping[MsgType, Mapping[str, str]] = {
         "part_size": "u63",
         "offset": "u63",
     },
-    # ``anchor``: a chunk id of the server's own stream (names its segment).
     MsgType.GET_STREAM: {
         "step": "u63",
         "anchor": "str",
@@ -175,8 +146,7 @@ SCHEMAS: Mapping[MsgType, Mapping[str, str]] = {
         "stream_len": "u63",
     },
     MsgType.STREAM: {},
-    # ``offset``/``length``: within the lost member's part held by the server; ``anchors``: a
-    # JSON object member id -> a chunk id of that member's stream (the survivors to read).
+    # ``anchors``: a JSON object member id -> a chunk id of that member's stream.
     MsgType.REBUILD: {
         "step": "u63",
         "lost": "str",
@@ -234,6 +204,7 @@ class FramePrefix:
 
 
 _U63 = (1 << 63) - 1
+_HEX = frozenset("0123456789abcdef")
 
 
 def spans_fit(spans: Iterable[tuple[int, int]], length: int) -> bool:
@@ -323,22 +294,16 @@ def _loads(raw: bytes | bytearray | memoryview, what: str) -> Any:
 
 
 def _check_value(kind: str, value: Any) -> bool:
+    if kind.endswith("[]"):
+        return type(value) is list and all(_check_value(kind[:-2], v) for v in value)
     if kind in ("u63", "u32"):
-        limit = _U63 if kind == "u63" else 0xFFFFFFFF
-        return type(value) is int and 0 <= value <= limit
+        return type(value) is int and 0 <= value <= (_U63 if kind == "u63" else 0xFFFFFFFF)
     if kind == "str":
         return type(value) is str and 0 < len(value) <= MAX_CHUNK_ID_CHARS and "\x00" not in value
     if kind == "msg":
         return type(value) is str and len(value) <= MAX_MESSAGE_CHARS
     if kind in ("nonce", "mac"):
-        return (
-            type(value) is str
-            and len(value) == 2 * NONCE_BYTES
-            and all(c in "0123456789abcdef" for c in value)
-        )
-    if kind in ("u63[]", "u32[]"):
-        limit = _U63 if kind == "u63[]" else 0xFFFFFFFF
-        return type(value) is list and all(type(v) is int and 0 <= v <= limit for v in value)
+        return type(value) is str and len(value) == 2 * NONCE_BYTES and _HEX.issuperset(value)
     if kind == "bool":
         return type(value) is bool
     raise AssertionError(kind)  # pragma: no cover - SCHEMAS is closed
@@ -368,12 +333,8 @@ def decode_header(msg_type: MsgType, raw: bytes | bytearray | memoryview) -> dic
 
 def decode_json_list(raw: bytes | bytearray | memoryview, *, count: int) -> list[str]:
     """Decode a CHUNK_LIST payload: a JSON array of exactly ``count`` non-empty strings."""
-    value = _loads(raw, "chunk list")
-    if (
-        type(value) is not list
-        or len(value) != count
-        or not all(_check_value("str", v) for v in value)
-    ):
+    value: list[str] = _loads(raw, "chunk list")  # (checked next)
+    if not (_check_value("str[]", value) and len(value) == count):
         raise ProtocolError(f"chunk list must be a JSON array of {count} chunk ids")
     return value
 

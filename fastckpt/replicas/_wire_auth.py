@@ -1,20 +1,12 @@
-"""The peer protocol's handshake key schedule and frame tags (no sockets; frames: ``_wire``).
+"""The peer protocol's handshake key schedule and frame tags (no sockets; frames: ``_wire``;
+both laid out in ``docs/replicas.md``, "Authentication handshake" and "Frame tags").
 
-Handshake (mutual, per connection): HELLO (client nonce, ``frame_mac``), CHALLENGE (server
-nonce, ``frame_mac``, server proof), AUTH (client proof), AUTH_OK. :func:`session_keys`
-derives both proofs and one frame key per direction from the shared secret and a transcript
-of every field exchanged (both nonces, the protocol version, the ``frame_mac`` flag), so an
-altered or downgraded handshake fails and no two connections share a key.
-
-Frame tags (GMAC: AES-256-GCM with an empty plaintext, the input as associated data), under
-the sending direction's key, for the ``seq``-th frame that direction sent after AUTH_OK
-(from 0; implicit, never sent)::
-
-    header tag   nonce = u32 HEADER_TAG | u64 seq;  input = direction u8 | u64 seq | prefix | header
-    payload tag  nonce = u32 PAYLOAD_TAG | u64 seq; input = u64 seq | header tag | payload
-
-Each (key, nonce) pair is used once. A frame injected, altered, replayed (on its connection
-or another), reordered or dropped fails its own tag or the next frame's.
+:func:`session_keys` derives both proofs and one frame key per direction from the shared
+secret and a transcript of every handshake field, so an altered or downgraded handshake fails
+and no two connections share a key. A frame's tags are GMAC under its direction's key and
+number (``seq``, implicit): each (key, nonce) pair is used once, and a frame injected,
+altered, replayed (on its connection or another), reordered or dropped fails its own tag or
+the next frame's.
 """
 
 from __future__ import annotations
@@ -74,15 +66,10 @@ class SessionKeys:
 def session_keys(
     secret: bytes, *, client_nonce: bytes, server_nonce: bytes, frame_mac: bool
 ) -> SessionKeys:
-    """The handshake proofs and frame keys of one connection (HMAC-SHA256, distinct labels)::
-
-        transcript = "fastckpt-peer-v2" 0x00 | VERSION u8 | frame_mac u8 | Nc (32) | Ns (32)
-        master     = HMAC(secret, transcript)
-        each value = HMAC(master, its label)
-
-    Inputs have fixed lengths (no two transcripts collide); each side uses its own
-    ``frame_mac`` and the nonces it sent and received, so an altered handshake fails. Role
-    labels stop a proof being reflected; fresh nonces on both sides, a recorded one reused.
+    """The handshake proofs and frame keys of one connection: HMAC-SHA256 of distinct labels
+    under ``HMAC(secret, transcript)``; the transcript (fixed-length fields: no two collide)
+    holds the version, this side's ``frame_mac`` and both nonces, so an altered handshake
+    fails; role labels stop a proof being reflected.
 
     Raises:
         ProtocolError: a nonce is not ``NONCE_BYTES`` long.

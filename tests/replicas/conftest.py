@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from fastckpt._checksum import crc32c
+from fastckpt.errors import ChecksumMismatchError
 from fastckpt.replicas import _wire as wire
 from fastckpt.replicas import _wire_auth as wire_auth
 from fastckpt.replicas._channel import Channel
@@ -93,6 +94,14 @@ def seal_chunks(
         off += a.nbytes
     tier.seal(step, seg, index)
     return index
+
+
+def verified_chunk(tier: RamTier, step: int, chunk_id: str) -> memoryview | None:
+    """``tier``'s view of a chunk, checked against its stored crc32c (ChecksumMismatchError)."""
+    hit = tier.read_chunk(step, chunk_id)
+    if hit is not None and crc32c(hit[0]) != hit[1].raw_crc32c:
+        raise ChecksumMismatchError(f"RAM copy of chunk {chunk_id!r} of step {step} is corrupt")
+    return None if hit is None else hit[0]
 
 
 @pytest.fixture

@@ -153,7 +153,7 @@ def test_a_relay_that_never_gets_its_copy_sends_its_children_to_the_holders(
 ) -> None:
     """h02 relays to h10..h13 (fan-out 4 below h00's h02..h05) but cannot store its copy:
     they wait for it at most the relay wait, then read a holder."""
-    monkeypatch.setattr(job[2], "_keep_copy", lambda step, data: None)
+    monkeypatch.setattr(job[2].tier, "put_manifest", lambda step, data: None)
     calls = _Calls(monkeypatch)
     t0 = time.monotonic()
     assert _select_all(job) == [10] * M

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -95,19 +95,6 @@ class Job:
             t.close()
 
 
-class _Rebuilds:
-    """The source's view of one step's rebuilder (``ParityRebuilds`` for ``STEP`` alone)."""
-
-    def __init__(self, rb: ParityRebuilder) -> None:
-        self.rb = rb
-
-    def rebuild(self, step: int, cid: str, n: int, crc: int, dst: np.ndarray) -> bool:
-        return step == STEP and self.rb.rebuild(cid, n, crc, dst)
-
-    def order(self, step: int, ids: Sequence[str]) -> list[int]:
-        return self.rb.order(ids)
-
-
 @pytest.fixture
 def job(shm_dir: Path) -> Iterator[Job]:
     j = Job(shm_dir)
@@ -158,7 +145,9 @@ def test_source_reports_rebuilt_tier_and_never_storage(job: Job) -> None:
     job.lose("m2")
     rb = job.rebuilder()
 
-    src = TieredChunkSource(None, list(job.clients.values()), rebuild=_Rebuilds(rb))
+    src = TieredChunkSource(
+        None, list(job.clients.values()), rebuild=lambda step: rb if step == STEP else None
+    )
     items = [
         (c, job.data[c].nbytes, crc32c(job.data[c]), np.zeros(job.data[c].nbytes, np.uint8))
         for c in job.data
@@ -204,7 +193,9 @@ def test_corrupt_parity_or_survivor_byte_is_detected_not_returned(job: Job, what
     with pytest.raises(ChecksumMismatchError):
         rb.rebuild("a2", a.nbytes, crc32c(a), np.zeros(a.nbytes, np.uint8))
 
-    src = TieredChunkSource(None, list(job.clients.values()), rebuild=_Rebuilds(rb))
+    src = TieredChunkSource(
+        None, list(job.clients.values()), rebuild=lambda step: rb if step == STEP else None
+    )
     assert (
         src.fetch_many(STEP, [("a2", a.nbytes, crc32c(a), np.zeros(a.nbytes, np.uint8))])[0] is None
     )

@@ -34,7 +34,7 @@ from fastckpt.replicas._wire import MsgType
 from tests.support.peer_read import get_one
 from tests.support.tag_raw import tag_raw
 
-from .conftest import SECRET, fill, raw_handshake, seal_chunks
+from .conftest import SECRET, fill, raw_handshake, seal_chunks, verified_chunk
 
 MakeTier = Callable[..., RamTier]
 MakeServer = Callable[..., PeerServer]
@@ -81,13 +81,13 @@ def test_get_list_manifest_steps_bit_exact(served) -> None:  # type: ignore[no-u
         assert get_one(c, 1, "missing", 1) == "missing" == get_one(c, 2, "a", 1)
         assert c.list_chunks(1) == sorted(data) and c.list_chunks(9) == []
         assert c.get_manifest(1) == b'{"manifest": 1}' and c.get_manifest(2) is None
-        assert c.steps() == [1] and c.committed_steps() == [1]
+        assert c.step_lists() == ([1], [1], [1])
         seal_chunks(tier, 2, fill(2, {"x": 10}))  # sealed, not committed
-        assert c.steps() == [1, 2] and c.committed_steps() == [1] and c.manifest_steps() == [1]
+        assert c.step_lists() == ([1, 2], [1], [1])
         tier.mark_committed(
             2
         )  # committed here, its manifest held elsewhere (retention drops step 1)
-        assert c.committed_steps() == [2] and c.manifest_steps() == [] and c.get_manifest(2) is None
+        assert c.step_lists()[1:] == ([2], []) and c.get_manifest(2) is None
         assert c.handshakes == 1  # one pooled connection served every call
         with pytest.raises(ConfigError):  # a caller bug, not a peer failure
             get_one(c, 1, "", 0)
@@ -105,7 +105,7 @@ def test_push_one_chunk_and_manifest(served) -> None:  # type: ignore[no-untyped
             c.push_chunks(1, [("late", b"z", crc32c(b"z"))])  # superseded by committed step 2
         assert e.value.code == "stale_step"
         assert c.steps() == [2]  # still usable after refusals
-    assert bytes(tier.get_chunk(2, "x", verify=True)) == a.tobytes()  # type: ignore[arg-type]
+    assert bytes(verified_chunk(tier, 2, "x")) == a.tobytes()  # type: ignore[arg-type]
     assert tier.chunk_ids(2) == ["x"] and tier.get_manifest(2) == b"m2"
 
 
@@ -368,7 +368,7 @@ def test_push_chunks_stores_one_segment_all_or_nothing(
         assert tier.chunk_ids(3) == sorted(data)
         assert len(_segments(shm_dir / "dst", 3)) == 1
         for cid, a in data.items():
-            assert bytes(tier.get_chunk(3, cid, verify=True)) == a.tobytes()  # type: ignore[arg-type]
+            assert bytes(verified_chunk(tier, 3, cid)) == a.tobytes()  # type: ignore[arg-type]
         hit = tier.lend_spans(3, [["p@0:4", "p@4:8"]])[0]  # back to back, in the order sent
         assert (
             hit is not None and bytes(hit[0]) == data["p@0:4"].tobytes() + data["p@4:8"].tobytes()

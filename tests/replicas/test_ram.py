@@ -15,7 +15,7 @@ from fastckpt._checksum import crc32c
 from fastckpt.errors import ChecksumMismatchError, ConfigError, RamBudgetError, StaleStepError
 from fastckpt.replicas._ram import ChunkLocation, RamTier
 
-from .conftest import fill, seal_chunks
+from .conftest import fill, seal_chunks, verified_chunk
 
 MakeTier = Callable[..., RamTier]
 ODD_IDS = ["params['dense']['kernel']@0:4,0:8", "opt.mu[0]@4:8,0:8", "ünïcødé/../x@0:1"]
@@ -36,7 +36,7 @@ def test_seal_makes_chunks_visible_bit_exact(make_tier: MakeTier) -> None:
     assert tier.steps() == [3]
     assert tier.chunk_ids(3) == sorted(ODD_IDS)
     for cid, a in data.items():
-        view = tier.get_chunk(3, cid, verify=True)
+        view = verified_chunk(tier, 3, cid)
         assert view is not None and view.readonly
         assert bytes(view) == a.tobytes()
         hit = tier.read_chunk(3, cid)
@@ -76,7 +76,7 @@ def test_reopen_sees_sealed_steps_and_manifest(make_tier: MakeTier, shm_dir: Pat
         assert again.steps() == [5] and again.committed_steps() == [5]
         assert again.get_manifest(5) == b'{"step": 5}'
         for cid, a in data.items():
-            assert bytes(again.get_chunk(5, cid, verify=True)) == a.tobytes()  # type: ignore[arg-type]
+            assert bytes(verified_chunk(again, 5, cid)) == a.tobytes()  # type: ignore[arg-type]
     finally:
         again.close()
 
@@ -103,7 +103,7 @@ def test_sigkilled_writer_leaves_only_sealed_data(shm_dir: Path) -> None:
         proc.wait()
     with RamTier(root, budget_bytes=64 << 20) as tier:  # the flock died with the process
         assert tier.steps() == [1]
-        assert bytes(tier.get_chunk(1, "a", verify=True)) == b"\x07" * 1000  # type: ignore[arg-type]
+        assert bytes(verified_chunk(tier, 1, "a")) == b"\x07" * 1000  # type: ignore[arg-type]
         assert list((root / "tmp").iterdir()) == []  # the crashed temp file is cleaned
         assert tier.nbytes() == 1000
 
@@ -209,7 +209,7 @@ def test_superseded_segments_are_recycled(make_tier: MakeTier, shm_dir: Path) ->
     data = fill(3, {"a": 4 * mib - 5})
     seal_chunks(tier, 3, data)  # reuses (and shrinks) the spare
     assert list(spare_dir.iterdir()) == []
-    assert bytes(tier.get_chunk(3, "a", verify=True)) == data["a"].tobytes()  # type: ignore[arg-type]
+    assert bytes(verified_chunk(tier, 3, "a")) == data["a"].tobytes()  # type: ignore[arg-type]
 
 
 def test_views_survive_drop(make_tier: MakeTier) -> None:
@@ -237,7 +237,7 @@ def test_corrupted_ram_chunk_is_detected(make_tier: MakeTier, shm_dir: Path) -> 
     with RamTier(shm_dir / "t0", budget_bytes=1 << 20) as again:
         assert again.get_chunk(1, "a") is not None  # unverified reads are the caller's call
         with pytest.raises(ChecksumMismatchError):
-            again.get_chunk(1, "a", verify=True)
+            verified_chunk(again, 1, "a")
 
 
 def test_bad_arguments(make_tier: MakeTier, shm_dir: Path) -> None:
@@ -362,7 +362,7 @@ def test_a_commit_record_commits_without_a_manifest(make_tier: MakeTier, shm_dir
     again = RamTier(shm_dir / "t0", budget_bytes=1 << 20, keep_steps=1)
     try:
         assert again.committed_steps() == [5] and again.get_manifest(5) is None
-        assert bytes(again.get_chunk(5, "a", verify=True)) == fill(5, {"a": 100})["a"].tobytes()  # type: ignore[arg-type]
+        assert bytes(verified_chunk(again, 5, "a")) == fill(5, {"a": 100})["a"].tobytes()  # type: ignore[arg-type]
         again.drop_step(5)
         assert not (shm_dir / "t0" / "step-5").exists() and again.committed_steps() == []
     finally:
@@ -442,7 +442,7 @@ def test_an_unreserved_segment_gets_its_pages_only_when_reserved(
     data = fill(1, {"a": 4 * mib})["a"]
     seg.buffer[:] = data
     tier.seal(1, seg, {"a": ChunkLocation(0, 4 * mib, crc32c(data))})
-    view = tier.get_chunk(1, "a", verify=True)
+    view = verified_chunk(tier, 1, "a")
     assert view is not None and bytes(view) == data.tobytes()
 
 
@@ -522,7 +522,7 @@ def test_a_reopened_tier_serves_the_copy_sealed_last(make_tier: MakeTier, shm_di
     tier.close()
     for _ in range(5):
         again = RamTier(shm_dir / "t0", budget_bytes=64 << 20)
-        view = again.get_chunk(1, "a", verify=True)
+        view = verified_chunk(again, 1, "a")
         assert view is not None and bytes(view) == second.tobytes()
         again.close()
 
@@ -564,7 +564,7 @@ def test_provision_maps_a_spare_left_by_an_earlier_tier_and_resizes_a_close_one(
         assert grown.stat().st_size == 5 * mib
         again.discard(again.allocate(2, 5 * mib))
         assert again.allocated_ready == 2
-        view = again.get_chunk(1, "a", verify=True)
+        view = verified_chunk(again, 1, "a")
         assert view is not None and bytes(view) == data.tobytes()
     finally:
         again.close()

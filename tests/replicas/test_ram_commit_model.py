@@ -15,7 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from fastckpt.errors import StaleStepError
 from fastckpt.replicas._ram import RamTier
 
-from .conftest import fill, seal_chunks
+from .conftest import fill, seal_chunks, verified_chunk
 
 STEPS = st.integers(1, 8)
 
@@ -117,7 +117,7 @@ class TierModel(RuleBasedStateMachine):
         for s in self.steps:
             assert self.tier.get_manifest(s) == self.manifests.get(s)
             if f"c{s}" in self.tier.chunk_ids(s):
-                got = self.tier.get_chunk(s, f"c{s}", verify=True)
+                got = verified_chunk(self.tier, s, f"c{s}")
                 assert got is not None and bytes(got) == fill(s, {f"c{s}": 64})[f"c{s}"].tobytes()
 
     def teardown(self) -> None:

@@ -21,7 +21,7 @@ from fastckpt.replicas._ram import RamTier
 from fastckpt.replicas._replicator import Replicator, ReplicatorOptions
 from fastckpt.replicas._server import PeerServer
 
-from .conftest import SECRET, fill, seal_chunks
+from .conftest import SECRET, fill, seal_chunks, verified_chunk
 
 MakeTier = Callable[..., RamTier]
 MakeServer = Callable[..., PeerServer]
@@ -67,7 +67,7 @@ def test_pushes_every_chunk_and_manifest_to_every_target(
     for t in peers.values():
         assert t.chunk_ids(1) == sorted(data) and t.get_manifest(1) == b'{"step":1}'
         for cid, a in data.items():
-            assert bytes(t.get_chunk(1, cid, verify=True)) == a.tobytes()  # type: ignore[arg-type]
+            assert bytes(verified_chunk(t, 1, cid)) == a.tobytes()  # type: ignore[arg-type]
     again = rep.submit(1).wait(30)  # idempotent: peers already hold everything
     assert again is not None and again.chunks_present == 6 and again.bytes_pushed == 0
     assert [r.step for r in rep.wait(5)] == [1, 1]
@@ -157,7 +157,7 @@ def test_chunks_go_in_batches_one_segment_each(
     # batches: [a] (3 MiB fills one), [b, c], [d, e] (two chunks at most)
     assert len(list((shm_dir / "peer" / "step-1").glob("*.data"))) == 3
     for cid, a in data.items():
-        assert bytes(peer.get_chunk(1, cid, verify=True)) == a.tobytes()  # type: ignore[arg-type]
+        assert bytes(verified_chunk(peer, 1, cid)) == a.tobytes()  # type: ignore[arg-type]
     target.close()
 
 
@@ -189,7 +189,7 @@ def test_reports_are_bounded_and_running_pushes_are_kept(make_tier: MakeTier) ->
     rep = Replicator(own, targets={"p": pusher}, options=ReplicatorOptions(max_reports=4))
     for step in range(1, 21):
         assert rep.submit(step).wait(10) is not None
-    assert len(rep._pushes._handles) == 4
+    assert len(rep._handles) == 4
     assert rep.stats() == {
         "steps": 20,
         "chunks_pushed": 20,
@@ -209,7 +209,7 @@ def test_reports_are_bounded_and_running_pushes_are_kept(make_tier: MakeTier) ->
     rep.set_targets({})
     for step in range(22, 31):
         rep.submit(step)
-    assert not held.done() and held in rep._pushes._handles and len(rep._pushes._handles) == 4
+    assert not held.done() and held in rep._handles and len(rep._handles) == 4
     pusher.release.set()
     reports = rep.wait(10)
     assert [r.step for r in reports] == [21, 28, 29, 30]
