@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import datetime
+import json
 import sys
 from typing import Any
 
-from fastckpt.cli._util import dump_json, fmt_age, fmt_bytes, plural
-from fastckpt.errors import CheckpointNotFoundError
-from fastckpt.format.codec import leaf_to_json
-from fastckpt.format.layout import manifest_key
+from fastckpt.cli._util import dump_json, fmt_age, fmt_bytes, jsonable, plural
+from fastckpt.errors import CheckpointNotFoundError, NotFoundError
+from fastckpt.format.codec import decode_manifest, leaf_to_json
+from fastckpt.format.layout import MANIFEST_PREFIX, manifest_key, step_from_manifest_key
 from fastckpt.format.manifest import (
     FORMAT_VERSION,
     ArrayLeaf,
@@ -32,6 +33,10 @@ def _when(unix: float) -> str:
 
 def _ratio(stored: int, logical: int) -> float | None:
     return round(stored / logical, 4) if logical else None
+
+
+def _ratio_str(r: float | None) -> str:
+    return f"{r:.2f}" if r is not None else "-"
 
 
 def _table(rows: list[list[str]], out: Any) -> None:
@@ -91,52 +96,26 @@ async def cmd_ls(store: Store, *, as_json: bool) -> int:
     ]
     for r in rows:
         if r["state"] == "committed":
-            note = (
-                f"+{plural(r['leftover_objects'], 'unreferenced object')}"
-                if r["leftover_objects"]
-                else ""
-            )
+            n = r["leftover_objects"]
             table.append(
                 [
                     str(r["step"]),
                     "committed",
                     fmt_bytes(r["stored_bytes"]),
                     fmt_bytes(r["logical_bytes"]),
-                    f"{r['ratio']:.2f}" if r["ratio"] is not None else "-",
+                    _ratio_str(r["ratio"]),
                     str(r["leaves"]),
                     str(r["num_processes"]),
                     _when(r["created_unix"]),
-                    note,
+                    f"+{plural(n, 'unreferenced object')}" if n else "",
                 ]
             )
         elif r["state"] == "uncommitted":
-            table.append(
-                [
-                    str(r["step"]),
-                    "uncommitted",
-                    fmt_bytes(r["stored_bytes"]),
-                    "-",
-                    "-",
-                    "-",
-                    "-",
-                    fmt_age(r["youngest_age_s"]),
-                    f"{plural(r['objects'], 'object')} (gc removes them)",
-                ]
-            )
+            size, age = fmt_bytes(r["stored_bytes"]), fmt_age(r["youngest_age_s"])
+            note = f"{plural(r['objects'], 'object')} (gc removes them)"
+            table.append([str(r["step"]), "uncommitted", size, *["-"] * 4, age, note])
         else:
-            table.append(
-                [
-                    str(r["step"]),
-                    "unreadable",
-                    "-",
-                    "-",
-                    "-",
-                    "-",
-                    "-",
-                    "-",
-                    "manifest cannot be decoded",
-                ]
-            )
+            table.append([str(r["step"]), "unreadable", *["-"] * 6, "manifest cannot be decoded"])
     sys.stdout.write(f"{store.url}\n")
     _table(table, sys.stdout)
     for e in errors:
@@ -146,19 +125,11 @@ async def cmd_ls(store: Store, *, as_json: bool) -> int:
 
 async def load_manifest(store: Store, step: int | None) -> Manifest:
     """The manifest of ``step`` (default: latest committed)."""
-    from fastckpt.errors import NotFoundError
-    from fastckpt.format.codec import decode_manifest
-    from fastckpt.format.layout import MANIFEST_PREFIX, step_from_manifest_key
-
     if step is None:
-        steps = [
-            s
-            for s in (step_from_manifest_key(k) for k in await store.list(MANIFEST_PREFIX))
-            if s is not None
-        ]
-        if not steps:
+        steps = map(step_from_manifest_key, await store.list(MANIFEST_PREFIX))
+        step = max((s for s in steps if s is not None), default=None)
+        if step is None:
             raise CheckpointNotFoundError(f"no committed checkpoint in {store.url}")
-        step = max(steps)
     try:
         return decode_manifest(await store.get(manifest_key(step)))
     except NotFoundError:
@@ -230,10 +201,6 @@ async def cmd_inspect(store: Store, step: int | None, *, as_json: bool) -> int:
         f"{_when(m.created_unix)})\n"
     )
     if m.metadata:
-        import json
-
-        from fastckpt.cli._util import jsonable
-
         out.write(f"metadata: {json.dumps(jsonable(m.metadata), sort_keys=True)[:400]}\n")
     table = [["PATH", "SHAPE", "DTYPE", "SHARDING", "STORED", "LOGICAL", "RATIO", "CHUNKS"]]
     for leaf in m.leaves:
@@ -241,7 +208,6 @@ async def cmd_inspect(store: Store, step: int | None, *, as_json: bool) -> int:
         if isinstance(leaf, ValueLeaf):
             table.append([name, "-", leaf.vtype, "-", "-", "-", "-", f"= {leaf.value!r:.40}"])
             continue
-        r = _ratio(leaf.stored_bytes, leaf.nbytes)
         table.append(
             [
                 name,
@@ -250,13 +216,12 @@ async def cmd_inspect(store: Store, step: int | None, *, as_json: bool) -> int:
                 _sharding_str(leaf.sharding),
                 fmt_bytes(leaf.stored_bytes),
                 fmt_bytes(leaf.nbytes),
-                f"{r:.2f}" if r is not None else "-",
+                _ratio_str(_ratio(leaf.stored_bytes, leaf.nbytes)),
                 str(len(leaf.chunks)),
             ]
         )
     _table(table, out)
-    r = _ratio(m.stored_bytes, m.nbytes)
-    ratio = f" (ratio {r:.2f})" if r is not None else ""
+    ratio = f" (ratio {_ratio_str(_ratio(m.stored_bytes, m.nbytes))})" if m.nbytes else ""
     out.write(
         f"total: {plural(len(m.arrays()), 'array')}, "
         f"{plural(len(m.leaves) - len(m.arrays()), 'value')}, "

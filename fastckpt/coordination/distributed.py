@@ -164,23 +164,16 @@ class JaxCoordinator(Coordinator):
         return self._client
 
     def set(self, key: str, value: str, *, timeout_s: float | None = None) -> None:
-        _bounded(
-            self._client.key_value_set,
-            (key, value),
-            self._bound(timeout_s),
-            f"key-value set {key!r}",
-        )
+        self._set(self._client.key_value_set, key, value, timeout_s)
 
     def get(self, key: str, *, timeout_s: float) -> str:
         return str(self._blocking(self._client.blocking_key_value_get, key, timeout_s))
 
     def set_bytes(self, key: str, value: bytes, *, timeout_s: float | None = None) -> None:
-        _bounded(
-            self._client.key_value_set_bytes,
-            (key, value),
-            self._bound(timeout_s),
-            f"key-value set {key!r}",
-        )
+        self._set(self._client.key_value_set_bytes, key, value, timeout_s)
+
+    def _set(self, put: Any, key: str, value: str | bytes, timeout_s: float | None) -> None:
+        _bounded(put, (key, value), self._bound(timeout_s), f"key-value set {key!r}")
 
     def _bound(self, timeout_s: float | None) -> float:
         return self.timeout_s if timeout_s is None else max(0.001, min(timeout_s, self.timeout_s))

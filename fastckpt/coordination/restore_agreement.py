@@ -120,9 +120,7 @@ def choose_latest(
     listed: list[int | None] = []
     listing = list_manifests() if coord.process_index == 0 else None
 
-    def storage_latest() -> (
-        int | None
-    ):  # process 0, after its peer survey: the listing ran meanwhile
+    def storage_latest() -> int | None:  # process 0, after its survey (the listing ran meanwhile)
         assert listing is not None
         listed.append(_publish_latest(coord, key, listing.result()))
         return listed[0]

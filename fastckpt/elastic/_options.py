@@ -6,7 +6,6 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-from fastckpt.elastic._worker import now
 from fastckpt.errors import ConfigError, FastckptError
 
 __all__ = [
@@ -40,23 +39,17 @@ class WorkerInfo:
     pid: int
 
 
+@dataclasses.dataclass
 class JobStatus:
     """What the ``monitor`` callback sees on each driver poll; it may record events."""
 
-    def __init__(
-        self,
-        generation: int,
-        step: int,
-        workers: tuple[WorkerInfo, ...],
-        record: Callable[..., None],
-    ) -> None:
-        self.generation = generation
-        """The running generation."""
-        self.step = step
-        """Highest step any worker reported (steps completed)."""
-        self.workers = workers
-        """The generation's workers by rank (empty while it is being launched)."""
-        self._record = record
+    generation: int
+    """The running generation."""
+    step: int
+    """Highest step any worker reported (steps completed)."""
+    workers: tuple[WorkerInfo, ...]
+    """The generation's workers by rank (empty while it is being launched)."""
+    _record: Callable[..., None] = dataclasses.field(repr=False)
 
     def record(self, event: str, **fields: Any) -> None:
         """Add ``{"t", "event", "generation", **fields}`` to the job's timeline (e.g. a
@@ -113,8 +106,7 @@ class ElasticJobOptions:
     """After killing a generation, longest wait for its actors to be gone."""
     node_loss_grace_s: float = 2.0
     """When ``train`` raised (a collective fails on the survivors before Ray marks a lost
-    node dead), how long to watch for a node of the generation to be marked dead before
-    relaunching (with the tuned health checks a lost node is marked in ~1.5 s)."""
+    node dead), how long to watch for a node of the generation to be marked dead."""
     process_death_settle_s: float = 0.5
     """When a worker died and its node's standby still answers, how long to watch the node
     list before calling it a process death: a node whose raylet is gone can keep its worker
@@ -175,8 +167,3 @@ class ElasticResult:
         from fastckpt.elastic.timeline import summarize
 
         return summarize(self.events, self.reports, self.metrics)
-
-
-def event(name: str, **fields: Any) -> dict[str, Any]:
-    """A timeline record stamped now (unless ``t`` is given)."""
-    return {"t": fields.pop("t", now()), "event": name, **fields}

@@ -175,7 +175,7 @@ class ElasticContext:
                 restore_select_s=stats.select_s,
                 restore_fetch_s=stats.fetch_s,
                 restore_device_put_s=stats.device_put_s,
-                restore_fallbacks=dict(getattr(stats, "fallbacks", {}) or {}),
+                restore_fallbacks=dict(stats.fallbacks),
             )
         self.worker.step = self.start_step
         self.worker.update_report(restore_s=now() - t0)
@@ -252,16 +252,10 @@ class ElasticContext:
 
     def log(self, step: int, **metrics: float) -> None:
         """Record metrics of ``step`` (process 0's reach the driver's result and timeline)."""
-        if self.identity.process_id == 0:
-            self.worker.record_metrics(
-                {
-                    "step": step,
-                    "t": now(),
-                    "generation": self.identity.generation,
-                    "num_processes": self.identity.num_processes,
-                    **metrics,
-                }
-            )
+        ident = self.identity
+        if ident.process_id == 0:
+            record = {"step": step, "t": now(), "generation": ident.generation}
+            self.worker.record_metrics({**record, "num_processes": ident.num_processes, **metrics})
 
     def mark(self, name: str) -> None:
         """Timestamp a phase (``t_<name>`` in this worker's report); e.g. ``mark("compiled")``."""
@@ -274,13 +268,11 @@ class ElasticContext:
         and compiling at different times then start their first collective together (gloo
         gives up connecting after ~30 s). Names must be unique within a generation.
         """
-        coord = self._coord
-        if coord is None or coord.process_count == 1:
-            return
-        prefix = f"fastckpt-elastic/g{self.identity.generation}/barrier/{name}"
-        coord.set(f"{prefix}/{coord.process_index}", "1")
-        for i in range(coord.process_count):
-            coord.get(f"{prefix}/{i}", timeout_s=self.options.kv_timeout_s)
+        if self._coord is not None:
+            self._coord.barrier(
+                f"fastckpt-elastic/g{self.identity.generation}/barrier/{name}",
+                timeout_s=self.options.kv_timeout_s,
+            )
 
     # ------------------------------------------------------------------ internals
     def _agree(self, name: str, decide: Callable[[], str]) -> str:
@@ -321,13 +313,9 @@ class ElasticContext:
 
 
 def _wait_for_listener(address: str, timeout_s: float) -> None:
-    """Block until ``host:port`` accepts TCP connections (process 0's coordination service).
-
-    Processes of a new generation start together; a client whose first connect reaches the
-    coordinator before process 0 has started the service is refused, and gRPC then backs off
-    for about a second before it retries. Probing every 5 ms first avoids that. Gives up
-    silently at ``timeout_s``: ``initialize`` then reports the failure.
-    """
+    """Block until ``host:port`` accepts TCP connections (process 0's coordination service),
+    so that a client's first connect is not refused (gRPC would then back off for about a
+    second). Gives up silently at ``timeout_s``: ``initialize`` then reports the failure."""
     host, _, port = address.rpartition(":")
     deadline = time.monotonic() + timeout_s
     while True:

@@ -36,7 +36,6 @@ from fastckpt.elastic._options import (
     GenerationResult,
     JobStatus,
     WorkerInfo,
-    event,
 )
 from fastckpt.elastic._worker import Worker, WorkerIdentity, now
 
@@ -248,9 +247,8 @@ class _Driver:
         self, gen: _Generation, rank: int, cause: FailureCause, error: Exception | None
     ) -> tuple[str, str, FailureCause | None, Any]:
         t_detect = now()
-        if cause in ("error", "process"):  # a collective failing, or a worker gone, because
-            cause = self._await_node_loss(gen, rank, cause)  # its node vanished? (no relaunch
-            # onto a node Ray has not marked dead yet: it would hang)
+        if cause in ("error", "process"):  # because its node vanished? (never relaunch onto
+            cause = self._await_node_loss(gen, rank, cause)  # a node not yet marked dead)
         node = gen.nodes[rank]
         described = None if error is None else _describe(error)
         self._record(
@@ -349,7 +347,8 @@ class _Driver:
 
     # ------------------------------------------------------------------ bookkeeping
     def _record(self, name: str, **fields: Any) -> None:
-        self.events.append(event(name, **fields))
+        """Add a timeline event stamped now (unless ``t`` is given)."""
+        self.events.append({"t": fields.pop("t", now()), "event": name, **fields})
         if self.opts.on_event is not None:
             with contextlib.suppress(Exception):  # a closed pipe must not end the job
                 self.opts.on_event(dict(self.events[-1]))

@@ -125,12 +125,9 @@ class _Dir:
         return _Dir(_join(self.url, name))
 
 
-def read_json(url: str, name: str) -> Any:
-    """Parse the JSON file ``name`` in directory ``url``; None if it does not exist."""
-    return _load_json(_Dir(url), name)
-
-
-def _load_json(d: _Dir, name: str) -> Any:
+def read_json(d: _Dir | str, name: str) -> Any:
+    """Parse the JSON file ``name`` in directory ``d`` (or its URL); None if it does not exist."""
+    d = _Dir(d) if isinstance(d, str) else d
     data = d.read(name)
     if data is None:
         return None
@@ -190,10 +187,11 @@ def resolve_item_dir(
         CheckpointNotFoundError: nothing Orbax-like there, or no such step/item.
     """
     d = _Dir(url)
-    if d.read("_METADATA") is not None or d.read("checkpoint") is not None:
-        m = _STEP_DIR.match(os.path.basename(url.rstrip("/")))
-        return url, (int(m.group(1)) if m else step)
-    picked = _pick_item(d, item)
+    picked = (
+        d
+        if d.read("_METADATA") is not None or d.read("checkpoint") is not None
+        else _pick_item(d, item)
+    )
     if picked is not None:
         m = _STEP_DIR.match(os.path.basename(url.rstrip("/")))
         return picked.url, (int(m.group(1)) if m else step)
@@ -263,7 +261,7 @@ def load_item(url: str) -> OrbaxItem:
             message names the file).
     """
     d = _Dir(url)
-    meta = _load_json(d, "_METADATA")
+    meta = read_json(d, "_METADATA")
     if meta is None:
         raise CheckpointNotFoundError(f"{url} has no _METADATA (not an Orbax PyTree item)")
     tree = meta.get("tree_metadata") if isinstance(meta, dict) else None
@@ -282,14 +280,14 @@ def load_item(url: str) -> OrbaxItem:
     key_impls: dict[str, str] = {}
     amd = d.child("array_metadatas")
     for name in sorted(amd.children()):
-        key_impls.update(_key_impls(_load_json(amd, name), _join(amd.url, name)))
+        key_impls.update(_key_impls(read_json(amd, name), _join(amd.url, name)))
     return OrbaxItem(
         url,
         entries,
         bool(meta.get("use_ocdbt", True)),
         bool(meta.get("use_zarr3", False)),
         key_impls,
-        _shardings(_load_json(d, "_sharding"), _join(url, "_sharding")),
+        _shardings(read_json(d, "_sharding"), _join(url, "_sharding")),
     )
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -28,7 +29,7 @@ from fastckpt.errors import (
     StepAlreadyCommittedError,
     TreeStructureError,
 )
-from fastckpt.format.manifest import ArrayLeaf
+from fastckpt.format.manifest import ValueLeaf
 from fastckpt.manager import CheckpointManager
 from fastckpt.options import ManagerOptions, RetentionOptions
 from fastckpt.storage import Store
@@ -234,15 +235,14 @@ class OrbaxStyleCheckpointManager:
     def should_save(self, step: int) -> bool:
         """Orbax's default decision: a new step on the interval or in ``save_on_steps``, or the
         first save."""
-        if self.options.read_only:
+        last, opts = self._last, self.options
+        if opts.read_only or (last is not None and last >= step):
             return False
-        if self._last is not None and self._last >= step:
-            return False
-        if self._last is None:
-            return True
-        if self.options.save_on_steps is not None and step in self.options.save_on_steps:
-            return True
-        return step % self.options.save_interval_steps == 0
+        return (
+            last is None
+            or step in (opts.save_on_steps or ())
+            or step % opts.save_interval_steps == 0
+        )
 
     def save(
         self,
@@ -347,21 +347,15 @@ class OrbaxStyleCheckpointManager:
         import jax
         import jax.numpy as jnp
 
-        manifest = self._mgr.manifest(self._resolve(step))
         items: dict[Any, Any] = {}
-        for leaf in manifest.leaves:
-            if isinstance(leaf, ArrayLeaf):
-                if leaf.kind == "prng_key":
-                    shape, dtype, impl = leaf.shape, leaf.dtype, leaf.key_impl
-                    items[leaf.path] = jax.eval_shape(
-                        lambda shape=shape, dtype=dtype, impl=impl: jax.random.wrap_key_data(
-                            jnp.zeros(shape, dtype), impl=impl
-                        )
-                    )
-                else:
-                    items[leaf.path] = jax.ShapeDtypeStruct(leaf.shape, jnp.dtype(leaf.dtype))
-            else:
+        for leaf in self._mgr.manifest(self._resolve(step)).leaves:
+            if isinstance(leaf, ValueLeaf):
                 items[leaf.path] = complex(*leaf.value) if leaf.vtype == "complex" else leaf.value  # type: ignore[misc]
+                continue
+            items[leaf.path] = jax.ShapeDtypeStruct(leaf.shape, jnp.dtype(leaf.dtype))
+            if leaf.kind == "prng_key":
+                wrap = functools.partial(jax.random.wrap_key_data, impl=leaf.key_impl)
+                items[leaf.path] = jax.eval_shape(wrap, items[leaf.path])
         return unflatten_from_paths(items)
 
     # ------------------------------------------------------------------ restore

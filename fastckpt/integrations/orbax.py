@@ -168,13 +168,11 @@ def convert_orbax_to_fastckpt(
 
     src = _path(orbax_path)
     item_url, found_step = resolve_item_dir(src, step=orbax_step, item=item)
-    if step is None:
-        step = found_step
+    step = found_step if step is None else step
     if step is None:
         raise ConfigError(f"cannot tell the step of {src}; pass step=")
     tree = restore_orbax(item_url, target)
-    meta: dict[str, object] = {"converted_from": {"format": "orbax", "path": item_url}}
-    meta.update(metadata or {})
+    meta = {"converted_from": {"format": "orbax", "path": item_url}, **(metadata or {})}
     fastckpt.save(fastckpt_root, step, tree, metadata=meta, options=options)
     return step
 
@@ -222,11 +220,8 @@ def convert_fastckpt_to_orbax(
         ) from e
     if layout not in ("manager", "item"):
         raise ConfigError(f"layout must be 'manager' or 'item', got {layout!r}")
-    dst = (
-        os.path.abspath(_path(orbax_path))
-        if not _path(orbax_path).startswith("gs://")
-        else _path(orbax_path)
-    )
+    dst = _path(orbax_path)
+    dst = dst if dst.startswith("gs://") else os.path.abspath(dst)
     with fastckpt.CheckpointManager(fastckpt_root, options=options) as mgr:
         if step is None:
             step = mgr.latest_step()
@@ -301,20 +296,14 @@ def _write_orbax(ocp: Any, tree: Any, dst: str, step: int, layout: str) -> None:
 
     # StandardSave refuses str leaves; PyTreeSave writes them (to _strings.json).
     has_str = any(isinstance(x, str) for x in jax.tree_util.tree_leaves(tree))
+    args = ocp.args.PyTreeSave(tree) if has_str else ocp.args.StandardSave(tree)
     if layout == "item":
-        with ocp.Checkpointer(
-            ocp.PyTreeCheckpointHandler() if has_str else ocp.StandardCheckpointHandler()
-        ) as ckptr:
-            ckptr.save(
-                dst, args=ocp.args.PyTreeSave(tree) if has_str else ocp.args.StandardSave(tree)
-            )
+        handler = ocp.PyTreeCheckpointHandler() if has_str else ocp.StandardCheckpointHandler()
+        with ocp.Checkpointer(handler) as ckptr:
+            ckptr.save(dst, args=args)
     else:
         with ocp.CheckpointManager(dst) as omgr:
-            omgr.save(
-                step,
-                args=ocp.args.PyTreeSave(tree) if has_str else ocp.args.StandardSave(tree),
-                force=True,
-            )
+            omgr.save(step, args=args, force=True)
             omgr.wait_until_finished()
 
 

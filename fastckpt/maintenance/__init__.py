@@ -14,7 +14,7 @@ from fastckpt.maintenance.gc import collect_garbage as collect_garbage
 from fastckpt.maintenance.gc import collect_garbage_async as collect_garbage_async
 from fastckpt.maintenance.gc import find_leftovers as find_leftovers
 from fastckpt.maintenance.gc import read_manifests as read_manifests
-from fastckpt.maintenance.retention import steps_to_delete as steps_to_delete
+from fastckpt.maintenance.gc import steps_to_delete as steps_to_delete
 
 __all__ = [
     "DEFAULT_GRACE_S",

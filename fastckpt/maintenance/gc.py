@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Literal
 
 from fastckpt.errors import ConfigError, FastckptError
@@ -43,7 +43,6 @@ from fastckpt.format.layout import (
     step_from_manifest_key,
 )
 from fastckpt.format.manifest import Manifest
-from fastckpt.maintenance.retention import steps_to_delete
 from fastckpt.options import RetentionOptions
 from fastckpt.storage import Store
 
@@ -55,6 +54,7 @@ __all__ = [
     "collect_garbage_async",
     "find_leftovers",
     "read_manifests",
+    "steps_to_delete",
 ]
 
 #: Default grace period: one hour (no sane save stays in flight that long).
@@ -159,17 +159,18 @@ async def find_leftovers(
     return leftovers
 
 
-def _collectable(lo: Leftover, grace_s: float) -> bool:
-    return lo.reason == "unreferenced" or lo.age_s >= grace_s
+def steps_to_delete(steps: Iterable[int], policy: RetentionOptions) -> list[int]:
+    """Committed steps that ``policy`` does not keep, oldest first.
 
-
-async def _committed_now(store: Store, steps: set[int | None]) -> set[int]:
-    """Those of ``steps`` whose manifest exists now."""
-    out: set[int] = set()
-    for step in steps:
-        if step is not None and await store.exists(manifest_key(step)):
-            out.add(step)
-    return out
+    A step is kept if it is among the newest ``keep_last`` steps or divisible by
+    ``keep_every``. The newest step is always kept.
+    """
+    ordered = sorted(set(steps))
+    keep = set(ordered if policy.keep_last is None else ordered[-policy.keep_last :])
+    keep.update(ordered[-1:])
+    if policy.keep_every is not None:
+        keep.update(s for s in ordered if s % policy.keep_every == 0)
+    return [s for s in ordered if s not in keep]
 
 
 async def _delete_all(store: Store, keys: Sequence[str]) -> None:
@@ -197,20 +198,14 @@ async def collect_garbage_async(
     committed, errors = await read_manifests(store)
     leftovers = await find_leftovers(store, manifests=committed, now=now)
     report = GcReport(dry_run=dry_run, committed_steps=sorted(committed), errors=errors)
-    for lo in leftovers:
-        (report.removed if _collectable(lo, grace_s) else report.kept).append(lo)
     # A step may have committed since the manifests were read (a save that ran longer than
     # grace_s): its data is no leftover. Checked again right before deleting.
-    late = await _committed_now(
-        store, {lo.step for lo in report.removed if lo.reason == "uncommitted"}
-    )
-    if late:
-        report.kept += [
-            lo for lo in report.removed if lo.reason == "uncommitted" and lo.step in late
-        ]
-        report.removed = [
-            lo for lo in report.removed if not (lo.reason == "uncommitted" and lo.step in late)
-        ]
+    old = [lo for lo in leftovers if lo.reason == "unreferenced" or lo.age_s >= grace_s]
+    late = {lo.step for lo in old if lo.reason == "uncommitted"}
+    late = {s for s in late if s is not None and await store.exists(manifest_key(s))}
+    report.kept = [lo for lo in leftovers if lo.reason == "uncommitted" and lo.age_s < grace_s]
+    report.kept += [lo for lo in old if lo.reason == "uncommitted" and lo.step in late]
+    report.removed = [lo for lo in old if not (lo.reason == "uncommitted" and lo.step in late)]
     if retention is not None:
         report.retention_steps = steps_to_delete(committed, retention)
     if not dry_run:

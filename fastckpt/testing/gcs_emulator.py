@@ -33,7 +33,6 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import IO, Any, Literal, Protocol, final
 
 __all__ = ["EmulatorError", "EmulatorHost", "GcsEmulator", "find_emulator_binary"]
@@ -101,14 +100,9 @@ def find_emulator_binary() -> Path:
     )
     system = platform.system().lower()
     suffix = ".exe" if system == "windows" else ""
+    name = f"fake-gcs-server-{system}-{arch}{suffix}"
     for location in spec.submodule_search_locations:
-        binary = (
-            Path(location)
-            / "vendor"
-            / "fake-gcs-server"
-            / "bin"
-            / f"fake-gcs-server-{system}-{arch}{suffix}"
-        )
+        binary = Path(location, "vendor", "fake-gcs-server", "bin", name)
         if binary.is_file():
             return binary
     raise EmulatorError(
@@ -176,12 +170,7 @@ class GcsEmulator:
         self.start()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     def start(self) -> None:

@@ -41,8 +41,6 @@ __all__ = [
     "tilings",
 ]
 
-#: Every dtype name the manifest format knows.
-
 
 def shapes(
     *, max_rank: int = 4, max_side: int = 7, min_side: int = 0
@@ -220,8 +218,6 @@ def _array_leaf(draw: st.DrawFn, path: KeyPath) -> ArrayLeaf:
 
 
 _FLOATS = st.floats(allow_nan=True, allow_infinity=True)
-
-
 _VTYPES = st.sampled_from(["none", "bool", "int", "float", "complex", "str"])
 _VALUES: dict[str, st.SearchStrategy[Any]] = {
     "none": st.none(),
@@ -241,24 +237,20 @@ def _value_leaf(draw: st.DrawFn, path: KeyPath) -> ValueLeaf:
 
 _PATH_LISTS = st.lists(key_paths(), max_size=8, unique=True)
 _METADATA = st.dictionaries(st.text(max_size=6), json_values(), max_size=4)
-_STEPS = st.integers(0, 2**62)
-_NPROC = st.integers(1, 4096)
-_CREATED = st.floats(0, 2e9)
-_WRITER = st.text(max_size=8)
 
 
 @st.composite
 def manifests(draw: st.DrawFn, *, max_leaves: int = 5) -> Manifest:
     """Valid manifests: unique paths, exact chunk tilings, any dtype, sharding and metadata."""
     paths = draw(_PATH_LISTS)[:max_leaves]
-    leaves: list[Leaf] = []
-    for p in paths:
-        leaves.append(draw(_array_leaf(p)) if draw(st.booleans()) else draw(_value_leaf(p)))
+    leaves: list[Leaf] = [
+        draw(_array_leaf(p)) if draw(st.booleans()) else draw(_value_leaf(p)) for p in paths
+    ]
     return Manifest(
-        step=draw(_STEPS),
+        step=draw(st.integers(0, 2**62)),
         leaves=tuple(leaves),
-        num_processes=draw(_NPROC),
-        created_unix=draw(_CREATED),
-        writer_version=draw(_WRITER),
+        num_processes=draw(st.integers(1, 4096)),
+        created_unix=draw(st.floats(0, 2e9)),
+        writer_version=draw(st.text(max_size=8)),
         metadata=draw(_METADATA),
     )
