@@ -10,6 +10,7 @@ every GCS client does), else Google; the CLI also points tensorstore (Orbax read
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -26,7 +27,6 @@ def _common(p: argparse.ArgumentParser, *, json_flag: bool = True, progress: boo
     p.add_argument(
         "--gcs-endpoint",
         metavar="URL",
-        default=None,
         help="GCS endpoint for gs:// roots (default: $STORAGE_EMULATOR_HOST, else Google)",
     )
     if json_flag:
@@ -89,14 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--keep-last",
         type=_positive,
-        default=None,
         metavar="N",
         help="also delete committed steps except the newest N (and --keep-every ones)",
     )
     p.add_argument(
         "--keep-every",
         type=_positive,
-        default=None,
         metavar="K",
         help="with retention: keep every step divisible by K",
     )
@@ -107,17 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
         "src", help="an Orbax checkpoint (item dir, step dir or manager root) or a fastckpt root"
     )
     p.add_argument("dst", help="the fastckpt root or Orbax directory to write")
-    p.add_argument("--step", type=_step, default=None, help="source step (default: latest)")
+    p.add_argument("--step", type=_step, help="source step (default: latest)")
     p.add_argument(
-        "--to-step",
-        type=_step,
-        default=None,
-        help="Orbax->fastckpt: step to write (default: source step)",
+        "--to-step", type=_step, help="Orbax->fastckpt: step to write (default: source step)"
     )
     p.add_argument(
-        "--item",
-        default=None,
-        help="Orbax item name in a step dir (default: 'default' or the only one)",
+        "--item", help="Orbax item name in a step dir (default: 'default' or the only one)"
     )
     p.add_argument(
         "--layout",
@@ -134,10 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _missing_local_root(root: str) -> bool:
-    if "://" in root and not root.startswith("file://"):
-        return False
-    path = root[len("file://") :] if root.startswith("file://") else root
-    return not os.path.isdir(path)
+    path = root.removeprefix("file://")
+    return "://" not in path and not os.path.isdir(path)
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -238,10 +229,7 @@ def _stdout_closed() -> int:
     except (AttributeError, OSError, ValueError):  # no file descriptor behind sys.stdout (captured)
         return _EXIT_BROKEN_PIPE
     devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
+    with contextlib.suppress(OSError):
         os.dup2(devnull, fd)
-    except OSError:
-        pass
-    finally:
-        os.close(devnull)
+    os.close(devnull)
     return _EXIT_BROKEN_PIPE

@@ -25,9 +25,8 @@ async def cmd_gc(
     as_json: bool,
 ) -> int:
     """Remove uncommitted leftovers (and steps retention drops, if asked)."""
-    retention = None
-    if keep_last is not None or keep_every is not None:
-        retention = RetentionOptions(keep_last=keep_last, keep_every=keep_every)
+    keep = keep_last is not None or keep_every is not None
+    retention = RetentionOptions(keep_last=keep_last, keep_every=keep_every) if keep else None
     report = await collect_garbage_async(
         store, grace_s=grace_s, dry_run=dry_run, retention=retention
     )
@@ -80,9 +79,7 @@ def cmd_convert(
     )
 
     if run_on_root(_has_steps, src, gcs_endpoint):
-        src_store = open_root(
-            src, gcs_endpoint=gcs_endpoint
-        )  # the reading manager owns it and its loop
+        src_store = open_root(src, gcs_endpoint=gcs_endpoint)  # the reading manager owns it
         written = convert_fastckpt_to_orbax(src_store, step, dst, layout=layout)  # type: ignore[arg-type]
         sys.stdout.write(
             f"converted fastckpt step {written} of {src_store.url} -> Orbax at {dst} ({layout})\n"

@@ -19,6 +19,7 @@ from fastckpt.cli._inspect import load_manifest
 from fastckpt.cli._util import Progress, dump_json, fmt_bytes, fmt_rate
 from fastckpt.errors import FastckptError, NotFoundError
 from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, Manifest, keypath_str
+from fastckpt.maintenance import read_manifests
 from fastckpt.planning import coalesce_fetches
 from fastckpt.storage import ByteRange, Store
 
@@ -97,9 +98,8 @@ async def verify_manifest(
     async def one(key: str, start: int, length: int, chunks: tuple[ChunkEntry, ...]) -> None:
         async with sem:
             try:
-                data = memoryview(await store.get(key, byte_range=ByteRange(start, length))).cast(
-                    "B"
-                )
+                got = await store.get(key, byte_range=ByteRange(start, length))
+                data = memoryview(got).cast("B")
             except NotFoundError:
                 data = None
             except FastckptError as e:
@@ -133,12 +133,9 @@ async def cmd_verify(
     threads: int = 4,
 ) -> int:
     """Verify one step (default: latest) or every committed step; 1 if anything is damaged."""
-    from fastckpt.maintenance import read_manifests
-
     if all_steps:
-        manifests, errors = await read_manifests(store)
+        manifests, bad_manifests = await read_manifests(store)
         targets: list[Manifest | None] = [manifests[s] for s in sorted(manifests)]
-        bad_manifests = errors
     else:
         targets, bad_manifests = [await load_manifest(store, step)], []
     results = []

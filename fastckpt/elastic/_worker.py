@@ -14,12 +14,7 @@ import threading
 import time
 from typing import Any, Literal
 
-__all__ = ["Worker", "WorkerIdentity", "now"]
-
-
-def now() -> float:
-    """Wall-clock seconds (``time.time()``): the timeline compares them across processes."""
-    return time.time()
+__all__ = ["Worker", "WorkerIdentity"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -102,4 +97,4 @@ class Worker:
 
     def mark(self, name: str) -> None:
         """Timestamp a phase: ``t_<name>`` in the report."""
-        self.update_report(**{f"t_{name}": now()})
+        self.update_report(**{f"t_{name}": time.time()})

@@ -35,7 +35,7 @@ import jax
 
 import fastckpt
 from fastckpt.coordination.distributed import Coordinator, default_coordinator
-from fastckpt.elastic._worker import Worker, now
+from fastckpt.elastic._worker import Worker
 from fastckpt.errors import ConfigError, NoCheckpointError
 
 __all__ = ["ElasticContext", "ElasticOptions"]
@@ -154,7 +154,7 @@ class ElasticContext:
         """
         mgr = self._require_manager()
         self.worker.update_report(phase="restore")
-        t0 = now()
+        t0 = time.time()
         try:
             # step=None: the manager picks the newest step whose chunks are all reachable
             # (a RAM step, or storage's latest) and every process follows process 0.
@@ -178,7 +178,7 @@ class ElasticContext:
                 restore_fallbacks=dict(stats.fallbacks),
             )
         self.worker.step = self.start_step
-        self.worker.update_report(restore_s=now() - t0)
+        self.worker.update_report(restore_s=time.time() - t0)
         self.mark("restored")
         return state
 
@@ -254,7 +254,7 @@ class ElasticContext:
         """Record metrics of ``step`` (process 0's reach the driver's result and timeline)."""
         ident = self.identity
         if ident.process_id == 0:
-            record = {"step": step, "t": now(), "generation": ident.generation}
+            record = {"step": step, "t": time.time(), "generation": ident.generation}
             self.worker.record_metrics({**record, "num_processes": ident.num_processes, **metrics})
 
     def mark(self, name: str) -> None:

@@ -37,7 +37,7 @@ from fastckpt.elastic._options import (
     JobStatus,
     WorkerInfo,
 )
-from fastckpt.elastic._worker import Worker, WorkerIdentity, now
+from fastckpt.elastic._worker import Worker, WorkerIdentity
 
 __all__ = ["run_elastic"]
 
@@ -115,7 +115,7 @@ class _Driver:
                 msg = f"{len(nodes)} nodes alive < min_nodes {self.opts.min_nodes}"
                 self._record("give_up", reason=msg)
                 raise ElasticRunError(msg, result=self._result(None))
-            gen = _Generation(number=number, nodes=nodes, t_launch=now())
+            gen = _Generation(number=number, nodes=nodes, t_launch=time.time())
             outcome, reason, cause, value = "failed", "", None, None
             try:
                 self._launch(gen)
@@ -133,7 +133,7 @@ class _Driver:
                     reason=reason,
                     cause=cause,
                     t_launch=gen.t_launch,
-                    t_end=now(),
+                    t_end=time.time(),
                 )
             )
             if outcome == "done":
@@ -246,7 +246,7 @@ class _Driver:
     def _failure(
         self, gen: _Generation, rank: int, cause: FailureCause, error: Exception | None
     ) -> tuple[str, str, FailureCause | None, Any]:
-        t_detect = now()
+        t_detect = time.time()
         if cause in ("error", "process"):  # because its node vanished? (never relaunch onto
             cause = self._await_node_loss(gen, rank, cause)  # a node not yet marked dead)
         node = gen.nodes[rank]
@@ -254,7 +254,7 @@ class _Driver:
         self._record(
             "failure_detected",
             t=t_detect,
-            cause_known_s=now() - t_detect,
+            cause_known_s=time.time() - t_detect,
             generation=gen.number,
             rank=rank,
             node=node,
@@ -348,7 +348,7 @@ class _Driver:
     # ------------------------------------------------------------------ bookkeeping
     def _record(self, name: str, **fields: Any) -> None:
         """Add a timeline event stamped now (unless ``t`` is given)."""
-        self.events.append({"t": fields.pop("t", now()), "event": name, **fields})
+        self.events.append({"t": fields.pop("t", time.time()), "event": name, **fields})
         if self.opts.on_event is not None:
             with contextlib.suppress(Exception):  # a closed pipe must not end the job
                 self.opts.on_event(dict(self.events[-1]))

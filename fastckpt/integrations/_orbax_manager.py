@@ -223,11 +223,10 @@ class OrbaxStyleCheckpointManager:
     def _settle(self, *, committed: bool) -> None:
         """Account for the end of the in-flight save: fold it into the committed step when it
         committed; else drop it and re-list (so a failed step is never reported)."""
-        step, self._inflight = self._inflight, None
         if committed:
-            if step is not None:
-                self._committed = step if self._committed is None else max(self._committed, step)
+            self._committed, self._inflight = self._last, None
             return
+        self._inflight = None
         with contextlib.suppress(FastckptError):  # keep the cached step: it was committed
             self.reload()
 

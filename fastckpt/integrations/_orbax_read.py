@@ -29,7 +29,7 @@ from fastckpt.errors import (
     ShapeMismatchError,
     TreeStructureError,
 )
-from fastckpt.format.manifest import Box
+from fastckpt.format.manifest import Box, box_volume
 from fastckpt.integrations._orbax_layout import (
     EMPTY_TYPES,
     OrbaxEntry,
@@ -86,7 +86,6 @@ def _saved_sharding(desc: Any) -> jax.sharding.Sharding | None:
 
 
 def _named_sharding(desc: dict[str, Any]) -> jax.sharding.Sharding | None:
-    """The NamedSharding ``desc`` describes, on this job's devices (None: other device count)."""
     shape = tuple(int(n) for n in desc.get("shape", ()))
     devices = jax.devices()
     if not shape or int(np.prod(shape)) != len(devices):
@@ -148,15 +147,9 @@ def _mode_of(entry: OrbaxEntry, tgt: Any, item: OrbaxItem) -> str:
 
 def _spec(item: OrbaxItem, name: str) -> dict[str, Any]:
     base = kv_spec(item.url)
+    kv = dict(base, path=base["path"] + name + "/")
     if item.use_ocdbt:
-        kv: dict[str, Any] = {
-            "driver": "ocdbt",
-            "base": base,
-            "path": name,
-            "cache_pool": "cache_pool#ocdbt",
-        }
-    else:
-        kv = dict(base, path=base["path"] + name + "/")
+        kv = {"driver": "ocdbt", "base": base, "path": name, "cache_pool": "cache_pool#ocdbt"}
     return {
         "driver": "zarr3" if item.use_zarr3 else "zarr",
         "kvstore": kv,
@@ -212,18 +205,13 @@ def _translate(e: Exception, what: str) -> Exception:
     return CorruptionError(f"{what}: {msg}")
 
 
-def _empty_value(value_type: str) -> Any:
-    """What an empty Orbax value restores as: None, or a new empty container (never shared)."""
-    value = EMPTY_TYPES[value_type]
-    return type(value)() if isinstance(value, (dict, list)) else value
-
-
 def _finish(leaf: _Leaf, futures: dict[Box, Any], strings: dict[str, Any]) -> Any:
     """The restored value of ``leaf``: as stored (a target leaf gives only shape, dtype and
     sharding; a stored None / empty container or Python scalar is returned as stored)."""
     where = leaf.entry.param_name
-    if leaf.mode == "empty":
-        return _empty_value(leaf.entry.value_type)
+    if leaf.mode == "empty":  # None, or a new empty container (never shared)
+        value = EMPTY_TYPES[leaf.entry.value_type]
+        return type(value)() if isinstance(value, (dict, list)) else value
     if leaf.mode == "string":
         if where not in strings:
             raise CheckpointNotFoundError(f"string leaf {where} is missing from _strings.json")
@@ -254,21 +242,13 @@ def _match(
     if target is None:
         return [(e, None) for e in item.entries.values()], None
     pairs, treedef = jax.tree_util.tree_flatten_with_path(target)
-    out = []
-    seen: set[tuple[str, ...]] = set()
-    missing = []
-    for path, leaf in pairs:
-        names = _names_of(path)
-        entry = item.entries.get(names)
-        if entry is None:
-            missing.append(".".join(names))
-            continue
-        seen.add(names)
-        out.append((entry, leaf))
+    named = [(_names_of(path), leaf) for path, leaf in pairs]
+    missing = [".".join(names) for names, _ in named if names not in item.entries]
     if missing:
         raise TreeStructureError(
             f"target leaves not in the Orbax checkpoint {item.url}: {sorted(missing)[:10]}"
         )
+    seen = {names for names, _ in named}
     extra = [
         e.param_name
         for n, e in item.entries.items()
@@ -279,7 +259,7 @@ def _match(
             f"the Orbax checkpoint has leaves the target lacks: {sorted(extra)[:10]} "
             "(pass partial=True to restore a subtree)"
         )
-    return out, treedef
+    return [(item.entries[names], leaf) for names, leaf in named], treedef
 
 
 def read_item(
@@ -332,10 +312,7 @@ def read_item(
         for _, box in lf.device_boxes:
             if box not in futs:
                 futs[box] = (lf.store[box_to_slices(box)] if box else lf.store).read()
-                inflight += (
-                    int(np.prod([b - a for a, b in box], dtype=np.int64))
-                    * lf.store.dtype.numpy_dtype.itemsize
-                )
+                inflight += box_volume(box) * lf.store.dtype.numpy_dtype.itemsize
         pending.append((i, futs))
         if inflight >= max_inflight_bytes:
             drain()

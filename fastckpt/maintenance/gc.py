@@ -102,17 +102,7 @@ class GcReport:
 
     def to_json(self) -> dict[str, object]:
         """A JSON-serialisable summary (the CLI's ``--json`` output)."""
-        return {
-            "dry_run": self.dry_run,
-            "committed_steps": self.committed_steps,
-            "temp_files": self.temp_files,
-            "removed": [dataclasses.asdict(lo) for lo in self.removed],
-            "removed_bytes": self.removed_bytes,
-            "kept": [dataclasses.asdict(lo) for lo in self.kept],
-            "retention_steps": self.retention_steps,
-            "retention_objects": self.retention_objects,
-            "errors": self.errors,
-        }
+        return {**dataclasses.asdict(self), "removed_bytes": self.removed_bytes}
 
 
 async def read_manifests(store: Store) -> tuple[dict[int, Manifest | None], list[str]]:
