@@ -132,12 +132,12 @@ def _missing_local_root(root: str) -> bool:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    from fastckpt.cli import _inspect, _ops, _verify
+    from fastckpt.cli import _commands, _verify
     from fastckpt.cli._util import parse_duration, run_on_root
 
     cmd = args.command
     if cmd == "convert":
-        return _ops.cmd_convert(
+        return _commands.cmd_convert(
             args.src,
             args.dst,
             step=args.step,
@@ -151,9 +151,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 1
     ep = args.gcs_endpoint
     if cmd == "ls":
-        return run_on_root(_inspect.cmd_ls, args.root, ep, as_json=args.json)
+        return run_on_root(_commands.cmd_ls, args.root, ep, as_json=args.json)
     if cmd == "inspect":
-        return run_on_root(_inspect.cmd_inspect, args.root, ep, step=args.step, as_json=args.json)
+        return run_on_root(_commands.cmd_inspect, args.root, ep, step=args.step, as_json=args.json)
     if cmd == "verify":
         return run_on_root(
             _verify.cmd_verify,
@@ -165,22 +165,21 @@ def _dispatch(args: argparse.Namespace) -> int:
             progress=not args.no_progress and not args.json,
             threads=args.threads,
         )
-    if cmd == "gc":
-        if args.keep_every is not None and args.keep_last is None:
-            raise _UsageError(
-                "--keep-every needs --keep-last (retention keeps the newest N plus every K-th)"
-            )
-        return run_on_root(
-            _ops.cmd_gc,
-            args.root,
-            ep,
-            grace_s=parse_duration(args.grace),
-            dry_run=args.dry_run,
-            keep_last=args.keep_last,
-            keep_every=args.keep_every,
-            as_json=args.json,
+    assert cmd == "gc", cmd
+    if args.keep_every is not None and args.keep_last is None:
+        raise _UsageError(
+            "--keep-every needs --keep-last (retention keeps the newest N plus every K-th)"
         )
-    raise _UsageError(f"unknown command {cmd!r}")
+    return run_on_root(
+        _commands.cmd_gc,
+        args.root,
+        ep,
+        grace_s=parse_duration(args.grace),
+        dry_run=args.dry_run,
+        keep_last=args.keep_last,
+        keep_every=args.keep_every,
+        as_json=args.json,
+    )
 
 
 class _UsageError(Exception):
@@ -191,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI on ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "demo":  # every argument belongs to the demo, including -h
-        from fastckpt.cli._ops import cmd_demo
+        from fastckpt.cli._commands import cmd_demo
 
         return cmd_demo(argv[1:])
     parser = build_parser()

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import zstandard
 
 from fastckpt._checksum import crc32c
-from fastckpt.cli._inspect import load_manifest
+from fastckpt.cli._commands import load_manifest
 from fastckpt.cli._util import Progress, dump_json, fmt_bytes, fmt_rate
 from fastckpt.errors import FastckptError, NotFoundError
 from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, Manifest, keypath_str

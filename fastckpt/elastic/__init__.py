@@ -13,9 +13,9 @@ from fastckpt.elastic._options import ElasticResult as ElasticResult
 from fastckpt.elastic._options import ElasticRunError as ElasticRunError
 from fastckpt.elastic._options import GenerationResult as GenerationResult
 from fastckpt.elastic._options import JobStatus as JobStatus
+from fastckpt.elastic._options import Worker as Worker
+from fastckpt.elastic._options import WorkerIdentity as WorkerIdentity
 from fastckpt.elastic._options import WorkerInfo as WorkerInfo
-from fastckpt.elastic._worker import Worker as Worker
-from fastckpt.elastic._worker import WorkerIdentity as WorkerIdentity
 from fastckpt.elastic.context import ElasticContext as ElasticContext
 from fastckpt.elastic.context import ElasticOptions as ElasticOptions
 from fastckpt.elastic.job import run_elastic as run_elastic

@@ -23,7 +23,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from fastckpt.elastic._worker import Worker, WorkerIdentity
+from fastckpt.elastic._options import Worker, WorkerIdentity
 
 __all__ = ["NodeActor", "spawn_actor"]
 

@@ -35,7 +35,7 @@ import jax
 
 import fastckpt
 from fastckpt.coordination.distributed import Coordinator, default_coordinator
-from fastckpt.elastic._worker import Worker
+from fastckpt.elastic._options import Worker
 from fastckpt.errors import ConfigError, NoCheckpointError
 
 __all__ = ["ElasticContext", "ElasticOptions"]
