@@ -285,10 +285,6 @@ async def cmd_gc(
     return 1 if report.errors else 0
 
 
-async def _has_steps(store: Store) -> bool:
-    return bool(await store.list(MANIFEST_PREFIX))
-
-
 def cmd_convert(
     src: str,
     dst: str,
@@ -306,7 +302,7 @@ def cmd_convert(
         is_orbax_dir,
     )
 
-    if run_on_root(_has_steps, src, gcs_endpoint):
+    if run_on_root(lambda store: store.list(MANIFEST_PREFIX), src, gcs_endpoint):
         src_store = open_root(src, gcs_endpoint=gcs_endpoint)  # the reading manager owns it
         written = convert_fastckpt_to_orbax(src_store, step, dst, layout=layout)  # type: ignore[arg-type]
         sys.stdout.write(

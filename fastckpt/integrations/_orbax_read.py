@@ -80,25 +80,20 @@ def _saved_sharding(desc: Any) -> jax.sharding.Sharding | None:
     if not isinstance(desc, dict) or desc.get("sharding_type") != "NamedSharding":
         return None
     try:
-        return _named_sharding(desc)
+        shape = tuple(int(n) for n in desc.get("shape", ()))
+        devices = jax.devices()
+        if not shape or int(np.prod(shape)) != len(devices):
+            return None
+        by_id = {d.id: d for d in devices}
+        ids = _device_ids((desc.get("device_mesh") or {}).get("mesh", []))
+        if len(ids) == len(devices) and all(i in by_id for i in ids):
+            devices = [by_id[i] for i in ids]
+        spec = [tuple(p) if isinstance(p, list) else p for p in desc.get("partition_spec", [])]
+        mesh_devices = np.asarray(devices, dtype=object).reshape(shape)
+        mesh = jax.sharding.Mesh(mesh_devices, tuple(desc.get("axis_names", ())))
+        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
     except (ValueError, TypeError, KeyError, AttributeError):
         return None
-
-
-def _named_sharding(desc: dict[str, Any]) -> jax.sharding.Sharding | None:
-    shape = tuple(int(n) for n in desc.get("shape", ()))
-    devices = jax.devices()
-    if not shape or int(np.prod(shape)) != len(devices):
-        return None
-    by_id = {d.id: d for d in devices}
-    ids = _device_ids((desc.get("device_mesh") or {}).get("mesh", []))
-    if len(ids) == len(devices) and all(i in by_id for i in ids):
-        mesh_devices = np.asarray([by_id[i] for i in ids], dtype=object).reshape(shape)
-    else:
-        mesh_devices = np.asarray(devices, dtype=object).reshape(shape)
-    spec = [tuple(p) if isinstance(p, list) else p for p in desc.get("partition_spec", [])]
-    mesh = jax.sharding.Mesh(mesh_devices, tuple(desc.get("axis_names", ())))
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
 
 
 @dataclasses.dataclass
