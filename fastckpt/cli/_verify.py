@@ -18,7 +18,7 @@ from fastckpt._checksum import crc32c
 from fastckpt.cli._commands import load_manifest
 from fastckpt.cli._util import Progress, dump_json, fmt_bytes, fmt_rate
 from fastckpt.errors import FastckptError, NotFoundError
-from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, Manifest, keypath_str
+from fastckpt.format.manifest import ChunkEntry, Manifest, keypath_str
 from fastckpt.maintenance import read_manifests
 from fastckpt.planning import coalesce_fetches
 from fastckpt.storage import ByteRange, Store
@@ -78,22 +78,15 @@ async def verify_manifest(
     concurrency: int = 8,
 ) -> tuple[list[Damage], int]:
     """Verify every chunk of ``m``; returns ``(damages, chunks checked)``."""
-    owner: dict[tuple[str, int], tuple[ArrayLeaf, ChunkEntry]] = {}
-    for leaf in m.arrays():
-        for c in leaf.chunks:
-            owner[(c.key, c.offset)] = (leaf, c)
+    owner = {(c.key, c.offset): (leaf, c) for leaf in m.arrays() for c in leaf.chunks}
     ranges = coalesce_fetches((c for _, c in owner.values()), max_gap=0, max_bytes=_MAX_REQUEST)
     damages: list[Damage] = []
     sem = asyncio.Semaphore(concurrency)
     loop = asyncio.get_running_loop()
 
     def damage(c: ChunkEntry, problem: str) -> None:
-        leaf, _ = owner[(c.key, c.offset)]
-        damages.append(
-            Damage(
-                m.step, keypath_str(leaf.path), [list(iv) for iv in c.box], c.key, c.offset, problem
-            )
-        )
+        array = keypath_str(owner[(c.key, c.offset)][0].path)
+        damages.append(Damage(m.step, array, [list(iv) for iv in c.box], c.key, c.offset, problem))
 
     async def one(key: str, start: int, length: int, chunks: tuple[ChunkEntry, ...]) -> None:
         async with sem:

@@ -101,12 +101,9 @@ class StoreTests:
 
     # -- round trips -------------------------------------------------------------------
 
-    @pytest.mark.parametrize("kind", ["bytes", "bytearray", "memoryview"])
-    def test_put_get_round_trip(self, store: Store, kind: str) -> None:
-        payload: Any = {"bytes": bytes, "bytearray": bytearray, "memoryview": memoryview}[kind](
-            b"hello, fastckpt"
-        )
-        run(store.put("a/b/obj", payload))
+    @pytest.mark.parametrize("kind", [bytes, bytearray, memoryview], ids=lambda k: k.__name__)
+    def test_put_get_round_trip(self, store: Store, kind: Callable[[bytes], Any]) -> None:
+        run(store.put("a/b/obj", kind(b"hello, fastckpt")))
         assert run(_get(store, "a/b/obj")) == b"hello, fastckpt"
 
     def test_get_returns_buffer(self, store: Store) -> None:
