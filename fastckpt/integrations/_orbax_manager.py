@@ -261,23 +261,15 @@ class OrbaxStyleCheckpointManager:
         previous background save's :class:`~fastckpt.errors.SaveError` (that step is then
         no longer listed: ``latest_step()`` names the newest committed one).
         """
-        if self.options.read_only:
-            return False
-        if not force and not self.should_save(step):
+        if self.options.read_only or not (force or self.should_save(step)):
             return False
         if step == self._inflight or step in self._mgr.all_steps():
             raise StepAlreadyCommittedError(f"step {step} already exists in {self.directory}")
         tree, names, json_items = _unpack_save(args if args is not None else items)
-        meta = {
-            _META_KEY: {
-                "items": names,
-                "json": json_items,
-                "metrics": metrics,
-                "custom_metadata": dict(custom_metadata or {}),
-            }
-        }
+        style = {"items": names, "json": json_items, "metrics": metrics}
+        style["custom_metadata"] = dict(custom_metadata or {})
         try:
-            started = self._mgr.save(step, tree, metadata=meta, force=True)
+            started = self._mgr.save(step, tree, metadata={_META_KEY: style}, force=True)
         except BaseException:
             self._settle(committed=False)  # the previous save failed, or this one never started
             raise
@@ -303,10 +295,8 @@ class OrbaxStyleCheckpointManager:
     def all_steps(self, read: bool = False) -> list[int]:
         """Committed steps plus the one being saved, ascending (``read`` is ignored)."""
         del read
-        steps = set(self._mgr.all_steps())
-        if self._inflight is not None:
-            steps.add(self._inflight)
-        return sorted(steps)
+        inflight = [] if self._inflight is None else [self._inflight]
+        return sorted(set(self._mgr.all_steps() + inflight))
 
     def latest_step(self) -> int | None:
         """The newest step committed or being saved, or None (as Orbax: the in-flight step

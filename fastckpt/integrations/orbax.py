@@ -1,9 +1,8 @@
 """Orbax interop: read Orbax checkpoints onto any sharding, convert both ways, Orbax-style manager.
 
 The ``orbax`` extra (``pip install 'fastckpt[orbax]'``) brings orbax-checkpoint, gcsfs and
-tensorstore. Reading an Orbax checkpoint (:func:`restore_orbax`,
-:func:`convert_orbax_to_fastckpt`) needs only tensorstore (a :class:`ConfigError` naming the
-extra without it); writing one
+tensorstore. Reading an Orbax checkpoint (:func:`restore_orbax`, :func:`convert_orbax_to_fastckpt`)
+needs only tensorstore (a :class:`ConfigError` naming the extra without it); writing one
 (:func:`convert_fastckpt_to_orbax`) imports orbax lazily. The manager surface
 (:class:`OrbaxStyleCheckpointManager`) imports orbax only when it is handed Orbax objects.
 
