@@ -238,16 +238,10 @@ class ElasticContext:
         """
         mgr = self._require_manager()
         mgr.wait()
-        if (
-            self._agree(f"final/{step}", lambda: "skip" if mgr.latest_step() == step else "save")
-            == "save"
-        ):
-            mgr.save(
-                step,
-                state,
-                metadata={"generation": self.identity.generation, "final": True},
-                force=True,
-            )
+        committed = self._agree(f"final/{step}", lambda: str(mgr.latest_step() == step))
+        if committed == "False":
+            meta = {"generation": self.identity.generation, "final": True}
+            mgr.save(step, state, metadata=meta, force=True)
         mgr.wait()
 
     def log(self, step: int, **metrics: float) -> None:

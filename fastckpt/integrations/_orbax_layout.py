@@ -91,11 +91,9 @@ class _Dir:
     def __init__(self, url: str) -> None:
         self.url = url
         self.spec = kv_spec(url)
+        self.local: str | None = self.spec["path"] if self.spec["driver"] == "file" else None
+        """The local directory (with a trailing ``/``); None for a remote one."""
         self._kv: Any = None
-
-    @property
-    def local(self) -> str | None:
-        return self.spec["path"] if self.spec["driver"] == "file" else None
 
     def _store(self) -> Any:
         if self._kv is None:
@@ -153,8 +151,7 @@ def _orbax_steps(d: _Dir) -> dict[int, str]:
         m = _STEP_DIR.match(name)
         if m is None or "tmp" in name:
             continue
-        child = d.child(name)
-        if d.local is None and child.read("commit_success.txt") is None:
+        if d.local is None and d.child(name).read("commit_success.txt") is None:
             continue  # not finalized (object stores have no atomic rename)
         out[int(m.group(1))] = name
     return out
