@@ -237,8 +237,7 @@ async def cmd_inspect(store: Store, step: int | None, *, as_json: bool) -> int:
         f"total: {plural(len(m.arrays()), 'array')}, "
         f"{plural(len(m.leaves) - len(m.arrays()), 'value')}, "
         f"{plural(len(m.object_keys()), 'object')}; stored {fmt_bytes(m.stored_bytes)} of "
-        f"{fmt_bytes(m.nbytes)} "
-        f"logical{ratio}\n"
+        f"{fmt_bytes(m.nbytes)} logical{ratio}\n"
     )
     return 0
 
@@ -275,10 +274,9 @@ async def cmd_gc(
         out.write(f"{verb} step {step} (retention)\n")
     sizes = f", {fmt_bytes(report.removed_bytes)}" if report.removed_bytes else ""
     out.write(
-        f"{store.url}: {verb} {plural(len(report.removed), 'leftover object')}{sizes}; kept "
-        f"{len(report.kept)} "
-        f"recent; {verb} {plural(len(report.retention_steps), 'step')} by retention "
-        f"({plural(report.retention_objects, 'object')})\n"
+        f"{store.url}: {verb} {plural(len(report.removed), 'leftover object')}{sizes}; "
+        f"kept {len(report.kept)} recent; {verb} {plural(len(report.retention_steps), 'step')} "
+        f"by retention ({plural(report.retention_objects, 'object')})\n"
     )
     for e in report.errors:
         sys.stderr.write(f"warning: {e}\n")

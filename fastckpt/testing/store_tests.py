@@ -264,10 +264,8 @@ class StoreTests:
         payloads = [_blob(3000 + i, seed=i) for i in range(self.create_racers)]
 
         async def race() -> list[BaseException | None]:
-            results = await asyncio.gather(
-                *(store.put("race", p, mode="create") for p in payloads), return_exceptions=True
-            )
-            return list(results)
+            puts = (store.put("race", p, mode="create") for p in payloads)
+            return list(await asyncio.gather(*puts, return_exceptions=True))
 
         results = run(race())
         winners = [i for i, r in enumerate(results) if r is None]
