@@ -195,8 +195,7 @@ def resolve_item_dir(
     steps = _orbax_steps(d)
     if not steps:
         raise CheckpointNotFoundError(f"no Orbax checkpoint at {url}")
-    if step is None:
-        step = max(steps)
+    step = max(steps) if step is None else step
     if step not in steps:
         raise CheckpointNotFoundError(
             f"no finalized Orbax step {step} in {url} (steps: {sorted(steps)})"

@@ -122,11 +122,8 @@ def _mode_of(entry: OrbaxEntry, tgt: Any, item: OrbaxItem) -> str:
     if entry.value_type not in _ARRAY_TYPES:
         raise ConfigError(f"{where}: unsupported Orbax value type {entry.value_type!r}")
     if tgt is None:
-        if entry.value_type == "scalar":
-            return "pyscalar"
-        if entry.value_type == "np.ndarray":
-            return "numpy"
-        return "key" if where in item.key_impls else "jax"
+        array = "key" if where in item.key_impls else "jax"
+        return {"scalar": "pyscalar", "np.ndarray": "numpy"}.get(entry.value_type, array)
     if is_prng_key(tgt):
         return "key"
     if isinstance(tgt, np.generic):
@@ -195,9 +192,7 @@ def _plan(leaf: _Leaf, item: OrbaxItem, *, allow_cast: bool) -> None:
 
 def _translate(e: Exception, what: str) -> Exception:
     msg = str(e)
-    if "NOT_FOUND" in msg:
-        return CheckpointNotFoundError(f"{what}: {msg}")
-    return CorruptionError(f"{what}: {msg}")
+    return (CheckpointNotFoundError if "NOT_FOUND" in msg else CorruptionError)(f"{what}: {msg}")
 
 
 def _finish(leaf: _Leaf, futures: dict[Box, Any], strings: dict[str, Any]) -> Any:
