@@ -134,6 +134,7 @@ def _missing_local_root(root: str) -> bool:
 def _dispatch(args: argparse.Namespace) -> int:
     from fastckpt.cli import _commands, _verify
     from fastckpt.cli._util import parse_duration, run_on_root
+    from fastckpt.errors import ConfigError
 
     cmd = args.command
     if cmd == "convert":
@@ -167,7 +168,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         )
     assert cmd == "gc", cmd
     if args.keep_every is not None and args.keep_last is None:
-        raise _UsageError(
+        raise ConfigError(
             "--keep-every needs --keep-last (retention keeps the newest N plus every K-th)"
         )
     return run_on_root(
@@ -180,10 +181,6 @@ def _dispatch(args: argparse.Namespace) -> int:
         keep_every=args.keep_every,
         as_json=args.json,
     )
-
-
-class _UsageError(Exception):
-    pass
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -206,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return rc
     except BrokenPipeError:
         return _stdout_closed()
-    except (_UsageError, ConfigError) as e:
+    except ConfigError as e:  # a usage error
         sys.stderr.write(f"fastckpt {args.command}: error: {e}\n")
         return 2
     except FastckptError as e:

@@ -34,12 +34,8 @@ _T = TypeVar("_T")
 
 
 def open_root(url: str, *, gcs_endpoint: str | None) -> Store:
-    """Open a checkpoint root for the CLI.
-
-    ``gs://`` roots use ``--gcs-endpoint`` if given, else ``STORAGE_EMULATOR_HOST`` (which
-    :class:`~fastckpt.storage.GcsStore` honours itself). When an endpoint is in play,
-    tensorstore (used to read Orbax checkpoints) is pointed at it too.
-    """
+    """Open a checkpoint root for the CLI; a ``gs://`` root's endpoint (``gcs_endpoint``, else
+    ``STORAGE_EMULATOR_HOST``) is also given to tensorstore (Orbax reads)."""
     if url.startswith("gs://"):
         endpoint = gcs_endpoint or os.environ.get(_EMULATOR_ENV) or None
         if endpoint:

@@ -74,8 +74,7 @@ def tilings(draw: st.DrawFn, shape: tuple[int, ...], *, max_pieces: int = 12) ->
     if not shape or 0 in shape:
         return [full]
     pieces = [full]
-    cuts = draw(st.integers(0, max_pieces - 1))
-    for _ in range(cuts):
+    for _ in range(draw(st.integers(0, max_pieces - 1))):
         splittable = [i for i, b in enumerate(pieces) if any(hi - lo > 1 for lo, hi in b)]
         if not splittable:
             break
@@ -85,9 +84,7 @@ def tilings(draw: st.DrawFn, shape: tuple[int, ...], *, max_pieces: int = 12) ->
         d = draw(st.sampled_from(dims))
         lo, hi = box[d]
         cut = draw(st.integers(lo + 1, hi - 1))
-        left = box[:d] + ((lo, cut),) + box[d + 1 :]
-        right = box[:d] + ((cut, hi),) + box[d + 1 :]
-        pieces[i : i + 1] = [left, right]
+        pieces[i : i + 1] = [box[:d] + (half,) + box[d + 1 :] for half in ((lo, cut), (cut, hi))]
     return pieces
 
 
