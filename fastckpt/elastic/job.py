@@ -254,8 +254,7 @@ class _Driver:
                 try:
                     results[rank] = ray.get(ref)
                 except ray.exceptions.RayActorError as e:
-                    node = gen.nodes[rank]
-                    lost = node not in alive_nodes(opts.node_resource)
+                    lost = gen.nodes[rank] not in alive_nodes(opts.node_resource)
                     return self._failure(gen, rank, "node" if lost else "process", e)
                 except ray.exceptions.RayError as e:
                     return self._failure(gen, rank, "error", e)
@@ -270,11 +269,8 @@ class _Driver:
                 self._maybe_grow(gen, alive)
                 self._maybe_fill_standby(gen)
             if opts.monitor is not None:
-                opts.monitor(
-                    JobStatus(
-                        gen.number, max(gen.steps.values(), default=0), gen.workers, self._record
-                    )
-                )
+                step = max(gen.steps.values(), default=0)
+                opts.monitor(JobStatus(gen.number, step, gen.workers, self._record))
         outcomes = {r["outcome"] for r in results.values()}
         if outcomes == {"done"}:
             return "done", "every worker finished", None, results[0]["value"]
