@@ -47,11 +47,8 @@ _STEP_DIR = re.compile(r"^(?:.*_)?(\d+)$")
 
 
 def import_tensorstore() -> Any:
-    """The ``tensorstore`` module, which only reading Orbax checkpoints needs.
-
-    Raises:
-        ConfigError: tensorstore is not installed (it comes with the ``orbax`` extra).
-    """
+    """The ``tensorstore`` module, which only reading Orbax checkpoints needs
+    (:class:`ConfigError` if it is not installed: it comes with the ``orbax`` extra)."""
     try:
         import tensorstore
     except ImportError as e:
@@ -288,11 +285,8 @@ def load_item(url: str) -> OrbaxItem:
 
 
 def _key_impls(doc: Any, where: str) -> dict[str, str]:
-    """Parameter name -> PRNG implementation, from one ``array_metadatas/process_<i>`` document.
-
-    Raises:
-        ManifestError: the document is not shaped as Orbax writes it (objects and lists).
-    """
+    """Parameter name -> PRNG implementation, from one ``array_metadatas/process_<i>`` document
+    (:class:`ManifestError` if it is not shaped as Orbax writes it)."""
     if doc is None:
         return {}
     records = doc.get("array_metadatas", []) if isinstance(doc, dict) else None
@@ -314,12 +308,8 @@ def _key_impls(doc: Any, where: str) -> dict[str, str]:
 
 
 def _shardings(doc: Any, where: str) -> dict[str, Any]:
-    """Parameter name -> saved sharding JSON, from ``_sharding`` (entries that do not decode
-    are skipped: they are informational only).
-
-    Raises:
-        ManifestError: the document is not a JSON object.
-    """
+    """Parameter name -> saved sharding JSON, from ``_sharding`` (:class:`ManifestError` if it
+    is not a JSON object; entries that do not decode are skipped: they are informational)."""
     if doc is None:
         return {}
     if not isinstance(doc, dict):

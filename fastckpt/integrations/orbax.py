@@ -270,11 +270,8 @@ def _check_orbax_destination(dst: str, step: int, layout: str) -> None:
 
 
 def _check_orbax_leaves(tree: Any) -> None:
-    """Refuse leaves fastckpt holds but Orbax cannot save (Orbax fails late and noisily on them).
-
-    Raises:
-        ConfigError: a complex Python scalar, a Python int outside int64, or a zero-size array.
-    """
+    """:class:`ConfigError` for a leaf fastckpt holds but Orbax cannot save (a complex Python
+    scalar, a Python int outside int64, a zero-size array), before Orbax fails late on it."""
     import jax
 
     for path, x in jax.tree_util.tree_leaves_with_path(tree):
