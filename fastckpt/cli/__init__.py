@@ -216,10 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _stdout_closed() -> int:
     """Stop writing quietly after the reader of stdout went away (``| head``); the exit status.
-
-    stdout is pointed at ``/dev/null`` so that flushing what is still buffered at interpreter
-    exit cannot raise again (the recipe of Python's ``signal`` documentation).
-    """
+    stdout is pointed at ``/dev/null``: flushing at interpreter exit cannot raise again."""
     try:
         fd = sys.stdout.fileno()
     except (AttributeError, OSError, ValueError):  # no file descriptor behind sys.stdout (captured)

@@ -55,13 +55,10 @@ cluster); a driver connecting to an existing cluster cannot change it."""
 
 
 def connect(address: str | None, *, resource: str, init_kwargs: Mapping[str, Any]) -> bool:
-    """Connect this process to Ray unless it already is. Returns whether it connected (and so
-    should disconnect at the end).
-
-    ``address`` (or ``RAY_ADDRESS``) names an existing cluster; with neither, an embedded
-    local single-node cluster starts, offering one unit of ``resource`` and the tuned
-    health checks (``init_kwargs`` go to ``ray.init`` in both cases).
-    """
+    """Connect this process to Ray unless it already is; whether it connected (and so should
+    disconnect at the end). ``address`` (or ``RAY_ADDRESS``) names an existing cluster; with
+    neither, an embedded local cluster starts, offering one unit of ``resource`` and the tuned
+    health checks (``init_kwargs`` go to ``ray.init`` in both cases)."""
     if ray.is_initialized():
         return False
     kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}

@@ -172,13 +172,10 @@ def _pick_item(d: _Dir, item: str | None) -> _Dir | None:
 def resolve_item_dir(
     url: str, *, step: int | None = None, item: str | None = None
 ) -> tuple[str, int | None]:
-    """Find the item directory in an Orbax item dir, step dir or manager root.
-
-    Returns ``(item_url, step)``; ``step`` is parsed from the step directory name when
-    there is one. ``step=None`` on a manager root picks the newest finalized step.
-
-    Raises:
-        CheckpointNotFoundError: nothing Orbax-like there, or no such step/item.
+    """``(item_url, step)`` of the item directory in an Orbax item dir, step dir or manager
+    root; ``step`` is parsed from the step directory name when there is one, and
+    ``step=None`` on a manager root picks the newest finalized step.
+    :class:`CheckpointNotFoundError`: nothing Orbax-like there, or no such step/item.
     """
     d = _Dir(url)
     picked = (
@@ -246,13 +243,9 @@ class OrbaxItem:
 
 
 def load_item(url: str) -> OrbaxItem:
-    """Parse ``_METADATA``, ``_sharding`` and ``array_metadatas`` of an item directory.
-
-    Raises:
-        CheckpointNotFoundError: there is no ``_METADATA``.
-        ManifestError: a metadata file is not JSON, or not shaped as Orbax writes it (the
-            message names the file).
-    """
+    """Parse ``_METADATA``, ``_sharding`` and ``array_metadatas`` of an item directory:
+    CheckpointNotFoundError without ``_METADATA``, ManifestError (naming the file) for a
+    metadata file that is not JSON or not shaped as Orbax writes it."""
     d = _Dir(url)
     meta = read_json(d, "_METADATA")
     if meta is None:

@@ -239,13 +239,9 @@ def convert_fastckpt_to_orbax(
 
 
 def _check_orbax_destination(dst: str, step: int, layout: str) -> None:
-    """Refuse a local destination Orbax would not write to, before any data is read.
-
-    Raises:
-        StorageError: a parent of ``dst`` is not a directory.
-        AlreadyExistsError: ``dst`` exists and is a file, or exists at all for ``layout="item"``.
-        StepAlreadyCommittedError: ``dst/<step>`` exists for ``layout="manager"``.
-    """
+    """Refuse a local destination Orbax would not write to, before any data is read:
+    StorageError (a parent is not a directory), AlreadyExistsError (``dst`` is a file, or
+    exists for ``layout="item"``), StepAlreadyCommittedError (``dst/<step>`` exists)."""
     if dst.startswith("gs://"):
         return  # Orbax's own errors are translated by _orbax_write_error
     parent = os.path.dirname(dst)

@@ -152,11 +152,8 @@ async def find_leftovers(
 
 
 def steps_to_delete(steps: Iterable[int], policy: RetentionOptions) -> list[int]:
-    """Committed steps that ``policy`` does not keep, oldest first.
-
-    A step is kept if it is among the newest ``keep_last`` steps or divisible by
-    ``keep_every``. The newest step is always kept.
-    """
+    """Committed steps that ``policy`` does not keep, oldest first: a step is kept if it is
+    among the newest ``keep_last`` or divisible by ``keep_every``; the newest is always kept."""
     ordered = sorted(set(steps))
     keep = set(ordered if policy.keep_last is None else ordered[-policy.keep_last :])
     keep.update(ordered[-1:])
