@@ -192,9 +192,7 @@ class ElasticContext:
         """
         self.barrier("train")
         self.worker.update_report(phase="train")
-        step = self.start_step
-        first = True
-        while step < total_steps:
+        for step in range(self.start_step, total_steps):
             if step % self.options.control_every == 0 and self._stop_at is None:
                 self._stop_at = self._agree_stop(step)
             if self._stop_at is not None and step >= self._stop_at:
@@ -202,12 +200,10 @@ class ElasticContext:
                 return
             self.worker.step = step
             yield step
-            if first:
+            if step == self.start_step:
                 self.mark("first_step")
-                first = False
-            step += 1
-            self.worker.step = step
-        self.worker.update_report(final_step=step)
+            self.worker.step = step + 1
+        self.worker.update_report(final_step=max(self.start_step, total_steps))
 
     def maybe_save(
         self, step: int, state: Any, *, metadata: Mapping[str, object] | None = None

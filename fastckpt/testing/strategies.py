@@ -54,13 +54,9 @@ def boxes_in(draw: st.DrawFn, shape: tuple[int, ...], *, allow_empty: bool = Fal
     """A box inside ``shape`` (non-empty unless ``allow_empty``)."""
     out = []
     for n in shape:
-        if n == 0 or allow_empty:
-            a = draw(st.integers(0, n))
-            b = draw(st.integers(a, n))
-        else:
-            a = draw(st.integers(0, n - 1))
-            b = draw(st.integers(a + 1, n))
-        out.append((a, b))
+        gap = 0 if n == 0 or allow_empty else 1  # the least extent on this side
+        a = draw(st.integers(0, n - gap))
+        out.append((a, draw(st.integers(a + gap, n))))
     return tuple(out)
 
 
