@@ -1,12 +1,8 @@
 """An Orbax-``CheckpointManager``-shaped facade over :class:`fastckpt.CheckpointManager`.
 
-Migrating a trainer means changing the import and the constructor; the calls
-(``save(step, args=ocp.args.StandardSave(state))``, ``restore(step,
-args=ocp.args.StandardRestore(abstract))``, ``should_save``, ``latest_step``,
-``wait_until_finished``...) stay. Orbax argument objects are recognised by their module and
-unpacked with an explicit ``isinstance`` chain (no handler registry); plain pytrees work too.
-
-Supported argument types: ``StandardSave``/``StandardRestore``, ``PyTreeSave``/``PyTreeRestore``
+Migrating a trainer means changing the import and the constructor; the calls (``save``,
+``restore``, ``should_save``, ``latest_step``, ``wait_until_finished``...) stay. Arguments:
+plain pytrees, or ``StandardSave``/``StandardRestore``, ``PyTreeSave``/``PyTreeRestore``
 (``item`` only), ``JsonSave``/``JsonRestore`` (stored in the manifest's metadata) and
 ``Composite`` of those. Storage layout and guarantees are fastckpt's (manifest commit,
 crc32c on every chunk), not Orbax's: an Orbax-style manager reads only fastckpt roots.

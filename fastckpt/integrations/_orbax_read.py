@@ -1,13 +1,10 @@
 """Read checkpoints written by orbax-checkpoint with tensorstore directly (no handler stack).
 
-Only ``tensorstore`` (the ``orbax`` extra) is used; orbax is not imported. The layout and
-metadata parsing live in :mod:`fastckpt.integrations._orbax_layout`; sharding resolution,
-shard boxes, PRNG key checks and placement are the reader's (:mod:`fastckpt.reader.assemble`).
-
-Call order inside :func:`read_item`: match the target's leaves to ``_METADATA`` entries by
-their Orbax parameter names -> open every array's tensorstore (concurrently) -> check shapes
-and dtypes (typed errors) -> per leaf, read only the boxes this process's devices need ->
-place them on the devices. Host memory held at once is bounded by
+Orbax is not imported. Sharding resolution, shard boxes, PRNG key checks and placement are
+the reader's (:mod:`fastckpt.reader.assemble`). Call order inside :func:`read_item`: match the
+target's leaves to ``_METADATA`` entries by Orbax parameter name -> open every array's
+tensorstore (concurrently) -> check shapes and dtypes (typed errors) -> per leaf, read only
+the boxes this process's devices need -> place them. Host memory held at once is bounded by
 ``max_inflight_bytes`` (plus one leaf's boxes).
 """
 

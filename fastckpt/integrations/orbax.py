@@ -69,11 +69,9 @@ def restore_orbax(
 ) -> Any:
     """Read a checkpoint written by orbax-checkpoint, laid out as ``target`` says.
 
-    Reads with tensorstore directly (OCDBT or per-array kvstores, zarr v2 or zarr3, local
-    paths or ``gs://``): every array is opened from the checkpoint's own spec and each
-    process reads only the boxes its addressable devices need, so any target mesh or
-    device count works. Orbax's handler stack is used only for legacy (pre-``_METADATA``)
-    checkpoints.
+    Reads with tensorstore directly (OCDBT or per-array kvstores, zarr v2 or zarr3, local or
+    ``gs://``); each process reads only the boxes its devices need, so any target mesh works.
+    Legacy (pre-``_METADATA``) checkpoints go through Orbax's handler stack.
 
     Args:
         path: An Orbax item directory (``StandardCheckpointer`` output), a step directory
