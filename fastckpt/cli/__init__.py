@@ -190,9 +190,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from fastckpt.cli._commands import cmd_demo
 
         return cmd_demo(argv[1:])
-    parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args = build_parser().parse_args(argv)
     except SystemExit as e:  # argparse: --help (0) or a usage error (2)
         return int(e.code) if isinstance(e.code, int) else 2
     from fastckpt.errors import ConfigError, FastckptError

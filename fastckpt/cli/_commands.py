@@ -152,11 +152,7 @@ def _sharding_str(s: ShardingSpec | None) -> str:
         return "-"
     mesh = ",".join(f"{n}={k}" for n, k in zip(s.mesh_axis_names, s.mesh_shape))
     spec = ", ".join(
-        "None"
-        if p is None
-        else repr(p)
-        if isinstance(p, str)
-        else "(" + ",".join(map(repr, p)) + ")"
+        repr(p) if p is None or isinstance(p, str) else "(" + ",".join(map(repr, p)) + ")"
         for p in s.partition_spec
     )
     return f"mesh({mesh}) P({spec})"

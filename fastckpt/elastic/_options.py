@@ -97,8 +97,7 @@ class ElasticJobOptions:
     """JAX persistent compilation cache directory on each node (None: off)."""
     ram_dir: str = "/dev/shm/fastckpt-elastic"
     """Parent of each node's RAM-tier directory (``<ram_dir>/<run_id>/<node>``); environment
-    variables in it are expanded on the node (e.g. ``$FASTCKPT_NODE_SHM``, the RAM root the
-    examples' ``LocalRayCluster`` gives each node)."""
+    variables in it are expanded on the node (e.g. ``$FASTCKPT_NODE_SHM``)."""
     run_id: str | None = None
     """Names the run (None: a fresh one)."""
     warm_standby: bool = True

@@ -252,12 +252,9 @@ class ElasticContext:
         self.worker.mark(name)
 
     def barrier(self, name: str) -> None:
-        """Wait until every process of this generation reaches ``barrier(name)``.
-
-        ``steps`` calls it once before the first step: processes that finished restoring
-        and compiling at different times then start their first collective together (gloo
-        gives up connecting after ~30 s). Names must be unique within a generation.
-        """
+        """Wait until every process of this generation reaches ``barrier(name)`` (names are
+        unique within a generation). ``steps`` calls it before the first step, so that the
+        first collective starts together (gloo gives up connecting after ~30 s)."""
         if self._coord is not None:
             self._coord.barrier(
                 f"fastckpt-elastic/g{self.identity.generation}/barrier/{name}",
@@ -279,11 +276,9 @@ class ElasticContext:
         return coord.get(key, timeout_s=self.options.kv_timeout_s)
 
     def _agree_stop(self, step: int) -> int | None:
-        """Process 0 reads the stop request; everyone learns its decision at ``step``.
-
-        A stop decided before running step ``step`` takes effect after it: the agreed stop
-        step is ``step + 1``, so the ``maybe_save(step + 1, ...)`` of this iteration is forced.
-        """
+        """Process 0 reads the stop request; everyone learns its decision at ``step``. A stop
+        takes effect after ``step``: the agreed stop step is ``step + 1``, so the
+        ``maybe_save(step + 1, ...)`` of this iteration is forced."""
         decision = self._agree(
             f"stop/{step}", lambda: "stop" if self.worker.stop_requested() else "go"
         )

