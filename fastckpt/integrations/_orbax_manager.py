@@ -83,12 +83,9 @@ class OrbaxStyleOptions:
     def from_orbax(
         cls, options: Any, *, manager_options: ManagerOptions | None = None
     ) -> OrbaxStyleOptions:
-        """Translate an ``orbax.checkpoint.CheckpointManagerOptions``.
-
-        Raises:
-            ConfigError: it sets an option with no fastckpt equivalent (``best_fn``,
-                ``keep_time_interval``, ``should_save_fn``, custom save/preservation policies).
-        """
+        """Translate an ``orbax.checkpoint.CheckpointManagerOptions`` (:class:`ConfigError` if it
+        sets an option with no fastckpt equivalent: ``best_fn``, ``keep_time_interval``,
+        ``should_save_fn``, custom save/preservation policies)."""
         bad = [f for f in _UNSUPPORTED if getattr(options, f, None) is not None]
         if bad:
             raise ConfigError(f"Orbax options {bad} have no fastckpt equivalent")

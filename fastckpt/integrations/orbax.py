@@ -87,9 +87,6 @@ def restore_orbax(
         allow_dtype_cast: Convert stored dtypes to the target's instead of raising.
         max_inflight_bytes: Host memory bound for read-but-not-yet-placed data.
 
-    Returns:
-        The restored pytree (``target``'s structure).
-
     Raises:
         CheckpointNotFoundError: no Orbax checkpoint, step or item at ``path``.
         TreeStructureError, ShapeMismatchError, DtypeMismatchError: the target disagrees.
@@ -140,7 +137,7 @@ def convert_orbax_to_fastckpt(
     metadata: Mapping[str, object] | None = None,
     options: ManagerOptions | None = None,
 ) -> int:
-    """Copy one Orbax checkpoint into a fastckpt root as a committed step.
+    """Copy one Orbax checkpoint into a fastckpt root as a committed step; returns that step.
 
     The state passes through this process's host memory and devices (one restore, one
     save). Without ``target`` the fastckpt tree is nested dicts/lists keyed by Orbax's key
@@ -156,9 +153,6 @@ def convert_orbax_to_fastckpt(
         target: Optional abstract state to restore into before saving.
         metadata: Extra user metadata for the fastckpt manifest.
         options: fastckpt manager options for the save.
-
-    Returns:
-        The fastckpt step written.
     """
     import fastckpt
     from fastckpt.integrations._orbax_layout import resolve_item_dir
@@ -183,7 +177,7 @@ def convert_fastckpt_to_orbax(
     layout: Literal["manager", "item"] = "manager",
     options: ManagerOptions | None = None,
 ) -> int:
-    """Write fastckpt step ``step`` (default: latest) as an Orbax checkpoint. Needs orbax.
+    """Write fastckpt step ``step`` (default: latest) as an Orbax checkpoint; returns the step.
 
     Args:
         fastckpt_root: Source root URL/path or Store.
@@ -195,16 +189,13 @@ def convert_fastckpt_to_orbax(
         layout: See ``orbax_path``.
         options: fastckpt manager options for the restore.
 
-    Returns:
-        The step converted.
-
     Raises:
         CheckpointNotFoundError: no such (or no committed) fastckpt step.
         AlreadyExistsError: ``layout="item"`` and ``orbax_path`` exists, or it is a file.
         StepAlreadyCommittedError: the Orbax manager directory already holds ``step``.
         StorageError: the destination cannot be written (a parent is a file, no permission...).
-        ConfigError: the state holds leaves Orbax cannot store (complex Python scalars,
-            Python ints beyond int64, zero-size arrays).
+        ConfigError: orbax-checkpoint is not installed, or the state holds leaves Orbax
+            cannot store (complex Python scalars, Python ints beyond int64, zero-size arrays).
         SaveError: Orbax failed otherwise (``__cause__`` is its exception).
     """
     import fastckpt

@@ -225,9 +225,6 @@ def collect_garbage(
         dry_run: Report only; delete nothing.
         retention: Also delete committed steps this policy does not keep.
         now: Current UNIX time (tests inject it).
-
-    Returns:
-        A :class:`GcReport`.
     """
     return asyncio.run(
         collect_garbage_async(store, grace_s=grace_s, dry_run=dry_run, retention=retention, now=now)
