@@ -128,19 +128,15 @@ async def cmd_verify(
     """Verify one step (default: latest) or every committed step; 1 if anything is damaged."""
     if all_steps:
         manifests, bad_manifests = await read_manifests(store)
-        targets: list[Manifest | None] = [manifests[s] for s in sorted(manifests)]
+        targets = [m for _, m in sorted(manifests.items()) if m is not None]
     else:
         targets, bad_manifests = [await load_manifest(store, step)], []
     results = []
-    all_damages: list[Damage] = []
     with ThreadPoolExecutor(threads, thread_name_prefix="fastckpt-verify") as executor:
         for m in targets:
-            if m is None:
-                continue
             p = Progress(f"verify step {m.step}", m.stored_bytes, enabled=progress)
             damages, nchunks = await verify_manifest(store, m, executor=executor, progress=p)
             p.close()
-            all_damages.extend(damages)
             results.append(
                 {
                     "step": m.step,
@@ -161,7 +157,7 @@ async def cmd_verify(
                 )
                 for d in damages:
                     sys.stdout.write(f"  {d}\n")
-    ok = not all_damages and not bad_manifests
+    ok = all(r["ok"] for r in results) and not bad_manifests
     if as_json:
         dump_json({"root": store.url, "ok": ok, "steps": results, "manifest_errors": bad_manifests})
     else:

@@ -174,18 +174,9 @@ def _chunk_entries(
         codec = draw(_CODECS)
         length = raw_length if codec == "raw" else draw(st.integers(0, raw_length + 64))
         crc = draw(_U32)
-        out.append(
-            ChunkEntry(
-                box=box,
-                key=draw(_OBJECT_KEYS),
-                offset=draw(_OFFSETS),
-                length=length,
-                raw_length=raw_length,
-                codec=codec,
-                crc32c=crc,
-                raw_crc32c=crc if codec == "raw" else draw(_U32),
-            )
-        )
+        key, offset = draw(_OBJECT_KEYS), draw(_OFFSETS)
+        raw_crc = crc if codec == "raw" else draw(_U32)
+        out.append(ChunkEntry(box, key, offset, length, raw_length, codec, crc, raw_crc))
     return tuple(out)
 
 
