@@ -37,9 +37,7 @@ __all__ = ["cmd_convert", "cmd_demo", "cmd_gc", "cmd_inspect", "cmd_ls", "load_m
 
 
 def _when(unix: float) -> str:
-    if not unix:
-        return "-"
-    return datetime.datetime.fromtimestamp(unix).strftime("%Y-%m-%d %H:%M:%S")
+    return datetime.datetime.fromtimestamp(unix).strftime("%Y-%m-%d %H:%M:%S") if unix else "-"
 
 
 def _ratio(stored: int, logical: int) -> float | None:
@@ -322,5 +320,4 @@ def cmd_demo(argv: Sequence[str]) -> int:
     except ImportError as e:
         sys.stderr.write(f"fastckpt demo: the elastic demo is not available: {e}\n")
         return 1
-    rc = demo_main(list(argv))
-    return int(rc) if rc is not None else 0
+    return int(demo_main(list(argv)) or 0)

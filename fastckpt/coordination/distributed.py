@@ -108,10 +108,9 @@ _COUNTS_LOCK = threading.Lock()
 
 def _next_count(scope: object, base: str) -> int:
     with _COUNTS_LOCK:
-        _, counts = _COUNTS.setdefault(id(scope), (scope, {}))
-        n = counts.get(base, 0)
-        counts[base] = n + 1
-        return n
+        counts = _COUNTS.setdefault(id(scope), (scope, {}))[1]
+        counts[base] = counts.get(base, -1) + 1
+        return counts[base]
 
 
 class LocalCoordinator(Coordinator):

@@ -1,10 +1,8 @@
-"""The elastic job's API types: options and results (the driver's), and what a worker knows.
-
-:class:`WorkerIdentity` is assigned by the driver per generation (a *generation* is one set
-of worker actors sharing one ``jax.distributed`` coordinator). :class:`Worker` is what the
-user's ``train`` function receives: the identity plus a thread-safe channel that the
-driver reads through the actor's control calls (stop requests in; metrics, phase marks
-and the current step out). Nothing here imports Ray or JAX.
+"""The elastic job's API types (no Ray or JAX import): the driver's options and results, what
+a worker knows of itself (:class:`WorkerIdentity`, assigned per *generation*: one set of worker
+actors sharing one ``jax.distributed`` coordinator) and :class:`Worker`, what ``train``
+receives: the identity plus its channel to the driver (stop requests in; metrics, phase
+marks and the current step out).
 """
 
 from __future__ import annotations

@@ -156,8 +156,7 @@ class ElasticContext:
         self.worker.update_report(phase="restore")
         t0 = time.time()
         try:
-            # step=None: the manager picks the newest step whose chunks are all reachable
-            # (a RAM step, or storage's latest) and every process follows process 0.
+            # step=None: the newest step whose chunks all processes reach, as process 0 picks
             state = mgr.restore(target=target)
             stats = mgr.last_restore_stats
         except NoCheckpointError:  # nothing committed in any tier (raised on every process alike)

@@ -344,9 +344,8 @@ class _Driver:
             for actor in gen.actors:
                 actor.request_stop.remote()
             gen.stop_requested = True
-            self._record(
-                "stop_requested", generation=gen.number, step=max(gen.steps.values(), default=0)
-            )
+            step = max(gen.steps.values(), default=0)
+            self._record("stop_requested", generation=gen.number, step=step)
 
     def _maybe_fill_standby(self, gen: _Generation) -> None:
         if not gen.stepped:

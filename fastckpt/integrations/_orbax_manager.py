@@ -298,12 +298,10 @@ class OrbaxStyleCheckpointManager:
 
     def reload(self) -> None:
         """Re-read the committed steps from storage (an in-flight save stays accounted for)."""
-        steps = self._mgr.all_steps()
-        self._committed = steps[-1] if steps else None
+        self._committed = max(self._mgr.all_steps(), default=None)
 
     def reached_preemption(self, step: int) -> bool:
-        """Always False: fastckpt has no preemption sync point (kept for signature
-        compatibility)."""
+        """Always False (no preemption sync point; kept for signature compatibility)."""
         del step
         return False
 

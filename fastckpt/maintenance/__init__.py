@@ -1,6 +1,5 @@
-"""Maintenance of a checkpoint root: remove data no committed manifest references (garbage
-collection), and apply retention. Works on any :class:`~fastckpt.storage.Store` through its
-listing with metadata and :meth:`~fastckpt.storage.Store.sweep`; see ``docs/cli.md``.
+"""Maintenance of a checkpoint root (any :class:`~fastckpt.storage.Store`): remove data no
+committed manifest references (garbage collection), and apply retention; see ``docs/cli.md``.
 
 A save writes its data objects under ``steps/<step>/<save_id>/`` first and commits by
 writing ``manifests/<step>.json`` last. A save that died, a retried attempt that lost, and
