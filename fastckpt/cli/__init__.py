@@ -10,6 +10,7 @@ every GCS client does), else Google; the CLI also points tensorstore (Orbax read
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -26,7 +27,6 @@ def _common(p: argparse.ArgumentParser, *, json_flag: bool = True, progress: boo
     p.add_argument(
         "--gcs-endpoint",
         metavar="URL",
-        default=None,
         help="GCS endpoint for gs:// roots (default: $STORAGE_EMULATOR_HOST, else Google)",
     )
     if json_flag:
@@ -89,14 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--keep-last",
         type=_positive,
-        default=None,
         metavar="N",
         help="also delete committed steps except the newest N (and --keep-every ones)",
     )
     p.add_argument(
         "--keep-every",
         type=_positive,
-        default=None,
         metavar="K",
         help="with retention: keep every step divisible by K",
     )
@@ -107,17 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
         "src", help="an Orbax checkpoint (item dir, step dir or manager root) or a fastckpt root"
     )
     p.add_argument("dst", help="the fastckpt root or Orbax directory to write")
-    p.add_argument("--step", type=_step, default=None, help="source step (default: latest)")
+    p.add_argument("--step", type=_step, help="source step (default: latest)")
     p.add_argument(
-        "--to-step",
-        type=_step,
-        default=None,
-        help="Orbax->fastckpt: step to write (default: source step)",
+        "--to-step", type=_step, help="Orbax->fastckpt: step to write (default: source step)"
     )
     p.add_argument(
-        "--item",
-        default=None,
-        help="Orbax item name in a step dir (default: 'default' or the only one)",
+        "--item", help="Orbax item name in a step dir (default: 'default' or the only one)"
     )
     p.add_argument(
         "--layout",
@@ -134,19 +127,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _missing_local_root(root: str) -> bool:
-    if "://" in root and not root.startswith("file://"):
-        return False
-    path = root[len("file://") :] if root.startswith("file://") else root
-    return not os.path.isdir(path)
+    path = root.removeprefix("file://")
+    return "://" not in path and not os.path.isdir(path)
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    from fastckpt.cli import _inspect, _ops, _verify
+    from fastckpt.cli import _commands, _verify
     from fastckpt.cli._util import parse_duration, run_on_root
+    from fastckpt.errors import ConfigError
 
     cmd = args.command
     if cmd == "convert":
-        return _ops.cmd_convert(
+        return _commands.cmd_convert(
             args.src,
             args.dst,
             step=args.step,
@@ -160,9 +152,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 1
     ep = args.gcs_endpoint
     if cmd == "ls":
-        return run_on_root(_inspect.cmd_ls, args.root, ep, as_json=args.json)
+        return run_on_root(_commands.cmd_ls, args.root, ep, as_json=args.json)
     if cmd == "inspect":
-        return run_on_root(_inspect.cmd_inspect, args.root, ep, step=args.step, as_json=args.json)
+        return run_on_root(_commands.cmd_inspect, args.root, ep, step=args.step, as_json=args.json)
     if cmd == "verify":
         return run_on_root(
             _verify.cmd_verify,
@@ -174,38 +166,32 @@ def _dispatch(args: argparse.Namespace) -> int:
             progress=not args.no_progress and not args.json,
             threads=args.threads,
         )
-    if cmd == "gc":
-        if args.keep_every is not None and args.keep_last is None:
-            raise _UsageError(
-                "--keep-every needs --keep-last (retention keeps the newest N plus every K-th)"
-            )
-        return run_on_root(
-            _ops.cmd_gc,
-            args.root,
-            ep,
-            grace_s=parse_duration(args.grace),
-            dry_run=args.dry_run,
-            keep_last=args.keep_last,
-            keep_every=args.keep_every,
-            as_json=args.json,
+    assert cmd == "gc", cmd
+    if args.keep_every is not None and args.keep_last is None:
+        raise ConfigError(
+            "--keep-every needs --keep-last (retention keeps the newest N plus every K-th)"
         )
-    raise _UsageError(f"unknown command {cmd!r}")
-
-
-class _UsageError(Exception):
-    pass
+    return run_on_root(
+        _commands.cmd_gc,
+        args.root,
+        ep,
+        grace_s=parse_duration(args.grace),
+        dry_run=args.dry_run,
+        keep_last=args.keep_last,
+        keep_every=args.keep_every,
+        as_json=args.json,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI on ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "demo":  # every argument belongs to the demo, including -h
-        from fastckpt.cli._ops import cmd_demo
+        from fastckpt.cli._commands import cmd_demo
 
         return cmd_demo(argv[1:])
-    parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args = build_parser().parse_args(argv)
     except SystemExit as e:  # argparse: --help (0) or a usage error (2)
         return int(e.code) if isinstance(e.code, int) else 2
     from fastckpt.errors import ConfigError, FastckptError
@@ -216,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return rc
     except BrokenPipeError:
         return _stdout_closed()
-    except (_UsageError, ConfigError) as e:
+    except ConfigError as e:  # a usage error
         sys.stderr.write(f"fastckpt {args.command}: error: {e}\n")
         return 2
     except FastckptError as e:
@@ -229,19 +215,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _stdout_closed() -> int:
     """Stop writing quietly after the reader of stdout went away (``| head``); the exit status.
-
-    stdout is pointed at ``/dev/null`` so that flushing what is still buffered at interpreter
-    exit cannot raise again (the recipe of Python's ``signal`` documentation).
-    """
+    stdout is pointed at ``/dev/null``: flushing at interpreter exit cannot raise again."""
     try:
         fd = sys.stdout.fileno()
     except (AttributeError, OSError, ValueError):  # no file descriptor behind sys.stdout (captured)
         return _EXIT_BROKEN_PIPE
     devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
+    with contextlib.suppress(OSError):
         os.dup2(devnull, fd)
-    except OSError:
-        pass
-    finally:
-        os.close(devnull)
+    os.close(devnull)
     return _EXIT_BROKEN_PIPE

@@ -34,12 +34,8 @@ _T = TypeVar("_T")
 
 
 def open_root(url: str, *, gcs_endpoint: str | None) -> Store:
-    """Open a checkpoint root for the CLI.
-
-    ``gs://`` roots use ``--gcs-endpoint`` if given, else ``STORAGE_EMULATOR_HOST`` (which
-    :class:`~fastckpt.storage.GcsStore` honours itself). When an endpoint is in play,
-    tensorstore (used to read Orbax checkpoints) is pointed at it too.
-    """
+    """Open a checkpoint root for the CLI; a ``gs://`` root's endpoint (``gcs_endpoint``, else
+    ``STORAGE_EMULATOR_HOST``) is also given to tensorstore (Orbax reads)."""
     if url.startswith("gs://"):
         endpoint = gcs_endpoint or os.environ.get(_EMULATOR_ENV) or None
         if endpoint:
@@ -69,12 +65,13 @@ def fmt_bytes(n: float | None) -> str:
     """``1536`` -> ``"1.50 KiB"``; None -> ``"-"``."""
     if n is None:
         return "-"
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
+    if abs(n) < 1024:
+        return f"{int(n)} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
         n /= 1024
-    raise AssertionError("unreachable")
+        if abs(n) < 1024 or unit == "TiB":
+            break
+    return f"{n:.2f} {unit}"
 
 
 def plural(n: int, word: str) -> str:
@@ -162,27 +159,22 @@ class Progress:
             f"{fmt_rate(self.done_bytes, self.elapsed)}"
         )
 
+    def _draw(self, end: str) -> None:
+        self._stream.write(f"\r{self._line()}\x1b[K{end}" if self._tty else self._line() + "\n")
+        self._stream.flush()
+
     def add(self, nbytes: int) -> None:
         """Record ``nbytes`` more done; redraw if due."""
         with self._lock:
             self.done_bytes += nbytes
-            if not self.enabled:
-                return
             now = time.perf_counter()
-            if now - self._last < (0.2 if self._tty else 5.0):
-                return
-            self._last = now
-            self._stream.write(
-                ("\r" + self._line() + "\x1b[K") if self._tty else self._line() + "\n"
-            )
-            self._stream.flush()
-            self._drawn = True
+            if self.enabled and now - self._last >= (0.2 if self._tty else 5.0):
+                self._last = now
+                self._draw("")
+                self._drawn = True
 
     def close(self) -> None:
         """Finish the line (only if something was drawn)."""
         with self._lock:
             if self.enabled and self._drawn:
-                self._stream.write(
-                    ("\r" + self._line() + "\x1b[K\n") if self._tty else self._line() + "\n"
-                )
-                self._stream.flush()
+                self._draw("\n")

@@ -15,10 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 import zstandard
 
 from fastckpt._checksum import crc32c
-from fastckpt.cli._inspect import load_manifest
+from fastckpt.cli._commands import load_manifest
 from fastckpt.cli._util import Progress, dump_json, fmt_bytes, fmt_rate
 from fastckpt.errors import FastckptError, NotFoundError
-from fastckpt.format.manifest import ArrayLeaf, ChunkEntry, Manifest, keypath_str
+from fastckpt.format.manifest import ChunkEntry, Manifest, keypath_str
+from fastckpt.maintenance import read_manifests
 from fastckpt.planning import coalesce_fetches
 from fastckpt.storage import ByteRange, Store
 
@@ -77,29 +78,21 @@ async def verify_manifest(
     concurrency: int = 8,
 ) -> tuple[list[Damage], int]:
     """Verify every chunk of ``m``; returns ``(damages, chunks checked)``."""
-    owner: dict[tuple[str, int], tuple[ArrayLeaf, ChunkEntry]] = {}
-    for leaf in m.arrays():
-        for c in leaf.chunks:
-            owner[(c.key, c.offset)] = (leaf, c)
+    owner = {(c.key, c.offset): (leaf, c) for leaf in m.arrays() for c in leaf.chunks}
     ranges = coalesce_fetches((c for _, c in owner.values()), max_gap=0, max_bytes=_MAX_REQUEST)
     damages: list[Damage] = []
     sem = asyncio.Semaphore(concurrency)
     loop = asyncio.get_running_loop()
 
     def damage(c: ChunkEntry, problem: str) -> None:
-        leaf, _ = owner[(c.key, c.offset)]
-        damages.append(
-            Damage(
-                m.step, keypath_str(leaf.path), [list(iv) for iv in c.box], c.key, c.offset, problem
-            )
-        )
+        array = keypath_str(owner[(c.key, c.offset)][0].path)
+        damages.append(Damage(m.step, array, [list(iv) for iv in c.box], c.key, c.offset, problem))
 
     async def one(key: str, start: int, length: int, chunks: tuple[ChunkEntry, ...]) -> None:
         async with sem:
             try:
-                data = memoryview(await store.get(key, byte_range=ByteRange(start, length))).cast(
-                    "B"
-                )
+                got = await store.get(key, byte_range=ByteRange(start, length))
+                data = memoryview(got).cast("B")
             except NotFoundError:
                 data = None
             except FastckptError as e:
@@ -133,24 +126,17 @@ async def cmd_verify(
     threads: int = 4,
 ) -> int:
     """Verify one step (default: latest) or every committed step; 1 if anything is damaged."""
-    from fastckpt.maintenance import read_manifests
-
     if all_steps:
-        manifests, errors = await read_manifests(store)
-        targets: list[Manifest | None] = [manifests[s] for s in sorted(manifests)]
-        bad_manifests = errors
+        manifests, bad_manifests = await read_manifests(store)
+        targets = [m for _, m in sorted(manifests.items()) if m is not None]
     else:
         targets, bad_manifests = [await load_manifest(store, step)], []
     results = []
-    all_damages: list[Damage] = []
     with ThreadPoolExecutor(threads, thread_name_prefix="fastckpt-verify") as executor:
         for m in targets:
-            if m is None:
-                continue
             p = Progress(f"verify step {m.step}", m.stored_bytes, enabled=progress)
             damages, nchunks = await verify_manifest(store, m, executor=executor, progress=p)
             p.close()
-            all_damages.extend(damages)
             results.append(
                 {
                     "step": m.step,
@@ -171,7 +157,7 @@ async def cmd_verify(
                 )
                 for d in damages:
                     sys.stdout.write(f"  {d}\n")
-    ok = not all_damages and not bad_manifests
+    ok = all(r["ok"] for r in results) and not bad_manifests
     if as_json:
         dump_json({"root": store.url, "ok": ok, "steps": results, "manifest_errors": bad_manifests})
     else:

@@ -108,10 +108,9 @@ _COUNTS_LOCK = threading.Lock()
 
 def _next_count(scope: object, base: str) -> int:
     with _COUNTS_LOCK:
-        _, counts = _COUNTS.setdefault(id(scope), (scope, {}))
-        n = counts.get(base, 0)
-        counts[base] = n + 1
-        return n
+        counts = _COUNTS.setdefault(id(scope), (scope, {}))[1]
+        counts[base] = counts.get(base, -1) + 1
+        return counts[base]
 
 
 class LocalCoordinator(Coordinator):
@@ -164,23 +163,16 @@ class JaxCoordinator(Coordinator):
         return self._client
 
     def set(self, key: str, value: str, *, timeout_s: float | None = None) -> None:
-        _bounded(
-            self._client.key_value_set,
-            (key, value),
-            self._bound(timeout_s),
-            f"key-value set {key!r}",
-        )
+        self._set(self._client.key_value_set, key, value, timeout_s)
 
     def get(self, key: str, *, timeout_s: float) -> str:
         return str(self._blocking(self._client.blocking_key_value_get, key, timeout_s))
 
     def set_bytes(self, key: str, value: bytes, *, timeout_s: float | None = None) -> None:
-        _bounded(
-            self._client.key_value_set_bytes,
-            (key, value),
-            self._bound(timeout_s),
-            f"key-value set {key!r}",
-        )
+        self._set(self._client.key_value_set_bytes, key, value, timeout_s)
+
+    def _set(self, put: Any, key: str, value: str | bytes, timeout_s: float | None) -> None:
+        _bounded(put, (key, value), self._bound(timeout_s), f"key-value set {key!r}")
 
     def _bound(self, timeout_s: float | None) -> float:
         return self.timeout_s if timeout_s is None else max(0.001, min(timeout_s, self.timeout_s))

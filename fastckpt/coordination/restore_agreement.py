@@ -109,20 +109,15 @@ def choose_latest(
     ``older_than``) from which every process reaches the chunks it needs (``wanted``), else
     storage's latest (``load(step)``).
 
-    Only process 0 lists storage (``list_manifests()``: the committed manifests' keys),
-    while the tier surveys its steps, and publishes its latest step for the others
-    (read only when no step of the tier is chosen): one listing per restore instead of one per host,
-    and every process falls back to the same step even if a commit landed between two
-    listings. Raises :class:`NoCheckpointError` on every process when nothing is committed
-    in any tier (and no ``older_than``), :class:`CheckpointNotFoundError` when nothing older
-    than ``older_than`` is.
+    Only process 0 lists storage (``list_manifests()``, while the tier surveys its steps) and
+    publishes its latest step for the others, as :func:`agreed_storage_latest`. Raises
+    :class:`NoCheckpointError` on every process when nothing is committed in any tier (and no
+    ``older_than``), :class:`CheckpointNotFoundError` when nothing older than ``older_than`` is.
     """
     listed: list[int | None] = []
     listing = list_manifests() if coord.process_index == 0 else None
 
-    def storage_latest() -> (
-        int | None
-    ):  # process 0, after its peer survey: the listing ran meanwhile
+    def storage_latest() -> int | None:  # process 0, after its survey (the listing ran meanwhile)
         assert listing is not None
         listed.append(_publish_latest(coord, key, listing.result()))
         return listed[0]

@@ -16,13 +16,14 @@ import importlib
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from fastckpt.elastic._worker import Worker, WorkerIdentity, now
+from fastckpt.elastic._options import Worker, WorkerIdentity
 
 __all__ = ["NodeActor", "spawn_actor"]
 
@@ -42,7 +43,7 @@ class NodeActor:
             jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
         for name in preload:
             importlib.import_module(name)
-        self._t_ready = now()
+        self._t_ready = time.time()
         self._worker: Worker | None = None
         self._lock = threading.Lock()
         self._pending_stop = False

@@ -1,12 +1,18 @@
-"""Options and results of an elastic job (the driver's API types; no Ray import)."""
+"""The elastic job's API types (no Ray or JAX import): the driver's options and results, what
+a worker knows of itself (:class:`WorkerIdentity`, assigned per *generation*: one set of worker
+actors sharing one ``jax.distributed`` coordinator) and :class:`Worker`, what ``train``
+receives: the identity plus its channel to the driver (stop requests in; metrics, phase
+marks and the current step out).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-from fastckpt.elastic._worker import now
 from fastckpt.errors import ConfigError, FastckptError
 
 __all__ = [
@@ -15,6 +21,8 @@ __all__ = [
     "ElasticRunError",
     "GenerationResult",
     "JobStatus",
+    "Worker",
+    "WorkerIdentity",
     "WorkerInfo",
 ]
 
@@ -40,23 +48,17 @@ class WorkerInfo:
     pid: int
 
 
+@dataclasses.dataclass
 class JobStatus:
     """What the ``monitor`` callback sees on each driver poll; it may record events."""
 
-    def __init__(
-        self,
-        generation: int,
-        step: int,
-        workers: tuple[WorkerInfo, ...],
-        record: Callable[..., None],
-    ) -> None:
-        self.generation = generation
-        """The running generation."""
-        self.step = step
-        """Highest step any worker reported (steps completed)."""
-        self.workers = workers
-        """The generation's workers by rank (empty while it is being launched)."""
-        self._record = record
+    generation: int
+    """The running generation."""
+    step: int
+    """Highest step any worker reported (steps completed)."""
+    workers: tuple[WorkerInfo, ...]
+    """The generation's workers by rank (empty while it is being launched)."""
+    _record: Callable[..., None] = dataclasses.field(repr=False)
 
     def record(self, event: str, **fields: Any) -> None:
         """Add ``{"t", "event", "generation", **fields}`` to the job's timeline (e.g. a
@@ -93,8 +95,7 @@ class ElasticJobOptions:
     """JAX persistent compilation cache directory on each node (None: off)."""
     ram_dir: str = "/dev/shm/fastckpt-elastic"
     """Parent of each node's RAM-tier directory (``<ram_dir>/<run_id>/<node>``); environment
-    variables in it are expanded on the node (e.g. ``$FASTCKPT_NODE_SHM``, the RAM root the
-    examples' ``LocalRayCluster`` gives each node)."""
+    variables in it are expanded on the node (e.g. ``$FASTCKPT_NODE_SHM``)."""
     run_id: str | None = None
     """Names the run (None: a fresh one)."""
     warm_standby: bool = True
@@ -113,8 +114,7 @@ class ElasticJobOptions:
     """After killing a generation, longest wait for its actors to be gone."""
     node_loss_grace_s: float = 2.0
     """When ``train`` raised (a collective fails on the survivors before Ray marks a lost
-    node dead), how long to watch for a node of the generation to be marked dead before
-    relaunching (with the tuned health checks a lost node is marked in ~1.5 s)."""
+    node dead), how long to watch for a node of the generation to be marked dead."""
     process_death_settle_s: float = 0.5
     """When a worker died and its node's standby still answers, how long to watch the node
     list before calling it a process death: a node whose raylet is gone can keep its worker
@@ -177,6 +177,84 @@ class ElasticResult:
         return summarize(self.events, self.reports, self.metrics)
 
 
-def event(name: str, **fields: Any) -> dict[str, Any]:
-    """A timeline record stamped now (unless ``t`` is given)."""
-    return {"t": fields.pop("t", now()), "event": name, **fields}
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WorkerIdentity:
+    """One worker of one generation, as the driver assigned it."""
+
+    run_id: str
+    """Names this run (per-node RAM directories are keyed by it)."""
+    generation: int
+    """Launch counter; every relaunch (failure or resize) increments it."""
+    process_id: int
+    """Rank in this generation (0 hosts the ``jax.distributed`` coordinator)."""
+    num_processes: int
+    """Processes (= nodes) in this generation."""
+    coordinator: str
+    """``ip:port`` of the coordinator (on process 0's node); ``""`` with one process."""
+    node_id: str
+    """Ray node id of the node this worker runs on (stable while the node lives)."""
+    node_ip: str
+    """The node's address (peers reach this worker's RAM tier by it)."""
+    ram_root: str
+    """This node's RAM-tier directory for this run (keyed by the node, not the rank)."""
+    peer_secret: bytes = dataclasses.field(repr=False)
+    """The run's shared peer secret (authenticates RAM-tier replication between nodes)."""
+    launch_time: float
+    """``time.time()`` on the driver when it started launching this generation."""
+
+    @property
+    def node_key(self) -> str:
+        """Short stable name of the node (the RAM tier's member id)."""
+        return f"node-{self.node_id[:12]}"
+
+
+class Worker:
+    """The identity plus the driver channel; thread-safe (the driver's control calls run in
+    another thread of the actor than ``train``)."""
+
+    def __init__(self, identity: WorkerIdentity) -> None:
+        self.identity = identity
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._metrics: list[dict[str, Any]] = []
+        self._report: dict[str, Any] = {
+            "generation": identity.generation,
+            "process": identity.process_id,
+            "num_processes": identity.num_processes,
+            "node_id": identity.node_id,
+            "t_launch": identity.launch_time,
+        }
+        self.step = 0
+        """Steps completed so far in this generation's view (updated by ``ElasticContext``)."""
+        self.outcome: Literal["done", "stopped"] = "done"
+        """``stopped`` once the context stopped at an agreed step on the driver's request."""
+
+    # ---------------------------------------------------------------- driver side
+    def request_stop(self) -> None:
+        """Ask the loop to stop at the next agreed step boundary (idempotent)."""
+        self._stop.set()
+
+    def drain(self) -> dict[str, Any]:
+        """Metrics recorded since the last drain, the report so far, the current step."""
+        with self._lock:
+            metrics, self._metrics = self._metrics, []
+            return {"step": self.step, "metrics": metrics, "report": dict(self._report)}
+
+    # ---------------------------------------------------------------- worker side
+    def stop_requested(self) -> bool:
+        """Whether the driver asked this worker to stop at a checkpoint."""
+        return self._stop.is_set()
+
+    def record_metrics(self, record: dict[str, Any]) -> None:
+        """Queue one metrics record for the driver."""
+        with self._lock:
+            self._metrics.append(record)
+
+    def update_report(self, **fields: Any) -> None:
+        """Merge ``fields`` into this worker's report (phase marks, restore stats)."""
+        with self._lock:
+            self._report.update(fields)
+
+    def mark(self, name: str) -> None:
+        """Timestamp a phase: ``t_<name>`` in the report."""
+        self.update_report(**{f"t_{name}": time.time()})

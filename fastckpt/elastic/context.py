@@ -35,7 +35,7 @@ import jax
 
 import fastckpt
 from fastckpt.coordination.distributed import Coordinator, default_coordinator
-from fastckpt.elastic._worker import Worker, now
+from fastckpt.elastic._options import Worker
 from fastckpt.errors import ConfigError, NoCheckpointError
 
 __all__ = ["ElasticContext", "ElasticOptions"]
@@ -154,10 +154,9 @@ class ElasticContext:
         """
         mgr = self._require_manager()
         self.worker.update_report(phase="restore")
-        t0 = now()
+        t0 = time.time()
         try:
-            # step=None: the manager picks the newest step whose chunks are all reachable
-            # (a RAM step, or storage's latest) and every process follows process 0.
+            # step=None: the newest step whose chunks all processes reach, as process 0 picks
             state = mgr.restore(target=target)
             stats = mgr.last_restore_stats
         except NoCheckpointError:  # nothing committed in any tier (raised on every process alike)
@@ -175,10 +174,10 @@ class ElasticContext:
                 restore_select_s=stats.select_s,
                 restore_fetch_s=stats.fetch_s,
                 restore_device_put_s=stats.device_put_s,
-                restore_fallbacks=dict(getattr(stats, "fallbacks", {}) or {}),
+                restore_fallbacks=dict(stats.fallbacks),
             )
         self.worker.step = self.start_step
-        self.worker.update_report(restore_s=now() - t0)
+        self.worker.update_report(restore_s=time.time() - t0)
         self.mark("restored")
         return state
 
@@ -192,9 +191,7 @@ class ElasticContext:
         """
         self.barrier("train")
         self.worker.update_report(phase="train")
-        step = self.start_step
-        first = True
-        while step < total_steps:
+        for step in range(self.start_step, total_steps):
             if step % self.options.control_every == 0 and self._stop_at is None:
                 self._stop_at = self._agree_stop(step)
             if self._stop_at is not None and step >= self._stop_at:
@@ -202,12 +199,10 @@ class ElasticContext:
                 return
             self.worker.step = step
             yield step
-            if first:
+            if step == self.start_step:
                 self.mark("first_step")
-                first = False
-            step += 1
-            self.worker.step = step
-        self.worker.update_report(final_step=step)
+            self.worker.step = step + 1
+        self.worker.update_report(final_step=max(self.start_step, total_steps))
 
     def maybe_save(
         self, step: int, state: Any, *, metadata: Mapping[str, object] | None = None
@@ -238,49 +233,32 @@ class ElasticContext:
         """
         mgr = self._require_manager()
         mgr.wait()
-        if (
-            self._agree(f"final/{step}", lambda: "skip" if mgr.latest_step() == step else "save")
-            == "save"
-        ):
-            mgr.save(
-                step,
-                state,
-                metadata={"generation": self.identity.generation, "final": True},
-                force=True,
-            )
+        committed = self._agree(f"final/{step}", lambda: str(mgr.latest_step() == step))
+        if committed == "False":
+            meta = {"generation": self.identity.generation, "final": True}
+            mgr.save(step, state, metadata=meta, force=True)
         mgr.wait()
 
     def log(self, step: int, **metrics: float) -> None:
         """Record metrics of ``step`` (process 0's reach the driver's result and timeline)."""
-        if self.identity.process_id == 0:
-            self.worker.record_metrics(
-                {
-                    "step": step,
-                    "t": now(),
-                    "generation": self.identity.generation,
-                    "num_processes": self.identity.num_processes,
-                    **metrics,
-                }
-            )
+        ident = self.identity
+        if ident.process_id == 0:
+            record = {"step": step, "t": time.time(), "generation": ident.generation}
+            self.worker.record_metrics({**record, "num_processes": ident.num_processes, **metrics})
 
     def mark(self, name: str) -> None:
         """Timestamp a phase (``t_<name>`` in this worker's report); e.g. ``mark("compiled")``."""
         self.worker.mark(name)
 
     def barrier(self, name: str) -> None:
-        """Wait until every process of this generation reaches ``barrier(name)``.
-
-        ``steps`` calls it once before the first step: processes that finished restoring
-        and compiling at different times then start their first collective together (gloo
-        gives up connecting after ~30 s). Names must be unique within a generation.
-        """
-        coord = self._coord
-        if coord is None or coord.process_count == 1:
-            return
-        prefix = f"fastckpt-elastic/g{self.identity.generation}/barrier/{name}"
-        coord.set(f"{prefix}/{coord.process_index}", "1")
-        for i in range(coord.process_count):
-            coord.get(f"{prefix}/{i}", timeout_s=self.options.kv_timeout_s)
+        """Wait until every process of this generation reaches ``barrier(name)`` (names are
+        unique within a generation). ``steps`` calls it before the first step, so that the
+        first collective starts together (gloo gives up connecting after ~30 s)."""
+        if self._coord is not None:
+            self._coord.barrier(
+                f"fastckpt-elastic/g{self.identity.generation}/barrier/{name}",
+                timeout_s=self.options.kv_timeout_s,
+            )
 
     # ------------------------------------------------------------------ internals
     def _agree(self, name: str, decide: Callable[[], str]) -> str:
@@ -297,11 +275,9 @@ class ElasticContext:
         return coord.get(key, timeout_s=self.options.kv_timeout_s)
 
     def _agree_stop(self, step: int) -> int | None:
-        """Process 0 reads the stop request; everyone learns its decision at ``step``.
-
-        A stop decided before running step ``step`` takes effect after it: the agreed stop
-        step is ``step + 1``, so the ``maybe_save(step + 1, ...)`` of this iteration is forced.
-        """
+        """Process 0 reads the stop request; everyone learns its decision at ``step``. A stop
+        takes effect after ``step``: the agreed stop step is ``step + 1``, so the
+        ``maybe_save(step + 1, ...)`` of this iteration is forced."""
         decision = self._agree(
             f"stop/{step}", lambda: "stop" if self.worker.stop_requested() else "go"
         )
@@ -321,13 +297,9 @@ class ElasticContext:
 
 
 def _wait_for_listener(address: str, timeout_s: float) -> None:
-    """Block until ``host:port`` accepts TCP connections (process 0's coordination service).
-
-    Processes of a new generation start together; a client whose first connect reaches the
-    coordinator before process 0 has started the service is refused, and gRPC then backs off
-    for about a second before it retries. Probing every 5 ms first avoids that. Gives up
-    silently at ``timeout_s``: ``initialize`` then reports the failure.
-    """
+    """Block until ``host:port`` accepts TCP connections (process 0's coordination service),
+    so that a client's first connect is not refused (gRPC would then back off for about a
+    second). Gives up silently at ``timeout_s``: ``initialize`` then reports the failure."""
     host, _, port = address.rpartition(":")
     deadline = time.monotonic() + timeout_s
     while True:

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import ray
@@ -27,7 +28,6 @@ import ray.exceptions
 
 import fastckpt
 from fastckpt.elastic._actor import spawn_actor
-from fastckpt.elastic._nodes import alive_nodes, connect
 from fastckpt.elastic._options import (
     ElasticJobOptions,
     ElasticResult,
@@ -35,12 +35,47 @@ from fastckpt.elastic._options import (
     FailureCause,
     GenerationResult,
     JobStatus,
+    Worker,
+    WorkerIdentity,
     WorkerInfo,
-    event,
 )
-from fastckpt.elastic._worker import Worker, WorkerIdentity, now
 
-__all__ = ["run_elastic"]
+__all__ = ["HEALTH_CHECK_FAST", "run_elastic"]
+
+HEALTH_CHECK_FAST: dict[str, Any] = {
+    "health_check_initial_delay_ms": 0,
+    "health_check_period_ms": 500,
+    "health_check_timeout_ms": 500,
+    "health_check_failure_threshold": 3,
+}
+"""Ray ``_system_config`` that marks a lost node dead in ~1.5 s (default: ~15 s). The GCS
+then pings every raylet twice a second: fine for tens of nodes, worth raising on
+thousands. Only a cluster's head takes it (``ray start --system-config`` / the embedded
+cluster); a driver connecting to an existing cluster cannot change it."""
+
+
+def connect(address: str | None, *, resource: str, init_kwargs: Mapping[str, Any]) -> bool:
+    """Connect this process to Ray unless it already is; whether it connected (and so should
+    disconnect at the end). ``address`` (or ``RAY_ADDRESS``) names an existing cluster; with
+    neither, an embedded local cluster starts, offering one unit of ``resource`` and the tuned
+    health checks (``init_kwargs`` go to ``ray.init`` in both cases)."""
+    if ray.is_initialized():
+        return False
+    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
+    if address is None and not os.environ.get("RAY_ADDRESS"):
+        kwargs.update(resources={resource: 1}, _system_config=dict(HEALTH_CHECK_FAST))
+    kwargs.update(init_kwargs)
+    ray.init(address=address, **kwargs)
+    return True
+
+
+def alive_nodes(resource: str) -> dict[str, str]:
+    """``{node_id: address}`` of the live nodes that offer ``resource``."""
+    return {
+        str(node["NodeID"]): str(node["NodeManagerAddress"])
+        for node in ray.nodes()
+        if node.get("Alive") and node.get("Resources", {}).get(resource, 0) > 0
+    }
 
 
 @dataclasses.dataclass
@@ -116,7 +151,7 @@ class _Driver:
                 msg = f"{len(nodes)} nodes alive < min_nodes {self.opts.min_nodes}"
                 self._record("give_up", reason=msg)
                 raise ElasticRunError(msg, result=self._result(None))
-            gen = _Generation(number=number, nodes=nodes, t_launch=now())
+            gen = _Generation(number=number, nodes=nodes, t_launch=time.time())
             outcome, reason, cause, value = "failed", "", None, None
             try:
                 self._launch(gen)
@@ -134,7 +169,7 @@ class _Driver:
                     reason=reason,
                     cause=cause,
                     t_launch=gen.t_launch,
-                    t_end=now(),
+                    t_end=time.time(),
                 )
             )
             if outcome == "done":
@@ -216,8 +251,7 @@ class _Driver:
                 try:
                     results[rank] = ray.get(ref)
                 except ray.exceptions.RayActorError as e:
-                    node = gen.nodes[rank]
-                    lost = node not in alive_nodes(opts.node_resource)
+                    lost = gen.nodes[rank] not in alive_nodes(opts.node_resource)
                     return self._failure(gen, rank, "node" if lost else "process", e)
                 except ray.exceptions.RayError as e:
                     return self._failure(gen, rank, "error", e)
@@ -232,11 +266,8 @@ class _Driver:
                 self._maybe_grow(gen, alive)
                 self._maybe_fill_standby(gen)
             if opts.monitor is not None:
-                opts.monitor(
-                    JobStatus(
-                        gen.number, max(gen.steps.values(), default=0), gen.workers, self._record
-                    )
-                )
+                step = max(gen.steps.values(), default=0)
+                opts.monitor(JobStatus(gen.number, step, gen.workers, self._record))
         outcomes = {r["outcome"] for r in results.values()}
         if outcomes == {"done"}:
             return "done", "every worker finished", None, results[0]["value"]
@@ -247,16 +278,15 @@ class _Driver:
     def _failure(
         self, gen: _Generation, rank: int, cause: FailureCause, error: Exception | None
     ) -> tuple[str, str, FailureCause | None, Any]:
-        t_detect = now()
-        if cause in ("error", "process"):  # a collective failing, or a worker gone, because
-            cause = self._await_node_loss(gen, rank, cause)  # its node vanished? (no relaunch
-            # onto a node Ray has not marked dead yet: it would hang)
+        t_detect = time.time()
+        if cause in ("error", "process"):  # because its node vanished? (never relaunch onto
+            cause = self._await_node_loss(gen, rank, cause)  # a node not yet marked dead)
         node = gen.nodes[rank]
         described = None if error is None else _describe(error)
         self._record(
             "failure_detected",
             t=t_detect,
-            cause_known_s=now() - t_detect,
+            cause_known_s=time.time() - t_detect,
             generation=gen.number,
             rank=rank,
             node=node,
@@ -314,9 +344,8 @@ class _Driver:
             for actor in gen.actors:
                 actor.request_stop.remote()
             gen.stop_requested = True
-            self._record(
-                "stop_requested", generation=gen.number, step=max(gen.steps.values(), default=0)
-            )
+            step = max(gen.steps.values(), default=0)
+            self._record("stop_requested", generation=gen.number, step=step)
 
     def _maybe_fill_standby(self, gen: _Generation) -> None:
         if not gen.stepped:
@@ -349,7 +378,8 @@ class _Driver:
 
     # ------------------------------------------------------------------ bookkeeping
     def _record(self, name: str, **fields: Any) -> None:
-        self.events.append(event(name, **fields))
+        """Add a timeline event stamped now (unless ``t`` is given)."""
+        self.events.append({"t": fields.pop("t", time.time()), "event": name, **fields})
         if self.opts.on_event is not None:
             with contextlib.suppress(Exception):  # a closed pipe must not end the job
                 self.opts.on_event(dict(self.events[-1]))

@@ -89,17 +89,15 @@ def summarize(
     then describe the generation that got there, its total counts from the kill).
     """
     events = list(events)
+    # The first generation_end of a generation wins.
+    ends = {int(e["generation"]): e for e in reversed(events) if e["event"] == "generation_end"}
     generations = [
         {"generation": e["generation"], "nodes": e["nodes"], "t": e["t"]}
         for e in events
         if e["event"] == "launch"
     ]
-    ends = {
-        int(e["generation"]): e for e in reversed(events) if e["event"] == "generation_end"
-    }  # first wins
     for g in generations:
-        end = ends.get(int(g["generation"]))
-        g["outcome"] = end["outcome"] if end else "running"
+        g["outcome"] = ends.get(int(g["generation"]), {}).get("outcome", "running")
     outcomes = {int(g["generation"]): g["outcome"] for g in generations}
     recoveries = []
     for detect in (e for e in events if e["event"] == "failure_detected"):

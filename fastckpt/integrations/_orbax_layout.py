@@ -47,11 +47,8 @@ _STEP_DIR = re.compile(r"^(?:.*_)?(\d+)$")
 
 
 def import_tensorstore() -> Any:
-    """The ``tensorstore`` module, which only reading Orbax checkpoints needs.
-
-    Raises:
-        ConfigError: tensorstore is not installed (it comes with the ``orbax`` extra).
-    """
+    """The ``tensorstore`` module, which only reading Orbax checkpoints needs
+    (:class:`ConfigError` if it is not installed: it comes with the ``orbax`` extra)."""
     try:
         import tensorstore
     except ImportError as e:
@@ -91,11 +88,9 @@ class _Dir:
     def __init__(self, url: str) -> None:
         self.url = url
         self.spec = kv_spec(url)
+        self.local: str | None = self.spec["path"] if self.spec["driver"] == "file" else None
+        """The local directory (with a trailing ``/``); None for a remote one."""
         self._kv: Any = None
-
-    @property
-    def local(self) -> str | None:
-        return self.spec["path"] if self.spec["driver"] == "file" else None
 
     def _store(self) -> Any:
         if self._kv is None:
@@ -125,12 +120,9 @@ class _Dir:
         return _Dir(_join(self.url, name))
 
 
-def read_json(url: str, name: str) -> Any:
-    """Parse the JSON file ``name`` in directory ``url``; None if it does not exist."""
-    return _load_json(_Dir(url), name)
-
-
-def _load_json(d: _Dir, name: str) -> Any:
+def read_json(d: _Dir | str, name: str) -> Any:
+    """Parse the JSON file ``name`` in directory ``d`` (or its URL); None if it does not exist."""
+    d = _Dir(d) if isinstance(d, str) else d
     data = d.read(name)
     if data is None:
         return None
@@ -156,8 +148,7 @@ def _orbax_steps(d: _Dir) -> dict[int, str]:
         m = _STEP_DIR.match(name)
         if m is None or "tmp" in name:
             continue
-        child = d.child(name)
-        if d.local is None and child.read("commit_success.txt") is None:
+        if d.local is None and d.child(name).read("commit_success.txt") is None:
             continue  # not finalized (object stores have no atomic rename)
         out[int(m.group(1))] = name
     return out
@@ -181,27 +172,24 @@ def _pick_item(d: _Dir, item: str | None) -> _Dir | None:
 def resolve_item_dir(
     url: str, *, step: int | None = None, item: str | None = None
 ) -> tuple[str, int | None]:
-    """Find the item directory in an Orbax item dir, step dir or manager root.
-
-    Returns ``(item_url, step)``; ``step`` is parsed from the step directory name when
-    there is one. ``step=None`` on a manager root picks the newest finalized step.
-
-    Raises:
-        CheckpointNotFoundError: nothing Orbax-like there, or no such step/item.
+    """``(item_url, step)`` of the item directory in an Orbax item dir, step dir or manager
+    root; ``step`` is parsed from the step directory name when there is one, and
+    ``step=None`` on a manager root picks the newest finalized step.
+    :class:`CheckpointNotFoundError`: nothing Orbax-like there, or no such step/item.
     """
     d = _Dir(url)
-    if d.read("_METADATA") is not None or d.read("checkpoint") is not None:
-        m = _STEP_DIR.match(os.path.basename(url.rstrip("/")))
-        return url, (int(m.group(1)) if m else step)
-    picked = _pick_item(d, item)
+    picked = (
+        d
+        if d.read("_METADATA") is not None or d.read("checkpoint") is not None
+        else _pick_item(d, item)
+    )
     if picked is not None:
         m = _STEP_DIR.match(os.path.basename(url.rstrip("/")))
         return picked.url, (int(m.group(1)) if m else step)
     steps = _orbax_steps(d)
     if not steps:
         raise CheckpointNotFoundError(f"no Orbax checkpoint at {url}")
-    if step is None:
-        step = max(steps)
+    step = max(steps) if step is None else step
     if step not in steps:
         raise CheckpointNotFoundError(
             f"no finalized Orbax step {step} in {url} (steps: {sorted(steps)})"
@@ -255,15 +243,11 @@ class OrbaxItem:
 
 
 def load_item(url: str) -> OrbaxItem:
-    """Parse ``_METADATA``, ``_sharding`` and ``array_metadatas`` of an item directory.
-
-    Raises:
-        CheckpointNotFoundError: there is no ``_METADATA``.
-        ManifestError: a metadata file is not JSON, or not shaped as Orbax writes it (the
-            message names the file).
-    """
+    """Parse ``_METADATA``, ``_sharding`` and ``array_metadatas`` of an item directory:
+    CheckpointNotFoundError without ``_METADATA``, ManifestError (naming the file) for a
+    metadata file that is not JSON or not shaped as Orbax writes it."""
     d = _Dir(url)
-    meta = _load_json(d, "_METADATA")
+    meta = read_json(d, "_METADATA")
     if meta is None:
         raise CheckpointNotFoundError(f"{url} has no _METADATA (not an Orbax PyTree item)")
     tree = meta.get("tree_metadata") if isinstance(meta, dict) else None
@@ -282,23 +266,20 @@ def load_item(url: str) -> OrbaxItem:
     key_impls: dict[str, str] = {}
     amd = d.child("array_metadatas")
     for name in sorted(amd.children()):
-        key_impls.update(_key_impls(_load_json(amd, name), _join(amd.url, name)))
+        key_impls.update(_key_impls(read_json(amd, name), _join(amd.url, name)))
     return OrbaxItem(
         url,
         entries,
         bool(meta.get("use_ocdbt", True)),
         bool(meta.get("use_zarr3", False)),
         key_impls,
-        _shardings(_load_json(d, "_sharding"), _join(url, "_sharding")),
+        _shardings(read_json(d, "_sharding"), _join(url, "_sharding")),
     )
 
 
 def _key_impls(doc: Any, where: str) -> dict[str, str]:
-    """Parameter name -> PRNG implementation, from one ``array_metadatas/process_<i>`` document.
-
-    Raises:
-        ManifestError: the document is not shaped as Orbax writes it (objects and lists).
-    """
+    """Parameter name -> PRNG implementation, from one ``array_metadatas/process_<i>`` document
+    (:class:`ManifestError` if it is not shaped as Orbax writes it)."""
     if doc is None:
         return {}
     records = doc.get("array_metadatas", []) if isinstance(doc, dict) else None
@@ -320,12 +301,8 @@ def _key_impls(doc: Any, where: str) -> dict[str, str]:
 
 
 def _shardings(doc: Any, where: str) -> dict[str, Any]:
-    """Parameter name -> saved sharding JSON, from ``_sharding`` (entries that do not decode
-    are skipped: they are informational only).
-
-    Raises:
-        ManifestError: the document is not a JSON object.
-    """
+    """Parameter name -> saved sharding JSON, from ``_sharding`` (:class:`ManifestError` if it
+    is not a JSON object; entries that do not decode are skipped: they are informational)."""
     if doc is None:
         return {}
     if not isinstance(doc, dict):

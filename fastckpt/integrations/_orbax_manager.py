@@ -1,12 +1,8 @@
 """An Orbax-``CheckpointManager``-shaped facade over :class:`fastckpt.CheckpointManager`.
 
-Migrating a trainer means changing the import and the constructor; the calls
-(``save(step, args=ocp.args.StandardSave(state))``, ``restore(step,
-args=ocp.args.StandardRestore(abstract))``, ``should_save``, ``latest_step``,
-``wait_until_finished``...) stay. Orbax argument objects are recognised by their module and
-unpacked with an explicit ``isinstance`` chain (no handler registry); plain pytrees work too.
-
-Supported argument types: ``StandardSave``/``StandardRestore``, ``PyTreeSave``/``PyTreeRestore``
+Migrating a trainer means changing the import and the constructor; the calls (``save``,
+``restore``, ``should_save``, ``latest_step``, ``wait_until_finished``...) stay. Arguments:
+plain pytrees, or ``StandardSave``/``StandardRestore``, ``PyTreeSave``/``PyTreeRestore``
 (``item`` only), ``JsonSave``/``JsonRestore`` (stored in the manifest's metadata) and
 ``Composite`` of those. Storage layout and guarantees are fastckpt's (manifest commit,
 crc32c on every chunk), not Orbax's: an Orbax-style manager reads only fastckpt roots.
@@ -16,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -28,7 +25,7 @@ from fastckpt.errors import (
     StepAlreadyCommittedError,
     TreeStructureError,
 )
-from fastckpt.format.manifest import ArrayLeaf
+from fastckpt.format.manifest import ValueLeaf
 from fastckpt.manager import CheckpointManager
 from fastckpt.options import ManagerOptions, RetentionOptions
 from fastckpt.storage import Store
@@ -86,12 +83,9 @@ class OrbaxStyleOptions:
     def from_orbax(
         cls, options: Any, *, manager_options: ManagerOptions | None = None
     ) -> OrbaxStyleOptions:
-        """Translate an ``orbax.checkpoint.CheckpointManagerOptions``.
-
-        Raises:
-            ConfigError: it sets an option with no fastckpt equivalent (``best_fn``,
-                ``keep_time_interval``, ``should_save_fn``, custom save/preservation policies).
-        """
+        """Translate an ``orbax.checkpoint.CheckpointManagerOptions`` (:class:`ConfigError` if it
+        sets an option with no fastckpt equivalent: ``best_fn``, ``keep_time_interval``,
+        ``should_save_fn``, custom save/preservation policies)."""
         bad = [f for f in _UNSUPPORTED if getattr(options, f, None) is not None]
         if bad:
             raise ConfigError(f"Orbax options {bad} have no fastckpt equivalent")
@@ -222,11 +216,10 @@ class OrbaxStyleCheckpointManager:
     def _settle(self, *, committed: bool) -> None:
         """Account for the end of the in-flight save: fold it into the committed step when it
         committed; else drop it and re-list (so a failed step is never reported)."""
-        step, self._inflight = self._inflight, None
         if committed:
-            if step is not None:
-                self._committed = step if self._committed is None else max(self._committed, step)
+            self._committed, self._inflight = self._last, None
             return
+        self._inflight = None
         with contextlib.suppress(FastckptError):  # keep the cached step: it was committed
             self.reload()
 
@@ -234,15 +227,14 @@ class OrbaxStyleCheckpointManager:
     def should_save(self, step: int) -> bool:
         """Orbax's default decision: a new step on the interval or in ``save_on_steps``, or the
         first save."""
-        if self.options.read_only:
+        last, opts = self._last, self.options
+        if opts.read_only or (last is not None and last >= step):
             return False
-        if self._last is not None and self._last >= step:
-            return False
-        if self._last is None:
-            return True
-        if self.options.save_on_steps is not None and step in self.options.save_on_steps:
-            return True
-        return step % self.options.save_interval_steps == 0
+        return (
+            last is None
+            or step in (opts.save_on_steps or ())
+            or step % opts.save_interval_steps == 0
+        )
 
     def save(
         self,
@@ -262,23 +254,15 @@ class OrbaxStyleCheckpointManager:
         previous background save's :class:`~fastckpt.errors.SaveError` (that step is then
         no longer listed: ``latest_step()`` names the newest committed one).
         """
-        if self.options.read_only:
-            return False
-        if not force and not self.should_save(step):
+        if self.options.read_only or not (force or self.should_save(step)):
             return False
         if step == self._inflight or step in self._mgr.all_steps():
             raise StepAlreadyCommittedError(f"step {step} already exists in {self.directory}")
         tree, names, json_items = _unpack_save(args if args is not None else items)
-        meta = {
-            _META_KEY: {
-                "items": names,
-                "json": json_items,
-                "metrics": metrics,
-                "custom_metadata": dict(custom_metadata or {}),
-            }
-        }
+        style = {"items": names, "json": json_items, "metrics": metrics}
+        style["custom_metadata"] = dict(custom_metadata or {})
         try:
-            started = self._mgr.save(step, tree, metadata=meta, force=True)
+            started = self._mgr.save(step, tree, metadata={_META_KEY: style}, force=True)
         except BaseException:
             self._settle(committed=False)  # the previous save failed, or this one never started
             raise
@@ -304,10 +288,8 @@ class OrbaxStyleCheckpointManager:
     def all_steps(self, read: bool = False) -> list[int]:
         """Committed steps plus the one being saved, ascending (``read`` is ignored)."""
         del read
-        steps = set(self._mgr.all_steps())
-        if self._inflight is not None:
-            steps.add(self._inflight)
-        return sorted(steps)
+        inflight = [] if self._inflight is None else [self._inflight]
+        return sorted(set(self._mgr.all_steps() + inflight))
 
     def latest_step(self) -> int | None:
         """The newest step committed or being saved, or None (as Orbax: the in-flight step
@@ -316,12 +298,10 @@ class OrbaxStyleCheckpointManager:
 
     def reload(self) -> None:
         """Re-read the committed steps from storage (an in-flight save stays accounted for)."""
-        steps = self._mgr.all_steps()
-        self._committed = steps[-1] if steps else None
+        self._committed = max(self._mgr.all_steps(), default=None)
 
     def reached_preemption(self, step: int) -> bool:
-        """Always False: fastckpt has no preemption sync point (kept for signature
-        compatibility)."""
+        """Always False (no preemption sync point; kept for signature compatibility)."""
         del step
         return False
 
@@ -347,21 +327,15 @@ class OrbaxStyleCheckpointManager:
         import jax
         import jax.numpy as jnp
 
-        manifest = self._mgr.manifest(self._resolve(step))
         items: dict[Any, Any] = {}
-        for leaf in manifest.leaves:
-            if isinstance(leaf, ArrayLeaf):
-                if leaf.kind == "prng_key":
-                    shape, dtype, impl = leaf.shape, leaf.dtype, leaf.key_impl
-                    items[leaf.path] = jax.eval_shape(
-                        lambda shape=shape, dtype=dtype, impl=impl: jax.random.wrap_key_data(
-                            jnp.zeros(shape, dtype), impl=impl
-                        )
-                    )
-                else:
-                    items[leaf.path] = jax.ShapeDtypeStruct(leaf.shape, jnp.dtype(leaf.dtype))
-            else:
+        for leaf in self._mgr.manifest(self._resolve(step)).leaves:
+            if isinstance(leaf, ValueLeaf):
                 items[leaf.path] = complex(*leaf.value) if leaf.vtype == "complex" else leaf.value  # type: ignore[misc]
+                continue
+            items[leaf.path] = jax.ShapeDtypeStruct(leaf.shape, jnp.dtype(leaf.dtype))
+            if leaf.kind == "prng_key":
+                wrap = functools.partial(jax.random.wrap_key_data, impl=leaf.key_impl)
+                items[leaf.path] = jax.eval_shape(wrap, items[leaf.path])
         return unflatten_from_paths(items)
 
     # ------------------------------------------------------------------ restore

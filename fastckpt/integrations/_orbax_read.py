@@ -1,13 +1,10 @@
 """Read checkpoints written by orbax-checkpoint with tensorstore directly (no handler stack).
 
-Only ``tensorstore`` (the ``orbax`` extra) is used; orbax is not imported. The layout and
-metadata parsing live in :mod:`fastckpt.integrations._orbax_layout`; sharding resolution,
-shard boxes, PRNG key checks and placement are the reader's (:mod:`fastckpt.reader.assemble`).
-
-Call order inside :func:`read_item`: match the target's leaves to ``_METADATA`` entries by
-their Orbax parameter names -> open every array's tensorstore (concurrently) -> check shapes
-and dtypes (typed errors) -> per leaf, read only the boxes this process's devices need ->
-place them on the devices. Host memory held at once is bounded by
+Orbax is not imported. Sharding resolution, shard boxes, PRNG key checks and placement are
+the reader's (:mod:`fastckpt.reader.assemble`). Call order inside :func:`read_item`: match the
+target's leaves to ``_METADATA`` entries by Orbax parameter name -> open every array's
+tensorstore (concurrently) -> check shapes and dtypes (typed errors) -> per leaf, read only
+the boxes this process's devices need -> place them. Host memory held at once is bounded by
 ``max_inflight_bytes`` (plus one leaf's boxes).
 """
 
@@ -29,7 +26,7 @@ from fastckpt.errors import (
     ShapeMismatchError,
     TreeStructureError,
 )
-from fastckpt.format.manifest import Box
+from fastckpt.format.manifest import Box, box_volume
 from fastckpt.integrations._orbax_layout import (
     EMPTY_TYPES,
     OrbaxEntry,
@@ -80,26 +77,20 @@ def _saved_sharding(desc: Any) -> jax.sharding.Sharding | None:
     if not isinstance(desc, dict) or desc.get("sharding_type") != "NamedSharding":
         return None
     try:
-        return _named_sharding(desc)
+        shape = tuple(int(n) for n in desc.get("shape", ()))
+        devices = jax.devices()
+        if not shape or int(np.prod(shape)) != len(devices):
+            return None
+        by_id = {d.id: d for d in devices}
+        ids = _device_ids((desc.get("device_mesh") or {}).get("mesh", []))
+        if len(ids) == len(devices) and all(i in by_id for i in ids):
+            devices = [by_id[i] for i in ids]
+        spec = [tuple(p) if isinstance(p, list) else p for p in desc.get("partition_spec", [])]
+        mesh_devices = np.asarray(devices, dtype=object).reshape(shape)
+        mesh = jax.sharding.Mesh(mesh_devices, tuple(desc.get("axis_names", ())))
+        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
     except (ValueError, TypeError, KeyError, AttributeError):
         return None
-
-
-def _named_sharding(desc: dict[str, Any]) -> jax.sharding.Sharding | None:
-    """The NamedSharding ``desc`` describes, on this job's devices (None: other device count)."""
-    shape = tuple(int(n) for n in desc.get("shape", ()))
-    devices = jax.devices()
-    if not shape or int(np.prod(shape)) != len(devices):
-        return None
-    by_id = {d.id: d for d in devices}
-    ids = _device_ids((desc.get("device_mesh") or {}).get("mesh", []))
-    if len(ids) == len(devices) and all(i in by_id for i in ids):
-        mesh_devices = np.asarray([by_id[i] for i in ids], dtype=object).reshape(shape)
-    else:
-        mesh_devices = np.asarray(devices, dtype=object).reshape(shape)
-    spec = [tuple(p) if isinstance(p, list) else p for p in desc.get("partition_spec", [])]
-    mesh = jax.sharding.Mesh(mesh_devices, tuple(desc.get("axis_names", ())))
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
 
 
 @dataclasses.dataclass
@@ -128,11 +119,8 @@ def _mode_of(entry: OrbaxEntry, tgt: Any, item: OrbaxItem) -> str:
     if entry.value_type not in _ARRAY_TYPES:
         raise ConfigError(f"{where}: unsupported Orbax value type {entry.value_type!r}")
     if tgt is None:
-        if entry.value_type == "scalar":
-            return "pyscalar"
-        if entry.value_type == "np.ndarray":
-            return "numpy"
-        return "key" if where in item.key_impls else "jax"
+        array = "key" if where in item.key_impls else "jax"
+        return {"scalar": "pyscalar", "np.ndarray": "numpy"}.get(entry.value_type, array)
     if is_prng_key(tgt):
         return "key"
     if isinstance(tgt, np.generic):
@@ -148,15 +136,9 @@ def _mode_of(entry: OrbaxEntry, tgt: Any, item: OrbaxItem) -> str:
 
 def _spec(item: OrbaxItem, name: str) -> dict[str, Any]:
     base = kv_spec(item.url)
+    kv = dict(base, path=base["path"] + name + "/")
     if item.use_ocdbt:
-        kv: dict[str, Any] = {
-            "driver": "ocdbt",
-            "base": base,
-            "path": name,
-            "cache_pool": "cache_pool#ocdbt",
-        }
-    else:
-        kv = dict(base, path=base["path"] + name + "/")
+        kv = {"driver": "ocdbt", "base": base, "path": name, "cache_pool": "cache_pool#ocdbt"}
     return {
         "driver": "zarr3" if item.use_zarr3 else "zarr",
         "kvstore": kv,
@@ -207,23 +189,16 @@ def _plan(leaf: _Leaf, item: OrbaxItem, *, allow_cast: bool) -> None:
 
 def _translate(e: Exception, what: str) -> Exception:
     msg = str(e)
-    if "NOT_FOUND" in msg:
-        return CheckpointNotFoundError(f"{what}: {msg}")
-    return CorruptionError(f"{what}: {msg}")
-
-
-def _empty_value(value_type: str) -> Any:
-    """What an empty Orbax value restores as: None, or a new empty container (never shared)."""
-    value = EMPTY_TYPES[value_type]
-    return type(value)() if isinstance(value, (dict, list)) else value
+    return (CheckpointNotFoundError if "NOT_FOUND" in msg else CorruptionError)(f"{what}: {msg}")
 
 
 def _finish(leaf: _Leaf, futures: dict[Box, Any], strings: dict[str, Any]) -> Any:
     """The restored value of ``leaf``: as stored (a target leaf gives only shape, dtype and
     sharding; a stored None / empty container or Python scalar is returned as stored)."""
     where = leaf.entry.param_name
-    if leaf.mode == "empty":
-        return _empty_value(leaf.entry.value_type)
+    if leaf.mode == "empty":  # None, or a new empty container (never shared)
+        value = EMPTY_TYPES[leaf.entry.value_type]
+        return type(value)() if isinstance(value, (dict, list)) else value
     if leaf.mode == "string":
         if where not in strings:
             raise CheckpointNotFoundError(f"string leaf {where} is missing from _strings.json")
@@ -254,21 +229,13 @@ def _match(
     if target is None:
         return [(e, None) for e in item.entries.values()], None
     pairs, treedef = jax.tree_util.tree_flatten_with_path(target)
-    out = []
-    seen: set[tuple[str, ...]] = set()
-    missing = []
-    for path, leaf in pairs:
-        names = _names_of(path)
-        entry = item.entries.get(names)
-        if entry is None:
-            missing.append(".".join(names))
-            continue
-        seen.add(names)
-        out.append((entry, leaf))
+    named = [(_names_of(path), leaf) for path, leaf in pairs]
+    missing = [".".join(names) for names, _ in named if names not in item.entries]
     if missing:
         raise TreeStructureError(
             f"target leaves not in the Orbax checkpoint {item.url}: {sorted(missing)[:10]}"
         )
+    seen = {names for names, _ in named}
     extra = [
         e.param_name
         for n, e in item.entries.items()
@@ -279,7 +246,7 @@ def _match(
             f"the Orbax checkpoint has leaves the target lacks: {sorted(extra)[:10]} "
             "(pass partial=True to restore a subtree)"
         )
-    return out, treedef
+    return [(item.entries[names], leaf) for names, leaf in named], treedef
 
 
 def read_item(
@@ -332,10 +299,7 @@ def read_item(
         for _, box in lf.device_boxes:
             if box not in futs:
                 futs[box] = (lf.store[box_to_slices(box)] if box else lf.store).read()
-                inflight += (
-                    int(np.prod([b - a for a, b in box], dtype=np.int64))
-                    * lf.store.dtype.numpy_dtype.itemsize
-                )
+                inflight += box_volume(box) * lf.store.dtype.numpy_dtype.itemsize
         pending.append((i, futs))
         if inflight >= max_inflight_bytes:
             drain()

@@ -41,8 +41,7 @@ def nnx_abstract_state(
     from flax import nnx
 
     if mesh is None:
-        graphdef, state = nnx.split(nnx.eval_shape(factory))
-        return graphdef, state
+        return nnx.split(nnx.eval_shape(factory))
     with jax.set_mesh(mesh):
         graphdef, state = nnx.split(nnx.eval_shape(factory))
     shardings = nnx.get_named_sharding(state, mesh)

@@ -1,9 +1,8 @@
 """Orbax interop: read Orbax checkpoints onto any sharding, convert both ways, Orbax-style manager.
 
 The ``orbax`` extra (``pip install 'fastckpt[orbax]'``) brings orbax-checkpoint, gcsfs and
-tensorstore. Reading an Orbax checkpoint (:func:`restore_orbax`,
-:func:`convert_orbax_to_fastckpt`) needs only tensorstore (a :class:`ConfigError` naming the
-extra without it); writing one
+tensorstore. Reading an Orbax checkpoint (:func:`restore_orbax`, :func:`convert_orbax_to_fastckpt`)
+needs only tensorstore (a :class:`ConfigError` naming the extra without it); writing one
 (:func:`convert_fastckpt_to_orbax`) imports orbax lazily. The manager surface
 (:class:`OrbaxStyleCheckpointManager`) imports orbax only when it is handed Orbax objects.
 
@@ -70,11 +69,9 @@ def restore_orbax(
 ) -> Any:
     """Read a checkpoint written by orbax-checkpoint, laid out as ``target`` says.
 
-    Reads with tensorstore directly (OCDBT or per-array kvstores, zarr v2 or zarr3, local
-    paths or ``gs://``): every array is opened from the checkpoint's own spec and each
-    process reads only the boxes its addressable devices need, so any target mesh or
-    device count works. Orbax's handler stack is used only for legacy (pre-``_METADATA``)
-    checkpoints.
+    Reads with tensorstore directly (OCDBT or per-array kvstores, zarr v2 or zarr3, local or
+    ``gs://``); each process reads only the boxes its devices need, so any target mesh works.
+    Legacy (pre-``_METADATA``) checkpoints go through Orbax's handler stack.
 
     Args:
         path: An Orbax item directory (``StandardCheckpointer`` output), a step directory
@@ -89,9 +86,6 @@ def restore_orbax(
         partial: Restore only the target's leaves (a subtree of the checkpoint).
         allow_dtype_cast: Convert stored dtypes to the target's instead of raising.
         max_inflight_bytes: Host memory bound for read-but-not-yet-placed data.
-
-    Returns:
-        The restored pytree (``target``'s structure).
 
     Raises:
         CheckpointNotFoundError: no Orbax checkpoint, step or item at ``path``.
@@ -143,7 +137,7 @@ def convert_orbax_to_fastckpt(
     metadata: Mapping[str, object] | None = None,
     options: ManagerOptions | None = None,
 ) -> int:
-    """Copy one Orbax checkpoint into a fastckpt root as a committed step.
+    """Copy one Orbax checkpoint into a fastckpt root as a committed step; returns that step.
 
     The state passes through this process's host memory and devices (one restore, one
     save). Without ``target`` the fastckpt tree is nested dicts/lists keyed by Orbax's key
@@ -159,22 +153,17 @@ def convert_orbax_to_fastckpt(
         target: Optional abstract state to restore into before saving.
         metadata: Extra user metadata for the fastckpt manifest.
         options: fastckpt manager options for the save.
-
-    Returns:
-        The fastckpt step written.
     """
     import fastckpt
     from fastckpt.integrations._orbax_layout import resolve_item_dir
 
     src = _path(orbax_path)
     item_url, found_step = resolve_item_dir(src, step=orbax_step, item=item)
-    if step is None:
-        step = found_step
+    step = found_step if step is None else step
     if step is None:
         raise ConfigError(f"cannot tell the step of {src}; pass step=")
     tree = restore_orbax(item_url, target)
-    meta: dict[str, object] = {"converted_from": {"format": "orbax", "path": item_url}}
-    meta.update(metadata or {})
+    meta = {"converted_from": {"format": "orbax", "path": item_url}, **(metadata or {})}
     fastckpt.save(fastckpt_root, step, tree, metadata=meta, options=options)
     return step
 
@@ -188,7 +177,7 @@ def convert_fastckpt_to_orbax(
     layout: Literal["manager", "item"] = "manager",
     options: ManagerOptions | None = None,
 ) -> int:
-    """Write fastckpt step ``step`` (default: latest) as an Orbax checkpoint. Needs orbax.
+    """Write fastckpt step ``step`` (default: latest) as an Orbax checkpoint; returns the step.
 
     Args:
         fastckpt_root: Source root URL/path or Store.
@@ -200,16 +189,13 @@ def convert_fastckpt_to_orbax(
         layout: See ``orbax_path``.
         options: fastckpt manager options for the restore.
 
-    Returns:
-        The step converted.
-
     Raises:
         CheckpointNotFoundError: no such (or no committed) fastckpt step.
         AlreadyExistsError: ``layout="item"`` and ``orbax_path`` exists, or it is a file.
         StepAlreadyCommittedError: the Orbax manager directory already holds ``step``.
         StorageError: the destination cannot be written (a parent is a file, no permission...).
-        ConfigError: the state holds leaves Orbax cannot store (complex Python scalars,
-            Python ints beyond int64, zero-size arrays).
+        ConfigError: orbax-checkpoint is not installed, or the state holds leaves Orbax
+            cannot store (complex Python scalars, Python ints beyond int64, zero-size arrays).
         SaveError: Orbax failed otherwise (``__cause__`` is its exception).
     """
     import fastckpt
@@ -222,11 +208,8 @@ def convert_fastckpt_to_orbax(
         ) from e
     if layout not in ("manager", "item"):
         raise ConfigError(f"layout must be 'manager' or 'item', got {layout!r}")
-    dst = (
-        os.path.abspath(_path(orbax_path))
-        if not _path(orbax_path).startswith("gs://")
-        else _path(orbax_path)
-    )
+    dst = _path(orbax_path)
+    dst = dst if dst.startswith("gs://") else os.path.abspath(dst)
     with fastckpt.CheckpointManager(fastckpt_root, options=options) as mgr:
         if step is None:
             step = mgr.latest_step()
@@ -245,13 +228,9 @@ def convert_fastckpt_to_orbax(
 
 
 def _check_orbax_destination(dst: str, step: int, layout: str) -> None:
-    """Refuse a local destination Orbax would not write to, before any data is read.
-
-    Raises:
-        StorageError: a parent of ``dst`` is not a directory.
-        AlreadyExistsError: ``dst`` exists and is a file, or exists at all for ``layout="item"``.
-        StepAlreadyCommittedError: ``dst/<step>`` exists for ``layout="manager"``.
-    """
+    """Refuse a local destination Orbax would not write to, before any data is read:
+    StorageError (a parent is not a directory), AlreadyExistsError (``dst`` is a file, or
+    exists for ``layout="item"``), StepAlreadyCommittedError (``dst/<step>`` exists)."""
     if dst.startswith("gs://"):
         return  # Orbax's own errors are translated by _orbax_write_error
     parent = os.path.dirname(dst)
@@ -276,11 +255,8 @@ def _check_orbax_destination(dst: str, step: int, layout: str) -> None:
 
 
 def _check_orbax_leaves(tree: Any) -> None:
-    """Refuse leaves fastckpt holds but Orbax cannot save (Orbax fails late and noisily on them).
-
-    Raises:
-        ConfigError: a complex Python scalar, a Python int outside int64, or a zero-size array.
-    """
+    """:class:`ConfigError` for a leaf fastckpt holds but Orbax cannot save (a complex Python
+    scalar, a Python int outside int64, a zero-size array), before Orbax fails late on it."""
     import jax
 
     for path, x in jax.tree_util.tree_leaves_with_path(tree):
@@ -301,20 +277,14 @@ def _write_orbax(ocp: Any, tree: Any, dst: str, step: int, layout: str) -> None:
 
     # StandardSave refuses str leaves; PyTreeSave writes them (to _strings.json).
     has_str = any(isinstance(x, str) for x in jax.tree_util.tree_leaves(tree))
+    args = ocp.args.PyTreeSave(tree) if has_str else ocp.args.StandardSave(tree)
     if layout == "item":
-        with ocp.Checkpointer(
-            ocp.PyTreeCheckpointHandler() if has_str else ocp.StandardCheckpointHandler()
-        ) as ckptr:
-            ckptr.save(
-                dst, args=ocp.args.PyTreeSave(tree) if has_str else ocp.args.StandardSave(tree)
-            )
+        handler = ocp.PyTreeCheckpointHandler() if has_str else ocp.StandardCheckpointHandler()
+        with ocp.Checkpointer(handler) as ckptr:
+            ckptr.save(dst, args=args)
     else:
         with ocp.CheckpointManager(dst) as omgr:
-            omgr.save(
-                step,
-                args=ocp.args.PyTreeSave(tree) if has_str else ocp.args.StandardSave(tree),
-                force=True,
-            )
+            omgr.save(step, args=args, force=True)
             omgr.wait_until_finished()
 
 

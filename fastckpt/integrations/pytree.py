@@ -22,6 +22,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from fastckpt.errors import ConfigError
+
 __all__ = ["abstract_state", "combine", "is_savable_leaf", "partition_savable"]
 
 _VALUE_TYPES = (bool, int, float, complex, str)
@@ -85,29 +87,23 @@ def abstract_state(
     def leaf(x: Any) -> Any:
         if not isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
             return x
+        s: Any
         if sharding is None:
             s = getattr(x, "sharding", None)
         elif isinstance(sharding, jax.sharding.Sharding):
             s = sharding
         else:
             s = sharding(x)
-        if mesh is not None and isinstance(
-            getattr(s, "mesh", None), getattr(jax.sharding, "AbstractMesh", ())
-        ):
-            s = _concrete(s, mesh)
+        abstract_mesh = getattr(jax.sharding, "AbstractMesh", ())
+        if mesh is not None and isinstance(getattr(s, "mesh", None), abstract_mesh):
+            abstract = s.mesh
+            names, sizes = tuple(abstract.axis_names), tuple(abstract.axis_sizes)
+            if (names, sizes) != (tuple(mesh.axis_names), tuple(mesh.axis_sizes)):
+                raise ConfigError(
+                    f"mesh {dict(mesh.shape)} does not match the abstract mesh "
+                    f"{dict(abstract.shape)}"
+                )
+            s = jax.sharding.NamedSharding(mesh, s.spec)
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
 
     return jax.tree_util.tree_map(leaf, tree)
-
-
-def _concrete(s: Any, mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
-    abstract = s.mesh
-    if tuple(abstract.axis_names) != tuple(mesh.axis_names) or tuple(abstract.axis_sizes) != tuple(
-        mesh.axis_sizes
-    ):
-        from fastckpt.errors import ConfigError
-
-        raise ConfigError(
-            f"mesh {dict(mesh.shape)} does not match the abstract mesh {dict(abstract.shape)}"
-        )
-    return jax.sharding.NamedSharding(mesh, s.spec)

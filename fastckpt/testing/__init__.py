@@ -5,9 +5,7 @@
 * ``gcs_emulator``: fake-gcs-server on a free port, for code that talks to GCS.
 
 Import the submodules directly (e.g. ``fastckpt.testing.store_tests``); this package imports
-nothing itself, so it has no side effects and no pytest dependency at import time. Harnesses
-only fastckpt's own tests use live in the repository's ``tests/support``; the simulated
-cluster (hosts, multi-process jobs, a local Ray cluster) in ``fastckpt_examples.cluster``.
+nothing itself, so it has no side effects and no pytest dependency at import time.
 """
 
 from __future__ import annotations

