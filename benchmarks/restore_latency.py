@@ -542,14 +542,17 @@ def run_overhead(args: argparse.Namespace) -> dict[str, Any]:
             replicas=1,
             secret=PEER_SECRET,
         )
+        save = fastckpt.SaveOptions(device_copy=args.device_copy)
         mgr = fastckpt.CheckpointManager(
-            str(store_root), options=fastckpt.ManagerOptions(save_interval_steps=1 << 40, ram=ram)
+            str(store_root),
+            options=fastckpt.ManagerOptions(save=save, save_interval_steps=1 << 40, ram=ram),
         )
         # The same RAM checkpoints without a peer push (no secret: no server, no pushes),
         # to split the overhead into the checkpoint itself and the push.
         local = fastckpt.CheckpointManager(
             str(work / "overhead-local-store"),
             options=fastckpt.ManagerOptions(
+                save=save,
                 save_interval_steps=1 << 40,
                 ram=RamOptions(
                     root=str(shm / "overhead-local"),
@@ -1517,6 +1520,8 @@ def driver(args: argparse.Namespace) -> int:
                     str(work),
                     "--shm",
                     str(shm),
+                    "--device-copy",
+                    args.device_copy,
                 ]
                 try:
                     results["overhead"] = run_module_json(
@@ -1622,6 +1627,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--no-orbax", action="store_true")
     p.add_argument("--no-overhead", action="store_true", help="skip the step-time overhead run")
+    p.add_argument(
+        "--device-copy",
+        default="auto",
+        choices=("auto", "pageable"),
+        help="SaveOptions.device_copy of the overhead run's managers (default auto)",
+    )
     p.add_argument(
         "--overhead-mib",
         type=int,
