@@ -49,15 +49,16 @@ def _state(seed: int, spec_b: Any = None) -> tuple[dict[str, Any], dict[str, np.
     return {"a": a, "b": b, "r": r, "n": np.arange(6)}, {"a": ha, "b": hb, "r": hr}
 
 
-def _stage_deferred(state: Any, **extra: Any) -> Any:
-    """Staged through pinned host memory with the copies left to ``finish_copies``."""
+def _stage_deferred(state: Any, device_copy: str = "pinned_host", **extra: Any) -> Any:
+    """Staged with the copies it can defer left to ``finish_copies`` (by default through
+    pinned host memory)."""
     return stage_state(
         flatten(state)[0],
         process_index=0,
         max_chunk_bytes=1 << 10,
         allocate=lambda n: np.zeros(n, np.uint8),
         executor=None,
-        device_copy="pinned_host",
+        device_copy=device_copy,
         defer_host_copies=True,
         **extra,
     )
@@ -230,16 +231,8 @@ def test_host_device_shards_are_copied_later_from_their_own_buffers_unless_pagea
     import jax
 
     state = _state(9)[0]
-    expected = _stage(state, None if device_copy == "auto" else StagePlans())
-    staged = stage_state(
-        flatten(state)[0],
-        process_index=0,
-        max_chunk_bytes=1 << 10,
-        allocate=lambda n: np.zeros(n, np.uint8),
-        executor=None,
-        device_copy=device_copy,
-        defer_host_copies=True,
-    )
+    expected = _stage(state, None)
+    staged = _stage_deferred(state, device_copy)
     jax_bytes = sum(it.nbytes for a in staged.arrays if a.kind == "jax" for it in a.items)
     if device_copy == "pageable":
         assert staged.deferred is None
